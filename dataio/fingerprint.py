@@ -1,0 +1,55 @@
+"""The run fingerprint: every setting that determines a sample's pixels or bytes.
+
+Batch size, world size, strategy and launcher are deliberately absent: a run may resume with
+any of them changed (up to the numerics of the strategy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataio.rundir import RunDir, atomic_write_json, read_json
+
+
+class FingerprintMismatch(RuntimeError):
+    """A resume would mix samples made with different settings."""
+
+
+def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None) -> dict:
+    """The pixel-determining fields of a resolved GenerateConfig, as a flat dict."""
+    m, p = cfg.model, cfg.prompts
+    return {
+        "model.name": m.name, "model.pipeline": m.pipeline, "model.source": m.source, "model.revision": m.revision,
+        "model.weights": m.weights, "model.version": model_version, "model.true_cfg_scale": m.true_cfg_scale,
+        "model.negative_prompt": m.negative_prompt, "model.max_sequence_length": m.max_sequence_length,
+        "dtype": cfg.dtype, "height": cfg.height, "width": cfg.width, "steps": cfg.steps, "guidance": cfg.guidance,
+        "seed": cfg.seed, "image_format": cfg.image_format, "image_quality": cfg.image_quality,
+        "samples_per_shard": cfg.samples_per_shard, "prompts.sha256": prompt_sha256, "prompts.format": p.format,
+        "prompts.field": p.field, "prompts.seed_field": p.seed_field, "prompts.on_bad_row": p.on_bad_row,
+        "prompts.limit": p.limit,
+    }
+
+
+def diff_fingerprints(old: dict, new: dict) -> list[str]:
+    """Human-readable lines for each field that differs."""
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: run has {old.get(k)!r}, this launch has {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: bool = False) -> bool:
+    """Write the fingerprint of a new run, or check a resumed run's; True when resuming.
+
+    Raises FingerprintMismatch naming each differing field, unless ``allow_change``.
+    """
+    path = run.fingerprint_path
+    if not path.exists():
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, fingerprint)
+        return False
+    diffs = diff_fingerprints(read_json(path), fingerprint)
+    if diffs and not allow_change:
+        raise FingerprintMismatch(
+            f"{run.root} was made with other settings; resuming would mix different samples:\n  "
+            + "\n  ".join(diffs)
+            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true.")
+    return True

@@ -1,0 +1,103 @@
+"""Reading a run's state back from its directory: shard states, claims, counts, failures.
+
+The run directory is the only source of truth (no pickled state, no database), so progress
+bars, ``jobs.status``, ``jobs.verify`` and a requeued job all read it the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from dataio.claims import read_claim, scan_claims
+from dataio.plan import Plan
+from dataio.rundir import RunDir, read_json
+from dataio.shardwork import shard_checkpoints
+
+
+@dataclass
+class ShardState:
+    """One shard as seen on disk."""
+
+    shard: int
+    rows: int
+    state: str               # done | running | stalled | pending
+    samples: int = 0         # committed (done) or checkpointed (in progress)
+    claim_age_s: float | None = None
+    holder: dict | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class Ledger:
+    """A snapshot of a run."""
+
+    plan: Plan
+    shards: list[ShardState]
+    failures_by_reason: Counter = field(default_factory=Counter)
+
+    @property
+    def done_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def count(self, state: str) -> int:
+        return sum(s.state == state for s in self.shards)
+
+    def totals(self) -> Counter:
+        """ok / failed / rejected over committed shards."""
+        c: Counter = Counter()
+        for s in self.shards:
+            if s.stats:
+                c.update({k: s.stats[k] for k in ("ok", "failed", "rejected")})
+        return c
+
+
+def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = None) -> Ledger:
+    """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards."""
+    run = plan.run
+    cache = stats_cache if stats_cache is not None else {}
+    done = run.done_shards()
+    claims = scan_claims(run) if run.claims_dir.exists() else {}
+    now = time.time()
+    shards, reasons = [], Counter()
+    for shard in range(plan.num_shards):
+        rows = len(plan.shard_range(shard))
+        if shard in done:
+            if shard not in cache:
+                cache[shard] = read_json(run.shard_stats(shard))
+            st = cache[shard]
+            reasons.update(st.get("failures_by_reason", {}))
+            shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
+            continue
+        ckpts = shard_checkpoints(run, shard) if run.work_dir.exists() else []
+        n = max((c["n_done"] for c in ckpts), default=0)
+        gen = claims.get(shard)
+        if gen is None:
+            shards.append(ShardState(shard, rows, "pending", n))
+            continue
+        record, mtime = read_claim(run, shard, gen)
+        age = None if mtime is None else now - mtime
+        state = "running" if age is not None and age < lease_s else "stalled"
+        shards.append(ShardState(shard, rows, state, n, claim_age_s=age, holder=record))
+    return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
+
+
+def run_lease_s(run: RunDir, default: float = 120.0) -> float:
+    """The lease the run was configured with (from its resolved config), for status displays."""
+    path = run.root / "config.yaml"
+    if not path.exists():
+        return default
+    for line in path.read_text().splitlines():
+        if line.startswith("lease_s:"):
+            try:
+                return float(line.split(":", 1)[1])
+            except ValueError:
+                break
+    return default
+
+
+def list_work_files(run: RunDir) -> list[str]:
+    """Names in work/ (partials and checkpoints)."""
+    return sorted(os.listdir(run.work_dir)) if run.work_dir.exists() else []

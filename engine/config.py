@@ -1,0 +1,167 @@
+"""Config schema: dataclasses registered in Hydra's ConfigStore.
+
+``conf/generate.yaml`` starts its defaults list with ``generate_schema``, so every YAML file
+and command-line override is merged onto these typed nodes: a misspelled key fails while the
+config is composed ("Key 'tp_degre' is not in struct"), with nothing loaded or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """What pipeline to build and how."""
+
+    name: str = MISSING
+    """Short name used in sample metadata and logs (tiny, flux_dev, ...)."""
+    pipeline: str = "FluxPipeline"
+    """diffusers pipeline class name."""
+    source: str = MISSING
+    """Hub id or local directory of a diffusers pipeline; ``tiny`` builds the embedded model."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) for reproducible runs."""
+    weights: str = "pretrained"
+    """``pretrained`` (read safetensors) or ``dummy`` (real architecture, random weights, built on the device)."""
+    dtype: str = "bfloat16"
+    """Default compute dtype of this model (the top-level ``dtype`` overrides it)."""
+    height: int = 1024
+    width: int = 1024
+    steps: int = 28
+    guidance: float = 3.5
+    """Guidance scale (FLUX: distilled guidance embedding)."""
+    true_cfg_scale: float = 1.0
+    """True classifier-free guidance (Qwen-Image, FLUX with a negative prompt); 1.0 = off."""
+    negative_prompt: Optional[str] = None
+    max_sequence_length: int = 512
+    """Text tokens for the T5/LLM encoder; the same for every prompt so batching never pads differently."""
+    cache_dir: Optional[str] = None
+    """Where the embedded tiny model is built and cached (default: $SHARDGEN_CACHE or ~/.cache/shardgen)."""
+
+
+@dataclass(kw_only=True)
+class StrategyConfig:
+    """How one model replica is spread over devices; replicas always split the data (dp)."""
+
+    name: str = "dp"
+    """dp | tp | cp_ulysses | cp_ring | cp_unified | device_map | auto"""
+    attention_backend: Optional[str] = None
+    """diffusers attention backend (``_native_cudnn``, ``flash``, ...); null = a default for the device."""
+    ulysses_anything: bool = False
+    """Ulysses over any sequence length / head count (no divisibility requirement)."""
+    ring_anything: bool = False
+    """Ring over any sequence length."""
+    max_memory: Optional[dict[str, str]] = None
+    """device_map: per-device memory caps, e.g. {0: 70GiB, 1: 70GiB}."""
+    gpus_per_replica: int = 1
+    """device_map: GPUs one replica (one process) spans."""
+
+
+@dataclass(kw_only=True)
+class LauncherConfig:
+    """Where the ranks come from."""
+
+    name: str = "none"
+    """none (this process, or torchrun's ranks when detected) | local (spawn nprocs ranks) | slurm (submitit)"""
+    nprocs: int = 1
+    """local: ranks to spawn on this machine."""
+    backend: Optional[str] = None
+    """torch.distributed backend; null = nccl on CUDA, gloo on CPU."""
+    # --- slurm ---
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; null = gpus_per_node (or 1 without GPUs)."""
+    cpus_per_task: int = 4
+    mem_gb: Optional[int] = None
+    time_min: int = 240
+    """Wall-time limit of each job, minutes; on timeout the job requeues and resumes."""
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    array: int = 1
+    """Independent jobs sharing the run directory (each one a full set of nodes)."""
+    array_parallelism: Optional[int] = None
+    max_num_timeout: int = 3
+    """Requeues allowed after timeouts (submitit); preemptions do not count."""
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    """Extra sbatch parameters, e.g. {mail-type: END}."""
+    wait: bool = False
+    """Wait for the jobs and report, instead of returning after submission."""
+    log_dir: Optional[str] = None
+    """SLURM logs; null = <run_dir>/logs/slurm."""
+
+
+@dataclass(kw_only=True)
+class PromptsConfig:
+    """The prompt file and how to read it."""
+
+    path: str = MISSING
+    format: str = "auto"
+    """auto (by extension) | txt | jsonl | csv | tsv | parquet"""
+    field: str = "prompt"
+    """Column (csv/tsv/parquet) or field (jsonl) holding the prompt."""
+    seed_field: str = "seed"
+    """Optional per-row seed column/field."""
+    on_bad_row: str = "error"
+    """error: stop before any generation, naming file and line | skip: record a reject and go on."""
+    limit: Optional[int] = None
+    """Only the first N rows (a quick try on a big file)."""
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    """The main job: every prompt of ``prompts`` into one sample of ``run_dir``'s shards."""
+
+    model: ModelConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    prompts: PromptsConfig = MISSING
+    run_dir: str = "runs/default"
+    """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
+    samples_per_shard: int = 1000
+    batch_size: int = 4
+    """Prompts per pipeline call, per replica."""
+    height: int = MISSING
+    width: int = MISSING
+    steps: int = MISSING
+    guidance: float = MISSING
+    seed: int = 0
+    """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
+    image_format: str = "png"
+    """png | jpg | webp"""
+    image_quality: int = 95
+    """jpg/webp quality (1-100)."""
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    dtype: str = MISSING
+    """float32 | float64 | bfloat16 | float16 (default: the model's)."""
+    tp_degree: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    compile: bool = False
+    """Regional compilation of the transformer's repeated blocks."""
+    writer_threads: int = 2
+    """Background image encoders per replica."""
+    retry_failed: bool = False
+    """Regenerate exactly the samples recorded as failed in committed shards."""
+    allow_fingerprint_change: bool = False
+    """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
+    lease_s: float = 120.0
+    """A shard claim whose heartbeat is older than this is taken over by another replica."""
+    heartbeat_s: float = 15.0
+    progress: bool = True
+    """Show a progress bar (leader of replica 0)."""
+
+
+def register_configs() -> None:
+    """Register the schema (idempotent). Group YAMLs are typed by the fields of GenerateConfig."""
+    cs = ConfigStore.instance()
+    cs.store(name="generate_schema", node=GenerateConfig)

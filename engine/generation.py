@@ -1,0 +1,116 @@
+"""One batch of prompts through the pipeline: per-sample generators, per-sample failures."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataio.plan import PlannedRow
+from dataio.shardwork import Sample
+
+log = logging.getLogger("shardgen.generation")
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """What every pipeline call of a run shares."""
+
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    true_cfg_scale: float
+    negative_prompt: str | None
+    max_sequence_length: int
+    model: str
+    strategy: str
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "GenSettings":
+        m = cfg.model
+        return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
+                   true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
+                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name)
+
+
+def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:
+    """Keyword arguments for ``pipe(...)``: only those its signature accepts.
+
+    Generators live on the CPU: the initial noise of a seed is then the same on every device.
+    """
+    params = inspect.signature(pipe.__call__).parameters
+    kw = dict(prompt=prompts, height=s.height, width=s.width, num_inference_steps=s.steps,
+              generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds], output_type="pt")
+    if "guidance_scale" in params:
+        kw["guidance_scale"] = s.guidance
+    if "max_sequence_length" in params:
+        kw["max_sequence_length"] = s.max_sequence_length
+    if s.true_cfg_scale > 1.0 and "true_cfg_scale" in params:
+        kw["true_cfg_scale"] = s.true_cfg_scale
+        kw["negative_prompt"] = [s.negative_prompt or " "] * len(prompts)
+    return kw
+
+
+def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
+    """(finite flag per sample, NxHxWx3 uint8 array) from the pipeline's [0, 1] float output.
+
+    One device-to-host copy per batch; rounding matches diffusers' ``numpy_to_pil``.
+    """
+    finite = torch.isfinite(images).flatten(1).all(dim=1)
+    pixels = (images.nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    return finite.cpu().tolist(), pixels.cpu().numpy()
+
+
+def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
+    meta = dict(row.extra)  # input columns first, so our own fields win on a name clash
+    meta.update(prompt=row.prompt, index=row.index, line=row.line, seed=row.seed, model=s.model, height=s.height,
+                width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
+    if s.true_cfg_scale > 1.0:
+        meta["true_cfg_scale"] = s.true_cfg_scale
+    if gen_s is not None:
+        meta["gen_s"] = round(gen_s, 4)
+    return meta
+
+
+def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Sample]:
+    """Generate ``rows`` (all valid) in one call; on an exception, retry one by one so only the
+    samples that fail on their own are recorded as failed."""
+    t0 = time.perf_counter()
+    try:
+        out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
+        finite, pixels = to_pixels(out.images)
+    except Exception as e:
+        if len(rows) == 1:
+            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s, None),
+                           status="failed", failure=f"exception: {type(e).__name__}: {e}")]
+        log.warning("batch of %d failed (%s: %s); retrying its samples one by one", len(rows), type(e).__name__, e)
+        return [sample for r in rows for sample in run_pipeline(pipe, s, [r])]
+    per_sample = (time.perf_counter() - t0) / len(rows)
+    samples = []
+    for r, ok, px in zip(rows, finite, pixels):
+        meta = _meta(r, s, per_sample)
+        if ok:
+            samples.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=meta, pixels=px))
+        else:
+            samples.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=meta, status="failed",
+                                  failure="nonfinite: NaN or inf in the decoded image"))
+    return samples
+
+
+def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Sample]:
+    """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU."""
+    valid = [r for r in rows if r.reject is None]
+    made = {smp.index: smp for smp in (run_pipeline(pipe, s, valid) if valid else [])}
+    out = []
+    for r in rows:
+        if r.reject is not None:
+            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s, None),
+                              status="rejected", failure=f"rejected: {r.reject}"))
+        else:
+            out.append(made[r.index])
+    return out

@@ -1,0 +1,50 @@
+"""Launchers: where the ranks of a job come from (this process, torchrun, local spawn, SLURM)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def free_port() -> int:
+    """A free TCP port on this host for the rendezvous of locally spawned ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from engine.runner import run_rank
+
+    run_rank(OmegaConf.create(cfg_yaml))
+
+
+def launch_local(cfg: Any) -> None:
+    """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode)."""
+    import torch.multiprocessing as mp
+
+    child = OmegaConf.to_container(cfg, resolve=True)
+    child["launcher"]["name"] = "none"  # the children are the ranks; they must not spawn again
+    nprocs = cfg.launcher.nprocs
+    try:
+        mp.start_processes(_local_rank_main, args=(OmegaConf.to_yaml(child), nprocs, free_port()), nprocs=nprocs,
+                           start_method="spawn", join=True)
+    except mp.ProcessRaisedException as e:
+        # the child's traceback is in the message; its last line is the error itself
+        raise LocalRankError(str(e).strip().splitlines()[-1]) from None
+    except mp.ProcessExitedException as e:
+        raise LocalRankError(f"a rank exited with code {e.exit_code}") from None
+
+
+class LocalRankError(RuntimeError):
+    """A locally spawned rank failed."""
+
+
+def launched_by_torchrun() -> bool:
+    """True under torchrun (or any launcher that sets the torch.distributed environment)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

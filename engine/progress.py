@@ -1,0 +1,37 @@
+"""The progress bar of a run: images/s and ETA over the whole run, not just this replica."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from dataio.ledger import read_ledger
+from dataio.plan import Plan
+
+RESYNC_S = 10.0  # how often the bar re-reads the run directory to count the other replicas' work
+
+
+class Progress:
+    """A tqdm bar over all samples of the plan, advanced by this replica and resynced from disk."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._stats_cache: dict = {}
+        done = read_ledger(plan, stats_cache=self._stats_cache).done_samples
+        self.bar = tqdm(total=plan.num_rows, initial=done, unit="img", desc="generate", dynamic_ncols=True,
+                        file=sys.stderr, smoothing=0.1)
+        self._last_sync = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` samples handed to the writer by this replica."""
+        self.bar.update(n)
+        if time.monotonic() - self._last_sync > RESYNC_S:
+            self._last_sync = time.monotonic()
+            done = read_ledger(self.plan, stats_cache=self._stats_cache).done_samples
+            if done > self.bar.n:
+                self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,137 @@
+"""The replica loop: claim a shard, continue it from its checkpoint, generate batch by batch, commit.
+
+Only the replica's leader touches the run directory; the other ranks of a model-parallel
+replica receive the same shard and rows from it and compute alongside.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dataio.claims import Claimer, scan_claims
+from dataio.plan import Plan
+from dataio.shardwork import ShardWork
+from dataio.sink import ShardSink
+from engine.generation import GenSettings, generate_batch
+from parallel.world import broadcast_object
+
+log = logging.getLogger("shardgen.replica")
+MAX_FAILED_BATCHES = 3  # every sample of this many consecutive batches failing = a broken setup
+
+
+class BrokenSetupError(RuntimeError):
+    """Every sample keeps failing: stop instead of marking the whole run failed."""
+
+
+@dataclass
+class ReplicaContext:
+    """Who this rank is within its replica."""
+
+    index: int = 0            # dp index
+    count: int = 1            # replicas in this job
+    leader: bool = True
+    leader_rank: int = 0      # global rank of the leader
+    group: Any = None         # the replica's process group (None: a one-rank replica)
+
+
+@dataclass
+class ReplicaWorker:
+    """Works through the run's shards until none is left for anyone."""
+
+    plan: Plan
+    pipe: Any
+    settings: GenSettings
+    batch_size: int
+    ctx: ReplicaContext
+    sink: ShardSink | None = None          # leader only
+    claimer: Claimer | None = None         # leader only
+    on_samples: Callable[[int], None] = lambda n: None
+    progress: Any = None                   # leader of replica 0: the progress bar
+    poll_s: float = 2.0
+    generated: int = 0
+    gen_s: float = 0.0
+    _failed_batches: int = field(default=0, init=False)
+
+    def run(self) -> None:
+        """Loop: next shard (shared by the leader), process it; stop when the run is complete."""
+        while (assignment := self._share(self._next_shard() if self.ctx.leader else None)) is not None:
+            self._process(*assignment)
+        if self.sink:
+            self.sink.flush()
+
+    def _share(self, obj):
+        if self.ctx.group is None:
+            return obj
+        return broadcast_object(obj, src=self.ctx.leader_rank, group=self.ctx.group)
+
+    def _next_shard(self) -> tuple[int, int, int] | None:
+        """(shard, claim generation, samples already done), waiting while others hold the last shards."""
+        n = self.plan.num_shards
+        start = self.ctx.index * n // max(1, self.ctx.count)  # spread replicas over the plan
+        while True:
+            done = self.plan.run.done_shards()
+            if len(done) >= n:
+                return None
+            latest = scan_claims(self.plan.run)
+            for shard in [(start + i) % n for i in range(n)]:
+                if shard in done or shard in self.claimer.held:
+                    continue
+                gen = self.claimer.try_claim(shard, latest.get(shard))
+                if gen is not None:
+                    if shard in self.plan.run.done_shards():  # committed by someone between scan and claim
+                        self.claimer.release(shard)
+                        continue
+                    work = ShardWork.open(self.plan.run, shard, gen, len(self.plan.shard_range(shard)))
+                    self._work = work
+                    return shard, gen, work.n_done
+            time.sleep(self.poll_s)
+
+    def _process(self, shard: int, gen: int, n_done: int) -> None:
+        rows = self.plan.rows(shard)[n_done:]
+        if self.ctx.leader and n_done:
+            log.info("shard %06d: resuming after %d samples (claim g%d)", shard, n_done, gen)
+        for start in range(0, len(rows), self.batch_size):
+            if not self._share(self._keep_going(shard)):
+                log.warning("shard %06d was taken over by another replica; leaving it", shard)
+                return
+            batch = rows[start:start + self.batch_size]
+            t0 = time.perf_counter()
+            samples = generate_batch(self.pipe, self.settings, batch)
+            self.gen_s += time.perf_counter() - t0
+            self.generated += len(samples)
+            self._check_broken(samples)
+            if self.ctx.leader:
+                self.sink.submit(self._work, samples)
+                self.on_samples(len(samples))
+        if self.ctx.leader:
+            self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
+
+    def _keep_going(self, shard: int) -> bool:
+        if not self.ctx.leader:
+            return True
+        if self.claimer.still_mine(shard):
+            return True
+        self.sink.flush()
+        self._work.close()
+        self.claimer.held.pop(shard, None)
+        return False
+
+    def _committed(self, shard: int, stats: dict) -> None:
+        self.claimer.release(shard)
+        log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
+                 stats["rejected"])
+
+    def _check_broken(self, samples) -> None:
+        generated = [s for s in samples if s.status != "rejected"]
+        if generated and all(s.status == "failed" for s in generated):
+            self._failed_batches += 1
+            if self._failed_batches >= MAX_FAILED_BATCHES:
+                raise BrokenSetupError(
+                    f"every sample of the last {MAX_FAILED_BATCHES} batches failed, last with: {generated[-1].failure}. "
+                    "Stopping so a broken setup does not mark the whole run failed; fix it and re-run the same "
+                    "command (the failed samples are recorded; retry_failed=true regenerates them).")
+        elif generated:
+            self._failed_batches = 0

@@ -1,0 +1,46 @@
+"""Checks on a composed config that need no file, device or weight: they run first, everywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataio.prompts import FORMATS
+from models.loader import DTYPES
+
+IMAGE_FORMATS = ("png", "jpg", "webp")
+LAUNCHERS = ("none", "local", "slurm")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the key and what to set instead."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate_config(cfg: Any) -> None:
+    """Raise ConfigError for the first impossible setting."""
+    _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
+    _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
+    _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
+    _need(cfg.samples_per_shard >= 1, f"samples_per_shard={cfg.samples_per_shard}: use 1 or more")
+    _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
+    for key in ("height", "width"):
+        v = cfg[key]
+        _need(v >= 16 and v % 16 == 0, f"{key}={v}: must be a positive multiple of 16 (the VAE downscales by 8 "
+                                        "and the transformer packs 2x2 latent patches)")
+    _need(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: use one of {sorted(DTYPES)}")
+    _need(cfg.model.weights in ("pretrained", "dummy"), f"model.weights={cfg.model.weights!r}: use pretrained or dummy")
+    _need(cfg.prompts.format in ("auto",) + tuple(FORMATS),
+          f"prompts.format={cfg.prompts.format!r}: use auto or one of {list(FORMATS)}")
+    _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
+    _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
+    _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")
+    _need(cfg.launcher.nprocs >= 1, f"launcher.nprocs={cfg.launcher.nprocs}: use 1 or more")
+    _need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"),
+          f"device={cfg.device!r}: use auto, cpu or cuda")
+    _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
+                                             "(a live claim would otherwise look dead)")
+    _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")

@@ -1,0 +1,57 @@
+"""The main job: every prompt of a prompt file into one sample of a run directory's webdataset shards.
+
+    python -m jobs.generate                                   # the tiny embedded model, examples/prompts.txt
+    python -m jobs.generate prompts=parti prompts.path=PartiPrompts.tsv run_dir=runs/parti
+    python -m jobs.generate launcher=local launcher.nprocs=2  # 2 local ranks (gloo on CPU)
+    torchrun --nproc-per-node 8 -m jobs.generate strategy=tp tp_degree=4 model=flux_dev
+    python -m jobs.generate launcher=slurm launcher.nodes=4 launcher.gpus_per_node=8 ...
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import hydra
+
+from engine.config import register_configs
+
+register_configs()
+log = logging.getLogger("shardgen")
+
+
+def run(cfg: Any):
+    """Run or submit the job described by a composed config (tests call this directly)."""
+    from engine.launch import launch_local, launched_by_torchrun
+    from engine.runner import run_rank
+    from engine.validate import validate_config
+
+    validate_config(cfg)
+    name = cfg.launcher.name
+    if name == "local" and not launched_by_torchrun():
+        return launch_local(cfg)
+    if name == "slurm":
+        from engine.slurm import submit
+
+        return submit(cfg)
+    return run_rank(cfg)
+
+
+USER_ERRORS = ("ConfigError", "PromptFileError", "FingerprintMismatch", "ParallelConfigError", "ModelLoadError",
+               "LocalRankError", "SlurmConfigError", "BrokenSetupError", "RemoteError")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+def main(cfg) -> None:
+    try:
+        run(cfg)
+    except Exception as e:
+        if type(e).__name__ in USER_ERRORS:  # a message for the user, not a traceback
+            log.error("%s", e)
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""A contact sheet of a run's samples with their prompts, as one PNG.
+
+    python -m jobs.preview RUN_DIR [--n 16] [--cols 4] [--size 256] [--out RUN_DIR/preview.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from dataio.plan import load_plan
+from dataio.rundir import RunDir
+from dataio.verify import IMAGE_EXTS, read_shard_members
+
+
+def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
+    """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order."""
+    out = []
+    for tar in sorted(run.shards_dir.glob("*.tar")):
+        for key, mem in sorted(read_shard_members(tar).items()):
+            img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
+            out.append((mem.get("txt", b"").decode("utf-8"), img, json.loads(mem.get("json", b"{}"))))
+            if len(out) == n:
+                return out
+    return out
+
+
+def contact_sheet(items, cols: int, size: int):
+    """A grid image: each cell the sample (or its failure) above its wrapped prompt."""
+    from PIL import Image, ImageDraw
+
+    text_h = 48
+    rows = max(1, (len(items) + cols - 1) // cols)
+    sheet = Image.new("RGB", (cols * size, rows * (size + text_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (prompt, img, meta) in enumerate(items):
+        x, y = (i % cols) * size, (i // cols) * (size + text_h)
+        if img is not None:
+            sheet.paste(Image.open(io.BytesIO(img)).convert("RGB").resize((size, size)), (x, y))
+        else:
+            draw.rectangle([x, y, x + size - 1, y + size - 1], fill=(60, 0, 0))
+            draw.text((x + 4, y + 4), f"{meta.get('status')}: {meta.get('error', '')[:60]}", fill="white")
+        label = f"{meta.get('index', '?')}: {prompt}"
+        draw.multiline_text((x + 2, y + size + 2), "\n".join(textwrap.wrap(label, width=max(10, size // 7))[:3]),
+                            fill="black")
+    return sheet
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--cols", type=int, default=4)
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    run = RunDir(Path(args.run_dir).absolute())
+    if load_plan(run) is None:
+        print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
+        return 2
+    items = collect(run, args.n)
+    if not items:
+        print(f"{args.run_dir}: no committed shard yet", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else run.root / "preview.png"
+    contact_sheet(items, args.cols, args.size).save(out)
+    print(f"wrote {out} ({len(items)} samples)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Show a run's progress: shard states, claims and their age, rate, ETA, failures by reason.
+
+    python -m jobs.status RUN_DIR [--shards]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dataio.ledger import read_ledger, run_lease_s
+from dataio.plan import load_plan
+from dataio.rundir import RunDir
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
+    args = ap.parse_args(argv)
+    run = RunDir(Path(args.run_dir).absolute())
+    plan = load_plan(run)
+    if plan is None:
+        print(f"{args.run_dir}: not a shardgen run directory yet (no plan/plan.json)", file=sys.stderr)
+        return 2
+    led = read_ledger(plan, run_lease_s(run))
+    done = led.done_samples
+    pct = 100.0 * done / max(1, plan.num_rows)
+    print(f"run {run.root}")
+    print(f"  samples  {done}/{plan.num_rows} ({pct:.1f}%), {plan.num_rejects} rejected rows in the plan")
+    print(f"  shards   {led.count('done')} done, {led.count('running')} running, {led.count('stalled')} stalled "
+          f"(claim expired; taken over by the next replica), {led.count('pending')} pending, of {plan.num_shards}")
+    finished = [s.stats for s in led.shards if s.stats]
+    if finished:
+        t0 = min(s["started"] for s in finished)
+        elapsed = max(1e-9, time.time() - t0)
+        rate = done / elapsed
+        eta = (plan.num_rows - done) / rate if rate > 0 and done < plan.num_rows else 0
+        print(f"  rate     {rate:.2f} samples/s since the first shard started ({_fmt_s(elapsed)} ago); ETA {_fmt_s(eta)}")
+    totals = led.totals()
+    print(f"  results  {totals['ok']} ok, {totals['failed']} failed, {totals['rejected']} rejected (committed shards)")
+    for reason, n in led.failures_by_reason.most_common(10):
+        print(f"    {n:>8}  {reason}")
+    active = [s for s in led.shards if s.state in ("running", "stalled")]
+    if active:
+        print("  claims")
+        for s in active if args.shards else active[:10]:
+            h = s.holder or {}
+            print(f"    shard {s.shard:06d} {s.state:8s} {s.samples}/{s.rows} heartbeat {_fmt_s(s.claim_age_s)} ago "
+                  f"by {h.get('host', '?')} pid {h.get('pid', '?')} job {h.get('job') or '-'} replica {h.get('replica', '?')}")
+    print("  state    " + ("COMPLETE" if led.count("done") == plan.num_shards else "in progress / resumable"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Build or load the diffusers pipeline a run asks for: the tiny embedded model, a pretrained
+pipeline (hub id or local directory, safetensors only), or the real architecture with dummy weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded as configured; the message says what to change."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config string, with an error listing the valid names."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}") from None
+
+
+def resolve_source(model_cfg: Any) -> str:
+    """The directory or hub id ``from_pretrained`` reads; builds the tiny model on first use."""
+    if model_cfg.source == "tiny":
+        from models.tiny import tiny_model_path
+
+        return str(tiny_model_path(model_cfg.cache_dir))
+    return str(model_cfg.source)
+
+
+def model_version(model_cfg: Any) -> str | None:
+    """A version string for the fingerprint where the source alone does not pin the weights."""
+    if model_cfg.source == "tiny":
+        from models.tiny import TINY_VERSION
+
+        return f"tiny-{TINY_VERSION}"
+    return model_cfg.revision
+
+
+def check_safetensors_only(path: str) -> None:
+    """Refuse a local model directory that only has pickle checkpoints (they can run arbitrary code)."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    files = [f for f in p.rglob("*") if f.is_file()]
+    weights = [f for f in files if f.suffix in PICKLE_SUFFIXES or f.suffix == ".safetensors"]
+    pickles = [f for f in weights if f.suffix in PICKLE_SUFFIXES]
+    if pickles and not any(f.suffix == ".safetensors" for f in weights):
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({', '.join(str(f.relative_to(p)) for f in pickles[:3])}); "
+            "shardgen loads safetensors only, since a pickle can run arbitrary code. Convert the weights "
+            "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
+
+
+def pipeline_class(name: str):
+    """The diffusers pipeline class called ``name``."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ModelLoadError(f"model.pipeline={name!r} is not a diffusers pipeline class in diffusers {diffusers.__version__}")
+    return cls
+
+
+def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str | None,
+                  **from_pretrained_kwargs) -> Any:
+    """Load the pipeline in ``dtype``; move it to ``device`` unless that is None (strategies place it).
+
+    Extra kwargs go to ``from_pretrained`` (e.g. ``device_map`` for the device_map strategy).
+    """
+    cls = pipeline_class(model_cfg.pipeline)
+    if model_cfg.weights == "dummy":
+        from models.dummy import build_dummy_pipeline
+
+        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype)
+    if model_cfg.weights != "pretrained":
+        raise ModelLoadError(f"model.weights={model_cfg.weights!r}: use pretrained or dummy")
+    source = resolve_source(model_cfg)
+    check_safetensors_only(source)
+    try:
+        pipe = cls.from_pretrained(source, dtype=dtype, revision=model_cfg.revision, use_safetensors=True,
+                                   **from_pretrained_kwargs)
+    except (OSError, EnvironmentError, ValueError) as e:
+        hint = "" if os.path.isdir(source) else (
+            " No model hub may be reachable from here: download the model where one is and point "
+            "model.source at the local directory.")
+        raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
+    pipe.set_progress_bar_config(disable=True)
+    if device is not None:
+        pipe.to(device)
+    return pipe

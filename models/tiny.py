@@ -1,0 +1,109 @@
+"""The embedded default model: a tiny FLUX-architecture pipeline built offline.
+
+No machine shardgen runs on is assumed to reach a model hub, so the default model is
+built here: tokenizers trained on a few strings, random weights from a fixed seed. It is
+saved with ``save_pretrained`` and always loaded back through ``from_pretrained``, so the
+real loading path runs. It generates noise-like images in milliseconds on a CPU.
+
+The VAE has four blocks (downscale 8, like FLUX.1's), so image sizes and token counts
+follow the real model's geometry: 1024x1024 -> 128x128 latents -> 4096 image tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Bump when the architecture or training strings change: old caches are then ignored.
+TINY_VERSION = "v1"
+_CORPUS = [
+    "a photo of a cat",
+    "a dog on the beach",
+    "cinematic film still of a cat sipping a margarita",
+    "an astronaut riding a horse on the moon, digital art",
+]
+TRANSFORMER_CONFIG = dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8), guidance_embeds=True,
+)
+
+
+def default_cache_dir() -> Path:
+    """Where built models are cached: ``$SHARDGEN_CACHE`` or ``~/.cache/shardgen``."""
+    return Path(os.environ.get("SHARDGEN_CACHE", Path.home() / ".cache" / "shardgen"))
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the directory of the tiny pipeline, building it once if it is missing.
+
+    Safe when several ranks call it at once: each builds into its own temporary
+    directory and the first atomic rename wins.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / f"tiny-flux-{TINY_VERSION}"
+    if (target / "model_index.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+    try:
+        build_tiny_pipeline().save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model_index.json").exists():
+                raise  # not a lost race: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _train_tokenizers(workdir: Path):
+    """Train a CLIP-style BPE and a T5-style unigram tokenizer on a few strings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.model.save(str(workdir))
+    clip_tok = CLIPTokenizer(str(workdir / "vocab.json"), str(workdir / "merges.txt"), model_max_length=77)
+
+    uni = Tokenizer(models.Unigram())
+    uni.pre_tokenizer = pre_tokenizers.Metaspace()
+    uni.train_from_iterator(_CORPUS, trainers.UnigramTrainer(
+        vocab_size=100, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    t5_tok = PreTrainedTokenizerFast(tokenizer_object=uni, pad_token="<pad>", eos_token="</s>",
+                                     unk_token="<unk>", model_max_length=512)
+    return clip_tok, t5_tok
+
+
+def build_tiny_pipeline(seed: int = 0):
+    """Build the tiny FLUX pipeline in memory (random weights from ``seed``)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        clip_tok, t5_tok = _train_tokenizers(Path(tmp))
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        clip = CLIPTextModel(CLIPTextConfig(
+            vocab_size=clip_tok.vocab_size + 2, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, projection_dim=32, max_position_embeddings=77))
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=32, d_ff=37, d_kv=8, num_layers=2, num_heads=4))
+        transformer = FluxTransformer2DModel(**TRANSFORMER_CONFIG)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=16,
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+            block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=4,
+            use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=0.3611)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clip, tokenizer=clip_tok,
+                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer, vae=vae)

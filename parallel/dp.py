@@ -1,0 +1,12 @@
+"""Data parallel: every replica is one rank holding a full pipeline on its own device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.loader import load_pipeline, torch_dtype
+
+
+def apply(cfg: Any, world, dims, mesh) -> Any:
+    """Load the whole pipeline onto this rank's device."""
+    return load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
