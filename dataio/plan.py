@@ -122,6 +122,7 @@ def build_plan(run: RunDir, rows: Iterable[PromptRow], *, samples_per_shard: int
     """
     run.root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".plan-", dir=run.root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
     try:
         num_rows = num_rejects = num_shards = 0
         for shard, chunk in enumerate(_chunks(rows, samples_per_shard)):

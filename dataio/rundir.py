@@ -29,11 +29,21 @@ from pathlib import Path
 from typing import Any
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are meant to be shared
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

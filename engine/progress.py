@@ -28,10 +28,15 @@ class Progress:
         """Count ``n`` samples handed to the writer by this replica."""
         self.bar.update(n)
         if time.monotonic() - self._last_sync > RESYNC_S:
-            self._last_sync = time.monotonic()
-            done = read_ledger(self.plan, stats_cache=self._stats_cache).done_samples
-            if done > self.bar.n:
-                self.bar.update(done - self.bar.n)
+            self._resync()
+
+    def _resync(self) -> None:
+        self._last_sync = time.monotonic()
+        done = read_ledger(self.plan, stats_cache=self._stats_cache).done_samples
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
+        """Show the run's final count (other replicas included) and close the bar."""
+        self._resync()
         self.bar.close()

@@ -95,11 +95,34 @@ def _save_config(run: RunDir, cfg: Any) -> None:
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
+def quiet_libraries() -> None:
+    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
+    window (truncation is expected in batch generation); keep their errors only."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def share_cpu_threads(world) -> None:
+    """Ranks sharing one machine's CPU split its cores (oversubscribed BLAS threads crawl)."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world.device.type == "cpu" and local > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
 def run_rank(cfg: Any) -> RunResult | None:
     """The job of one rank (all ranks call this); returns the summary on global rank 0."""
     t0 = time.time()
+    quiet_libraries()
     validate_config(cfg)
     world = W.init_world(cfg.device, cfg.launcher.backend)
+    share_cpu_threads(world)
     try:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg))

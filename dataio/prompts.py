@@ -1,0 +1,410 @@
+"""Streaming prompt-file readers: txt, jsonl, csv, tsv and parquet files in, ``PromptRow``s out.
+
+Text formats are read and decoded line by line from bytes, so memory stays constant in the
+number of rows (files may hold 100M prompts) and every problem, a non-UTF-8 byte included,
+is reported as ``<path>:<line>: <what is wrong>. <what to change>``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from dataclasses import dataclass, field as dc_field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
+
+FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
+ON_BAD_ROW = ("error", "skip")
+_EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
+               ".parquet": "parquet"}
+_BOM = b"\xef\xbb\xbf"
+_MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
+_SEED_TEXT = re.compile(r"[0-9]+")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
+_PARQUET_BATCH = 4096
+_SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One data row of a prompt file, good or rejected.
+
+    ``line`` is where the row starts: the 1-based line number for txt and jsonl; for csv/tsv
+    the line of the file where the record starts (the header is line 1, and a quoted csv
+    field may span lines); for parquet, which has no lines, the 1-based row number
+    (``index + 1``). Rejected rows (only with ``on_bad_row="skip"``) have ``prompt=None``,
+    ``seed=None``, ``extra={}`` and ``reject`` set to the reason.
+    """
+
+    index: int
+    line: int
+    prompt: str | None
+    seed: int | None = None
+    extra: dict = dc_field(default_factory=dict)
+    reject: str | None = None
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read as asked; the message names the file (and line) and the fix."""
+
+
+class _BadRow(Exception):
+    """Internal: the row at hand is bad; ``str(exc)`` is the reason shown to the user."""
+
+
+def _fail(path: str, line: int, what: str, fix: str) -> PromptFileError:
+    where = f"{path}:{line}" if line else path
+    return PromptFileError(f"{where}: {what}. {fix}")
+
+
+# ---------------------------------------------------------------- public API
+
+def detect_format(path: str, format: str = "auto") -> str:
+    """The prompt format of ``path``: ``format`` itself unless "auto", else from the extension."""
+    path = os.fspath(path)
+    if format != "auto":
+        if format in FORMATS:
+            return format
+        raise _fail(path, 0, f"prompts.format={format!r} is not a known format",
+                    f"Use prompts.format=auto or one of: {', '.join(FORMATS)}")
+    ext = os.path.splitext(path)[1].lower()
+    if ext in _EXTENSIONS:
+        return _EXTENSIONS[ext]
+    fix = f"Name the file {', '.join(_EXTENSIONS)}, or set prompts.format=<one of {', '.join(FORMATS)}>"
+    if ext == ".json":  # the usual near miss: a .json file that is really one object per line
+        fix += " (prompts.format=jsonl if it holds one JSON object per line)"
+    raise _fail(path, 0, f"cannot tell the prompt format from the extension {ext or '(none)'!r}", fix)
+
+
+def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") -> None:
+    """Cheap up-front check: the file is a readable non-empty file of a known format, and for
+    csv/tsv/parquet its header has the column ``field``. Raises PromptFileError otherwise."""
+    path = os.fspath(path)
+    _check_file(path)
+    fmt = detect_format(path, format)
+    if fmt == "parquet":
+        _check_columns(path, _parquet_file(path).schema_arrow.names, field, fmt)
+    elif fmt in ("csv", "tsv"):
+        with open(path, "rb") as f:
+            _read_header(path, _table_reader(_text_lines(f, {}), fmt), fmt, field, {})
+
+
+def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed_field: str = "seed",
+                 on_bad_row: str = "error") -> Iterator[PromptRow]:
+    """Stream the rows of a prompt file, one ``PromptRow`` per data row, in file order.
+
+    ``field`` names the prompt column (csv/tsv/parquet) or key (jsonl); ``seed_field`` an
+    optional per-row seed (an integer in [0, 2**63)); other columns go to ``extra``.
+    A bad row raises PromptFileError naming path and line (``on_bad_row="error"``) or is
+    yielded with ``prompt=None`` and its ``reject`` reason (``"skip"``). Arguments and the
+    file's existence are checked at call time; an empty file raises when iterated.
+    """
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row={on_bad_row!r}: use one of {', '.join(ON_BAD_ROW)}")
+    path = os.fspath(path)
+    _check_file(path)
+    fmt = detect_format(path, format)
+    return _require_rows(path, _rows(path, fmt, field, seed_field, on_bad_row))
+
+
+# ---------------------------------------------------------------- shared plumbing
+
+def _check_file(path: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise _fail(path, 0, "the prompt file does not exist",
+                    f"Check prompts.path (a relative path is taken from {os.getcwd()})")
+    if p.is_dir():
+        raise _fail(path, 0, "is a directory, not a prompt file", "Set prompts.path to a file")
+    if not p.is_file():
+        raise _fail(path, 0, "is not a regular file", "Set prompts.path to a regular file")
+    try:
+        with open(p, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise _fail(path, 0, f"cannot be read ({e.strerror})", "Check the file's permissions") from None
+    if p.stat().st_size == 0:
+        raise _fail(path, 0, "the prompt file is empty (0 bytes)",
+                    "Add prompts, or point prompts.path at the right file")
+
+
+def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
+    n = 0
+    for n, row in enumerate(rows, 1):
+        yield row
+    if n == 0:
+        raise _fail(path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
+                    "Add prompts, or point prompts.path at the right file")
+
+
+def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+    if fmt == "parquet":
+        yield from _read_parquet(path, field, seed_field, on_bad_row)
+        return
+    with open(path, "rb") as f:
+        if fmt == "txt":
+            yield from _read_txt(path, f, on_bad_row)
+        elif fmt == "jsonl":
+            yield from _read_jsonl(path, f, field, seed_field, on_bad_row)
+        else:
+            yield from _read_table(path, f, fmt, field, seed_field, on_bad_row)
+
+
+def _emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *args: Any) -> PromptRow:
+    """The row ``parse(*args)`` makes, or, when it raises _BadRow, an error or a reject."""
+    try:
+        prompt, seed, extra = parse(*args)
+    except _BadRow as e:
+        if on_bad_row == "error":
+            raise _fail(path, line, str(e), _SKIP_HINT) from None
+        return PromptRow(index, line, None, None, {}, str(e))
+    return PromptRow(index, line, prompt, seed, extra, None)
+
+
+def _raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes with terminator); a leading UTF-8 BOM is removed."""
+    for lineno, raw in enumerate(f, 1):
+        if lineno == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+            if not raw:  # the file is only a BOM: no rows at all
+                return
+        yield lineno, raw
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _BadRow(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line; "
+                      "is the file saved as UTF-8?)") from None
+
+
+def _strip_eol(raw: bytes) -> bytes:
+    if raw.endswith(b"\r\n"):
+        return raw[:-2]
+    return raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def _check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str):
+        raise _BadRow(f"the prompt is not a string (got {_json_type(prompt)})")
+    if not prompt.strip():
+        raise _BadRow("empty prompt" if not prompt else "the prompt is only whitespace")
+    return prompt
+
+
+def _seed_value(value: Any, seed_field: str) -> int | None:
+    """A jsonl/parquet seed: null means none; else an int (bool excluded) in [0, 2**63)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEED:
+        raise _BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1)")
+    return value
+
+
+def _seed_text(text: str, seed_field: str) -> int | None:
+    """A csv/tsv seed cell: empty means none (csv has no null)."""
+    if text == "":
+        return None
+    if not _SEED_TEXT.fullmatch(text):
+        raise _BadRow(f"{seed_field}={text!r} is not a seed (an integer from 0 to 2**63-1)")
+    return _seed_value(int(text), seed_field)
+
+
+def _json_type(value: Any) -> str:
+    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+             list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_columns(path: str, columns: list[str], field: str, fmt: str) -> None:
+    dup = next((c for i, c in enumerate(columns) if c in columns[:i]), None)
+    if dup is not None:
+        raise _fail(path, 1, f"the header has the column {dup!r} twice", "Give every column a distinct name")
+    if field in columns:
+        return
+    fix = "Set prompts.field=<one of them>"
+    close = [c for c in columns if c.lower() == field.lower()]
+    if close:
+        fix += f", e.g. prompts.field={close[0]}"
+    if len(columns) == 1 and fmt != "tsv" and "\t" in columns[0]:
+        fix += "; the header looks tab-separated: set prompts.format=tsv"
+    if len(columns) == 1 and fmt == "tsv" and "," in columns[0]:
+        fix += "; the header looks comma-separated: set prompts.format=csv"
+    raise _fail(path, 1, f"no column {field!r} (prompts.field); the columns are {columns}", fix)
+
+
+# ---------------------------------------------------------------- txt and jsonl
+
+def _read_txt(path: str, f: BinaryIO, on_bad_row: str) -> Iterator[PromptRow]:
+    for index, (line, raw) in enumerate(_raw_lines(f)):
+        yield _emit(path, index, line, on_bad_row, _parse_txt, raw)
+
+
+def _parse_txt(raw: bytes) -> tuple[str, None, dict]:
+    # Only the terminator goes: the prompt must equal the file's text byte for byte.
+    return _check_prompt(_decode(_strip_eol(raw))), None, {}
+
+
+def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+    for index, (line, raw) in enumerate(_raw_lines(f)):
+        yield _emit(path, index, line, on_bad_row, _parse_jsonl, raw, field, seed_field)
+
+
+def _parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+    text = _decode(raw)
+    if not text.strip():
+        raise _BadRow("blank line (every jsonl line must be one JSON object)")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _BadRow(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise _BadRow(f"not a JSON object (got {_json_type(obj)})")
+    return _parse_record(obj, field, seed_field)
+
+
+def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+    """A jsonl object or parquet row: the prompt, the seed, the rest as extra."""
+    if field not in rec:
+        raise _BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}")
+    extra = dict(rec)
+    prompt = _check_prompt(extra.pop(field))
+    seed = _seed_value(extra.pop(seed_field, None), seed_field)
+    return prompt, seed, extra
+
+
+# ---------------------------------------------------------------- csv and tsv
+
+def _text_lines(f: BinaryIO, bad: dict[int, str]) -> Iterator[str]:
+    """Decoded lines for the csv module, one per physical line so its ``line_num`` is the
+    file's line number; a line that is not UTF-8 is passed on replaced and noted in ``bad``,
+    because the csv module's iterator protocol has no way to reject a single line."""
+    for lineno, raw in _raw_lines(f):
+        try:
+            yield _decode(raw)
+        except _BadRow as e:
+            bad[lineno] = str(e)
+            yield raw.decode("utf-8", "replace")
+
+
+def _table_reader(lines: Iterator[str], fmt: str):
+    if fmt == "tsv":  # no quoting at all: quotes inside prompts (e.g. PartiPrompts' "PEACE") stay literal
+        return csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE, strict=True)
+    # strict: malformed quoting is a bad row rather than silently altered text
+    return csv.reader(lines, strict=True)
+
+
+def _pop_bad(bad: dict[int, str], start: int, last: int) -> str | None:
+    """The first non-UTF-8 reason among the record's lines ``start..last``, forgetting them all."""
+    lines = sorted(n for n in bad if n <= last)
+    reasons = [bad.pop(n) for n in lines]
+    if not reasons:
+        return None
+    # a multi-line csv record is reported at its start: say which of its lines is bad
+    return reasons[0] if lines[0] == start else f"line {lines[0]} is {reasons[0]}"
+
+
+def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -> list[str]:
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise _fail(path, 0, "the prompt file is empty", "Add a header line and prompts") from None
+    except csv.Error as e:
+        raise _fail(path, 1, f"malformed {fmt} header ({e})", "Fix the header line") from None
+    reason = _pop_bad(bad, 1, reader.line_num)
+    if reason:
+        raise _fail(path, 1, f"the header is {reason}", "Save the file as UTF-8")
+    _check_columns(path, header, field, fmt)
+    return header
+
+
+def _read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
+                on_bad_row: str) -> Iterator[PromptRow]:
+    bad: dict[int, str] = {}
+    reader = _table_reader(_text_lines(f, bad), fmt)
+    header = _read_header(path, reader, fmt, field, bad)
+    index = 0
+    while True:
+        start = reader.line_num + 1  # a csv record may span lines: report where it starts
+        try:
+            cells, reason = next(reader), None
+        except StopIteration:
+            return
+        except csv.Error as e:
+            cells, reason = None, f"malformed {fmt} ({e})"
+        reason = _pop_bad(bad, start, reader.line_num) or reason
+        yield _emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field)
+        index += 1
+
+
+def _parse_cells(cells: list[str] | None, reason: str | None, header: list[str], field: str,
+                 seed_field: str) -> tuple[str, int | None, dict]:
+    if reason:
+        raise _BadRow(reason)
+    if len(cells) != len(header):
+        n = len(cells)
+        raise _BadRow(f"the row has {n} column{'' if n == 1 else 's'}, the header has {len(header)}")
+    extra = dict(zip(header, cells))
+    prompt = _check_prompt(extra.pop(field))
+    seed = _seed_text(extra.pop(seed_field), seed_field) if seed_field in extra else None
+    return prompt, seed, extra
+
+
+# ---------------------------------------------------------------- parquet
+
+def _parquet_module(path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise _fail(path, 0, "reading parquet prompt files needs pyarrow, which is not installed",
+                    "Run: pip install pyarrow (or pip install 'shardgen[parquet]')") from None
+    return pq
+
+
+def _parquet_file(path: str):
+    pq = _parquet_module(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError/...; all mean "not readable as parquet"
+        raise _fail(path, 0, f"is not a readable parquet file ({e})",
+                    "Check the file, or set prompts.format= to its real format") from None
+
+
+def _parquet_records(path: str, pf) -> Iterator[dict]:
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH)  # streaming: one batch in memory at a time
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # a corrupt page half-way: name the file, not a pyarrow internal
+            raise _fail(path, 0, f"cannot be read as parquet ({e})", "Check the file") from None
+        yield from batch.to_pylist()
+
+
+def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+    pf = _parquet_file(path)
+    _check_columns(path, pf.schema_arrow.names, field, "parquet")
+    for index, rec in enumerate(_parquet_records(path, pf)):
+        # parquet has no lines: ``line`` is the 1-based row number
+        yield _emit(path, index, index + 1, on_bad_row, _parse_parquet, rec, field, seed_field)
+
+
+def _parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+    prompt, seed, extra = _parse_record(rec, field, seed_field)
+    return prompt, seed, {k: _jsonable(v) for k, v in extra.items()}
+
+
+def _jsonable(value: Any) -> Any:
+    """Parquet values as JSON values: extras are written into the plan as JSON."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "isoformat"):  # dates, times, timestamps
+        return value.isoformat()
+    return str(value)  # decimals, bytes, durations: a readable string beats a crash

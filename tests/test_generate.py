@@ -1,0 +1,183 @@
+"""The main job end to end in one process: shards a user can read, exact prompts, seeds, resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from dataio.prompts import PromptFileError
+from dataio.verify import read_shard_members
+from jobs.generate import run
+from tests.conftest import ROOT, compose_cfg, write_lines
+
+FAST = ("height=16", "width=16", "steps=1", "progress=false")
+
+
+def shard_images(run_dir: Path) -> dict[str, bytes]:
+    """key -> image bytes over every committed shard."""
+    out = {}
+    for tar in sorted((run_dir / "shards").glob("*.tar")):
+        for key, mem in read_shard_members(tar).items():
+            img = [v for k, v in mem.items() if k in ("png", "jpg", "webp")]
+            out[key] = img[0] if img else None
+    return out
+
+
+def test_default_job_writes_shards_webdataset_reads(tmp_path):
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", "samples_per_shard=24", "progress=false")
+    result = run(cfg)
+    assert (result.total, result.ok, result.failed, result.complete) == (64, 64, 0, True)
+    tars = sorted((tmp_path / "run" / "shards").glob("*.tar"))
+    assert [t.name for t in tars] == ["000000.tar", "000001.tar", "000002.tar"]
+    prompts = (ROOT / "examples" / "prompts.txt").read_text().splitlines()
+    ds = wds.WebDataset([str(t) for t in tars], shardshuffle=False).decode("pil")
+    samples = list(ds)
+    assert len(samples) == 64
+    for s in samples:
+        assert s["png"].size == (128, 128) and s["png"].mode == "RGB"
+        meta = s["json"]
+        assert s["txt"] == prompts[meta["index"]] == meta["prompt"]
+        assert s["__key__"] == f"{meta['index']:010d}"
+        assert meta["status"] == "ok" and meta["model"] == "tiny" and meta["steps"] == 4
+    # the images are not all the same (seeds differ per sample)
+    assert len({s["png"].tobytes() for s in samples}) == 64
+
+
+def test_partiprompts_like_tsv_is_carried_byte_for_byte(tmp_path):
+    rows = [f'prompt {i} with "quotes", commas; and unicode é✓ {"x" * (i % 7)}' for i in range(1632)]
+    tsv = tmp_path / "parti.tsv"
+    tsv.write_text("Prompt\tCategory\tChallenge\tNote\n"
+                   + "".join(f"{p}\tCat{i % 5}\tBasic\t{'' if i % 2 else 'n'}\n" for i, p in enumerate(rows)),
+                   encoding="utf-8")
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts=parti", f"prompts.path={tsv}", "batch_size=32",
+                      "samples_per_shard=500", *FAST)
+    assert run(cfg).ok == 1632
+    seen = 0
+    for tar in sorted((tmp_path / "run" / "shards").glob("*.tar")):
+        for key, mem in read_shard_members(tar).items():
+            meta = json.loads(mem["json"])
+            i = meta["index"]
+            assert mem["txt"] == rows[i].encode("utf-8")
+            assert (meta["Category"], meta["Challenge"], meta["Note"]) == (f"Cat{i % 5}", "Basic", "" if i % 2 else "n")
+            seen += 1
+    assert seen == 1632
+
+
+def test_batch_size_does_not_change_pixels(tmp_path):
+    a = run(compose_cfg(f"run_dir={tmp_path / 'b1'}", "batch_size=1", "prompts.limit=16", "progress=false"))
+    b = run(compose_cfg(f"run_dir={tmp_path / 'b8'}", "batch_size=8", "prompts.limit=16", "progress=false"))
+    assert a.ok == b.ok == 16
+    ia, ib = shard_images(tmp_path / "b1"), shard_images(tmp_path / "b8")
+    assert ia.keys() == ib.keys() and len(ia) == 16
+    assert all(ia[k] == ib[k] for k in ia)
+
+
+def test_jsonl_row_seed_and_fields_pass_through(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "a cat", "seed": 7, "id": "x1"}\n{"text": "a cat", "seed": 7, "id": "x2"}\n'
+                 '{"text": "a cat", "id": "x3"}\n')
+    run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts=jsonl", f"prompts.path={f}", "prompts.field=text", *FAST))
+    members = read_shard_members(tmp_path / "run" / "shards" / "000000.tar")
+    metas = {k: json.loads(m["json"]) for k, m in members.items()}
+    assert [metas[k]["id"] for k in sorted(metas)] == ["x1", "x2", "x3"]
+    assert metas["0000000000"]["seed"] == metas["0000000001"]["seed"] == 7
+    # same prompt + same seed = same image; the third row gets the run's own seed rule
+    assert members["0000000000"]["png"] == members["0000000001"]["png"] != members["0000000002"]["png"]
+
+
+@pytest.mark.parametrize("fmt,quality,magic", [("jpg", 80, b"\xff\xd8"), ("webp", 90, b"RIFF")])
+def test_lossy_image_formats(tmp_path, fmt, quality, magic):
+    run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"image_format={fmt}", f"image_quality={quality}",
+                    "prompts.limit=3", *FAST))
+    members = read_shard_members(tmp_path / "run" / "shards" / "000000.tar")
+    assert len(members) == 3
+    for mem in members.values():
+        assert mem[fmt].startswith(magic)
+        Image.open(io.BytesIO(mem[fmt])).load()
+
+
+BAD_INPUTS = [
+    ("p.txt", b"a cat\n   \na dog\n", "txt", "p.txt:2:"),
+    ("p.txt", b"a cat\na \xff dog\n", "txt", "p.txt:2:"),
+    ("p.jsonl", b'{"prompt": "a"}\n{"prompt": \n', "jsonl", "p.jsonl:2:"),
+    ("p.jsonl", b'{"prompt": "a"}\n{"other": "b"}\n', "jsonl", "p.jsonl:2:"),
+    ("p.csv", b"prompt,cat\na,b\nc,d,e\n", "csv", "p.csv:3:"),
+    ("p.tsv", b"prompt\tcat\nok\tx\n\tempty\n", "tsv", "p.tsv:3:"),
+]
+
+
+@pytest.mark.parametrize("name,data,fmt,where", BAD_INPUTS)
+def test_bad_input_names_file_and_line_and_commits_nothing(tmp_path, name, data, fmt, where):
+    f = tmp_path / name
+    f.write_bytes(data)
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts={fmt}", f"prompts.path={f}", *FAST)
+    with pytest.raises(PromptFileError) as e:
+        run(cfg)
+    assert where in str(e.value) and "prompts.on_bad_row=skip" in str(e.value)
+    assert not list(tmp_path.glob("run/shards/*.tar"))
+    assert not (tmp_path / "run" / "plan").exists()
+
+
+def test_skip_records_rejects_as_samples(tmp_path):
+    f = write_lines(tmp_path / "p.txt", ["a cat", "  ", "a dog"])
+    r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "prompts.on_bad_row=skip", *FAST))
+    assert (r.ok, r.rejected, r.total) == (2, 1, 3)
+    members = read_shard_members(tmp_path / "run" / "shards" / "000000.tar")
+    bad = json.loads(members["0000000001"]["json"])
+    assert bad["status"] == "rejected" and "whitespace" in bad["error"] and bad["line"] == 2
+    assert "png" not in members["0000000001"]
+    stats = json.loads((tmp_path / "run" / "shards" / "000000.stats.json").read_text())
+    assert stats["rejected"] == 1 and stats["failed_samples"][0]["key"] == "0000000001"
+
+
+def test_rerun_finished_does_nothing_and_half_finished_completes(tmp_path, capsys):
+    args = (f"run_dir={tmp_path / 'run'}", "samples_per_shard=8", "prompts.limit=24", *FAST)
+    run(compose_cfg(*args))
+    before = shard_images(tmp_path / "run")
+    assert "already complete" not in capsys.readouterr().out
+    run(compose_cfg(*args))
+    assert "already complete (24 samples in 3 shards); nothing to do" in capsys.readouterr().out
+    # lose a committed shard: the rerun makes exactly that one again, identical
+    (tmp_path / "run" / "shards" / "000001.stats.json").unlink()
+    (tmp_path / "run" / "shards" / "000001.tar").unlink()
+    r = run(compose_cfg(*args))
+    assert r.generated_here == 8 and r.complete
+    assert shard_images(tmp_path / "run") == before
+
+
+def test_changed_settings_are_refused_naming_the_fields(tmp_path):
+    run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts.limit=4", *FAST))
+    with pytest.raises(Exception) as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts.limit=4", "seed=1", "steps=2", "height=16", "width=16",
+                        "progress=false"))
+    msg = str(e.value)
+    assert "seed: run has 0, this launch has 1" in msg and "steps: run has 1, this launch has 2" in msg
+    assert "allow_fingerprint_change=true" in msg
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("image_format=gif", "image_format='gif'"),
+    ("height=100", "height=100: must be a positive multiple of 16"),
+    ("batch_size=0", "batch_size=0"),
+    ("dtype=int8", "dtype='int8'"),
+])
+def test_bad_settings_fail_before_anything_is_written(tmp_path, override, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", override, "progress=false"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_pickle_only_model_directory_is_refused(tmp_path):
+    d = tmp_path / "model"
+    (d / "transformer").mkdir(parents=True)
+    (d / "model_index.json").write_text("{}")
+    (d / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"\x80")
+    with pytest.raises(Exception, match="only pickle checkpoints"):
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", f"model.source={d}", "prompts.limit=2",
+                        "progress=false", "dtype=float32"))
