@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -16,7 +17,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int) -> None:
+def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log_level: int) -> None:
+    # spawned children start with no logging config: give them the parent's format, level and a rank tag
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {local_rank}][%(name)s][%(levelname)s] %(message)s")
+    logging.getLogger("shardgen").setLevel(log_level)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from engine.runner import run_rank
@@ -32,7 +36,8 @@ def launch_local(cfg: Any) -> None:
     child["launcher"]["name"] = "none"  # the children are the ranks; they must not spawn again
     nprocs = cfg.launcher.nprocs
     try:
-        mp.start_processes(_local_rank_main, args=(OmegaConf.to_yaml(child), nprocs, free_port()), nprocs=nprocs,
+        args = (OmegaConf.to_yaml(child), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
+        mp.start_processes(_local_rank_main, args=args, nprocs=nprocs,
                            start_method="spawn", join=True)
     except mp.ProcessRaisedException as e:
         # the child's traceback is in the message; its last line is the error itself

@@ -104,8 +104,10 @@ class ReplicaWorker:
             self.generated += len(samples)
             self._check_broken(samples)
             if self.ctx.leader:
-                self.sink.submit(self._work, samples)
+                self.sink.submit(self._work, samples)  # returns once the previous batch is durable
                 self.on_samples(len(samples))
+                log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,
+                          n_done + start + len(samples), n_done + len(rows))
         if self.ctx.leader:
             self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
 
