@@ -91,6 +91,8 @@ class LauncherConfig:
     array_parallelism: Optional[int] = None
     max_num_timeout: int = 3
     """Requeues allowed after timeouts (submitit); preemptions do not count."""
+    signal_delay_s: int = 90
+    """SLURM warns the job this many seconds before its time limit, so it can checkpoint and requeue."""
     additional_parameters: dict[str, Any] = field(default_factory=dict)
     """Extra sbatch parameters, e.g. {mail-type: END}."""
     wait: bool = False

@@ -21,7 +21,8 @@ class Progress:
         self._stats_cache: dict = {}
         done = read_ledger(plan, stats_cache=self._stats_cache).done_samples
         self.bar = tqdm(total=plan.num_rows, initial=done, unit="img", desc="generate", dynamic_ncols=True,
-                        file=sys.stderr, smoothing=0.1)
+                        file=sys.stderr, smoothing=0.1,
+                        mininterval=0.1 if sys.stderr.isatty() else 30.0)  # a log file gets a line per 30 s
         self._last_sync = time.monotonic()
 
     def advance(self, n: int) -> None:

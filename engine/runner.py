@@ -31,6 +31,14 @@ from parallel import world as W
 from parallel.strategies import apply_strategy, parallel_dims
 
 log = logging.getLogger("shardgen")
+_ACTIVE_SINKS: list[ShardSink] = []  # this process's writers, drained on preemption (engine/slurm.py)
+
+
+def drain_writers(timeout_s: float) -> int:
+    """Wait until this process's writers have made every handed-over batch durable; how many were active."""
+    for sink in list(_ACTIVE_SINKS):
+        sink.wait_idle(timeout_s)
+    return len(_ACTIVE_SINKS)
 
 
 @dataclass
@@ -138,6 +146,7 @@ def run_rank(cfg: Any) -> RunResult | None:
         finally:
             if worker.sink:
                 worker.sink.close()
+                _ACTIVE_SINKS.remove(worker.sink)
             if worker.claimer:
                 worker.claimer.close()
             if worker.progress:
@@ -162,6 +171,7 @@ def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext) -> ReplicaWorker:
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=GenSettings.from_cfg(cfg), batch_size=cfg.batch_size, ctx=ctx)
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
+        _ACTIVE_SINKS.append(worker.sink)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         if ctx.index == 0 and cfg.progress:

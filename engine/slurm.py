@@ -1,0 +1,162 @@
+"""``launcher=slurm``: submit the job through submitit; each SLURM task is one rank.
+
+The submitted callable holds only its config. On preemption or timeout submitit calls its
+``checkpoint()``: it lets the writer make the last handed-over batch durable and returns a
+fresh submission of itself; the requeued job reads its progress back from the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from parallel.world import ParallelConfigError
+
+log = logging.getLogger("shardgen.slurm")
+_SAFE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+class SlurmConfigError(ValueError):
+    """A submission that cannot work; raised before anything reaches sbatch."""
+
+
+def tasks_per_node(launcher: Any) -> int:
+    """Ranks per node: as set, else one per GPU, else one."""
+    return launcher.tasks_per_node or launcher.gpus_per_node or 1
+
+
+def _check_text(name: str, value: Any) -> None:
+    # submitit writes each parameter as an `#SBATCH --key=value` line: a newline would start a new directive
+    if isinstance(value, str) and (any(c in value for c in "\n\r\0") or value != value.strip()):
+        raise SlurmConfigError(f"launcher.{name}={value!r}: newlines, NUL or surrounding spaces are not allowed")
+
+
+def validate_slurm(cfg: Any) -> None:
+    """Check a SLURM submission against its parallel degrees, before sbatch is called."""
+    from parallel.strategies import parallel_dims
+
+    ln = cfg.launcher
+    for key in ("nodes", "cpus_per_task", "time_min", "array"):
+        if ln[key] < 1:
+            raise SlurmConfigError(f"launcher.{key}={ln[key]}: use 1 or more")
+    if ln.gpus_per_node < 0 or ln.max_num_timeout < 0:
+        raise SlurmConfigError("launcher.gpus_per_node and launcher.max_num_timeout cannot be negative")
+    tpn = tasks_per_node(ln)
+    if ln.gpus_per_node and tpn > ln.gpus_per_node and cfg.strategy.name != "device_map":
+        raise SlurmConfigError(
+            f"launcher.tasks_per_node={tpn} > launcher.gpus_per_node={ln.gpus_per_node}: each rank needs its own GPU; "
+            f"set launcher.tasks_per_node={ln.gpus_per_node} (or leave it null)")
+    try:
+        parallel_dims(cfg, ln.nodes * tpn)
+    except ParallelConfigError as e:
+        raise SlurmConfigError(f"{ln.nodes} nodes x {tpn} tasks = {ln.nodes * tpn} ranks: {e}") from None
+    for key in ("partition", "account", "qos", "constraint", "exclude", "log_dir"):
+        _check_text(key, ln[key])
+    for key, value in (ln.additional_parameters or {}).items():
+        if not _SAFE_KEY.match(str(key)):
+            raise SlurmConfigError(f"launcher.additional_parameters key {key!r} is not a valid sbatch option name")
+        _check_text(f"additional_parameters.{key}", str(value))
+
+
+def make_executor(cfg: Any, log_dir: Path):
+    """A submitit executor with the launcher's parameters (submitit rejects unknown ones itself)."""
+    import submitit
+
+    ln = cfg.launcher
+    ex = submitit.AutoExecutor(folder=str(log_dir / "%j"), cluster="slurm", slurm_max_num_timeout=ln.max_num_timeout)
+    params = dict(name=f"shardgen-{Path(cfg.run_dir).name}", nodes=ln.nodes, tasks_per_node=tasks_per_node(ln),
+                  cpus_per_task=ln.cpus_per_task, timeout_min=ln.time_min, slurm_signal_delay_s=ln.signal_delay_s,
+                  slurm_additional_parameters=dict(ln.additional_parameters or {}))
+    if ln.gpus_per_node:
+        params["gpus_per_node"] = ln.gpus_per_node
+    if ln.mem_gb:
+        params["mem_gb"] = ln.mem_gb
+    optional = dict(slurm_partition=ln.partition, slurm_account=ln.account, slurm_qos=ln.qos,
+                    slurm_constraint=ln.constraint, slurm_exclude=ln.exclude, slurm_array_parallelism=ln.array_parallelism)
+    params.update({k: v for k, v in optional.items() if v is not None})
+    ex.update_parameters(**params)
+    return ex
+
+
+class GenerateJob:
+    """The submitted callable: one SLURM task = one rank of ``jobs.generate``."""
+
+    def __init__(self, cfg_yaml: str, log_level: int = logging.INFO):
+        self.cfg_yaml = cfg_yaml
+        self.log_level = log_level  # the submitting process's level for shardgen's loggers
+
+    def __call__(self) -> dict | None:
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {os.environ['RANK']}][%(name)s] %(message)s")
+        logging.getLogger("shardgen").setLevel(self.log_level)
+        from engine.runner import run_rank
+
+        cfg = OmegaConf.create(self.cfg_yaml)
+        log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
+                 os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ["RANK"], os.environ["WORLD_SIZE"])
+        result = run_rank(cfg)
+        return None if result is None else dict(result.__dict__)
+
+    def checkpoint(self, *args, **kwargs):
+        """Preempted or timed out: let the last batch become durable, then requeue a fresh copy."""
+        import submitit
+
+        from engine.runner import drain_writers
+
+        drained = drain_writers(timeout_s=60)
+        log.warning("checkpoint: %d writer(s) drained; progress is in the run directory; requeueing", drained)
+        return submitit.helpers.DelayedSubmission(GenerateJob(self.cfg_yaml, self.log_level))
+
+
+def submit(cfg: Any) -> list:
+    """Validate, plan, then submit ``launcher.array`` jobs; print how to watch them; optionally wait."""
+    from engine.runner import prepare_run
+
+    validate_slurm(cfg)
+    plan = prepare_run(cfg)  # a bad prompt file or a changed fingerprint fails here, before sbatch
+    log_dir = Path(cfg.launcher.log_dir or plan.run.root / "logs" / "slurm").absolute()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    child = OmegaConf.to_container(cfg, resolve=True)
+    child["launcher"]["name"] = "none"
+    child["run_dir"] = str(plan.run.root)
+    child["prompts"]["path"] = str(Path(cfg.prompts.path).absolute())
+    job_cfg = OmegaConf.to_yaml(child)
+    ex = make_executor(cfg, log_dir)
+    with ex.batch():  # one sbatch call: a SLURM array of launcher.array jobs
+        level = logging.getLogger("shardgen").getEffectiveLevel()
+        jobs = [ex.submit(GenerateJob(job_cfg, level)) for _ in range(cfg.launcher.array)]
+    return _report(cfg, plan, jobs, log_dir)
+
+
+def _report(cfg: Any, plan, jobs: list, log_dir: Path) -> list:
+    print(f"submitted {len(jobs)} SLURM job(s) for {plan.run.root} ({plan.num_rows} prompts, {plan.num_shards} shards):")
+    for j in jobs:
+        print(f"  job {j.job_id}  logs {log_dir / str(j.job_id)}")
+    print(f"watch:  python -m jobs.status {plan.run.root}")
+    if cfg.launcher.wait:
+        wait_for(jobs, plan)
+    return jobs
+
+
+def wait_for(jobs: list, plan) -> None:
+    """Wait for the jobs; report each one's end and the run's state (a used-up timeout limit included)."""
+    import submitit
+
+    for j in jobs:
+        try:
+            results = j.results()
+            r = next((x for x in results if x), None)
+            print(f"job {j.job_id}: done" + (f", run {r['ok']} ok / {r['total']} complete={r['complete']}" if r else ""))
+        except submitit.core.utils.UncompletedJobError as e:
+            reason = "timeout limit used up" if "too many times" in str(e) else "did not complete"
+            print(f"job {j.job_id}: {reason}: {str(e).splitlines()[0]}\n  the run keeps its progress: re-run the same "
+                  "command to continue (or raise launcher.time_min / launcher.max_num_timeout)")
+        except Exception as e:  # a failed task: show its error, keep reporting the others
+            print(f"job {j.job_id}: failed: {str(e).strip().splitlines()[-1]}")
