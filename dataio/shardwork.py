@@ -27,6 +27,14 @@ class Sample:
     pixels: object | None = None   # HxWx3 uint8 numpy array, None for a failure
     failure: str | None = None     # reason, when no image
     status: str = "ok"             # ok | failed | rejected
+    members: list | None = None    # tar members carried over unchanged (retry_failed keeps good samples)
+
+    @classmethod
+    def carried(cls, key: str, members: dict[str, bytes]) -> "Sample":
+        """A committed sample copied as it is into a rewritten shard."""
+        meta = json.loads(members["json"])
+        return cls(key=key, index=meta["index"], prompt=meta.get("prompt"), meta=meta, status=meta["status"],
+                   failure=meta.get("error"), members=[(f"{key}.{ext}", data) for ext, data in members.items()])
 
 
 def encode_image(pixels, fmt: str, quality: int) -> bytes:
@@ -102,7 +110,7 @@ class ShardWork:
         """Append samples (in index order) and checkpoint them durably."""
         members = []
         for s, img in zip(samples, encoded):
-            members += sample_members(s, img, fmt)
+            members += s.members if s.members is not None else sample_members(s, img, fmt)
             self.counts[s.status] += 1
             if s.status != "ok":
                 self.reasons[_reason_class(s.failure or s.status)] += 1

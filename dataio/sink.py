@@ -48,6 +48,10 @@ class ShardSink:
         self.wait_s += time.perf_counter() - t0
         self._raise_if_failed()
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (from any thread, e.g. a signal handler) until handed-over work is durable."""
+        return self._idle.wait(timeout_s)
+
     def close(self) -> None:
         """Flush, then stop the threads."""
         try:

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 from dataio.claims import Claimer, scan_claims
 from dataio.plan import Plan
-from dataio.shardwork import ShardWork
+from dataio.rundir import read_json
+from dataio.shardwork import Sample, ShardWork
+from dataio.verify import read_shard_members
 from dataio.sink import ShardSink
 from engine.generation import GenSettings, generate_batch
 from parallel.world import broadcast_object
@@ -54,13 +56,39 @@ class ReplicaWorker:
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
+    _retried: set = field(default_factory=set, init=False)
+    _old: dict = field(default_factory=dict, init=False)
+
+    retry_failed: bool = False
 
     def run(self) -> None:
-        """Loop: next shard (shared by the leader), process it; stop when the run is complete."""
+        """Loop: next shard (shared by the leader), process it; stop when the run is complete.
+        With ``retry_failed``, then rewrite each committed shard that recorded failures."""
         while (assignment := self._share(self._next_shard() if self.ctx.leader else None)) is not None:
+            self._process(*assignment)
+        while self.retry_failed and (assignment := self._share(self._next_retry() if self.ctx.leader else None)):
             self._process(*assignment)
         if self.sink:
             self.sink.flush()
+
+    def _next_retry(self) -> tuple[int, int, int, list[int]] | None:
+        """(shard, gen, samples done, indices to regenerate) of a committed shard with failed samples."""
+        run = self.plan.run
+        latest = scan_claims(run)
+        for shard in sorted(run.done_shards()):
+            stats = read_json(run.shard_stats(shard))
+            if not stats["failed"] or shard in self._retried:
+                continue
+            gen = self.claimer.try_claim(shard, latest.get(shard))
+            if gen is None:
+                continue
+            self._retried.add(shard)
+            failed = [f["index"] for f in read_json(run.shard_stats(shard))["failed_samples"] if f["status"] == "failed"]
+            self._old = read_shard_members(run.shard_tar(shard))
+            self._work = ShardWork.open(run, shard, gen, len(self.plan.shard_range(shard)))
+            log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
+            return shard, gen, self._work.n_done, failed
+        return None
 
     def _share(self, obj):
         if self.ctx.group is None:
@@ -89,8 +117,10 @@ class ReplicaWorker:
                     return shard, gen, work.n_done
             time.sleep(self.poll_s)
 
-    def _process(self, shard: int, gen: int, n_done: int) -> None:
+    def _process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
+        """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""
         rows = self.plan.rows(shard)[n_done:]
+        redo = None if regenerate is None else set(regenerate)
         if self.ctx.leader and n_done:
             log.info("shard %06d: resuming after %d samples (claim g%d)", shard, n_done, gen)
         for start in range(0, len(rows), self.batch_size):
@@ -99,10 +129,13 @@ class ReplicaWorker:
                 return
             batch = rows[start:start + self.batch_size]
             t0 = time.perf_counter()
-            samples = generate_batch(self.pipe, self.settings, batch)
+            todo = batch if redo is None else [r for r in batch if r.index in redo]
+            made = {smp.index: smp for smp in generate_batch(self.pipe, self.settings, todo)} if todo else {}
+            samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
+                else list(made.values())
             self.gen_s += time.perf_counter() - t0
-            self.generated += len(samples)
-            self._check_broken(samples)
+            self.generated += len(made)
+            self._check_broken(list(made.values()))
             if self.ctx.leader:
                 self.sink.submit(self._work, samples)  # returns once the previous batch is durable
                 self.on_samples(len(samples))

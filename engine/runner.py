@@ -135,7 +135,7 @@ def run_rank(cfg: Any) -> RunResult | None:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg))
         plan = load_plan(RunDir(Path(plan.run.root)))
-        if len(plan.run.done_shards()) == plan.num_shards:
+        if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         mesh = W.build_mesh(dims, world.device)
         pipe = apply_strategy(cfg, world, dims, mesh)
@@ -157,6 +157,10 @@ def run_rank(cfg: Any) -> RunResult | None:
         W.shutdown()
 
 
+def _has_failures(plan: Plan) -> bool:
+    return read_ledger(plan).totals()["failed"] > 0
+
+
 def _replica_context(world, dims, mesh) -> ReplicaContext:
     group = None
     if dims.replica_size > 1:
@@ -168,7 +172,8 @@ def _replica_context(world, dims, mesh) -> ReplicaContext:
 
 
 def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext) -> ReplicaWorker:
-    worker = ReplicaWorker(plan=plan, pipe=pipe, settings=GenSettings.from_cfg(cfg), batch_size=cfg.batch_size, ctx=ctx)
+    worker = ReplicaWorker(plan=plan, pipe=pipe, settings=GenSettings.from_cfg(cfg), batch_size=cfg.batch_size, ctx=ctx,
+                           retry_failed=cfg.retry_failed)
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
         _ACTIVE_SINKS.append(worker.sink)

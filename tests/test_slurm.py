@@ -154,3 +154,30 @@ def _restarts(job_id) -> int:
     out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
     m = re.search(r"Restarts=(\d+)", out)
     return int(m.group(1)) if m else 0
+
+
+TIMEOUT_RUN = ("height=512", "width=512", "prompts.limit=64", "samples_per_shard=16", "launcher.time_min=2",
+               "launcher.signal_delay_s=75")
+
+
+@pytest.mark.slurm
+@needs_cluster
+def test_timeout_requeues_until_the_run_is_done(tmp_path):
+    """A job whose time limit (2 min) is shorter than the run: each timeout checkpoints and requeues
+    (submitit counts it against launcher.max_num_timeout) until the run is complete."""
+    run_dir = tmp_path / "run"
+    jobs = slurm(run_dir, *TIMEOUT_RUN, "launcher.max_num_timeout=5")
+    jobs[0].results()
+    rep = verify_run(load_plan(RunDir(run_dir)))
+    assert rep.ok, rep.defects
+    assert _restarts(jobs[0].job_id) >= 1, "the run finished inside one time limit: the test proves nothing"
+
+
+@pytest.mark.slurm
+@needs_cluster
+def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    slurm(run_dir, *TIMEOUT_RUN, "launcher.max_num_timeout=0", "launcher.wait=true")
+    out = capsys.readouterr().out
+    assert "timeout limit used up" in out and "re-run the same command to continue" in out
+    assert 0 < _done(run_dir) < 64
