@@ -1,0 +1,81 @@
+"""Operating a run: jobs.status, jobs.verify (catches real defects), jobs.preview."""
+
+from __future__ import annotations
+
+import tarfile
+
+import pytest
+from PIL import Image
+
+from jobs import preview, status, verify
+from jobs.generate import run
+from tests.conftest import compose_cfg
+
+ARGS = ("height=16", "width=16", "steps=1", "progress=false", "samples_per_shard=5", "prompts.limit=12")
+
+
+@pytest.fixture()
+def done_run(tmp_path):
+    d = tmp_path / "run"
+    run(compose_cfg(f"run_dir={d}", *ARGS))
+    return d
+
+
+def test_status_reports_progress_and_completion(done_run, capsys):
+    assert status.main([str(done_run)]) == 0
+    out = capsys.readouterr().out
+    assert "samples  12/12 (100.0%)" in out and "3 done, 0 running" in out and "COMPLETE" in out
+
+
+def test_status_of_a_half_done_run_shows_pending_shards(done_run, capsys):
+    (done_run / "shards" / "000001.stats.json").unlink()
+    status.main([str(done_run)])
+    out = capsys.readouterr().out
+    assert "2 done" in out and "1 pending" in out and "in progress / resumable" in out
+
+
+def test_verify_passes_a_complete_run(done_run, capsys):
+    assert verify.main([str(done_run)]) == 0
+    assert "OK: every prompt index exactly once" in capsys.readouterr().out
+
+
+def test_verify_catches_a_truncated_tar(done_run, capsys):
+    tar = done_run / "shards" / "000001.tar"
+    tar.write_bytes(tar.read_bytes()[:1500])
+    assert verify.main([str(done_run)]) == 1
+    out = capsys.readouterr().out
+    assert "shard 000001" in out and "FAILED" in out
+
+
+def test_verify_catches_a_missing_and_a_duplicated_sample(done_run, capsys):
+    tar = done_run / "shards" / "000000.tar"
+    with tarfile.open(tar) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf]
+    rebuilt = [(m, d) for m, d in members if not m.name.startswith("0000000002.")]  # drop a sample
+    with tarfile.open(tar, "w") as tf:
+        for m, d in rebuilt:
+            import io
+
+            tf.addfile(m, io.BytesIO(d))
+    assert verify.main([str(done_run)]) == 1
+    out = capsys.readouterr().out
+    assert "1 prompt indices missing" in out and "stats count 5 != 4" in out
+
+
+def test_verify_reports_an_unfinished_run(done_run, capsys):
+    (done_run / "shards" / "000002.stats.json").unlink()
+    assert verify.main([str(done_run)]) == 1
+    assert "shard 000002: not committed" in capsys.readouterr().out
+
+
+def test_preview_writes_a_contact_sheet(done_run, tmp_path):
+    out = tmp_path / "sheet.png"
+    assert preview.main([str(done_run), "--n", "8", "--cols", "4", "--size", "64", "--out", str(out)]) == 0
+    img = Image.open(out)
+    assert img.size == (4 * 64, 2 * (64 + 48))
+
+
+def test_tools_refuse_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert verify.main([str(tmp_path)]) == 2
+    assert status.main([str(tmp_path)]) == 2
+    assert "not a shardgen run directory" in capsys.readouterr().err
