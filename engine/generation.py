@@ -14,6 +14,8 @@ from dataio.plan import PlannedRow
 from dataio.shardwork import Sample
 
 log = logging.getLogger("shardgen.generation")
+# raised into the loop by a signal handler (submitit ending a timed-out job): the job is over, not a sample
+JOB_ENDING_ERRORS = ("UncompletedJobError",)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Samp
         out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
         finite, pixels = to_pixels(out.images)
     except Exception as e:
+        if type(e).__name__ in JOB_ENDING_ERRORS:
+            raise
         if len(rows) == 1:
             return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s, None),
                            status="failed", failure=f"exception: {type(e).__name__}: {e}")]

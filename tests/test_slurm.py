@@ -19,7 +19,7 @@ from dataio.rundir import RunDir
 from dataio.verify import verify_run
 from engine.slurm import SlurmConfigError, validate_slurm
 from jobs.generate import run
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, write_lines
 from tests.test_generate import shard_images
 
 
@@ -177,7 +177,12 @@ def test_timeout_requeues_until_the_run_is_done(tmp_path):
 @needs_cluster
 def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    slurm(run_dir, *TIMEOUT_RUN, "launcher.max_num_timeout=0", "launcher.wait=true")
+    many = write_lines(tmp_path / "many.txt", [f"prompt number {i}" for i in range(400)])
+    # far more work than one 2-minute job can do, and no requeue allowed
+    slurm(run_dir, *TIMEOUT_RUN, f"prompts.path={many}", "prompts.limit=400", "launcher.max_num_timeout=0",
+          "launcher.wait=true")
     out = capsys.readouterr().out
     assert "timeout limit used up" in out and "re-run the same command to continue" in out
-    assert 0 < _done(run_dir) < 64
+    assert 0 < _done(run_dir) < 400
+    # the samples the timed-out job made are real, not failures recorded while it was stopped
+    assert read_ledger(load_plan(RunDir(run_dir))).totals()["failed"] == 0
