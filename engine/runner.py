@@ -60,9 +60,16 @@ class RunResult:
         return self.generated_here / self.wall_s if self.wall_s > 0 else 0.0
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
 def prompt_path(cfg: Any) -> Path:
-    """The prompt file; a relative path is taken from the current directory."""
-    return Path(os.path.expanduser(cfg.prompts.path)).absolute()
+    """The prompt file; a relative path is taken from the current directory, else from the project
+    (so the shipped examples/prompts.txt works from anywhere)."""
+    path = Path(os.path.expanduser(cfg.prompts.path))
+    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+        return PROJECT_ROOT / path
+    return path.absolute()
 
 
 def _limited(rows, limit: int | None):

@@ -117,7 +117,7 @@ class GenerateJob:
 
 def submit(cfg: Any) -> list:
     """Validate, plan, then submit ``launcher.array`` jobs; print how to watch them; optionally wait."""
-    from engine.runner import prepare_run
+    from engine.runner import prepare_run, prompt_path
 
     validate_slurm(cfg)
     plan = prepare_run(cfg)  # a bad prompt file or a changed fingerprint fails here, before sbatch
@@ -126,7 +126,7 @@ def submit(cfg: Any) -> list:
     child = OmegaConf.to_container(cfg, resolve=True)
     child["launcher"]["name"] = "none"
     child["run_dir"] = str(plan.run.root)
-    child["prompts"]["path"] = str(Path(cfg.prompts.path).absolute())
+    child["prompts"]["path"] = str(prompt_path(cfg))
     job_cfg = OmegaConf.to_yaml(child)
     ex = make_executor(cfg, log_dir)
     with ex.batch():  # one sbatch call: a SLURM array of launcher.array jobs
