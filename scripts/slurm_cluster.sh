@@ -314,7 +314,8 @@ cmd_stop() {
   need_root
   if alive "$PID_SLURMCTLD"; then
     # cancel every job and give them KillWait to end before the daemons go
-    scancel --full --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
+    # shellcheck disable=SC2046  # one argument per job id
+    scancel --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
     local end=$((SECONDS + 15))
     while [ -n "$(squeue -h -o %i 2>/dev/null)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
   fi
