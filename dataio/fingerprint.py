@@ -27,6 +27,8 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "samples_per_shard": cfg.samples_per_shard, "prompts.sha256": prompt_sha256, "prompts.format": p.format,
         "prompts.field": p.field, "prompts.seed_field": p.seed_field, "prompts.on_bad_row": p.on_bad_row,
         "prompts.limit": p.limit,
+        # the opt-in lossy accelerations change pixels beyond rounding
+        "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
     }
 
 

@@ -161,6 +161,16 @@ class GenerateConfig:
     heartbeat_s: float = 15.0
     progress: bool = True
     """Show a progress bar (leader of replica 0)."""
+    sdpa_backend: str = "auto"
+    """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
+    efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
+    cudnn | efficient | math. Exact up to bf16 rounding. engine/accel.py."""
+    first_block_cache: float = 0.0
+    """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
+    blocks of a step when the first block's output barely changed; decided per batch."""
+    fp8: bool = False
+    """Opt-in, LOSSY: the transformer blocks' linear layers in float8 e4m3 (torch._scaled_mm, row-wise
+    scales); needs compute capability 8.9+ and compile=true to be faster."""
 
 
 def register_configs() -> None:

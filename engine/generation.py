@@ -12,6 +12,8 @@ import torch
 
 from dataio.plan import PlannedRow
 from dataio.shardwork import Sample
+from engine import accel
+from engine.accel import AccelOptions
 
 log = logging.getLogger("shardgen.generation")
 # raised into the loop by a signal handler (submitit ending a timed-out job): the job is over, not a sample
@@ -31,13 +33,16 @@ class GenSettings:
     max_sequence_length: int
     model: str
     strategy: str
+    accel: AccelOptions = AccelOptions()
+    """Speed options (engine/accel.py), applied to the pipeline before its first call."""
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "GenSettings":
         m = cfg.model
         return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
                    true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
-                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name)
+                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name,
+                   accel=AccelOptions.from_cfg(cfg))
 
 
 def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:
@@ -61,11 +66,22 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
 def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     """(finite flag per sample, NxHxWx3 uint8 array) from the pipeline's [0, 1] float output.
 
-    One device-to-host copy per batch; rounding matches diffusers' ``numpy_to_pil``.
+    Rounding matches diffusers' ``numpy_to_pil``. On a GPU the uint8 pixels and the flags are copied
+    asynchronously into pinned host memory and the host waits once, on that copy: the batch's only
+    synchronisation (the denoising loop itself has none).
     """
     finite = torch.isfinite(images).flatten(1).all(dim=1)
     pixels = (images.nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-    return finite.cpu().tolist(), pixels.cpu().numpy()
+    if pixels.device.type != "cuda":
+        return finite.cpu().tolist(), pixels.cpu().numpy()
+    host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(pixels, non_blocking=True)
+    flags = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+    flags.copy_(finite, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(pixels.device))
+    done.synchronize()
+    return flags.tolist(), host.numpy()
 
 
 def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
@@ -74,6 +90,8 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
     if s.true_cfg_scale > 1.0:
         meta["true_cfg_scale"] = s.true_cfg_scale
+    if s.accel.lossy:
+        meta["lossy"] = s.accel.lossy
     if gen_s is not None:
         meta["gen_s"] = round(gen_s, 4)
     return meta
@@ -82,9 +100,12 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
 def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Sample]:
     """Generate ``rows`` (all valid) in one call; on an exception, retry one by one so only the
     samples that fail on their own are recorded as failed."""
+    accel.prepare(pipe, s.accel)  # outside the try: a setup error is the job's, not the samples'
     t0 = time.perf_counter()
     try:
-        out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
+        shape = accel.attention_shape(pipe, s.height, s.width, len(rows), s.max_sequence_length)
+        with accel.sdpa_context(pipe, s.accel, shape):
+            out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
         finite, pixels = to_pixels(out.images)
     except Exception as e:
         if type(e).__name__ in JOB_ENDING_ERRORS:

@@ -115,7 +115,10 @@ class ReplicaWorker:
                     work = ShardWork.open(self.plan.run, shard, gen, len(self.plan.shard_range(shard)))
                     self._work = work
                     return shard, gen, work.n_done
-            time.sleep(self.poll_s)
+            if self.claimer.held:  # our own last shards are being committed: wait for that, not a poll
+                self.sink.flush()
+            else:
+                time.sleep(self.poll_s)
 
     def _process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
         """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""

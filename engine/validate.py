@@ -44,3 +44,12 @@ def validate_config(cfg: Any) -> None:
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
                                              "(a live claim would otherwise look dead)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
+    from engine.accel import AccelError, AccelOptions, validate as validate_accel
+
+    import torch
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        validate_accel(AccelOptions.from_cfg(cfg), device)
+    except AccelError as e:
+        raise ConfigError(str(e)) from None

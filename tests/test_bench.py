@@ -1,0 +1,84 @@
+"""jobs.bench on the CPU (the tiny model) and the acceleration options of engine/accel.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import accel
+from jobs.bench import main as bench_main
+from jobs.generate import run
+from tests.conftest import compose_cfg
+from tests.test_generate import shard_images
+
+FAST = ("height=32", "width=32", "steps=2", "progress=false", "prompts.limit=6", "batch_size=4")
+
+
+def test_quick_bench_prints_every_figure(tmp_path, capsys):
+    data = bench_main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    for needle in ("matmul rate (measured", "FLOPs per image-step", "baseline (diffusers loop)",
+                   "shardgen (jobs.generate)", "images/hour", "denoise MFU", "e2e MFU", "speed-up shardgen / baseline",
+                   "PSNR shardgen vs baseline", "GPU idle in steady state", "peak memory"):
+        assert needle in out, needle
+    s = data["summary"]
+    assert s["baseline_images_per_hour"] > 0 and s["shardgen_images_per_hour"] > 0 and s["speedup"] > 0
+    assert s["psnr_first"] > 40  # float64 on a CPU: the same pixels up to the odd rounding
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["shardgen"]["ok"] == 4
+
+
+def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkeypatch):
+    plain = compose_cfg(f"run_dir={tmp_path / 'plain'}", *FAST)
+    explicit = compose_cfg(f"run_dir={tmp_path / 'explicit'}", "compile=false", "fp8=false", "first_block_cache=0",
+                           "sdpa_backend=auto", *FAST)
+    run(plain)
+    seen = []
+    orig = accel.prepare
+
+    def spy(pipe, opts):
+        done = orig(pipe, opts)
+        tr = pipe.transformer
+        seen.append((done, accel.fp8_enabled(tr), tr.is_cache_enabled,
+                     any("_shardgen_eager_forward" in b.__dict__ for b in accel.repeated_blocks(tr))))
+        return done
+
+    monkeypatch.setattr(accel, "prepare", spy)
+    run(explicit)
+    assert seen and all(set(done) <= {"prepare_s"} and not fp8 and not cache and not compiled
+                        for done, fp8, cache, compiled in seen)
+    a, b = shard_images(tmp_path / "plain"), shard_images(tmp_path / "explicit")
+    assert len(a) == 6 and a == b
+
+
+def test_lossy_options_run_and_are_recorded(tmp_path):
+    from dataio.verify import read_shard_members
+
+    cfg = compose_cfg(f"run_dir={tmp_path / 'lossy'}", "first_block_cache=0.5", "fp8=true", *FAST)
+    result = run(cfg)
+    assert result.ok == 6
+    metas = [json.loads(m["json"]) for tar in (tmp_path / "lossy" / "shards").glob("*.tar")
+             for m in read_shard_members(tar).values()]
+    assert metas and all(m["lossy"] == {"first_block_cache": 0.5, "fp8": True} for m in metas)
+
+
+def test_float8_linear_is_close_to_linear_and_reversible():
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+    x = torch.randn(5, 7, 64)
+    ref = block(x)
+    q = torch.nn.Sequential(accel.Float8Linear(block[0]), block[1], accel.Float8Linear(block[2]))
+    out = q(x)
+    assert out.shape == ref.shape
+    assert (out - ref).norm() / ref.norm() < 0.08  # e4m3: 3 mantissa bits, row-wise scales
+    assert q[0]._original is block[0]
+
+
+@pytest.mark.parametrize("opts, msg", [
+    (accel.AccelOptions(sdpa="fastest"), "sdpa_backend"),
+    (accel.AccelOptions(first_block_cache=1.5), "first_block_cache"),
+])
+def test_invalid_accel_options_are_refused(opts, msg):
+    with pytest.raises(accel.AccelError, match=msg):
+        accel.validate(opts, "cpu")
