@@ -1,0 +1,255 @@
+"""strategy=auto: pick dp / device_map / tp / cp from the model size, free device memory, sequence length
+and device count, log one line per reason, then apply the choice.
+
+The table (docs/strategies.md has it with its sources); the first row that matches wins:
+
+1. no CUDA GPU                                         -> dp (model parallelism only pays off on GPUs)
+2. whole pipeline + one batch's activations fit a GPU  -> dp (no communication: the fastest for batches)
+3. weights + VAE decode fit, the transformer's         -> cp_ulysses (heads and tokens divide by the degree),
+   activations do not (long sequences), several ranks     else cp_ring (an LSE backend, bf16/fp16)
+4. the transformer (+ activations) fits, the encoders  -> device_map on 1 GPU, staged (offload the encoders
+   do not                                                  between encoding and denoising)
+5. the transformer does not fit, several ranks,        -> tp, the smallest degree whose shard fits
+   the class has a _tp_plan
+6. the transformer does not fit, one process with      -> device_map over the fewest GPUs that fit
+   several GPUs
+7. otherwise                                           -> an error saying what would make it fit
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parallel.world import ParallelConfigError, on_rank0_then_share
+
+log = logging.getLogger("shardgen.auto")
+GiB = 1 << 30
+USABLE = 0.9            # of a GPU's free memory a plan may fill
+TRANSFORMER_ACT = 16    # live activation tensors of width hidden per token in a DiT block (MLP 4x, q/k/v, residuals)
+VAE_ACT = 6 * 128       # VAE decoder: ~6 live full-resolution maps of 128 channels per image
+
+
+@dataclass(frozen=True)
+class AutoInputs:
+    """Everything auto decides from (no device or file access: ``choose`` is pure)."""
+
+    device_type: str
+    device_count: int
+    """GPUs per node."""
+    world_size: int
+    free_bytes: int | None
+    """Free memory of one GPU (None: unknown)."""
+    transformer_bytes: int
+    other_bytes: int
+    """Text encoders + VAE in the run's dtype."""
+    image_tokens: int
+    text_tokens: int | None
+    heads: int | None
+    hidden: int | None
+    height: int
+    width: int
+    batch_size: int
+    dtype_bytes: int
+    half_dtype: bool
+    has_tp_plan: bool
+    has_cp_plan: bool
+
+    def dit_bytes(self, cp_degree: int = 1) -> int:
+        """One batch's peak transformer activations (split over the CP degree)."""
+        tokens = self.image_tokens + (self.text_tokens or 0)
+        return self.batch_size * tokens * (self.hidden or 3072) * self.dtype_bytes * TRANSFORMER_ACT // cp_degree
+
+    def vae_bytes(self) -> int:
+        """One batch's peak VAE-decode activations (context parallelism does not split them)."""
+        return self.batch_size * self.height * self.width * VAE_ACT * self.dtype_bytes
+
+    def activation_bytes(self, cp_degree: int = 1) -> int:
+        return max(self.dit_bytes(cp_degree), self.vae_bytes())
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def choose(x: AutoInputs) -> tuple[Any, list[str]]:
+    """The strategy request for ``x`` and the reasons, one line each."""
+    from parallel.strategies import Request
+
+    why = []
+    if x.device_type != "cuda" or not x.free_bytes:
+        why.append(f"no CUDA GPU here ({x.device_type}): model parallelism only pays off on GPUs, so dp (a full "
+                   f"pipeline per rank, {x.world_size} replica(s))")
+        return Request("dp"), why
+    budget = x.free_bytes * USABLE
+    weights = x.transformer_bytes + x.other_bytes
+    act = x.activation_bytes()
+    why.append(f"model: transformer {_gib(x.transformer_bytes)} + text encoders/VAE {_gib(x.other_bytes)} in the run's "
+               f"dtype; a batch of {x.batch_size} at {x.height}x{x.width} = {x.image_tokens} image + "
+               f"{x.text_tokens or '?'} text tokens needs ~{_gib(act)} of activations")
+    why.append(f"devices: {x.world_size} rank(s), {x.device_count} GPU(s) per node, {_gib(x.free_bytes)} free per GPU "
+               f"(plans use {USABLE:.0%}: {_gib(budget)})")
+    if weights + act <= budget:
+        why.append("the whole pipeline fits one GPU: dp, the fastest for batch generation (no communication, every "
+                   "GPU on its own prompts)")
+        return Request("dp"), why
+    if weights + x.vae_bytes() <= budget and x.world_size > 1 and x.has_cp_plan:
+        why.append(f"the weights and the VAE decode fit one GPU, the transformer's activations "
+                   f"({_gib(x.dit_bytes())} for {x.image_tokens + (x.text_tokens or 0)} tokens) do not")
+        cp = _choose_cp(x, budget - weights, why)
+        if cp is not None:
+            return cp, why
+    if x.transformer_bytes + act <= budget:
+        why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(weights + act)} > "
+                   f"{_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
+        return Request("device_map", gpus_per_replica=1), why
+    why.append(f"the transformer alone ({_gib(x.transformer_bytes)} + activations) does not fit one GPU")
+    if x.world_size > 1 and x.has_tp_plan:
+        for k in _divisors(x.world_size):
+            if (x.heads is None or x.heads % k == 0) and x.transformer_bytes / k + x.other_bytes + act <= budget:
+                why.append(f"tp_degree={k}: the smallest degree dividing the {x.world_size} ranks and the {x.heads} "
+                           f"heads whose shard ({_gib(x.transformer_bytes / k)}) fits next to the encoders; each rank "
+                           "reads only its shard")
+                return Request("tp", tp=k), why
+        why.append(f"no tp_degree dividing {x.world_size} ranks and {x.heads} heads makes a shard fit")
+    if x.world_size == 1 and x.device_count > 1:
+        for g in range(2, x.device_count + 1):
+            if x.transformer_bytes / g + act <= budget:
+                why.append(f"one process with {x.device_count} GPUs: device_map over {g} GPU(s) (balanced), the "
+                           "encoders resident where they fit, else offloaded between batches")
+                return Request("device_map", gpus_per_replica=g), why
+    raise ParallelConfigError(
+        "strategy=auto found no way to fit the model: " + "; ".join(why) + ". Launch more ranks (tp), give one "
+        "process several GPUs (device_map, launcher with one rank per node), lower batch_size, or use a smaller dtype")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _choose_cp(x: AutoInputs, room: float, why: list[str]):
+    """The smallest CP degree (dividing the world) whose share of the activations fits in ``room``."""
+    from parallel.strategies import Request
+
+    tokens = [t for t in (x.image_tokens, x.text_tokens) if t is not None]
+    for k in _divisors(x.world_size):
+        if x.dit_bytes(k) > room:
+            continue
+        if all(t % k == 0 for t in tokens) and len(tokens) == 2:
+            if x.heads is None or x.heads % k == 0:
+                why.append(f"cp_ulysses ulysses_degree={k}: the {x.heads} heads and the token counts divide by it")
+                return Request("cp_ulysses", ulysses=k)
+            if x.half_dtype:
+                why.append(f"{k} does not divide the {x.heads} heads: cp_ring ring_degree={k} (cuDNN attention "
+                           "returns the LSE ring attention needs)")
+                return Request("cp_ring", ring=k)
+    why.append("no CP degree dividing the ranks splits the sequence evenly and makes it fit")
+    return None
+
+
+# --- gathering the inputs (rank 0) ------------------------------------------------------------------------
+
+def _safetensors_params(folder: Path) -> int:
+    """Parameters in a folder's safetensors files, from their headers (no tensor is read)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def _meta_params(spec) -> int:
+    """Parameters of a dummy-architecture component, built on the meta device."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        if spec.library == "transformers":
+            import transformers
+
+            module = getattr(transformers, spec.cls)(getattr(transformers, spec.config_cls)(**spec.config))
+        else:
+            module = getattr(importlib.import_module("diffusers"), spec.cls)(**spec.config)
+    return sum(p.numel() for p in module.parameters())
+
+
+def component_params(model_cfg: Any) -> dict[str, int]:
+    """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
+    if model_cfg.weights == "dummy":
+        from models.dummy import dummy_architecture
+
+        return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.pipeline).items()
+                if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
+    from models.loader import resolve_source
+
+    root = Path(os.path.expanduser(resolve_source(model_cfg)))
+    if not (root / "model_index.json").is_file():
+        raise ParallelConfigError(f"strategy=auto needs the model's size; model.source={model_cfg.source!r} is not a "
+                                  "local diffusers directory: download it and point model.source there, or choose a "
+                                  "strategy (e.g. strategy=dp)")
+    return {d.name: n for d in sorted(root.iterdir()) if d.is_dir() and (n := _safetensors_params(d))}
+
+
+def gather_inputs(cfg: Any, world_size: int, facts) -> AutoInputs:
+    """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
+    import torch
+
+    from models.loader import torch_dtype
+    from parallel.strategies import HALF_DTYPES, sequence_tokens, transformer_info
+
+    nbytes = torch_dtype(cfg.dtype).itemsize
+    image, text = sequence_tokens(cfg)
+    if facts.type != "cuda":  # the first rule decides: no need to size the model
+        return AutoInputs(device_type=facts.type, device_count=0, world_size=world_size, free_bytes=None,
+                          transformer_bytes=0, other_bytes=0, image_tokens=image, text_tokens=text, heads=None,
+                          hidden=None, height=cfg.height, width=cfg.width, batch_size=cfg.batch_size,
+                          dtype_bytes=nbytes,
+                          half_dtype=cfg.dtype in HALF_DTYPES, has_tp_plan=False, has_cp_plan=False)
+    info = transformer_info(cfg.model)
+    params = component_params(cfg.model)
+    free = torch.cuda.mem_get_info()[0]
+    return AutoInputs(
+        device_type=facts.type, device_count=facts.count, world_size=world_size, free_bytes=free,
+        transformer_bytes=params.get("transformer", 0) * nbytes,
+        other_bytes=sum(n for k, n in params.items() if k != "transformer") * nbytes,
+        image_tokens=image, text_tokens=text, heads=info.heads, hidden=info.hidden, height=cfg.height, width=cfg.width,
+        batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
+        has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None)
+
+
+def decide(cfg: Any, world_size: int, facts):
+    """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the request."""
+    from parallel.strategies import Request
+
+    if cfg.launcher.name == "slurm":  # submitting: the nodes measure and choose when the job starts
+        return Request("dp")
+
+    def _choose():
+        request, reasons = choose(gather_inputs(cfg, world_size, facts))
+        for line in reasons:
+            log.info("auto: %s", line)
+        log.info("auto: applying strategy=%s%s", request.strategy, _degrees(request))
+        return request
+
+    return on_rank0_then_share(_choose)
+
+
+def _degrees(r) -> str:
+    parts = [f"{k}_degree={v}" for k, v in (("tp", r.tp), ("ulysses", r.ulysses), ("ring", r.ring)) if v > 1]
+    if r.strategy == "device_map":
+        parts.append(f"strategy.gpus_per_replica={r.gpus_per_replica}")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def apply(cfg: Any, world, dims, mesh) -> Any:
+    """Apply the strategy ``parallel_dims`` chose (``dims.strategy``)."""
+    from parallel.strategies import STRATEGY_MODULES
+
+    return importlib.import_module(STRATEGY_MODULES[dims.strategy]).apply(cfg, world, dims, mesh)

@@ -1,0 +1,213 @@
+"""device_map: one process spans ``strategy.gpus_per_replica`` GPUs, for models that do not fit one GPU.
+
+The transformer is loaded with ``device_map="balanced"`` and ``max_memory`` over the replica's GPUs
+(accelerate splits its blocks and moves activations between them); the VAE goes on the first GPU;
+each text encoder stays resident on a GPU when it fits next to the transformer, and otherwise follows
+the seed docs' staged flow, per batch: encode the prompts, offload the encoders, denoise, decode.
+``StagedPipeline`` does that behind the pipeline's own ``__call__`` contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
+
+log = logging.getLogger("shardgen.device_map")
+GiB = 1 << 30
+# encode_prompt's outputs, in order, as the pipeline's __call__ names them (None: not passed on)
+ENCODE_OUTPUTS = {
+    "FluxPipeline": ("prompt_embeds", "pooled_prompt_embeds", None),
+    "Flux2Pipeline": ("prompt_embeds", None),
+    "QwenImagePipeline": ("prompt_embeds", "prompt_embeds_mask"),
+}
+RESERVE_FRACTION = 0.15  # of each GPU, kept free for activations when deciding what stays resident
+
+
+@dataclass
+class StagedPipeline:
+    """A pipeline whose text encoders may live off the GPU: each call encodes the prompts (moving the
+    offloaded encoders in and back out), then denoises and decodes from the embeddings.
+
+    Called like the pipeline (the keyword arguments below, passed on when the pipeline accepts them);
+    returns the pipeline's output (``.images``: [0, 1] float NCHW with ``output_type="pt"``).
+    """
+
+    pipe: Any
+    device: torch.device
+    """Where the encoders run and the pipeline computes (the replica's first GPU)."""
+    offloaded: list[str] = field(default_factory=list)
+    """Encoders kept on the CPU and moved to ``device`` for each batch's encoding."""
+
+    def __post_init__(self):
+        name = type(self.pipe).__name__
+        if name not in ENCODE_OUTPUTS:
+            raise ModelLoadError(f"strategy=device_map does not know how {name} encodes prompts; supported: "
+                                 f"{sorted(ENCODE_OUTPUTS)}")
+        self._outputs = ENCODE_OUTPUTS[name]
+        self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
+        self._encode_params = set(inspect.signature(self.pipe.encode_prompt).parameters)
+
+    def __getattr__(self, name: str) -> Any:  # components, config, ... of the wrapped pipeline
+        if name == "pipe":
+            raise AttributeError(name)
+        return getattr(self.pipe, name)
+
+    def __call__(self, prompt: str | list[str], *, height: int | None = None, width: int | None = None,
+                 num_inference_steps: int = 28, guidance_scale: float | None = None,
+                 true_cfg_scale: float | None = None, negative_prompt: str | list[str] | None = None,
+                 max_sequence_length: int | None = None, generator=None, output_type: str = "pil",
+                 return_dict: bool = True):
+        """Encode ``prompt`` (and ``negative_prompt`` with true CFG), then denoise and decode."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        with self._encoders_on_device():
+            embeds = self.encode(prompts, max_sequence_length)
+            if negative_prompt is not None and (true_cfg_scale or 1.0) > 1.0:
+                negative = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else negative_prompt
+                embeds.update({f"negative_{k}": v for k, v in self.encode(list(negative), max_sequence_length).items()})
+        rest = dict(height=height, width=width, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                    true_cfg_scale=true_cfg_scale, max_sequence_length=max_sequence_length, generator=generator,
+                    output_type=output_type, return_dict=return_dict)
+        rest = {k: v for k, v in rest.items() if v is not None and k in self._call_params}
+        return self.pipe(**embeds, **rest)
+
+    def encode(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor]:
+        """The pipeline's prompt embeddings for ``prompts``, named as its ``__call__`` takes them."""
+        kw = dict(prompt=prompts, device=self.device, num_images_per_prompt=1)
+        if max_sequence_length is not None and "max_sequence_length" in self._encode_params:
+            kw["max_sequence_length"] = max_sequence_length
+        with torch.no_grad():
+            out = self.pipe.encode_prompt(**kw)
+        return {name: value for name, value in zip(self._outputs, out) if name is not None}
+
+    @contextlib.contextmanager
+    def _encoders_on_device(self) -> Iterator[None]:
+        for name in self.offloaded:
+            getattr(self.pipe, name).to(self.device)
+        try:
+            yield
+        finally:
+            for name in self.offloaded:
+                getattr(self.pipe, name).to("cpu")
+            if self.offloaded and self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:
+    """The GPUs of this rank's replica: local rank r spans GPUs [r*g, (r+1)*g)."""
+    return list(range(local_rank * gpus_per_replica, (local_rank + 1) * gpus_per_replica))
+
+
+def parse_bytes(value: Any) -> int:
+    """``70GiB``, ``70GB``, ``512MiB`` or a number of bytes."""
+    s = str(value).strip()
+    units = {"GIB": GiB, "GB": 10 ** 9, "MIB": 1 << 20, "MB": 10 ** 6, "KIB": 1 << 10, "KB": 10 ** 3, "B": 1}
+    for unit, scale in units.items():
+        if s.upper().endswith(unit):
+            return int(float(s[: -len(unit)]) * scale)
+    return int(float(s))
+
+
+def memory_caps(max_memory: dict | None, gpus: list[int]) -> dict[int, int]:
+    """Bytes each of ``gpus`` may hold: ``strategy.max_memory`` (keys = GPU index within the replica), else
+    90% of what is free now."""
+    caps = {}
+    for i, gpu in enumerate(gpus):
+        given = (max_memory or {}).get(str(i), (max_memory or {}).get(i))
+        caps[gpu] = parse_bytes(given) if given is not None else int(torch.cuda.mem_get_info(gpu)[0] * 0.9)
+    return caps
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + \
+        sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def _load(cfg: Any, gpus: list[int], caps: dict[int, int]) -> Any:
+    """The pipeline with its transformer spread over ``gpus``; the other components still on the CPU."""
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.model.weights == "dummy":  # validation allows one GPU only: build everything there
+        return load_pipeline(cfg.model, dtype, torch.device("cuda", gpus[0]))
+    import diffusers
+
+    from parallel.strategies import transformer_info
+
+    source = resolve_source(cfg.model)
+    check_safetensors_only(source)
+    cls = getattr(diffusers, transformer_info(cfg.model).cls_name)
+    try:
+        transformer = cls.from_pretrained(source, subfolder="transformer", torch_dtype=dtype, use_safetensors=True,
+                                          revision=cfg.model.revision, device_map="balanced", max_memory=caps)
+    except (OSError, EnvironmentError) as e:
+        hint = "" if os.path.isdir(source) else (
+            " No model hub may be reachable: point model.source at a local directory.")
+        raise ModelLoadError(f"cannot load the transformer of model.source={source!r}: {e}.{hint}") from e
+    placed = {str(d) for d in (getattr(transformer, "hf_device_map", None) or {}).values()}
+    off = sorted(placed - {str(g) for g in gpus})
+    if off:
+        raise ModelLoadError(
+            f"the transformer does not fit GPUs {gpus} under max_memory {caps} (parts went to {off}); raise "
+            "strategy.gpus_per_replica or strategy.max_memory")
+    return load_pipeline(cfg.model, dtype, None, transformer=transformer)
+
+
+def plan_encoders(sizes: dict[str, int], used: dict[int, int], caps: dict[int, int]) -> dict[str, int | None]:
+    """Where each text encoder lives (pure): the GPU with most room when it fits there with
+    ``RESERVE_FRACTION`` of the GPU to spare for activations, else None (offloaded). Largest first."""
+    used, plan = dict(used), {}
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        room = {g: caps[g] * (1 - RESERVE_FRACTION) - used[g] for g in caps}
+        gpu = max(room, key=room.get)
+        plan[name] = gpu if sizes[name] <= room[gpu] else None
+        if plan[name] is not None:
+            used[gpu] += sizes[name]
+    return plan
+
+
+def place(pipe: Any, gpus: list[int], caps: dict[int, int]) -> list[str]:
+    """VAE on the first GPU, the text encoders as ``plan_encoders`` says; returns the offloaded ones."""
+    first = torch.device("cuda", gpus[0])
+    if pipe.vae.device != first:
+        pipe.vae.to(first)
+    encoders = [n for n, c in pipe.components.items()
+                if n.startswith("text_encoder") and isinstance(c, torch.nn.Module)]
+    for name in encoders:  # measure the GPUs without them (dummy weights are built on the GPU)
+        getattr(pipe, name).to("cpu")
+    used = {g: torch.cuda.memory_allocated(g) for g in gpus}
+    plan = plan_encoders({n: _module_bytes(getattr(pipe, n)) for n in encoders}, used, caps)
+    for name, gpu in plan.items():
+        size = _module_bytes(getattr(pipe, name)) / GiB
+        if gpu is not None:
+            getattr(pipe, name).to(torch.device("cuda", gpu))
+            log.info("device_map: %s (%.1f GiB) resident on cuda:%d", name, size, gpu)
+        else:
+            log.info("device_map: %s (%.1f GiB) does not fit next to the transformer: offloaded to the CPU, moved "
+                     "in to encode each batch (staged flow)", name, size)
+    return [n for n, g in plan.items() if g is None]
+
+
+def apply(cfg: Any, world, dims, mesh) -> StagedPipeline:
+    """This process's replica over its GPUs, as a StagedPipeline."""
+    gpus = replica_gpus(world.local_rank, dims.gpus_per_replica)
+    torch.cuda.set_device(gpus[0])
+    caps = memory_caps(cfg.strategy.max_memory, gpus)
+    log.info("device_map: replica on GPUs %s, max_memory %s", gpus, {g: f"{c / GiB:.1f}GiB" for g, c in caps.items()})
+    pipe = _load(cfg, gpus, caps)
+    offloaded = place(pipe, gpus, caps)
+    # the pipeline makes its latents on the device of its first GPU-resident component: decode there too
+    device = pipe._execution_device
+    if pipe.vae.device != device:
+        pipe.vae.to(device)
+    if dims.attention_backend:
+        pipe.transformer.set_attention_backend(dims.attention_backend)
+    split = getattr(pipe.transformer, "hf_device_map", None)
+    if split:
+        log.info("device_map: transformer over %s", sorted({str(d) for d in split.values()}))
+    return StagedPipeline(pipe, device, offloaded)

@@ -1,0 +1,132 @@
+"""Model parallelism gives the single-process numbers: TP-2 and Ulysses-2 under gloo on CPU, 2 real ranks.
+
+The tiny model runs in float64, so a split computation differs from the single-process one only by the
+order of its floating-point sums: ~1e-15 relative. The bounds below (1e-10 on the transformer output and
+on the decoded [0, 1] images) leave five orders of magnitude for that, and still catch any real mistake
+(a wrong shard, a missed all-reduce, a misordered gather: those give differences of order 1e-2 and up).
+The whole jobs then write the same PNG pixels as a one-rank run: a drift of 1e-12 can change an 8-bit
+value only if the exact value sits within 1e-12 of a rounding boundary, so we allow at most 1 level,
+and in practice see none.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, compose_cfg
+from tests.test_generate import shard_images
+
+pytestmark = pytest.mark.slow
+TRANSFORMER_TOL = 1e-10
+IMAGE_TOL = 1e-10
+COMMON = ("height=64", "width=64", "steps=2", "prompts.limit=8", "samples_per_shard=4", "batch_size=4",
+          "progress=false")
+
+
+def _transformer_inputs(torch):
+    """Inputs shaped like the tiny pipeline's at 128x128: 64 image tokens, 32 text tokens."""
+    g = torch.Generator().manual_seed(1)
+    d = dict(dtype=torch.float64)
+    img_ids = torch.zeros(64, 3, **d)
+    img_ids[:, 1], img_ids[:, 2] = torch.arange(64) // 8, torch.arange(64) % 8
+    return dict(hidden_states=torch.randn(1, 64, 64, generator=g, **d),
+                encoder_hidden_states=torch.randn(1, 32, 32, generator=g, **d),
+                pooled_projections=torch.randn(1, 32, generator=g, **d), timestep=torch.tensor([0.5], **d),
+                guidance=torch.tensor([3.5], **d), img_ids=img_ids, txt_ids=torch.zeros(32, 3, **d), return_dict=False)
+
+
+def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
+    """One of 2 ranks: the single-process reference, then TP-2 and Ulysses-2 built by the strategies."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    from omegaconf import OmegaConf
+
+    from engine.generation import GenSettings, pipeline_kwargs
+    from engine.runner import quiet_libraries
+    from models.loader import load_pipeline, torch_dtype
+    from parallel import world as W
+    from parallel.strategies import StrategyDims, apply_strategy
+
+    torch.set_num_threads(1)
+    quiet_libraries()
+    cfg = OmegaConf.create(cfg_yaml)
+    world = W.init_world("cpu")
+    settings = GenSettings.from_cfg(cfg)
+    prompts, seeds = ["a cat", "an astronaut riding a horse"], [11, 12]
+    with torch.no_grad():
+        ref = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+        ref_out = ref.transformer(**_transformer_inputs(torch))[0]
+        ref_img = ref(**pipeline_kwargs(ref, settings, prompts, seeds)).images
+        results = {}
+        for name, degrees in (("tp", dict(tp=2)), ("cp_ulysses", dict(ulysses=2, attention_backend="native"))):
+            dims = StrategyDims(world_size=2, strategy=name, **degrees)
+            pipe = apply_strategy(cfg, world, dims, W.build_mesh(dims, world.device))
+            out = pipe.transformer(**_transformer_inputs(torch))[0]
+            img = pipe(**pipeline_kwargs(pipe, settings, prompts, seeds)).images
+            results[name] = dict(transformer=(out - ref_out).abs().max().item(),
+                                 images=(img - ref_img).abs().max().item(), shape=list(img.shape),
+                                 ref_scale=ref_out.abs().max().item())
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    W.shutdown()
+
+
+def test_tp2_and_ulysses2_match_one_process(tmp_path):
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from engine.launch import free_port
+
+    cfg = compose_cfg("height=128", "width=128", "steps=2")
+    mp.start_processes(_parity_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank}: {res}")
+        for name in ("tp", "cp_ulysses"):
+            assert res[name]["shape"] == [2, 3, 128, 128]
+            assert res[name]["transformer"] <= TRANSFORMER_TOL, (name, res[name])
+            assert res[name]["images"] <= IMAGE_TOL, (name, res[name])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, bytes]:
+    from jobs.generate import run
+
+    d = tmp_path_factory.mktemp("one") / "run"
+    assert run(compose_cfg(f"run_dir={d}", *COMMON)).ok == 8
+    return shard_images(d)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+@pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
+                         ids=["tp2", "ulysses2"])
+def test_whole_job_matches_one_rank(tmp_path, one_rank, strategy):
+    """`python -m jobs.generate strategy=... launcher=local launcher.nprocs=2` as typed: a complete run that
+    jobs.verify accepts, with the one-rank run's pixels."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jobs.generate", *strategy, "launcher=local", "launcher.nprocs=2",
+           f"run_dir={run_dir}", *COMMON]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    v = subprocess.run([sys.executable, "-m", "jobs.verify", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr
+    images = shard_images(run_dir)
+    assert sorted(images) == sorted(one_rank)
+    worst = max(int(np.abs(_pixels(images[k]) - _pixels(one_rank[k])).max()) for k in images)
+    print(f"{strategy}: max pixel difference vs one rank = {worst} levels")
+    assert worst <= 1

@@ -1,0 +1,308 @@
+"""Strategies: every misconfiguration stopped with a message saying what to change before any weight is
+read; auto's choice on synthetic machines; the CPU compatibility patches (and that they are still needed);
+device_map's staged wrapper giving the pipeline's own pixels."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import parallel.strategies as S
+from engine.generation import GenSettings, pipeline_kwargs
+from jobs.generate import run
+from parallel.auto import AutoInputs, choose, decide
+from parallel.strategies import DeviceFacts, ParallelConfigError, parallel_dims
+from tests.conftest import compose_cfg
+
+CPU = DeviceFacts(type="cpu", count=0, local_ranks=1)
+GPUS = lambda n, local=1: DeviceFacts(type="cuda", count=n, local_ranks=local)  # noqa: E731
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Any attempt to read weights fails the test."""
+    import diffusers
+
+    from models import loader
+
+    def boom(*a, **k):
+        pytest.fail("weights were read before the configuration was validated")
+
+    monkeypatch.setattr(loader, "load_pipeline", boom)
+    monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", classmethod(boom))
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", classmethod(boom))
+
+
+def dims_for(monkeypatch, overrides, world_size, facts=CPU):
+    monkeypatch.setattr(S, "device_facts", lambda cfg, ws: facts)
+    return parallel_dims(compose_cfg(*overrides), world_size)
+
+
+BAD = [  # (overrides, world size, device facts, what the message must say)
+    (("strategy=dp", "tp_degree=2"), 2, CPU, "strategy=dp ignores tp_degree"),
+    (("strategy=tp", "tp_degree=2"), 1, CPU, "do not divide the world of 1"),
+    (("strategy=tp", "tp_degree=1"), 2, CPU, "needs tp_degree >= 2"),
+    (("strategy=tp", "tp_degree=3"), 3, CPU, "tp_degree=3 does not divide the 4 attention heads"),
+    (("strategy=tp", "tp_degree=2", "ulysses_degree=2"), 4, CPU, "are not combined"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "tp_degree=2"), 4, CPU, "are not combined"),
+    (("strategy=cp_ulysses", "ulysses_degree=2"), 3, CPU, "do not divide the world of 3"),
+    (("strategy=cp_ulysses", "ulysses_degree=1"), 2, CPU, "needs ulysses_degree >= 2"),
+    (("strategy=cp_ring", "ring_degree=2", "ulysses_degree=2"), 4, CPU, "cp_ring needs ring_degree >= 2 and ulysses"),
+    (("strategy=cp_ulysses", "ulysses_degree=3"), 3, CPU, "ulysses_degree=3 does not divide the 4 attention heads"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "height=48", "width=48"), 2, CPU,
+     r"image tokens = 9 \(48/16 x 48/16\)"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "model.max_sequence_length=33"), 2, CPU, "text tokens = 33"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.ulysses_anything=true", "height=48", "width=48"), 2, CPU,
+     "needs NCCL"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.ring_anything=true"), 2, CPU, "ring_anything=true needs"),
+    (("strategy=cp_ring", "ring_degree=2"), 2, CPU, "log-sum-exp .* on CPU none does"),
+    (("strategy=cp_unified", "ring_degree=2", "ulysses_degree=2"), 4, CPU, "ring_degree=2 needs an attention backend"),
+    (("strategy=cp_ring", "ring_degree=2", "strategy.attention_backend=native"), 2, GPUS(2, 2), "'native' does not"),
+    (("strategy=cp_ring", "ring_degree=2"), 2, GPUS(2, 2),
+     "_native_cudnn runs bfloat16/float16 only, and dtype=float64"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=bogus"), 2, CPU,
+     "not a diffusers attention backend"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=xformers"), 2, CPU,
+     "does not support context parallelism"),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=_native_cudnn"), 2, CPU, "CUDA kernel"),
+    (("strategy=device_map",), 1, CPU, "has no CUDA GPU \\(CPU only\\)"),
+    (("strategy=device_map", "strategy.gpus_per_replica=2"), 1, GPUS(1), "needs 2 GPUs, but this machine has 1"),
+    (("strategy=device_map", "model=flux_dev", "model.weights=dummy"), 1, GPUS(8), "builds the whole pipeline on one"),
+    (("strategy=tp", "tp_degree=2"), 4, GPUS(2, 4), "4 ranks per node need one GPU each"),
+    (("strategy=tp", "tp_degree=2"), 8, GPUS(8, 4), "one rank per GPU on every node"),
+    (("model=qwen_image", "model.weights=dummy", "strategy=cp_ulysses", "ulysses_degree=2"), 2, GPUS(2, 2),
+     "text length of its own"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,facts,needle", BAD, ids=[" ".join(b[0]) + f" w{b[1]}" for b in BAD])
+def test_misconfiguration_stopped_before_weights(monkeypatch, no_weights, overrides, world, facts, needle):
+    with pytest.raises(ParallelConfigError, match=needle):
+        dims_for(monkeypatch, overrides, world, facts)
+
+
+def test_transformer_without_a_tp_plan(monkeypatch, no_weights, tmp_path):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "SD3Transformer2DModel", "num_attention_heads": 24}))
+    with pytest.raises(ParallelConfigError, match="SD3Transformer2DModel has no _tp_plan"):
+        dims_for(monkeypatch, ("strategy=tp", "tp_degree=2", f"model.source={tmp_path}"), 2)
+    with pytest.raises(ParallelConfigError, match="has no _cp_plan"):
+        dims_for(monkeypatch, ("strategy=cp_ulysses", "ulysses_degree=2", f"model.source={tmp_path}"), 2)
+
+
+def test_unreadable_transformer_config_says_what_to_do(monkeypatch, no_weights, tmp_path):
+    with pytest.raises(ParallelConfigError, match="point model.source at its directory"):
+        dims_for(monkeypatch, ("strategy=tp", "tp_degree=2", "model.source=nobody/nothing"), 2)
+
+
+def test_whole_job_stops_before_run_dir_and_weights(no_weights, tmp_path):
+    """Through the real entry point, on this machine: nothing written, no weight read."""
+    with pytest.raises(ParallelConfigError, match="no CUDA GPU" if not torch.cuda.is_available() else "needs 2 GPUs"):
+        run(compose_cfg("strategy=device_map", f"run_dir={tmp_path / 'run'}", "progress=false"))
+    with pytest.raises(ParallelConfigError, match="do not divide the world of 1"):
+        run(compose_cfg("strategy=tp", "tp_degree=2", f"run_dir={tmp_path / 'run'}", "progress=false"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides,world,expect", [
+    (("strategy=tp", "tp_degree=2"), 4, dict(dp=2, tp=2, strategy="tp")),
+    (("strategy=cp_ulysses", "ulysses_degree=2"), 2, dict(dp=1, ulysses=2, attention_backend="native")),
+    (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.ulysses_anything=true"), 2, dict(ulysses_anything=True)),
+    (("strategy=cp_unified", "ring_degree=2", "ulysses_degree=2", "dtype=bfloat16"), 8,
+     dict(dp=2, ring=2, ulysses=2, attention_backend="_native_cudnn")),
+    (("strategy=device_map", "strategy.gpus_per_replica=2"), 2, dict(dp=2, gpus_per_replica=2, strategy="device_map")),
+])
+def test_valid_layouts(monkeypatch, no_weights, overrides, world, expect):
+    facts = GPUS(8, world) if "dtype=bfloat16" in overrides or "strategy=device_map" in overrides else CPU
+    if "strategy=device_map" in overrides:
+        facts = GPUS(4, world)
+    dims = dims_for(monkeypatch, overrides, world, facts)
+    for key, value in expect.items():
+        assert getattr(dims, key) == value, key
+
+
+def test_slurm_submission_is_checked_against_the_nodes_it_asks_for(monkeypatch, no_weights):
+    from parallel.strategies import device_facts
+
+    cfg = compose_cfg("launcher=slurm", "launcher.gpus_per_node=8", "launcher.tasks_per_node=4", "strategy=device_map")
+    assert device_facts(cfg, 4) == DeviceFacts("cuda", 8, 4, device_facts(cfg, 4).where)
+    with pytest.raises(ParallelConfigError, match="needs 8 GPUs, but each SLURM node"):
+        parallel_dims(compose_cfg("launcher=slurm", "launcher.gpus_per_node=4", "strategy=device_map"), 4)
+
+
+# --- auto ------------------------------------------------------------------------------------------------
+
+GiB = 1 << 30
+FLUX_DEV = AutoInputs(  # FLUX.1-dev in bf16 at 1024x1024, batch 4 (12B transformer, 4.9B text encoders + VAE)
+    device_type="cuda", device_count=8, world_size=8, free_bytes=int(139 * GiB), transformer_bytes=int(22.2 * GiB),
+    other_bytes=int(9.3 * GiB), image_tokens=4096, text_tokens=512, heads=24, hidden=3072, height=1024, width=1024,
+    batch_size=4, dtype_bytes=2, half_dtype=True, has_tp_plan=True, has_cp_plan=True)
+
+# a synthetic wide DiT at 2048x2048 (16384 image tokens): the only kind of image model whose transformer
+# activations outgrow its VAE decode's, i.e. where splitting the sequence is what makes a batch fit
+LONG = replace(FLUX_DEV, transformer_bytes=20 * GiB, other_bytes=4 * GiB, hidden=32768, heads=128, height=2048,
+               width=2048, image_tokens=16384, batch_size=1, free_bytes=36 * GiB)
+
+
+@pytest.mark.parametrize("inputs,strategy,degrees", [
+    (replace(FLUX_DEV, device_type="cpu", free_bytes=None), "dp", {}),
+    (FLUX_DEV, "dp", {}),                                                                   # an H200: fits
+    (replace(FLUX_DEV, free_bytes=32 * GiB, world_size=1, device_count=1), "device_map", dict(gpus_per_replica=1)),
+    (replace(FLUX_DEV, free_bytes=24 * GiB, world_size=8), "tp", dict(tp=4)),               # 24 GB cards, 8 ranks
+    (replace(FLUX_DEV, free_bytes=24 * GiB, world_size=1, device_count=4), "device_map", dict(gpus_per_replica=2)),
+    (LONG, "cp_ulysses", dict(ulysses=2)),
+    (replace(LONG, heads=9), "cp_ring", dict(ring=2)),
+])
+def test_auto_choice(inputs, strategy, degrees):
+    request, reasons = choose(inputs)
+    assert request.strategy == strategy, reasons
+    for key, value in degrees.items():
+        assert getattr(request, key) == value, reasons
+    assert reasons and all(isinstance(r, str) and "\n" not in r for r in reasons)
+
+
+def test_auto_says_what_would_make_it_fit():
+    with pytest.raises(ParallelConfigError, match="found no way to fit the model"):
+        choose(replace(FLUX_DEV, free_bytes=16 * GiB, world_size=1, device_count=1))
+    with pytest.raises(ParallelConfigError, match="no CP degree dividing the ranks"):  # no ring without bf16/fp16
+        choose(replace(LONG, heads=9, half_dtype=False))
+
+
+def test_auto_logs_one_line_per_reason_and_applies_its_choice(monkeypatch, caplog, no_weights):
+    monkeypatch.setattr("parallel.auto.gather_inputs", lambda cfg, ws, facts: replace(FLUX_DEV, free_bytes=24 * GiB))
+    monkeypatch.setattr(S, "device_facts", lambda cfg, ws: GPUS(8, 8))
+    with caplog.at_level(logging.INFO, logger="shardgen.auto"):
+        dims = parallel_dims(compose_cfg("strategy=auto"), 8)
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardgen.auto"]
+    assert (dims.strategy, dims.tp, dims.dp) == ("tp", 4, 2)
+    assert len(lines) == len(choose(replace(FLUX_DEV, free_bytes=24 * GiB))[1]) + 1
+    assert lines[-1] == "auto: applying strategy=tp tp_degree=4"
+
+
+def test_auto_on_this_cpu_machine_picks_dp(no_weights):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert decide(compose_cfg("strategy=auto"), 1, S.device_facts(compose_cfg("strategy=auto"), 1)).strategy == "dp"
+
+
+# --- diffusers compatibility patches (CPU) ----------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_gloo():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny_transformer():
+    from diffusers import FluxTransformer2DModel
+
+    from models.tiny import TRANSFORMER_CONFIG
+
+    return FluxTransformer2DModel(**TRANSFORMER_CONFIG).eval()
+
+
+@pytest.mark.skipif(torch.accelerator.device_count() > 0, reason="patch 1 concerns machines without an accelerator")
+def test_compat_device_count_patch_still_needed(one_rank_gloo):
+    """Fails the day diffusers stops computing rank % device_count() on CPU: then drop patch 1."""
+    from diffusers import TensorParallelConfig
+
+    with pytest.raises(ZeroDivisionError):
+        tiny_transformer()._resolve_parallel_config(TensorParallelConfig(tp_degree=1))
+
+
+def test_compat_tp_device_patch_still_needed(one_rank_gloo):
+    """Fails the day diffusers lists "cpu" among its TP devices: then drop patch 2."""
+    from diffusers import TensorParallelConfig
+    from diffusers.hooks import tensor_parallel
+
+    assert "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES, "diffusers supports TP on CPU now: drop patch 2"
+    old = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1  # patch 1 only
+    try:
+        with pytest.raises(ValueError, match="not supported on device type 'cpu'"):
+            tiny_transformer().enable_parallelism(config=TensorParallelConfig(tp_degree=1))
+    finally:
+        torch.accelerator.device_count = old
+
+
+def test_compat_patches_applied_only_when_needed_and_undone(one_rank_gloo):
+    from diffusers import TensorParallelConfig
+    from diffusers.hooks import tensor_parallel
+
+    from parallel.compat import parallel_patches
+
+    before = (torch.accelerator.device_count, tensor_parallel._SUPPORTED_TP_DEVICES)
+    with parallel_patches(torch.device("cuda", 0), tensor_parallel=True) as applied:
+        assert applied == []
+    with parallel_patches(torch.device("cpu"), tensor_parallel=True) as applied:
+        model = tiny_transformer()
+        model.enable_parallelism(config=TensorParallelConfig(tp_degree=1))
+    assert len(applied) == (2 if before[0]() == 0 else 1)
+    assert (torch.accelerator.device_count, tensor_parallel._SUPPORTED_TP_DEVICES) == before
+
+
+def test_compat_refuses_an_unchecked_diffusers(monkeypatch):
+    import diffusers
+
+    from parallel.compat import CompatError, parallel_patches
+
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with pytest.raises(CompatError, match="written for diffusers 0.42.x, not 0.43.0"):
+        with parallel_patches(torch.device("cpu"), tensor_parallel=True):
+            pass
+
+
+def test_lse_backends_are_context_parallel_backends():
+    """The LSE list names real CP-capable backends of this diffusers (a rename would break ring validation)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    assert S.LSE_BACKENDS <= set(_AttentionBackendRegistry._supports_context_parallel)
+    assert "native" not in S.LSE_BACKENDS
+
+
+# --- device_map's staged wrapper ----------------------------------------------------------------------------
+
+def test_staged_pipeline_gives_the_pipelines_pixels():
+    """Encoding outside the pipeline (with encoders moved in and out) changes no pixel, true CFG included,
+    and the wrapper's signature offers what the generation loop passes."""
+    from models.loader import load_pipeline
+    from parallel.device_map import StagedPipeline
+
+    m = SimpleNamespace(pipeline="FluxPipeline", weights="pretrained", source="tiny", revision=None, cache_dir=None)
+    pipe = load_pipeline(m, torch.float64, "cpu")
+    staged = StagedPipeline(pipe, torch.device("cpu"), offloaded=["text_encoder", "text_encoder_2"])
+    params = inspect.signature(staged.__call__).parameters
+    assert {"prompt", "guidance_scale", "max_sequence_length", "true_cfg_scale", "negative_prompt"} <= set(params)
+    for cfg_scale in (1.0, 2.0):
+        s = GenSettings(height=32, width=32, steps=2, guidance=3.5, true_cfg_scale=cfg_scale, negative_prompt="blurry",
+                        max_sequence_length=32, model="tiny", strategy="device_map")
+        ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a dog"], [1, 2])).images
+        theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2])).images
+        assert ours.shape == (2, 3, 32, 32) and torch.equal(ours, theirs)
+
+
+def test_device_map_helpers():
+    from parallel.device_map import memory_caps, parse_bytes, plan_encoders, replica_gpus
+
+    assert replica_gpus(1, 2) == [2, 3]
+    assert parse_bytes("70GiB") == 70 * GiB and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(1024) == 1024
+    assert memory_caps({"0": "10GiB", "1": "20GiB"}, [2, 3]) == {2: 10 * GiB, 3: 20 * GiB}
+    # FLUX.1-dev on 2 x 24 GB cards: the transformer split ~11 GiB each; CLIP fits, T5-XXL (9.5 GiB) does not
+    sizes = {"text_encoder": GiB // 4, "text_encoder_2": int(9.5 * GiB)}
+    assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 22 * GiB, 1: 22 * GiB}) == \
+        {"text_encoder_2": None, "text_encoder": 0}
+    assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 40 * GiB, 1: 40 * GiB}) == \
+        {"text_encoder_2": 0, "text_encoder": 1}
+    assert memory_caps({}, []) == {}
