@@ -6,6 +6,7 @@ config, the prompt file or the run directory is found before any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -147,7 +148,7 @@ def run_rank(cfg: Any) -> RunResult | None:
         mesh = W.build_mesh(dims, world.device)
         pipe = apply_strategy(cfg, world, dims, mesh)
         ctx = _replica_context(world, dims, mesh)
-        worker = _make_worker(cfg, plan, pipe, ctx)
+        worker = _make_worker(cfg, plan, pipe, ctx, strategy=getattr(dims, "strategy", cfg.strategy.name))
         try:
             worker.run()
         finally:
@@ -178,8 +179,10 @@ def _replica_context(world, dims, mesh) -> ReplicaContext:
                           leader_rank=rank - rank % dims.replica_size, group=group)
 
 
-def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext) -> ReplicaWorker:
-    worker = ReplicaWorker(plan=plan, pipe=pipe, settings=GenSettings.from_cfg(cfg), batch_size=cfg.batch_size, ctx=ctx,
+def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> ReplicaWorker:
+    # samples record the strategy that ran (strategy=auto resolves to one)
+    settings = dataclasses.replace(GenSettings.from_cfg(cfg), strategy=strategy)
+    worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed)
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
