@@ -53,13 +53,12 @@ class ReplicaWorker:
     on_samples: Callable[[int], None] = lambda n: None
     progress: Any = None                   # leader of replica 0: the progress bar
     poll_s: float = 2.0
+    retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
-
-    retry_failed: bool = False
 
     def run(self) -> None:
         """Loop: next shard (shared by the leader), process it; stop when the run is complete.
@@ -83,7 +82,7 @@ class ReplicaWorker:
             if gen is None:
                 continue
             self._retried.add(shard)
-            failed = [f["index"] for f in read_json(run.shard_stats(shard))["failed_samples"] if f["status"] == "failed"]
+            failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
             self._old = read_shard_members(run.shard_tar(shard))
             self._work = ShardWork.open(run, shard, gen, len(self.plan.shard_range(shard)))
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
