@@ -4,7 +4,8 @@ Exact (outputs change only by bf16 rounding noise):
 
 - ``compile``: regional compilation. Every block whose class is in the transformer's
   ``_repeated_blocks`` (FLUX: 19 double-stream + 38 single-stream blocks) gets its ``forward``
-  compiled with ``torch.compile(fullgraph=True, dynamic=False)``: one graph per block class, reused
+  compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (``compile_mode`` adds ``mode=``, e.g.
+  ``max-autotune-no-cudagraphs``: autotuned GEMM templates, minutes per shape): one graph per block class, reused
   by all blocks of that class, so it compiles in seconds, like diffusers' ``compile_repeated_blocks``.
   The difference to ``compile_repeated_blocks`` (which compiles ``Module._call_impl``): diffusers'
   cache hooks (First-Block-Cache) replace a block's ``forward`` and must stay eager (they decide on
@@ -48,6 +49,7 @@ import torch
 log = logging.getLogger("shardgen.accel")
 
 SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _STATE_ATTR = "_shardgen_accel"
@@ -65,12 +67,14 @@ class AccelOptions:
     sdpa: str = "auto"
     first_block_cache: float = 0.0
     fp8: bool = False
+    compile_mode: str = "default"
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "AccelOptions":
         get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
         return cls(compile=bool(get("compile", False)), sdpa=str(get("sdpa_backend", "auto")),
-                   first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)))
+                   first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
+                   compile_mode=str(get("compile_mode", "default") or "default"))
 
     @property
     def lossy(self) -> dict:
@@ -87,6 +91,8 @@ def validate(opts: AccelOptions, device: torch.device | str | None = None) -> No
     """Raise AccelError for an impossible option (no weights needed; call before loading)."""
     if opts.sdpa not in SDPA_CHOICES:
         raise AccelError(f"sdpa_backend={opts.sdpa!r}: use one of {list(SDPA_CHOICES)}")
+    if opts.compile_mode not in COMPILE_MODES:
+        raise AccelError(f"compile_mode={opts.compile_mode!r}: use one of {list(COMPILE_MODES)}")
     if not 0.0 <= opts.first_block_cache < 1.0:
         raise AccelError(f"first_block_cache={opts.first_block_cache}: use 0 (off) or a threshold in (0, 1), "
                          "e.g. 0.05-0.2")
@@ -120,8 +126,9 @@ def _raise_recompile_limits() -> None:
         dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
 
 
-def compile_blocks(transformer: torch.nn.Module) -> int:
-    """Compile each repeated block's ``forward`` in place (idempotent); how many blocks."""
+def compile_blocks(transformer: torch.nn.Module, mode: str = "default") -> int:
+    """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
+    torch.compile's (``default`` passes none: inductor's default mode)."""
     blocks = repeated_blocks(transformer)
     if not blocks:
         raise AccelError(f"compile=true: {type(transformer).__name__} declares no _repeated_blocks to compile "
@@ -135,7 +142,10 @@ def compile_blocks(transformer: torch.nn.Module) -> int:
                              "compile before adding hooks")
         eager = block.forward
         block.__dict__["_shardgen_eager_forward"] = eager
-        block.forward = torch.compile(eager, fullgraph=True, dynamic=False)
+        if mode == "default":
+            block.forward = torch.compile(eager, fullgraph=True, dynamic=False)
+        else:  # autotuned GEMM templates with fused epilogues (minutes of compilation per shape)
+            block.forward = torch.compile(eager, fullgraph=True, dynamic=False, mode=mode)
     return len(blocks)
 
 
@@ -381,10 +391,10 @@ def prepare(pipe, opts: AccelOptions) -> dict:
         disable_cache(tr)
     if opts.fp8 != fp8_enabled(tr):
         done["fp8_layers"] = enable_fp8(tr) if opts.fp8 else -disable_fp8(tr)
-    if opts.compile and not was.compile:
-        done["compiled_blocks"] = compile_blocks(tr)
-    elif was.compile and not opts.compile:
+    if was.compile and (not opts.compile or was.compile_mode != opts.compile_mode):
         uncompile_blocks(tr)
+    if opts.compile and (not was.compile or was.compile_mode != opts.compile_mode):
+        done["compiled_blocks"] = compile_blocks(tr, opts.compile_mode)
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache

@@ -171,6 +171,9 @@ class GenerateConfig:
     fp8: bool = False
     """Opt-in, LOSSY: the transformer blocks' linear layers in float8 e4m3 (torch._scaled_mm, row-wise
     scales); needs compute capability 8.9+ and compile=true to be faster."""
+    compile_mode: str = "default"
+    """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
+    max-autotune. Autotuning costs minutes of compilation per shape. engine/accel.py."""
 
 
 def register_configs() -> None:

@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile", dest="compile", action="store_true", default=None, help="shardgen compile=true")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--sdpa", default="auto", help="shardgen sdpa_backend")
+    ap.add_argument("--compile-mode", default="default",
+                    help="shardgen compile_mode: default | max-autotune-no-cudagraphs | max-autotune")
     ap.add_argument("--accel", default=None, help="opt-in lossy runs, comma-separated from " + ",".join(ACCELS)
                     + " (default fbc,fp8 on CUDA, none on CPU; 'none' for none)")
     ap.add_argument("--accel-n", type=int, default=None, help="prompts per opt-in run (default 3 batches)")
@@ -532,14 +534,14 @@ def main(argv=None) -> dict:
     common = [f"model={args.model}", f"model.weights={args.weights}", "prompts=txt", f"prompts.path={prompt_file}",
               f"steps={args.steps}", f"height={args.size}", f"width={args.size}", f"batch_size={args.batch}",
               f"device={device.type}", "progress=false", f"compile={str(args.compile).lower()}",
-              f"sdpa_backend={args.sdpa}", *args.overrides]
+              f"sdpa_backend={args.sdpa}", f"compile_mode={args.compile_mode}", *args.overrides]
     cfg = compose(common + [f"run_dir={work / 'run'}"])
     dtype = torch_dtype(cfg.dtype)
     seeds = [sample_seed(cfg.seed, i) for i in range(args.n)]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "model": args.model, "weights": args.weights,
            "dtype": cfg.dtype, "size": args.size, "steps": args.steps, "n": args.n, "batch": args.batch,
-           "compile": args.compile, "sdpa_backend": args.sdpa, "argv": sys.argv if argv is None else argv}
+           "compile": args.compile, "compile_mode": args.compile_mode, "sdpa_backend": args.sdpa, "argv": sys.argv if argv is None else argv}
     try:
         import diffusers
 
@@ -635,7 +637,7 @@ def main(argv=None) -> dict:
         warm = run_shardgen(pipe, warm_cfg, device, timer)
         warm["wall_s"] = time.perf_counter() - t0
     rep.put("shardgen_warmup", warm)
-    say(f"shardgen warm-up (one batch of {warm['n']}, compile={args.compile}): {warm['wall_s']:.1f} s")
+    say(f"shardgen warm-up (one batch of {warm['n']}, compile={args.compile}, compile_mode={args.compile_mode}): {warm['wall_s']:.1f} s")
     sg = run_shardgen(pipe, cfg, device, timer, profile_batch=args.profile_batch if device.type == "cuda" else None)
     sg["mfu_denoise"], sg["mfu_e2e"] = mfu(sg)
     if sg.get("steady_s_per_image"):

@@ -78,7 +78,35 @@ def test_float8_linear_is_close_to_linear_and_reversible():
 @pytest.mark.parametrize("opts, msg", [
     (accel.AccelOptions(sdpa="fastest"), "sdpa_backend"),
     (accel.AccelOptions(first_block_cache=1.5), "first_block_cache"),
+    (accel.AccelOptions(compile=True, compile_mode="fast"), "compile_mode"),
 ])
 def test_invalid_accel_options_are_refused(opts, msg):
     with pytest.raises(accel.AccelError, match=msg):
         accel.validate(opts, "cpu")
+
+
+def test_compile_mode_is_passed_to_torch_compile_and_default_passes_none(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Tr(torch.nn.Module):
+        _repeated_blocks = ("Block",)
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    tr = Tr()
+    assert accel.compile_blocks(tr) == 2
+    assert calls == [{"fullgraph": True, "dynamic": False}] * 2  # default: exactly as before
+    accel.uncompile_blocks(tr)
+    calls.clear()
+    accel.compile_blocks(tr, "max-autotune-no-cudagraphs")
+    assert calls == [{"fullgraph": True, "dynamic": False, "mode": "max-autotune-no-cudagraphs"}] * 2
+    cfg = {"compile": True, "compile_mode": "max-autotune"}
+    assert accel.AccelOptions.from_cfg(cfg).compile_mode == "max-autotune"
+    assert accel.AccelOptions.from_cfg({"compile": True}).compile_mode == "default"
