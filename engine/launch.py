@@ -32,6 +32,9 @@ def launch_local(cfg: Any) -> None:
     """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode)."""
     import torch.multiprocessing as mp
 
+    from parallel.strategies import parallel_dims
+
+    parallel_dims(cfg, cfg.launcher.nprocs)  # impossible degrees fail here, once, before any rank is spawned
     child = OmegaConf.to_container(cfg, resolve=True)
     child["launcher"]["name"] = "none"  # the children are the ranks; they must not spawn again
     nprocs = cfg.launcher.nprocs
