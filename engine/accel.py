@@ -68,13 +68,16 @@ class AccelOptions:
     first_block_cache: float = 0.0
     fp8: bool = False
     compile_mode: str = "default"
+    fused_blocks: bool = True
+    compile_tuning: bool = True
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "AccelOptions":
         get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
         return cls(compile=bool(get("compile", False)), sdpa=str(get("sdpa_backend", "auto")),
                    first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
-                   compile_mode=str(get("compile_mode", "default") or "default"))
+                   compile_mode=str(get("compile_mode", "default") or "default"),
+                   fused_blocks=bool(get("fused_blocks", True)), compile_tuning=bool(get("compile_tuning", True)))
 
     @property
     def lossy(self) -> dict:
@@ -126,26 +129,38 @@ def _raise_recompile_limits() -> None:
         dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
 
 
-def compile_blocks(transformer: torch.nn.Module, mode: str = "default") -> int:
+def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: bool = False,
+                   tuning: bool = False) -> int:
     """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
-    torch.compile's (``default`` passes none: inductor's default mode)."""
+    torch.compile's (``default`` passes none: inductor's default mode). ``fused``: FLUX blocks compile
+    engine/flux_fused.py's forwards instead of their own (other models: ignored). ``tuning``:
+    inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time)."""
     blocks = repeated_blocks(transformer)
     if not blocks:
         raise AccelError(f"compile=true: {type(transformer).__name__} declares no _repeated_blocks to compile "
                          "regionally; set compile=false")
     _raise_recompile_limits()
+    if tuning:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
+    forwards = {}
+    if fused and not any("_shardgen_eager_forward" in b.__dict__ for b in blocks):
+        from engine import flux_fused
+
+        forwards = flux_fused.enable(transformer)
     for block in blocks:
         if "_shardgen_eager_forward" in block.__dict__:
             continue
         if not _plain_forward(block):  # a hook wraps forward: compiling it would compile the hook
             raise AccelError(f"compile=true: {type(block).__name__}.forward is already wrapped (a hook?); "
                              "compile before adding hooks")
-        eager = block.forward
-        block.__dict__["_shardgen_eager_forward"] = eager
+        block.__dict__["_shardgen_eager_forward"] = block.forward
+        target = forwards.get(block, block.forward)
         if mode == "default":
-            block.forward = torch.compile(eager, fullgraph=True, dynamic=False)
+            block.forward = torch.compile(target, fullgraph=True, dynamic=False)
         else:  # autotuned GEMM templates with fused epilogues (minutes of compilation per shape)
-            block.forward = torch.compile(eager, fullgraph=True, dynamic=False, mode=mode)
+            block.forward = torch.compile(target, fullgraph=True, dynamic=False, mode=mode)
     return len(blocks)
 
 
@@ -157,6 +172,9 @@ def _plain_forward(block: torch.nn.Module) -> bool:
 
 
 def uncompile_blocks(transformer: torch.nn.Module) -> None:
+    from engine import flux_fused
+
+    flux_fused.disable(transformer)
     for block in repeated_blocks(transformer):
         if "_shardgen_eager_forward" in block.__dict__:
             block.__dict__.pop("_shardgen_eager_forward")
@@ -391,10 +409,13 @@ def prepare(pipe, opts: AccelOptions) -> dict:
         disable_cache(tr)
     if opts.fp8 != fp8_enabled(tr):
         done["fp8_layers"] = enable_fp8(tr) if opts.fp8 else -disable_fp8(tr)
-    if was.compile and (not opts.compile or was.compile_mode != opts.compile_mode):
+    how = lambda o: (o.compile_mode, o.fused_blocks, o.compile_tuning)  # noqa: E731
+    if was.compile and (not opts.compile or how(was) != how(opts)):
         uncompile_blocks(tr)
-    if opts.compile and (not was.compile or was.compile_mode != opts.compile_mode):
-        done["compiled_blocks"] = compile_blocks(tr, opts.compile_mode)
+    if opts.compile and (not was.compile or how(was) != how(opts)):
+        cuda = device is not None and torch.device(device).type == "cuda"
+        done["compiled_blocks"] = compile_blocks(tr, opts.compile_mode, fused=opts.fused_blocks,
+                                                 tuning=opts.compile_tuning and cuda)
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache

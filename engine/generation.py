@@ -71,7 +71,8 @@ def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     synchronisation (the denoising loop itself has none).
     """
     finite = torch.isfinite(images).flatten(1).all(dim=1)
-    pixels = (images.nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    # in float32 like numpy_to_pil: x * 255 in bf16 would round again before .round()
+    pixels = (images.float().nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     if pixels.device.type != "cuda":
         return finite.cpu().tolist(), pixels.cpu().numpy()
     host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)

@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-batch", type=int, default=1, help="batch whose cycle is traced for GPU idle")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--baseline-n", type=int, default=None, help="baseline on the first N prompts only (default all)")
+    ap.add_argument("--noise-floor", type=int, default=0, metavar="N",
+                    help="CUDA: rerun the baseline loop on N prompts with another exact SDPA kernel (flash) and give "
+                         "its PSNR against the baseline: what bf16 rounding alone changes (default 0: off)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for bench.json (default $OUT)")
     ap.add_argument("--workdir", default=None, help="where run dirs and baseline PNGs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -307,6 +310,25 @@ def run_baseline(pipe, cfg, prompts: list[str], seeds: list[int], out_dir: Path,
     return {"n": len(prompts), "wall_s": wall, "s_per_image": wall / len(prompts),
             "images_per_hour": 3600 * len(prompts) / wall, "transformer_s": timer.total_s(),
             "transformer_calls": len(timer.pairs), **peak_memory(device)}
+
+
+def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, timer, device) -> dict:
+    """PSNR between the baseline's images and the same eager loop with another exact attention kernel
+    (flash instead of torch's own choice): how far bf16 rounding alone moves the pixels of this model."""
+    from PIL import Image
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = "flash"
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        run_baseline(pipe, cfg, prompts, seeds, work / "noise-floor", timer, device)
+    vals = []
+    for i in range(len(prompts)):
+        a = np.asarray(Image.open(work / "baseline" / f"{i:06d}.png").convert("RGB"))
+        b = np.asarray(Image.open(work / "noise-floor" / f"{i:06d}.png").convert("RGB"))
+        vals.append(psnr(a, b))
+    finite = [v for v in vals if not math.isinf(v)]
+    return {"kernel": kernel, "n": len(vals), "first": vals[0], "mean": float(np.mean(finite)) if finite else math.inf,
+            "min": min(vals)}
 
 
 class _Patched:
@@ -574,6 +596,12 @@ def main(argv=None) -> dict:
         results["baseline"] = base
         rep.put("baseline", base)
         say(f"baseline: {base['n']} images in {base['wall_s']:.1f} s = {base['images_per_hour']:.0f} images/hour")
+        if args.noise_floor and device.type == "cuda":
+            base["noise_floor"] = noise_floor(pipe, cfg, prompts[:min(args.noise_floor, nb)], seeds, work, timer, device)
+            rep.put("baseline", base)
+            nf = base["noise_floor"]
+            say(f"bf16 noise floor: the baseline loop with SDPA {nf['kernel']} instead of torch's choice, PSNR vs "
+                f"the baseline: first {_fmt_db(nf['first'])} dB, mean {_fmt_db(nf['mean'])} over {nf['n']}")
     else:
         timer.capture_next = True
 
@@ -731,6 +759,11 @@ def _summary(args, env, peak, flops, base, warm, sg, acc) -> dict:
         p = sg["psnr_vs_baseline"]
         say(f"PSNR shardgen vs baseline (same prompt, same seed): first image {_fmt_db(p['first'])} dB; "
             f"mean {_fmt_db(p['mean'])}, min {_fmt_db(p['min'])} over {base['n']}")
+        if base.get("noise_floor"):
+            nf = base["noise_floor"]
+            out.update(noise_floor_psnr_mean=nf["mean"], noise_floor_psnr_first=nf["first"])
+            say(f"  for scale, the bf16 noise floor (eager loop, SDPA {nf['kernel']} vs torch's choice): "
+                f"mean {_fmt_db(nf['mean'])} dB over {nf['n']}")
     if idle is not None:
         i = sg["idle"]
         say(f"GPU idle in steady state: {_pct(idle)} of batch {i['batches']}'s cycle ({i['window_s']:.2f} s, "
