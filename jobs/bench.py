@@ -319,8 +319,18 @@ def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, tim
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = "flash"
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    tr = pipe.transformer
+    eager_forward = tr.forward
+
+    def forward(*args, **kwargs):  # the transformer only: the text encoders keep their (masked) attention
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return eager_forward(*args, **kwargs)
+
+    tr.forward = forward
+    try:
         run_baseline(pipe, cfg, prompts, seeds, work / "noise-floor", timer, device)
+    finally:
+        del tr.forward
     vals = []
     for i in range(len(prompts)):
         a = np.asarray(Image.open(work / "baseline" / f"{i:06d}.png").convert("RGB"))
