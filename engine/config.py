@@ -174,6 +174,13 @@ class GenerateConfig:
     compile_mode: str = "default"
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
     max-autotune. Autotuning costs minutes of compilation per shape. engine/accel.py."""
+    fused_blocks: bool = True
+    """With compile=true on FLUX.1 transformers: compile engine/flux_fused.py's block forwards (one Triton
+    pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
+    bf16 rounding; other models and tp/cp runs keep the stock blocks."""
+    compile_tuning: bool = True
+    """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
+    compilation once per process, ~2% faster steps)."""
 
 
 def register_configs() -> None:

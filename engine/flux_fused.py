@@ -297,6 +297,10 @@ def applicable(transformer: torch.nn.Module) -> str | None:
         return f"{type(transformer).__name__} is not FluxTransformer2DModel"
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
+    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+        # tensor parallel: the sharded linears all-reduce in their own forward, which the fused
+        # forwards' direct weight use would skip
+        return "its weights are DTensors (tensor parallel)"
     for name, mod in transformer.named_modules():
         proc = getattr(mod, "processor", None)
         if proc is None or isinstance(proc, FusedFluxAttnProcessor):

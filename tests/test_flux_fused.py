@@ -1,0 +1,136 @@
+"""engine/flux_fused.py on the CPU: the fused FLUX blocks compute what diffusers' blocks compute.
+
+The Triton kernel itself runs only on CUDA (tests/test_gpu.py checks it against eager there); here
+``rms_rope`` takes its torch path, which is eager diffusers' own sequence of ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import accel, flux_fused
+from engine.generation import to_pixels
+
+SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True,
+                  axes_dims_rope=(4, 6, 6))
+
+
+def small_flux(dtype=torch.float64, seed=0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    tr = FluxTransformer2DModel(**SMALL_FLUX).eval()
+    for p in tr.parameters():  # .to(dtype) would warn about fp32 modules (there are none)
+        p.data = p.data.to(dtype)
+    with torch.no_grad():  # non-trivial norm weights and biases, so a swapped weight would show
+        for name, p in tr.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return tr
+
+
+def small_inputs(dtype=torch.float64, batch=2, side=6, text=5):
+    g = torch.Generator().manual_seed(1)
+    ar = torch.arange(side, dtype=torch.float32)
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), ar, ar, indexing="ij"), -1)
+    return dict(hidden_states=torch.randn(batch, side * side, 16, generator=g, dtype=dtype),
+                encoder_hidden_states=torch.randn(batch, text, 24, generator=g, dtype=dtype),
+                pooled_projections=torch.randn(batch, 12, generator=g, dtype=dtype),
+                timestep=torch.tensor([0.3, 0.8][:batch], dtype=dtype), guidance=torch.full((batch,), 3.5, dtype=dtype),
+                img_ids=ids.reshape(-1, 3).to(dtype), txt_ids=torch.zeros(text, 3, dtype=dtype), return_dict=False)
+
+
+@torch.no_grad()
+def run(tr, kw):
+    return tr(**kw)[0]
+
+
+def test_fused_attention_processor_is_bit_identical_to_diffusers():
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    forwards = flux_fused.enable(tr)
+    assert len(forwards) == 4  # 2 double + 2 single blocks
+    assert all(isinstance(m.processor, flux_fused.FusedFluxAttnProcessor) for m in tr.modules() if hasattr(m, "processor"))
+    assert torch.equal(run(tr, kw), ref)  # processors swapped, stock block forwards: same ops, same order
+    flux_fused.disable(tr)
+    assert all(type(m.processor).__name__ == "FluxAttnProcessor" for m in tr.modules() if hasattr(m, "processor"))
+
+
+def test_fused_block_forwards_match_the_stock_blocks():
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    out = run(tr, kw)
+    # only the single blocks' proj_out is summed in another order (two GEMMs): float64 rounding
+    assert (out - ref).abs().max() < 1e-12 * ref.abs().max()
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
+def test_compile_blocks_fused_compiles_the_fused_forwards_and_uncompile_restores(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    assert accel.compile_blocks(tr, fused=True) == 4
+    assert sorted(f.__func__.__name__ for f in compiled) == ["double_block_forward"] * 2 + ["single_block_forward"] * 2
+    assert (run(tr, kw) - ref).abs().max() < 1e-12 * ref.abs().max()
+    accel.uncompile_blocks(tr)
+    assert all("forward" not in b.__dict__ for b in accel.repeated_blocks(tr))
+    assert not any(isinstance(getattr(m, "processor", None), flux_fused.FusedFluxAttnProcessor) for m in tr.modules())
+    assert torch.equal(run(tr, kw), ref)
+
+
+def test_really_compiled_fused_blocks_match_eager():
+    tr, kw = small_flux(torch.float32), small_inputs(torch.float32)
+    ref = run(tr, kw)
+    accel.compile_blocks(tr, fused=True)
+    try:
+        out = run(tr, kw)
+    finally:
+        accel.uncompile_blocks(tr)
+    assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_parallel_configs_and_other_models_keep_the_stock_blocks():
+    tr = small_flux()
+    tr.transformer_blocks[0].attn.processor._parallel_config = object()  # what context parallel sets
+    assert "parallel config" in flux_fused.applicable(tr)
+    assert flux_fused.enable(tr) == {}
+    assert type(tr.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
+    assert "not FluxTransformer2DModel" in flux_fused.applicable(torch.nn.Linear(2, 2))
+
+
+def test_fp8_linears_fall_back_inside_the_fused_forwards():
+    tr, kw = small_flux(torch.float32), small_inputs(torch.float32)
+    accel.enable_fp8(tr)
+    ref = run(tr, kw)
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    out = run(tr, kw)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_rms_rope_reference_is_diffusers_norm_then_rope():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(3)
+    xt, xi = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 5, 4, 8, generator=g)
+    wt, wi = torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g) + 0.5
+    ang = torch.rand(8, 4, generator=g)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    out = flux_fused.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
+    joint = torch.cat([torch.nn.functional.rms_norm(xt, (8,), wt, 1e-6), torch.nn.functional.rms_norm(xi, (8,), wi, 1e-6)], 1)
+    assert out.shape == (2, 4, 8, 8) and out.is_contiguous()
+    assert torch.equal(out, apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pixels_round_like_diffusers_numpy_to_pil(dtype):
+    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    finite, pixels = to_pixels(images)
+    expected = (images.permute(0, 2, 3, 1).float().numpy() * 255).round().astype("uint8")  # numpy_to_pil
+    assert finite == [True, True] and np.array_equal(pixels, expected)
