@@ -45,14 +45,19 @@ def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     assert (out.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
 
 
-def test_compiled_fused_job_matches_the_eager_job(tmp_path):
-    """compile=true (fused FLUX blocks, tuned kernels) through the whole job: the same images as
-    compile=false up to bf16 noise."""
+def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
+    """compile=true (fused FLUX blocks, tuned kernels) through the whole job moves the pixels no more than
+    swapping one exact attention kernel for another does in the eager job (random weights amplify bf16
+    rounding a lot at 2 big steps: on an H200 eager flash vs eager cuDNN gave 16.8-42.6 dB per image
+    here, and compiled vs eager 16.8-45.1)."""
     from jobs.bench import psnr, shard_images
 
-    for name, flag in (("eager", "false"), ("compiled", "true")):
-        r = run(compose_cfg(f"run_dir={tmp_path / name}", *SMALL, "strategy=dp", f"compile={flag}"))
+    runs = {"eager": ("compile=false", "sdpa_backend=cudnn"), "flash": ("compile=false", "sdpa_backend=flash"),
+            "compiled": ("compile=true", "sdpa_backend=cudnn")}
+    for name, extra in runs.items():
+        r = run(compose_cfg(f"run_dir={tmp_path / name}", *SMALL, "strategy=dp", *extra))
         assert (r.ok, r.failed) == (4, 0)
-    a, b = shard_images(tmp_path / "eager"), shard_images(tmp_path / "compiled")
-    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
-    assert min(psnr(a[i], b[i]) for i in a) > 35
+    eager, flash, compiled = (shard_images(tmp_path / name) for name in runs)
+    assert sorted(eager) == sorted(compiled) == [0, 1, 2, 3]
+    for i in eager:
+        assert psnr(compiled[i], eager[i]) >= min(psnr(flash[i], eager[i]), 60.0) - 3, i
