@@ -11,6 +11,10 @@ Exact (outputs change only by bf16 rounding noise):
   cache hooks (First-Block-Cache) replace a block's ``forward`` and must stay eager (they decide on
   the host whether to skip the remaining blocks); compiling the ``forward`` underneath them keeps the
   block bodies compiled when a cache is enabled.
+- ``fused_blocks`` (with ``compile``): FLUX.1 blocks compile engine/flux_fused.py's forwards, which
+  do q/k RMSNorm+RoPE in one Triton pass, the MLP GELU in the GEMM epilogue and the single blocks'
+  ``proj_out`` without the concatenation; other transformers keep their own forward.
+- ``compile_tuning`` (with ``compile``, CUDA): inductor's coordinate-descent tuning of its Triton kernels.
 - ``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures
   flash / efficient / cudnn once per process at the run's attention shape, checks each against the
   others, and puts the fastest first in SDPA's priority order (inside each pipeline call only, see
@@ -144,17 +148,17 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
-    forwards = {}
-    if fused and not any("_shardgen_eager_forward" in b.__dict__ for b in blocks):
-        from engine import flux_fused
-
-        forwards = flux_fused.enable(transformer)
-    for block in blocks:
-        if "_shardgen_eager_forward" in block.__dict__:
-            continue
+    todo = [b for b in blocks if "_shardgen_eager_forward" not in b.__dict__]
+    for block in todo:
         if not _plain_forward(block):  # a hook wraps forward: compiling it would compile the hook
             raise AccelError(f"compile=true: {type(block).__name__}.forward is already wrapped (a hook?); "
                              "compile before adding hooks")
+    forwards = {}
+    if fused and len(todo) == len(blocks):
+        from engine import flux_fused
+
+        forwards = flux_fused.enable(transformer)
+    for block in todo:
         block.__dict__["_shardgen_eager_forward"] = block.forward
         target = forwards.get(block, block.forward)
         if mode == "default":
@@ -385,6 +389,11 @@ def current(pipe) -> AccelOptions | None:
     return getattr(pipe, _STATE_ATTR, None)
 
 
+def _compile_settings(opts: AccelOptions) -> tuple:
+    """What the compiled blocks depend on (a change means compiling them again)."""
+    return opts.compile_mode, opts.fused_blocks, opts.compile_tuning
+
+
 def prepare(pipe, opts: AccelOptions) -> dict:
     """Bring ``pipe`` to ``opts`` (no-op when it already is); returns what was done, with timings.
 
@@ -409,10 +418,10 @@ def prepare(pipe, opts: AccelOptions) -> dict:
         disable_cache(tr)
     if opts.fp8 != fp8_enabled(tr):
         done["fp8_layers"] = enable_fp8(tr) if opts.fp8 else -disable_fp8(tr)
-    how = lambda o: (o.compile_mode, o.fused_blocks, o.compile_tuning)  # noqa: E731
-    if was.compile and (not opts.compile or how(was) != how(opts)):
+    recompile = _compile_settings(was) != _compile_settings(opts)
+    if was.compile and (not opts.compile or recompile):
         uncompile_blocks(tr)
-    if opts.compile and (not was.compile or how(was) != how(opts)):
+    if opts.compile and (not was.compile or recompile):
         cuda = device is not None and torch.device(device).type == "cuda"
         done["compiled_blocks"] = compile_blocks(tr, opts.compile_mode, fused=opts.fused_blocks,
                                                  tuning=opts.compile_tuning and cuda)
