@@ -73,6 +73,12 @@ def shard_name(shard: int) -> str:
     return f"{shard:06d}"
 
 
+def run_dir_arg(text: str) -> str:
+    """A run directory given on the command line; ``run_dir=PATH`` (how jobs.generate spells it) is
+    accepted too, so a command line can be reused between the tools."""
+    return text[len("run_dir="):] if text.startswith("run_dir=") else text
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths inside one run directory; no I/O beyond ``create``."""

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 from dataio.plan import load_plan
-from dataio.rundir import RunDir
+from dataio.rundir import RunDir, run_dir_arg
 from dataio.verify import IMAGE_EXTS, read_shard_members
 
 
@@ -52,7 +52,7 @@ def contact_sheet(items, cols: int, size: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--cols", type=int, default=4)
     ap.add_argument("--size", type=int, default=256)

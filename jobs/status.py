@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dataio.ledger import read_ledger, run_lease_s
 from dataio.plan import load_plan
-from dataio.rundir import RunDir
+from dataio.rundir import RunDir, run_dir_arg
 
 
 def _fmt_s(s: float | None) -> str:
@@ -24,7 +24,7 @@ def _fmt_s(s: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     args = ap.parse_args(argv)
     run = RunDir(Path(args.run_dir).absolute())

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 from dataio.plan import load_plan
-from dataio.rundir import RunDir
+from dataio.rundir import RunDir, run_dir_arg
 from dataio.verify import verify_run
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
     ap.add_argument("--max-lines", type=int, default=20, help="defects to print")
     args = ap.parse_args(argv)

@@ -39,6 +39,13 @@ def test_verify_passes_a_complete_run(done_run, capsys):
     assert "OK: every prompt index exactly once" in capsys.readouterr().out
 
 
+def test_tools_take_the_run_dir_as_jobs_generate_spells_it(done_run, capsys):
+    assert verify.main([f"run_dir={done_run}"]) == 0
+    assert status.main([f"run_dir={done_run}"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: every prompt index exactly once" in out and "not a shardgen run directory" not in out
+
+
 def test_verify_catches_a_truncated_tar(done_run, capsys):
     tar = done_run / "shards" / "000001.tar"
     tar.write_bytes(tar.read_bytes()[:1500])
