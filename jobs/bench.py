@@ -50,7 +50,13 @@ ACCELS = {  # name -> config overrides (the threshold of fbc comes from --fbc-th
     "fbc": lambda a: [f"first_block_cache={a.fbc_threshold}"],
     "fp8": lambda a: ["fp8=true"],
     "fp8+fbc": lambda a: ["fp8=true", f"first_block_cache={a.fbc_threshold}"],
+    # exact diagnostics: where shardgen's difference to the baseline comes from (PSNR vs the baseline of
+    # each): the same batches uncompiled, and compiled one prompt per batch
+    "eager": lambda a: ["compile=false"],
+    "batch1": lambda a: ["batch_size=1"],
 }
+DIAGNOSTICS = ("eager", "batch1")
+RECOMPILING = ("fp8", "batch1")  # their first batch pays a compilation: left out of the timing
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sdpa", default="auto", help="shardgen sdpa_backend")
     ap.add_argument("--compile-mode", default="default",
                     help="shardgen compile_mode: default | max-autotune-no-cudagraphs | max-autotune")
-    ap.add_argument("--accel", default=None, help="opt-in lossy runs, comma-separated from " + ",".join(ACCELS)
+    ap.add_argument("--accel", default=None, help="extra runs, comma-separated from " + ",".join(ACCELS)
+                    + ": the opt-in lossy options, and the exact diagnostics eager (compile off) and batch1"
                     + " (default fbc,fp8 on CUDA, none on CPU; 'none' for none)")
     ap.add_argument("--accel-n", type=int, default=None, help="prompts per opt-in run (default 3 batches)")
     ap.add_argument("--fbc-threshold", type=float, default=0.12)
@@ -703,21 +710,27 @@ def main(argv=None) -> dict:
             acfg = compose(common + ACCELS[name](args) + [f"run_dir={work / ('run-' + name)}", f"prompts.limit={acc_n}"])
             # the first batch pays any recompilation (fp8 changes the blocks' graphs)
             r = run_shardgen(pipe, acfg, device, timer, before=_fbc_counter if "fbc" in name else None,
-                             skip_first=1 if "fp8" in name else 0)
+                             skip_first=1 if any(k in name for k in RECOMPILING) else 0)
             per_img = r["steady_s_per_image"]
             imgs = shard_images(work / f"run-{name}")
             vals = [psnr(imgs[i], exact[i]) for i in sorted(imgs) if i in exact]
             r.update(steady_s_per_image=per_img, speedup_vs_exact=exact_steady / per_img,
                      psnr_vs_exact={"mean": float(np.mean([v for v in vals if not math.isinf(v)] or [math.inf])),
                                     "min": min(vals) if vals else None, "first": vals[0] if vals else None})
-            say(f"opt-in {name}: {per_img:.2f} s/image steady ({r['speedup_vs_exact']:.2f}x the exact run), "
-                f"PSNR vs exact {_fmt_db(r['psnr_vs_exact']['mean'])} dB mean")
+            line = (f"{name}: {per_img:.2f} s/image steady ({r['speedup_vs_exact']:.2f}x the exact run), "
+                    f"PSNR vs exact {_fmt_db(r['psnr_vs_exact']['mean'])} dB mean")
+            if base:
+                vb = [psnr(imgs[i], ref[i]) for i in sorted(imgs) if i in ref]
+                if vb:
+                    r["psnr_vs_baseline"] = float(np.mean([v for v in vb if not math.isinf(v)] or [math.inf]))
+                    line += f", vs baseline {_fmt_db(r['psnr_vs_baseline'])} dB mean over {len(vb)}"
+            say(("diagnostic " if name in DIAGNOSTICS else "opt-in ") + line)
         except Exception as e:  # report and go on: the main figures stand without it
             import traceback
 
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"[:1000]}
-            say(f"opt-in {name}: FAILED ({r['error'][:200]})")
+            say(f"{'diagnostic' if name in DIAGNOSTICS else 'opt-in'} {name}: FAILED ({r['error'][:200]})")
         results.setdefault("accel", {})[name] = r
         rep.put("accel", results["accel"])
 
@@ -788,16 +801,19 @@ def _summary(args, env, peak, flops, base, warm, sg, acc) -> dict:
     say(f"peak memory: {sg.get(mem_key, 0):.1f} GiB shardgen"
         + (f", {base.get(mem_key, 0):.1f} GiB baseline" if base else "") + f" ({mem_key})")
     for name, r in acc.items():
+        kind = "diagnostic" if name in DIAGNOSTICS else "opt-in"
         if "error" in r:
-            say(f"opt-in {name}: failed: {r['error'][:200]}")
+            say(f"{kind} {name}: failed: {r['error'][:200]}")
             continue
         extra = r.get("extra") or {}
-        say(f"opt-in {name}: {r['speedup_vs_exact']:.2f}x the exact shardgen run, PSNR vs exact "
+        say(f"{kind} {name}: {r['speedup_vs_exact']:.2f}x the exact shardgen run, PSNR vs exact "
             f"{_fmt_db(r['psnr_vs_exact']['mean'])} dB mean / {_fmt_db(r['psnr_vs_exact']['min'])} min"
+            + (f", vs baseline {_fmt_db(r['psnr_vs_baseline'])} dB mean" if "psnr_vs_baseline" in r else "")
             + (f", skipped {100 * extra['skipped_fraction']:.0f}% of steps (relative change of the first block's "
                f"residual: quantiles 0/10/50/90/100% {extra['relative_change_quantiles_0_10_50_90_100']})"
                if "skipped_fraction" in extra else ""))
         out[f"accel_{name}"] = {"speedup": r["speedup_vs_exact"], "psnr_mean": r["psnr_vs_exact"]["mean"],
+                                **({"psnr_vs_baseline": r["psnr_vs_baseline"]} if "psnr_vs_baseline" in r else {}),
                                 **({"skipped_fraction": extra["skipped_fraction"]} if "skipped_fraction" in extra else {})}
     return out
 

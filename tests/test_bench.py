@@ -29,6 +29,16 @@ def test_quick_bench_prints_every_figure(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["shardgen"]["ok"] == 4
 
 
+def test_diagnostic_runs_split_the_difference_to_the_baseline(tmp_path, capsys):
+    data = bench_main(["--quick", "--accel", "eager,batch1", "--workdir", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert "diagnostic eager:" in out and "diagnostic batch1:" in out and "vs baseline" in out
+    acc = data["summary"]
+    # float64 on a CPU: neither the batch nor compilation moves a pixel
+    assert acc["accel_eager"]["psnr_vs_baseline"] > 40 and acc["accel_batch1"]["psnr_vs_baseline"] > 40
+    assert data["accel"]["batch1"]["ok"] == 4
+
+
 def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkeypatch):
     plain = compose_cfg(f"run_dir={tmp_path / 'plain'}", *FAST)
     explicit = compose_cfg(f"run_dir={tmp_path / 'explicit'}", "compile=false", "fp8=false", "first_block_cache=0",
