@@ -171,6 +171,12 @@ def _weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
     return w if w is not None else torch.ones(like.shape[-1], device=like.device, dtype=like.dtype)
 
 
+def _one_eps(attn) -> bool:
+    """True when all q/k norms of ``attn`` share one epsilon (``rms_rope`` takes one per tensor)."""
+    norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
+    return len({getattr(n, "eps", None) for n in norms if n is not None}) == 1
+
+
 class FusedFluxAttnProcessor:
     """diffusers' ``FluxAttnProcessor`` (no mask, no IP adapter, native SDPA) with q/k RMSNorm + RoPE
     + layout in one op per tensor (``rms_rope``)."""
@@ -183,7 +189,7 @@ class FusedFluxAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None, **kwargs):
-        if attention_mask is not None or image_rotary_emb is None or kwargs:
+        if attention_mask is not None or image_rotary_emb is None or kwargs or not _one_eps(attn):
             return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                                  **kwargs)
         cos, sin = image_rotary_emb
@@ -202,7 +208,7 @@ class FusedFluxAttnProcessor:
             wk.insert(0, _weight(attn.norm_added_k, k))
         eps = _eps(attn.norm_q, q.dtype)
         query = rms_rope(qs, wq, cos, sin, eps)
-        key = rms_rope(ks, wk, cos, sin, _eps(attn.norm_k, k.dtype))
+        key = rms_rope(ks, wk, cos, sin, eps)
         value = (torch.cat(vs, dim=1) if joint else v).transpose(1, 2)
         out = F.scaled_dot_product_attention(query, key, value)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)

@@ -134,3 +134,12 @@ def test_pixels_round_like_diffusers_numpy_to_pil(dtype):
     finite, pixels = to_pixels(images)
     expected = (images.permute(0, 2, 3, 1).float().numpy() * 255).round().astype("uint8")  # numpy_to_pil
     assert finite == [True, True] and np.array_equal(pixels, expected)
+
+
+def test_attention_with_differing_norm_eps_takes_diffusers_path():
+    tr, kw = small_flux(), small_inputs()
+    tr.transformer_blocks[0].attn.norm_added_q.eps = 1e-3  # rms_rope takes one eps per tensor
+    ref = run(tr, kw)
+    flux_fused.enable(tr)
+    assert torch.equal(run(tr, kw), ref)
+    assert not flux_fused._one_eps(tr.transformer_blocks[0].attn) and flux_fused._one_eps(tr.transformer_blocks[1].attn)
