@@ -7,11 +7,13 @@ one 1024x1024 step's inputs (4096 image + 512 text tokens) and, for each variant
 repeated blocks (``engine.accel.compile_blocks``), times a batch call with CUDA events (median of
 ``--iters``) and compares sample 0's output with the eager batch-1 output and a float32 reference
 (relative RMS error, and the same for eager batch 4: what batching alone changes). ``--profile`` prints
-the top kernels of one call of the first and the last variant. Results go to ``$OUT/probe_transformer.json``.
+the top kernels of one call of each variant. Results go to ``$OUT/probe_transformer.json``.
 
 Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = engine/flux_fused.py's
-block forwards (``cat``: without splitting the single blocks' proj_out); ``cd`` = inductor's coordinate-descent tuning of its Triton kernels; ``emu`` = inductor's
-``emulate_precision_casts`` (round fused intermediates to bf16 where eager does).
+block forwards (``cat``: without splitting the single blocks' proj_out; ``nocompile``: not compiled);
+``cd`` = inductor's coordinate-descent tuning of its Triton kernels; ``emu`` = inductor's
+``emulate_precision_casts`` (round fused intermediates to bf16 where eager does). It also checks the
+``rms_rope`` Triton kernel against eager diffusers.
 """
 
 from __future__ import annotations
