@@ -245,6 +245,22 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
+def psnr_stats(images: dict[int, np.ndarray], ref: dict[int, np.ndarray]) -> dict:
+    """PSNR of ``images`` against ``ref`` over the indices both hold: first, mean of the finite ones
+    (inf when all are identical), min, n; None figures when they share none."""
+    vals = [psnr(images[i], ref[i]) for i in sorted(images) if i in ref]
+    finite = [v for v in vals if not math.isinf(v)]
+    return {"first": vals[0] if vals else None, "mean": float(np.mean(finite)) if finite else math.inf,
+            "min": min(vals) if vals else None, "n": len(vals)}
+
+
+def read_pngs(folder: Path, n: int) -> dict[int, np.ndarray]:
+    """The baseline loop's ``000000.png`` ... of ``folder`` as RGB arrays, by index."""
+    from PIL import Image
+
+    return {i: np.asarray(Image.open(folder / f"{i:06d}.png").convert("RGB")) for i in range(n)}
+
+
 def _fmt_db(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.1f}"
 
@@ -322,7 +338,6 @@ def run_baseline(pipe, cfg, prompts: list[str], seeds: list[int], out_dir: Path,
 def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, timer, device) -> dict:
     """PSNR between the baseline's images and the same eager loop with another exact attention kernel
     (flash instead of torch's own choice): how far bf16 rounding alone moves the pixels of this model."""
-    from PIL import Image
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = "flash"
@@ -338,14 +353,8 @@ def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, tim
         run_baseline(pipe, cfg, prompts, seeds, work / "noise-floor", timer, device)
     finally:
         del tr.forward
-    vals = []
-    for i in range(len(prompts)):
-        a = np.asarray(Image.open(work / "baseline" / f"{i:06d}.png").convert("RGB"))
-        b = np.asarray(Image.open(work / "noise-floor" / f"{i:06d}.png").convert("RGB"))
-        vals.append(psnr(a, b))
-    finite = [v for v in vals if not math.isinf(v)]
-    return {"kernel": kernel, "n": len(vals), "first": vals[0], "mean": float(np.mean(finite)) if finite else math.inf,
-            "min": min(vals)}
+    stats = psnr_stats(read_pngs(work / "noise-floor", len(prompts)), read_pngs(work / "baseline", len(prompts)))
+    return {"kernel": kernel, **stats}
 
 
 class _Patched:
@@ -693,12 +702,8 @@ def main(argv=None) -> dict:
     results["shardgen"] = sg
     exact = shard_images(work / "run")
     if base:
-        from PIL import Image
-
-        ref = {i: np.asarray(Image.open(work / "baseline" / f"{i:06d}.png").convert("RGB")) for i in range(base["n"])}
-        vals = [psnr(exact[i], ref[i]) for i in sorted(ref) if i in exact]
-        sg["psnr_vs_baseline"] = {"first": psnr(exact[0], ref[0]), "mean": float(np.mean([v for v in vals if not math.isinf(v)]))
-                                  if any(not math.isinf(v) for v in vals) else math.inf, "min": min(vals)}
+        ref = read_pngs(work / "baseline", base["n"])
+        sg["psnr_vs_baseline"] = psnr_stats(exact, ref)
     rep.put("shardgen", sg)
     say(f"shardgen: {sg['n']} images in {sg['wall_s']:.1f} s = {sg['images_per_hour']:.0f} images/hour")
 
@@ -713,17 +718,15 @@ def main(argv=None) -> dict:
                              skip_first=1 if any(k in name for k in RECOMPILING) else 0)
             per_img = r["steady_s_per_image"]
             imgs = shard_images(work / f"run-{name}")
-            vals = [psnr(imgs[i], exact[i]) for i in sorted(imgs) if i in exact]
             r.update(steady_s_per_image=per_img, speedup_vs_exact=exact_steady / per_img,
-                     psnr_vs_exact={"mean": float(np.mean([v for v in vals if not math.isinf(v)] or [math.inf])),
-                                    "min": min(vals) if vals else None, "first": vals[0] if vals else None})
+                     psnr_vs_exact=psnr_stats(imgs, exact))
             line = (f"{name}: {per_img:.2f} s/image steady ({r['speedup_vs_exact']:.2f}x the exact run), "
                     f"PSNR vs exact {_fmt_db(r['psnr_vs_exact']['mean'])} dB mean")
             if base:
-                vb = [psnr(imgs[i], ref[i]) for i in sorted(imgs) if i in ref]
-                if vb:
-                    r["psnr_vs_baseline"] = float(np.mean([v for v in vb if not math.isinf(v)] or [math.inf]))
-                    line += f", vs baseline {_fmt_db(r['psnr_vs_baseline'])} dB mean over {len(vb)}"
+                vb = psnr_stats(imgs, ref)
+                if vb["n"]:
+                    r["psnr_vs_baseline"] = vb["mean"]
+                    line += f", vs baseline {_fmt_db(vb['mean'])} dB mean over {vb['n']}"
             say(("diagnostic " if name in DIAGNOSTICS else "opt-in ") + line)
         except Exception as e:  # report and go on: the main figures stand without it
             import traceback
