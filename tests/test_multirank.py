@@ -113,13 +113,18 @@ def test_two_concurrent_jobs_share_one_run(tmp_path, reference):
 
 
 def test_run_started_with_two_ranks_resumes_with_three(tmp_path, reference):
-    run_dir = tmp_path / "run"
-    p = start_job(run_dir, "launcher=local", "launcher.nprocs=2", log=tmp_path / "log2")
-    deadline = time.time() + 120
-    while durable_samples(run_dir) < 12 and time.time() < deadline and p.poll() is None:
-        time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert 0 < durable_samples(run_dir) < N_PROMPTS
+    """Kill a 2-rank job part-way (once its replicas have handed over 12+ samples), finish it with 3 ranks."""
+    for attempt in range(5):  # the whole job takes about a second: if it wins the race, start over on a fresh run
+        run_dir, log = tmp_path / f"run{attempt}", tmp_path / f"log2-{attempt}"
+        p = start_job(run_dir, "launcher=local", "launcher.nprocs=2", log=log)
+        deadline = time.time() + 120
+        while p.poll() is None and handed_over(log.read_text()) < 12 and time.time() < deadline:
+            time.sleep(0.02)  # the log, not the ledger, is polled: it is cheap, so the kill lands mid-run
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if 0 < durable_samples(run_dir) < N_PROMPTS:
+            break
+    else:
+        pytest.fail(f"in 5 attempts the kill never landed between the first and the last durable sample: {log.read_text()[-3000:]}")
     finish_job(run_dir, "launcher=local", "launcher.nprocs=3", log=tmp_path / "log3")
     assert_complete_and_identical(run_dir, reference)
