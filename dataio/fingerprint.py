@@ -6,8 +6,10 @@ any of them changed (up to the numerics of the strategy).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from dataio.plan import file_sha256
 from dataio.rundir import RunDir, atomic_write_json, read_json
 
 
@@ -55,3 +57,31 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
             + "\n  ".join(diffs)
             + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true.")
     return True
+
+
+def _file_identity(path: Path) -> dict:
+    st = Path(path).stat()
+    # ctime cannot be set back by tools that preserve mtime (cp -p, rsync -t): any write changes it
+    return dict(path=str(Path(path).absolute()), size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
+                inode=st.st_ino)
+
+
+def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
+    """(SHA-256 of the prompt file, the file's identity when hashed); the hash is reused from the run
+    directory while path, size, inode, mtime and ctime all match what was hashed.
+
+    Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
+    costs 10-30 s with every GPU of the job waiting."""
+    identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
+    try:
+        cached = read_json(run.prompt_hash_path)
+        if {k: cached.get(k) for k in identity} == identity:
+            return cached["sha256"], identity
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # none yet, or unreadable: hash the file
+    return file_sha256(path), identity
+
+
+def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
+    """Store the prompt file's hash for the next launch (see ``prompt_file_hash``)."""
+    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest))

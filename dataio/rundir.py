@@ -106,6 +106,10 @@ class RunDir:
         return self.root / "fingerprint.json"
 
     @property
+    def prompt_hash_path(self) -> Path:
+        return self.root / "prompt_hash.json"
+
+    @property
     def summary_path(self) -> Path:
         return self.root / "summary.json"
 

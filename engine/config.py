@@ -93,6 +93,9 @@ class LauncherConfig:
     """Requeues allowed after timeouts (submitit); preemptions do not count."""
     signal_delay_s: int = 90
     """SLURM warns the job this many seconds before its time limit, so it can checkpoint and requeue."""
+    kill_on_bad_exit: bool = True
+    """srun --kill-on-bad-exit: a rank that dies ends the whole job at once, instead of leaving its peers
+    waiting in collectives (as torchrun does); the same command, rerun, continues the run."""
     additional_parameters: dict[str, Any] = field(default_factory=dict)
     """Extra sbatch parameters, e.g. {mail-type: END}."""
     wait: bool = False

@@ -98,9 +98,17 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
     return meta
 
 
-def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Sample]:
+class ReplicaBatchError(RuntimeError):
+    """A batch failed on one rank of a model-parallel replica: the job must stop (see ``run_pipeline``)."""
+
+
+def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
     """Generate ``rows`` (all valid) in one call; on an exception, retry one by one so only the
-    samples that fail on their own are recorded as failed."""
+    samples that fail on their own are recorded as failed.
+
+    ``replica_ranks`` > 1 (tp/cp): the replica's ranks compute every batch together, each inside the
+    others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
+    it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
     accel.prepare(pipe, s.accel)  # outside the try: a setup error is the job's, not the samples'
     t0 = time.perf_counter()
     try:
@@ -111,6 +119,12 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Samp
     except Exception as e:
         if type(e).__name__ in JOB_ENDING_ERRORS:
             raise
+        if replica_ranks > 1:
+            raise ReplicaBatchError(
+                f"a batch of {len(rows)} failed on this rank of a {replica_ranks}-rank model-parallel replica "
+                f"({type(e).__name__}: {e}). Its ranks compute together, so it cannot be retried on one rank: the job "
+                "stops here. Re-run the same command to continue from the last durable batch (if the error is "
+                "out of memory, lower batch_size).") from e
         if len(rows) == 1:
             return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s, None),
                            status="failed", failure=f"exception: {type(e).__name__}: {e}")]
@@ -128,10 +142,10 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Samp
     return samples
 
 
-def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow]) -> list[Sample]:
+def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
     """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU."""
     valid = [r for r in rows if r.reject is None]
-    made = {smp.index: smp for smp in (run_pipeline(pipe, s, valid) if valid else [])}
+    made = {smp.index: smp for smp in (run_pipeline(pipe, s, valid, replica_ranks) if valid else [])}
     out = []
     for r in rows:
         if r.reject is not None:

@@ -37,6 +37,7 @@ class ReplicaContext:
     leader: bool = True
     leader_rank: int = 0      # global rank of the leader
     group: Any = None         # the replica's process group (None: a one-rank replica)
+    ranks: int = 1            # ranks in this replica (tp/cp degree)
 
 
 @dataclass
@@ -132,7 +133,8 @@ class ReplicaWorker:
             batch = rows[start:start + self.batch_size]
             t0 = time.perf_counter()
             todo = batch if redo is None else [r for r in batch if r.index in redo]
-            made = {smp.index: smp for smp in generate_batch(self.pipe, self.settings, todo)} if todo else {}
+            fresh = generate_batch(self.pipe, self.settings, todo, self.ctx.ranks) if todo else []
+            made = {smp.index: smp for smp in fresh}
             samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
                 else list(made.values())
             self.gen_s += time.perf_counter() - t0

@@ -17,9 +17,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dataio.claims import Claimer, owner_record
-from dataio.fingerprint import check_or_write_fingerprint, compute_fingerprint
+from dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
+                                remember_prompt_hash)
 from dataio.ledger import read_ledger
-from dataio.plan import Plan, build_plan, file_sha256, load_plan
+from dataio.plan import Plan, build_plan, load_plan
 from dataio.prompts import check_prompt_source, read_prompts
 from dataio.rundir import RunDir, atomic_write_json
 from dataio.sink import ShardSink
@@ -85,7 +86,8 @@ def prepare_run(cfg: Any) -> Plan:
     run = RunDir(Path(cfg.run_dir).absolute())
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
-    fp = compute_fingerprint(cfg, file_sha256(path), model_version(cfg.model))
+    digest, identity = prompt_file_hash(run, path)
+    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
     plan = load_plan(run)
     if plan is None:
@@ -101,6 +103,7 @@ def prepare_run(cfg: Any) -> Plan:
         log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
                  plan.num_shards, plan.samples_per_shard, run.root)
     run.create()
+    remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
     return plan
 
@@ -176,7 +179,8 @@ def _replica_context(world, dims, mesh) -> ReplicaContext:
         group = mesh[names].get_group() if len(names) == 1 else mesh[names]._flatten().get_group()
     rank = world.rank
     return ReplicaContext(index=dims.replica_of(rank), count=dims.dp, leader=dims.is_leader(rank),
-                          leader_rank=rank - rank % dims.replica_size, group=group)
+                          leader_rank=rank - rank % dims.replica_size, group=group,
+                          ranks=dims.replica_size)
 
 
 def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> ReplicaWorker:

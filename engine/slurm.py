@@ -72,6 +72,8 @@ def make_executor(cfg: Any, log_dir: Path):
     params = dict(name=f"shardgen-{Path(cfg.run_dir).name}", nodes=ln.nodes, tasks_per_node=tasks_per_node(ln),
                   cpus_per_task=ln.cpus_per_task, timeout_min=ln.time_min, slurm_signal_delay_s=ln.signal_delay_s,
                   slurm_additional_parameters=dict(ln.additional_parameters or {}))
+    if ln.kill_on_bad_exit:  # SLURM's default lets the other tasks run on, stuck in their next collective
+        params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
     if ln.gpus_per_node:
         params["gpus_per_node"] = ln.gpus_per_node
     if ln.mem_gb:

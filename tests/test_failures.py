@@ -72,3 +72,51 @@ def test_everything_failing_stops_the_run(tmp_path, monkeypatch):
     faulty(monkeypatch)
     with pytest.raises(BrokenSetupError, match="every sample of the last 3 batches failed"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *ARGS))
+
+
+def _tp_rank(rank: int, cfg_yaml: str, port: int, fail_on_rank1: bool) -> None:
+    """Rank ``rank`` of a 2-rank tp job; with ``fail_on_rank1``, rank 1 alone fails on a batch with a 'boom' prompt."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from engine.runner import run_rank
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank == 1 and fail_on_rank1:
+        faulty(pytest.MonkeyPatch(), poison=("boom",))
+    run_rank(OmegaConf.create(cfg_yaml))
+
+
+@pytest.mark.slow
+def test_a_batch_failing_on_one_tp_rank_ends_the_job_and_a_rerun_finishes(tmp_path):
+    """The ranks of a tp replica compute each batch together: a batch failing on one of them must not be
+    retried there alone (its peer waits in a collective it left). The job stops with an error that says
+    what to do, what was durable stays, and the same command, rerun, completes the run."""
+    import time
+
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from engine.launch import free_port
+
+    prompts = ["a cat", "a dog", "a bird", "a fish", "a cow", "a boom dog", "a horse", "a frog"]
+    f = write_lines(tmp_path / "p.txt", prompts)
+    args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "height=16", "width=16", "steps=1",
+            "progress=false", "batch_size=4", "samples_per_shard=4", "strategy=tp", "tp_degree=2")
+    cfg_yaml = OmegaConf.to_yaml(compose_cfg(*args))
+    t0 = time.time()
+    with pytest.raises(mp.ProcessRaisedException) as err:
+        mp.start_processes(_tp_rank, args=(cfg_yaml, free_port(), True), nprocs=2, start_method="spawn", join=True)
+    message = str(err.value)
+    assert "failed on this rank of a 2-rank model-parallel replica" in message
+    assert "illegal memory access" in message and "Re-run the same command" in message
+    assert time.time() - t0 < 120, "the job hung instead of stopping"
+    plan = load_plan(RunDir(tmp_path / "run"))
+    assert len(plan.run.done_shards()) == 1  # the first batch (shard 0) stayed durable
+
+    mp.start_processes(_tp_rank, args=(cfg_yaml, free_port(), False), nprocs=2, start_method="spawn", join=True)
+    rep = verify_run(load_plan(RunDir(tmp_path / "run")))
+    assert rep.ok and rep.samples == 8, rep.defects
+    assert all(v is not None for v in shard_images(tmp_path / "run").values())  # nothing recorded as failed

@@ -161,6 +161,27 @@ def test_changed_settings_are_refused_naming_the_fields(tmp_path):
     assert "allow_fingerprint_change=true" in msg
 
 
+def test_prompt_file_is_hashed_once_per_change_and_an_edit_is_still_refused(tmp_path, monkeypatch):
+    """Relaunches and requeues reuse the prompt file's hash while the file is unchanged on disk; an edit
+    that keeps size and mtime (what cp -p or rsync -t leave behind) still changes the fingerprint."""
+    import dataio.fingerprint as fingerprint
+
+    f = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
+    args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *FAST)
+    run(compose_cfg(*args))
+    hashed = []
+    real = fingerprint.file_sha256
+    monkeypatch.setattr(fingerprint, "file_sha256", lambda path: hashed.append(path) or real(path))
+    assert run(compose_cfg(*args)).complete
+    assert hashed == []
+    st = f.stat()
+    f.write_text("a cow\na dog\n")  # same size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime
+    with pytest.raises(Exception, match="prompts.sha256: run has"):
+        run(compose_cfg(*args))
+    assert len(hashed) == 1
+
+
 @pytest.mark.parametrize("override,needle", [
     ("image_format=gif", "image_format='gif'"),
     ("height=100", "height=100: must be a positive multiple of 16"),

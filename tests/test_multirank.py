@@ -125,6 +125,7 @@ def test_run_started_with_two_ranks_resumes_with_three(tmp_path, reference):
         if 0 < durable_samples(run_dir) < N_PROMPTS:
             break
     else:
-        pytest.fail(f"in 5 attempts the kill never landed between the first and the last durable sample: {log.read_text()[-3000:]}")
+        pytest.fail("in 5 attempts the kill never landed between the first and the last durable sample: "
+                    + log.read_text()[-3000:])
     finish_job(run_dir, "launcher=local", "launcher.nprocs=3", log=tmp_path / "log3")
     assert_complete_and_identical(run_dir, reference)

@@ -186,3 +186,43 @@ def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, capsy
     assert 0 < _done(run_dir) < 400
     # the samples the timed-out job made are real, not failures recorded while it was stopped
     assert read_ledger(load_plan(RunDir(run_dir))).totals()["failed"] == 0
+
+
+def _task_pids(job_id, procid: int) -> list[int]:
+    """PIDs of the processes of one task (rank) of a job on this node, from their environments."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={procid}".encode()}
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if want <= set(env.read_bytes().split(b"\0")) and b"python" in (env.parent / "cmdline").read_bytes():
+                pids.append(int(env.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
+def _state(job_id) -> str:
+    out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+    m = re.search(r"JobState=(\w+)", out)
+    return m.group(1) if m else "GONE"
+
+
+@pytest.mark.slurm
+@needs_cluster
+def test_a_dead_rank_ends_the_job_at_once_and_a_rerun_finishes(tmp_path):
+    """SIGKILL one of two ranks mid-run (the OOM killer, a lost GPU): with srun --kill-on-bad-exit the job ends
+    at once instead of leaving its other rank to run on into a collective; the same command, rerun, completes."""
+    run_dir = tmp_path / "run"
+    overrides = ("launcher.tasks_per_node=2", "launcher.time_min=60", "height=256", "width=256")
+    job = slurm(run_dir, *overrides)[0]
+    _wait(lambda: _done(run_dir) >= 8, 180, "the first samples")
+    pids = _task_pids(job.job_id, procid=1)
+    assert pids, "rank 1's process was not found on this node"
+    for pid in pids:
+        os.kill(pid, 9)
+    _wait(lambda: _state(job.job_id) not in ("RUNNING", "COMPLETING", "PENDING"), 60, "the job to end")
+    assert _state(job.job_id) == "FAILED"
+    assert _done(run_dir) < N, "rank 0 ran on and finished the run alone"
+    slurm(run_dir, *overrides, "launcher.wait=true")
+    rep = verify_run(load_plan(RunDir(run_dir)))
+    assert rep.ok and rep.samples == N, rep.defects
