@@ -56,8 +56,9 @@ class StrategyConfig:
     """Ulysses over any sequence length / head count (no divisibility requirement)."""
     ring_anything: bool = False
     """Ring over any sequence length."""
-    max_memory: Optional[dict[str, str]] = None
-    """device_map: per-device memory caps, e.g. {0: 70GiB, 1: 70GiB}."""
+    max_memory: Any = None
+    """device_map: memory cap of each GPU of the replica (``70GiB``), or per GPU index within the replica
+    (``+strategy.max_memory.0=70GiB``); null = 90% of what is free."""
     gpus_per_replica: int = 1
     """device_map: GPUs one replica (one process) spans."""
 

@@ -44,6 +44,7 @@ def validate_config(cfg: Any) -> None:
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
                                              "(a live claim would otherwise look dead)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
+    _check_max_memory(cfg.strategy.get("max_memory"))
     from engine.accel import AccelError, AccelOptions, validate as validate_accel
 
     import torch
@@ -53,3 +54,14 @@ def validate_config(cfg: Any) -> None:
         validate_accel(AccelOptions.from_cfg(cfg), device)
     except AccelError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_max_memory(max_memory: Any) -> None:
+    from parallel.device_map import parse_bytes
+
+    sizes = max_memory.values() if hasattr(max_memory, "values") else [] if max_memory is None else [max_memory]
+    for size in sizes:
+        try:
+            parse_bytes(size)
+        except ValueError as e:
+            raise ConfigError(f"strategy.max_memory: {e} (one for every GPU: strategy.max_memory=70GiB)") from None

@@ -379,14 +379,14 @@ class _Patched:
         orig_gen, orig_run = replica.generate_batch, runner.ReplicaWorker.run
         runner.apply_strategy = lambda cfg, world, dims, mesh: self.pipe
 
-        def generate_batch(pipe, settings, rows):
+        def generate_batch(pipe, settings, rows, *args):
             k = len(self.starts)
             if self.prof is not None and k == self.profile_batch + self.profile_cycles:
                 self._stop_profiler()
             if k == self.profile_batch and self.device.type == "cuda":
                 self._start_profiler()
             self.starts.append(time.perf_counter())
-            out = orig_gen(pipe, settings, rows)
+            out = orig_gen(pipe, settings, rows, *args)
             self.ends.append(time.perf_counter())
             return out
 

@@ -106,21 +106,32 @@ def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:
 
 
 def parse_bytes(value: Any) -> int:
-    """``70GiB``, ``70GB``, ``512MiB`` or a number of bytes."""
+    """``70GiB``, ``70GB``, ``512MiB`` or a number of bytes; ValueError for anything else."""
     s = str(value).strip()
     units = {"GIB": GiB, "GB": 10 ** 9, "MIB": 1 << 20, "MB": 10 ** 6, "KIB": 1 << 10, "KB": 10 ** 3, "B": 1}
-    for unit, scale in units.items():
-        if s.upper().endswith(unit):
-            return int(float(s[: -len(unit)]) * scale)
-    return int(float(s))
+    try:
+        for unit, scale in units.items():
+            if s.upper().endswith(unit):
+                n = float(s[: -len(unit)]) * scale
+                break
+        else:
+            n = float(s)
+    except ValueError:
+        n = -1
+    if not n > 0:
+        raise ValueError(f"{value!r} is not a memory size: use e.g. 70GiB, 70GB, 512MiB or a number of bytes")
+    return int(n)
 
 
-def memory_caps(max_memory: dict | None, gpus: list[int]) -> dict[int, int]:
-    """Bytes each of ``gpus`` may hold: ``strategy.max_memory`` (keys = GPU index within the replica), else
-    90% of what is free now."""
+def memory_caps(max_memory: Any, gpus: list[int]) -> dict[int, int]:
+    """Bytes each of ``gpus`` may hold: ``strategy.max_memory`` (one size for each GPU, or a mapping whose keys
+    are GPU indices within the replica), else 90% of what is free now."""
     caps = {}
     for i, gpu in enumerate(gpus):
-        given = (max_memory or {}).get(str(i), (max_memory or {}).get(i))
+        if isinstance(max_memory, (str, int, float)):
+            given = max_memory
+        else:
+            given = (max_memory or {}).get(str(i), (max_memory or {}).get(i))
         caps[gpu] = parse_bytes(given) if given is not None else int(torch.cuda.mem_get_info(gpu)[0] * 0.9)
     return caps
 

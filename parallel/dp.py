@@ -8,5 +8,8 @@ from models.loader import load_pipeline, torch_dtype
 
 
 def apply(cfg: Any, world, dims, mesh) -> Any:
-    """Load the whole pipeline onto this rank's device."""
-    return load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+    """Load the whole pipeline onto this rank's device (with ``strategy.attention_backend``, if set)."""
+    pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+    if dims.attention_backend:
+        pipe.transformer.set_attention_backend(dims.attention_backend)
+    return pipe

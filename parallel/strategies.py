@@ -273,15 +273,21 @@ def default_attention_backend(device_type: str, needs_lse: bool) -> str:
     return "_native_cudnn" if device_type == "cuda" and needs_lse else "native"
 
 
-def _check_attention(r: Request, facts: DeviceFacts, dtype: str) -> str:
-    """The attention backend for a CP replica (configured, or the device's default), checked; returns it."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+def _check_backend_name(name: str) -> str:
+    from diffusers.models.attention_dispatch import AttentionBackendName
 
-    needs_lse = r.ring > 1
-    name = r.attention_backend or default_attention_backend(facts.type, needs_lse)
     valid = sorted(b.value for b in AttentionBackendName)
     if name not in valid:
         _fail(f"strategy.attention_backend={name!r} is not a diffusers attention backend; use one of {valid}")
+    return name
+
+
+def _check_attention(r: Request, facts: DeviceFacts, dtype: str) -> str:
+    """The attention backend for a CP replica (configured, or the device's default), checked; returns it."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    needs_lse = r.ring > 1
+    name = _check_backend_name(r.attention_backend or default_attention_backend(facts.type, needs_lse))
     cp_ok = sorted(_AttentionBackendRegistry._supports_context_parallel)
     if name not in cp_ok:
         _fail(f"strategy.attention_backend={name!r} does not support context parallelism; use one of {cp_ok}")
@@ -352,7 +358,7 @@ def validate_request(cfg: Any, r: Request, world_size: int, facts: DeviceFacts,
         dims.attention_backend = _check_attention(r, facts, cfg.dtype)
         _check_sequence(r, cfg, facts)
     elif r.attention_backend:
-        dims.attention_backend = r.attention_backend
+        dims.attention_backend = _check_backend_name(r.attention_backend)
     return dims
 
 

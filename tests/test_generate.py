@@ -187,6 +187,7 @@ def test_prompt_file_is_hashed_once_per_change_and_an_edit_is_still_refused(tmp_
     ("height=100", "height=100: must be a positive multiple of 16"),
     ("batch_size=0", "batch_size=0"),
     ("dtype=int8", "dtype='int8'"),
+    ("strategy.max_memory=70G", "strategy.max_memory: '70G' is not a memory size: use e.g. 70GiB"),
 ])
 def test_bad_settings_fail_before_anything_is_written(tmp_path, override, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -71,6 +71,7 @@ BAD = [  # (overrides, world size, device facts, what the message must say)
     (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=xformers"), 2, CPU,
      "does not support context parallelism"),
     (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=_native_cudnn"), 2, CPU, "CUDA kernel"),
+    (("strategy=dp", "strategy.attention_backend=bogus"), 1, CPU, "'bogus' is not a diffusers attention backend"),
     (("strategy=device_map",), 1, CPU, "has no CUDA GPU \\(CPU only\\)"),
     (("strategy=device_map", "strategy.gpus_per_replica=2"), 1, GPUS(1), "needs 2 GPUs, but this machine has 1"),
     (("strategy=device_map", "model=flux_dev", "model.weights=dummy"), 1, GPUS(8), "builds the whole pipeline on one"),
@@ -85,6 +86,22 @@ BAD = [  # (overrides, world size, device facts, what the message must say)
 def test_misconfiguration_stopped_before_weights(monkeypatch, no_weights, overrides, world, facts, needle):
     with pytest.raises(ParallelConfigError, match=needle):
         dims_for(monkeypatch, overrides, world, facts)
+
+
+def test_dp_applies_the_configured_attention_backend(tmp_path):
+    """strategy.attention_backend is honoured by dp too, and a job runs with it."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    from parallel import dp
+    from parallel.world import World
+
+    cfg = compose_cfg("strategy.attention_backend=_native_math", "height=16", "width=16", "steps=1")
+    dims = parallel_dims(cfg, 1)
+    pipe = dp.apply(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), dims, None)
+    backends = {m.processor._attention_backend for m in pipe.transformer.modules() if hasattr(m, "processor")}
+    assert backends == {AttentionBackendName._NATIVE_MATH}
+    assert run(compose_cfg("strategy.attention_backend=_native_math", f"run_dir={tmp_path / 'run'}", "height=16",
+                           "width=16", "steps=1", "progress=false", "prompts.limit=2")).ok == 2
 
 
 def test_transformer_without_a_tp_plan(monkeypatch, no_weights, tmp_path):
@@ -299,6 +316,7 @@ def test_device_map_helpers():
     assert replica_gpus(1, 2) == [2, 3]
     assert parse_bytes("70GiB") == 70 * GiB and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(1024) == 1024
     assert memory_caps({"0": "10GiB", "1": "20GiB"}, [2, 3]) == {2: 10 * GiB, 3: 20 * GiB}
+    assert memory_caps("10GiB", [2, 3]) == {2: 10 * GiB, 3: 10 * GiB}
     # FLUX.1-dev on 2 x 24 GB cards: the transformer split ~11 GiB each; CLIP fits, T5-XXL (9.5 GiB) does not
     sizes = {"text_encoder": GiB // 4, "text_encoder_2": int(9.5 * GiB)}
     assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 22 * GiB, 1: 22 * GiB}) == \
