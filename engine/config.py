@@ -163,6 +163,9 @@ class GenerateConfig:
     lease_s: float = 120.0
     """A shard claim whose heartbeat is older than this is taken over by another replica."""
     heartbeat_s: float = 15.0
+    stall_timeout_s: Optional[float] = 1800.0
+    """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
+    instead of idling to its time limit; null = never. engine/watchdog.py."""
     progress: bool = True
     """Show a progress bar (leader of replica 0)."""
     sdpa_backend: str = "auto"

@@ -46,7 +46,11 @@ def launch_local(cfg: Any) -> None:
         # the child's traceback is in the message; its last line is the error itself
         raise LocalRankError(str(e).strip().splitlines()[-1]) from None
     except mp.ProcessExitedException as e:
-        raise LocalRankError(f"a rank exited with code {e.exit_code}") from None
+        from engine.watchdog import STALL_EXIT_CODE
+
+        why = " (it stalled: stall_timeout_s; its log above says where)" if e.exit_code == STALL_EXIT_CODE else ""
+        msg = f"a rank exited with code {e.exit_code}{why}; re-run the same command to continue"
+        raise LocalRankError(msg) from None
 
 
 class LocalRankError(RuntimeError):

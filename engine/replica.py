@@ -18,6 +18,7 @@ from dataio.shardwork import Sample, ShardWork
 from dataio.verify import read_shard_members
 from dataio.sink import ShardSink
 from engine.generation import GenSettings, generate_batch
+from engine.watchdog import StallWatchdog
 from parallel.world import broadcast_object
 
 log = logging.getLogger("shardgen.replica")
@@ -55,6 +56,7 @@ class ReplicaWorker:
     progress: Any = None                   # leader of replica 0: the progress bar
     poll_s: float = 2.0
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
+    watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
@@ -127,26 +129,34 @@ class ReplicaWorker:
         if self.ctx.leader and n_done:
             log.info("shard %06d: resuming after %d samples (claim g%d)", shard, n_done, gen)
         for start in range(0, len(rows), self.batch_size):
-            if not self._share(self._keep_going(shard)):
-                log.warning("shard %06d was taken over by another replica; leaving it", shard)
-                return
-            batch = rows[start:start + self.batch_size]
-            t0 = time.perf_counter()
-            todo = batch if redo is None else [r for r in batch if r.index in redo]
-            fresh = generate_batch(self.pipe, self.settings, todo, self.ctx.ranks) if todo else []
-            made = {smp.index: smp for smp in fresh}
-            samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
-                else list(made.values())
-            self.gen_s += time.perf_counter() - t0
-            self.generated += len(made)
-            self._check_broken(list(made.values()))
-            if self.ctx.leader:
-                self.sink.submit(self._work, samples)  # returns once the previous batch is durable
-                self.on_samples(len(samples))
-                log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,
-                          n_done + start + len(samples), n_done + len(rows))
+            with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + start}"):
+                if not self._batch(shard, n_done, rows, start, redo):
+                    return
         if self.ctx.leader:
-            self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
+            with self.watchdog.busy(f"committing shard {shard:06d}"):
+                self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
+
+    def _batch(self, shard: int, n_done: int, rows: list, start: int, redo: set | None) -> bool:
+        """Generate and hand over one batch; False when the shard was taken over by another replica."""
+        if not self._share(self._keep_going(shard)):
+            log.warning("shard %06d was taken over by another replica; leaving it", shard)
+            return False
+        batch = rows[start:start + self.batch_size]
+        t0 = time.perf_counter()
+        todo = batch if redo is None else [r for r in batch if r.index in redo]
+        made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
+                                           if todo else [])}
+        samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
+            else list(made.values())
+        self.gen_s += time.perf_counter() - t0
+        self.generated += len(made)
+        self._check_broken(list(made.values()))
+        if self.ctx.leader:
+            self.sink.submit(self._work, samples)  # returns once the previous batch is durable
+            self.on_samples(len(samples))
+            log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,
+                      n_done + start + len(samples), n_done + len(rows))
+        return True
 
     def _keep_going(self, shard: int) -> bool:
         if not self.ctx.leader:

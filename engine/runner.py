@@ -28,6 +28,7 @@ from engine.generation import GenSettings
 from engine.progress import Progress
 from engine.replica import ReplicaContext, ReplicaWorker
 from engine.validate import validate_config
+from engine.watchdog import StallWatchdog
 from models.loader import model_version
 from parallel import world as W
 from parallel.strategies import apply_strategy, parallel_dims
@@ -158,6 +159,7 @@ def run_rank(cfg: Any) -> RunResult | None:
             if worker.sink:
                 worker.sink.close()
                 _ACTIVE_SINKS.remove(worker.sink)
+            worker.watchdog.close()
             if worker.claimer:
                 worker.claimer.close()
             if worker.progress:
@@ -187,7 +189,8 @@ def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> R
     # samples record the strategy that ran (strategy=auto resolves to one)
     settings = dataclasses.replace(GenSettings.from_cfg(cfg), strategy=strategy)
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
-                           retry_failed=cfg.retry_failed)
+                           retry_failed=cfg.retry_failed,
+                           watchdog=StallWatchdog(cfg.stall_timeout_s, before_exit=lambda: drain_writers(30)))
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
         _ACTIVE_SINKS.append(worker.sink)

@@ -44,6 +44,8 @@ def validate_config(cfg: Any) -> None:
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
                                              "(a live claim would otherwise look dead)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
+    _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
+          f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
     from engine.accel import AccelError, AccelOptions, validate as validate_accel
 

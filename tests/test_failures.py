@@ -120,3 +120,53 @@ def test_a_batch_failing_on_one_tp_rank_ends_the_job_and_a_rerun_finishes(tmp_pa
     rep = verify_run(load_plan(RunDir(tmp_path / "run")))
     assert rep.ok and rep.samples == 8, rep.defects
     assert all(v is not None for v in shard_images(tmp_path / "run").values())  # nothing recorded as failed
+
+
+def test_the_watchdog_times_work_in_progress_only():
+    """Idle time (waiting for other replicas' shards) is no stall; a busy section past the timeout is."""
+    import time
+
+    from engine.watchdog import STALL_EXIT_CODE, StallWatchdog
+
+    exits = []
+    w = StallWatchdog(0.4, exit_fn=exits.append)
+    time.sleep(1.0)
+    with w.busy("a quick batch"):
+        time.sleep(0.2)
+    assert exits == []
+    with w.busy("a stuck batch"):
+        deadline = time.time() + 10
+        while not exits and time.time() < deadline:
+            time.sleep(0.05)
+    assert exits == [STALL_EXIT_CODE]
+    w.close()
+
+
+@pytest.mark.slow
+def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
+    """A batch that never returns (a hung GPU) must not hold the job until its time limit: after
+    stall_timeout_s the rank says where it hung and exits; what was durable stays, and a rerun completes."""
+    import subprocess
+    import sys
+    import time
+
+    from dataio.ledger import read_ledger
+    from engine.watchdog import STALL_EXIT_CODE
+    from tests.conftest import ROOT
+
+    prompts = ["a cat", "a dog", "a bird", "a fish", "a cow", "a hang glider", "a horse", "a frog"]
+    f = write_lines(tmp_path / "p.txt", prompts)
+    args = [f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "height=16", "width=16", "steps=1", "progress=false",
+            "batch_size=4", "samples_per_shard=4"]
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "tests.hanging_job", *args, "stall_timeout_s=3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == STALL_EXIT_CODE, p.stderr[-3000:]
+    assert time.time() - t0 < 60
+    assert "stalled: shard 000001, batch from row 0 made no progress for" in p.stderr
+    assert "re-run the same command to continue" in p.stderr
+    assert "in _call" in p.stderr  # the stack dump shows where it hung
+    assert read_ledger(load_plan(RunDir(tmp_path / "run"))).done_samples == 4  # shard 0 stayed durable
+    r = run(compose_cfg(*args))  # the GPU is fine again
+    assert (r.ok, r.complete) == (8, True)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
