@@ -94,6 +94,9 @@ class LauncherConfig:
     """Requeues allowed after timeouts (submitit); preemptions do not count."""
     signal_delay_s: int = 90
     """SLURM warns the job this many seconds before its time limit, so it can checkpoint and requeue."""
+    max_failures: int = 2
+    """A job whose rank failed (an error, or a stall: stall_timeout_s) requeues itself this many times,
+    resuming from the run directory; 0 = stop at the first failure. Setup errors are never retried."""
     kill_on_bad_exit: bool = True
     """srun --kill-on-bad-exit: a rank that dies ends the whole job at once, instead of leaving its peers
     waiting in collectives (as torchrun does); the same command, rerun, continues the run."""

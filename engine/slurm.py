@@ -44,8 +44,9 @@ def validate_slurm(cfg: Any) -> None:
     for key in ("nodes", "cpus_per_task", "time_min", "array"):
         if ln[key] < 1:
             raise SlurmConfigError(f"launcher.{key}={ln[key]}: use 1 or more")
-    if ln.gpus_per_node < 0 or ln.max_num_timeout < 0:
-        raise SlurmConfigError("launcher.gpus_per_node and launcher.max_num_timeout cannot be negative")
+    if ln.gpus_per_node < 0 or ln.max_num_timeout < 0 or ln.max_failures < 0:
+        raise SlurmConfigError("launcher.gpus_per_node, launcher.max_num_timeout and launcher.max_failures cannot be "
+                               "negative")
     tpn = tasks_per_node(ln)
     if ln.gpus_per_node and tpn > ln.gpus_per_node and cfg.strategy.name != "device_map":
         raise SlurmConfigError(
@@ -100,10 +101,21 @@ class GenerateJob:
         logging.getLogger("shardgen").setLevel(self.log_level)
         from engine.runner import run_rank
 
+        from engine.generation import JOB_ENDING_ERRORS
+        from engine.runner import USER_ERRORS
+        from engine.watchdog import on_stall
+
         cfg = OmegaConf.create(self.cfg_yaml)
         log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
                  os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ["RANK"], os.environ["WORLD_SIZE"])
-        result = run_rank(cfg)
+        on_stall(lambda what: requeue_after_failure(cfg, what))
+        try:
+            result = run_rank(cfg)
+        except Exception as e:
+            # not a setup error (it would fail the same way again), nor submitit's own end (timeouts used up)
+            if type(e).__name__ not in USER_ERRORS + JOB_ENDING_ERRORS:
+                requeue_after_failure(cfg, f"{type(e).__name__}: {e}")
+            raise
         return None if result is None else dict(result.__dict__)
 
     def checkpoint(self, *args, **kwargs):
@@ -115,6 +127,45 @@ class GenerateJob:
         drained = drain_writers(timeout_s=60)
         log.warning("checkpoint: %d writer(s) drained; progress is in the run directory; requeueing", drained)
         return submitit.helpers.DelayedSubmission(GenerateJob(self.cfg_yaml, self.log_level))
+
+
+def _failures_dir(run_root) -> Path:
+    return Path(run_root) / "logs" / "failures"
+
+
+def failure_marks(run_root, job_id) -> list[str]:
+    """What failed on each attempt of ``job_id`` that a rank failed or stalled on, oldest first."""
+    marks = sorted(_failures_dir(run_root).glob(f"{job_id}.attempt*"), key=lambda m: int(m.name.rsplit("t", 1)[1]))
+    return [m.read_text().strip() for m in marks]
+
+
+def requeue_after_failure(cfg: Any, reason: str) -> bool:
+    """Requeue this job after one of its ranks failed or stalled, at most ``launcher.max_failures`` times
+    (counted per job in ``<run_dir>/logs/failures``); True if it did. The first rank of an attempt to get
+    here decides (its mark file is created exclusively); the requeued job resumes from the run directory."""
+    import subprocess
+
+    import submitit
+
+    job_id, attempt = submitit.JobEnvironment().job_id, os.environ.get("SLURM_RESTART_COUNT", "0")
+    marks = _failures_dir(cfg.run_dir)
+    marks.mkdir(parents=True, exist_ok=True)
+    earlier = len(failure_marks(cfg.run_dir, job_id))
+    try:
+        fd = os.open(marks / f"{job_id}.attempt{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False  # another rank of this attempt failed first and has decided
+    with os.fdopen(fd, "w") as f:
+        f.write(f"rank {os.environ.get('RANK')}: {reason}\n")
+    limit = cfg.launcher.max_failures
+    if earlier >= limit:
+        log.error("job %s: a rank failed (%s) and launcher.max_failures=%d is used up: not requeueing. Fix the cause, "
+                  "then re-run the same command to continue.", job_id, reason, limit)
+        return False
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    log.warning("job %s: a rank failed (%s): requeued (failure %d of launcher.max_failures=%d); the requeued job "
+                "resumes from the run directory", job_id, reason, earlier + 1, limit)
+    return True
 
 
 def submit(cfg: Any) -> list:
@@ -157,6 +208,12 @@ def wait_for(jobs: list, plan) -> None:
             r = next((x for x in results if x), None)
             print(f"job {j.job_id}: done" + (f", run {r['ok']} ok / {r['total']} complete={r['complete']}" if r else ""))
         except submitit.core.utils.UncompletedJobError as e:
+            failures = failure_marks(plan.run.root, j.job_id)
+            if failures:  # a rank failed or stalled (it exited without a result) on each of these attempts
+                print(f"job {j.job_id}: failed {len(failures)} time(s), launcher.max_failures used up; last: "
+                      f"{failures[-1]}\n  the run keeps its progress: fix the cause, then re-run the same command "
+                      "to continue")
+                continue
             reason = "timeout limit used up" if "too many times" in str(e) else "did not complete"
             print(f"job {j.job_id}: {reason}: {str(e).splitlines()[0]}\n  the run keeps its progress: re-run the same "
                   "command to continue (or raise launcher.time_min / launcher.max_num_timeout)")

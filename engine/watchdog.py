@@ -13,6 +13,7 @@ command, rerun, continues from the last durable batch.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import sys
@@ -23,6 +24,12 @@ from typing import Callable, Iterator
 
 log = logging.getLogger("shardgen.watchdog")
 STALL_EXIT_CODE = 3
+_ON_STALL: list[Callable[[str], object]] = []
+
+
+def on_stall(hook: Callable[[str], object]) -> None:
+    """Run ``hook(what stalled)`` before a stalled rank exits (engine/slurm.py requeues the job there)."""
+    _ON_STALL.append(hook)
 
 
 class StallWatchdog:
@@ -74,9 +81,11 @@ class StallWatchdog:
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         except (AttributeError, ValueError, OSError):  # no real stderr to write to
             pass
-        if self.before_exit is not None:
+        hooks = [self.before_exit] if self.before_exit else []
+        hooks += [functools.partial(hook, f"stalled in {self._what}") for hook in _ON_STALL]
+        for hook in hooks:
             try:
-                self.before_exit()
+                hook()
             except Exception as e:  # exiting matters more than what it could not save
                 log.error("before exit: %s: %s", type(e).__name__, e)
         self.exit_fn(STALL_EXIT_CODE)  # log handlers flush on every record: nothing is left to flush

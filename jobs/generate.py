@@ -38,12 +38,12 @@ def run(cfg: Any):
     return run_rank(cfg)
 
 
-USER_ERRORS = ("ConfigError", "PromptFileError", "FingerprintMismatch", "ParallelConfigError", "ModelLoadError",
-               "LocalRankError", "SlurmConfigError", "BrokenSetupError", "RemoteError")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg) -> None:
+    from engine.runner import USER_ERRORS
+
     try:
         run(cfg)
     except Exception as e:
