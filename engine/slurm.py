@@ -99,10 +99,8 @@ class GenerateJob:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {os.environ['RANK']}][%(name)s] %(message)s")
         logging.getLogger("shardgen").setLevel(self.log_level)
-        from engine.runner import run_rank
-
         from engine.generation import JOB_ENDING_ERRORS
-        from engine.runner import USER_ERRORS
+        from engine.runner import USER_ERRORS, run_rank
         from engine.watchdog import on_stall
 
         cfg = OmegaConf.create(self.cfg_yaml)
@@ -113,8 +111,11 @@ class GenerateJob:
             result = run_rank(cfg)
         except Exception as e:
             # not a setup error (it would fail the same way again), nor submitit's own end (timeouts used up)
-            if type(e).__name__ not in USER_ERRORS + JOB_ENDING_ERRORS:
-                requeue_after_failure(cfg, f"{type(e).__name__}: {e}")
+            retry = type(e).__name__ not in USER_ERRORS + JOB_ENDING_ERRORS
+            if retry and requeue_after_failure(cfg, f"{type(e).__name__}: {e}"):
+                log.exception("this attempt failed; the job is requeued")
+                # leave no result: submitit would take this attempt's error for the job's and stop waiting
+                os._exit(1)
             raise
         return None if result is None else dict(result.__dict__)
 
@@ -133,36 +134,46 @@ def _failures_dir(run_root) -> Path:
     return Path(run_root) / "logs" / "failures"
 
 
-def failure_marks(run_root, job_id) -> list[str]:
-    """What failed on each attempt of ``job_id`` that a rank failed or stalled on, oldest first."""
-    marks = sorted(_failures_dir(run_root).glob(f"{job_id}.attempt*"), key=lambda m: int(m.name.rsplit("t", 1)[1]))
-    return [m.read_text().strip() for m in marks]
+def _attempt(mark: Path) -> int:
+    return int(mark.name.rsplit(".attempt", 1)[1])
+
+
+def failure_marks(run_root, job_id, before: int | None = None) -> list[str]:
+    """What failed on each attempt of ``job_id`` that a rank failed or stalled on (those before attempt
+    ``before`` only, if given), oldest first."""
+    marks = sorted(_failures_dir(run_root).glob(f"{job_id}.attempt*"), key=_attempt)
+    return [m.read_text().strip() for m in marks if before is None or _attempt(m) < before]
 
 
 def requeue_after_failure(cfg: Any, reason: str) -> bool:
     """Requeue this job after one of its ranks failed or stalled, at most ``launcher.max_failures`` times
-    (counted per job in ``<run_dir>/logs/failures``); True if it did. The first rank of an attempt to get
-    here decides (its mark file is created exclusively); the requeued job resumes from the run directory."""
+    (counted per job in ``<run_dir>/logs/failures``); True when the job is being requeued.
+
+    Every failing rank of an attempt reaches the same decision (it depends only on earlier attempts);
+    the first one to create the attempt's mark file records the reason and calls ``scontrol requeue``."""
     import subprocess
 
     import submitit
 
-    job_id, attempt = submitit.JobEnvironment().job_id, os.environ.get("SLURM_RESTART_COUNT", "0")
+    job_id, attempt = submitit.JobEnvironment().job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     marks = _failures_dir(cfg.run_dir)
     marks.mkdir(parents=True, exist_ok=True)
-    earlier = len(failure_marks(cfg.run_dir, job_id))
+    earlier, limit = len(failure_marks(cfg.run_dir, job_id, before=attempt)), cfg.launcher.max_failures
     try:
         fd = os.open(marks / f"{job_id}.attempt{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        return False  # another rank of this attempt failed first and has decided
+        return earlier < limit  # another rank of this attempt failed first and acts on the same decision
     with os.fdopen(fd, "w") as f:
         f.write(f"rank {os.environ.get('RANK')}: {reason}\n")
-    limit = cfg.launcher.max_failures
     if earlier >= limit:
         log.error("job %s: a rank failed (%s) and launcher.max_failures=%d is used up: not requeueing. Fix the cause, "
                   "then re-run the same command to continue.", job_id, reason, limit)
         return False
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    try:
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60, capture_output=True, text=True)
+    except (OSError, subprocess.SubprocessError) as e:  # the original error matters more: report, do not raise
+        log.error("job %s: scontrol requeue failed (%s); re-run the same command to continue", job_id, e)
+        return False
     log.warning("job %s: a rank failed (%s): requeued (failure %d of launcher.max_failures=%d); the requeued job "
                 "resumes from the run directory", job_id, reason, earlier + 1, limit)
     return True

@@ -33,13 +33,21 @@ if __name__ == "__main__":
 
 
 class HangingJob(GenerateJob):
-    """``launcher=slurm``'s job, hanging like the above on attempts (SLURM restarts) below ``hang_attempts``."""
+    """``launcher=slurm``'s job; on attempts (SLURM restarts) below ``bad_attempts`` a batch holding a prompt with
+    "hang" hangs as above (``fault="hang"``) or raises a CUDA-like error (``fault="raise"``)."""
 
-    def __init__(self, cfg_yaml: str, log_level: int = logging.INFO, hang_attempts: int = 1):
+    def __init__(self, cfg_yaml: str, log_level: int = logging.INFO, bad_attempts: int = 1, fault: str = "hang"):
         super().__init__(cfg_yaml, log_level)
-        self.hang_attempts = hang_attempts
+        self.bad_attempts, self.fault = bad_attempts, fault
 
     def __call__(self):
-        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.hang_attempts:
-            FluxPipeline.__call__ = _call
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.bad_attempts:
+            FluxPipeline.__call__ = _call if self.fault == "hang" else _raise
         return super().__call__()
+
+
+@functools.wraps(_real)
+def _raise(self, *args, **kwargs):
+    if any("hang" in p for p in kwargs["prompt"]):
+        raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+    return _real(self, *args, **kwargs)

@@ -231,32 +231,38 @@ def test_a_dead_rank_ends_the_job_at_once_and_a_rerun_finishes(tmp_path):
 
 @pytest.mark.slurm
 @needs_cluster
-@pytest.mark.parametrize("hang_attempts,max_failures", [(1, 2), (9, 1)], ids=["recovers", "gives-up"])
-def test_a_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, monkeypatch, capsys, hang_attempts,
-                                                           max_failures):
-    """A batch that hangs (a GPU after an Xid error) trips stall_timeout_s; the job requeues itself and the
-    requeued attempt resumes and finishes. A job that stalls every time stops after launcher.max_failures
-    requeues and says so, its progress kept."""
+@pytest.mark.parametrize("fault,bad_attempts,max_failures", [("hang", 1, 2), ("hang", 9, 1), ("raise", 1, 2)],
+                         ids=["stall-recovers", "stall-gives-up", "error-recovers"])
+def test_a_failed_or_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, monkeypatch, capsys, fault,
+                                                                      bad_attempts, max_failures):
+    """A batch that hangs (a GPU after an Xid error) trips stall_timeout_s, or raises a CUDA error in a tp
+    replica; the job requeues itself and the requeued attempt resumes and finishes. A job that stalls every time stops after
+    launcher.max_failures requeues and says so, its progress kept."""
     import functools
 
     import engine.slurm
     from tests.hanging_job import HangingJob
 
-    monkeypatch.setattr(engine.slurm, "GenerateJob", functools.partial(HangingJob, hang_attempts=hang_attempts))
+    monkeypatch.setattr(engine.slurm, "GenerateJob", functools.partial(HangingJob, bad_attempts=bad_attempts,
+                                                                      fault=fault))
     prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" if i != 20 else "a hang glider" for i in range(N)])
     run_dir = tmp_path / "run"
+    # an error is retried sample by sample under dp; in a tp replica it ends the job (it cannot be retried alone)
+    tp = ("strategy=tp", "tp_degree=2", "launcher.tasks_per_node=2") if fault == "raise" else ()
     jobs = slurm(run_dir, f"prompts.path={prompts}", "stall_timeout_s=5", f"launcher.max_failures={max_failures}",
-                 "launcher.time_min=60", "launcher.wait=true")
+                 "launcher.time_min=60", "launcher.wait=true", *tp)
     marks = sorted((run_dir / "logs" / "failures").iterdir())
-    assert all("stalled in shard 000002" in m.read_text() for m in marks), [m.read_text() for m in marks]
-    done = _done(run_dir)
-    if hang_attempts == 1:
+    why = "stalled in shard 000002" if fault == "hang" else "RuntimeError: CUDA error: unspecified launch failure"
+    assert all(why in m.read_text() for m in marks), [m.read_text() for m in marks]
+    out = capsys.readouterr().out
+    if bad_attempts == 1:
         assert _restarts(jobs[0].job_id) == 1 and len(marks) == 1
         rep = verify_run(load_plan(RunDir(run_dir)))
         assert rep.ok and rep.samples == N, rep.defects
+        assert read_ledger(load_plan(RunDir(run_dir))).totals()["failed"] == 0
+        assert f"job {jobs[0].job_id}: done, run {N} ok" in out
     else:
         assert _restarts(jobs[0].job_id) == max_failures and len(marks) == max_failures + 1
-        assert 16 <= done < N  # shards 0 and 1 were durable before the stall
-        out = capsys.readouterr().out
+        assert 20 <= _done(run_dir) < N  # the rows before the stall were durable
         assert f"job {jobs[0].job_id}: failed 2 time(s), launcher.max_failures used up; last: rank 0: stalled in " \
                "shard 000002" in out and "re-run the same command" in out
