@@ -6,8 +6,9 @@ keeps its shard claim alive (the heartbeat is a thread of its own) and the job i
 limit. The watchdog only times work in progress (a batch, a commit); waiting for other replicas to
 finish their shards is not a stall. On a stall it logs what it was doing, dumps every thread's
 stack (where it hung), lets the writers finish what they were handed (bounded), and exits with
-``STALL_EXIT_CODE``: the launcher then ends the job (``launcher.kill_on_bad_exit``), and the same
-command, rerun, continues from the last durable batch.
+``STALL_EXIT_CODE``: the launcher then ends the job (``launcher.kill_on_bad_exit``), or on SLURM
+requeues it first (``launcher.max_failures``, via ``on_stall``); either way the job continues from the
+last durable batch.
 """
 
 from __future__ import annotations
