@@ -61,8 +61,9 @@ def validate_config(cfg: Any) -> None:
 def _check_max_memory(max_memory: Any) -> None:
     from parallel.device_map import parse_bytes
 
-    sizes = max_memory.values() if hasattr(max_memory, "values") else [] if max_memory is None else [max_memory]
-    for size in sizes:
+    if max_memory is None:
+        return
+    for size in max_memory.values() if hasattr(max_memory, "values") else [max_memory]:  # per GPU, or one for all
         try:
             parse_bytes(size)
         except ValueError as e:
