@@ -2,7 +2,7 @@
 
     python benchmarks/probe_dummy.py [FluxPipeline [QwenImagePipeline [Flux2Pipeline]]] [--steps 4] [--size 1024]
 
-Builds each pipeline with ``models.dummy.build_dummy_pipeline`` on cuda in bfloat16, then runs one
+Builds each pipeline with ``shardgen.models.dummy.build_dummy_pipeline`` on cuda in bfloat16, then runs one
 warm-up and one measured generation (``--steps`` steps at ``--size`` x ``--size``), timing every
 transformer / text-encoder / VAE-decode call with CUDA-synchronised hooks. Results are printed and,
 when ``$OUT`` is set, written to ``$OUT/probe_dummy.json``.
@@ -42,7 +42,7 @@ def _timed(module, name, log, method="forward"):
 
 
 def probe(name: str, steps: int, size: int) -> dict:
-    from models.dummy import build_dummy_pipeline
+    from shardgen.models.dummy import build_dummy_pipeline
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -2,14 +2,14 @@
 
     python benchmarks/probe_transformer.py [--batch 4] [--variants base,cd,fused_cd,...] [--profile]
 
-Builds the FLUX.1-dev transformer alone (``models.dummy``: real shapes, random bf16 weights), feeds it
+Builds the FLUX.1-dev transformer alone (``shardgen.models.dummy``: real shapes, random bf16 weights), feeds it
 one 1024x1024 step's inputs (4096 image + 512 text tokens) and, for each variant, compiles the
-repeated blocks (``engine.accel.compile_blocks``), times a batch call with CUDA events (median of
+repeated blocks (``shardgen.speed.accel.compile_blocks``), times a batch call with CUDA events (median of
 ``--iters``) and compares sample 0's output with the eager batch-1 output and a float32 reference
 (relative RMS error, and the same for eager batch 4: what batching alone changes). ``--profile`` prints
 the top kernels of one call of each variant. Results go to ``$OUT/probe_transformer.json``.
 
-Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = engine/flux_fused.py's
+Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = shardgen/speed/flux_fused.py's
 block forwards (``cat``: without splitting the single blocks' proj_out; ``nocompile``: not compiled);
 ``cd`` = inductor's coordinate-descent tuning of its Triton kernels; ``emu`` = inductor's
 ``emulate_precision_casts`` (round fused intermediates to bf16 where eager does). It also checks the
@@ -36,7 +36,7 @@ GiB = 1024 ** 3
 
 
 def build(device, dtype):
-    from models.dummy import _construct, dummy_architecture, materialize_random
+    from shardgen.models.dummy import _construct, dummy_architecture, materialize_random
 
     spec = dummy_architecture("FluxPipeline")["transformer"]
     g = torch.Generator(device).manual_seed(0)
@@ -88,7 +88,7 @@ def rel(a, b):
 
 def check_rms_rope(dev, dt):
     """The Triton RMSNorm+RoPE kernel against eager diffusers' ops at FLUX's shapes (batch 1)."""
-    from engine import flux_fused
+    from shardgen.speed import flux_fused
 
     g = torch.Generator(dev).manual_seed(2)
     xt = (torch.randn(1, 512, 24, 128, device=dev, generator=g) * 2).to(dt)
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--gemm", action="store_true")
     args = ap.parse_args()
 
-    from engine import accel
+    from shardgen.speed import accel
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "batch": args.batch, "variants": {}}
@@ -211,7 +211,7 @@ def main() -> int:
         ic.coordinate_descent_tuning = "cd" in tokens
         ic.emulate_precision_casts = "emu" in tokens
         if "fused" in tokens:
-            from engine import flux_fused
+            from shardgen.speed import flux_fused
 
             forwards = flux_fused.enable(tr, split_proj_out="cat" not in tokens)
             for block, fwd in forwards.items():  # as accel.compile_blocks(fused=True), with the split choice

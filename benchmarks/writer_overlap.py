@@ -16,8 +16,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from engine.config import register_configs
-from engine.runner import RunResult
+from shardgen.config.schema import register_configs
+from shardgen.run.runner import RunResult
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -39,7 +39,7 @@ def main() -> None:
                  f"writer_threads={args.threads}", f"device={args.device}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="generate", overrides=overrides)
-    from engine import runner
+    from shardgen.run import runner
 
     captured = {}
     orig = runner.ReplicaWorker.run

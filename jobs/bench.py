@@ -10,7 +10,7 @@ Both ways share one pipeline object (built once) and the same prompts and seeds:
 1. baseline: the seed docs' data-parallel loop for one rank, eager: per prompt
    ``pipe(prompt, generator=Generator("cpu").manual_seed(seed)).images[0]`` then ``image.save(png)``
    (the seed is shardgen's sample seed of that prompt, so the images are comparable);
-2. shardgen: ``engine.runner.run_rank`` with a composed ``jobs.generate`` config (the real job: plan,
+2. shardgen: ``shardgen.run.runner.run_rank`` with a composed ``jobs.generate`` config (the real job: plan,
    claims, batches, background PNG encoding, tar shards, checkpoints), the strategy's pipeline build
    replaced by the shared object. A one-batch warm-up run before it pays the compilation.
 
@@ -283,7 +283,7 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
     """prompt index -> decoded image of every committed sample of a run."""
     from PIL import Image
 
-    from dataio.verify import read_shard_members
+    from shardgen.dataio.verify import read_shard_members
 
     out = {}
     for tar in sorted((run_dir / "shards").glob("*.tar")):
@@ -299,7 +299,7 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from engine.config import register_configs
+    from shardgen.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -373,7 +373,7 @@ class _Patched:
         self.worker = None
 
     def __enter__(self):
-        from engine import replica, runner
+        from shardgen.run import replica, runner
 
         self._saved = (runner.apply_strategy, replica.generate_batch, runner.ReplicaWorker.run)
         orig_gen, orig_run = replica.generate_batch, runner.ReplicaWorker.run
@@ -422,7 +422,7 @@ class _Patched:
             self.cycle_overhead[k] = self.cycle_overhead.get(k, 0.0) + dt
 
     def __exit__(self, *exc):
-        from engine import replica, runner
+        from shardgen.run import replica, runner
 
         self._stopped_at_exit = False
         if self.prof is not None and self.prof_window is None:
@@ -450,10 +450,10 @@ class _Patched:
 
 def run_shardgen(pipe, cfg, device: torch.device, timer: TransformerTimer, *, profile_batch: int | None = None,
                  before=None, skip_first: int = 0) -> dict:
-    """``engine.runner.run_rank(cfg)`` with the shared pipeline; timings of the run and of each batch."""
-    from engine import accel
-    from engine.generation import GenSettings
-    from engine.runner import run_rank
+    """``shardgen.run.runner.run_rank(cfg)`` with the shared pipeline; timings of the run and of each batch."""
+    from shardgen.speed import accel
+    from shardgen.run.generation import GenSettings
+    from shardgen.run.runner import run_rank
 
     accel.prepare(pipe, GenSettings.from_cfg(cfg).accel)  # what run_pipeline would do first; hooks exist now
     extra = before(pipe) if before else None
@@ -547,7 +547,7 @@ def say(msg: str) -> None:
 
 
 def _first_failure(run_dir: Path) -> str | None:
-    from dataio.verify import read_shard_members
+    from shardgen.dataio.verify import read_shard_members
 
     for tar in sorted((run_dir / "shards").glob("*.tar")):
         for mem in read_shard_members(tar).values():
@@ -559,9 +559,9 @@ def _first_failure(run_dir: Path) -> str | None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from engine.runner import quiet_libraries
-    from dataio.plan import sample_seed
-    from models.loader import load_pipeline, torch_dtype
+    from shardgen.run.runner import quiet_libraries
+    from shardgen.dataio.plan import sample_seed
+    from shardgen.models.loader import load_pipeline, torch_dtype
     from parallel.world import choose_device
 
     quiet_libraries()
@@ -696,7 +696,7 @@ def main(argv=None) -> dict:
     sg["mfu_denoise"], sg["mfu_e2e"] = mfu(sg)
     if sg.get("steady_s_per_image"):
         sg["compile_s_estimate"] = round(warm["first_batch_s"] - sg["steady_s_per_image"] * warm["n"], 1)
-    from engine import accel as accel_mod
+    from shardgen.speed import accel as accel_mod
 
     sg["sdpa_choice"] = {str(k): v for k, v in accel_mod._SDPA_CHOICE.items()}
     results["shardgen"] = sg

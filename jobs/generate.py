@@ -15,7 +15,7 @@ from typing import Any
 
 import hydra
 
-from engine.config import register_configs
+from shardgen.config.schema import register_configs
 
 register_configs()
 log = logging.getLogger("shardgen")
@@ -23,16 +23,16 @@ log = logging.getLogger("shardgen")
 
 def run(cfg: Any):
     """Run or submit the job described by a composed config (tests call this directly)."""
-    from engine.launch import launch_local, launched_by_torchrun
-    from engine.runner import run_rank
-    from engine.validate import validate_config
+    from shardgen.launch.local import launch_local, launched_by_torchrun
+    from shardgen.run.runner import run_rank
+    from shardgen.config.validate import validate_config
 
     validate_config(cfg)
     name = cfg.launcher.name
     if name == "local" and not launched_by_torchrun():
         return launch_local(cfg)
     if name == "slurm":
-        from engine.slurm import submit
+        from shardgen.launch.slurm import submit
 
         return submit(cfg)
     return run_rank(cfg)
@@ -42,7 +42,7 @@ def run(cfg: Any):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg) -> None:
-    from engine.runner import USER_ERRORS
+    from shardgen.run.runner import USER_ERRORS
 
     try:
         run(cfg)

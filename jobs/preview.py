@@ -12,9 +12,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dataio.plan import load_plan
-from dataio.rundir import RunDir, run_dir_arg
-from dataio.verify import IMAGE_EXTS, read_shard_members
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
 
 
 def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:

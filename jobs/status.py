@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from dataio.ledger import read_ledger, run_lease_s
-from dataio.plan import load_plan
-from dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.ledger import read_ledger, run_lease_s
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir, run_dir_arg
 
 
 def _fmt_s(s: float | None) -> str:

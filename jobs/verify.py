@@ -9,9 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dataio.plan import load_plan
-from dataio.rundir import RunDir, run_dir_arg
-from dataio.verify import verify_run
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.verify import verify_run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,11 +183,11 @@ def _meta_params(spec) -> int:
 def component_params(model_cfg: Any) -> dict[str, int]:
     """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
     if model_cfg.weights == "dummy":
-        from models.dummy import dummy_architecture
+        from shardgen.models.dummy import dummy_architecture
 
         return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.pipeline).items()
                 if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
-    from models.loader import resolve_source
+    from shardgen.models.loader import resolve_source
 
     root = Path(os.path.expanduser(resolve_source(model_cfg)))
     if not (root / "model_index.json").is_file():
@@ -201,7 +201,7 @@ def gather_inputs(cfg: Any, world_size: int, facts) -> AutoInputs:
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
-    from models.loader import torch_dtype
+    from shardgen.models.loader import torch_dtype
     from parallel.strategies import HALF_DTYPES, sequence_tokens, transformer_info
 
     nbytes = torch_dtype(cfg.dtype).itemsize

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from models.loader import load_pipeline, torch_dtype
+from shardgen.models.loader import load_pipeline, torch_dtype
 from parallel.compat import parallel_patches
 
 log = logging.getLogger("shardgen.cp")

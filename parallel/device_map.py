@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
+from shardgen.models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
 
 log = logging.getLogger("shardgen.device_map")
 GiB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.loader import load_pipeline, torch_dtype
+from shardgen.models.loader import load_pipeline, torch_dtype
 
 
 def apply(cfg: Any, world, dims, mesh) -> Any:

@@ -145,14 +145,14 @@ def _hub_file(repo: str, filename: str, revision: str | None) -> Path | None:
 def transformer_info(model_cfg: Any) -> TransformerInfo:
     """The transformer's class and config: the embedded tiny one, the dummy architecture, or config.json."""
     if model_cfg.weights == "dummy":
-        from models.dummy import dummy_architecture
+        from shardgen.models.dummy import dummy_architecture
 
         spec = dummy_architecture(model_cfg.pipeline)["transformer"]
         return TransformerInfo(spec.cls, dict(spec.config), f"the dummy {model_cfg.pipeline} architecture")
     if model_cfg.source == "tiny":
-        from models.tiny import TRANSFORMER_CONFIG
+        from shardgen.models.tiny import TRANSFORMER_CONFIG
 
-        return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "models.tiny.TRANSFORMER_CONFIG")
+        return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "shardgen.models.tiny.TRANSFORMER_CONFIG")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
+from shardgen.models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
 from parallel.compat import parallel_patches
 
 log = logging.getLogger("shardgen.tp")

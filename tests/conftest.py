@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from engine.config import register_configs
+from shardgen.config.schema import register_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -28,7 +28,7 @@ def tiny_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("shardgen-cache")
     old = os.environ.get("SHARDGEN_CACHE")
     os.environ["SHARDGEN_CACHE"] = str(cache)
-    from models.tiny import tiny_model_path
+    from shardgen.models.tiny import tiny_model_path
 
     tiny_model_path(cache)
     yield cache

@@ -9,7 +9,7 @@ import time
 
 from diffusers import FluxPipeline
 
-from engine.slurm import GenerateJob
+from shardgen.launch.slurm import GenerateJob
 
 _real = FluxPipeline.__call__
 

@@ -1,4 +1,4 @@
-"""jobs.bench on the CPU (the tiny model) and the acceleration options of engine/accel.py."""
+"""jobs.bench on the CPU (the tiny model) and the acceleration options of shardgen/speed/accel.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine import accel
+from shardgen.speed import accel
 from jobs.bench import main as bench_main
 from jobs.generate import run
 from tests.conftest import compose_cfg
@@ -63,7 +63,7 @@ def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkey
 
 
 def test_lossy_options_run_and_are_recorded(tmp_path):
-    from dataio.verify import read_shard_members
+    from shardgen.dataio.verify import read_shard_members
 
     cfg = compose_cfg(f"run_dir={tmp_path / 'lossy'}", "first_block_cache=0.5", "fp8=true", *FAST)
     result = run(cfg)

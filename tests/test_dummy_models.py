@@ -1,4 +1,4 @@
-"""models.dummy: real architectures with random weights, built on the device (scaled down here, on CPU)."""
+"""shardgen.models.dummy: real architectures with random weights, built on the device (scaled down here, on CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.dummy import DUMMY_ARCHITECTURES, _construct, build_dummy_pipeline, dummy_architecture
+from shardgen.models.dummy import DUMMY_ARCHITECTURES, _construct, build_dummy_pipeline, dummy_architecture
 
 # Scaled-down copies of the embedded architectures: same classes and code paths, tiny widths/depths.
 SMALL = {

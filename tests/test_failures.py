@@ -10,10 +10,10 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from dataio.verify import read_shard_members, verify_run
-from dataio.plan import load_plan
-from dataio.rundir import RunDir
-from engine.replica import BrokenSetupError
+from shardgen.dataio.verify import read_shard_members, verify_run
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir
+from shardgen.run.replica import BrokenSetupError
 from jobs.generate import run
 from tests.conftest import compose_cfg, write_lines
 from tests.test_generate import shard_images
@@ -80,7 +80,7 @@ def _tp_rank(rank: int, cfg_yaml: str, port: int, fail_on_rank1: bool) -> None:
 
     from omegaconf import OmegaConf
 
-    from engine.runner import run_rank
+    from shardgen.run.runner import run_rank
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -99,7 +99,7 @@ def test_a_batch_failing_on_one_tp_rank_ends_the_job_and_a_rerun_finishes(tmp_pa
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
-    from engine.launch import free_port
+    from shardgen.launch.local import free_port
 
     prompts = ["a cat", "a dog", "a bird", "a fish", "a cow", "a boom dog", "a horse", "a frog"]
     f = write_lines(tmp_path / "p.txt", prompts)
@@ -126,7 +126,7 @@ def test_the_watchdog_times_work_in_progress_only():
     """Idle time (waiting for other replicas' shards) is no stall; a busy section past the timeout is."""
     import time
 
-    from engine.watchdog import STALL_EXIT_CODE, StallWatchdog
+    from shardgen.run.watchdog import STALL_EXIT_CODE, StallWatchdog
 
     exits = []
     w = StallWatchdog(0.4, exit_fn=exits.append)
@@ -150,8 +150,8 @@ def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
     import sys
     import time
 
-    from dataio.ledger import read_ledger
-    from engine.watchdog import STALL_EXIT_CODE
+    from shardgen.dataio.ledger import read_ledger
+    from shardgen.run.watchdog import STALL_EXIT_CODE
     from tests.conftest import ROOT
 
     prompts = ["a cat", "a dog", "a bird", "a fish", "a cow", "a hang glider", "a horse", "a frog"]

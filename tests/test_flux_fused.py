@@ -1,4 +1,4 @@
-"""engine/flux_fused.py on the CPU: the fused FLUX blocks compute what diffusers' blocks compute.
+"""shardgen/speed/flux_fused.py on the CPU: the fused FLUX blocks compute what diffusers' blocks compute.
 
 The Triton kernel itself runs only on CUDA (tests/test_gpu.py checks it against eager there); here
 ``rms_rope`` takes its torch path, which is eager diffusers' own sequence of ops.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import accel, flux_fused
-from engine.generation import to_pixels
+from shardgen.speed import accel, flux_fused
+from shardgen.run.generation import to_pixels
 
 SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                   num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataio.plan import load_plan
-from dataio.rundir import RunDir
-from dataio.verify import verify_run
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.verify import verify_run
 from jobs.generate import run
 from tests.conftest import compose_cfg
 
@@ -30,7 +30,7 @@ def test_flux_dev_dummy_runs_on_one_gpu(tmp_path, strategy):
 def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     """The Triton q/k RMSNorm+RoPE kernel against diffusers' eager ops, in bf16, at FLUX's shapes and at
     token counts that are not multiples of its tile (masked edges)."""
-    from engine import flux_fused
+    from shardgen.speed import flux_fused
 
     g = torch.Generator("cuda").manual_seed(0)
     xs = [(torch.randn(2, n, heads * dim, device="cuda", generator=g) * 2).bfloat16().unflatten(-1, (heads, dim))

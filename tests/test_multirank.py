@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dataio.ledger import read_ledger
-from dataio.plan import load_plan
-from dataio.rundir import RunDir
-from dataio.verify import verify_run
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.verify import verify_run
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg
 from tests.test_generate import shard_images
@@ -69,7 +69,7 @@ def durable_samples(run_dir: Path) -> int:
 
 
 def handed_over(log_text: str) -> int:
-    """Samples the replicas handed to their writers (DEBUG lines of engine/replica.py)."""
+    """Samples the replicas handed to their writers (DEBUG lines of shardgen/run/replica.py)."""
     return sum(int(n) for n in re.findall(r"handed over (\d+) samples", log_text))
 
 

@@ -50,9 +50,9 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from engine.generation import GenSettings, pipeline_kwargs
-    from engine.runner import quiet_libraries
-    from models.loader import load_pipeline, torch_dtype
+    from shardgen.run.generation import GenSettings, pipeline_kwargs
+    from shardgen.run.runner import quiet_libraries
+    from shardgen.models.loader import load_pipeline, torch_dtype
     from parallel import world as W
     from parallel.strategies import StrategyDims, apply_strategy
 
@@ -83,7 +83,7 @@ def test_tp2_and_ulysses2_match_one_process(tmp_path):
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
-    from engine.launch import free_port
+    from shardgen.launch.local import free_port
 
     cfg = compose_cfg("height=128", "width=128", "steps=2")
     mp.start_processes(_parity_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dataio.prompts import (FORMATS, PromptFileError, PromptRow, check_prompt_source, detect_format,
+from shardgen.dataio.prompts import (FORMATS, PromptFileError, PromptRow, check_prompt_source, detect_format,
                             read_prompts)
 
 SKIP_HINT = "prompts.on_bad_row=skip"

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dataio.ledger import read_ledger
-from dataio.plan import load_plan
-from dataio.rundir import RunDir
-from dataio.verify import verify_run
-from engine.slurm import SlurmConfigError, validate_slurm
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.verify import verify_run
+from shardgen.launch.slurm import SlurmConfigError, validate_slurm
 from jobs.generate import run
 from tests.conftest import compose_cfg, write_lines
 from tests.test_generate import shard_images
@@ -93,7 +93,7 @@ def test_misconfigured_submission_fails_before_sbatch(tmp_path, overrides, needl
 def test_unknown_sbatch_parameter_is_rejected_by_submitit(tmp_path):
     cfg = compose_cfg("launcher=slurm", f"run_dir={tmp_path / 'run'}", "prompts.limit=2")
     validate_slurm(cfg)  # valid for us; submitit knows sbatch's own keys
-    from engine.slurm import make_executor
+    from shardgen.launch.slurm import make_executor
 
     make_executor(cfg, tmp_path)
 
@@ -240,10 +240,10 @@ def test_a_failed_or_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, 
     launcher.max_failures requeues and says so, its progress kept."""
     import functools
 
-    import engine.slurm
+    import shardgen.launch.slurm
     from tests.hanging_job import HangingJob
 
-    monkeypatch.setattr(engine.slurm, "GenerateJob", functools.partial(HangingJob, bad_attempts=bad_attempts,
+    monkeypatch.setattr(shardgen.launch.slurm, "GenerateJob", functools.partial(HangingJob, bad_attempts=bad_attempts,
                                                                       fault=fault))
     prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" if i != 20 else "a hang glider" for i in range(N)])
     run_dir = tmp_path / "run"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import parallel.strategies as S
-from engine.generation import GenSettings, pipeline_kwargs
+from shardgen.run.generation import GenSettings, pipeline_kwargs
 from jobs.generate import run
 from parallel.auto import AutoInputs, choose, decide
 from parallel.strategies import DeviceFacts, ParallelConfigError, parallel_dims
@@ -29,7 +29,7 @@ def no_weights(monkeypatch):
     """Any attempt to read weights fails the test."""
     import diffusers
 
-    from models import loader
+    from shardgen.models import loader
 
     def boom(*a, **k):
         pytest.fail("weights were read before the configuration was validated")
@@ -225,7 +225,7 @@ def one_rank_gloo():
 def tiny_transformer():
     from diffusers import FluxTransformer2DModel
 
-    from models.tiny import TRANSFORMER_CONFIG
+    from shardgen.models.tiny import TRANSFORMER_CONFIG
 
     return FluxTransformer2DModel(**TRANSFORMER_CONFIG).eval()
 
@@ -294,7 +294,7 @@ def test_lse_backends_are_context_parallel_backends():
 def test_staged_pipeline_gives_the_pipelines_pixels():
     """Encoding outside the pipeline (with encoders moved in and out) changes no pixel, true CFG included,
     and the wrapper's signature offers what the generation loop passes."""
-    from models.loader import load_pipeline
+    from shardgen.models.loader import load_pipeline
     from parallel.device_map import StagedPipeline
 
     m = SimpleNamespace(pipeline="FluxPipeline", weights="pretrained", source="tiny", revision=None, cache_dir=None)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dataio.prompts import PromptRow
-from dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.prompts import PromptRow
+from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
 
 PLAN_VERSION = 1
 KEY_DIGITS = 10  # up to 10^10 prompts; webdataset keys must not contain dots

@@ -11,7 +11,7 @@ Exact (outputs change only by bf16 rounding noise):
   cache hooks (First-Block-Cache) replace a block's ``forward`` and must stay eager (they decide on
   the host whether to skip the remaining blocks); compiling the ``forward`` underneath them keeps the
   block bodies compiled when a cache is enabled.
-- ``fused_blocks`` (with ``compile``): FLUX.1 blocks compile engine/flux_fused.py's forwards, which
+- ``fused_blocks`` (with ``compile``): FLUX.1 blocks compile shardgen/speed/flux_fused.py's forwards, which
   do q/k RMSNorm+RoPE in one Triton pass, the MLP GELU in the GEMM epilogue and the single blocks'
   ``proj_out`` without the concatenation; other transformers keep their own forward.
 - ``compile_tuning`` (with ``compile``, CUDA): inductor's coordinate-descent tuning of its Triton kernels.
@@ -137,7 +137,7 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
                    tuning: bool = False) -> int:
     """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
     torch.compile's (``default`` passes none: inductor's default mode). ``fused``: FLUX blocks compile
-    engine/flux_fused.py's forwards instead of their own (other models: ignored). ``tuning``:
+    shardgen/speed/flux_fused.py's forwards instead of their own (other models: ignored). ``tuning``:
     inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time)."""
     blocks = repeated_blocks(transformer)
     if not blocks:
@@ -155,7 +155,7 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
                              "compile before adding hooks")
     forwards = {}
     if fused and len(todo) == len(blocks):
-        from engine import flux_fused
+        from shardgen.speed import flux_fused
 
         forwards = flux_fused.enable(transformer)
     for block in todo:
@@ -176,7 +176,7 @@ def _plain_forward(block: torch.nn.Module) -> bool:
 
 
 def uncompile_blocks(transformer: torch.nn.Module) -> None:
-    from engine import flux_fused
+    from shardgen.speed import flux_fused
 
     flux_fused.disable(transformer)
     for block in repeated_blocks(transformer):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dataio.plan import file_sha256
-from dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.plan import file_sha256
+from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
 
 
 class FingerprintMismatch(RuntimeError):

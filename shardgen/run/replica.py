@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dataio.claims import Claimer, scan_claims
-from dataio.plan import Plan
-from dataio.rundir import read_json
-from dataio.shardwork import Sample, ShardWork
-from dataio.verify import read_shard_members
-from dataio.sink import ShardSink
-from engine.generation import GenSettings, generate_batch
-from engine.watchdog import StallWatchdog
+from shardgen.dataio.claims import Claimer, scan_claims
+from shardgen.dataio.plan import Plan
+from shardgen.dataio.rundir import read_json
+from shardgen.dataio.shardwork import Sample, ShardWork
+from shardgen.dataio.verify import read_shard_members
+from shardgen.dataio.sink import ShardSink
+from shardgen.run.generation import GenSettings, generate_batch
+from shardgen.run.watchdog import StallWatchdog
 from parallel.world import broadcast_object
 
 log = logging.getLogger("shardgen.replica")

@@ -16,20 +16,20 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dataio.claims import Claimer, owner_record
-from dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
+from shardgen.dataio.claims import Claimer, owner_record
+from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                 remember_prompt_hash)
-from dataio.ledger import read_ledger
-from dataio.plan import Plan, build_plan, load_plan
-from dataio.prompts import check_prompt_source, read_prompts
-from dataio.rundir import RunDir, atomic_write_json
-from dataio.sink import ShardSink
-from engine.generation import GenSettings
-from engine.progress import Progress
-from engine.replica import ReplicaContext, ReplicaWorker
-from engine.validate import validate_config
-from engine.watchdog import StallWatchdog
-from models.loader import model_version
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import Plan, build_plan, load_plan
+from shardgen.dataio.prompts import check_prompt_source, read_prompts
+from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.sink import ShardSink
+from shardgen.run.generation import GenSettings
+from shardgen.run.progress import Progress
+from shardgen.run.replica import ReplicaContext, ReplicaWorker
+from shardgen.config.validate import validate_config
+from shardgen.run.watchdog import StallWatchdog
+from shardgen.models.loader import model_version
 from parallel import world as W
 from parallel.strategies import apply_strategy, parallel_dims
 
@@ -37,7 +37,7 @@ log = logging.getLogger("shardgen")
 # errors whose message says what the user must change: printed without a traceback, never retried
 USER_ERRORS = ("ConfigError", "PromptFileError", "FingerprintMismatch", "ParallelConfigError", "ModelLoadError",
                "LocalRankError", "SlurmConfigError", "BrokenSetupError", "RemoteError")
-_ACTIVE_SINKS: list[ShardSink] = []  # this process's writers, drained on preemption (engine/slurm.py)
+_ACTIVE_SINKS: list[ShardSink] = []  # this process's writers, drained on preemption (shardgen/launch/slurm.py)
 
 
 def drain_writers(timeout_s: float) -> int:
@@ -66,7 +66,7 @@ class RunResult:
         return self.generated_here / self.wall_s if self.wall_s > 0 else 0.0
 
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompt_path(cfg: Any) -> Path:

@@ -29,7 +29,7 @@ _ON_STALL: list[Callable[[str], object]] = []
 
 
 def on_stall(hook: Callable[[str], object]) -> None:
-    """Run ``hook(what stalled)`` before a stalled rank exits (engine/slurm.py requeues the job there)."""
+    """Run ``hook(what stalled)`` before a stalled rank exits (shardgen/launch/slurm.py requeues the job there)."""
     _ON_STALL.append(hook)
 
 

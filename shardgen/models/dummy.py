@@ -283,7 +283,7 @@ def _train_chat_tokenizer(kind: str, model_max_length: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from models.tiny import _CORPUS
+    from shardgen.models.tiny import _CORPUS
 
     if kind == "qwen":
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -318,7 +318,7 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
     max_len = spec.config.get("model_max_length")
     if spec.cls in ("clip", "t5"):
         if "tiny" not in cache:
-            from models.tiny import _train_tokenizers
+            from shardgen.models.tiny import _train_tokenizers
 
             with tempfile.TemporaryDirectory() as tmp:
                 cache["tiny"] = _train_tokenizers(Path(tmp))

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dataio.rundir import RunDir
+from shardgen.dataio.rundir import RunDir
 
 _CLAIM_RE = re.compile(r"^(\d{6})\.g(\d+)$")
 

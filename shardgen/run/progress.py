@@ -7,8 +7,8 @@ import time
 
 from tqdm import tqdm
 
-from dataio.ledger import read_ledger
-from dataio.plan import Plan
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import Plan
 
 RESYNC_S = 10.0  # how often the bar re-reads the run directory to count the other replicas' work
 

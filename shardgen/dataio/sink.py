@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from dataio.shardwork import Sample, ShardWork, encode_image
+from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
 
 
 class ShardSink:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from dataio.plan import PlannedRow
-from dataio.shardwork import Sample
-from engine import accel
-from engine.accel import AccelOptions
+from shardgen.dataio.plan import PlannedRow
+from shardgen.dataio.shardwork import Sample
+from shardgen.speed import accel
+from shardgen.speed.accel import AccelOptions
 
 log = logging.getLogger("shardgen.generation")
 # raised into the loop by a signal handler (submitit ending a timed-out job): the job is over, not a sample
@@ -34,7 +34,7 @@ class GenSettings:
     model: str
     strategy: str
     accel: AccelOptions = AccelOptions()
-    """Speed options (engine/accel.py), applied to the pipeline before its first call."""
+    """Speed options (shardgen/speed/accel.py), applied to the pipeline before its first call."""
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "GenSettings":

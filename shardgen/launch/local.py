@@ -23,7 +23,7 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
     logging.getLogger("shardgen").setLevel(log_level)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from engine.runner import run_rank
+    from shardgen.run.runner import run_rank
 
     run_rank(OmegaConf.create(cfg_yaml))
 
@@ -46,7 +46,7 @@ def launch_local(cfg: Any) -> None:
         # the child's traceback is in the message; its last line is the error itself
         raise LocalRankError(str(e).strip().splitlines()[-1]) from None
     except mp.ProcessExitedException as e:
-        from engine.watchdog import STALL_EXIT_CODE
+        from shardgen.run.watchdog import STALL_EXIT_CODE
 
         why = " (it stalled: stall_timeout_s; its log above says where)" if e.exit_code == STALL_EXIT_CODE else ""
         msg = f"a rank exited with code {e.exit_code}{why}; re-run the same command to continue"

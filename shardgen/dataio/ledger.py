@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dataio.claims import read_claim, scan_claims
-from dataio.plan import Plan
-from dataio.rundir import RunDir, read_json
-from dataio.shardwork import shard_checkpoints
+from shardgen.dataio.claims import read_claim, scan_claims
+from shardgen.dataio.plan import Plan
+from shardgen.dataio.rundir import RunDir, read_json
+from shardgen.dataio.shardwork import shard_checkpoints
 
 
 @dataclass

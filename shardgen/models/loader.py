@@ -29,7 +29,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def resolve_source(model_cfg: Any) -> str:
     """The directory or hub id ``from_pretrained`` reads; builds the tiny model on first use."""
     if model_cfg.source == "tiny":
-        from models.tiny import tiny_model_path
+        from shardgen.models.tiny import tiny_model_path
 
         return str(tiny_model_path(model_cfg.cache_dir))
     return str(model_cfg.source)
@@ -38,7 +38,7 @@ def resolve_source(model_cfg: Any) -> str:
 def model_version(model_cfg: Any) -> str | None:
     """A version string for the fingerprint where the source alone does not pin the weights."""
     if model_cfg.source == "tiny":
-        from models.tiny import TINY_VERSION
+        from shardgen.models.tiny import TINY_VERSION
 
         return f"tiny-{TINY_VERSION}"
     return model_cfg.revision
@@ -77,7 +77,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     """
     cls = pipeline_class(model_cfg.pipeline)
     if model_cfg.weights == "dummy":
-        from models.dummy import build_dummy_pipeline
+        from shardgen.models.dummy import build_dummy_pipeline
 
         return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype)
     if model_cfg.weights != "pretrained":

@@ -9,8 +9,8 @@ import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from dataio.plan import Plan, sample_key
-from dataio.rundir import read_json
+from shardgen.dataio.plan import Plan, sample_key
+from shardgen.dataio.rundir import read_json
 
 IMAGE_EXTS = ("png", "jpg", "webp")
 

@@ -19,7 +19,7 @@ patterns stay expensive on an H100/H200 (measured with ``benchmarks/probe_transf
   partial sum: bf16 noise).
 
 ``enable(transformer)`` swaps the attention processors and returns the block forwards that
-``engine.accel.compile_blocks`` compiles instead of the blocks' own; ``disable`` restores them. Only
+``shardgen.speed.accel.compile_blocks`` compiles instead of the blocks' own; ``disable`` restores them. Only
 plain ``FluxTransformer2DModel`` blocks with diffusers' own ``FluxAttnProcessor``, the native attention
 backend and no context/tensor-parallel config are touched; anything else keeps the stock forward.
 """

@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dataio.rundir import RunDir, atomic_write_json, read_json
-from dataio.tarshard import PartialTar, copy_prefix
+from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.tarshard import PartialTar, copy_prefix
 
 MAX_REASON_CHARS = 300  # an error string is kept short: the json and the stats stay readable
 

@@ -99,9 +99,9 @@ class GenerateJob:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {os.environ['RANK']}][%(name)s] %(message)s")
         logging.getLogger("shardgen").setLevel(self.log_level)
-        from engine.generation import JOB_ENDING_ERRORS
-        from engine.runner import USER_ERRORS, run_rank
-        from engine.watchdog import on_stall
+        from shardgen.run.generation import JOB_ENDING_ERRORS
+        from shardgen.run.runner import USER_ERRORS, run_rank
+        from shardgen.run.watchdog import on_stall
 
         cfg = OmegaConf.create(self.cfg_yaml)
         log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
@@ -123,7 +123,7 @@ class GenerateJob:
         """Preempted or timed out: let the last batch become durable, then requeue a fresh copy."""
         import submitit
 
-        from engine.runner import drain_writers
+        from shardgen.run.runner import drain_writers
 
         drained = drain_writers(timeout_s=60)
         log.warning("checkpoint: %d writer(s) drained; progress is in the run directory; requeueing", drained)
@@ -181,7 +181,7 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
 
 def submit(cfg: Any) -> list:
     """Validate, plan, then submit ``launcher.array`` jobs; print how to watch them; optionally wait."""
-    from engine.runner import prepare_run, prompt_path
+    from shardgen.run.runner import prepare_run, prompt_path
 
     validate_slurm(cfg)
     plan = prepare_run(cfg)  # a bad prompt file or a changed fingerprint fails here, before sbatch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataio.prompts import FORMATS
-from models.loader import DTYPES
+from shardgen.dataio.prompts import FORMATS
+from shardgen.models.loader import DTYPES
 
 IMAGE_FORMATS = ("png", "jpg", "webp")
 LAUNCHERS = ("none", "local", "slurm")
@@ -47,7 +47,7 @@ def validate_config(cfg: Any) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
-    from engine.accel import AccelError, AccelOptions, validate as validate_accel
+    from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
     import torch
 

@@ -168,13 +168,13 @@ class GenerateConfig:
     heartbeat_s: float = 15.0
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
-    instead of idling to its time limit; null = never. engine/watchdog.py."""
+    instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
     progress: bool = True
     """Show a progress bar (leader of replica 0)."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
-    cudnn | efficient | math. Exact up to bf16 rounding. engine/accel.py."""
+    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/accel.py."""
     first_block_cache: float = 0.0
     """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
     blocks of a step when the first block's output barely changed; decided per batch."""
@@ -183,9 +183,9 @@ class GenerateConfig:
     scales); needs compute capability 8.9+ and compile=true to be faster."""
     compile_mode: str = "default"
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
-    max-autotune. Autotuning costs minutes of compilation per shape. engine/accel.py."""
+    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
     fused_blocks: bool = True
-    """With compile=true on FLUX.1 transformers: compile engine/flux_fused.py's block forwards (one Triton
+    """With compile=true on FLUX.1 transformers: compile shardgen/speed/flux_fused.py's block forwards (one Triton
     pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
     bf16 rounding; other models and tp/cp runs keep the stock blocks."""
     compile_tuning: bool = True
