@@ -42,12 +42,12 @@ def run(cfg: Any):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg) -> None:
-    from shardgen.run.runner import USER_ERRORS
+    from shardgen.errors import is_user_error
 
     try:
         run(cfg)
     except Exception as e:
-        if type(e).__name__ in USER_ERRORS:  # a message for the user, not a traceback
+        if is_user_error(e):  # a message for the user, not a traceback
             log.error("%s", e)
             sys.exit(2)
         raise

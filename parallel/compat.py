@@ -22,13 +22,14 @@ import logging
 from typing import Iterator
 
 import torch
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.compat")
 PATCHED_VERSIONS = ("0.42.",)
 """diffusers versions (prefixes) the patches were written and tested for."""
 
 
-class CompatError(RuntimeError):
+class CompatError(UserError, RuntimeError):
     """The installed diffusers is not one the CPU patches were checked against."""
 
 

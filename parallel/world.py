@@ -15,11 +15,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.world")
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(UserError, ValueError):
     """Parallel degrees that cannot work; the message says what to change."""
 
 
@@ -136,7 +137,7 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
-class RemoteError(RuntimeError):
+class RemoteError(UserError, RuntimeError):
     """An error raised on another rank, re-raised here so every rank stops with the same message."""
 
 

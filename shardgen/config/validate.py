@@ -6,12 +6,13 @@ from typing import Any
 
 from shardgen.dataio.prompts import FORMATS
 from shardgen.models.loader import DTYPES
+from shardgen.errors import UserError
 
 IMAGE_FORMATS = ("png", "jpg", "webp")
 LAUNCHERS = ("none", "local", "slurm")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A setting that cannot work; the message names the key and what to set instead."""
 
 

@@ -11,9 +11,10 @@ from typing import Any
 
 from shardgen.dataio.plan import file_sha256
 from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.errors import UserError
 
 
-class FingerprintMismatch(RuntimeError):
+class FingerprintMismatch(UserError, RuntimeError):
     """A resume would mix samples made with different settings."""
 
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from shardgen.errors import UserError
 
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 ON_BAD_ROW = ("error", "skip")
@@ -45,7 +46,7 @@ class PromptRow:
     reject: str | None = None
 
 
-class PromptFileError(ValueError):
+class PromptFileError(UserError, ValueError):
     """A prompt file that cannot be read as asked; the message names the file (and line) and the fix."""
 
 

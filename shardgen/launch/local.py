@@ -8,6 +8,7 @@ import socket
 from typing import Any
 
 from omegaconf import OmegaConf
+from shardgen.errors import UserError
 
 
 def free_port() -> int:
@@ -53,7 +54,7 @@ def launch_local(cfg: Any) -> None:
         raise LocalRankError(msg) from None
 
 
-class LocalRankError(RuntimeError):
+class LocalRankError(UserError, RuntimeError):
     """A locally spawned rank failed."""
 
 

@@ -16,12 +16,13 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from parallel.world import ParallelConfigError
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.slurm")
 _SAFE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
-class SlurmConfigError(ValueError):
+class SlurmConfigError(UserError, ValueError):
     """A submission that cannot work; raised before anything reaches sbatch."""
 
 
@@ -99,8 +100,8 @@ class GenerateJob:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {os.environ['RANK']}][%(name)s] %(message)s")
         logging.getLogger("shardgen").setLevel(self.log_level)
-        from shardgen.run.generation import JOB_ENDING_ERRORS
-        from shardgen.run.runner import USER_ERRORS, run_rank
+        from shardgen.errors import never_retry
+        from shardgen.run.runner import run_rank
         from shardgen.run.watchdog import on_stall
 
         cfg = OmegaConf.create(self.cfg_yaml)
@@ -111,8 +112,7 @@ class GenerateJob:
             result = run_rank(cfg)
         except Exception as e:
             # not a setup error (it would fail the same way again), nor submitit's own end (timeouts used up)
-            retry = type(e).__name__ not in USER_ERRORS + JOB_ENDING_ERRORS
-            if retry and requeue_after_failure(cfg, f"{type(e).__name__}: {e}"):
+            if not never_retry(e) and requeue_after_failure(cfg, f"{type(e).__name__}: {e}"):
                 log.exception("this attempt failed; the job is requeued")
                 # leave no result: submitit would take this attempt's error for the job's and stop waiting
                 os._exit(1)

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shardgen.errors import UserError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """The model cannot be loaded as configured; the message says what to change."""
 
 

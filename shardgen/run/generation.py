@@ -14,11 +14,9 @@ from shardgen.dataio.plan import PlannedRow
 from shardgen.dataio.shardwork import Sample
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
+from shardgen.errors import JobEndingError, ends_job
 
 log = logging.getLogger("shardgen.generation")
-# raised into the loop by a signal handler (submitit ending a timed-out job): the job is over, not a sample
-JOB_ENDING_ERRORS = ("UncompletedJobError",)
-
 
 @dataclass(frozen=True)
 class GenSettings:
@@ -98,7 +96,7 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
     return meta
 
 
-class ReplicaBatchError(RuntimeError):
+class ReplicaBatchError(JobEndingError, RuntimeError):
     """A batch failed on one rank of a model-parallel replica: the job must stop (see ``run_pipeline``)."""
 
 
@@ -117,7 +115,7 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
             out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
         finite, pixels = to_pixels(out.images)
     except Exception as e:
-        if type(e).__name__ in JOB_ENDING_ERRORS:
+        if ends_job(e):  # e.g. submitit ending a timed-out job: the job is over, not a sample
             raise
         if replica_ranks > 1:
             raise ReplicaBatchError(

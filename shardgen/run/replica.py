@@ -20,12 +20,13 @@ from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings, generate_batch
 from shardgen.run.watchdog import StallWatchdog
 from parallel.world import broadcast_object
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.replica")
 MAX_FAILED_BATCHES = 3  # every sample of this many consecutive batches failing = a broken setup
 
 
-class BrokenSetupError(RuntimeError):
+class BrokenSetupError(UserError, RuntimeError):
     """Every sample keeps failing: stop instead of marking the whole run failed."""
 
 

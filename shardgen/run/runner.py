@@ -34,9 +34,6 @@ from parallel import world as W
 from parallel.strategies import apply_strategy, parallel_dims
 
 log = logging.getLogger("shardgen")
-# errors whose message says what the user must change: printed without a traceback, never retried
-USER_ERRORS = ("ConfigError", "PromptFileError", "FingerprintMismatch", "ParallelConfigError", "ModelLoadError",
-               "LocalRankError", "SlurmConfigError", "BrokenSetupError", "RemoteError")
 _ACTIVE_SINKS: list[ShardSink] = []  # this process's writers, drained on preemption (shardgen/launch/slurm.py)
 
 

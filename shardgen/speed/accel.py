@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.accel")
 
@@ -59,7 +60,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _STATE_ATTR = "_shardgen_accel"
 
 
-class AccelError(ValueError):
+class AccelError(UserError, ValueError):
     """An acceleration option that cannot work here; the message says what to change."""
 
 
