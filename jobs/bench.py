@@ -377,7 +377,7 @@ class _Patched:
 
         self._saved = (runner.apply_strategy, replica.generate_batch, runner.ReplicaWorker.run)
         orig_gen, orig_run = replica.generate_batch, runner.ReplicaWorker.run
-        runner.apply_strategy = lambda cfg, world, dims, mesh: self.pipe
+        runner.apply_strategy = lambda cfg, world, dims: self.pipe
 
         def generate_batch(pipe, settings, rows, *args):
             k = len(self.starts)

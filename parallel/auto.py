@@ -1,5 +1,5 @@
 """strategy=auto: pick dp / device_map / tp / cp from the model size, free device memory, sequence length
-and device count, log one line per reason, then apply the choice.
+and device count, and log one line per reason; parallel/strategies.py then applies the choice.
 
 The table (docs/strategies.md has it with its sources); the first row that matches wins:
 
@@ -18,7 +18,6 @@ The table (docs/strategies.md has it with its sources); the first row that match
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -26,12 +25,17 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from parallel.world import ParallelConfigError, on_rank0_then_share
+from parallel.dims import ParallelConfigError, ParallelDims, divisors
+from parallel.transformer import HALF_DTYPES, sequence_tokens, transformer_info
+from parallel.world import on_rank0_then_share
+from shardgen.config.sizes import GiB
+
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig, ModelConfig
 
 log = logging.getLogger("shardgen.auto")
-GiB = 1 << 30
 USABLE = 0.9            # of a GPU's free memory a plan may fill
 TRANSFORMER_ACT = 16    # live activation tensors of width hidden per token in a DiT block (MLP 4x, q/k/v, residuals)
 VAE_ACT = 6 * 128       # VAE decoder: ~6 live full-resolution maps of 128 channels per image
@@ -79,15 +83,17 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def choose(x: AutoInputs) -> tuple[Any, list[str]]:
-    """The strategy request for ``x`` and the reasons, one line each."""
-    from parallel.strategies import Request
+def _pick(x: AutoInputs, strategy: str, **degrees: int) -> ParallelDims:
+    return ParallelDims(world_size=x.world_size, strategy=strategy, **degrees)
 
+
+def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
+    """The strategy and degrees for ``x`` and the reasons, one line each."""
     why = []
     if x.device_type != "cuda" or not x.free_bytes:
         why.append(f"no CUDA GPU here ({x.device_type}): model parallelism only pays off on GPUs, so dp (a full "
                    f"pipeline per rank, {x.world_size} replica(s))")
-        return Request("dp"), why
+        return _pick(x, "dp"), why
     budget = x.free_bytes * USABLE
     weights = x.transformer_bytes + x.other_bytes
     act = x.activation_bytes()
@@ -99,7 +105,7 @@ def choose(x: AutoInputs) -> tuple[Any, list[str]]:
     if weights + act <= budget:
         why.append("the whole pipeline fits one GPU: dp, the fastest for batch generation (no communication, every "
                    "GPU on its own prompts)")
-        return Request("dp"), why
+        return _pick(x, "dp"), why
     if weights + x.vae_bytes() <= budget and x.world_size > 1 and x.has_cp_plan:
         why.append(f"the weights and the VAE decode fit one GPU, the transformer's activations "
                    f"({_gib(x.dit_bytes())} for {x.image_tokens + (x.text_tokens or 0)} tokens) do not")
@@ -109,47 +115,41 @@ def choose(x: AutoInputs) -> tuple[Any, list[str]]:
     if x.transformer_bytes + act <= budget:
         why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(weights + act)} > "
                    f"{_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
-        return Request("device_map", gpus_per_replica=1), why
+        return _pick(x, "device_map", gpus_per_replica=1), why
     why.append(f"the transformer alone ({_gib(x.transformer_bytes)} + activations) does not fit one GPU")
     if x.world_size > 1 and x.has_tp_plan:
-        for k in _divisors(x.world_size):
+        for k in divisors(x.world_size):
             if (x.heads is None or x.heads % k == 0) and x.transformer_bytes / k + x.other_bytes + act <= budget:
                 why.append(f"tp_degree={k}: the smallest degree dividing the {x.world_size} ranks and the {x.heads} "
                            f"heads whose shard ({_gib(x.transformer_bytes / k)}) fits next to the encoders; each rank "
                            "reads only its shard")
-                return Request("tp", tp=k), why
+                return _pick(x, "tp", tp=k), why
         why.append(f"no tp_degree dividing {x.world_size} ranks and {x.heads} heads makes a shard fit")
     if x.world_size == 1 and x.device_count > 1:
         for g in range(2, x.device_count + 1):
             if x.transformer_bytes / g + act <= budget:
                 why.append(f"one process with {x.device_count} GPUs: device_map over {g} GPU(s) (balanced), the "
                            "encoders resident where they fit, else offloaded between batches")
-                return Request("device_map", gpus_per_replica=g), why
+                return _pick(x, "device_map", gpus_per_replica=g), why
     raise ParallelConfigError(
         "strategy=auto found no way to fit the model: " + "; ".join(why) + ". Launch more ranks (tp), give one "
         "process several GPUs (device_map, launcher with one rank per node), lower batch_size, or use a smaller dtype")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(2, n + 1) if n % d == 0]
-
-
-def _choose_cp(x: AutoInputs, room: float, why: list[str]):
+def _choose_cp(x: AutoInputs, room: float, why: list[str]) -> ParallelDims | None:
     """The smallest CP degree (dividing the world) whose share of the activations fits in ``room``."""
-    from parallel.strategies import Request
-
     tokens = [t for t in (x.image_tokens, x.text_tokens) if t is not None]
-    for k in _divisors(x.world_size):
+    for k in divisors(x.world_size):
         if x.dit_bytes(k) > room:
             continue
         if all(t % k == 0 for t in tokens) and len(tokens) == 2:
             if x.heads is None or x.heads % k == 0:
                 why.append(f"cp_ulysses ulysses_degree={k}: the {x.heads} heads and the token counts divide by it")
-                return Request("cp_ulysses", ulysses=k)
+                return _pick(x, "cp_ulysses", ulysses=k)
             if x.half_dtype:
                 why.append(f"{k} does not divide the {x.heads} heads: cp_ring ring_degree={k} (cuDNN attention "
                            "returns the LSE ring attention needs)")
-                return Request("cp_ring", ring=k)
+                return _pick(x, "cp_ring", ring=k)
     why.append("no CP degree dividing the ranks splits the sequence evenly and makes it fit")
     return None
 
@@ -168,19 +168,12 @@ def _safetensors_params(folder: Path) -> int:
 
 def _meta_params(spec) -> int:
     """Parameters of a dummy-architecture component, built on the meta device."""
-    from accelerate import init_empty_weights
+    from shardgen.models.dummy import _construct
 
-    with init_empty_weights(include_buffers=False):
-        if spec.library == "transformers":
-            import transformers
-
-            module = getattr(transformers, spec.cls)(getattr(transformers, spec.config_cls)(**spec.config))
-        else:
-            module = getattr(importlib.import_module("diffusers"), spec.cls)(**spec.config)
-    return sum(p.numel() for p in module.parameters())
+    return sum(p.numel() for p in _construct(spec).parameters())
 
 
-def component_params(model_cfg: Any) -> dict[str, int]:
+def component_params(model_cfg: ModelConfig) -> dict[str, int]:
     """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
@@ -197,12 +190,11 @@ def component_params(model_cfg: Any) -> dict[str, int]:
     return {d.name: n for d in sorted(root.iterdir()) if d.is_dir() and (n := _safetensors_params(d))}
 
 
-def gather_inputs(cfg: Any, world_size: int, facts) -> AutoInputs:
+def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
     from shardgen.models.loader import torch_dtype
-    from parallel.strategies import HALF_DTYPES, sequence_tokens, transformer_info
 
     nbytes = torch_dtype(cfg.dtype).itemsize
     image, text = sequence_tokens(cfg)
@@ -224,32 +216,16 @@ def gather_inputs(cfg: Any, world_size: int, facts) -> AutoInputs:
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None)
 
 
-def decide(cfg: Any, world_size: int, facts):
-    """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the request."""
-    from parallel.strategies import Request
-
+def decide(cfg: GenerateConfig, world_size: int, facts) -> ParallelDims:
+    """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the choice."""
     if cfg.launcher.name == "slurm":  # submitting: the nodes measure and choose when the job starts
-        return Request("dp")
+        return ParallelDims(world_size=world_size, strategy="dp")
 
     def _choose():
-        request, reasons = choose(gather_inputs(cfg, world_size, facts))
+        dims, reasons = choose(gather_inputs(cfg, world_size, facts))
         for line in reasons:
             log.info("auto: %s", line)
-        log.info("auto: applying strategy=%s%s", request.strategy, _degrees(request))
-        return request
+        log.info("auto: applying strategy=%s", " ".join(filter(None, (dims.strategy, dims.describe()))))
+        return dims
 
     return on_rank0_then_share(_choose)
-
-
-def _degrees(r) -> str:
-    parts = [f"{k}_degree={v}" for k, v in (("tp", r.tp), ("ulysses", r.ulysses), ("ring", r.ring)) if v > 1]
-    if r.strategy == "device_map":
-        parts.append(f"strategy.gpus_per_replica={r.gpus_per_replica}")
-    return (" " + " ".join(parts)) if parts else ""
-
-
-def apply(cfg: Any, world, dims, mesh) -> Any:
-    """Apply the strategy ``parallel_dims`` chose (``dims.strategy``)."""
-    from parallel.strategies import STRATEGY_MODULES
-
-    return importlib.import_module(STRATEGY_MODULES[dims.strategy]).apply(cfg, world, dims, mesh)

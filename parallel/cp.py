@@ -11,37 +11,42 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardgen.models.loader import load_pipeline, torch_dtype
 from parallel.compat import parallel_patches
+from parallel.dims import ParallelDims
+from shardgen.models.loader import load_pipeline, torch_dtype
+
+if TYPE_CHECKING:
+    from parallel.world import World
+    from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.cp")
 
 
-def cp_config(dims, mesh):
-    """The diffusers config over the replica's ("ring", "ulysses") sub-mesh."""
+def cp_config(dims: ParallelDims):
+    """The diffusers config over the replica's ring x ulysses sub-mesh."""
     from diffusers import ContextParallelConfig
 
-    return ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, mesh=mesh["ring", "ulysses"],
+    return ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, mesh=dims.mesh("cp"),
                                  ulysses_anything=dims.ulysses_anything, ring_anything=dims.ring_anything)
 
 
-def enable(transformer: Any, dims, mesh, device: torch.device) -> None:
+def enable(transformer: Any, dims: ParallelDims, device: torch.device) -> None:
     """Set the attention backend, then make ``transformer`` context-parallel over the replica."""
     transformer.set_attention_backend(dims.attention_backend)
     # diffusers 0.42's CP gather calls a torch collective that torch 2.13 deprecates: once per rank, not ours to fix
     warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*deprecated", category=FutureWarning)
     with parallel_patches(device):
-        transformer.enable_parallelism(config=cp_config(dims, mesh))
+        transformer.enable_parallelism(config=cp_config(dims))
 
 
-def apply(cfg: Any, world, dims, mesh) -> Any:
+def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
     """The whole pipeline on this rank's device, its transformer context-parallel."""
     pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
-    enable(pipe.transformer, dims, mesh, world.device)
+    enable(pipe.transformer, dims, world.device)
     extra = " (anything)" if dims.ulysses_anything or dims.ring_anything else ""
     log.info("context parallel: ulysses %d x ring %d%s, attention backend %s", dims.ulysses, dims.ring, extra,
              dims.attention_backend)

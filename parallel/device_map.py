@@ -12,16 +12,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from shardgen.models.loader import ModelLoadError, check_safetensors_only, load_pipeline, resolve_source, torch_dtype
+from parallel.transformer import load_transformer
+from shardgen.config.sizes import GiB, parse_bytes
+from shardgen.models.loader import ModelLoadError, load_pipeline, torch_dtype
+
+if TYPE_CHECKING:
+    from parallel.dims import ParallelDims
+    from parallel.world import World
+    from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.device_map")
-GiB = 1 << 30
 # encode_prompt's outputs, in order, as the pipeline's __call__ names them (None: not passed on)
 ENCODE_OUTPUTS = {
     "FluxPipeline": ("prompt_embeds", "pooled_prompt_embeds", None),
@@ -105,24 +110,6 @@ def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:
     return list(range(local_rank * gpus_per_replica, (local_rank + 1) * gpus_per_replica))
 
 
-def parse_bytes(value: Any) -> int:
-    """``70GiB``, ``70GB``, ``512MiB`` or a number of bytes; ValueError for anything else."""
-    s = str(value).strip()
-    units = {"GIB": GiB, "GB": 10 ** 9, "MIB": 1 << 20, "MB": 10 ** 6, "KIB": 1 << 10, "KB": 10 ** 3, "B": 1}
-    try:
-        for unit, scale in units.items():
-            if s.upper().endswith(unit):
-                n = float(s[: -len(unit)]) * scale
-                break
-        else:
-            n = float(s)
-    except ValueError:
-        n = -1
-    if not n > 0:
-        raise ValueError(f"{value!r} is not a memory size: use e.g. 70GiB, 70GB, 512MiB or a number of bytes")
-    return int(n)
-
-
 def memory_caps(max_memory: Any, gpus: list[int]) -> dict[int, int]:
     """Bytes each of ``gpus`` may hold: ``strategy.max_memory`` (one size for each GPU, or a mapping whose keys
     are GPU indices within the replica), else 90% of what is free now."""
@@ -141,25 +128,12 @@ def _module_bytes(module: torch.nn.Module) -> int:
         sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-def _load(cfg: Any, gpus: list[int], caps: dict[int, int]) -> Any:
+def _load(cfg: GenerateConfig, gpus: list[int], caps: dict[int, int]) -> Any:
     """The pipeline with its transformer spread over ``gpus``; the other components still on the CPU."""
     dtype = torch_dtype(cfg.dtype)
     if cfg.model.weights == "dummy":  # validation allows one GPU only: build everything there
         return load_pipeline(cfg.model, dtype, torch.device("cuda", gpus[0]))
-    import diffusers
-
-    from parallel.strategies import transformer_info
-
-    source = resolve_source(cfg.model)
-    check_safetensors_only(source)
-    cls = getattr(diffusers, transformer_info(cfg.model).cls_name)
-    try:
-        transformer = cls.from_pretrained(source, subfolder="transformer", torch_dtype=dtype, use_safetensors=True,
-                                          revision=cfg.model.revision, device_map="balanced", max_memory=caps)
-    except (OSError, EnvironmentError) as e:
-        hint = "" if os.path.isdir(source) else (
-            " No model hub may be reachable: point model.source at a local directory.")
-        raise ModelLoadError(f"cannot load the transformer of model.source={source!r}: {e}.{hint}") from e
+    transformer = load_transformer(cfg.model, dtype, "", device_map="balanced", max_memory=caps)
     placed = {str(d) for d in (getattr(transformer, "hf_device_map", None) or {}).values()}
     off = sorted(placed - {str(g) for g in gpus})
     if off:
@@ -204,7 +178,7 @@ def place(pipe: Any, gpus: list[int], caps: dict[int, int]) -> list[str]:
     return [n for n, g in plan.items() if g is None]
 
 
-def apply(cfg: Any, world, dims, mesh) -> StagedPipeline:
+def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> StagedPipeline:
     """This process's replica over its GPUs, as a StagedPipeline."""
     gpus = replica_gpus(world.local_rank, dims.gpus_per_replica)
     torch.cuda.set_device(gpus[0])

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardgen.models.loader import load_pipeline, torch_dtype
 
+if TYPE_CHECKING:
+    from parallel.dims import ParallelDims
+    from parallel.world import World
+    from shardgen.config.schema import GenerateConfig
 
-def apply(cfg: Any, world, dims, mesh) -> Any:
+
+def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
     """Load the whole pipeline onto this rank's device (with ``strategy.attention_backend``, if set)."""
     pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
     if dims.attention_backend:

@@ -1,7 +1,6 @@
-"""The world of ranks: detecting it, the process group, and the one place the device mesh is built.
+"""The world of ranks: detecting it, its device, the process group, and sharing objects between ranks.
 
-Mesh = dp x (tp) or dp x (ring x ulysses). A *replica* is one dp slice: all its ranks get the
-same prompts and generators; only its leader (the slice's first rank) claims shards and writes.
+The degrees and the device mesh are parallel/dims.py's (``ParallelDims``).
 """
 
 from __future__ import annotations
@@ -15,54 +14,11 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from parallel.dims import ParallelConfigError
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.world")
-
-
-class ParallelConfigError(UserError, ValueError):
-    """Parallel degrees that cannot work; the message says what to change."""
-
-
-@dataclass(kw_only=True)
-class ParallelDims:
-    """Degrees of one job. ``__post_init__`` checks they fit the world; nothing else does."""
-
-    world_size: int
-    tp: int = 1
-    """Tensor-parallel ranks per replica."""
-    ulysses: int = 1
-    """Ulysses context-parallel ranks per replica."""
-    ring: int = 1
-    """Ring context-parallel ranks per replica."""
-    dp: int = field(init=False)
-    """Replicas (data parallel), derived: world_size / (tp * ulysses * ring)."""
-
-    def __post_init__(self):
-        for name in ("tp", "ulysses", "ring"):
-            if getattr(self, name) < 1:
-                raise ParallelConfigError(f"{name}_degree must be >= 1, got {getattr(self, name)}")
-        if self.tp > 1 and self.ulysses * self.ring > 1:
-            raise ParallelConfigError(
-                f"tp_degree={self.tp} with ulysses_degree={self.ulysses}, ring_degree={self.ring}: tensor and "
-                "context parallelism are not combined in one replica; set tp_degree=1 or the cp degrees to 1")
-        if self.world_size % self.replica_size:
-            raise ParallelConfigError(
-                f"{self.replica_size} ranks per replica (tp {self.tp} x ulysses {self.ulysses} x ring {self.ring}) "
-                f"do not divide the world of {self.world_size} ranks; launch a multiple of {self.replica_size} ranks "
-                f"(e.g. launcher=local launcher.nprocs={self.replica_size}) or lower the degrees")
-        self.dp = self.world_size // self.replica_size
-
-    @property
-    def replica_size(self) -> int:
-        return self.tp * self.ulysses * self.ring
-
-    def replica_of(self, rank: int) -> int:
-        """The dp index of ``rank`` (ranks of a replica are contiguous, so they share a node when they can)."""
-        return rank // self.replica_size
-
-    def is_leader(self, rank: int) -> bool:
-        return rank % self.replica_size == 0
 
 
 @dataclass
@@ -74,10 +30,6 @@ class World:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def env_world() -> tuple[int, int, int]:
@@ -115,17 +67,6 @@ def init_world(device_pref: str = "auto", backend: str | None = None) -> World:
                                     device_id=device if device.type == "cuda" else None)
         log.info("rank %d/%d on %s (%s)", rank, world_size, device, world.backend)
     return world
-
-
-def build_mesh(dims: ParallelDims, device: torch.device):
-    """The job's device mesh: ("dp", "tp") or ("dp", "ring", "ulysses"); None for one process."""
-    if dims.world_size == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dims.tp > 1:
-        return init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device.type, (dims.dp, dims.ring, dims.ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:

@@ -54,7 +54,8 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     from shardgen.run.runner import quiet_libraries
     from shardgen.models.loader import load_pipeline, torch_dtype
     from parallel import world as W
-    from parallel.strategies import StrategyDims, apply_strategy
+    from parallel.dims import ParallelDims
+    from parallel.strategies import apply_strategy
 
     torch.set_num_threads(1)
     quiet_libraries()
@@ -68,8 +69,9 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
         ref_img = ref(**pipeline_kwargs(ref, settings, prompts, seeds)).images
         results = {}
         for name, degrees in (("tp", dict(tp=2)), ("cp_ulysses", dict(ulysses=2, attention_backend="native"))):
-            dims = StrategyDims(world_size=2, strategy=name, **degrees)
-            pipe = apply_strategy(cfg, world, dims, W.build_mesh(dims, world.device))
+            dims = ParallelDims(world_size=2, strategy=name, **degrees)
+            dims.build_mesh(world.device.type)
+            pipe = apply_strategy(cfg, world, dims)
             out = pipe.transformer(**_transformer_inputs(torch))[0]
             img = pipe(**pipeline_kwargs(pipe, settings, prompts, seeds)).images
             results[name] = dict(transformer=(out - ref_out).abs().max().item(),

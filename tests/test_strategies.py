@@ -97,7 +97,7 @@ def test_dp_applies_the_configured_attention_backend(tmp_path):
 
     cfg = compose_cfg("strategy.attention_backend=_native_math", "height=16", "width=16", "steps=1")
     dims = parallel_dims(cfg, 1)
-    pipe = dp.apply(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), dims, None)
+    pipe = dp.apply(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), dims)
     backends = {m.processor._attention_backend for m in pipe.transformer.modules() if hasattr(m, "processor")}
     assert backends == {AttentionBackendName._NATIVE_MATH}
     assert run(compose_cfg("strategy.attention_backend=_native_math", f"run_dir={tmp_path / 'run'}", "height=16",
@@ -311,7 +311,8 @@ def test_staged_pipeline_gives_the_pipelines_pixels():
 
 
 def test_device_map_helpers():
-    from parallel.device_map import memory_caps, parse_bytes, plan_encoders, replica_gpus
+    from parallel.device_map import memory_caps, plan_encoders, replica_gpus
+    from shardgen.config.sizes import parse_bytes
 
     assert replica_gpus(1, 2) == [2, 3]
     assert parse_bytes("70GiB") == 70 * GiB and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(1024) == 1024

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
@@ -60,8 +61,6 @@ def validate_config(cfg: Any) -> None:
 
 
 def _check_max_memory(max_memory: Any) -> None:
-    from parallel.device_map import parse_bytes
-
     if max_memory is None:
         return
     for size in max_memory.values() if hasattr(max_memory, "values") else [max_memory]:  # per GPU, or one for all

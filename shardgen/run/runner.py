@@ -31,6 +31,7 @@ from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_version
 from parallel import world as W
+from parallel.dims import ParallelDims
 from parallel.strategies import apply_strategy, parallel_dims
 
 log = logging.getLogger("shardgen")
@@ -149,10 +150,10 @@ def run_rank(cfg: Any) -> RunResult | None:
         plan = load_plan(RunDir(Path(plan.run.root)))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
-        mesh = W.build_mesh(dims, world.device)
-        pipe = apply_strategy(cfg, world, dims, mesh)
-        ctx = _replica_context(world, dims, mesh)
-        worker = _make_worker(cfg, plan, pipe, ctx, strategy=getattr(dims, "strategy", cfg.strategy.name))
+        dims.build_mesh(world.device.type)
+        pipe = apply_strategy(cfg, world, dims)
+        ctx = _replica_context(world, dims)
+        worker = _make_worker(cfg, plan, pipe, ctx, strategy=dims.strategy)
         try:
             worker.run()
         finally:
@@ -174,15 +175,10 @@ def _has_failures(plan: Plan) -> bool:
     return read_ledger(plan).totals()["failed"] > 0
 
 
-def _replica_context(world, dims, mesh) -> ReplicaContext:
-    group = None
-    if dims.replica_size > 1:
-        names = ("tp",) if dims.tp > 1 else ("ring", "ulysses")
-        group = mesh[names].get_group() if len(names) == 1 else mesh[names]._flatten().get_group()
+def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
     rank = world.rank
     return ReplicaContext(index=dims.replica_of(rank), count=dims.dp, leader=dims.is_leader(rank),
-                          leader_rank=rank - rank % dims.replica_size, group=group,
-                          ranks=dims.replica_size)
+                          leader_rank=dims.leader_of(rank), group=dims.replica_group(), ranks=dims.replica_size)
 
 
 def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> ReplicaWorker:
