@@ -3,6 +3,9 @@
 ``conf/generate.yaml`` starts its defaults list with ``generate_schema``, so every YAML file
 and command-line override is merged onto these typed nodes: a misspelled key fails while the
 config is composed ("Key 'tp_degre' is not in struct"), with nothing loaded or written.
+
+This is the one source of every default: the YAML files choose group options and set only what
+an option changes (a model's size, a strategy's own settings), never a default again.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import II, MISSING
 
 
 @dataclass(kw_only=True)
@@ -138,10 +141,14 @@ class GenerateConfig:
     samples_per_shard: int = 1000
     batch_size: int = 4
     """Prompts per pipeline call, per replica."""
-    height: int = MISSING
-    width: int = MISSING
-    steps: int = MISSING
-    guidance: float = MISSING
+    height: int = II("model.height")
+    """Image height in pixels (default: the model's); a multiple of 16."""
+    width: int = II("model.width")
+    """Image width in pixels (default: the model's); a multiple of 16."""
+    steps: int = II("model.steps")
+    """Denoising steps (default: the model's)."""
+    guidance: float = II("model.guidance")
+    """Guidance scale (default: the model's)."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
     image_format: str = "png"
@@ -150,11 +157,15 @@ class GenerateConfig:
     """jpg/webp quality (1-100)."""
     device: str = "auto"
     """auto | cpu | cuda"""
-    dtype: str = MISSING
+    dtype: str = II("model.dtype")
     """float32 | float64 | bfloat16 | float16 (default: the model's)."""
+    # model-parallel degrees, read by the strategies (top-level so `strategy=tp tp_degree=4` works as typed)
     tp_degree: int = 1
+    """Tensor-parallel ranks per replica (strategy=tp)."""
     ulysses_degree: int = 1
+    """Ulysses context-parallel ranks per replica (strategy=cp_ulysses / cp_unified)."""
     ring_degree: int = 1
+    """Ring context-parallel ranks per replica (strategy=cp_ring / cp_unified)."""
     compile: bool = False
     """Regional compilation of the transformer's repeated blocks."""
     writer_threads: int = 2
@@ -166,6 +177,7 @@ class GenerateConfig:
     lease_s: float = 120.0
     """A shard claim whose heartbeat is older than this is taken over by another replica."""
     heartbeat_s: float = 15.0
+    """How often a replica renews its shard claims (below lease_s)."""
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""

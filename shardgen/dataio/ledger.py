@@ -86,16 +86,10 @@ def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = N
 
 def run_lease_s(run: RunDir, default: float = 120.0) -> float:
     """The lease the run was configured with (from its resolved config), for status displays."""
+    from omegaconf import OmegaConf
+
     path = run.root / "config.yaml"
-    if not path.exists():
-        return default
-    for line in path.read_text().splitlines():
-        if line.startswith("lease_s:"):
-            try:
-                return float(line.split(":", 1)[1])
-            except ValueError:
-                break
-    return default
+    return float(OmegaConf.load(path).get("lease_s", default)) if path.exists() else default
 
 
 def list_work_files(run: RunDir) -> list[str]:
