@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
 
 import hydra
 
-from shardgen.config.schema import register_configs
+from shardgen.config.schema import GenerateConfig, register_configs
 
 register_configs()
 log = logging.getLogger("shardgen")
 
 
-def run(cfg: Any):
+def run(cfg: GenerateConfig):
     """Run or submit the job described by a composed config (tests call this directly)."""
     from shardgen.launch.local import launch_local, launched_by_torchrun
     from shardgen.run.runner import run_rank
@@ -38,10 +37,8 @@ def run(cfg: Any):
     return run_rank(cfg)
 
 
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
-def main(cfg) -> None:
+def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
 
     try:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
+
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig
 
 IMAGE_FORMATS = ("png", "jpg", "webp")
 LAUNCHERS = ("none", "local", "slurm")
@@ -22,7 +25,7 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate_config(cfg: Any) -> None:
+def validate_config(cfg: GenerateConfig) -> None:
     """Raise ConfigError for the first impossible setting."""
     _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
+
 from shardgen.errors import UserError
+from shardgen.launch.ranks import child_config, setup_rank_logging
+
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig
 
 
 def free_port() -> int:
@@ -19,9 +24,7 @@ def free_port() -> int:
 
 
 def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log_level: int) -> None:
-    # spawned children start with no logging config: give them the parent's format, level and a rank tag
-    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {local_rank}][%(name)s][%(levelname)s] %(message)s")
-    logging.getLogger("shardgen").setLevel(log_level)
+    setup_rank_logging(local_rank, log_level)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from shardgen.run.runner import run_rank
@@ -29,18 +32,16 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
     run_rank(OmegaConf.create(cfg_yaml))
 
 
-def launch_local(cfg: Any) -> None:
+def launch_local(cfg: GenerateConfig) -> None:
     """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode)."""
     import torch.multiprocessing as mp
 
     from parallel.strategies import parallel_dims
 
     parallel_dims(cfg, cfg.launcher.nprocs)  # impossible degrees fail here, once, before any rank is spawned
-    child = OmegaConf.to_container(cfg, resolve=True)
-    child["launcher"]["name"] = "none"  # the children are the ranks; they must not spawn again
     nprocs = cfg.launcher.nprocs
     try:
-        args = (OmegaConf.to_yaml(child), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
+        args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
         mp.start_processes(_local_rank_main, args=args, nprocs=nprocs,
                            start_method="spawn", join=True)
     except mp.ProcessRaisedException as e:

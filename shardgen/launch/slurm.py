@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from parallel.world import ParallelConfigError
 from shardgen.errors import UserError
+from shardgen.launch.ranks import child_config, setup_rank_logging
 
 log = logging.getLogger("shardgen.slurm")
 _SAFE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -98,18 +99,16 @@ class GenerateJob:
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank {os.environ['RANK']}][%(name)s] %(message)s")
-        logging.getLogger("shardgen").setLevel(self.log_level)
+        setup_rank_logging(os.environ["RANK"], self.log_level)
         from shardgen.errors import never_retry
-        from shardgen.run.runner import run_rank
-        from shardgen.run.watchdog import on_stall
+        from shardgen.run.runner import RankControl, run_rank
 
         cfg = OmegaConf.create(self.cfg_yaml)
         log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
                  os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ["RANK"], os.environ["WORLD_SIZE"])
-        on_stall(lambda what: requeue_after_failure(cfg, what))
+        self._control = RankControl(on_stall=[lambda what: requeue_after_failure(cfg, what)])
         try:
-            result = run_rank(cfg)
+            result = run_rank(cfg, control=self._control)
         except Exception as e:
             # not a setup error (it would fail the same way again), nor submitit's own end (timeouts used up)
             if not never_retry(e) and requeue_after_failure(cfg, f"{type(e).__name__}: {e}"):
@@ -123,9 +122,8 @@ class GenerateJob:
         """Preempted or timed out: let the last batch become durable, then requeue a fresh copy."""
         import submitit
 
-        from shardgen.run.runner import drain_writers
-
-        drained = drain_writers(timeout_s=60)
+        control = getattr(self, "_control", None)  # set while this task runs
+        drained = control.drain_writers(timeout_s=60) if control else 0
         log.warning("checkpoint: %d writer(s) drained; progress is in the run directory; requeueing", drained)
         return submitit.helpers.DelayedSubmission(GenerateJob(self.cfg_yaml, self.log_level))
 
@@ -187,11 +185,7 @@ def submit(cfg: Any) -> list:
     plan = prepare_run(cfg)  # a bad prompt file or a changed fingerprint fails here, before sbatch
     log_dir = Path(cfg.launcher.log_dir or plan.run.root / "logs" / "slurm").absolute()
     log_dir.mkdir(parents=True, exist_ok=True)
-    child = OmegaConf.to_container(cfg, resolve=True)
-    child["launcher"]["name"] = "none"
-    child["run_dir"] = str(plan.run.root)
-    child["prompts"]["path"] = str(prompt_path(cfg))
-    job_cfg = OmegaConf.to_yaml(child)
+    job_cfg = child_config(cfg, {"run_dir": str(plan.run.root), "prompts.path": str(prompt_path(cfg))})
     ex = make_executor(cfg, log_dir)
     with ex.batch():  # one sbatch call: a SLURM array of launcher.array jobs
         level = logging.getLogger("shardgen").getEffectiveLevel()

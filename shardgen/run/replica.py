@@ -6,6 +6,7 @@ replica receive the same shard and rows from it and compute alongside.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,11 @@ class ReplicaContext:
 
 @dataclass
 class ReplicaWorker:
-    """Works through the run's shards until none is left for anyone."""
+    """Works through the run's shards until none is left for anyone.
+
+    A context manager owning its sink, claimer, watchdog and progress bar (each may be None where this rank
+    has none): leaving the block stops them all, even when one of them fails to close.
+    """
 
     plan: Plan
     pipe: Any
@@ -63,6 +68,20 @@ class ReplicaWorker:
     _failed_batches: int = field(default=0, init=False)
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
+
+    def __enter__(self) -> "ReplicaWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Make every handed-over batch durable (the sink commits and releases its shards), then stop the
+        watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
+        with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
+            for part in (self.progress, self.claimer, self.watchdog, self.sink):
+                if part is not None:
+                    stack.callback(part.close)
 
     def run(self) -> None:
         """Loop: next shard (shared by the leader), process it; stop when the run is complete.

@@ -6,13 +6,14 @@ config, the prompt file or the run directory is found before any weight is read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from omegaconf import OmegaConf
 
@@ -34,15 +35,39 @@ from parallel import world as W
 from parallel.dims import ParallelDims
 from parallel.strategies import apply_strategy, parallel_dims
 
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig
+
 log = logging.getLogger("shardgen")
-_ACTIVE_SINKS: list[ShardSink] = []  # this process's writers, drained on preemption (shardgen/launch/slurm.py)
 
 
-def drain_writers(timeout_s: float) -> int:
-    """Wait until this process's writers have made every handed-over batch durable; how many were active."""
-    for sink in list(_ACTIVE_SINKS):
-        sink.wait_idle(timeout_s)
-    return len(_ACTIVE_SINKS)
+@dataclass
+class RankControl:
+    """The launcher's handle on a running rank (instead of module globals): what to do when the rank stalls,
+    and draining its writers when the job is preempted (shardgen/launch/slurm.py holds one per task)."""
+
+    on_stall: list[Callable[[str], object]] = field(default_factory=list)
+    """Run with what stalled, after the writers drained, before a stalled rank exits."""
+    _sinks: list[ShardSink] = field(default_factory=list, repr=False)
+
+    @contextlib.contextmanager
+    def writing(self, sink: ShardSink | None) -> Iterator[None]:
+        """Within the block, ``drain_writers`` waits for ``sink``."""
+        if sink is None:
+            yield
+            return
+        self._sinks.append(sink)
+        try:
+            yield
+        finally:
+            self._sinks.remove(sink)
+
+    def drain_writers(self, timeout_s: float) -> int:
+        """Wait until the rank's writers have made every handed-over batch durable; how many were active."""
+        sinks = list(self._sinks)
+        for sink in sinks:
+            sink.wait_idle(timeout_s)
+        return len(sinks)
 
 
 @dataclass
@@ -67,7 +92,7 @@ class RunResult:
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def prompt_path(cfg: Any) -> Path:
+def prompt_path(cfg: GenerateConfig) -> Path:
     """The prompt file; a relative path is taken from the current directory, else from the project
     (so the shipped examples/prompts.txt works from anywhere)."""
     path = Path(os.path.expanduser(cfg.prompts.path))
@@ -83,7 +108,7 @@ def _limited(rows, limit: int | None):
         yield row
 
 
-def prepare_run(cfg: Any) -> Plan:
+def prepare_run(cfg: GenerateConfig) -> Plan:
     """Check or create the run directory's fingerprint and plan (global rank 0 only)."""
     run = RunDir(Path(cfg.run_dir).absolute())
     path = prompt_path(cfg)
@@ -110,7 +135,7 @@ def prepare_run(cfg: Any) -> Plan:
     return plan
 
 
-def _save_config(run: RunDir, cfg: Any) -> None:
+def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     first = run.root / "config.yaml"
     path = first if not first.exists() else run.root / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -128,7 +153,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def share_cpu_threads(world) -> None:
+def share_cpu_threads(world: W.World) -> None:
     """Ranks sharing one machine's CPU split its cores (oversubscribed BLAS threads crawl)."""
     import torch
 
@@ -137,9 +162,11 @@ def share_cpu_threads(world) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def run_rank(cfg: Any) -> RunResult | None:
-    """The job of one rank (all ranks call this); returns the summary on global rank 0."""
+def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None) -> RunResult | None:
+    """The job of one rank (all ranks call this); returns the summary on global rank 0. ``control``: the
+    launcher's handle on this rank (stall hooks, draining the writers on preemption)."""
     t0 = time.time()
+    control = control or RankControl()
     quiet_libraries()
     validate_config(cfg)
     world = W.init_world(cfg.device, cfg.launcher.backend)
@@ -153,18 +180,8 @@ def run_rank(cfg: Any) -> RunResult | None:
         dims.build_mesh(world.device.type)
         pipe = apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
-        worker = _make_worker(cfg, plan, pipe, ctx, strategy=dims.strategy)
-        try:
+        with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.run()
-        finally:
-            if worker.sink:
-                worker.sink.close()
-                _ACTIVE_SINKS.remove(worker.sink)
-            worker.watchdog.close()
-            if worker.claimer:
-                worker.claimer.close()
-            if worker.progress:
-                worker.progress.close()
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     finally:
@@ -181,15 +198,15 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
                           leader_rank=dims.leader_of(rank), group=dims.replica_group(), ranks=dims.replica_size)
 
 
-def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> ReplicaWorker:
+def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, strategy: str,
+                 control: RankControl) -> ReplicaWorker:
     # samples record the strategy that ran (strategy=auto resolves to one)
     settings = dataclasses.replace(GenSettings.from_cfg(cfg), strategy=strategy)
+    on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
-                           retry_failed=cfg.retry_failed,
-                           watchdog=StallWatchdog(cfg.stall_timeout_s, before_exit=lambda: drain_writers(30)))
+                           retry_failed=cfg.retry_failed, watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
-        _ACTIVE_SINKS.append(worker.sink)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         if ctx.index == 0 and cfg.progress:
@@ -211,7 +228,7 @@ def _sum_over_ranks(n: int) -> int:
     return int(t.item())
 
 
-def _finish(cfg, plan: Plan, world, t0: float, *, generated: int, nothing_to_do: bool = False,
+def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, generated: int, nothing_to_do: bool = False,
             writer_wait_s: float = 0.0) -> RunResult | None:
     W.barrier()
     if world.rank != 0:

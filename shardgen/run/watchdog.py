@@ -7,39 +7,35 @@ limit. The watchdog only times work in progress (a batch, a commit); waiting for
 finish their shards is not a stall. On a stall it logs what it was doing, dumps every thread's
 stack (where it hung), lets the writers finish what they were handed (bounded), and exits with
 ``STALL_EXIT_CODE``: the launcher then ends the job (``launcher.kill_on_bad_exit``), or on SLURM
-requeues it first (``launcher.max_failures``, via ``on_stall``); either way the job continues from the
+requeues it first (``launcher.max_failures``, via an ``on_stall`` hook); either way the job continues from the
 last durable batch.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import functools
 import logging
 import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 log = logging.getLogger("shardgen.watchdog")
 STALL_EXIT_CODE = 3
-_ON_STALL: list[Callable[[str], object]] = []
-
-
-def on_stall(hook: Callable[[str], object]) -> None:
-    """Run ``hook(what stalled)`` before a stalled rank exits (shardgen/launch/slurm.py requeues the job there)."""
-    _ON_STALL.append(hook)
 
 
 class StallWatchdog:
-    """Times each ``busy()`` section from a daemon thread; ``timeout_s=None`` disables it."""
+    """Times each ``busy()`` section from a daemon thread; ``timeout_s=None`` disables it.
 
-    def __init__(self, timeout_s: float | None, before_exit: Callable[[], object] | None = None,
+    ``on_stall`` hooks run, in order, with what stalled, before the rank exits (the writers drain there, and
+    shardgen/launch/slurm.py requeues the job)."""
+
+    def __init__(self, timeout_s: float | None, on_stall: Sequence[Callable[[str], object]] = (),
                  exit_fn: Callable[[int], object] = os._exit):
         self.timeout_s = timeout_s
-        self.before_exit = before_exit
+        self.on_stall = list(on_stall)
         self.exit_fn = exit_fn  # os._exit: the main thread is the one that is stuck, so nothing else can stop it
         self._since: float | None = None
         self._what = ""
@@ -59,6 +55,7 @@ class StallWatchdog:
             self._since = None
 
     def close(self) -> None:
+        """Stop watching (idempotent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -82,11 +79,9 @@ class StallWatchdog:
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         except (AttributeError, ValueError, OSError):  # no real stderr to write to
             pass
-        hooks = [self.before_exit] if self.before_exit else []
-        hooks += [functools.partial(hook, f"stalled in {self._what}") for hook in _ON_STALL]
-        for hook in hooks:
+        for hook in self.on_stall:
             try:
-                hook()
+                hook(f"stalled in {self._what}")
             except Exception as e:  # exiting matters more than what it could not save
                 log.error("before exit: %s: %s", type(e).__name__, e)
         self.exit_fn(STALL_EXIT_CODE)  # log handlers flush on every record: nothing is left to flush
