@@ -84,6 +84,7 @@ def test_compile_blocks_fused_compiles_the_fused_forwards_and_uncompile_restores
     assert torch.equal(run(tr, kw), ref)
 
 
+@pytest.mark.slow  # a real torch.compile on the CPU
 def test_really_compiled_fused_blocks_match_eager():
     tr, kw = small_flux(torch.float32), small_inputs(torch.float32)
     ref = run(tr, kw)

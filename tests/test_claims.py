@@ -1,0 +1,82 @@
+"""Shard claims, alone: O_EXCL generations, the lease, a dead holder, a take-over seen by the loser."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardgen.dataio.claims import Claimer, holder_known_dead, owner_record, scan_claims
+from shardgen.dataio.rundir import RunDir
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    r = RunDir(tmp_path / "run")
+    r.create()
+    return r
+
+
+@pytest.fixture
+def claimers(run):
+    made = []
+
+    def make(replica: int, **kw) -> Claimer:
+        c = Claimer(run, dict(owner_record(replica), **kw.pop("owner", {})), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_holder_known_dead():
+    me = dict(host="a", pid=1, job="7", restart=1)
+    assert not holder_known_dead(None, me)
+    assert not holder_known_dead({}, me)  # a claim being written: alive by its mtime
+    assert holder_known_dead(dict(host="a", pid=dead_pid(), job=None, restart=0), me)
+    assert not holder_known_dead(dict(host="a", pid=os.getpid(), job=None, restart=0), me)
+    assert not holder_known_dead(dict(host="b", pid=dead_pid(), job=None, restart=0), me)  # another host: unknown
+    assert holder_known_dead(dict(host="b", pid=5, job="7", restart=0), me)  # our job, an earlier attempt
+    assert not holder_known_dead(dict(host="b", pid=5, job="8", restart=0), me)
+
+
+def test_one_claim_per_generation_and_the_lease_holds_it(run, claimers):
+    a, b = claimers(0, lease_s=30, heartbeat_s=10), claimers(1, lease_s=30, heartbeat_s=10)
+    assert a.try_claim(0, None) == 1
+    assert b.try_claim(0, None) is None  # generation 1 exists: O_EXCL
+    assert b.try_claim(0, scan_claims(run).get(0)) is None  # a live, fresh holder
+    assert a.still_mine(0)
+
+
+def test_an_expired_claim_is_taken_over_and_the_loser_notices(run, claimers):
+    a, b = claimers(0, lease_s=0.5, heartbeat_s=60), claimers(1, lease_s=0.5, heartbeat_s=60)
+    assert a.try_claim(3, None) == 1
+    time.sleep(0.6)
+    assert b.try_claim(3, scan_claims(run).get(3)) == 2
+    assert not a.still_mine(3) and b.still_mine(3)
+    b.release(3)
+    assert scan_claims(run) == {}  # older generations go too
+
+
+def test_a_dead_holder_is_taken_over_at_once(run, claimers):
+    ghost = claimers(0, lease_s=3600, heartbeat_s=60, owner=dict(pid=dead_pid()))
+    assert ghost.try_claim(1, None) == 1
+    assert claimers(1, lease_s=3600, heartbeat_s=60).try_claim(1, 1) == 2
+
+
+def test_the_heartbeat_keeps_a_claim_alive(run, claimers):
+    a = claimers(0, lease_s=1.0, heartbeat_s=0.2)
+    assert a.try_claim(0, None) == 1
+    time.sleep(1.5)
+    assert claimers(1, lease_s=1.0, heartbeat_s=60).try_claim(0, 1) is None
