@@ -71,30 +71,30 @@ def device_facts(cfg: GenerateConfig, world_size: int) -> DeviceFacts:
                        local_ranks=local)
 
 
-def _check_devices(r: ParallelDims, facts: DeviceFacts, cfg: GenerateConfig) -> None:
+def _check_devices(dims: ParallelDims, facts: DeviceFacts, cfg: GenerateConfig) -> None:
     """Enough devices of the right kind for the ranks (and, for device_map, the GPUs each one spans)."""
-    if r.strategy == "device_map":
+    if dims.strategy == "device_map":
         if facts.type != "cuda":
             _fail(f"strategy=device_map spreads one replica over several GPUs, and {facts.where} has no CUDA GPU "
                   "(CPU only); on CPU use strategy=dp (or strategy=tp / cp_ulysses with launcher=local to debug)")
-        if cfg.model.weights == "dummy" and r.gpus_per_replica > 1:
+        if cfg.model.weights == "dummy" and dims.gpus_per_replica > 1:
             _fail("model.weights=dummy builds the whole pipeline on one GPU; with strategy=device_map use "
                   "strategy.gpus_per_replica=1 (or pretrained weights to spread the transformer over several GPUs)")
-        need = facts.local_ranks * r.gpus_per_replica
+        need = facts.local_ranks * dims.gpus_per_replica
         if need > facts.count:
-            _fail(f"strategy=device_map with strategy.gpus_per_replica={r.gpus_per_replica} and {facts.local_ranks} "
+            _fail(f"strategy=device_map with strategy.gpus_per_replica={dims.gpus_per_replica} and {facts.local_ranks} "
                   f"rank(s) per node needs {need} GPUs, but {facts.where} has {facts.count}; lower "
                   "strategy.gpus_per_replica or launch fewer ranks per node")
         return
     if facts.type == "cuda" and facts.local_ranks > facts.count:
         _fail(f"{facts.local_ranks} ranks per node need one GPU each, but {facts.where} has {facts.count}; launch at "
               f"most {facts.count} ranks per node")
-    several_nodes = r.world_size > facts.local_ranks
-    if r.strategy == "tp" and facts.type == "cuda" and several_nodes and facts.local_ranks != facts.count:
+    several_nodes = dims.world_size > facts.local_ranks
+    if dims.strategy == "tp" and facts.type == "cuda" and several_nodes and facts.local_ranks != facts.count:
         # diffusers puts rank r's shard on GPU r % (GPUs per node): right only with one rank per GPU on every node
         _fail(f"strategy=tp over several nodes needs one rank per GPU on every node (diffusers places rank r on GPU "
               f"r % {facts.count}), but there are {facts.local_ranks} ranks per node; launch {facts.count} per node")
-    if r.strategy == "tp" and facts.type == "cpu" and cfg.launcher.name != "slurm":
+    if dims.strategy == "tp" and facts.type == "cpu" and cfg.launcher.name != "slurm":
         import torch
 
         if torch.cuda.is_available():  # diffusers places each rank's shard on the accelerator, not on our device
@@ -102,21 +102,21 @@ def _check_devices(r: ParallelDims, facts: DeviceFacts, cfg: GenerateConfig) -> 
                   "on the GPU; use device=cuda, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to try tp on CPU")
 
 
-def _check_model(r: ParallelDims, info: TransformerInfo) -> None:
+def _check_model(dims: ParallelDims, info: TransformerInfo) -> None:
     """The transformer class can be split this way, and its heads divide by the degrees."""
-    if r.strategy == "tp":
+    if dims.strategy == "tp":
         if info.plan("tp") is None:
             _fail(f"strategy=tp: {info.cls_name} has no _tp_plan in this diffusers, so it cannot be tensor-parallel; "
                   "use strategy=device_map to spread it over GPUs, or a cp_* strategy")
-        if info.heads and info.heads % r.tp:
-            _fail(f"tp_degree={r.tp} does not divide the {info.heads} attention heads of {info.cls_name} "
+        if info.heads and info.heads % dims.tp:
+            _fail(f"tp_degree={dims.tp} does not divide the {info.heads} attention heads of {info.cls_name} "
                   f"(from {info.source}); use a tp_degree among {divisors(info.heads)}")
-    if r.strategy in CP_STRATEGIES:
+    if dims.strategy in CP_STRATEGIES:
         if info.plan("cp") is None:
-            _fail(f"strategy={r.strategy}: {info.cls_name} has no _cp_plan in this diffusers, so its sequence cannot "
-                  "be split; use strategy=tp or device_map")
-        if r.ulysses > 1 and info.heads and info.heads % r.ulysses and not r.ulysses_anything:
-            _fail(f"ulysses_degree={r.ulysses} does not divide the {info.heads} attention heads of {info.cls_name} "
+            _fail(f"strategy={dims.strategy}: {info.cls_name} has no _cp_plan in this diffusers, so its sequence "
+                  "cannot be split; use strategy=tp or device_map")
+        if dims.ulysses > 1 and info.heads and info.heads % dims.ulysses and not dims.ulysses_anything:
+            _fail(f"ulysses_degree={dims.ulysses} does not divide the {info.heads} attention heads of {info.cls_name} "
                   f"(from {info.source}); use one of {divisors(info.heads)}, or strategy.ulysses_anything=true")
 
 
@@ -135,16 +135,16 @@ def _check_backend_name(name: str) -> str:
     return name
 
 
-def _check_attention(r: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
+def _check_attention(dims: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
     """The attention backend for a CP replica (configured, or the device's default), checked; returns it."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    needs_lse = r.ring > 1
-    name = _check_backend_name(r.attention_backend or default_attention_backend(facts.type, needs_lse))
+    needs_lse = dims.ring > 1
+    name = _check_backend_name(dims.attention_backend or default_attention_backend(facts.type, needs_lse))
     cp_ok = sorted(_AttentionBackendRegistry._supports_context_parallel)
     if name not in cp_ok:
         _fail(f"strategy.attention_backend={name!r} does not support context parallelism; use one of {cp_ok}")
-    what = "ring attention" if r.strategy == "cp_ring" else f"strategy={r.strategy} with ring_degree={r.ring}"
+    what = "ring attention" if dims.strategy == "cp_ring" else f"strategy={dims.strategy} with ring_degree={dims.ring}"
     if needs_lse and name not in LSE_BACKENDS:
         if facts.type != "cuda":
             _fail(f"{what} needs an attention backend that returns the log-sum-exp (LSE) to merge the ring's partial "
@@ -163,14 +163,14 @@ def _check_attention(r: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
     return name
 
 
-def _check_sequence(r: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
+def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
     """Each sequence the transformer splits (image tokens, text tokens) divides by the CP degree, unless an
     anything-variant is on; those split unevenly only on GPUs (gloo cannot all-gather pieces of unequal size)."""
-    n = r.ulysses * r.ring
+    n = dims.ulysses * dims.ring
     image, text = sequence_tokens(cfg)
-    anything = r.ulysses_anything or r.ring_anything
-    variant = "strategy.ulysses_anything=true" if r.ring == 1 else "strategy.ring_anything=true" if r.ulysses == 1 \
-        else None
+    anything = dims.ulysses_anything or dims.ring_anything
+    variant = "strategy.ulysses_anything=true" if dims.ring == 1 else \
+        "strategy.ring_anything=true" if dims.ulysses == 1 else None
     fix = f", or {variant}" if variant and facts.type == "cuda" else ""
     for what, tokens in (("image", image), ("text", text)):
         if tokens is None and not anything:
@@ -188,7 +188,7 @@ def _check_sequence(r: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) ->
             hint = (f"height/width giving (H/16)*(W/16) divisible by {n}" if what == "image" else
                     f"model.max_sequence_length divisible by {n}")
             _fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree "
-                  f"{n} (ulysses {r.ulysses} x ring {r.ring}); use {hint}{fix}")
+                  f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
 
 
 def _token_rule(what: str, cfg: GenerateConfig) -> str:

@@ -204,7 +204,8 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     settings = dataclasses.replace(GenSettings.from_cfg(cfg), strategy=strategy)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
-                           retry_failed=cfg.retry_failed, watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
+                           retry_failed=cfg.retry_failed,
+                           watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
     if ctx.leader:
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
