@@ -1,4 +1,4 @@
-"""``run(cfg)``: the whole job for one rank, from config to committed shards.
+"""``run_rank(cfg)``: the whole job for one rank, from config to committed shards.
 
 Order matters and is the point of this module: everything that can be wrong with the
 config, the prompt file or the run directory is found before any weight is read.
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from shardgen.dataio.claims import Claimer, owner_record
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
-                                remember_prompt_hash)
+                                         remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, build_plan, load_plan
 from shardgen.dataio.prompts import check_prompt_source, read_prompts
