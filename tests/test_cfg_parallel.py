@@ -83,3 +83,23 @@ def test_cfg_dimension_composes_on_the_mesh():
     assert dims.replica_dims() == (("cfg", 2), ("ring", 1), ("ulysses", 2))
     assert ParallelDims(world_size=8, strategy="tp", tp=2, cfg=2).replica_dims() == (("cfg", 2), ("tp", 2))
     assert "cfg_degree=2" in dims.describe()
+
+
+def test_auto_keeps_both_branches_on_one_gpu_unless_they_do_not_fit():
+    """strategy=auto with true CFG: dp (branches batched on one GPU) while they fit; cfg_degree=2 when the two
+    branches' activations together would not fit and the ranks pair up; never with an odd rank count."""
+    from dataclasses import replace
+
+    from parallel.auto import choose
+    from tests.test_strategies import FLUX_DEV, GiB
+
+    qwen = replace(FLUX_DEV, true_cfg=True)
+    dims, why = choose(qwen)
+    assert (dims.strategy, dims.cfg) == ("dp", 1) and "two branches run on the same GPU" in why[-1]
+    # a wide transformer (hidden 16384): one branch's activations ~9 GiB fit next to the 31.5 GiB of weights in
+    # 45 GiB, both branches batched (~18 GiB) do not
+    tight = replace(qwen, hidden=16384, free_bytes=int(50 * GiB))
+    dims, why = choose(tight)
+    assert (dims.strategy, dims.cfg, dims.replica_size) == ("dp", 2, 2) and "cfg_degree=2" in why[-1]
+    dims, _ = choose(replace(tight, world_size=3))
+    assert (dims.strategy, dims.cfg) == ("dp", 1)
