@@ -18,6 +18,7 @@ The table (docs/strategies.md has it with its sources); the first row that match
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
 from parallel.transformer import HALF_DTYPES, sequence_tokens, transformer_info
 from parallel.world import on_rank0_then_share
@@ -65,6 +67,8 @@ class AutoInputs:
     half_dtype: bool
     has_tp_plan: bool
     has_cp_plan: bool
+    true_cfg: bool = False
+    """The pipeline runs true CFG (two transformer branches per step)."""
 
     def dit_bytes(self, cp_degree: int = 1) -> int:
         """One batch's peak transformer activations (split over the CP degree)."""
@@ -87,6 +91,22 @@ def _pick(x: AutoInputs, strategy: str, **degrees: int) -> ParallelDims:
     return ParallelDims(world_size=x.world_size, strategy=strategy, **degrees)
 
 
+def _choose_cfg(x: AutoInputs, room: int, why: list[str]) -> ParallelDims:
+    """A true-CFG model whose pipeline fits one GPU: both branches batched in one call where their activations fit
+    (best throughput, no communication), else CFG parallel over rank pairs (one branch's activations per GPU,
+    half the latency per image), tried before context parallelism."""
+    both = 2 * x.dit_bytes()
+    if both <= room or x.world_size % 2:
+        why.append("the whole pipeline fits one GPU: dp; true CFG's two branches run on the same GPU (batched in one "
+                   "transformer call where they fit: the best throughput, no communication)" +
+                   ("" if both <= room else f"; cfg_degree=2 would need an even number of ranks ({x.world_size})"))
+        return _pick(x, "dp")
+    why.append(f"true CFG with both branches batched needs ~{_gib(both)} of transformer activations, more than the "
+               f"{_gib(room)} left: cfg_degree=2 (one branch per rank of a pair, one latents-sized all-gather per step, "
+               "half the latency per image), before context parallelism")
+    return _pick(x, "dp", cfg=2)
+
+
 def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
     """The strategy and degrees for ``x`` and the reasons, one line each."""
     why = []
@@ -103,6 +123,8 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
     why.append(f"devices: {x.world_size} rank(s), {x.device_count} GPU(s) per node, {_gib(x.free_bytes)} free per GPU "
                f"(plans use {USABLE:.0%}: {_gib(budget)})")
     if weights + act <= budget:
+        if x.true_cfg:
+            return _choose_cfg(x, budget - weights, why), why
         why.append("the whole pipeline fits one GPU: dp, the fastest for batch generation (no communication, every "
                    "GPU on its own prompts)")
         return _pick(x, "dp"), why
@@ -213,16 +235,20 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
         other_bytes=sum(n for k, n in params.items() if k != "transformer") * nbytes,
         image_tokens=image, text_tokens=text, heads=info.heads, hidden=info.hidden, height=cfg.height, width=cfg.width,
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
-        has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None)
+        has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
+        true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline))
 
 
 def decide(cfg: GenerateConfig, world_size: int, facts) -> ParallelDims:
     """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the choice."""
     if cfg.launcher.name == "slurm":  # submitting: the nodes measure and choose when the job starts
-        return ParallelDims(world_size=world_size, strategy="dp")
+        return ParallelDims(world_size=world_size, strategy="dp", cfg=cfg.cfg_degree)
 
     def _choose():
         dims, reasons = choose(gather_inputs(cfg, world_size, facts))
+        if cfg.cfg_degree > 1 and dims.cfg == 1:  # asked for on the command line: kept on the chosen shape
+            reasons.append(f"cfg_degree={cfg.cfg_degree} as asked, on top of the choice")
+            dims = dataclasses.replace(dims, cfg=cfg.cfg_degree)
         for line in reasons:
             log.info("auto: %s", line)
         log.info("auto: applying strategy=%s", " ".join(filter(None, (dims.strategy, dims.describe()))))

@@ -48,6 +48,8 @@ class ParallelDims:
     """Ulysses context-parallel ranks per replica (``ulysses_degree``)."""
     ring: int = 1
     """Ring context-parallel ranks per replica (``ring_degree``)."""
+    cfg: int = 1
+    """CFG-parallel ranks per replica (``cfg_degree``, 1 or 2): the two branches of true CFG on two ranks."""
     gpus_per_replica: int = 1
     """device_map: GPUs the one process of a replica spans (1 for every other strategy)."""
     attention_backend: str | None = None
@@ -66,14 +68,15 @@ class ParallelDims:
         """The strategy and degrees as asked for on the command line (``strategy.name`` is not ``auto``)."""
         s = cfg.strategy
         return cls(world_size=world_size, strategy=s.name, tp=cfg.tp_degree, ulysses=cfg.ulysses_degree,
-                   ring=cfg.ring_degree, gpus_per_replica=s.gpus_per_replica if s.name == "device_map" else 1,
+                   ring=cfg.ring_degree, cfg=cfg.cfg_degree, gpus_per_replica=s.gpus_per_replica if s.name == "device_map" else 1,
                    attention_backend=s.attention_backend, ulysses_anything=s.ulysses_anything,
                    ring_anything=s.ring_anything)
 
     def __post_init__(self):
         self._check_degrees()
         if self.world_size % self.replica_size:
-            _fail(f"{self.replica_size} ranks per replica (tp {self.tp} x ulysses {self.ulysses} x ring {self.ring}) "
+            _fail(f"{self.replica_size} ranks per replica (cfg {self.cfg} x tp {self.tp} x ulysses {self.ulysses} x ring "
+                  f"{self.ring}) "
                   f"do not divide the world of {self.world_size} ranks; launch a multiple of {self.replica_size} "
                   f"ranks (e.g. launcher=local launcher.nprocs={self.replica_size}) or lower the degrees")
         self.dp = self.world_size // self.replica_size
@@ -86,9 +89,10 @@ class ParallelDims:
         Where a new dimension goes: a ``cfg`` dimension (cfg_degree 1|2, the conditional and unconditional
         branch of true CFG on two ranks) would come first, giving dp x cfg x tp or dp x cfg x ring x ulysses;
         the mesh, the replica size and the replica group all follow from this list."""
+        cfg = (("cfg", self.cfg),) if self.cfg > 1 else ()
         if self.tp > 1:
-            return (("tp", self.tp),)
-        return (("ring", self.ring), ("ulysses", self.ulysses))
+            return (*cfg, ("tp", self.tp))
+        return (*cfg, ("ring", self.ring), ("ulysses", self.ulysses))
 
     @property
     def replica_size(self) -> int:
@@ -108,8 +112,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         """``tp_degree=4`` / ``strategy.gpus_per_replica=2``: the degrees as the command line sets them."""
-        parts = [f"{k}_degree={v}" for k, v in (("tp", self.tp), ("ulysses", self.ulysses), ("ring", self.ring))
-                 if v > 1]
+        parts = [f"{k}_degree={v}" for k, v in (("cfg", self.cfg), ("tp", self.tp), ("ulysses", self.ulysses),
+                                                   ("ring", self.ring)) if v > 1]
         if self.strategy == "device_map":
             parts.append(f"strategy.gpus_per_replica={self.gpus_per_replica}")
         return " ".join(parts)
@@ -130,7 +134,7 @@ class ParallelDims:
             self._replica_group = (inner if len(names) == 2 else inner._flatten()).get_group()
 
     def mesh(self, name: str):
-        """A named sub-mesh: ``dp``, ``tp``, ``ring``, ``ulysses``, or ``cp`` (ring x ulysses)."""
+        """A named sub-mesh: ``dp``, ``cfg``, ``tp``, ``ring``, ``ulysses``, or ``cp`` (ring x ulysses)."""
         if self._mesh is None:
             raise RuntimeError("ParallelDims.mesh() before build_mesh(), or in a one-process job (no mesh)")
         return self._mesh["ring", "ulysses"] if name == "cp" else self._mesh[name]
@@ -147,6 +151,11 @@ class ParallelDims:
         for key in ("tp", "ulysses", "ring"):
             if getattr(self, key) < 1:
                 _fail(f"{key}_degree must be >= 1, got {getattr(self, key)}")
+        if self.cfg not in (1, 2):
+            _fail(f"cfg_degree={self.cfg}: true CFG has two branches, so use cfg_degree=1 or cfg_degree=2")
+        if self.cfg > 1 and name == "device_map":
+            _fail("cfg_degree=2 splits the two CFG branches over two ranks, and strategy=device_map runs one process "
+                  "per replica; set cfg_degree=1, or use strategy=dp / tp / cp_* with cfg_degree=2")
         if name == "dp" and (tp, ulysses, ring) != (1, 1, 1):
             _fail(f"strategy=dp ignores tp_degree/ulysses_degree/ring_degree ({tp}/{ulysses}/{ring}); pick "
                   "strategy=tp or a cp_* strategy, or set the degrees to 1")

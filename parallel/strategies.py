@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from parallel import cfg as cfg_parallel
 from parallel import cp, device_map, dp, tp
 from parallel.auto import decide
 from parallel.dims import CP_STRATEGIES, ParallelConfigError, ParallelDims, divisors
@@ -120,6 +121,21 @@ def _check_model(dims: ParallelDims, info: TransformerInfo) -> None:
                   f"(from {info.source}); use one of {divisors(info.heads)}, or strategy.ulysses_anything=true")
 
 
+def _check_cfg(r: ParallelDims, cfg: GenerateConfig) -> None:
+    """cfg_degree=2 needs a pipeline that runs true CFG (two transformer branches per step), switched on."""
+    if r.cfg == 1:
+        return
+    m = cfg.model
+    if not cfg_parallel.has_true_cfg(m.pipeline):
+        _fail(f"cfg_degree={r.cfg}: {m.pipeline} has no true classifier-free guidance (no true_cfg_scale; guidance-"
+              "distilled models run the transformer once per step), so there is no second branch to split off; "
+              "set cfg_degree=1")
+    if m.true_cfg_scale <= 1:
+        _fail(f"cfg_degree={r.cfg} splits true CFG's two branches over two ranks, but model.true_cfg_scale="
+              f"{m.true_cfg_scale} turns true CFG off (one branch per step); set model.true_cfg_scale above 1 (with "
+              "model.negative_prompt, default \" \") or cfg_degree=1")
+
+
 def default_attention_backend(device_type: str, needs_lse: bool) -> str:
     """CUDA: cuDNN attention when ring needs the LSE, else native SDPA (faster on one H200, see docs/strategies.md);
     CPU: native."""
@@ -202,6 +218,7 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,
     """Every check of ``dims`` that needs the devices or the model's config, in order; returns ``dims`` with its
     attention backend resolved."""
     _check_devices(dims, facts, cfg)
+    _check_cfg(dims, cfg)
     if dims.strategy == "tp" or dims.strategy in CP_STRATEGIES:
         _check_model(dims, info_fn(cfg.model))
     if dims.strategy in CP_STRATEGIES:
@@ -225,6 +242,11 @@ def parallel_dims(cfg: GenerateConfig, world_size: int) -> ParallelDims:
 
 def apply_strategy(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
     """Build this rank's part of its replica's pipeline (``dims.build_mesh`` has run)."""
-    log.info("strategy %s: %d replica(s) of %d rank(s)%s", dims.strategy, dims.dp, dims.replica_size,
-             f" x {dims.gpus_per_replica} GPU(s)" if dims.strategy == "device_map" else "")
-    return STRATEGIES[dims.strategy](cfg, world, dims)
+    log.info("strategy %s: %d replica(s) of %d rank(s)%s%s", dims.strategy, dims.dp, dims.replica_size,
+             f" x {dims.gpus_per_replica} GPU(s)" if dims.strategy == "device_map" else "",
+             f" (cfg parallel x{dims.cfg})" if dims.cfg > 1 else "")
+    pipe = STRATEGIES[dims.strategy](cfg, world, dims)
+    if dims.cfg > 1:
+        cfg_mesh = dims.mesh("cfg")
+        cfg_parallel.enable(pipe.transformer, cfg_mesh.get_group(), cfg_mesh.get_local_rank())
+    return pipe

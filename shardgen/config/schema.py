@@ -166,6 +166,9 @@ class GenerateConfig:
     """Ulysses context-parallel ranks per replica (strategy=cp_ulysses / cp_unified)."""
     ring_degree: int = 1
     """Ring context-parallel ranks per replica (strategy=cp_ring / cp_unified)."""
+    cfg_degree: int = 1
+    """CFG-parallel ranks per replica (1 or 2): with true CFG (model.true_cfg_scale > 1), one rank computes the
+    conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
     compile: bool = False
     """Regional compilation of the transformer's repeated blocks."""
     writer_threads: int = 2
