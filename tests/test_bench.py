@@ -120,3 +120,76 @@ def test_compile_mode_is_passed_to_torch_compile_and_default_passes_none(monkeyp
     cfg = {"compile": True, "compile_mode": "max-autotune"}
     assert accel.AccelOptions.from_cfg(cfg).compile_mode == "max-autotune"
     assert accel.AccelOptions.from_cfg({"compile": True}).compile_mode == "default"
+
+
+def test_compile_auto_is_on_for_cuda_dp_only_and_off_on_this_cpu(tmp_path):
+    from shardgen.config.validate import ConfigError, validate_config
+    from shardgen.run.generation import GenSettings
+
+    assert accel.resolve_compile("auto", "cuda", "dp") and accel.resolve_compile("auto", "cuda:1", "dp")
+    assert not accel.resolve_compile("auto", "cpu", "dp")
+    assert not accel.resolve_compile("auto", "cuda", "tp")  # model-parallel: only when asked for
+    assert accel.resolve_compile(True, "cpu", "tp") and not accel.resolve_compile(False, "cuda", "dp")
+    cfg = compose_cfg(f"run_dir={tmp_path}")
+    assert cfg.compile == "auto" and cfg.cfg_batching is True
+    assert GenSettings.from_cfg(cfg).accel.compile is (torch.cuda.is_available() and cfg.device != "cpu")
+    with pytest.raises(ConfigError, match="compile='sometimes': use true, false or auto"):
+        validate_config(compose_cfg(f"run_dir={tmp_path}", "compile=sometimes"))
+
+
+def test_compile_cache_dir_defaults_under_shardgen_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("SHARDGEN_CACHE", str(tmp_path / "cache"))
+    assert accel.compile_cache_dir() == str(tmp_path / "cache" / "inductor")
+    assert (tmp_path / "cache" / "inductor").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert accel.compile_cache_dir() == str(tmp_path / "mine")  # the user's choice wins
+
+
+@pytest.mark.parametrize("model, cls", [("flux_dev", "FluxPipeline"), ("flux2_dev", "Flux2Pipeline"),
+                                        ("qwen_image", "QwenImagePipeline")])
+def test_baseline_is_called_with_the_jobs_arguments_prompt_by_keyword(tmp_path, model, cls):
+    """Equal work: the seed loop gets the job's generation arguments (true CFG included) and the prompt by
+    keyword (Flux2Pipeline's first parameter is ``image``); every argument binds to the real signature."""
+    import inspect
+
+    import diffusers
+
+    from shardgen.bench.ways import baseline_kwargs
+
+    call = getattr(diffusers, cls).__call__
+    pipe = type("Pipe", (), {"__call__": call})()
+    cfg = compose_cfg(f"run_dir={tmp_path}", f"model={model}", "steps=3")
+    kw = baseline_kwargs(pipe, cfg, "a cat", 7)
+    inspect.signature(call).bind(pipe, **kw)  # raises on an argument the pipeline does not take
+    assert kw["prompt"] == "a cat" and kw["num_inference_steps"] == 3 and "output_type" not in kw
+    assert kw["generator"].initial_seed() == 7
+    if cls == "QwenImagePipeline":  # true CFG: the job's scale and negative prompt, so both do the same work
+        assert kw["true_cfg_scale"] == 4.0 and kw["negative_prompt"] == " "
+    else:
+        assert "negative_prompt" not in kw and kw["guidance_scale"] == cfg.guidance
+
+
+def test_bench_prompts_span_one_to_seventy_words():
+    from shardgen.bench.main import bench_prompts
+
+    lengths = [len(p.split()) for p in bench_prompts(16)]
+    assert min(lengths) == 1 and max(lengths) == 70 and len(set(lengths)) >= 6
+
+
+def test_run_rank_takes_a_pipeline_and_a_batch_hook(tmp_path):
+    from shardgen.models.loader import load_pipeline, torch_dtype
+    from shardgen.run.runner import run_rank
+
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST)
+    pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), torch.device("cpu"))
+    events = []
+    result = run_rank(cfg, pipeline=pipe, on_batch=lambda event, worker: events.append((event, worker.pipe is pipe)))
+    assert result.ok == 6
+    assert events == [("start", True), ("end", True)] * 2  # 6 prompts in batches of 4: two batches
+    assert shard_images(tmp_path / "run") == shard_images_of_plain_run(tmp_path)
+
+
+def shard_images_of_plain_run(tmp_path):
+    run(compose_cfg(f"run_dir={tmp_path / 'plain'}", *FAST))
+    return shard_images(tmp_path / "plain")

@@ -50,7 +50,7 @@ def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
     swapping one exact attention kernel for another does in the eager job (random weights amplify bf16
     rounding a lot at 2 big steps: on an H200 eager flash vs eager cuDNN gave 16.8-42.6 dB per image
     here, and compiled vs eager 16.8-45.1)."""
-    from jobs.bench import psnr, shard_images
+    from shardgen.bench.measure import psnr, shard_images
 
     runs = {"eager": ("compile=false", "sdpa_backend=cudnn"), "flash": ("compile=false", "sdpa_backend=flash"),
             "compiled": ("compile=true", "sdpa_backend=cudnn")}

@@ -155,8 +155,9 @@ class GenerateConfig:
     tp_degree: int = 1
     ulysses_degree: int = 1
     ring_degree: int = 1
-    compile: bool = False
-    """Regional compilation of the transformer's repeated blocks."""
+    compile: Any = "auto"
+    """Regional compilation of the transformer's repeated blocks: true | false | auto (on for CUDA with
+    strategy dp, off on CPU and for the model-parallel strategies). shardgen/speed/accel.py."""
     writer_threads: int = 2
     """Background image encoders per replica."""
     retry_failed: bool = False
@@ -188,6 +189,9 @@ class GenerateConfig:
     """With compile=true on FLUX.1 transformers: compile shardgen/speed/flux_fused.py's block forwards (one Triton
     pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
     bf16 rounding; other models and tp/cp runs keep the stock blocks."""
+    cfg_batching: bool = True
+    """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
+    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64)."""
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""

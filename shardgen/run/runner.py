@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
@@ -136,8 +136,12 @@ def share_cpu_threads(world) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def run_rank(cfg: Any) -> RunResult | None:
-    """The job of one rank (all ranks call this); returns the summary on global rank 0."""
+def run_rank(cfg: Any, *, pipeline: Any = None, on_batch: Callable[[str, Any], None] | None = None) -> RunResult | None:
+    """The job of one rank (all ranks call this); returns the summary on global rank 0.
+
+    ``pipeline``: use this pipeline, already on this rank's device, instead of the strategy's build
+    (benchmarks and notebooks reuse one object across runs). ``on_batch(event, worker)`` is called with
+    ``"start"`` just before each batch's pipeline call and ``"end"`` just after it (timing, profiling)."""
     t0 = time.time()
     quiet_libraries()
     validate_config(cfg)
@@ -150,9 +154,10 @@ def run_rank(cfg: Any) -> RunResult | None:
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         mesh = W.build_mesh(dims, world.device)
-        pipe = apply_strategy(cfg, world, dims, mesh)
+        pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims, mesh)
         ctx = _replica_context(world, dims, mesh)
         worker = _make_worker(cfg, plan, pipe, ctx, strategy=getattr(dims, "strategy", cfg.strategy.name))
+        worker.on_batch = on_batch
         try:
             worker.run()
         finally:
