@@ -181,7 +181,8 @@ class Bench:
             return None, None
         total = per_step * r["n"] * self.cfg.steps
         tflops = self.rep.data["matmul_peak"]["tflops"] * 1e12
-        den = total / r["transformer_s"] / tflops if r.get("transformer_s") else None
+        denoised = per_step * r.get("denoise_images", r["n"]) * self.cfg.steps
+        den = denoised / r["transformer_s"] / tflops if r.get("transformer_s") else None
         return den, total / (r["s_per_image"] * r["n"]) / tflops
 
     def shardgen(self) -> tuple[dict | None, dict]:

@@ -89,10 +89,12 @@ class TransformerTimer:
     def reset(self) -> None:
         self.pairs = []
 
-    def total_s(self) -> float:
+    def total_s(self, first: int = 0) -> float:
+        """Seconds inside the transformer over the calls from the ``first``-th on."""
+        pairs = self.pairs[first:]
         if self.cuda:
-            return sum(a.elapsed_time(b) for a, b in self.pairs) / 1e3
-        return sum(b - a for a, b in self.pairs)
+            return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        return sum(b - a for a, b in pairs)
 
     def remove(self) -> None:
         for h in self._h:
