@@ -131,7 +131,7 @@ def test_compile_auto_is_on_for_cuda_dp_only_and_off_on_this_cpu(tmp_path):
     assert not accel.resolve_compile("auto", "cuda", "tp")  # model-parallel: only when asked for
     assert accel.resolve_compile(True, "cpu", "tp") and not accel.resolve_compile(False, "cuda", "dp")
     cfg = compose_cfg(f"run_dir={tmp_path}")
-    assert cfg.compile == "auto" and cfg.cfg_batching is True
+    assert cfg.compile == "auto" and cfg.cfg_batching is False
     assert GenSettings.from_cfg(cfg).accel.compile is (torch.cuda.is_available() and cfg.device != "cpu")
     with pytest.raises(ConfigError, match="compile='sometimes': use true, false or auto"):
         validate_config(compose_cfg(f"run_dir={tmp_path}", "compile=sometimes"))

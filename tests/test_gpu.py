@@ -65,8 +65,7 @@ def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
 
 def test_qwen_image_compiled_job_never_recompiles_after_its_first_batch(tmp_path):
     """Qwen-Image trims its text to each batch's longest prompt; with the text-length buckets, prompts of 1 to
-    70 words (PartiPrompts' range) in batches of 2 compile once, in the first batch (torch._dynamo's counters),
-    and true CFG runs as one call per step."""
+    70 words (PartiPrompts' range) in batches of 2 compile once, in the first batch (torch._dynamo's counters)."""
     from shardgen.bench.main import bench_prompts
     from shardgen.bench.measure import compiled_graphs
     from shardgen.run.runner import run_rank

@@ -9,7 +9,7 @@ from typing import Any
 
 from shardgen.bench.measure import fmt_db as _fmt_db
 
-DIAGNOSTICS = ("eager", "batch1", "nocfgbatch")
+DIAGNOSTICS = ("eager", "batch1", "nocfgbatch", "cfgbatch")
 
 
 class Report:

@@ -189,9 +189,10 @@ class GenerateConfig:
     """With compile=true on FLUX.1 transformers: compile shardgen/speed/flux_fused.py's block forwards (one Triton
     pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
     bf16 rounding; other models and tp/cp runs keep the stock blocks."""
-    cfg_batching: bool = True
+    cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
-    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64)."""
+    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
+    on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""

@@ -84,7 +84,7 @@ class AccelOptions:
     compile_mode: str = "default"
     fused_blocks: bool = True
     compile_tuning: bool = True
-    cfg_batching: bool = True
+    cfg_batching: bool = False
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "AccelOptions":
@@ -92,7 +92,7 @@ class AccelOptions:
         strategy = get("strategy", None)
         strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
         return cls(compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
-                   sdpa=str(get("sdpa_backend", "auto")), cfg_batching=bool(get("cfg_batching", True)),
+                   sdpa=str(get("sdpa_backend", "auto")), cfg_batching=bool(get("cfg_batching", False)),
                    first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
                    compile_mode=str(get("compile_mode", "default") or "default"),
                    fused_blocks=bool(get("fused_blocks", True)), compile_tuning=bool(get("compile_tuning", True)))
