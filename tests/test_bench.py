@@ -16,6 +16,7 @@ from tests.test_generate import shard_images
 FAST = ("height=32", "width=32", "steps=2", "progress=false", "prompts.limit=6", "batch_size=4")
 
 
+@pytest.mark.slow
 def test_quick_bench_prints_every_figure(tmp_path, capsys):
     data = bench_main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
@@ -29,6 +30,7 @@ def test_quick_bench_prints_every_figure(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["shardgen"]["ok"] == 4
 
 
+@pytest.mark.slow
 def test_diagnostic_runs_split_the_difference_to_the_baseline(tmp_path, capsys):
     data = bench_main(["--quick", "--accel", "eager,batch1", "--workdir", str(tmp_path / "work")])
     out = capsys.readouterr().out
@@ -39,6 +41,7 @@ def test_diagnostic_runs_split_the_difference_to_the_baseline(tmp_path, capsys):
     assert data["accel"]["batch1"]["ok"] == 4
 
 
+@pytest.mark.slow
 def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkeypatch):
     plain = compose_cfg(f"run_dir={tmp_path / 'plain'}", *FAST)
     explicit = compose_cfg(f"run_dir={tmp_path / 'explicit'}", "compile=false", "fp8=false", "first_block_cache=0",
@@ -62,6 +65,7 @@ def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkey
     assert len(a) == 6 and a == b
 
 
+@pytest.mark.slow
 def test_lossy_options_run_and_are_recorded(tmp_path):
     from shardgen.dataio.verify import read_shard_members
 
@@ -177,6 +181,7 @@ def test_bench_prompts_span_one_to_seventy_words():
     assert min(lengths) == 1 and max(lengths) == 70 and len(set(lengths)) >= 6
 
 
+@pytest.mark.slow
 def test_run_rank_takes_a_pipeline_and_a_batch_hook(tmp_path):
     from shardgen.models.loader import load_pipeline, torch_dtype
     from shardgen.run.runner import run_rank

@@ -40,6 +40,7 @@ def test_bucket_length_and_padding():
     assert mask.tolist() == [[1, 1, 1, 0, 0]] * 2
 
 
+@pytest.mark.slow
 def test_text_buckets_keep_pixels_and_fix_the_text_length(pipe):
     plain = [_pixels(pipe, [p]) for p in PROMPTS]
     shapes, h = _calls(pipe)
@@ -54,6 +55,7 @@ def test_text_buckets_keep_pixels_and_fix_the_text_length(pipe):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_true_cfg_batched_in_one_call_same_pixels(pipe):
     kw = dict(true_cfg_scale=4.0, negative_prompt=[" "] * 2)
     plain = _pixels(pipe, PROMPTS, **kw)
@@ -72,6 +74,7 @@ def test_true_cfg_batched_in_one_call_same_pixels(pipe):
     assert "forward" not in pipe.transformer.__dict__ and "encode_prompt" not in pipe.__dict__
 
 
+@pytest.mark.slow
 def test_real_rope_matches_diffusers_complex_rope(pipe):
     from diffusers.models.transformers import transformer_qwenimage as tq
 
