@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardgen.errors import JobEndingError
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.cfg")
 HOOK_NAME = "shardgen_cfg_parallel"
 
 
-class CfgParallelError(JobEndingError, RuntimeError):
+class CfgParallelError(UserError, RuntimeError):
     """The pipeline did not call its transformer as a true-CFG pair (cond, then uncond) in every step."""
 
 

@@ -103,3 +103,10 @@ def test_auto_keeps_both_branches_on_one_gpu_unless_they_do_not_fit():
     assert (dims.strategy, dims.cfg, dims.replica_size) == ("dp", 2, 2) and "cfg_degree=2" in why[-1]
     dims, _ = choose(replace(tight, world_size=3))
     assert (dims.strategy, dims.cfg) == ("dp", 1)
+
+
+def test_cfg_batching_and_cfg_parallel_are_exclusive():
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="choose one"):
+        validate_config(compose_cfg("cfg_degree=2", "cfg_batching=true", *TRUE_CFG))

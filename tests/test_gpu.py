@@ -50,7 +50,7 @@ def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
     swapping one exact attention kernel for another does in the eager job (random weights amplify bf16
     rounding a lot at 2 big steps: on an H200 eager flash vs eager cuDNN gave 16.8-42.6 dB per image
     here, and compiled vs eager 16.8-45.1)."""
-    from jobs.bench import psnr, shard_images
+    from shardgen.bench.measure import psnr, shard_images
 
     runs = {"eager": ("compile=false", "sdpa_backend=cudnn"), "flash": ("compile=false", "sdpa_backend=flash"),
             "compiled": ("compile=true", "sdpa_backend=cudnn")}
@@ -61,3 +61,21 @@ def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
     assert sorted(eager) == sorted(compiled) == [0, 1, 2, 3]
     for i in eager:
         assert psnr(compiled[i], eager[i]) >= min(psnr(flash[i], eager[i]), 60.0) - 3, i
+
+
+def test_qwen_image_compiled_job_never_recompiles_after_its_first_batch(tmp_path):
+    """Qwen-Image trims its text to each batch's longest prompt; with the text-length buckets, prompts of 1 to
+    70 words (PartiPrompts' range) in batches of 2 compile once, in the first batch (torch._dynamo's counters)."""
+    from shardgen.bench.main import bench_prompts
+    from shardgen.bench.measure import compiled_graphs
+    from shardgen.run.runner import run_rank
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in bench_prompts(8)), encoding="utf-8")
+    graphs = []
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", "model=qwen_image", "model.weights=dummy", "height=256",
+                      "width=256", "steps=2", "batch_size=2", "progress=false", "prompts=txt", f"prompts.path={prompts}",
+                      "compile=auto", "compile_tuning=false")
+    r = run_rank(cfg, on_batch=lambda event, worker: event == "end" and graphs.append(compiled_graphs()))
+    assert (r.ok, r.failed) == (8, 0)
+    assert len(graphs) == 4 and graphs[-1] == graphs[0], f"graphs compiled after each batch: {graphs}"

@@ -169,8 +169,9 @@ class GenerateConfig:
     cfg_degree: int = 1
     """CFG-parallel ranks per replica (1 or 2): with true CFG (model.true_cfg_scale > 1), one rank computes the
     conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
-    compile: bool = False
-    """Regional compilation of the transformer's repeated blocks."""
+    compile: Any = "auto"
+    """Regional compilation of the transformer's repeated blocks: true | false | auto (on for CUDA with
+    strategy dp, off on CPU and for the model-parallel strategies). shardgen/speed/accel.py."""
     writer_threads: int = 2
     """Background image encoders per replica."""
     retry_failed: bool = False
@@ -203,6 +204,10 @@ class GenerateConfig:
     """With compile=true on FLUX.1 transformers: compile shardgen/speed/flux_fused.py's block forwards (one Triton
     pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
     bf16 rounding; other models and tp/cp runs keep the stock blocks."""
+    cfg_batching: bool = False
+    """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
+    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
+    on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""

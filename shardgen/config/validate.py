@@ -48,6 +48,9 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"device={cfg.device!r}: use auto, cpu or cuda")
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
                                              "(a live claim would otherwise look dead)")
+    _need(not (cfg.cfg_batching and cfg.cfg_degree > 1),
+          "cfg_batching=true runs both CFG branches in one call on every rank, cfg_degree=2 splits them over two "
+          "ranks: choose one (cfg_batching=false or cfg_degree=1)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")

@@ -278,6 +278,12 @@ _MISTRAL_CHAT_TEMPLATE = (
     "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
+def _example_prompts() -> list[str]:
+    """examples/prompts.txt of a source checkout (none in an installed package)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "prompts.txt"
+    return [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()] if path.is_file() else []
+
+
 def _train_chat_tokenizer(kind: str, model_max_length: int):
     """A small byte-level BPE tokenizer with the special tokens of Qwen2 or Mistral (Tekken) chat prompts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -285,19 +291,23 @@ def _train_chat_tokenizer(kind: str, model_max_length: int):
 
     from shardgen.models.tiny import _CORPUS
 
+    # trained on English prompts too, so a prompt takes about as many tokens as with the real vocabularies
+    # (~1.1-1.3 per word): models that trim the text to the batch's longest prompt (Qwen-Image) then see
+    # realistic text lengths in a benchmark
+    prompts = _CORPUS + _example_prompts()
     if kind == "qwen":
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        corpus = _CORPUS + [_QWEN_TEMPLATE.format(p) for p in _CORPUS]
+        corpus = prompts + [_QWEN_TEMPLATE.format(p) for p in _CORPUS]
     else:
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
         specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<pad>"]
-        corpus = _CORPUS + [SYSTEM_MESSAGE]
+        corpus = prompts + [SYSTEM_MESSAGE]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=1000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=4000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if kind == "qwen":
         return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                        model_max_length=model_max_length)

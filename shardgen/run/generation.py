@@ -14,7 +14,7 @@ from shardgen.dataio.plan import PlannedRow
 from shardgen.dataio.shardwork import Sample
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
-from shardgen.errors import JobEndingError, ends_job
+from shardgen.errors import JobEndingError, ends_job, is_user_error
 
 log = logging.getLogger("shardgen.generation")
 
@@ -115,7 +115,7 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
             out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
         finite, pixels = to_pixels(out.images)
     except Exception as e:
-        if ends_job(e):  # e.g. submitit ending a timed-out job: the job is over, not a sample
+        if ends_job(e) or is_user_error(e):  # e.g. submitit ending a timed-out job, or a setup the user must change
             raise
         if replica_ranks > 1:
             raise ReplicaBatchError(

@@ -60,6 +60,7 @@ class ReplicaWorker:
     claimer: Claimer | None = None         # leader only
     on_samples: Callable[[int], None] = lambda n: None
     progress: Any = None                   # leader of replica 0: the progress bar
+    on_batch: Callable[[str, "ReplicaWorker"], None] | None = None  # run_rank's hook: "start"/"end" of a batch
     poll_s: float = 2.0
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
@@ -164,8 +165,12 @@ class ReplicaWorker:
         batch = rows[start:start + self.batch_size]
         t0 = time.perf_counter()
         todo = batch if redo is None else [r for r in batch if r.index in redo]
+        if self.on_batch:
+            self.on_batch("start", self)
         made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
                                            if todo else [])}
+        if self.on_batch:
+            self.on_batch("end", self)
         samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
             else list(made.values())
         self.gen_s += time.perf_counter() - t0

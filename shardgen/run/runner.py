@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
@@ -162,9 +162,14 @@ def share_cpu_threads(world: W.World) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None) -> RunResult | None:
+def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipeline: Any = None,
+             on_batch: Callable[[str, Any], None] | None = None) -> RunResult | None:
     """The job of one rank (all ranks call this); returns the summary on global rank 0. ``control``: the
-    launcher's handle on this rank (stall hooks, draining the writers on preemption)."""
+    launcher's handle on this rank (stall hooks, draining the writers on preemption).
+
+    ``pipeline``: use this pipeline, already on this rank's device, instead of the strategy's build
+    (benchmarks and notebooks reuse one object across runs). ``on_batch(event, worker)`` is called with
+    ``"start"`` just before each batch's pipeline call and ``"end"`` just after it (timing, profiling)."""
     t0 = time.time()
     control = control or RankControl()
     quiet_libraries()
@@ -178,9 +183,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None) -> RunR
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
-        pipe = apply_strategy(cfg, world, dims)
+        pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
+            worker.on_batch = on_batch
             worker.run()
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)

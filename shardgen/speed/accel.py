@@ -2,7 +2,9 @@
 
 Exact (outputs change only by bf16 rounding noise):
 
-- ``compile``: regional compilation. Every block whose class is in the transformer's
+- ``compile``: regional compilation, ``auto`` by default: on for a CUDA device with one GPU per replica
+  (strategy dp), off on a CPU (the tiny model would pay ~40 s of compilation for nothing) and for the
+  model-parallel strategies (not measured compiled). Every block whose class is in the transformer's
   ``_repeated_blocks`` (FLUX: 19 double-stream + 38 single-stream blocks) gets its ``forward``
   compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (``compile_mode`` adds ``mode=``, e.g.
   ``max-autotune-no-cudagraphs``: autotuned GEMM templates, minutes per shape): one graph per block class, reused
@@ -15,6 +17,12 @@ Exact (outputs change only by bf16 rounding noise):
   do q/k RMSNorm+RoPE in one Triton pass, the MLP GELU in the GEMM epilogue and the single blocks'
   ``proj_out`` without the concatenation; other transformers keep their own forward.
 - ``compile_tuning`` (with ``compile``, CUDA): inductor's coordinate-descent tuning of its Triton kernels.
+- compiled artifacts are reused across processes: inductor's on-disk cache (FX graphs, Triton kernels,
+  tuning results) lives in ``$SHARDGEN_CACHE/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set
+  (``compile_cache_dir``), so a requeued job or a second process pays tracing, not code generation.
+- Qwen-Image (shardgen/speed/qwen.py): prompt embeddings padded to a few text lengths (no recompilation
+  per batch), RoPE on real tensors inside the compiled blocks, and ``cfg_batching``: true CFG's
+  conditional and unconditional transformer calls as one call.
 - ``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures
   flash / efficient / cudnn once per process at the run's attention shape, checks each against the
   others, and puts the fastest first in SDPA's priority order (inside each pipeline call only, see
@@ -69,17 +77,22 @@ class AccelOptions:
     """What ``prepare`` applies. Defaults = the plain pipeline (nothing touched)."""
 
     compile: bool = False
+    """Resolved: ``compile: auto`` in the config becomes True or False in ``from_cfg``."""
     sdpa: str = "auto"
     first_block_cache: float = 0.0
     fp8: bool = False
     compile_mode: str = "default"
     fused_blocks: bool = True
     compile_tuning: bool = True
+    cfg_batching: bool = False
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "AccelOptions":
         get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
-        return cls(compile=bool(get("compile", False)), sdpa=str(get("sdpa_backend", "auto")),
+        strategy = get("strategy", None)
+        strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
+        return cls(compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
+                   sdpa=str(get("sdpa_backend", "auto")), cfg_batching=bool(get("cfg_batching", False)),
                    first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
                    compile_mode=str(get("compile_mode", "default") or "default"),
                    fused_blocks=bool(get("fused_blocks", True)), compile_tuning=bool(get("compile_tuning", True)))
@@ -93,6 +106,20 @@ class AccelOptions:
         if self.fp8:
             out["fp8"] = True
         return out
+
+
+COMPILE_AUTO_STRATEGIES = ("dp",)  # one GPU per replica: what compile=auto was measured on
+
+
+def resolve_compile(value: Any, device: str = "auto", strategy: str = "dp") -> bool:
+    """``compile`` as configured (true, false or auto) -> on or off for this run. ``auto``: on when the
+    run's device is CUDA and each replica is one GPU (strategy dp), off otherwise."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() != "auto":
+        raise AccelError(f"compile={value!r}: use true, false or auto (on for CUDA with strategy dp, else off)")
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return cuda and strategy in COMPILE_AUTO_STRATEGIES
 
 
 def validate(opts: AccelOptions, device: torch.device | str | None = None) -> None:
@@ -134,6 +161,23 @@ def _raise_recompile_limits() -> None:
         dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
 
 
+def compile_cache_dir() -> str:
+    """Where inductor keeps compiled artifacts: ``TORCHINDUCTOR_CACHE_DIR`` if set, else
+    ``$SHARDGEN_CACHE/inductor`` (``~/.cache/shardgen/inductor``), set for this process before its first
+    compilation. Inductor writes every entry to a temporary file and renames it into place, so processes
+    on several nodes can share the directory on NFS/Lustre; a key covers the graph, the torch version and
+    the GPU, so a stale or foreign entry is never used, only missed."""
+    import os
+
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        from shardgen.models.tiny import default_cache_dir
+
+        path = default_cache_dir() / "inductor"
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: bool = False,
                    tuning: bool = False) -> int:
     """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
@@ -145,6 +189,7 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
         raise AccelError(f"compile=true: {type(transformer).__name__} declares no _repeated_blocks to compile "
                          "regionally; set compile=false")
     _raise_recompile_limits()
+    compile_cache_dir()
     if tuning:
         import torch._inductor.config as inductor_config
 
@@ -286,6 +331,11 @@ def _backend(name: str):
 _SDPA_CHOICE: dict[tuple, tuple[str, dict]] = {}
 
 
+def chosen_sdpa() -> dict[str, tuple[str, dict]]:
+    """The attention kernels ``sdpa=auto`` chose in this process: (device, dtype, shape) -> (kernel, timings)."""
+    return {str(k): v for k, v in _SDPA_CHOICE.items()}
+
+
 def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
                  iters: int = 5) -> dict:
     """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout,
@@ -395,6 +445,25 @@ def _compile_settings(opts: AccelOptions) -> tuple:
     return opts.compile_mode, opts.fused_blocks, opts.compile_tuning
 
 
+def _prepare_qwen(pipe, opts: AccelOptions) -> dict:
+    """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
+    whose per-branch state needs the two calls), real-valued RoPE when compiled."""
+    from shardgen.speed import qwen
+
+    if not qwen.is_qwen_image(pipe):
+        return {}
+    batch_cfg = opts.cfg_batching and not opts.first_block_cache
+    qwen.remove_cfg_batching(pipe)
+    qwen.remove_text_buckets(pipe)
+    qwen.disable_real_rope(pipe.transformer)
+    if opts.compile or batch_cfg:
+        qwen.install_text_buckets(pipe)
+    if batch_cfg:
+        qwen.install_cfg_batching(pipe)
+    real_rope = opts.compile and qwen.enable_real_rope(pipe.transformer)
+    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope}}
+
+
 def prepare(pipe, opts: AccelOptions) -> dict:
     """Bring ``pipe`` to ``opts`` (no-op when it already is); returns what was done, with timings.
 
@@ -429,6 +498,7 @@ def prepare(pipe, opts: AccelOptions) -> dict:
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache
+    done.update(_prepare_qwen(pipe, opts))
     done["prepare_s"] = round(time.perf_counter() - t0, 3)
     setattr(pipe, _STATE_ATTR, opts)
     if opts != AccelOptions(sdpa=opts.sdpa):

@@ -1,0 +1,1 @@
+"""The throughput benchmark behind ``python -m jobs.bench``: measuring helpers, the two ways, the report."""

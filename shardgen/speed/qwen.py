@@ -1,0 +1,207 @@
+"""Qwen-Image without recompilation and with true CFG in one transformer call.
+
+Three thin hooks on a built ``QwenImagePipeline`` (its ``__call__`` stays diffusers' own):
+
+- **text-length buckets** (``install_text_buckets``): ``pipe.encode_prompt`` trims the prompt
+  embeddings to the longest prompt of the batch, so every batch brings a new text length and the
+  compiled blocks recompile (``image_rotary_emb[1]`` size). The wrapper pads embeddings and mask to the
+  smallest of ``TEXT_BUCKETS`` that holds them. The transformer masks padded text tokens as attention
+  keys, their queries only produce text-stream outputs that are thrown away, and the text RoPE
+  positions of the real tokens do not move (padding goes at the end): the image tokens see exactly
+  the same values, so the pixels are those of the unpadded call (tests/test_qwen_speed.py checks
+  them on a scaled-down Qwen-Image on CPU).
+- **true CFG batched** (``install_cfg_batching``): with ``true_cfg_scale > 1`` the pipeline calls the
+  transformer twice per step on the same latents, with the prompt's and the negative prompt's
+  embeddings. The wrapper recognises the pair by identity (the two ``encode_prompt`` results of the
+  call, the same ``latents`` object), runs both in one call of twice the batch and hands the
+  unconditional half back at the second call.
+- **real-valued RoPE** (``enable_real_rope``, with ``compile``): Qwen's RoPE multiplies complex
+  tensors, which inductor does not generate code for (it falls back, and warns). The transformer's
+  ``pos_embed`` output is turned into (cos, sin) pairs once per call and the rotation done on real
+  tensors: the same float32 arithmetic as the complex product.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("shardgen.qwen")
+
+TEXT_BUCKETS = (128, 256, 512, 1024)
+"""Text lengths the prompt embeddings are padded to. Qwen's template leaves ~1.3 tokens per word, so all
+of PartiPrompts (1-70 words) lands in 128: one shape for a whole run. Longer prompts take the next one."""
+_ORIG = "_shardgen_orig_"
+
+
+def is_qwen_image(pipe: Any) -> bool:
+    """True for diffusers' QwenImagePipeline (by class, subclasses included)."""
+    try:
+        from diffusers import QwenImagePipeline
+    except ImportError:  # older diffusers: no Qwen-Image at all
+        return False
+    return isinstance(pipe, QwenImagePipeline)
+
+
+def bucket_length(n: int, buckets: tuple[int, ...] = TEXT_BUCKETS) -> int:
+    """The smallest bucket holding ``n`` tokens (``n`` itself when longer than every bucket)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+def pad_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embeds, mask) padded with zeros / masked positions at the end up to ``length`` tokens. A missing
+    mask (diffusers drops it when no token is padding) becomes an all-ones one, so the shape and the
+    kind of inputs stay the same from batch to batch."""
+    b, n = embeds.shape[:2]
+    if mask is None:
+        mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
+    if n < length:
+        embeds = torch.cat([embeds, embeds.new_zeros(b, length - n, *embeds.shape[2:])], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(b, length - n)], dim=1)
+    return embeds, mask
+
+
+# --- hooks on the pipeline ---------------------------------------------------------------------------
+
+class _Recorder:
+    """The last two ``encode_prompt`` results: (prompt, negative prompt) within a true-CFG call."""
+
+    def __init__(self):
+        self.last: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def add(self, result):
+        self.last = (self.last + [result])[-2:]
+
+
+def install_text_buckets(pipe, buckets: tuple[int, ...] = TEXT_BUCKETS) -> _Recorder:
+    """Wrap ``pipe.encode_prompt`` so its embeddings come padded to a bucket length (idempotent)."""
+    rec = pipe.__dict__.get("_shardgen_text_recorder")
+    if rec is not None:
+        return rec
+    rec = _Recorder()
+    orig = pipe.encode_prompt
+
+    def encode_prompt(*args, **kwargs):
+        embeds, mask = orig(*args, **kwargs)
+        out = pad_text(embeds, mask, bucket_length(embeds.shape[1], buckets))
+        rec.add(out)
+        return out
+
+    pipe.__dict__["encode_prompt"] = encode_prompt
+    pipe.__dict__["_shardgen_text_recorder"] = rec
+    return rec
+
+
+def remove_text_buckets(pipe) -> None:
+    pipe.__dict__.pop("encode_prompt", None)
+    pipe.__dict__.pop("_shardgen_text_recorder", None)
+
+
+def install_cfg_batching(pipe) -> None:
+    """Run the conditional and unconditional transformer calls of each true-CFG step as one call
+    (needs ``install_text_buckets``, which records the two embeddings; idempotent)."""
+    rec = install_text_buckets(pipe)
+    tr = pipe.transformer
+    if _ORIG + "forward" in tr.__dict__:
+        return
+    forward = tr.forward
+    pending: dict[str, Any] = {}
+
+    def batched_forward(*args, **kwargs):
+        hidden, text = kwargs.get("hidden_states"), kwargs.get("encoder_hidden_states")
+        if args or hidden is None or text is None:  # not the pipeline's keyword call: leave it alone
+            return forward(*args, **kwargs)
+        if pending and text is pending["text"] and hidden is pending["hidden"]:
+            out = pending.pop("out")
+            pending.clear()
+            return out
+        pending.clear()
+        pair = rec.last
+        if len(pair) != 2 or text is not pair[0][0] or pair[1][0].shape[0] != text.shape[0]:
+            return forward(*args, **kwargs)  # no true CFG in this call
+        cond, uncond = _cfg_call(forward, kwargs, pair)
+        pending.update(text=pair[1][0], hidden=hidden, out=uncond)
+        return cond
+
+    tr.__dict__[_ORIG + "forward"] = forward
+    tr.__dict__["forward"] = batched_forward
+
+
+def remove_cfg_batching(pipe) -> None:
+    tr = pipe.transformer
+    if tr.__dict__.pop(_ORIG + "forward", None) is not None:
+        tr.__dict__.pop("forward", None)
+
+
+def _cfg_call(forward, kwargs: dict, pair) -> tuple[Any, Any]:
+    """One transformer call on [cond; uncond]; the outputs split back into the pipeline's structure."""
+    (c_emb, c_mask), (u_emb, u_mask) = pair
+    n = max(c_emb.shape[1], u_emb.shape[1])
+    c_emb, c_mask = pad_text(c_emb, c_mask, n)
+    u_emb, u_mask = pad_text(u_emb, u_mask, n)
+    b = c_emb.shape[0]
+    kw = dict(kwargs, encoder_hidden_states=torch.cat([c_emb, u_emb]),
+              encoder_hidden_states_mask=torch.cat([c_mask, u_mask]))
+    for key in ("hidden_states", "timestep", "guidance"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kw[key] = torch.cat([kwargs[key], kwargs[key]])
+    if isinstance(kwargs.get("img_shapes"), list):
+        kw["img_shapes"] = kwargs["img_shapes"] * 2
+    out = forward(**kw)
+    if isinstance(out, tuple):
+        return (out[0][:b],) + out[1:], (out[0][b:],) + out[1:]
+    return type(out)(sample=out.sample[:b]), type(out)(sample=out.sample[b:])
+
+
+# --- real-valued RoPE --------------------------------------------------------------------------------
+
+def rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_emb_qwen(x, freqs_cis, use_real=False)`` with ``freqs`` as (S, D/2, 2) real
+    (cos, sin) pairs: x is (B, S, H, D), its consecutive channel pairs are the complex numbers."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = xf.unbind(-1)
+    cos, sin = freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+def _dispatching_rope(orig):
+    def apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        if not use_real and isinstance(freqs_cis, torch.Tensor) and not freqs_cis.is_complex():
+            return rope_real(x, freqs_cis)
+        return orig(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
+
+    apply_rotary_emb_qwen._shardgen_orig = orig
+    return apply_rotary_emb_qwen
+
+
+def _as_real(module, args, output):
+    """pos_embed's (image, text) complex frequencies as real (cos, sin) pairs, made once per call."""
+    return tuple(torch.view_as_real(f).clone() if f.is_complex() else f for f in output)
+
+
+def enable_real_rope(transformer: torch.nn.Module) -> bool:
+    """Qwen-Image transformers: RoPE on real tensors from now on (idempotent); False for other models.
+
+    The attention processor calls diffusers' module-level ``apply_rotary_emb_qwen``; it is replaced once
+    per process by a dispatcher that takes the real path for real frequencies and calls the original
+    for complex ones, so transformers without the ``pos_embed`` hook below behave exactly as before."""
+    try:
+        from diffusers.models.transformers import transformer_qwenimage as tq
+    except ImportError:
+        return False
+    if not isinstance(transformer, tq.QwenImageTransformer2DModel) or not isinstance(transformer.pos_embed, tq.QwenEmbedRope):
+        return False
+    if not hasattr(tq.apply_rotary_emb_qwen, "_shardgen_orig"):
+        tq.apply_rotary_emb_qwen = _dispatching_rope(tq.apply_rotary_emb_qwen)
+    if "_shardgen_rope_hook" not in transformer.__dict__:
+        transformer.__dict__["_shardgen_rope_hook"] = transformer.pos_embed.register_forward_hook(_as_real)
+    return True
+
+
+def disable_real_rope(transformer: torch.nn.Module) -> None:
+    hook = transformer.__dict__.pop("_shardgen_rope_hook", None)
+    if hook is not None:
+        hook.remove()
