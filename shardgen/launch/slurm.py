@@ -54,15 +54,40 @@ def validate_slurm(cfg: Any) -> None:
             f"launcher.tasks_per_node={tpn} > launcher.gpus_per_node={ln.gpus_per_node}: each rank needs its own GPU; "
             f"set launcher.tasks_per_node={ln.gpus_per_node} (or leave it null)")
     try:
-        parallel_dims(cfg, ln.nodes * tpn)
+        dims = parallel_dims(cfg, ln.nodes * tpn)
     except ParallelConfigError as e:
         raise SlurmConfigError(f"{ln.nodes} nodes x {tpn} tasks = {ln.nodes * tpn} ranks: {e}") from None
+    _check_replicas_fit_nodes(ln.nodes, tpn, dims.replica_size)
     for key in ("partition", "account", "qos", "constraint", "exclude", "log_dir"):
         _check_text(key, ln[key])
     for key, value in (ln.additional_parameters or {}).items():
         if not _SAFE_KEY.match(str(key)):
             raise SlurmConfigError(f"launcher.additional_parameters key {key!r} is not a valid sbatch option name")
         _check_text(f"additional_parameters.{key}", str(value))
+
+
+def _check_replicas_fit_nodes(nodes: int, tpn: int, size: int) -> None:
+    # SLURM numbers the ranks node by node and a replica is `size` consecutive ranks: a replica that straddles
+    # two nodes would run its per-layer collectives over the network instead of within a node
+    if nodes > 1 and (tpn % size if size <= tpn else size % tpn):
+        fit = f"a multiple of {size}" if size <= tpn else f"a divisor of {size}"
+        raise SlurmConfigError(
+            f"replicas of {size} ranks do not fit on nodes of launcher.tasks_per_node={tpn}: some would span two "
+            f"nodes; set launcher.tasks_per_node to {fit}")
+
+
+def node_placement(cfg: Any, rank: int, world_size: int) -> str:
+    """Where this rank runs and which replica it serves, for the job's log (``rank 2 of 4 on node2, replica 1
+    = ranks 2-3``)."""
+    import socket
+
+    from parallel.strategies import parallel_dims
+
+    dims = parallel_dims(cfg, world_size)
+    first = rank - rank % dims.replica_size
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return (f"rank {rank} of {world_size} on {node}, replica {dims.replica_of(rank)} = ranks {first}-"
+            f"{first + dims.replica_size - 1}")
 
 
 def make_executor(cfg: Any, log_dir: Path):
@@ -105,8 +130,8 @@ class GenerateJob:
         from shardgen.run.watchdog import on_stall
 
         cfg = OmegaConf.create(self.cfg_yaml)
-        log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
-                 os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ["RANK"], os.environ["WORLD_SIZE"])
+        log.info("job %s restart %s: %s", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0"),
+                 node_placement(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         on_stall(lambda what: requeue_after_failure(cfg, what))
         try:
             result = run_rank(cfg)
