@@ -35,7 +35,7 @@ if __name__ == "__main__":
 class HangingJob(GenerateJob):
     """``launcher=slurm``'s job; on attempts (SLURM restarts) below ``bad_attempts`` (and only on SLURM node ``node``
     when given) a batch holding a prompt with "hang" hangs as above (``fault="hang"``) or raises a CUDA-like error
-    (``fault="raise"``); ``fault="raise_any"`` raises on every batch, ``fault="slow"`` makes every batch take a second
+    (``fault="raise"``); ``fault="raise_any"`` raises on every batch, ``fault="slow"`` makes every batch take two seconds
     longer (so that a test can act mid-run; the images stay the same)."""
 
     def __init__(self, cfg_yaml: str, log_level: int = logging.INFO, bad_attempts: int = 1, fault: str = "hang",
@@ -64,5 +64,5 @@ def _raise_any(self, *args, **kwargs):
 
 @functools.wraps(_real)
 def _slow(self, *args, **kwargs):
-    time.sleep(1)
+    time.sleep(2)
     return _real(self, *args, **kwargs)
