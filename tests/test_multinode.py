@@ -93,11 +93,14 @@ def test_dp_and_tp_ranks_on_two_nodes_give_one_process_bytes(tmp_path, reference
 @needs_two_nodes
 def test_rank_killed_on_the_second_node_ends_the_job_and_one_node_resumes(tmp_path, reference, monkeypatch):
     """SIGKILL the rank on the second node: srun --kill-on-bad-exit ends the rank on the first at once; the
-    run, resumed with launcher.nodes=1, finishes with the one-process bytes."""
+    run, resumed with launcher.nodes=1, finishes with the one-process bytes. The resuming job takes over the
+    dead ranks' shards at once, the one on the other node included (SLURM says its job ended), instead of
+    waiting out their lease."""
     run_dir = tmp_path / "run"
     node2 = _nodes()[1]
     with_fault(monkeypatch, "slow")
-    job = slurm(run_dir, "launcher.nodes=2", "launcher.tasks_per_node=1", "launcher.time_min=60")[0]
+    long_lease = "lease_s=600"
+    job = slurm(run_dir, "launcher.nodes=2", "launcher.tasks_per_node=1", "launcher.time_min=60", long_lease)[0]
     _wait(lambda: _done(run_dir) >= 8, 180, "the first samples")
     pids = [p for p in _task_pids(job.job_id, procid=1)
             if f"SLURMD_NODENAME={node2}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
@@ -109,7 +112,10 @@ def test_rank_killed_on_the_second_node_ends_the_job_and_one_node_resumes(tmp_pa
     assert _state(job.job_id) == "FAILED" and time.time() - t0 < 30
     assert _done(run_dir) < N, "rank 0 ran on and finished the run alone"
     monkeypatch.undo()
-    slurm(run_dir, "launcher.nodes=1", "launcher.tasks_per_node=2", "launcher.time_min=60", "launcher.wait=true")
+    rerun = slurm(run_dir, "launcher.nodes=1", "launcher.tasks_per_node=2", "launcher.time_min=60", long_lease)[0]
+    _wait(lambda: _state(rerun.job_id) not in ("RUNNING", "COMPLETING", "PENDING"), 240,
+          "the one-node job to take over the dead ranks' shards and finish (not wait out their 600 s lease)")
+    assert _state(rerun.job_id) == "COMPLETED"
     assert_complete_and_identical(run_dir, reference)
 
 

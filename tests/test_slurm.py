@@ -122,6 +122,30 @@ def test_unknown_sbatch_parameter_is_rejected_by_submitit(tmp_path):
     make_executor(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("answer,rc,ended", [
+    ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=0", 0, False),  # the holder may be alive
+    ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=1", 0, True),  # requeued since: that attempt is over
+    ("JobId=5 JobName=x JobState=PENDING Reason=BeginTime Restarts=1", 0, True),
+    ("JobId=5 JobName=x JobState=FAILED Reason=NonZeroExitCode Restarts=0", 0, True),
+    ("slurm_load_jobs error: Invalid job id specified", 1, True),  # forgotten after it ended
+    ("slurm_load_jobs error: Unable to contact slurm controller", 1, False),  # no answer: assume alive
+])
+def test_a_claim_held_by_another_slurm_job_on_another_node_is_dead_when_slurm_says_so(tmp_path, monkeypatch,
+                                                                                       answer, rc, ended):
+    """Across nodes a holder's pid cannot be checked: a claim of another SLURM job is taken over at once when
+    scontrol says that job's attempt is over (not after its lease), never when SLURM cannot say."""
+    from shardgen.dataio.claims import holder_known_dead
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho '{answer}' >&{2 if rc else 1}\nexit {rc}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr("shardgen.launch.slurm._ended_cache", {})
+    holder = dict(host="node2", pid=4242, job="5", restart=0)
+    assert holder_known_dead(holder, dict(host="node1", pid=1, job="6", restart=0)) is ended
+    assert holder_known_dead(holder, dict(host="node1", pid=1, job=None, restart=0)) is False  # not under SLURM
+
+
 # --- on the cluster ------------------------------------------------------------------------
 
 @pytest.mark.slurm
