@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# slurm_cluster.sh - a real single-node SLURM cluster on this machine, for CI and for trying
-# shardgen's SLURM launcher locally (Debian 12 / SLURM 22.05; no systemd, no cgroups; run as root).
+# slurm_cluster.sh - a real SLURM cluster of one or several nodes on this machine, for CI and for
+# trying shardgen's SLURM launcher locally (Debian 12 / SLURM 22.05; no systemd, no cgroups; run as root).
 #
-#   bash scripts/slurm_cluster.sh start    # install missing packages, configure, start, smoke-test
+#   bash scripts/slurm_cluster.sh start [--nodes N]  # install missing packages, configure, start, smoke-test
 #   source <(bash scripts/slurm_cluster.sh env)   # export SLURM_CONF for sbatch/srun/sacct/submitit
-#   bash scripts/slurm_cluster.sh status   # daemons, node and queue
-#   bash scripts/slurm_cluster.sh stop     # cancel jobs, stop every daemon (by pid file)
+#   bash scripts/slurm_cluster.sh status   # daemons, nodes and queue
+#   bash scripts/slurm_cluster.sh nodes    # the node names, one a line
+#   bash scripts/slurm_cluster.sh exec NODE CMD...  # run CMD on NODE (in its namespaces), e.g. torchrun
+#   bash scripts/slurm_cluster.sh stop     # cancel jobs, stop every daemon (by pid file), remove the nodes
+#
+# Nodes: with --nodes N >= 2 (the default is 2) each node is a slurmd in its own Linux network and UTS
+# namespaces, with its own host name (node1, node2, ...) and address ($SLURM_SUBNET.11, .12, ...) on a
+# bridge (shardgen-br0, $SLURM_SUBNET.1 on this host, where slurmctld listens); /etc/hosts names them,
+# so ranks on one node reach the others by name (MASTER_ADDR) as on a real cluster. The file system
+# and the process table stay shared. Without the default's namespaces (no iproute2, no CAP_NET_ADMIN)
+# `start` falls back to one node and says why; an explicit --nodes N fails instead.
+# --nodes 1 is the old single-node cluster: this host's slurmd on loopback.
 #
 # `start` is idempotent: a second call only checks that everything is up (a few seconds), and
 # restarts slurmctld/slurmd only when the generated configuration changed.
@@ -15,7 +25,8 @@
 #
 # Environment:
 #   SLURM_BASE=/tmp/shardgen-slurm  where everything lives
-#   SLURM_CPUS=<4 x nproc>          CPUs the node advertises (see "CPU oversubscription" below);
+#   SLURM_SUBNET=10.77.0            the nodes' /24 (only inside the namespaces and the bridge made here)
+#   SLURM_CPUS=<4 x nproc>          CPUs each node advertises (see "CPU oversubscription" below);
 #                                   SLURM_CPUS=$(nproc) gives an honest node
 #   SLURM_FAKE_GPUS=0               N>0: the node advertises gres gpu:fake:N, backed by character
 #                                   devices made with `mknod c 1 3`, so `--gpus`/`--gres` jobs are
@@ -33,6 +44,9 @@ NPROC=$(nproc)
 # advertise more CPUs than the machine has (without it the node is drained as "Low CPUs").
 # SelectTypeParameters=CR_CPU then hands out up to $CPUS one-CPU tasks at once.
 CPUS=${SLURM_CPUS:-$(( NPROC * 4 ))}
+SUBNET=${SLURM_SUBNET:-10.77.0}
+BRIDGE=shardgen-br0
+HOSTS_TAG="# shardgen slurm_cluster.sh node"
 FAKE_GPUS=${SLURM_FAKE_GPUS:-0}
 DB_PORT=${SLURM_DB_PORT:-3306}
 MEM_MB=$(awk '/^MemTotal/ {m = int($2 / 1024) - 1024; print (m < 1024 ? 1024 : m)}' /proc/meminfo)
@@ -43,8 +57,9 @@ MUNGE_SOCK=$BASE/munge-run/munge.socket.2
 MYSQL_SOCK=$BASE/mysql-run/mysqld.sock
 PKGS="slurm-wlm munge slurmdbd mariadb-server"
 
-# pid files, in stop order (munged's and mariadbd's are written by their own users)
-PID_SLURMD=$BASE/run/slurmd.pid
+# pid files, in stop order (munged's and mariadbd's are written by their own users); one slurmd per
+# node, its pid file named after the node (SlurmdPidFile's %n)
+PID_SLURMD_OLD=$BASE/run/slurmd.pid  # written by this script's single-node versions before --nodes
 PID_SLURMCTLD=$BASE/run/slurmctld.pid
 PID_SLURMDBD=$BASE/run/slurmdbd.pid
 PID_MARIADBD=$BASE/mysql-run/mariadbd.pid
@@ -99,6 +114,84 @@ install_packages() {
   log "installed"
 }
 
+# ---- nodes ------------------------------------------------------------------------------------
+# node_names N: the nodes of an N-node cluster (one node: this host itself)
+node_names() { if [ "$1" = 1 ]; then echo "$HOST"; else seq -f 'node%g' 1 "$1"; fi; }
+node_addr() { if [ "$1" = 1 ]; then echo 127.0.0.1; else echo "$SUBNET.$((10 + $2))"; fi; }  # node_addr N I
+# the node count of the cluster last started here (what stop/status/exec/nodes act on)
+started_nodes() { if [ -s "$BASE/nodes" ]; then cat "$BASE/nodes"; else echo 1; fi; }
+netns_of() { echo "/run/netns/shardgen-$1"; }
+uts_of() { echo "$BASE/ns/$1.uts"; }
+# on_node NAME CMD...: run CMD on node NAME, i.e. in its network and UTS namespaces (here if it has none)
+on_node() {
+  local name=$1; shift
+  if [ -e "$(netns_of "$name")" ]; then
+    nsenter --net="$(netns_of "$name")" --uts="$(uts_of "$name")" -- "$@"
+  else
+    "$@"
+  fi
+}
+pid_slurmd() { echo "$BASE/run/slurmd-$1.pid"; }  # SlurmdPidFile with %n
+
+# make_nodes N: the bridge and, per node, a network namespace joined to it by a veth pair and a UTS
+# namespace with the node's host name; /etc/hosts names the nodes. Idempotent; fails (returns 1)
+# where the machine cannot make namespaces.
+make_nodes() {
+  local n=$1 i name ns addr uts
+  command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null || return 1
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge && ip addr add "$SUBNET.1/24" dev "$BRIDGE" || return 1
+  fi
+  ip link set "$BRIDGE" up || return 1
+  mkdir -p "$BASE/ns"
+  for ((i = 1; i <= n; i++)); do
+    name=node$i; ns=shardgen-$name; addr=$(node_addr "$n" "$i"); uts=$(uts_of "$name")
+    if [ ! -e "$(netns_of "$name")" ]; then
+      ip netns add "$ns" && ip link add "sg-veth$i" type veth peer name eth0 netns "$ns" \
+        && ip link set "sg-veth$i" master "$BRIDGE" && ip link set "sg-veth$i" up \
+        && ip -n "$ns" addr add "$addr/24" dev eth0 && ip -n "$ns" link set eth0 up \
+        && ip -n "$ns" link set lo up || return 1
+    fi
+    # a UTS namespace lives on (without a process in it) while bind-mounted on a file
+    if ! nsenter --uts="$uts" true 2>/dev/null; then
+      touch "$uts" && unshare --uts="$uts" hostname "$name" || return 1
+    fi
+  done
+  hosts_without_nodes > "$BASE/hosts.new"
+  for ((i = 1; i <= n; i++)); do echo "$(node_addr "$n" "$i") node$i $HOSTS_TAG"; done >> "$BASE/hosts.new"
+  cmp -s "$BASE/hosts.new" /etc/hosts || cat "$BASE/hosts.new" > /etc/hosts  # in place: it may be a bind mount
+  rm -f "$BASE/hosts.new"
+  log "nodes: $(node_names "$n" | tr '\n' ' ')on bridge $BRIDGE ($SUBNET.0/24)"
+}
+hosts_without_nodes() { grep -vF "$HOSTS_TAG" /etc/hosts || true; }
+
+# remove_nodes: undo make_nodes (whatever node count it made); their slurmds are stopped first
+remove_nodes() {
+  local ns uts pid
+  for ns in $(ip netns list 2>/dev/null | awk '$1 ~ /^shardgen-node[0-9]+$/ {print $1}'); do
+    # a job process that outlived its slurmd would keep the namespace alive
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns"  # takes its veth pair along
+  done
+  for uts in "$BASE"/ns/*.uts; do
+    [ -e "$uts" ] || continue
+    umount "$uts" 2>/dev/null || true; rm -f "$uts"
+  done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE"; fi
+  if grep -qF "$HOSTS_TAG" /etc/hosts 2>/dev/null; then
+    hosts_without_nodes > "$BASE/hosts.new"; cat "$BASE/hosts.new" > /etc/hosts; rm -f "$BASE/hosts.new"
+  fi
+}
+
+# stop_slurmds: every node's slurmd, whatever node count it was started with
+stop_slurmds() {
+  local pf
+  for pf in "$BASE"/run/slurmd-*.pid "$PID_SLURMD_OLD"; do
+    [ -e "$pf" ] && stop_pid "slurmd $(basename "$pf" .pid)" "$pf"
+  done
+  return 0
+}
+
 write_if_changed() { # write_if_changed FILE MODE (content on stdin); returns 0 if FILE changed
   local f=$1 mode=$2
   cat > "$f.new"; chmod "$mode" "$f.new"
@@ -106,13 +199,14 @@ write_if_changed() { # write_if_changed FILE MODE (content on stdin); returns 0 
   mv "$f.new" "$f"; return 0
 }
 
-slurm_conf() {
-  local gres=""
+slurm_conf() { # slurm_conf N
+  local n=$1 gres="" i name ctl_addr=127.0.0.1
   [ "$FAKE_GPUS" -gt 0 ] && gres=" Gres=gpu:fake:$FAKE_GPUS"
+  [ "$n" -gt 1 ] && ctl_addr=$SUBNET.1  # the nodes reach this host on the bridge
   cat <<EOF
 # Generated by shardgen scripts/slurm_cluster.sh - edits are overwritten on the next start.
 ClusterName=$CLUSTER
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($ctl_addr)
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817
@@ -122,11 +216,12 @@ CredType=cred/munge
 # cred_expire (minimum 5, default 120 s) also delays the restart of a requeued job
 AuthInfo=socket=$MUNGE_SOCK,cred_expire=5
 StateSaveLocation=$BASE/state
-SlurmdSpoolDir=$BASE/spool
+# %n: the node's name (each node has its own slurmd)
+SlurmdSpoolDir=$BASE/spool/%n
 SlurmctldPidFile=$PID_SLURMCTLD
-SlurmdPidFile=$PID_SLURMD
+SlurmdPidFile=$BASE/run/slurmd-%n.pid
 SlurmctldLogFile=$BASE/log/slurmctld.log
-SlurmdLogFile=$BASE/log/slurmd.log
+SlurmdLogFile=$BASE/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # no systemd and no cgroups here
@@ -155,9 +250,13 @@ JobRequeue=1
 KillWait=5
 MinJobAge=60
 GresTypes=gpu
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB$gres State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+  i=0
+  for name in $(node_names "$n"); do
+    i=$((i + 1)); echo "NodeName=$name NodeAddr=$(node_addr "$n" "$i") CPUs=$CPUS RealMemory=$MEM_MB$gres State=UNKNOWN"
+  done
+  # LLN: a job goes to the least loaded node, so one-node jobs (an array's) spread over the nodes
+  echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP LLN=YES"
 }
 
 slurmdbd_conf() {
@@ -196,34 +295,54 @@ stop_pid() {
 }
 
 # ------------------------------------------------------------------------------------------------
-cmd_start() {
+# choose_nodes ARG: the node count to start (ARG: a count, or "auto": 2 where namespaces work, else 1)
+choose_nodes() {
+  if [ "$1" = auto ]; then
+    if make_nodes 2 >&2; then echo 2; return; fi
+    log "WARNING: network/UTS namespaces are not available here (iproute2, CAP_NET_ADMIN): starting a" \
+        "single-node cluster; tests that need two nodes will skip"
+    remove_nodes >/dev/null 2>&1 || true; echo 1; return
+  fi
+  [ "$1" = 1 ] || make_nodes "$1" >&2 || { remove_nodes >/dev/null 2>&1 || true; die "could not make $1 nodes in network/UTS namespaces (iproute2, root with CAP_NET_ADMIN needed); --nodes 1 runs without them"; }
+  echo "$1"
+}
+
+cmd_start() { # cmd_start NODES ("auto" or a count)
   need_root
+  local want=$1
+  [[ "$want" =~ ^(auto|[1-9][0-9]?)$ ]] || die "--nodes must be a count from 1 to 99 (got '$want')"
   [[ "$CPUS" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS must be a positive integer (got '$CPUS')"
   [[ "$FAKE_GPUS" =~ ^[0-9]+$ ]] || die "SLURM_FAKE_GPUS must be a non-negative integer (got '$FAKE_GPUS')"
   mkdir -p "$BASE"/{etc,state,spool,log,run,munge,munge-run,mysql,mysql-run}
+  [ "$want" != 1 ] && PKGS="$PKGS iproute2"
   install_packages
 
   # slurmctld/slurmd resolve the node name, and submitit's MASTER_ADDR is the host name
   if ! getent hosts "$HOST" >/dev/null; then echo "127.0.0.1 $HOST" >> /etc/hosts; log "added $HOST to /etc/hosts"; fi
+  # ---- nodes: another node count than the running cluster's replaces its nodes ----
+  local target=$want; [ "$want" = auto ] && target=2
+  if [ "$target" != "$(started_nodes)" ]; then stop_slurmds; remove_nodes; fi
+  local n; n=$(choose_nodes "$want")
+  echo "$n" > "$BASE/nodes"
 
   # ---- configuration (slurmctld/slurmd are restarted below only if it changed) ----
-  local changed=0 dbd_changed=0 i
+  local changed=0 dbd_changed=0 i name
   if [ "$FAKE_GPUS" -gt 0 ]; then
     mkdir -p "$BASE/fakegpu"
     # slurmd ignores gres File= entries that are not character/block devices
     for ((i = 0; i < FAKE_GPUS; i++)); do [ -c "$BASE/fakegpu/gpu$i" ] || mknod "$BASE/fakegpu/gpu$i" c 1 3; done
-    echo "NodeName=$HOST Name=gpu Type=fake File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]" \
+    for name in $(node_names "$n"); do echo "NodeName=$name Name=gpu Type=fake File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]"; done \
       | write_if_changed "$BASE/etc/gres.conf" 644 && changed=1
   elif [ -e "$BASE/etc/gres.conf" ]; then
     rm -f "$BASE/etc/gres.conf"; changed=1
   fi
-  slurm_conf | write_if_changed "$SLURM_CONF" 644 && changed=1
+  slurm_conf "$n" | write_if_changed "$SLURM_CONF" 644 && changed=1
   # slurmdbd refuses a slurmdbd.conf that others can read
   slurmdbd_conf | write_if_changed "$BASE/etc/slurmdbd.conf" 600 && dbd_changed=1
   echo "export SLURM_CONF=$SLURM_CONF" > "$BASE/env.sh"
   if [ "$changed" = 1 ]; then
-    log "configuration written ($SLURM_CONF: CPUs=$CPUS, fake GPUs=$FAKE_GPUS)"
-    stop_pid slurmd "$PID_SLURMD"; stop_pid slurmctld "$PID_SLURMCTLD"
+    log "configuration written ($SLURM_CONF: $n node(s), CPUs=$CPUS each, fake GPUs=$FAKE_GPUS)"
+    stop_slurmds; stop_pid slurmctld "$PID_SLURMCTLD"
   fi
   [ "$dbd_changed" = 1 ] && stop_pid slurmdbd "$PID_SLURMDBD"
 
@@ -279,35 +398,48 @@ cmd_start() {
     wait_for slurmctld 30 bash -c "scontrol ping | grep -q UP" || start_failed slurmctld "$BASE/log/slurmctld.log"
   fi
 
-  # ---- slurmd ----
-  if ! alive "$PID_SLURMD"; then
-    /usr/sbin/slurmd || start_failed slurmd "$BASE/log/slurmd.log"
-  fi
-
-  # ---- wait for the node ----
-  local st="" end=$((SECONDS + 60))
-  while [ $SECONDS -lt $end ]; do
-    st=$(timeout 10 sinfo -h -n "$HOST" -o %T 2>/dev/null | head -n1 || true)
-    case "$st" in
-      idle|mixed|allocated|completing) break ;;
-      down|drain*|fail*) scontrol update nodename="$HOST" state=resume 2>/dev/null || true ;;
-    esac
-    sleep 0.2
+  # ---- one slurmd per node, each started on its node (in its namespaces) ----
+  for name in $(node_names "$n"); do
+    mkdir -p "$BASE/spool/$name"
+    alive "$(pid_slurmd "$name")" || on_node "$name" /usr/sbin/slurmd || start_failed "slurmd on $name" "$BASE/log/slurmd-$name.log"
   done
-  case "$st" in
-    idle|mixed|allocated|completing) log "node $HOST is $st ($(scontrol show node "$HOST" | grep -o 'CPUTot=[0-9]*'))" ;;
-    *) scontrol show node "$HOST" >&2 || true; start_failed "node $HOST (state '$st')" "$BASE/log/slurmd.log" ;;
-  esac
 
-  # ---- end-to-end check: munge + slurmctld + slurmd + step launch + accounting ----
-  if [ "$st" = allocated ]; then
-    log "node fully allocated by running jobs: skipping the srun smoke test"
+  # ---- wait for the nodes ----
+  local st busy=0
+  for name in $(node_names "$n"); do
+    st=$(wait_node "$name")
+    case "$st" in
+      idle|mixed|allocated|completing) log "node $name ($(scontrol show node "$name" | grep -o 'NodeAddr=[^ ]*\|CPUTot=[0-9]*' | tr '\n' ' '| sed 's/ $//')) is $st" ;;
+      *) scontrol show node "$name" >&2 || true; start_failed "node $name (state '$st')" "$BASE/log/slurmd-$name.log" ;;
+    esac
+    [ "$st" = idle ] || busy=1
+  done
+
+  # ---- end-to-end check: munge + slurmctld + slurmds + a step across every node + accounting ----
+  if [ "$busy" = 1 ]; then
+    log "nodes in use by running jobs: skipping the srun smoke test"
   else
-    wait_for "srun smoke test" 30 srun --immediate=10 -t 1 -N1 -n1 true \
-      || start_failed "srun smoke test" "$BASE/log/slurmd.log"
+    local want_hosts; want_hosts=$(node_names "$n" | tr '\n' ' ')
+    wait_for "srun -N$n smoke test (hosts: $want_hosts)" 30 bash -c \
+        "[ \"\$(srun --immediate=10 -t 1 -N$n -n$n hostname | sort | tr '\n' ' ')\" = '$want_hosts' ]" \
+      || start_failed "srun smoke test" "$BASE/log/slurmctld.log"
   fi
   sacct -n -X -S now-1hour >/dev/null || start_failed sacct "$BASE/log/slurmdbd.log"
   log "ready; to use it: source <(bash $0 env)   # or: source $BASE/env.sh"
+}
+
+# wait_node NAME: wait up to 60 s for the node to be usable (resuming it if down); prints its state
+wait_node() {
+  local st="" end=$((SECONDS + 60))
+  while [ $SECONDS -lt $end ]; do
+    st=$(timeout 10 sinfo -h -n "$1" -o %T 2>/dev/null | head -n1 || true)
+    case "$st" in
+      idle|mixed|allocated|completing) break ;;
+      down|drain*|fail*) scontrol update nodename="$1" state=resume >/dev/null 2>&1 || true ;;
+    esac
+    sleep 0.2
+  done
+  echo "$st"
 }
 
 cmd_stop() {
@@ -319,17 +451,19 @@ cmd_stop() {
     local end=$((SECONDS + 15))
     while [ -n "$(squeue -h -o %i 2>/dev/null)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
   fi
-  stop_pid slurmd "$PID_SLURMD"
+  stop_slurmds
   stop_pid slurmctld "$PID_SLURMCTLD"
   stop_pid slurmdbd "$PID_SLURMDBD"
   stop_pid mariadbd "$PID_MARIADBD" 60
   stop_pid munged "$PID_MUNGED"
+  remove_nodes; rm -f "$BASE/nodes"
   log "stopped (state kept in $BASE; rm -rf $BASE for a clean slate)"
 }
 
 cmd_status() {
-  local d pf rc=0
-  for d in munged:$PID_MUNGED mariadbd:$PID_MARIADBD slurmdbd:$PID_SLURMDBD slurmctld:$PID_SLURMCTLD slurmd:$PID_SLURMD; do
+  local d pf rc=0 name
+  for d in munged:$PID_MUNGED mariadbd:$PID_MARIADBD slurmdbd:$PID_SLURMDBD slurmctld:$PID_SLURMCTLD \
+           $(for name in $(node_names "$(started_nodes)"); do echo "slurmd@$name:$(pid_slurmd "$name")"; done); do
     pf=${d#*:}
     if alive "$pf"; then echo "${d%%:*}: running ($(cat "$pf"))"; else echo "${d%%:*}: not running"; rc=1; fi
   done
@@ -338,9 +472,20 @@ cmd_status() {
 }
 
 case "${1:-}" in
-  start) cmd_start ;;
+  start)
+    case "${2:-}" in
+      "") cmd_start auto ;;
+      --nodes) cmd_start "${3:-}" ;;
+      --nodes=*) cmd_start "${2#--nodes=}" ;;
+      *) die "start takes --nodes N (got '$2')" ;;
+    esac ;;
   stop) cmd_stop ;;
   env) echo "export SLURM_CONF=$SLURM_CONF" ;;
   status) cmd_status ;;
-  *) echo "usage: $0 {start|stop|env|status}   (SLURM_BASE=$BASE)" >&2; exit 2 ;;
+  nodes) node_names "$(started_nodes)" ;;
+  exec)
+    [ $# -ge 3 ] || die "usage: $0 exec NODE CMD..."
+    node_names "$(started_nodes)" | grep -qx "$2" || die "no node '$2' (nodes: $(node_names "$(started_nodes)" | tr '\n' ' '))"
+    name=$2; shift 2; on_node "$name" "$@" ;;
+  *) echo "usage: $0 {start [--nodes N]|stop|env|status|nodes|exec NODE CMD...}   (SLURM_BASE=$BASE)" >&2; exit 2 ;;
 esac

@@ -33,16 +33,20 @@ if __name__ == "__main__":
 
 
 class HangingJob(GenerateJob):
-    """``launcher=slurm``'s job; on attempts (SLURM restarts) below ``bad_attempts`` a batch holding a prompt with
-    "hang" hangs as above (``fault="hang"``) or raises a CUDA-like error (``fault="raise"``)."""
+    """``launcher=slurm``'s job; on attempts (SLURM restarts) below ``bad_attempts`` (and only on SLURM node ``node``
+    when given) a batch holding a prompt with "hang" hangs as above (``fault="hang"``) or raises a CUDA-like error
+    (``fault="raise"``); ``fault="raise_any"`` raises on every batch, ``fault="slow"`` makes every batch take two seconds
+    longer (so that a test can act mid-run; the images stay the same)."""
 
-    def __init__(self, cfg_yaml: str, log_level: int = logging.INFO, bad_attempts: int = 1, fault: str = "hang"):
+    def __init__(self, cfg_yaml: str, log_level: int = logging.INFO, bad_attempts: int = 1, fault: str = "hang",
+                 node: str | None = None):
         super().__init__(cfg_yaml, log_level)
-        self.bad_attempts, self.fault = bad_attempts, fault
+        self.bad_attempts, self.fault, self.node = bad_attempts, fault, node
 
     def __call__(self):
-        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.bad_attempts:
-            FluxPipeline.__call__ = _call if self.fault == "hang" else _raise
+        on_node = self.node is None or os.environ.get("SLURMD_NODENAME") == self.node
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.bad_attempts and on_node:
+            FluxPipeline.__call__ = dict(hang=_call, raise_any=_raise_any, slow=_slow).get(self.fault, _raise)
         return super().__call__()
 
 
@@ -50,4 +54,15 @@ class HangingJob(GenerateJob):
 def _raise(self, *args, **kwargs):
     if any("hang" in p for p in kwargs["prompt"]):
         raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+    return _real(self, *args, **kwargs)
+
+
+@functools.wraps(_real)
+def _raise_any(self, *args, **kwargs):
+    raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+
+
+@functools.wraps(_real)
+def _slow(self, *args, **kwargs):
+    time.sleep(2)
     return _real(self, *args, **kwargs)

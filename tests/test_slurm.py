@@ -38,6 +38,29 @@ def _cluster_reason() -> str | None:
 
 
 needs_cluster = pytest.mark.skipif(_cluster_reason() is not None, reason=str(_cluster_reason()))
+
+
+def _nodes() -> list[str]:
+    """The cluster's nodes that can run jobs, by name."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10).stdout
+    return sorted(n for n, st in (line.split() for line in out.splitlines())
+                  if not st.startswith(("down", "drain", "fail")))
+
+
+def _two_nodes_reason() -> str | None:
+    why = _cluster_reason()
+    if why:
+        return why
+    nodes = _nodes()
+    if len(nodes) < 2:
+        return (f"the SLURM cluster has {len(nodes)} usable node(s) ({' '.join(nodes)}): bash scripts/slurm_cluster.sh "
+                "start --nodes 2 (needs network namespaces: iproute2 and root)")
+    return None
+
+
+# the one-node versions of tests that tests/test_multinode.py runs across two nodes (a superset of what they check)
+one_node_only = pytest.mark.skipif(_two_nodes_reason() is None,
+                                   reason="the cluster has two nodes: tests/test_multinode.py runs this across them")
 N = 48
 COMMON = ("height=16", "width=16", "steps=2", "samples_per_shard=8", f"prompts.limit={N}", "batch_size=4",
           "progress=false", "launcher.cpus_per_task=1", "heartbeat_s=1", "lease_s=20")
@@ -75,6 +98,7 @@ def handed_over(run_dir: Path) -> int:
     (({"partition": "gpu\n#SBATCH --wrap=evil"},), "newlines"),
     (({"additional_parameters": {"bad key": 1}},), "not a valid sbatch option"),
     (("launcher.nodes=0",), "launcher.nodes=0"),
+    (("strategy=tp", "tp_degree=2", "launcher.nodes=2", "launcher.tasks_per_node=3"), "some would span two nodes"),
 ])
 def test_misconfigured_submission_fails_before_sbatch(tmp_path, overrides, needle, monkeypatch):
     import submitit
@@ -109,6 +133,30 @@ def test_launcher_parameters_reach_the_sbatch_script(tmp_path):
     assert "--kill-on-bad-exit=1 python -m x" in script
 
 
+@pytest.mark.parametrize("answer,rc,ended", [
+    ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=0", 0, False),  # the holder may be alive
+    ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=1", 0, True),  # requeued since: that attempt is over
+    ("JobId=5 JobName=x JobState=PENDING Reason=BeginTime Restarts=1", 0, True),
+    ("JobId=5 JobName=x JobState=FAILED Reason=NonZeroExitCode Restarts=0", 0, True),
+    ("slurm_load_jobs error: Invalid job id specified", 1, True),  # forgotten after it ended
+    ("slurm_load_jobs error: Unable to contact slurm controller", 1, False),  # no answer: assume alive
+])
+def test_a_claim_held_by_another_slurm_job_on_another_node_is_dead_when_slurm_says_so(tmp_path, monkeypatch,
+                                                                                       answer, rc, ended):
+    """Across nodes a holder's pid cannot be checked: a claim of another SLURM job is taken over at once when
+    scontrol says that job's attempt is over (not after its lease), never when SLURM cannot say."""
+    from shardgen.dataio.claims import holder_known_dead
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho '{answer}' >&{2 if rc else 1}\nexit {rc}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr("shardgen.launch.slurm._ended_cache", {})
+    holder = dict(host="node2", pid=4242, job="5", restart=0)
+    assert holder_known_dead(holder, dict(host="node1", pid=1, job="6", restart=0)) is ended
+    assert holder_known_dead(holder, dict(host="node1", pid=1, job=None, restart=0)) is False  # not under SLURM
+
+
 # --- on the cluster ------------------------------------------------------------------------
 
 @pytest.mark.slurm
@@ -120,6 +168,7 @@ def test_two_task_job_completes_like_the_local_run(tmp_path, reference):
 
 @pytest.mark.slurm
 @needs_cluster
+@one_node_only
 def test_two_job_array_completes_like_the_local_run(tmp_path, reference):
     jobs = slurm(tmp_path / "run", "launcher.array=2", "launcher.wait=true", "launcher.time_min=60")
     assert len(jobs) == 2
@@ -142,6 +191,7 @@ def _done(run_dir: Path) -> int:
 
 @pytest.mark.slurm
 @needs_cluster
+@one_node_only
 def test_preemption_signal_requeues_and_resumes(tmp_path, reference):
     """scancel --signal=USR2 mid-run (what a preempting cluster sends): the job checkpoints, requeues
     itself, resumes from the run directory and finishes; at most one batch per replica is redone."""
@@ -221,6 +271,7 @@ def _state(job_id) -> str:
 
 @pytest.mark.slurm
 @needs_cluster
+@one_node_only
 def test_a_dead_rank_ends_the_job_at_once_and_a_rerun_finishes(tmp_path):
     """SIGKILL one of two ranks mid-run (the OOM killer, a lost GPU): with srun --kill-on-bad-exit the job ends
     at once instead of leaving its other rank to run on into a collective; the same command, rerun, completes."""
@@ -242,7 +293,8 @@ def test_a_dead_rank_ends_the_job_at_once_and_a_rerun_finishes(tmp_path):
 
 @pytest.mark.slurm
 @needs_cluster
-@pytest.mark.parametrize("fault,bad_attempts,max_failures", [("hang", 1, 2), ("hang", 9, 1), ("raise", 1, 2)],
+@pytest.mark.parametrize("fault,bad_attempts,max_failures", [("hang", 1, 2), ("hang", 9, 1),
+                                                                   pytest.param("raise", 1, 2, marks=one_node_only)],
                          ids=["stall-recovers", "stall-gives-up", "error-recovers"])
 def test_a_failed_or_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, monkeypatch, capsys, fault,
                                                                       bad_attempts, max_failures):

@@ -5,7 +5,7 @@ and on NFSv3+/Lustre, unlike flock). Its mtime is the heartbeat. Taking over a s
 creating generation gen+1, which only one contender can do; the holder of a lower generation
 sees it has lost the shard at its next heartbeat and stops writing. A claim is taken over when
 its heartbeat is older than the lease, or at once when its holder is known dead (same host and
-its pid is gone, or the same SLURM job restarted).
+its pid is gone, the same SLURM job restarted, or, seen from a SLURM job, the holder's SLURM job ended).
 """
 
 from __future__ import annotations
@@ -47,7 +47,13 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
     if record.get("host") == me["host"] and record.get("pid") != me["pid"] and not _pid_alive(int(record["pid"])):
         return True
     job = record.get("job")
-    return bool(job) and job == me["job"] and int(record.get("restart", 0)) < me["restart"]
+    if job and job == me["job"]:
+        return int(record.get("restart", 0)) < me["restart"]
+    if job and me["job"]:  # another SLURM job, maybe on another node (where its pid means nothing): ask SLURM
+        from shardgen.launch.slurm import slurm_attempt_ended
+
+        return slurm_attempt_ended(str(job), int(record.get("restart", 0)))
+    return False
 
 
 def scan_claims(run: RunDir) -> dict[int, int]:

@@ -55,15 +55,42 @@ def validate_slurm(cfg: Any) -> None:
             f"launcher.tasks_per_node={tpn} > launcher.gpus_per_node={ln.gpus_per_node}: each rank needs its own GPU; "
             f"set launcher.tasks_per_node={ln.gpus_per_node} (or leave it null)")
     try:
-        parallel_dims(cfg, ln.nodes * tpn)
+        dims = parallel_dims(cfg, ln.nodes * tpn)
     except ParallelConfigError as e:
         raise SlurmConfigError(f"{ln.nodes} nodes x {tpn} tasks = {ln.nodes * tpn} ranks: {e}") from None
+    _check_replicas_fit_nodes(ln.nodes, tpn, dims.replica_size)
     for key in ("partition", "account", "qos", "constraint", "exclude", "log_dir"):
         _check_text(key, ln[key])
     for key, value in (ln.additional_parameters or {}).items():
         if not _SAFE_KEY.match(str(key)):
             raise SlurmConfigError(f"launcher.additional_parameters key {key!r} is not a valid sbatch option name")
         _check_text(f"additional_parameters.{key}", str(value))
+
+
+def _check_replicas_fit_nodes(nodes: int, tpn: int, size: int) -> None:
+    # SLURM numbers the ranks node by node and a replica is `size` consecutive ranks: a replica that straddles
+    # two nodes would run its per-layer collectives over the network instead of within a node
+    if nodes > 1 and (tpn % size if size <= tpn else size % tpn):
+        fit = f"a multiple of {size}" if size <= tpn else f"a divisor of {size}"
+        raise SlurmConfigError(
+            f"replicas of {size} ranks do not fit on nodes of launcher.tasks_per_node={tpn}: some would span two "
+            f"nodes; set launcher.tasks_per_node to {fit}")
+
+
+def node_placement(cfg: Any, rank: int, world_size: int) -> str:
+    """Where this rank runs and which replica it serves, for the job's log (``rank 2 of 4 on node2, replica 1
+    = ranks 2-3``)."""
+    import socket
+
+    from parallel.strategies import parallel_dims
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if cfg.strategy.name == "auto":  # chosen later by rank 0, once the world exists: nothing to measure here
+        return f"rank {rank} of {world_size} on {node}"
+    dims = parallel_dims(cfg, world_size)
+    first = rank - rank % dims.replica_size
+    return (f"rank {rank} of {world_size} on {node}, replica {dims.replica_of(rank)} = ranks {first}-"
+            f"{first + dims.replica_size - 1}")
 
 
 def make_executor(cfg: Any, log_dir: Path):
@@ -104,8 +131,8 @@ class GenerateJob:
         from shardgen.run.runner import RankControl, run_rank
 
         cfg = OmegaConf.create(self.cfg_yaml)
-        log.info("job %s restart %s: rank %s of %s", os.environ.get("SLURM_JOB_ID"),
-                 os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ["RANK"], os.environ["WORLD_SIZE"])
+        log.info("job %s restart %s: %s", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0"),
+                 node_placement(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         self._control = RankControl(on_stall=[lambda what: requeue_after_failure(cfg, what)])
         try:
             result = run_rank(cfg, control=self._control)
@@ -175,6 +202,33 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
     log.warning("job %s: a rank failed (%s): requeued (failure %d of launcher.max_failures=%d); the requeued job "
                 "resumes from the run directory", job_id, reason, earlier + 1, limit)
     return True
+
+
+_LIVE_STATES = ("RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING", "SIGNALING")
+_ended_cache: dict[tuple[str, int], tuple[float, bool]] = {}
+
+
+def slurm_attempt_ended(job_id: str, restart: int, ttl_s: float = 5.0) -> bool:
+    """True when SLURM says attempt ``restart`` of job ``job_id`` is over: the job ended, was requeued since, or is
+    forgotten. Lets a claim held by a job on another node (whose pid cannot be checked from here) be taken over
+    at once instead of after its lease. False while it may still run, or when SLURM cannot be asked."""
+    import subprocess
+    import time
+
+    key, now = (job_id, restart), time.monotonic()
+    if key in _ended_cache and now - _ended_cache[key][0] < ttl_s:
+        return _ended_cache[key][1]
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    state, restarts = re.search(r"JobState=(\w+)", out.stdout), re.search(r"Restarts=(\d+)", out.stdout)
+    if out.returncode != 0 or not state:
+        ended = "Invalid job id" in out.stderr  # forgotten (MinJobAge after it ended); otherwise SLURM did not answer
+    else:
+        ended = state.group(1) not in _LIVE_STATES or (restarts is not None and int(restarts.group(1)) > restart)
+    _ended_cache[key] = (now, ended)
+    return ended
 
 
 def submit(cfg: Any) -> list:
