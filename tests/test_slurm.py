@@ -151,7 +151,7 @@ def test_a_claim_held_by_another_slurm_job_on_another_node_is_dead_when_slurm_sa
     scontrol.write_text(f"#!/bin/sh\necho '{answer}' >&{2 if rc else 1}\nexit {rc}\n")
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setattr("shardgen.launch.slurm._ended_cache", {})
+    monkeypatch.setattr("shardgen.dataio.slurm_jobs._ended_cache", {})
     holder = dict(host="node2", pid=4242, job="5", restart=0)
     assert holder_known_dead(holder, dict(host="node1", pid=1, job="6", restart=0)) is ended
     assert holder_known_dead(holder, dict(host="node1", pid=1, job=None, restart=0)) is False  # not under SLURM

@@ -50,7 +50,7 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
     if job and job == me["job"]:
         return int(record.get("restart", 0)) < me["restart"]
     if job and me["job"]:  # another SLURM job, maybe on another node (where its pid means nothing): ask SLURM
-        from shardgen.launch.slurm import slurm_attempt_ended
+        from shardgen.dataio.slurm_jobs import slurm_attempt_ended
 
         return slurm_attempt_ended(str(job), int(record.get("restart", 0)))
     return False
