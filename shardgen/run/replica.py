@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardgen.dataio.claims import Claimer, scan_claims
+from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan
 from shardgen.dataio.rundir import read_json
 from shardgen.dataio.shardwork import Sample, ShardWork
@@ -87,7 +88,7 @@ class ReplicaWorker:
                 continue
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
-            self._old = read_shard_members(run.shard_tar(shard))
+            self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
             self._work = ShardWork.open(run, shard, gen, len(self.plan.shard_range(shard)))
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
