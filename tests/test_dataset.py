@@ -101,3 +101,53 @@ def test_verify_counts_records_in_the_index_and_catches_a_missing_one(mixed_run,
     pq.write_table(table.slice(1), broken / "shards" / "000001.parquet")  # lose the record of index 3
     rep = verify_run(load_plan(RunDir(broken)))
     assert any("000001: 1 prompt indices missing" in d for d in rep.defects), rep.defects
+
+
+LONG = "a very long prompt about " + " ".join(f"thing{i}" for i in range(60))  # > 32 T5 tokens of the tiny model
+FAST = ("height=16", "width=16", "steps=1", "progress=false", "batch_size=2")
+
+
+def _sample_json(run_dir: Path) -> dict[str, dict]:
+    import pandas as pd
+
+    df = pd.concat(pd.read_parquet(p) for p in sorted((run_dir / "shards").glob("*.parquet")))
+    return {k: json.loads(j) for k, j in zip(df["key"], df["json"])}
+
+
+def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, caplog):
+    import logging
+
+    from tests.conftest import write_lines
+
+    f = write_lines(tmp_path / "p.txt", ["a cat", LONG])
+    with caplog.at_level(logging.WARNING, logger="shardgen"):
+        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *FAST))
+    assert r.ok == 2
+    assert "1 prompt(s) are longer than the text encoders keep (CLIPTextModel keeps 77, T5EncoderModel keeps 32" \
+        in caplog.text and f"{f}:2" in caplog.text
+    meta = _sample_json(tmp_path / "run")
+    short, long = meta["0000000000"], meta["0000000001"]
+    assert short["truncated"] is False and long["truncated"] is True
+    assert long["tokens"]["T5EncoderModel"] > 32 and short["tokens"]["CLIPTextModel"] < 77
+    prov = long["provenance"]
+    assert prov["model"]["version"].startswith("tiny-") and prov["model"]["weights"].startswith("config-sha256:")
+    assert prov["scheduler"]["name"] == "FlowMatchEulerDiscreteScheduler" and prov["scheduler"]["shift"] == 3.0
+    assert (prov["dtype"], prov["steps"], prov["width"], prov["lossy"]) == ("float64", 1, 16, False)
+    assert prov["shardgen"] != "unknown" and "seed" in long
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_on_truncation_refuses_long_prompts(tmp_path, policy):
+    from shardgen.dataio.prompts import PromptFileError
+    from tests.conftest import write_lines
+
+    f = write_lines(tmp_path / "p.txt", ["a cat", LONG, "a dog"])
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", f"prompts.on_truncation={policy}", *FAST)
+    if policy == "error":
+        with pytest.raises(PromptFileError, match=r"1 prompt\(s\) are longer.*prompts.on_truncation=warn"):
+            run(cfg)
+        assert not (tmp_path / "run" / "plan").exists()
+        return
+    r = run(cfg)
+    assert (r.ok, r.rejected) == (2, 1)
+    assert _sample_json(tmp_path / "run")["0000000001"]["error"].startswith("rejected: the prompt is longer")

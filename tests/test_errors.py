@@ -16,7 +16,7 @@ from shardgen.errors import JobEndingError, ShardgenError, UserError, ends_job, 
 EXPECTED = {
     "ConfigError": "user", "PromptFileError": "user", "FingerprintMismatch": "user", "ParallelConfigError": "user",
     "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "BrokenSetupError": "user",
-    "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
+    "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job", "PlanError": "user",
 }
 
 

@@ -59,6 +59,7 @@ class ReplicaWorker:
     poll_s: float = 2.0
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
+    annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/annotate.py)
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
@@ -154,6 +155,7 @@ class ReplicaWorker:
         self.generated += len(made)
         self._check_broken(list(made.values()))
         if self.ctx.leader:
+            self.annotate(list(made.values()))
             self.sink.submit(self._work, samples)  # returns once the previous batch is durable
             self.on_samples(len(samples))
             log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,

@@ -16,12 +16,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
+from shardgen.dataio.truncation import TruncationCheck, planning_windows
 from shardgen.dataio.claims import Claimer, owner_record
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                 remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan, build_plan, load_plan
-from shardgen.dataio.prompts import check_prompt_source, read_prompts
+from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
+from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.rundir import RunDir, atomic_write_json
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
@@ -75,14 +77,7 @@ def prompt_path(cfg: Any) -> Path:
     return path.absolute()
 
 
-def _limited(rows, limit: int | None):
-    for row in rows:
-        if limit is not None and row.index >= limit:
-            return
-        yield row
-
-
-def prepare_run(cfg: Any) -> Plan:
+def prepare_run(cfg: Any, replicas: int = 1) -> Plan:
     """Check or create the run directory's fingerprint and plan (global rank 0 only)."""
     run = RunDir(Path(cfg.run_dir).absolute())
     path = prompt_path(cfg)
@@ -92,17 +87,21 @@ def prepare_run(cfg: Any) -> Plan:
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
     plan = load_plan(run)
     if plan is None:
-        rows = read_prompts(str(path), format=cfg.prompts.format, field=cfg.prompts.field,
-                            seed_field=cfg.prompts.seed_field, on_bad_row=cfg.prompts.on_bad_row)
+        source = PromptSource.from_cfg(cfg.prompts, path)
         try:
-            plan = build_plan(run, _limited(rows, cfg.prompts.limit), samples_per_shard=cfg.samples_per_shard,
-                              run_seed=cfg.seed, prompt_file=str(path))
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
+                                                  image_format=cfg.image_format, replicas=replicas,
+                                                  batch_size=cfg.batch_size)
+            plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
+                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
         except Exception:
             if not resuming:  # a new run that never started: leave no half-made directory behind
                 run.fingerprint_path.unlink(missing_ok=True)
             raise
         log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
                  plan.num_shards, plan.samples_per_shard, run.root)
+    if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
+        log.warning(warning)
     run.create()
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
@@ -145,7 +144,7 @@ def run_rank(cfg: Any) -> RunResult | None:
     share_cpu_threads(world)
     try:
         dims = parallel_dims(cfg, world.world_size)
-        plan = W.on_rank0_then_share(lambda: prepare_run(cfg))
+        plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         plan = load_plan(RunDir(Path(plan.run.root)))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
@@ -192,6 +191,8 @@ def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> R
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, before_exit=lambda: drain_writers(30)))
     if ctx.leader:
+        worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
+                                          text_windows(pipe, cfg.model.max_sequence_length))
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
         _ACTIVE_SINKS.append(worker.sink)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
