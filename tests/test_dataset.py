@@ -151,3 +151,34 @@ def test_on_truncation_refuses_long_prompts(tmp_path, policy):
     r = run(cfg)
     assert (r.ok, r.rejected) == (2, 1)
     assert _sample_json(tmp_path / "run")["0000000001"]["error"].startswith("rejected: the prompt is longer")
+
+
+def test_index_rows_follow_the_checkpoint_through_a_kill(tmp_path):
+    """Rows written after the last checkpoint are dropped on resume, like the tar's bytes."""
+    import numpy as np
+
+    from shardgen.dataio.index import read_index
+    from shardgen.dataio.shardwork import Sample, ShardWork
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create()
+    px = np.zeros((16, 16, 3), np.uint8)
+
+    def sample(i, status="ok"):
+        meta = dict(index=i, prompt=f"p{i}", width=16, height=16)
+        return Sample(key=f"{i:010d}", index=i, prompt=f"p{i}", meta=meta, pixels=px if status == "ok" else None,
+                      status=status, failure=None if status == "ok" else f"{status}: why")
+
+    first = ShardWork.open(run_dir, 0, 1, 4)
+    first.write([sample(0), sample(1, "failed")], [b"png0", None], "png")
+    first.index.add([("0000000009.txt", b"x"), ("0000000009.json", b'{"index": 9}')])  # not checkpointed
+    first.index.sync()
+    first.close()  # killed here
+    second = ShardWork.open(run_dir, 0, 2, 4)
+    assert second.n_done == 2
+    second.write([sample(2, "rejected"), sample(3)], [None, b"png3"], "png")
+    second.commit()
+    rows = read_index(run_dir, 0)
+    assert [(r["index"], r["status"]) for r in rows] == [(0, "ok"), (1, "failed"), (2, "rejected"), (3, "ok")]
+    assert set(read_shard_members(run_dir.shard_tar(0))) == {"0000000000", "0000000003"}
+    assert not list(run_dir.work_dir.iterdir())  # partial rows cleaned with the partial tar
