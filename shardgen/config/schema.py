@@ -8,7 +8,7 @@ config is composed ("Key 'tp_degre' is not in struct"), with nothing loaded or w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -136,6 +136,8 @@ class GenerateConfig:
     strategy: StrategyConfig = MISSING
     launcher: LauncherConfig = MISSING
     prompts: PromptsConfig = MISSING
+    signals: Dict[str, Any] = field(default_factory=dict)
+    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/signals.py)."""
     run_dir: str = "runs/default"
     """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
     samples_per_shard: Optional[int] = None

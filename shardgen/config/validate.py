@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardgen.dataio.prompts import FORMATS
+from shardgen.dataio.signals import Signals
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
@@ -40,6 +41,7 @@ def validate_config(cfg: Any) -> None:
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
     _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
           f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
+    Signals(cfg.get("signals")).check(cfg.width, cfg.height)
     _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
     _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")
     _need(cfg.launcher.nprocs >= 1, f"launcher.nprocs={cfg.launcher.nprocs}: use 1 or more")

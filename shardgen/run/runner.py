@@ -25,6 +25,7 @@ from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
@@ -193,7 +194,8 @@ def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> R
     if ctx.leader:
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
                                           text_windows(pipe, cfg.model.max_sequence_length))
-        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
+        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads,
+                                signals=Signals(cfg.signals))
         _ACTIVE_SINKS.append(worker.sink)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
