@@ -9,8 +9,8 @@ watermark_ok, clip_score):
   dwtDct, its fixed 48-bit message) into the image, and records the message and whether it
   decodes back from the written pixels. It changes pixels (by design, as the reference does).
 - clip: CLIP score of the image against its prompt, ``100 * cos(image, text)`` (torchmetrics'
-  CLIPScore before its clamp at 0, so low scores still rank), with CLIP weights the user provides (``signals.clip.model=PATH``,
-  a transformers CLIPModel directory).
+  CLIPScore before its clamp at 0, so low scores still rank), with CLIP weights the user provides
+  (``signals.clip.model=PATH``, a transformers CLIPModel directory).
 """
 
 from __future__ import annotations
