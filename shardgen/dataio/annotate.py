@@ -89,7 +89,7 @@ def token_counts(windows: list[tuple[str, Any, int]], prompts: list[str]) -> lis
     """Per prompt: ({encoder: tokens}, truncated?) where truncated means some encoder keeps fewer."""
     counts = [dict() for _ in prompts]
     truncated = [False] * len(prompts)
-    for name, tok, window in windows:
+    for name, tok, window in windows if prompts else ():  # tokenizers refuse an empty batch
         ids = tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]
         for i, seq in enumerate(ids):
             counts[i][name] = len(seq)

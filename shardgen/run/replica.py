@@ -15,6 +15,7 @@ from shardgen.dataio.claims import Claimer, scan_claims
 from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan
 from shardgen.dataio.rundir import read_json
+from shardgen.dataio.runlog import record_commit
 from shardgen.dataio.shardwork import Sample, ShardWork
 from shardgen.dataio.verify import read_shard_members
 from shardgen.dataio.sink import ShardSink
@@ -174,6 +175,7 @@ class ReplicaWorker:
 
     def _committed(self, shard: int, stats: dict) -> None:
         self.claimer.release(shard)
+        record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
 

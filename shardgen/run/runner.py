@@ -25,6 +25,7 @@ from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
@@ -143,6 +144,7 @@ def run_rank(cfg: Any) -> RunResult | None:
     validate_config(cfg)
     world = W.init_world(cfg.device, cfg.launcher.backend)
     share_cpu_threads(world)
+    rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     try:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
@@ -168,6 +170,7 @@ def run_rank(cfg: Any) -> RunResult | None:
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     finally:
         W.shutdown()
+        detach_rank_log(rank_log)
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -228,8 +231,10 @@ def _finish(cfg, plan: Plan, world, t0: float, *, generated: int, nothing_to_do:
     result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
                        complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s)
-    atomic_write_json(plan.run.summary_path, dict(result.__dict__, images_per_s=result.images_per_s,
-                                                  shards=plan.num_shards, world_size=world.world_size))
+    summary = dict(result.__dict__, images_per_s=result.images_per_s, shards=plan.num_shards,
+                   world_size=world.world_size)
+    atomic_write_json(plan.run.summary_path, summary)
+    record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
         print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
     else:
