@@ -25,7 +25,8 @@ def test_report_shows_counts_failures_throughput_and_thumbnails(mixed_run, tmp_p
     assert "<td>failed</td><td>1</td>" in page and "<td>rejected</td><td>4</td>" in page
     assert "<td>images (ok)</td><td>3</td>" in page
     assert "<td>failed</td><td>nonfinite</td><td>1</td>" in page  # failures by reason
-    assert "<td>rejected</td><td>rejected</td><td>4</td>" in page
+    assert "<td>rejected</td><td>malformed JSON</td><td>1</td>" in page
+    assert "<td>rejected</td><td>the prompt is not a string</td><td>1</td>" in page
     assert page.count("data:image/jpeg;base64,") == 3  # a thumbnail per image, none for failures
     assert "<polyline" in page and "replica 0" in page
     assert "src=\"http" not in page and "href=\"http" not in page  # self-contained

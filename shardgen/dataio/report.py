@@ -127,8 +127,17 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
     return '<div class="sheet">' + "".join(cells) + "</div>" if cells else "<p>no image yet</p>"
 
 
+def reason_class(error: str | None) -> str:
+    """The kind of a failure or reject, for grouping: "nonfinite", "exception: RuntimeError",
+    "malformed JSON", "empty prompt" (the details and the "rejected: " prefix dropped)."""
+    text = (error or "").removeprefix("rejected: ")
+    parts = text.split(": ")
+    head = ": ".join(parts[:2]) if parts[0] == "exception" and len(parts) > 1 else parts[0]
+    return head.split(" (")[0][:80]
+
+
 def _failures(rows: dict[str, list]) -> list[tuple]:
-    reasons = Counter((s, (e or "").split(":", 1)[0]) for s, e in zip(rows["status"], rows["error"]) if s != "ok")
+    reasons = Counter((s, reason_class(e)) for s, e in zip(rows["status"], rows["error"]) if s != "ok")
     return [(s, r, n) for (s, r), n in reasons.most_common(20)]
 
 
