@@ -105,3 +105,14 @@ def test_a_signal_that_cannot_run_fails_before_anything_is_written(tmp_path, ove
     with pytest.raises(SignalConfigError, match=needle):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", *override, *FAST))
     assert not (tmp_path / "run").exists()
+
+
+def test_resuming_with_other_signals_is_refused(tmp_path):
+    from shardgen.dataio.fingerprint import FingerprintMismatch
+
+    f = tmp_path / "p.txt"
+    f.write_text("a cat\n")
+    args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "height=32", "width=32", *FAST)
+    run(compose_cfg(*args))
+    with pytest.raises(FingerprintMismatch, match=r"signals: run has None, this launch has \['phash'\]"):
+        run(compose_cfg(*args, "signals=[phash]"))
