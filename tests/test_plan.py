@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from shardgen.dataio.plan import PlanError, PromptSource, build_plan, load_plan, sample_seed
@@ -111,6 +112,7 @@ def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
     (lambda p: (p / "plan.json").unlink(), "plan.json: missing"),
     (lambda p: (p / "starts.npy").unlink(), "starts.npy: missing"),
     (lambda p: (p / "starts.npy").write_bytes(b"junk"), "starts.npy: unreadable"),
+    (lambda p: np.save(p / "starts.npy", np.load(p / "starts.npy") + 1), "starts.npy: does not match the checksum"),
 ])
 def test_a_damaged_plan_names_the_file_and_the_fix(tmp_path, damage, needle):
     path = tmp_path / "p.txt"

@@ -183,7 +183,13 @@ def load_plan(run: RunDir) -> Plan | None:
         raise _plan_error(starts_path, f"unreadable ({e})") from None
     if starts.shape != (kw["num_shards"], 2):
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
+    if meta.get("starts_sha256") not in (None, _digest(starts)):
+        raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
     return Plan(run=run, meta=meta, starts=starts, **kw)
+
+
+def _digest(starts: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(starts, dtype=np.int64).tobytes()).hexdigest()
 
 
 def clean_stale_tmp(run: RunDir) -> None:
@@ -234,7 +240,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
         atomic_write_json(tmp / "plan.json", dict(
             version=PLAN_VERSION, num_rows=num_rows, num_rejects=num_rejects, samples_per_shard=samples_per_shard,
             num_shards=len(starts), prompt_file=source.path, prompt_size=os.path.getsize(source.path),
-            run_seed=run_seed, source=source.__dict__))
+            run_seed=run_seed, source=source.__dict__, starts_sha256=_digest(starts)))
         try:
             os.rename(tmp, run.plan_dir)
         except OSError:
