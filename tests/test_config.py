@@ -16,6 +16,8 @@ def test_every_group_option_composes(group, option):
     node = cfg[group]
     if group == "prompts":
         assert node.format in ("txt", "jsonl", "csv", "tsv", "parquet", "auto")
+    elif group == "signals":  # a multi-select group: signals=[phash,clip] sets signals.phash, signals.clip
+        assert list(node) == [option]
     else:
         assert node.name == option
     # top-level sizes follow the model unless overridden

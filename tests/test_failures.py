@@ -10,6 +10,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from shardgen.dataio.index import committed_samples
 from shardgen.dataio.verify import read_shard_members, verify_run
 from shardgen.dataio.plan import load_plan
 from shardgen.dataio.rundir import RunDir
@@ -49,8 +50,9 @@ def test_failures_are_recorded_and_retry_failed_regenerates_exactly_them(tmp_pat
         r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *ARGS))
     assert (r.ok, r.failed, r.complete) == (5, 3, True)
     members = {}
-    for tar in sorted((tmp_path / "run" / "shards").glob("*.tar")):
-        members.update(read_shard_members(tar))
+    run_dir = RunDir(tmp_path / "run")
+    for shard in range(load_plan(run_dir).num_shards):  # failures live in the index, images in the tar
+        members.update(committed_samples(run_dir, shard, read_shard_members(run_dir.shard_tar(shard)))[0])
     nan = json.loads(members["0000000001"]["json"])
     boom = json.loads(members["0000000003"]["json"])
     assert nan["status"] == "failed" and nan["error"].startswith("nonfinite")

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import webdataset as wds
 from PIL import Image
@@ -129,9 +130,10 @@ def test_skip_records_rejects_as_samples(tmp_path):
     r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "prompts.on_bad_row=skip", *FAST))
     assert (r.ok, r.rejected, r.total) == (2, 1, 3)
     members = read_shard_members(tmp_path / "run" / "shards" / "000000.tar")
-    bad = json.loads(members["0000000001"]["json"])
+    assert "0000000001" not in members  # the image tars hold images only; the reject is in the index
+    index = pd.read_parquet(tmp_path / "run" / "shards" / "000000.parquet").set_index("key")
+    bad = json.loads(index.loc["0000000001", "json"])
     assert bad["status"] == "rejected" and "whitespace" in bad["error"] and bad["line"] == 2
-    assert "png" not in members["0000000001"]
     stats = json.loads((tmp_path / "run" / "shards" / "000000.stats.json").read_text())
     assert stats["rejected"] == 1 and stats["failed_samples"][0]["key"] == "0000000001"
 

@@ -1,15 +1,170 @@
-"""The plan, alone: each sample's seed, and the split of prompt rows into shards (no model, no job)."""
+"""The plan stores where each shard starts in the prompt file, not the rows: reading a shard back
+gives exactly the rows the prompt reader gives, in every format; a damaged plan is named with its fix."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 
-from shardgen.dataio.plan import build_plan, load_plan, sample_key, sample_seed
-from shardgen.dataio.prompts import PromptRow
+from shardgen.dataio.plan import PlanError, PromptSource, build_plan, load_plan, sample_seed
+from shardgen.dataio.prompts import PromptFileError, read_prompts
 from shardgen.dataio.rundir import RunDir
 
+TXT = ("\ufeffa cat\r\nsecond line\n\n   \nna\xefve caf\xe9\n".encode("utf-8") + b"bad \xff byte\n"
+       + "\u3000\n".encode("utf-8") + b"last line without newline")
+JSONL = b'{"prompt": "a", "seed": 3, "tag": "x"}\n{"prompt": 5}\nnot json\n{"prompt": "b", "tag": "y"}\n' \
+        b'{"prompt": "c"}\n'
+CSV = b'prompt,seed,tag\n"a, multi\nline",7,x\nb,,y\n"broken,1,z\nc,2,w\n'
+TSV = b'prompt\ttag\n"quoted" stays\tx\nonly one\n\tz\nd\tw\n'
+
+
+def _expected(path, fmt, limit=None, **kw):
+    rows = [r for r in read_prompts(str(path), format=fmt, on_bad_row="skip", **kw)
+            if limit is None or r.index < limit]
+    return [(r.index, r.line, r.prompt, sample_seed(7, r.index, r.seed), r.extra, r.reject) for r in rows]
+
+
+def _planned(run, path, fmt, per_shard, limit=None):
+    plan = build_plan(run, PromptSource(str(path), fmt, on_bad_row="skip", limit=limit),
+                      samples_per_shard=per_shard, run_seed=7)
+    got = [(r.index, r.line, r.prompt, r.seed, r.extra, r.reject) for s in range(plan.num_shards)
+           for r in plan.rows(s)]
+    return plan, got
+
+
+@pytest.mark.parametrize("fmt,data", [("txt", TXT), ("jsonl", JSONL), ("csv", CSV), ("tsv", TSV)])
+@pytest.mark.parametrize("per_shard", [1, 2, 3, 100])
+def test_rows_read_back_equal_the_readers(tmp_path, fmt, data, per_shard):
+    path = tmp_path / f"p.{fmt}"
+    path.write_bytes(data)
+    plan, got = _planned(RunDir(tmp_path / "run"), path, fmt, per_shard)
+    want = _expected(path, fmt)
+    assert got == want
+    assert plan.num_rows == len(want) and plan.num_rejects == sum(w[-1] is not None for w in want)
+    assert [len(plan.rows(s)) for s in range(plan.num_shards)] == [len(plan.shard_range(s))
+                                                                    for s in range(plan.num_shards)]
+
+
+def test_limit_and_a_big_txt_across_planning_blocks(tmp_path, monkeypatch):
+    import shardgen.dataio.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt number {i}\n" if i % 37 else "\n" for i in range(1000)), encoding="utf-8")
+    for limit in (None, 555):
+        plan, got = _planned(RunDir(tmp_path / f"run{limit}"), path, "txt", 64, limit)
+        assert got == _expected(path, "txt", limit)
+        assert plan.num_rejects == len(range(0, limit or 1000, 37))
+
+
+def test_parquet_rows_across_row_groups(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    prompts = [f"p{i}" if i % 5 else "" for i in range(50)]
+    pq.write_table(pa.table({"prompt": prompts, "n": list(range(50))}), path, row_group_size=7)
+    for per_shard in (1, 4, 9, 60):
+        _, got = _planned(RunDir(tmp_path / f"run{per_shard}"), path, "parquet", per_shard)
+        assert got == _expected(path, "parquet")
+
+
+def test_plan_does_not_copy_the_prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"a long prompt about thing {i} " * 4 + "\n" for i in range(20000)), encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=1000, run_seed=1)
+    size = sum(p.stat().st_size for p in run.plan_dir.iterdir())
+    assert size < 4096 < path.stat().st_size // 100
+
+
+def test_bad_txt_line_is_named_with_path_and_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"ok\nok\n  \nok\n")
+    with pytest.raises(PromptFileError, match=r"p.txt:3: the prompt is only whitespace"):
+        build_plan(RunDir(tmp_path / "run"), PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+    assert not (tmp_path / "run" / "plan").exists()
+    assert not list((tmp_path / "run").glob(".plan-*"))
+
+
+def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
+    from shardgen.dataio.plan import _host
+
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\n")
+    run = RunDir(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    dead = tmp_path / "run" / f".plan-{_host()}-999999999-abc"  # no such pid
+    dead.mkdir()
+    alive = tmp_path / "run" / f".plan-{_host()}-{os.getpid()}-def"  # a live planner's: kept while planning
+    alive.mkdir()
+    assert load_plan(run) is None
+    assert not dead.exists() and alive.exists()
+    build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=1, run_seed=1)
+    assert not alive.exists()  # once the plan exists every temp dir is garbage
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda p: (p / "plan.json").write_text("{garbage"), "plan.json: unreadable"),
+    (lambda p: (p / "plan.json").unlink(), "plan.json: missing"),
+    (lambda p: (p / "starts.npy").unlink(), "starts.npy: missing"),
+    (lambda p: (p / "starts.npy").write_bytes(b"junk"), "starts.npy: unreadable"),
+    (lambda p: np.save(p / "starts.npy", np.load(p / "starts.npy") + 1), "starts.npy: does not match the checksum"),
+])
+def test_a_damaged_plan_names_the_file_and_the_fix(tmp_path, damage, needle):
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\nc\n")
+    run = RunDir(tmp_path / "run")
+    build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+    damage(run.plan_dir)
+    with pytest.raises(PlanError, match=needle) as e:
+        load_plan(run)
+    assert f"delete {run.plan_dir}" in str(e.value)
+
+
+def test_a_prompt_file_changed_under_the_plan_is_refused(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\nc\n")
+    run = RunDir(tmp_path / "run")
+    plan = build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+    path.write_text("a\nb\nc\nd\n")
+    with pytest.raises(PromptFileError, match="changed since the run was planned"):
+        plan.rows(1)
+
+
+def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
+    from shardgen.dataio.plan import choose_samples_per_shard, idle_warning
+
+    big = dict(width=1024, height=1024, image_format="png", batch_size=4)
+    n, why = choose_samples_per_shard(1_000_000, replicas=8, **big)
+    assert n == 190 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards
+    n, _ = choose_samples_per_shard(64, replicas=2, width=64, height=64, image_format="png", batch_size=4)
+    assert n == 8  # 64 prompts on 2 replicas: 8 shards, 4 per replica, not one shard and an idle rank
+    assert choose_samples_per_shard(3, replicas=1, width=64, height=64, image_format="png", batch_size=4)[0] == 4
+    assert idle_warning(1, 2, 1000).startswith("2 replicas but only 1 shard(s) of 1000: 1 replica(s) will have")
+    assert idle_warning(8, 2, 8) is None
+
+
+def test_the_default_run_logs_its_shard_size_and_explicit_sizes_stay(tmp_path, caplog):
+    import logging
+
+    from jobs.generate import run
+    from tests.conftest import compose_cfg, write_lines
+
+    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(20)])
+    fast = ("height=16", "width=16", "steps=1", "progress=false", f"prompts.path={f}")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        run(compose_cfg(f"run_dir={tmp_path / 'auto'}", *fast))
+    assert "samples_per_shard=5 (chosen:" in caplog.text
+    assert load_plan(RunDir(tmp_path / "auto")).num_shards == 4
+    run(compose_cfg(f"run_dir={tmp_path / 'explicit'}", "samples_per_shard=7", *fast))
+    assert load_plan(RunDir(tmp_path / "explicit")).samples_per_shard == 7
+
+
+# seeds (from the architecture step's unit tests of the pure core)
 
 def test_sample_seed_is_pinned():
     """Changing the hash would change every image of a resumed run: these values are the contract."""
@@ -28,45 +183,3 @@ def test_neighbouring_run_seeds_share_no_noise():
     run0 = {sample_seed(0, i) for i in range(5000)}
     run1 = {sample_seed(1, i) for i in range(5000)}
     assert len(run0) == 5000 and not run0 & run1
-
-
-def rows(n: int, reject_every: int = 0, seeded: dict | None = None):
-    for i in range(n):
-        bad = reject_every and i % reject_every == reject_every - 1
-        yield PromptRow(index=i, line=i + 1, prompt=None if bad else f"prompt {i}",
-                        seed=(seeded or {}).get(i), reject="empty prompt" if bad else None)
-
-
-def test_build_plan_splits_rows_into_shards_in_order(tmp_path):
-    run = RunDir(tmp_path / "run")
-    plan = build_plan(run, rows(10, reject_every=4, seeded={2: 99}), samples_per_shard=4, run_seed=3,
-                      prompt_file="p.txt")
-    assert (plan.num_rows, plan.num_shards, plan.num_rejects) == (10, 3, 2)
-    assert [len(plan.shard_range(s)) for s in range(3)] == [4, 4, 2]
-    got = [r for s in range(3) for r in plan.rows(s)]
-    assert [r.index for r in got] == list(range(10))
-    assert [r.key for r in got[:2]] == [sample_key(0), sample_key(1)] == ["0000000000", "0000000001"]
-    assert got[2].seed == 99 and got[5].seed == sample_seed(3, 5)
-    assert [r.index for r in got if r.reject] == [3, 7]
-    assert load_plan(run) == plan
-
-
-def test_a_bad_row_half_way_leaves_no_plan(tmp_path):
-    def failing():
-        yield from rows(5)
-        raise ValueError("p.txt line 6: not UTF-8")
-
-    run = RunDir(tmp_path / "run")
-    with pytest.raises(ValueError, match="line 6"):
-        build_plan(run, failing(), samples_per_shard=2, run_seed=0, prompt_file="p.txt")
-    assert load_plan(run) is None
-    assert not [p for p in run.root.iterdir() if p.name.startswith(".plan-")]
-
-
-def test_a_second_plan_adopts_the_first(tmp_path):
-    """Two jobs racing to plan the same run: the first rename wins and the other reads it."""
-    run = RunDir(tmp_path / "run")
-    first = build_plan(run, rows(6), samples_per_shard=3, run_seed=0, prompt_file="p.txt")
-    second = build_plan(run, rows(6), samples_per_shard=3, run_seed=0, prompt_file="p.txt")
-    assert second == first
-    assert json.loads((run.plan_dir / "plan.json").read_text())["num_shards"] == 2

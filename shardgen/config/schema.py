@@ -11,7 +11,7 @@ an option changes (a model's size, a strategy's own settings), never a default a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
@@ -126,6 +126,9 @@ class PromptsConfig:
     """error: stop before any generation, naming file and line | skip: record a reject and go on."""
     limit: Optional[int] = None
     """Only the first N rows (a quick try on a big file)."""
+    on_truncation: str = "warn"
+    """A prompt longer than a text encoder keeps: warn (generate it truncated, flagged in its json) |
+    error (stop while planning) | skip (record it as a reject)."""
 
 
 @dataclass(kw_only=True)
@@ -136,9 +139,13 @@ class GenerateConfig:
     strategy: StrategyConfig = MISSING
     launcher: LauncherConfig = MISSING
     prompts: PromptsConfig = MISSING
+    signals: Dict[str, Any] = field(default_factory=dict)
+    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/signals.py)."""
     run_dir: str = "runs/default"
     """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
-    samples_per_shard: int = 1000
+    samples_per_shard: Optional[int] = None
+    """Samples per shard; null = chosen from the image size and the ranks (a few hundred MB per shard,
+    several shards per replica; the choice is logged). Fixed once the run is planned."""
     batch_size: int = 4
     """Prompts per pipeline call, per replica."""
     height: int = II("model.height")

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
+from shardgen.dataio.signals import Signals
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
@@ -30,7 +31,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
-    _need(cfg.samples_per_shard >= 1, f"samples_per_shard={cfg.samples_per_shard}: use 1 or more")
+    _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
+          f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
     for key in ("height", "width"):
         v = cfg[key]
@@ -41,6 +43,9 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.prompts.format in ("auto",) + tuple(FORMATS),
           f"prompts.format={cfg.prompts.format!r}: use auto or one of {list(FORMATS)}")
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
+    _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
+          f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
+    Signals(cfg.get("signals")).check(cfg.width, cfg.height)
     _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
     _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")
     _need(cfg.launcher.nprocs >= 1, f"launcher.nprocs={cfg.launcher.nprocs}: use 1 or more")

@@ -21,7 +21,7 @@ class FingerprintMismatch(UserError, RuntimeError):
 def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None) -> dict:
     """The pixel-determining fields of a resolved GenerateConfig, as a flat dict."""
     m, p = cfg.model, cfg.prompts
-    return {
+    return _dataset_fields(cfg) | {
         "model.name": m.name, "model.pipeline": m.pipeline, "model.source": m.source, "model.revision": m.revision,
         "model.weights": m.weights, "model.version": model_version, "model.true_cfg_scale": m.true_cfg_scale,
         "model.negative_prompt": m.negative_prompt, "model.max_sequence_length": m.max_sequence_length,
@@ -33,6 +33,17 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
     }
+
+
+def _dataset_fields(cfg: Any) -> dict:
+    """Signals (the watermark changes pixels, the others add fields) and on_truncation (which prompts
+    become images), only when not the default, so runs planned before they existed resume unchanged."""
+    out = {}
+    if cfg.get("signals"):
+        out["signals"] = sorted(cfg.signals)
+    if cfg.prompts.get("on_truncation", "warn") != "warn":
+        out["prompts.on_truncation"] = cfg.prompts.on_truncation
+    return out
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardgen.dataio import index as shard_index
 from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
 from shardgen.dataio.tarshard import PartialTar, copy_prefix
 
@@ -81,6 +82,7 @@ class ShardWork:
     gen: int
     num_rows: int
     tar: PartialTar
+    index: shard_index.PartialIndex   # every sample's row; failed/rejected samples live only here
     n_done: int = 0
     counts: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
@@ -91,10 +93,13 @@ class ShardWork:
     def open(cls, run: RunDir, shard: int, gen: int, num_rows: int) -> "ShardWork":
         """Start generation ``gen`` of ``shard``, continuing from the furthest earlier checkpoint."""
         best = _best_checkpoint(run, shard, gen)
+        if not shard_index.resumable(run, shard, best):
+            best = None
         path = run.partial_tar(shard, gen)
         if best is not None:
             copy_prefix(run.partial_tar(shard, best["gen"]), path, best["tar_bytes"])
-        work = cls(run=run, shard=shard, gen=gen, num_rows=num_rows,
+        index = shard_index.PartialIndex.resume(run, shard, gen, best)
+        work = cls(run=run, shard=shard, gen=gen, num_rows=num_rows, index=index,
                    tar=PartialTar(path, resume_bytes=best["tar_bytes"] if best else 0))
         if best:
             work.n_done = best["n_done"]
@@ -110,7 +115,10 @@ class ShardWork:
         """Append samples (in index order) and checkpoint them durably."""
         members = []
         for s, img in zip(samples, encoded):
-            members += s.members if s.members is not None else sample_members(s, img, fmt)
+            record = s.members if s.members is not None else sample_members(s, img, fmt)
+            self.index.add(record)
+            if s.status == "ok":  # the tars hold images only: one layout for every reader
+                members += record
             self.counts[s.status] += 1
             if s.status != "ok":
                 self.reasons[_reason_class(s.failure or s.status)] += 1
@@ -122,6 +130,7 @@ class ShardWork:
     def commit(self) -> dict:
         """Commit the tar and write its stats (the done marker); return the stats."""
         assert self.n_done == self.num_rows, f"shard {self.shard}: {self.n_done} of {self.num_rows} samples"
+        self.index.commit(shard_index.index_path(self.run, self.shard))
         self.tar.commit(self.run.shard_tar(self.shard))
         stats = dict(shard=self.shard, count=self.n_done, ok=self.counts["ok"], failed=self.counts["failed"],
                      rejected=self.counts["rejected"], failures_by_reason=dict(self.reasons), failed_samples=self.failed,
@@ -134,9 +143,11 @@ class ShardWork:
     def close(self) -> None:
         """Stop writing (the partial and its checkpoint stay for a resume)."""
         self.tar.close()
+        self.index.close()
 
     def _write_checkpoint(self) -> None:
         tar_bytes = self.tar.sync()  # data durable before the record that points at it
+        self.index.sync()
         atomic_write_json(self.run.checkpoint(self.shard, self.gen), dict(
             shard=self.shard, gen=self.gen, n_done=self.n_done, tar_bytes=tar_bytes, counts=dict(self.counts),
             reasons=dict(self.reasons), failed=self.failed, started=self.started, updated=time.time()))

@@ -21,8 +21,9 @@ from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
 class ShardSink:
     """Writes batches of samples into ShardWork objects on a background thread."""
 
-    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2):
+    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2, signals=None):
         self.fmt, self.quality = image_format, quality
+        self.signals = signals  # curation signals (shardgen/dataio/signals.py), computed before encoding
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardgen-encode")
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
@@ -86,9 +87,13 @@ class ShardSink:
             self.write_s += time.perf_counter() - t0
             self._idle.set()
 
+    def _encode(self, s: Sample) -> bytes:
+        if self.signals:
+            s.pixels, s.meta["signals"] = self.signals.apply(s.pixels, s.prompt)
+        return encode_image(s.pixels, self.fmt, self.quality)
+
     def _encode_all(self, samples: list[Sample]) -> list[bytes | None]:
-        futures = [self._pool.submit(encode_image, s.pixels, self.fmt, self.quality) if s.pixels is not None else None
-                   for s in samples]
+        futures = [self._pool.submit(self._encode, s) if s.pixels is not None else None for s in samples]
         out = []
         for s, fut in zip(samples, futures):
             if fut is None:

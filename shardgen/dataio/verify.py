@@ -9,6 +9,7 @@ import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan, sample_key
 from shardgen.dataio.rundir import read_json
 
@@ -82,6 +83,8 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
         except Exception as e:
             rep.defects.append(f"shard {shard:06d}: unreadable tar ({e})")
             continue
+        members, problems = committed_samples(run, shard, members)  # + failed/rejected rows of the index
+        rep.defects += [f"shard {shard:06d}: {p}" for p in problems]
         expected = {sample_key(i) for i in plan.shard_range(shard)}
         got = set(members)
         if got != expected:

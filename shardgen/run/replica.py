@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardgen.dataio.claims import Claimer, scan_claims
+from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan
 from shardgen.dataio.rundir import read_json
+from shardgen.dataio.runlog import record_commit
 from shardgen.dataio.shardwork import Sample, ShardWork
 from shardgen.dataio.verify import read_shard_members
 from shardgen.dataio.sink import ShardSink
@@ -64,6 +66,7 @@ class ReplicaWorker:
     poll_s: float = 2.0
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
+    annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/annotate.py)
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
@@ -107,7 +110,7 @@ class ReplicaWorker:
                 continue
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
-            self._old = read_shard_members(run.shard_tar(shard))
+            self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
             self._work = ShardWork.open(run, shard, gen, len(self.plan.shard_range(shard)))
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
@@ -177,6 +180,7 @@ class ReplicaWorker:
         self.generated += len(made)
         self._check_broken(list(made.values()))
         if self.ctx.leader:
+            self.annotate(list(made.values()))
             self.sink.submit(self._work, samples)  # returns once the previous batch is durable
             self.on_samples(len(samples))
             log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,
@@ -195,6 +199,7 @@ class ReplicaWorker:
 
     def _committed(self, shard: int, stats: dict) -> None:
         self.claimer.release(shard)
+        record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
 

@@ -17,13 +17,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
+from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
+from shardgen.dataio.truncation import TruncationCheck, planning_windows
 from shardgen.dataio.claims import Claimer, owner_record
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                          remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan, build_plan, load_plan
-from shardgen.dataio.prompts import check_prompt_source, read_prompts
+from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
+from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
+from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
@@ -101,14 +105,7 @@ def prompt_path(cfg: GenerateConfig) -> Path:
     return path.absolute()
 
 
-def _limited(rows, limit: int | None):
-    for row in rows:
-        if limit is not None and row.index >= limit:
-            return
-        yield row
-
-
-def prepare_run(cfg: GenerateConfig) -> Plan:
+def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     """Check or create the run directory's fingerprint and plan (global rank 0 only)."""
     run = RunDir(Path(cfg.run_dir).absolute())
     path = prompt_path(cfg)
@@ -118,17 +115,21 @@ def prepare_run(cfg: GenerateConfig) -> Plan:
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
     plan = load_plan(run)
     if plan is None:
-        rows = read_prompts(str(path), format=cfg.prompts.format, field=cfg.prompts.field,
-                            seed_field=cfg.prompts.seed_field, on_bad_row=cfg.prompts.on_bad_row)
+        source = PromptSource.from_cfg(cfg.prompts, path)
         try:
-            plan = build_plan(run, _limited(rows, cfg.prompts.limit), samples_per_shard=cfg.samples_per_shard,
-                              run_seed=cfg.seed, prompt_file=str(path))
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
+                                                  image_format=cfg.image_format, replicas=replicas,
+                                                  batch_size=cfg.batch_size)
+            plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
+                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
         except Exception:
             if not resuming:  # a new run that never started: leave no half-made directory behind
                 run.fingerprint_path.unlink(missing_ok=True)
             raise
         log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
                  plan.num_shards, plan.samples_per_shard, run.root)
+    if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
+        log.warning(warning)
     run.create()
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
@@ -176,9 +177,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     validate_config(cfg)
     world = W.init_world(cfg.device, cfg.launcher.backend)
     share_cpu_threads(world)
+    rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     try:
         dims = parallel_dims(cfg, world.world_size)
-        plan = W.on_rank0_then_share(lambda: prepare_run(cfg))
+        plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         plan = load_plan(RunDir(Path(plan.run.root)))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
@@ -192,6 +194,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     finally:
         W.shutdown()
+        detach_rank_log(rank_log)
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -213,7 +216,10 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
     if ctx.leader:
-        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
+        worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
+                                          text_windows(pipe, cfg.model.max_sequence_length))
+        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads,
+                                signals=Signals(cfg.signals))
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         if ctx.index == 0 and cfg.progress:
@@ -245,8 +251,10 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
                        complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s)
-    atomic_write_json(plan.run.summary_path, dict(result.__dict__, images_per_s=result.images_per_s,
-                                                  shards=plan.num_shards, world_size=world.world_size))
+    summary = dict(result.__dict__, images_per_s=result.images_per_s, shards=plan.num_shards,
+                   world_size=world.world_size)
+    atomic_write_json(plan.run.summary_path, summary)
+    record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
         print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
     else:

@@ -1,0 +1,186 @@
+"""The per-shard index: ``shards/NNNNNN.parquet``, one row per sample, committed with its tar.
+
+The image tars hold only the samples that have an image (status ``ok``), so every tar has the
+same members per key (``png|jpg|webp``, ``txt``, ``json``) and webdataset / Hugging Face
+``datasets`` read them with no glue. Failed and rejected samples are recorded here instead (with
+their reason and full json record), so the guarantee "every prompt index in exactly one
+committed record" reads: in the shard's tar (ok) or in its parquet index (failed, rejected).
+
+While a shard is being written, its rows are appended to ``work/NNNNNN.gK.index.jsonl`` and
+fsynced before the shard's checkpoint, one line per sample in index order; a resume keeps the
+first ``n_done`` lines (the checkpoint's count), so the index is as crash-consistent as the tar.
+At commit the rows become the parquet file (temp file, fsync, rename), before the tar and its
+stats (the done marker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from shardgen.dataio.rundir import RunDir, shard_name
+
+IMAGE_EXTS = ("png", "jpg", "webp")
+# Fields shardgen itself writes into a sample's json; any other field came from the prompt file.
+OWN_FIELDS = frozenset({
+    "prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance", "strategy",
+    "true_cfg_scale", "lossy", "gen_s", "status", "error", "provenance", "tokens", "truncated", "signals"})
+# Curation signals (shardgen/dataio/signals.py) and their column types in the index.
+SIGNAL_COLUMNS = {"phash": "string", "watermark": "string", "watermark_ok": "bool", "clip_score": "float64"}
+
+
+def index_path(run: RunDir, shard: int) -> Path:
+    """The committed index of ``shard``."""
+    return run.shards_dir / f"{shard_name(shard)}.parquet"
+
+
+def partial_index_path(run: RunDir, shard: int, gen: int) -> Path:
+    """The rows of ``shard`` written so far by claim generation ``gen``."""
+    return run.work_dir / f"{shard_name(shard)}.g{gen}.index.jsonl"
+
+
+def schema():
+    """The index's arrow schema (fixed, so every shard's file has the same columns and types)."""
+    import pyarrow as pa
+
+    fields = [("shard", pa.int32()), ("key", pa.string()), ("index", pa.int64()), ("line", pa.int64()),
+              ("prompt", pa.string()), ("seed", pa.int64()), ("status", pa.string()), ("error", pa.string()),
+              ("width", pa.int32()), ("height", pa.int32()), ("image_format", pa.string()),
+              ("image_bytes", pa.int64()), ("image_sha256", pa.string()), ("gen_s", pa.float64()),
+              ("model", pa.string()), ("strategy", pa.string()), ("tokens", pa.string()), ("truncated", pa.bool_()),
+              ("extra", pa.string())]
+    fields += [(name, getattr(pa, "bool_" if t == "bool" else t)()) for name, t in SIGNAL_COLUMNS.items()]
+    fields.append(("json", pa.string()))
+    return pa.schema(fields)
+
+
+def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
+    """The index row of one sample, from its members (image if any, txt, json)."""
+    by_ext = {name.partition(".")[2]: data for name, data in members}
+    meta = json.loads(by_ext["json"])
+    key = members[0][0].partition(".")[0]
+    fmt = next((e for e in IMAGE_EXTS if e in by_ext), None)
+    image = by_ext.get(fmt) if fmt else None
+    signals = meta.get("signals") or {}
+    row = dict(shard=shard, key=key, index=meta.get("index"), line=meta.get("line"), prompt=meta.get("prompt"),
+               seed=meta.get("seed"), status=meta.get("status", "ok"), error=meta.get("error"),
+               width=meta.get("width"), height=meta.get("height"), image_format=fmt,
+               image_bytes=len(image) if image is not None else None,
+               image_sha256=hashlib.sha256(image).hexdigest() if image is not None else None,
+               gen_s=meta.get("gen_s"), model=meta.get("model"), strategy=meta.get("strategy"),
+               tokens=json.dumps(meta["tokens"], sort_keys=True) if meta.get("tokens") else None,
+               truncated=meta.get("truncated"),
+               extra=json.dumps({k: v for k, v in meta.items() if k not in OWN_FIELDS}, ensure_ascii=False,
+                                sort_keys=True),
+               json=by_ext["json"].decode("utf-8"))
+    row.update({name: signals.get(name) for name in SIGNAL_COLUMNS})
+    return row
+
+
+class PartialIndex:
+    """The index rows of one shard in progress, appended batch by batch (see the module docstring)."""
+
+    def __init__(self, run: RunDir, shard: int, gen: int, keep_from: Path | None = None, n_done: int = 0):
+        self.shard = shard
+        self.path = partial_index_path(run, shard, gen)
+        lines = _first_lines(keep_from, n_done) if keep_from is not None and n_done else []
+        self._f = open(self.path, "wb")
+        self._f.write(b"".join(lines))
+        self._pending = 0
+
+    @classmethod
+    def resume(cls, run: RunDir, shard: int, gen: int, checkpoint: dict | None) -> "PartialIndex":
+        """Generation ``gen``'s rows, starting with the ``n_done`` rows of ``checkpoint``'s generation."""
+        if checkpoint is None:
+            return cls(run, shard, gen)
+        return cls(run, shard, gen, partial_index_path(run, shard, checkpoint["gen"]), checkpoint["n_done"])
+
+    def add(self, members: list[tuple[str, bytes]]) -> None:
+        """Record one sample (in index order)."""
+        row = index_row(self.shard, members)
+        self._f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
+        self._pending += 1
+
+    def sync(self) -> None:
+        """Make the rows added so far durable (before the checkpoint that counts them)."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def commit(self, final: Path) -> int:
+        """Write the rows as the shard's parquet index at ``final`` (atomically); the number of rows."""
+        self.sync()
+        self._f.close()
+        with open(self.path, "rb") as f:
+            rows = [json.loads(line) for line in f]
+        write_index(final, rows)
+        return len(rows)
+
+    def close(self) -> None:
+        """Stop without committing (the rows stay for a resume)."""
+        if not self._f.closed:
+            self._f.close()
+
+
+def _first_lines(path: Path, n: int) -> list[bytes]:
+    lines = []
+    with open(path, "rb") as f:
+        for line in f:
+            if len(lines) == n or not line.endswith(b"\n"):
+                break
+            lines.append(line)
+    return lines
+
+
+def resumable(run: RunDir, shard: int, checkpoint: dict | None) -> bool:
+    """Whether ``checkpoint``'s generation has index rows for all its samples (a checkpoint
+    written before the index existed has none: its shard starts over rather than lose rows)."""
+    if checkpoint is None:
+        return True
+    path = partial_index_path(run, shard, checkpoint["gen"])
+    return path.exists() and len(_first_lines(path, checkpoint["n_done"])) == checkpoint["n_done"]
+
+
+def write_index(final: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as a parquet file at ``final``: temp file, fsync, atomic rename."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = final.with_name(f".{final.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) -> list[dict]:
+    """The committed index rows of ``shard`` (empty if it has no index file)."""
+    import pyarrow.parquet as pq
+
+    path = index_path(run, shard)
+    if not path.exists():
+        return []
+    return pq.read_table(path, columns=list(columns) if columns else None).to_pylist()
+
+
+def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, bytes]]) -> tuple[dict, list[str]]:
+    """Every committed record of ``shard`` (the tar's samples plus the index's failed and rejected
+    ones, as {"txt", "json"} like ``verify.read_shard_members`` gives) and the index's defects:
+    a missing index, a key in both places, an index row without its tar sample or the reverse."""
+    if not index_path(run, shard).exists():
+        return dict(tar_members), [f"no index {index_path(run, shard).name}"]
+    rows = read_index(run, shard, ("key", "prompt", "status", "json"))
+    problems = []
+    imaged = {r["key"] for r in rows if r["status"] == "ok"}
+    records = {r["key"]: {"txt": (r["prompt"] or "").encode("utf-8"), "json": r["json"].encode("utf-8")}
+               for r in rows if r["status"] != "ok"}
+    if len(imaged) + len(records) != len(rows):
+        problems.append("the index has a key twice")
+    if both := set(records) & set(tar_members):
+        problems.append(f"{len(both)} failed/rejected keys also in the tar, e.g. {min(both)}")
+    if imaged != set(tar_members):
+        problems.append(f"the index lists {len(imaged - set(tar_members))} images the tar lacks and misses "
+                        f"{len(set(tar_members) - imaged)} of its samples")
+    return {**records, **tar_members}, problems

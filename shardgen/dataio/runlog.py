@@ -1,0 +1,81 @@
+"""Run history kept in the run directory: per-rank log files, shard commit events, launches.
+
+- ``logs/rank<R>.log``: every shardgen log line of global rank R, all launches appended (datatrove
+  keeps a log per task; here a rank of a requeued job continues its file).
+- ``logs/events.<host>.<pid>.jsonl``: one line per committed shard (time, replica, shard,
+  samples, wall_s): the report's throughput over time per replica. One file per writer process,
+  so no two processes append to the same file.
+- ``launches.jsonl``: the summary of every launch, appended; ``summary.json`` stays the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from shardgen.dataio.rundir import RunDir
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """A log file made (with its directory) at the first line: a launch refused before writing
+    anything leaves no run directory behind."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> logging.Handler:
+    """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too; returns the handler."""
+    path = Path(run_dir).absolute() / "logs" / f"rank{rank:03d}.log"
+    handler = _LazyFileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setLevel(logging.INFO)
+    logger = logging.getLogger("shardgen")
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+def detach_rank_log(handler: logging.Handler) -> None:
+    """Stop writing the rank's log file (end of ``run_rank``)."""
+    logging.getLogger("shardgen").removeHandler(handler)
+    handler.close()
+
+
+def _append_line(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:  # one write of one line: appends do not interleave
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def record_commit(run: RunDir, replica: int, stats: dict) -> None:
+    """Note a committed shard for the report (called on the writer after the stats are written)."""
+    _append_line(run.root / "logs" / f"events.{socket.gethostname()}.{os.getpid()}.jsonl", dict(
+        t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
+        ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
+
+
+def record_launch(run: RunDir, summary: dict) -> None:
+    """Append this launch's summary to ``launches.jsonl``."""
+    _append_line(run.root / "launches.jsonl", dict(summary, ended=time.time()))
+
+
+def read_jsonl(paths) -> list[dict]:
+    """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out
