@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardgen.dataio.prompts import FORMATS
+from shardgen.dataio.video import validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
@@ -48,6 +49,7 @@ def validate_config(cfg: Any) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
     import torch

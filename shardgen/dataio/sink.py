@@ -21,8 +21,12 @@ from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
 class ShardSink:
     """Writes batches of samples into ShardWork objects on a background thread."""
 
-    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2):
-        self.fmt, self.quality = image_format, quality
+    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2,
+                 encoder: Callable[[Sample], bytes] | None = None):
+        """``encoder(sample) -> bytes`` replaces the image encoder; its ``ext`` names the member (video runs:
+        shardgen/dataio/video.py's VideoEncoder writes ``{key}.mp4``)."""
+        self.fmt, self.quality = (encoder.ext if encoder else image_format), quality
+        self._encoder = encoder or (lambda s: encode_image(s.pixels, self.fmt, self.quality))
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardgen-encode")
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
@@ -87,7 +91,7 @@ class ShardSink:
             self._idle.set()
 
     def _encode_all(self, samples: list[Sample]) -> list[bytes | None]:
-        futures = [self._pool.submit(encode_image, s.pixels, self.fmt, self.quality) if s.pixels is not None else None
+        futures = [self._pool.submit(self._encoder, s) if s.pixels is not None else None
                    for s in samples]
         out = []
         for s, fut in zip(samples, futures):

@@ -33,6 +33,10 @@ def resolve_source(model_cfg: Any) -> str:
         from shardgen.models.tiny import tiny_model_path
 
         return str(tiny_model_path(model_cfg.cache_dir))
+    if model_cfg.source == "tiny_video":
+        from shardgen.models.tiny_video import tiny_video_model_path
+
+        return str(tiny_video_model_path(model_cfg.cache_dir))
     return str(model_cfg.source)
 
 
@@ -42,6 +46,10 @@ def model_version(model_cfg: Any) -> str | None:
         from shardgen.models.tiny import TINY_VERSION
 
         return f"tiny-{TINY_VERSION}"
+    if model_cfg.source == "tiny_video":
+        from shardgen.models.tiny_video import TINY_VIDEO_VERSION
+
+        return f"tiny-video-{TINY_VIDEO_VERSION}"
     return model_cfg.revision
 
 

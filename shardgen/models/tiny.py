@@ -38,19 +38,24 @@ def default_cache_dir() -> Path:
 
 
 def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the directory of the tiny pipeline, building it once if it is missing.
+    """Return the directory of the tiny pipeline, building it once if it is missing."""
+    return cached_build(f"tiny-flux-{TINY_VERSION}", build_tiny_pipeline, cache_dir)
+
+
+def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory ``name`` under the cache holding ``build()``'s pipeline, saved once with ``save_pretrained``.
 
     Safe when several ranks call it at once: each builds into its own temporary
     directory and the first atomic rename wins.
     """
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-flux-{TINY_VERSION}"
+    target = root / name
     if (target / "model_index.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
     try:
-        build_tiny_pipeline().save_pretrained(tmp, safe_serialization=True)
+        build().save_pretrained(tmp, safe_serialization=True)
         try:
             os.rename(tmp, target)
         except OSError:

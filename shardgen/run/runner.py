@@ -24,6 +24,7 @@ from shardgen.dataio.plan import Plan, build_plan, load_plan
 from shardgen.dataio.prompts import check_prompt_source, read_prompts
 from shardgen.dataio.rundir import RunDir, atomic_write_json
 from shardgen.dataio.sink import ShardSink
+from shardgen.dataio.video import VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
@@ -192,7 +193,8 @@ def _make_worker(cfg, plan: Plan, pipe, ctx: ReplicaContext, strategy: str) -> R
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, before_exit=lambda: drain_writers(30)))
     if ctx.leader:
-        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads)
+        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads,
+                                encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         _ACTIVE_SINKS.append(worker.sink)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
