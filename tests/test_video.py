@@ -139,3 +139,41 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, video_
     assert result.complete and result.generated_here < 6
     assert verify_run(load_plan(RunDir(run_dir))).ok
     assert shard_videos(run_dir) == shard_videos(video_run)
+
+
+# --- the real Wan architectures (model.weights=dummy) ---------------------------------------------------------
+
+def test_wan_dummy_architectures_have_the_published_sizes():
+    """Built on the meta device (no memory): Wan 2.1 1.3B = 1.419B, 14B = 14.288B transformer parameters (what the
+    released safetensors hold), UMT5-XXL encoder 5.68B; Wan 2.2 A14B = two 14B experts."""
+    from shardgen.models.dummy import _construct, dummy_architecture
+
+    def params(arch):
+        return {n: sum(p.numel() for p in _construct(s).parameters()) for n, s in dummy_architecture(arch).items()
+                if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
+
+    small, big, moe = params("wan21_t2v_1_3b"), params("wan21_t2v_14b"), params("wan22_t2v_a14b")
+    assert small["transformer"] == 1_418_996_800 and big["transformer"] == 14_288_491_584
+    assert moe["transformer"] == moe["transformer_2"] == big["transformer"]
+    assert small["text_encoder"] == big["text_encoder"] == 5_680_910_336
+
+
+def test_wan22_dummy_scaled_down_runs_both_experts_through_the_job_path():
+    """The dummy path builds Wan 2.2's pipeline with its boundary_ratio and second expert; both experts run."""
+    import torch
+
+    from shardgen.models.dummy import build_dummy_pipeline
+
+    tiny_tr = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=32)
+    pipe = build_dummy_pipeline("WanPipeline", "cpu", torch.float32, arch="wan22_t2v_a14b", overrides=dict(
+        transformer=tiny_tr, transformer_2=tiny_tr, text_encoder=dict(d_model=32, d_ff=37, d_kv=8, num_layers=1,
+                                                                      num_heads=4, vocab_size=1000),
+        vae=dict(base_dim=4, decoder_base_dim=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1)))
+    assert pipe.config.boundary_ratio == 0.875 and pipe.tokenizer.model_max_length == 512
+    calls = {"transformer": 0, "transformer_2": 0}
+    for name in calls:
+        getattr(pipe, name).register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+    out = pipe(prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0,
+               guidance_scale_2=3.0, max_sequence_length=16, output_type="pt")
+    assert out.frames.shape == (1, 5, 3, 32, 32)
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0  # the high- and the low-noise expert

@@ -68,6 +68,13 @@ def check_safetensors_only(path: str) -> None:
             "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
 
 
+def dummy_arch(model_cfg: Any) -> str | None:
+    """The dummy architecture of a model that shares its pipeline class with others (the Wan models), else None."""
+    from shardgen.models.wan_dummy import WAN_ARCHITECTURES
+
+    return model_cfg.name if model_cfg.name in WAN_ARCHITECTURES else None
+
+
 def pipeline_class(name: str):
     """The diffusers pipeline class called ``name``."""
     import diffusers
@@ -88,7 +95,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import build_dummy_pipeline
 
-        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype)
+        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype, arch=dummy_arch(model_cfg))
     if model_cfg.weights != "pretrained":
         raise ModelLoadError(f"model.weights={model_cfg.weights!r}: use pretrained or dummy")
     source = resolve_source(model_cfg)
