@@ -35,6 +35,7 @@ HALF_DTYPES = ("bfloat16", "float16")
 # text tokens the transformer sees per prompt: a config key (padded to it), or None when it varies per batch
 TEXT_TOKENS = {"FluxPipeline": "max_sequence_length", "Flux2Pipeline": "max_sequence_length",
                "QwenImagePipeline": None}
+UNSPLIT_TEXT = ("WanPipeline",)  # Wan's _cp_plan splits the video tokens only (its text feeds cross-attention)
 LATENT_PATCH = 16  # pixels per image token: VAE downscale 8 x 2x2 latent patches (FLUX.1/2, Qwen-Image)
 
 
@@ -146,13 +147,18 @@ def transformer_info(model_cfg: Any) -> TransformerInfo:
     """The transformer's class and config: the embedded tiny one, the dummy architecture, or config.json."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
+        from shardgen.models.loader import dummy_arch
 
-        spec = dummy_architecture(model_cfg.pipeline)["transformer"]
+        spec = dummy_architecture(dummy_arch(model_cfg) or model_cfg.pipeline)["transformer"]
         return TransformerInfo(spec.cls, dict(spec.config), f"the dummy {model_cfg.pipeline} architecture")
     if model_cfg.source == "tiny":
         from shardgen.models.tiny import TRANSFORMER_CONFIG
 
         return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "shardgen.models.tiny.TRANSFORMER_CONFIG")
+    if model_cfg.source == "tiny_video":
+        from shardgen.models import tiny_video
+
+        return TransformerInfo("WanTransformer3DModel", dict(tiny_video.TRANSFORMER_CONFIG), "shardgen.models.tiny_video")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)
@@ -167,7 +173,9 @@ def transformer_info(model_cfg: Any) -> TransformerInfo:
 
 def sequence_tokens(cfg: Any) -> tuple[int, int | None]:
     """(image tokens, text tokens) one prompt puts through the transformer; text None when it varies."""
-    image = (cfg.height // LATENT_PATCH) * (cfg.width // LATENT_PATCH)
+    image = (cfg.height // LATENT_PATCH) * (cfg.width // LATENT_PATCH) * latent_frames(cfg)
+    if cfg.model.pipeline in UNSPLIT_TEXT:
+        return image, 0  # nothing to divide
     key = TEXT_TOKENS.get(cfg.model.pipeline)
     return image, (cfg.model[key] if key else None)
 
@@ -332,13 +340,23 @@ def _check_sequence(r: Request, cfg: Any, facts: DeviceFacts) -> None:
         if anything and tokens < n:
             _fail(f"{tokens} {what} tokens cannot be split over {n} ranks; use a smaller CP degree")
         if not anything:
-            hint = (f"height/width giving (H/16)*(W/16) divisible by {n}" if what == "image" else
+            frames = "latent frames x " if cfg.get("num_frames") is not None else ""
+            hint = (f"num_frames/height/width giving {frames}(H/16)*(W/16) divisible by {n}" if what == "image" else
                     f"model.max_sequence_length divisible by {n}")
             _fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree "
                   f"{n} (ulysses {r.ulysses} x ring {r.ring}); use {hint}{fix}")
 
 
+def latent_frames(cfg: Any) -> int:
+    """Frames the transformer sees: Wan's VAE compresses num_frames = 4k+1 into k+1 (1 for image models)."""
+    n = cfg.get("num_frames")
+    return 1 if n is None else (n - 1) // 4 + 1
+
+
 def _token_rule(what: str, cfg: Any) -> str:
+    if what == "image" and cfg.get("num_frames") is not None:
+        return (f"{latent_frames(cfg)} latent frames of num_frames={cfg.num_frames} x {cfg.height}/{LATENT_PATCH} x "
+                f"{cfg.width}/{LATENT_PATCH}")
     if what == "image":
         return f"{cfg.height}/{LATENT_PATCH} x {cfg.width}/{LATENT_PATCH}"
     return "model.max_sequence_length"

@@ -177,3 +177,86 @@ def test_wan22_dummy_scaled_down_runs_both_experts_through_the_job_path():
                guidance_scale_2=3.0, max_sequence_length=16, output_type="pt")
     assert out.frames.shape == (1, 5, 3, 32, 32)
     assert calls["transformer"] > 0 and calls["transformer_2"] > 0  # the high- and the low-noise expert
+
+
+# --- context parallel: Ulysses-2 under gloo on the tiny video model -------------------------------------------
+
+def _ulysses_video_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: the tiny video pipeline alone, then split by strategy=cp_ulysses; the largest difference."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    from omegaconf import OmegaConf
+
+    from parallel import world as W
+    from parallel.strategies import apply_strategy, parallel_dims
+    from shardgen.models.loader import load_pipeline, torch_dtype
+    from shardgen.run.generation import GenSettings, pipeline_kwargs
+
+    cfg = OmegaConf.create(cfg_yaml)
+
+    def video(pipe):  # two prompts with their seeds, as the job calls the pipeline
+        kw = pipeline_kwargs(pipe, GenSettings.from_cfg(cfg), ["a cat", "an astronaut riding a horse"], [11, 12])
+        return pipe(**kw).frames
+
+    torch.set_num_threads(1)
+    world = W.init_world("cpu")
+    with torch.no_grad():
+        ref_frames = video(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device))
+        dims = parallel_dims(cfg, 2)
+        pipe = apply_strategy(cfg, world, dims, W.build_mesh(dims, world.device))
+        seen = []  # video tokens each block sees on this rank: half of them under Ulysses-2
+        pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+        frames = video(pipe)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(
+        diff=(frames - ref_frames).abs().max().item(), shape=list(frames.shape), spread=ref_frames.std().item(),
+        tokens=sorted(set(seen)))))
+    W.shutdown()
+
+
+@pytest.mark.slow
+def test_ulysses2_equals_one_process_on_the_tiny_video_model(tmp_path):
+    """float64: the split computation differs from one process only in summation order (~1e-15); any real mistake
+    (a wrong shard of the video tokens or of RoPE, a misordered gather) gives differences of 1e-2 and more."""
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+
+    cfg = compose_cfg("model=tiny_video", "strategy=cp_ulysses", "ulysses_degree=2", "steps=2", "launcher=local",
+                      "launcher.nprocs=2")
+    mp.start_processes(_ulysses_video_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank}: {res}")
+        assert res["shape"] == [2, 9, 3, 64, 64] and res["spread"] > 1e-3
+        assert res["tokens"] == [48 // 2]  # 3 latent frames x 4 x 4 patches, split over the 2 ranks
+        assert res["diff"] <= 1e-10, res
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("ulysses_degree=3", "ulysses_degree=3 does not divide the 4 attention heads of WanTransformer3DModel"),
+    ("num_frames=1", "image tokens = 9 (1 latent frames of num_frames=1 x 48/16 x 48/16) do not divide by the CP "
+                     "degree 2"),
+])
+def test_bad_video_cp_degrees_fail_before_any_weight_is_read(tmp_path, override, needle):
+    from parallel.strategies import parallel_dims
+    from parallel.world import ParallelConfigError
+
+    cfg = compose_cfg("model=tiny_video", "strategy=cp_ulysses", "ulysses_degree=2", "height=48", "width=48",
+                      f"model.cache_dir={tmp_path / 'nothing'}", override)
+    with pytest.raises(ParallelConfigError) as e:
+        parallel_dims(cfg, cfg.ulysses_degree)
+    assert needle in str(e.value)
+    assert not (tmp_path / "nothing").exists()  # the model was never built nor read
+
+
+@pytest.mark.slow
+def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
+    """Two fresh processes build the same vocabulary (a trained unigram one differed in each process)."""
+    code = ("import hashlib, json; from shardgen.models.tiny_video import umt5_style_tokenizer as t; "
+            "print(hashlib.sha256(json.dumps(sorted(t().get_vocab().items())).encode()).hexdigest())")
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+    assert len(outs) == 1
