@@ -105,6 +105,7 @@ def test_changed_fps_or_frames_are_refused_on_resume(video_run):
     ("video_codec=nope", "video_codec='nope' is not an FFmpeg encoder"),
     ("video_crf=60", "video_crf=60: use 0 (lossless) .. 51"),
     ("fps=0", "fps=0: use a positive frame rate"),
+    ("latent_checkpoint_every=0", "latent_checkpoint_every=0: use N >= 1 steps, with a video model and strategy=dp"),
 ])
 def test_bad_video_settings_fail_before_anything_is_written(tmp_path, override, needle):
     with pytest.raises(ValueError) as e:
@@ -260,3 +261,34 @@ def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
     assert len(outs) == 1
+
+
+# --- mid-sample checkpoints (latent_checkpoint_every) ----------------------------------------------------------
+
+class _Killed(BaseException):
+    """Stands for SIGKILL right after a latent checkpoint: not an Exception, so no per-sample retry catches it."""
+
+
+@pytest.mark.slow
+def test_a_batch_killed_mid_steps_resumes_from_its_latent_checkpoint(tmp_path, monkeypatch, caplog):
+    from shardgen.run.latent_ckpt import LatentCheckpoints
+
+    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=4", "latent_checkpoint_every=2")
+    run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *args))
+    real_save = LatentCheckpoints.save
+
+    def save_then_die(self, indices, step, latents, scheduler):
+        real_save(self, indices, step, latents, scheduler)
+        raise _Killed(f"killed after step {step}")
+
+    monkeypatch.setattr(LatentCheckpoints, "save", save_then_die)
+    with pytest.raises(_Killed, match="killed after step 2"):
+        run(compose_cfg(f"run_dir={tmp_path / 'killed'}", *args))
+    assert [p.name for p in (tmp_path / "killed" / "latents").iterdir()] == ["0000000000+2.pt"]
+    assert not list((tmp_path / "killed" / "shards").glob("*.tar"))
+    monkeypatch.setattr(LatentCheckpoints, "save", real_save)
+    with caplog.at_level("INFO", logger="shardgen.latents"):
+        assert run(compose_cfg(f"run_dir={tmp_path / 'killed'}", *args)).complete
+    assert "samples 0..1: resuming from step 2 of 4" in caplog.text
+    assert shard_videos(tmp_path / "killed") == shard_videos(tmp_path / "whole")  # the same mp4 bytes
+    assert not list((tmp_path / "killed" / "latents").iterdir())  # removed once the batch went to the writer

@@ -162,6 +162,9 @@ class GenerateConfig:
     """Video models: FFmpeg encoder of the mp4 (libx264 = H.264, libx265, libvpx-vp9, mpeg4). shardgen/dataio/video.py."""
     video_crf: int = 18
     """Video models: x264/x265 constant rate factor, 0 (lossless) .. 51; 18 is visually lossless."""
+    latent_checkpoint_every: Optional[int] = None
+    """Video models: save each batch's latents and scheduler state durably every N denoising steps, so a killed
+    run resumes the batch from the last saved step (shardgen/run/latent_ckpt.py); null = off."""
     device: str = "auto"
     """auto | cpu | cuda"""
     dtype: str = MISSING

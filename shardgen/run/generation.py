@@ -12,6 +12,7 @@ import torch
 
 from shardgen.dataio.plan import PlannedRow
 from shardgen.dataio.shardwork import Sample
+from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job
@@ -35,6 +36,8 @@ class GenSettings:
     """Video models: frames per sample (None: an image model)."""
     guidance_2: float | None = None
     """Wan 2.2 A14B: guidance of the low-noise expert."""
+    latents: LatentCheckpoints | None = None
+    """Mid-sample checkpoints every N steps (shardgen/run/latent_ckpt.py); None = off."""
     accel: AccelOptions = AccelOptions()
     """Speed options (shardgen/speed/accel.py), applied to the pipeline before its first call."""
 
@@ -44,7 +47,8 @@ class GenSettings:
         return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
                    true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
                    max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name,
-                   accel=AccelOptions.from_cfg(cfg), num_frames=cfg.get("num_frames"), guidance_2=m.get("guidance_2"))
+                   accel=AccelOptions.from_cfg(cfg), num_frames=cfg.get("num_frames"), guidance_2=m.get("guidance_2"),
+                   latents=LatentCheckpoints.from_cfg(cfg))
 
 
 def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:
@@ -122,8 +126,10 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     t0 = time.perf_counter()
     try:
         shape = accel.attention_shape(pipe, s.height, s.width, len(rows), s.max_sequence_length)
-        with accel.sdpa_context(pipe, s.accel, shape):
-            out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
+        kw = pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows])
+        with accel.sdpa_context(pipe, s.accel, shape), \
+                latent_checkpoints(pipe, s.latents, [r.index for r in rows], kw, s.steps):  # latent_checkpoint_every
+            out = pipe(**kw)
         finite, pixels = to_pixels(out.frames if hasattr(out, "frames") else out.images)  # video pipelines: frames
     except Exception as e:
         if ends_job(e):  # e.g. submitit ending a timed-out job: the job is over, not a sample
