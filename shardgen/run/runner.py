@@ -232,7 +232,8 @@ def _finish(cfg, plan: Plan, world, t0: float, *, generated: int, nothing_to_do:
     if nothing_to_do:
         print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
     else:
-        print(f"{plan.run.root}: {result.ok} images, {result.failed} failed, {result.rejected} rejected of "
+        unit = "videos" if is_video(cfg) else "images"
+        print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
               f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
-              f"({result.images_per_s:.2f} images/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+              f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
     return result
