@@ -158,7 +158,8 @@ def transformer_info(model_cfg: Any) -> TransformerInfo:
     if model_cfg.source == "tiny_video":
         from shardgen.models import tiny_video
 
-        return TransformerInfo("WanTransformer3DModel", dict(tiny_video.TRANSFORMER_CONFIG), "shardgen.models.tiny_video")
+        return TransformerInfo("WanTransformer3DModel", dict(tiny_video.TRANSFORMER_CONFIG),
+                               "shardgen.models.tiny_video.TRANSFORMER_CONFIG")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)

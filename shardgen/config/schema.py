@@ -159,7 +159,8 @@ class GenerateConfig:
     fps: Optional[int] = None
     """Video models: mp4 frame rate (default: the model's)."""
     video_codec: str = "libx264"
-    """Video models: FFmpeg encoder of the mp4 (libx264 = H.264, libx265, libvpx-vp9, mpeg4). shardgen/dataio/video.py."""
+    """Video models: FFmpeg encoder of the mp4 (libx264 = H.264, libx265, libvpx-vp9, mpeg4);
+    shardgen/dataio/video.py."""
     video_crf: int = 18
     """Video models: x264/x265 constant rate factor, 0 (lossless) .. 51; 18 is visually lossless."""
     latent_checkpoint_every: Optional[int] = None

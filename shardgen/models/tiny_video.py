@@ -28,7 +28,8 @@ TRANSFORMER_CONFIG = dict(
     patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
     text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
     eps=1e-6, rope_max_seq_len=64)
-VAE_CONFIG = dict(base_dim=4, decoder_base_dim=2, z_dim=16, dim_mult=[1, 1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+VAE_CONFIG = dict(base_dim=4, decoder_base_dim=2, z_dim=16, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                  temperal_downsample=[False, True, True])
 
 
 def tiny_video_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
