@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,24 +120,29 @@ def _durable(run_dir: Path) -> int:
     return 0 if plan is None else read_ledger(plan).done_samples
 
 
+def _kill_job_when(tmp_path: Path, args: tuple[str, ...], ready, landed) -> Path:
+    """Start ``python -m jobs.generate *args`` on a fresh run, SIGKILL its process group once ``ready(run_dir)``;
+    start over (at most 3 times) unless ``landed(run_dir)`` (the job may finish before the kill). The run dir."""
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        with open(tmp_path / "log", "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args, f"run_dir={run_dir}"], cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+        while p.poll() is None and not ready(run_dir):
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if landed(run_dir):
+            return run_dir
+    pytest.fail("the kill never landed mid-run: " + (tmp_path / "log").read_text()[-2000:])
+
+
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, video_run):
     """Kill the whole job (SIGKILL) once its first batch is durable; the rerun's mp4 bytes equal video_run's."""
-    args = [sys.executable, "-m", "jobs.generate", "prompts.limit=6", "samples_per_shard=4", *FAST]
-    for attempt in range(3):  # if the job finishes before the kill lands, start over on a fresh run
-        run_dir = tmp_path / f"run{attempt}"
-        with open(tmp_path / "log", "ab") as log:
-            p = subprocess.Popen(args + [f"run_dir={run_dir}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env=dict(os.environ))
-        while p.poll() is None and _durable(run_dir) < 2:
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        if 0 < _durable(run_dir) < 6:
-            break
-    else:
-        pytest.fail("the kill never landed mid-run: " + (tmp_path / "log").read_text()[-2000:])
-    result = run(compose_cfg(f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST))
+    args = ("prompts.limit=6", "samples_per_shard=4", *FAST)
+    run_dir = _kill_job_when(tmp_path, args, lambda d: _durable(d) >= 2, lambda d: 0 < _durable(d) < 6)
+    result = run(compose_cfg(f"run_dir={run_dir}", *args))
     assert result.complete and result.generated_here < 6
     assert verify_run(load_plan(RunDir(run_dir))).ok
     assert shard_videos(run_dir) == shard_videos(video_run)
@@ -305,3 +311,17 @@ def test_a_batch_killed_mid_steps_resumes_from_its_latent_checkpoint(tmp_path, m
     assert "samples 0..1: resuming from step 2 of 4" in caplog.text
     assert shard_videos(tmp_path / "killed") == shard_videos(tmp_path / "whole")  # the same mp4 bytes
     assert not list((tmp_path / "killed" / "latents").iterdir())  # removed once the batch went to the writer
+
+
+@pytest.mark.slow
+def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog):
+    """A real SIGKILL once the batch's first latent checkpoint (step 2 of 8) exists; the rerun says from which
+    step it resumes and writes the uninterrupted run's mp4 bytes."""
+    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=8", "latent_checkpoint_every=2")
+    run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *args))
+    saved = lambda d: any((d / "latents").glob("*.pt")) if (d / "latents").is_dir() else False  # noqa: E731
+    run_dir = _kill_job_when(tmp_path, args, saved, lambda d: saved(d) and _durable(d) == 0)
+    with caplog.at_level("INFO", logger="shardgen.latents"):
+        assert run(compose_cfg(f"run_dir={run_dir}", *args)).complete
+    assert re.search(r"samples 0..1: resuming from step [246] of 8", caplog.text), caplog.text
+    assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
