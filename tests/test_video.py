@@ -284,35 +284,6 @@ def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
 
 # --- mid-sample checkpoints (latent_checkpoint_every) ----------------------------------------------------------
 
-class _Killed(BaseException):
-    """Stands for SIGKILL right after a latent checkpoint: not an Exception, so no per-sample retry catches it."""
-
-
-@pytest.mark.slow
-def test_a_batch_killed_mid_steps_resumes_from_its_latent_checkpoint(tmp_path, monkeypatch, caplog):
-    from shardgen.run.latent_ckpt import LatentCheckpoints
-
-    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=4", "latent_checkpoint_every=2")
-    run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *args))
-    real_save = LatentCheckpoints.save
-
-    def save_then_die(self, indices, step, latents, scheduler):
-        real_save(self, indices, step, latents, scheduler)
-        raise _Killed(f"killed after step {step}")
-
-    monkeypatch.setattr(LatentCheckpoints, "save", save_then_die)
-    with pytest.raises(_Killed, match="killed after step 2"):
-        run(compose_cfg(f"run_dir={tmp_path / 'killed'}", *args))
-    assert [p.name for p in (tmp_path / "killed" / "latents").iterdir()] == ["0000000000+2.pt"]
-    assert not list((tmp_path / "killed" / "shards").glob("*.tar"))
-    monkeypatch.setattr(LatentCheckpoints, "save", real_save)
-    with caplog.at_level("INFO", logger="shardgen.latents"):
-        assert run(compose_cfg(f"run_dir={tmp_path / 'killed'}", *args)).complete
-    assert "samples 0..1: resuming from step 2 of 4" in caplog.text
-    assert shard_videos(tmp_path / "killed") == shard_videos(tmp_path / "whole")  # the same mp4 bytes
-    assert not list((tmp_path / "killed" / "latents").iterdir())  # removed once the batch went to the writer
-
-
 @pytest.mark.slow
 def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog):
     """A real SIGKILL once the batch's first latent checkpoint (step 2 of 8) exists; the rerun says from which
@@ -325,3 +296,4 @@ def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, c
         assert run(compose_cfg(f"run_dir={run_dir}", *args)).complete
     assert re.search(r"samples 0..1: resuming from step [246] of 8", caplog.text), caplog.text
     assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
+    assert not list((run_dir / "latents").iterdir())  # removed once the batch went to the writer
