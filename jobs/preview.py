@@ -15,6 +15,7 @@ from pathlib import Path
 from shardgen.dataio.plan import load_plan
 from shardgen.dataio.rundir import RunDir, run_dir_arg
 from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
+from shardgen.dataio.video import VIDEO_EXT, preview_png
 
 
 def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
@@ -23,6 +24,8 @@ def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
     for tar in sorted(run.shards_dir.glob("*.tar")):
         for key, mem in sorted(read_shard_members(tar).items()):
             img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
+            if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
+                img = preview_png(mem[VIDEO_EXT])
             out.append((mem.get("txt", b"").decode("utf-8"), img, json.loads(mem.get("json", b"{}"))))
             if len(out) == n:
                 return out

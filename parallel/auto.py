@@ -199,8 +199,9 @@ def component_params(model_cfg: ModelConfig) -> dict[str, int]:
     """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
+        from shardgen.models.loader import dummy_arch
 
-        return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.pipeline).items()
+        return {n: _meta_params(s) for n, s in dummy_architecture(dummy_arch(model_cfg) or model_cfg.pipeline).items()
                 if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
     from shardgen.models.loader import resolve_source
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # text tokens the transformer sees per prompt: a config key (padded to it), or None when it varies per batch
 TEXT_TOKENS = {"FluxPipeline": "max_sequence_length", "Flux2Pipeline": "max_sequence_length",
                "QwenImagePipeline": None}
+UNSPLIT_TEXT = ("WanPipeline",)  # Wan's _cp_plan splits the video tokens only (its text feeds cross-attention)
 LATENT_PATCH = 16  # pixels per image token: VAE downscale 8 x 2x2 latent patches (FLUX.1/2, Qwen-Image)
 HALF_DTYPES = ("bfloat16", "float16")
 
@@ -68,13 +69,19 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
     """The transformer's class and config: the embedded tiny one, the dummy architecture, or config.json."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
+        from shardgen.models.loader import dummy_arch
 
-        spec = dummy_architecture(model_cfg.pipeline)["transformer"]
+        spec = dummy_architecture(dummy_arch(model_cfg) or model_cfg.pipeline)["transformer"]
         return TransformerInfo(spec.cls, dict(spec.config), f"the dummy {model_cfg.pipeline} architecture")
     if model_cfg.source == "tiny":
         from shardgen.models.tiny import TRANSFORMER_CONFIG
 
         return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "shardgen.models.tiny.TRANSFORMER_CONFIG")
+    if model_cfg.source == "tiny_video":
+        from shardgen.models import tiny_video
+
+        return TransformerInfo("WanTransformer3DModel", dict(tiny_video.TRANSFORMER_CONFIG),
+                               "shardgen.models.tiny_video.TRANSFORMER_CONFIG")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)
@@ -92,10 +99,19 @@ def image_tokens(height: int, width: int) -> int:
     return (height // LATENT_PATCH) * (width // LATENT_PATCH)
 
 
+def latent_frames(cfg: GenerateConfig) -> int:
+    """Frames the transformer sees: Wan's VAE compresses num_frames = 4k+1 into k+1 (1 for image models)."""
+    n = cfg.get("num_frames")
+    return 1 if n is None else (n - 1) // 4 + 1
+
+
 def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
-    """(image tokens, text tokens) one prompt puts through the transformer; text None when it varies."""
+    """(image or video tokens, text tokens) one prompt puts through the transformer; text None when it varies."""
+    image = image_tokens(cfg.height, cfg.width) * latent_frames(cfg)
+    if cfg.model.pipeline in UNSPLIT_TEXT:
+        return image, 0  # nothing to divide
     key = TEXT_TOKENS.get(cfg.model.pipeline)
-    return image_tokens(cfg.height, cfg.width), (cfg.model[key] if key else None)
+    return image, (cfg.model[key] if key else None)
 
 
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):

@@ -43,6 +43,12 @@ class ModelConfig:
     negative_prompt: Optional[str] = None
     max_sequence_length: int = 512
     """Text tokens for the T5/LLM encoder; the same for every prompt so batching never pads differently."""
+    num_frames: Optional[int] = None
+    """Video models: frames per sample (4k+1 for Wan); null = an image model."""
+    fps: Optional[int] = None
+    """Video models: frame rate of the written mp4 (the model card's)."""
+    guidance_2: Optional[float] = None
+    """Wan 2.2 A14B: guidance scale of the low-noise expert (``guidance_scale_2``); null = ``guidance``."""
     cache_dir: Optional[str] = None
     """Where the embedded tiny model is built and cached (default: $SHARDGEN_CACHE or ~/.cache/shardgen)."""
 
@@ -162,6 +168,18 @@ class GenerateConfig:
     """png | jpg | webp"""
     image_quality: int = 95
     """jpg/webp quality (1-100)."""
+    num_frames: Optional[int] = II("model.num_frames")
+    """Video models: frames per sample (default: the model's); null for image models."""
+    fps: Optional[int] = II("model.fps")
+    """Video models: mp4 frame rate (default: the model's)."""
+    video_codec: str = "libx264"
+    """Video models: FFmpeg encoder of the mp4 (libx264 = H.264, libx265, libvpx-vp9, mpeg4);
+    shardgen/dataio/video.py."""
+    video_crf: int = 18
+    """Video models: x264/x265 constant rate factor, 0 (lossless) .. 51; 18 is visually lossless."""
+    latent_checkpoint_every: Optional[int] = None
+    """Video models: save each batch's latents and scheduler state durably every N denoising steps, so a killed
+    run resumes the batch from the last saved step (shardgen/run/latent_ckpt.py); null = off."""
     device: str = "auto"
     """auto | cpu | cuda"""
     dtype: str = II("model.dtype")

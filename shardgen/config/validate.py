@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
 from shardgen.dataio.signals import Signals
+from shardgen.dataio.video import validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
@@ -60,6 +61,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
     import torch

@@ -11,6 +11,7 @@ from typing import Any
 
 from shardgen.dataio.plan import file_sha256
 from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.video import video_fingerprint
 from shardgen.errors import UserError
 
 
@@ -32,6 +33,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
+        **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
     }
 
 

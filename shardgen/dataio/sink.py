@@ -21,9 +21,14 @@ from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
 class ShardSink:
     """Writes batches of samples into ShardWork objects on a background thread."""
 
-    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2, signals=None):
-        self.fmt, self.quality = image_format, quality
-        self.signals = signals  # curation signals (shardgen/dataio/signals.py), computed before encoding
+    def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2, signals=None,
+                 encoder: Callable[[Sample], bytes] | None = None):
+        """``signals``: curation signals (shardgen/dataio/signals.py), computed before encoding (images only).
+        ``encoder(sample) -> bytes`` replaces the image encoder; its ``ext`` names the member (video runs:
+        shardgen/dataio/video.py's VideoEncoder writes ``{key}.mp4``)."""
+        self.fmt, self.quality = (encoder.ext if encoder else image_format), quality
+        self.signals = signals if encoder is None else None
+        self._encoder = encoder or (lambda s: encode_image(s.pixels, self.fmt, self.quality))
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardgen-encode")
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
@@ -90,7 +95,7 @@ class ShardSink:
     def _encode(self, s: Sample) -> bytes:
         if self.signals:
             s.pixels, s.meta["signals"] = self.signals.apply(s.pixels, s.prompt)
-        return encode_image(s.pixels, self.fmt, self.quality)
+        return self._encoder(s)
 
     def _encode_all(self, samples: list[Sample]) -> list[bytes | None]:
         futures = [self._pool.submit(self._encode, s) if s.pixels is not None else None for s in samples]

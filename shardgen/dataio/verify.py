@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan, sample_key
 from shardgen.dataio.rundir import read_json
+from shardgen.dataio.video import VIDEO_EXT, check_video_member
 
 IMAGE_EXTS = ("png", "jpg", "webp")
+MEDIA_EXTS = IMAGE_EXTS + (VIDEO_EXT,)  # a sample's one image or video member
 
 
 @dataclass
@@ -51,14 +53,16 @@ def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[st
             problems.append(f"{key}: no .{ext}")
     meta = json.loads(members.get("json", b"{}"))
     status = meta.get("status", "?")
-    images = [e for e in IMAGE_EXTS if e in members]
+    images = [e for e in MEDIA_EXTS if e in members]
     if status == "ok" and len(images) != 1:
         problems.append(f"{key}: status ok but {len(images)} images")
     if status != "ok" and images:
         problems.append(f"{key}: status {status} but has an image")
     if status != "ok" and not meta.get("error"):
         problems.append(f"{key}: status {status} without a recorded reason")
-    if decode and images:
+    if decode and images == [VIDEO_EXT]:  # decodes every frame; counts them against the json
+        problems += check_video_member(key, members[VIDEO_EXT], meta)
+    elif decode and images:
         from PIL import Image
 
         try:

@@ -152,15 +152,24 @@ DUMMY_MODELS = {"FluxPipeline": "FLUX.1-dev", "Flux2Pipeline": "FLUX.2-dev", "Qw
 _BUILD_ORDER = ("transformer", "text_encoder_2", "text_encoder", "vae")
 
 
+def _architectures() -> tuple[dict[str, dict[str, ComponentSpec]], dict[str, str]]:
+    """(specs, names for messages): the image pipelines above and the Wan video models, which are all
+    WanPipeline and so are keyed by model config name (shardgen/models/wan_dummy.py)."""
+    from shardgen.models.wan_dummy import WAN_ARCHITECTURES, WAN_MODELS
+
+    return {**DUMMY_ARCHITECTURES, **WAN_ARCHITECTURES}, {**DUMMY_MODELS, **WAN_MODELS}
+
+
 def supported_pipelines() -> list[str]:
-    return sorted(DUMMY_ARCHITECTURES)
+    return sorted(_architectures()[0])
 
 
 def _check_pipeline(pipeline: str) -> dict[str, ComponentSpec]:
+    archs, models = _architectures()
     try:
-        return DUMMY_ARCHITECTURES[pipeline]
+        return archs[pipeline]
     except KeyError:
-        names = ", ".join(f"{k} ({DUMMY_MODELS[k]})" for k in supported_pipelines())
+        names = ", ".join(f"{k} ({models[k]})" for k in supported_pipelines())
         raise ValueError(f"no dummy architecture for pipeline {pipeline!r}; weights=dummy supports: {names}") from None
 
 
@@ -343,7 +352,7 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
 # --- the builder ------------------------------------------------------------------------------------
 
 def build_dummy_pipeline(pipeline: str, device: str | torch.device, dtype: torch.dtype, *, tokenizer_dir=None,
-                         overrides: dict[str, dict] | None = None, seed: int = 0):
+                         overrides: dict[str, dict] | None = None, seed: int = 0, arch: str | None = None):
     """The real architecture of a known model (by its diffusers pipeline class name: "FluxPipeline" =
     FLUX.1-dev, "Flux2Pipeline" = FLUX.2-dev, "QwenImagePipeline" = Qwen-Image) with random weights,
     built directly on ``device`` in ``dtype`` (no CPU init, no hub), for benchmarks: speed does not
@@ -357,7 +366,7 @@ def build_dummy_pipeline(pipeline: str, device: str | torch.device, dtype: torch
     """
     import diffusers
 
-    specs = dummy_architecture(pipeline, overrides)
+    specs = dummy_architecture(arch or pipeline, overrides)  # arch: a Wan model name (one pipeline, three models)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -369,6 +378,8 @@ def build_dummy_pipeline(pipeline: str, device: str | torch.device, dtype: torch
         t0 = time.perf_counter()
         if spec.library == "tokenizer":
             components[name] = _build_tokenizer(pipeline, name, spec, tokenizer_dir, tok_cache)
+        elif spec.library == "value":  # a plain pipeline argument (Wan 2.2's boundary_ratio)
+            components[name] = spec.config["value"]
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:

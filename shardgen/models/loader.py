@@ -33,6 +33,10 @@ def resolve_source(model_cfg: Any) -> str:
         from shardgen.models.tiny import tiny_model_path
 
         return str(tiny_model_path(model_cfg.cache_dir))
+    if model_cfg.source == "tiny_video":
+        from shardgen.models.tiny_video import tiny_video_model_path
+
+        return str(tiny_video_model_path(model_cfg.cache_dir))
     return str(model_cfg.source)
 
 
@@ -42,6 +46,10 @@ def model_version(model_cfg: Any) -> str | None:
         from shardgen.models.tiny import TINY_VERSION
 
         return f"tiny-{TINY_VERSION}"
+    if model_cfg.source == "tiny_video":
+        from shardgen.models.tiny_video import TINY_VIDEO_VERSION
+
+        return f"tiny-video-{TINY_VIDEO_VERSION}"
     return model_cfg.revision
 
 
@@ -58,6 +66,13 @@ def check_safetensors_only(path: str) -> None:
             f"{path} holds only pickle checkpoints ({', '.join(str(f.relative_to(p)) for f in pickles[:3])}); "
             "shardgen loads safetensors only, since a pickle can run arbitrary code. Convert the weights "
             "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
+
+
+def dummy_arch(model_cfg: Any) -> str | None:
+    """The dummy architecture of a model that shares its pipeline class with others (the Wan models), else None."""
+    from shardgen.models.wan_dummy import WAN_ARCHITECTURES
+
+    return model_cfg.name if model_cfg.name in WAN_ARCHITECTURES else None
 
 
 def pipeline_class(name: str):
@@ -80,7 +95,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import build_dummy_pipeline
 
-        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype)
+        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype, arch=dummy_arch(model_cfg))
     if model_cfg.weights != "pretrained":
         raise ModelLoadError(f"model.weights={model_cfg.weights!r}: use pretrained or dummy")
     source = resolve_source(model_cfg)

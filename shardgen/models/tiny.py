@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,19 +39,26 @@ def default_cache_dir() -> Path:
 
 
 def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the directory of the tiny pipeline, building it once if it is missing.
+    """Return the directory of the tiny pipeline, building it once if it is missing."""
+    return cached_build(f"tiny-flux-{TINY_VERSION}", build_tiny_pipeline, cache_dir)
+
+
+def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory ``name`` under the cache holding ``build()``'s pipeline, saved once with ``save_pretrained``.
 
     Safe when several ranks call it at once: each builds into its own temporary
     directory and the first atomic rename wins.
     """
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-flux-{TINY_VERSION}"
+    target = root / name
     if (target / "model_index.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
     try:
-        build_tiny_pipeline().save_pretrained(tmp, safe_serialization=True)
+        build().save_pretrained(tmp, safe_serialization=True)
+        if not _has_all_weights(tmp):  # transformers writes weights on distributed rank 0 only: wait for its copy
+            return _wait_for(target)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -58,6 +66,21 @@ def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
                 raise  # not a lost race: a real failure
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _has_all_weights(path: Path) -> bool:
+    """Every component folder of a saved pipeline but the tokenizers and the scheduler holds its safetensors."""
+    return all(any(d.glob("*.safetensors")) for d in path.iterdir()
+               if d.is_dir() and not any((d / f).exists() for f in ("tokenizer_config.json", "scheduler_config.json")))
+
+
+def _wait_for(target: Path, timeout_s: float = 600.0) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not (target / "model_index.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target} was not built by distributed rank 0 within {timeout_s:.0f} s")
+        time.sleep(0.2)
     return target
 
 

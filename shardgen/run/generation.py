@@ -12,6 +12,7 @@ import torch
 
 from shardgen.dataio.plan import PlannedRow
 from shardgen.dataio.shardwork import Sample
+from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job, is_user_error
@@ -31,6 +32,12 @@ class GenSettings:
     max_sequence_length: int
     model: str
     strategy: str
+    num_frames: int | None = None
+    """Video models: frames per sample (None: an image model)."""
+    guidance_2: float | None = None
+    """Wan 2.2 A14B: guidance of the low-noise expert."""
+    latents: LatentCheckpoints | None = None
+    """Mid-sample checkpoints every N steps (shardgen/run/latent_ckpt.py); None = off."""
     accel: AccelOptions = AccelOptions()
     """Speed options (shardgen/speed/accel.py), applied to the pipeline before its first call."""
 
@@ -40,7 +47,8 @@ class GenSettings:
         return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
                    true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
                    max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name,
-                   accel=AccelOptions.from_cfg(cfg))
+                   accel=AccelOptions.from_cfg(cfg), num_frames=cfg.get("num_frames"), guidance_2=m.get("guidance_2"),
+                   latents=LatentCheckpoints.from_cfg(cfg))
 
 
 def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:
@@ -55,6 +63,10 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
         kw["guidance_scale"] = s.guidance
     if "max_sequence_length" in params:
         kw["max_sequence_length"] = s.max_sequence_length
+    if s.num_frames is not None and "num_frames" in params:
+        kw["num_frames"] = s.num_frames
+    if s.guidance_2 is not None and "guidance_scale_2" in params:
+        kw["guidance_scale_2"] = s.guidance_2
     if s.true_cfg_scale > 1.0 and "true_cfg_scale" in params:
         kw["true_cfg_scale"] = s.true_cfg_scale
         kw["negative_prompt"] = [s.negative_prompt or " "] * len(prompts)
@@ -62,7 +74,8 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
 
 
 def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
-    """(finite flag per sample, NxHxWx3 uint8 array) from the pipeline's [0, 1] float output.
+    """(finite flag per sample, NxHxWx3 uint8 array) from the pipeline's [0, 1] float output
+    (NxCxHxW images; NxFxCxHxW videos give NxFxHxWx3).
 
     Rounding matches diffusers' ``numpy_to_pil``. On a GPU the uint8 pixels and the flags are copied
     asynchronously into pinned host memory and the host waits once, on that copy: the batch's only
@@ -70,7 +83,7 @@ def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     """
     finite = torch.isfinite(images).flatten(1).all(dim=1)
     # in float32 like numpy_to_pil: x * 255 in bf16 would round again before .round()
-    pixels = (images.float().nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    pixels = (images.float().nan_to_num(0.0) * 255).round().clamp(0, 255).to(torch.uint8).movedim(-3, -1)
     if pixels.device.type != "cuda":
         return finite.cpu().tolist(), pixels.cpu().numpy()
     host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
@@ -89,6 +102,8 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
     if s.true_cfg_scale > 1.0:
         meta["true_cfg_scale"] = s.true_cfg_scale
+    if s.guidance_2 is not None:
+        meta["guidance_2"] = s.guidance_2
     if s.accel.lossy:
         meta["lossy"] = s.accel.lossy
     if gen_s is not None:
@@ -111,9 +126,11 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     t0 = time.perf_counter()
     try:
         shape = accel.attention_shape(pipe, s.height, s.width, len(rows), s.max_sequence_length)
-        with accel.sdpa_context(pipe, s.accel, shape):
-            out = pipe(**pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows]))
-        finite, pixels = to_pixels(out.images)
+        kw = pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows])
+        with accel.sdpa_context(pipe, s.accel, shape), \
+                latent_checkpoints(pipe, s.latents, [r.index for r in rows], kw, s.steps):  # latent_checkpoint_every
+            out = pipe(**kw)
+        finite, pixels = to_pixels(out.frames if hasattr(out, "frames") else out.images)  # video pipelines: frames
     except Exception as e:
         if ends_job(e) or is_user_error(e):  # e.g. submitit ending a timed-out job, or a setup the user must change
             raise

@@ -29,6 +29,7 @@ from shardgen.dataio.rundir import RunDir, atomic_write_json
 from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
+from shardgen.dataio.video import VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
@@ -219,7 +220,8 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
                                           text_windows(pipe, cfg.model.max_sequence_length))
         worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads,
-                                signals=Signals(cfg.signals))
+                                signals=Signals(cfg.signals),
+                                encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         if ctx.index == 0 and cfg.progress:
@@ -258,7 +260,8 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     if nothing_to_do:
         print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
     else:
-        print(f"{plan.run.root}: {result.ok} images, {result.failed} failed, {result.rejected} rejected of "
+        unit = "videos" if is_video(cfg) else "images"
+        print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
               f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
-              f"({result.images_per_s:.2f} images/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+              f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
     return result

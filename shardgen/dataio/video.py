@@ -1,0 +1,159 @@
+"""Video samples: frames -> mp4 bytes (PyAV, H.264 by default) and back, for writers, verify and preview.
+
+A video run is one whose model has ``num_frames`` (conf/model/tiny_video.yaml, wan21_t2v_*.yaml, ...):
+each sample is ``{key}.mp4`` + ``{key}.txt`` + ``{key}.json``, the json adding frames, fps, duration,
+size and codec to the image samples' fields. PyAV's wheels ship FFmpeg (libx264 included).
+
+The encoder runs single-threaded: x264's output depends on its thread count, and a resumed run on
+another machine must write the same bytes as an uninterrupted one. A video takes minutes to
+generate and a fraction of a second to encode, and the writer pool encodes several at once anyway.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from shardgen.errors import UserError
+
+VIDEO_EXT = "mp4"
+# yuv420p: what every player decodes; it halves chroma, so width and height must be even
+PIX_FMT = "yuv420p"
+CRF_CODECS = ("libx264", "libx265")  # encoders whose quality is set by crf; others use their default bitrate
+
+
+class VideoConfigError(UserError, ValueError):
+    """A video setting that cannot work (codec, crf, fps, frame count); the message says what to set."""
+
+
+def is_video(cfg: Any) -> bool:
+    """True for a run of a video model (one with ``num_frames``)."""
+    return cfg.get("num_frames") is not None
+
+
+def validate_video_config(cfg: Any) -> None:
+    """Check the video keys before anything is loaded (a no-op for image runs)."""
+    every = cfg.get("latent_checkpoint_every")
+    if every is not None and (every < 1 or not is_video(cfg) or cfg.strategy.name != "dp"):
+        raise VideoConfigError(f"latent_checkpoint_every={every}: use N >= 1 steps, with a video model and "
+                               f"strategy=dp (model={cfg.model.name}, strategy={cfg.strategy.name}), or null")
+    if not is_video(cfg):
+        return
+    import av
+
+    n, fps = cfg.num_frames, cfg.fps
+    if n < 1 or (n - 1) % 4:
+        raise VideoConfigError(f"num_frames={n}: Wan's VAE compresses time 4x, so use 4k+1 frames (e.g. 9, 33, 81)")
+    if fps is None or fps <= 0:
+        raise VideoConfigError(f"fps={fps}: use a positive frame rate (the model cards' is 16)")
+    if cfg.video_codec not in av.codecs_available:
+        raise VideoConfigError(f"video_codec={cfg.video_codec!r} is not an FFmpeg encoder of this PyAV build; "
+                               f"use libx264 (H.264), libx265, libvpx-vp9 or mpeg4")
+    if not 0 <= cfg.video_crf <= 51:
+        raise VideoConfigError(f"video_crf={cfg.video_crf}: use 0 (lossless) .. 51 (worst); 18 is visually lossless")
+
+
+def video_fingerprint(cfg: Any) -> dict:
+    """The settings that determine a video sample's bytes (empty for image runs, so their fingerprints stay)."""
+    if not is_video(cfg):
+        return {}
+    return {"num_frames": cfg.num_frames, "fps": cfg.fps, "video_codec": cfg.video_codec,
+            "video_crf": cfg.video_crf, "model.guidance_2": cfg.model.get("guidance_2")}
+
+
+def encode_video(frames: np.ndarray, fps: int, codec: str = "libx264", crf: int = 18) -> bytes:
+    """Encode FxHxWx3 uint8 frames as mp4 bytes (deterministic: one encoder thread, no timestamps in metadata)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
+        stream.pix_fmt = PIX_FMT
+        stream.thread_count = 1
+        if codec in CRF_CODECS:
+            stream.options = {"crf": str(crf)}
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        out.mux(stream.encode(None))  # flush the encoder's delayed frames
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a decoder finds in an mp4."""
+
+    frames: int
+    fps: float
+    width: int
+    height: int
+    codec: str
+
+    @property
+    def duration(self) -> float:
+        return round(self.frames / self.fps, 4) if self.fps else 0.0
+
+
+def decode_video(data: bytes) -> tuple[np.ndarray, VideoInfo]:
+    """(FxHxWx3 uint8 frames, info) of mp4 bytes; raises on a stream that does not decode."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as f:
+        stream = f.streams.video[0]
+        frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(stream)]
+        info = VideoInfo(frames=len(frames), fps=float(stream.average_rate or 0), width=stream.codec_context.width,
+                         height=stream.codec_context.height, codec=stream.codec_context.name)
+    return np.stack(frames) if frames else np.zeros((0, info.height, info.width, 3), np.uint8), info
+
+
+@dataclass(frozen=True)
+class VideoEncoder:
+    """The writers' encoder for a video run: a sample's frames into mp4 bytes, its json gaining the video fields."""
+
+    fps: int
+    codec: str = "libx264"
+    crf: int = 18
+    ext: str = VIDEO_EXT
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "VideoEncoder":
+        return cls(fps=cfg.fps, codec=cfg.video_codec, crf=cfg.video_crf)
+
+    def __call__(self, sample) -> bytes:
+        frames = sample.pixels
+        data = encode_video(frames, self.fps, self.codec, self.crf)
+        n, h, w = (int(x) for x in frames.shape[:3])
+        sample.meta.update(frames=n, fps=self.fps, duration=round(n / self.fps, 4), size=[w, h], codec=self.codec,
+                           crf=self.crf if self.codec in CRF_CODECS else None, pix_fmt=PIX_FMT)
+        return data
+
+
+def check_video_member(key: str, data: bytes, meta: dict) -> list[str]:
+    """Problems with one sample's mp4: it must decode, with the frame count and size its json records."""
+    try:
+        frames, info = decode_video(data)
+    except Exception as e:
+        return [f"{key}: video does not decode ({e})"]
+    problems = []
+    if info.frames != meta.get("frames"):
+        problems.append(f"{key}: mp4 has {info.frames} frames, its json says {meta.get('frames')}")
+    if "size" in meta and [info.width, info.height] != meta["size"]:
+        problems.append(f"{key}: mp4 is {info.width}x{info.height}, its json says {meta['size'][0]}x{meta['size'][1]}")
+    return problems
+
+
+def preview_png(data: bytes) -> bytes:
+    """Four frames of an mp4 (first, one third, two thirds, last) in a 2x2 grid, as PNG bytes: a
+    contact-sheet cell with the video's own aspect ratio."""
+    from PIL import Image
+
+    frames, _ = decode_video(data)
+    picks = [frames[i] for i in np.linspace(0, len(frames) - 1, 4).round().astype(int)]
+    grid = np.concatenate([np.concatenate(picks[:2], axis=1), np.concatenate(picks[2:], axis=1)], axis=0)
+    buf = io.BytesIO()
+    Image.fromarray(grid).save(buf, format="PNG")
+    return buf.getvalue()

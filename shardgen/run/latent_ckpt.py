@@ -1,0 +1,144 @@
+"""Mid-sample checkpoints (``latent_checkpoint_every=N``): a video batch that takes minutes survives a kill.
+
+Every N denoising steps the pipeline's ``callback_on_step_end`` saves the batch's latents and the
+scheduler's whole state (UniPC keeps the previous model outputs for its multistep update) durably to
+``<run_dir>/latents/<first key>+<batch size>.pt``. When the same batch is generated again (a rerun after
+a kill resumes at the first sample not yet durable in its shard, so batches are the same), the call
+starts from the saved step: for that one call the scheduler's ``set_timesteps`` restores the saved
+state and hands the pipeline's loop the remaining timesteps only (``set_begin_index``, which the Wan
+and FLUX pipelines call right after reading them, puts the whole schedule back for ``step()``), and
+``prepare_latents`` returns the saved latents unchanged
+(the pipeline's own ``latents=`` argument would cast them to float32). The frames equal an
+uninterrupted run's, bit for bit on CPU. A batch's file is removed when its call returns: a kill in the
+second between that and the batch's tar checkpoint (the writer's encode and fsync) costs that batch's
+steps again, never a wrong sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardgen.dataio.rundir import atomic_write_bytes
+
+log = logging.getLogger("shardgen.latents")
+
+
+@dataclass(frozen=True)
+class LatentCheckpoints:
+    """Where and how often one replica saves its batches' latents."""
+
+    directory: Path
+    every: int
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "LatentCheckpoints | None":
+        every = cfg.get("latent_checkpoint_every")
+        return cls(Path(cfg.run_dir).absolute() / "latents", int(every)) if every else None
+
+    def path(self, indices: list[int]) -> Path:
+        return self.directory / f"{indices[0]:010d}+{len(indices)}.pt"
+
+    def load(self, indices: list[int]) -> dict | None:
+        """The saved state of exactly this batch, or None."""
+        try:
+            state = torch.load(self.path(indices), map_location="cpu", weights_only=True)
+        except (FileNotFoundError, EOFError, RuntimeError) as e:
+            if not isinstance(e, FileNotFoundError):
+                log.warning("ignoring unreadable latent checkpoint %s (%s)", self.path(indices), e)
+            return None
+        return state if state.get("indices") == indices else None
+
+    def save(self, indices: list[int], step: int, latents: torch.Tensor, scheduler: Any) -> None:
+        """Write the state after ``step`` completed steps durably (temp file, fsync, rename)."""
+        buf = io.BytesIO()
+        torch.save(dict(indices=indices, step=step, latents=latents.detach().cpu(),
+                        scheduler=_scheduler_state(scheduler)), buf)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.path(indices), buf.getvalue())
+
+    def remove(self, indices: list[int]) -> None:
+        self.path(indices).unlink(missing_ok=True)
+
+
+def _scheduler_state(scheduler: Any) -> dict:
+    """Every data attribute of the scheduler but its config (not our per-call wrappers), tensors moved to the CPU."""
+    def cpu(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().cpu().clone()
+        if isinstance(v, (list, tuple)):
+            return type(v)(cpu(x) for x in v)
+        return v
+    return {k: cpu(v) for k, v in vars(scheduler).items() if k != "_internal_dict" and not callable(v)}
+
+
+def _to(v, device):
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to(x, device) for x in v)
+    return v
+
+
+@contextlib.contextmanager
+def latent_checkpoints(pipe: Any, ckpt: LatentCheckpoints | None, indices: list[int], kw: dict, steps: int):
+    """Around one pipeline call of the batch ``indices``: save every ``ckpt.every`` steps, and resume from
+    a saved step (logging it). ``kw`` (the call's keyword arguments) gains the step callback."""
+    if ckpt is None:
+        yield
+        return
+    with _saving_and_resuming(pipe, ckpt, indices, kw, steps):
+        yield
+    ckpt.remove(indices)  # only after a call that returned: its samples go to the writer now
+
+
+@contextlib.contextmanager
+def _saving_and_resuming(pipe: Any, ckpt: LatentCheckpoints, indices: list[int], kw: dict, steps: int):
+    state = ckpt.load(indices)
+    start = state["step"] if state else 0
+
+    def on_step_end(p, i, t, tensors):
+        done = start + i + 1
+        if done % ckpt.every == 0 and done < steps:
+            ckpt.save(indices, done, tensors["latents"], p.scheduler)
+        return {}
+
+    kw.update(callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
+    if state is None:
+        yield
+        return
+    log.info("samples %d..%d: resuming from step %d of %d (latent checkpoint %s)", indices[0], indices[-1], start,
+             steps, ckpt.path(indices).name)
+    with _resumed(pipe, state):
+        yield
+
+
+@contextlib.contextmanager
+def _resumed(pipe: Any, state: dict):
+    """For one call: ``set_timesteps`` restores the saved scheduler and skips the finished steps;
+    ``prepare_latents`` returns the saved latents. Both are instance attributes, removed afterwards."""
+    scheduler, device = pipe.scheduler, pipe._execution_device
+    set_timesteps, set_begin_index = scheduler.set_timesteps, scheduler.set_begin_index
+
+    def restored_set_timesteps(*args, **kwargs):
+        set_timesteps(*args, **kwargs)
+        vars(scheduler).update({k: _to(v, device) for k, v in state["scheduler"].items()})
+        scheduler.timesteps = scheduler.timesteps[state["step"]:]  # what the pipeline's loop reads next
+
+    def full_timesteps_again(*args, **kwargs):  # called after that read: step() needs the whole schedule
+        set_begin_index(*args, **kwargs)
+        scheduler.timesteps = _to(state["scheduler"]["timesteps"], device)
+
+    scheduler.set_timesteps, scheduler.set_begin_index = restored_set_timesteps, full_timesteps_again
+    pipe.prepare_latents = lambda *args, **kwargs: state["latents"].to(device)
+    try:
+        yield
+    finally:
+        del scheduler.set_timesteps, scheduler.set_begin_index, pipe.prepare_latents

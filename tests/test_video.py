@@ -1,0 +1,299 @@
+"""Video runs (model=tiny_video): mp4 shards webdataset reads back, frames decoded with PyAV, verify,
+preview, fingerprint and settings checks, and a SIGKILL-ed run resumed to the uninterrupted bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from jobs.generate import run
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import load_plan
+from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.verify import read_shard_members, verify_run
+from shardgen.dataio.video import check_video_member, decode_video, encode_video
+from tests.conftest import ROOT, compose_cfg
+
+# 32x32, 5 frames (2 latent frames), 2 steps: a batch of 2 videos in well under a second
+FAST = ("model=tiny_video", "height=32", "width=32", "num_frames=5", "steps=2", "batch_size=2", "progress=false")
+
+
+def shard_videos(run_dir: Path) -> dict[str, bytes]:
+    """key -> mp4 bytes over every committed shard."""
+    return {key: mem["mp4"] for tar in sorted((run_dir / "shards").glob("*.tar"))
+            for key, mem in read_shard_members(tar).items()}
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory) -> Path:
+    """A finished 6-prompt video run in 2 shards."""
+    d = tmp_path_factory.mktemp("video") / "run"
+    result = run(compose_cfg(f"run_dir={d}", "prompts.limit=6", "samples_per_shard=4", *FAST))
+    assert (result.ok, result.failed, result.complete) == (6, 0, True)
+    return d
+
+
+def test_mp4_shards_read_back_with_webdataset_and_pyav(video_run):
+    tars = sorted(str(t) for t in (video_run / "shards").glob("*.tar"))
+    samples = list(wds.WebDataset(tars, shardshuffle=False).decode())
+    assert len(samples) == 6
+    prompts = (ROOT / "examples" / "prompts.txt").read_text().splitlines()
+    firsts = set()
+    for s in samples:
+        assert set(s) >= {"mp4", "txt", "json"} and not {"png", "jpg", "webp"} & set(s)
+        frames, info = decode_video(s["mp4"])
+        meta = s["json"]
+        assert frames.shape == (5, 32, 32, 3) and frames.dtype == np.uint8
+        assert (info.codec, info.fps) == ("h264", 16.0)
+        assert s["txt"] == prompts[meta["index"]] == meta["prompt"]
+        assert (meta["frames"], meta["fps"], meta["duration"], meta["size"], meta["codec"]) == (5, 16, 0.3125, [32, 32],
+                                                                                                "libx264")
+        assert (meta["model"], meta["steps"], meta["status"], meta["height"]) == ("tiny_video", 2, "ok", 32)
+        firsts.add(frames[0].tobytes())
+    assert len(firsts) == 6  # every sample its own seed
+
+
+def test_verify_decodes_every_video_and_preview_shows_frames(video_run, capsys):
+    from jobs import preview, verify
+
+    assert verify.main([str(video_run)]) == 0
+    assert "6/6 samples (6 ok)" in capsys.readouterr().out
+    out = video_run / "sheet.png"
+    assert preview.main([str(video_run), "--size", "64", "--out", str(out)]) == 0
+    sheet = np.asarray(Image.open(out).convert("RGB"))
+    cell = sheet[:64, :64]
+    assert cell.std() > 0 and not (cell == 255).all()  # the first cell holds frames, not the blank sheet
+
+
+def test_verify_counts_frames_against_the_json():
+    frames = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    mp4 = encode_video(frames, 16)
+    assert check_video_member("k", mp4, dict(frames=5, size=[32, 32])) == []
+    assert check_video_member("k", mp4, dict(frames=9)) == ["k: mp4 has 5 frames, its json says 9"]
+    assert "video does not decode" in check_video_member("k", mp4[: len(mp4) // 3], dict(frames=5))[0]
+
+
+def test_encoding_is_deterministic_and_crf_0_is_near_lossless():
+    """Resumes compare bytes: the same frames must give the same mp4 (one x264 thread)."""
+    smooth = np.tile(np.linspace(0, 255, 32).astype(np.uint8)[None, None, :, None], (5, 32, 1, 3))
+    assert encode_video(smooth, 16, crf=0) == encode_video(smooth, 16, crf=0)
+    back, _ = decode_video(encode_video(smooth, 16, crf=0))
+    assert np.abs(back.astype(int) - smooth).max() <= 2  # yuv420p rounding only
+
+
+def test_changed_fps_or_frames_are_refused_on_resume(video_run):
+    with pytest.raises(Exception) as e:
+        run(compose_cfg(f"run_dir={video_run}", "prompts.limit=6", "samples_per_shard=4", *FAST, "fps=24",
+                        "num_frames=9"))
+    assert "fps: run has 16, this launch has 24" in str(e.value)
+    assert "num_frames: run has 5, this launch has 9" in str(e.value)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("num_frames=8", "num_frames=8: Wan's VAE compresses time 4x, so use 4k+1 frames"),
+    ("video_codec=nope", "video_codec='nope' is not an FFmpeg encoder"),
+    ("video_crf=60", "video_crf=60: use 0 (lossless) .. 51"),
+    ("fps=0", "fps=0: use a positive frame rate"),
+    ("latent_checkpoint_every=0", "latent_checkpoint_every=0: use N >= 1 steps, with a video model and strategy=dp"),
+])
+def test_bad_video_settings_fail_before_anything_is_written(tmp_path, override, needle):
+    with pytest.raises(ValueError) as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, override))
+    assert needle in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def _durable(run_dir: Path) -> int:
+    plan = load_plan(RunDir(run_dir))
+    return 0 if plan is None else read_ledger(plan).done_samples
+
+
+def _kill_job_when(tmp_path: Path, args: tuple[str, ...], ready, landed) -> Path:
+    """Start ``python -m jobs.generate *args`` on a fresh run, SIGKILL its process group once ``ready(run_dir)``;
+    start over (at most 3 times) unless ``landed(run_dir)`` (the job may finish before the kill). The run dir."""
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        with open(tmp_path / "log", "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args, f"run_dir={run_dir}"], cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+        while p.poll() is None and not ready(run_dir):
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if landed(run_dir):
+            return run_dir
+    pytest.fail("the kill never landed mid-run: " + (tmp_path / "log").read_text()[-2000:])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, video_run):
+    """Kill the whole job (SIGKILL) once its first batch is durable; the rerun's mp4 bytes equal video_run's."""
+    args = ("prompts.limit=6", "samples_per_shard=4", *FAST)
+    run_dir = _kill_job_when(tmp_path, args, lambda d: _durable(d) >= 2, lambda d: 0 < _durable(d) < 6)
+    result = run(compose_cfg(f"run_dir={run_dir}", *args))
+    assert result.complete and result.generated_here < 6
+    assert verify_run(load_plan(RunDir(run_dir))).ok
+    assert shard_videos(run_dir) == shard_videos(video_run)
+
+
+# --- the real Wan architectures (model.weights=dummy) ---------------------------------------------------------
+
+def test_wan_dummy_architectures_have_the_published_sizes():
+    """Built on the meta device (no memory): Wan 2.1 1.3B = 1.419B, 14B = 14.288B transformer parameters (what the
+    released safetensors hold), UMT5-XXL encoder 5.68B; Wan 2.2 A14B = two 14B experts."""
+    from shardgen.models.dummy import _construct, dummy_architecture
+
+    def params(arch):
+        return {n: sum(p.numel() for p in _construct(s).parameters()) for n, s in dummy_architecture(arch).items()
+                if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
+
+    small, big, moe = params("wan21_t2v_1_3b"), params("wan21_t2v_14b"), params("wan22_t2v_a14b")
+    assert small["transformer"] == 1_418_996_800 and big["transformer"] == 14_288_491_584
+    assert moe["transformer"] == moe["transformer_2"] == big["transformer"]
+    assert small["text_encoder"] == big["text_encoder"] == 5_680_910_336
+
+
+def test_wan22_dummy_scaled_down_runs_both_experts_through_the_job_path():
+    """The dummy path builds Wan 2.2's pipeline with its boundary_ratio and second expert; both experts run."""
+    import torch
+
+    from shardgen.models.dummy import build_dummy_pipeline
+
+    tiny_tr = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=32)
+    pipe = build_dummy_pipeline("WanPipeline", "cpu", torch.float32, arch="wan22_t2v_a14b", overrides=dict(
+        transformer=tiny_tr, transformer_2=tiny_tr, text_encoder=dict(d_model=32, d_ff=37, d_kv=8, num_layers=1,
+                                                                      num_heads=4, vocab_size=1000),
+        vae=dict(base_dim=4, decoder_base_dim=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1)))
+    assert pipe.config.boundary_ratio == 0.875 and pipe.tokenizer.model_max_length == 512
+    calls = {"transformer": 0, "transformer_2": 0}
+    for name in calls:
+        getattr(pipe, name).register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+    out = pipe(prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0,
+               guidance_scale_2=3.0, max_sequence_length=16, output_type="pt")
+    assert out.frames.shape == (1, 5, 3, 32, 32)
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0  # the high- and the low-noise expert
+
+
+# --- context parallel: Ulysses-2 under gloo on the tiny video model -------------------------------------------
+
+def _ulysses_video_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: the tiny video pipeline alone, then split by strategy=cp_ulysses; the largest difference."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    from omegaconf import OmegaConf
+
+    from parallel import world as W
+    from parallel.strategies import apply_strategy, parallel_dims
+    from shardgen.models.loader import load_pipeline, torch_dtype
+    from shardgen.run.generation import GenSettings, pipeline_kwargs
+
+    cfg = OmegaConf.create(cfg_yaml)
+
+    def video(pipe):  # two prompts with their seeds, as the job calls the pipeline
+        kw = pipeline_kwargs(pipe, GenSettings.from_cfg(cfg), ["a cat", "an astronaut riding a horse"], [11, 12])
+        return pipe(**kw).frames
+
+    torch.set_num_threads(1)
+    world = W.init_world("cpu")
+    with torch.no_grad():
+        ref_frames = video(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device))
+        dims = parallel_dims(cfg, 2)
+        pipe = apply_strategy(cfg, world, dims, W.build_mesh(dims, world.device))
+        seen = []  # video tokens each block sees on this rank: half of them under Ulysses-2
+        pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+        frames = video(pipe)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(
+        diff=(frames - ref_frames).abs().max().item(), shape=list(frames.shape), spread=ref_frames.std().item(),
+        tokens=sorted(set(seen)))))
+    W.shutdown()
+
+
+@pytest.mark.slow
+def test_ulysses2_equals_one_process_on_the_tiny_video_model(tmp_path):
+    """float64: the split computation differs from one process only in summation order (~1e-15); any real mistake
+    (a wrong shard of the video tokens or of RoPE, a misordered gather) gives differences of 1e-2 and more."""
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+
+    cfg = compose_cfg("model=tiny_video", "strategy=cp_ulysses", "ulysses_degree=2", "steps=2", "launcher=local",
+                      "launcher.nprocs=2")
+    mp.start_processes(_ulysses_video_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank}: {res}")
+        assert res["shape"] == [2, 9, 3, 64, 64] and res["spread"] > 1e-3
+        assert res["tokens"] == [48 // 2]  # 3 latent frames x 4 x 4 patches, split over the 2 ranks
+        assert res["diff"] <= 1e-10, res
+
+
+@pytest.mark.slow
+def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run):
+    """`python -m jobs.generate model=tiny_video strategy=cp_ulysses ulysses_degree=2 launcher=local
+    launcher.nprocs=2` as typed: a run jobs.verify accepts, byte for byte the one-rank run's videos."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jobs.generate", "strategy=cp_ulysses", "ulysses_degree=2", "launcher=local",
+           "launcher.nprocs=2", f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert verify_run(load_plan(RunDir(run_dir))).ok
+    assert shard_videos(run_dir) == shard_videos(video_run)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("ulysses_degree=3", "ulysses_degree=3 does not divide the 4 attention heads of WanTransformer3DModel"),
+    ("num_frames=1", "image tokens = 9 (1 latent frames of num_frames=1 x 48/16 x 48/16) do not divide by the CP "
+                     "degree 2"),
+])
+def test_bad_video_cp_degrees_fail_before_any_weight_is_read(tmp_path, override, needle):
+    from parallel.strategies import parallel_dims
+    from parallel.world import ParallelConfigError
+
+    cfg = compose_cfg("model=tiny_video", "strategy=cp_ulysses", "ulysses_degree=2", "height=48", "width=48",
+                      f"model.cache_dir={tmp_path / 'nothing'}", override)
+    with pytest.raises(ParallelConfigError) as e:
+        parallel_dims(cfg, cfg.ulysses_degree)
+    assert needle in str(e.value)
+    assert not (tmp_path / "nothing").exists()  # the model was never built nor read
+
+
+@pytest.mark.slow
+def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
+    """Two fresh processes build the same vocabulary (a trained unigram one differed in each process)."""
+    code = ("import hashlib, json; from shardgen.models.tiny_video import umt5_style_tokenizer as t; "
+            "print(hashlib.sha256(json.dumps(sorted(t().get_vocab().items())).encode()).hexdigest())")
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+    assert len(outs) == 1
+
+
+# --- mid-sample checkpoints (latent_checkpoint_every) ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog):
+    """A real SIGKILL once the batch's first latent checkpoint (step 2 of 8) exists; the rerun says from which
+    step it resumes and writes the uninterrupted run's mp4 bytes."""
+    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=8", "latent_checkpoint_every=2")
+    run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *args))
+    saved = lambda d: any((d / "latents").glob("*.pt")) if (d / "latents").is_dir() else False  # noqa: E731
+    run_dir = _kill_job_when(tmp_path, args, saved, lambda d: saved(d) and _durable(d) == 0)
+    with caplog.at_level("INFO", logger="shardgen.latents"):
+        assert run(compose_cfg(f"run_dir={run_dir}", *args)).complete
+    assert re.search(r"samples 0..1: resuming from step [246] of 8", caplog.text), caplog.text
+    assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
+    assert not list((run_dir / "latents").iterdir())  # removed once the batch went to the writer
