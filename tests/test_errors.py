@@ -17,6 +17,7 @@ EXPECTED = {
     "ConfigError": "user", "PromptFileError": "user", "FingerprintMismatch": "user", "ParallelConfigError": "user",
     "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "BrokenSetupError": "user",
     "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
+    "RunDirError": "user", "DiskFullError": "user",
 }
 
 

@@ -22,7 +22,8 @@ from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fin
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, build_plan, load_plan
 from shardgen.dataio.prompts import check_prompt_source, read_prompts
-from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.repair import load_plan_or_discard, repair_run_dir
+from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
@@ -83,14 +84,16 @@ def _limited(rows, limit: int | None):
 
 
 def prepare_run(cfg: Any) -> Plan:
-    """Check or create the run directory's fingerprint and plan (global rank 0 only)."""
+    """Check or create the run directory's fingerprint and plan, and repair what a killed job left
+    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused)."""
     run = RunDir(Path(cfg.run_dir).absolute())
+    check_run_root(run.root)
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-    plan = load_plan(run)
+    plan = load_plan_or_discard(run)
     if plan is None:
         rows = read_prompts(str(path), format=cfg.prompts.format, field=cfg.prompts.field,
                             seed_field=cfg.prompts.seed_field, on_bad_row=cfg.prompts.on_bad_row)
@@ -104,15 +107,16 @@ def prepare_run(cfg: Any) -> Plan:
         log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
                  plan.num_shards, plan.samples_per_shard, run.root)
     run.create()
+    repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
     return plan
 
 
 def _save_config(run: RunDir, cfg: Any) -> None:
-    first = run.root / "config.yaml"
-    path = first if not first.exists() else run.root / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    if not create_exclusive(run.config_path, text):
+        atomic_write_bytes(run.later_config_path(time.time()), text)
 
 
 def quiet_libraries() -> None:
