@@ -166,3 +166,15 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
     why = scan.problem if scan and scan.problem else "incomplete tar" if scan else "no tar"
     return f"shard {shard:06d}: {problem} ({why}); removed, it is generated again"
 
+
+
+def load_plan_checked(run: RunDir) -> Plan | None:
+    """The run's plan for the read-only tools (status, verify, preview): None if there is none;
+    RunDirError naming the file and the fix if it is damaged (they never re-plan)."""
+    _refuse_symlinks(run.plan_dir, "plan")
+    try:
+        return load_plan(run)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        plan_json = run.plan_dir / "plan.json"
+        raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
+                          "it plans again from the prompt file, identically") from None
