@@ -104,7 +104,8 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         return True
     if not allow_change:
         raise FingerprintMismatch(
-            f"{run.root} was made with other settings; resuming would mix different samples:\n  "
+            f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
+            "samples:\n  "
             + "\n  ".join(diffs)
             + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
               "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
@@ -161,7 +162,7 @@ def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
     try:
         cached = read_json(run.prompt_hash_path)
-        if {k: cached.get(k) for k in identity} == identity:
+        if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
             return cached["sha256"], identity
     except (OSError, ValueError, KeyError, AttributeError):
         pass  # none yet, or unreadable: hash the file
@@ -170,4 +171,11 @@ def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
     """Store the prompt file's hash for the next launch (see ``prompt_file_hash``)."""
-    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest))
+    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest, check=_check(identity, digest)))
+
+
+def _check(identity: dict, digest: str) -> str:
+    """A checksum of the cache record: a damaged cache (a changed hex digit) is never taken for the file's hash."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([identity, digest], sort_keys=True).encode()).hexdigest()[:16]

@@ -58,9 +58,9 @@ def load_plan_or_discard(run: RunDir) -> Plan | None:
         damage = None if plan is not None or not run.plan_dir.exists() else f"{plan_json} is missing"
     if plan is not None:
         missing = [run.plan_rows(s) for s in range(plan.num_shards) if not run.plan_rows(s).is_file()]
-        if not missing:
+        damage = f"{missing[0]} is missing" if missing else _plan_digest_problem(plan, full=True)
+        if damage is None:
             return plan
-        damage = f"{missing[0]} is missing"
     if damage:
         log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
         aside = run.root / f".plan-damaged~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
@@ -69,13 +69,51 @@ def load_plan_or_discard(run: RunDir) -> Plan | None:
         except FileNotFoundError:
             pass  # another job moved it first
         shutil.rmtree(aside, ignore_errors=True)
+        run.plan_digests_path.unlink(missing_ok=True)
+    return None
+
+
+def record_plan_digests(plan: Plan) -> None:
+    """Record the sha256 and size of every plan file (once, when the plan was made or first seen)."""
+    run = plan.run
+    try:
+        read_state(run.plan_digests_path)
+        return
+    except RunDirError:
+        pass  # none yet (or damaged: the plan itself was just checked against it, or made again)
+    files = [run.plan_dir / "plan.json"] + [run.plan_rows(s) for s in range(plan.num_shards)]
+    atomic_write_json(run.plan_digests_path, {p.name: [p.stat().st_size, file_sha256(p)] for p in files})
+
+
+FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whole; larger ones by size only
+
+
+def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None) -> str | None:
+    """Why a plan file differs from what was recorded when the plan was made (None: it does not)."""
+    try:
+        digests = read_state(plan.run.plan_digests_path)
+    except RunDirError:
+        return None  # not recorded (a run from before), or damaged: re-recorded from the current plan
+    files = only or [plan.run.plan_dir / "plan.json"] + [plan.run.plan_rows(s) for s in range(plan.num_shards)]
+    sizes = {p: p.stat().st_size if p.is_file() else -1 for p in files}
+    hash_them = full and sum(sizes.values()) <= FULL_CHECK_BYTES
+    for p in files:
+        want = digests.get(p.name) if isinstance(digests, dict) else None
+        if not isinstance(want, list) or len(want) != 2:
+            return f"{p} is not in {plan.run.plan_digests_path.name}"
+        if sizes[p] != want[0] or (hash_them and file_sha256(p) != want[1]):
+            return f"{p} was changed after the plan was made"
     return None
 
 
 def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
-    """The plan's rows of ``shard``, checked against the plan's numbering (RunDirError naming the file)."""
+    """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
+    plan's numbering (RunDirError naming the file and the fix)."""
     path = plan.run.plan_rows(shard)
     fix = REPLAN_HINT.format(plan_json=plan.run.plan_dir / "plan.json")
+    changed = _plan_digest_problem(plan, full=True, only=[path])
+    if changed:
+        raise RunDirError(f"{changed}; {fix}")
     try:
         rows = plan.rows(shard)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -117,7 +155,8 @@ def _remove_symlinks(run: RunDir) -> list[str]:
             if (d / name).is_symlink():
                 (d / name).unlink()
                 notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
-    for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path):
+    for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
+                 run.plan_digests_path):
         if path.is_symlink():
             path.unlink()
             notes.append(f"removed the symlink {path.name} (it was not followed)")

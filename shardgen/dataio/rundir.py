@@ -8,6 +8,7 @@ Layout (all names zero-padded shard ids)::
       fingerprint_changes.jsonl every accepted allow_fingerprint_change=true: when, by whom, what changed
       plan/plan.json            prompt file, row count, shard size, shard count (fixed once)
       plan/000000.jsonl         the rows of shard 0 (index, prompt, seed, extra, reject)
+      plan_digests.json         sha256 and size of each plan file, checked before a plan file is used
       shards/000000.tar         a committed shard (complete, readable)
       shards/000000.stats.json  written last: the shard's done marker (with the tar's size and sha256)
       work/000000.g3.tar        shard 0's partial tar, claim generation 3
@@ -250,6 +251,11 @@ class RunDir:
     @property
     def fingerprint_changes_path(self) -> Path:
         return self.root / "fingerprint_changes.jsonl"
+
+    @property
+    def plan_digests_path(self) -> Path:
+        """sha256 and size of every plan file, recorded when the plan was made (checked before use)."""
+        return self.root / "plan_digests.json"
 
     @property
     def prompt_hash_path(self) -> Path:

@@ -22,7 +22,7 @@ from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fin
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, build_plan, load_plan
 from shardgen.dataio.prompts import check_prompt_source, read_prompts
-from shardgen.dataio.repair import load_plan_or_discard, repair_run_dir
+from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings
@@ -107,6 +107,7 @@ def prepare_run(cfg: Any) -> Plan:
         log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
                  plan.num_shards, plan.samples_per_shard, run.root)
     run.create()
+    record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
