@@ -297,13 +297,20 @@ def test_a_damaged_plan_is_planned_again_identically(copy, damage):
     verified_identical(d, want)
 
 
-def test_a_garbled_plan_shard_is_refused_naming_the_file_and_the_fix(copy):
-    prompts, d, _ = copy
+def test_a_garbled_plan_shard_is_planned_again_or_refused_naming_the_file_and_the_fix(copy):
+    from shardgen.dataio.repair import checked_rows
+
+    prompts, d, want = copy
     (d / "shards" / "000001.stats.json").unlink()
     (d / "shards" / "000001.tar").unlink()
+    good = (d / "plan" / "000001.jsonl").read_bytes()
     (d / "plan" / "000001.jsonl").write_text('{"index": 3}\n')
-    with pytest.raises(RunDirError, match=r"plan/000001.jsonl is damaged.*delete .*plan.json and re-run"):
-        gen(d, prompts)
+    plan = load_plan(RunDir(d))
+    with pytest.raises(RunDirError, match=r"plan/000001.jsonl was changed.*delete .*plan.json and re-run"):
+        checked_rows(plan, 1)  # changed while a job uses it: refused
+    assert gen(d, prompts).generated_here == 3  # at launch: planned again, identically
+    assert (d / "plan" / "000001.jsonl").read_bytes() == good
+    verified_identical(d, want)
 
 
 def test_leftovers_of_killed_jobs_are_cleaned_up(copy):
