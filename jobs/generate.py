@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import sys
 
 import hydra
@@ -41,10 +43,17 @@ def run(cfg: GenerateConfig):
 def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
 
+    debug = os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0")  # SHARDGEN_DEBUG=1: tracebacks always
     try:
         run(cfg)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        log.error("interrupted. %s is resumable: re-run the same command to continue where it stopped:\n  %s",
+                  cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate", *sys.argv[1:]]))
+        sys.exit(130)
     except Exception as e:
-        if is_user_error(e):  # a message for the user, not a traceback
+        if is_user_error(e) and not debug:  # a message for the user, not a traceback
             log.error("%s", e)
             sys.exit(2)
         raise

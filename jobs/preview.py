@@ -12,16 +12,19 @@ import sys
 import textwrap
 from pathlib import Path
 
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.repair import load_plan_checked
+from shardgen.dataio.rundir import RunDir, atomic_write_bytes, run_dir_arg
 from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
 from shardgen.dataio.video import VIDEO_EXT, preview_png
+from shardgen.errors import UserError
 
 
 def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
     """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order."""
     out = []
     for tar in sorted(run.shards_dir.glob("*.tar")):
+        if tar.is_symlink():  # never read (or trust) a link where a shard should be
+            continue
         for key, mem in sorted(read_shard_members(tar).items()):
             img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
             if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
@@ -62,15 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     run = RunDir(Path(args.run_dir).absolute())
-    if load_plan(run) is None:
+    try:
+        plan = load_plan_checked(run)
+    except UserError as e:
+        print(f"{args.run_dir}: {e}", file=sys.stderr)
+        return 2
+    if plan is None:
         print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
         return 2
     items = collect(run, args.n)
     if not items:
         print(f"{args.run_dir}: no committed shard yet", file=sys.stderr)
         return 1
-    out = Path(args.out) if args.out else run.root / "preview.png"
-    contact_sheet(items, args.cols, args.size).save(out)
+    out = Path(args.out) if args.out else run.preview_path
+    buf = io.BytesIO()
+    contact_sheet(items, args.cols, args.size).save(buf, format="PNG")
+    if out.is_symlink():
+        print(f"note: {out} was a symlink; it is replaced by the file (the link's target is left alone)")
+    atomic_write_bytes(out, buf.getvalue())  # a fresh file renamed into place: never written through a link
     print(f"wrote {out} ({len(items)} samples)")
     return 0
 

@@ -1,6 +1,6 @@
-"""Audit a run directory; exit 1 on any defect.
+"""Audit a run directory; exit 1 on any defect (``--repair``: make damaged shards sound or absent).
 
-    python -m jobs.verify RUN_DIR [--no-decode]
+    python -m jobs.verify RUN_DIR [--no-decode] [--repair]
 """
 
 from __future__ import annotations
@@ -9,18 +9,25 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardgen.dataio.plan import load_plan
+from shardgen.dataio.repair import load_plan_checked
 from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.verify import verify_run
+from shardgen.dataio.verify import repair_run, verify_run
+from shardgen.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
+    ap.add_argument("--repair", action="store_true",
+                    help="rewrite stats from sound tars; remove shards whose samples are wrong (generate makes them again)")
     ap.add_argument("--max-lines", type=int, default=20, help="defects to print")
     args = ap.parse_args(argv)
-    plan = load_plan(RunDir(Path(args.run_dir).absolute()))
+    try:
+        plan = load_plan_checked(RunDir(Path(args.run_dir).absolute()))
+    except UserError as e:
+        print(f"{args.run_dir}: {e}", file=sys.stderr)
+        return 2
     if plan is None:
         print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
         return 2
@@ -31,9 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         print("  DEFECT", line)
     if len(rep.defects) > args.max_lines:
         print(f"  ... and {len(rep.defects) - args.max_lines} more")
-    print("OK: every prompt index exactly once, every tar readable, counts match" if rep.ok
-          else f"FAILED: {len(rep.defects)} defects")
-    return 0 if rep.ok else 1
+    if rep.ok:
+        print("OK: every prompt index exactly once, every tar readable and unchanged, every sample as planned, "
+              "counts match")
+        return 0
+    print(f"FAILED: {len(rep.defects)} defects")
+    if args.repair:
+        for line in repair_run(plan, rep):
+            print("  REPAIRED", line)
+        print(f"Now re-run the generate command (e.g. python -m jobs.generate run_dir={args.run_dir} ...) "
+              "with the run's settings to complete it.")
+    elif rep.bad_shards:
+        print(f"To repair: python -m jobs.verify {args.run_dir} --repair, then re-run the generate command")
+    return 1
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ def test_jsonl_prompt_seed_and_extra(tmp_path):
 def test_jsonl_custom_field_and_seed_field(tmp_path):
     path = write(tmp_path / "p.ndjson", '{"caption": "c", "s": 5, "seed": "kept as extra"}\n')
     (row,) = read_prompts(str(path), field="caption", seed_field="s")
-    assert (row.prompt, row.seed, row.extra) == ("c", 5, {"seed": "kept as extra"})
+    # "seed" is a key shardgen writes itself: the input field moves under "extra" rather than being overwritten
+    assert (row.prompt, row.seed, row.extra) == ("c", 5, {"extra": {"seed": "kept as extra"}})
 
 
 def test_csv_quoting_multiline_records_seed_and_extra(tmp_path):

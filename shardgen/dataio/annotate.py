@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from shardgen.dataio.shardwork import Sample
+if TYPE_CHECKING:  # a type only: shardwork imports the plan, which imports this module
+    from shardgen.dataio.shardwork import Sample
 
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")  # a Hugging Face cache snapshot: its commit
 

@@ -6,11 +6,18 @@ creating generation gen+1, which only one contender can do; the holder of a lowe
 sees it has lost the shard at its next heartbeat and stops writing. A claim is taken over when
 its heartbeat is older than the lease, or at once when its holder is known dead (same host and
 its pid is gone, the same SLURM job restarted, or, seen from a SLURM job, the holder's SLURM job ended).
+
+Clocks of different hosts disagree: a heartbeat in the future (the holder's or the file server's
+clock is ahead) is not trusted for ever. A claimer also times each claim by its own clock: a
+heartbeat that has not changed for a whole lease, as seen from here, is expired whatever its
+mtime says. A holder whose claim was taken over (e.g. its clock is behind, so its heartbeat
+looked old) sees the new generation and leaves the shard without error.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -18,7 +25,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir import RunDir, pid_alive
+
+log = logging.getLogger("shardgen.claims")
+FUTURE_TOLERANCE_S = 5.0  # heartbeats this far ahead of our clock are reported as clock skew
 
 _CLAIM_RE = re.compile(r"^(\d{6})\.g(\d+)$")
 
@@ -30,30 +40,34 @@ def owner_record(replica: int) -> dict:
                 started=time.time())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def holder_known_dead(record: dict | None, me: dict) -> bool:
     """True when the claim's holder cannot be alive (so waiting for its lease is pointless)."""
-    if not record:
+    if not isinstance(record, dict) or not record:
         return False
-    if record.get("host") == me["host"] and record.get("pid") != me["pid"] and not _pid_alive(int(record["pid"])):
+    pid = record.get("pid")
+    if record.get("host") == me["host"] and isinstance(pid, int) and pid != me["pid"] and not pid_alive(pid):
         return True
-    job = record.get("job")
+    job, restart = record.get("job"), record.get("restart", 0)
+    if not isinstance(restart, int):
+        return False
     if job and job == me["job"]:
-        return int(record.get("restart", 0)) < me["restart"]
+        return restart < me["restart"]
     if job and me["job"]:  # another SLURM job, maybe on another node (where its pid means nothing): ask SLURM
         from shardgen.dataio.slurm_jobs import slurm_attempt_ended
 
-        return slurm_attempt_ended(str(job), int(record.get("restart", 0)))
+        return slurm_attempt_ended(str(job), restart)
     return False
+
+
+def claim_state(record: dict | None, mtime: float | None, now: float, lease_s: float, me: dict) -> str:
+    """How a claim looks from here: running | future (heartbeat ahead of our clock) | stalled | dead | gone."""
+    if mtime is None:
+        return "gone"
+    if holder_known_dead(record, me):
+        return "dead"
+    if mtime - now > FUTURE_TOLERANCE_S:
+        return "future"
+    return "running" if now - mtime < lease_s else "stalled"
 
 
 def scan_claims(run: RunDir) -> dict[int, int]:
@@ -92,6 +106,7 @@ class Claimer:
     heartbeat_s: float = 15.0
     held: dict[int, int] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    _seen: dict = field(default_factory=dict)  # (shard, gen) -> (heartbeat mtime, our time when it was first seen)
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -101,13 +116,11 @@ class Claimer:
 
     def try_claim(self, shard: int, latest_gen: int | None) -> int | None:
         """Claim ``shard`` (whose highest claim generation is ``latest_gen``); its new generation or None."""
-        if latest_gen is not None:
-            record, mtime = read_claim(self.run, shard, latest_gen)
-            if mtime is not None and time.time() - mtime < self.lease_s and not holder_known_dead(record, self.owner):
-                return None
+        if latest_gen is not None and self._alive(shard, latest_gen):
+            return None
         gen = (latest_gen or 0) + 1
         try:
-            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             return None
         with os.fdopen(fd, "w") as f:
@@ -117,6 +130,32 @@ class Claimer:
         with self._lock:
             self.held[shard] = gen
         return gen
+
+    def _alive(self, shard: int, gen: int) -> bool:
+        """Whether claim (shard, gen) still holds: its heartbeat is recent by its mtime, and it has
+        changed within a lease as timed by our own clock (a future or frozen mtime expires too)."""
+        record, mtime = read_claim(self.run, shard, gen)
+        now = time.time()
+        state = claim_state(record, mtime, now, self.lease_s, self.owner)
+        if state in ("gone", "dead", "stalled"):
+            if state == "stalled":
+                log.info("taking over shard %06d: claim g%d by %s has not beaten for %.0f s (lease_s=%s)", shard, gen,
+                         _who(record), now - mtime, self.lease_s)
+            return False
+        seen_mtime, first_seen = self._seen.get((shard, gen), (None, now))
+        if seen_mtime != mtime:
+            if state == "future" and seen_mtime is None:
+                log.warning("claim %s has a heartbeat %.0f s in the future (clocks of %s and this host disagree); "
+                            "it is taken over if it does not change for lease_s=%s s", self.run.claim(shard, gen),
+                            mtime - now, _who(record), self.lease_s)
+            self._seen[(shard, gen)] = (mtime, now)
+            return True
+        if now - first_seen < self.lease_s:
+            return True
+        log.warning("taking over shard %06d: claim g%d by %s has not changed for %.0f s of this host's clock "
+                    "(its heartbeat mtime says %s)", shard, gen, _who(record), now - first_seen,
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime)))
+        return False
 
     def still_mine(self, shard: int) -> bool:
         """False once another replica took the shard over (checked by the heartbeat, and here)."""
@@ -150,6 +189,11 @@ class Claimer:
                     self.lost.add(shard)
                     continue
                 try:
-                    os.utime(self.run.claim(shard, gen))
+                    os.utime(self.run.claim(shard, gen), follow_symlinks=False)
                 except FileNotFoundError:
                     self.lost.add(shard)
+
+
+def _who(record: dict | None) -> str:
+    r = record if isinstance(record, dict) else {}
+    return f"host {r.get('host', '?')} pid {r.get('pid', '?')}"

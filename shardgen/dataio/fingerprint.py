@@ -6,13 +6,21 @@ any of them changed (up to the numerics of the strategy).
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.plan import file_sha256
-from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.rundir import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive, json_bytes,
+                                    read_json, read_state)
 from shardgen.dataio.video import video_fingerprint
 from shardgen.errors import UserError
+
+log = logging.getLogger("shardgen")
 
 
 class FingerprintMismatch(UserError, RuntimeError):
@@ -54,23 +62,101 @@ def diff_fingerprints(old: dict, new: dict) -> list[str]:
     return [f"{k}: run has {old.get(k)!r}, this launch has {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+# fields the plan is made from: a change cannot be applied to a planned run (the plan is fixed once)
+PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.seed_field", "prompts.on_bad_row",
+               "prompts.limit", "samples_per_shard", "seed")
+
+
+def read_fingerprint(run: RunDir) -> dict | None:
+    """The run's fingerprint, None if it has none; RunDirError (naming the file and the fix) if it is damaged."""
+    path = run.fingerprint_path
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        fp = read_state(path, {"model.name": str, "steps": int, "prompts.sha256": str})
+    except RunDirError as e:
+        raise RunDirError(f"{e}. It says which settings made this run; without it the run cannot be resumed "
+                          f"safely. Restore it (e.g. from a backup), or start a new run_dir") from None
+    return fp
+
+
+def _has_run_state(run: RunDir) -> list[str]:
+    """What in ``run`` shows that a run already happened there (a plan, shards, partials)."""
+    found = []
+    for d in (run.plan_dir, run.shards_dir, run.work_dir):
+        try:
+            if any(not n.startswith(".") for n in os.listdir(d)):
+                found.append(d.name + "/")
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return found
+
+
 def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: bool = False) -> bool:
     """Write the fingerprint of a new run, or check a resumed run's; True when resuming.
 
-    Raises FingerprintMismatch naming each differing field, unless ``allow_change``.
+    The first job to create it wins (exclusive create): a concurrent job with other settings is
+    refused like any resume with other settings. Raises FingerprintMismatch naming each differing
+    field, unless ``allow_change`` (recorded in fingerprint_changes.jsonl), which is refused too for
+    fields the existing plan was made from. RunDirError when a run exists but its fingerprint does not.
     """
-    path = run.fingerprint_path
-    if not path.exists():
-        run.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, fingerprint)
-        return False
-    diffs = diff_fingerprints(read_json(path), fingerprint)
-    if diffs and not allow_change:
+    old = read_fingerprint(run)
+    if old is None:
+        state = _has_run_state(run)
+        if state:
+            raise RunDirError(
+                f"{run.root} holds a run ({', '.join(state)}) but no fingerprint.json, so nothing shows which "
+                "settings made it and resuming could mix different samples. Restore fingerprint.json, or start a "
+                f"new run_dir (or delete {run.root} to start over)")
+        run.create()
+        if create_exclusive(run.fingerprint_path, json_bytes(fingerprint)):
+            return False
+        old = read_fingerprint(run)  # another job created it first: the same checks as a resume
+    diffs = diff_fingerprints(old, fingerprint)
+    if not diffs:
+        return True
+    if not allow_change:
         raise FingerprintMismatch(
-            f"{run.root} was made with other settings; resuming would mix different samples:\n  "
+            f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
+            "samples:\n  "
             + "\n  ".join(diffs)
-            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true.")
+            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
+              "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
+    _apply_change(run, old, fingerprint)
     return True
+
+
+def _apply_change(run: RunDir, old: dict, new: dict) -> None:
+    planned = (run.plan_dir / "plan.json").exists()
+    plan_diffs = [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
+    if planned and plan_diffs:
+        raise FingerprintMismatch(
+            f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
+            f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
+            "be silently ignored. Extending a run with appended prompts is not supported yet: put the new prompts "
+            "(only them) in their own file and generate them into a new run_dir.")
+    record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  host=socket.gethostname(), changes={k: [old.get(k), new.get(k)]
+                                                      for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
+    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    atomic_write_json(run.fingerprint_path, new)
+    log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.root,
+                ", ".join(f"{k}={v[1]!r}" for k, v in record["changes"].items()), run.fingerprint_changes_path.name)
+
+
+def fingerprint_changes(run: RunDir) -> list[dict]:
+    """The recorded allow_fingerprint_change launches, oldest first (unreadable lines skipped)."""
+    out = []
+    try:
+        lines = run.fingerprint_changes_path.read_text(encoding="utf-8").splitlines()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def _file_identity(path: Path) -> dict:
@@ -89,7 +175,7 @@ def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
     try:
         cached = read_json(run.prompt_hash_path)
-        if {k: cached.get(k) for k in identity} == identity:
+        if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
             return cached["sha256"], identity
     except (OSError, ValueError, KeyError, AttributeError):
         pass  # none yet, or unreadable: hash the file
@@ -98,4 +184,11 @@ def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
     """Store the prompt file's hash for the next launch (see ``prompt_file_hash``)."""
-    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest))
+    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest, check=_check(identity, digest)))
+
+
+def _check(identity: dict, digest: str) -> str:
+    """A checksum of the cache record: a damaged cache (a changed hex digit) is never taken for the file's hash."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([identity, digest], sort_keys=True).encode()).hexdigest()[:16]

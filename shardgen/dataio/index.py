@@ -184,3 +184,8 @@ def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, 
         problems.append(f"the index lists {len(imaged - set(tar_members))} images the tar lacks and misses "
                         f"{len(set(tar_members) - imaged)} of its samples")
     return {**records, **tar_members}, problems
+
+
+def partial_rows(run: RunDir, shard: int, gen: int, n: int) -> list[dict]:
+    """The first ``n`` rows of generation ``gen``'s partial index (ValueError if one is not JSON)."""
+    return [json.loads(line) for line in _first_lines(partial_index_path(run, shard, gen), n)]

@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardgen.dataio.claims import read_claim, scan_claims
+from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDir, read_json
-from shardgen.dataio.shardwork import shard_checkpoints
+from shardgen.dataio.rundir import RunDir, RunDirError, read_state
+from shardgen.dataio.shardwork import STATS_FIELDS, shard_checkpoints
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ShardState:
 
     shard: int
     rows: int
-    state: str               # done | running | stalled | pending
+    state: str               # done | running | future (heartbeat ahead of our clock) | stalled | dead | pending | damaged
     samples: int = 0         # committed (done) or checkpointed (in progress)
     claim_age_s: float | None = None
     holder: dict | None = None
@@ -53,6 +53,12 @@ class Ledger:
                 c.update({k: s.stats[k] for k in ("ok", "failed", "rejected")})
         return c
 
+    def finished_at(self) -> float | None:
+        """When the last shard was committed, once every shard is; None while the run is not complete."""
+        if self.count("done") != len(self.shards):
+            return None
+        return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
+
 
 def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = None) -> Ledger:
     """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards."""
@@ -60,15 +66,20 @@ def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = N
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
     claims = scan_claims(run) if run.claims_dir.exists() else {}
-    now = time.time()
+    now, me = time.time(), owner_record(-1)
     shards, reasons = [], Counter()
     for shard in range(plan.num_shards):
         rows = len(plan.shard_range(shard))
         if shard in done:
             if shard not in cache:
-                cache[shard] = read_json(run.shard_stats(shard))
+                try:
+                    cache[shard] = read_state(run.shard_stats(shard), STATS_FIELDS)
+                except RunDirError:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
+                    shards.append(ShardState(shard, rows, "damaged"))
+                    continue
             st = cache[shard]
-            reasons.update(st.get("failures_by_reason", {}))
+            if isinstance(st.get("failures_by_reason"), dict):
+                reasons.update(st["failures_by_reason"])
             shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
             continue
         ckpts = shard_checkpoints(run, shard) if run.work_dir.exists() else []
@@ -79,17 +90,21 @@ def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = N
             continue
         record, mtime = read_claim(run, shard, gen)
         age = None if mtime is None else now - mtime
-        state = "running" if age is not None and age < lease_s else "stalled"
-        shards.append(ShardState(shard, rows, state, n, claim_age_s=age, holder=record))
+        state = claim_state(record, mtime, now, lease_s, me)
+        shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
+                                 holder=record if isinstance(record, dict) else {}))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
 
 
 def run_lease_s(run: RunDir, default: float = 120.0) -> float:
     """The lease the run was configured with (from its resolved config), for status displays."""
+    import yaml
     from omegaconf import OmegaConf
 
-    path = run.root / "config.yaml"
-    return float(OmegaConf.load(path).get("lease_s", default)) if path.exists() else default
+    try:
+        return float(OmegaConf.load(run.config_path).get("lease_s", default))
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # missing or damaged: the default
+        return default
 
 
 def list_work_files(run: RunDir) -> list[str]:

@@ -27,7 +27,7 @@ import logging
 import numpy as np
 
 from shardgen.dataio import prompts as P
-from shardgen.dataio.claims import _pid_alive
+from shardgen.dataio.rundir import pid_alive as _pid_alive
 from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
 from shardgen.dataio.truncation import TruncationCheck
 from shardgen.errors import UserError

@@ -25,6 +25,10 @@ _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
 _SEED_TEXT = re.compile(r"[0-9]+")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
 _PARQUET_BATCH = 4096
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
+_MAX_DEPTH = 64  # nesting of a row's values; deeper is surely not a prompt row (and would blow the stack)
+# the keys shardgen writes into each sample's json: input fields of these names go under "extra" instead
+SAMPLE_JSON_KEYS = frozenset({"prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance",
+                              "strategy", "true_cfg_scale", "lossy", "gen_s", "status", "error", "extra"})
 
 
 @dataclass(frozen=True)
@@ -258,12 +262,49 @@ def _parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | No
     if not text.strip():
         raise _BadRow("blank line (every jsonl line must be one JSON object)")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise _BadRow(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise _BadRow(f"JSON nested too deeply (more than {_MAX_DEPTH} levels)") from None
     if not isinstance(obj, dict):
         raise _BadRow(f"not a JSON object (got {_json_type(obj)})")
+    _check_values(obj)
     return _parse_record(obj, field, seed_field)
+
+
+def _no_constant(name: str):
+    raise _BadRow(f"{name} is not standard JSON (use null, or a number)")
+
+
+def _check_values(obj: Any) -> None:
+    """Every string of the row is valid Unicode (no lone surrogates such as "\\ud800") and nesting stays
+    within _MAX_DEPTH, so the row can be written as standard UTF-8 JSON later; iterative, never recursing."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise _BadRow(f"JSON nested too deeply (more than {_MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            stack += [(k, depth) for k in value] + [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _BadRow(f"invalid Unicode: a lone surrogate \\u{ord(value[e.start]):04x} in {value[:40]!r}") \
+                    from None
+        elif isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+            raise _BadRow(f"{value} is not a JSON number (standard JSON has no NaN or Infinity)")
+
+
+def _split_extra(extra: dict) -> dict:
+    """Input fields that would collide with shardgen's own sample-json keys move under "extra"."""
+    clash = {k: extra.pop(k) for k in list(extra) if k in SAMPLE_JSON_KEYS}
+    if clash:
+        extra["extra"] = clash
+    return extra
 
 
 def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
@@ -273,7 +314,7 @@ def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | No
     extra = dict(rec)
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_value(extra.pop(seed_field, None), seed_field)
-    return prompt, seed, extra
+    return prompt, seed, _split_extra(extra)
 
 
 # ---------------------------------------------------------------- csv and tsv
@@ -350,7 +391,7 @@ def _parse_cells(cells: list[str] | None, reason: str | None, header: list[str],
     extra = dict(zip(header, cells))
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_text(extra.pop(seed_field), seed_field) if seed_field in extra else None
-    return prompt, seed, extra
+    return prompt, seed, _split_extra(extra)
 
 
 # ---------------------------------------------------------------- parquet
@@ -395,11 +436,15 @@ def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str) -> It
 
 def _parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
     prompt, seed, extra = _parse_record(rec, field, seed_field)
-    return prompt, seed, {k: _jsonable(v) for k, v in extra.items()}
+    extra = {k: _jsonable(v) for k, v in extra.items()}
+    _check_values(extra)
+    return prompt, seed, extra
 
 
 def _jsonable(value: Any) -> Any:
     """Parquet values as JSON values: extras are written into the plan as JSON."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None  # a missing value in a float column (pandas writes NaN): JSON has no NaN
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, dict):

@@ -5,28 +5,49 @@ Layout (all names zero-padded shard ids)::
     RUN_DIR/
       config.yaml               resolved config of the first launch (later launches: config.<time>.yaml)
       fingerprint.json          what determines the pixels; a resume with other values is refused
+      fingerprint_changes.jsonl every accepted allow_fingerprint_change=true: when, by whom, what changed
       plan/plan.json            prompt file, row count, shard size, shard count (fixed once)
       plan/000000.jsonl         the rows of shard 0 (index, prompt, seed, extra, reject)
+      plan_digests.json         sha256 and size of each plan file, checked before a plan file is used
       shards/000000.tar         a committed shard (complete, readable)
-      shards/000000.stats.json  written last: the shard's done marker
+      shards/000000.stats.json  written last: the shard's done marker (with the tar's size and sha256)
       work/000000.g3.tar        shard 0's partial tar, claim generation 3
-      work/000000.g3.ckpt.json  its checkpoint: samples and tar bytes durably written
+      work/000000.g3.ckpt.json  its checkpoint: samples, tar bytes and their sha256, durably written
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
       summary.json              totals, rewritten at the end of each launch
-      logs/                     per-rank logs (SLURM)
+      logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
-That holds on NFS and Lustre, where rename within a directory is atomic.
+That holds on NFS and Lustre, where rename within a directory is atomic. Nothing is ever
+written through a symlink: new files are created with O_EXCL (which never follows one) and
+renamed over the old name (which replaces a link, not its target).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shardgen.errors import UserError
+
+LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
+_TMP_SEP = "~"          # temp names: .<name>~<host>~<pid>~<random>.tmp (the owner can be checked)
+
+
+class RunDirError(UserError, RuntimeError):
+    """A run directory (or a file in it) that cannot be used as it is; the message names the file and the fix."""
+
+
+class DiskFullError(UserError, OSError):
+    """No space (or quota) left while writing a run file; the message names the path and the free space."""
 
 
 def _read_umask() -> int:
@@ -38,10 +59,34 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+def _tmp_prefix(name: str) -> str:
+    return f".{name}{_TMP_SEP}{socket.gethostname()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
+
+
+def free_space_text(path: Path) -> str:
+    """'12.3 GB free' on the filesystem of ``path`` (or '? free' where it cannot be measured)."""
+    try:
+        return f"{shutil.disk_usage(path).free / 1e9:.1f} GB free"
+    except OSError:
+        return "? free"
+
+
+def disk_full(e: OSError, path: Path, need: int | None = None) -> DiskFullError | None:
+    """The user-facing error for an out-of-space/quota OSError while writing ``path`` (None for other errors)."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    want = f"; about {need / 1e6:.1f} MB more were being written" if need else ""
+    return DiskFullError(f"no space left writing {path} ({e.strerror}; {free_space_text(Path(path).parent)} there{want}). "
+                         "Free space or raise the quota, then re-run the same command: the run resumes where it stopped.")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
+
+    The temp file is created fresh (O_EXCL) and renamed over ``path``: a symlink at ``path`` is
+    replaced, never written through."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are meant to be shared
         with os.fdopen(fd, "wb") as f:
@@ -49,23 +94,108 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and (full := disk_full(e, path, len(data))):
+            raise full from None
         raise
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Standard JSON (no NaN/Infinity), indented, keys sorted: the form of every run-state file."""
+    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Atomically write ``obj`` as indented JSON."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` whole, only if nothing (not even a symlink) is there; False if
+    something is. The content is written under a temp name and hard-linked into place, so a reader
+    never sees a partial file and of two racing creators exactly one wins (link is atomic on NFS too)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            return _create_excl_fallback(path, data)  # filesystems without hard links
+        return True
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _create_excl_fallback(path: Path, data: bytes) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def open_fresh(path: Path) -> int:
+    """A new empty file at ``path`` opened read-write, never through a symlink: whatever is at
+    ``path`` (a stale file, or a link planted there) is unlinked first; the caller owns the name."""
+    path = Path(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def read_json(path: Path) -> Any:
     """Read a JSON file."""
     with open(path, "rb") as f:
         return json.loads(f.read())
+
+
+def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
+    """A run-state JSON file, or RunDirError naming it: missing, a symlink, empty, not JSON (or not
+    standard JSON), or lacking a required key of the required type."""
+    path = Path(path)
+    if path.is_symlink():
+        raise RunDirError(f"{path} is a symlink; run files must be regular files")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise RunDirError(f"{path} is missing") from None
+    if not data.strip():
+        raise RunDirError(f"{path} is empty")
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise RunDirError(f"{path} is not valid JSON ({e})") from None
+    for key, typ in (required or {}).items():
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool) != (typ is bool):
+            raise RunDirError(f"{path} has no valid {key!r} (another version, or damaged)")
+    return obj
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not standard JSON")
 
 
 def shard_name(shard: int) -> str:
@@ -81,7 +211,7 @@ def run_dir_arg(text: str) -> str:
 
 @dataclass(frozen=True)
 class RunDir:
-    """Paths inside one run directory; no I/O beyond ``create``."""
+    """Every path inside one run directory (nothing else builds them); I/O only in ``create`` and ``clean_leftovers``."""
 
     root: Path
 
@@ -102,8 +232,30 @@ class RunDir:
         return self.root / "claims"
 
     @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def failures_dir(self) -> Path:
+        """Per-job failure counters of SLURM requeues."""
+        return self.logs_dir / "failures"
+
+    @property
+    def slurm_logs_dir(self) -> Path:
+        return self.logs_dir / "slurm"
+
+    @property
     def fingerprint_path(self) -> Path:
         return self.root / "fingerprint.json"
+
+    @property
+    def fingerprint_changes_path(self) -> Path:
+        return self.root / "fingerprint_changes.jsonl"
+
+    @property
+    def plan_digests_path(self) -> Path:
+        """sha256 and size of every plan file, recorded when the plan was made (checked before use)."""
+        return self.root / "plan_digests.json"
 
     @property
     def prompt_hash_path(self) -> Path:
@@ -113,10 +265,33 @@ class RunDir:
     def summary_path(self) -> Path:
         return self.root / "summary.json"
 
+    @property
+    def config_path(self) -> Path:
+        """The resolved config of the first launch."""
+        return self.root / "config.yaml"
+
+    def later_config_path(self, when: float) -> Path:
+        """The resolved config of a later launch."""
+        return self.root / f"config.{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}.yaml"
+
+    @property
+    def preview_path(self) -> Path:
+        return self.root / "preview.png"
+
     def create(self) -> None:
-        """Create the directory skeleton (idempotent)."""
+        """Create the directory skeleton (idempotent); RunDirError when the path cannot be a run directory."""
+        check_run_root(self.root)
         for d in (self.root, self.shards_dir, self.work_dir, self.claims_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:
+                raise RunDirError(f"{d} exists and is not a directory; move it away or choose another run_dir") from None
+            except OSError as e:
+                raise RunDirError(f"cannot create {d} ({e.strerror}); choose a writable run_dir") from None
+        for d in (self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
+            if d.is_symlink():
+                raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
+                                  f"directory. Replace it by a directory (make run_dir itself the link instead)")
 
     def shard_tar(self, shard: int) -> Path:
         return self.shards_dir / f"{shard_name(shard)}.tar"
@@ -141,3 +316,76 @@ class RunDir:
         if not self.shards_dir.exists():
             return set()
         return {int(n[:6]) for n in os.listdir(self.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()}
+
+    def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
+        """Remove what killed jobs left behind (temp files, temporary plan directories); the removed paths.
+
+        Safe with other jobs running: a temp file goes at once only when its owner (host and pid in
+        its name) is this host's and dead, anything else only when untouched for ``max_age_s``
+        (a live writer renames its temp file within seconds; a planner adds a file per shard)."""
+        removed = []
+        for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
+            try:
+                names = os.listdir(d) if not d.is_symlink() else []
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                path = d / name
+                if name.startswith(".") and (name.endswith(".tmp") or name.startswith(".plan-")) \
+                        and _leftover(path, name, max_age_s):
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() \
+                        else path.unlink(missing_ok=True)
+                    removed.append(path)
+        return removed
+
+
+def _leftover(path: Path, name: str, max_age_s: float) -> bool:
+    parts = name.split(_TMP_SEP)
+    if len(parts) == 4 and parts[1] == socket.gethostname() and parts[2].isdigit():
+        pid = int(parts[2])
+        if pid != os.getpid() and not pid_alive(pid):
+            return True
+    try:
+        return time.time() - path.lstat().st_mtime > max_age_s
+    except FileNotFoundError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_run_root(root: Path) -> None:
+    """RunDirError unless ``root`` is (or can become) a writable directory."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise RunDirError(f"run_dir {root} exists and is not a directory; choose another run_dir")
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RunDirError(f"run_dir {root}: {probe} is not a directory; choose another run_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunDirError(f"run_dir {root}: {probe} is not writable by this user; choose a writable run_dir "
+                          "or fix its permissions")
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to a log-like run file (O_APPEND, never through a symlink), durably."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
+        raise
+    with os.fdopen(fd, "ab") as f:
+        f.write((line.rstrip("\n") + "\n").encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from shardgen.dataio import index as shard_index
-from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
-from shardgen.dataio.tarshard import PartialTar, copy_prefix
+from shardgen.dataio.plan import sample_key
+from shardgen.dataio.rundir import DiskFullError, RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.tarshard import PartialTar, fsync_dir, scan_tar
+
+log = logging.getLogger("shardgen.shard")
 
 MAX_REASON_CHARS = 300  # an error string is kept short: the json and the stats stay readable
 
@@ -62,9 +67,11 @@ def sample_members(s: Sample, image: bytes | None, fmt: str) -> list[tuple[str, 
         members.append((f"{s.key}.{fmt}", image))
     members.append((f"{s.key}.txt", (s.prompt or "").encode("utf-8")))
     meta = dict(s.meta, status=s.status)
+    meta.pop("error", None)  # only ours: an input column of that name is never taken for a failure
     if s.failure:
         meta["error"] = s.failure[:MAX_REASON_CHARS]
-    members.append((f"{s.key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")))
+    members.append((f"{s.key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True, allow_nan=False)
+                    .encode("utf-8")))
     return members
 
 
@@ -73,40 +80,74 @@ def _reason_class(reason: str) -> str:
     return reason.split(":", 1)[0][:80]
 
 
+def stats_from_samples(shard: int, metas: list[dict]) -> tuple[Counter, Counter, list]:
+    """(status counts, failure reasons, failed-sample records) of a shard's sample jsons."""
+    counts, reasons, failed = Counter(), Counter(), []
+    for meta in metas:
+        _count(counts, reasons, failed, meta["status"], meta.get("error"), meta.get("key") or sample_key(meta["index"]),
+               meta["index"])
+    return counts, reasons, failed
+
+
+def _count(counts: Counter, reasons: Counter, failed: list, status: str, failure: str | None, key: str,
+           index: int) -> None:
+    counts[status] += 1
+    if status != "ok":
+        reasons[_reason_class(failure or status)] += 1
+        failed.append(dict(key=key, index=index, status=status, reason=(failure or "")[:MAX_REASON_CHARS]))
+
+
+CKPT_FIELDS = {"shard": int, "gen": int, "n_done": int, "tar_bytes": int, "sha256": str, "started": (int, float)}
+STATS_FIELDS = {"shard": int, "count": int, "ok": int, "failed": int, "rejected": int, "tar_bytes": int,
+                "failed_samples": list}
+
+
 @dataclass
 class ShardWork:
-    """The writer-side state of one claimed shard."""
+    """The writer-side state of one claimed shard; ``commit`` is the one place a shard is committed.
+
+    The tar holds the ok samples only (one layout for every reader); the index (shardgen/dataio/index.py)
+    holds a row for every sample, failed and rejected ones included. Both advance batch by batch under one
+    checkpoint."""
 
     run: RunDir
     shard: int
     gen: int
-    num_rows: int
+    indices: range
     tar: PartialTar
-    index: shard_index.PartialIndex   # every sample's row; failed/rejected samples live only here
+    index: shard_index.PartialIndex
     n_done: int = 0
     counts: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
     failed: list = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    still_mine: Callable[[], bool] = lambda: True   # False once another replica took the shard over
+
+    @property
+    def keys(self) -> list[str]:
+        return [sample_key(i) for i in self.indices]
 
     @classmethod
-    def open(cls, run: RunDir, shard: int, gen: int, num_rows: int) -> "ShardWork":
-        """Start generation ``gen`` of ``shard``, continuing from the furthest earlier checkpoint."""
-        best = _best_checkpoint(run, shard, gen)
-        if not shard_index.resumable(run, shard, best):
-            best = None
-        path = run.partial_tar(shard, gen)
-        if best is not None:
-            copy_prefix(run.partial_tar(shard, best["gen"]), path, best["tar_bytes"])
-        index = shard_index.PartialIndex.resume(run, shard, gen, best)
-        work = cls(run=run, shard=shard, gen=gen, num_rows=num_rows, index=index,
-                   tar=PartialTar(path, resume_bytes=best["tar_bytes"] if best else 0))
-        if best:
-            work.n_done = best["n_done"]
-            work.counts.update(best["counts"])
-            work.reasons.update(best["reasons"])
-            work.failed = best["failed"]
-            work.started = best["started"]
+    def open(cls, run: RunDir, shard: int, gen: int, indices: range,
+             still_mine: Callable[[], bool] = lambda: True) -> "ShardWork":
+        """Start generation ``gen`` of ``shard``, continuing from the furthest earlier checkpoint whose
+        partial verifies: its index has a row for each of its samples, its tar's bytes hash to the checkpoint's
+        sha256 and hold exactly the ok samples of those rows, in plan order. An unverifiable partial is reported
+        and the shard restarts from its first sample."""
+        tar, ckpt, rows = None, None, None
+        for ckpt in _checkpoints_by_progress(run, shard, gen):
+            rows = _index_rows(run, shard, ckpt, indices)
+            if rows is not None:
+                tar = _adopt(run, shard, gen, ckpt, [r["key"] for r in rows if r["status"] == "ok"])
+            if tar is not None:
+                break
+        if tar is None:
+            ckpt, rows, tar = None, [], PartialTar(run.partial_tar(shard, gen))
+        work = cls(run=run, shard=shard, gen=gen, indices=indices, tar=tar, still_mine=still_mine,
+                   index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
+        if ckpt is not None:
+            work.n_done, work.started = len(rows), float(ckpt["started"])
+            work.counts, work.reasons, work.failed = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
         _remove_older_generations(run, shard, gen)
         work._write_checkpoint()
         return work
@@ -119,23 +160,29 @@ class ShardWork:
             self.index.add(record)
             if s.status == "ok":  # the tars hold images only: one layout for every reader
                 members += record
-            self.counts[s.status] += 1
-            if s.status != "ok":
-                self.reasons[_reason_class(s.failure or s.status)] += 1
-                self.failed.append(dict(key=s.key, index=s.index, status=s.status, reason=(s.failure or "")[:MAX_REASON_CHARS]))
+            _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
         self.tar.append(members)
         self.n_done += len(samples)
         self._write_checkpoint()
 
-    def commit(self) -> dict:
-        """Commit the tar and write its stats (the done marker); return the stats."""
-        assert self.n_done == self.num_rows, f"shard {self.shard}: {self.n_done} of {self.num_rows} samples"
-        self.index.commit(shard_index.index_path(self.run, self.shard))
-        self.tar.commit(self.run.shard_tar(self.shard))
-        stats = dict(shard=self.shard, count=self.n_done, ok=self.counts["ok"], failed=self.counts["failed"],
-                     rejected=self.counts["rejected"], failures_by_reason=dict(self.reasons), failed_samples=self.failed,
-                     tar_bytes=os.path.getsize(self.run.shard_tar(self.shard)), started=self.started,
-                     finished=time.time(), wall_s=round(time.time() - self.started, 3))
+    def commit(self) -> dict | None:
+        """Commit the shard: close the tar, rename it into shards/, write its stats (the done marker,
+        last); return the stats, or None when the shard was taken over meanwhile (nothing committed)."""
+        assert self.n_done == len(self.indices), f"shard {self.shard}: {self.n_done} of {len(self.indices)} samples"
+        self.tar.finish()
+        if not self.still_mine():
+            log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
+            return None
+        self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
+        final = self.run.shard_tar(self.shard)
+        try:
+            os.replace(self.tar.path, final)
+        except FileNotFoundError:  # the new holder removed our partial: it owns the shard now
+            log.warning("shard %06d: its partial was removed by the replica that took it over; leaving it", self.shard)
+            return None
+        fsync_dir(final.parent)
+        stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.tar.bytes,
+                            sha256=self.tar.sha256, started=self.started)
         atomic_write_json(self.run.shard_stats(self.shard), stats)
         _remove_older_generations(self.run, self.shard, self.gen + 1)
         return stats
@@ -149,32 +196,96 @@ class ShardWork:
         tar_bytes = self.tar.sync()  # data durable before the record that points at it
         self.index.sync()
         atomic_write_json(self.run.checkpoint(self.shard, self.gen), dict(
-            shard=self.shard, gen=self.gen, n_done=self.n_done, tar_bytes=tar_bytes, counts=dict(self.counts),
-            reasons=dict(self.reasons), failed=self.failed, started=self.started, updated=time.time()))
+            shard=self.shard, gen=self.gen, n_done=self.n_done, tar_bytes=tar_bytes, sha256=self.tar.sha256,
+            counts=dict(self.counts), started=self.started, updated=time.time()))
+
+
+def shard_stats(shard: int, counts: Counter, reasons: Counter, failed: list, *, tar_bytes: int, sha256: str,
+                started: float) -> dict:
+    """The stats (done marker) of a committed shard."""
+    now = time.time()
+    return dict(shard=shard, count=sum(counts.values()), ok=counts["ok"], failed=counts["failed"],
+                rejected=counts["rejected"], failures_by_reason=dict(reasons), failed_samples=failed,
+                tar_bytes=tar_bytes, sha256=sha256, started=started, finished=now, wall_s=round(now - started, 3))
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint record (RunDirError if it is not one of this version)."""
+    return read_state(path, CKPT_FIELDS)
 
 
 def shard_checkpoints(run: RunDir, shard: int) -> list[dict]:
-    """All readable checkpoint records of ``shard`` (any generation)."""
+    """All valid checkpoint records of ``shard`` (any generation); damaged ones are skipped."""
     prefix = f"{shard:06d}.g"
     out = []
-    for name in os.listdir(run.work_dir):
+    try:
+        names = os.listdir(run.work_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
         if name.startswith(prefix) and name.endswith(".ckpt.json"):
             try:
-                out.append(read_json(run.work_dir / name))
-            except (ValueError, FileNotFoundError):
-                pass
+                ckpt = read_checkpoint(run.work_dir / name)
+            except RunDirError:
+                continue
+            if ckpt["shard"] == shard and name == run.checkpoint(shard, ckpt["gen"]).name:
+                out.append(ckpt)
     return out
 
 
-def _best_checkpoint(run: RunDir, shard: int, below_gen: int) -> dict | None:
-    cands = [c for c in shard_checkpoints(run, shard) if c["gen"] < below_gen and c["n_done"] > 0
-             and run.partial_tar(shard, c["gen"]).exists()]
-    return max(cands, key=lambda c: c["n_done"], default=None)
+def _checkpoints_by_progress(run: RunDir, shard: int, below_gen: int) -> list[dict]:
+    cands = [c for c in shard_checkpoints(run, shard) if c["gen"] < below_gen and c["n_done"] > 0]
+    return sorted(cands, key=lambda c: -c["n_done"])
+
+
+def _index_rows(run: RunDir, shard: int, ckpt: dict, indices: range) -> list[dict] | None:
+    """The ``n_done`` index rows of ``ckpt``'s generation, in plan order; None when they are missing or damaged."""
+    if not shard_index.resumable(run, shard, ckpt):
+        log.warning("shard %06d: generation %d's index lacks rows its checkpoint counts; restarting the shard",
+                    shard, ckpt["gen"])
+        return None
+    try:
+        rows = shard_index.partial_rows(run, shard, ckpt["gen"], ckpt["n_done"])
+    except (ValueError, KeyError, OSError) as e:
+        log.warning("shard %06d: generation %d's index is damaged (%s); restarting the shard", shard, ckpt["gen"], e)
+        return None
+    expected = [sample_key(i) for i in indices[:len(rows)]]
+    if [r.get("key") for r in rows] != expected or any(r.get("status") not in ("ok", "failed", "rejected")
+                                                       for r in rows):
+        log.warning("shard %06d: generation %d's index rows are not the plan's samples; restarting the shard", shard,
+                    ckpt["gen"])
+        return None
+    return rows
+
+
+def _adopt(run: RunDir, shard: int, gen: int, ckpt: dict, keys: list[str]) -> PartialTar | None:
+    """A PartialTar continuing ``ckpt``'s verified prefix, which must hold exactly the samples ``keys``; None when
+    it does not verify."""
+    src = run.partial_tar(shard, ckpt["gen"])
+    try:
+        tar = PartialTar(run.partial_tar(shard, gen), prefix_of=src, prefix_bytes=ckpt["tar_bytes"],
+                         prefix_sha256=ckpt["sha256"])
+    except (ValueError, OSError) as e:  # ValueError: the prefix does not hash to the checkpoint's sha256
+        if isinstance(e, DiskFullError):
+            raise
+        log.warning("shard %06d: %s does not match its checkpoint (%s); restarting the shard from its first sample",
+                    shard, src, e)
+        return None
+    scan = scan_tar(tar.path, keys, limit=tar.bytes)
+    if scan.problem or len(scan.samples) != len(keys) or scan.end != tar.bytes:
+        log.warning("shard %06d: %s holds %d whole samples, its index says %d (%s); restarting the shard",
+                    shard, src, len(scan.samples), len(keys), scan.problem or "count differs")
+        tar.discard()
+        return None
+    return tar
 
 
 def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
     for name in os.listdir(run.work_dir):
         if name.startswith(f"{shard:06d}.g"):
-            g = int(name.split(".")[1][1:])
+            try:
+                g = int(name.split(".")[1][1:])
+            except ValueError:
+                continue
             if g < gen:
                 Path(run.work_dir / name).unlink(missing_ok=True)

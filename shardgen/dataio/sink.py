@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
+from shardgen.errors import is_user_error
 
 
 class ShardSink:
@@ -43,8 +44,9 @@ class ShardSink:
         """Queue a batch for ``work``; waits only until the previous batch is durable."""
         self._enqueue(("batch", work, samples, None))
 
-    def commit(self, work: ShardWork, on_done: Callable[[dict], None] | None = None) -> None:
-        """Queue the commit of ``work`` (after its batches); ``on_done(stats)`` runs on the writer."""
+    def commit(self, work: ShardWork, on_done: Callable[[dict | None], None] | None = None) -> None:
+        """Queue ``work.commit()`` (after its batches); ``on_done(stats)`` runs on the writer (stats None:
+        the shard was taken over before its commit)."""
         self._enqueue(("commit", work, None, on_done))
 
     def flush(self) -> None:
@@ -74,6 +76,8 @@ class ShardSink:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            if is_user_error(self._error):  # e.g. disk full: its message names the path and the fix
+                raise self._error
             raise RuntimeError(f"shard writer failed: {self._error!r}") from self._error
 
     def _run(self) -> None:

@@ -2,17 +2,24 @@
 
 Members are written with the standard library's tar headers (``tarfile.TarInfo.tobuf``), one
 512-byte-aligned member after another, without the end-of-archive blocks until commit. So the
-file, cut at any checkpointed byte offset, is a valid tar prefix: resuming truncates back to the
-last checkpoint and appends. (webdataset's TarWriter streams through ``tarfile`` and cannot
-reopen a file at an offset, hence this small writer; readers stay webdataset's.)
+file, cut at any checkpointed byte offset, is a valid tar prefix: resuming copies the prefix up
+to the last checkpoint and appends. The SHA-256 of the bytes written so far is kept as they are
+written, so a checkpoint (and a committed shard's stats) record what the bytes must hash to, and
+a resume verifies the prefix before it trusts it. (webdataset's TarWriter streams through
+``tarfile`` and cannot reopen a file at an offset, hence this small writer; readers stay webdataset's.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tarfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from shardgen.dataio.rundir import disk_full, open_fresh
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
@@ -41,55 +48,139 @@ def fsync_dir(path: Path) -> None:
 
 
 class PartialTar:
-    """An append-only tar under construction at ``path``."""
+    """An append-only tar under construction at ``path``: a fresh file (never written through a
+    symlink), optionally starting with a verified copy of another partial's first bytes."""
 
-    def __init__(self, path: Path, resume_bytes: int = 0):
+    def __init__(self, path: Path, prefix_of: Path | None = None, prefix_bytes: int = 0,
+                 prefix_sha256: str | None = None):
         self.path = Path(path)
-        self._f = open(self.path, "r+b" if self.path.exists() else "w+b")
-        self._f.truncate(resume_bytes)  # drop anything written after the last checkpoint
-        self._f.seek(resume_bytes)
-        self.bytes = resume_bytes
+        self._sha = hashlib.sha256()
+        self._f = os.fdopen(open_fresh(self.path), "w+b")
+        self.bytes = 0
+        if prefix_of is not None and prefix_bytes:
+            try:
+                self._copy_prefix(Path(prefix_of), prefix_bytes, prefix_sha256)
+            except BaseException:
+                self.discard()
+                raise
+
+    def _copy_prefix(self, src: Path, nbytes: int, want_sha: str | None) -> None:
+        """Copy (not rename: a stalled previous holder may still write into its own file) and hash."""
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)  # a symlinked partial is not ours: ELOOP
+        with os.fdopen(fd, "rb") as fi:
+            left = nbytes
+            while left > 0:
+                block = fi.read(min(left, 1 << 24))
+                if not block:
+                    raise ValueError(f"{src} is shorter than its checkpoint ({nbytes} bytes)")
+                self._write(block)
+                left -= len(block)
+        if want_sha != self._sha.hexdigest():
+            raise ValueError(f"{src}: its first {nbytes} bytes do not match the sha256 of its checkpoint")
+        self.sync()
+
+    def _write(self, blob: bytes) -> None:
+        try:
+            self._f.write(blob)
+        except OSError as e:
+            raise (disk_full(e, self.path, len(blob)) or e) from None
+        self._sha.update(blob)
+        self.bytes += len(blob)
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of the bytes written so far."""
+        return self._sha.hexdigest()
 
     def append(self, members: list[tuple[str, bytes]]) -> None:
         """Append members (name, data) in order."""
         now = time.time()
-        blob = b"".join(tar_member(name, data, now) for name, data in members)
-        self._f.write(blob)
-        self.bytes += len(blob)
+        self._write(b"".join(tar_member(name, data, now) for name, data in members))
 
     def sync(self) -> int:
         """Flush and fsync; return the durable byte length (a checkpoint offset)."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise (disk_full(e, self.path) or e) from None
         return self.bytes
 
-    def commit(self, final: Path) -> None:
-        """Close the archive and atomically rename it to ``final``."""
-        self._f.write(END_OF_ARCHIVE)
+    def finish(self) -> None:
+        """Close the archive (end-of-archive blocks), durably; the file stays at ``path``."""
+        self._write(END_OF_ARCHIVE)
         self.sync()
         self._f.close()
-        os.replace(self.path, final)
-        fsync_dir(Path(final).parent)
 
     def close(self) -> None:
         """Close without committing (the partial stays for a later resume)."""
         if not self._f.closed:
             self._f.close()
 
+    def discard(self) -> None:
+        """Close and delete the partial."""
+        self.close()
+        self.path.unlink(missing_ok=True)
 
-def copy_prefix(src: Path, dst: Path, nbytes: int) -> None:
-    """Copy the first ``nbytes`` of ``src`` to a new file ``dst`` (adopting another claim's partial).
 
-    A copy, not a rename: the previous holder may be a live but stalled process that still has
-    the old file open, and must not be able to write into the new holder's shard.
-    """
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        left = nbytes
-        while left > 0:
-            block = fi.read(min(left, 1 << 24))
-            if not block:
-                raise IOError(f"{src} is shorter than its checkpoint ({nbytes} bytes)")
-            fo.write(block)
-            left -= len(block)
-        fo.flush()
-        os.fsync(fo.fileno())
+@dataclass
+class TarScan:
+    """What a walk over a (partial or committed) shard tar found."""
+
+    samples: list[dict] = field(default_factory=list)  # each whole sample's json, in order
+    end: int = 0              # byte offset just after the last whole sample
+    complete: bool = False    # the end-of-archive blocks follow the last sample
+    problem: str | None = None
+
+
+def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> TarScan:
+    """Walk the members of ``path`` (up to ``limit`` bytes): whole samples in the order ``keys``
+    gives them (image, txt, then json last, as the writer writes them); where and why it stops."""
+    scan = TarScan()
+    size = os.lstat(path).st_size if limit is None else limit
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        pos, current = 0, None
+        while pos + BLOCK <= size:
+            f.seek(pos)
+            head = f.read(BLOCK)
+            if head == b"\0" * BLOCK:
+                scan.complete = current is None and f.read(BLOCK) == b"\0" * BLOCK and pos == scan.end
+                break
+            try:
+                f.seek(pos)
+                info = tarfile.TarInfo.fromtarfile(_Reader(f))
+            except (tarfile.TarError, ValueError, UnicodeError, OSError) as e:
+                scan.problem = f"no valid tar header at byte {pos} ({e})"
+                break
+            next_pos = info.offset_data + info.size + (-info.size) % BLOCK
+            if next_pos > size:
+                scan.problem = f"member {info.name} runs past byte {size}"
+                break
+            key, _, ext = info.name.partition(".")
+            n = len(scan.samples)
+            if n >= len(keys) or key != keys[n]:
+                scan.problem = f"unexpected member {info.name} (sample {n} should be {keys[n] if n < len(keys) else 'none'})"
+                break
+            current, pos = key, next_pos
+            if ext == "json":
+                f.seek(info.offset_data)
+                try:
+                    meta = json.loads(f.read(info.size))
+                    if not isinstance(meta, dict) or meta.get("status") not in ("ok", "failed", "rejected") \
+                            or not isinstance(meta.get("index"), int):
+                        raise ValueError("no status or index")
+                except ValueError as e:
+                    scan.problem = f"sample {key}: bad json ({e})"
+                    break
+                scan.samples.append(meta)
+                scan.end, current = pos, None
+    return scan
+
+
+class _Reader:
+    """The minimal file interface ``TarInfo.fromtarfile`` uses (pax headers read their extension)."""
+
+    def __init__(self, f):
+        self.fileobj, self.offset, self.pax_headers = f, f.tell(), {}
+        self.encoding, self.errors = "utf-8", "surrogateescape"

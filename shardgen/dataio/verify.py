@@ -1,17 +1,20 @@
-"""Auditing a run: every prompt index exactly once across committed shards, every tar readable,
-counts equal to the stats. Used by ``jobs.verify`` and the tests."""
+"""Auditing a run: every prompt index exactly once across committed shards, every tar readable and
+equal to the sha256 its stats recorded, counts equal to the stats, and every sample the one the plan
+and the fingerprint say (prompt text, seed, size, steps, model), so a mixed run never passes.
+Used by ``jobs.verify`` (``--repair``) and the tests."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from shardgen.dataio.index import committed_samples
-from shardgen.dataio.plan import Plan, sample_key
-from shardgen.dataio.rundir import read_json
+from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, sample_key
+from shardgen.dataio.rundir import RunDirError
 from shardgen.dataio.video import VIDEO_EXT, check_video_member
 
 IMAGE_EXTS = ("png", "jpg", "webp")
@@ -26,6 +29,7 @@ class VerifyReport:
     samples: int = 0
     status: Counter = field(default_factory=Counter)
     defects: list[str] = field(default_factory=list)
+    bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate) or "stats" (rewrite)
 
     @property
     def ok(self) -> bool:
@@ -46,12 +50,17 @@ def read_shard_members(path) -> dict[str, dict[str, bytes]]:
     return samples
 
 
-def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[str, list[str]]:
+def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[str, dict, list[str]]:
     problems = []
     for ext in ("txt", "json"):
         if ext not in members:
             problems.append(f"{key}: no .{ext}")
-    meta = json.loads(members.get("json", b"{}"))
+    try:
+        meta = json.loads(members.get("json", b"{}"), parse_constant=_no_constant)
+        if not isinstance(meta, dict):
+            raise ValueError("not an object")
+    except (ValueError, RecursionError) as e:
+        return "?", {}, problems + [f"{key}: the json is not a standard JSON object ({e})"]
     status = meta.get("status", "?")
     images = [e for e in MEDIA_EXTS if e in members]
     if status == "ok" and len(images) != 1:
@@ -66,45 +75,140 @@ def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[st
         from PIL import Image
 
         try:
-            Image.open(io.BytesIO(members[images[0]])).load()
+            img = Image.open(io.BytesIO(members[images[0]]))
+            img.load()
+            if img.size != (meta.get("width"), meta.get("height")):
+                problems.append(f"{key}: the image is {img.size[0]}x{img.size[1]}, its json says "
+                                f"{meta.get('width')}x{meta.get('height')}")
         except Exception as e:
             problems.append(f"{key}: image does not decode ({e})")
-    return status, problems
+    return status, meta, problems
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not standard JSON")
+
+
+# sample-json key -> fingerprint key: what every sample must agree on with the run's fingerprint
+FINGERPRINT_KEYS = {"model": "model.name", "height": "height", "width": "width", "steps": "steps",
+                    "guidance": "guidance"}
+
+
+def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | None, fp: dict | None) -> list[str]:
+    """The sample is the one the plan and the fingerprint say: prompt text, seed, size, steps, model."""
+    if row is None:
+        return []
+    problems = []
+    if meta.get("index") != row.index:
+        problems.append(f"{key}: index {meta.get('index')!r}, the plan says {row.index}")
+    if row.reject is not None:
+        if meta.get("status") != "rejected":
+            problems.append(f"{key}: the plan rejects this row, the sample has status {meta.get('status')!r}")
+        return problems
+    if meta.get("prompt") != row.prompt or txt != row.prompt.encode("utf-8"):
+        problems.append(f"{key}: the prompt differs from the plan's (row {row.index}, line {row.line})")
+    if meta.get("seed") != row.seed:
+        problems.append(f"{key}: seed {meta.get('seed')!r}, the plan says {row.seed}")
+    for mk, fk in FINGERPRINT_KEYS.items():
+        if fp is not None and fk in fp and meta.get(mk) != fp[fk]:
+            problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
+    return problems
 
 
 def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
     """Check every shard of ``plan``; report each defect in a line that names the shard and key."""
+    from shardgen.dataio.fingerprint import read_fingerprint
+
     rep = VerifyReport()
-    run = plan.run
+    try:
+        fp = read_fingerprint(plan.run)
+        if fp is None:
+            rep.defects.append(f"{plan.run.fingerprint_path}: missing (nothing says which settings made the run)")
+    except RunDirError as e:
+        fp = None
+        rep.defects.append(str(e))
     for shard in range(plan.num_shards):
-        tar, stats = run.shard_tar(shard), run.shard_stats(shard)
-        if not stats.exists() or not tar.exists():
-            rep.defects.append(f"shard {shard:06d}: not committed ({'stats' if tar.exists() else 'tar'} missing)")
-            continue
-        rep.shards_checked += 1
-        try:
-            members = read_shard_members(tar)
-        except Exception as e:
-            rep.defects.append(f"shard {shard:06d}: unreadable tar ({e})")
-            continue
-        members, problems = committed_samples(run, shard, members)  # + failed/rejected rows of the index
-        rep.defects += [f"shard {shard:06d}: {p}" for p in problems]
-        expected = {sample_key(i) for i in plan.shard_range(shard)}
-        got = set(members)
-        if got != expected:
-            rep.defects.append(f"shard {shard:06d}: {len(expected - got)} prompt indices missing, "
-                               f"{len(got - expected)} unexpected keys")
-        st = read_json(stats)
-        if st["count"] != len(got):
-            rep.defects.append(f"shard {shard:06d}: stats count {st['count']} != {len(got)} samples in the tar")
-        shard_status: Counter = Counter()
-        for key, mem in members.items():
-            status, problems = _check_sample(key, mem, decode)
-            shard_status[status] += 1
-            rep.defects += [f"shard {shard:06d}: {p}" for p in problems]
-        for k in ("ok", "failed", "rejected"):
-            if st.get(k, 0) != shard_status[k]:
-                rep.defects.append(f"shard {shard:06d}: stats say {st.get(k, 0)} {k}, the tar has {shard_status[k]}")
-        rep.status.update(shard_status)
-        rep.samples += len(got)
+        _verify_shard(plan, shard, fp, decode, rep)
     return rep
+
+
+def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport) -> None:
+    from shardgen.dataio.repair import checked_rows, read_shard_stats
+
+    run = plan.run
+    tar, stats_path = run.shard_tar(shard), run.shard_stats(shard)
+    name = f"shard {shard:06d}"
+    if not os.path.lexists(stats_path):
+        has_tar = os.path.lexists(tar)
+        rep.defects.append(f"{name}: not committed (no {stats_path.name}" + (
+            f"; its tar is there: the next launch, or --repair, finishes the shard from it)" if has_tar else
+            f", no {tar.name})"))
+        if has_tar:
+            rep.bad_shards[shard] = "stats"
+        return
+    rep.shards_checked += 1
+    if tar.is_symlink() or not tar.is_file():
+        rep.bad_shards[shard] = "tar"
+        rep.defects.append(f"{name}: {tar} is {'a symlink' if tar.is_symlink() else 'missing'}")
+        return
+    try:
+        st = read_shard_stats(run, shard)
+    except RunDirError as e:
+        st = None
+        rep.bad_shards[shard] = "stats"
+        rep.defects.append(f"{name}: {e}")
+    try:
+        members = read_shard_members(tar)
+    except Exception as e:
+        rep.bad_shards[shard] = "tar"
+        rep.defects.append(f"{name}: unreadable tar {tar} ({e})")
+        return
+    members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
+    rep.defects += [f"{name}: {p}" for p in problems]
+    try:
+        rows = {sample_key(r.index): r for r in checked_rows(plan, shard)}
+    except RunDirError as e:
+        rows = {}
+        rep.defects.append(f"{name}: {e}")
+    before = len(rep.defects)
+    expected = {sample_key(i) for i in plan.shard_range(shard)}
+    got = set(members)
+    if got != expected:
+        rep.defects.append(f"{name}: {len(expected - got)} prompt indices missing, {len(got - expected)} unexpected keys")
+    if st is not None and "sha256" in st and file_sha256(tar) != st["sha256"]:
+        rep.defects.append(f"{name}: {tar.name} does not match the sha256 in its stats (damaged after its commit)")
+    shard_status: Counter = Counter()
+    for key, mem in members.items():
+        status, meta, problems = _check_sample(key, mem, decode)
+        problems += _check_content(key, meta, mem.get("txt"), rows.get(key), fp)
+        shard_status[status] += 1
+        rep.defects += [f"{name}: {p}" for p in problems]
+    if len(rep.defects) > before:
+        rep.bad_shards[shard] = "tar"
+    if st is not None:
+        stats_problems = [f"{name}: stats count {st['count']} != {len(got)} samples in the tar"] \
+            if st["count"] != len(got) else []
+        stats_problems += [f"{name}: stats say {st.get(k, 0)} {k}, the tar has {shard_status[k]}"
+                           for k in ("ok", "failed", "rejected") if st.get(k, 0) != shard_status[k]]
+        if stats_problems:
+            rep.defects += stats_problems
+            rep.bad_shards.setdefault(shard, "stats")
+    rep.status.update(shard_status)
+    rep.samples += len(got)
+
+
+def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
+    """Make every defective shard of ``report`` sound or absent: stats rewritten from a sound tar, else
+    the shard removed (generated again by the next launch). A line for each shard repaired."""
+    from shardgen.dataio.repair import finish_or_discard
+
+    run, out = plan.run, []
+    for shard, what in sorted(report.bad_shards.items()):
+        if what == "tar":  # the samples themselves are wrong: regenerate
+            run.shard_stats(shard).unlink(missing_ok=True)
+            run.shard_tar(shard).unlink(missing_ok=True)
+            out.append(f"shard {shard:06d}: removed; the next launch generates it again")
+        else:
+            run.shard_stats(shard).unlink(missing_ok=True)
+            out.append(finish_or_discard(run, shard, plan.shard_range(shard), "its stats do not match its tar"))
+    return out

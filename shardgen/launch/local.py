@@ -29,7 +29,12 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from shardgen.run.runner import run_rank
 
-    run_rank(OmegaConf.create(cfg_yaml))
+    try:
+        run_rank(OmegaConf.create(cfg_yaml))
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the parent says how to resume, the ranks stay quiet
+        if os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0"):
+            raise
+        raise SystemExit(130) from None
 
 
 def launch_local(cfg: GenerateConfig) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from shardgen.dataio.claims import Claimer, scan_claims
 from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import read_json
+from shardgen.dataio.repair import checked_rows, read_shard_stats
 from shardgen.dataio.runlog import record_commit
 from shardgen.dataio.shardwork import Sample, ShardWork
 from shardgen.dataio.verify import read_shard_members
@@ -102,7 +102,7 @@ class ReplicaWorker:
         run = self.plan.run
         latest = scan_claims(run)
         for shard in sorted(run.done_shards()):
-            stats = read_json(run.shard_stats(shard))
+            stats = read_shard_stats(run, shard)
             if not stats["failed"] or shard in self._retried:
                 continue
             gen = self.claimer.try_claim(shard, latest.get(shard))
@@ -111,7 +111,7 @@ class ReplicaWorker:
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
             self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
-            self._work = ShardWork.open(run, shard, gen, len(self.plan.shard_range(shard)))
+            self._work = self._open(shard, gen)
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
         return None
@@ -138,17 +138,20 @@ class ReplicaWorker:
                     if shard in self.plan.run.done_shards():  # committed by someone between scan and claim
                         self.claimer.release(shard)
                         continue
-                    work = ShardWork.open(self.plan.run, shard, gen, len(self.plan.shard_range(shard)))
-                    self._work = work
+                    work = self._work = self._open(shard, gen)
                     return shard, gen, work.n_done
             if self.claimer.held:  # our own last shards are being committed: wait for that, not a poll
                 self.sink.flush()
             else:
                 time.sleep(self.poll_s)
 
+    def _open(self, shard: int, gen: int) -> ShardWork:
+        return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
+                              still_mine=lambda: self.claimer.still_mine(shard))
+
     def _process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
         """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""
-        rows = self.plan.rows(shard)[n_done:]
+        rows = checked_rows(self.plan, shard)[n_done:]
         redo = None if regenerate is None else set(regenerate)
         if self.ctx.leader and n_done:
             log.info("shard %06d: resuming after %d samples (claim g%d)", shard, n_done, gen)
@@ -197,7 +200,10 @@ class ReplicaWorker:
         self.claimer.held.pop(shard, None)
         return False
 
-    def _committed(self, shard: int, stats: dict) -> None:
+    def _committed(self, shard: int, stats: dict | None) -> None:
+        if stats is None:  # taken over before the commit: the new holder commits it
+            self.claimer.held.pop(shard, None)
+            return
         self.claimer.release(shard)
         record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],

@@ -25,7 +25,8 @@ from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fin
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
 from shardgen.dataio.prompts import check_prompt_source
-from shardgen.dataio.rundir import RunDir, atomic_write_json
+from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
+from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
 from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
@@ -107,14 +108,16 @@ def prompt_path(cfg: GenerateConfig) -> Path:
 
 
 def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
-    """Check or create the run directory's fingerprint and plan (global rank 0 only)."""
+    """Check or create the run directory's fingerprint and plan, and repair what a killed job left
+    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused)."""
     run = RunDir(Path(cfg.run_dir).absolute())
+    check_run_root(run.root)
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-    plan = load_plan(run)
+    plan = load_plan_or_discard(run)
     if plan is None:
         source = PromptSource.from_cfg(cfg.prompts, path)
         try:
@@ -132,15 +135,17 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
         log.warning(warning)
     run.create()
+    record_plan_digests(plan)
+    repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
     return plan
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
-    first = run.root / "config.yaml"
-    path = first if not first.exists() else run.root / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    if not create_exclusive(run.config_path, text):
+        atomic_write_bytes(run.later_config_path(time.time()), text)
 
 
 def quiet_libraries() -> None:

@@ -1,0 +1,239 @@
+"""Checking a run directory at launch, before anything is trusted: what is safe to repair is repaired
+(and logged), what is not is refused with a message naming the file and the fix.
+
+Repaired (the rest of the run directory makes it safe):
+- leftovers of killed jobs (temp files, temporary plan directories): removed (``RunDir.clean_leftovers``);
+- symlinks where shard, work or claim files should be: removed (never followed), reported;
+- a missing or damaged plan: planned again, which gives the same plan (the fingerprint has the
+  prompt file's sha256 and every setting the plan is made from);
+- a committed tar without its stats (a kill between the two): finished from the tar, not regenerated;
+- a committed shard whose stats are damaged or whose tar does not match them: stats rewritten from
+  the tar when the tar is whole, else both removed so the shard is generated again;
+- a partial tar that does not match its checkpoint: restarted (``ShardWork.open``).
+Refused: a run without a valid fingerprint, a symlinked fingerprint or plan file, symlinked directories.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
+from shardgen.dataio import index as shard_index
+from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, load_plan, sample_key
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
+from shardgen.dataio.tarshard import BLOCK, scan_tar
+
+log = logging.getLogger("shardgen.repair")
+REPLAN_HINT = "delete {plan_json} and re-run: the plan is made again from the prompt file, identically"
+
+
+def _refuse_symlinks(directory: Path, what: str) -> None:
+    if directory.is_symlink():
+        raise RunDirError(f"{directory} is a symlink; {what} must be a real directory. Replace the link by a copy")
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name in names:
+        if (directory / name).is_symlink():
+            raise RunDirError(f"{directory / name} is a symlink; {what} files must be regular files. "
+                              f"Replace it by the file it points to, or delete it and re-run")
+
+
+def load_plan_or_discard(run: RunDir) -> Plan | None:
+    """The run's plan if it is whole; None (after moving a damaged one out of the way) when it must be
+    made again. Call only after the fingerprint matched: then planning again gives the same plan."""
+    _refuse_symlinks(run.plan_dir, "plan")
+    plan_json = run.plan_dir / "plan.json"
+    try:
+        plan = load_plan(run)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        plan, damage = None, f"{plan_json} is damaged ({e})"
+    else:
+        damage = None if plan is not None or not run.plan_dir.exists() else f"{plan_json} is missing"
+    if plan is not None:
+        missing = [p for p in plan_files(run) if not p.is_file()]
+        damage = f"{missing[0]} is missing" if missing else _plan_digest_problem(plan, full=True)
+        if damage is None:
+            return plan
+    if damage:
+        log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
+        aside = run.root / f".plan-damaged~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
+        try:
+            os.rename(run.plan_dir, aside)
+        except FileNotFoundError:
+            pass  # another job moved it first
+        shutil.rmtree(aside, ignore_errors=True)
+        run.plan_digests_path.unlink(missing_ok=True)
+    return None
+
+
+def plan_files(run: RunDir) -> list[Path]:
+    """The files a plan is made of (plan.json, and where each shard starts in the prompt file)."""
+    return [run.plan_dir / "plan.json", run.plan_dir / "starts.npy"]
+
+
+def record_plan_digests(plan: Plan) -> None:
+    """Record the sha256 and size of every plan file (once, when the plan was made or first seen)."""
+    run = plan.run
+    try:
+        read_state(run.plan_digests_path)
+        return
+    except RunDirError:
+        pass  # none yet (or damaged: the plan itself was just checked against it, or made again)
+    files = plan_files(run)
+    atomic_write_json(run.plan_digests_path, {p.name: [p.stat().st_size, file_sha256(p)] for p in files})
+
+
+FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whole; larger ones by size only
+
+
+def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None) -> str | None:
+    """Why a plan file differs from what was recorded when the plan was made (None: it does not)."""
+    try:
+        digests = read_state(plan.run.plan_digests_path)
+    except RunDirError:
+        return None  # not recorded (a run from before), or damaged: re-recorded from the current plan
+    files = only or plan_files(plan.run)
+    sizes = {p: p.stat().st_size if p.is_file() else -1 for p in files}
+    hash_them = full and sum(sizes.values()) <= FULL_CHECK_BYTES
+    for p in files:
+        want = digests.get(p.name) if isinstance(digests, dict) else None
+        if not isinstance(want, list) or len(want) != 2:
+            return f"{p} is not in {plan.run.plan_digests_path.name}"
+        if sizes[p] != want[0] or (hash_them and file_sha256(p) != want[1]):
+            return f"{p} was changed after the plan was made"
+    return None
+
+
+def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
+    """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
+    plan's numbering (RunDirError naming the file and the fix)."""
+    path = plan.run.plan_dir / "starts.npy"
+    fix = REPLAN_HINT.format(plan_json=plan.run.plan_dir / "plan.json")
+    changed = _plan_digest_problem(plan, full=True)
+    if changed:
+        raise RunDirError(f"{changed}; {fix}")
+    try:
+        rows = plan.rows(shard)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise RunDirError(f"{path} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
+    if [r.index for r in rows] != list(plan.shard_range(shard)) \
+            or any(not isinstance(r.seed, int) or (r.prompt is None) == (r.reject is None) for r in rows):
+        raise RunDirError(f"{path} does not hold rows {plan.shard_range(shard).start}..{plan.shard_range(shard).stop - 1} "
+                          f"as plan.json says; {fix}")
+    return rows
+
+
+def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
+    """Check what a launch must trust; repair what is safe to repair; a line for each repair done."""
+    run = plan.run
+    notes = [f"removed {p.name}, left by a killed job" for p in run.clean_leftovers()]
+    notes += _remove_symlinks(run)
+    claims = scan_claims(run) if run.claims_dir.is_dir() else {}
+    me = owner_record(-1)
+    for shard in range(plan.num_shards):
+        problem = committed_shard_problem(run, shard)
+        if problem is None:
+            continue
+        gen = claims.get(shard)
+        if gen is not None and claim_state(*read_claim(run, shard, gen), time.time(), lease_s, me) in ("running", "future"):
+            continue  # a live holder is rewriting it right now (retry_failed): its commit decides
+        notes.append(finish_or_discard(run, shard, plan.shard_range(shard), problem))
+    for line in notes:
+        log.warning("%s: %s", run.root, line)
+    return notes
+
+
+def _remove_symlinks(run: RunDir) -> list[str]:
+    notes = []
+    for d in (run.shards_dir, run.work_dir, run.claims_dir):
+        if d.is_symlink():
+            raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
+                              "directory. Replace it by a directory (make run_dir itself the link instead)")
+        for name in os.listdir(d) if d.is_dir() else []:
+            if (d / name).is_symlink():
+                (d / name).unlink()
+                notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
+    for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
+                 run.plan_digests_path):
+        if path.is_symlink():
+            path.unlink()
+            notes.append(f"removed the symlink {path.name} (it was not followed)")
+    return notes
+
+
+def read_shard_stats(run: RunDir, shard: int) -> dict:
+    """A committed shard's stats (RunDirError naming the file when it is damaged)."""
+    return read_state(run.shard_stats(shard), STATS_FIELDS)
+
+
+def committed_shard_problem(run: RunDir, shard: int) -> str | None:
+    """Why shard ``shard`` is not soundly committed (None: it is, or nothing of it is committed).
+    Cheap: the stats parse and the tar is a regular file of the size they record (jobs.verify also
+    checks the tar's sha256 and every sample)."""
+    stats_path, tar = run.shard_stats(shard), run.shard_tar(shard)
+    has_stats, has_tar = os.path.lexists(stats_path), os.path.lexists(tar)
+    if not has_stats:
+        return "a committed tar without its stats (a kill between the two)" if has_tar else None
+    try:
+        stats = read_shard_stats(run, shard)
+    except RunDirError as e:
+        return str(e)
+    if not has_tar or tar.is_symlink():
+        return f"{tar.name} is missing"
+    size = tar.lstat().st_size
+    if size != stats["tar_bytes"] or stats["shard"] != shard:
+        return f"{tar.name} is {size} bytes, its stats say {stats['tar_bytes']}"
+    return None
+
+
+def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> str:
+    """Write a committed shard's stats from its index and tar when both are whole and agree; else remove the
+    shard (stats first: the done marker) so it is generated again. The line saying what was done."""
+    tar = run.shard_tar(shard)
+    rows = _committed_rows(run, shard, indices)
+    keys = [r["key"] for r in rows if r["status"] == "ok"] if rows is not None else None
+    scan = scan_tar(tar, keys) if keys is not None and tar.is_file() and not tar.is_symlink() else None
+    size = tar.stat().st_size if scan is not None else 0
+    if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.end + 2 * BLOCK:
+        counts, reasons, failed = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
+        atomic_write_json(run.shard_stats(shard), shard_stats(shard, counts, reasons, failed, tar_bytes=size,
+                                                              sha256=file_sha256(tar), started=tar.stat().st_mtime))
+        return f"shard {shard:06d}: {problem}; its tar is whole, so its stats were written from it (not regenerated)"
+    run.shard_stats(shard).unlink(missing_ok=True)
+    tar.unlink(missing_ok=True)
+    shard_index.index_path(run, shard).unlink(missing_ok=True)
+    why = scan.problem if scan and scan.problem else "incomplete tar" if scan else \
+        "no readable index" if rows is None else "no tar"
+    return f"shard {shard:06d}: {problem} ({why}); removed, it is generated again"
+
+
+def _committed_rows(run: RunDir, shard: int, indices: range) -> list[dict] | None:
+    """The committed index rows of ``shard`` when they are exactly its plan's samples, in order; else None."""
+    try:
+        rows = shard_index.read_index(run, shard, ("key", "status", "json"))
+    except Exception:  # a damaged parquet file: pyarrow raises several kinds of error
+        return None
+    if [r["key"] for r in rows] != [sample_key(i) for i in indices]:
+        return None
+    return rows
+
+
+def load_plan_checked(run: RunDir) -> Plan | None:
+    """The run's plan for the read-only tools (status, verify, preview): None if there is none;
+    RunDirError naming the file and the fix if it is damaged (they never re-plan)."""
+    _refuse_symlinks(run.plan_dir, "plan")
+    try:
+        return load_plan(run)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        plan_json = run.plan_dir / "plan.json"
+        raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
+                          "it plans again from the prompt file, identically") from None

@@ -1,0 +1,461 @@
+"""The run directory cannot be fooled (issue 11): each row of the issue's table, as a user would notice it.
+
+A finished tiny run is made once (module fixture) and copied for each test; every test damages the
+copy the way the table says, then re-runs generate / verify / status in process."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import preview, status, verify
+from jobs.generate import run
+from shardgen.dataio.claims import Claimer, owner_record
+from shardgen.dataio.fingerprint import FingerprintMismatch, check_or_write_fingerprint
+from shardgen.dataio.plan import load_plan, sample_key
+from shardgen.dataio.prompts import PromptFileError, read_prompts
+from shardgen.dataio.rundir import DiskFullError, RunDir, RunDirError
+from shardgen.dataio.shardwork import Sample, ShardWork, sample_members
+from shardgen.dataio.tarshard import PartialTar, scan_tar
+from shardgen.dataio.verify import read_shard_members, verify_run
+from tests.conftest import compose_cfg, write_lines
+
+PROMPTS = [f"prompt number {i}" for i in range(8)]
+ARGS = ("height=16", "width=16", "steps=1", "progress=false", "samples_per_shard=3", "batch_size=2")
+
+
+def gen(run_dir: Path, prompts: Path, *extra: str):
+    """One launch of jobs.generate, in process."""
+    return run(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *ARGS, *extra))
+
+
+def content(run_dir: Path) -> dict:
+    """key -> (image, txt, json without timings): what a reader of the shards gets."""
+    out = {}
+    for tar in sorted((run_dir / "shards").glob("*.tar")):
+        for key, mem in read_shard_members(tar).items():
+            meta = json.loads(mem["json"])
+            meta.pop("gen_s", None)
+            out[key] = (mem.get("png"), mem["txt"], meta)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(prompt file, a finished run, its content)."""
+    d = tmp_path_factory.mktemp("ref")
+    prompts = write_lines(d / "p.txt", PROMPTS)
+    gen(d / "run", prompts)
+    return prompts, d / "run", content(d / "run")
+
+
+@pytest.fixture()
+def copy(reference, tmp_path):
+    """A private copy of the finished run: (prompt file, run dir, reference content)."""
+    prompts, ref, want = reference
+    shutil.copytree(ref, tmp_path / "run", symlinks=True)
+    return prompts, tmp_path / "run", want
+
+
+def verified_identical(run_dir: Path, want: dict) -> None:
+    assert verify.main([str(run_dir)]) == 0
+    assert content(run_dir) == want
+
+
+def make_partial(run_dir: Path, shard: int, n: int, gen: int = 1) -> dict:
+    """Turn committed shard ``shard`` back into what a killed holder of claim ``gen`` leaves: its first ``n``
+    samples as a partial tar (the writer's very bytes), its checkpoint, and a claim whose heartbeat is old."""
+    rd = RunDir(run_dir)
+    plan = load_plan(rd)
+    keys = [sample_key(i) for i in plan.shard_range(shard)]
+    whole = rd.shard_tar(shard).read_bytes()
+    end = 0 if n == 0 else scan_tar(rd.shard_tar(shard), keys[:n], limit=len(whole) - 1024).end
+    tar = PartialTar(rd.partial_tar(shard, gen))
+    tar._write(whole[:end])
+    tar.sync()
+    tar.close()
+    ckpt = dict(shard=shard, gen=gen, n_done=n, tar_bytes=end, sha256=tar.sha256, counts={"ok": n},
+                started=time.time(), updated=time.time())
+    rd.checkpoint(shard, gen).write_text(json.dumps(ckpt))
+    rd.claim(shard, gen).write_text(json.dumps(dict(host="elsewhere", pid=1, replica=0, job=None, restart=0)))
+    os.utime(rd.claim(shard, gen), (time.time() - 3600, time.time() - 3600))
+    rd.shard_stats(shard).unlink()
+    rd.shard_tar(shard).unlink()
+    return ckpt
+
+
+# ------------------------------------------------------------------ the fingerprint cannot be bypassed
+
+def test_a_run_without_its_fingerprint_is_refused_not_restarted(copy):
+    prompts, d, want = copy
+    (d / "fingerprint.json").unlink()
+    with pytest.raises(RunDirError, match="no fingerprint.json.*Restore fingerprint.json, or start a new run_dir"):
+        gen(d, prompts, "steps=4", "height=32")
+    assert content(d) == want  # nothing was mixed in
+    assert any("fingerprint.json: missing" in line for line in verify_run(load_plan(RunDir(d))).defects)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"{}", b"\x00\xff garbage", b'{"model.name": "tiny"', b"[1, 2]"])
+def test_a_damaged_fingerprint_is_refused_naming_the_file(copy, garbage):
+    prompts, d, _ = copy
+    (d / "fingerprint.json").write_bytes(garbage)
+    with pytest.raises(RunDirError, match=r"fingerprint.json.*Restore it"):
+        gen(d, prompts)
+
+
+def test_two_jobs_racing_on_a_fresh_run_dir_one_wins(tmp_path):
+    """Both see no fingerprint, both try to create it: exactly one wins, the other is refused."""
+    for attempt in range(10):
+        run_dir = RunDir(tmp_path / f"r{attempt}")
+        go, outcomes = threading.Barrier(2), []
+
+        def job(steps):
+            go.wait()
+            try:
+                outcomes.append(("new" if not check_or_write_fingerprint(run_dir, {"model.name": "tiny", "steps": steps,
+                                                                                   "prompts.sha256": "x"}) else "resume"))
+            except FingerprintMismatch:
+                outcomes.append("refused")
+
+        threads = [threading.Thread(target=job, args=(s,)) for s in (2, 4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert sorted(outcomes) == ["new", "refused"]
+
+
+def test_allow_fingerprint_change_with_appended_prompts_is_refused_not_ignored(copy):
+    prompts, d, want = copy
+    with open(prompts, "a") as f:
+        f.write("".join(f"appended {i}\n" for i in range(10)))
+    try:
+        with pytest.raises(FingerprintMismatch, match="cannot change prompts.sha256.*not supported yet"):
+            gen(d, prompts, "allow_fingerprint_change=true")
+    finally:
+        prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    verified_identical(d, want)
+
+
+def test_allow_fingerprint_change_is_recorded_and_verify_then_reports_the_mix(copy):
+    prompts, d, _ = copy
+    (d / "shards" / "000002.stats.json").unlink()
+    (d / "shards" / "000002.tar").unlink()
+    gen(d, prompts, "steps=2", "allow_fingerprint_change=true")
+    record = json.loads((d / "fingerprint_changes.jsonl").read_text().splitlines()[-1])
+    assert record["changes"] == {"steps": [1, 2]} and record["host"] == socket.gethostname()
+    assert json.loads((d / "fingerprint.json").read_text())["steps"] == 2
+    rep = verify_run(load_plan(RunDir(d)))
+    assert not rep.ok and any("steps=1, the run's fingerprint says 2" in line for line in rep.defects)
+
+
+# ------------------------------------------------------------------ no write through a symlink
+
+def test_a_symlinked_partial_is_not_written_through(copy, tmp_path):
+    prompts, d, want = copy
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in ("000000.stats.json", "000000.tar"):
+        (d / "shards" / name).unlink()
+    (d / "work" / "000000.g1.tar").symlink_to(victim)
+    gen(d, prompts)
+    assert victim.read_bytes() == b"precious"
+    assert not (d / "shards" / "000000.tar").is_symlink()
+    verified_identical(d, want)
+
+
+def test_a_symlinked_committed_shard_is_removed_and_generated_again(copy, tmp_path):
+    prompts, d, want = copy
+    outside = tmp_path / "outside.tar"
+    shutil.move(d / "shards" / "000001.tar", outside)
+    (d / "shards" / "000001.tar").symlink_to(outside)
+    before = outside.read_bytes()
+    gen(d, prompts)
+    assert not (d / "shards" / "000001.tar").is_symlink() and outside.read_bytes() == before
+    verified_identical(d, want)
+
+
+def test_preview_replaces_a_symlink_instead_of_writing_through_it(copy, tmp_path):
+    _, d, _ = copy
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"precious")
+    (d / "preview.png").symlink_to(victim)
+    assert preview.main([str(d)]) == 0
+    assert victim.read_bytes() == b"precious" and not (d / "preview.png").is_symlink()
+
+
+def test_a_symlinked_plan_file_is_refused_naming_it(copy, tmp_path):
+    prompts, d, _ = copy
+    shutil.move(d / "plan" / "000001.jsonl", tmp_path / "x.jsonl")
+    (d / "plan" / "000001.jsonl").symlink_to(tmp_path / "x.jsonl")
+    with pytest.raises(RunDirError, match=r"plan/000001.jsonl is a symlink"):
+        gen(d, prompts)
+
+
+# ------------------------------------------------------------------ resume verifies before it trusts
+
+def test_a_valid_partial_is_continued(copy, caplog):
+    prompts, d, want = copy
+    make_partial(d, 1, 2)
+    with caplog.at_level(logging.INFO):
+        r = gen(d, prompts)
+    assert r.generated_here == 1  # only the one missing sample
+    verified_identical(d, want)
+
+
+@pytest.mark.parametrize("edit", ["smaller", "unaligned", "larger", "n_done", "empty_object", "garbage", "truncate",
+                                  "flip_byte", "other_version"])
+def test_an_edited_partial_or_checkpoint_is_restarted_never_trusted(copy, edit):
+    prompts, d, want = copy
+    ckpt = make_partial(d, 1, 2)
+    rd = RunDir(d)
+    ck, part = rd.checkpoint(1, 1), rd.partial_tar(1, 1)
+    if edit in ("smaller", "unaligned", "larger", "n_done"):
+        field, delta = {"smaller": ("tar_bytes", -512), "unaligned": ("tar_bytes", 7), "larger": ("tar_bytes", 1024),
+                        "n_done": ("n_done", 1)}[edit]
+        ck.write_text(json.dumps(dict(ckpt, **{field: ckpt[field] + delta})))
+    elif edit == "empty_object":
+        ck.write_text("{}")
+    elif edit == "garbage":
+        ck.write_bytes(b"\x00garbage")
+    elif edit == "other_version":
+        ck.write_text(json.dumps({k: v for k, v in ckpt.items() if k != "sha256"}))
+    elif edit == "truncate":
+        os.truncate(part, ckpt["tar_bytes"] - 100)
+    else:
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+    r = gen(d, prompts)
+    assert r.complete
+    verified_identical(d, want)
+
+
+def test_a_truncated_committed_tar_is_not_complete(copy, capsys):
+    prompts, d, want = copy
+    os.truncate(d / "shards" / "000001.tar", 7000)
+    assert verify.main([str(d)]) == 1
+    assert "--repair" in capsys.readouterr().out  # says how to repair
+    r = gen(d, prompts)
+    assert r.generated_here == 3  # shard 1 again, not "already complete; nothing to do"
+    verified_identical(d, want)
+
+
+def test_a_committed_tar_damaged_in_place_is_caught_and_repaired(copy, capsys):
+    prompts, d, want = copy
+    tar = d / "shards" / "000000.tar"
+    data = bytearray(tar.read_bytes())
+    data[2000] ^= 0x01  # inside an image: same size, the tar still reads
+    tar.write_bytes(bytes(data))
+    assert verify.main([str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "000000.tar does not match the sha256 in its stats" in out
+    assert verify.main([str(d), "--repair"]) == 1 and "REPAIRED shard 000000" in capsys.readouterr().out
+    gen(d, prompts)
+    verified_identical(d, want)
+
+
+@pytest.mark.parametrize("stats", [b"", b"{}", b"garbage", b'{"count": 3'])
+def test_damaged_stats_are_rewritten_from_a_whole_tar(copy, stats, capsys):
+    prompts, d, want = copy
+    (d / "shards" / "000002.stats.json").write_bytes(stats)
+    assert status.main([str(d)]) == 0 and "damaged" in capsys.readouterr().out  # no traceback
+    assert verify.main([str(d)]) == 1 and "000002.stats.json" in capsys.readouterr().out
+    inode = (d / "shards" / "000002.tar").stat().st_ino
+    assert gen(d, prompts).generated_here == 0
+    assert (d / "shards" / "000002.tar").stat().st_ino == inode  # finished, not regenerated
+    verified_identical(d, want)
+
+
+def test_a_kill_between_the_tar_rename_and_its_stats_loses_nothing(copy):
+    prompts, d, want = copy
+    (d / "shards" / "000001.stats.json").unlink()
+    inode = (d / "shards" / "000001.tar").stat().st_ino
+    assert gen(d, prompts).generated_here == 0
+    assert (d / "shards" / "000001.tar").stat().st_ino == inode
+    assert json.loads((d / "shards" / "000001.stats.json").read_text())["count"] == 3
+    verified_identical(d, want)
+
+
+@pytest.mark.parametrize("damage", ["jsonl_deleted", "plan_json_deleted", "plan_json_garbage"])
+def test_a_damaged_plan_is_planned_again_identically(copy, damage):
+    prompts, d, want = copy
+    if damage == "jsonl_deleted":
+        (d / "plan" / "000001.jsonl").unlink()
+    elif damage == "plan_json_deleted":
+        (d / "plan" / "plan.json").unlink()
+    else:
+        (d / "plan" / "plan.json").write_text("{not json")
+    assert gen(d, prompts).generated_here == 0
+    verified_identical(d, want)
+
+
+def test_a_garbled_plan_shard_is_planned_again_or_refused_naming_the_file_and_the_fix(copy):
+    from shardgen.dataio.repair import checked_rows
+
+    prompts, d, want = copy
+    (d / "shards" / "000001.stats.json").unlink()
+    (d / "shards" / "000001.tar").unlink()
+    good = (d / "plan" / "000001.jsonl").read_bytes()
+    (d / "plan" / "000001.jsonl").write_text('{"index": 3}\n')
+    plan = load_plan(RunDir(d))
+    with pytest.raises(RunDirError, match=r"plan/000001.jsonl was changed.*delete .*plan.json and re-run"):
+        checked_rows(plan, 1)  # changed while a job uses it: refused
+    assert gen(d, prompts).generated_here == 3  # at launch: planned again, identically
+    assert (d / "plan" / "000001.jsonl").read_bytes() == good
+    verified_identical(d, want)
+
+
+def test_leftovers_of_killed_jobs_are_cleaned_up(copy):
+    prompts, d, _ = copy
+    planning = d / ".plan-abc123"
+    planning.mkdir()
+    (planning / "000000.jsonl").write_text("x" * 1000)
+    old = time.time() - 3600
+    os.utime(planning, (old, old))
+    dead_tmp = d / "shards" / f".000000.stats.json~{socket.gethostname()}~999999~x1.tmp"
+    dead_tmp.write_text("{")
+    live_tmp = d / "work" / f".000001.g1.ckpt.json~{socket.gethostname()}~{os.getpid()}~x2.tmp"
+    live_tmp.write_text("{")  # a live writer's (ours): kept
+    gen(d, prompts)
+    assert not planning.exists() and not dead_tmp.exists() and live_tmp.exists()
+
+
+# ------------------------------------------------------------------ claims: clock skew and take-over
+
+def test_a_holder_whose_claim_was_taken_over_leaves_cleanly(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.create()
+    a = Claimer(rd, dict(owner_record(0), host="host-a"), lease_s=60, heartbeat_s=3600)
+    b = Claimer(rd, dict(owner_record(1), host="host-b"), lease_s=60, heartbeat_s=3600)
+    try:
+        assert a.try_claim(3, None) == 1
+        work_a = ShardWork.open(rd, 3, 1, range(0, 1), still_mine=lambda: a.still_mine(3))
+        work_a.write([Sample(key=sample_key(0), index=0, prompt="p", meta=dict(index=0), status="rejected",
+                             failure="x")], [None], "png")
+        past = time.time() - 3600  # a's clock (or the file server's) is behind: its heartbeat looks old
+        os.utime(rd.claim(3, 1), (past, past))
+        assert b.try_claim(3, 1) == 2
+        ShardWork.open(rd, 3, 2, range(0, 1), still_mine=lambda: b.still_mine(3))  # removes a's partial
+        assert work_a.commit() is None  # no FileNotFoundError: a leaves the shard to b
+        assert not rd.shard_tar(3).exists()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_claim_with_a_future_heartbeat_is_taken_over_in_bounded_time_and_reported(tmp_path, caplog):
+    rd = RunDir(tmp_path / "run")
+    rd.create()
+    rd.claim(0, 1).write_text(json.dumps(dict(host="fast-clock-host", pid=1)))
+    future = time.time() + 3600
+    os.utime(rd.claim(0, 1), (future, future))
+    c = Claimer(rd, owner_record(0), lease_s=0.5, heartbeat_s=3600)
+    try:
+        with caplog.at_level(logging.INFO, logger="shardgen.claims"):
+            assert c.try_claim(0, 1) is None  # alive for now
+            t0 = time.time()
+            while (gen := c.try_claim(0, 1)) is None:
+                assert time.time() - t0 < 5
+                time.sleep(0.1)
+        assert gen == 2
+        assert "in the future" in caplog.text and "has not changed for" in caplog.text
+    finally:
+        c.close()
+
+
+def test_status_a_dead_local_holder_is_not_running_and_skew_is_shown(copy, capsys):
+    _, d, _ = copy
+    rd = RunDir(d)
+    for s in (0, 1):
+        rd.shard_stats(s).unlink()
+    rd.claim(0, 1).write_text(json.dumps(dict(host=socket.gethostname(), pid=999999, replica=0)))
+    rd.claim(1, 1).write_text(json.dumps(dict(host="other", pid=5, replica=0)))
+    future = time.time() + 3600
+    os.utime(rd.claim(1, 1), (future, future))
+    assert status.main([str(d), "--shards"]) == 0
+    out = capsys.readouterr().out
+    assert "shard 000000 dead" in out and "in the future (clock skew" in out
+    assert "1 running, 1 stalled" in out
+
+
+def test_status_rate_of_a_finished_run_is_measured_up_to_its_finish(copy, capsys):
+    _, d, _ = copy
+    for s in range(3):  # the run took 80 s and finished an hour ago
+        p = d / "shards" / f"{s:06d}.stats.json"
+        st = json.loads(p.read_text())
+        st.update(started=time.time() - 3680, finished=time.time() - 3600)
+        p.write_text(json.dumps(st))
+    assert status.main([str(d)]) == 0
+    assert "rate     0.10 samples/s" in capsys.readouterr().out  # 8 samples / 80 s, not / 3680 s
+
+
+# ------------------------------------------------------------------ input edge cases
+
+def test_invalid_unicode_deep_nesting_and_nan_rows_are_file_line_errors_or_rejects(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "a\\ud800"}\n{"prompt": "b", "x": ' + "[" * 100000 + "]" * 100000
+                 + '}\n{"prompt": "c", "v": NaN}\n{"prompt": "d", "v": Infinity}\n')
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: invalid Unicode"):
+        list(read_prompts(str(f)))
+    rows = list(read_prompts(str(f), on_bad_row="skip"))
+    assert [r.reject is None for r in rows] == [True, False, False, False, False]
+    assert "nested too deeply" in rows[2].reject and "NaN is not standard JSON" in rows[3].reject
+
+
+def test_fields_named_like_shardgens_own_keys_go_under_extra(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "status": "ok", "error": "injected", "steps": 99, "mine": 1}\n')
+    row = next(read_prompts(str(f)))
+    assert row.extra == {"mine": 1, "extra": {"status": "ok", "error": "injected", "steps": 99}}
+    s = Sample(key="k", index=0, prompt="a", meta=dict(row.extra, prompt="a", index=0))
+    meta = json.loads(dict(sample_members(s, b"img", "png"))["k.json"])
+    assert meta["status"] == "ok" and "error" not in meta and meta["extra"]["error"] == "injected"
+
+
+# ------------------------------------------------------------------ no traceback for what a user can cause
+
+def test_run_dir_that_is_a_file_is_a_user_error(tmp_path, reference):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunDirError, match="exists and is not a directory"):
+        gen(tmp_path / "f", reference[0])
+
+
+def test_disk_full_names_the_path_and_the_free_space(tmp_path):
+    tar = PartialTar(tmp_path / "x.tar")
+
+    class Full(io.RawIOBase):
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+    tar._f = Full()
+    with pytest.raises(DiskFullError, match=r"no space left writing .*x.tar .*GB free there.*re-run the same command"):
+        tar.append([("a.txt", b"x" * 100)])
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_the_run_is_resumable_with_the_command(tmp_path, reference):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = [f"run_dir={tmp_path / 'r'}", f"prompts.path={reference[0]}", *ARGS]
+    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (tmp_path / "r" / "plan" / "plan.json").exists():  # interrupted while it works
+        assert time.time() - t0 < 120 and p.poll() is None
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-2000:]
+    assert "resumable: re-run the same command" in err and f"-m jobs.generate {args[0]}" in err
+    assert "Traceback" not in err
