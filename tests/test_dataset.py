@@ -175,12 +175,12 @@ def test_index_rows_follow_the_checkpoint_through_a_kill(tmp_path):
         return Sample(key=f"{i:010d}", index=i, prompt=f"p{i}", meta=meta, pixels=px if status == "ok" else None,
                       status=status, failure=None if status == "ok" else f"{status}: why")
 
-    first = ShardWork.open(run_dir, 0, 1, 4)
+    first = ShardWork.open(run_dir, 0, 1, range(4))
     first.write([sample(0), sample(1, "failed")], [b"png0", None], "png")
     first.index.add([("0000000009.txt", b"x"), ("0000000009.json", b'{"index": 9}')])  # not checkpointed
     first.index.sync()
     first.close()  # killed here
-    second = ShardWork.open(run_dir, 0, 2, 4)
+    second = ShardWork.open(run_dir, 0, 2, range(4))
     assert second.n_done == 2
     second.write([sample(2, "rejected"), sample(3)], [None, b"png3"], "png")
     second.commit()

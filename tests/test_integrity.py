@@ -19,6 +19,7 @@ import pytest
 
 from jobs import preview, status, verify
 from jobs.generate import run
+from shardgen.dataio import index as shard_index
 from shardgen.dataio.claims import Claimer, owner_record
 from shardgen.dataio.fingerprint import FingerprintMismatch, check_or_write_fingerprint
 from shardgen.dataio.plan import load_plan, sample_key
@@ -86,6 +87,10 @@ def make_partial(run_dir: Path, shard: int, n: int, gen: int = 1) -> dict:
     ckpt = dict(shard=shard, gen=gen, n_done=n, tar_bytes=end, sha256=tar.sha256, counts={"ok": n},
                 started=time.time(), updated=time.time())
     rd.checkpoint(shard, gen).write_text(json.dumps(ckpt))
+    rows = shard_index.read_index(rd, shard)[:n]  # the index rows the holder had made durable
+    shard_index.partial_index_path(rd, shard, gen).write_bytes(
+        b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows))
+    shard_index.index_path(rd, shard).unlink()
     rd.claim(shard, gen).write_text(json.dumps(dict(host="elsewhere", pid=1, replica=0, job=None, restart=0)))
     os.utime(rd.claim(shard, gen), (time.time() - 3600, time.time() - 3600))
     rd.shard_stats(shard).unlink()
@@ -193,9 +198,9 @@ def test_preview_replaces_a_symlink_instead_of_writing_through_it(copy, tmp_path
 
 def test_a_symlinked_plan_file_is_refused_naming_it(copy, tmp_path):
     prompts, d, _ = copy
-    shutil.move(d / "plan" / "000001.jsonl", tmp_path / "x.jsonl")
-    (d / "plan" / "000001.jsonl").symlink_to(tmp_path / "x.jsonl")
-    with pytest.raises(RunDirError, match=r"plan/000001.jsonl is a symlink"):
+    shutil.move(d / "plan" / "starts.npy", tmp_path / "x.npy")
+    (d / "plan" / "starts.npy").symlink_to(tmp_path / "x.npy")
+    with pytest.raises(RunDirError, match=r"plan/starts.npy is a symlink"):
         gen(d, prompts)
 
 
@@ -284,11 +289,11 @@ def test_a_kill_between_the_tar_rename_and_its_stats_loses_nothing(copy):
     verified_identical(d, want)
 
 
-@pytest.mark.parametrize("damage", ["jsonl_deleted", "plan_json_deleted", "plan_json_garbage"])
+@pytest.mark.parametrize("damage", ["starts_deleted", "plan_json_deleted", "plan_json_garbage"])
 def test_a_damaged_plan_is_planned_again_identically(copy, damage):
     prompts, d, want = copy
-    if damage == "jsonl_deleted":
-        (d / "plan" / "000001.jsonl").unlink()
+    if damage == "starts_deleted":
+        (d / "plan" / "starts.npy").unlink()
     elif damage == "plan_json_deleted":
         (d / "plan" / "plan.json").unlink()
     else:
@@ -303,13 +308,13 @@ def test_a_garbled_plan_shard_is_planned_again_or_refused_naming_the_file_and_th
     prompts, d, want = copy
     (d / "shards" / "000001.stats.json").unlink()
     (d / "shards" / "000001.tar").unlink()
-    good = (d / "plan" / "000001.jsonl").read_bytes()
-    (d / "plan" / "000001.jsonl").write_text('{"index": 3}\n')
+    good = (d / "plan" / "starts.npy").read_bytes()
     plan = load_plan(RunDir(d))
-    with pytest.raises(RunDirError, match=r"plan/000001.jsonl was changed.*delete .*plan.json and re-run"):
+    (d / "plan" / "starts.npy").write_bytes(good[:-8] + bytes(8))  # the last shard's start garbled
+    with pytest.raises(RunDirError, match=r"plan/starts.npy was changed.*delete .*plan.json and re-run"):
         checked_rows(plan, 1)  # changed while a job uses it: refused
     assert gen(d, prompts).generated_here == 3  # at launch: planned again, identically
-    assert (d / "plan" / "000001.jsonl").read_bytes() == good
+    assert (d / "plan" / "starts.npy").read_bytes() == good
     verified_identical(d, want)
 
 

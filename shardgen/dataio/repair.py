@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
-from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, load_plan, sample_key
+from shardgen.dataio.plan import Plan, PlanError, PlannedRow, file_sha256, load_plan, sample_key
 from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
@@ -54,7 +54,7 @@ def load_plan_or_discard(run: RunDir) -> Plan | None:
     plan_json = run.plan_dir / "plan.json"
     try:
         plan = load_plan(run)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+    except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan, damage = None, f"{plan_json} is damaged ({e})"
     else:
         damage = None if plan is not None or not run.plan_dir.exists() else f"{plan_json} is missing"
@@ -126,7 +126,7 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise RunDirError(f"{path} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
     if [r.index for r in rows] != list(plan.shard_range(shard)) \
-            or any(not isinstance(r.seed, int) or (r.prompt is None) == (r.reject is None) for r in rows):
+            or any(not isinstance(r.seed, int) or (r.prompt is None and r.reject is None) for r in rows):
         raise RunDirError(f"{path} does not hold rows {plan.shard_range(shard).start}..{plan.shard_range(shard).stop - 1} "
                           f"as plan.json says; {fix}")
     return rows
