@@ -211,7 +211,8 @@ def _ulysses_video_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> No
     with torch.no_grad():
         ref_frames = video(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device))
         dims = parallel_dims(cfg, 2)
-        pipe = apply_strategy(cfg, world, dims, W.build_mesh(dims, world.device))
+        dims.build_mesh(world.device.type)
+        pipe = apply_strategy(cfg, world, dims)
         seen = []  # video tokens each block sees on this rank: half of them under Ulysses-2
         pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
         frames = video(pipe)

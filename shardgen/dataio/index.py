@@ -171,7 +171,10 @@ def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, 
     a missing index, a key in both places, an index row without its tar sample or the reverse."""
     if not index_path(run, shard).exists():
         return dict(tar_members), [f"no index {index_path(run, shard).name}"]
-    rows = read_index(run, shard, ("key", "prompt", "status", "json"))
+    try:
+        rows = read_index(run, shard, ("key", "prompt", "status", "json"))
+    except Exception as e:  # a damaged parquet file: pyarrow raises several kinds of error
+        return dict(tar_members), [f"unreadable index {index_path(run, shard).name} ({type(e).__name__}: {e})"]
     problems = []
     imaged = {r["key"] for r in rows if r["status"] == "ok"}
     records = {r["key"]: {"txt": (r["prompt"] or "").encode("utf-8"), "json": r["json"].encode("utf-8")}
@@ -184,6 +187,21 @@ def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, 
         problems.append(f"the index lists {len(imaged - set(tar_members))} images the tar lacks and misses "
                         f"{len(set(tar_members) - imaged)} of its samples")
     return {**records, **tar_members}, problems
+
+
+def index_problem(run: RunDir, shard: int, count: int) -> str | None:
+    """Why the committed index of ``shard`` cannot be trusted (None: it is a readable parquet file of ``count``
+    rows). Cheap: reads the parquet footer only."""
+    import pyarrow.parquet as pq
+
+    path = index_path(run, shard)
+    if path.is_symlink() or not path.is_file():
+        return f"its index {path.name} is missing"
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception as e:  # a damaged parquet file: pyarrow raises several kinds of error
+        return f"its index {path.name} is unreadable ({type(e).__name__})"
+    return None if rows == count else f"its index {path.name} has {rows} rows, its stats say {count}"
 
 
 def partial_rows(run: RunDir, shard: int, gen: int, n: int) -> list[dict]:

@@ -179,8 +179,8 @@ def load_plan(run: RunDir) -> Plan | None:
         starts = np.load(starts_path, allow_pickle=False)
     except FileNotFoundError:
         raise _plan_error(starts_path, "missing") from None
-    except (ValueError, OSError) as e:
-        raise _plan_error(starts_path, f"unreadable ({e})") from None
+    except (ValueError, OSError, EOFError) as e:  # numpy says EOFError for an empty file
+        raise _plan_error(starts_path, f"unreadable ({type(e).__name__}: {e})") from None
     if starts.shape != (kw["num_shards"], 2):
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):

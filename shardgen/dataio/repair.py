@@ -154,7 +154,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
 
 def _remove_symlinks(run: RunDir) -> list[str]:
     notes = []
-    for d in (run.shards_dir, run.work_dir, run.claims_dir):
+    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.root / "logs"):
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
@@ -163,7 +163,7 @@ def _remove_symlinks(run: RunDir) -> list[str]:
                 (d / name).unlink()
                 notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
     for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
-                 run.plan_digests_path):
+                 run.plan_digests_path, run.root / "launches.jsonl"):
         if path.is_symlink():
             path.unlink()
             notes.append(f"removed the symlink {path.name} (it was not followed)")
@@ -192,7 +192,7 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
     size = tar.lstat().st_size
     if size != stats["tar_bytes"] or stats["shard"] != shard:
         return f"{tar.name} is {size} bytes, its stats say {stats['tar_bytes']}"
-    return None
+    return shard_index.index_problem(run, shard, stats["count"])
 
 
 def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> str:

@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir import RunDir, append_line
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -52,8 +52,7 @@ def detach_rank_log(handler: logging.Handler) -> None:
 
 def _append_line(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:  # one write of one line: appends do not interleave
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+    append_line(path, json.dumps(record, sort_keys=True))  # one write of one line, never through a symlink
 
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:

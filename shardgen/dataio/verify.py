@@ -165,6 +165,8 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         return
     members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
     rep.defects += [f"{name}: {p}" for p in problems]
+    if problems:  # the index and the tar disagree: --repair regenerates the shard (or rebuilds its stats)
+        rep.bad_shards[shard] = "tar"
     try:
         rows = {sample_key(r.index): r for r in checked_rows(plan, shard)}
     except RunDirError as e:
