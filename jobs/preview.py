@@ -12,11 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from shardgen.dataio.repair import load_plan_checked
+from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, run_dir_arg
 from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
 from shardgen.dataio.video import VIDEO_EXT, preview_png
-from shardgen.errors import UserError
 
 
 def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
@@ -64,15 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    run = RunDir(Path(args.run_dir).absolute())
-    try:
-        plan = load_plan_checked(run)
-    except UserError as e:
-        print(f"{args.run_dir}: {e}", file=sys.stderr)
+    plan = plan_for_tool(args.run_dir)
+    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
+        print(plan, file=sys.stderr)
         return 2
-    if plan is None:
-        print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
-        return 2
+    run = plan.run
     items = collect(run, args.n)
     if not items:
         print(f"{args.run_dir}: no committed shard yet", file=sys.stderr)

@@ -8,13 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from shardgen.dataio.claims import FUTURE_TOLERANCE_S
 from shardgen.dataio.ledger import read_ledger, run_lease_s
-from shardgen.dataio.repair import load_plan_checked
-from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.errors import UserError
+from shardgen.dataio.repair import plan_for_tool
+from shardgen.dataio.rundir import run_dir_arg
 
 
 def _fmt_s(s: float | None) -> str:
@@ -49,15 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     args = ap.parse_args(argv)
-    run = RunDir(Path(args.run_dir).absolute())
-    try:
-        plan = load_plan_checked(run)
-    except UserError as e:
-        print(f"{args.run_dir}: {e}", file=sys.stderr)
+    plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")
+    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
+        print(plan, file=sys.stderr)
         return 2
-    if plan is None:
-        print(f"{args.run_dir}: not a shardgen run directory yet (no plan/plan.json)", file=sys.stderr)
-        return 2
+    run = plan.run
     led = read_ledger(plan, run_lease_s(run))
     done = led.done_samples
     pct = 100.0 * done / max(1, plan.num_rows)

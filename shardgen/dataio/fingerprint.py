@@ -146,17 +146,13 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
 
 def fingerprint_changes(run: RunDir) -> list[dict]:
     """The recorded allow_fingerprint_change launches, oldest first (unreadable lines skipped)."""
-    out = []
+    from shardgen.dataio.runlog import read_jsonl
+
+    path = run.fingerprint_changes_path
     try:
-        lines = run.fingerprint_changes_path.read_text(encoding="utf-8").splitlines()
-    except (FileNotFoundError, UnicodeDecodeError):
-        return out
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+        return read_jsonl([path]) if path.is_file() else []
+    except UnicodeDecodeError:
+        return []
 
 
 def _file_identity(path: Path) -> dict:

@@ -237,3 +237,13 @@ def load_plan_checked(run: RunDir) -> Plan | None:
         plan_json = run.plan_dir / "plan.json"
         raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
                           "it plans again from the prompt file, identically") from None
+
+
+def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no plan/plan.json)") -> Plan | str:
+    """The plan of ``run_dir`` for a read-only tool (status, preview), or the line to print instead: a damaged
+    plan names its file and the fix, a missing one says so."""
+    try:
+        plan = load_plan_checked(RunDir(Path(run_dir).absolute()))
+    except RunDirError as e:
+        return f"{run_dir}: {e}"
+    return plan if plan is not None else f"{run_dir}: {what}"
