@@ -40,7 +40,11 @@ def dead_pid() -> int:
     return p.pid
 
 
-def test_holder_known_dead():
+def test_holder_known_dead(monkeypatch):
+    import shardgen.dataio.slurm_jobs as slurm_jobs
+
+    ended: dict[str, bool] = {"8": False, "9": True}  # what scontrol would say of other SLURM jobs
+    monkeypatch.setattr(slurm_jobs, "slurm_attempt_ended", lambda job, restart: ended[job])
     me = dict(host="a", pid=1, job="7", restart=1)
     assert not holder_known_dead(None, me)
     assert not holder_known_dead({}, me)  # a claim being written: alive by its mtime
@@ -48,7 +52,8 @@ def test_holder_known_dead():
     assert not holder_known_dead(dict(host="a", pid=os.getpid(), job=None, restart=0), me)
     assert not holder_known_dead(dict(host="b", pid=dead_pid(), job=None, restart=0), me)  # another host: unknown
     assert holder_known_dead(dict(host="b", pid=5, job="7", restart=0), me)  # our job, an earlier attempt
-    assert not holder_known_dead(dict(host="b", pid=5, job="8", restart=0), me)
+    assert not holder_known_dead(dict(host="b", pid=5, job="8", restart=0), me)  # another job, still running
+    assert holder_known_dead(dict(host="b", pid=5, job="9", restart=0), me)  # another job SLURM says has ended
 
 
 def test_one_claim_per_generation_and_the_lease_holds_it(run, claimers):
