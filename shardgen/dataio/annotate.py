@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from shardgen.dataio.truncation import token_counts
+
 if TYPE_CHECKING:  # a type only: shardwork imports the plan, which imports this module
     from shardgen.dataio.shardwork import Sample
 
@@ -84,18 +86,6 @@ def text_windows(pipe: Any, max_sequence_length: int) -> list[tuple[str, Any, in
         window = getattr(pipe, "tokenizer_max_length", tok.model_max_length) if first_of_two else max_sequence_length
         out.append((name, tok, int(window)))
     return out
-
-
-def token_counts(windows: list[tuple[str, Any, int]], prompts: list[str]) -> list[tuple[dict, bool]]:
-    """Per prompt: ({encoder: tokens}, truncated?) where truncated means some encoder keeps fewer."""
-    counts = [dict() for _ in prompts]
-    truncated = [False] * len(prompts)
-    for name, tok, window in windows if prompts else ():  # tokenizers refuse an empty batch
-        ids = tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]
-        for i, seq in enumerate(ids):
-            counts[i][name] = len(seq)
-            truncated[i] = truncated[i] or len(seq) > window
-    return list(zip(counts, truncated))
 
 
 class SampleAnnotator:

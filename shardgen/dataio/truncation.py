@@ -15,9 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.annotate import token_counts
 
 log = logging.getLogger("shardgen.plan")
+def token_counts(windows: list[tuple[str, Any, int]], prompts: list[str]) -> list[tuple[dict, bool]]:
+    """Per prompt: ({encoder: tokens}, truncated?) where truncated means some encoder keeps fewer."""
+    counts = [dict() for _ in prompts]
+    truncated = [False] * len(prompts)
+    for name, tok, window in windows if prompts else ():  # tokenizers refuse an empty batch
+        ids = tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]
+        for i, seq in enumerate(ids):
+            counts[i][name] = len(seq)
+            truncated[i] = truncated[i] or len(seq) > window
+    return list(zip(counts, truncated))
+
+
 ON_TRUNCATION = ("warn", "error", "skip")
 _BATCH = 2048
 
