@@ -87,7 +87,10 @@ class PartialIndex:
         self.shard = shard
         self.path = partial_index_path(run, shard, gen)
         lines = _first_lines(keep_from, n_done) if keep_from is not None and n_done else []
-        self._f = open(self.path, "wb")
+        # a fresh file, never written through a symlink planted at its name (O_NOFOLLOW), like the partial tar
+        self.path.unlink(missing_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._f = os.fdopen(fd, "wb")
         self._f.write(b"".join(lines))
         self._pending = 0
 
@@ -149,6 +152,7 @@ def write_index(final: Path, rows: list[dict]) -> None:
     import pyarrow.parquet as pq
 
     tmp = final.with_name(f".{final.name}.tmp")
+    tmp.unlink(missing_ok=True)  # pyarrow opens by name: never write through a link left at the temp name
     pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
