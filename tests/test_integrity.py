@@ -454,7 +454,10 @@ def test_ctrl_c_says_the_run_is_resumable_with_the_command(tmp_path, reference):
     from tests.conftest import ROOT
 
     args = [f"run_dir={tmp_path / 'r'}", f"prompts.path={reference[0]}", *ARGS]
-    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a pytest started in the background (`pytest &`) ignores SIGINT, and
+    # Python then installs no KeyboardInterrupt handler in the processes it starts
+    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not (tmp_path / "r" / "plan" / "plan.json").exists():  # interrupted while it works
         assert time.time() - t0 < 120 and p.poll() is None

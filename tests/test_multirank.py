@@ -57,7 +57,7 @@ def assert_complete_and_identical(run_dir: Path, reference: dict[str, bytes]) ->
     assert shard_images(run_dir) == reference
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [3])  # 2 ranks: the SIGKILL test finishes a 2-rank run and compares it
 def test_world_size_does_not_change_bytes(tmp_path, reference, nprocs):
     finish_job(tmp_path / "run", "launcher=local", f"launcher.nprocs={nprocs}", log=tmp_path / "log")
     assert_complete_and_identical(tmp_path / "run", reference)
@@ -74,11 +74,12 @@ def handed_over(log_text: str) -> int:
 
 
 def test_sigkill_at_random_moments_loses_at_most_a_batch_per_replica(tmp_path, reference):
-    """10+ kills of the whole 2-rank job at random instants; every rerun continues; the end result
-    equals the uninterrupted run, and each kill lost at most one batch (4 samples) per replica."""
+    """5 kills of the whole 2-rank job at random instants (tests/test_integrity_faults.py kills at chosen points);
+    every rerun continues; the end result equals the uninterrupted run, and each kill lost at most one batch
+    (4 samples) per replica."""
     rng = random.Random(1234)
     run_dir, kills, losses = tmp_path / "run", 0, []
-    while kills < 10:
+    while kills < 5:
         log = tmp_path / f"log{kills}"
         before = durable_samples(run_dir)
         p = start_job(run_dir, "launcher=local", "launcher.nprocs=2", log=log)

@@ -104,7 +104,30 @@ def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
     assert load_plan(run) is None
     assert not dead.exists() and alive.exists()
     build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=1, run_seed=1)
-    assert not alive.exists()  # once the plan exists every temp dir is garbage
+    assert load_plan(run) is not None
+    assert alive.exists()  # a live planner's dir stays even once a plan exists: it is still writing into it
+
+
+def test_a_job_that_loses_the_planning_race_adopts_the_winners_plan(tmp_path, monkeypatch):
+    """Two jobs plan one fresh run at once: the one whose rename loses is still writing into its own temp dir
+    while the winner reads its plan back; neither fails, and both use one plan."""
+    import shardgen.dataio.plan as plan_mod
+
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\nc\n")
+    run = RunDir(tmp_path / "run")
+    real_scan = plan_mod._scan_txt
+
+    def scan_while_another_job_wins(source, *a):
+        out = real_scan(source, *a)
+        monkeypatch.setattr(plan_mod, "_scan_txt", real_scan)
+        build_plan(run, source, samples_per_shard=2, run_seed=1)  # the other job plans and reads its plan back
+        return out
+
+    monkeypatch.setattr(plan_mod, "_scan_txt", scan_while_another_job_wins)
+    plan = build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+    assert plan.num_rows == 3 and plan.num_shards == 2
+    assert not list((tmp_path / "run").glob(".plan-*"))
 
 
 @pytest.mark.parametrize("damage,needle", [

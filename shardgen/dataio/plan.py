@@ -194,10 +194,11 @@ def _digest(starts: np.ndarray) -> str:
 
 def clean_stale_tmp(run: RunDir) -> None:
     """Remove planning temp dirs left by killed planners (``.plan-HOST-PID-*``): on this host when
-    the pid is gone, elsewhere when untouched for STALE_TMP_S, anywhere once the plan exists."""
+    the pid is gone, elsewhere when untouched for STALE_TMP_S. Never a live planner's, even once a
+    plan exists: a job racing to plan the same run is still writing into its own and adopts the
+    winner's plan when its rename loses."""
     if not run.root.exists():
         return
-    have_plan = (run.plan_dir / "plan.json").exists()
     for d in run.root.glob(".plan-*"):
         try:
             host, pid = d.name.split("-")[1:3]
@@ -205,7 +206,7 @@ def clean_stale_tmp(run: RunDir) -> None:
                 time.time() - d.stat().st_mtime > STALE_TMP_S
         except (ValueError, OSError):
             dead = True
-        if have_plan or dead:
+        if dead:
             shutil.rmtree(d, ignore_errors=True)
 
 
