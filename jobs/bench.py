@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=None, help="prompts (default 32; --quick 4)")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; --quick 2)")
-    ap.add_argument("--size", type=int, default=None, help="height = width (default 1024; --quick 64)")
+    ap.add_argument("--size", default=None, help="height = width, or HEIGHTxWIDTH, e.g. 480x832 (default: the "
+                                                 "model's own size; --quick 64)")
     ap.add_argument("--batch", type=int, default=None, help="shardgen batch_size (default 4; --quick 2)")
     ap.add_argument("--model", default=None, help="model config (default flux_dev; --quick tiny)")
     ap.add_argument("--weights", default=None, help="model.weights (default dummy; --quick pretrained)")
@@ -65,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test on the tiny model")
     a = ap.parse_args(argv)
     quick = dict(n=4, steps=2, size=64, batch=2, model="tiny", weights="pretrained", device="cpu")
-    full = dict(n=32, size=1024, batch=4, model="flux_dev", weights="dummy", device="auto")
+    full = dict(n=32, batch=4, model="flux_dev", weights="dummy", device="auto")
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -30,6 +30,19 @@ def test_quick_bench_prints_every_figure(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["shardgen"]["ok"] == 4
 
 
+def test_quick_video_bench_compares_the_seed_loop_in_videos_per_hour(tmp_path, capsys):
+    """A video model: the seed loop's ``pipe(prompt).frames[0]`` encoded with the job's own mp4 encoder against the
+    job; the same frames on both sides (float64 on a CPU), so the decoded videos are identical."""
+    data = bench_main(["--quick", "--model", "tiny_video", "--size", "32x48", "--set", "num_frames=5",
+                       "--workdir", str(tmp_path / "work"), "--keep"])
+    out = capsys.readouterr().out
+    assert "32x48, 5 frames" in out and "videos/hour" in out and "s/video" in out and "first video inf dB" in out
+    assert len(list((tmp_path / "work" / "baseline").glob("*.mp4"))) == 4
+    s = data["summary"]
+    assert s["baseline_images_per_hour"] > 0 and s["shardgen_images_per_hour"] > 0
+    assert s["psnr_min"] == float("inf")
+
+
 @pytest.mark.slow  # whole jobs / bench runs
 def test_diagnostic_runs_split_the_difference_to_the_baseline(tmp_path, capsys):
     data = bench_main(["--quick", "--accel", "eager,batch1", "--workdir", str(tmp_path / "work")])

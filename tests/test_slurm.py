@@ -217,7 +217,7 @@ def _restarts(job_id) -> int:
     return int(m.group(1)) if m else 0
 
 
-# About 1.5 attempts of work: the first attempt gets ~40 s before its USR2 (time_min=2, signal_delay_s=75), a
+# More than one attempt of work: the first attempt gets ~40 s before its USR2 (time_min=2, signal_delay_s=75), a
 # requeued one often less (the controller's 30 s tick signals it early), and a loaded machine is slower still, so the
 # test allows many timeouts rather than sizing the run to a machine's speed.
 TIMEOUT_RUN = ("height=384", "width=384", "prompts.limit=64", "samples_per_shard=16", "launcher.time_min=2",
@@ -230,7 +230,7 @@ def test_timeout_requeues_until_the_run_is_done(tmp_path):
     """A job whose time limit (2 min) is shorter than the run: each timeout checkpoints and requeues
     (submitit counts it against launcher.max_num_timeout) until the run is complete."""
     run_dir = tmp_path / "run"
-    jobs = slurm(run_dir, *TIMEOUT_RUN, "launcher.max_num_timeout=12")
+    jobs = slurm(run_dir, *TIMEOUT_RUN, "prompts.limit=48", "launcher.max_num_timeout=12")
     jobs[0].results()
     rep = verify_run(load_plan(RunDir(run_dir)))
     assert rep.ok, rep.defects

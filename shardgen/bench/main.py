@@ -17,7 +17,8 @@ import torch
 
 from shardgen.bench import measure as M
 from shardgen.bench.report import DIAGNOSTICS, Report, fmt_flop, say, summary
-from shardgen.bench.ways import fbc_counter, noise_floor, run_baseline, run_shardgen
+from shardgen.bench.ways import baseline_kwargs, fbc_counter, noise_floor, run_baseline, run_shardgen
+from shardgen.dataio.video import is_video
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -47,6 +48,15 @@ def bench_prompts(n: int) -> list[str]:
         k = WORDS[i % len(WORDS)]
         out.append(" ".join((first + words[i:])[:k]))
     return out
+
+
+def parse_size(size) -> tuple[int, int]:
+    """(height, width) from ``--size``: ``1024`` (square) or ``480x832`` (height x width)."""
+    h, _, w = str(size).lower().partition("x")
+    try:
+        return int(h), int(w or h)
+    except ValueError:
+        raise SystemExit(f"--size {size}: give one number (a square) or HEIGHTxWIDTH, e.g. 480x832") from None
 
 
 def compose(overrides: list[str]):
@@ -90,16 +100,22 @@ class Bench:
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="shardgen-bench-"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.prompts = bench_prompts(args.n)
+        if args.size is None:  # the model's own size (its config's height and width)
+            own = compose([f"model={args.model}", f"model.weights={args.weights}"])
+            self.height, self.width = own.height, own.width
+        else:
+            self.height, self.width = parse_size(args.size)
         prompt_file = self.work / "prompts.txt"
         prompt_file.write_text("".join(p + "\n" for p in self.prompts), encoding="utf-8")
         self.common = [f"model={args.model}", f"model.weights={args.weights}", "prompts=txt",
-                       f"prompts.path={prompt_file}", f"height={args.size}", f"width={args.size}",
+                       f"prompts.path={prompt_file}", f"height={self.height}", f"width={self.width}",
                        f"batch_size={args.batch}", f"device={self.device.type}", "progress=false",
                        f"sdpa_backend={args.sdpa}", f"compile_mode={args.compile_mode}",
                        *([f"steps={args.steps}"] if args.steps else []),
                        *([] if args.compile is None else [f"compile={str(args.compile).lower()}"]), *args.overrides]
         self.cfg = compose(self.common + [f"run_dir={self.work / 'run'}"])
         self.dtype = torch_dtype(self.cfg.dtype)
+        self.unit = "video" if is_video(self.cfg) else "image"  # the figures' keys say images either way
         self.seeds = [sample_seed(self.cfg.seed, i) for i in range(args.n)]
         self.base = None
 
@@ -109,7 +125,8 @@ class Bench:
         a, cfg, dev = self.args, self.cfg, self.device
         env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                "torch": torch.__version__, "python": platform.python_version(), "model": a.model, "weights": a.weights,
-               "dtype": cfg.dtype, "size": a.size, "steps": cfg.steps, "guidance": cfg.guidance,
+               "dtype": cfg.dtype, "size": f"{self.height}x{self.width}", "steps": cfg.steps, "guidance": cfg.guidance,
+               "num_frames": cfg.num_frames if is_video(cfg) else None,
                "true_cfg_scale": cfg.model.get("true_cfg_scale", 1.0), "n": a.n, "batch": a.batch,
                "compile": AccelOptions.from_cfg(cfg).compile, "compile_mode": a.compile_mode, "sdpa_backend": a.sdpa,
                "warmup_run": not a.no_warmup, "argv": sys.argv}
@@ -138,7 +155,7 @@ class Bench:
         base = run_baseline(self.pipe, self.cfg, self.prompts[:nb], self.seeds[:nb], self.work / "baseline",
                             self.timer, self.device)
         self.rep.put("baseline", base)
-        say(f"baseline: {base['n']} images in {base['wall_s']:.1f} s = {base['images_per_hour']:.0f} images/hour")
+        say(f"baseline: {base['n']} {self.unit}s in {base['wall_s']:.1f} s = {base['images_per_hour']:.0f} {self.unit}s/hour")
         if a.noise_floor and self.device.type == "cuda":
             k = min(a.noise_floor, nb)
             base["noise_floor"] = nf = noise_floor(self.pipe, self.cfg, self.prompts[:k], self.seeds, self.work,
@@ -152,8 +169,7 @@ class Bench:
         flops = {}
         if self.timer.captured is None:  # no baseline: capture a call now
             self.timer.capture_next = True
-            self.pipe(prompt=self.prompts[0], num_inference_steps=2, height=self.args.size, width=self.args.size,
-                      generator=torch.Generator("cpu").manual_seed(self.seeds[0]))
+            self.pipe(**dict(baseline_kwargs(self.pipe, self.cfg, self.prompts[0], self.seeds[0]), num_inference_steps=2))
         try:
             flops["counted"] = M.count_flops(self.pipe.transformer, self.timer.captured)
         except Exception as e:
@@ -161,7 +177,7 @@ class Bench:
         tcfg = self.pipe.transformer.config
         if type(self.pipe.transformer).__name__ == "FluxTransformer2DModel":
             factor = getattr(self.pipe, "vae_scale_factor", 8) * 2
-            flops["analytic_flux"] = M.flux_flops(tcfg, (self.args.size // factor) ** 2,
+            flops["analytic_flux"] = M.flux_flops(tcfg, (self.height // factor) * (self.width // factor),
                                                   self.cfg.model.max_sequence_length)
         per_step = flops.get("counted") or flops.get("analytic_flux")
         if flops.get("analytic_flux") and per_step < 0.95 * flops["analytic_flux"]:
@@ -203,10 +219,10 @@ class Bench:
         sg["sdpa_choice"] = chosen_sdpa()
         self.exact = M.shard_images(self.work / "run")
         if self.base:
-            self.ref = M.read_pngs(self.work / "baseline", self.base["n"])
+            self.ref = M.read_outputs(self.work / "baseline", self.base["n"])
             sg["psnr_vs_baseline"] = M.psnr_stats(self.exact, self.ref)
         self.rep.put("shardgen", sg)
-        say(f"shardgen: {sg['n']} images in {sg['wall_s']:.1f} s = {sg['images_per_hour']:.0f} images/hour steady; "
+        say(f"shardgen: {sg['n']} {self.unit}s in {sg['wall_s']:.1f} s = {sg['images_per_hour']:.0f} {self.unit}s/hour steady; "
             f"{sg['recompiles_after_first_batch']} graphs compiled after the first batch")
         return warm, sg
 
@@ -268,7 +284,8 @@ def run(args) -> dict:
     b = Bench(args)
     env = b.env()
     b.rep.put("env", env)
-    say(f"== jobs.bench: {args.model} ({args.weights} weights, {b.cfg.dtype}), {args.size}x{args.size}, {b.cfg.steps} "
+    frames = f", {b.cfg.num_frames} frames" if is_video(b.cfg) else ""
+    say(f"== jobs.bench: {args.model} ({args.weights} weights, {b.cfg.dtype}), {b.height}x{b.width}{frames}, {b.cfg.steps} "
         f"steps, {args.n} prompts, batch {args.batch}, compile={env['compile']}, on {env['device']} ==")
     peak = M.matmul_peak(b.device, b.dtype)
     b.rep.put("matmul_peak", peak)
@@ -283,7 +300,7 @@ def run(args) -> dict:
     warm, sg = b.shardgen()
     acc = b.accel_runs(sg)
     b.timer.remove()
-    b.rep.put("summary", summary(args, env, peak, flops, b.base, warm, sg, acc))
+    b.rep.put("summary", summary(args, env, peak, flops, b.base, warm, sg, acc, unit=b.unit))
     if not args.keep and not args.workdir:
         shutil.rmtree(b.work, ignore_errors=True)
     return b.rep.data

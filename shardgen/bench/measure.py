@@ -176,11 +176,18 @@ def psnr_stats(images: dict[int, np.ndarray], ref: dict[int, np.ndarray]) -> dic
             "min": min(vals) if vals else None, "n": len(vals)}
 
 
-def read_pngs(folder: Path, n: int) -> dict[int, np.ndarray]:
-    """The baseline loop's ``000000.png`` ... of ``folder`` as RGB arrays, by index."""
+def read_outputs(folder: Path, n: int) -> dict[int, np.ndarray]:
+    """The baseline loop's ``000000.png`` (or ``.mp4``) ... of ``folder`` as RGB arrays (videos: FxHxWx3), by index."""
     from PIL import Image
 
-    return {i: np.asarray(Image.open(folder / f"{i:06d}.png").convert("RGB")) for i in range(n)}
+    from shardgen.dataio.video import decode_video
+
+    out = {}
+    for i in range(n):
+        video = folder / f"{i:06d}.mp4"
+        out[i] = decode_video(video.read_bytes())[0] if video.exists() else \
+            np.asarray(Image.open(folder / f"{i:06d}.png").convert("RGB"))
+    return out
 
 
 def fmt_db(x: float) -> str:
@@ -202,7 +209,7 @@ def reset_peak(device: torch.device) -> None:
 
 
 def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
-    """prompt index -> decoded image of every committed sample of a run."""
+    """prompt index -> decoded image (a video: its FxHxWx3 frames) of every committed sample of a run."""
     from PIL import Image
 
     from shardgen.dataio.verify import read_shard_members
@@ -213,6 +220,10 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
             img = next((v for k, v in mem.items() if k in ("png", "jpg", "webp")), None)
             if img is not None:
                 out[int(key)] = np.asarray(Image.open(io.BytesIO(img)).convert("RGB"))
+            elif "mp4" in mem:
+                from shardgen.dataio.video import decode_video
+
+                out[int(key)] = decode_video(mem["mp4"])[0]
     return out
 
 

@@ -45,7 +45,9 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def summary(args, env, peak, flops, base, warm, sg, acc) -> dict:
+def summary(args, env, peak, flops, base, warm, sg, acc, unit: str = "image") -> dict:
+    """Print the summary table and lines; return its figures (``images_per_hour`` keys count videos for a video
+    model: ``unit`` only changes the words)."""
     mem_key = "peak_allocated_GiB" if "peak_allocated_GiB" in sg else "peak_rss_GiB_process"
     idle = (sg.get("idle") or {}).get("idle_fraction")
     rows = []
@@ -53,7 +55,7 @@ def summary(args, env, peak, flops, base, warm, sg, acc) -> dict:
         rows.append(("baseline (diffusers loop)", base))
     rows.append(("shardgen (jobs.generate)", sg))
     say("")
-    say(f"{'':27s}{'images/hour':>12s}{'(whole run)':>12s}{'s/image':>9s}{'denoise MFU':>13s}{'e2e MFU':>9s}"
+    say(f"{'':27s}{unit + 's/hour':>12s}{'(whole run)':>12s}{'s/' + unit:>9s}{'denoise MFU':>13s}{'e2e MFU':>9s}"
         f"{'GPU idle':>10s}{'peak GiB':>10s}")
     for name, r in rows:
         say(f"{name:27s}{r['images_per_hour']:12.0f}{r.get('run_images_per_hour', r['images_per_hour']):12.0f}"
@@ -72,7 +74,7 @@ def summary(args, env, peak, flops, base, warm, sg, acc) -> dict:
         say(f"speed-up shardgen / baseline: {ratio:.2f}x steady state, {run_ratio:.2f}x over the whole {sg['n']}-prompt "
             "run (planning, the final shard commit" + (")" if warm else " and the compilation of its first batch)"))
         p = sg["psnr_vs_baseline"]
-        say(f"PSNR shardgen vs baseline (same prompt, same seed): first image {_fmt_db(p['first'])} dB; "
+        say(f"PSNR shardgen vs baseline (same prompt, same seed): first {unit} {_fmt_db(p['first'])} dB; "
             f"mean {_fmt_db(p['mean'])}, min {_fmt_db(p['min'])} over {base['n']}")
         if base.get("noise_floor"):
             nf = base["noise_floor"]

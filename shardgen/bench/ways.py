@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from shardgen.bench.measure import (TransformerTimer, compiled_graphs, gpu_busy_s, peak_memory, psnr_stats,
-                                    read_pngs, reset_peak, sync)
+                                    read_outputs, reset_peak, sync)
 
 
 def baseline_kwargs(pipe, cfg, prompt: str, seed: int) -> dict:
@@ -40,13 +40,26 @@ def run_baseline(pipe, cfg, prompts: list[str], seeds: list[int], out_dir: Path,
     timer.reset()
     t0 = time.perf_counter()
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        image = pipe(**baseline_kwargs(pipe, cfg, prompt, seed)).images[0]
-        image.save(out_dir / f"{i:06d}.png")
+        save_output(pipe(**baseline_kwargs(pipe, cfg, prompt, seed)), cfg, out_dir / f"{i:06d}")
     sync(device)
     wall = time.perf_counter() - t0
     return {"n": len(prompts), "wall_s": wall, "s_per_image": wall / len(prompts),
             "images_per_hour": 3600 * len(prompts) / wall, "transformer_s": timer.total_s(),
             "transformer_calls": len(timer.pairs), **peak_memory(device)}
+
+
+def save_output(out, cfg, stem: Path) -> None:
+    """The seed loop's save: ``out.images[0].save(png)``; for a video pipeline ``out.frames[0]`` as mp4 with the
+    job's own encoder and settings (the seed docs' ``export_to_video`` needs imageio, which the job does not use:
+    the same H.264 encode on both sides keeps the work equal)."""
+    if hasattr(out, "frames"):
+        from shardgen.dataio.video import encode_video
+
+        frames = np.asarray(out.frames[0])  # FxHxWx3 floats in [0, 1] (diffusers' default "np" output)
+        pixels = (frames.astype(np.float32) * 255).round().clip(0, 255).astype(np.uint8)
+        stem.with_suffix(".mp4").write_bytes(encode_video(pixels, cfg.fps, cfg.video_codec, cfg.video_crf))
+    else:
+        out.images[0].save(stem.with_suffix(".png"))
 
 
 def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, timer, device) -> dict:
@@ -67,7 +80,7 @@ def noise_floor(pipe, cfg, prompts: list[str], seeds: list[int], work: Path, tim
         run_baseline(pipe, cfg, prompts, seeds, work / "noise-floor", timer, device)
     finally:
         del tr.forward
-    stats = psnr_stats(read_pngs(work / "noise-floor", len(prompts)), read_pngs(work / "baseline", len(prompts)))
+    stats = psnr_stats(read_outputs(work / "noise-floor", len(prompts)), read_outputs(work / "baseline", len(prompts)))
     return {"kernel": "flash/efficient", **stats}
 
 
