@@ -137,3 +137,19 @@ def test_compile_mode_is_passed_to_torch_compile_and_default_passes_none(monkeyp
     cfg = {"compile": True, "compile_mode": "max-autotune"}
     assert accel.AccelOptions.from_cfg(cfg).compile_mode == "max-autotune"
     assert accel.AccelOptions.from_cfg({"compile": True}).compile_mode == "default"
+
+
+@pytest.mark.parametrize("strategy,ran,device,on", [
+    ("dp", None, "cuda", True),        # the default on a GPU: compiled
+    ("dp", None, "cpu", False),        # CPU: never (compilation costs more than it saves on the tiny model)
+    ("tp", None, "cuda", False),       # model-parallel replicas: not what compile=auto was measured on
+    ("auto", "dp", "cuda", True),      # strategy=auto resolved to dp at run time: compiled like dp
+    ("auto", "tp", "cuda", False),
+])
+def test_compile_auto_follows_the_strategy_that_runs(strategy, ran, device, on):
+    from shardgen.run.generation import GenSettings
+
+    overrides = [f"strategy={strategy}", f"device={device}"] + (["tp_degree=2"] if strategy == "tp" else [])
+    cfg = compose_cfg(*overrides)
+    settings = GenSettings.from_cfg(cfg, ran)
+    assert settings.accel.compile is on and settings.strategy == (ran or strategy)

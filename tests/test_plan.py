@@ -3,7 +3,6 @@ gives exactly the rows the prompt reader gives, in every format; a damaged plan 
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np

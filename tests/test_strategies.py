@@ -168,7 +168,25 @@ LONG = replace(FLUX_DEV, transformer_bytes=20 * GiB, other_bytes=4 * GiB, hidden
                width=2048, image_tokens=16384, batch_size=1, free_bytes=36 * GiB)
 
 
+# Wan 2.1 T2V 14B in bf16 at its model card's 720x1280 x 81 frames (21 latent frames x 45 x 80 = 75,600 video
+# tokens; the text enters by cross-attention, so none join the sequence), batch 4: 14.29B transformer parameters,
+# 5.68B UMT5-XXL + 0.13B VAE (parallel.auto.component_params of conf/model/wan21_t2v_14b.yaml, weights=dummy)
+WAN14B = AutoInputs(
+    device_type="cuda", device_count=8, world_size=8, free_bytes=int(139 * GiB), transformer_bytes=int(26.6 * GiB),
+    other_bytes=int(10.8 * GiB), image_tokens=75600, text_tokens=0, heads=40, hidden=5120, height=720, width=1280,
+    batch_size=4, dtype_bytes=2, half_dtype=True, has_tp_plan=False, has_cp_plan=True)
+
+
+def test_the_video_token_count_auto_sizes_from_is_frames_times_patches():
+    from parallel.transformer import sequence_tokens
+
+    assert sequence_tokens(compose_cfg("model=wan21_t2v_14b")) == (WAN14B.image_tokens, WAN14B.text_tokens)
+
+
 @pytest.mark.parametrize("inputs,strategy,degrees", [
+    (WAN14B, "dp", {}),                                                      # an H200 holds a batch of 4 videos
+    (replace(WAN14B, free_bytes=79 * GiB), "cp_ulysses", dict(ulysses=2)),   # 80 GB cards: the sequence is split
+    (replace(WAN14B, free_bytes=79 * GiB, batch_size=1), "dp", {}),          # one video at a time fits again
     (replace(FLUX_DEV, device_type="cpu", free_bytes=None), "dp", {}),
     (FLUX_DEV, "dp", {}),                                                                   # an H200: fits
     (replace(FLUX_DEV, free_bytes=32 * GiB, world_size=1, device_count=1), "device_map", dict(gpus_per_replica=1)),

@@ -11,7 +11,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -182,8 +181,12 @@ class Bench:
         per_step = flops.get("counted") or flops.get("analytic_flux")
         if flops.get("analytic_flux") and per_step < 0.95 * flops["analytic_flux"]:
             per_step = flops["analytic_flux"]  # the counter missed something (an attention kernel without a formula)
-        # true CFG: two transformer calls per step (batched into one by cfg_batching, same work)
-        flops["calls_per_step"] = 2 if self.cfg.model.get("true_cfg_scale", 1.0) > 1 else 1
+        # true CFG (Qwen-Image) and Wan's CFG: two transformer calls per step (batched into one by cfg_batching,
+        # same work); counted on the baseline loop where it ran, else from the config
+        if self.base and self.base.get("transformer_calls"):
+            flops["calls_per_step"] = round(self.base["transformer_calls"] / (self.base["n"] * self.cfg.steps))
+        else:
+            flops["calls_per_step"] = 2 if self.cfg.model.get("true_cfg_scale", 1.0) > 1 else 1
         flops["per_image_step"] = per_step * flops["calls_per_step"] if per_step else None
         self.timer.captured = None
         self.rep.put("flops", flops)

@@ -141,7 +141,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     if not os.path.lexists(stats_path):
         has_tar = os.path.lexists(tar)
         rep.defects.append(f"{name}: not committed (no {stats_path.name}" + (
-            f"; its tar is there: the next launch, or --repair, finishes the shard from it)" if has_tar else
+            "; its tar is there: the next launch, or --repair, finishes the shard from it)" if has_tar else
             f", no {tar.name})"))
         if has_tar:
             rep.bad_shards[shard] = "stats"

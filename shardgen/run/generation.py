@@ -42,12 +42,16 @@ class GenSettings:
     """Speed options (shardgen/speed/accel.py), applied to the pipeline before its first call."""
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "GenSettings":
+    def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
+        """The settings of ``cfg``; ``strategy``: the one that runs when the config says ``auto`` (it decides
+        ``compile: auto`` too)."""
         m = cfg.model
+        strategy = strategy or cfg.strategy.name
         return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
                    true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
-                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=cfg.strategy.name,
-                   accel=AccelOptions.from_cfg(cfg), num_frames=cfg.get("num_frames"), guidance_2=m.get("guidance_2"),
+                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=strategy,
+                   accel=AccelOptions.from_cfg(cfg, strategy), num_frames=cfg.get("num_frames"),
+                   guidance_2=m.get("guidance_2"),
                    latents=LatentCheckpoints.from_cfg(cfg))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -7,7 +7,6 @@ config, the prompt file or the run directory is found before any weight is read.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -215,8 +214,8 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
 
 def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, strategy: str,
                  control: RankControl) -> ReplicaWorker:
-    # samples record the strategy that ran (strategy=auto resolves to one)
-    settings = dataclasses.replace(GenSettings.from_cfg(cfg), strategy=strategy)
+    # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
+    settings = GenSettings.from_cfg(cfg, strategy)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,

@@ -87,10 +87,12 @@ class AccelOptions:
     cfg_batching: bool = False
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "AccelOptions":
+    def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "AccelOptions":
+        """The options of ``cfg``; ``strategy``: the one that runs (``strategy=auto`` resolved), else the config's."""
         get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
-        strategy = get("strategy", None)
-        strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
+        if strategy is None:
+            strategy = get("strategy", None)
+            strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
         return cls(compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
                    sdpa=str(get("sdpa_backend", "auto")), cfg_batching=bool(get("cfg_batching", False)),
                    first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
