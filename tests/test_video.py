@@ -107,6 +107,8 @@ def test_changed_fps_or_frames_are_refused_on_resume(video_run):
     ("video_crf=60", "video_crf=60: use 0 (lossless) .. 51"),
     ("fps=0", "fps=0: use a positive frame rate"),
     ("latent_checkpoint_every=0", "latent_checkpoint_every=0: use N >= 1 steps, with a video model and strategy=dp"),
+    ("latent_checkpoint_every=often", "latent_checkpoint_every=often: use N >= 1 steps"),
+    ("latent_checkpoint_s=0", "latent_checkpoint_s=0.0: use a positive number of seconds"),
 ])
 def test_bad_video_settings_fail_before_anything_is_written(tmp_path, override, needle):
     with pytest.raises(ValueError) as e:
@@ -285,16 +287,32 @@ def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
 
 # --- mid-sample checkpoints (latent_checkpoint_every) ----------------------------------------------------------
 
+def test_latent_checkpoints_are_on_by_default_for_video_batches_that_take_a_minute():
+    from shardgen.run.latent_ckpt import LatentCheckpoints
+
+    video = LatentCheckpoints.from_cfg(compose_cfg(*FAST))
+    assert video.interval_s == 60.0 and video.every is None
+    assert not video.due(done=3, since_save_s=59.0) and video.due(done=3, since_save_s=60.0)
+    assert LatentCheckpoints.from_cfg(compose_cfg("model=tiny")) is None  # images: a sample takes seconds
+    assert LatentCheckpoints.from_cfg(compose_cfg(*FAST), strategy="cp_ulysses") is None  # dp only
+    assert LatentCheckpoints.from_cfg(compose_cfg(*FAST, "latent_checkpoint_every=null")) is None
+    assert LatentCheckpoints.from_cfg(compose_cfg(*FAST, "latent_checkpoint_every=4")).due(8, 0.0)
+
+
 @pytest.mark.slow
-def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog):
-    """A real SIGKILL once the batch's first latent checkpoint (step 2 of 8) exists; the rerun says from which
-    step it resumes and writes the uninterrupted run's mp4 bytes."""
-    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=8", "latent_checkpoint_every=2")
+@pytest.mark.parametrize("every", [("latent_checkpoint_every=2",),
+                                   ("latent_checkpoint_every=auto", "latent_checkpoint_s=0.05")],
+                         ids=["every-2-steps", "auto-by-time"])
+def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog, every):
+    """A real SIGKILL once the batch's first latent checkpoint exists (every 2 steps of 8, or the default auto
+    with a tiny interval: whenever that much denoising time passed); the rerun says from which step it resumes
+    and writes the uninterrupted run's mp4 bytes."""
+    args = ("prompts.limit=2", "samples_per_shard=2", *FAST, "steps=8", *every)
     run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *args))
     saved = lambda d: any((d / "latents").glob("*.pt")) if (d / "latents").is_dir() else False  # noqa: E731
     run_dir = _kill_job_when(tmp_path, args, saved, lambda d: saved(d) and _durable(d) == 0)
     with caplog.at_level("INFO", logger="shardgen.latents"):
         assert run(compose_cfg(f"run_dir={run_dir}", *args)).complete
-    assert re.search(r"samples 0..1: resuming from step [246] of 8", caplog.text), caplog.text
+    assert re.search(r"samples 0..1: resuming from step [1-7] of 8", caplog.text), caplog.text
     assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
     assert not list((run_dir / "latents").iterdir())  # removed once the batch went to the writer

@@ -177,9 +177,13 @@ class GenerateConfig:
     shardgen/dataio/video.py."""
     video_crf: int = 18
     """Video models: x264/x265 constant rate factor, 0 (lossless) .. 51; 18 is visually lossless."""
-    latent_checkpoint_every: Optional[int] = None
-    """Video models: save each batch's latents and scheduler state durably every N denoising steps, so a killed
-    run resumes the batch from the last saved step (shardgen/run/latent_ckpt.py); null = off."""
+    latent_checkpoint_every: Any = "auto"
+    """Video models (strategy dp): save each batch's latents and scheduler state durably every N denoising steps,
+    so a killed run resumes the batch from the last saved step (shardgen/run/latent_ckpt.py). auto: whenever
+    latent_checkpoint_s of a batch's denoising passed since its start or last save (only batches that take
+    longer than that ever save; image models and model-parallel strategies: off); null = off."""
+    latent_checkpoint_s: float = 60.0
+    """With latent_checkpoint_every=auto: the most denoising time a kill may cost a video batch, seconds."""
     device: str = "auto"
     """auto | cpu | cuda"""
     dtype: str = II("model.dtype")

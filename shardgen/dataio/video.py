@@ -38,9 +38,14 @@ def is_video(cfg: Any) -> bool:
 def validate_video_config(cfg: Any) -> None:
     """Check the video keys before anything is loaded (a no-op for image runs)."""
     every = cfg.get("latent_checkpoint_every")
-    if every is not None and (every < 1 or not is_video(cfg) or cfg.strategy.name != "dp"):
+    if every == "auto":
+        if not cfg.get("latent_checkpoint_s", 60.0) > 0:
+            raise VideoConfigError(f"latent_checkpoint_s={cfg.latent_checkpoint_s}: use a positive number of "
+                                   "seconds (or latent_checkpoint_every=null to save none)")
+    elif every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1
+                                or not is_video(cfg) or cfg.strategy.name != "dp"):
         raise VideoConfigError(f"latent_checkpoint_every={every}: use N >= 1 steps, with a video model and "
-                               f"strategy=dp (model={cfg.model.name}, strategy={cfg.strategy.name}), or null")
+                               f"strategy=dp (model={cfg.model.name}, strategy={cfg.strategy.name}), auto or null")
     if not is_video(cfg):
         return
     import av

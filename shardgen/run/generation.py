@@ -52,7 +52,7 @@ class GenSettings:
                    max_sequence_length=m.max_sequence_length, model=m.name, strategy=strategy,
                    accel=AccelOptions.from_cfg(cfg, strategy), num_frames=cfg.get("num_frames"),
                    guidance_2=m.get("guidance_2"),
-                   latents=LatentCheckpoints.from_cfg(cfg))
+                   latents=LatentCheckpoints.from_cfg(cfg, strategy))
 
 
 def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:

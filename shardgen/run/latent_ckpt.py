@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,26 @@ log = logging.getLogger("shardgen.latents")
 
 @dataclass(frozen=True)
 class LatentCheckpoints:
-    """Where and how often one replica saves its batches' latents."""
+    """Where and how often one replica saves its batches' latents: every ``every`` steps, or (``every`` None)
+    whenever ``interval_s`` of denoising passed since the batch's start or last save."""
 
     directory: Path
-    every: int
+    every: int | None = None
+    interval_s: float | None = None
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "LatentCheckpoints | None":
-        every = cfg.get("latent_checkpoint_every")
-        return cls(Path(cfg.run_dir).absolute() / "latents", int(every)) if every else None
+    def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
+        """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
+        than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
+        every, directory = cfg.get("latent_checkpoint_every"), Path(cfg.run_dir).absolute() / "latents"
+        if every == "auto":
+            video_dp = cfg.get("num_frames") is not None and (strategy or cfg.strategy.name) == "dp"
+            return cls(directory, interval_s=float(cfg.get("latent_checkpoint_s", 60.0))) if video_dp else None
+        return cls(directory, every=int(every)) if every else None
+
+    def due(self, done: int, since_save_s: float) -> bool:
+        """Whether to save after ``done`` completed steps, ``since_save_s`` after the call's start or last save."""
+        return done % self.every == 0 if self.every else since_save_s >= self.interval_s
 
     def path(self, indices: list[int]) -> Path:
         return self.directory / f"{indices[0]:010d}+{len(indices)}.pt"
@@ -102,11 +114,13 @@ def latent_checkpoints(pipe: Any, ckpt: LatentCheckpoints | None, indices: list[
 def _saving_and_resuming(pipe: Any, ckpt: LatentCheckpoints, indices: list[int], kw: dict, steps: int):
     state = ckpt.load(indices)
     start = state["step"] if state else 0
+    last_save = [time.monotonic()]
 
     def on_step_end(p, i, t, tensors):
         done = start + i + 1
-        if done % ckpt.every == 0 and done < steps:
+        if done < steps and ckpt.due(done, time.monotonic() - last_save[0]):
             ckpt.save(indices, done, tensors["latents"], p.scheduler)
+            last_save[0] = time.monotonic()
         return {}
 
     kw.update(callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
