@@ -1,4 +1,4 @@
-"""The progress bar of a run: images/s and ETA over the whole run, not just this replica."""
+"""The progress bar of a run: images (or videos)/s and ETA over the whole run, not just this replica."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ RESYNC_S = 10.0  # how often the bar re-reads the run directory to count the oth
 class Progress:
     """A tqdm bar over all samples of the plan, advanced by this replica and resynced from disk."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, unit: str = "img"):
+        """``unit``: what a sample is, for the rate ("img", "video")."""
         self.plan = plan
         self._stats_cache: dict = {}
         done = read_ledger(plan, stats_cache=self._stats_cache).done_samples
-        self.bar = tqdm(total=plan.num_rows, initial=done, unit="img", desc="generate", dynamic_ncols=True,
+        self.bar = tqdm(total=plan.num_rows, initial=done, unit=unit, desc="generate", dynamic_ncols=True,
                         file=sys.stderr, smoothing=0.1,
                         mininterval=0.1 if sys.stderr.isatty() else 30.0)  # a log file gets a line per 30 s
         self._last_sync = time.monotonic()
