@@ -16,6 +16,8 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
+from shardgen.dataio.claims import HEARTBEAT_S, LEASE_S
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -207,9 +209,9 @@ class GenerateConfig:
     """Regenerate exactly the samples recorded as failed in committed shards."""
     allow_fingerprint_change: bool = False
     """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
-    lease_s: float = 120.0
+    lease_s: float = LEASE_S
     """A shard claim whose heartbeat is older than this is taken over by another replica."""
-    heartbeat_s: float = 15.0
+    heartbeat_s: float = HEARTBEAT_S
     """How often a replica renews its shard claims (below lease_s)."""
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.rundir import RunDir, pid_alive
 
+# The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
+LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
+HEARTBEAT_S = 15.0  # how often a holder renews its claims
+
 log = logging.getLogger("shardgen.claims")
 FUTURE_TOLERANCE_S = 5.0  # heartbeats this far ahead of our clock are reported as clock skew
 
@@ -102,8 +106,8 @@ class Claimer:
 
     run: RunDir
     owner: dict
-    lease_s: float = 120.0
-    heartbeat_s: float = 15.0
+    lease_s: float = LEASE_S
+    heartbeat_s: float = HEARTBEAT_S
     held: dict[int, int] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
     _seen: dict = field(default_factory=dict)  # (shard, gen) -> (heartbeat mtime, our time when it was first seen)

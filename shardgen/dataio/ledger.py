@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
+from shardgen.dataio.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.plan import Plan
 from shardgen.dataio.rundir import RunDir, RunDirError, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_checkpoints
@@ -60,7 +60,7 @@ class Ledger:
         return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
 
 
-def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = None) -> Ledger:
+def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
     """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards."""
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
@@ -96,7 +96,7 @@ def read_ledger(plan: Plan, lease_s: float = 120.0, stats_cache: dict | None = N
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
 
 
-def run_lease_s(run: RunDir, default: float = 120.0) -> float:
+def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:
     """The lease the run was configured with (from its resolved config), for status displays."""
     import yaml
     from omegaconf import OmegaConf
