@@ -3,7 +3,6 @@ preview, fingerprint and settings checks, and a SIGKILL-ed run resumed to the un
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -276,12 +275,17 @@ def test_bad_video_cp_degrees_fail_before_any_weight_is_read(tmp_path, override,
 
 
 @pytest.mark.slow
-def test_the_tiny_video_tokenizer_is_the_same_in_every_process():
-    """Two fresh processes build the same vocabulary (a trained unigram one differed in each process)."""
-    code = ("import hashlib, json; from shardgen.models.tiny_video import umt5_style_tokenizer as t; "
-            "print(hashlib.sha256(json.dumps(sorted(t().get_vocab().items())).encode()).hexdigest())")
-    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+def test_the_tiny_models_tokenizers_are_the_same_in_every_process(tmp_path):
+    """Two fresh processes build the same vocabularies, CLIP's and T5's (a trained unigram T5 one differed in each
+    process), so two machines that each build model=tiny or model=tiny_video get the same model."""
+    code = ("import hashlib, json, pathlib, sys; from shardgen.models.tiny import _train_tokenizers as t; "
+            "toks = t(pathlib.Path(sys.argv[1])); "
+            "print(hashlib.sha256(json.dumps([sorted(k.get_vocab().items()) for k in toks]).encode()).hexdigest())")
+    outs = set()
+    for seed in (1, 2):
+        (tmp_path / str(seed)).mkdir()
+        outs.add(subprocess.run([sys.executable, "-c", code, str(tmp_path / str(seed))], cwd=ROOT, capture_output=True,
+                                text=True, check=True, env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout)
     assert len(outs) == 1
 
 

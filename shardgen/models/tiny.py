@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import string
 import time
 from pathlib import Path
 
 import torch
 
 # Bump when the architecture or training strings change: old caches are then ignored.
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"  # v2: the T5 tokenizer has a fixed vocabulary (v1 trained one differed per process)
 _CORPUS = [
     "a photo of a cat",
     "a dog on the beach",
@@ -85,9 +86,9 @@ def _wait_for(target: Path, timeout_s: float = 600.0) -> Path:
 
 
 def _train_tokenizers(workdir: Path):
-    """Train a CLIP-style BPE and a T5-style unigram tokenizer on a few strings."""
+    """A CLIP-style BPE tokenizer trained on a few strings, and the fixed T5-style one."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import CLIPTokenizer, PreTrainedTokenizerFast
+    from transformers import CLIPTokenizer
 
     bpe = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,13 +98,24 @@ def _train_tokenizers(workdir: Path):
     bpe.model.save(str(workdir))
     clip_tok = CLIPTokenizer(str(workdir / "vocab.json"), str(workdir / "merges.txt"), model_max_length=77)
 
-    uni = Tokenizer(models.Unigram())
-    uni.pre_tokenizer = pre_tokenizers.Metaspace()
-    uni.train_from_iterator(_CORPUS, trainers.UnigramTrainer(
-        vocab_size=100, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
-    t5_tok = PreTrainedTokenizerFast(tokenizer_object=uni, pad_token="<pad>", eos_token="</s>",
-                                     unk_token="<unk>", model_max_length=512)
-    return clip_tok, t5_tok
+    return clip_tok, t5_style_tokenizer()
+
+
+def t5_style_tokenizer(model_max_length: int = 512):
+    """A T5-style (SentencePiece unigram) tokenizer with a fixed vocabulary: the corpus' words, then single
+    characters. Fixed rather than trained: ``tokenizers``' unigram trainer gives a different vocabulary in
+    each process (measured: 3 builds, 3 vocabularies), and the tiny models' bytes must not depend on it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "</s>", "<unk>"]
+    words = sorted({"\u2581" + w for line in _CORPUS for w in line.replace(",", " ,").split()})
+    chars = ["\u2581"] + [c for c in string.printable if not c.isspace()]
+    vocab = [(t, 0.0) for t in specials] + [(w, -1.0) for w in words] + [(c, -10.0) for c in chars]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=model_max_length)
 
 
 def build_tiny_pipeline(seed: int = 0):

@@ -14,12 +14,11 @@ The transformer has 4 heads, so Ulysses up to degree 4 divides them.
 from __future__ import annotations
 
 import os
-import string
 from pathlib import Path
 
 import torch
 
-from shardgen.models.tiny import _CORPUS, cached_build
+from shardgen.models.tiny import cached_build, t5_style_tokenizer
 
 # Bump when the architecture or training strings change: old caches are then ignored.
 TINY_VIDEO_VERSION = "v1"
@@ -37,29 +36,12 @@ def tiny_video_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return cached_build(f"tiny-wan-{TINY_VIDEO_VERSION}", build_tiny_video_pipeline, cache_dir)
 
 
-def umt5_style_tokenizer(model_max_length: int = 512):
-    """A T5-style (SentencePiece unigram) tokenizer with a fixed vocabulary: the corpus' words, then single
-    characters. Fixed rather than trained: ``tokenizers``' unigram trainer gives a different vocabulary in
-    each process (measured: 3 builds, 3 vocabularies), and the video model's bytes must not depend on it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "</s>", "<unk>"]
-    words = sorted({"\u2581" + w for line in _CORPUS for w in line.replace(",", " ,").split()})
-    chars = ["\u2581"] + [c for c in string.printable if not c.isspace()]
-    vocab = [(t, 0.0) for t in specials] + [(w, -1.0) for w in words] + [(c, -10.0) for c in chars]
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                   model_max_length=model_max_length)
-
-
 def build_tiny_video_pipeline(seed: int = 0):
     """Build the tiny Wan text-to-video pipeline in memory (random weights from ``seed``)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = umt5_style_tokenizer()
+    tokenizer = t5_style_tokenizer()
     with torch.random.fork_rng(devices=[]):  # a fixed seed without disturbing the caller's RNG
         torch.manual_seed(seed)
         text_encoder = UMT5EncoderModel(UMT5Config(
