@@ -15,7 +15,7 @@ from shardgen.errors import JobEndingError, ShardgenError, UserError, ends_job, 
 # every error class shardgen defines, and what it must be: a fix for the user, or the end of a job
 EXPECTED = {
     "ConfigError": "user", "PromptFileError": "user", "FingerprintMismatch": "user", "ParallelConfigError": "user",
-    "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "BrokenSetupError": "user",
+    "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "SlurmSubmitError": "user", "BrokenSetupError": "user",
     "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "DiskFullError": "user",

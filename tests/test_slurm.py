@@ -161,6 +161,20 @@ def test_a_claim_held_by_another_slurm_job_on_another_node_is_dead_when_slurm_sa
 
 @pytest.mark.slurm
 @needs_cluster
+def test_a_submission_sbatch_refuses_is_a_message_naming_the_cause(tmp_path):
+    """An unknown partition passes every check shardgen can make; sbatch refuses it: a user error quoting sbatch
+    (no traceback), nothing submitted, the plan kept for the corrected command."""
+    from shardgen.errors import is_user_error
+
+    with pytest.raises(Exception) as e:
+        slurm(tmp_path / "run", "launcher.partition=no_such_partition")
+    assert is_user_error(e.value), repr(e.value)
+    assert "sbatch refused the job" in str(e.value) and "invalid partition" in str(e.value).lower(), str(e.value)
+    assert (tmp_path / "run" / "plan" / "plan.json").exists() and not list((tmp_path / "run").rglob("*.tar"))
+
+
+@pytest.mark.slurm
+@needs_cluster
 def test_two_task_job_completes_like_the_local_run(tmp_path, reference):
     slurm(tmp_path / "run", "launcher.tasks_per_node=2", "launcher.wait=true", "launcher.time_min=60")
     assert_complete_and_identical(tmp_path / "run", reference)

@@ -206,6 +206,8 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
 
 def submit(cfg: Any) -> list:
     """Validate, plan, then submit ``launcher.array`` jobs; print how to watch them; optionally wait."""
+    import submitit
+
     from shardgen.run.runner import prepare_run, prompt_path
 
     validate_slurm(cfg)
@@ -214,10 +216,20 @@ def submit(cfg: Any) -> list:
     log_dir.mkdir(parents=True, exist_ok=True)
     job_cfg = child_config(cfg, {"run_dir": str(plan.run.root), "prompts.path": str(prompt_path(cfg))})
     ex = make_executor(cfg, log_dir)
-    with ex.batch():  # one sbatch call: a SLURM array of launcher.array jobs
-        level = logging.getLogger("shardgen").getEffectiveLevel()
-        jobs = [ex.submit(GenerateJob(job_cfg, level)) for _ in range(cfg.launcher.array)]
+    try:
+        with ex.batch():  # one sbatch call: a SLURM array of launcher.array jobs
+            level = logging.getLogger("shardgen").getEffectiveLevel()
+            jobs = [ex.submit(GenerateJob(job_cfg, level)) for _ in range(cfg.launcher.array)]
+    except submitit.core.utils.FailedJobError as e:  # sbatch said no: its own words name the cause
+        why = " ".join(str(e).split()) or "no message"
+        raise SlurmSubmitError(f"sbatch refused the job: {why}. Check launcher.partition, launcher.gpus_per_node, "
+                               f"launcher.time_min, launcher.mem_gb and launcher.additional_parameters against the "
+                               f"cluster (sinfo); nothing was submitted, and {plan.run.root} keeps its plan") from None
     return _report(cfg, plan, jobs, log_dir)
+
+
+class SlurmSubmitError(UserError, RuntimeError):
+    """sbatch refused the submission (an unknown partition, more resources than a node has, ...)."""
 
 
 def _report(cfg: Any, plan, jobs: list, log_dir: Path) -> list:
