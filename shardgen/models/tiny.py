@@ -1,7 +1,8 @@
 """The embedded default model: a tiny FLUX-architecture pipeline built offline.
 
 No machine shardgen runs on is assumed to reach a model hub, so the default model is
-built here: tokenizers trained on a few strings, random weights from a fixed seed. It is
+built here: a CLIP tokenizer trained on a few strings, a T5 one with a fixed vocabulary (the
+same on every machine), random weights from a fixed seed. It is
 saved with ``save_pretrained`` and always loaded back through ``from_pretrained``, so the
 real loading path runs. It generates noise-like images in milliseconds on a CPU.
 

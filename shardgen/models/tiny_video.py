@@ -1,6 +1,6 @@
 """The embedded video model: a tiny Wan 2.1 text-to-video pipeline built offline (``model=tiny_video``).
 
-Like ``model=tiny`` (shardgen/models/tiny.py): a tokenizer trained on a few strings, random weights
+Like ``model=tiny`` (shardgen/models/tiny.py): its fixed-vocabulary T5 tokenizer, random weights
 from a fixed seed, saved with ``save_pretrained`` into ``$SHARDGEN_CACHE`` and always loaded back
 with ``from_pretrained``. Every component is the real Wan class (``WanTransformer3DModel`` with its
 ``_cp_plan``, ``UMT5EncoderModel``, ``AutoencoderKLWan``, the UniPC flow scheduler Wan ships with),
