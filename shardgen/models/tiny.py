@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import string
+import tempfile
 import time
 from pathlib import Path
 
