@@ -320,3 +320,46 @@ def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, c
     assert re.search(r"samples 0..1: resuming from step [1-7] of 8", caplog.text), caplog.text
     assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
     assert not list((run_dir / "latents").iterdir())  # removed once the batch went to the writer
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "a tensor", "step out of range", "wrong batch", "symlink"])
+def test_a_damaged_latent_checkpoint_is_ignored_with_a_warning(tmp_path, caplog, damage):
+    """The latents/ file of a batch is untrusted: anything but a state save() wrote for that batch is ignored,
+    said so in the log, and the batch starts from step 0 instead of crashing every rerun."""
+    import torch
+
+    from shardgen.run.latent_ckpt import LatentCheckpoints
+
+    ckpt = LatentCheckpoints(tmp_path / "latents", every=2)
+    ckpt.directory.mkdir()
+    path, good = ckpt.path([0, 1]), dict(indices=[0, 1], step=2, latents=torch.zeros(2, 3), scheduler={})
+    if damage == "garbage":
+        path.write_bytes(b"not a checkpoint")
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "a tensor":
+        torch.save(torch.zeros(3), path)
+    elif damage == "step out of range":
+        torch.save(dict(good, step=8), path)
+    elif damage == "wrong batch":
+        torch.save(dict(good, latents=torch.zeros(5, 3)), path)
+    else:
+        torch.save(good, tmp_path / "elsewhere.pt")
+        path.symlink_to(tmp_path / "elsewhere.pt")
+    with caplog.at_level("WARNING", logger="shardgen.latents"):
+        assert ckpt.load([0, 1], steps=8) is None
+    assert "the batch starts from step 0" in caplog.text
+    if damage != "symlink":
+        torch.save(good, path)
+        assert ckpt.load([0, 1], steps=8)["step"] == 2  # the intact state of the same batch is used
+
+
+def test_a_run_with_a_garbage_latent_checkpoint_completes_with_the_plain_bytes(tmp_path, video_run):
+    """End to end: a garbage file where batch 0's checkpoint goes; the rerun ignores it, and its mp4s equal a
+    clean run's."""
+    run_dir = tmp_path / "run"
+    (run_dir / "latents").mkdir(parents=True)
+    (run_dir / "latents" / "0000000000+2.pt").write_bytes(b"\x80garbage")
+    assert run(compose_cfg(f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST,
+                           "latent_checkpoint_every=2")).complete
+    assert shard_videos(run_dir) == shard_videos(video_run)

@@ -57,15 +57,23 @@ class LatentCheckpoints:
     def path(self, indices: list[int]) -> Path:
         return self.directory / f"{indices[0]:010d}+{len(indices)}.pt"
 
-    def load(self, indices: list[int]) -> dict | None:
-        """The saved state of exactly this batch, or None."""
-        try:
-            state = torch.load(self.path(indices), map_location="cpu", weights_only=True)
-        except (FileNotFoundError, EOFError, RuntimeError) as e:
-            if not isinstance(e, FileNotFoundError):
-                log.warning("ignoring unreadable latent checkpoint %s (%s)", self.path(indices), e)
+    def load(self, indices: list[int], steps: int) -> dict | None:
+        """The saved state of exactly this batch of a ``steps``-step call, or None. The file is untrusted (a
+        kill, a disk error or a person may have left anything there): whatever is not such a state is ignored
+        with a warning, and the batch starts from step 0 (nothing is lost; its next save replaces the file)."""
+        path = self.path(indices)
+        if not path.exists() and not path.is_symlink():
             return None
-        return state if state.get("indices") == indices else None
+        try:
+            if path.is_symlink():
+                raise ValueError("a symlink (never followed)")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            _check_state(state, indices, steps)
+        except Exception as e:  # noqa: BLE001 (any unreadable or foreign content means: start the batch over)
+            log.warning("ignoring latent checkpoint %s (%s: %s); the batch starts from step 0", path,
+                        type(e).__name__, str(e)[:200])
+            return None
+        return state if state["indices"] == indices else None
 
     def save(self, indices: list[int], step: int, latents: torch.Tensor, scheduler: Any) -> None:
         """Write the state after ``step`` completed steps durably (temp file, fsync, rename)."""
@@ -77,6 +85,18 @@ class LatentCheckpoints:
 
     def remove(self, indices: list[int]) -> None:
         self.path(indices).unlink(missing_ok=True)
+
+
+def _check_state(state: Any, indices: list[int], steps: int) -> None:
+    """Raise ValueError unless ``state`` is what ``save`` writes for a batch of ``len(indices)`` samples."""
+    if not isinstance(state, dict) or not {"indices", "step", "latents", "scheduler"} <= state.keys():
+        raise ValueError("not a latent checkpoint")
+    if not isinstance(state["step"], int) or not 0 < state["step"] < steps:
+        raise ValueError(f"step {state['step']!r} is not between 1 and {steps - 1}")
+    if not isinstance(state["latents"], torch.Tensor) or not isinstance(state["scheduler"], dict):
+        raise ValueError("its latents or scheduler state have the wrong type")
+    if state["latents"].shape[:1] != (len(indices),):
+        raise ValueError(f"latents of shape {tuple(state['latents'].shape)} for a batch of {len(indices)}")
 
 
 def _scheduler_state(scheduler: Any) -> dict:
@@ -112,7 +132,7 @@ def latent_checkpoints(pipe: Any, ckpt: LatentCheckpoints | None, indices: list[
 
 @contextlib.contextmanager
 def _saving_and_resuming(pipe: Any, ckpt: LatentCheckpoints, indices: list[int], kw: dict, steps: int):
-    state = ckpt.load(indices)
+    state = ckpt.load(indices, steps)
     start = state["step"] if state else 0
     last_save = [time.monotonic()]
 
