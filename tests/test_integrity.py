@@ -464,6 +464,8 @@ def test_ctrl_c_says_the_run_is_resumable_with_the_command(tmp_path, reference):
         time.sleep(0.1)
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=120)[1]
-    assert p.returncode == 130, err[-2000:]
+    # 130, or death by SIGINT (-2), which a shell reports as the same $? = 130: seen once in CI when the signal landed
+    # while the process was still loading the model (the message below was printed either way)
+    assert p.returncode in (130, -signal.SIGINT), err[-2000:]
     assert "resumable: re-run the same command" in err and f"-m jobs.generate {args[0]}" in err
     assert "Traceback" not in err
