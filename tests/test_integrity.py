@@ -320,7 +320,7 @@ def test_a_garbled_plan_shard_is_planned_again_or_refused_naming_the_file_and_th
 
 def test_leftovers_of_killed_jobs_are_cleaned_up(copy):
     prompts, d, _ = copy
-    planning = d / ".plan-abc123"
+    planning = d / ".plan-otherhost-123-abcdefgh"  # a planner killed on another host an hour ago
     planning.mkdir()
     (planning / "000000.jsonl").write_text("x" * 1000)
     old = time.time() - 3600

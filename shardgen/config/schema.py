@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
 from shardgen.dataio.claims import HEARTBEAT_S, LEASE_S
+from shardgen.dataio.prompts import MAX_PROMPT_CHARS
 
 
 @dataclass(kw_only=True)
@@ -137,6 +138,9 @@ class PromptsConfig:
     on_truncation: str = "warn"
     """A prompt longer than a text encoder keeps: warn (generate it truncated, flagged in its json) |
     error (stop while planning) | skip (record it as a reject)."""
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    """A longer prompt is a bad row (an error naming file:line, or a reject with on_bad_row=skip), found
+    before anything tokenizes it: a runaway line (a whole file without newlines) cannot exhaust memory."""
 
 
 @dataclass(kw_only=True)

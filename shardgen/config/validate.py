@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
+from shardgen.dataio.rundir import check_run_dir_text
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.video import validate_video_config
 from shardgen.models.loader import DTYPES
@@ -29,8 +30,11 @@ def _need(cond: bool, msg: str) -> None:
 
 def validate_config(cfg: GenerateConfig) -> None:
     """Raise ConfigError for the first impossible setting."""
+    check_run_dir_text(cfg.run_dir)
     _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
+    _need(cfg.prompts.get("max_prompt_chars", 1) >= 1,
+          f"prompts.max_prompt_chars={cfg.prompts.get('max_prompt_chars')}: use 1 or more")
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
           f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.plan import file_sha256
+from shardgen.dataio.prompts import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive, json_bytes,
                                     read_json, read_state)
 from shardgen.dataio.video import video_fingerprint
@@ -46,13 +47,15 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
 
 
 def _dataset_fields(cfg: Any) -> dict:
-    """Signals (the watermark changes pixels, the others add fields) and on_truncation (which prompts
-    become images), only when not the default, so runs planned before they existed resume unchanged."""
+    """Signals (the watermark changes pixels, the others add fields), on_truncation and max_prompt_chars
+    (which prompts become images), only when not the default, so runs planned before they existed resume unchanged."""
     out = {}
     if cfg.get("signals"):
         out["signals"] = sorted(cfg.signals)
     if cfg.prompts.get("on_truncation", "warn") != "warn":
         out["prompts.on_truncation"] = cfg.prompts.on_truncation
+    if cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS) != MAX_PROMPT_CHARS:
+        out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     return out
 
 
@@ -64,7 +67,7 @@ def diff_fingerprints(old: dict, new: dict) -> list[str]:
 
 # fields the plan is made from: a change cannot be applied to a planned run (the plan is fixed once)
 PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.seed_field", "prompts.on_bad_row",
-               "prompts.limit", "samples_per_shard", "seed")
+               "prompts.limit", "prompts.max_prompt_chars", "samples_per_shard", "seed")
 
 
 def read_fingerprint(run: RunDir) -> dict | None:
@@ -108,7 +111,7 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
                 f"{run.root} holds a run ({', '.join(state)}) but no fingerprint.json, so nothing shows which "
                 "settings made it and resuming could mix different samples. Restore fingerprint.json, or start a "
                 f"new run_dir (or delete {run.root} to start over)")
-        run.create()
+        run.start()  # the owner record first; the skeleton comes once the plan is made
         if create_exclusive(run.fingerprint_path, json_bytes(fingerprint)):
             return False
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume

@@ -21,13 +21,10 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from shardgen.dataio.rundir import RunDir, shard_name
+from shardgen.dataio.rundir import RunDir, shard_name, temp_path
+from shardgen.dataio.samplejson import input_fields
 
 IMAGE_EXTS = ("png", "jpg", "webp")
-# Fields shardgen itself writes into a sample's json; any other field came from the prompt file.
-OWN_FIELDS = frozenset({
-    "prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance", "strategy",
-    "true_cfg_scale", "lossy", "gen_s", "status", "error", "provenance", "tokens", "truncated", "signals"})
 # Curation signals (shardgen/dataio/signals.py) and their column types in the index.
 SIGNAL_COLUMNS = {"phash": "string", "watermark": "string", "watermark_ok": "bool", "clip_score": "float64"}
 
@@ -64,7 +61,7 @@ def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
     key = members[0][0].partition(".")[0]
     fmt = next((e for e in IMAGE_EXTS if e in by_ext), None)
     image = by_ext.get(fmt) if fmt else None
-    signals = meta.get("signals") or {}
+    signals = meta.get("signals") if isinstance(meta.get("signals"), dict) else {}  # only ours (samplejson.py)
     row = dict(shard=shard, key=key, index=meta.get("index"), line=meta.get("line"), prompt=meta.get("prompt"),
                seed=meta.get("seed"), status=meta.get("status", "ok"), error=meta.get("error"),
                width=meta.get("width"), height=meta.get("height"), image_format=fmt,
@@ -73,8 +70,7 @@ def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
                gen_s=meta.get("gen_s"), model=meta.get("model"), strategy=meta.get("strategy"),
                tokens=json.dumps(meta["tokens"], sort_keys=True) if meta.get("tokens") else None,
                truncated=meta.get("truncated"),
-               extra=json.dumps({k: v for k, v in meta.items() if k not in OWN_FIELDS}, ensure_ascii=False,
-                                sort_keys=True),
+               extra=json.dumps(input_fields(meta), ensure_ascii=False, sort_keys=True),
                json=by_ext["json"].decode("utf-8"))
     row.update({name: signals.get(name) for name in SIGNAL_COLUMNS})
     return row
@@ -151,12 +147,14 @@ def write_index(final: Path, rows: list[dict]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp = final.with_name(f".{final.name}.tmp")
-    tmp.unlink(missing_ok=True)  # pyarrow opens by name: never write through a link left at the temp name
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    tmp = temp_path(final)  # a fresh name (clean-up knows it as shardgen's); pyarrow opens it by name
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) -> list[dict]:

@@ -11,7 +11,9 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -20,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import logging
 
@@ -28,7 +30,7 @@ import numpy as np
 
 from shardgen.dataio import prompts as P
 from shardgen.dataio.rundir import pid_alive as _pid_alive
-from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
+from shardgen.dataio.rundir import PLAN_TEMP_NAME, RunDir, atomic_write_json, read_json
 from shardgen.dataio.truncation import TruncationCheck
 from shardgen.errors import UserError
 
@@ -102,12 +104,14 @@ class PromptSource:
     seed_field: str = "seed"
     on_bad_row: str = "error"
     limit: int | None = None
+    max_chars: int | None = None  # longer prompts are bad rows (None in plans made before the limit existed)
 
     @classmethod
     def from_cfg(cls, prompts: Any, path: str | os.PathLike) -> "PromptSource":
         """From a PromptsConfig and the resolved path of its file."""
         return cls(path=str(path), format=P.detect_format(str(path), prompts.format), field=prompts.field,
-                   seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit)
+                   seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit,
+                   max_chars=prompts.get("max_prompt_chars"))
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class Plan:
     prompt_file: str
     meta: dict | None = None            # plan.json
     starts: np.ndarray | None = None    # (num_shards, 2): byte offset (parquet: row) and line of each shard's first row
+    digests: np.ndarray | None = None   # (num_shards, 32): sha256 of each shard's rows as planned (None: older plans)
 
     def shard_range(self, shard: int) -> range:
         """Row indices of ``shard``."""
@@ -139,10 +144,33 @@ class Plan:
         rng = self.shard_range(shard)
         offset, line = (int(x) for x in self.starts[shard])
         cut = self._truncated(rng)
+        if self.digests is None:  # a plan made before shard digests: read from the file, checked by size only
+            rows = list(_read_rows_at(src, offset, line, rng.start, len(rng)))
+        else:
+            rows = self._checked_rows(src, shard, offset, line, rng)
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
-                           seed=sample_seed(m["run_seed"], r.index, r.seed))
-                for r in _read_rows_at(src, offset, line, rng.start, len(rng))]
+                           seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
+
+    def _checked_rows(self, src: PromptSource, shard: int, offset: int, line: int, rng: range) -> list[P.PromptRow]:
+        """The rows of ``shard`` parsed from exactly the bytes (parquet: the rows) whose digest the plan recorded:
+        a prompt file edited since planning, even to the same size, is refused before any of it is used."""
+        if src.format == "parquet":
+            rows = list(_parquet_rows_at(src, rng.start, len(rng)))
+            digest = _rows_digest(rows)
+        else:
+            end = int(self.starts[shard + 1][0]) if shard + 1 < self.num_shards else self.meta["rows_end"]
+            head, data = _read_range(src.path, int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0,
+                                     offset, end)
+            digest = hashlib.sha256(head + data).digest()
+        if digest != self.digests[shard].tobytes():
+            raise P.PromptFileError(
+                f"{src.path}: the prompt file changed since the run was planned (the rows of shard {shard:06d}, "
+                f"lines from {line}, differ from the plan's); the run stops so that no shard mixes two versions of "
+                "its input. Restore the original file and re-run, or start a new run_dir for the new file")
+        if src.format == "parquet":
+            return rows
+        return list(_read_rows_at(src, offset, line, rng.start, len(rng), io.BytesIO(data), head))
 
     def _truncated(self, rng: range) -> set[int]:
         """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
@@ -185,7 +213,24 @@ def load_plan(run: RunDir) -> Plan | None:
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
         raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
-    return Plan(run=run, meta=meta, starts=starts, **kw)
+    return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run, meta, kw["num_shards"]), **kw)
+
+
+def _load_digests(run: RunDir, meta: dict, num_shards: int) -> np.ndarray | None:
+    """The shard digests of a plan that has them (plan.json names their checksum); PlanError when damaged."""
+    if "digests_sha256" not in meta:
+        return None
+    path = run.plan_dir / "digests.npy"
+    try:
+        digests = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise _plan_error(path, "missing") from None
+    except (ValueError, OSError, EOFError) as e:
+        raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+    if digests.shape != (num_shards, 32) or digests.dtype != np.uint8 \
+            or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"]:
+        raise _plan_error(path, "does not match plan.json (changed after planning)")
+    return digests
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -193,19 +238,20 @@ def _digest(starts: np.ndarray) -> str:
 
 
 def clean_stale_tmp(run: RunDir) -> None:
-    """Remove planning temp dirs left by killed planners (``.plan-HOST-PID-*``): on this host when
-    the pid is gone, elsewhere when untouched for STALE_TMP_S. Never a live planner's, even once a
-    plan exists: a job racing to plan the same run is still writing into its own and adopts the
-    winner's plan when its rename loses."""
+    """Remove planning temp dirs left by killed planners (``.plan-HOST-PID-RANDOM``, the names ``build_plan``
+    makes; any other ``.plan-*`` is not ours and stays): on this host when the pid is gone, elsewhere when
+    untouched for STALE_TMP_S. Never a live planner's, even once a plan exists: a job racing to plan the
+    same run is still writing into its own and adopts the winner's plan when its rename loses."""
     if not run.root.exists():
         return
     for d in run.root.glob(".plan-*"):
+        if not PLAN_TEMP_NAME.fullmatch(d.name) or d.name.startswith(".plan-damaged~"):
+            continue
+        host, pid = d.name.split("-")[1:3]
         try:
-            host, pid = d.name.split("-")[1:3]
-            dead = (host == _host() and not _pid_alive(int(pid))) or \
-                time.time() - d.stat().st_mtime > STALE_TMP_S
-        except (ValueError, OSError):
-            dead = True
+            dead = (host == _host() and not _pid_alive(int(pid))) or time.time() - d.stat().st_mtime > STALE_TMP_S
+        except OSError:
+            continue
         if dead:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -228,8 +274,14 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
     tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
     try:
+        before = _identity(source.path)
         scan = _scan_txt if source.format == "txt" else _scan_rows
-        num_rows, num_rejects, starts = scan(source, samples_per_shard, truncation)
+        num_rows, num_rejects, starts, rows_end, digests = scan(source, samples_per_shard, truncation)
+        if digests is None:  # text formats: each shard's bytes (csv/tsv: after the header), in one more pass
+            digests = _range_digests(source, starts, rows_end)
+        if _identity(source.path) != before:
+            raise P._fail(source.path, 0, "the prompt file changed while it was being planned",
+                          "Leave it unchanged while a run uses it, and re-run")
         if num_rows == 0:
             raise P._fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                           "Add prompts, or point prompts.path at the right file")
@@ -238,10 +290,12 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             np.save(tmp / "truncated.npy", cut)
             num_rejects += len(cut)
         np.save(tmp / "starts.npy", starts)
+        np.save(tmp / "digests.npy", digests)
         atomic_write_json(tmp / "plan.json", dict(
             version=PLAN_VERSION, num_rows=num_rows, num_rejects=num_rejects, samples_per_shard=samples_per_shard,
             num_shards=len(starts), prompt_file=source.path, prompt_size=os.path.getsize(source.path),
-            run_seed=run_seed, source=source.__dict__, starts_sha256=_digest(starts)))
+            run_seed=run_seed, source=source.__dict__, starts_sha256=_digest(starts), rows_end=rows_end,
+            digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest()))
         try:
             os.rename(tmp, run.plan_dir)
         except OSError:
@@ -326,18 +380,23 @@ def _truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> 
 
 
 def _scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-               ) -> tuple[int, int, np.ndarray]:
-    """Any format: every row through the reader; shard starts from the rows' lines (parquet: row numbers)."""
+               ) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
+    """Any format: every row through the reader; shard starts from the rows' lines (parquet: row numbers).
+    (rows, rejects, starts, where the planned rows end, the shards' digests: parquet only, of the rows read)."""
     rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
-                          on_bad_row=source.on_bad_row)
+                          on_bad_row=source.on_bad_row, max_chars=source.max_chars)
     n = rejects = 0
-    first_lines = []
+    first_lines, digests, stop_line = [], [], None
     try:
         for row in rows:
             if source.limit is not None and row.index >= source.limit:
+                stop_line = row.line
                 break
             if row.index % per_shard == 0:
                 first_lines.append(row.line)
+                digests.append(hashlib.sha256())
+            if source.format == "parquet":
+                digests[-1].update(_row_bytes(row))
             rejects += row.reject is not None
             if check and row.reject is None and len(row.prompt.encode("utf-8")) > check.min_bytes:
                 check.offer(row.index, row.line, row.prompt)
@@ -347,8 +406,11 @@ def _scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | No
             raise
     lines = np.asarray(first_lines, dtype=np.int64)
     if source.format == "parquet":
-        return n, rejects, np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
-    return n, rejects, np.stack([_line_offsets(source.path, lines), lines], axis=1)
+        starts = np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
+        return n, rejects, starts, n, _digest_array([h.digest() for h in digests])
+    offsets = _line_offsets(source.path, np.append(lines, stop_line) if stop_line else lines)
+    end = int(offsets[-1]) if stop_line else os.path.getsize(source.path)
+    return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
 
 
 def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
@@ -368,11 +430,11 @@ def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
 
 
 def _scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-              ) -> tuple[int, int, np.ndarray]:
+              ) -> tuple[int, int, np.ndarray, int, None]:
     """txt, fast: whole blocks checked with numpy (UTF-8, no empty or blank line); a block where
     a line may be bad goes through the exact per-line reader, for the same rejects and messages."""
     limit = source.limit if source.limit is not None else 1 << 62
-    starts, rows, rejects, base, carry = [], 0, 0, 0, b""
+    starts, rows, rejects, base, carry, end = [], 0, 0, 0, b"", 0
     with open(source.path, "rb") as f:
         while rows < limit:
             data = f.read(_BLOCK)
@@ -396,12 +458,13 @@ def _scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | Non
             starts += zip((base + line_starts[js]).tolist(), (first + js + 1).tolist())
             rejects += _check_block(source, block[:ends[-1]], line_starts, ends, first, base == 0)
             if check:
-                _offer_long_lines(check, block, line_starts, ends, first)
+                _offer_long_lines(check, block, line_starts, ends, first, source.max_chars)
             rows += len(ends)
+            end = base + int(ends[-1])  # where the last planned row ends
             base += len(block)
             if not data:
                 break
-    return rows, rejects, np.asarray(starts, dtype=np.int64).reshape(-1, 2)
+    return rows, rejects, np.asarray(starts, dtype=np.int64).reshape(-1, 2), end, None
 
 
 def _check_block(source: PromptSource, block: bytes, line_starts: np.ndarray, ends: np.ndarray, first: int,
@@ -412,6 +475,8 @@ def _check_block(source: PromptSource, block: bytes, line_starts: np.ndarray, en
     solid = np.cumsum((b > 32) & (b < 127), dtype=np.int32)
     before = np.where(line_starts > 0, solid[np.maximum(line_starts - 1, 0)], 0)
     suspect = solid[ends - 1] - before == 0
+    if source.max_chars is not None:  # a line of more bytes may be too long: the exact check below counts characters
+        suspect |= ends - line_starts > source.max_chars
     clean = block.isascii() or _utf8(block)
     if clean and not suspect.any() and not (at_file_start and block.startswith(P._BOM)):
         return 0
@@ -420,19 +485,20 @@ def _check_block(source: PromptSource, block: bytes, line_starts: np.ndarray, en
         raw = block[s:e]
         if at_file_start and i == 0 and raw.startswith(P._BOM):
             raw = raw[len(P._BOM):]
-        row = P._emit(source.path, first + i, first + i + 1, source.on_bad_row, P._parse_txt, raw)
+        row = P._emit(source.path, first + i, first + i + 1, source.on_bad_row, P._parse_txt, raw,
+                      max_chars=source.max_chars)
         rejects += row.reject is not None
     return rejects
 
 
 def _offer_long_lines(check: TruncationCheck, block: bytes, line_starts: np.ndarray, ends: np.ndarray,
-                      first: int) -> None:
+                      first: int, max_chars: int | None) -> None:
     for j in np.flatnonzero(ends - line_starts - 1 > check.min_bytes).tolist():
         try:
             prompt = P._strip_eol(block[line_starts[j]:ends[j]]).decode("utf-8").lstrip("\ufeff")
         except UnicodeDecodeError:
             continue  # a reject, not a prompt
-        if prompt.strip():
+        if prompt.strip() and (max_chars is None or len(prompt) <= max_chars):  # too long: a reject, never tokenized
             check.offer(first + j, first + j + 1, prompt)
 
 
@@ -442,6 +508,53 @@ def _utf8(block: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+# ---------------------------------------------------------------- shard digests
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _row_bytes(row: P.PromptRow) -> bytes:
+    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file)."""
+    return json.dumps([row.prompt, row.seed, row.extra, row.reject], sort_keys=True, ensure_ascii=False).encode() + b"\n"
+
+
+def _rows_digest(rows: list[P.PromptRow]) -> bytes:
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(_row_bytes(r))
+    return h.digest()
+
+
+def _digest_array(digests: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 32).copy()
+
+
+def _range_digests(source: PromptSource, starts: np.ndarray, end: int) -> np.ndarray:
+    """sha256 of each shard's bytes of a text prompt file (csv/tsv: the header line first, as it names the columns)."""
+    offsets = [int(x) for x in starts[:, 0]] + [end]
+    out = []
+    with open(source.path, "rb") as f:
+        head = f.read(offsets[0]) if source.format in ("csv", "tsv") else b""
+        f.seek(offsets[0])
+        for lo, hi in zip(offsets, offsets[1:]):
+            h, left = hashlib.sha256(head), hi - lo
+            while left > 0 and (chunk := f.read(min(left, _BLOCK))):
+                h.update(chunk)
+                left -= len(chunk)
+            out.append(h.digest())
+    return _digest_array(out)
+
+
+def _read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, bytes]:
+    """(bytes 0..head_end, bytes lo..hi) of the prompt file: a shard's rows, and the csv/tsv header."""
+    with open(path, "rb") as f:
+        head = f.read(head_end)
+        f.seek(lo)
+        return head, f.read(max(0, hi - lo))
 
 
 # ---------------------------------------------------------------- reading a shard back
@@ -457,34 +570,42 @@ def _check_unchanged(path: str, size: int) -> None:
                       "Restore the original file, or start a new run_dir")
 
 
-def _read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: int) -> Iterator[P.PromptRow]:
-    """``count`` rows from row ``index``, which starts at byte ``offset`` (parquet: row) and ``line``."""
+def _read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: int, data: BinaryIO | None = None,
+                  head: bytes | None = None) -> Iterator[P.PromptRow]:
+    """``count`` rows from row ``index``, which starts at byte ``offset`` (parquet: row) and ``line``; read from
+    ``data`` (the shard's bytes, with ``head`` the file's bytes before the first row) when given, else the file."""
     if src.format == "parquet":
         yield from _parquet_rows_at(src, index, count)
         return
-    with open(src.path, "rb") as f:
-        f.seek(offset)
+    with contextlib.ExitStack() as stack:
+        if data is None:
+            data = stack.enter_context(open(src.path, "rb"))
+            data.seek(offset)
         if src.format in ("csv", "tsv"):
-            yield from _table_rows_at(src, f, line, index, count)
+            yield from _table_rows_at(src, data, line, index, count, head)
             return
         parse = P._parse_txt if src.format == "txt" else P._parse_jsonl
         args = () if src.format == "txt" else (src.field, src.seed_field)
         for i in range(count):
-            raw = f.readline()
+            raw = data.readline()
             if offset == 0 and i == 0 and raw.startswith(P._BOM):
                 raw = raw[len(P._BOM):]
-            yield P._emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args)
+            yield P._emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
 
 
-def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int) -> Iterator[P.PromptRow]:
+def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
+                   head: bytes | None = None) -> Iterator[P.PromptRow]:
     """csv/tsv records from ``f``'s position: the prompt reader, given the header line then the rest."""
     from itertools import chain, islice
 
-    with open(src.path, "rb") as h:
-        header = next(P._raw_lines(h))[1]
+    if head is not None:
+        header = next(P._raw_lines(io.BytesIO(head)))[1]
+    else:
+        with open(src.path, "rb") as h:
+            header = next(P._raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
     for r in islice(P._read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
-                                  src.on_bad_row), count):
+                                  src.on_bad_row, src.max_chars), count):
         yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject)
 
 
@@ -500,4 +621,4 @@ def _parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.Pr
     table = pf.read_row_groups(row_groups).slice(index - first, count)
     for i, rec in enumerate(table.to_pylist()):
         yield P._emit(src.path, index + i, index + i + 1, src.on_bad_row, P._parse_parquet, rec, src.field,
-                      src.seed_field)
+                      src.seed_field, max_chars=src.max_chars)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from shardgen.dataio.samplejson import split_reserved
 from shardgen.errors import UserError
 
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
@@ -25,10 +26,8 @@ _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
 _SEED_TEXT = re.compile(r"[0-9]+")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
 _PARQUET_BATCH = 4096
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
+MAX_PROMPT_CHARS = 100_000  # prompts.max_prompt_chars' default: far beyond any text encoder's window
 _MAX_DEPTH = 64  # nesting of a row's values; deeper is surely not a prompt row (and would blow the stack)
-# the keys shardgen writes into each sample's json: input fields of these names go under "extra" instead
-SAMPLE_JSON_KEYS = frozenset({"prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance",
-                              "strategy", "true_cfg_scale", "lossy", "gen_s", "status", "error", "extra"})
 
 
 @dataclass(frozen=True)
@@ -96,21 +95,22 @@ def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") 
 
 
 def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed_field: str = "seed",
-                 on_bad_row: str = "error") -> Iterator[PromptRow]:
+                 on_bad_row: str = "error", max_chars: int | None = None) -> Iterator[PromptRow]:
     """Stream the rows of a prompt file, one ``PromptRow`` per data row, in file order.
 
     ``field`` names the prompt column (csv/tsv/parquet) or key (jsonl); ``seed_field`` an
     optional per-row seed (an integer in [0, 2**63)); other columns go to ``extra``.
     A bad row raises PromptFileError naming path and line (``on_bad_row="error"``) or is
-    yielded with ``prompt=None`` and its ``reject`` reason (``"skip"``). Arguments and the
-    file's existence are checked at call time; an empty file raises when iterated.
+    yielded with ``prompt=None`` and its ``reject`` reason (``"skip"``); a prompt longer than
+    ``max_chars`` characters is a bad row. Arguments and the file's existence are checked at call
+    time; an empty file raises when iterated.
     """
     if on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row={on_bad_row!r}: use one of {', '.join(ON_BAD_ROW)}")
     path = os.fspath(path)
     _check_file(path)
     fmt = detect_format(path, format)
-    return _require_rows(path, _rows(path, fmt, field, seed_field, on_bad_row))
+    return _require_rows(path, _rows(path, fmt, field, seed_field, on_bad_row, max_chars))
 
 
 # ---------------------------------------------------------------- shared plumbing
@@ -143,23 +143,33 @@ def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
                     "Add prompts, or point prompts.path at the right file")
 
 
-def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str,
+          max_chars: int | None) -> Iterator[PromptRow]:
     if fmt == "parquet":
-        yield from _read_parquet(path, field, seed_field, on_bad_row)
+        yield from _read_parquet(path, field, seed_field, on_bad_row, max_chars)
         return
     with open(path, "rb") as f:
         if fmt == "txt":
-            yield from _read_txt(path, f, on_bad_row)
+            yield from _read_txt(path, f, on_bad_row, max_chars)
         elif fmt == "jsonl":
-            yield from _read_jsonl(path, f, field, seed_field, on_bad_row)
+            yield from _read_jsonl(path, f, field, seed_field, on_bad_row, max_chars)
         else:
-            yield from _read_table(path, f, fmt, field, seed_field, on_bad_row)
+            yield from _read_table(path, f, fmt, field, seed_field, on_bad_row, max_chars)
 
 
-def _emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *args: Any) -> PromptRow:
-    """The row ``parse(*args)`` makes, or, when it raises _BadRow, an error or a reject."""
+def too_long(n: int, max_chars: int) -> str:
+    """The reason of a prompt over the length limit."""
+    return f"the prompt is {n} characters long, over prompts.max_prompt_chars={max_chars}"
+
+
+def _emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *args: Any,
+          max_chars: int | None = None) -> PromptRow:
+    """The row ``parse(*args)`` makes, or, when it raises _BadRow (or the prompt is longer than ``max_chars``:
+    checked before anything tokenizes it), an error or a reject."""
     try:
         prompt, seed, extra = parse(*args)
+        if max_chars is not None and len(prompt) > max_chars:
+            raise _BadRow(too_long(len(prompt), max_chars))
     except _BadRow as e:
         if on_bad_row == "error":
             raise _fail(path, line, str(e), _SKIP_HINT) from None
@@ -242,9 +252,9 @@ def _check_columns(path: str, columns: list[str], field: str, fmt: str) -> None:
 
 # ---------------------------------------------------------------- txt and jsonl
 
-def _read_txt(path: str, f: BinaryIO, on_bad_row: str) -> Iterator[PromptRow]:
+def _read_txt(path: str, f: BinaryIO, on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
     for index, (line, raw) in enumerate(_raw_lines(f)):
-        yield _emit(path, index, line, on_bad_row, _parse_txt, raw)
+        yield _emit(path, index, line, on_bad_row, _parse_txt, raw, max_chars=max_chars)
 
 
 def _parse_txt(raw: bytes) -> tuple[str, None, dict]:
@@ -252,9 +262,10 @@ def _parse_txt(raw: bytes) -> tuple[str, None, dict]:
     return _check_prompt(_decode(_strip_eol(raw))), None, {}
 
 
-def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str,
+                max_chars: int | None = None) -> Iterator[PromptRow]:
     for index, (line, raw) in enumerate(_raw_lines(f)):
-        yield _emit(path, index, line, on_bad_row, _parse_jsonl, raw, field, seed_field)
+        yield _emit(path, index, line, on_bad_row, _parse_jsonl, raw, field, seed_field, max_chars=max_chars)
 
 
 def _parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | None, dict]:
@@ -299,14 +310,6 @@ def _check_values(obj: Any) -> None:
             raise _BadRow(f"{value} is not a JSON number (standard JSON has no NaN or Infinity)")
 
 
-def _split_extra(extra: dict) -> dict:
-    """Input fields that would collide with shardgen's own sample-json keys move under "extra"."""
-    clash = {k: extra.pop(k) for k in list(extra) if k in SAMPLE_JSON_KEYS}
-    if clash:
-        extra["extra"] = clash
-    return extra
-
-
 def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
     """A jsonl object or parquet row: the prompt, the seed, the rest as extra."""
     if field not in rec:
@@ -314,7 +317,7 @@ def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | No
     extra = dict(rec)
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_value(extra.pop(seed_field, None), seed_field)
-    return prompt, seed, _split_extra(extra)
+    return prompt, seed, split_reserved(extra)
 
 
 # ---------------------------------------------------------------- csv and tsv
@@ -363,7 +366,7 @@ def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -
 
 
 def _read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
-                on_bad_row: str) -> Iterator[PromptRow]:
+                on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
     bad: dict[int, str] = {}
     reader = _table_reader(_text_lines(f, bad), fmt)
     header = _read_header(path, reader, fmt, field, bad)
@@ -377,7 +380,8 @@ def _read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
         except csv.Error as e:
             cells, reason = None, f"malformed {fmt} ({e})"
         reason = _pop_bad(bad, start, reader.line_num) or reason
-        yield _emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field)
+        yield _emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field,
+                    max_chars=max_chars)
         index += 1
 
 
@@ -391,7 +395,7 @@ def _parse_cells(cells: list[str] | None, reason: str | None, header: list[str],
     extra = dict(zip(header, cells))
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_text(extra.pop(seed_field), seed_field) if seed_field in extra else None
-    return prompt, seed, _split_extra(extra)
+    return prompt, seed, split_reserved(extra)
 
 
 # ---------------------------------------------------------------- parquet
@@ -426,12 +430,13 @@ def _parquet_records(path: str, pf) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str) -> Iterator[PromptRow]:
+def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str,
+                  max_chars: int | None = None) -> Iterator[PromptRow]:
     pf = _parquet_file(path)
     _check_columns(path, pf.schema_arrow.names, field, "parquet")
     for index, rec in enumerate(_parquet_records(path, pf)):
         # parquet has no lines: ``line`` is the 1-based row number
-        yield _emit(path, index, index + 1, on_bad_row, _parse_parquet, rec, field, seed_field)
+        yield _emit(path, index, index + 1, on_bad_row, _parse_parquet, rec, field, seed_field, max_chars=max_chars)
 
 
 def _parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
 from shardgen.dataio.plan import Plan, PlanError, PlannedRow, file_sha256, load_plan, sample_key
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, own_file_name, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
 
@@ -153,17 +153,18 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
 
 
 def _remove_symlinks(run: RunDir) -> list[str]:
+    """Remove symlinks where shardgen's own files go (they are never followed); a user's other links stay."""
     notes = []
-    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.root / "logs"):
+    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.logs_dir):
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
         for name in os.listdir(d) if d.is_dir() else []:
-            if (d / name).is_symlink():
+            if (d / name).is_symlink() and own_file_name(d.name, name):
                 (d / name).unlink()
                 notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
     for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
-                 run.plan_digests_path, run.root / "launches.jsonl"):
+                 run.plan_digests_path, run.launches_path):
         if path.is_symlink():
             path.unlink()
             notes.append(f"removed the symlink {path.name} (it was not followed)")

@@ -3,6 +3,7 @@
 Layout (all names zero-padded shard ids)::
 
     RUN_DIR/
+      .shardgen-run             the owner record: this directory is a shardgen run (written first, when created)
       config.yaml               resolved config of the first launch (later launches: config.<time>.yaml)
       fingerprint.json          what determines the pixels; a resume with other values is refused
       fingerprint_changes.jsonl every accepted allow_fingerprint_change=true: when, by whom, what changed
@@ -21,6 +22,13 @@ Every file other processes may read is written whole: temp file, fsync, atomic r
 That holds on NFS and Lustre, where rename within a directory is atomic. Nothing is ever
 written through a symlink: new files are created with O_EXCL (which never follows one) and
 renamed over the old name (which replaces a link, not its target).
+
+Only a shardgen run is ever written into or cleaned up: a run_dir that exists, holds files and is
+neither marked by ``.shardgen-run`` nor laid out like a run of an older version (``fingerprint.json``,
+``plan/plan.json``, or ``shards/`` with ``claims/``) is refused before anything is written, as are
+``/``, the home directory and an empty run_dir. Clean-up removes only names shardgen itself makes:
+temp files ``.<name>~<host>~<pid>~<random>.tmp``, planning directories ``.plan-<host>-<pid>-<random>``
+and ``.plan-damaged~<host>~<pid>~<ns>``, and symlinks at the names of shardgen's own files.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -40,6 +49,15 @@ from shardgen.errors import UserError
 
 LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
 _TMP_SEP = "~"          # temp names: .<name>~<host>~<pid>~<random>.tmp (the owner can be checked)
+RUN_MARKER = ".shardgen-run"  # the owner record of a run directory
+MARKER_VERSION = 1
+# the only names clean-up may remove: what shardgen's own writers and planners create
+TEMP_FILE_NAME = re.compile(r"\.[^~/]+~[^~/]+~[0-9]+~[A-Za-z0-9_]+\.tmp")
+_OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet)"),
+              "work": re.compile(r"[0-9]{6}\.g[0-9]+\.(tar|ckpt\.json|index\.jsonl)"),
+              "claims": re.compile(r"[0-9]{6}\.g[0-9]+"),
+              "logs": re.compile(r"rank[0-9]+\.log|events\.[^/]+\.jsonl")}
+PLAN_TEMP_NAME = re.compile(r"\.plan-[^-/]+-[0-9]+-[A-Za-z0-9_]+|\.plan-damaged~[^~/]+~[0-9]+~[0-9]+")
 
 
 class RunDirError(UserError, RuntimeError):
@@ -61,6 +79,15 @@ _UMASK = _read_umask()
 
 def _tmp_prefix(name: str) -> str:
     return f".{name}{_TMP_SEP}{socket.gethostname()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
+
+
+def temp_path(path: Path) -> Path:
+    """An unused temp name next to ``path`` in shardgen's pattern (``TEMP_FILE_NAME``), for writers that open
+    files by name (pyarrow): nothing exists there, so nothing is written through a link."""
+    import secrets
+
+    path = Path(path)
+    return path.with_name(f"{_tmp_prefix(path.name)}{secrets.token_hex(4)}.tmp")
 
 
 def free_space_text(path: Path) -> str:
@@ -205,8 +232,13 @@ def shard_name(shard: int) -> str:
 
 def run_dir_arg(text: str) -> str:
     """A run directory given on the command line; ``run_dir=PATH`` (how jobs.generate spells it) is
-    accepted too, so a command line can be reused between the tools."""
-    return text[len("run_dir="):] if text.startswith("run_dir=") else text
+    accepted too, so a command line can be reused between the tools. An empty one is an argument error."""
+    import argparse
+
+    text = text[len("run_dir="):] if text.startswith("run_dir=") else text
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the run directory is empty; give its path")
+    return text
 
 
 @dataclass(frozen=True)
@@ -245,6 +277,27 @@ class RunDir:
         return self.logs_dir / "slurm"
 
     @property
+    def launches_path(self) -> Path:
+        """Every launch's summary, appended."""
+        return self.root / "launches.jsonl"
+
+    @property
+    def report_path(self) -> Path:
+        return self.root / "report.html"
+
+    def rank_log(self, rank: int) -> Path:
+        """Global rank ``rank``'s log, appended across launches."""
+        return self.logs_dir / f"rank{rank:03d}.log"
+
+    def events_path(self, host: str, pid: int) -> Path:
+        """The shard commit events of one writer process."""
+        return self.logs_dir / f"events.{host}.{pid}.jsonl"
+
+    def events_paths(self) -> list[Path]:
+        """Every writer process's events file."""
+        return sorted(self.logs_dir.glob("events.*.jsonl"))
+
+    @property
     def fingerprint_path(self) -> Path:
         return self.root / "fingerprint.json"
 
@@ -278,10 +331,45 @@ class RunDir:
     def preview_path(self) -> Path:
         return self.root / "preview.png"
 
-    def create(self) -> None:
-        """Create the directory skeleton (idempotent); RunDirError when the path cannot be a run directory."""
+    @property
+    def marker_path(self) -> Path:
+        """The owner record: its presence says this directory is a shardgen run (clean-up happens only in one)."""
+        return self.root / RUN_MARKER
+
+    def start(self) -> Path | None:
+        """Make the run directory and its owner record (the first write of a new run; RunDirError when the path
+        cannot be a run directory). The topmost directory this call created (None: it existed), for ``undo_start``."""
         check_run_root(self.root)
-        for d in (self.root, self.shards_dir, self.work_dir, self.claims_dir):
+        top = first_missing_dir(self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"cannot create {self.root} ({e.strerror}); choose a writable run_dir") from None
+        if self.marker_path.is_symlink():
+            self.marker_path.unlink()  # never written through, nor taken for the record
+        if not self.marker_path.is_file():  # a concurrent job may create it first: then this one keeps it
+            create_exclusive(self.marker_path, json_bytes(dict(shardgen_run=MARKER_VERSION, created=time.time())))
+        return top
+
+    def undo_start(self, top: Path | None) -> None:
+        """Remove the owner record and the directories ``start`` created, when nothing else was put in them
+        (a new run refused before it began leaves nothing behind)."""
+        self.marker_path.unlink(missing_ok=True)
+        if top is None:
+            return
+        for d in (self.root, *self.root.parents):
+            try:
+                os.rmdir(d)  # only an empty directory goes
+            except OSError:
+                return
+            if d == top:
+                return
+
+    def create(self) -> None:
+        """Create the directory skeleton and the owner record (idempotent); RunDirError when the path cannot be
+        a run directory."""
+        self.start()
+        for d in (self.shards_dir, self.work_dir, self.claims_dir):
             try:
                 d.mkdir(parents=True, exist_ok=True)
             except FileExistsError:
@@ -320,9 +408,11 @@ class RunDir:
     def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
         """Remove what killed jobs left behind (temp files, temporary plan directories); the removed paths.
 
-        Safe with other jobs running: a temp file goes at once only when its owner (host and pid in
-        its name) is this host's and dead, anything else only when untouched for ``max_age_s``
-        (a live writer renames its temp file within seconds; a planner adds a file per shard)."""
+        Only names shardgen itself makes are touched (``TEMP_FILE_NAME``, ``PLAN_TEMP_NAME``): a user's
+        ``.session.tmp`` or ``.plan-backup/`` stays. Safe with other jobs running: a temp file goes at once
+        only when its owner (host and pid in its name) is this host's and dead, anything else only when
+        untouched for ``max_age_s`` (a live writer renames its temp file within seconds; a planner adds a
+        file per shard)."""
         removed = []
         for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
             try:
@@ -331,8 +421,8 @@ class RunDir:
                 continue
             for name in names:
                 path = d / name
-                if name.startswith(".") and (name.endswith(".tmp") or name.startswith(".plan-")) \
-                        and _leftover(path, name, max_age_s):
+                ours = TEMP_FILE_NAME.fullmatch(name) or (d == self.root and PLAN_TEMP_NAME.fullmatch(name))
+                if ours and _leftover(path, name, max_age_s):
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() \
                         else path.unlink(missing_ok=True)
                     removed.append(path)
@@ -362,9 +452,52 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def check_run_root(root: Path) -> None:
-    """RunDirError unless ``root`` is (or can become) a writable directory."""
+def own_file_name(directory: str, name: str) -> bool:
+    """Whether ``name`` in the run's ``directory`` (shards, work, claims, logs) is a name shardgen writes."""
+    pattern = _OWN_NAMES.get(directory)
+    return bool(pattern and pattern.fullmatch(name))
+
+
+def first_missing_dir(path: Path) -> Path | None:
+    """The outermost directory of ``path`` (itself included) that does not exist yet; None if it exists."""
+    path = Path(path)
+    return next((p for p in reversed((path, *path.parents)) if not p.exists()), None)
+
+
+def is_run_dir(root: Path) -> bool:
+    """Whether ``root`` is a shardgen run: it has the owner record, or the layout of a run made before the
+    record existed (``fingerprint.json``, ``plan/plan.json``, or both ``shards/`` and ``claims/``)."""
     root = Path(root)
+    marker = root / RUN_MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return True
+    return (os.path.lexists(root / "fingerprint.json") or os.path.lexists(root / "plan" / "plan.json")
+            or ((root / "shards").is_dir() and (root / "claims").is_dir()))
+
+
+def check_run_dir_text(text: str) -> None:
+    """RunDirError for a run_dir value that can only be a mistake: empty (it would mean the current directory)."""
+    if not str(text).strip():
+        raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
+                          "(or an existing run)")
+
+
+def _same_dir(a: Path, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
+
+
+def check_run_root(root: Path) -> bool:
+    """RunDirError unless ``root`` is (or can become) a writable run directory: ``/`` and the home directory
+    are refused, and so is an existing non-empty directory that is not a shardgen run (``is_run_dir``), before
+    anything is written. True when no run is there yet (absent, or an empty directory)."""
+    root = Path(root)
+    if _same_dir(root, "/") or _same_dir(root, os.path.expanduser("~")):
+        raise RunDirError(f"run_dir {root} is {'the root directory' if _same_dir(root, '/') else 'your home directory'}; "
+                          "shardgen creates plan/ shards/ work/ claims/ logs/ in its run_dir. Choose a directory of "
+                          f"its own, e.g. run_dir={root / 'runs' / 'mine'}")
     if root.exists() and not root.is_dir():
         raise RunDirError(f"run_dir {root} exists and is not a directory; choose another run_dir")
     probe = root
@@ -375,6 +508,21 @@ def check_run_root(root: Path) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"run_dir {root}: {probe} is not writable by this user; choose a writable run_dir "
                           "or fix its permissions")
+    if probe != root:
+        return True
+    try:
+        # a concurrent job's temp files (its owner record being written) do not make the directory foreign
+        names = sorted(n for n in os.listdir(root) if not (TEMP_FILE_NAME.fullmatch(n) or PLAN_TEMP_NAME.fullmatch(n)))
+    except OSError as e:
+        raise RunDirError(f"run_dir {root} cannot be listed ({e.strerror}); fix its permissions") from None
+    if not names:
+        return True
+    if is_run_dir(root):
+        return False
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise RunDirError(f"run_dir {root} holds files ({shown}) and is not a shardgen run (no {RUN_MARKER}); shardgen "
+                      "writes only into a new or empty directory or an existing run, so nothing of yours is touched. "
+                      f"Choose another run_dir (e.g. run_dir={root / 'run'})")
 
 
 def append_line(path: Path, line: str) -> None:

@@ -22,19 +22,40 @@ from shardgen.dataio.rundir import RunDir, append_line
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class _LazyFileHandler(logging.FileHandler):
-    """A log file made (with its directory) at the first line: a launch refused before writing
-    anything leaves no run directory behind."""
+MAX_HELD_LINES = 10_000  # lines kept in memory until the run directory is accepted (the oldest go first)
+
+
+class RankLogHandler(logging.FileHandler):
+    """A rank's log file. Lines are held in memory until ``start_writing()`` (the run directory was checked and
+    planned), then written: a launch refused before that (a foreign run_dir, a bad prompt row) writes nothing."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, encoding="utf-8", delay=True)
+        self._held: list[logging.LogRecord] | None = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._held is None:
+            super().emit(record)
+            return
+        self._held.append(record)
+        del self._held[:-MAX_HELD_LINES]
+
+    def start_writing(self) -> None:
+        """Write the held lines, and every later one as it comes."""
+        held, self._held = self._held or [], None
+        for record in held:
+            super().emit(record)
 
     def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 
 
-def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> logging.Handler:
-    """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too; returns the handler."""
-    path = Path(run_dir).absolute() / "logs" / f"rank{rank:03d}.log"
-    handler = _LazyFileHandler(path, encoding="utf-8", delay=True)
+def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
+    """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too (held until ``start_writing()``);
+    returns the handler."""
+    path = RunDir(Path(run_dir).absolute()).rank_log(rank)
+    handler = RankLogHandler(path)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.setLevel(logging.INFO)
     logger = logging.getLogger("shardgen")
@@ -57,14 +78,14 @@ def _append_line(path: Path, record: dict) -> None:
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:
     """Note a committed shard for the report (called on the writer after the stats are written)."""
-    _append_line(run.root / "logs" / f"events.{socket.gethostname()}.{os.getpid()}.jsonl", dict(
+    _append_line(run.events_path(socket.gethostname(), os.getpid()), dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
         ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
 
 
 def record_launch(run: RunDir, summary: dict) -> None:
     """Append this launch's summary to ``launches.jsonl``."""
-    _append_line(run.root / "launches.jsonl", dict(summary, ended=time.time()))
+    _append_line(run.launches_path, dict(summary, ended=time.time()))
 
 
 def read_jsonl(paths) -> list[dict]:

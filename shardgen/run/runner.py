@@ -25,7 +25,8 @@ from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
-from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
+from shardgen.dataio.rundir import (RunDir, atomic_write_bytes, atomic_write_json, check_run_dir_text, check_run_root,
+                                    create_exclusive, first_missing_dir)
 from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
@@ -108,29 +109,29 @@ def prompt_path(cfg: GenerateConfig) -> Path:
 
 def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     """Check or create the run directory's fingerprint and plan, and repair what a killed job left
-    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused)."""
+    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused).
+
+    A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
+    planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
     run = RunDir(Path(cfg.run_dir).absolute())
-    check_run_root(run.root)
+    check_run_dir_text(cfg.run_dir)
+    new = check_run_root(run.root)
+    top = first_missing_dir(run.root)
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-    plan = load_plan_or_discard(run)
-    if plan is None:
-        source = PromptSource.from_cfg(cfg.prompts, path)
-        try:
-            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
-                                                  image_format=cfg.image_format, replicas=replicas,
-                                                  batch_size=cfg.batch_size)
-            plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
-        except Exception:
-            if not resuming:  # a new run that never started: leave no half-made directory behind
-                run.fingerprint_path.unlink(missing_ok=True)
-            raise
-        log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
-                 plan.num_shards, plan.samples_per_shard, run.root)
+    resuming = True
+    try:
+        resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
+        plan = load_plan_or_discard(run)
+        if plan is None:
+            plan = _make_plan(cfg, run, path, replicas)
+    except BaseException:
+        if new and not resuming:  # a new run that never started: leave no half-made directory behind
+            run.fingerprint_path.unlink(missing_ok=True)
+            run.undo_start(top)
+        raise
     if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
         log.warning(warning)
     run.create()
@@ -138,6 +139,17 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
+    return plan
+
+
+def _make_plan(cfg: GenerateConfig, run: RunDir, path: Path, replicas: int) -> Plan:
+    source = PromptSource.from_cfg(cfg.prompts, path)
+    per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
+                                          image_format=cfg.image_format, replicas=replicas, batch_size=cfg.batch_size)
+    plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
+                      truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
+    log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
+             plan.num_shards, plan.samples_per_shard, run.root)
     return plan
 
 
@@ -186,6 +198,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     try:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
+        rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         plan = load_plan(RunDir(Path(plan.run.root)))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
