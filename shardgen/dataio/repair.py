@@ -26,6 +26,7 @@ from pathlib import Path
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
 from shardgen.dataio.plan import Plan, PlanError, PlannedRow, file_sha256, load_plan, sample_key
+from shardgen.dataio.prompts import PromptFileError
 from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, own_file_name, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
@@ -123,6 +124,8 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
         raise RunDirError(f"{changed}; {fix}")
     try:
         rows = plan.rows(shard)
+    except PromptFileError:
+        raise  # the prompt file (changed, or gone): its own message names it and the fix
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise RunDirError(f"{path} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
     if [r.index for r in rows] != list(plan.shard_range(shard)) \

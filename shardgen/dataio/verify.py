@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, sample_key
 from shardgen.dataio.rundir import RunDirError
+from shardgen.errors import UserError
 from shardgen.dataio.video import VIDEO_EXT, check_video_member
 
 IMAGE_EXTS = ("png", "jpg", "webp")
@@ -169,7 +170,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.bad_shards[shard] = "tar"
     try:
         rows = {sample_key(r.index): r for r in checked_rows(plan, shard)}
-    except RunDirError as e:
+    except UserError as e:  # a damaged plan, or a prompt file changed since planning
         rows = {}
         rep.defects.append(f"{name}: {e}")
     before = len(rep.defects)
