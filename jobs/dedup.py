@@ -11,27 +11,26 @@ import sys
 from pathlib import Path
 
 from shardgen.dataio.dedup import near_duplicate_groups
-from shardgen.dataio.rundir import run_dir_arg
+from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.runfiles import count_arg, read_index_columns, tool_errors
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.dedup", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
-    ap.add_argument("--max-distance", type=int, default=4, help="bits two phashes may differ by (0: identical)")
+    ap.add_argument("--max-distance", type=count_arg(0), default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")
     args = ap.parse_args(argv)
-    files = sorted((Path(args.run_dir) / "shards").glob("*.parquet"))
-    if not files:
+    run = RunDir(Path(args.run_dir).absolute())
+    if not list(run.shards_dir.glob("*.parquet")):
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2
-    import pyarrow.dataset as ds
-
-    table = ds.dataset([str(f) for f in files], format="parquet").to_table(
-        columns=["key", "prompt", "phash"], filter=ds.field("phash").is_valid())
-    if table.num_rows == 0:
+    cols = read_index_columns(run, ["key", "prompt", "phash"], where="phash")
+    if not cols["key"]:
         print(f"{args.run_dir}: no phash in the index; generate with signals=[phash]", file=sys.stderr)
         return 2
-    keys, prompts, hashes = (table.column(c).to_pylist() for c in ("key", "prompt", "phash"))
+    keys, prompts, hashes = cols["key"], cols["prompt"], cols["phash"]
     groups = near_duplicate_groups(keys, hashes, args.max_distance)
     if args.json:
         print(json.dumps(groups))
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(groups)} near-duplicate group(s) among {len(keys)} images (phash distance <= {args.max_distance})")
     for g in groups:
         more = " ..." if len(g) > 10 else ""
-        print(f"  {len(g)}: " + ", ".join(f"{k} ({prompt_of[k][:40]!r})" for k in g[:10]) + more)
+        print(f"  {len(g)}: " + ", ".join(f"{k} ({(prompt_of[k] or '')[:40]!r})" for k in g[:10]) + more)
     return 0
 
 

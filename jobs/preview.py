@@ -13,25 +13,32 @@ import textwrap
 from pathlib import Path
 
 from shardgen.dataio.repair import plan_for_tool
-from shardgen.dataio.rundir import RunDir, atomic_write_bytes, run_dir_arg
-from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
+from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.runfiles import committed_members, count_arg, safe_write, tool_errors
+from shardgen.dataio.verify import IMAGE_EXTS
 from shardgen.dataio.video import VIDEO_EXT, preview_png
 
 
 def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
     """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order."""
     out = []
-    for tar in sorted(run.shards_dir.glob("*.tar")):
-        if tar.is_symlink():  # never read (or trust) a link where a shard should be
-            continue
-        for key, mem in sorted(read_shard_members(tar).items()):
-            img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
-            if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
-                img = preview_png(mem[VIDEO_EXT])
-            out.append((mem.get("txt", b"").decode("utf-8"), img, json.loads(mem.get("json", b"{}"))))
-            if len(out) == n:
-                return out
+    for key, mem in committed_members(run):  # damaged tars and links are skipped (jobs.verify names them)
+        img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
+        if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
+            img = preview_png(mem[VIDEO_EXT])
+        out.append((mem.get("txt", b"").decode("utf-8", "replace"), img, _meta(mem.get("json"))))
+        if len(out) == n:
+            return out
     return out
+
+
+def _meta(data: bytes | None) -> dict:
+    """A sample's json, or {} when it is damaged."""
+    try:
+        meta = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def contact_sheet(items, cols: int, size: int):
@@ -44,23 +51,24 @@ def contact_sheet(items, cols: int, size: int):
     draw = ImageDraw.Draw(sheet)
     for i, (prompt, img, meta) in enumerate(items):
         x, y = (i % cols) * size, (i // cols) * (size + text_h)
-        if img is not None:
+        try:
             sheet.paste(Image.open(io.BytesIO(img)).convert("RGB").resize((size, size)), (x, y))
-        else:
+        except Exception:  # no image (a failure, a reject), or one that does not decode
             draw.rectangle([x, y, x + size - 1, y + size - 1], fill=(60, 0, 0))
-            draw.text((x + 4, y + 4), f"{meta.get('status')}: {meta.get('error', '')[:60]}", fill="white")
+            draw.text((x + 4, y + 4), f"{meta.get('status')}: {str(meta.get('error', ''))[:60]}", fill="white")
         label = f"{meta.get('index', '?')}: {prompt}"
         draw.multiline_text((x + 2, y + size + 2), "\n".join(textwrap.wrap(label, width=max(10, size // 7))[:3]),
                             fill="black")
     return sheet
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--cols", type=int, default=4)
-    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--n", type=count_arg(1), default=16)
+    ap.add_argument("--cols", type=count_arg(1), default=4)
+    ap.add_argument("--size", type=count_arg(16), default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir)
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     contact_sheet(items, args.cols, args.size).save(buf, format="PNG")
     if out.is_symlink():
         print(f"note: {out} was a symlink; it is replaced by the file (the link's target is left alone)")
-    atomic_write_bytes(out, buf.getvalue())  # a fresh file renamed into place: never written through a link
+    safe_write(out, buf.getvalue())  # a fresh file renamed into place: never written through a link
     print(f"wrote {out} ({len(items)} samples)")
     return 0
 

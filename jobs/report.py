@@ -10,22 +10,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardgen.dataio.plan import load_plan
+from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.report import write_report
-from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.rundir import run_dir_arg
+from shardgen.dataio.runfiles import tool_errors
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--out", default=None, help="the HTML file (default RUN_DIR/report.html)")
     args = ap.parse_args(argv)
-    run = RunDir(Path(args.run_dir).absolute())
-    plan = load_plan(run)
-    if plan is None:
-        print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
+    plan = plan_for_tool(args.run_dir)
+    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
+        print(plan, file=sys.stderr)
         return 2
-    out = write_report(plan, Path(args.out) if args.out else run.root / "report.html")
+    out = write_report(plan, Path(args.out) if args.out else plan.run.report_path)
     print(f"wrote {out}")
     return 0
 

@@ -13,6 +13,7 @@ from shardgen.dataio.claims import FUTURE_TOLERANCE_S
 from shardgen.dataio.ledger import read_ledger, run_lease_s
 from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
+from shardgen.dataio.runfiles import tool_errors
 
 
 def _fmt_s(s: float | None) -> str:
@@ -42,6 +43,7 @@ def _print_rate(led, plan, done: int) -> None:
     print(f"  rate     {rate:.2f} samples/s {span}; ETA {_fmt_s(eta)}")
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")

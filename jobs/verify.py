@@ -11,17 +11,19 @@ from pathlib import Path
 
 from shardgen.dataio.repair import load_plan_checked
 from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.runfiles import count_arg, tool_errors
 from shardgen.dataio.verify import repair_run, verify_run
 from shardgen.errors import UserError
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
     ap.add_argument("--repair", action="store_true",
                     help="rewrite stats from sound tars; remove shards whose samples are wrong (generate makes them again)")
-    ap.add_argument("--max-lines", type=int, default=20, help="defects to print")
+    ap.add_argument("--max-lines", type=count_arg(0), default=20, help="defects to print")
     args = ap.parse_args(argv)
     try:
         plan = load_plan_checked(RunDir(Path(args.run_dir).absolute()))

@@ -52,6 +52,16 @@ def damage(rng: random.Random, root: Path, decoy: Path) -> str:
     files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
     path = rng.choice(files)
     op = rng.choice(OPS)
+    damage_file(path, op, rng, decoy)
+    return f"{op} {path.relative_to(root)}"
+
+
+# JSON of the wrong shape: odd lines in a log, a state file that is a list, numbers out of range
+ODD = b'[1]\n{"t": "x", "replica": {}, "samples": null, "wall_s": "s", "world_size": [], "shard": -1}\n{}\n"s"\n1e999\n'
+
+
+def damage_file(path: Path, op: str, rng: random.Random, decoy: Path) -> None:
+    """Damage one file in one way of OPS (or "odd": JSON of the wrong shape); a "symlink" points at ``decoy``."""
     data = path.read_bytes()
     if op == "flip" and data:
         b = bytearray(data)
@@ -67,9 +77,10 @@ def damage(rng: random.Random, root: Path, decoy: Path) -> str:
         path.symlink_to(decoy)
     elif op == "empty":
         path.write_bytes(b"")
+    elif op == "odd":
+        path.write_bytes(ODD)
     else:
         path.write_bytes(rng.randbytes(rng.randint(1, 64)))
-    return f"{op} {path.relative_to(root)}"
 
 
 @pytest.fixture()

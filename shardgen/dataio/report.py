@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import read_json
-from shardgen.dataio.runlog import read_jsonl
+from shardgen.dataio.rundir import RunDirError, read_state
+from shardgen.dataio.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
@@ -28,21 +28,15 @@ _COLUMNS = ("key", "prompt", "status", "error", "truncated", "tokens", "gen_s", 
 
 def _index_rows(plan: Plan) -> dict[str, list]:
     """The index columns the report uses, over every committed shard, as lists."""
-    import pyarrow.dataset as ds
-
-    files = sorted(str(p) for p in plan.run.shards_dir.glob("*.parquet"))
-    if not files:
-        return {c: [] for c in _COLUMNS}
-    table = ds.dataset(files, format="parquet").to_table(columns=list(_COLUMNS))
-    return {c: table.column(c).to_pylist() for c in _COLUMNS}
+    return read_index_columns(plan.run, list(_COLUMNS))
 
 
 def _throughput_series(plan: Plan) -> dict[str, list[tuple[float, int]]]:
     """replica -> [(time, cumulative samples)] of its committed shards."""
-    events = read_jsonl(sorted((plan.run.root / "logs").glob("events.*.jsonl")))
+    events = read_events(plan.run)
     if not events:  # a run from before the events files: the stats have no replica
-        events = [dict(t=s["finished"], replica="all", samples=s["count"])
-                  for s in (read_json(plan.run.shard_stats(i)) for i in sorted(plan.run.done_shards()))]
+        events = [dict(t=s["finished"], replica="all", samples=s["count"]) for s in _stats(plan)
+                  if isinstance(s.get("finished"), (int, float)) and isinstance(s.get("count"), int)]
     by_replica: dict[str, list] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["t"]):
         series = by_replica[str(e["replica"])]
@@ -59,19 +53,23 @@ def line_chart(series: dict[str, list[tuple[float, int]]], x_label: str, y_label
     xmax = max(max(t for t, _ in points) - t0, 1e-9)
     ymax = max(max(v for _, v in points), 1)
     out = [_axes(f"{x_label} (0-{xmax:.0f} s)", f"{y_label} (0-{ymax})")]
+    if not all(np.isfinite([t for t, _ in points] + [v for _, v in points])):
+        return "<p>no usable times in the logs</p>"
     for i, (name, pts) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
         coords = [(PAD, H - PAD)] + [(PAD + (t - t0) / xmax * (W - 2 * PAD), H - PAD - v / ymax * (H - 2 * PAD))
                                      for t, v in pts]
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
                    + " ".join(f"{x:.1f},{y:.1f}" for x, y in coords) + '"/>')
-        out.append(f'<text x="{W - PAD + 4}" y="{PAD + 14 * i}" fill="{color}" font-size="11">replica {name}</text>')
+        out.append(f'<text x="{W - PAD + 4}" y="{PAD + 14 * i}" fill="{color}" font-size="11">replica '
+                   f'{html.escape(str(name))}</text>')  # from the run's logs: never markup
     return _svg(out)
 
 
 def histogram(values: list[float], label: str, bins: int = 20) -> str:
     """An SVG histogram of ``values``."""
-    vals = np.asarray([v for v in values if v is not None], dtype=float)
+    vals = np.asarray([v for v in values if isinstance(v, (int, float))], dtype=float)
+    vals = vals[np.isfinite(vals)]
     if not len(vals):
         return "<p>no values</p>"
     counts, edges = np.histogram(vals, bins=bins)
@@ -106,24 +104,23 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
     """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts."""
     from PIL import Image
 
-    from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
+    from shardgen.dataio.verify import IMAGE_EXTS
 
     cells = []
-    for shard in sorted(plan.run.done_shards()):
-        for key, mem in sorted(read_shard_members(plan.run.shard_tar(shard)).items()):
-            ext = next((e for e in IMAGE_EXTS if e in mem), None)
-            if ext is None or len(cells) >= n:
+    for key, mem in committed_members(plan.run):
+        ext = next((e for e in IMAGE_EXTS if e in mem), None)
+        if ext is not None and len(cells) < n:
+            try:
+                img = Image.open(io.BytesIO(mem[ext])).convert("RGB")
+            except Exception:  # an image that does not decode (jobs.verify reports it): no thumbnail
                 continue
-            img = Image.open(io.BytesIO(mem[ext])).convert("RGB")
             img.thumbnail((size, size))
             buf = io.BytesIO()
             img.save(buf, format="JPEG", quality=85)
             data = base64.b64encode(buf.getvalue()).decode()
             prompt = html.escape(mem.get("txt", b"").decode("utf-8", "replace")[:90])
             cells.append(f'<figure><img src="data:image/jpeg;base64,{data}" width="{size}"><figcaption>'
-                         f"<b>{key}</b> {prompt}</figcaption></figure>")
-        if len(cells) >= n:
-            break
+                         f"<b>{html.escape(key)}</b> {prompt}</figcaption></figure>")
     return '<div class="sheet">' + "".join(cells) + "</div>" if cells else "<p>no image yet</p>"
 
 
@@ -144,8 +141,13 @@ def _failures(rows: dict[str, list]) -> list[tuple]:
 def _truncation(rows: dict[str, list]) -> list[tuple]:
     longest: Counter = Counter()
     for tokens in rows["tokens"]:
-        for encoder, n in (json.loads(tokens) if tokens else {}).items():
-            longest[encoder] = max(longest[encoder], n)
+        try:
+            counts = json.loads(tokens) if tokens else {}
+        except ValueError:
+            continue
+        for encoder, n in counts.items() if isinstance(counts, dict) else ():
+            if isinstance(n, int):
+                longest[encoder] = max(longest[encoder], n)
     return [("truncated prompts", sum(bool(t) for t in rows["truncated"]))] + \
         [(f"longest prompt, {encoder} tokens", n) for encoder, n in sorted(longest.items())]
 
@@ -169,14 +171,14 @@ def build_report(plan: Plan) -> str:
     """The report of ``plan``'s run as a self-contained HTML page."""
     rows = _index_rows(plan)
     status = Counter(rows["status"])
-    launches = read_jsonl([p for p in [plan.run.root / "launches.jsonl"] if p.exists()])
+    launches = read_launches(plan.run)
     counts = [("prompts", plan.num_rows), ("shards committed", f"{len(plan.run.done_shards())} of {plan.num_shards}"),
               ("images (ok)", status["ok"]), ("failed", status["failed"]), ("rejected", status["rejected"]),
               ("truncated prompts", sum(bool(t) for t in rows["truncated"])), ("launches", len(launches))]
     sections = [("Counts", _table(counts, ("what", "count"))),
                 ("Throughput over time, per replica", line_chart(_throughput_series(plan), "time", "samples")),
-                ("Launches", _table([(i + 1, l.get("world_size"), l.get("generated_here"), f"{l.get('wall_s', 0):.1f}",
-                                      f"{l.get('images_per_s', 0):.2f}", l.get("complete"))
+                ("Launches", _table([(i + 1, l.get("world_size"), l.get("generated_here"), _num(l.get("wall_s"), 1),
+                                      _num(l.get("images_per_s"), 2), l.get("complete"))
                                      for i, l in enumerate(launches)],
                                     ("launch", "ranks", "generated", "wall s", "images/s", "complete"))),
                 ("Failures by reason", _table(_failures(rows), ("status", "reason", "samples"))
@@ -198,7 +200,23 @@ _CSS = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collaps
 
 
 def write_report(plan: Plan, out: Path) -> Path:
-    """Write the report to ``out``; return it."""
-    out.write_text(build_report(plan), encoding="utf-8")
+    """Write the report to ``out`` (whole, never through a symlink); return it."""
+    safe_write(out, build_report(plan).encode("utf-8"))
     return out
+
+
+def _num(value, digits: int) -> str:
+    """A number from the logs, formatted; anything else as "?"."""
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
+
+
+def _stats(plan: Plan) -> list[dict]:
+    """The readable stats of the committed shards."""
+    out = []
+    for shard in sorted(plan.run.done_shards()):
+        try:
+            out.append(read_state(plan.run.shard_stats(shard)))
+        except RunDirError:
+            continue
+    return [s for s in out if isinstance(s, dict)]
 

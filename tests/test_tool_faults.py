@@ -1,0 +1,130 @@
+"""The operator tools on damaged runs (issue 25): every file of a finished and of an unfinished run damaged in
+each way, and each tool (status, verify, preview, report, dedup) run on it in process: an exit status and a
+message, never a traceback, and never a write through a symlink."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import dedup, preview, report, status, verify
+from tests.conftest import write_lines
+from tests.test_integrity import gen, make_partial
+from tests.test_integrity_faults import OPS as FAULT_OPS, damage_file
+
+OPS = (*FAULT_OPS, "odd")
+TOOLS = {"status": lambda d: status.main([str(d), "--shards"]), "verify": lambda d: verify.main([str(d)]),
+         "verify --repair": lambda d: verify.main([str(d), "--repair", "--no-decode"]),
+         "preview": lambda d: preview.main([str(d), "--n", "4", "--size", "32"]),
+         "report": lambda d: report.main([str(d)]), "dedup": lambda d: dedup.main([str(d)])}
+SEED = 25
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(a finished run with the phash signal, the same run unfinished: a partial shard and a missing one)."""
+    d = tmp_path_factory.mktemp("tools")
+    prompts = write_lines(d / "p.txt", [f"prompt {i}" for i in range(6)])
+    finished = d / "finished"
+    assert gen(finished, prompts, "samples_per_shard=2", "signals=[phash]").complete
+    partial = d / "partial"
+    shutil.copytree(finished, partial, symlinks=True)
+    make_partial(partial, 1, 1)
+    for name in ("000002.stats.json", "000002.tar", "000002.parquet"):
+        (partial / "shards" / name).unlink()
+    return finished, partial
+
+
+def _run_tools(d: Path, decoy: Path, what: str, capsys) -> None:
+    for name, tool in TOOLS.items():
+        try:
+            rc = tool(d)
+        except SystemExit as e:  # argparse's own refusal (a message and status 2)
+            rc = e.code
+        except BaseException as e:
+            raise AssertionError(f"{what}: {name} raised {type(e).__name__}: {e}") from e
+        out = capsys.readouterr()
+        assert rc in (0, 1, 2), f"{what}: {name} returned {rc!r}"
+        assert "Traceback" not in out.err + out.out, f"{what}: {name} printed a traceback"
+        if rc == 2:
+            assert out.err.strip(), f"{what}: {name} refused without a message"
+        assert decoy.read_bytes() == b"decoy", f"{what}: {name} wrote through a symlink"
+
+
+@pytest.mark.slow
+def test_every_tool_on_every_damaged_file(runs, tmp_path, capsys):
+    """Each file of both runs x each way of damage (about 300 cases), each tool in process."""
+    rng = random.Random(SEED)
+    decoy = tmp_path / "decoy"
+    cases = 0
+    t0 = time.perf_counter()
+    for base in runs:
+        files = sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and not p.is_symlink())
+        for rel in files:
+            for op in OPS:
+                decoy.write_bytes(b"decoy")
+                d = tmp_path / "case"
+                shutil.copytree(base, d, symlinks=True)
+                damage_file(d / rel, op, rng, decoy)
+                _run_tools(d, decoy, f"{op} {base.name}/{rel}", capsys)
+                shutil.rmtree(d)
+                cases += 1
+    print(f"{cases} damaged runs x {len(TOOLS)} tools in {time.perf_counter() - t0:.1f} s")
+    assert cases > 200
+
+
+def test_tools_on_a_read_only_run_dir_say_so(runs, tmp_path, capsys, monkeypatch):
+    """A read-only file system (root ignores chmod, so the failing write is simulated where every tool writes)."""
+    import shardgen.dataio.rundir as rundir
+
+    def read_only(*a, **k):  # as the calls fail there: naming the file or directory
+        raise OSError(errno.EROFS, "Read-only file system", str(k.get("dir") or a[0]))
+
+    d = tmp_path / "ro"
+    shutil.copytree(runs[1], d, symlinks=True)
+    (d / "shards" / "000000.stats.json").unlink()  # work for verify --repair: stats to write from the tar
+    monkeypatch.setattr(rundir.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(rundir.os, "unlink", read_only)
+    for name in ("preview", "report", "verify --repair"):
+        assert TOOLS[name](d) == 2, name
+        err = capsys.readouterr().err
+        assert "Read-only file system" in err and str(d) in err and "Traceback" not in err, (name, err)
+
+
+@pytest.mark.parametrize("argv", [["preview", "--n", "0"], ["preview", "--n", "-3"], ["preview", "--cols", "0"],
+                                  ["preview", "--size", "0"], ["preview", "--out", "/nonexistent/dir/x.png"],
+                                  ["report", "--out", "/nonexistent/dir/r.html"], ["report", "--out", "."],
+                                  ["dedup", "--max-distance", "-1"], ["verify", "--max-lines", "-1"],
+                                  ["status", "/nonexistent/run"], ["dedup", "/nonexistent/run"]])
+def test_odd_arguments_are_a_message(runs, argv, capsys):
+    tool = {"preview": preview, "report": report, "dedup": dedup, "verify": verify, "status": status}[argv[0]]
+    args = argv[1:] if argv[1].startswith("/") else [str(runs[0]), *argv[1:]]
+    try:
+        rc = tool.main(args)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    assert rc in (0, 1, 2) and "Traceback" not in out.err
+    if rc == 2:
+        assert out.err.strip()
+
+
+def test_report_escapes_the_logs_and_never_writes_through_a_link(runs, tmp_path, capsys):
+    d = tmp_path / "r"
+    shutil.copytree(runs[0], d, symlinks=True)
+    events = next((d / "logs").glob("events.*.jsonl"))
+    events.write_text('{"t": 1, "replica": "<script>alert(1)</script>", "samples": 2}\n'
+                      '{"t": 2, "replica": "<script>alert(1)</script>", "samples": 2}\n')
+    victim = tmp_path / "victim.html"
+    victim.write_text("precious")
+    (d / "report.html").symlink_to(victim)
+    assert report.main([str(d)]) == 0
+    page = (d / "report.html").read_text()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert victim.read_text() == "precious" and not (d / "report.html").is_symlink()
