@@ -8,7 +8,8 @@ Layout (all names zero-padded shard ids)::
       fingerprint.json          what determines the pixels; a resume with other values is refused
       fingerprint_changes.jsonl every accepted allow_fingerprint_change=true: when, by whom, what changed
       plan/plan.json            prompt file, row count, shard size, shard count (fixed once)
-      plan/000000.jsonl         the rows of shard 0 (index, prompt, seed, extra, reject)
+      plan/starts.npy           where each shard's rows start in the prompt file (older plans: plan/000000.jsonl)
+      plan/digests.npy          sha256 of each shard's rows, checked when they are read
       plan_digests.json         sha256 and size of each plan file, checked before a plan file is used
       shards/000000.tar         a committed shard (complete, readable)
       shards/000000.stats.json  written last: the shard's done marker (with the tar's size and sha256)
