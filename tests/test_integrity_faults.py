@@ -99,7 +99,8 @@ def fast_model(monkeypatch):
 
     def generate_memo(pipe, settings, rows, *args):
         def key(r):
-            return r.index, r.prompt, r.seed, settings.height, settings.width, settings.steps, settings.model
+            return (r.index, r.prompt, r.seed, settings.height, settings.width, settings.steps, settings.model,
+                    settings.guidance, settings.true_cfg_scale)
 
         todo = [r for r in rows if key(r) not in made]
         for r, smp in zip(todo, real_generate(pipe, settings, todo, *args) if todo else []):

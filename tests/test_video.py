@@ -358,6 +358,7 @@ def test_a_run_with_a_garbage_latent_checkpoint_completes_with_the_plain_bytes(t
     """End to end: a garbage file where batch 0's checkpoint goes; the rerun ignores it, and its mp4s equal a
     clean run's."""
     run_dir = tmp_path / "run"
+    RunDir(run_dir).start()  # a run's directory (shardgen writes into no other): its owner record
     (run_dir / "latents").mkdir(parents=True)
     (run_dir / "latents" / "0000000000+2.pt").write_bytes(b"\x80garbage")
     assert run(compose_cfg(f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST,

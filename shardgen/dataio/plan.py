@@ -177,7 +177,7 @@ class Plan:
         path = self.run.plan_dir / "truncated.npy"
         if not path.exists():
             return set()
-        cut = np.load(path, mmap_mode="r")
+        cut = _load_npy(path)
         lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
         return set(cut[lo:hi].tolist())
 
@@ -203,12 +203,7 @@ def load_plan(run: RunDir) -> Plan | None:
     if meta.get("version", 1) == 1:
         return Plan(run=run, **kw)
     starts_path = run.plan_dir / "starts.npy"
-    try:
-        starts = np.load(starts_path, allow_pickle=False)
-    except FileNotFoundError:
-        raise _plan_error(starts_path, "missing") from None
-    except (ValueError, OSError, EOFError) as e:  # numpy says EOFError for an empty file
-        raise _plan_error(starts_path, f"unreadable ({type(e).__name__}: {e})") from None
+    starts = _load_npy(starts_path)
     if starts.shape != (kw["num_shards"], 2):
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
@@ -216,17 +211,22 @@ def load_plan(run: RunDir) -> Plan | None:
     return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run, meta, kw["num_shards"]), **kw)
 
 
+def _load_npy(path: Path) -> np.ndarray:
+    """A plan array; PlanError naming the file when it is missing or damaged."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise _plan_error(path, "missing") from None
+    except Exception as e:  # numpy raises ValueError, EOFError, even SyntaxError (a garbled header) for damage
+        raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def _load_digests(run: RunDir, meta: dict, num_shards: int) -> np.ndarray | None:
     """The shard digests of a plan that has them (plan.json names their checksum); PlanError when damaged."""
     if "digests_sha256" not in meta:
         return None
     path = run.plan_dir / "digests.npy"
-    try:
-        digests = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise _plan_error(path, "missing") from None
-    except (ValueError, OSError, EOFError) as e:
-        raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+    digests = _load_npy(path)
     if digests.shape != (num_shards, 32) or digests.dtype != np.uint8 \
             or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"]:
         raise _plan_error(path, "does not match plan.json (changed after planning)")
