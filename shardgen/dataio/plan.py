@@ -394,7 +394,8 @@ def _scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | No
                 break
             if row.index % per_shard == 0:
                 first_lines.append(row.line)
-                digests.append(hashlib.sha256())
+                if source.format == "parquet":
+                    digests.append(hashlib.sha256())
             if source.format == "parquet":
                 digests[-1].update(_row_bytes(row))
             rejects += row.reject is not None
