@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weights", default=None, help="model.weights (default dummy; --quick pretrained)")
     ap.add_argument("--device", default=None, help="auto | cpu | cuda (default auto; --quick cpu)")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="shardgen compile=true (default: the config's compile=auto)")
+                    help="shardgen compile=true (default on CUDA: the compiled path's steady state; "
+                         "else the config's compile=auto)")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-warmup", action="store_true",
                     help="no separate warm-up run: the measured run pays the compilation in its first batch")
@@ -54,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fbc-threshold", type=float, default=0.12)
     ap.add_argument("--profile-batch", type=int, default=1, help="batch whose cycle is traced for GPU idle")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="the seed loop only (its images/hour), no shardgen run: benchmarks/real_runs.py's yardstick")
     ap.add_argument("--baseline-n", type=int, default=None, help="baseline on the first N prompts only (default all)")
     ap.add_argument("--noise-floor", type=int, default=0, metavar="N",
                     help="CUDA: rerun the baseline loop on N prompts with another exact SDPA kernel (flash) and give "

@@ -162,7 +162,10 @@ def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
 
     big = dict(width=1024, height=1024, image_format="png", batch_size=4)
     n, why = choose_samples_per_shard(1_000_000, replicas=8, **big)
-    assert n == 190 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards
+    assert n == 188 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards, 47 batches of 4
+    n, _ = choose_samples_per_shard(24, replicas=1, **big)
+    assert n == 4  # 24 prompts: 6 by spread, rounded down to whole batches (no short batch in any shard)
+    assert choose_samples_per_shard(30, replicas=1, **dict(big, batch_size=3))[0] == 6
     n, _ = choose_samples_per_shard(64, replicas=2, width=64, height=64, image_format="png", batch_size=4)
     assert n == 8  # 64 prompts on 2 replicas: 8 shards, 4 per replica, not one shard and an idle rank
     assert choose_samples_per_shard(3, replicas=1, width=64, height=64, image_format="png", batch_size=4)[0] == 4
@@ -180,8 +183,8 @@ def test_the_default_run_logs_its_shard_size_and_explicit_sizes_stay(tmp_path, c
     fast = ("height=16", "width=16", "steps=1", "progress=false", f"prompts.path={f}")
     with caplog.at_level(logging.INFO, logger="shardgen"):
         run(compose_cfg(f"run_dir={tmp_path / 'auto'}", *fast))
-    assert "samples_per_shard=5 (chosen:" in caplog.text
-    assert load_plan(RunDir(tmp_path / "auto")).num_shards == 4
+    assert "samples_per_shard=4 (chosen:" in caplog.text  # 5 by spread, rounded down to whole batches of 4
+    assert load_plan(RunDir(tmp_path / "auto")).num_shards == 5
     run(compose_cfg(f"run_dir={tmp_path / 'explicit'}", "samples_per_shard=7", *fast))
     assert load_plan(RunDir(tmp_path / "explicit")).samples_per_shard == 7
 

@@ -264,14 +264,18 @@ BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3}
 def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_format: str, replicas: int,
                              batch_size: int) -> tuple[int, str]:
     """(samples per shard, why): about TARGET_SHARD_BYTES of images per shard, but at least
-    SHARDS_PER_REPLICA shards per replica when the prompts allow, and never below a batch."""
+    SHARDS_PER_REPLICA shards per replica when the prompts allow, never below a batch, and a whole
+    number of batches: every batch of a shard but the run's last then has the same shape, so a compiled
+    model never compiles again for a shard's short last batch (issue 20: that cost 16-40 s per process)."""
     sample_bytes = BYTES_PER_PIXEL.get(image_format, 1.5) * width * height
     by_size = max(1, int(TARGET_SHARD_BYTES // sample_bytes))
     by_spread = -(-num_rows // (SHARDS_PER_REPLICA * max(1, replicas)))
     n = min(MAX_SAMPLES_PER_SHARD, max(min(by_size, by_spread), min(batch_size, by_size)))
+    if n > batch_size > 1:  # rounded down: smaller shards only spread the work better
+        n = n // batch_size * batch_size
     why = (f"~{sample_bytes / 1e6:.2f} MB per {width}x{height} {image_format} sample: {by_size} fit in "
            f"{TARGET_SHARD_BYTES / 1e6:.0f} MB; {num_rows} prompts over {replicas} replica(s) x {SHARDS_PER_REPLICA} "
-           f"shards: {by_spread}; at least a batch ({batch_size})")
+           f"shards: {by_spread}; at least a batch ({batch_size}), a whole number of batches")
     return max(1, n), why
 
 

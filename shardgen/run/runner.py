@@ -31,6 +31,7 @@ from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
 from shardgen.dataio.video import VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
+from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -195,11 +196,21 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.on_batch = on_batch
             worker.run()
+        log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def log_compile_summary(worker: ReplicaWorker) -> None:
+    """How compilation went in this process: the auto decision and the graphs compiled (bounded: one per
+    block class and batch shape; a number that grows with the batches means recompilation)."""
+    if worker.autocompile is not None:
+        log.info("%s", worker.autocompile.summary())
+    if worker.settings.accel.compile:
+        log.info("compiled graphs in this process: %d", compiled_graphs())
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -220,6 +231,9 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
+    if settings.compile_auto and ctx.ranks == 1:  # a model-parallel replica's ranks would have to agree
+        worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here)
+        worker.settings = worker.autocompile.settings(settings)
     if ctx.leader:
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
                                           text_windows(pipe, cfg.model.max_sequence_length))
