@@ -10,7 +10,9 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 2. ``eager``: ``python -m jobs.generate ... compile=false``;
 3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh
    ``$SHARDGEN_CACHE`` (its compile cache and compile records empty): a first job on a new node;
-4. ``warm``: the same command again, new run_dir, same cache: a requeued job, a second job or node.
+4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling costs and gives here;
+5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a requeued job, a second job
+   or node after a compiled one.
 
 Whole-run figures are the prompt count over the process's wall time (interpreter start, model build,
 planning, compilation, the last commit: everything the user waits for), against the seed loop's steady
@@ -70,7 +72,7 @@ def main() -> None:
     ap.add_argument("--size", default=None, help="HEIGHTxWIDTH (default: the model's own)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
-    ap.add_argument("--skip", default="", help="comma-separated ways to leave out: seed,eager,cold,warm")
+    ap.add_argument("--skip", default="", help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -78,7 +80,8 @@ def main() -> None:
 
     out = Path(a.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    for old in ("run-eager", "run-cold", "run-warm", "cache", "seed-cache", "seed"):  # this script's own outputs
+    for old in ("run-eager", "run-cold", "run-compiled-cold", "run-warm", "cache", "cache-eager", "cache-cold",
+                "seed-cache", "seed"):  # this script's own outputs
         shutil.rmtree(out / old, ignore_errors=True)
     prompts = out / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
@@ -101,14 +104,19 @@ def main() -> None:
                               out / "seed.log", seed_env)
         base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
         res["seed"] = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
-    for way, extra in (("eager", ["compile=false"]), ("cold", []), ("warm", [])):
+    # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
+    # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
+    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache-cold"),
+            "compiled-cold": (["compile=true"], "cache"), "warm": ([], "cache")}
+    for way, (extra, cache_name) in ways.items():
         if way in skip:
             continue
-        wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra], out / f"{way}.log", env)
+        way_env = dict(env, SHARDGEN_CACHE=str(out / cache_name))
+        wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra], out / f"{way}.log", way_env)
         r = dict(parse_job(log), rc=rc, wall_s=wall, images_per_hour=3600 * a.n / wall)
         res[way] = r
     seed = (res.get("seed") or {}).get("images_per_hour")
-    for way in ("eager", "cold", "warm"):
+    for way in ways:
         r = res.get(way)
         if r and seed:
             r["x_seed_loop"] = r["images_per_hour"] / seed
