@@ -106,8 +106,8 @@ def main() -> None:
         res["seed"] = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
     # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
     # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
-    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache-cold"),
-            "compiled-cold": (["compile=true"], "cache"), "warm": ([], "cache")}
+    ways = {"eager": (["compile=false"], "cache-eager"), "compiled-cold": (["compile=true"], "cache"),
+            "warm": ([], "cache"), "cold": ([], "cache-cold")}
     for way, (extra, cache_name) in ways.items():
         if way in skip:
             continue

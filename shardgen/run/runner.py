@@ -231,8 +231,10 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
-    if settings.compile_auto and ctx.ranks == 1:  # a model-parallel replica's ranks would have to agree
-        worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here)
+    if (settings.compile_auto or settings.accel.compile) and ctx.ranks == 1:  # model-parallel ranks would have to agree
+        # compile=auto decides here; compile=true is timed and recorded (the figures a later auto process uses)
+        worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here,
+                                         decided=None if settings.compile_auto else True)
         worker.settings = worker.autocompile.settings(settings)
     if ctx.leader:
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),

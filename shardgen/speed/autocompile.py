@@ -97,6 +97,7 @@ class AutoCompile:
     """Samples this process is still expected to generate (asked once, when deciding)."""
     path: Path = field(default_factory=lambda: records_path())
     decided: bool | None = None
+    """None until decided; True or False from the start for ``compile: true`` (then only timed and recorded)."""
     reason: str = ""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
@@ -154,7 +155,8 @@ class AutoCompile:
 
     def summary(self) -> str:
         """One line for the end of the job: the decision and the batch timings behind it."""
-        parts = [f"compile=auto {'compiled' if self.decided else 'eager'}"]
+        parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
+                 f"{'compiled' if self.decided else 'eager'}"]
         if self._eager:
             parts.append(f"{len(self._eager)} eager batches, {statistics.median(self._eager):.2f} s/sample")
         if self._compiled:
