@@ -115,6 +115,7 @@ def main() -> None:
         wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra], out / f"{way}.log", way_env)
         r = dict(parse_job(log), rc=rc, wall_s=wall, images_per_hour=3600 * a.n / wall)
         res[way] = r
+        (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
     seed = (res.get("seed") or {}).get("images_per_hour")
     for way in ways:
         r = res.get(way)
