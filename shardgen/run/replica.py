@@ -74,6 +74,7 @@ class ReplicaWorker:
     _failed_batches: int = field(default=0, init=False)
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
+    _done_in_shard: int = field(default=0, init=False)  # rows of the current shard already made (remaining_here)
 
     def __enter__(self) -> "ReplicaWorker":
         return self
@@ -121,7 +122,7 @@ class ReplicaWorker:
     def remaining_here(self) -> int:
         """Samples this replica is still expected to make: the unfinished shards' share of one replica."""
         left = self.plan.num_shards - len(self.plan.run.done_shards())
-        return left * self.plan.samples_per_shard // max(1, self.ctx.count)
+        return max(0, left * self.plan.samples_per_shard // max(1, self.ctx.count) - self._done_in_shard)
 
     def _share(self, obj):
         if self.ctx.group is None:
@@ -181,6 +182,7 @@ class ReplicaWorker:
         if self.on_batch:
             self.on_batch("start", self)
         if self.autocompile and todo:
+            self._done_in_shard = n_done + start
             self.settings = self.autocompile.settings(self.settings)
         t_gen = time.perf_counter()
         made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
