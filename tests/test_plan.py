@@ -71,6 +71,40 @@ def test_parquet_rows_across_row_groups(tmp_path):
         assert got == _expected(path, "parquet")
 
 
+def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
+    """The numpy block scan (first-byte test, newline search) gives the reader's rows and rejects on random
+    mixes of blank, whitespace, CR, BOM, non-UTF-8, CJK and long lines, cut at random block edges."""
+    import random
+
+    import shardgen.dataio.plan as plan_mod
+
+    pieces = [b"a cat", b" lead", b"", b"   ", b"\t", b"\r", b"caf\xc3\xa9", "\u4e00\u53ea".encode(), b"\xff bad",
+              b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50]
+    rng = random.Random(1)
+    for trial in range(60):
+        lines = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 30))]
+        data = b"\n".join(lines) + (b"\n" if trial % 2 else b"")
+        if data in (b"", b"\xef\xbb\xbf"):
+            continue  # no rows (a file of only a BOM: the reader says "no rows", the plan one reject)
+        path = tmp_path / f"p{trial}.txt"
+        path.write_bytes(data)
+        monkeypatch.setattr(plan_mod, "_BLOCK", rng.choice([1, 7, 64, 16 << 20]))
+        _, got = _planned(RunDir(tmp_path / f"run{trial}"), path, "txt", rng.choice([1, 3, 100]))
+        assert got == _expected(path, "txt"), data
+
+
+def test_rows_of_a_large_file_are_estimated_from_samples(tmp_path, monkeypatch):
+    import shardgen.dataio.plan as plan_mod
+    from shardgen.dataio.plan import estimate_rows
+
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i} " + "x" * (i % 50) + "\n" for i in range(100_000)), encoding="utf-8")
+    assert estimate_rows(PromptSource(str(path), "txt")) == 100_000  # small: counted
+    monkeypatch.setattr(plan_mod, "_EXACT_COUNT_BYTES", 1 << 20)
+    assert abs(estimate_rows(PromptSource(str(path), "txt")) - 100_000) < 5_000
+    assert estimate_rows(PromptSource(str(path), "txt", limit=10)) == 10
+
+
 def test_plan_does_not_copy_the_prompts(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("".join(f"a long prompt about thing {i} " * 4 + "\n" for i in range(20000)), encoding="utf-8")
