@@ -122,6 +122,7 @@ class Plan:
     prompt_file: str
     meta: dict | None = None            # plan.json
     starts: np.ndarray | None = None    # (num_shards, 2): byte offset (parquet: row) and line of each shard's first row
+    prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
 
     def shard_range(self, shard: int) -> range:
         """Row indices of ``shard``."""
@@ -134,7 +135,7 @@ class Plan:
             with open(self.run.plan_dir / f"{shard:06d}.jsonl", encoding="utf-8") as f:
                 return [PlannedRow(**json.loads(line)) for line in f]
         m = self.meta
-        src = PromptSource(**m["source"])
+        src = PromptSource(**dict(m["source"], path=self.prompt_path or m["source"]["path"]))
         _check_unchanged(src.path, m["prompt_size"])
         rng = self.shard_range(shard)
         offset, line = (int(x) for x in self.starts[shard])
@@ -159,8 +160,22 @@ def _plan_error(path: Path, what: str) -> PlanError:
                      f"delete {path.parent} and re-run the same command to rebuild it (committed shards stay valid).")
 
 
-def load_plan(run: RunDir) -> Plan | None:
-    """The run's plan, or None if it has none yet; PlanError when it is damaged."""
+def last_prompt_path(run: RunDir) -> str | None:
+    """Where the last launch found the run's prompt file, its content checked against the fingerprint
+    (the path in ``prompt_hash.json``); None when no launch recorded one."""
+    try:
+        path = read_json(run.prompt_hash_path).get("path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
+    """The run's plan, or None if it has none yet; PlanError when it is damaged.
+
+    The prompt file is the run's by its content (the fingerprint's SHA-256), not by its path: rows are read
+    from ``prompt_path`` (a launch's ``prompts.path``, checked against the fingerprint), else from where the
+    last launch found it, else from where it was planned."""
     clean_stale_tmp(run)
     if not run.plan_dir.exists():
         return None
@@ -185,7 +200,8 @@ def load_plan(run: RunDir) -> Plan | None:
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
         raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
-    return Plan(run=run, meta=meta, starts=starts, **kw)
+    path = prompt_path or last_prompt_path(run) or meta["source"]["path"]
+    return Plan(run=run, meta=meta, starts=starts, prompt_path=str(path), **kw)
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -249,7 +265,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return load_plan(run)
+    return load_plan(run, source.path)
 
 
 # ---------------------------------------------------------------- shard sizing

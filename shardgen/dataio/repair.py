@@ -47,13 +47,14 @@ def _refuse_symlinks(directory: Path, what: str) -> None:
                               f"Replace it by the file it points to, or delete it and re-run")
 
 
-def load_plan_or_discard(run: RunDir) -> Plan | None:
+def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
     """The run's plan if it is whole; None (after moving a damaged one out of the way) when it must be
-    made again. Call only after the fingerprint matched: then planning again gives the same plan."""
+    made again. Call only after the fingerprint matched: then planning again gives the same plan.
+    ``prompt_path``: where the launch found the prompt file (its content checked by the fingerprint)."""
     _refuse_symlinks(run.plan_dir, "plan")
     plan_json = run.plan_dir / "plan.json"
     try:
-        plan = load_plan(run)
+        plan = load_plan(run, prompt_path)
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan, damage = None, f"{plan_json} is damaged ({e})"
     else:

@@ -117,8 +117,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-    plan = load_plan_or_discard(run)
+    resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
+    plan = load_plan_or_discard(run, path)
     if plan is None:
         source = PromptSource.from_cfg(cfg.prompts, path)
         try:
@@ -196,7 +196,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     try:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
-        plan = load_plan(RunDir(Path(plan.run.root)))
+        plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
