@@ -140,8 +140,8 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
         raise FingerprintMismatch(
             f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
             f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
-            "be silently ignored. Extending a run with appended prompts is not supported yet: put the new prompts "
-            "(only them) in their own file and generate them into a new run_dir.")
+            "be silently ignored. To extend a run, append the new prompts to its prompt file and change no other "
+            "setting in that launch: the appended rows are planned as new shards.")
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=socket.gethostname(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
 from shardgen.dataio.truncation import TruncationCheck, checks_while_planning, planning_windows
 from shardgen.dataio.claims import Claimer, owner_record
+from shardgen.dataio.extend import extend_if_appended
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                          remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
@@ -117,16 +118,17 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    source = PromptSource.from_cfg(cfg.prompts, path)
+    extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
     resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
     plan = load_plan_or_discard(run, path)
     if plan is None:
-        source = PromptSource.from_cfg(cfg.prompts, path)
         try:
             per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
                                                   image_format=cfg.image_format, replicas=replicas,
                                                   batch_size=cfg.batch_size)
             plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                              truncation=_planning_truncation_check(cfg, source))
+                              truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
         except Exception:
             if not resuming:  # a new run that never started: leave no half-made directory behind
                 run.fingerprint_path.unlink(missing_ok=True)
