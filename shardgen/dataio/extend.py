@@ -34,7 +34,7 @@ log = logging.getLogger("shardgen.plan")
 RACE_RETRIES = 8  # a job whose rename lost re-reads the plan and tries again (the file may have grown again)
 
 
-class PromptFileMoved(UserError, RuntimeError):
+class PromptFileChanging(UserError, RuntimeError):
     """The prompt file changed while the run was being extended."""
 
 
@@ -49,7 +49,9 @@ def not_an_append(path: str | os.PathLike, size: int, sha256: str, fmt: str) -> 
     if fmt == "parquet":
         return "a parquet file is rewritten, not appended to: put the new prompts in a new run_dir"
     now = os.path.getsize(path)
-    if now <= size:
+    if now == size:
+        return f"it has the planned file's {size} bytes but other content"
+    if now < size:
         return f"it has {now} bytes, the planned file had {size}"
     with open(path, "rb") as f:
         f.seek(size - 1)
@@ -92,7 +94,7 @@ def extend_if_appended(run: RunDir, fingerprint: dict, source: PromptSource, has
                 "choose a new run_dir")
         plan = _plan_extension(run, plan, source, (size, sha), (hashed_size, want), truncation())
     else:
-        raise PromptFileMoved(f"{source.path} kept changing while {run.root} was being extended; re-run")
+        raise PromptFileChanging(f"{source.path} kept changing while {run.root} was being extended; re-run")
     atomic_write_json(run.fingerprint_path, fingerprint)
     return plan
 
@@ -107,7 +109,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
         counts = plan_rows_into(tmp, source, plan.samples_per_shard, truncation, offset=before[0],
                                 first_row=plan.num_rows)
         if os.path.getsize(source.path) != after[0]:
-            raise PromptFileMoved(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
+            raise PromptFileChanging(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
                                   "bytes when hashed); re-run once it is written")
         now = time.time()
         atomic_write_json(tmp / "plan.json", dict(
