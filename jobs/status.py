@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_rate(led, plan, done)
     totals = led.totals()
     print(f"  results  {totals['ok']} ok, {totals['failed']} failed, {totals['rejected']} rejected (committed shards)")
+    if totals["truncated"]:
+        print(f"  truncated {totals['truncated']} prompts longer than a text encoder keeps, generated from their first "
+              "tokens (\"truncated\": true in their json and index)")
     for reason, n in led.failures_by_reason.most_common(10):
         print(f"    {n:>8}  {reason}")
     active = [s for s in led.shards if s.state in ("running", "future", "stalled", "dead")]

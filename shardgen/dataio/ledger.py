@@ -46,11 +46,12 @@ class Ledger:
         return sum(s.state == state for s in self.shards)
 
     def totals(self) -> Counter:
-        """ok / failed / rejected over committed shards."""
+        """ok / failed / rejected / truncated over committed shards (stats written before truncated was
+        counted there have none)."""
         c: Counter = Counter()
         for s in self.shards:
             if s.stats:
-                c.update({k: s.stats[k] for k in ("ok", "failed", "rejected")})
+                c.update({k: s.stats.get(k, 0) for k in ("ok", "failed", "rejected", "truncated")})
         return c
 
     def finished_at(self) -> float | None:

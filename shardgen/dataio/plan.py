@@ -27,6 +27,7 @@ import logging
 import numpy as np
 
 from shardgen.dataio import prompts as P
+from shardgen.dataio.planscan import scan_rows, scan_txt, truncation_outcome
 from shardgen.dataio.rundir import pid_alive as _pid_alive
 from shardgen.dataio.rundir import RunDir, atomic_write_json, read_json
 from shardgen.dataio.truncation import TruncationCheck
@@ -36,7 +37,6 @@ log = logging.getLogger("shardgen.plan")
 PLAN_VERSION = 2
 TRUNCATED_REJECT = "the prompt is longer than a text encoder keeps (prompts.on_truncation=skip)"
 STALE_TMP_S = 3600  # a planning temp dir from another host untouched this long belongs to a dead planner
-_BLOCK = 16 << 20   # txt planning reads the file in blocks of this many bytes
 KEY_DIGITS = 10  # up to 10^10 prompts; webdataset keys must not contain dots
 
 
@@ -63,12 +63,14 @@ def sample_seed(run_seed: int, index: int, row_seed: int | None = None) -> int:
     return _splitmix64((run_seed << 34) ^ index) & 0x7FFFFFFFFFFFFFFF
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes (part of the run fingerprint)."""
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None = None) -> str:
+    """SHA-256 of a file's bytes (part of the run fingerprint); of its first ``size`` bytes if given."""
     h = hashlib.sha256()
+    left = size if size is not None else 1 << 62
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while left and (block := f.read(min(chunk, left))):
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
 
 
@@ -111,8 +113,30 @@ class PromptSource:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Rows appended to the run's prompt file after it was planned, planned as shards after all earlier
+    ones (``plan/ext-NNNNNN/``: plan.json says when and which rows, starts.npy where its shards start)."""
+
+    dir: Path
+    meta: dict
+    starts: np.ndarray
+
+    @property
+    def first_shard(self) -> int:
+        return self.meta["first_shard"]
+
+    @property
+    def first_row(self) -> int:
+        return self.meta["first_row"]
+
+    @property
+    def end_row(self) -> int:
+        return self.meta["first_row"] + self.meta["num_rows"]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The fixed split of a run's prompt rows into shards."""
+    """The fixed split of a run's prompt rows into shards (extended, never changed, by appended prompts)."""
 
     run: RunDir
     num_rows: int
@@ -122,11 +146,24 @@ class Plan:
     prompt_file: str
     meta: dict | None = None            # plan.json
     starts: np.ndarray | None = None    # (num_shards, 2): byte offset (parquet: row) and line of each shard's first row
+    prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
+    extensions: tuple[Segment, ...] = ()
+
+    def _segment(self, shard: int) -> Segment | None:
+        """The extension ``shard`` belongs to (None: the first plan)."""
+        seg = None
+        for ext in self.extensions:
+            if ext.first_shard <= shard:
+                seg = ext
+        return seg
 
     def shard_range(self, shard: int) -> range:
         """Row indices of ``shard``."""
-        start = shard * self.samples_per_shard
-        return range(start, min(start + self.samples_per_shard, self.num_rows))
+        seg = self._segment(shard)
+        first_shard, first_row, end = (0, 0, self.meta["num_rows"] if self.meta else self.num_rows) if seg is None \
+            else (seg.first_shard, seg.first_row, seg.end_row)
+        start = first_row + (shard - first_shard) * self.samples_per_shard
+        return range(start, min(start + self.samples_per_shard, end))
 
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
@@ -134,24 +171,32 @@ class Plan:
             with open(self.run.plan_dir / f"{shard:06d}.jsonl", encoding="utf-8") as f:
                 return [PlannedRow(**json.loads(line)) for line in f]
         m = self.meta
-        src = PromptSource(**m["source"])
-        _check_unchanged(src.path, m["prompt_size"])
+        seg = self._segment(shard)
+        src = PromptSource(**dict(m["source"], path=self.prompt_path or m["source"]["path"]))
+        _check_unchanged(src.path, (seg.meta if seg else m)["prompt_size"])
         rng = self.shard_range(shard)
-        offset, line = (int(x) for x in self.starts[shard])
-        cut = self._truncated(rng)
+        starts, where = (self.starts, self.run.plan_dir) if seg is None else (seg.starts, seg.dir)
+        offset, line = (int(x) for x in starts[shard - (seg.first_shard if seg else 0)])
+        cut = _truncated(where / "truncated.npy", rng)
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
                            seed=sample_seed(m["run_seed"], r.index, r.seed))
                 for r in _read_rows_at(src, offset, line, rng.start, len(rng))]
 
-    def _truncated(self, rng: range) -> set[int]:
-        """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
-        path = self.run.plan_dir / "truncated.npy"
-        if not path.exists():
-            return set()
-        cut = np.load(path, mmap_mode="r")
-        lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
-        return set(cut[lo:hi].tolist())
+    @property
+    def covered(self) -> tuple[int, str | None]:
+        """(bytes of the prompt file planned, their SHA-256 when recorded): where an append starts."""
+        m = self.extensions[-1].meta if self.extensions else self.meta
+        return m["prompt_size"], m.get("prompt_sha256")
+
+
+def _truncated(path: Path, rng: range) -> set[int]:
+    """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
+    if not path.exists():
+        return set()
+    cut = np.load(path, mmap_mode="r")
+    lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
+    return set(cut[lo:hi].tolist())
 
 
 def _plan_error(path: Path, what: str) -> PlanError:
@@ -159,8 +204,22 @@ def _plan_error(path: Path, what: str) -> PlanError:
                      f"delete {path.parent} and re-run the same command to rebuild it (committed shards stay valid).")
 
 
-def load_plan(run: RunDir) -> Plan | None:
-    """The run's plan, or None if it has none yet; PlanError when it is damaged."""
+def last_prompt_path(run: RunDir) -> str | None:
+    """Where the last launch found the run's prompt file, its content checked against the fingerprint
+    (the path in ``prompt_hash.json``); None when no launch recorded one."""
+    try:
+        path = read_json(run.prompt_hash_path).get("path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
+    """The run's plan, or None if it has none yet; PlanError when it is damaged.
+
+    The prompt file is the run's by its content (the fingerprint's SHA-256), not by its path: rows are read
+    from ``prompt_path`` (a launch's ``prompts.path``, checked against the fingerprint), else from where the
+    last launch found it, else from where it was planned."""
     clean_stale_tmp(run)
     if not run.plan_dir.exists():
         return None
@@ -185,7 +244,35 @@ def load_plan(run: RunDir) -> Plan | None:
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
         raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
-    return Plan(run=run, meta=meta, starts=starts, **kw)
+    path = prompt_path or last_prompt_path(run) or meta["source"]["path"]
+    extensions = tuple(_load_extensions(run, kw["num_rows"], kw["num_shards"]))
+    for ext in extensions:
+        kw.update(num_rows=ext.end_row, num_shards=ext.first_shard + ext.meta["num_shards"],
+                  num_rejects=kw["num_rejects"] + ext.meta["num_rejects"])
+    return Plan(run=run, meta=meta, starts=starts, prompt_path=str(path), extensions=extensions, **kw)
+
+
+def extension_dirs(run: RunDir) -> list[Path]:
+    """The run's plan extensions (``plan/ext-NNNNNN``), in order."""
+    return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+
+
+def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Segment]:
+    """Each extension, checked to follow the rows and shards before it without a gap."""
+    for k, d in enumerate(extension_dirs(run), 1):
+        path = d / "plan.json"
+        try:
+            meta = read_json(path)
+            starts = np.load(d / "starts.npy", allow_pickle=False)
+            ok = (d.name == f"ext-{k:06d}" and meta["first_row"] == num_rows and meta["first_shard"] == num_shards
+                  and starts.shape == (meta["num_shards"], 2) and meta["starts_sha256"] == _digest(starts))
+        except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+            raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise _plan_error(path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
+                                    "(or its starts.npy does not match its checksum)")
+        num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
+        yield Segment(dir=d, meta=meta, starts=starts)
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -215,33 +302,27 @@ def _host() -> str:
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,
-               truncation: TruncationCheck | None = None) -> Plan:
+               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None) -> Plan:
     """Scan the prompt file once (validating every row), write the plan atomically, return it.
 
     The plan goes into a temporary directory renamed to ``plan/`` at the end, so a bad row half-way
     (the reader raises) leaves no plan behind, and when two jobs race the first rename wins and the
     other adopts it. Memory stays constant in the number of rows. ``truncation`` finds the prompts
     a text encoder will cut, and warns, refuses or plans them as rejects (prompts.on_truncation).
+    ``prompt_sha256``: the file's hash, recorded so that prompts appended later are recognised as such.
     """
     run.root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(run)
-    tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
+    tmp = new_plan_dir(run)
     try:
-        scan = _scan_txt if source.format == "txt" else _scan_rows
-        num_rows, num_rejects, starts = scan(source, samples_per_shard, truncation)
-        if num_rows == 0:
+        counts = plan_rows_into(tmp, source, samples_per_shard, truncation)
+        if counts["num_rows"] == 0:
             raise P._fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                           "Add prompts, or point prompts.path at the right file")
-        cut = _truncation_outcome(source, truncation)
-        if cut is not None:
-            np.save(tmp / "truncated.npy", cut)
-            num_rejects += len(cut)
-        np.save(tmp / "starts.npy", starts)
         atomic_write_json(tmp / "plan.json", dict(
-            version=PLAN_VERSION, num_rows=num_rows, num_rejects=num_rejects, samples_per_shard=samples_per_shard,
-            num_shards=len(starts), prompt_file=source.path, prompt_size=os.path.getsize(source.path),
-            run_seed=run_seed, source=source.__dict__, starts_sha256=_digest(starts)))
+            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
+            prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            source=source.__dict__))
         try:
             os.rename(tmp, run.plan_dir)
         except OSError:
@@ -249,7 +330,32 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return load_plan(run)
+    return load_plan(run, source.path)
+
+
+def new_plan_dir(run: RunDir) -> Path:
+    """A fresh temporary directory for planning in ``run`` (renamed into place when whole; removed by
+    ``clean_stale_tmp`` when its planner died)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
+    return tmp
+
+
+def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, truncation: TruncationCheck | None,
+                   offset: int = 0, first_row: int = 0) -> dict:
+    """Scan the rows from byte ``offset`` (row ``first_row``; parquet: from the start) into shards of
+    ``samples_per_shard``: writes ``out/starts.npy`` (and ``truncated.npy``); returns the counts for
+    plan.json (num_rows, num_rejects, num_shards, starts_sha256)."""
+    if source.format == "txt":
+        num_rows, num_rejects, starts = scan_txt(source, samples_per_shard, truncation, offset, first_row)
+    else:
+        num_rows, num_rejects, starts = scan_rows(source, samples_per_shard, truncation, first_row)
+    cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
+    if cut is not None:
+        np.save(out / "truncated.npy", cut)
+        num_rejects += len(cut)
+    np.save(out / "starts.npy", starts)
+    return dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts))
 
 
 # ---------------------------------------------------------------- shard sizing
@@ -279,16 +385,29 @@ def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_fo
     return max(1, n), why
 
 
+_EXACT_COUNT_BYTES = 64 << 20  # prompt files up to this size have their lines counted for shard sizing
+_SAMPLES = 16                  # larger ones: lines counted in this many 1 MB samples spread over the file
+
+
 def estimate_rows(source: PromptSource) -> int:
-    """About how many rows the prompt file has (lines; parquet: its metadata), for shard sizing only."""
+    """About how many rows the prompt file has (lines; parquet: its metadata), for shard sizing only:
+    counted in files up to 64 MB, extrapolated from 16 samples of 1 MB spread over larger ones (a
+    pass over a 2 GB file would cost seconds for a figure the sizing rounds anyway)."""
     if source.format == "parquet":
         n = P._parquet_file(source.path).metadata.num_rows
     else:
-        n, last = 0, b"\n"
+        size = os.path.getsize(source.path)
         with open(source.path, "rb") as f:
-            while block := f.read(_BLOCK):
-                n, last = n + block.count(b"\n"), block[-1:]
-        n += last != b"\n"  # a last line without a newline; a csv/tsv header only makes this an overestimate
+            if size <= _EXACT_COUNT_BYTES:
+                data = f.read()
+                n = data.count(b"\n") + (not data.endswith(b"\n"))  # a last line without a newline
+            else:
+                seen = lines = 0
+                for k in range(_SAMPLES):
+                    f.seek((size - (1 << 20)) * k // (_SAMPLES - 1))
+                    block = f.read(1 << 20)
+                    seen, lines = seen + len(block), lines + block.count(b"\n")
+                n = round(size * lines / seen)
     return min(n, source.limit) if source.limit is not None else n
 
 
@@ -311,152 +430,17 @@ def idle_warning(num_shards: int, replicas: int, samples_per_shard: int) -> str 
             "for the ranks) on a new run_dir.")
 
 
-# ---------------------------------------------------------------- planning scans
-
-def _truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> np.ndarray | None:
-    """Warn about or refuse the truncated prompts; with on_truncation=skip, their indices (to reject)."""
-    message = check.report(source.path) if check else None
-    if message is None:
-        return None
-    if check.policy == "error":
-        raise P.PromptFileError(f"{message}. Shorten them, or set prompts.on_truncation=warn to generate them "
-                                "truncated (flagged in each sample's json), or skip to record them as rejects")
-    if check.policy == "skip":
-        log.warning("%s: recorded as rejects (prompts.on_truncation=skip)", message)
-        return np.asarray(sorted(check.truncated), dtype=np.int64)
-    log.warning("%s: generated from their first tokens and flagged \"truncated\": true in their json and index "
-                "(prompts.on_truncation=skip or error refuses them)", message)
-    return None
-
-
-def _scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-               ) -> tuple[int, int, np.ndarray]:
-    """Any format: every row through the reader; shard starts from the rows' lines (parquet: row numbers)."""
-    rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
-                          on_bad_row=source.on_bad_row)
-    n = rejects = 0
-    first_lines = []
-    try:
-        for row in rows:
-            if source.limit is not None and row.index >= source.limit:
-                break
-            if row.index % per_shard == 0:
-                first_lines.append(row.line)
-            rejects += row.reject is not None
-            if check and row.reject is None and len(row.prompt.encode("utf-8")) > check.min_bytes:
-                check.offer(row.index, row.line, row.prompt)
-            n += 1
-    except P.PromptFileError as e:
-        if "has no rows" not in str(e):
-            raise
-    lines = np.asarray(first_lines, dtype=np.int64)
-    if source.format == "parquet":
-        return n, rejects, np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
-    return n, rejects, np.stack([_line_offsets(source.path, lines), lines], axis=1)
-
-
-def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
-    """Byte offset where each (1-based, increasing) line of ``lines`` starts."""
-    out = np.zeros(len(lines), dtype=np.int64)
-    if not len(lines):
-        return out
-    base = newlines = 0  # bytes and newlines before the current block
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-            # line L starts after newline number L-1 (1-based)
-            want = (lines >= newlines + 2) & (lines <= newlines + len(nl) + 1)
-            out[want] = base + nl[lines[want] - 2 - newlines] + 1
-            base, newlines = base + len(block), newlines + len(nl)
-    return out
-
-
-def _scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-              ) -> tuple[int, int, np.ndarray]:
-    """txt, fast: whole blocks checked with numpy (UTF-8, no empty or blank line); a block where
-    a line may be bad goes through the exact per-line reader, for the same rejects and messages."""
-    limit = source.limit if source.limit is not None else 1 << 62
-    starts, rows, rejects, base, carry = [], 0, 0, 0, b""
-    with open(source.path, "rb") as f:
-        while rows < limit:
-            data = f.read(_BLOCK)
-            block = carry + data
-            if not data:  # the last line may lack a newline
-                carry = b""
-            else:
-                cut = block.rfind(b"\n") + 1
-                block, carry = block[:cut], block[cut:]
-            if not block:
-                if not data:
-                    break
-                continue
-            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + 1
-            if not data and (not len(ends) or ends[-1] != len(block)):
-                ends = np.append(ends, len(block))
-            ends = ends[:limit - rows]
-            line_starts = np.concatenate([[0], ends[:-1]])
-            first = rows  # index of the block's first row
-            js = np.arange(-first % per_shard, len(ends), per_shard)  # the block's rows that start a shard
-            starts += zip((base + line_starts[js]).tolist(), (first + js + 1).tolist())
-            rejects += _check_block(source, block[:ends[-1]], line_starts, ends, first, base == 0)
-            if check:
-                _offer_long_lines(check, block, line_starts, ends, first)
-            rows += len(ends)
-            base += len(block)
-            if not data:
-                break
-    return rows, rejects, np.asarray(starts, dtype=np.int64).reshape(-1, 2)
-
-
-def _check_block(source: PromptSource, block: bytes, line_starts: np.ndarray, ends: np.ndarray, first: int,
-                 at_file_start: bool) -> int:
-    """Rejects in a block of whole lines (raises on a bad line unless on_bad_row=skip)."""
-    b = np.frombuffer(block, np.uint8)
-    # a prompt has a byte that is certainly not whitespace (33..126); a line without one may be blank
-    solid = np.cumsum((b > 32) & (b < 127), dtype=np.int32)
-    before = np.where(line_starts > 0, solid[np.maximum(line_starts - 1, 0)], 0)
-    suspect = solid[ends - 1] - before == 0
-    clean = block.isascii() or _utf8(block)
-    if clean and not suspect.any() and not (at_file_start and block.startswith(P._BOM)):
-        return 0
-    rejects = 0
-    for i, (s, e) in enumerate(zip(line_starts, ends)):
-        raw = block[s:e]
-        if at_file_start and i == 0 and raw.startswith(P._BOM):
-            raw = raw[len(P._BOM):]
-        row = P._emit(source.path, first + i, first + i + 1, source.on_bad_row, P._parse_txt, raw)
-        rejects += row.reject is not None
-    return rejects
-
-
-def _offer_long_lines(check: TruncationCheck, block: bytes, line_starts: np.ndarray, ends: np.ndarray,
-                      first: int) -> None:
-    for j in np.flatnonzero(ends - line_starts - 1 > check.min_bytes).tolist():
-        try:
-            prompt = P._strip_eol(block[line_starts[j]:ends[j]]).decode("utf-8").lstrip("\ufeff")
-        except UnicodeDecodeError:
-            continue  # a reject, not a prompt
-        if prompt.strip():
-            check.offer(first + j, first + j + 1, prompt)
-
-
-def _utf8(block: bytes) -> bool:
-    try:
-        block.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
 # ---------------------------------------------------------------- reading a shard back
 
 def _check_unchanged(path: str, size: int) -> None:
+    """The planned bytes are still there (appending is how a run grows, so a longer file is fine: the
+    launch's fingerprint check hashes the content)."""
     try:
         now = os.path.getsize(path)
     except OSError as e:
         raise P._fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
                       "Restore it: the run's shards are read from it") from None
-    if now != size:
+    if now < size:
         raise P._fail(path, 0, f"the prompt file changed since the run was planned ({size} bytes then, {now} now)",
                       "Restore the original file, or start a new run_dir")
 

@@ -86,6 +86,7 @@ def stats_from_samples(shard: int, metas: list[dict]) -> tuple[Counter, Counter,
     for meta in metas:
         _count(counts, reasons, failed, meta["status"], meta.get("error"), meta.get("key") or sample_key(meta["index"]),
                meta["index"])
+        counts["truncated"] += bool(meta.get("truncated"))
     return counts, reasons, failed
 
 
@@ -161,6 +162,7 @@ class ShardWork:
             if s.status == "ok":  # the tars hold images only: one layout for every reader
                 members += record
             _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
+            self.counts["truncated"] += bool(s.meta.get("truncated"))
         self.tar.append(members)
         self.n_done += len(samples)
         self._write_checkpoint()
@@ -202,10 +204,11 @@ class ShardWork:
 
 def shard_stats(shard: int, counts: Counter, reasons: Counter, failed: list, *, tar_bytes: int, sha256: str,
                 started: float) -> dict:
-    """The stats (done marker) of a committed shard."""
+    """The stats (done marker) of a committed shard; ``truncated``: its prompts a text encoder cut."""
     now = time.time()
-    return dict(shard=shard, count=sum(counts.values()), ok=counts["ok"], failed=counts["failed"],
-                rejected=counts["rejected"], failures_by_reason=dict(reasons), failed_samples=failed,
+    return dict(shard=shard, count=counts["ok"] + counts["failed"] + counts["rejected"], ok=counts["ok"],
+                failed=counts["failed"], rejected=counts["rejected"], truncated=counts["truncated"],
+                failures_by_reason=dict(reasons), failed_samples=failed,
                 tar_bytes=tar_bytes, sha256=sha256, started=started, finished=now, wall_s=round(now - started, 3))
 
 

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from omegaconf import OmegaConf
 
 from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
-from shardgen.dataio.truncation import TruncationCheck, planning_windows
+from shardgen.dataio.truncation import TruncationCheck, checks_while_planning, planning_windows
 from shardgen.dataio.claims import Claimer, owner_record
+from shardgen.dataio.extend import extend_if_appended
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                          remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
+from shardgen.dataio.plan import (Plan, PromptSource, build_plan, estimate_rows, idle_warning, load_plan,
+                                  resolve_samples_per_shard)
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
@@ -89,6 +91,7 @@ class RunResult:
     wall_s: float
     complete: bool
     writer_wait_s: float = 0.0
+    truncated: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -116,16 +119,17 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-    plan = load_plan_or_discard(run)
+    source = PromptSource.from_cfg(cfg.prompts, path)
+    extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
+    resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
+    plan = load_plan_or_discard(run, path)
     if plan is None:
-        source = PromptSource.from_cfg(cfg.prompts, path)
         try:
             per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
                                                   image_format=cfg.image_format, replicas=replicas,
                                                   batch_size=cfg.batch_size)
             plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
+                              truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
         except Exception:
             if not resuming:  # a new run that never started: leave no half-made directory behind
                 run.fingerprint_path.unlink(missing_ok=True)
@@ -140,6 +144,14 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
     return plan
+
+
+def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
+    """The token count planning does: none for on_truncation=warn (generation counts each batch)."""
+    policy = cfg.prompts.on_truncation
+    if not checks_while_planning(policy):
+        return None
+    return TruncationCheck(planning_windows(cfg.model), policy, total=estimate_rows(source), progress=cfg.progress)
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
@@ -187,7 +199,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     try:
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
-        plan = load_plan(RunDir(Path(plan.run.root)))
+        plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
         if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
@@ -272,7 +284,8 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     totals = ledger.totals()
     result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
-                       complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s)
+                       complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s,
+                       truncated=totals["truncated"])
     summary = dict(result.__dict__, images_per_s=result.images_per_s, shards=plan.num_shards,
                    world_size=world.world_size)
     atomic_write_json(plan.run.summary_path, summary)
@@ -284,4 +297,8 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
               f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+    if result.truncated and not nothing_to_do:
+        log.warning("%d prompt(s) were longer than the text encoders keep: generated from their first tokens and "
+                    "flagged \"truncated\": true in their json and index (prompts.on_truncation=skip or error refuses "
+                    "them while planning)", result.truncated)
     return result
