@@ -257,19 +257,27 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
 TARGET_SHARD_BYTES = 300_000_000  # a few hundred MB: big enough for streaming reads, small enough to redo
 SHARDS_PER_REPLICA = 4            # when the prompts allow: a replica that finishes early takes another shard
 MAX_SAMPLES_PER_SHARD = 100_000
-# Bytes per pixel of an encoded sample (generated 1024x1024 images: png ~1.5 MB with compress_level=1).
-BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3}
+# Bytes per pixel of an encoded sample (generated 1024x1024 images: png ~1.5 MB with compress_level=1; an mp4:
+# per pixel of each frame, H.264 at crf 18 ~0.3).
+BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3, "mp4": 0.3}
+
+
+def sample_bytes_estimate(*, width: int, height: int, image_format: str, frames: int = 1) -> float:
+    """About how many bytes one encoded sample takes in a tar (``image_format`` mp4: a video of ``frames``)."""
+    return BYTES_PER_PIXEL.get(image_format, 1.5) * width * height * max(1, frames)
 
 
 def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_format: str, replicas: int,
-                             batch_size: int) -> tuple[int, str]:
+                             batch_size: int, frames: int = 1) -> tuple[int, str]:
     """(samples per shard, why): about TARGET_SHARD_BYTES of images per shard, but at least
-    SHARDS_PER_REPLICA shards per replica when the prompts allow, and never below a batch."""
-    sample_bytes = BYTES_PER_PIXEL.get(image_format, 1.5) * width * height
+    SHARDS_PER_REPLICA shards per replica when the prompts allow, and never below a batch.
+    ``image_format`` mp4 with ``frames``: a video run."""
+    sample_bytes = sample_bytes_estimate(width=width, height=height, image_format=image_format, frames=frames)
     by_size = max(1, int(TARGET_SHARD_BYTES // sample_bytes))
     by_spread = -(-num_rows // (SHARDS_PER_REPLICA * max(1, replicas)))
     n = min(MAX_SAMPLES_PER_SHARD, max(min(by_size, by_spread), min(batch_size, by_size)))
-    why = (f"~{sample_bytes / 1e6:.2f} MB per {width}x{height} {image_format} sample: {by_size} fit in "
+    what = f"{width}x{height} {image_format}" + (f" of {frames} frames" if image_format == "mp4" else "")
+    why = (f"~{sample_bytes / 1e6:.2f} MB per {what} sample: {by_size} fit in "
            f"{TARGET_SHARD_BYTES / 1e6:.0f} MB; {num_rows} prompts over {replicas} replica(s) x {SHARDS_PER_REPLICA} "
            f"shards: {by_spread}; at least a batch ({batch_size})")
     return max(1, n), why
@@ -284,7 +292,9 @@ def estimate_rows(source: PromptSource) -> int:
         with open(source.path, "rb") as f:
             while block := f.read(_BLOCK):
                 n, last = n + block.count(b"\n"), block[-1:]
-        n += last != b"\n"  # a last line without a newline; a csv/tsv header only makes this an overestimate
+        n += last != b"\n"  # a last line without a newline
+        if source.format in ("csv", "tsv"):  # the header line is not a prompt (quoted newlines still overcount)
+            n = max(0, n - 1)
     return min(n, source.limit) if source.limit is not None else n
 
 

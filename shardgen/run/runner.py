@@ -29,7 +29,7 @@ from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json
 from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
-from shardgen.dataio.video import VideoEncoder, is_video
+from shardgen.dataio.video import VIDEO_EXT, VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
@@ -120,9 +120,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     if plan is None:
         source = PromptSource.from_cfg(cfg.prompts, path)
         try:
-            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
-                                                  image_format=cfg.image_format, replicas=replicas,
-                                                  batch_size=cfg.batch_size)
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
             plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
                               truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
         except Exception:
@@ -139,6 +137,13 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     remember_prompt_hash(run, digest, identity)
     _save_config(run, cfg)
     return plan
+
+
+def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
+    """What choosing samples_per_shard needs to know about the samples (a video run: mp4s of num_frames)."""
+    video = is_video(cfg)
+    return dict(width=cfg.width, height=cfg.height, image_format=VIDEO_EXT if video else cfg.image_format,
+                frames=cfg.num_frames if video else 1, replicas=replicas, batch_size=cfg.batch_size)
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
