@@ -34,6 +34,8 @@ class Sample:
     failure: str | None = None     # reason, when no image
     status: str = "ok"             # ok | failed | rejected
     members: list | None = None    # tar members carried over unchanged (retry_failed keeps good samples)
+    gen_s: float | None = None     # generation time per sample: in the index only, never in the tar (so a
+    #                                resumed run's tars equal an uninterrupted run's byte for byte)
 
     @classmethod
     def carried(cls, key: str, members: dict[str, bytes]) -> "Sample":
@@ -157,7 +159,7 @@ class ShardWork:
         members = []
         for s, img in zip(samples, encoded):
             record = s.members if s.members is not None else sample_members(s, img, fmt)
-            self.index.add(record)
+            self.index.add(record, gen_s=s.gen_s)
             if s.status == "ok":  # the tars hold images only: one layout for every reader
                 members += record
             _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
