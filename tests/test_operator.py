@@ -55,3 +55,42 @@ def test_a_resumed_run_has_the_uninterrupted_runs_tar_bytes(tmp_path):
 
     index = pd.read_parquet(tmp_path / "resumed" / "shards" / "000001.parquet")
     assert index.gen_s.notna().all()  # the timing is kept in the index (jobs.report's histogram)
+
+
+def group_options() -> list[tuple[str, str]]:
+    """(group, option) of every YAML under conf/<group>/."""
+    from tests.conftest import CONF
+
+    return [(g.name, y.stem) for g in sorted(CONF.iterdir()) if g.is_dir() for y in sorted(g.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", group_options())
+def test_every_config_group_option_without_its_mandatory_values_is_a_one_line_error(group, option, tmp_path):
+    from omegaconf import OmegaConf
+
+    from jobs.generate import run
+    from shardgen.config.validate import ConfigError
+
+    choice = f"{group}=[{option}]" if group == "signals" else f"{group}={option}"
+    cfg = compose_cfg(choice, f"run_dir={tmp_path / 'run'}")
+    missing = OmegaConf.missing_keys(cfg)
+    if not missing:  # nothing mandatory left unset: nothing to refuse
+        return
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and all(f"{key} is not set: set {key}=" in msg for key in missing)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_prompts_parti_without_a_path_says_where_to_get_partiprompts(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", "prompts=parti", f"run_dir={tmp_path / 'r'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "prompts.path is not set: set prompts.path=FILE" in p.stderr
+    assert "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv" in p.stderr
