@@ -56,12 +56,13 @@ def contact_sheet(items, cols: int, size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--cols", type=int, default=4)
-    ap.add_argument("--size", type=int, default=256)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--n", type=int, default=16, help="samples on the sheet, in key order (default 16)")
+    ap.add_argument("--cols", type=int, default=4, help="samples per row (default 4)")
+    ap.add_argument("--size", type=int, default=256, help="side of each cell in pixels (default 256)")
+    ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir)
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do

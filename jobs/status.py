@@ -43,7 +43,8 @@ def _print_rate(led, plan, done: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     args = ap.parse_args(argv)

@@ -16,7 +16,8 @@ from shardgen.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
     ap.add_argument("--repair", action="store_true",

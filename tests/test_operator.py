@@ -94,3 +94,44 @@ def test_prompts_parti_without_a_path_says_where_to_get_partiprompts(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "prompts.path is not set: set prompts.path=FILE" in p.stderr
     assert "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv" in p.stderr
+
+
+def test_generate_help_describes_every_key_from_the_schemas_docstrings():
+    import subprocess
+    import sys
+
+    from shardgen.config.help import help_entries
+    from tests.conftest import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())  # help text is wrapped: compare with whitespace collapsed
+    assert "usage: python -m jobs.generate" in out and "prompts: csv, default, jsonl" in out
+    entries = [row for _, rows in help_entries() for row in rows]
+    assert len(entries) > 60 and all(doc for _, _, doc in entries)  # every key has a docstring
+    for key, default, doc in entries:
+        assert f"{key}={default} {doc}" in out, key
+    assert "tp_degree=1 Tensor-parallel ranks per replica (strategy=tp)." in out  # one, spelled out
+
+
+@pytest.mark.parametrize("tool", ["status", "verify", "preview", "report", "dedup", "bench"])
+def test_every_jobs_tool_has_its_whole_description_and_a_text_per_option(tool, monkeypatch):
+    import argparse
+    import importlib
+
+    module = importlib.import_module(f"jobs.{tool}")
+    seen = {}
+
+    def capture(parser, *a, **k):
+        seen["parser"] = parser
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    parser = seen["parser"]
+    assert parser.description == module.__doc__  # the whole docstring, not its first line cut mid-sentence
+    assert module.__doc__.strip().splitlines()[-1].strip() in parser.format_help()  # shown to its last line
+    undocumented = [a.dest for a in parser._actions if not a.help]
+    assert not undocumented, f"jobs.{tool}: options without a help text: {undocumented}"
