@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -135,3 +136,32 @@ def test_every_jobs_tool_has_its_whole_description_and_a_text_per_option(tool, m
     assert module.__doc__.strip().splitlines()[-1].strip() in parser.format_help()  # shown to its last line
     undocumented = [a.dest for a in parser._actions if not a.help]
     assert not undocumented, f"jobs.{tool}: options without a help text: {undocumented}"
+
+
+def test_launcher_local_refuses_a_changed_run_whole_and_starts_no_rank_for_a_complete_one(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import torch.multiprocessing as mp
+
+    from jobs.generate import run
+    from shardgen.errors import UserError
+
+    args = (f"run_dir={tmp_path / 'run'}", "height=16", "width=16", "steps=1", "progress=false", "prompts.limit=4")
+    run(compose_cfg(*args))
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **k: pytest.fail("a rank was spawned"))
+    run(compose_cfg(*args, "launcher=local", "launcher.nprocs=2"))
+    assert "already complete (4 samples in 1 shards); nothing to do." in capsys.readouterr().out
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args, "steps=2", "launcher=local", "launcher.nprocs=2"))
+    msg = str(e.value)  # the first lines name the run directory and the changed field, as in one process
+    assert f"says {tmp_path / 'run'} was made with other settings" in msg and "steps" in msg
+    assert "allow_fingerprint_change=true" in msg
+
+
+def test_a_spawned_ranks_user_error_reaches_the_parent_whole():
+    from shardgen.launch.local import USER_ERROR_MARK, rank_error_message
+
+    message = "first line naming the run\n  steps: 1 -> 2\nUse the original settings"
+    traceback = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+                 '  File "x.py", line 1, in f\nRuntimeError: ' + USER_ERROR_MARK + json.dumps(message) + "\n")
+    assert rank_error_message(traceback) == message
+    assert rank_error_message("Traceback ...\nValueError: boom\n") == "ValueError: boom"

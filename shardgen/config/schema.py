@@ -231,6 +231,9 @@ class GenerateConfig:
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
+    dry_run: bool = False
+    """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
+    no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""
     progress: bool = True
     """Show a progress bar (leader of replica 0)."""
     sdpa_backend: str = "auto"

@@ -64,7 +64,7 @@ def record_commit(run: RunDir, replica: int, stats: dict) -> None:
 
 def record_launch(run: RunDir, summary: dict) -> None:
     """Append this launch's summary to ``launches.jsonl``."""
-    _append_line(run.root / "launches.jsonl", dict(summary, ended=time.time()))
+    _append_line(run.launches_path, dict(summary, ended=time.time()))
 
 
 def read_jsonl(paths) -> list[dict]:

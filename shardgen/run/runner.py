@@ -35,7 +35,7 @@ from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_version, quiet_libraries  # noqa: F401 (quiet_libraries: re-exported)
 from parallel import world as W
 from parallel.dims import ParallelDims
 from parallel.strategies import apply_strategy, parallel_dims
@@ -106,9 +106,10 @@ def prompt_path(cfg: GenerateConfig) -> Path:
     return path.absolute()
 
 
-def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
+def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:
     """Check or create the run directory's fingerprint and plan, and repair what a killed job left
-    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused)."""
+    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused).
+    ``save_config``: record the resolved config (a launcher preparing before its ranks leaves that to rank 0)."""
     run = RunDir(Path(cfg.run_dir).absolute())
     check_run_root(run.root)
     path = prompt_path(cfg)
@@ -135,7 +136,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
-    _save_config(run, cfg)
+    if save_config:
+        _save_config(run, cfg)
     return plan
 
 
@@ -150,18 +152,6 @@ def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     text = OmegaConf.to_yaml(cfg, resolve=True).encode()
     if not create_exclusive(run.config_path, text):
         atomic_write_bytes(run.later_config_path(time.time()), text)
-
-
-def quiet_libraries() -> None:
-    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
-    window (truncation is expected in batch generation); keep their errors only."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def share_cpu_threads(world: W.World) -> None:
@@ -192,7 +182,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         plan = load_plan(RunDir(Path(plan.run.root)))
-        if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
+        if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
@@ -205,6 +195,16 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def nothing_to_do(cfg: GenerateConfig, plan: Plan) -> bool:
+    """Every shard is committed, and retry_failed (if set) finds no failed sample to regenerate."""
+    return len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan))
+
+
+def say_nothing_to_do(plan: Plan) -> None:
+    """The line a launch of a complete run prints."""
+    print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -267,7 +267,7 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     atomic_write_json(plan.run.summary_path, summary)
     record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
-        print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
+        say_nothing_to_do(plan)
     else:
         unit = "videos" if is_video(cfg) else "images"
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
