@@ -26,7 +26,7 @@ from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, l
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
-from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
+from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, log_to_file_only, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
 from shardgen.dataio.video import VIDEO_EXT, VideoEncoder, is_video
@@ -192,6 +192,9 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
             worker.run()
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+    except Exception as e:
+        log_to_file_only(rank_log, e)
+        raise
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
