@@ -165,3 +165,51 @@ def test_a_spawned_ranks_user_error_reaches_the_parent_whole():
                  '  File "x.py", line 1, in f\nRuntimeError: ' + USER_ERROR_MARK + json.dumps(message) + "\n")
     assert rank_error_message(traceback) == message
     assert rank_error_message("Traceback ...\nValueError: boom\n") == "ValueError: boom"
+
+
+@pytest.mark.slow
+def test_a_run_in_progress_and_then_stopped_as_the_tools_show_it(tmp_path, capsys):
+    """Before its first commit: status has a rate and an ETA, preview shows the partial shard's images, verify
+    says unfinished (exit 0), report works; once stopped: no ETA. (One shard of 12, batches of 2.)"""
+    import time
+
+    from jobs import preview, report, status, verify
+    from shardgen.run.runner import run_rank
+
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "height=16", "width=16", "steps=1", "progress=false", "samples_per_shard=12",
+            "batch_size=2", "prompts.limit=12", "lease_s=1", "heartbeat_s=0.25")
+    seen = {}
+
+    def look_then_stop(event, worker):
+        if event == "start" and worker.generated == 6:  # three batches handed over: two of them durable
+            assert status.main([str(d), "--json"]) == 0
+            seen["live"] = json.loads(capsys.readouterr().out)
+            assert status.main([str(d)]) == 0
+            seen["text"] = capsys.readouterr().out
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_rank(compose_cfg(*args), on_batch=look_then_stop)
+    live = seen["live"]
+    assert live["state"] == "running" and live["samples_committed"] == 0 and live["samples_done"] >= 4
+    assert live["rate"] > 0 and live["eta_s"] > 0 and live["claims"][0]["shard"] == 0
+    assert live["replicas"][0]["replica"] == "0" and live["replicas"][0]["rate"] > 0
+    assert "ETA " in seen["text"] and "last batch durable" in seen["text"]
+
+    sheet = tmp_path / "sheet.png"
+    assert preview.main([str(d), "--out", str(sheet), "--size", "32"]) == 0
+    assert f"wrote {sheet} (" in capsys.readouterr().out
+    assert verify.main([str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "UNFINISHED shard 000000: in progress," in out and "DEFECT" not in out and "OK so far" in out
+    assert report.main([str(d), "--out", str(tmp_path / "r.html")]) == 0
+    assert "in progress:" in (tmp_path / "r.html").read_text()
+    capsys.readouterr()
+
+    time.sleep(1.3)  # the interrupted claim's lease (1 s) runs out: nothing is running any more
+    assert status.main([str(d), "--json"]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stopped["state"] == "stopped" and stopped["eta_s"] is None and stopped["rate"] > 0
+    assert status.main([str(d)]) == 0
+    assert "no ETA: no live claim" in capsys.readouterr().out

@@ -235,6 +235,22 @@ def shard_checkpoints(run: RunDir, shard: int) -> list[dict]:
     return out
 
 
+def durable_partial(run: RunDir, shard: int) -> bytes | None:
+    """The durable bytes of ``shard``'s furthest partial tar (up to its checkpoint, a valid tar prefix), for
+    readers of a run in progress (jobs.preview); None without one. Never written to, never trusted further."""
+    for ckpt in sorted(shard_checkpoints(run, shard), key=lambda c: -c["n_done"]):
+        path = run.partial_tar(shard, ckpt["gen"])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink where a partial should be is not read
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(ckpt["tar_bytes"])
+        except OSError:
+            continue
+        if len(data) == ckpt["tar_bytes"]:
+            return data
+    return None
+
+
 def _checkpoints_by_progress(run: RunDir, shard: int, below_gen: int) -> list[dict]:
     cands = [c for c in shard_checkpoints(run, shard) if c["gen"] < below_gen and c["n_done"] > 0]
     return sorted(cands, key=lambda c: -c["n_done"])

@@ -46,9 +46,9 @@ class VerifyReport:
 
 
 def read_shard_members(path) -> dict[str, dict[str, bytes]]:
-    """key -> {extension: bytes} of one tar (raises on an unreadable tar)."""
+    """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
     samples: dict[str, dict[str, bytes]] = defaultdict(dict)
-    with tarfile.open(path) as tf:
+    with tarfile.open(path) if isinstance(path, (str, os.PathLike)) else tarfile.open(fileobj=path) as tf:
         for m in tf:
             if not m.isfile():
                 continue
