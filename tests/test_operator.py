@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,76 @@ def test_a_run_in_progress_and_then_stopped_as_the_tools_show_it(tmp_path, capsy
     assert stopped["state"] == "stopped" and stopped["eta_s"] is None and stopped["rate"] > 0
     assert status.main([str(d)]) == 0
     assert "no ETA: no live claim" in capsys.readouterr().out
+
+
+FAST = ("prompts.limit=8", "height=32", "width=32", "steps=1", "progress=false")
+
+
+def readme_usage_commands() -> list[list[str]]:
+    """The README's Usage commands that run on a CPU (no real model, no torchrun, no SLURM), as argv lists."""
+    import shlex
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Usage", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    out = []
+    for line in block.splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv or argv[0] != "python":
+            continue
+        gpu_only = any(a.startswith(("model=flux", "launcher=slurm")) for a in argv) and "dry_run=true" not in argv
+        # 4 spawned ranks cost 30-80 s of the suite on 2 cores; that path (4 gloo ranks with tp inside a replica)
+        # is run by tests/test_cfg_parallel.py
+        if not gpu_only and "launcher.nprocs=4" not in argv:
+            out.append(argv[2:])  # ["jobs.generate", ...]
+    return out
+
+
+@pytest.mark.slow
+def test_the_readmes_usage_commands_work_in_order_after_the_quick_start(tmp_path, monkeypatch, capfd):
+    """Each generate command makes its own run (not "already complete", not refused: they have their own run_dir);
+    each tool does what its comment says. Sizes are cut down (FAST) to keep it quick."""
+    import importlib
+    import time
+
+    from jobs.generate import run
+    from tests.conftest import ROOT
+
+    assert "python -m jobs.generate\n" in (ROOT / "README.md").read_text().split("## Usage")[0] + "\n"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "PartiPrompts.tsv").write_text("Prompt\tCategory\tChallenge\tNote\n"
+                                               + "".join(f"prompt {i}\tAnimals\tBasic\t\n" for i in range(10)))
+    assert run(compose_cfg(*FAST)).complete  # the quick start: runs/default
+    commands = readme_usage_commands()
+    assert len(commands) >= 9, commands
+    took = {}
+    for module, *args in commands:
+        t0 = time.perf_counter()
+        capfd.readouterr()
+        if module == "jobs.generate":
+            run_dir = tmp_path / next(a.split("=", 1)[1] for a in args if a.startswith("run_dir="))
+            run(compose_cfg(*args, *FAST))
+            out = capfd.readouterr().out
+            assert "already complete" not in out, (args, out)
+            if "dry_run=true" in args:
+                assert "dry run of" in out and "prompts   8 (0 rejected rows)" in out and not run_dir.exists()
+            else:
+                assert f"{run_dir}: 8 images, 0 failed" in out, (args, out)
+            took[" ".join(args)] = round(time.perf_counter() - t0, 1)
+            continue
+        rc = importlib.import_module(module).main(args)
+        out = capfd.readouterr().out
+        assert rc == 0, (module, args, out)
+        if module == "jobs.status" and "--json" in args:
+            assert json.loads(out)["state"] == "complete"
+        elif module == "jobs.status":
+            assert "COMPLETE" in out
+        elif module == "jobs.verify":
+            assert out.splitlines()[-1].startswith("OK: every prompt index exactly once")
+        elif module in ("jobs.preview", "jobs.report"):
+            assert out.startswith("wrote ") and Path(out.split()[1]).exists()
+        elif module == "jobs.dedup":
+            assert "near-duplicate group(s) among 8 images" in out
+        took[" ".join([module, *args])] = round(time.perf_counter() - t0, 1)
+    print(took)
