@@ -287,3 +287,31 @@ def test_the_readmes_usage_commands_work_in_order_after_the_quick_start(tmp_path
             assert "near-duplicate group(s) among 8 images" in out
         took[" ".join([module, *args])] = round(time.perf_counter() - t0, 1)
     print(took)
+
+
+def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_what_to_change():
+    from parallel.dims import ParallelDims
+    from parallel.memory import memory_problem
+
+    cfg = compose_cfg("model=flux_dev", "model.weights=dummy")
+    flux = {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
+            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (parallel.auto.component_params)
+    dp = ParallelDims(world_size=1, strategy="dp")
+    msg = memory_problem(cfg, dp, flux, 2, 16 << 30, "the CPU")
+    assert msg.startswith("model=flux_dev (weights=dummy, dtype=bfloat16) needs ~31.4 GiB for its weights in each "
+                          "process (16.9B parameters, strategy dp), but the CPU has 16.0 GiB available.")
+    assert "strategy=tp tp_degree=N" in msg and "check_memory=false" in msg and "\n" not in msg
+    assert memory_problem(cfg, dp, flux, 2, 40 << 30, "the CPU") is None
+    tp4 = ParallelDims(world_size=4, strategy="tp", tp=4)  # the transformer split 4 ways: 14.8 GiB per rank
+    assert memory_problem(cfg, tp4, flux, 2, 20 << 30, "GPU 0") is None
+
+
+def test_the_memory_check_runs_before_the_model_is_built(tmp_path, monkeypatch):
+    """run_rank refuses before apply_strategy builds anything (the available memory made tiny here)."""
+    import parallel.memory as memory
+    from shardgen.run import runner
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks: (1 << 10, "the CPU"))
+    monkeypatch.setattr(runner, "apply_strategy", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(memory.MemoryCheckError, match="needs ~0.0 GiB .* but the CPU has 0.0 GiB available"):
+        runner.run_rank(compose_cfg(f"run_dir={tmp_path / 'r'}", "prompts.limit=2", "progress=false"))

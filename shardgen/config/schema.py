@@ -231,6 +231,9 @@ class GenerateConfig:
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
+    check_memory: bool = True
+    """Before building the model: refuse when its weights (sized from its config) do not fit the memory of the
+    device each rank builds it on, saying what to change; false = try anyway (parallel/memory.py)."""
     dry_run: bool = False
     """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
     no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""

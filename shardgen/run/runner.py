@@ -38,6 +38,7 @@ from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_version, quiet_libraries  # noqa: F401 (quiet_libraries: re-exported)
 from parallel import world as W
 from parallel.dims import ParallelDims
+from parallel.memory import check_memory
 from parallel.strategies import apply_strategy, parallel_dims
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
+        if pipeline is None:
+            check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
