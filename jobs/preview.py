@@ -1,4 +1,5 @@
-"""A contact sheet of a run's samples with their prompts, as one PNG.
+"""A contact sheet of a run's samples with their prompts, as one PNG (a run in progress: its committed shards,
+then the durable samples of the shards in progress in work/).
 
     python -m jobs.preview RUN_DIR [--n 16] [--cols 4] [--size 256] [--out RUN_DIR/preview.png]
 """
@@ -14,16 +15,27 @@ from pathlib import Path
 
 from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, run_dir_arg
+from shardgen.dataio.shardwork import durable_partial
 from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
 from shardgen.dataio.video import VIDEO_EXT, preview_png
 
 
-def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
-    """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order."""
-    out = []
+def _tars(run: RunDir, num_shards: int):
+    """The committed tars, then the durable prefixes of the partial ones (as file objects)."""
     for tar in sorted(run.shards_dir.glob("*.tar")):
-        if tar.is_symlink():  # never read (or trust) a link where a shard should be
-            continue
+        if not tar.is_symlink():  # never read (or trust) a link where a shard should be
+            yield tar
+    done = run.done_shards()
+    for shard in range(num_shards):
+        if shard not in done and (data := durable_partial(run, shard)) is not None:
+            yield io.BytesIO(data)
+
+
+def collect(run: RunDir, n: int, num_shards: int = 0) -> list[tuple[str, bytes | None, dict]]:
+    """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order, then from the
+    durable part of the ``num_shards`` shards' partials in work/."""
+    out = []
+    for tar in _tars(run, num_shards):
         for key, mem in sorted(read_shard_members(tar).items()):
             img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
             if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
@@ -56,21 +68,23 @@ def contact_sheet(items, cols: int, size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--cols", type=int, default=4)
-    ap.add_argument("--size", type=int, default=256)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--n", type=int, default=16, help="samples on the sheet, in key order (default 16)")
+    ap.add_argument("--cols", type=int, default=4, help="samples per row (default 4)")
+    ap.add_argument("--size", type=int, default=256, help="side of each cell in pixels (default 256)")
+    ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir)
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
     run = plan.run
-    items = collect(run, args.n)
+    items = collect(run, args.n, plan.num_shards)
     if not items:
-        print(f"{args.run_dir}: no committed shard yet", file=sys.stderr)
+        print(f"{args.run_dir}: no sample is durable yet (no committed shard, no checkpointed batch in work/)",
+              file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else run.preview_path
     buf = io.BytesIO()

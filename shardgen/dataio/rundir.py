@@ -266,6 +266,11 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def launches_path(self) -> Path:
+        """Every launch's summary, one JSON line each (shardgen/dataio/runlog.py)."""
+        return self.root / "launches.jsonl"
+
+    @property
     def config_path(self) -> Path:
         """The resolved config of the first launch."""
         return self.root / "config.yaml"

@@ -44,6 +44,15 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> logging.Handler:
     return handler
 
 
+def log_to_file_only(handler: logging.Handler, error: BaseException) -> None:
+    """Write the error that ends a rank into its log file only (the console gets it from the entry point),
+    so the run directory keeps why each launch stopped (jobs.status shows the last one)."""
+    if not Path(handler.baseFilename).parent.is_dir():  # a launch refused before the run had logs writes none
+        return
+    handler.handle(logging.LogRecord("shardgen", logging.ERROR, __file__, 0, "stopped: %s: %s",
+                                     (type(error).__name__, str(error).splitlines()[0] if str(error) else ""), None))
+
+
 def detach_rank_log(handler: logging.Handler) -> None:
     """Stop writing the rank's log file (end of ``run_rank``)."""
     logging.getLogger("shardgen").removeHandler(handler)
@@ -64,7 +73,7 @@ def record_commit(run: RunDir, replica: int, stats: dict) -> None:
 
 def record_launch(run: RunDir, summary: dict) -> None:
     """Append this launch's summary to ``launches.jsonl``."""
-    _append_line(run.root / "launches.jsonl", dict(summary, ended=time.time()))
+    _append_line(run.launches_path, dict(summary, ended=time.time()))
 
 
 def read_jsonl(paths) -> list[dict]:

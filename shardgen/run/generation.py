@@ -117,8 +117,6 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
         meta["guidance_2"] = s.guidance_2
     if s.accel.lossy:
         meta["lossy"] = s.accel.lossy
-    if gen_s is not None:
-        meta["gen_s"] = round(gen_s, 4)
     return meta
 
 

@@ -193,7 +193,11 @@ class ReplicaWorker:
             self.on_batch("end", self)
         samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
             else list(made.values())
-        self.gen_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.gen_s += elapsed
+        generated = [s for s in made.values() if s.status != "rejected"]
+        for s in generated:  # the batch's time per generated sample, for the index (not the tar: see Sample.gen_s)
+            s.gen_s = elapsed / len(generated)
         self.generated += len(made)
         self._check_broken(list(made.values()))
         if self.ctx.leader:

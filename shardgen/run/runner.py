@@ -28,19 +28,20 @@ from shardgen.dataio.plan import (Plan, PromptSource, build_plan, estimate_rows,
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes, atomic_write_json, check_run_root, create_exclusive
-from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
+from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, log_to_file_only, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
-from shardgen.dataio.video import VideoEncoder, is_video
+from shardgen.dataio.video import VIDEO_EXT, VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_version, quiet_libraries  # noqa: F401 (quiet_libraries: re-exported)
 from parallel import world as W
 from parallel.dims import ParallelDims
+from parallel.memory import check_memory
 from parallel.strategies import apply_strategy, parallel_dims
 
 if TYPE_CHECKING:
@@ -110,9 +111,10 @@ def prompt_path(cfg: GenerateConfig) -> Path:
     return path.absolute()
 
 
-def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
+def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:
     """Check or create the run directory's fingerprint and plan, and repair what a killed job left
-    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused)."""
+    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused).
+    ``save_config``: record the resolved config (a launcher preparing before its ranks leaves that to rank 0)."""
     run = RunDir(Path(cfg.run_dir).absolute())
     check_run_root(run.root)
     path = prompt_path(cfg)
@@ -125,9 +127,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     plan = load_plan_or_discard(run, path)
     if plan is None:
         try:
-            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
-                                                  image_format=cfg.image_format, replicas=replicas,
-                                                  batch_size=cfg.batch_size)
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
             plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
                               truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
         except Exception:
@@ -142,7 +142,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
-    _save_config(run, cfg)
+    if save_config:
+        _save_config(run, cfg)
     return plan
 
 
@@ -154,22 +155,17 @@ def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> Tru
     return TruncationCheck(planning_windows(cfg.model), policy, total=estimate_rows(source), progress=cfg.progress)
 
 
+def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
+    """What choosing samples_per_shard needs to know about the samples (a video run: mp4s of num_frames)."""
+    video = is_video(cfg)
+    return dict(width=cfg.width, height=cfg.height, image_format=VIDEO_EXT if video else cfg.image_format,
+                frames=cfg.num_frames if video else 1, replicas=replicas, batch_size=cfg.batch_size)
+
+
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     text = OmegaConf.to_yaml(cfg, resolve=True).encode()
     if not create_exclusive(run.config_path, text):
         atomic_write_bytes(run.later_config_path(time.time()), text)
-
-
-def quiet_libraries() -> None:
-    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
-    window (truncation is expected in batch generation); keep their errors only."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def share_cpu_threads(world: W.World) -> None:
@@ -200,9 +196,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
-        if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
+        if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
+        if pipeline is None:
+            check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
@@ -211,6 +209,9 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+    except Exception as e:
+        log_to_file_only(rank_log, e)
+        raise
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
@@ -223,6 +224,16 @@ def log_compile_summary(worker: ReplicaWorker) -> None:
         log.info("%s", worker.autocompile.summary())
     if worker.settings.accel.compile:
         log.info("compiled graphs in this process: %d", compiled_graphs())
+
+
+def nothing_to_do(cfg: GenerateConfig, plan: Plan) -> bool:
+    """Every shard is committed, and retry_failed (if set) finds no failed sample to regenerate."""
+    return len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan))
+
+
+def say_nothing_to_do(plan: Plan) -> None:
+    """The line a launch of a complete run prints."""
+    print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -291,7 +302,7 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     atomic_write_json(plan.run.summary_path, summary)
     record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
-        print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
+        say_nothing_to_do(plan)
     else:
         unit = "videos" if is_video(cfg) else "images"
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
