@@ -216,8 +216,10 @@ class GenerateConfig:
     """CFG-parallel ranks per replica (1 or 2): with true CFG (model.true_cfg_scale > 1), one rank computes the
     conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
     compile: Any = "auto"
-    """Regional compilation of the transformer's repeated blocks: true | false | auto (on for CUDA with
-    strategy dp, off on CPU and for the model-parallel strategies). shardgen/speed/accel.py."""
+    """Regional compilation of the transformer's repeated blocks: true | false | auto. auto: off on CPU and for
+    the model-parallel strategies; on CUDA with strategy dp each process compiles only when the work it has
+    left saves more than compiling costs (recorded per GPU and model in $SHARDGEN_CACHE/compile, else priors;
+    the first batch runs eagerly to measure). shardgen/speed/accel.py, shardgen/speed/autocompile.py."""
     writer_threads: int = 2
     """Background image encoders per replica."""
     retry_failed: bool = False

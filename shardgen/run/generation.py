@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +106,7 @@ def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     return flags.tolist(), host.numpy()
 
 
-def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
+def _meta(row: PlannedRow, s: GenSettings) -> dict:
     meta = dict(row.extra)  # input columns first, so our own fields win on a name clash
     meta.update(prompt=row.prompt, index=row.index, line=row.line, seed=row.seed, model=s.model, height=s.height,
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
@@ -143,7 +142,6 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
     it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
     accel.prepare(pipe, s.accel)  # outside the try: a setup error is the job's, not the samples'
-    t0 = time.perf_counter()
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
@@ -163,14 +161,13 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
                 "stops here. Re-run the same command to continue from the last durable batch (if the error is "
                 "out of memory, lower batch_size).") from e
         if len(rows) == 1:
-            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s, None),
+            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s),
                            status="failed", failure=f"exception: {type(e).__name__}: {e}")]
         log.warning("batch of %d failed (%s: %s); retrying its samples one by one", len(rows), type(e).__name__, e)
         return [sample for r in rows for sample in run_pipeline(pipe, s, [r])]
-    per_sample = (time.perf_counter() - t0) / len(rows)
     samples = []
     for r, ok, px in zip(rows, finite, pixels):
-        meta = _meta(r, s, per_sample)
+        meta = _meta(r, s)
         if ok:
             samples.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=meta, pixels=px))
         else:
@@ -186,7 +183,7 @@ def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ra
     out = []
     for r in rows:
         if r.reject is not None:
-            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s, None),
+            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s),
                               status="rejected", failure=f"rejected: {r.reject}"))
         else:
             out.append(made[r.index])
