@@ -7,6 +7,15 @@ marks every shard done (a stats file per shard, as a finished run has) and times
 
     python benchmarks/plan_scale.py --n 1000000            # ~20 MB of prompts
     python benchmarks/plan_scale.py --n 100000000 --no-resume   # ~2 GB: check `df -h /tmp` first
+
+``--captions`` writes caption-like prompts instead (100-300 characters, a uniform mix, ~200 bytes a
+line), and ``--launch`` times what a new run's first launch does before any weight is read
+(``prepare_run``: check the file, hash it, write the fingerprint, choose the shard size, plan,
+check the run directory) with the default settings plus ``--set KEY=VALUE`` overrides, and the
+process's peak memory above what it held before:
+
+    python benchmarks/plan_scale.py --captions --n 10000000 --launch                # 2 GB of captions
+    python benchmarks/plan_scale.py --captions --n 1000000 --launch --set prompts.on_truncation=error
 """
 
 from __future__ import annotations
@@ -36,6 +45,36 @@ def write_prompts(path: Path, n: int) -> None:
             f.write("".join(f"a photo of thing {i}\n" for i in range(start, min(n, start + chunk))))
 
 
+WORDS = ("a photo of an old wooden house by a quiet lake at dawn with mist over the water and tall pine trees "
+         "behind it soft golden light warm tones cinematic wide angle lens shallow depth of field highly detailed "
+         "portrait woman man child dog cat red blue green yellow city street night rain neon reflections market "
+         "crowded busy vintage car bicycle mountain snow river bridge stone castle garden flowers spring autumn "
+         "leaves oil painting watercolor sketch charcoal drawing studio lighting dramatic shadows film grain 35mm "
+         "kodak portra aerial view drone shot close-up macro texture glass metal fabric velvet silk smiling "
+         "looking at the camera wearing a hat holding an umbrella sitting on a bench reading a book").split()
+
+
+def write_captions(path: Path, n: int, lo: int = 100, hi: int = 300, seed: int = 0) -> None:
+    """``n`` caption-like lines of ``lo``..``hi`` characters (uniform mix of lengths), words drawn at
+    random, each line ending with its number so no two are alike (tokenizer caches do not help)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pool = []  # 65536 distinct caption bodies; line i = body i % 65536 + ", shot i", cut to its length
+    words = np.array(WORDS)
+    for _ in range(1 << 16):
+        pool.append(" ".join(words[rng.integers(0, len(words), 60)]))
+    lengths = rng.integers(lo, hi + 1, n)
+    chunk = 1_000_000
+    with open(path, "w", encoding="utf-8") as f:
+        for start in range(0, n, chunk):
+            out = []
+            for i in range(start, min(n, start + chunk)):
+                tail = f", shot {i}"
+                out.append(pool[i & 0xFFFF][:lengths[i] - len(tail)] + tail + "\n")
+            f.write("".join(out))
+
+
 def dir_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -62,6 +101,9 @@ def main() -> None:
     ap.add_argument("--no-resume", action="store_true", help="skip the no-op resume measurement")
     ap.add_argument("--prompts", default=None, help="an existing txt prompt file of --n lines (kept)")
     ap.add_argument("--keep", action="store_true", help="keep the prompt file and the run")
+    ap.add_argument("--captions", action="store_true", help="caption-like prompts of 100-300 characters")
+    ap.add_argument("--launch", action="store_true", help="time a first launch's prepare_run with default settings")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (--launch)")
     args = ap.parse_args()
 
     from shardgen.dataio.plan import PromptSource, build_plan, file_sha256
@@ -71,10 +113,13 @@ def main() -> None:
     prompts = Path(args.prompts) if args.prompts else work / "prompts.txt"
     t = time.perf_counter()
     if not args.prompts:
-        write_prompts(prompts, args.n)
+        (write_captions if args.captions else write_prompts)(prompts, args.n)
     size = prompts.stat().st_size
     print(f"prompt file: {args.n:,} prompts, {size / 1e6:,.1f} MB, written in {time.perf_counter() - t:.1f} s")
     try:
+        if args.launch:
+            print(json.dumps(first_launch(work / "run", prompts, args.set)))
+            return
         t = time.perf_counter()
         file_sha256(prompts)
         hash_s = time.perf_counter() - t
@@ -98,20 +143,55 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def noop_resume(run, prompts: Path, samples_per_shard: int, plan) -> float:
-    """Seconds of the second ``run(cfg)`` on the finished run (the first one also writes the
-    fingerprint and hashes the prompt file, as a new run's first launch does)."""
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def first_launch(run_dir: Path, prompts: Path, overrides: list[str]) -> dict:
+    """Wall and CPU seconds, and peak memory growth, of ``prepare_run`` on a new run (default settings
+    plus ``overrides``); a refusal (e.g. on_truncation=error) is timed too and its message shown."""
+    import resource
+
+    from shardgen.run.runner import prepare_run
+
+    cfg = _compose([f"run_dir={run_dir}", f"prompts.path={prompts}", *overrides])
+    os.environ.setdefault("SHARDGEN_CACHE", str(run_dir.parent / "cache"))
+    rss0 = _rss_mb()
+    t, cpu = time.perf_counter(), time.process_time()
+    try:
+        plan, refused = prepare_run(cfg), None
+    except Exception as e:  # the refusal is the measured outcome
+        plan, refused = None, f"{type(e).__name__}: {str(e)[:160]}"
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = dict(overrides=overrides, prompt_mb=round(prompts.stat().st_size / 1e6, 1), launch_s=round(wall, 2),
+               launch_cpu_s=round(cpu, 2), peak_mb_above_start=round(max(0.0, peak - rss0), 1), cpus=os.cpu_count(),
+               load_avg_1m=round(os.getloadavg()[0], 1))
+    if plan is not None:
+        out.update(rows=plan.num_rows, shards=plan.num_shards, samples_per_shard=plan.samples_per_shard,
+                   plan_kb=round(dir_bytes(plan.run.plan_dir) / 1e3, 1))
+    return dict(out, refused=refused) if refused else out
+
+
+def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from jobs.generate import run as generate
     from shardgen.config.schema import register_configs
 
     register_configs()
     conf = Path(__file__).resolve().parent.parent / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=[
-            f"run_dir={run.root}", f"prompts.path={prompts}", "prompts.format=txt",
-            f"samples_per_shard={samples_per_shard}", "progress=false"])
+        return compose(config_name="generate", overrides=overrides)
+
+
+def noop_resume(run, prompts: Path, samples_per_shard: int, plan) -> float:
+    """Seconds of the second ``run(cfg)`` on the finished run (the first one also writes the
+    fingerprint and hashes the prompt file, as a new run's first launch does)."""
+    from jobs.generate import run as generate
+
+    cfg = _compose([f"run_dir={run.root}", f"prompts.path={prompts}", "prompts.format=txt",
+                    f"samples_per_shard={samples_per_shard}", "progress=false"])
     os.environ.setdefault("SHARDGEN_CACHE", str(run.root.parent / "cache"))
     mark_done(plan)
     generate(cfg)  # first launch: writes the fingerprint, hashes the prompt file, finds the finished plan

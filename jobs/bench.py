@@ -30,7 +30,8 @@ from shardgen.bench.main import run as run_bench
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=None, help="prompts (default 32; --quick 4)")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; --quick 2)")
     ap.add_argument("--size", default=None, help="height = width, or HEIGHTxWIDTH, e.g. 480x832 (default: the "
@@ -40,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weights", default=None, help="model.weights (default dummy; --quick pretrained)")
     ap.add_argument("--device", default=None, help="auto | cpu | cuda (default auto; --quick cpu)")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="shardgen compile=true (default: the config's compile=auto)")
-    ap.add_argument("--no-compile", dest="compile", action="store_false")
+                    help="shardgen compile=true (default on CUDA: the compiled path's steady state; "
+                         "else the config's compile=auto)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="shardgen compile=false")
     ap.add_argument("--no-warmup", action="store_true",
                     help="no separate warm-up run: the measured run pays the compilation in its first batch")
     ap.add_argument("--sdpa", default="auto", help="shardgen sdpa_backend")
@@ -51,9 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     + ": the opt-in lossy options, and the exact diagnostics eager (compile off), batch1 and "
                     + "nocfgbatch (true CFG as two calls) (default fbc,fp8 on CUDA, none on CPU; 'none' for none)")
     ap.add_argument("--accel-n", type=int, default=None, help="prompts per opt-in run (default 3 batches)")
-    ap.add_argument("--fbc-threshold", type=float, default=0.12)
+    ap.add_argument("--fbc-threshold", type=float, default=0.12,
+                    help="First-Block-Cache threshold of the fbc run (default 0.12)")
     ap.add_argument("--profile-batch", type=int, default=1, help="batch whose cycle is traced for GPU idle")
-    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--skip-baseline", action="store_true", help="measure shardgen only (no diffusers loop)")
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="the seed loop only (its images/hour), no shardgen run: benchmarks/real_runs.py's yardstick")
     ap.add_argument("--baseline-n", type=int, default=None, help="baseline on the first N prompts only (default all)")
     ap.add_argument("--noise-floor", type=int, default=0, metavar="N",
                     help="CUDA: rerun the baseline loop on N prompts with another exact SDPA kernel (flash) and give "

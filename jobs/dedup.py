@@ -17,7 +17,8 @@ from shardgen.dataio.runfiles import count_arg, read_index_columns, tool_errors
 
 @tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.dedup", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.dedup", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--max-distance", type=count_arg(0), default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")

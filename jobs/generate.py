@@ -29,6 +29,12 @@ def run(cfg: GenerateConfig):
     from shardgen.config.validate import validate_config
 
     validate_config(cfg)
+    if cfg.dry_run:  # the plan and what it would take, with no model loaded and nothing written
+        from shardgen.run.dryrun import describe, dry_run
+
+        report = dry_run(cfg)
+        print(describe(report))
+        return report
     name = cfg.launcher.name
     if name == "local" and not launched_by_torchrun():
         return launch_local(cfg)

@@ -1,4 +1,5 @@
-"""A contact sheet of a run's samples with their prompts, as one PNG.
+"""A contact sheet of a run's samples with their prompts, as one PNG (a run in progress: its committed shards,
+then the durable samples of the shards in progress in work/).
 
     python -m jobs.preview RUN_DIR [--n 16] [--cols 4] [--size 256] [--out RUN_DIR/preview.png]
 """
@@ -15,14 +16,31 @@ from pathlib import Path
 from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.rundir import RunDir, run_dir_arg
 from shardgen.dataio.runfiles import committed_members, count_arg, safe_write, tool_errors
-from shardgen.dataio.verify import IMAGE_EXTS
+from shardgen.dataio.shardwork import durable_partial
+from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
 from shardgen.dataio.video import VIDEO_EXT, preview_png
 
 
-def collect(run: RunDir, n: int) -> list[tuple[str, bytes | None, dict]]:
-    """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order."""
+def _members(run: RunDir, num_shards: int):
+    """(key, members) of the committed shards, then of the durable prefixes of the partial ones in work/;
+    damaged tars and links are skipped (jobs.verify names them)."""
+    yield from committed_members(run)
+    done = run.done_shards()
+    for shard in range(num_shards):
+        if shard in done or (data := durable_partial(run, shard)) is None:
+            continue
+        try:
+            members = read_shard_members(io.BytesIO(data))
+        except Exception:  # a damaged partial is shown as nothing, like a damaged committed tar
+            continue
+        yield from sorted(members.items())
+
+
+def collect(run: RunDir, n: int, num_shards: int = 0) -> list[tuple[str, bytes | None, dict]]:
+    """Up to ``n`` (prompt, image bytes or None, json) from the committed shards, in key order, then from the
+    durable part of the ``num_shards`` shards' partials in work/."""
     out = []
-    for key, mem in committed_members(run):  # damaged tars and links are skipped (jobs.verify names them)
+    for key, mem in _members(run, num_shards):
         img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
         if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
             img = preview_png(mem[VIDEO_EXT])
@@ -64,21 +82,23 @@ def contact_sheet(items, cols: int, size: int):
 
 @tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
-    ap.add_argument("--n", type=count_arg(1), default=16)
-    ap.add_argument("--cols", type=count_arg(1), default=4)
-    ap.add_argument("--size", type=count_arg(16), default=256)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--n", type=count_arg(1), default=16, help="samples on the sheet, in key order (default 16)")
+    ap.add_argument("--cols", type=count_arg(1), default=4, help="samples per row (default 4)")
+    ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256)")
+    ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir)
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
     run = plan.run
-    items = collect(run, args.n)
+    items = collect(run, args.n, plan.num_shards)
     if not items:
-        print(f"{args.run_dir}: no committed shard yet", file=sys.stderr)
+        print(f"{args.run_dir}: no sample is durable yet (no committed shard, no checkpointed batch in work/)",
+              file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else run.preview_path
     buf = io.BytesIO()

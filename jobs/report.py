@@ -18,7 +18,8 @@ from shardgen.dataio.runfiles import tool_errors
 
 @tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--out", default=None, help="the HTML file (default RUN_DIR/report.html)")
     args = ap.parse_args(argv)

@@ -1,19 +1,21 @@
-"""Show a run's progress: shard states, claims and their age, rate, ETA, failures by reason.
+"""Show a run's progress: shard states, rate and ETA (also before the first shard commits), each replica's
+rate, what each claim holder is doing, the last error in the rank logs, failures by reason.
 
-    python -m jobs.status RUN_DIR [--shards]
+    python -m jobs.status RUN_DIR [--shards] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import time
 
 from shardgen.dataio.claims import FUTURE_TOLERANCE_S
-from shardgen.dataio.ledger import read_ledger, run_lease_s
+from shardgen.dataio.ledger import run_lease_s
 from shardgen.dataio.repair import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
 from shardgen.dataio.runfiles import tool_errors
+from shardgen.dataio.status import run_status
 
 
 def _fmt_s(s: float | None) -> str:
@@ -29,56 +31,76 @@ def _fmt_age(age: float | None) -> str:
     return f"{_fmt_s(age)} ago"
 
 
-def _print_rate(led, plan, done: int) -> None:
-    finished = [s.stats for s in led.shards if s.stats and isinstance(s.stats.get("started"), (int, float))]
-    if not finished:
-        return
-    t0 = min(s["started"] for s in finished)
-    end = led.finished_at() or time.time()  # a finished run's rate is measured up to its finish, not to now
-    elapsed = max(1e-9, end - t0)
-    rate = done / elapsed
-    eta = (plan.num_rows - done) / rate if rate > 0 and done < plan.num_rows else 0
-    span = f"in {_fmt_s(elapsed)}, up to its finish" if led.finished_at() else f"since the first shard started " \
-        f"({_fmt_s(elapsed)} ago)"
-    print(f"  rate     {rate:.2f} samples/s {span}; ETA {_fmt_s(eta)}")
+def _rate_line(st: dict) -> str | None:
+    if st["rate"] is None:
+        return None
+    rate = f"{st['rate']:.2f} samples/s over {_fmt_s(st['elapsed_s'])}"
+    if st["state"] == "complete":
+        return f"  rate     {rate}, up to its finish"
+    if st["state"] == "stopped":
+        return f"  rate     {rate} (until it stopped); no ETA: no live claim, nothing is running. Re-run the " \
+               "generate command to continue"
+    return f"  rate     {rate} (committed and checkpointed samples); ETA {_fmt_s(st['eta_s'])}"
+
+
+def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
+    """The status as text."""
+    sh = st["shards"]
+    pct = 100.0 * st["samples_done"] / max(1, st["samples_total"])
+    print(f"run {st['run_dir']}")
+    print(f"  samples  {st['samples_done']}/{st['samples_total']} ({pct:.1f}%), {st['samples_committed']} in committed "
+          f"shards, {st['rejected_in_plan']} rejected rows in the plan")
+    print(f"  shards   {sh['done']} done, {sh['running']} running, {sh['stalled']} stalled (claim expired or holder "
+          f"dead; taken over by the next replica), {sh['pending']} pending, of {sh['total']}")
+    if sh["damaged"]:
+        print(f"  damaged  {sh['damaged']} shards with unreadable stats: the next launch repairs them "
+              f"(or python -m jobs.verify {run_dir} --repair)")
+    if line := _rate_line(st):
+        print(line)
+    for r in st["replicas"]:
+        rate = "?" if r["rate"] is None else f"{r['rate']:.2f}"
+        print(f"  replica  {r['replica']}: {r['samples']} samples, {rate} samples/s")
+    res = st["results"]
+    print(f"  results  {res['ok']} ok, {res['failed']} failed, {res['rejected']} rejected (committed shards)")
+    if res.get("truncated"):
+        print(f"  truncated {res['truncated']} prompts longer than a text encoder keeps, generated from their first "
+              "tokens (\"truncated\": true in their json and index)")
+    for reason, n in list(st["failures_by_reason"].items())[:10]:
+        print(f"    {n:>8}  {reason}")
+    if st["claims"]:
+        print("  claims")
+        for c in st["claims"] if all_claims else st["claims"][:10]:
+            doing = f"{c['samples']}/{c['rows']} samples"
+            if c["last_batch_age_s"] is not None:
+                doing += f", last batch durable {_fmt_s(c['last_batch_age_s'])} ago"
+            print(f"    shard {c['shard']:06d} {c['state']:8s} {doing}; heartbeat {_fmt_age(c['heartbeat_age_s'])} "
+                  f"by {c['host'] or '?'} pid {c['pid'] or '?'} job {c['job'] or '-'} replica {c['replica']}")
+    if err := st["last_error"]:
+        print(f"  last error  rank {err['rank']} at {err['time']} ({err['level']}, {err['logger']}): {err['message']}")
+    state = {"complete": "COMPLETE", "running": "in progress / resumable",
+             "stopped": "stopped (no live claim) / resumable: re-run the generate command",
+             "not started": "not started / resumable"}[st["state"]]
+    print(f"  state    {state}")
 
 
 @tool_errors
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
+    ap.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
-    run = plan.run
-    led = read_ledger(plan, run_lease_s(run))
-    done = led.done_samples
-    pct = 100.0 * done / max(1, plan.num_rows)
-    print(f"run {run.root}")
-    print(f"  samples  {done}/{plan.num_rows} ({pct:.1f}%), {plan.num_rejects} rejected rows in the plan")
-    stalled = led.count("stalled") + led.count("dead")
-    print(f"  shards   {led.count('done')} done, {led.count('running') + led.count('future')} running, {stalled} stalled "
-          f"(claim expired or holder dead; taken over by the next replica), {led.count('pending')} pending, of "
-          f"{plan.num_shards}")
-    if led.count("damaged"):
-        print(f"  damaged  {led.count('damaged')} shards with unreadable stats: the next launch repairs them "
-              f"(or python -m jobs.verify {args.run_dir} --repair)")
-    _print_rate(led, plan, done)
-    totals = led.totals()
-    print(f"  results  {totals['ok']} ok, {totals['failed']} failed, {totals['rejected']} rejected (committed shards)")
-    for reason, n in led.failures_by_reason.most_common(10):
-        print(f"    {n:>8}  {reason}")
-    active = [s for s in led.shards if s.state in ("running", "future", "stalled", "dead")]
-    if active:
-        print("  claims")
-        for s in active if args.shards else active[:10]:
-            h = s.holder or {}
-            print(f"    shard {s.shard:06d} {s.state:8s} {s.samples}/{s.rows} heartbeat {_fmt_age(s.claim_age_s)} "
-                  f"by {h.get('host', '?')} pid {h.get('pid', '?')} job {h.get('job') or '-'} replica {h.get('replica', '?')}")
-    print("  state    " + ("COMPLETE" if led.count("done") == plan.num_shards else "in progress / resumable"))
+    st = run_status(plan, run_lease_s(plan.run))
+    if args.json:
+        print(json.dumps(st, indent=1, sort_keys=True))
+    else:
+        print_status(st, args.run_dir, args.shards)
     return 0
 
 

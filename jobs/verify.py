@@ -1,4 +1,5 @@
-"""Audit a run directory; exit 1 on any defect (``--repair``: make damaged shards sound or absent).
+"""Audit a run directory; exit 1 on any defect (``--repair``: make damaged shards sound or absent). A run still
+in progress is checked as far as it is committed: its other shards are listed as in progress, not as defects.
 
     python -m jobs.verify RUN_DIR [--no-decode] [--repair]
 """
@@ -18,7 +19,8 @@ from shardgen.errors import UserError
 
 @tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
     ap.add_argument("--repair", action="store_true",
@@ -40,9 +42,21 @@ def main(argv: list[str] | None = None) -> int:
         print("  DEFECT", line)
     if len(rep.defects) > args.max_lines:
         print(f"  ... and {len(rep.defects) - args.max_lines} more")
+    for line in rep.unfinished[: args.max_lines]:
+        print("  UNFINISHED", line)
+    if len(rep.unfinished) > args.max_lines:
+        print(f"  ... and {len(rep.unfinished) - args.max_lines} more")
     if rep.ok:
         print("OK: every prompt index exactly once, every tar readable and unchanged, every sample as planned, "
               "counts match")
+        return 0
+    if rep.sound:
+        print(f"OK so far: the run is unfinished ({len(rep.unfinished)} of {plan.num_shards} shards not committed: "
+              f"{rep.in_progress} in progress, {len(rep.unfinished) - rep.in_progress} not started); the committed "
+              "shards are sound. The generate command continues it")
+        if args.repair:
+            for line in repair_run(plan, rep):  # an interrupted commit's tar: finished now
+                print("  REPAIRED", line)
         return 0
     print(f"FAILED: {len(rep.defects)} defects")
     if args.repair:

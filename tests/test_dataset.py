@@ -120,17 +120,28 @@ def _sample_json(run_dir: Path) -> dict[str, dict]:
     return {k: json.loads(j) for k, j in zip(df["key"], df["json"])}
 
 
-def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, caplog):
+def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, caplog, capsys, monkeypatch):
+    """on_truncation=warn (the default): planning tokenizes nothing; generation counts each batch, flags the
+    samples, and the stats, the launch's summary and jobs.status sum them up."""
     import logging
 
+    import jobs.status
+    import shardgen.run.runner as runner
     from tests.conftest import write_lines
 
+    def no_tokenizing(model_cfg):
+        raise AssertionError("planning loaded tokenizers with on_truncation=warn")
+
+    monkeypatch.setattr(runner, "planning_windows", no_tokenizing)
     f = write_lines(tmp_path / "p.txt", ["a cat", LONG])
     with caplog.at_level(logging.WARNING, logger="shardgen"):
         r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *FAST))
-    assert r.ok == 2
-    assert "1 prompt(s) are longer than the text encoders keep (CLIPTextModel keeps 77, T5EncoderModel keeps 32" \
-        in caplog.text and f"{f}:2" in caplog.text
+    assert (r.ok, r.truncated) == (2, 1)
+    assert "1 prompt(s) were longer than the text encoders keep" in caplog.text
+    assert json.loads((tmp_path / "run" / "shards" / "000000.stats.json").read_text())["truncated"] == 1
+    capsys.readouterr()
+    assert jobs.status.main([str(tmp_path / "run")]) == 0
+    assert "truncated 1 prompts longer than a text encoder keeps" in capsys.readouterr().out
     meta = _sample_json(tmp_path / "run")
     short, long = meta["0000000000"], meta["0000000001"]
     assert short["truncated"] is False and long["truncated"] is True
@@ -140,6 +151,35 @@ def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, 
     assert prov["scheduler"]["name"] == "FlowMatchEulerDiscreteScheduler" and prov["scheduler"]["shift"] == 3.0
     assert (prov["dtype"], prov["steps"], prov["width"], prov["lossy"]) == ("float64", 1, 16, False)
     assert prov["shardgen"] != "unknown" and "seed" in long
+
+
+def test_batch_token_counts_equal_the_tokenizers_own_call():
+    """count_tokens goes through the Rust backend's batch call; the counts are the tokenizer's own."""
+    from shardgen.dataio.truncation import count_tokens, planning_windows
+
+    prompts = ["a cat", LONG, "caf\u00e9 \u4e00\u53ea", "x" * 300]
+    windows = planning_windows(compose_cfg().model)
+    assert len(windows) == 2 and all(tok.backend_tokenizer is not None for _, tok, _ in windows)
+    for _, tok, _ in windows:
+        want = [len(ids) for ids in tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]]
+        assert count_tokens(tok, prompts) == want and want[1] > 32
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_on_truncation_error_stops_planning_at_the_first_batch_with_a_long_prompt(tmp_path, monkeypatch, fmt):
+    import shardgen.dataio.truncation as T
+    from shardgen.dataio.plan import PromptSource, build_plan
+    from shardgen.dataio.prompts import PromptFileError
+
+    monkeypatch.setattr(T, "_BATCH", 4)
+    rows = ["a cat"] * 5 + [LONG] * 3 + [f"{LONG} {i}" for i in range(100)]
+    path = tmp_path / f"p.{fmt}"
+    path.write_text("".join((json.dumps({"prompt": r}) if fmt == "jsonl" else r) + "\n" for r in rows))
+    check = T.TruncationCheck(T.planning_windows(compose_cfg().model), "error", progress=False)
+    with pytest.raises(PromptFileError, match=r"4 prompt\(s\) are longer .* \(among the first 9 rows: planning "
+                                              rf"stopped there\); the first, .*p.{fmt}:6, has"):
+        build_plan(RunDir(tmp_path / "run"), PromptSource(str(path), fmt), samples_per_shard=10, run_seed=1,
+                   truncation=check)
 
 
 @pytest.mark.parametrize("policy", ["error", "skip"])

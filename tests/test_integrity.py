@@ -137,12 +137,14 @@ def test_two_jobs_racing_on_a_fresh_run_dir_one_wins(tmp_path):
         assert sorted(outcomes) == ["new", "refused"]
 
 
-def test_allow_fingerprint_change_with_appended_prompts_is_refused_not_ignored(copy):
+def test_allow_fingerprint_change_with_edited_prompts_is_refused_not_ignored(copy):
+    """Appending extends a run (tests/test_extend.py); an edit of a planned row is refused, even with
+    allow_fingerprint_change=true, naming the file."""
     prompts, d, want = copy
-    with open(prompts, "a") as f:
-        f.write("".join(f"appended {i}\n" for i in range(10)))
+    prompts.write_text("".join(p + "\n" for p in ["an edited first row", *PROMPTS[1:]]))
     try:
-        with pytest.raises(FingerprintMismatch, match="cannot change prompts.sha256.*not supported yet"):
+        with pytest.raises(FingerprintMismatch, match=f"prompts.path={prompts}: not this run's prompt file, nor that "
+                                                      "file with prompts appended"):
             gen(d, prompts, "allow_fingerprint_change=true")
     finally:
         prompts.write_text("".join(p + "\n" for p in PROMPTS))

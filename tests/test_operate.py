@@ -31,7 +31,7 @@ def test_status_of_a_half_done_run_shows_pending_shards(done_run, capsys):
     (done_run / "shards" / "000001.stats.json").unlink()
     status.main([str(done_run)])
     out = capsys.readouterr().out
-    assert "2 done" in out and "1 pending" in out and "in progress / resumable" in out
+    assert "2 done" in out and "1 pending" in out and "stopped (no live claim) / resumable" in out
 
 
 def test_verify_passes_a_complete_run(done_run, capsys):
@@ -70,9 +70,12 @@ def test_verify_catches_a_missing_and_a_duplicated_sample(done_run, capsys):
 
 
 def test_verify_reports_an_unfinished_run(done_run, capsys):
-    (done_run / "shards" / "000002.stats.json").unlink()
-    assert verify.main([str(done_run)]) == 1
-    assert "shard 000002: not committed" in capsys.readouterr().out
+    (done_run / "shards" / "000002.stats.json").unlink()  # a commit interrupted between the tar and its stats
+    assert verify.main([str(done_run)]) == 0  # unfinished, not defective
+    out = capsys.readouterr().out
+    assert "UNFINISHED shard 000002: its commit was interrupted" in out and "DEFECT" not in out
+    assert "OK so far: the run is unfinished (1 of 3 shards not committed: 1 in progress, 0 not started)" in out
+    assert verify.main([str(done_run), "--repair"]) == 0 and (done_run / "shards" / "000002.stats.json").exists()
 
 
 def test_preview_writes_a_contact_sheet(done_run, tmp_path):

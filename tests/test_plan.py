@@ -48,9 +48,9 @@ def test_rows_read_back_equal_the_readers(tmp_path, fmt, data, per_shard):
 
 
 def test_limit_and_a_big_txt_across_planning_blocks(tmp_path, monkeypatch):
-    import shardgen.dataio.plan as plan_mod
+    import shardgen.dataio.planscan as scan_mod
 
-    monkeypatch.setattr(plan_mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
+    monkeypatch.setattr(scan_mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
     path = tmp_path / "p.txt"
     path.write_text("".join(f"prompt number {i}\n" if i % 37 else "\n" for i in range(1000)), encoding="utf-8")
     for limit in (None, 555):
@@ -69,6 +69,40 @@ def test_parquet_rows_across_row_groups(tmp_path):
     for per_shard in (1, 4, 9, 60):
         _, got = _planned(RunDir(tmp_path / f"run{per_shard}"), path, "parquet", per_shard)
         assert got == _expected(path, "parquet")
+
+
+def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
+    """The numpy block scan (first-byte test, newline search) gives the reader's rows and rejects on random
+    mixes of blank, whitespace, CR, BOM, non-UTF-8, CJK and long lines, cut at random block edges."""
+    import random
+
+    import shardgen.dataio.planscan as scan_mod
+
+    pieces = [b"a cat", b" lead", b"", b"   ", b"\t", b"\r", b"caf\xc3\xa9", "\u4e00\u53ea".encode(), b"\xff bad",
+              b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50]
+    rng = random.Random(1)
+    for trial in range(60):
+        lines = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 30))]
+        data = b"\n".join(lines) + (b"\n" if trial % 2 else b"")
+        if data in (b"", b"\xef\xbb\xbf"):
+            continue  # no rows (a file of only a BOM: the reader says "no rows", the plan one reject)
+        path = tmp_path / f"p{trial}.txt"
+        path.write_bytes(data)
+        monkeypatch.setattr(scan_mod, "_BLOCK", rng.choice([1, 7, 64, 16 << 20]))
+        _, got = _planned(RunDir(tmp_path / f"run{trial}"), path, "txt", rng.choice([1, 3, 100]))
+        assert got == _expected(path, "txt"), data
+
+
+def test_rows_of_a_large_file_are_estimated_from_samples(tmp_path, monkeypatch):
+    import shardgen.dataio.plan as plan_mod
+    from shardgen.dataio.plan import estimate_rows
+
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i} " + "x" * (i % 50) + "\n" for i in range(100_000)), encoding="utf-8")
+    assert estimate_rows(PromptSource(str(path), "txt")) == 100_000  # small: counted
+    monkeypatch.setattr(plan_mod, "_EXACT_COUNT_BYTES", 1 << 20)
+    assert abs(estimate_rows(PromptSource(str(path), "txt")) - 100_000) < 5_000
+    assert estimate_rows(PromptSource(str(path), "txt", limit=10)) == 10
 
 
 def test_plan_does_not_copy_the_prompts(tmp_path):
@@ -115,15 +149,15 @@ def test_a_job_that_loses_the_planning_race_adopts_the_winners_plan(tmp_path, mo
     path = tmp_path / "p.txt"
     path.write_text("a\nb\nc\n")
     run = RunDir(tmp_path / "run")
-    real_scan = plan_mod._scan_txt
+    real_scan = plan_mod.scan_txt
 
     def scan_while_another_job_wins(source, *a):
         out = real_scan(source, *a)
-        monkeypatch.setattr(plan_mod, "_scan_txt", real_scan)
+        monkeypatch.setattr(plan_mod, "scan_txt", real_scan)
         build_plan(run, source, samples_per_shard=2, run_seed=1)  # the other job plans and reads its plan back
         return out
 
-    monkeypatch.setattr(plan_mod, "_scan_txt", scan_while_another_job_wins)
+    monkeypatch.setattr(plan_mod, "scan_txt", scan_while_another_job_wins)
     plan = build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
     assert plan.num_rows == 3 and plan.num_shards == 2
     assert not list((tmp_path / "run").glob(".plan-*"))
@@ -152,7 +186,9 @@ def test_a_prompt_file_changed_under_the_plan_is_refused(tmp_path):
     path.write_text("a\nb\nc\n")
     run = RunDir(tmp_path / "run")
     plan = build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
-    path.write_text("a\nb\nc\nd\n")
+    path.write_text("a\nb\nc\nd\n")  # appended to: the planned rows are still there (a run grows this way)
+    assert [r.prompt for r in plan.rows(1)] == ["c"]
+    path.write_text("a\nb\n")
     with pytest.raises(PromptFileError, match="changed since the run was planned"):
         plan.rows(1)
 
@@ -162,7 +198,10 @@ def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
 
     big = dict(width=1024, height=1024, image_format="png", batch_size=4)
     n, why = choose_samples_per_shard(1_000_000, replicas=8, **big)
-    assert n == 190 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards
+    assert n == 188 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards, 47 batches of 4
+    n, _ = choose_samples_per_shard(24, replicas=1, **big)
+    assert n == 4  # 24 prompts: 6 by spread, rounded down to whole batches (no short batch in any shard)
+    assert choose_samples_per_shard(30, replicas=1, **dict(big, batch_size=3))[0] == 6
     n, _ = choose_samples_per_shard(64, replicas=2, width=64, height=64, image_format="png", batch_size=4)
     assert n == 8  # 64 prompts on 2 replicas: 8 shards, 4 per replica, not one shard and an idle rank
     assert choose_samples_per_shard(3, replicas=1, width=64, height=64, image_format="png", batch_size=4)[0] == 4
@@ -180,8 +219,8 @@ def test_the_default_run_logs_its_shard_size_and_explicit_sizes_stay(tmp_path, c
     fast = ("height=16", "width=16", "steps=1", "progress=false", f"prompts.path={f}")
     with caplog.at_level(logging.INFO, logger="shardgen"):
         run(compose_cfg(f"run_dir={tmp_path / 'auto'}", *fast))
-    assert "samples_per_shard=5 (chosen:" in caplog.text
-    assert load_plan(RunDir(tmp_path / "auto")).num_shards == 4
+    assert "samples_per_shard=4 (chosen:" in caplog.text  # 5 by spread, rounded down to whole batches of 4
+    assert load_plan(RunDir(tmp_path / "auto")).num_shards == 5
     run(compose_cfg(f"run_dir={tmp_path / 'explicit'}", "samples_per_shard=7", *fast))
     assert load_plan(RunDir(tmp_path / "explicit")).samples_per_shard == 7
 

@@ -116,3 +116,46 @@ def test_resuming_with_other_signals_is_refused(tmp_path):
     run(compose_cfg(*args))
     with pytest.raises(FingerprintMismatch, match=r"signals: run has None, this launch has \['phash'\]"):
         run(compose_cfg(*args, "signals=[phash]"))
+
+
+def test_phash_after_the_fact_lets_dedup_work_on_a_run_made_without_signals(tmp_path, capsys, monkeypatch):
+    """jobs.signals fills the index's phash from the committed tars (the tars untouched); killed after its
+    first shard, a rerun does only the rest; then jobs.dedup finds the identical pair and jobs.verify passes."""
+    import jobs.signals
+    import jobs.verify
+    import shardgen.dataio.signals_after as after
+    from jobs.dedup import main as dedup
+
+    rows = [{"prompt": "a cat", "seed": 1}, {"prompt": "a dog", "seed": 2}, {"prompt": "a bird", "seed": 3},
+            {"prompt": "a cat", "seed": 1}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    assert run(compose_cfg(f"run_dir={run_dir}", "prompts=jsonl", f"prompts.path={f}", "samples_per_shard=2",
+                           "height=32", "width=32", *FAST)).ok == 4
+    assert dedup([str(run_dir)]) == 2 and "generate with signals=[phash]" in capsys.readouterr().err
+    tars = {p.name: p.read_bytes() for p in (run_dir / "shards").glob("*.tar")}
+    real, calls = after._add_to_shard, []
+
+    def killed_after_one(plan, shard, functions):
+        if calls:
+            raise KeyboardInterrupt  # the kill, between two shards' atomic index replacements
+        calls.append(shard)
+        return real(plan, shard, functions)
+
+    monkeypatch.setattr(after, "_add_to_shard", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        jobs.signals.main([str(run_dir), "--signals", "phash"])
+    first = (run_dir / "shards" / "000000.parquet").read_bytes()
+    assert _index(run_dir).phash.notna().sum() == 2
+    monkeypatch.setattr(after, "_add_to_shard", real)
+    capsys.readouterr()
+    assert jobs.signals.main([str(run_dir), "signals=[phash]"]) == 0
+    assert "phash added to 2 images in 1 shard(s); 1 of 2 committed shards had them already" in capsys.readouterr().out
+    assert (run_dir / "shards" / "000000.parquet").read_bytes() == first  # not redone
+    assert {p.name: p.read_bytes() for p in (run_dir / "shards").glob("*.tar")} == tars
+    assert dedup([str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [["0000000000", "0000000003"]]
+    assert jobs.verify.main([str(run_dir)]) == 0
+    assert jobs.signals.main([str(run_dir), "--signals", "watermark"]) == 2
+    assert "watermark changes pixels" in capsys.readouterr().err

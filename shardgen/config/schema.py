@@ -37,13 +37,17 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Default compute dtype of this model (the top-level ``dtype`` overrides it)."""
     height: int = 1024
+    """The model's image height in pixels (the top-level ``height`` overrides it for a run)."""
     width: int = 1024
+    """The model's image width in pixels (the top-level ``width`` overrides it)."""
     steps: int = 28
+    """The model's denoising steps (the top-level ``steps`` overrides it)."""
     guidance: float = 3.5
     """Guidance scale (FLUX: distilled guidance embedding)."""
     true_cfg_scale: float = 1.0
     """True classifier-free guidance (Qwen-Image, FLUX with a negative prompt); 1.0 = off."""
     negative_prompt: Optional[str] = None
+    """With true CFG: the negative prompt of every sample; null = a blank one."""
     max_sequence_length: int = 512
     """Text tokens for the T5/LLM encoder; the same for every prompt so batching never pads differently."""
     num_frames: Optional[int] = None
@@ -87,21 +91,31 @@ class LauncherConfig:
     """torch.distributed backend; null = nccl on CUDA, gloo on CPU."""
     # --- slurm ---
     partition: Optional[str] = None
+    """slurm: the partition (sbatch --partition); null = the cluster's default."""
     account: Optional[str] = None
+    """slurm: the account to charge (sbatch --account)."""
     qos: Optional[str] = None
+    """slurm: the quality of service (sbatch --qos)."""
     nodes: int = 1
+    """slurm: nodes per job."""
     gpus_per_node: int = 0
+    """slurm: GPUs per node (sbatch --gpus-per-node); 0 = a CPU job."""
     tasks_per_node: Optional[int] = None
     """Ranks per node; null = gpus_per_node (or 1 without GPUs)."""
     cpus_per_task: int = 4
+    """slurm: CPU cores per rank."""
     mem_gb: Optional[int] = None
+    """slurm: memory per node in GB; null = the cluster's default."""
     time_min: int = 240
     """Wall-time limit of each job, minutes; on timeout the job requeues and resumes."""
     constraint: Optional[str] = None
+    """slurm: node features required (sbatch --constraint)."""
     exclude: Optional[str] = None
+    """slurm: nodes not to use (sbatch --exclude)."""
     array: int = 1
     """Independent jobs sharing the run directory (each one a full set of nodes)."""
     array_parallelism: Optional[int] = None
+    """slurm: at most this many of the array's jobs at once; null = all."""
     max_num_timeout: int = 3
     """Requeues allowed after timeouts (submitit); preemptions do not count."""
     signal_delay_s: int = 90
@@ -125,6 +139,7 @@ class PromptsConfig:
     """The prompt file and how to read it."""
 
     path: str = MISSING
+    """The prompt file (mandatory for every prompts option but default: prompts=parti prompts.path=FILE)."""
     format: str = "auto"
     """auto (by extension) | txt | jsonl | csv | tsv | parquet"""
     field: str = "prompt"
@@ -205,8 +220,10 @@ class GenerateConfig:
     """CFG-parallel ranks per replica (1 or 2): with true CFG (model.true_cfg_scale > 1), one rank computes the
     conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
     compile: Any = "auto"
-    """Regional compilation of the transformer's repeated blocks: true | false | auto (on for CUDA with
-    strategy dp, off on CPU and for the model-parallel strategies). shardgen/speed/accel.py."""
+    """Regional compilation of the transformer's repeated blocks: true | false | auto. auto: off on CPU and for
+    the model-parallel strategies; on CUDA with strategy dp each process compiles only when the work it has
+    left saves more than compiling costs (recorded per GPU and model in $SHARDGEN_CACHE/compile, else priors;
+    the first batch runs eagerly to measure). shardgen/speed/accel.py, shardgen/speed/autocompile.py."""
     writer_threads: int = 2
     """Background image encoders per replica."""
     retry_failed: bool = False
@@ -220,6 +237,12 @@ class GenerateConfig:
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
+    check_memory: bool = True
+    """Before building the model: refuse when its weights (sized from its config) do not fit the memory of the
+    device each rank builds it on, saying what to change; false = try anyway (parallel/memory.py)."""
+    dry_run: bool = False
+    """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
+    no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""
     progress: bool = True
     """Show a progress bar (leader of replica 0)."""
     sdpa_backend: str = "auto"
@@ -250,5 +273,8 @@ class GenerateConfig:
 
 def register_configs() -> None:
     """Register the schema (idempotent). Group YAMLs are typed by the fields of GenerateConfig."""
+    from shardgen.config.help import hydra_help_node
+
     cs = ConfigStore.instance()
     cs.store(name="generate_schema", node=GenerateConfig)
+    cs.store(group="hydra/help", name="shardgen", node=hydra_help_node())  # --help: these docstrings

@@ -17,6 +17,15 @@ if TYPE_CHECKING:
 
 IMAGE_FORMATS = ("png", "jpg", "webp")
 LAUNCHERS = ("none", "local", "slurm")
+PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
+# What to set for each value a config group leaves mandatory (``???`` in its YAML).
+MANDATORY = {
+    "prompts.path": "prompts.path=FILE, the prompt file to read (a relative path is taken from the current directory)",
+    "signals.clip.model": "signals.clip.model=PATH, a transformers CLIPModel directory with its processor files "
+                          "(or leave clip out of signals=[...])",
+    "model.source": "model.source=HUB_ID_OR_DIR, the diffusers pipeline to load (safetensors only)",
+    "model.name": "model.name=NAME, the model's short name in sample metadata",
+}
 
 
 class ConfigError(UserError, ValueError):
@@ -28,8 +37,25 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_mandatory(cfg: GenerateConfig) -> None:
+    """ConfigError naming every value the chosen config groups leave unset (``???``), and what to set."""
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if not missing:
+        return
+    lines = []
+    for key in missing:
+        hint = MANDATORY.get(key, f"{key}=VALUE (its docstring: shardgen/config/schema.py)")
+        if key == "prompts.path" and cfg.prompts.get("field") == "Prompt":  # prompts=parti
+            hint += f"; PartiPrompts.tsv is at {PARTI_URL} (download it, then prompts.path=PartiPrompts.tsv)"
+        lines.append(f"{key} is not set: set {hint}")
+    raise ConfigError("; ".join(lines))
+
+
 def validate_config(cfg: GenerateConfig) -> None:
-    """Raise ConfigError for the first impossible setting."""
+    """Raise ConfigError for the first impossible setting (first: a mandatory value left unset)."""
+    check_mandatory(cfg)
     check_run_dir_text(cfg.run_dir)
     _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")

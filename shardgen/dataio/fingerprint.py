@@ -95,13 +95,16 @@ def _has_run_state(run: RunDir) -> list[str]:
     return found
 
 
-def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: bool = False) -> bool:
+def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: bool = False,
+                               prompt_path: str | os.PathLike | None = None) -> bool:
     """Write the fingerprint of a new run, or check a resumed run's; True when resuming.
 
     The first job to create it wins (exclusive create): a concurrent job with other settings is
     refused like any resume with other settings. Raises FingerprintMismatch naming each differing
     field, unless ``allow_change`` (recorded in fingerprint_changes.jsonl), which is refused too for
     fields the existing plan was made from. RunDirError when a run exists but its fingerprint does not.
+    ``prompt_path`` is named when the prompt file's content differs (a run is tied to the content, not
+    the path: a moved run resumes from its file's new place).
     """
     old = read_fingerprint(run)
     if old is None:
@@ -118,6 +121,10 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
     diffs = diff_fingerprints(old, fingerprint)
     if not diffs:
         return True
+    if prompt_path is not None and old.get("prompts.sha256") != fingerprint.get("prompts.sha256"):
+        diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
+                        f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
+                        f"{str(fingerprint.get('prompts.sha256'))[:16]}...)")
     if not allow_change:
         raise FingerprintMismatch(
             f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
@@ -136,8 +143,8 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
         raise FingerprintMismatch(
             f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
             f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
-            "be silently ignored. Extending a run with appended prompts is not supported yet: put the new prompts "
-            "(only them) in their own file and generate them into a new run_dir.")
+            "be silently ignored. To extend a run, append the new prompts to its prompt file and change no other "
+            "setting in that launch: the appended rows are planned as new shards.")
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=socket.gethostname(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})

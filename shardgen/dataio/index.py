@@ -97,9 +97,11 @@ class PartialIndex:
             return cls(run, shard, gen)
         return cls(run, shard, gen, partial_index_path(run, shard, checkpoint["gen"]), checkpoint["n_done"])
 
-    def add(self, members: list[tuple[str, bytes]]) -> None:
-        """Record one sample (in index order)."""
+    def add(self, members: list[tuple[str, bytes]], gen_s: float | None = None) -> None:
+        """Record one sample (in index order); ``gen_s``: its generation time, kept in the index only."""
         row = index_row(self.shard, members)
+        if gen_s is not None:
+            row["gen_s"] = round(gen_s, 4)
         self._f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
         self._pending += 1
 

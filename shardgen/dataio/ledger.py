@@ -28,6 +28,8 @@ class ShardState:
     claim_age_s: float | None = None
     holder: dict | None = None
     stats: dict | None = None
+    started: float | None = None   # in progress: when the shard's first generation started (its checkpoint)
+    updated: float | None = None   # in progress: when its last batch became durable (its checkpoint)
 
 
 @dataclass
@@ -46,11 +48,12 @@ class Ledger:
         return sum(s.state == state for s in self.shards)
 
     def totals(self) -> Counter:
-        """ok / failed / rejected over committed shards."""
+        """ok / failed / rejected / truncated over committed shards (stats written before truncated was
+        counted there have none)."""
         c: Counter = Counter()
         for s in self.shards:
             if s.stats:
-                c.update({k: s.stats[k] for k in ("ok", "failed", "rejected")})
+                c.update({k: s.stats.get(k, 0) for k in ("ok", "failed", "rejected", "truncated")})
         return c
 
     def finished_at(self) -> float | None:
@@ -83,16 +86,18 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
             shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
             continue
         ckpts = shard_checkpoints(run, shard) if run.work_dir.exists() else []
-        n = max((c["n_done"] for c in ckpts), default=0)
+        best = max(ckpts, key=lambda c: c["n_done"], default=None)
+        n = best["n_done"] if best else 0
+        times = dict(started=best.get("started"), updated=best.get("updated")) if best else {}
         gen = claims.get(shard)
         if gen is None:
-            shards.append(ShardState(shard, rows, "pending", n))
+            shards.append(ShardState(shard, rows, "pending", n, **times))
             continue
         record, mtime = read_claim(run, shard, gen)
         age = None if mtime is None else now - mtime
         state = claim_state(record, mtime, now, lease_s, me)
         shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
-                                 holder=record if isinstance(record, dict) else {}))
+                                 holder=record if isinstance(record, dict) else {}, **times))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
 
 

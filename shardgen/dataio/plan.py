@@ -3,7 +3,9 @@
 The plan does not copy the rows: it stores, per shard, where its first row starts in the prompt
 file (a byte offset and line number; for parquet the row number). The prompt file is checked
 unchanged by the run's fingerprint (its SHA-256) on every launch, so a shard's rows are read back
-from it when the shard is generated. Planning 100M short prompts takes seconds and a few MB
+from it when the shard is generated, and only from bytes with the SHA-256 recorded for that shard when it
+was planned (``plan/digests.npy``): a prompt file edited in place stops the run before a changed row is used,
+while rows appended after the planned bytes extend the run (extend.py). Planning 100M short prompts takes seconds and a few MB
 (benchmarks/plan_scale.py; figures in docs/dataset.md).
 
 Also the pure rules every rank must agree on: a sample's key and seed from its row index.
@@ -11,7 +13,6 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -22,13 +23,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 import logging
 
 import numpy as np
 
 from shardgen.dataio import prompts as P
+from shardgen.dataio.planscan import (check_unchanged, file_identity, parquet_rows_at, range_digests, read_range,
+                                      read_rows_at, rows_digest, scan_rows, scan_txt, truncation_outcome)
 from shardgen.dataio.rundir import pid_alive as _pid_alive
 from shardgen.dataio.rundir import PLAN_TEMP_NAME, RunDir, atomic_write_json, read_json
 from shardgen.dataio.truncation import TruncationCheck
@@ -38,7 +41,6 @@ log = logging.getLogger("shardgen.plan")
 PLAN_VERSION = 2
 TRUNCATED_REJECT = "the prompt is longer than a text encoder keeps (prompts.on_truncation=skip)"
 STALE_TMP_S = 3600  # a planning temp dir from another host untouched this long belongs to a dead planner
-_BLOCK = 16 << 20   # txt planning reads the file in blocks of this many bytes
 KEY_DIGITS = 10  # up to 10^10 prompts; webdataset keys must not contain dots
 
 
@@ -65,12 +67,14 @@ def sample_seed(run_seed: int, index: int, row_seed: int | None = None) -> int:
     return _splitmix64((run_seed << 34) ^ index) & 0x7FFFFFFFFFFFFFFF
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes (part of the run fingerprint)."""
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None = None) -> str:
+    """SHA-256 of a file's bytes (part of the run fingerprint); of its first ``size`` bytes if given."""
     h = hashlib.sha256()
+    left = size if size is not None else 1 << 62
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while left and (block := f.read(min(chunk, left))):
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
 
 
@@ -115,8 +119,31 @@ class PromptSource:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Rows appended to the run's prompt file after it was planned, planned as shards after all earlier
+    ones (``plan/ext-NNNNNN/``: plan.json says when and which rows, starts.npy where its shards start)."""
+
+    dir: Path
+    meta: dict
+    starts: np.ndarray
+    digests: np.ndarray | None = None  # (its shards, 32): sha256 of each shard's rows (None: planned before digests)
+
+    @property
+    def first_shard(self) -> int:
+        return self.meta["first_shard"]
+
+    @property
+    def first_row(self) -> int:
+        return self.meta["first_row"]
+
+    @property
+    def end_row(self) -> int:
+        return self.meta["first_row"] + self.meta["num_rows"]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The fixed split of a run's prompt rows into shards."""
+    """The fixed split of a run's prompt rows into shards (extended, never changed, by appended prompts)."""
 
     run: RunDir
     num_rows: int
@@ -125,13 +152,26 @@ class Plan:
     num_rejects: int
     prompt_file: str
     meta: dict | None = None            # plan.json
-    starts: np.ndarray | None = None    # (num_shards, 2): byte offset (parquet: row) and line of each shard's first row
-    digests: np.ndarray | None = None   # (num_shards, 32): sha256 of each shard's rows as planned (None: older plans)
+    starts: np.ndarray | None = None    # (first plan's shards, 2): byte offset (parquet: row) and line of each shard's first row
+    digests: np.ndarray | None = None   # (first plan's shards, 32): sha256 of each shard's rows (None: older plans)
+    prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
+    extensions: tuple[Segment, ...] = ()
+
+    def _segment(self, shard: int) -> Segment | None:
+        """The extension ``shard`` belongs to (None: the first plan)."""
+        seg = None
+        for ext in self.extensions:
+            if ext.first_shard <= shard:
+                seg = ext
+        return seg
 
     def shard_range(self, shard: int) -> range:
         """Row indices of ``shard``."""
-        start = shard * self.samples_per_shard
-        return range(start, min(start + self.samples_per_shard, self.num_rows))
+        seg = self._segment(shard)
+        first_shard, first_row, end = (0, 0, self.meta["num_rows"] if self.meta else self.num_rows) if seg is None \
+            else (seg.first_shard, seg.first_row, seg.end_row)
+        start = first_row + (shard - first_shard) * self.samples_per_shard
+        return range(start, min(start + self.samples_per_shard, end))
 
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
@@ -139,47 +179,60 @@ class Plan:
             with open(self.run.plan_dir / f"{shard:06d}.jsonl", encoding="utf-8") as f:
                 return [PlannedRow(**json.loads(line)) for line in f]
         m = self.meta
-        src = PromptSource(**m["source"])
-        _check_unchanged(src.path, m["prompt_size"])
+        seg = self._segment(shard)
+        src = PromptSource(**dict(m["source"], path=self.prompt_path or m["source"]["path"]))
+        check_unchanged(src.path, (seg.meta if seg else m)["prompt_size"])
         rng = self.shard_range(shard)
-        offset, line = (int(x) for x in self.starts[shard])
-        cut = self._truncated(rng)
-        if self.digests is None:  # a plan made before shard digests: read from the file, checked by size only
-            rows = list(_read_rows_at(src, offset, line, rng.start, len(rng)))
+        where = self.run.plan_dir if seg is None else seg.dir
+        cut = _truncated(where / "truncated.npy", rng)
+        if (seg.digests if seg else self.digests) is None:  # planned before shard digests: checked by size only
+            offset, line = (int(x) for x in (seg or self).starts[shard - (seg.first_shard if seg else 0)])
+            rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
         else:
-            rows = self._checked_rows(src, shard, offset, line, rng)
+            rows = self._checked_rows(src, shard, seg, rng)
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
 
-    def _checked_rows(self, src: PromptSource, shard: int, offset: int, line: int, rng: range) -> list[P.PromptRow]:
+    def _checked_rows(self, src: PromptSource, shard: int, seg: Segment | None, rng: range) -> list[P.PromptRow]:
         """The rows of ``shard`` parsed from exactly the bytes (parquet: the rows) whose digest the plan recorded:
-        a prompt file edited since planning, even to the same size, is refused before any of it is used."""
+        a prompt file edited since planning, even to the same size, is refused before any of it is used. Rows
+        appended after the planned bytes are outside every planned shard's range: they change no digest."""
+        part = seg or self
+        i = shard - (seg.first_shard if seg else 0)
+        offset, line = (int(x) for x in part.starts[i])
         if src.format == "parquet":
-            rows = list(_parquet_rows_at(src, rng.start, len(rng)))
-            digest = _rows_digest(rows)
+            rows = list(parquet_rows_at(src, rng.start, len(rng)))
+            digest = rows_digest(rows)
         else:
-            end = int(self.starts[shard + 1][0]) if shard + 1 < self.num_shards else self.meta["rows_end"]
-            head, data = _read_range(src.path, int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0,
-                                     offset, end)
+            end = int(part.starts[i + 1][0]) if i + 1 < len(part.starts) else part.meta["rows_end"]
+            head_end = int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0  # the header line
+            head, data = read_range(src.path, head_end, offset, end)
             digest = hashlib.sha256(head + data).digest()
-        if digest != self.digests[shard].tobytes():
+        if digest != part.digests[i].tobytes():
             raise P.PromptFileError(
                 f"{src.path}: the prompt file changed since the run was planned (the rows of shard {shard:06d}, "
                 f"lines from {line}, differ from the plan's); the run stops so that no shard mixes two versions of "
-                "its input. Restore the original file and re-run, or start a new run_dir for the new file")
+                "its input. Restore the original file and re-run (appending rows is allowed: it extends the run), "
+                "or start a new run_dir for the new file")
         if src.format == "parquet":
             return rows
-        return list(_read_rows_at(src, offset, line, rng.start, len(rng), io.BytesIO(data), head))
+        return list(read_rows_at(src, offset, line, rng.start, len(rng), io.BytesIO(data), head))
 
-    def _truncated(self, rng: range) -> set[int]:
-        """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
-        path = self.run.plan_dir / "truncated.npy"
-        if not path.exists():
-            return set()
-        cut = _load_npy(path)
-        lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
-        return set(cut[lo:hi].tolist())
+    @property
+    def covered(self) -> tuple[int, str | None]:
+        """(bytes of the prompt file planned, their SHA-256 when recorded): where an append starts."""
+        m = self.extensions[-1].meta if self.extensions else self.meta
+        return m["prompt_size"], m.get("prompt_sha256")
+
+
+def _truncated(path: Path, rng: range) -> set[int]:
+    """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
+    if not path.exists():
+        return set()
+    cut = _load_npy(path)
+    lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
+    return set(cut[lo:hi].tolist())
 
 
 def _plan_error(path: Path, what: str) -> PlanError:
@@ -187,8 +240,22 @@ def _plan_error(path: Path, what: str) -> PlanError:
                      f"delete {path.parent} and re-run the same command to rebuild it (committed shards stay valid).")
 
 
-def load_plan(run: RunDir) -> Plan | None:
-    """The run's plan, or None if it has none yet; PlanError when it is damaged."""
+def last_prompt_path(run: RunDir) -> str | None:
+    """Where the last launch found the run's prompt file, its content checked against the fingerprint
+    (the path in ``prompt_hash.json``); None when no launch recorded one."""
+    try:
+        path = read_json(run.prompt_hash_path).get("path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
+    """The run's plan, or None if it has none yet; PlanError when it is damaged.
+
+    The prompt file is the run's by its content (the fingerprint's SHA-256), not by its path: rows are read
+    from ``prompt_path`` (a launch's ``prompts.path``, checked against the fingerprint), else from where the
+    last launch found it, else from where it was planned."""
     clean_stale_tmp(run)
     if not run.plan_dir.exists():
         return None
@@ -208,7 +275,13 @@ def load_plan(run: RunDir) -> Plan | None:
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
         raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
-    return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run, meta, kw["num_shards"]), **kw)
+    path = prompt_path or last_prompt_path(run) or meta["source"]["path"]
+    extensions = tuple(_load_extensions(run, kw["num_rows"], kw["num_shards"]))
+    for ext in extensions:
+        kw.update(num_rows=ext.end_row, num_shards=ext.first_shard + ext.meta["num_shards"],
+                  num_rejects=kw["num_rejects"] + ext.meta["num_rejects"])
+    return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run.plan_dir, meta, len(starts)),
+                prompt_path=str(path), extensions=extensions, **kw)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -221,16 +294,40 @@ def _load_npy(path: Path) -> np.ndarray:
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _load_digests(run: RunDir, meta: dict, num_shards: int) -> np.ndarray | None:
-    """The shard digests of a plan that has them (plan.json names their checksum); PlanError when damaged."""
+def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None:
+    """The shard digests of a plan or extension that has them (its plan.json names their checksum; None for
+    one planned before digests); PlanError when damaged."""
     if "digests_sha256" not in meta:
         return None
-    path = run.plan_dir / "digests.npy"
+    path = where / "digests.npy"
     digests = _load_npy(path)
     if digests.shape != (num_shards, 32) or digests.dtype != np.uint8 \
-            or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"]:
+            or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"] or "rows_end" not in meta:
         raise _plan_error(path, "does not match plan.json (changed after planning)")
     return digests
+
+
+def extension_dirs(run: RunDir) -> list[Path]:
+    """The run's plan extensions (``plan/ext-NNNNNN``), in order."""
+    return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+
+
+def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Segment]:
+    """Each extension, checked to follow the rows and shards before it without a gap."""
+    for k, d in enumerate(extension_dirs(run), 1):
+        path = d / "plan.json"
+        starts = _load_npy(d / "starts.npy")
+        try:
+            meta = read_json(path)
+            ok = (d.name == f"ext-{k:06d}" and meta["first_row"] == num_rows and meta["first_shard"] == num_shards
+                  and starts.shape == (meta["num_shards"], 2) and meta["starts_sha256"] == _digest(starts))
+        except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+            raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise _plan_error(path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
+                                    "(or its starts.npy does not match its checksum)")
+        num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
+        yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(d, meta, len(starts)))
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -238,7 +335,7 @@ def _digest(starts: np.ndarray) -> str:
 
 
 def clean_stale_tmp(run: RunDir) -> None:
-    """Remove planning temp dirs left by killed planners (``.plan-HOST-PID-RANDOM``, the names ``build_plan``
+    """Remove planning temp dirs left by killed planners (``.plan-HOST-PID-RANDOM``, the names ``new_plan_dir``
     makes; any other ``.plan-*`` is not ours and stays): on this host when the pid is gone, elsewhere when
     untouched for STALE_TMP_S. Never a live planner's, even once a plan exists: a job racing to plan the
     same run is still writing into its own and adopts the winner's plan when its rename loses."""
@@ -261,41 +358,31 @@ def _host() -> str:
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,
-               truncation: TruncationCheck | None = None) -> Plan:
+               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None) -> Plan:
     """Scan the prompt file once (validating every row), write the plan atomically, return it.
 
     The plan goes into a temporary directory renamed to ``plan/`` at the end, so a bad row half-way
     (the reader raises) leaves no plan behind, and when two jobs race the first rename wins and the
     other adopts it. Memory stays constant in the number of rows. ``truncation`` finds the prompts
     a text encoder will cut, and warns, refuses or plans them as rejects (prompts.on_truncation).
+    ``prompt_sha256``: the file's hash, recorded so that prompts appended later are recognised as such.
     """
     run.root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(run)
-    tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
+    tmp = new_plan_dir(run)
     try:
-        before = _identity(source.path)
-        scan = _scan_txt if source.format == "txt" else _scan_rows
-        num_rows, num_rejects, starts, rows_end, digests = scan(source, samples_per_shard, truncation)
-        if digests is None:  # text formats: each shard's bytes (csv/tsv: after the header), in one more pass
-            digests = _range_digests(source, starts, rows_end)
-        if _identity(source.path) != before:
+        before = file_identity(source.path)
+        counts = plan_rows_into(tmp, source, samples_per_shard, truncation)
+        if file_identity(source.path) != before:
             raise P._fail(source.path, 0, "the prompt file changed while it was being planned",
-                          "Leave it unchanged while a run uses it, and re-run")
-        if num_rows == 0:
+                          "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
+        if counts["num_rows"] == 0:
             raise P._fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                           "Add prompts, or point prompts.path at the right file")
-        cut = _truncation_outcome(source, truncation)
-        if cut is not None:
-            np.save(tmp / "truncated.npy", cut)
-            num_rejects += len(cut)
-        np.save(tmp / "starts.npy", starts)
-        np.save(tmp / "digests.npy", digests)
         atomic_write_json(tmp / "plan.json", dict(
-            version=PLAN_VERSION, num_rows=num_rows, num_rejects=num_rejects, samples_per_shard=samples_per_shard,
-            num_shards=len(starts), prompt_file=source.path, prompt_size=os.path.getsize(source.path),
-            run_seed=run_seed, source=source.__dict__, starts_sha256=_digest(starts), rows_end=rows_end,
-            digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest()))
+            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
+            prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            source=source.__dict__))
         try:
             os.rename(tmp, run.plan_dir)
         except OSError:
@@ -303,7 +390,41 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return load_plan(run)
+    return load_plan(run, source.path)
+
+
+def new_plan_dir(run: RunDir) -> Path:
+    """A fresh temporary directory for planning in ``run`` (renamed into place when whole; removed by
+    ``clean_stale_tmp`` when its planner died)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
+    return tmp
+
+
+def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, truncation: TruncationCheck | None,
+                   offset: int = 0, first_row: int = 0, head_end: int | None = None) -> dict:
+    """Scan the rows from byte ``offset`` (row ``first_row``; parquet: from the start) into shards of
+    ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
+    planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
+    num_shards, starts_sha256, rows_end, digests_sha256). ``head_end``: where the file's first row starts
+    (csv/tsv: the header before it is hashed with each shard); None: where this scan's first shard starts."""
+    if source.format == "txt":
+        num_rows, num_rejects, starts, rows_end, digests = scan_txt(source, samples_per_shard, truncation, offset,
+                                                                    first_row)
+    else:
+        num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row)
+    cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
+    if cut is not None:
+        np.save(out / "truncated.npy", cut)
+        num_rejects += len(cut)
+    if digests is None:  # text formats: each shard's bytes, in one more pass
+        if head_end is None:
+            head_end = int(starts[0][0]) if len(starts) else 0
+        digests = range_digests(source.path, starts, rows_end, head_end if source.format in ("csv", "tsv") else 0)
+    np.save(out / "starts.npy", starts)
+    np.save(out / "digests.npy", digests)
+    return dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts),
+                rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
 
 
 # ---------------------------------------------------------------- shard sizing
@@ -311,34 +432,61 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
 TARGET_SHARD_BYTES = 300_000_000  # a few hundred MB: big enough for streaming reads, small enough to redo
 SHARDS_PER_REPLICA = 4            # when the prompts allow: a replica that finishes early takes another shard
 MAX_SAMPLES_PER_SHARD = 100_000
-# Bytes per pixel of an encoded sample (generated 1024x1024 images: png ~1.5 MB with compress_level=1).
-BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3}
+# Bytes per pixel of an encoded sample (generated 1024x1024 images: png ~1.5 MB with compress_level=1; an mp4:
+# per pixel of each frame, H.264 at crf 18 ~0.3).
+BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3, "mp4": 0.3}
+
+
+def sample_bytes_estimate(*, width: int, height: int, image_format: str, frames: int = 1) -> float:
+    """About how many bytes one encoded sample takes in a tar (``image_format`` mp4: a video of ``frames``)."""
+    return BYTES_PER_PIXEL.get(image_format, 1.5) * width * height * max(1, frames)
 
 
 def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_format: str, replicas: int,
-                             batch_size: int) -> tuple[int, str]:
+                             batch_size: int, frames: int = 1) -> tuple[int, str]:
     """(samples per shard, why): about TARGET_SHARD_BYTES of images per shard, but at least
-    SHARDS_PER_REPLICA shards per replica when the prompts allow, and never below a batch."""
-    sample_bytes = BYTES_PER_PIXEL.get(image_format, 1.5) * width * height
+    SHARDS_PER_REPLICA shards per replica when the prompts allow, never below a batch, and a whole
+    number of batches: every batch of a shard but the run's last then has the same shape, so a compiled
+    model never compiles again for a shard's short last batch (issue 20: that cost 16-40 s per process).
+    ``image_format`` mp4 with ``frames``: a video run."""
+    sample_bytes = sample_bytes_estimate(width=width, height=height, image_format=image_format, frames=frames)
     by_size = max(1, int(TARGET_SHARD_BYTES // sample_bytes))
     by_spread = -(-num_rows // (SHARDS_PER_REPLICA * max(1, replicas)))
     n = min(MAX_SAMPLES_PER_SHARD, max(min(by_size, by_spread), min(batch_size, by_size)))
-    why = (f"~{sample_bytes / 1e6:.2f} MB per {width}x{height} {image_format} sample: {by_size} fit in "
+    if n > batch_size > 1:  # rounded down: smaller shards only spread the work better
+        n = n // batch_size * batch_size
+    what = f"{width}x{height} {image_format}" + (f" of {frames} frames" if image_format == "mp4" else "")
+    why = (f"~{sample_bytes / 1e6:.2f} MB per {what} sample: {by_size} fit in "
            f"{TARGET_SHARD_BYTES / 1e6:.0f} MB; {num_rows} prompts over {replicas} replica(s) x {SHARDS_PER_REPLICA} "
-           f"shards: {by_spread}; at least a batch ({batch_size})")
+           f"shards: {by_spread}; at least a batch ({batch_size}), a whole number of batches")
     return max(1, n), why
 
 
+_EXACT_COUNT_BYTES = 64 << 20  # prompt files up to this size have their lines counted for shard sizing
+_SAMPLES = 16                  # larger ones: lines counted in this many 1 MB samples spread over the file
+
+
 def estimate_rows(source: PromptSource) -> int:
-    """About how many rows the prompt file has (lines; parquet: its metadata), for shard sizing only."""
+    """About how many rows the prompt file has (lines; parquet: its metadata), for shard sizing only:
+    counted in files up to 64 MB, extrapolated from 16 samples of 1 MB spread over larger ones (a
+    pass over a 2 GB file would cost seconds for a figure the sizing rounds anyway)."""
     if source.format == "parquet":
         n = P._parquet_file(source.path).metadata.num_rows
     else:
-        n, last = 0, b"\n"
+        size = os.path.getsize(source.path)
         with open(source.path, "rb") as f:
-            while block := f.read(_BLOCK):
-                n, last = n + block.count(b"\n"), block[-1:]
-        n += last != b"\n"  # a last line without a newline; a csv/tsv header only makes this an overestimate
+            if size <= _EXACT_COUNT_BYTES:
+                data = f.read()
+                n = data.count(b"\n") + (not data.endswith(b"\n"))  # a last line without a newline
+            else:
+                seen = lines = 0
+                for k in range(_SAMPLES):
+                    f.seek((size - (1 << 20)) * k // (_SAMPLES - 1))
+                    block = f.read(1 << 20)
+                    seen, lines = seen + len(block), lines + block.count(b"\n")
+                n = round(size * lines / seen)
+        if source.format in ("csv", "tsv"):  # the header line is not a prompt (quoted newlines still overcount)
+            n = max(0, n - 1)
     return min(n, source.limit) if source.limit is not None else n
 
 
@@ -359,267 +507,3 @@ def idle_warning(num_shards: int, replicas: int, samples_per_shard: int) -> str 
     return (f"{replicas} replicas but only {num_shards} shard(s) of {samples_per_shard}: {replicas - num_shards} "
             f"replica(s) will have nothing to do. Lower samples_per_shard (or leave it unset to size shards "
             "for the ranks) on a new run_dir.")
-
-
-# ---------------------------------------------------------------- planning scans
-
-def _truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> np.ndarray | None:
-    """Warn about or refuse the truncated prompts; with on_truncation=skip, their indices (to reject)."""
-    message = check.report(source.path) if check else None
-    if message is None:
-        return None
-    if check.policy == "error":
-        raise P.PromptFileError(f"{message}. Shorten them, or set prompts.on_truncation=warn to generate them "
-                                "truncated (flagged in each sample's json), or skip to record them as rejects")
-    if check.policy == "skip":
-        log.warning("%s: recorded as rejects (prompts.on_truncation=skip)", message)
-        return np.asarray(sorted(check.truncated), dtype=np.int64)
-    log.warning("%s: generated from their first tokens and flagged \"truncated\": true in their json and index "
-                "(prompts.on_truncation=skip or error refuses them)", message)
-    return None
-
-
-def _scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-               ) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
-    """Any format: every row through the reader; shard starts from the rows' lines (parquet: row numbers).
-    (rows, rejects, starts, where the planned rows end, the shards' digests: parquet only, of the rows read)."""
-    rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
-                          on_bad_row=source.on_bad_row, max_chars=source.max_chars)
-    n = rejects = 0
-    first_lines, digests, stop_line = [], [], None
-    try:
-        for row in rows:
-            if source.limit is not None and row.index >= source.limit:
-                stop_line = row.line
-                break
-            if row.index % per_shard == 0:
-                first_lines.append(row.line)
-                if source.format == "parquet":
-                    digests.append(hashlib.sha256())
-            if source.format == "parquet":
-                digests[-1].update(_row_bytes(row))
-            rejects += row.reject is not None
-            if check and row.reject is None and len(row.prompt.encode("utf-8")) > check.min_bytes:
-                check.offer(row.index, row.line, row.prompt)
-            n += 1
-    except P.PromptFileError as e:
-        if "has no rows" not in str(e):
-            raise
-    lines = np.asarray(first_lines, dtype=np.int64)
-    if source.format == "parquet":
-        starts = np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
-        return n, rejects, starts, n, _digest_array([h.digest() for h in digests])
-    offsets = _line_offsets(source.path, np.append(lines, stop_line) if stop_line else lines)
-    end = int(offsets[-1]) if stop_line else os.path.getsize(source.path)
-    return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
-
-
-def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
-    """Byte offset where each (1-based, increasing) line of ``lines`` starts."""
-    out = np.zeros(len(lines), dtype=np.int64)
-    if not len(lines):
-        return out
-    base = newlines = 0  # bytes and newlines before the current block
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-            # line L starts after newline number L-1 (1-based)
-            want = (lines >= newlines + 2) & (lines <= newlines + len(nl) + 1)
-            out[want] = base + nl[lines[want] - 2 - newlines] + 1
-            base, newlines = base + len(block), newlines + len(nl)
-    return out
-
-
-def _scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None = None
-              ) -> tuple[int, int, np.ndarray, int, None]:
-    """txt, fast: whole blocks checked with numpy (UTF-8, no empty or blank line); a block where
-    a line may be bad goes through the exact per-line reader, for the same rejects and messages."""
-    limit = source.limit if source.limit is not None else 1 << 62
-    starts, rows, rejects, base, carry, end = [], 0, 0, 0, b"", 0
-    with open(source.path, "rb") as f:
-        while rows < limit:
-            data = f.read(_BLOCK)
-            block = carry + data
-            if not data:  # the last line may lack a newline
-                carry = b""
-            else:
-                cut = block.rfind(b"\n") + 1
-                block, carry = block[:cut], block[cut:]
-            if not block:
-                if not data:
-                    break
-                continue
-            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + 1
-            if not data and (not len(ends) or ends[-1] != len(block)):
-                ends = np.append(ends, len(block))
-            ends = ends[:limit - rows]
-            line_starts = np.concatenate([[0], ends[:-1]])
-            first = rows  # index of the block's first row
-            js = np.arange(-first % per_shard, len(ends), per_shard)  # the block's rows that start a shard
-            starts += zip((base + line_starts[js]).tolist(), (first + js + 1).tolist())
-            rejects += _check_block(source, block[:ends[-1]], line_starts, ends, first, base == 0)
-            if check:
-                _offer_long_lines(check, block, line_starts, ends, first, source.max_chars)
-            rows += len(ends)
-            end = base + int(ends[-1])  # where the last planned row ends
-            base += len(block)
-            if not data:
-                break
-    return rows, rejects, np.asarray(starts, dtype=np.int64).reshape(-1, 2), end, None
-
-
-def _check_block(source: PromptSource, block: bytes, line_starts: np.ndarray, ends: np.ndarray, first: int,
-                 at_file_start: bool) -> int:
-    """Rejects in a block of whole lines (raises on a bad line unless on_bad_row=skip)."""
-    b = np.frombuffer(block, np.uint8)
-    # a prompt has a byte that is certainly not whitespace (33..126); a line without one may be blank
-    solid = np.cumsum((b > 32) & (b < 127), dtype=np.int32)
-    before = np.where(line_starts > 0, solid[np.maximum(line_starts - 1, 0)], 0)
-    suspect = solid[ends - 1] - before == 0
-    if source.max_chars is not None:  # a line of more bytes may be too long: the exact check below counts characters
-        suspect |= ends - line_starts > source.max_chars
-    clean = block.isascii() or _utf8(block)
-    if clean and not suspect.any() and not (at_file_start and block.startswith(P._BOM)):
-        return 0
-    rejects = 0
-    for i, (s, e) in enumerate(zip(line_starts, ends)):
-        raw = block[s:e]
-        if at_file_start and i == 0 and raw.startswith(P._BOM):
-            raw = raw[len(P._BOM):]
-        row = P._emit(source.path, first + i, first + i + 1, source.on_bad_row, P._parse_txt, raw,
-                      max_chars=source.max_chars)
-        rejects += row.reject is not None
-    return rejects
-
-
-def _offer_long_lines(check: TruncationCheck, block: bytes, line_starts: np.ndarray, ends: np.ndarray,
-                      first: int, max_chars: int | None) -> None:
-    for j in np.flatnonzero(ends - line_starts - 1 > check.min_bytes).tolist():
-        try:
-            prompt = P._strip_eol(block[line_starts[j]:ends[j]]).decode("utf-8").lstrip("\ufeff")
-        except UnicodeDecodeError:
-            continue  # a reject, not a prompt
-        if prompt.strip() and (max_chars is None or len(prompt) <= max_chars):  # too long: a reject, never tokenized
-            check.offer(first + j, first + j + 1, prompt)
-
-
-def _utf8(block: bytes) -> bool:
-    try:
-        block.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
-# ---------------------------------------------------------------- shard digests
-
-def _identity(path: str) -> tuple:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def _row_bytes(row: P.PromptRow) -> bytes:
-    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file)."""
-    return json.dumps([row.prompt, row.seed, row.extra, row.reject], sort_keys=True, ensure_ascii=False).encode() + b"\n"
-
-
-def _rows_digest(rows: list[P.PromptRow]) -> bytes:
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(_row_bytes(r))
-    return h.digest()
-
-
-def _digest_array(digests: list[bytes]) -> np.ndarray:
-    return np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 32).copy()
-
-
-def _range_digests(source: PromptSource, starts: np.ndarray, end: int) -> np.ndarray:
-    """sha256 of each shard's bytes of a text prompt file (csv/tsv: the header line first, as it names the columns)."""
-    offsets = [int(x) for x in starts[:, 0]] + [end]
-    out = []
-    with open(source.path, "rb") as f:
-        head = f.read(offsets[0]) if source.format in ("csv", "tsv") else b""
-        f.seek(offsets[0])
-        for lo, hi in zip(offsets, offsets[1:]):
-            h, left = hashlib.sha256(head), hi - lo
-            while left > 0 and (chunk := f.read(min(left, _BLOCK))):
-                h.update(chunk)
-                left -= len(chunk)
-            out.append(h.digest())
-    return _digest_array(out)
-
-
-def _read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, bytes]:
-    """(bytes 0..head_end, bytes lo..hi) of the prompt file: a shard's rows, and the csv/tsv header."""
-    with open(path, "rb") as f:
-        head = f.read(head_end)
-        f.seek(lo)
-        return head, f.read(max(0, hi - lo))
-
-
-# ---------------------------------------------------------------- reading a shard back
-
-def _check_unchanged(path: str, size: int) -> None:
-    try:
-        now = os.path.getsize(path)
-    except OSError as e:
-        raise P._fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
-                      "Restore it: the run's shards are read from it") from None
-    if now != size:
-        raise P._fail(path, 0, f"the prompt file changed since the run was planned ({size} bytes then, {now} now)",
-                      "Restore the original file, or start a new run_dir")
-
-
-def _read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: int, data: BinaryIO | None = None,
-                  head: bytes | None = None) -> Iterator[P.PromptRow]:
-    """``count`` rows from row ``index``, which starts at byte ``offset`` (parquet: row) and ``line``; read from
-    ``data`` (the shard's bytes, with ``head`` the file's bytes before the first row) when given, else the file."""
-    if src.format == "parquet":
-        yield from _parquet_rows_at(src, index, count)
-        return
-    with contextlib.ExitStack() as stack:
-        if data is None:
-            data = stack.enter_context(open(src.path, "rb"))
-            data.seek(offset)
-        if src.format in ("csv", "tsv"):
-            yield from _table_rows_at(src, data, line, index, count, head)
-            return
-        parse = P._parse_txt if src.format == "txt" else P._parse_jsonl
-        args = () if src.format == "txt" else (src.field, src.seed_field)
-        for i in range(count):
-            raw = data.readline()
-            if offset == 0 and i == 0 and raw.startswith(P._BOM):
-                raw = raw[len(P._BOM):]
-            yield P._emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
-
-
-def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
-                   head: bytes | None = None) -> Iterator[P.PromptRow]:
-    """csv/tsv records from ``f``'s position: the prompt reader, given the header line then the rest."""
-    from itertools import chain, islice
-
-    if head is not None:
-        header = next(P._raw_lines(io.BytesIO(head)))[1]
-    else:
-        with open(src.path, "rb") as h:
-            header = next(P._raw_lines(h))[1]
-    # the reader numbers the header line 1 and this shard's first record line 2
-    for r in islice(P._read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
-                                  src.on_bad_row, src.max_chars), count):
-        yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject)
-
-
-def _parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.PromptRow]:
-    pf = P._parquet_file(src.path)
-    row_groups, first, pos = [], 0, 0  # the row groups that hold rows index..index+count-1
-    for g in range(pf.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if pos + n > index and pos < index + count:
-            first = pos if not row_groups else first
-            row_groups.append(g)
-        pos += n
-    table = pf.read_row_groups(row_groups).slice(index - first, count)
-    for i, rec in enumerate(table.to_pylist()):
-        yield P._emit(src.path, index + i, index + i + 1, src.on_bad_row, P._parse_parquet, rec, src.field,
-                      src.seed_field, max_chars=src.max_chars)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
-from shardgen.dataio.plan import Plan, PlanError, PlannedRow, file_sha256, load_plan, sample_key
+from shardgen.dataio.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts import PromptFileError
 from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, own_file_name, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
@@ -48,13 +48,14 @@ def _refuse_symlinks(directory: Path, what: str) -> None:
                               f"Replace it by the file it points to, or delete it and re-run")
 
 
-def load_plan_or_discard(run: RunDir) -> Plan | None:
+def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
     """The run's plan if it is whole; None (after moving a damaged one out of the way) when it must be
-    made again. Call only after the fingerprint matched: then planning again gives the same plan."""
+    made again. Call only after the fingerprint matched: then planning again gives the same plan.
+    ``prompt_path``: where the launch found the prompt file (its content checked by the fingerprint)."""
     _refuse_symlinks(run.plan_dir, "plan")
     plan_json = run.plan_dir / "plan.json"
     try:
-        plan = load_plan(run)
+        plan = load_plan(run, prompt_path)
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan, damage = None, f"{plan_json} is damaged ({e})"
     else:
@@ -64,6 +65,10 @@ def load_plan_or_discard(run: RunDir) -> Plan | None:
         damage = f"{missing[0]} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
             return plan
+    if damage and extension_dirs(run):
+        raise RunDirError(f"{damage}, and {run.root} was extended with appended prompts ({run.plan_dir}/ext-*): "
+                          "planning again would not cut the rows into the same shards. Restore plan/ from a "
+                          "backup, or start a new run_dir")
     if damage:
         log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
         aside = run.root / f".plan-damaged~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"

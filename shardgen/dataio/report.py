@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan
 from shardgen.dataio.rundir import RunDirError, read_state
 from shardgen.dataio.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
@@ -172,7 +173,11 @@ def build_report(plan: Plan) -> str:
     rows = _index_rows(plan)
     status = Counter(rows["status"])
     launches = read_launches(plan.run)
-    counts = [("prompts", plan.num_rows), ("shards committed", f"{len(plan.run.done_shards())} of {plan.num_shards}"),
+    done = len(plan.run.done_shards())
+    state = "complete" if done == plan.num_shards else (
+        f"in progress: {read_ledger(plan).done_samples} of {plan.num_rows} samples durable; the figures below are "
+        "the committed shards'")
+    counts = [("state", state), ("prompts", plan.num_rows), ("shards committed", f"{done} of {plan.num_shards}"),
               ("images (ok)", status["ok"]), ("failed", status["failed"]), ("rejected", status["rejected"]),
               ("truncated prompts", sum(bool(t) for t in rows["truncated"])), ("launches", len(launches))]
     sections = [("Counts", _table(counts, ("what", "count"))),

@@ -278,11 +278,6 @@ class RunDir:
         return self.logs_dir / "slurm"
 
     @property
-    def launches_path(self) -> Path:
-        """Every launch's summary, appended."""
-        return self.root / "launches.jsonl"
-
-    @property
     def report_path(self) -> Path:
         return self.root / "report.html"
 
@@ -318,6 +313,11 @@ class RunDir:
     @property
     def summary_path(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def launches_path(self) -> Path:
+        """Every launch's summary, one JSON line each (shardgen/dataio/runlog.py)."""
+        return self.root / "launches.jsonl"
 
     @property
     def config_path(self) -> Path:

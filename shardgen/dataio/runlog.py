@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir import RunDir, append_line
+from shardgen.dataio.rundir import RunDir, append_line, is_run_dir
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -39,6 +39,11 @@ class RankLogHandler(logging.FileHandler):
             return
         self._held.append(record)
         del self._held[:-MAX_HELD_LINES]
+
+    @property
+    def holding(self) -> bool:
+        """Whether lines are still held (``start_writing`` not called yet)."""
+        return self._held is not None
 
     def start_writing(self) -> None:
         """Write the held lines, and every later one as it comes."""
@@ -63,6 +68,19 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     return handler
+
+
+def log_to_file_only(handler: logging.Handler, error: BaseException) -> None:
+    """Write the error that ends a rank into its log file only (the console gets it from the entry point),
+    so the run directory keeps why each launch stopped (jobs.status shows the last one)."""
+    if not Path(handler.baseFilename).parent.is_dir():  # a launch refused before the run had logs writes none
+        return
+    if isinstance(handler, RankLogHandler) and handler.holding:  # stopped before the run directory was accepted
+        if not is_run_dir(Path(handler.baseFilename).parent.parent):
+            return  # not a shardgen run (a foreign directory with a logs/ of its own): nothing is written into it
+        handler.start_writing()  # an existing run refused this launch (a changed prompt file...): say why in it
+    handler.handle(logging.LogRecord("shardgen", logging.ERROR, __file__, 0, "stopped: %s: %s",
+                                     (type(error).__name__, str(error).splitlines()[0] if str(error) else ""), None))
 
 
 def detach_rank_log(handler: logging.Handler) -> None:

@@ -34,6 +34,8 @@ class Sample:
     failure: str | None = None     # reason, when no image
     status: str = "ok"             # ok | failed | rejected
     members: list | None = None    # tar members carried over unchanged (retry_failed keeps good samples)
+    gen_s: float | None = None     # generation time per sample: in the index only, never in the tar (so a
+    #                                resumed run's tars equal an uninterrupted run's byte for byte)
 
     @classmethod
     def carried(cls, key: str, members: dict[str, bytes]) -> "Sample":
@@ -86,6 +88,7 @@ def stats_from_samples(shard: int, metas: list[dict]) -> tuple[Counter, Counter,
     for meta in metas:
         _count(counts, reasons, failed, meta["status"], meta.get("error"), meta.get("key") or sample_key(meta["index"]),
                meta["index"])
+        counts["truncated"] += bool(meta.get("truncated"))
     return counts, reasons, failed
 
 
@@ -157,10 +160,11 @@ class ShardWork:
         members = []
         for s, img in zip(samples, encoded):
             record = s.members if s.members is not None else sample_members(s, img, fmt)
-            self.index.add(record)
+            self.index.add(record, gen_s=s.gen_s)
             if s.status == "ok":  # the tars hold images only: one layout for every reader
                 members += record
             _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
+            self.counts["truncated"] += bool(s.meta.get("truncated"))
         self.tar.append(members)
         self.n_done += len(samples)
         self._write_checkpoint()
@@ -202,10 +206,11 @@ class ShardWork:
 
 def shard_stats(shard: int, counts: Counter, reasons: Counter, failed: list, *, tar_bytes: int, sha256: str,
                 started: float) -> dict:
-    """The stats (done marker) of a committed shard."""
+    """The stats (done marker) of a committed shard; ``truncated``: its prompts a text encoder cut."""
     now = time.time()
-    return dict(shard=shard, count=sum(counts.values()), ok=counts["ok"], failed=counts["failed"],
-                rejected=counts["rejected"], failures_by_reason=dict(reasons), failed_samples=failed,
+    return dict(shard=shard, count=counts["ok"] + counts["failed"] + counts["rejected"], ok=counts["ok"],
+                failed=counts["failed"], rejected=counts["rejected"], truncated=counts["truncated"],
+                failures_by_reason=dict(reasons), failed_samples=failed,
                 tar_bytes=tar_bytes, sha256=sha256, started=started, finished=now, wall_s=round(now - started, 3))
 
 
@@ -231,6 +236,22 @@ def shard_checkpoints(run: RunDir, shard: int) -> list[dict]:
             if ckpt["shard"] == shard and name == run.checkpoint(shard, ckpt["gen"]).name:
                 out.append(ckpt)
     return out
+
+
+def durable_partial(run: RunDir, shard: int) -> bytes | None:
+    """The durable bytes of ``shard``'s furthest partial tar (up to its checkpoint, a valid tar prefix), for
+    readers of a run in progress (jobs.preview); None without one. Never written to, never trusted further."""
+    for ckpt in sorted(shard_checkpoints(run, shard), key=lambda c: -c["n_done"]):
+        path = run.partial_tar(shard, ckpt["gen"])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink where a partial should be is not read
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(ckpt["tar_bytes"])
+        except OSError:
+            continue
+        if len(data) == ckpt["tar_bytes"]:
+            return data
+    return None
 
 
 def _checkpoints_by_progress(run: RunDir, shard: int, below_gen: int) -> list[dict]:

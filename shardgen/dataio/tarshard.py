@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import tarfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,9 @@ from shardgen.dataio.rundir import disk_full, open_fresh
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
+# Every member's mtime: a fixed time (2020-01-01 UTC), not the time of writing, so the same samples always make
+# the same tar bytes, whether the run was interrupted and resumed or not (as reproducible builds fix theirs).
+MEMBER_MTIME = 1577836800
 
 
 def tar_member(name: str, data: bytes, mtime: float) -> bytes:
@@ -93,9 +95,8 @@ class PartialTar:
         return self._sha.hexdigest()
 
     def append(self, members: list[tuple[str, bytes]]) -> None:
-        """Append members (name, data) in order."""
-        now = time.time()
-        self._write(b"".join(tar_member(name, data, now) for name, data in members))
+        """Append members (name, data) in order (each with MEMBER_MTIME)."""
+        self._write(b"".join(tar_member(name, data, MEMBER_MTIME) for name, data in members))
 
     def sync(self) -> int:
         """Flush and fsync; return the durable byte length (a checkpoint offset)."""

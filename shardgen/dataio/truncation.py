@@ -1,36 +1,62 @@
-"""Prompts longer than a text encoder keeps, found while planning (``prompts.on_truncation``).
+"""Prompts longer than a text encoder keeps (``prompts.on_truncation``): counting their tokens.
+
+With ``warn`` (the default) planning tokenizes nothing: each batch's prompts are counted when they
+are generated (``dataio/annotate.py``, the pipeline's own tokenizers, one batch call) and flagged
+``truncated`` in their json, the index and the shard's stats. ``error`` and ``skip`` must know
+before any image is made, so planning counts, with the fast tokenizers' batch call (Rust, all
+cores) and a progress bar.
 
 Only rows long enough to be cut are tokenized: a prompt of B UTF-8 bytes has at most B + 2
 tokens (byte-level BPE as in CLIP: a token covers at least a byte, plus start and end tokens;
 unigram as in T5: at most a token per character plus an extra word boundary and the end token),
-so rows of at most ``window - 3`` bytes are skipped unseen. Planning 100M short prompts then
-tokenizes none of them.
+so rows of at most ``window - 3`` bytes are skipped unseen.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 log = logging.getLogger("shardgen.plan")
+
+
+def count_tokens(tok: Any, prompts: list[str]) -> list[int]:
+    """How many tokens ``tok`` makes of each prompt, special tokens included, nothing cut.
+
+    A fast tokenizer is called through its Rust backend's batch call, which spreads the batch over
+    all cores (rayon) and builds no Python lists of ids (``encode_batch_fast``, tokenizers >= 0.20,
+    also skips the character offsets); others through ``tok(...)``."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [len(e) for e in encode(prompts, add_special_tokens=True)]
+    return [len(seq) for seq in tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]]
+
+
 def token_counts(windows: list[tuple[str, Any, int]], prompts: list[str]) -> list[tuple[dict, bool]]:
     """Per prompt: ({encoder: tokens}, truncated?) where truncated means some encoder keeps fewer."""
     counts = [dict() for _ in prompts]
     truncated = [False] * len(prompts)
     for name, tok, window in windows if prompts else ():  # tokenizers refuse an empty batch
-        ids = tok(prompts, add_special_tokens=True, truncation=False)["input_ids"]
-        for i, seq in enumerate(ids):
-            counts[i][name] = len(seq)
-            truncated[i] = truncated[i] or len(seq) > window
+        for i, n in enumerate(count_tokens(tok, prompts)):
+            counts[i][name] = n
+            truncated[i] = truncated[i] or n > window
     return list(zip(counts, truncated))
 
 
 ON_TRUNCATION = ("warn", "error", "skip")
-_BATCH = 2048
+_BATCH = 2048  # prompts per batch call: enough to keep every core busy; the encodings made stay ~30 MB
+
+
+def checks_while_planning(policy: str) -> bool:
+    """Whether planning must count tokens: only to refuse (error) or reject (skip) long prompts
+    before any image is made; ``warn`` counts them at generation time instead."""
+    return policy in ("error", "skip")
 
 
 def planning_windows(model_cfg: Any) -> list[tuple[str, Any, int]]:
@@ -62,9 +88,13 @@ class TruncationCheck:
 
     windows: list[tuple[str, Any, int]]
     policy: str = "warn"
-    truncated: list[int] = field(default_factory=list)
+    total: int | None = None                # about how many rows the file has (the progress bar's end)
+    progress: bool = True
+    truncated: array = field(default_factory=lambda: array("q"))  # row indices, increasing: 8 bytes each
     first: tuple[int, dict] | None = None   # (line, tokens) of the first truncated row
+    stopped_at: int | None = None           # error: rows scanned when the first batch with a cut prompt ended
     _pending: list = field(default_factory=list)
+    _bar: Any = None
 
     @property
     def min_bytes(self) -> int:
@@ -76,6 +106,13 @@ class TruncationCheck:
         self._pending.append((index, line, prompt))
         if len(self._pending) >= _BATCH:
             self.flush()
+            if self.policy == "error" and self.truncated:  # refused anyway: say so now, not after the whole file
+                self.stopped_at = index + 1
+
+    @property
+    def stop(self) -> bool:
+        """The planning scan may stop: the run is refused whatever the rest holds."""
+        return self.stopped_at is not None
 
     def flush(self) -> None:
         """Tokenize the rows offered so far."""
@@ -86,13 +123,31 @@ class TruncationCheck:
             if cut:
                 self.truncated.append(index)
                 self.first = self.first or (line, tokens)
+        self._advance(rows[-1][0] + 1)
+
+    def _advance(self, rows_done: int) -> None:
+        """The bar shows the rows scanned (up to the last one tokenized), against ``total``."""
+        if not self.progress:
+            return
+        if self._bar is None:
+            import sys
+
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, unit="prompt", desc=f"counting tokens (prompts.on_truncation="
+                             f"{self.policy})", dynamic_ncols=True, file=sys.stderr,
+                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        self._bar.update(max(0, rows_done - self._bar.n))
 
     def report(self, path: str) -> str | None:
         """The planning message (None when no prompt is cut)."""
         self.flush()
+        if self._bar is not None:
+            self._bar.close()
         if not self.truncated:
             return None
         line, tokens = self.first
         keeps = ", ".join(f"{n} keeps {w}" for n, _, w in self.windows)
-        return (f"{len(self.truncated)} prompt(s) are longer than the text encoders keep ({keeps} tokens); the first, "
-                f"{path}:{line}, has {tokens}")
+        among = f" (among the first {self.stopped_at} rows: planning stopped there)" if self.stop else ""
+        return (f"{len(self.truncated)} prompt(s) are longer than the text encoders keep ({keeps} tokens){among}; the "
+                f"first, {path}:{line}, has {tokens}")

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from shardgen.dataio.index import committed_samples
 from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, sample_key
 from shardgen.dataio.rundir import RunDirError
-from shardgen.errors import UserError
+from shardgen.dataio.shardwork import shard_checkpoints
 from shardgen.dataio.video import VIDEO_EXT, check_video_member
+from shardgen.errors import UserError
 
 IMAGE_EXTS = ("png", "jpg", "webp")
 MEDIA_EXTS = IMAGE_EXTS + (VIDEO_EXT,)  # a sample's one image or video member
@@ -24,23 +25,31 @@ MEDIA_EXTS = IMAGE_EXTS + (VIDEO_EXT,)  # a sample's one image or video member
 
 @dataclass
 class VerifyReport:
-    """Defects found (empty = the run is complete and sound)."""
+    """Defects found, and the shards not committed yet (an unfinished run is not a defective one)."""
 
     shards_checked: int = 0
     samples: int = 0
     status: Counter = field(default_factory=Counter)
     defects: list[str] = field(default_factory=list)
     bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate) or "stats" (rewrite)
+    unfinished: list[str] = field(default_factory=list)  # a line per shard not committed yet: in progress, not started
+    in_progress: int = 0                                  # of those, shards with durable samples in work/
+
+    @property
+    def sound(self) -> bool:
+        """No defect in what is committed (the run may be unfinished)."""
+        return not self.defects
 
     @property
     def ok(self) -> bool:
-        return not self.defects
+        """Complete and sound."""
+        return not self.defects and not self.unfinished
 
 
 def read_shard_members(path) -> dict[str, dict[str, bytes]]:
-    """key -> {extension: bytes} of one tar (raises on an unreadable tar)."""
+    """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
     samples: dict[str, dict[str, bytes]] = defaultdict(dict)
-    with tarfile.open(path) as tf:
+    with tarfile.open(path) if isinstance(path, (str, os.PathLike)) else tarfile.open(fileobj=path) as tf:
         for m in tf:
             if not m.isfile():
                 continue
@@ -139,13 +148,11 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     run = plan.run
     tar, stats_path = run.shard_tar(shard), run.shard_stats(shard)
     name = f"shard {shard:06d}"
-    if not os.path.lexists(stats_path):
-        has_tar = os.path.lexists(tar)
-        rep.defects.append(f"{name}: not committed (no {stats_path.name}" + (
-            "; its tar is there: the next launch, or --repair, finishes the shard from it)" if has_tar else
-            f", no {tar.name})"))
-        if has_tar:
+    if not os.path.lexists(stats_path):  # not committed yet: unfinished, not a defect
+        rep.unfinished.append(_unfinished_line(plan, shard, os.path.lexists(tar)))
+        if os.path.lexists(tar):
             rep.bad_shards[shard] = "stats"
+        rep.in_progress += "not started" not in rep.unfinished[-1]
         return
     rep.shards_checked += 1
     if tar.is_symlink() or not tar.is_file():
@@ -198,6 +205,15 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
             rep.bad_shards.setdefault(shard, "stats")
     rep.status.update(shard_status)
     rep.samples += len(got)
+
+
+def _unfinished_line(plan: Plan, shard: int, has_tar: bool) -> str:
+    name, rows = f"shard {shard:06d}", len(plan.shard_range(shard))
+    if has_tar:
+        return (f"{name}: its commit was interrupted (its tar is there, no {plan.run.shard_stats(shard).name}); the "
+                "next launch, or --repair, finishes it")
+    done = max((c["n_done"] for c in shard_checkpoints(plan.run, shard)), default=0)
+    return f"{name}: in progress, {done}/{rows} samples durable in work/" if done else f"{name}: not started"
 
 
 def repair_run(plan: Plan, report: VerifyReport) -> list[str]:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import socket
 from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from shardgen.errors import UserError
+from shardgen.errors import UserError, is_user_error
 from shardgen.launch.ranks import child_config, setup_rank_logging
+
+# A rank's user error reaches the parent inside a traceback string (torch.multiprocessing): its whole message
+# travels as one JSON string after this mark, so the parent can print it whole (it may span several lines).
+USER_ERROR_MARK = "shardgen-user-error:"
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -29,29 +35,48 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from shardgen.run.runner import run_rank
 
+    debug = os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0")
     try:
         run_rank(OmegaConf.create(cfg_yaml))
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the parent says how to resume, the ranks stay quiet
-        if os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0"):
+        if debug:
             raise
         raise SystemExit(130) from None
+    except Exception as e:
+        if is_user_error(e) and not debug:
+            raise RuntimeError(USER_ERROR_MARK + json.dumps(str(e))) from None
+        raise
+
+
+def rank_error_message(text: str) -> str:
+    """The error a spawned rank raised, from the traceback text the parent receives: a user error's whole
+    message, else the traceback's last line."""
+    if m := re.search(re.escape(USER_ERROR_MARK) + r'(".*")\s*$', text, re.M):
+        return json.loads(m.group(1))
+    return text.strip().splitlines()[-1]
 
 
 def launch_local(cfg: GenerateConfig) -> None:
-    """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode)."""
+    """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode). What can be
+    refused (degrees, the prompt file, a changed fingerprint) is refused here, once, before any rank starts,
+    and a complete run starts none."""
     import torch.multiprocessing as mp
 
     from parallel.strategies import parallel_dims
+    from shardgen.run.runner import nothing_to_do, prepare_run, say_nothing_to_do
 
-    parallel_dims(cfg, cfg.launcher.nprocs)  # impossible degrees fail here, once, before any rank is spawned
+    dims = parallel_dims(cfg, cfg.launcher.nprocs)  # impossible degrees fail here, before any rank is spawned
+    plan = prepare_run(cfg, dims.dp, save_config=False)  # rank 0 prepares again (cheap) and records the config
+    if nothing_to_do(cfg, plan):
+        say_nothing_to_do(plan)
+        return
     nprocs = cfg.launcher.nprocs
     try:
         args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
         mp.start_processes(_local_rank_main, args=args, nprocs=nprocs,
                            start_method="spawn", join=True)
     except mp.ProcessRaisedException as e:
-        # the child's traceback is in the message; its last line is the error itself
-        raise LocalRankError(str(e).strip().splitlines()[-1]) from None
+        raise LocalRankError(rank_error_message(str(e))) from None
     except mp.ProcessExitedException as e:
         from shardgen.run.watchdog import STALL_EXIT_CODE
 

@@ -112,3 +112,16 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     if device is not None:
         pipe.to(device)
     return pipe
+
+
+def quiet_libraries() -> None:
+    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
+    window (truncation is expected in batch generation) and draw progress bars while building, saving and
+    loading pipelines (the tiny model's first build among them); keep their errors only."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

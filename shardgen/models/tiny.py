@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from shardgen.models.loader import quiet_libraries
+
 # Bump when the architecture or training strings change: old caches are then ignored.
 TINY_VERSION = "v2"  # v2: the T5 tokenizer has a fixed vocabulary (v1 trained one differed per process)
 _CORPUS = [
@@ -57,6 +59,7 @@ def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+    quiet_libraries()  # a first run prints the run's lines, not the build's progress bars
     try:
         build().save_pretrained(tmp, safe_serialization=True)
         if not _has_all_weights(tmp):  # transformers writes weights on distributed rank 0 only: wait for its copy
@@ -94,7 +97,7 @@ def _train_tokenizers(workdir: Path):
     bpe = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator(_CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"],
+        vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.model.save(str(workdir))
     clip_tok = CLIPTokenizer(str(workdir / "vocab.json"), str(workdir / "merges.txt"), model_max_length=77)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,11 @@ class GenSettings:
     """Mid-sample checkpoints every N steps (shardgen/run/latent_ckpt.py); None = off."""
     accel: AccelOptions = AccelOptions()
     """Speed options (shardgen/speed/accel.py), applied to the pipeline before its first call."""
+    batch_size: int = 1
+    """The run's batch size: a compiled pipeline gets every call padded to it (``padded``)."""
+    compile_auto: bool = False
+    """``compile: auto`` where compiling is possible: each process decides whether it pays
+    (shardgen/speed/autocompile.py); ``accel.compile`` is then that decision, batch by batch."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
@@ -47,11 +51,13 @@ class GenSettings:
         ``compile: auto`` too)."""
         m = cfg.model
         strategy = strategy or cfg.strategy.name
+        opts = AccelOptions.from_cfg(cfg, strategy)
         return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
                    true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
                    max_sequence_length=m.max_sequence_length, model=m.name, strategy=strategy,
-                   accel=AccelOptions.from_cfg(cfg, strategy), num_frames=cfg.get("num_frames"),
-                   guidance_2=m.get("guidance_2"),
+                   accel=opts, num_frames=cfg.get("num_frames"),
+                   guidance_2=m.get("guidance_2"), batch_size=int(cfg.batch_size),
+                   compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
                    latents=LatentCheckpoints.from_cfg(cfg, strategy))
 
 
@@ -100,7 +106,7 @@ def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     return flags.tolist(), host.numpy()
 
 
-def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
+def _meta(row: PlannedRow, s: GenSettings) -> dict:
     meta = dict(row.extra)  # input columns first, so our own fields win on a name clash
     meta.update(prompt=row.prompt, index=row.index, line=row.line, seed=row.seed, model=s.model, height=s.height,
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
@@ -110,13 +116,22 @@ def _meta(row: PlannedRow, s: GenSettings, gen_s: float | None) -> dict:
         meta["guidance_2"] = s.guidance_2
     if s.accel.lossy:
         meta["lossy"] = s.accel.lossy
-    if gen_s is not None:
-        meta["gen_s"] = round(gen_s, 4)
     return meta
 
 
 class ReplicaBatchError(JobEndingError, RuntimeError):
     """A batch failed on one rank of a model-parallel replica: the job must stop (see ``run_pipeline``)."""
+
+
+def padded(rows: list[PlannedRow], s: GenSettings) -> list[PlannedRow]:
+    """``rows`` filled up to the run's batch size with copies of the last row when the transformer is
+    compiled: a short batch (the run's last, a resumed or repaired shard, one with rejects) then has the
+    shape of every other batch, so it reuses the compiled graphs instead of compiling new ones (16-40 s
+    on an H200, more than the few extra images cost). Each sample has its own generator, so the real rows'
+    pixels do not depend on the copies; the copies' outputs are dropped."""
+    if not s.accel.compile or not rows or len(rows) >= s.batch_size:
+        return rows
+    return rows + [rows[-1]] * (s.batch_size - len(rows))
 
 
 def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
@@ -127,14 +142,15 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
     it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
     accel.prepare(pipe, s.accel)  # outside the try: a setup error is the job's, not the samples'
-    t0 = time.perf_counter()
     try:
-        shape = accel.attention_shape(pipe, s.height, s.width, len(rows), s.max_sequence_length)
-        kw = pipeline_kwargs(pipe, s, [r.prompt for r in rows], [r.seed for r in rows])
+        call = padded(rows, s)
+        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
+        kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call])
         with accel.sdpa_context(pipe, s.accel, shape), \
-                latent_checkpoints(pipe, s.latents, [r.index for r in rows], kw, s.steps):  # latent_checkpoint_every
+                latent_checkpoints(pipe, s.latents, [r.index for r in call], kw, s.steps):  # latent_checkpoint_every
             out = pipe(**kw)
         finite, pixels = to_pixels(out.frames if hasattr(out, "frames") else out.images)  # video pipelines: frames
+        finite, pixels = finite[:len(rows)], pixels[:len(rows)]
     except Exception as e:
         if ends_job(e) or is_user_error(e):  # e.g. submitit ending a timed-out job, or a setup the user must change
             raise
@@ -145,14 +161,13 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
                 "stops here. Re-run the same command to continue from the last durable batch (if the error is "
                 "out of memory, lower batch_size).") from e
         if len(rows) == 1:
-            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s, None),
+            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s),
                            status="failed", failure=f"exception: {type(e).__name__}: {e}")]
         log.warning("batch of %d failed (%s: %s); retrying its samples one by one", len(rows), type(e).__name__, e)
         return [sample for r in rows for sample in run_pipeline(pipe, s, [r])]
-    per_sample = (time.perf_counter() - t0) / len(rows)
     samples = []
     for r, ok, px in zip(rows, finite, pixels):
-        meta = _meta(r, s, per_sample)
+        meta = _meta(r, s)
         if ok:
             samples.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=meta, pixels=px))
         else:
@@ -168,7 +183,7 @@ def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ra
     out = []
     for r in rows:
         if r.reject is not None:
-            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s, None),
+            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s),
                               status="rejected", failure=f"rejected: {r.reject}"))
         else:
             out.append(made[r.index])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import Plan
@@ -25,6 +27,9 @@ class Progress:
                         file=sys.stderr, smoothing=0.1,
                         mininterval=0.1 if sys.stderr.isatty() else 30.0)  # a log file gets a line per 30 s
         self._last_sync = time.monotonic()
+        # while the bar is drawn, log lines go through tqdm.write: on their own line, the bar redrawn below them
+        self._logs = contextlib.ExitStack()
+        self._logs.enter_context(logging_redirect_tqdm())
 
     def advance(self, n: int) -> None:
         """Count ``n`` samples handed to the writer by this replica."""
@@ -40,5 +45,8 @@ class Progress:
 
     def close(self) -> None:
         """Show the run's final count (other replicas included) and close the bar."""
-        self._resync()
-        self.bar.close()
+        try:
+            self._resync()
+        finally:
+            self.bar.close()
+            self._logs.close()

@@ -22,6 +22,7 @@ from shardgen.dataio.verify import read_shard_members
 from shardgen.dataio.sink import ShardSink
 from shardgen.run.generation import GenSettings, generate_batch
 from shardgen.run.watchdog import StallWatchdog
+from shardgen.speed.autocompile import AutoCompile
 from parallel.world import broadcast_object
 from shardgen.errors import UserError
 
@@ -67,11 +68,13 @@ class ReplicaWorker:
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
     annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/annotate.py)
+    autocompile: AutoCompile | None = None  # compile=auto on a one-rank replica: decided here, batch by batch
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
+    _done_in_shard: int = field(default=0, init=False)  # rows of the current shard already made (remaining_here)
 
     def __enter__(self) -> "ReplicaWorker":
         return self
@@ -115,6 +118,11 @@ class ReplicaWorker:
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
         return None
+
+    def remaining_here(self) -> int:
+        """Samples this replica is still expected to make: the unfinished shards' share of one replica."""
+        left = self.plan.num_shards - len(self.plan.run.done_shards())
+        return max(0, left * self.plan.samples_per_shard // max(1, self.ctx.count) - self._done_in_shard)
 
     def _share(self, obj):
         if self.ctx.group is None:
@@ -173,13 +181,23 @@ class ReplicaWorker:
         todo = batch if redo is None else [r for r in batch if r.index in redo]
         if self.on_batch:
             self.on_batch("start", self)
+        if self.autocompile and todo:
+            self._done_in_shard = n_done + start
+            self.settings = self.autocompile.settings(self.settings)
+        t_gen = time.perf_counter()
         made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
                                            if todo else [])}
+        if self.autocompile and todo:
+            self.autocompile.observe(self.settings, sum(r.reject is None for r in todo), time.perf_counter() - t_gen)
         if self.on_batch:
             self.on_batch("end", self)
         samples = [made.get(r.index) or Sample.carried(r.key, self._old[r.key]) for r in batch] if self.ctx.leader \
             else list(made.values())
-        self.gen_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.gen_s += elapsed
+        generated = [s for s in made.values() if s.status != "rejected"]
+        for s in generated:  # the batch's time per generated sample, for the index (not the tar: see Sample.gen_s)
+            s.gen_s = elapsed / len(generated)
         self.generated += len(made)
         self._check_broken(list(made.values()))
         if self.ctx.leader:

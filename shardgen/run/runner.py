@@ -17,28 +17,32 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from omegaconf import OmegaConf
 
 from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
-from shardgen.dataio.truncation import TruncationCheck, planning_windows
+from shardgen.dataio.truncation import TruncationCheck, checks_while_planning, planning_windows
 from shardgen.dataio.claims import Claimer, owner_record
+from shardgen.dataio.extend import extend_if_appended
 from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
                                          remember_prompt_hash)
 from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan, PromptSource, build_plan, idle_warning, load_plan, resolve_samples_per_shard
+from shardgen.dataio.plan import (Plan, PromptSource, build_plan, estimate_rows, idle_warning, load_plan,
+                                  resolve_samples_per_shard)
 from shardgen.dataio.prompts import check_prompt_source
 from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import (RunDir, atomic_write_bytes, atomic_write_json, check_run_dir_text, check_run_root,
                                     create_exclusive, first_missing_dir)
-from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, record_launch
+from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, log_to_file_only, record_launch
 from shardgen.dataio.signals import Signals
 from shardgen.dataio.sink import ShardSink
-from shardgen.dataio.video import VideoEncoder, is_video
+from shardgen.dataio.video import VIDEO_EXT, VideoEncoder, is_video
 from shardgen.run.generation import GenSettings
+from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_version, quiet_libraries  # noqa: F401 (quiet_libraries: re-exported)
 from parallel import world as W
 from parallel.dims import ParallelDims
+from parallel.memory import check_memory
 from parallel.strategies import apply_strategy, parallel_dims
 
 if TYPE_CHECKING:
@@ -89,6 +93,7 @@ class RunResult:
     wall_s: float
     complete: bool
     writer_wait_s: float = 0.0
+    truncated: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -107,9 +112,10 @@ def prompt_path(cfg: GenerateConfig) -> Path:
     return path.absolute()
 
 
-def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
+def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:
     """Check or create the run directory's fingerprint and plan, and repair what a killed job left
     (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused).
+    ``save_config``: record the resolved config (a launcher preparing before its ranks leaves that to rank 0).
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
     planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
@@ -121,12 +127,15 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    source = PromptSource.from_cfg(cfg.prompts, path)
+    # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
+    extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
     resuming = True
     try:
-        resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change)
-        plan = load_plan_or_discard(run)
+        resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
+        plan = load_plan_or_discard(run, path)
         if plan is None:
-            plan = _make_plan(cfg, run, path, replicas)
+            plan = _make_plan(cfg, run, source, digest, replicas)
     except BaseException:
         if new and not resuming:  # a new run that never started: leave no half-made directory behind
             run.fingerprint_path.unlink(missing_ok=True)
@@ -138,37 +147,39 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1) -> Plan:
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
     remember_prompt_hash(run, digest, identity)
-    _save_config(run, cfg)
+    if save_config:
+        _save_config(run, cfg)
     return plan
 
 
-def _make_plan(cfg: GenerateConfig, run: RunDir, path: Path, replicas: int) -> Plan:
-    source = PromptSource.from_cfg(cfg.prompts, path)
-    per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, width=cfg.width, height=cfg.height,
-                                          image_format=cfg.image_format, replicas=replicas, batch_size=cfg.batch_size)
+def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: str, replicas: int) -> Plan:
+    per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
     plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                      truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
+                      truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
     log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
              plan.num_shards, plan.samples_per_shard, run.root)
     return plan
+
+
+def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
+    """The token count planning does: none for on_truncation=warn (generation counts each batch)."""
+    policy = cfg.prompts.on_truncation
+    if not checks_while_planning(policy):
+        return None
+    return TruncationCheck(planning_windows(cfg.model), policy, total=estimate_rows(source), progress=cfg.progress)
+
+
+def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
+    """What choosing samples_per_shard needs to know about the samples (a video run: mp4s of num_frames)."""
+    video = is_video(cfg)
+    return dict(width=cfg.width, height=cfg.height, image_format=VIDEO_EXT if video else cfg.image_format,
+                frames=cfg.num_frames if video else 1, replicas=replicas, batch_size=cfg.batch_size)
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     text = OmegaConf.to_yaml(cfg, resolve=True).encode()
     if not create_exclusive(run.config_path, text):
         atomic_write_bytes(run.later_config_path(time.time()), text)
-
-
-def quiet_libraries() -> None:
-    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
-    window (truncation is expected in batch generation); keep their errors only."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def share_cpu_threads(world: W.World) -> None:
@@ -199,20 +210,45 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         dims = parallel_dims(cfg, world.world_size)
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
-        plan = load_plan(RunDir(Path(plan.run.root)))
-        if len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan)):
+        plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
+        if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
+        if pipeline is None:
+            check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.on_batch = on_batch
             worker.run()
+        log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+    except Exception as e:
+        log_to_file_only(rank_log, e)
+        raise
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def log_compile_summary(worker: ReplicaWorker) -> None:
+    """How compilation went in this process: the auto decision and the graphs compiled (bounded: one per
+    block class and batch shape; a number that grows with the batches means recompilation)."""
+    if worker.autocompile is not None:
+        log.info("%s", worker.autocompile.summary())
+    if worker.settings.accel.compile:
+        log.info("compiled graphs in this process: %d", compiled_graphs())
+
+
+def nothing_to_do(cfg: GenerateConfig, plan: Plan) -> bool:
+    """Every shard is committed, and retry_failed (if set) finds no failed sample to regenerate."""
+    return len(plan.run.done_shards()) == plan.num_shards and not (cfg.retry_failed and _has_failures(plan))
+
+
+def say_nothing_to_do(plan: Plan) -> None:
+    """The line a launch of a complete run prints."""
+    print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -233,6 +269,11 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
+    if (settings.compile_auto or settings.accel.compile) and ctx.ranks == 1:  # model-parallel ranks would have to agree
+        # compile=auto decides here; compile=true is timed and recorded (the figures a later auto process uses)
+        worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here,
+                                         decided=None if settings.compile_auto else True)
+        worker.settings = worker.autocompile.settings(settings)
     if ctx.leader:
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
                                           text_windows(pipe, cfg.model.max_sequence_length))
@@ -269,16 +310,21 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     totals = ledger.totals()
     result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
-                       complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s)
+                       complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s,
+                       truncated=totals["truncated"])
     summary = dict(result.__dict__, images_per_s=result.images_per_s, shards=plan.num_shards,
                    world_size=world.world_size)
     atomic_write_json(plan.run.summary_path, summary)
     record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
-        print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
+        say_nothing_to_do(plan)
     else:
         unit = "videos" if is_video(cfg) else "images"
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
               f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+    if result.truncated and not nothing_to_do:
+        log.warning("%d prompt(s) were longer than the text encoders keep: generated from their first tokens and "
+                    "flagged \"truncated\": true in their json and index (prompts.on_truncation=skip or error refuses "
+                    "them while planning)", result.truncated)
     return result

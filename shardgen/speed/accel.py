@@ -463,7 +463,9 @@ def _prepare_qwen(pipe, opts: AccelOptions) -> dict:
     if batch_cfg:
         qwen.install_cfg_batching(pipe)
     real_rope = opts.compile and qwen.enable_real_rope(pipe.transformer)
-    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope}}
+    dynamic = opts.compile and qwen.mark_text_dynamic(pipe.transformer) >= 0
+    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
+                     "text_length_dynamic": dynamic}}
 
 
 def prepare(pipe, opts: AccelOptions) -> dict:

@@ -155,6 +155,39 @@ def _cfg_call(forward, kwargs: dict, pair) -> tuple[Any, Any]:
     return type(out)(sample=out.sample[:b]), type(out)(sample=out.sample[b:])
 
 
+# --- one compiled graph for every text length ------------------------------------------------------------
+
+def mark_text_dynamic(transformer: torch.nn.Module) -> int:
+    """Compiled Qwen-Image blocks take the text length as a dynamic dimension (idempotent); how many blocks.
+
+    Each text bucket used to compile a graph of its own (128 / 256 / 512 tokens: 16-25 s each on an H200,
+    even from a warm cache); marked dynamic on the first call, one graph serves every length. The buckets
+    stay: they keep the number of attention shapes (kernel plans) small. Dims of size 1 stay static."""
+    from shardgen.speed.accel import repeated_blocks
+
+    n = 0
+    for block in repeated_blocks(transformer):
+        forward = block.__dict__.get("forward")
+        if forward is None or getattr(forward, "_shardgen_text_dynamic", False):
+            continue
+        block.__dict__["forward"] = _text_dynamic(forward)
+        n += 1
+    return n
+
+
+def _text_dynamic(forward):
+    def text_dynamic_forward(*args, **kwargs):
+        text, mask, rope = (kwargs.get(k) for k in ("encoder_hidden_states", "encoder_hidden_states_mask",
+                                                     "image_rotary_emb"))
+        for tensor, dim in ((text, 1), (mask, 1), (rope[1] if isinstance(rope, (tuple, list)) else None, 0)):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > dim:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return forward(*args, **kwargs)
+
+    text_dynamic_forward._shardgen_text_dynamic = True
+    return text_dynamic_forward
+
+
 # --- real-valued RoPE --------------------------------------------------------------------------------
 
 def rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""Whole runs as a user launches them, side by side with the seed docs' loop (issue 20).
+
+    python benchmarks/real_runs.py --model flux_dev --steps 28 --n 48 --seed-n 8 --out $OUT/flux_dev
+
+One process per line, in this order, on one prompt file of captions of 1 to 200 words
+(``shardgen.bench.main.bench_prompts``: a count that need not divide by the batch):
+
+1. ``seed``: ``python -m jobs.bench --baseline-only`` on the first ``--seed-n`` prompts: the seed docs'
+   eager loop (one prompt per call, the job's generation arguments, PNG saved): images/hour, steady;
+2. ``eager``: ``python -m jobs.generate ... compile=false``;
+3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh
+   ``$SHARDGEN_CACHE`` (its compile cache and compile records empty): a first job on a new node;
+4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling costs and gives here;
+5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a requeued job, a second job
+   or node after a compiled one.
+
+Whole-run figures are the prompt count over the process's wall time (interpreter start, model build,
+planning, compilation, the last commit: everything the user waits for), against the seed loop's steady
+rate, so they understate shardgen; the steady figure is the job's median batch once compiled (from its
+``compile=auto`` summary line). Results: ``summary.json`` and one log per process under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, int, str]:
+    """(wall seconds, exit status, output) of ``cmd`` run to completion, its output saved to ``log``."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    log.write_text(proc.stdout)
+    print(f"  {log.stem}: rc {proc.returncode}, {wall:.1f} s", flush=True)
+    return wall, proc.returncode, proc.stdout
+
+
+def parse_job(out: str) -> dict:
+    """The job's own figures from its log: compile decision, batch timings, graphs."""
+    res = {}
+    if m := re.search(r"compile=auto: (compiling|staying eager) \((.*)\)", out):
+        res["decision"], res["reason"] = m.group(1), m.group(2)
+    if m := re.search(r"(\d+) eager batches, ([\d.]+) s/sample", out):
+        res["eager_batches"], res["eager_s_per_sample"] = int(m.group(1)), float(m.group(2))
+    if m := re.search(r"(\d+) compiled batches, first ([\d.]+) s/sample(?:, steady ([\d.]+) s/sample)?", out):
+        res["compiled_batches"], res["first_compiled_s_per_sample"] = int(m.group(1)), float(m.group(2))
+        res["steady_s_per_sample"] = float(m.group(3)) if m.group(3) else None
+    if m := re.search(r"compiled graphs in this process: (\d+)", out):
+        res["graphs"] = int(m.group(1))
+    if m := re.search(r": (\d+) (?:images|videos), (\d+) failed", out):
+        res["ok"], res["failed"] = int(m.group(1)), int(m.group(2))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--n", type=int, default=48, help="prompts per job (default 48)")
+    ap.add_argument("--seed-n", type=int, default=8, help="prompts of the seed loop (its steady rate)")
+    ap.add_argument("--size", default=None, help="HEIGHTxWIDTH (default: the model's own)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
+    ap.add_argument("--skip", default="", help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from shardgen.bench.main import bench_prompts
+
+    out = Path(a.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in ("run-eager", "run-cold", "run-compiled-cold", "run-warm", "cache", "cache-eager", "cache-cold",
+                "seed-cache", "seed"):  # this script's own outputs
+        shutil.rmtree(out / old, ignore_errors=True)
+    prompts = out / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
+    cache = out / "cache"
+    env = dict(os.environ, SHARDGEN_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    size = []
+    if a.size:
+        h, _, w = a.size.partition("x")
+        size = [f"height={h}", f"width={w or h}"]
+    job = [sys.executable, "-m", "jobs.generate", f"model={a.model}", f"model.weights={a.weights}", "prompts=txt",
+           f"prompts.path={prompts}", f"steps={a.steps}", f"device={a.device}", "progress=false", *size, *a.overrides]
+    skip = set(filter(None, a.skip.split(",")))
+    res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
+    if "seed" not in skip:
+        seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
+        wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", a.model, "--steps", str(a.steps),
+                               "--n", str(a.seed_n), "--weights", a.weights, "--baseline-only", "--device", a.device, "--out", str(out / "seed"),
+                               *(["--size", a.size] if a.size else []), *sum((["--set", o] for o in a.overrides), [])],
+                              out / "seed.log", seed_env)
+        base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
+        res["seed"] = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
+    # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
+    # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
+    ways = {"eager": (["compile=false"], "cache-eager"), "compiled-cold": (["compile=true"], "cache"),
+            "warm": ([], "cache"), "cold": ([], "cache-cold")}
+    for way, (extra, cache_name) in ways.items():
+        if way in skip:
+            continue
+        way_env = dict(env, SHARDGEN_CACHE=str(out / cache_name))
+        wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra], out / f"{way}.log", way_env)
+        r = dict(parse_job(log), rc=rc, wall_s=wall, images_per_hour=3600 * a.n / wall)
+        res[way] = r
+        (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
+    seed = (res.get("seed") or {}).get("images_per_hour")
+    for way in ways:
+        r = res.get(way)
+        if r and seed:
+            r["x_seed_loop"] = r["images_per_hour"] / seed
+            if r.get("steady_s_per_sample"):
+                r["steady_x_seed_loop"] = 3600 / r["steady_s_per_sample"] / seed
+        if r and res.get("eager"):
+            r["x_eager_job"] = res["eager"]["wall_s"] / r["wall_s"]
+    (out / "summary.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "argv"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

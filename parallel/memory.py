@@ -1,0 +1,86 @@
+"""Will the model fit? Its weights' size, from its config (safetensors headers, or the dummy architecture
+built on the meta device), against the memory of the device each rank builds it on; checked before any
+weight is built or read, so an oversized model is a message, not "can't allocate memory" half-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from parallel.dims import ParallelDims
+from shardgen.errors import UserError
+
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig
+
+log = logging.getLogger("shardgen.memory")
+GiB = 1 << 30
+HEADROOM = 1.1  # weights are not all: activations, the allocator and the libraries take their share too
+
+
+class MemoryCheckError(UserError, MemoryError):
+    """The model's weights do not fit the memory of the device they are built on."""
+
+
+def weights_per_process(params: dict[str, int], dtype_bytes: int, dims: ParallelDims) -> int:
+    """Bytes of weights one process holds: tp splits the transformer(s) over the replica's ranks, device_map
+    spreads the whole pipeline over its GPUs; dp and cp hold all of it."""
+    transformer = sum(n for k, n in params.items() if k.startswith("transformer"))  # Wan 2.2: two experts
+    others = sum(params.values()) - transformer
+    if dims.strategy == "tp":
+        transformer //= max(1, dims.tp)
+    total = (transformer + others) * dtype_bytes
+    if dims.strategy == "device_map":
+        total //= max(1, dims.gpus_per_replica)
+    return total
+
+
+def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str]:
+    """(bytes free for one process, where); None when unknown. CPU ranks of one machine share its RAM."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0], f"GPU {torch.cuda.current_device()}"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None, "the CPU"
+    return kb * 1024 // max(1, local_ranks), f"the CPU ({local_ranks} rank(s) sharing its RAM)" if local_ranks > 1 \
+        else "the CPU"
+
+
+def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, int], dtype_bytes: int,
+                   available: int | None, where: str) -> str | None:
+    """The message when the weights do not fit (pure: tests give it any figures); None when they do."""
+    need = weights_per_process(params, dtype_bytes, dims)
+    if available is None or need * HEADROOM <= available:
+        return None
+    split = "" if dims.strategy in ("tp", "device_map") else (
+        " or split the transformer over several GPUs (strategy=tp tp_degree=N, strategy=device_map)")
+    return (f"model={cfg.model.name} (weights={cfg.model.weights}, dtype={cfg.dtype}) needs ~{need / GiB:.1f} GiB "
+            f"for its weights in each process ({sum(params.values()) / 1e9:.1f}B parameters, strategy "
+            f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use a device with more "
+            f"memory (device=cuda){split}, fewer ranks per machine, a smaller model (model=tiny), or "
+            "check_memory=false to try anyway")
+
+
+def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> None:
+    """Refuse (MemoryCheckError) a model whose weights do not fit where this rank builds them."""
+    from parallel.auto import component_params
+    from parallel.dims import ParallelConfigError
+    from shardgen.models.loader import torch_dtype
+
+    if not cfg.get("check_memory", True):
+        return
+    try:
+        params = component_params(cfg.model)
+    except (ParallelConfigError, OSError, ValueError) as e:  # a hub id not on disk: nothing to size it from
+        log.debug("memory check skipped: %s", e)
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available, where = available_bytes(device_type, local)
+    if problem := memory_problem(cfg, dims, params, torch_dtype(cfg.dtype).itemsize, available, where):
+        raise MemoryCheckError(problem)

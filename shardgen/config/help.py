@@ -1,0 +1,104 @@
+"""``python -m jobs.generate --help``: every key with its default and its docstring from schema.py (one source).
+
+Field docstrings are not kept at run time (a string after an annotated assignment is only in the source), so
+they are read from ``schema.py`` with ``ast``; the text becomes Hydra's ``hydra.help.template``, which Hydra
+prints with the config groups filled in.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import textwrap
+from pathlib import Path
+
+from omegaconf import MISSING
+
+SCHEMA = Path(__file__).with_name("schema.py")
+# (the schema class, the key prefix its fields take, the heading of its section)
+SECTIONS = (("GenerateConfig", "", "Settings (top-level keys)"),
+            ("ModelConfig", "model.", "model.* (chosen by model=OPTION; any key can be overridden)"),
+            ("StrategyConfig", "strategy.", "strategy.* (chosen by strategy=OPTION)"),
+            ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION)"),
+            ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
+NESTED = {"model", "strategy", "launcher", "prompts"}  # GenerateConfig fields that are sections of their own
+WIDTH = 100
+
+
+def field_docs(source: str | None = None) -> dict[str, dict[str, str]]:
+    """class name -> field name -> the docstring written under the field in schema.py ("" when it has none)."""
+    tree = ast.parse(source if source is not None else SCHEMA.read_text(encoding="utf-8"))
+    out: dict[str, dict[str, str]] = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        docs = out.setdefault(cls.name, {})
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                is_doc = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant) \
+                    and isinstance(nxt.value.value, str)
+                docs[node.target.id] = " ".join(nxt.value.value.split()) if is_doc else ""
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "???"
+    if value is MISSING:
+        return "??? (mandatory: the chosen option sets it, or you do)"
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        return f"(the value of {value[2:-1]})"  # an interpolation: shown in words (Hydra would resolve ${...})
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if not isinstance(value, (dict, list)) or value else ("{}" if isinstance(value, dict) else "[]")
+
+
+def help_entries() -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """[(section heading, [(dotted key, default, description)])] for every field of the schema."""
+    from shardgen.config import schema
+
+    docs = field_docs()
+    sections = []
+    for cls_name, prefix, heading in SECTIONS:
+        cls = getattr(schema, cls_name)
+        rows = [(prefix + f.name, _default(f), docs.get(cls_name, {}).get(f.name, ""))
+                for f in dataclasses.fields(cls) if not (cls_name == "GenerateConfig" and f.name in NESTED)]
+        sections.append((heading, rows))
+    return sections
+
+
+def help_text() -> str:
+    """The help as plain text (no Hydra substitutions): usage, then every key, its default and what it does."""
+    lines = []
+    for heading, rows in help_entries():
+        lines += ["", f"== {heading} =="]
+        for key, default, doc in rows:
+            lines.append(f"{key}={default}")
+            lines += textwrap.wrap(doc, WIDTH, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False,
+                                   break_long_words=False) if doc else []
+    return "\n".join(lines)
+
+
+HEADER = """python -m jobs.generate: every prompt of a prompt file into one sample of a run directory's webdataset shards.
+
+usage: python -m jobs.generate [group=option ...] [key=value ...]
+  python -m jobs.generate                                                  # tiny model, examples/prompts.txt
+  python -m jobs.generate prompts=parti prompts.path=PartiPrompts.tsv run_dir=runs/parti
+  python -m jobs.generate dry_run=true model=flux_dev                      # the plan, no model loaded
+  python -m jobs.generate launcher=local launcher.nprocs=2                 # 2 local ranks
+Re-running the same command continues the run. The composed values: add --cfg job. Hydra's flags: --hydra-help.
+"""
+
+
+def hydra_help_node() -> dict:
+    """The ``hydra/help`` config (Hydra's help template) built from the schema's docstrings."""
+    template = (HEADER + "\n== Config groups (group=option) ==\n$APP_CONFIG_GROUPS\n" + help_text() + "\n")
+    # string.Template (Hydra) reads $NAME: a literal $ is $$; OmegaConf would resolve ${...}: help_text has none
+    template = template.replace("$", "$$").replace("$$APP_CONFIG_GROUPS", "$APP_CONFIG_GROUPS")
+    return {"app_name": "jobs.generate", "header": "", "footer": "", "template": template}

@@ -1,0 +1,78 @@
+"""Curation signals computed after the fact: from a run's committed tars into each shard's parquet
+index, for runs generated without them (``python -m jobs.signals``).
+
+The tars are only read. Each shard's index is rewritten whole (temp file, fsync, atomic rename,
+as at commit) with the signal columns filled for its images, so a kill leaves every index either
+as it was or complete; a shard whose images all have the signals already is skipped, so a rerun
+continues where a killed one stopped. The sample's json (in the tar and the index) keeps what the
+generating launch wrote: the columns are the record of the signals added afterwards.
+
+Only signals that read pixels can be added: the watermark changes them (``signals=[watermark]`` at
+generation time).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Callable, Iterator
+
+from shardgen.dataio.index import IMAGE_EXTS, index_path, write_index
+from shardgen.dataio.plan import Plan
+from shardgen.dataio.signals import ClipScorer, SignalConfigError, phash
+
+log = logging.getLogger("shardgen.signals")
+AFTER = ("phash", "clip")
+COLUMN = {"phash": "phash", "clip": "clip_score"}
+
+
+def signal_functions(names: list[str], clip_model: str | None = None,
+                     clip_device: str = "cpu") -> dict[str, Callable]:
+    """{index column: f(pixels, prompt)} for ``names``; SignalConfigError for one that cannot be added."""
+    bad = [n for n in names if n not in AFTER]
+    if bad:
+        why = "the watermark changes pixels: add it at generation time" if "watermark" in bad else \
+            f"use {', '.join(AFTER)}"
+        raise SignalConfigError(f"signals {bad} cannot be computed after the fact ({why})")
+    if "clip" in names and not clip_model:
+        raise SignalConfigError("clip needs CLIP weights: pass --clip-model PATH (a transformers CLIPModel directory)")
+    out: dict[str, Callable] = {}
+    if "phash" in names:
+        out["phash"] = lambda pixels, prompt: phash(pixels)
+    if "clip" in names:
+        scorer = ClipScorer(clip_model, clip_device)
+        out["clip_score"] = lambda pixels, prompt: scorer(pixels, prompt) if prompt else None
+    return out
+
+
+def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[int, int]]:
+    """Fill the columns of ``functions`` in every committed shard's index that lacks them; yields
+    (shard, images computed) per shard rewritten."""
+    run = plan.run
+    for shard in sorted(run.done_shards()):
+        n = _add_to_shard(plan, shard, functions)
+        if n is not None:
+            yield shard, n
+
+
+def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
+    import numpy as np
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from shardgen.dataio.verify import read_shard_members
+
+    path = index_path(plan.run, shard)
+    rows = pq.read_table(path).to_pylist()
+    todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
+    if not todo:
+        return None  # done already (a rerun after a kill)
+    members = read_shard_members(plan.run.shard_tar(shard))
+    for r in todo:
+        image = next(members[r["key"]][e] for e in IMAGE_EXTS if e in members[r["key"]])
+        pixels = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+        for column, f in functions.items():
+            if r.get(column) is None:
+                r[column] = f(pixels, r["prompt"])
+    write_index(path, rows)
+    return len(todo)

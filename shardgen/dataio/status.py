@@ -1,0 +1,124 @@
+"""A run's state for an operator (``jobs.status``, also as JSON): progress, rate and ETA, each replica's rate,
+what each claim holder is doing, the last error in the rank logs.
+
+Everything is read from the run directory: committed shards' stats, the checkpoints of shards in progress
+(so a rate and an ETA exist before the first shard commits), claims and their heartbeats (a run without a
+live claim is stopped: it has no ETA), the commit events and the rank logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import defaultdict
+
+from shardgen.dataio.ledger import Ledger, read_ledger
+from shardgen.dataio.plan import Plan
+from shardgen.dataio.runfiles import read_events
+
+LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
+LOG_TAIL_BYTES = 256 * 1024       # the last error is looked for in the end of each rank log
+_ERROR_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (ERROR|WARNING|CRITICAL) (\S+): (.*)$")
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _span(led: Ledger, now: float, live: bool) -> tuple[float | None, float | None]:
+    """(first start, end) of the work on record: the end is now while a claim is live, else the last activity."""
+    starts = [_num(s.stats.get("started")) for s in led.shards if s.stats]
+    starts += [_num(s.started) for s in led.shards if s.state != "done" and s.samples]
+    ends = [_num(s.stats.get("finished")) for s in led.shards if s.stats]
+    ends += [_num(s.updated) for s in led.shards if s.state != "done" and s.samples]
+    starts, ends = [t for t in starts if t is not None], [t for t in ends if t is not None]
+    if not starts:
+        return None, None
+    return min(starts), now if live else max(ends, default=None)
+
+
+def _replica_rates(plan: Plan, led: Ledger, now: float) -> list[dict]:
+    """Per replica: samples committed (commit events) plus in its live shards, and its rate over that span."""
+    acc: dict[str, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
+
+    def add(replica, samples, first, last):
+        a = acc[str(replica)]
+        a["samples"] += samples
+        if first is not None:
+            a["first"] = first if a["first"] is None else min(a["first"], first)
+        if last is not None:
+            a["last"] = last if a["last"] is None else max(a["last"], last)
+
+    for e in read_events(plan.run):  # typed records: a torn or odd line of a log is skipped
+        t, wall = _num(e["t"]), _num(e.get("wall_s")) or 0.0
+        add(e["replica"], e["samples"], t - wall, t)
+    for s in led.shards:
+        if s.state in LIVE and s.holder is not None:
+            add(s.holder.get("replica", "?"), s.samples, _num(s.started), now)
+    out = []
+    for replica, a in sorted(acc.items()):
+        span = (a["last"] - a["first"]) if a["first"] is not None and a["last"] is not None else 0
+        out.append(dict(replica=replica, samples=a["samples"], rate=round(a["samples"] / span, 3) if span > 0 else None))
+    return out
+
+
+def _claims(led: Ledger, now: float) -> list[dict]:
+    out = []
+    for s in led.shards:
+        if s.state not in ("running", "future", "stalled", "dead"):
+            continue
+        h = s.holder or {}
+        out.append(dict(shard=s.shard, state=s.state, samples=s.samples, rows=s.rows, heartbeat_age_s=s.claim_age_s,
+                        last_batch_age_s=None if s.updated is None else round(now - s.updated, 1),
+                        host=h.get("host"), pid=h.get("pid"), job=h.get("job"), replica=h.get("replica")))
+    return out
+
+
+def last_error(plan: Plan) -> dict | None:
+    """The latest ERROR or WARNING line of the rank logs (logs/rank*.log): rank, time, level, logger, message
+    (its first line); None without one."""
+    best = None
+    logs = sorted(plan.run.logs_dir.glob("rank*.log")) if plan.run.logs_dir.is_dir() else []
+    for path in logs:
+        if path.is_symlink():  # a link where a rank log should be is not followed
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if (m := _ERROR_LINE.match(line)) and (best is None or m.group(1) >= best["time"]):
+                best = dict(rank=path.stem.removeprefix("rank"), time=m.group(1), level=m.group(2), logger=m.group(3),
+                            message=m.group(4))
+    return best
+
+
+def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
+    """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
+    now = time.time() if now is None else now
+    led = read_ledger(plan, lease_s)
+    done, complete = led.done_samples, led.count("done") == plan.num_shards
+    live = any(s.state in LIVE for s in led.shards)
+    t0, end = _span(led, now, live)
+    if complete:
+        end = led.finished_at() or end
+    elapsed = (end - t0) if t0 is not None and end is not None else None
+    rate = done / elapsed if elapsed and elapsed > 0 and done else None
+    state = "complete" if complete else "running" if live else "stopped" if done else "not started"
+    eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
+    totals = led.totals()
+    return dict(
+        run_dir=str(plan.run.root), state=state, samples_total=plan.num_rows, samples_done=done,
+        samples_committed=sum(s.samples for s in led.shards if s.state == "done"),
+        rejected_in_plan=plan.num_rejects,
+        shards=dict(total=plan.num_shards, done=led.count("done"), running=led.count("running") + led.count("future"),
+                    stalled=led.count("stalled") + led.count("dead"), pending=led.count("pending"),
+                    damaged=led.count("damaged")),
+        rate=None if rate is None else round(rate, 3), elapsed_s=None if elapsed is None else round(elapsed, 1),
+        eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
+        claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
+                                                     truncated=totals.get("truncated", 0)),
+        failures_by_reason=dict(led.failures_by_reason.most_common()), last_error=last_error(plan))

@@ -1,0 +1,141 @@
+"""``dry_run=true``: what a launch would do, without loading a model or writing to the run directory.
+
+The prompt file is read and planned as a launch would (bad rows fail the same way), but a new plan is
+built in a temporary directory and thrown away; an existing run's plan and fingerprint are only read.
+The expected time comes from this run's own measured rate (its launches); before a first launch there is
+no honest figure, and the dry run says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardgen.dataio.fingerprint import compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint
+from shardgen.dataio.ledger import read_ledger
+from shardgen.dataio.plan import PromptSource, build_plan, load_plan, resolve_samples_per_shard, sample_bytes_estimate
+from shardgen.dataio.prompts import check_prompt_source
+from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.runlog import read_jsonl
+from shardgen.dataio.truncation import TruncationCheck, planning_windows
+from shardgen.models.loader import model_version
+
+if TYPE_CHECKING:
+    from shardgen.config.schema import GenerateConfig
+
+
+@dataclass
+class DryRun:
+    """What a launch of a config would do (``jobs.generate dry_run=true`` prints it)."""
+
+    run_dir: str
+    prompts: int
+    rejected: int
+    shards: int
+    samples_per_shard: int
+    done_samples: int
+    world_size: int
+    replicas: int
+    ranks_per_replica: int
+    strategy: str
+    sample: str
+    expected_bytes: float
+    rate: float | None
+    """Samples/s this run measured in its last launch that generated (None: never measured)."""
+    expected_s: float | None
+    refused: str | None
+    """Why the launch would be refused (a changed fingerprint), or None."""
+
+
+def world_size_of(cfg: GenerateConfig) -> int:
+    """The ranks a launch of ``cfg`` would have."""
+    ln = cfg.launcher
+    if ln.name == "local":
+        return ln.nprocs
+    if ln.name == "slurm":
+        return ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1)
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def measured_rate(run: RunDir) -> float | None:
+    """Samples/s of this run's last launch that generated anything (launches.jsonl)."""
+    launches = read_jsonl([run.launches_path]) if run.launches_path.exists() else []
+    rates = [l.get("images_per_s") for l in launches if l.get("generated_here") and l.get("images_per_s")]
+    return float(rates[-1]) if rates else None
+
+
+def dry_run(cfg: GenerateConfig) -> DryRun:
+    """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
+    from parallel.strategies import parallel_dims
+    from shardgen.dataio.video import VIDEO_EXT, is_video
+    from shardgen.run.runner import prompt_path, shard_sizing
+
+    world = world_size_of(cfg)
+    dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
+    run = RunDir(Path(cfg.run_dir).absolute())
+    path = prompt_path(cfg)
+    check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
+    old = read_fingerprint(run) if run.fingerprint_path.exists() else None
+    refused = None
+    if old is not None:
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model)))
+        if diffs and not cfg.allow_fingerprint_change:
+            refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
+    plan = load_plan(run)
+    sizing = shard_sizing(cfg, dims.dp)
+    if plan is not None:
+        counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
+                  read_ledger(plan).done_samples)
+    else:
+        with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
+            source = PromptSource.from_cfg(cfg.prompts, path)
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **sizing)
+            new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
+                             truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
+            counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
+    rows, rejected, shards, per_shard, done = counts
+    each = sample_bytes_estimate(width=cfg.width, height=cfg.height, image_format=sizing["image_format"],
+                                 frames=sizing["frames"])
+    rate = measured_rate(run)
+    what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
+                                           else cfg.image_format)
+    return DryRun(run_dir=str(run.root), prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
+                  done_samples=done, world_size=world, replicas=dims.dp, ranks_per_replica=dims.replica_size,
+                  strategy=" ".join(filter(None, (dims.strategy, dims.describe()))),
+                  sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
+                         f"({cfg.model.weights} weights, {cfg.dtype})",
+                  expected_bytes=each * (rows - rejected), rate=rate,
+                  expected_s=(rows - done) / rate if rate else None, refused=refused)
+
+
+def _fmt_s(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def describe(d: DryRun) -> str:
+    """The dry run as the lines ``jobs.generate dry_run=true`` prints."""
+    left = d.prompts - d.done_samples
+    time_line = (f"~{_fmt_s(d.expected_s)} for the {left} samples left, at this run's last measured rate "
+                 f"({d.rate:.2f} samples/s; it scales with the replicas)" if d.expected_s is not None else
+                 "not measured yet: a first launch measures it (jobs.status shows the rate and ETA); try "
+                 "prompts.limit=N on another run_dir for a quick figure")
+    lines = [f"dry run of {d.run_dir}: no model loaded, nothing written",
+             f"  prompts   {d.prompts} ({d.rejected} rejected rows)",
+             f"  shards    {d.shards} of {d.samples_per_shard} samples"
+             + (f"; {d.done_samples} samples already done" if d.done_samples else ""),
+             f"  ranks     {d.world_size}: {d.replicas} replica(s) of {d.ranks_per_replica} rank(s), strategy {d.strategy}",
+             f"  samples   {d.sample}",
+             f"  size      ~{d.expected_bytes / 1e6:.1f} MB of tars (estimated from the sample size)",
+             f"  time      {time_line}"]
+    if d.refused:
+        lines.append(f"  REFUSED   this launch would be refused: {d.refused}")
+    return "\n".join(lines)
+
+
+def as_dict(d: DryRun) -> dict:
+    """The dry run as JSON-ready data."""
+    return asdict(d)

@@ -1,0 +1,178 @@
+"""``compile: auto`` decided per process, from what compiling costs and saves here (issue 20).
+
+Compiling the transformer's blocks makes each image ~1.35x faster on an H200, but the first compiled
+batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
+prompts left, a requeued job near its end, or a short debug run loses more than it saves. So with
+``compile: auto`` (on CUDA, one GPU per replica) each process decides for itself:
+
+- **the estimate**: the samples this process is still expected to make (the run's unfinished shards
+  divided among its replicas) x the eager seconds per sample x (1 - 1/speed-up) = the time compiling
+  would save; compile when that exceeds what compiling costs: the cold or the warm cost, warm when this
+  cache has compiled this model and shape before.
+- **the figures**: measured on this GPU for this model and shape set by earlier processes and kept in
+  ``$SHARDGEN_CACHE/compile/records.json`` (eager and compiled seconds per sample, the cold and warm
+  compile costs); where none is recorded yet, the priors below (H200 measurements, docs/performance.md).
+  Without a recorded eager speed the first batch runs eagerly and is timed: it is real work, not a probe.
+- **the decision is final** for the process (no switching back and forth) and logged with its figures.
+
+The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
+priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
+the model, the shapes (size, frames, batch, steps), true CFG, the compile settings, the GPU and the
+torch/diffusers versions: a change in any of them starts from the priors, never from a stale figure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("shardgen.compile")
+
+PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen)
+PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
+PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
+MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
+MARGIN = 1.2          # compile only when the expected saving is this much over the cost: the figures are estimates
+# (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
+
+
+def records_path() -> Path:
+    """``$SHARDGEN_CACHE/compile/records.json`` (next to the inductor cache it describes)."""
+    from shardgen.models.tiny import default_cache_dir
+
+    return default_cache_dir() / "compile" / "records.json"
+
+
+def read_records(path: Path) -> dict:
+    """The records, or {} when the file is missing, damaged or not ours (advisory data: never an error)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_record(path: Path, key: str, record: dict) -> None:
+    """Merge ``record`` into ``path`` under ``key`` (read, update, atomic replace; errors only logged)."""
+    from shardgen.dataio.rundir import atomic_write_bytes
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = read_records(path)
+        data[key] = {**(data.get(key) if isinstance(data.get(key), dict) else {}), **record}
+        atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        log.warning("could not record compile timings in %s (%s); the next process starts from the priors", path, e)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def record_key(pipe: Any, settings: Any) -> str:
+    """What the figures depend on: model, shapes, CFG, compile settings, GPU, library versions."""
+    import diffusers
+    import torch
+
+    device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", "cpu")
+    gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    tr = getattr(pipe, "transformer", None)
+    a = settings.accel
+    parts = dict(model=settings.model, transformer=type(tr).__name__, size=f"{settings.height}x{settings.width}",
+                 frames=settings.num_frames, batch=settings.batch_size, steps=settings.steps,
+                 true_cfg=settings.true_cfg_scale > 1.0, cfg_batching=a.cfg_batching, fp8=a.fp8,
+                 fbc=a.first_block_cache, mode=a.compile_mode, fused=a.fused_blocks, tuning=a.compile_tuning,
+                 gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__)
+    return json.dumps(parts, sort_keys=True)
+
+
+@dataclass
+class AutoCompile:
+    """One process's ``compile: auto``: ``settings()`` before each batch, ``observe()`` after it."""
+
+    key: str
+    remaining: Callable[[], int]
+    """Samples this process is still expected to generate (asked once, when deciding)."""
+    path: Path = field(default_factory=lambda: records_path())
+    decided: bool | None = None
+    """None until decided; True or False from the start for ``compile: true`` (then only timed and recorded)."""
+    reason: str = ""
+    _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
+    _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
+    _record: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._record = read_records(self.path).get(self.key) or {}
+        if not isinstance(self._record, dict):
+            self._record = {}
+
+    def settings(self, s: Any) -> Any:
+        """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
+        if self.decided is None:
+            eager = _number(self._record.get("eager_s")) or (self._eager[0] if self._eager else None)
+            if eager is not None:
+                self._decide(eager)
+        return replace(s, accel=replace(s.accel, compile=bool(self.decided)))
+
+    def _decide(self, eager_s: float) -> None:
+        r = self._record
+        warm = bool(r.get("compiled_before"))
+        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or (PRIOR_WARM_S if warm else PRIOR_COLD_S)
+        compiled = _number(r.get("compiled_s"))
+        speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
+        left = max(0, int(self.remaining()))
+        saving = left * eager_s * (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
+        self.decided = saving > MARGIN * cost
+        cache = "warm" if warm else "cold"
+        prior = "" if _number(r.get(f"compile_{cache}_s")) else ", prior"
+        self.reason = (f"{left} samples left here x {eager_s:.2f} s eager x (1 - 1/{speedup:.2f} speed-up"
+                       f"{'' if compiled else ' (prior)'}) = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
+                       f"({cache} cache{prior})")
+        log.info("compile=auto: %s (%s)", "compiling" if self.decided else "staying eager", self.reason)
+
+    def observe(self, s: Any, samples: int, seconds: float) -> None:
+        """Time of one batch of ``samples`` real samples made with ``s``. A compiled call is padded to the batch
+        size, so it is timed per batch slot; a short eager batch is not timed (its per-sample time is off)."""
+        if seconds <= 0 or samples <= 0 or (samples < s.batch_size and not s.accel.compile):
+            return
+        per_sample = seconds / max(samples, s.batch_size)
+        if not s.accel.compile:
+            self._eager.append(per_sample)
+            if len(self._eager) == 1 and not _number(self._record.get("eager_s")):
+                write_record(self.path, self.key, {"eager_s": per_sample})
+            return
+        self._compiled.append(per_sample)
+        if len(self._compiled) == 2:  # the first compiled batch paid the compilation, the second did not
+            first, steady = self._compiled
+            warm = bool(self._record.get("compiled_before"))
+            update = {"compiled_s": steady, "compiled_before": True,
+                      "compile_warm_s" if warm else "compile_cold_s": max(0.0, (first - steady) * s.batch_size)}
+            if self._eager:
+                update["eager_s"] = statistics.median(self._eager)
+            write_record(self.path, self.key, update)
+
+    def summary(self) -> str:
+        """One line for the end of the job: the decision and the batch timings behind it."""
+        parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
+                 f"{'compiled' if self.decided else 'eager'}"]
+        if self._eager:
+            parts.append(f"{len(self._eager)} eager batches, {statistics.median(self._eager):.2f} s/sample")
+        if self._compiled:
+            parts.append(f"{len(self._compiled)} compiled batches, first {self._compiled[0]:.2f} s/sample"
+                         + (f", steady {statistics.median(self._compiled[1:]):.2f} s/sample"
+                            if len(self._compiled) > 1 else ""))
+        return "; ".join(parts)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (0 without torch._dynamo's counters)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+

@@ -1,0 +1,169 @@
+"""One shape per batch and compile=auto's choice (issue 20), on CPU: a padded short batch gives the bytes of
+an unpadded one, Qwen-Image's compiled blocks serve every text length with one graph, and compile=auto
+compiles only where the work left pays for the compilation, from recorded or prior figures."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from jobs.generate import run
+from shardgen.speed import autocompile as AC
+from shardgen.speed.accel import AccelOptions
+from tests.conftest import compose_cfg, write_lines
+from tests.test_generate import shard_images
+
+FAST = ("height=16", "width=16", "steps=1", "progress=false")
+
+
+def test_a_padded_short_batch_gives_the_bytes_of_an_unpadded_one(tmp_path, monkeypatch):
+    """compile=true pads every short batch (here 7 prompts in batches of 4: the last has 3) to the batch size;
+    torch.compile is made the identity, so only the padding differs from the eager run."""
+    f = write_lines(tmp_path / "p.txt", [f"prompt number {i} " + "word " * (i * 7) for i in range(7)])
+    calls = []
+    from shardgen.run import generation
+
+    real = generation.pipeline_kwargs
+    monkeypatch.setattr(generation, "pipeline_kwargs", lambda pipe, s, p, seeds: calls.append(len(p)) or real(pipe, s, p, seeds))
+    eager = run(compose_cfg(f"run_dir={tmp_path / 'eager'}", f"prompts.path={f}", "batch_size=4", *FAST))
+    assert calls == [4, 3]
+    calls.clear()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    padded = run(compose_cfg(f"run_dir={tmp_path / 'padded'}", f"prompts.path={f}", "batch_size=4", "compile=true", *FAST))
+    assert calls == [4, 4]  # the short batch was filled up to the compiled shape
+    assert (eager.ok, padded.ok) == (7, 7)
+    a, b = shard_images(tmp_path / "eager"), shard_images(tmp_path / "padded")
+    assert len(a) == 7 and a == b  # the copies' outputs are dropped; the real samples are byte-identical
+
+
+def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monkeypatch):
+    """Text buckets of 128 and 256 tokens, batch 1 and 2: one dynamo graph per block class (dynamo's eager
+    backend: the tracing and guards of the real compile, without inductor's code generation)."""
+    from shardgen.models.dummy import build_dummy_pipeline
+    from shardgen.speed import accel
+    from tests.test_dummy_models import SMALL
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **dict(kw, backend="eager")))
+    torch._dynamo.reset()
+    pipe = build_dummy_pipeline("QwenImagePipeline", "cpu", torch.float32, overrides=SMALL["QwenImagePipeline"])
+    prompts = ["a cat", "word " * 150, "an astronaut riding a horse " * 3]
+
+    def pixels(batch):
+        out = pipe(prompt=batch, num_inference_steps=2, height=32, width=32, output_type="np",
+                   generator=[torch.Generator().manual_seed(i) for i in range(len(batch))])
+        return (out.images * 255).round().astype(np.uint8)
+
+    plain = [pixels([p]) for p in prompts]
+    graphs = AC.compiled_graphs()
+    try:
+        done = accel.prepare(pipe, accel.AccelOptions(compile=True, sdpa="default", fused_blocks=False))
+        assert done["qwen"]["text_length_dynamic"]
+        compiled = [pixels([p]) for p in prompts]
+        assert AC.compiled_graphs() - graphs == 1  # before: one graph per text bucket
+        pixels(prompts[:2])
+        assert AC.compiled_graphs() - graphs == 2  # a batch size is a shape: why the job pads its short batches
+    finally:
+        accel.prepare(pipe, accel.AccelOptions(sdpa="default"))
+        torch._dynamo.reset()
+    for a, b in zip(plain, compiled):
+        np.testing.assert_allclose(a.astype(int), b.astype(int), atol=1)
+
+
+@dataclass
+class _S:
+    """The GenSettings fields AutoCompile reads."""
+
+    accel: AccelOptions = AccelOptions()
+    batch_size: int = 4
+
+
+def _auto(tmp_path, left, record=None):
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / "records.json"
+    if record is not None:
+        path.write_text(json.dumps({"k": record}))
+    return AC.AutoCompile("k", remaining=lambda: left, path=path)
+
+
+def test_compile_auto_runs_the_first_batch_eagerly_then_compiles_only_when_it_pays(tmp_path, caplog):
+    from dataclasses import replace
+
+    from shardgen.run.generation import GenSettings
+
+    s = GenSettings(height=1024, width=1024, steps=28, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=512, model="flux_dev", strategy="dp", batch_size=4, compile_auto=True)
+    few, many = _auto(tmp_path, left=20), _auto(tmp_path / "b", left=400)
+    for auto in (few, many):
+        s1 = auto.settings(replace(s, accel=replace(s.accel, compile=True)))
+        assert not s1.accel.compile and auto.decided is None  # no figures yet: the first batch runs eagerly, timed
+        auto.observe(s1, 4, 20.0)  # 5 s per sample eager
+    with caplog.at_level("INFO", logger="shardgen.compile"):
+        assert not few.settings(s).accel.compile  # 20 x 5 s x (1 - 1/1.35) = 26 s saved < 45 s (cold prior)
+        assert many.settings(s).accel.compile     # 400 x 5 s x 0.26 = 519 s saved > 45 s
+    assert "20 samples left here x 5.00 s eager" in caplog.text and "staying eager" in caplog.text
+    assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == 5.0
+
+
+def test_compile_auto_decides_from_records_before_the_first_batch_and_records_what_it_measured(tmp_path):
+    warm = {"eager_s": 5.0, "compiled_s": 3.6, "compiled_before": True, "compile_warm_s": 8.0, "compile_cold_s": 45.0}
+    auto = _auto(tmp_path, left=24, record=warm)
+    assert auto.settings(_S()).accel.compile  # 24 x 5 x (1 - 3.6/5) = 34 s > 8 s warm: compiled from batch 1
+    assert not _auto(tmp_path, left=24, record=dict(warm, compiled_before=False)).settings(_S()).accel.compile
+    assert not _auto(tmp_path, left=10**6, record=dict(warm, compiled_s=5.5)).settings(_S()).accel.compile  # no gain
+    fresh = _auto(tmp_path / "b", left=10**6, record={"eager_s": 5.0})
+    s = fresh.settings(_S())
+    for seconds in (60.0, 14.4, 14.4):  # the first compiled batch paid the compile
+        fresh.observe(s, 4, seconds)
+    rec = json.loads((tmp_path / "b" / "records.json").read_text())["k"]
+    assert rec["compiled_s"] == pytest.approx(3.6) and rec["compile_cold_s"] == pytest.approx(45.6)
+    assert rec["compiled_before"] is True
+    assert "compiled batches, first 15.00 s/sample, steady 3.60 s/sample" in fresh.summary()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage", b"[1, 2]", b'{"k": "not a dict"}', b'{"k": {"eager_s": "x"}}'])
+def test_compile_auto_ignores_damaged_records(tmp_path, content):
+    path = tmp_path / "records.json"
+    path.write_bytes(content)
+    auto = AC.AutoCompile("k", remaining=lambda: 10**6, path=path)
+    assert auto.settings(_S()).accel.compile is False and auto.decided is None  # priors: measure a batch first
+    auto.observe(_S(), 4, 20.0)
+    assert json.loads(path.read_text())["k"]["eager_s"] == 5.0  # the file is whole again
+
+
+def test_compile_auto_is_off_on_cpu_and_when_compile_is_set():
+    from shardgen.run.generation import GenSettings
+
+    cfg = compose_cfg("run_dir=/tmp/x")
+    assert not GenSettings.from_cfg(cfg, "dp").compile_auto  # this machine has no GPU
+    assert not GenSettings.from_cfg(compose_cfg("run_dir=/tmp/x", "compile=true"), "dp").compile_auto  # asked for
+
+
+def test_compile_auto_through_the_job_times_an_eager_batch_then_compiles(tmp_path, monkeypatch, caplog):
+    """The job's path of compile=auto (made possible on CPU: the CUDA check and torch.compile faked): the
+    first batch runs eagerly and is timed, the decision (a compile cost of 0 s: compile) is logged, later
+    batches are compiled and padded, the figures are recorded, and the images are those of compile=false."""
+    import logging
+
+    from shardgen.speed import accel
+
+    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(10)])
+    eager = run(compose_cfg(f"run_dir={tmp_path / 'eager'}", f"prompts.path={f}", "batch_size=4", *FAST))
+    monkeypatch.setattr(accel, "resolve_compile", lambda value, device="auto", strategy="dp": True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(AC, "PRIOR_COLD_S", 0.0)
+    monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        auto = run(compose_cfg(f"run_dir={tmp_path / 'auto'}", f"prompts.path={f}", "batch_size=4", *FAST))
+    assert (eager.ok, auto.ok) == (10, 10)
+    assert re.search(r"compile=auto: compiling \((8|12) samples left here x [\d.]+ s eager", caplog.text)
+    assert "compile=auto compiled; 1 eager batches" in caplog.text and "2 compiled batches" in caplog.text
+    assert "compiled graphs in this process:" in caplog.text
+    (record,) = json.loads((tmp_path / "records.json").read_text()).values()
+    assert record["eager_s"] > 0 and '"model": "tiny"' in next(iter(json.loads((tmp_path / "records.json").read_text())))
+    assert shard_images(tmp_path / "eager") == shard_images(tmp_path / "auto")

@@ -1,0 +1,199 @@
+"""Runs that move and runs that grow: a run is tied to its prompt file's content, not its path; prompts
+appended to that file are planned as new shards after the existing ones, which stay byte for byte."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import jobs.verify
+from jobs.generate import run
+from tests.conftest import compose_cfg, write_lines
+
+FAST = ("height=16", "width=16", "steps=1", "progress=false", "batch_size=4", "samples_per_shard=8")
+
+
+def _gen(run_dir: Path, prompts: Path, *extra: str):
+    return run(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *FAST, *extra))
+
+
+def _shard_bytes(run_dir: Path) -> dict[str, bytes]:
+    """Every committed shard file's bytes (the stats, the done markers, hold times)."""
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "shards").iterdir()) if p.suffix in (".tar", ".parquet")}
+
+
+def _samples(run_dir: Path) -> dict[str, tuple[bytes, bytes]]:
+    """key -> (image, prompt) over the committed shards (a sample's json also holds its generation time)."""
+    from shardgen.dataio.verify import read_shard_members
+
+    return {k: (m["png"], m["txt"]) for t in sorted((run_dir / "shards").glob("*.tar"))
+            for k, m in read_shard_members(t).items()}
+
+
+def test_a_run_copied_elsewhere_with_its_prompt_file_resumes_from_the_new_path(tmp_path, capsys):
+    old = tmp_path / "laptop"
+    old.mkdir()
+    prompts = write_lines(old / "p.txt", [f"a photo of thing {i}" for i in range(20)])
+    assert _gen(old / "run", prompts).complete
+    before = _samples(old / "run")
+    new = tmp_path / "cluster"
+    shutil.copytree(old, new)
+    shutil.rmtree(old)  # the old path is gone: nothing may be read from it
+    for p in ("000001.tar", "000001.parquet", "000001.stats.json"):  # a shard still to do after the move
+        (new / "run" / "shards" / p).unlink()
+    r = _gen(new / "run", new / "p.txt")
+    assert (r.complete, r.generated_here, r.ok) == (True, 8, 20)
+    assert _samples(new / "run") == before  # the regenerated shard is the same, read from the new path
+    capsys.readouterr()
+    assert jobs.verify.main([str(new / "run")]) == 0, capsys.readouterr().out
+
+
+def test_another_file_at_the_run_is_refused_naming_its_path(tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", [f"a photo of thing {i}" for i in range(10)])
+    assert _gen(tmp_path / "run", prompts).complete
+    other = write_lines(tmp_path / "q.txt", [f"a photo of thing {i}" for i in range(9)] + ["a changed line"])
+    with pytest.raises(Exception, match=rf"prompts.path={other}: not this run's prompt file"):
+        _gen(tmp_path / "run", other)
+
+
+def _append(prompts: Path, lines: list[str]) -> None:
+    with open(prompts, "a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+def _committed(run_dir: Path, shards: range) -> dict[str, bytes]:
+    """The bytes of every file of ``shards`` (tar, index, stats)."""
+    return {p.name: p.read_bytes() for s in shards for p in sorted((run_dir / "shards").glob(f"{s:06d}.*"))}
+
+
+def _grown_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A finished run of 40 prompts in shards of 16 (the last one holds 8)."""
+    prompts = write_lines(tmp_path / "p.txt", [f"a photo of thing {i}" for i in range(40)])
+    r = _gen(tmp_path / "run", prompts, "samples_per_shard=16")
+    assert (r.complete, r.ok) == (True, 40)
+    return tmp_path / "run", prompts
+
+
+@pytest.mark.slow
+def test_appended_prompts_become_new_shards_twice_in_a_row(tmp_path, capsys):
+    """40 prompts done, 20 appended: 60 samples, the 3 earlier shards untouched byte for byte (the last one
+    stays partial), keys and seeds of the new rows those of their line; the extension is recorded; again."""
+    from shardgen.dataio.plan import load_plan, sample_seed
+    from shardgen.dataio.rundir import RunDir
+
+    run_dir, prompts = _grown_run(tmp_path)
+    before = _committed(run_dir, range(3))
+    for round_, (old, new) in enumerate([(40, 60), (60, 80)]):
+        _append(prompts, [f"an appended thing {i}" for i in range(old, new)])
+        r = _gen(run_dir, prompts, "samples_per_shard=16")
+        assert (r.complete, r.ok, r.total, r.generated_here) == (True, new, new, new - old)
+        assert _committed(run_dir, range(3)) == before
+        samples = _samples(run_dir)
+        assert sorted(samples) == [f"{i:010d}" for i in range(new)]
+        assert samples[f"{new - 1:010d}"][1] == f"an appended thing {new - 1}".encode()
+        capsys.readouterr()
+        assert jobs.verify.main([str(run_dir)]) == 0, capsys.readouterr().out
+    plan = load_plan(RunDir(run_dir))
+    assert [(e.first_row, e.end_row, e.first_shard, e.meta["num_shards"]) for e in plan.extensions] == \
+        [(40, 60, 3, 2), (60, 80, 5, 2)]
+    assert plan.extensions[0].meta["utc"] and plan.extensions[0].meta["prompt_size_before"] < \
+        plan.extensions[0].meta["prompt_size"]
+    assert [r.seed for r in plan.rows(3)][:1] == [sample_seed(0, 40)]
+    assert run(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *FAST, "samples_per_shard=16")) \
+        .generated_here == 0  # nothing appended since: nothing to do
+
+
+def test_an_edit_beside_an_append_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    run_dir, prompts = _grown_run(tmp_path)
+    text = prompts.read_text()
+    prompts.write_text(text.replace("thing 3\n", "thing X\n", 1) + "an appended thing\n")  # same length
+    with pytest.raises(Exception, match=rf"prompts.path={prompts}: not this run's prompt file, nor that file with "
+                                        r"prompts appended \(its first \d+ bytes are not the planned file's\)"):
+        _gen(run_dir, prompts, "samples_per_shard=16")
+    assert not list((run_dir / "plan").glob("ext-*"))
+
+
+@pytest.mark.slow
+def test_two_jobs_extending_at_once_plan_the_rows_once(tmp_path, monkeypatch):
+    """Both jobs plan the appended rows at the same moment: one rename wins, the other adopts its extension."""
+    import threading
+
+    import shardgen.dataio.extend as extend
+    from shardgen.dataio.plan import load_plan
+    from shardgen.dataio.rundir import RunDir
+    from shardgen.run.runner import prepare_run
+
+    run_dir, prompts = _grown_run(tmp_path)
+    _append(prompts, [f"an appended thing {i}" for i in range(40, 60)])
+    both_planning, real = threading.Barrier(2, timeout=60), extend.plan_rows_into
+
+    def plan_side_by_side(*a, **kw):
+        out = real(*a, **kw)
+        both_planning.wait()
+        return out
+
+    monkeypatch.setattr(extend, "plan_rows_into", plan_side_by_side)
+    cfg = compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *FAST, "samples_per_shard=16")
+    plans = []
+    jobs_ = [threading.Thread(target=lambda: plans.append(prepare_run(cfg))) for _ in range(2)]
+    for t in jobs_:
+        t.start()
+    for t in jobs_:
+        t.join()
+    assert [p.num_rows for p in plans] == [60, 60]  # a job that failed (or never met the other) adds none
+    assert [e.name for e in (run_dir / "plan").glob("ext-*")] == ["ext-000001"]
+    assert len(load_plan(RunDir(run_dir)).extensions) == 1
+    monkeypatch.setattr(extend, "plan_rows_into", real)
+    r = _gen(run_dir, prompts, "samples_per_shard=16")
+    assert (r.complete, r.ok, r.generated_here) == (True, 60, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["planning", "renamed"])
+def test_a_job_killed_mid_extension_leaves_a_run_the_next_launch_extends_once(tmp_path, where):
+    """SIGKILL while the appended rows are planned (a temp dir left behind) or right after the extension's
+    rename (the fingerprint not yet updated): the next launch plans each appended row exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    run_dir, prompts = _grown_run(tmp_path)
+    _append(prompts, [f"an appended thing {i}" for i in range(40, 60)])
+    flag = tmp_path / "stopped"
+    # planning: stop once the rows are scanned into the temp dir; renamed: stop instead of the fingerprint update
+    code = (f"import pathlib, time\nimport shardgen.dataio.extend as e\nname, flag = "
+            f"{'plan_rows_into' if where == 'planning' else 'atomic_write_json'!r}, pathlib.Path({str(flag)!r})\n"
+            "real = getattr(e, name)\n"
+            "def stop(*a, **kw):\n"
+            "    if name == 'plan_rows_into':\n"
+            "        real(*a, **kw)\n"
+            "    elif 'fingerprint' not in str(a[0]):\n"
+            "        return real(*a, **kw)\n"
+            "    flag.touch()\n"
+            "    time.sleep(600)\n"
+            "setattr(e, name, stop)\n"
+            "from shardgen.run.runner import prepare_run\nfrom tests.conftest import compose_cfg\n"
+            f"prepare_run(compose_cfg('run_dir={run_dir}', 'prompts.path={prompts}', *{FAST!r}, "
+            "'samples_per_shard=16'))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 120
+        while not flag.exists():
+            assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
+            time.sleep(0.1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    left = list(run_dir.glob(".plan-*")) if where == "planning" else list((run_dir / "plan").glob("ext-*"))
+    assert left  # what the kill left behind: a temp dir, or an extension with the fingerprint not yet updated
+    r = _gen(run_dir, prompts, "samples_per_shard=16")
+    assert (r.complete, r.ok, r.generated_here) == (True, 60, 20)
+    assert [e.name for e in (run_dir / "plan").glob("ext-*")] == ["ext-000001"]
+    assert not list(run_dir.glob(".plan-*"))
+    assert jobs.verify.main([str(run_dir)]) == 0
