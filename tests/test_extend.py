@@ -197,3 +197,31 @@ def test_a_job_killed_mid_extension_leaves_a_run_the_next_launch_extends_once(tm
     assert [e.name for e in (run_dir / "plan").glob("ext-*")] == ["ext-000001"]
     assert not list(run_dir.glob(".plan-*"))
     assert jobs.verify.main([str(run_dir)]) == 0
+
+
+@pytest.mark.parametrize("fmt", ["txt", "csv"])
+def test_an_extension_has_shard_digests_and_an_edit_of_appended_rows_is_refused(tmp_path, fmt):
+    """Appended rows are an extension, not a changed file: every shard reads back; a same-size edit of an
+    appended row is then refused for its shard only (in-process, no generation)."""
+    from shardgen.dataio.extend import extend_if_appended
+    from shardgen.dataio.plan import PromptSource, build_plan, file_sha256
+    from shardgen.dataio.prompts import PromptFileError
+    from shardgen.dataio.rundir import RunDir, atomic_write_json
+
+    path = write_lines(tmp_path / f"p.{fmt}", (["prompt"] if fmt == "csv" else []) + [f"thing {i}" for i in range(10)])
+    run, src = RunDir(tmp_path / "run"), PromptSource(str(path), fmt)
+    run.root.mkdir()
+    build_plan(run, src, samples_per_shard=4, run_seed=0, prompt_sha256=file_sha256(path))  # shards 0..2
+    fp = {"model.name": "tiny", "steps": 1, "prompts.sha256": file_sha256(path)}
+    atomic_write_json(run.fingerprint_path, fp)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(f"new thing {i}\n" for i in range(6)))
+    plan = extend_if_appended(run, dict(fp, **{"prompts.sha256": file_sha256(path)}), src, path.stat().st_size,
+                              lambda: None)
+    assert plan.num_shards == 5 and (run.plan_dir / "ext-000001" / "digests.npy").is_file()
+    assert [r.prompt for s in range(5) for r in plan.rows(s)] == \
+        [f"thing {i}" for i in range(10)] + [f"new thing {i}" for i in range(6)]
+    path.write_bytes(path.read_bytes().replace(b"new thing 4", b"new thing X"))  # row 14: shard 4, same size
+    assert [r.prompt for r in plan.rows(3)] == [f"new thing {i}" for i in range(4)]  # other shards untouched
+    with pytest.raises(PromptFileError, match="changed since the run was planned.*shard 000004"):
+        plan.rows(4)

@@ -127,3 +127,15 @@ def test_clean_up_removes_only_shardgens_own_names(tmp_path):
         os.utime(p, (old, old))
     removed = run.clean_leftovers()
     assert sorted(removed) == sorted(ours) and all(p.exists() for p in theirs)
+
+
+def test_a_dry_run_refuses_a_directory_of_user_files_too(tmp_path):
+    from jobs.generate import run
+    from tests.conftest import compose_cfg, write_lines
+
+    d = tmp_path / "mine"
+    files = _user_files(d)
+    prompts = write_lines(tmp_path / "p.txt", ["a photo of a cat"])
+    with pytest.raises(RunDirError, match=f"run_dir {d} holds files .* is not a shardgen run"):
+        run(compose_cfg(f"run_dir={d}", f"prompts.path={prompts}", "dry_run=true", "progress=false"))
+    assert _intact(files) and sorted(os.listdir(d)) == [".plan-backup", ".session.tmp", "logs", "shards"]

@@ -18,7 +18,7 @@ from shardgen.dataio.fingerprint import compute_fingerprint, diff_fingerprints, 
 from shardgen.dataio.ledger import read_ledger
 from shardgen.dataio.plan import PromptSource, build_plan, load_plan, resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.dataio.prompts import check_prompt_source
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
 from shardgen.dataio.runlog import read_jsonl
 from shardgen.dataio.truncation import TruncationCheck, planning_windows
 from shardgen.models.loader import model_version
@@ -75,7 +75,9 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
 
     world = world_size_of(cfg)
     dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
+    check_run_dir_text(cfg.run_dir)
     run = RunDir(Path(cfg.run_dir).absolute())
+    check_run_root(run.root)  # a run_dir the launch would refuse (not a run, /, home) is refused here too; reads only
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
