@@ -19,6 +19,7 @@ import torch
 
 from parallel.transformer import load_transformer
 from shardgen.config.sizes import GiB, parse_bytes
+from shardgen.families import families, family_of
 from shardgen.models.loader import ModelLoadError, load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -27,12 +28,6 @@ if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.device_map")
-# encode_prompt's outputs, in order, as the pipeline's __call__ names them (None: not passed on)
-ENCODE_OUTPUTS = {
-    "FluxPipeline": ("prompt_embeds", "pooled_prompt_embeds", None),
-    "Flux2Pipeline": ("prompt_embeds", None),
-    "QwenImagePipeline": ("prompt_embeds", "prompt_embeds_mask"),
-}
 RESERVE_FRACTION = 0.15  # of each GPU, kept free for activations when deciding what stays resident
 
 
@@ -52,11 +47,12 @@ class StagedPipeline:
     """Encoders kept on the CPU and moved to ``device`` for each batch's encoding."""
 
     def __post_init__(self):
-        name = type(self.pipe).__name__
-        if name not in ENCODE_OUTPUTS:
-            raise ModelLoadError(f"strategy=device_map does not know how {name} encodes prompts; supported: "
-                                 f"{sorted(ENCODE_OUTPUTS)}")
-        self._outputs = ENCODE_OUTPUTS[name]
+        family = family_of(self.pipe)  # encode_prompt's outputs, in order, as the pipeline's __call__ names them
+        if family is None or family.encode_outputs is None:
+            supported = sorted(f.pipeline for f in families() if f.encode_outputs is not None)
+            raise ModelLoadError(f"strategy=device_map does not know how {type(self.pipe).__name__} encodes prompts; "
+                                 f"supported: {supported}")
+        self._outputs = family.encode_outputs
         self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
         self._encode_params = set(inspect.signature(self.pipe.encode_prompt).parameters)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shardgen.dataio.rundir import atomic_write_bytes
+from shardgen.dataio.video import is_video
 
 log = logging.getLogger("shardgen.latents")
 
@@ -46,7 +47,7 @@ class LatentCheckpoints:
         than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
         every, directory = cfg.get("latent_checkpoint_every"), Path(cfg.run_dir).absolute() / "latents"
         if every == "auto":
-            video_dp = cfg.get("num_frames") is not None and (strategy or cfg.strategy.name) == "dp"
+            video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"
             return cls(directory, interval_s=float(cfg.get("latent_checkpoint_s", 60.0))) if video_dp else None
         return cls(directory, every=int(every)) if every else None
 
