@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from shardgen.dataio.dedup import near_duplicate_groups
-from shardgen.dataio.rundir import run_dir_arg
+from shardgen.dataio.rundir import RunDir, run_dir_arg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-distance", type=int, default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")
     args = ap.parse_args(argv)
-    files = sorted((Path(args.run_dir) / "shards").glob("*.parquet"))
+    files = sorted(RunDir(Path(args.run_dir)).shards_dir.glob("*.parquet"))
     if not files:
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2

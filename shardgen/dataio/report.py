@@ -40,7 +40,7 @@ def _index_rows(plan: Plan) -> dict[str, list]:
 
 def _throughput_series(plan: Plan) -> dict[str, list[tuple[float, int]]]:
     """replica -> [(time, cumulative samples)] of its committed shards."""
-    events = read_jsonl(sorted((plan.run.root / "logs").glob("events.*.jsonl")))
+    events = read_jsonl(sorted(plan.run.logs_dir.glob(plan.run.EVENTS_GLOB)))
     if not events:  # a run from before the events files: the stats have no replica
         events = [dict(t=s["finished"], replica="all", samples=s["count"])
                   for s in (read_json(plan.run.shard_stats(i)) for i in sorted(plan.run.done_shards()))]
@@ -170,7 +170,7 @@ def build_report(plan: Plan) -> str:
     """The report of ``plan``'s run as a self-contained HTML page."""
     rows = _index_rows(plan)
     status = Counter(rows["status"])
-    launches = read_jsonl([p for p in [plan.run.root / "launches.jsonl"] if p.exists()])
+    launches = read_jsonl([p for p in [plan.run.launches_path] if p.exists()])
     done = len(plan.run.done_shards())
     state = "complete" if done == plan.num_shards else (
         f"in progress: {read_ledger(plan).done_samples} of {plan.num_rows} samples durable; the figures below are "

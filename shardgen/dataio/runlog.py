@@ -33,7 +33,7 @@ class _LazyFileHandler(logging.FileHandler):
 
 def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> logging.Handler:
     """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too; returns the handler."""
-    path = Path(run_dir).absolute() / "logs" / f"rank{rank:03d}.log"
+    path = RunDir(Path(run_dir).absolute()).rank_log_path(rank)
     handler = _LazyFileHandler(path, encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.setLevel(logging.INFO)
@@ -66,7 +66,7 @@ def _append_line(path: Path, record: dict) -> None:
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:
     """Note a committed shard for the report (called on the writer after the stats are written)."""
-    _append_line(run.root / "logs" / f"events.{socket.gethostname()}.{os.getpid()}.jsonl", dict(
+    _append_line(run.events_path(socket.gethostname(), os.getpid()), dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
         ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
 
