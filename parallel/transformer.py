@@ -105,7 +105,7 @@ def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
     family = model_family(cfg)
     image = family.image_tokens(cfg.height, cfg.width) * latent_frames(cfg)
     key = family.text_tokens
-    return image, (cfg.model[key] if key else (0 if key == "" else None))
+    return image, (family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None))
 
 
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):

@@ -48,6 +48,8 @@ class ModelFamily:
     """Text tokens the transformer sees per prompt, split by context parallelism: a model config key whose value
     is the (padded) count, "" when none are split (the text only feeds cross-attention), None when the count
     varies per batch."""
+    text_prefix_tokens: int = 0
+    """Text tokens joined before the ``text_tokens`` key's count (SD3: CLIP's 77 before the T5 tokens)."""
     encode_outputs: tuple[str | None, ...] | None = None
     """``encode_prompt``'s outputs in order, as ``__call__`` names them (None: not passed on); None: the family
     cannot run under strategy=device_map."""
