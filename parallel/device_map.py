@@ -54,7 +54,11 @@ class StagedPipeline:
                                  f"supported: {supported}")
         self._outputs = family.encode_outputs
         self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
-        self._encode_params = set(inspect.signature(self.pipe.encode_prompt).parameters)
+        encode = inspect.signature(self.pipe.encode_prompt).parameters
+        self._encode_params = set(encode)
+        # prompt_2, prompt_3 without a default (SD3): None means "the same prompt" in diffusers' encode_prompt
+        self._same_prompt = [n for n, p in encode.items()
+                             if n.startswith("prompt_") and n[7:].isdigit() and p.default is inspect.Parameter.empty]
 
     def __getattr__(self, name: str) -> Any:  # components, config, ... of the wrapped pipeline
         if name == "pipe":
@@ -81,7 +85,7 @@ class StagedPipeline:
 
     def encode(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor]:
         """The pipeline's prompt embeddings for ``prompts``, named as its ``__call__`` takes them."""
-        kw = dict(prompt=prompts, device=self.device, num_images_per_prompt=1)
+        kw = dict(prompt=prompts, device=self.device, num_images_per_prompt=1, **dict.fromkeys(self._same_prompt))
         if max_sequence_length is not None and "max_sequence_length" in self._encode_params:
             kw["max_sequence_length"] = max_sequence_length
         with torch.no_grad():
