@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
 
+# google/t5-v1_1-xxl encoder (FLUX.1's text_encoder_2, SD3's text_encoder_3).
+T5_XXL = ComponentSpec("transformers", "T5EncoderModel", dict(
+    vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
+    layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    is_encoder_decoder=True, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+    "T5Config")
+
 # --- FLUX.1-dev (black-forest-labs/FLUX.1-dev) ---------------------------------------------------
 _FLUX1_DEV = {
     "transformer": ComponentSpec("diffusers", "FluxTransformer2DModel", dict(
@@ -25,13 +33,7 @@ _FLUX1_DEV = {
         vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
         num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
         bos_token_id=0, eos_token_id=2, pad_token_id=1), "CLIPTextConfig"),
-    # google/t5-v1_1-xxl encoder.
-    "text_encoder_2": ComponentSpec("transformers", "T5EncoderModel", dict(
-        vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
-        layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-        is_encoder_decoder=True, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
-        "T5Config"),
+    "text_encoder_2": T5_XXL,
     "tokenizer": ComponentSpec("tokenizer", "clip", dict(model_max_length=77)),
     "tokenizer_2": ComponentSpec("tokenizer", "t5", dict(model_max_length=512)),
     "scheduler": ComponentSpec("diffusers", "FlowMatchEulerDiscreteScheduler", dict(

@@ -10,6 +10,7 @@ guidance is the pipeline's own (``guidance_scale``: cond and uncond batched in o
 from __future__ import annotations
 
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
+from shardgen.families.flux import T5_XXL
 
 
 def _clip(hidden: int, ffn: int, layers: int, heads: int, act: str) -> ComponentSpec:
@@ -33,13 +34,7 @@ _SD35_LARGE = {
         use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)),
     "text_encoder": _clip(768, 3072, 12, 12, "quick_gelu"),   # openai/clip-vit-large-patch14
     "text_encoder_2": _clip(1280, 5120, 32, 20, "gelu"),      # laion CLIP-ViT-bigG-14
-    # google/t5-v1_1-xxl encoder, as in FLUX.1.
-    "text_encoder_3": ComponentSpec("transformers", "T5EncoderModel", dict(
-        vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
-        layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-        is_encoder_decoder=True, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
-        "T5Config"),
+    "text_encoder_3": T5_XXL,
     "tokenizer": ComponentSpec("tokenizer", "clip", dict(model_max_length=77)),
     "tokenizer_2": ComponentSpec("tokenizer", "clip", dict(model_max_length=77)),
     "tokenizer_3": ComponentSpec("tokenizer", "t5", dict(model_max_length=512)),
