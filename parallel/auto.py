@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
-from parallel.transformer import HALF_DTYPES, sequence_tokens, transformer_info
+from parallel.transformer import HALF_DTYPES, model_family, sequence_tokens, transformer_info
 from parallel.world import on_rank0_then_share
 from shardgen.config.sizes import GiB
 
@@ -59,7 +59,8 @@ class AutoInputs:
     image_tokens: int
     text_tokens: int | None
     heads: int | None
-    hidden: int | None
+    hidden: int
+    """Transformer width (config.json's, or the model family's ``hidden_default`` when it does not say)."""
     height: int
     width: int
     batch_size: int
@@ -73,7 +74,7 @@ class AutoInputs:
     def dit_bytes(self, cp_degree: int = 1) -> int:
         """One batch's peak transformer activations (split over the CP degree)."""
         tokens = self.image_tokens + (self.text_tokens or 0)
-        return self.batch_size * tokens * (self.hidden or 3072) * self.dtype_bytes * TRANSFORMER_ACT // cp_degree
+        return self.batch_size * tokens * self.hidden * self.dtype_bytes * TRANSFORMER_ACT // cp_degree
 
     def vae_bytes(self) -> int:
         """One batch's peak VAE-decode activations (context parallelism does not split them)."""
@@ -199,9 +200,8 @@ def component_params(model_cfg: ModelConfig) -> dict[str, int]:
     """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
-        from shardgen.models.loader import dummy_arch
 
-        return {n: _meta_params(s) for n, s in dummy_architecture(dummy_arch(model_cfg) or model_cfg.pipeline).items()
+        return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.name, pipeline=model_cfg.pipeline).items()
                 if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
     from shardgen.models.loader import resolve_source
 
@@ -224,8 +224,8 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
     if facts.type != "cuda":  # the first rule decides: no need to size the model
         return AutoInputs(device_type=facts.type, device_count=0, world_size=world_size, free_bytes=None,
                           transformer_bytes=0, other_bytes=0, image_tokens=image, text_tokens=text, heads=None,
-                          hidden=None, height=cfg.height, width=cfg.width, batch_size=cfg.batch_size,
-                          dtype_bytes=nbytes,
+                          hidden=model_family(cfg).hidden_default, height=cfg.height, width=cfg.width,
+                          batch_size=cfg.batch_size, dtype_bytes=nbytes,
                           half_dtype=cfg.dtype in HALF_DTYPES, has_tp_plan=False, has_cp_plan=False)
     info = transformer_info(cfg.model)
     params = component_params(cfg.model)
@@ -234,7 +234,8 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
         device_type=facts.type, device_count=facts.count, world_size=world_size, free_bytes=free,
         transformer_bytes=params.get("transformer", 0) * nbytes,
         other_bytes=sum(n for k, n in params.items() if k != "transformer") * nbytes,
-        image_tokens=image, text_tokens=text, heads=info.heads, hidden=info.hidden, height=cfg.height, width=cfg.width,
+        image_tokens=image, text_tokens=text, heads=info.heads,
+        hidden=info.hidden or model_family(cfg).hidden_default, height=cfg.height, width=cfg.width,
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
         true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline))

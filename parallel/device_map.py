@@ -19,6 +19,7 @@ import torch
 
 from parallel.transformer import load_transformer
 from shardgen.config.sizes import GiB, parse_bytes
+from shardgen.families import families, family_of
 from shardgen.models.loader import ModelLoadError, load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -27,12 +28,6 @@ if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.device_map")
-# encode_prompt's outputs, in order, as the pipeline's __call__ names them (None: not passed on)
-ENCODE_OUTPUTS = {
-    "FluxPipeline": ("prompt_embeds", "pooled_prompt_embeds", None),
-    "Flux2Pipeline": ("prompt_embeds", None),
-    "QwenImagePipeline": ("prompt_embeds", "prompt_embeds_mask"),
-}
 RESERVE_FRACTION = 0.15  # of each GPU, kept free for activations when deciding what stays resident
 
 
@@ -52,13 +47,18 @@ class StagedPipeline:
     """Encoders kept on the CPU and moved to ``device`` for each batch's encoding."""
 
     def __post_init__(self):
-        name = type(self.pipe).__name__
-        if name not in ENCODE_OUTPUTS:
-            raise ModelLoadError(f"strategy=device_map does not know how {name} encodes prompts; supported: "
-                                 f"{sorted(ENCODE_OUTPUTS)}")
-        self._outputs = ENCODE_OUTPUTS[name]
+        family = family_of(self.pipe)  # encode_prompt's outputs, in order, as the pipeline's __call__ names them
+        if family is None or family.encode_outputs is None:
+            supported = sorted(f.pipeline for f in families() if f.encode_outputs is not None)
+            raise ModelLoadError(f"strategy=device_map does not know how {type(self.pipe).__name__} encodes prompts; "
+                                 f"supported: {supported}")
+        self._outputs = family.encode_outputs
         self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
-        self._encode_params = set(inspect.signature(self.pipe.encode_prompt).parameters)
+        encode = inspect.signature(self.pipe.encode_prompt).parameters
+        self._encode_params = set(encode)
+        # prompt_2, prompt_3 without a default (SD3): None means "the same prompt" in diffusers' encode_prompt
+        self._same_prompt = [n for n, p in encode.items()
+                             if n.startswith("prompt_") and n[7:].isdigit() and p.default is inspect.Parameter.empty]
 
     def __getattr__(self, name: str) -> Any:  # components, config, ... of the wrapped pipeline
         if name == "pipe":
@@ -85,7 +85,7 @@ class StagedPipeline:
 
     def encode(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor]:
         """The pipeline's prompt embeddings for ``prompts``, named as its ``__call__`` takes them."""
-        kw = dict(prompt=prompts, device=self.device, num_images_per_prompt=1)
+        kw = dict(prompt=prompts, device=self.device, num_images_per_prompt=1, **dict.fromkeys(self._same_prompt))
         if max_sequence_length is not None and "max_sequence_length" in self._encode_params:
             kw["max_sequence_length"] = max_sequence_length
         with torch.no_grad():

@@ -19,7 +19,7 @@ from parallel import cfg as cfg_parallel
 from parallel import cp, device_map, dp, tp
 from parallel.auto import decide
 from parallel.dims import CP_STRATEGIES, ParallelConfigError, ParallelDims, divisors
-from parallel.transformer import (HALF_DTYPES, LATENT_PATCH, TransformerInfo, latent_frames, sequence_tokens,
+from parallel.transformer import (HALF_DTYPES, TransformerInfo, latent_frames, model_family, sequence_tokens,
                                   transformer_info)
 
 if TYPE_CHECKING:
@@ -202,19 +202,23 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
         if anything and tokens < n:
             _fail(f"{tokens} {what} tokens cannot be split over {n} ranks; use a smaller CP degree")
         if not anything:
-            frames = "latent frames x " if cfg.get("num_frames") is not None else ""
-            hint = (f"num_frames/height/width giving {frames}(H/16)*(W/16) divisible by {n}" if what == "image" else
+            family = model_family(cfg)
+            frames = "latent frames x " if family.is_video else ""
+            p = family.latent_patch
+            hint = (f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}" if what == "image" else
                     f"model.max_sequence_length divisible by {n}")
             _fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree "
                   f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
 
 
 def _token_rule(what: str, cfg: GenerateConfig) -> str:
-    if what == "image" and cfg.get("num_frames") is not None:
-        return (f"{latent_frames(cfg)} latent frames of num_frames={cfg.num_frames} x {cfg.height}/{LATENT_PATCH} x "
-                f"{cfg.width}/{LATENT_PATCH}")
+    family = model_family(cfg)
+    patch = family.latent_patch
+    if what == "image" and family.is_video:
+        return (f"{latent_frames(cfg)} latent frames of num_frames={cfg.num_frames} x {cfg.height}/{patch} x "
+                f"{cfg.width}/{patch}")
     if what == "image":
-        return f"{cfg.height}/{LATENT_PATCH} x {cfg.width}/{LATENT_PATCH}"
+        return f"{cfg.height}/{patch} x {cfg.width}/{patch}"
     return "model.max_sequence_length"
 
 

@@ -12,17 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parallel.dims import ParallelConfigError
+from shardgen.families import ModelFamily, family_for
 
 if TYPE_CHECKING:
     import torch
 
     from shardgen.config.schema import GenerateConfig, ModelConfig
 
-# text tokens the transformer sees per prompt: a config key (padded to it), or None when it varies per batch
-TEXT_TOKENS = {"FluxPipeline": "max_sequence_length", "Flux2Pipeline": "max_sequence_length",
-               "QwenImagePipeline": None}
-UNSPLIT_TEXT = ("WanPipeline",)  # Wan's _cp_plan splits the video tokens only (its text feeds cross-attention)
-LATENT_PATCH = 16  # pixels per image token: VAE downscale 8 x 2x2 latent patches (FLUX.1/2, Qwen-Image)
 HALF_DTYPES = ("bfloat16", "float16")
 
 
@@ -69,9 +65,8 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
     """The transformer's class and config: the embedded tiny one, the dummy architecture, or config.json."""
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import dummy_architecture
-        from shardgen.models.loader import dummy_arch
 
-        spec = dummy_architecture(dummy_arch(model_cfg) or model_cfg.pipeline)["transformer"]
+        spec = dummy_architecture(model_cfg.name, pipeline=model_cfg.pipeline)["transformer"]
         return TransformerInfo(spec.cls, dict(spec.config), f"the dummy {model_cfg.pipeline} architecture")
     if model_cfg.source == "tiny":
         from shardgen.models.tiny import TRANSFORMER_CONFIG
@@ -94,24 +89,23 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
     return TransformerInfo(config.get("_class_name", "?"), config, str(path))
 
 
-def image_tokens(height: int, width: int) -> int:
-    """Image tokens of one ``height`` x ``width`` image (FLUX.1/2, Qwen-Image: 16 pixels a side per token)."""
-    return (height // LATENT_PATCH) * (width // LATENT_PATCH)
+def model_family(cfg: GenerateConfig) -> ModelFamily:
+    """The family of the run's pipeline (shardgen/families/): its token, patch and frame rules."""
+    return family_for(cfg.model.pipeline)
 
 
 def latent_frames(cfg: GenerateConfig) -> int:
-    """Frames the transformer sees: Wan's VAE compresses num_frames = 4k+1 into k+1 (1 for image models)."""
-    n = cfg.get("num_frames")
-    return 1 if n is None else (n - 1) // 4 + 1
+    """Frames the transformer sees (Wan: num_frames = 4k+1 gives k+1; 1 for image models)."""
+    return model_family(cfg).latent_frames(cfg.get("num_frames"))
 
 
 def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
-    """(image or video tokens, text tokens) one prompt puts through the transformer; text None when it varies."""
-    image = image_tokens(cfg.height, cfg.width) * latent_frames(cfg)
-    if cfg.model.pipeline in UNSPLIT_TEXT:
-        return image, 0  # nothing to divide
-    key = TEXT_TOKENS.get(cfg.model.pipeline)
-    return image, (cfg.model[key] if key else None)
+    """(image or video tokens, text tokens) one prompt puts through the transformer; text None when it varies,
+    0 when context parallelism does not split it (it only feeds cross-attention)."""
+    family = model_family(cfg)
+    image = family.image_tokens(cfg.height, cfg.width) * latent_frames(cfg)
+    key = family.text_tokens
+    return image, (family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None))
 
 
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):

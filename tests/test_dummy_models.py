@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardgen.models.dummy import DUMMY_ARCHITECTURES, _construct, build_dummy_pipeline, dummy_architecture
+from shardgen.families import dummy_models, family_of
+from shardgen.models.dummy import _construct, build_dummy_pipeline, dummy_architecture
 
 # Scaled-down copies of the embedded architectures: same classes and code paths, tiny widths/depths.
 SMALL = {
@@ -78,14 +79,17 @@ def test_other_pipelines_scaled_down_generate(name):
 def test_unknown_pipeline_names_the_supported_ones():
     with pytest.raises(ValueError) as e:
         build_dummy_pipeline("StableDiffusionXLPipeline", "cpu", torch.float32)
-    for name in DUMMY_ARCHITECTURES:
+    for name in ("flux_dev", "flux2_dev", "qwen_image", "wan21_t2v_14b", "FLUX.1-dev", "Wan2.2-T2V-A14B"):
         assert name in str(e.value)
+    with pytest.raises(ValueError, match="no dummy architecture for model 'WanPipeline'"):  # three Wan models: ambiguous
+        dummy_architecture("WanPipeline")
     with pytest.raises(ValueError, match="unknown components"):
         dummy_architecture("FluxPipeline", {"unet": {"num_layers": 1}})
 
 
 def test_embedded_configs_are_the_published_ones():
-    flux = DUMMY_ARCHITECTURES["FluxPipeline"]
+    flux = dummy_models()["flux_dev"][1].components
+    assert family_of("FluxPipeline").dummy("any_custom_flux_yaml").components is flux  # one FLUX.1 dummy: any name
     assert flux["transformer"].config["num_layers"] == 19 and flux["transformer"].config["num_single_layers"] == 38
     assert flux["text_encoder_2"].config["d_model"] == 4096 and flux["text_encoder_2"].config["num_layers"] == 24
     # Parameter counts of the full-size modules, built on meta only (no memory).

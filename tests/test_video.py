@@ -173,7 +173,7 @@ def test_wan22_dummy_scaled_down_runs_both_experts_through_the_job_path():
     from shardgen.models.dummy import build_dummy_pipeline
 
     tiny_tr = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=32)
-    pipe = build_dummy_pipeline("WanPipeline", "cpu", torch.float32, arch="wan22_t2v_a14b", overrides=dict(
+    pipe = build_dummy_pipeline("wan22_t2v_a14b", "cpu", torch.float32, overrides=dict(
         transformer=tiny_tr, transformer_2=tiny_tr, text_encoder=dict(d_model=32, d_ff=37, d_kv=8, num_layers=1,
                                                                       num_heads=4, vocab_size=1000),
         vae=dict(base_dim=4, decoder_base_dim=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1)))
@@ -278,7 +278,7 @@ def test_bad_video_cp_degrees_fail_before_any_weight_is_read(tmp_path, override,
 def test_the_tiny_models_tokenizers_are_the_same_in_every_process(tmp_path):
     """Two fresh processes build the same vocabularies, CLIP's and T5's (a trained unigram T5 one differed in each
     process), so two machines that each build model=tiny or model=tiny_video get the same model."""
-    code = ("import hashlib, json, pathlib, sys; from shardgen.models.tiny import _train_tokenizers as t; "
+    code = ("import hashlib, json, pathlib, sys; from shardgen.models.tiny import train_tokenizers as t; "
             "toks = t(pathlib.Path(sys.argv[1])); "
             "print(hashlib.sha256(json.dumps([sorted(k.get_vocab().items()) for k in toks]).encode()).hexdigest())")
     outs = set()

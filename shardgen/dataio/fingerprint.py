@@ -137,7 +137,7 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
 
 
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
-    planned = (run.plan_dir / "plan.json").exists()
+    planned = run.plan_json_path.exists()
     plan_diffs = [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
     if planned and plan_diffs:
         raise FingerprintMismatch(

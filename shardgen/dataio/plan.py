@@ -259,7 +259,7 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     clean_stale_tmp(run)
     if not run.plan_dir.exists():
         return None
-    path = run.plan_dir / "plan.json"
+    path = run.plan_json_path
     try:
         meta = read_json(path)
         kw = {k: meta[k] for k in ("num_rows", "samples_per_shard", "num_shards", "num_rejects", "prompt_file")}
@@ -269,7 +269,7 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
     if meta.get("version", 1) == 1:
         return Plan(run=run, **kw)
-    starts_path = run.plan_dir / "starts.npy"
+    starts_path = run.starts_path
     starts = _load_npy(starts_path)
     if starts.shape != (kw["num_shards"], 2):
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")

@@ -53,7 +53,7 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
     made again. Call only after the fingerprint matched: then planning again gives the same plan.
     ``prompt_path``: where the launch found the prompt file (its content checked by the fingerprint)."""
     _refuse_symlinks(run.plan_dir, "plan")
-    plan_json = run.plan_dir / "plan.json"
+    plan_json = run.plan_json_path
     try:
         plan = load_plan(run, prompt_path)
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -83,7 +83,7 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
 
 def plan_files(run: RunDir) -> list[Path]:
     """The files a plan is made of (plan.json, and where each shard starts in the prompt file)."""
-    return [run.plan_dir / "plan.json", run.plan_dir / "starts.npy"]
+    return [run.plan_json_path, run.starts_path]
 
 
 def record_plan_digests(plan: Plan) -> None:
@@ -122,8 +122,8 @@ def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None)
 def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
     plan's numbering (RunDirError naming the file and the fix)."""
-    path = plan.run.plan_dir / "starts.npy"
-    fix = REPLAN_HINT.format(plan_json=plan.run.plan_dir / "plan.json")
+    path = plan.run.starts_path
+    fix = REPLAN_HINT.format(plan_json=plan.run.plan_json_path)
     changed = _plan_digest_problem(plan, full=True)
     if changed:
         raise RunDirError(f"{changed}; {fix}")
@@ -243,7 +243,7 @@ def load_plan_checked(run: RunDir) -> Plan | None:
     try:
         return load_plan(run)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        plan_json = run.plan_dir / "plan.json"
+        plan_json = run.plan_json_path
         raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
                           "it plans again from the prompt file, identically") from None
 

@@ -273,25 +273,47 @@ class RunDir:
         """Per-job failure counters of SLURM requeues."""
         return self.logs_dir / "failures"
 
+    def failure_mark_path(self, job_id: str, attempt: int | str) -> Path:
+        """The mark of one failed attempt of a SLURM job (created O_EXCL by its first failing rank); ``attempt="*"``
+        gives the glob of them all."""
+        return self.failures_dir / f"{job_id}.attempt{attempt}"
+
     @property
     def slurm_logs_dir(self) -> Path:
         return self.logs_dir / "slurm"
+
+    def rank_log_path(self, rank: int) -> Path:
+        """Global rank ``rank``'s log, appended across launches."""
+        return self.logs_dir / f"rank{rank:03d}.log"
+
+    EVENTS_GLOB = "events.*.jsonl"
+    """Pattern (in ``logs_dir``) of the commit-event files, one per writing process."""
+
+    def events_path(self, host: str, pid: int) -> Path:
+        """The commit events written by process ``pid`` on ``host`` (jobs.report reads them all)."""
+        return self.logs_dir / f"events.{host}.{pid}.jsonl"
+
+    @property
+    def latents_dir(self) -> Path:
+        """Denoising-loop checkpoints of video batches (run/latent_ckpt.py)."""
+        return self.root / "latents"
+
+    @property
+    def plan_json_path(self) -> Path:
+        return self.plan_dir / "plan.json"
+
+    @property
+    def starts_path(self) -> Path:
+        """Where each shard of the base plan starts in the prompt file."""
+        return self.plan_dir / "starts.npy"
 
     @property
     def report_path(self) -> Path:
         return self.root / "report.html"
 
-    def rank_log(self, rank: int) -> Path:
-        """Global rank ``rank``'s log, appended across launches."""
-        return self.logs_dir / f"rank{rank:03d}.log"
-
-    def events_path(self, host: str, pid: int) -> Path:
-        """The shard commit events of one writer process."""
-        return self.logs_dir / f"events.{host}.{pid}.jsonl"
-
     def events_paths(self) -> list[Path]:
         """Every writer process's events file."""
-        return sorted(self.logs_dir.glob("events.*.jsonl"))
+        return sorted(self.logs_dir.glob(self.EVENTS_GLOB))
 
     @property
     def fingerprint_path(self) -> Path:

@@ -1,6 +1,6 @@
 """Video samples: frames -> mp4 bytes (PyAV, H.264 by default) and back, for writers, verify and preview.
 
-A video run is one whose model has ``num_frames`` (conf/model/tiny_video.yaml, wan21_t2v_*.yaml, ...):
+A video run is one whose model family makes videos (shardgen/families/: Wan, i.e. tiny_video.yaml, wan*.yaml):
 each sample is ``{key}.mp4`` + ``{key}.txt`` + ``{key}.json``, the json adding frames, fps, duration,
 size and codec to the image samples' fields. PyAV's wheels ship FFmpeg (libx264 included).
 
@@ -31,8 +31,10 @@ class VideoConfigError(UserError, ValueError):
 
 
 def is_video(cfg: Any) -> bool:
-    """True for a run of a video model (one with ``num_frames``)."""
-    return cfg.get("num_frames") is not None
+    """True for a run of a video model (its family's, shardgen/families/: e.g. Wan)."""
+    from shardgen.families import family_for
+
+    return family_for(cfg.model.pipeline).is_video
 
 
 def validate_video_config(cfg: Any) -> None:
@@ -51,7 +53,7 @@ def validate_video_config(cfg: Any) -> None:
     import av
 
     n, fps = cfg.num_frames, cfg.fps
-    if n < 1 or (n - 1) % 4:
+    if n is None or n < 1 or (n - 1) % 4:
         raise VideoConfigError(f"num_frames={n}: Wan's VAE compresses time 4x, so use 4k+1 frames (e.g. 9, 33, 81)")
     if fps is None or fps <= 0:
         raise VideoConfigError(f"fps={fps}: use a positive frame rate (the model cards' is 16)")

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from parallel.world import ParallelConfigError
+from shardgen.dataio.rundir import RunDir
 from shardgen.errors import UserError
 from shardgen.launch.ranks import child_config, setup_rank_logging
 
@@ -155,10 +156,6 @@ class GenerateJob:
         return submitit.helpers.DelayedSubmission(GenerateJob(self.cfg_yaml, self.log_level))
 
 
-def _failures_dir(run_root) -> Path:
-    return Path(run_root) / "logs" / "failures"
-
-
 def _attempt(mark: Path) -> int:
     return int(mark.name.rsplit(".attempt", 1)[1])
 
@@ -166,7 +163,8 @@ def _attempt(mark: Path) -> int:
 def failure_marks(run_root, job_id, before: int | None = None) -> list[str]:
     """What failed on each attempt of ``job_id`` that a rank failed or stalled on (those before attempt
     ``before`` only, if given), oldest first."""
-    marks = sorted(_failures_dir(run_root).glob(f"{job_id}.attempt*"), key=_attempt)
+    run = RunDir(Path(run_root))
+    marks = sorted(run.failures_dir.glob(run.failure_mark_path(job_id, "*").name), key=_attempt)
     return [m.read_text().strip() for m in marks if before is None or _attempt(m) < before]
 
 
@@ -181,11 +179,11 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
     import submitit
 
     job_id, attempt = submitit.JobEnvironment().job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    marks = _failures_dir(cfg.run_dir)
-    marks.mkdir(parents=True, exist_ok=True)
+    run = RunDir(Path(cfg.run_dir))
+    run.failures_dir.mkdir(parents=True, exist_ok=True)
     earlier, limit = len(failure_marks(cfg.run_dir, job_id, before=attempt)), cfg.launcher.max_failures
     try:
-        fd = os.open(marks / f"{job_id}.attempt{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(run.failure_mark_path(job_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return earlier < limit  # another rank of this attempt failed first and acts on the same decision
     with os.fdopen(fd, "w") as f:
@@ -212,7 +210,7 @@ def submit(cfg: Any) -> list:
 
     validate_slurm(cfg)
     plan = prepare_run(cfg)  # a bad prompt file or a changed fingerprint fails here, before sbatch
-    log_dir = Path(cfg.launcher.log_dir or plan.run.root / "logs" / "slurm").absolute()
+    log_dir = Path(cfg.launcher.log_dir or plan.run.slurm_logs_dir).absolute()
     log_dir.mkdir(parents=True, exist_ok=True)
     job_cfg = child_config(cfg, {"run_dir": str(plan.run.root), "prompts.path": str(prompt_path(cfg))})
     ex = make_executor(cfg, log_dir)

@@ -2,8 +2,8 @@
 
 No model hub is reachable, and the speed of a diffusion pipeline does not depend on its weight
 values, so a benchmark can run the real architecture with random weights (like vLLM's dummy load
-format). The component configs of each supported model are embedded here (``DUMMY_ARCHITECTURES``,
-keyed by the diffusers pipeline class name) and every module is built fast:
+format). The component configs of each supported model are held by its family (shardgen/families/, keyed by
+model config name) and every module is built fast here:
 
 - its parameters are created on the ``meta`` device (``accelerate.init_empty_weights`` with
   ``include_buffers=False``), so no CPU memory is allocated and no CPU init runs;
@@ -26,151 +26,30 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
-
 import torch
+
+from shardgen.families import ComponentSpec, DummyModel, ModelFamily, dummy_models, family_of
 
 log = logging.getLogger(__name__)
 
-
-class ComponentSpec(NamedTuple):
-    """How to build one pipeline component: ``library`` is "diffusers", "transformers" or
-    "tokenizer" (a tiny tokenizer of kind ``cls`` trained here); ``config`` is the kwargs of the
-    diffusers class, of the transformers config class ``config_cls``, or of the tokenizer builder."""
-
-    library: str
-    cls: str
-    config: dict[str, Any]
-    config_cls: str | None = None
-
-
-# --- FLUX.1-dev (black-forest-labs/FLUX.1-dev) ---------------------------------------------------
-_FLUX1_DEV = {
-    "transformer": ComponentSpec("diffusers", "FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-        guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
-    "vae": ComponentSpec("diffusers", "AutoencoderKL", dict(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, act_fn="silu", norm_num_groups=32,
-        sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, force_upcast=True,
-        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)),
-    # openai/clip-vit-large-patch14 text tower, as FLUX.1-dev's text_encoder/config.json has it.
-    "text_encoder": ComponentSpec("transformers", "CLIPTextModel", dict(
-        vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
-        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
-        bos_token_id=0, eos_token_id=2, pad_token_id=1), "CLIPTextConfig"),
-    # google/t5-v1_1-xxl encoder.
-    "text_encoder_2": ComponentSpec("transformers", "T5EncoderModel", dict(
-        vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
-        layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-        is_encoder_decoder=True, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
-        "T5Config"),
-    "tokenizer": ComponentSpec("tokenizer", "clip", dict(model_max_length=77)),
-    "tokenizer_2": ComponentSpec("tokenizer", "t5", dict(model_max_length=512)),
-    "scheduler": ComponentSpec("diffusers", "FlowMatchEulerDiscreteScheduler", dict(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096)),
-}
-
-# --- FLUX.2-dev (black-forest-labs/FLUX.2-dev) ---------------------------------------------------
-_FLUX2_DEV = {
-    "transformer": ComponentSpec("diffusers", "Flux2Transformer2DModel", dict(
-        patch_size=1, in_channels=128, out_channels=None, num_layers=8, num_single_layers=48,
-        attention_head_dim=128, num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
-        mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True)),
-    "vae": ComponentSpec("diffusers", "AutoencoderKLFlux2", dict(
-        in_channels=3, out_channels=3, latent_channels=32,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, act_fn="silu", norm_num_groups=32,
-        sample_size=1024, use_quant_conv=True, use_post_quant_conv=True,
-        mid_block_add_attention=True, batch_norm_eps=1e-4, batch_norm_momentum=0.1, patch_size=(2, 2))),
-    # Mistral-Small-3.1/3.2-24B (Mistral3ForConditionalGeneration: Pixtral vision tower + Mistral text model).
-    # The pipeline stacks hidden states 10, 20, 30 -> joint_attention_dim = 3 * 5120.
-    "text_encoder": ComponentSpec("transformers", "Mistral3ForConditionalGeneration", dict(
-        text_config=dict(
-            vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-            max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=11),
-        vision_config=dict(
-            hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-            num_attention_heads=16, head_dim=64, num_channels=3, image_size=1540, patch_size=14,
-            hidden_act="silu", rope_theta=10000.0),
-        image_token_index=10, projector_hidden_act="gelu", vision_feature_layer=-1,
-        multimodal_projector_bias=False, spatial_merge_size=2, tie_word_embeddings=False), "Mistral3Config"),
-    "tokenizer": ComponentSpec("tokenizer", "mistral", dict(model_max_length=512)),
-    "scheduler": ComponentSpec("diffusers", "FlowMatchEulerDiscreteScheduler", dict(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")),
-}
-
-# --- Qwen-Image (Qwen/Qwen-Image) ------------------------------------------------------------------
-_QWEN_IMAGE = {
-    "transformer": ComponentSpec("diffusers", "QwenImageTransformer2DModel", dict(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))),
-    "vae": ComponentSpec("diffusers", "AutoencoderKLQwenImage", dict(
-        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-        temperal_downsample=[False, True, True], dropout=0.0,
-        latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
-        latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916])),
-    # Qwen2.5-VL-7B-Instruct.
-    "text_encoder": ComponentSpec("transformers", "Qwen2_5_VLForConditionalGeneration", dict(
-        text_config=dict(
-            vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
-            max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1e6,
-            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, use_sliding_window=False,
-            sliding_window=32768, max_window_layers=28, tie_word_embeddings=False,
-            bos_token_id=151643, eos_token_id=151645),
-        vision_config=dict(
-            depth=32, hidden_size=1280, hidden_act="silu", intermediate_size=3420, num_heads=16,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2,
-            window_size=112, out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31]),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        tie_word_embeddings=False), "Qwen2_5_VLConfig"),
-    "tokenizer": ComponentSpec("tokenizer", "qwen", dict(model_max_length=131072)),
-    "scheduler": ComponentSpec("diffusers", "FlowMatchEulerDiscreteScheduler", dict(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")),
-}
-
-DUMMY_ARCHITECTURES: dict[str, dict[str, ComponentSpec]] = {
-    "FluxPipeline": _FLUX1_DEV,
-    "Flux2Pipeline": _FLUX2_DEV,
-    "QwenImagePipeline": _QWEN_IMAGE,
-}
-# What each entry is, for messages.
-DUMMY_MODELS = {"FluxPipeline": "FLUX.1-dev", "Flux2Pipeline": "FLUX.2-dev", "QwenImagePipeline": "Qwen-Image"}
 
 # Order of construction: big modules first, so a build that cannot fit fails early.
 _BUILD_ORDER = ("transformer", "text_encoder_2", "text_encoder", "vae")
 
 
-def _architectures() -> tuple[dict[str, dict[str, ComponentSpec]], dict[str, str]]:
-    """(specs, names for messages): the image pipelines above and the Wan video models, which are all
-    WanPipeline and so are keyed by model config name (shardgen/models/wan_dummy.py)."""
-    from shardgen.models.wan_dummy import WAN_ARCHITECTURES, WAN_MODELS
-
-    return {**DUMMY_ARCHITECTURES, **WAN_ARCHITECTURES}, {**DUMMY_MODELS, **WAN_MODELS}
-
-
-def supported_pipelines() -> list[str]:
-    return sorted(_architectures()[0])
-
-
-def _check_pipeline(pipeline: str) -> dict[str, ComponentSpec]:
-    archs, models = _architectures()
-    try:
-        return archs[pipeline]
-    except KeyError:
-        names = ", ".join(f"{k} ({models[k]})" for k in supported_pipelines())
-        raise ValueError(f"no dummy architecture for pipeline {pipeline!r}; weights=dummy supports: {names}") from None
+def find_dummy(model: str, pipeline: str | None = None) -> tuple[ModelFamily, DummyModel]:
+    """The family and dummy architecture of ``model``: a model config name (conf/model/<name>.yaml's ``name``,
+    e.g. "flux_dev", "wan21_t2v_14b") or, for a family with a single one, any name of ``pipeline`` or the
+    pipeline class name itself (e.g. "FluxPipeline")."""
+    known = dummy_models()
+    if model in known and (pipeline is None or known[model][0].pipeline == pipeline):
+        return known[model]
+    family = family_of(pipeline or model)
+    if family is not None and (model in family.dummies or len(family.dummies) == 1):
+        return family, family.dummy(model)
+    names = ", ".join(f"{k} ({d.title}, {f.pipeline})" for k, (f, d) in sorted(known.items()))
+    raise ValueError(f"no dummy architecture for model {model!r}" + (f" ({pipeline})" if pipeline else "") +
+                     f"; weights=dummy supports: {names}")
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -181,13 +60,14 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-def dummy_architecture(pipeline: str, overrides: dict[str, dict] | None = None) -> dict[str, ComponentSpec]:
-    """The component specs of ``pipeline`` with ``overrides`` ({component: {key: value}}) merged in."""
-    specs = _check_pipeline(pipeline)
+def dummy_architecture(model: str, overrides: dict[str, dict] | None = None,
+                       pipeline: str | None = None) -> dict[str, ComponentSpec]:
+    """The component specs of ``model`` (see ``find_dummy``) with ``overrides`` ({component: {key: value}}) merged in."""
+    specs = find_dummy(model, pipeline)[1].components
     overrides = overrides or {}
     unknown = set(overrides) - set(specs)
     if unknown:
-        raise ValueError(f"overrides name unknown components {sorted(unknown)} of {pipeline}; known: {sorted(specs)}")
+        raise ValueError(f"overrides name unknown components {sorted(unknown)} of {model}; known: {sorted(specs)}")
     return {name: spec._replace(config=_merge(spec.config, overrides.get(name, {}))) for name, spec in specs.items()}
 
 
@@ -298,15 +178,15 @@ def _train_chat_tokenizer(kind: str, model_max_length: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from shardgen.models.tiny import _CORPUS
+    from shardgen.models.tiny import CORPUS
 
     # trained on English prompts too, so a prompt takes about as many tokens as with the real vocabularies
     # (~1.1-1.3 per word): models that trim the text to the batch's longest prompt (Qwen-Image) then see
     # realistic text lengths in a benchmark
-    prompts = _CORPUS + _example_prompts()
+    prompts = CORPUS + _example_prompts()
     if kind == "qwen":
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        corpus = prompts + [_QWEN_TEMPLATE.format(p) for p in _CORPUS]
+        corpus = prompts + [_QWEN_TEMPLATE.format(p) for p in CORPUS]
     else:
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
@@ -332,15 +212,15 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
         path = Path(tokenizer_dir) / name
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer_dir={tokenizer_dir!s} has no {name}/ folder (needed by {pipeline})")
-        loader = AutoProcessor if pipeline == "Flux2Pipeline" else AutoTokenizer
+        loader = AutoProcessor if spec.cls == "mistral" else AutoTokenizer  # Flux2Pipeline takes a processor
         return loader.from_pretrained(path)
     max_len = spec.config.get("model_max_length")
     if spec.cls in ("clip", "t5"):
         if "tiny" not in cache:
-            from shardgen.models.tiny import _train_tokenizers
+            from shardgen.models.tiny import train_tokenizers
 
             with tempfile.TemporaryDirectory() as tmp:
-                cache["tiny"] = _train_tokenizers(Path(tmp))
+                cache["tiny"] = train_tokenizers(Path(tmp))
         tok = copy.deepcopy(cache["tiny"][0 if spec.cls == "clip" else 1])
         tok.model_max_length = max_len
         return tok
@@ -351,12 +231,12 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
 
 # --- the builder ------------------------------------------------------------------------------------
 
-def build_dummy_pipeline(pipeline: str, device: str | torch.device, dtype: torch.dtype, *, tokenizer_dir=None,
-                         overrides: dict[str, dict] | None = None, seed: int = 0, arch: str | None = None):
-    """The real architecture of a known model (by its diffusers pipeline class name: "FluxPipeline" =
-    FLUX.1-dev, "Flux2Pipeline" = FLUX.2-dev, "QwenImagePipeline" = Qwen-Image) with random weights,
-    built directly on ``device`` in ``dtype`` (no CPU init, no hub), for benchmarks: speed does not
-    depend on weight values.
+def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dtype, *, tokenizer_dir=None,
+                         overrides: dict[str, dict] | None = None, seed: int = 0, pipeline: str | None = None):
+    """The real architecture of a known model (``model``: its model config name, e.g. "flux_dev",
+    "qwen_image", "wan21_t2v_14b", or the pipeline class of a family with one, e.g. "FluxPipeline") with
+    random weights, built directly on ``device`` in ``dtype`` (no CPU init, no hub), for benchmarks: speed
+    does not depend on weight values. ``pipeline``: the configured pipeline class (default: the family's).
 
     ``overrides`` ({component: {config key: value}}, nested dicts merged) changes the embedded
     configs, e.g. to build a scaled-down copy for tests; keep the shapes consistent. ``tokenizer_dir``
@@ -366,7 +246,8 @@ def build_dummy_pipeline(pipeline: str, device: str | torch.device, dtype: torch
     """
     import diffusers
 
-    specs = dummy_architecture(arch or pipeline, overrides)  # arch: a Wan model name (one pipeline, three models)
+    specs = dummy_architecture(model, overrides, pipeline)
+    pipeline = pipeline or find_dummy(model, pipeline)[0].pipeline
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -68,13 +68,6 @@ def check_safetensors_only(path: str) -> None:
             "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
 
 
-def dummy_arch(model_cfg: Any) -> str | None:
-    """The dummy architecture of a model that shares its pipeline class with others (the Wan models), else None."""
-    from shardgen.models.wan_dummy import WAN_ARCHITECTURES
-
-    return model_cfg.name if model_cfg.name in WAN_ARCHITECTURES else None
-
-
 def pipeline_class(name: str):
     """The diffusers pipeline class called ``name``."""
     import diffusers
@@ -95,7 +88,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import build_dummy_pipeline
 
-        return build_dummy_pipeline(model_cfg.pipeline, device or "cpu", dtype, arch=dummy_arch(model_cfg))
+        return build_dummy_pipeline(model_cfg.name, device or "cpu", dtype, pipeline=model_cfg.pipeline)
     if model_cfg.weights != "pretrained":
         raise ModelLoadError(f"model.weights={model_cfg.weights!r}: use pretrained or dummy")
     source = resolve_source(model_cfg)
@@ -112,16 +105,3 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     if device is not None:
         pipe.to(device)
     return pipe
-
-
-def quiet_libraries() -> None:
-    """diffusers/transformers warn once per batch about prompts longer than the text encoder's
-    window (truncation is expected in batch generation) and draw progress bars while building, saving and
-    loading pipelines (the tiny model's first build among them); keep their errors only."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()

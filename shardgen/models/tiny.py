@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from shardgen.models.loader import quiet_libraries
+from shardgen.models.quiet import quiet_libraries
 
 # Bump when the architecture or training strings change: old caches are then ignored.
 TINY_VERSION = "v2"  # v2: the T5 tokenizer has a fixed vocabulary (v1 trained one differed per process)
-_CORPUS = [
+CORPUS = [
     "a photo of a cat",
     "a dog on the beach",
     "cinematic film still of a cat sipping a margarita",
@@ -89,14 +89,14 @@ def _wait_for(target: Path, timeout_s: float = 600.0) -> Path:
     return target
 
 
-def _train_tokenizers(workdir: Path):
+def train_tokenizers(workdir: Path):
     """A CLIP-style BPE tokenizer trained on a few strings, and the fixed T5-style one."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
     bpe = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.model.save(str(workdir))
@@ -113,7 +113,7 @@ def t5_style_tokenizer(model_max_length: int = 512):
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "</s>", "<unk>"]
-    words = sorted({"\u2581" + w for line in _CORPUS for w in line.replace(",", " ,").split()})
+    words = sorted({"\u2581" + w for line in CORPUS for w in line.replace(",", " ,").split()})
     chars = ["\u2581"] + [c for c in string.printable if not c.isspace()]
     vocab = [(t, 0.0) for t in specials] + [(w, -1.0) for w in words] + [(c, -10.0) for c in chars]
     tok = Tokenizer(models.Unigram(vocab, unk_id=2))
@@ -128,7 +128,7 @@ def build_tiny_pipeline(seed: int = 0):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     with tempfile.TemporaryDirectory() as tmp:
-        clip_tok, t5_tok = _train_tokenizers(Path(tmp))
+        clip_tok, t5_tok = train_tokenizers(Path(tmp))
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from shardgen.dataio.rundir import atomic_write_bytes
+from shardgen.dataio.rundir import RunDir, atomic_write_bytes
+from shardgen.dataio.video import is_video
 
 log = logging.getLogger("shardgen.latents")
 
@@ -44,9 +45,9 @@ class LatentCheckpoints:
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
         """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
         than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
-        every, directory = cfg.get("latent_checkpoint_every"), Path(cfg.run_dir).absolute() / "latents"
+        every, directory = cfg.get("latent_checkpoint_every"), RunDir(Path(cfg.run_dir).absolute()).latents_dir
         if every == "auto":
-            video_dp = cfg.get("num_frames") is not None and (strategy or cfg.strategy.name) == "dp"
+            video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"
             return cls(directory, interval_s=float(cfg.get("latent_checkpoint_s", 60.0))) if video_dp else None
         return cls(directory, every=int(every)) if every else None
 

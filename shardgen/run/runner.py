@@ -39,7 +39,8 @@ from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version, quiet_libraries  # noqa: F401 (quiet_libraries: re-exported)
+from shardgen.models.loader import model_version
+from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
 from parallel.memory import check_memory

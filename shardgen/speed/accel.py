@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from shardgen.errors import UserError
+from shardgen.families import family_of
 
 log = logging.getLogger("shardgen.accel")
 
@@ -447,27 +448,6 @@ def _compile_settings(opts: AccelOptions) -> tuple:
     return opts.compile_mode, opts.fused_blocks, opts.compile_tuning
 
 
-def _prepare_qwen(pipe, opts: AccelOptions) -> dict:
-    """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
-    whose per-branch state needs the two calls), real-valued RoPE when compiled."""
-    from shardgen.speed import qwen
-
-    if not qwen.is_qwen_image(pipe):
-        return {}
-    batch_cfg = opts.cfg_batching and not opts.first_block_cache
-    qwen.remove_cfg_batching(pipe)
-    qwen.remove_text_buckets(pipe)
-    qwen.disable_real_rope(pipe.transformer)
-    if opts.compile or batch_cfg:
-        qwen.install_text_buckets(pipe)
-    if batch_cfg:
-        qwen.install_cfg_batching(pipe)
-    real_rope = opts.compile and qwen.enable_real_rope(pipe.transformer)
-    dynamic = opts.compile and qwen.mark_text_dynamic(pipe.transformer) >= 0
-    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
-                     "text_length_dynamic": dynamic}}
-
-
 def prepare(pipe, opts: AccelOptions) -> dict:
     """Bring ``pipe`` to ``opts`` (no-op when it already is); returns what was done, with timings.
 
@@ -502,7 +482,9 @@ def prepare(pipe, opts: AccelOptions) -> dict:
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache
-    done.update(_prepare_qwen(pipe, opts))
+    family = family_of(pipe)
+    if family is not None and family.prepare_speed is not None:  # the family's own hooks (Qwen-Image's)
+        done.update(family.prepare_speed(pipe, opts))
     done["prepare_s"] = round(time.perf_counter() - t0, 3)
     setattr(pipe, _STATE_ATTR, opts)
     if opts != AccelOptions(sdpa=opts.sdpa):

@@ -1,14 +1,17 @@
-"""The Wan text-to-video architectures for ``model.weights=dummy`` (shardgen/models/dummy.py builds them).
+"""Wan text-to-video (``WanPipeline``): Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V A14B, and the embedded tiny video
+model (model=tiny_video) of the same pipeline.
 
-The component configs are those of the diffusers repositories (Wan-AI/Wan2.1-T2V-1.3B-Diffusers,
-Wan-AI/Wan2.1-T2V-14B-Diffusers, Wan-AI/Wan2.2-T2V-A14B-Diffusers: ``transformer*/config.json``,
-google/umt5-xxl's encoder, the Wan 2.1 VAE that A14B shares, the UniPC flow scheduler). They are keyed
-by the model config's ``name`` (conf/model/wan*.yaml), since all three are ``WanPipeline``.
+The VAE compresses 8x in space and 4x in time (``num_frames = 4k + 1`` gives k + 1 latent frames); the
+transformer patches latents 2x2, so a token covers 16 pixels a side. The UMT5 text only feeds cross-attention,
+so context parallelism splits the video tokens alone. The dummy component configs are those of the diffusers
+repositories (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, Wan-AI/Wan2.1-T2V-14B-Diffusers, Wan-AI/Wan2.2-T2V-A14B-Diffusers:
+``transformer*/config.json``, google/umt5-xxl's encoder, the Wan 2.1 VAE that A14B shares, the UniPC flow
+scheduler); the three models share one pipeline class, so they are told apart by model config name.
 """
 
 from __future__ import annotations
 
-from shardgen.models.dummy import ComponentSpec
+from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
 
 _UMT5_XXL = ComponentSpec("transformers", "UMT5EncoderModel", dict(
     vocab_size=256384, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
@@ -39,11 +42,12 @@ def _wan(transformer: ComponentSpec, flow_shift: float, **extra: ComponentSpec) 
 _WAN_14B = _transformer(heads=40, ffn=13824, layers=40)
 # model config name -> components; flow_shift 3.0 at 480p and 5.0 at 720p (the diffusers Wan docs),
 # 12.0 for Wan 2.2 A14B (its sample_shift); A14B's second expert takes over below t = 0.875 * 1000
-WAN_ARCHITECTURES: dict[str, dict[str, ComponentSpec]] = {
-    "wan21_t2v_1_3b": _wan(_transformer(heads=12, ffn=8960, layers=30), flow_shift=3.0),
-    "wan21_t2v_14b": _wan(_WAN_14B, flow_shift=5.0),
-    "wan22_t2v_a14b": _wan(_WAN_14B, flow_shift=12.0, transformer_2=_WAN_14B,
-                           boundary_ratio=ComponentSpec("value", "float", dict(value=0.875))),
-}
-WAN_MODELS = {"wan21_t2v_1_3b": "Wan2.1-T2V-1.3B", "wan21_t2v_14b": "Wan2.1-T2V-14B",
-              "wan22_t2v_a14b": "Wan2.2-T2V-A14B"}
+WAN = register(ModelFamily(
+    name="Wan", pipeline="WanPipeline", text_tokens="", frame_stride=4,
+    dummies={
+        "wan21_t2v_1_3b": DummyModel("Wan2.1-T2V-1.3B", _wan(_transformer(heads=12, ffn=8960, layers=30), flow_shift=3.0)),
+        "wan21_t2v_14b": DummyModel("Wan2.1-T2V-14B", _wan(_WAN_14B, flow_shift=5.0)),
+        "wan22_t2v_a14b": DummyModel("Wan2.2-T2V-A14B", _wan(
+            _WAN_14B, flow_shift=12.0, transformer_2=_WAN_14B,
+            boundary_ratio=ComponentSpec("value", "float", dict(value=0.875)))),
+    }))

@@ -1,0 +1,148 @@
+"""``ModelFamily``: what shardgen knows about one model family, found by its diffusers pipeline class.
+
+One spec per family (like torchtitan's ``TrainSpec``), registered by pipeline class and looked up by the
+most specific ``issubclass`` match (like xDiT's ``@register(FluxPipeline)``): a subclass of a registered
+pipeline gets its parent's family unless it registers its own. Every model-specific rule (tokens the
+transformer sees, latent geometry, prompt encoding for ``device_map``, dummy architectures, video or image,
+speed hooks) is asked of the family; adding a model family is one module here plus its conf/model YAML.
+
+This module imports no other shardgen module: every layer may ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+
+class ComponentSpec(NamedTuple):
+    """How to build one pipeline component: ``library`` is "diffusers", "transformers", "tokenizer" (a tiny
+    tokenizer of kind ``cls`` trained here) or "value" (a plain pipeline argument, ``config["value"]``);
+    ``config`` is the kwargs of the diffusers class, of the transformers config class ``config_cls``, or of
+    the tokenizer builder."""
+
+    library: str
+    cls: str
+    config: dict[str, Any]
+    config_cls: str | None = None
+
+
+@dataclass(frozen=True)
+class DummyModel:
+    """One published model of a family, as ``model.weights=dummy`` builds it (real architecture, random weights)."""
+
+    title: str
+    """The published model's name, for messages (e.g. "FLUX.1-dev")."""
+    components: dict[str, ComponentSpec]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The model-specific rules of one diffusers pipeline class (and its subclasses)."""
+
+    name: str
+    """For messages and docs, e.g. "FLUX.1"."""
+    pipeline: str
+    """The diffusers pipeline class name (``model.pipeline`` in conf/model/*.yaml)."""
+    text_tokens: str | None
+    """Text tokens the transformer sees per prompt, split by context parallelism: a model config key whose value
+    is the (padded) count, "" when none are split (the text only feeds cross-attention), None when the count
+    varies per batch."""
+    text_prefix_tokens: int = 0
+    """Text tokens joined before the ``text_tokens`` key's count (SD3: CLIP's 77 before the T5 tokens)."""
+    encode_outputs: tuple[str | None, ...] | None = None
+    """``encode_prompt``'s outputs in order, as ``__call__`` names them (None: not passed on); None: the family
+    cannot run under strategy=device_map."""
+    latent_patch: int = 16
+    """Pixels per image token along each side (VAE downscale x transformer patch)."""
+    frame_stride: int = 0
+    """Video only: frames per latent frame after the first (num_frames = stride*k + 1); 0 for image families."""
+    dummies: dict[str, DummyModel] = field(default_factory=dict)
+    """``model.weights=dummy`` architectures by model config name (conf/model/<name>.yaml's ``name``)."""
+    prepare_speed: Callable[[Any, Any], dict] | None = None
+    """``(pipe, AccelOptions) -> what was done``: the family's own speed hooks, applied by speed/accel.prepare."""
+    hidden_default: int = 3072
+    """Transformer width assumed by ``auto`` when the config does not give it."""
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the family makes videos (samples of ``num_frames`` frames)."""
+        return self.frame_stride > 0
+
+    def latent_frames(self, num_frames: int | None) -> int:
+        """Frames the transformer sees (1 for an image family)."""
+        return 1 if not self.is_video or num_frames is None else (num_frames - 1) // self.frame_stride + 1
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Image tokens of one latent frame of ``height`` x ``width`` pixels."""
+        return (height // self.latent_patch) * (width // self.latent_patch)
+
+    def dummy(self, model_name: str) -> DummyModel:
+        """The dummy architecture of ``model_name``; a family with a single one gives it for any name (a custom
+        YAML of the same pipeline)."""
+        if model_name in self.dummies:
+            return self.dummies[model_name]
+        if len(self.dummies) == 1:
+            return next(iter(self.dummies.values()))
+        raise KeyError(model_name)
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` to the registry (one per pipeline class name)."""
+    if family.pipeline in _FAMILIES:
+        raise ValueError(f"a model family for {family.pipeline} is already registered ({_FAMILIES[family.pipeline].name})")
+    _FAMILIES[family.pipeline] = family
+    return family
+
+
+def unregister(pipeline: str) -> None:
+    """Remove the family of ``pipeline`` (tests registering a temporary one)."""
+    _FAMILIES.pop(pipeline, None)
+
+
+def families() -> list[ModelFamily]:
+    """Every registered family (the modules of shardgen/families/ are imported by the package)."""
+    return list(_FAMILIES.values())
+
+
+def _pipeline_class(name: str):
+    import diffusers
+
+    return getattr(diffusers, name, None)
+
+
+def family_of(pipe_or_class: Any) -> ModelFamily | None:
+    """The family of a pipeline object, class or class name: the registered pipeline class that is the most
+    specific base of it (None when none is)."""
+    if isinstance(pipe_or_class, str):
+        if pipe_or_class in _FAMILIES:
+            return _FAMILIES[pipe_or_class]
+        cls = _pipeline_class(pipe_or_class)
+    else:
+        cls = pipe_or_class if isinstance(pipe_or_class, type) else type(pipe_or_class)
+    if cls is None:
+        return None
+    best, best_cls = None, None
+    for fam in _FAMILIES.values():
+        base = _pipeline_class(fam.pipeline)
+        if base is not None and issubclass(cls, base) and (best_cls is None or issubclass(base, best_cls)):
+            best, best_cls = fam, base
+    return best
+
+
+# What a pipeline no family knows is taken to be: an image model of 16-pixel tokens whose text count varies.
+UNKNOWN = ModelFamily(name="unknown", pipeline="", text_tokens=None)
+
+
+def family_for(pipe_or_class: Any) -> ModelFamily:
+    """``family_of``, or ``UNKNOWN``'s conservative rules for a pipeline no family registers."""
+    return family_of(pipe_or_class) or UNKNOWN
+
+
+def dummy_models() -> dict[str, tuple[ModelFamily, DummyModel]]:
+    """Every dummy architecture by model config name, with its family."""
+    return {name: (fam, d) for fam in _FAMILIES.values() for name, d in fam.dummies.items()}
+

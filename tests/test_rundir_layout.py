@@ -1,0 +1,18 @@
+"""RunDir builds every path of a run directory: the layout docs/architecture.md and the tools rely on."""
+
+from pathlib import Path
+
+from shardgen.dataio.rundir import RunDir
+
+
+def test_every_path_is_under_the_run_directory_where_the_docs_say():
+    run = RunDir(Path("/r"))
+    paths = {
+        "plan/plan.json": run.plan_json_path, "plan/starts.npy": run.starts_path, "latents": run.latents_dir,
+        "logs/rank007.log": run.rank_log_path(7), "logs/events.h1.42.jsonl": run.events_path("h1", 42),
+        "logs/failures/123.attempt2": run.failure_mark_path("123", 2), "logs/slurm": run.slurm_logs_dir,
+        "launches.jsonl": run.launches_path,
+    }
+    assert {k: str(v.relative_to("/r")) for k, v in paths.items()} == {k: k for k in paths}
+    assert run.events_path("h1", 42).match(run.EVENTS_GLOB)
+    assert run.failure_mark_path("123", 2).match(run.failure_mark_path("123", "*").name)
