@@ -56,6 +56,7 @@ class OpCounter:
 
     def __init__(self):
         self.counts: Counter = Counter()
+        self.entries: Counter = Counter()  # directory entries listed, by phase
         self._local = threading.local()
         self._lock = threading.Lock()
         self._saved: dict = {}
@@ -74,7 +75,11 @@ class OpCounter:
         def counted(*a, **k):
             with self._lock:
                 self.counts[(self.phase(), name)] += 1
-            return fn(*a, **k)
+            out = fn(*a, **k)
+            if name == "listdir":  # a listing's cost on NFS grows with its entries (READDIRPLUS pages)
+                with self._lock:
+                    self.entries[self.phase()] += len(out)
+            return out
         return counted
 
     def install(self) -> None:
@@ -95,8 +100,10 @@ class OpCounter:
                 out.setdefault(p, Counter())[name] += n
         return out
 
-    def total(self, phase: str) -> int:
-        return sum(self.by_phase().get(phase, Counter()).values())
+    def total(self) -> int:
+        """All operations so far, every thread's (helper pools included)."""
+        with self._lock:
+            return sum(self.counts.values())
 
 
 COUNTER = OpCounter()
@@ -167,18 +174,16 @@ def simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: 
     COUNTER.install()
     try:
         # a replica's start-up on this run: load the plan, the launch's repair (what prepare_run does on it)
-        COUNTER.set_phase("startup")
-        t0 = time.perf_counter()
+        # (nothing else runs yet: every operation counted meanwhile is theirs, their thread pools' included)
+        ops0, t0 = COUNTER.total(), time.perf_counter()
         plan = load_plan(run)
         repair_run_dir(plan, lease_s)
-        startup_s = time.perf_counter() - t0
-        startup_ops = COUNTER.total("startup")
-        COUNTER.set_phase("status")
-        t0 = time.perf_counter()
+        startup_s, startup_ops = time.perf_counter() - t0, COUNTER.total() - ops0
+        ops0, t0 = COUNTER.total(), time.perf_counter()
         run_status(plan, lease_s)
-        status_s = time.perf_counter() - t0
-        status_ops = COUNTER.total("status")
-        COUNTER.set_phase(None)
+        status_s, status_ops = time.perf_counter() - t0, COUNTER.total() - ops0
+        COUNTER.counts.clear()
+        COUNTER.entries.clear()  # the figures per committed shard count the replicas' operations only
         fig = _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed,
                             stagger_s)
     finally:
@@ -255,12 +260,13 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     complete = len(run.done_shards()) == plan.num_shards
     n = sum(commits.values())
     phases = COUNTER.by_phase()
-    per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items() if p not in ("startup", "status")}
+    per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
     claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
     lat = sorted(latencies)
     return dict(seconds=round(t_end - t_start, 1), complete=complete, committed_shards=n,
                 shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
                 ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
+                listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},
                 claim_median_ms=round(1000 * statistics.median(lat), 2) if lat else None,
                 claim_p99_ms=round(1000 * lat[int(0.99 * (len(lat) - 1))], 2) if lat else None,
                 heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()), kills=sum(kills.values()),

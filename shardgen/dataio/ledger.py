@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDir, RunDirError, read_state
-from shardgen.dataio.shardwork import STATS_FIELDS, shard_checkpoints
+from shardgen.dataio.rundir import RunDir, RunDirError, map_io, read_state
+from shardgen.dataio.shardwork import STATS_FIELDS, all_checkpoints
 
 
 @dataclass
@@ -64,29 +64,31 @@ class Ledger:
 
 
 def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
-    """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards."""
+    """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards.
+
+    Each directory is listed once (not once per shard), and the done shards' stats are read by a few threads:
+    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes."""
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
     claims = scan_claims(run) if run.claims_dir.exists() else {}
+    ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
+    cache.update(_read_stats_parallel(run, sorted(done - cache.keys())))
     now, me = time.time(), owner_record(-1)
     shards, reasons = [], Counter()
     for shard in range(plan.num_shards):
         rows = len(plan.shard_range(shard))
         if shard in done:
-            if shard not in cache:
-                try:
-                    cache[shard] = read_state(run.shard_stats(shard), STATS_FIELDS)
-                except RunDirError:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
-                    shards.append(ShardState(shard, rows, "damaged"))
-                    continue
-            st = cache[shard]
+            st = cache.get(shard)
+            if st is None:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
+                cache.pop(shard, None)
+                shards.append(ShardState(shard, rows, "damaged"))
+                continue
             if isinstance(st.get("failures_by_reason"), dict):
                 reasons.update(st["failures_by_reason"])
             shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
             continue
-        ckpts = shard_checkpoints(run, shard) if run.work_dir.exists() else []
-        best = max(ckpts, key=lambda c: c["n_done"], default=None)
+        best = max(ckpts_of.get(shard, []), key=lambda c: c["n_done"], default=None)
         n = best["n_done"] if best else 0
         times = dict(started=best.get("started"), updated=best.get("updated")) if best else {}
         gen = claims.get(shard)
@@ -99,6 +101,17 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
         shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
                                  holder=record if isinstance(record, dict) else {}, **times))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
+
+
+def _read_stats_parallel(run: RunDir, shards: list[int]) -> dict[int, dict | None]:
+    """shard -> its stats (None: unreadable), read concurrently."""
+    def one(shard: int) -> dict | None:
+        try:
+            return read_state(run.shard_stats(shard), STATS_FIELDS)
+        except RunDirError:
+            return None
+
+    return dict(zip(shards, map_io(one, shards)))
 
 
 def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:

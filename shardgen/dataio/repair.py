@@ -15,6 +15,7 @@ Refused: a run without a valid fingerprint, a symlinked fingerprint or plan file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
 from shardgen.dataio.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, map_io, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
 
@@ -144,8 +145,12 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     notes += _remove_symlinks(run)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
-    for shard in range(plan.num_shards):
-        problem = committed_shard_problem(run, shard)
+    # one listing of shards/, then only the shards that have files there are checked (concurrently: on a
+    # shared filesystem 100k shards checked one after another would make every launch take minutes)
+    names = os.listdir(run.shards_dir) if run.shards_dir.is_dir() else []
+    present = sorted({int(n[:6]) for n in names if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
+                     & set(range(plan.num_shards)))
+    for shard, problem in zip(present, map_io(lambda s: committed_shard_problem(run, s), present)):
         if problem is None:
             continue
         gen = claims.get(shard)
@@ -163,10 +168,11 @@ def _remove_symlinks(run: RunDir) -> list[str]:
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
-        for name in os.listdir(d) if d.is_dir() else []:
-            if (d / name).is_symlink():
-                (d / name).unlink()
-                notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
+        with os.scandir(d) if d.is_dir() else contextlib.nullcontext([]) as entries:
+            links = [e.name for e in entries if e.is_symlink()]  # from the listing: no stat per entry
+        for name in links:
+            (d / name).unlink()
+            notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
     for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
                  run.plan_digests_path, run.root / "launches.jsonl"):
         if path.is_symlink():
