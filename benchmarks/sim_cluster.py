@@ -253,17 +253,17 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     deadline = t_start + seconds
     while any(t.is_alive() for t in threads) and time.time() < deadline:
         time.sleep(0.2)
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    stop.set()  # replicas stop at their next claim; a replica in its shard finishes it
     t_end = time.time()
+    for t in threads:
+        t.join(timeout=max(0.1, t_end + 60 - time.time()))
     complete = len(run.done_shards()) == plan.num_shards
     n = sum(commits.values())
     phases = COUNTER.by_phase()
     per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
     claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
     lat = sorted(latencies)
-    return dict(seconds=round(t_end - t_start, 1), complete=complete, committed_shards=n,
+    return dict(seconds=round(t_end - t_start, 1), complete=complete, stuck=sum(t.is_alive() for t in threads), committed_shards=n,
                 shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
                 ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
                 listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},
