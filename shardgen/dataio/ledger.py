@@ -6,6 +6,7 @@ bars, ``jobs.status``, ``jobs.verify`` and a requeued job all read it the same w
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDir, RunDirError, map_io, read_state
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
 from shardgen.dataio.shardwork import STATS_FIELDS, all_checkpoints
 
 
@@ -63,17 +64,26 @@ class Ledger:
         return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
 
 
-def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
+def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None,
+                persist: bool = False) -> Ledger:
     """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards.
 
     Each directory is listed once (not once per shard), and the done shards' stats are read by a few threads:
-    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes."""
+    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes.
+    ``persist`` (jobs.status): keep what it needs of each stats file in ``stats_cache.json``, valid while the
+    file's size and mtime (from the listing) are unchanged, so a status call reads only new stats."""
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
     claims = scan_claims(run) if run.claims_dir.exists() else {}
     ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
-    cache.update(_read_stats_parallel(run, sorted(done - cache.keys())))
+    sigs = _stats_signatures(run) if persist else {}
+    if persist:
+        cache.update(_load_persisted(run, sigs))
+    new = _read_stats_parallel(run, sorted(done - cache.keys()))
+    cache.update(new)
+    if persist and any(v is not None for v in new.values()):
+        _persist(run, cache, sigs)
     now, me = time.time(), owner_record(-1)
     shards, reasons = [], Counter()
     for shard in range(plan.num_shards):
@@ -101,6 +111,49 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
         shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
                                  holder=record if isinstance(record, dict) else {}, **times))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
+
+
+STATUS_FIELDS = ("shard", "count", "ok", "failed", "rejected", "truncated", "failures_by_reason", "started",
+                 "finished", "wall_s")  # what the status and the ledger's totals use of a shard's stats
+
+
+def _stats_signatures(run: RunDir) -> dict[int, list[int]]:
+    """shard -> [size, mtime_ns] of its stats file, from one listing of shards/."""
+    out = {}
+    try:
+        with os.scandir(run.shards_dir) as it:
+            for e in it:
+                if e.name.endswith(".stats.json") and e.name[:6].isdigit():
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out[int(e.name[:6])] = [st.st_size, st.st_mtime_ns]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _load_persisted(run: RunDir, sigs: dict[int, list[int]]) -> dict[int, dict]:
+    try:
+        saved = read_state(run.stats_cache_path)
+    except RunDirError:  # none yet, or damaged: the stats are read again
+        return {}
+    out = {}
+    for key, entry in (saved.items() if isinstance(saved, dict) else ()):
+        if key.isdigit() and isinstance(entry, dict) and entry.get("sig") == sigs.get(int(key)) \
+                and isinstance(entry.get("stats"), dict):
+            out[int(key)] = entry["stats"]
+    return out
+
+
+def _persist(run: RunDir, cache: dict, sigs: dict[int, list[int]]) -> None:
+    data = {str(s): dict(sig=sigs[s], stats={k: st[k] for k in STATUS_FIELDS if k in st})
+            for s, st in cache.items() if st is not None and s in sigs}
+    try:
+        atomic_write_bytes(run.stats_cache_path, json.dumps(data, separators=(",", ":")).encode())
+    except OSError:  # a run directory this user may only read: the next call reads the stats again
+        pass
 
 
 def _read_stats_parallel(run: RunDir, shards: list[int]) -> dict[int, dict | None]:

@@ -145,12 +145,22 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     notes += _remove_symlinks(run)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
-    # one listing of shards/, then only the shards that have files there are checked (concurrently: on a
-    # shared filesystem 100k shards checked one after another would make every launch take minutes)
-    names = os.listdir(run.shards_dir) if run.shards_dir.is_dir() else []
-    present = sorted({int(n[:6]) for n in names if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
+    # one listing of shards/; only the shards that have files there are checked, and of those only the ones
+    # whose files changed since a launch found them sound (their sizes and mtimes come with the listing), the
+    # rest concurrently: on a shared filesystem 100k shards checked one after another at every launch of
+    # every job would take minutes each
+    with os.scandir(run.shards_dir) if run.shards_dir.is_dir() else contextlib.nullcontext([]) as it:
+        entries = {e.name: e for e in it}
+    present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
                      & set(range(plan.num_shards)))
-    for shard, problem in zip(present, map_io(lambda s: committed_shard_problem(run, s), present)):
+    seen = {s: _files_signature(run, s, entries) for s in present}
+    before = _read_checked(run)
+    todo = [s for s in present if seen[s] is None or before.get(str(s)) != seen[s]]
+    problems = dict(zip(todo, map_io(lambda s: committed_shard_problem(run, s), todo)))
+    sound = {str(s): seen[s] for s in present if problems.get(s) is None and seen[s] is not None}
+    if sound != before:
+        atomic_write_json(run.shards_checked_path, sound)
+    for shard, problem in problems.items():
         if problem is None:
             continue
         gen = claims.get(shard)
@@ -160,6 +170,30 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     for line in notes:
         log.warning("%s: %s", run.root, line)
     return notes
+
+
+def _files_signature(run: RunDir, shard: int, entries: dict) -> list[int] | None:
+    """Sizes and mtimes of a committed shard's stats, tar and index, from the listing of shards/ (None: one is
+    missing, so it must be checked)."""
+    out = []
+    for path in (run.shard_stats(shard), run.shard_tar(shard), shard_index.index_path(run, shard)):
+        e = entries.get(path.name)
+        if e is None:
+            return None
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        out += [st.st_mode, st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _read_checked(run: RunDir) -> dict:
+    try:
+        checked = read_state(run.shards_checked_path)
+    except RunDirError:  # none yet, or damaged: every shard is checked again
+        return {}
+    return checked if isinstance(checked, dict) else {}
 
 
 def _remove_symlinks(run: RunDir) -> list[str]:
@@ -173,8 +207,8 @@ def _remove_symlinks(run: RunDir) -> list[str]:
         for name in links:
             (d / name).unlink()
             notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
-    for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
-                 run.plan_digests_path, run.root / "launches.jsonl"):
+    for path in (run.prompt_hash_path, run.summary_path, run.shards_checked_path, run.config_path,
+                 run.fingerprint_changes_path, run.plan_digests_path, run.root / "launches.jsonl"):
         if path.is_symlink():
             path.unlink()
             notes.append(f"removed the symlink {path.name} (it was not followed)")

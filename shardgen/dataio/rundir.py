@@ -271,6 +271,18 @@ class RunDir:
         return self.root / "launches.jsonl"
 
     @property
+    def shards_checked_path(self) -> Path:
+        """Committed shards a launch found sound, with their files' sizes and mtimes (the next launch skips those
+        unchanged: shardgen/dataio/repair.py)."""
+        return self.root / "shards_checked.json"
+
+    @property
+    def stats_cache_path(self) -> Path:
+        """What ``jobs.status`` needs of each committed shard's stats, with the stats file's size and mtime (a
+        status call reads only the stats that changed since: shardgen/dataio/ledger.py)."""
+        return self.root / "stats_cache.json"
+
+    @property
     def config_path(self) -> Path:
         """The resolved config of the first launch."""
         return self.root / "config.yaml"
