@@ -15,6 +15,8 @@ Layout (all names zero-padded shard ids)::
       work/000000.g3.ckpt.json  its checkpoint: samples, tar bytes and their sha256, durably written
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
       summary.json              totals, rewritten at the end of each launch
+      shards_checked.json       committed shards a launch found sound (sizes, mtimes): later launches skip them
+      stats_cache.json          what jobs.status needs of each stats file, valid while the file is unchanged
       logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
