@@ -215,7 +215,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     idle_at: list[float] = []
     commits = Counter()
     kills = Counter()
-    heartbeats = Counter()
+    last_commit, last_claim = [0.0], [0.0]
 
     def one(index: int, attempt: int = 0):
         if stagger_s:
@@ -238,6 +238,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                     idle_at.append(time.time())
                 else:
                     latencies.append(time.perf_counter() - t)
+                    last_claim[0] = max(last_claim[0], time.time())
             return got
 
         def committed(shard, stats, orig=w._committed):
@@ -245,6 +246,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
             if stats is not None:
                 with lock:
                     commits[shard] += 1
+                    last_commit[0] = max(last_commit[0], time.time())
         w._next_shard, w._committed = timed, committed
         try:
             w.run()
@@ -281,7 +283,8 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                 claim_median_ms=round(1000 * statistics.median(lat), 2) if lat else None,
                 claim_p99_ms=round(1000 * lat[int(0.99 * (len(lat) - 1))], 2) if lat else None,
                 heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()), kills=sum(kills.values()),
-                tail_s=round(t_end - min(idle_at), 2) if complete and idle_at else None,
+                # the tail: from the last claim (from then on a replica looking for work finds none) to the last commit
+                tail_s=round(max(0.0, last_commit[0] - last_claim[0]), 2) if complete else None,
                 commits_twice=sum(1 for c in commits.values() if c > 1))
 
 
