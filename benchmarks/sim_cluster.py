@@ -166,10 +166,15 @@ def simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: 
              heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0) -> dict:
     """Run the simulation; the figures as a dict."""
     t_plan = time.perf_counter()
-    run = make_plan(root, shards, per_shard)
-    plan_s = time.perf_counter() - t_plan
-    plan = load_plan(run)
-    prefilled = prefill(run, plan, prefill_frac, seed)
+    if (root / "plan" / "plan.json").exists():  # --dir of an earlier run: measured again as it is (--prefill ignored)
+        run = RunDir(root)
+        plan_s, prefilled = 0.0, len(run.done_shards())
+        plan = load_plan(run)
+    else:
+        run = make_plan(root, shards, per_shard)
+        plan_s = time.perf_counter() - t_plan
+        plan = load_plan(run)
+        prefilled = prefill(run, plan, prefill_frac, seed)
 
     COUNTER.install()
     try:
@@ -313,7 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--stagger-s", type=float, default=0.0)
-    ap.add_argument("--dir", default=None, help="where to make the run (default: a temp dir, removed after)")
+    ap.add_argument("--dir", default=None, help="where to make the run (default: a temp dir, removed after); "
+                    "a run left there by an earlier call is used as it is")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="simcluster-"))

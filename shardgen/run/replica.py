@@ -152,7 +152,8 @@ class ReplicaWorker:
         the first free one (a stat of its done marker, the exclusive create, a stat again). Only after
         ``WALK_MISSES`` shards in a row that were taken does it list shards/ and claims/ again: its known-done
         set is refreshed, it jumps to a random free shard (no herd on one shard), and, when none is free, it
-        takes over stalled claims (a few per poll) and waits with a growing, jittered poll."""
+        takes over stalled claims (a few per poll) and waits with a growing, jittered poll, listing only claims/
+        meanwhile."""
         run, n = self.plan.run, self.plan.num_shards
         if self._cursor is None:
             self._cursor = start_offset(self.ctx.index, self.ctx.count, n, self.claimer.owner)
@@ -162,11 +163,14 @@ class ReplicaWorker:
                 self._done = run.done_shards()  # a launch's repair may have removed a done marker: list again
                 if len(self._done) >= n:
                     return None
-            got = self._walk(n)
+            # while idle (the tail: what is left is held by others) neither the walk nor a listing of shards/ is
+            # repeated at each poll: claims/ (one entry per shard in progress) and a stat per shard that left it do
+            got = self._walk(n) if idle == 0 else None
             if got is None:
-                self._done = run.done_shards()
-                if len(self._done) >= n:
-                    return None
+                if idle == 0:
+                    self._done = run.done_shards()
+                    if len(self._done) >= n:
+                        return None
                 got = self._refresh_and_claim(n)
             if got is not None:
                 shard, gen = got
