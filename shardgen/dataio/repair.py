@@ -27,7 +27,7 @@ from pathlib import Path
 from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio import index as shard_index
 from shardgen.dataio.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, map_io, read_state
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, map_io, read_state, shard_name
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
 
@@ -176,8 +176,9 @@ def _files_signature(run: RunDir, shard: int, entries: dict) -> list[int] | None
     """Sizes and mtimes of a committed shard's stats, tar and index, from the listing of shards/ (None: one is
     missing, so it must be checked)."""
     out = []
-    for path in (run.shard_stats(shard), run.shard_tar(shard), shard_index.index_path(run, shard)):
-        e = entries.get(path.name)
+    name = shard_name(shard)  # names, not paths: 100k Path objects cost seconds at every launch
+    for file in (f"{name}.stats.json", f"{name}.tar", f"{name}.parquet"):  # RunDir.shard_stats, .shard_tar, index
+        e = entries.get(file)
         if e is None:
             return None
         try:

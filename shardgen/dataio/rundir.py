@@ -349,9 +349,10 @@ class RunDir:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:
+                if not (name.startswith(".") and (name.endswith(".tmp") or name.startswith(".plan-"))):
+                    continue  # (checked before making a Path: shards/ holds 300k names on a 100k-shard run)
                 path = d / name
-                if name.startswith(".") and (name.endswith(".tmp") or name.startswith(".plan-")) \
-                        and _leftover(path, name, max_age_s):
+                if _leftover(path, name, max_age_s):
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() \
                         else path.unlink(missing_ok=True)
                     removed.append(path)
