@@ -132,7 +132,8 @@ def fake_generator(gen_s: float, kill_prob: float, rng: random.Random):
         time.sleep(gen_s)
         if kill_prob and rng.random() < kill_prob:
             raise Killed()
-        return [Sample(key=r.key, index=r.index, prompt=r.prompt, meta=dict(prompt=r.prompt, index=r.index, seed=r.seed),
+        return [Sample(key=r.key, index=r.index, prompt=r.prompt,
+                       meta=dict(prompt=r.prompt, index=r.index, seed=r.seed),
                        pixels=np.full((8, 8, 3), r.index % 251, np.uint8)) for r in rows]
     return generate_batch
 
@@ -217,7 +218,6 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     rng = random.Random(seed)
     replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng)
     latencies, lock = [], threading.Lock()
-    idle_at: list[float] = []
     commits = Counter()
     kills = Counter()
     last_commit, last_claim = [0.0], [0.0]
@@ -238,10 +238,8 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
             t = time.perf_counter()
             got = next_shard()
             COUNTER.set_phase("process")  # the replica's own work on the shard until the next claim
-            with lock:
-                if got is None:
-                    idle_at.append(time.time())
-                else:
+            if got is not None:
+                with lock:
                     latencies.append(time.perf_counter() - t)
                     last_claim[0] = max(last_claim[0], time.time())
             return got
@@ -281,7 +279,8 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
     claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
     lat = sorted(latencies)
-    return dict(seconds=round(t_end - t_start, 1), complete=complete, stuck=sum(t.is_alive() for t in threads), committed_shards=n,
+    return dict(seconds=round(t_end - t_start, 1), complete=complete,
+                stuck=sum(t.is_alive() for t in threads), committed_shards=n,
                 shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
                 ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
                 listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},

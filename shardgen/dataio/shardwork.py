@@ -316,5 +316,6 @@ def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
     """Remove the work files (partial tar, its index, checkpoint) of ``shard``'s generations below ``gen``, by
     name: generations are numbered from 1, so no listing of work/ (thousands of entries at cluster scale)."""
     for g in range(1, gen):
-        for path in (run.partial_tar(shard, g), shard_index.partial_index_path(run, shard, g), run.checkpoint(shard, g)):
+        for path in (run.partial_tar(shard, g), shard_index.partial_index_path(run, shard, g),
+                     run.checkpoint(shard, g)):
             path.unlink(missing_ok=True)
