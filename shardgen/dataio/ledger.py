@@ -6,6 +6,7 @@ bars, ``jobs.status``, ``jobs.verify`` and a requeued job all read it the same w
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDir, RunDirError, read_state
-from shardgen.dataio.shardwork import STATS_FIELDS, shard_checkpoints
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
+from shardgen.dataio.shardwork import STATS_FIELDS, all_checkpoints
 
 
 @dataclass
@@ -63,30 +64,43 @@ class Ledger:
         return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
 
 
-def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
-    """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards."""
+def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None,
+                persist: bool = False) -> Ledger:
+    """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards.
+
+    Each directory is listed once (not once per shard), and the done shards' stats are read by a few threads:
+    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes.
+    ``persist`` (jobs.status): keep what it needs of each stats file in ``stats_cache.json``, valid while the
+    file's size and mtime (from the listing) are unchanged, so a status call reads only new stats."""
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
     claims = scan_claims(run) if run.claims_dir.exists() else {}
+    ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
+    sigs = _stats_signatures(run) if persist else {}
+    if persist:
+        cache.update(_load_persisted(run, sigs))
+    new = _read_stats_parallel(run, sorted(done - cache.keys()))
+    cache.update(new)
+    if persist and any(v is not None for v in new.values()):
+        _persist(run, cache, sigs)
     now, me = time.time(), owner_record(-1)
     shards, reasons = [], Counter()
+    plain = not plan.extensions  # one segment: a shard's rows by arithmetic (shard_range 100k times costs a second)
+    per, total = plan.samples_per_shard, (plan.meta["num_rows"] if plan.meta else plan.num_rows)
     for shard in range(plan.num_shards):
-        rows = len(plan.shard_range(shard))
+        rows = min(per, total - shard * per) if plain else len(plan.shard_range(shard))
         if shard in done:
-            if shard not in cache:
-                try:
-                    cache[shard] = read_state(run.shard_stats(shard), STATS_FIELDS)
-                except RunDirError:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
-                    shards.append(ShardState(shard, rows, "damaged"))
-                    continue
-            st = cache[shard]
-            if isinstance(st.get("failures_by_reason"), dict):
+            st = cache.get(shard)
+            if st is None:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
+                cache.pop(shard, None)
+                shards.append(ShardState(shard, rows, "damaged"))
+                continue
+            if st.get("failures_by_reason") and isinstance(st["failures_by_reason"], dict):
                 reasons.update(st["failures_by_reason"])
             shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
             continue
-        ckpts = shard_checkpoints(run, shard) if run.work_dir.exists() else []
-        best = max(ckpts, key=lambda c: c["n_done"], default=None)
+        best = max(ckpts_of.get(shard, []), key=lambda c: c["n_done"], default=None)
         n = best["n_done"] if best else 0
         times = dict(started=best.get("started"), updated=best.get("updated")) if best else {}
         gen = claims.get(shard)
@@ -99,6 +113,60 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
         shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
                                  holder=record if isinstance(record, dict) else {}, **times))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
+
+
+STATUS_FIELDS = ("shard", "count", "ok", "failed", "rejected", "truncated", "failures_by_reason", "started",
+                 "finished", "wall_s")  # what the status and the ledger's totals use of a shard's stats
+
+
+def _stats_signatures(run: RunDir) -> dict[int, list[int]]:
+    """shard -> [size, mtime_ns] of its stats file, from one listing of shards/."""
+    out = {}
+    try:
+        with os.scandir(run.shards_dir) as it:
+            for e in it:
+                if e.name.endswith(".stats.json") and e.name[:6].isdigit():
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out[int(e.name[:6])] = [st.st_size, st.st_mtime_ns]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _load_persisted(run: RunDir, sigs: dict[int, list[int]]) -> dict[int, dict]:
+    try:
+        saved = read_state(run.stats_cache_path)
+    except RunDirError:  # none yet, or damaged: the stats are read again
+        return {}
+    out = {}
+    for key, entry in (saved.items() if isinstance(saved, dict) else ()):
+        if key.isdigit() and isinstance(entry, dict) and entry.get("sig") == sigs.get(int(key)) \
+                and isinstance(entry.get("stats"), dict):
+            out[int(key)] = entry["stats"]
+    return out
+
+
+def _persist(run: RunDir, cache: dict, sigs: dict[int, list[int]]) -> None:
+    data = {str(s): dict(sig=sigs[s], stats={k: st[k] for k in STATUS_FIELDS if k in st})
+            for s, st in cache.items() if st is not None and s in sigs}
+    try:
+        atomic_write_bytes(run.stats_cache_path, json.dumps(data, separators=(",", ":")).encode())
+    except OSError:  # a run directory this user may only read: the next call reads the stats again
+        pass
+
+
+def _read_stats_parallel(run: RunDir, shards: list[int]) -> dict[int, dict | None]:
+    """shard -> its stats (None: unreadable), read concurrently."""
+    def one(shard: int) -> dict | None:
+        try:
+            return read_state(run.shard_stats(shard), STATS_FIELDS)
+        except RunDirError:
+            return None
+
+    return dict(zip(shards, map_io(one, shards)))
 
 
 def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:

@@ -15,6 +15,7 @@ Refused: a run without a valid fingerprint, a symlinked fingerprint or plan file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_c
 from shardgen.dataio import index as shard_index
 from shardgen.dataio.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts import PromptFileError
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, own_file_name, read_state
+from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, map_io, own_file_name, read_state, shard_name
 from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.tarshard import BLOCK, scan_tar
 
@@ -147,8 +148,22 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     notes += _remove_symlinks(run)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
-    for shard in range(plan.num_shards):
-        problem = committed_shard_problem(run, shard)
+    # one listing of shards/; only the shards that have files there are checked, and of those only the ones
+    # whose files changed since a launch found them sound (their sizes and mtimes come with the listing), the
+    # rest concurrently: on a shared filesystem 100k shards checked one after another at every launch of
+    # every job would take minutes each
+    with os.scandir(run.shards_dir) if run.shards_dir.is_dir() else contextlib.nullcontext([]) as it:
+        entries = {e.name: e for e in it}
+    present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
+                     & set(range(plan.num_shards)))
+    seen = {s: _files_signature(run, s, entries) for s in present}
+    before = _read_checked(run)
+    todo = [s for s in present if seen[s] is None or before.get(str(s)) != seen[s]]
+    problems = dict(zip(todo, map_io(lambda s: committed_shard_problem(run, s), todo)))
+    sound = {str(s): seen[s] for s in present if problems.get(s) is None and seen[s] is not None}
+    if sound != before:
+        atomic_write_json(run.shards_checked_path, sound)
+    for shard, problem in problems.items():
         if problem is None:
             continue
         gen = claims.get(shard)
@@ -160,6 +175,31 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     return notes
 
 
+def _files_signature(run: RunDir, shard: int, entries: dict) -> list[int] | None:
+    """Sizes and mtimes of a committed shard's stats, tar and index, from the listing of shards/ (None: one is
+    missing, so it must be checked)."""
+    out = []
+    name = shard_name(shard)  # names, not paths: 100k Path objects cost seconds at every launch
+    for file in (f"{name}.stats.json", f"{name}.tar", f"{name}.parquet"):  # RunDir.shard_stats, .shard_tar, index
+        e = entries.get(file)
+        if e is None:
+            return None
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        out += [st.st_mode, st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _read_checked(run: RunDir) -> dict:
+    try:
+        checked = read_state(run.shards_checked_path)
+    except RunDirError:  # none yet, or damaged: every shard is checked again
+        return {}
+    return checked if isinstance(checked, dict) else {}
+
+
 def _remove_symlinks(run: RunDir) -> list[str]:
     """Remove symlinks where shardgen's own files go (they are never followed); a user's other links stay."""
     notes = []
@@ -167,12 +207,14 @@ def _remove_symlinks(run: RunDir) -> list[str]:
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
-        for name in os.listdir(d) if d.is_dir() else []:
-            if (d / name).is_symlink() and own_file_name(d.name, name):
-                (d / name).unlink()
-                notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
-    for path in (run.prompt_hash_path, run.summary_path, run.config_path, run.fingerprint_changes_path,
-                 run.plan_digests_path, run.launches_path):
+        with os.scandir(d) if d.is_dir() else contextlib.nullcontext([]) as entries:
+            # from the listing: no stat per entry; only links at names shardgen uses (a user's own stay)
+            links = [e.name for e in entries if e.is_symlink() and own_file_name(d.name, e.name)]
+        for name in links:
+            (d / name).unlink()
+            notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
+    for path in (run.prompt_hash_path, run.summary_path, run.shards_checked_path, run.config_path,
+                 run.fingerprint_changes_path, run.plan_digests_path, run.launches_path):
         if path.is_symlink():
             path.unlink()
             notes.append(f"removed the symlink {path.name} (it was not followed)")

@@ -17,6 +17,8 @@ Layout (all names zero-padded shard ids)::
       work/000000.g3.ckpt.json  its checkpoint: samples, tar bytes and their sha256, durably written
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
       summary.json              totals, rewritten at the end of each launch
+      shards_checked.json       committed shards a launch found sound (sizes, mtimes): later launches skip them
+      stats_cache.json          what jobs.status needs of each stats file, valid while the file is unchanged
       logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
@@ -342,6 +344,18 @@ class RunDir:
         return self.root / "launches.jsonl"
 
     @property
+    def shards_checked_path(self) -> Path:
+        """Committed shards a launch found sound, with their files' sizes and mtimes (the next launch skips those
+        unchanged: shardgen/dataio/repair.py)."""
+        return self.root / "shards_checked.json"
+
+    @property
+    def stats_cache_path(self) -> Path:
+        """What ``jobs.status`` needs of each committed shard's stats, with the stats file's size and mtime (a
+        status call reads only the stats that changed since: shardgen/dataio/ledger.py)."""
+        return self.root / "stats_cache.json"
+
+    @property
     def config_path(self) -> Path:
         """The resolved config of the first launch."""
         return self.root / "config.yaml"
@@ -443,6 +457,8 @@ class RunDir:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:
+                if not (name.startswith(".") and (name.endswith(".tmp") or name.startswith(".plan-"))):
+                    continue  # (checked before making a Path: shards/ holds 300k names on a 100k-shard run)
                 path = d / name
                 ours = TEMP_FILE_NAME.fullmatch(name) or (d == self.root and PLAN_TEMP_NAME.fullmatch(name))
                 if ours and _leftover(path, name, max_age_s):
@@ -462,6 +478,20 @@ def _leftover(path: Path, name: str, max_age_s: float) -> bool:
         return time.time() - path.lstat().st_mtime > max_age_s
     except FileNotFoundError:
         return False
+
+
+IO_THREADS = 16  # concurrent small reads of run files: enough to hide a network filesystem's round trips
+
+
+def map_io(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, run by IO_THREADS threads when there are many: each read of a run file is a
+    round trip to the file server on NFS or Lustre, and 100k of them one after another take minutes."""
+    if len(items) < 64:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="shardgen-io") as pool:
+        return list(pool.map(fn, items, chunksize=256))
 
 
 def pid_alive(pid: int) -> bool:

@@ -221,20 +221,29 @@ def read_checkpoint(path: Path) -> dict:
 
 def shard_checkpoints(run: RunDir, shard: int) -> list[dict]:
     """All valid checkpoint records of ``shard`` (any generation); damaged ones are skipped."""
-    prefix = f"{shard:06d}.g"
-    out = []
+    return all_checkpoints(run, {shard}).get(shard, [])
+
+
+def all_checkpoints(run: RunDir, shards: set[int] | None = None) -> dict[int, list[dict]]:
+    """shard -> its valid checkpoint records (of ``shards``, or all), from one listing of work/ (a reader of
+    every shard in progress lists the directory once, not once per shard); damaged ones are skipped."""
+    out: dict[int, list[dict]] = {}
     try:
         names = os.listdir(run.work_dir)
     except FileNotFoundError:
         return out
     for name in names:
-        if name.startswith(prefix) and name.endswith(".ckpt.json"):
-            try:
-                ckpt = read_checkpoint(run.work_dir / name)
-            except RunDirError:
-                continue
-            if ckpt["shard"] == shard and name == run.checkpoint(shard, ckpt["gen"]).name:
-                out.append(ckpt)
+        if not name.endswith(".ckpt.json") or not name[:6].isdigit() or name[6:8] != ".g":
+            continue
+        shard = int(name[:6])
+        if shards is not None and shard not in shards:
+            continue
+        try:
+            ckpt = read_checkpoint(run.work_dir / name)
+        except RunDirError:
+            continue
+        if ckpt["shard"] == shard and name == run.checkpoint(shard, ckpt["gen"]).name:
+            out.setdefault(shard, []).append(ckpt)
     return out
 
 
@@ -255,6 +264,8 @@ def durable_partial(run: RunDir, shard: int) -> bytes | None:
 
 
 def _checkpoints_by_progress(run: RunDir, shard: int, below_gen: int) -> list[dict]:
+    if below_gen <= 1:  # a first claim has nothing to continue: no listing of work/ (thousands of entries)
+        return []
     cands = [c for c in shard_checkpoints(run, shard) if c["gen"] < below_gen and c["n_done"] > 0]
     return sorted(cands, key=lambda c: -c["n_done"])
 
@@ -302,11 +313,9 @@ def _adopt(run: RunDir, shard: int, gen: int, ckpt: dict, keys: list[str]) -> Pa
 
 
 def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
-    for name in os.listdir(run.work_dir):
-        if name.startswith(f"{shard:06d}.g"):
-            try:
-                g = int(name.split(".")[1][1:])
-            except ValueError:
-                continue
-            if g < gen:
-                Path(run.work_dir / name).unlink(missing_ok=True)
+    """Remove the work files (partial tar, its index, checkpoint) of ``shard``'s generations below ``gen``, by
+    name: generations are numbered from 1, so no listing of work/ (thousands of entries at cluster scale)."""
+    for g in range(1, gen):
+        for path in (run.partial_tar(shard, g), shard_index.partial_index_path(run, shard, g),
+                     run.checkpoint(shard, g)):
+            path.unlink(missing_ok=True)

@@ -99,7 +99,7 @@ def last_error(plan: Plan) -> dict | None:
 def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
     now = time.time() if now is None else now
-    led = read_ledger(plan, lease_s)
+    led = read_ledger(plan, lease_s, persist=True)  # reads only the stats committed since the last call
     done, complete = led.done_samples, led.count("done") == plan.num_shards
     live = any(s.state in LIVE for s in led.shards)
     t0, end = _span(led, now, live)

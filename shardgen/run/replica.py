@@ -7,7 +7,9 @@ replica receive the same shard and rows from it and compute alongside.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +30,16 @@ from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.replica")
 MAX_FAILED_BATCHES = 3  # every sample of this many consecutive batches failing = a broken setup
+WALK_MISSES = 64        # taken shards in a row before a replica lists the run again (_next_shard)
+TAKEOVER_CHECKS = 16    # claimed shards a replica with nothing free checks for a dead holder, per poll
+
+
+def start_offset(index: int, count: int, num_shards: int, owner: dict) -> int:
+    """Where a replica starts walking the plan: its job's replicas spread evenly, and SLURM jobs (1,000 one-GPU
+    jobs all have replica 0 of 1) spread by a hash of their job id, so no herd on shard 0."""
+    job = owner.get("job")
+    base = int(hashlib.sha256(str(job).encode()).hexdigest()[:12], 16) % num_shards if job else 0
+    return (base + index * num_shards // max(1, count)) % num_shards
 
 
 class BrokenSetupError(UserError, RuntimeError):
@@ -75,6 +87,8 @@ class ReplicaWorker:
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
     _done_in_shard: int = field(default=0, init=False)  # rows of the current shard already made (remaining_here)
+    _cursor: int | None = field(default=None, init=False)  # where the walk for the next shard starts
+    _done: set | None = field(default=None, init=False)    # shards known committed (a cache: they stay committed)
 
     def __enter__(self) -> "ReplicaWorker":
         return self
@@ -121,7 +135,7 @@ class ReplicaWorker:
 
     def remaining_here(self) -> int:
         """Samples this replica is still expected to make: the unfinished shards' share of one replica."""
-        left = self.plan.num_shards - len(self.plan.run.done_shards())
+        left = self.plan.num_shards - len(self._done if self._done is not None else self.plan.run.done_shards())
         return max(0, left * self.plan.samples_per_shard // max(1, self.ctx.count) - self._done_in_shard)
 
     def _share(self, obj):
@@ -130,28 +144,90 @@ class ReplicaWorker:
         return broadcast_object(obj, src=self.ctx.leader_rank, group=self.ctx.group)
 
     def _next_shard(self) -> tuple[int, int, int] | None:
-        """(shard, claim generation, samples already done), waiting while others hold the last shards."""
-        n = self.plan.num_shards
-        start = self.ctx.index * n // max(1, self.ctx.count)  # spread replicas over the plan
+        """(shard, claim generation, samples already done), waiting while others hold the last shards.
+
+        At cluster scale every listing of shards/ (100k entries) and every claim attempt is a round trip to a
+        shared metadata server, so the common case costs O(1) operations: the replica walks the plan from its
+        own offset (spread over the replicas of a job and over jobs), skipping shards known done, and claims
+        the first free one (a stat of its done marker, the exclusive create, a stat again). Only after
+        ``WALK_MISSES`` shards in a row that were taken does it list shards/ and claims/ again: its known-done
+        set is refreshed, it jumps to a random free shard (no herd on one shard), and, when none is free, it
+        takes over stalled claims (a few per poll) and waits with a growing, jittered poll, listing only claims/
+        meanwhile."""
+        run, n = self.plan.run, self.plan.num_shards
+        if self._cursor is None:
+            self._cursor = start_offset(self.ctx.index, self.ctx.count, n, self.claimer.owner)
+        idle = 0
         while True:
-            done = self.plan.run.done_shards()
-            if len(done) >= n:
-                return None
-            latest = scan_claims(self.plan.run)
-            for shard in [(start + i) % n for i in range(n)]:
-                if shard in done or shard in self.claimer.held:
-                    continue
-                gen = self.claimer.try_claim(shard, latest.get(shard))
-                if gen is not None:
-                    if shard in self.plan.run.done_shards():  # committed by someone between scan and claim
-                        self.claimer.release(shard)
-                        continue
-                    work = self._work = self._open(shard, gen)
-                    return shard, gen, work.n_done
+            if self._done is None or len(self._done) >= n:
+                self._done = run.done_shards()  # a launch's repair may have removed a done marker: list again
+                if len(self._done) >= n:
+                    return None
+            # while idle (the tail: what is left is held by others) neither the walk nor a listing of shards/ is
+            # repeated at each poll: claims/ (one entry per shard in progress) and a stat per shard that left it do
+            got = self._walk(n) if idle == 0 else None
+            if got is None:
+                if idle == 0:
+                    self._done = run.done_shards()
+                    if len(self._done) >= n:
+                        return None
+                got = self._refresh_and_claim(n)
+            if got is not None:
+                shard, gen = got
+                self._cursor = (shard + 1) % n
+                work = self._work = self._open(shard, gen)
+                return shard, gen, work.n_done
             if self.claimer.held:  # our own last shards are being committed: wait for that, not a poll
                 self.sink.flush()
-            else:
-                time.sleep(self.poll_s)
+            else:  # nothing free: the rest is held by live replicas; poll less often the longer it lasts
+                idle += 1
+                cap = max(self.poll_s, min(self.claimer.lease_s / 4, 4 * self.poll_s))
+                time.sleep(min(cap, self.poll_s * 2 ** (idle // 2)) * random.uniform(0.75, 1.25))
+
+    def _claim_free(self, shard: int, latest_gen: int | None) -> int | None:
+        """Claim ``shard`` unless it is done (its done marker is checked before and after the claim)."""
+        run = self.plan.run
+        if shard in self._done or shard in self.claimer.held:
+            return None
+        if run.shard_stats(shard).exists():
+            self._done.add(shard)
+            return None
+        gen = self.claimer.try_claim(shard, latest_gen)
+        if gen is not None and run.shard_stats(shard).exists():  # committed by someone between check and claim
+            self._done.add(shard)
+            self.claimer.release(shard)
+            return None
+        return gen
+
+    def _walk(self, n: int) -> tuple[int, int] | None:
+        """Claim the first free shard from the cursor on (a claim generation 1); None after WALK_MISSES taken ones."""
+        misses = 0
+        for i in range(n):
+            shard = (self._cursor + i) % n
+            if shard in self._done or shard in self.claimer.held:
+                continue
+            gen = self._claim_free(shard, None)
+            if gen is not None:
+                return shard, gen
+            misses += 1
+            if misses >= WALK_MISSES:
+                break
+        return None
+
+    def _refresh_and_claim(self, n: int) -> tuple[int, int] | None:
+        """From fresh listings: a random free shard, else a few claimed ones whose holder may be gone."""
+        latest = scan_claims(self.plan.run)
+        todo = [s for s in range(n) if s not in self._done and s not in self.claimer.held]
+        free = [s for s in todo if s not in latest]
+        random.shuffle(free)
+        for shard in free:
+            if (gen := self._claim_free(shard, None)) is not None:
+                return shard, gen
+        claimed = [s for s in todo if s in latest]
+        for shard in random.sample(claimed, min(len(claimed), TAKEOVER_CHECKS)):
+            if (gen := self._claim_free(shard, latest[shard])) is not None:
+                return shard, gen
+        return None
 
     def _open(self, shard: int, gen: int) -> ShardWork:
         return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
