@@ -162,7 +162,16 @@ def prefill(run: RunDir, plan, fraction: float, seed: int = 0) -> int:
     return n
 
 
-def simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
+def simulate(*args, **kwargs) -> dict:
+    """``_simulate`` with the replica module's generator put back afterwards (a test process goes on to real jobs)."""
+    real = replica_mod.generate_batch
+    try:
+        return _simulate(*args, **kwargs)
+    finally:
+        replica_mod.generate_batch = real
+
+
+def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
              seconds: float = 60.0, prefill_frac: float = 0.0, kill_prob: float = 0.0, lease_s: float = 2.0,
              heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0) -> dict:
     """Run the simulation; the figures as a dict."""
