@@ -17,17 +17,22 @@ T5_XXL = ComponentSpec("transformers", "T5EncoderModel", dict(
     "T5Config")
 
 # --- FLUX.1-dev (black-forest-labs/FLUX.1-dev) ---------------------------------------------------
+def vae16(scaling_factor: float, shift_factor: float) -> ComponentSpec:
+    """The 16-channel AutoencoderKL that FLUX.1 and Stable Diffusion 3.x share; only its latent scaling differs."""
+    return ComponentSpec("diffusers", "AutoencoderKL", dict(
+        in_channels=3, out_channels=3, latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, act_fn="silu", norm_num_groups=32,
+        sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor, force_upcast=True,
+        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True))
+
+
 _FLUX1_DEV = {
     "transformer": ComponentSpec("diffusers", "FluxTransformer2DModel", dict(
         patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
         attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
         guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
-    "vae": ComponentSpec("diffusers", "AutoencoderKL", dict(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, act_fn="silu", norm_num_groups=32,
-        sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, force_upcast=True,
-        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)),
+    "vae": vae16(scaling_factor=0.3611, shift_factor=0.1159),
     # openai/clip-vit-large-patch14 text tower, as FLUX.1-dev's text_encoder/config.json has it.
     "text_encoder": ComponentSpec("transformers", "CLIPTextModel", dict(
         vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,

@@ -10,7 +10,7 @@ guidance is the pipeline's own (``guidance_scale``: cond and uncond batched in o
 from __future__ import annotations
 
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
-from shardgen.families.flux import T5_XXL
+from shardgen.families.flux import T5_XXL, vae16
 
 
 def _clip(hidden: int, ffn: int, layers: int, heads: int, act: str) -> ComponentSpec:
@@ -26,12 +26,7 @@ _SD35_LARGE = {
         sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64,
         num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048,
         pos_embed_max_size=192, dual_attention_layers=(), qk_norm="rms_norm")),
-    "vae": ComponentSpec("diffusers", "AutoencoderKL", dict(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, act_fn="silu", norm_num_groups=32,
-        sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, force_upcast=True,
-        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)),
+    "vae": vae16(scaling_factor=1.5305, shift_factor=0.0609),
     "text_encoder": _clip(768, 3072, 12, 12, "quick_gelu"),   # openai/clip-vit-large-patch14
     "text_encoder_2": _clip(1280, 5120, 32, 20, "gelu"),      # laion CLIP-ViT-bigG-14
     "text_encoder_3": T5_XXL,
