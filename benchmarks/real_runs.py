@@ -79,6 +79,9 @@ def main() -> None:
     from shardgen.bench.main import bench_prompts
 
     out = Path(a.out).absolute()
+    if out.is_dir() and any(out.iterdir()) and not (out / "prompts.txt").is_file():
+        raise SystemExit(f"--out {out}: not empty and not an earlier real_runs.py output; give a new directory "
+                         "(a rerun deletes its run-*/, cache*/ and seed*/ subdirectories)")
     out.mkdir(parents=True, exist_ok=True)
     for old in ("run-eager", "run-cold", "run-compiled-cold", "run-warm", "cache", "cache-eager", "cache-cold",
                 "seed-cache", "seed"):  # this script's own outputs
