@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (--launch)")
     args = ap.parse_args()
 
-    from shardgen.dataio.plan import PromptSource, build_plan, file_sha256
+    from shardgen.dataio.prompts import PromptSource, build_plan, file_sha256
     from shardgen.dataio.rundir import RunDir
 
     work = Path(tempfile.mkdtemp(prefix="plan_scale-", dir=args.tmp))

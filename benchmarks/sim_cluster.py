@@ -37,13 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shardgen.dataio.claims import Claimer, owner_record
-from shardgen.dataio.plan import PromptSource, build_plan, load_plan
-from shardgen.dataio.repair import record_plan_digests, repair_run_dir
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.shardwork import Sample
-from shardgen.dataio.sink import ShardSink
-from shardgen.dataio.status import run_status
+from shardgen.dataio.prompts import PromptSource, build_plan, load_plan
+from shardgen.dataio.resume import record_plan_digests, repair_run_dir
+from shardgen.dataio.rundir import Claimer, RunDir, owner_record
+from shardgen.dataio.shards import Sample, ShardSink
+from shardgen.dataio.tools import run_status
 from shardgen.run import replica as replica_mod
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 

@@ -10,9 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from shardgen.dataio.dedup import near_duplicate_groups
 from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.runfiles import count_arg, read_index_columns, tool_errors
+from shardgen.dataio.tools import count_arg, near_duplicate_groups, read_index_columns, tool_errors
 
 
 @tool_errors

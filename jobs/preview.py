@@ -13,12 +13,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from shardgen.dataio.repair import plan_for_tool
+from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.runfiles import committed_members, count_arg, safe_write, tool_errors
-from shardgen.dataio.shardwork import durable_partial
-from shardgen.dataio.verify import IMAGE_EXTS, read_shard_members
-from shardgen.dataio.video import VIDEO_EXT, preview_png
+from shardgen.dataio.shards import VIDEO_EXT, durable_partial, preview_png
+from shardgen.dataio.tools import IMAGE_EXTS, committed_members, count_arg, read_shard_members, safe_write, tool_errors
 
 
 def _members(run: RunDir, num_shards: int):

@@ -10,10 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardgen.dataio.repair import plan_for_tool
-from shardgen.dataio.report import write_report
+from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.runfiles import tool_errors
+from shardgen.dataio.tools import tool_errors, write_report
 
 
 @tool_errors

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardgen.dataio.repair import plan_for_tool
+from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.signals_after import add_signals, signal_functions
+from shardgen.dataio.tools import add_signals, signal_functions
 from shardgen.errors import UserError
 
 

@@ -10,12 +10,9 @@ import argparse
 import json
 import sys
 
-from shardgen.dataio.claims import FUTURE_TOLERANCE_S
-from shardgen.dataio.ledger import run_lease_s
-from shardgen.dataio.repair import plan_for_tool
-from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.runfiles import tool_errors
-from shardgen.dataio.status import run_status
+from shardgen.dataio.resume import plan_for_tool, run_lease_s
+from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
+from shardgen.dataio.tools import run_status, tool_errors
 
 
 def _fmt_s(s: float | None) -> str:

@@ -10,10 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardgen.dataio.repair import load_plan_checked
+from shardgen.dataio.resume import load_plan_checked
 from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.runfiles import count_arg, tool_errors
-from shardgen.dataio.verify import repair_run, verify_run
+from shardgen.dataio.tools import count_arg, repair_run, tool_errors, verify_run
 from shardgen.errors import UserError
 
 

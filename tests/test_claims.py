@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shardgen.dataio.claims import Claimer, holder_known_dead, owner_record, scan_claims
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir.claims import Claimer, holder_known_dead, owner_record, scan_claims
+from shardgen.dataio.rundir.layout import RunDir
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def dead_pid() -> int:
 
 
 def test_holder_known_dead(monkeypatch):
-    import shardgen.dataio.slurm_jobs as slurm_jobs
+    import shardgen.dataio.rundir.slurm_jobs as slurm_jobs
 
     ended: dict[str, bool] = {"8": False, "9": True}  # what scontrol would say of other SLURM jobs
     monkeypatch.setattr(slurm_jobs, "slurm_attempt_ended", lambda job, restart: ended[job])

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from jobs.generate import run
-from shardgen.dataio.index import index_path
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import read_shard_members, verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.shards.index import index_path
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
 from tests.conftest import compose_cfg
 from tests.test_failures import faulty
 
@@ -155,7 +155,7 @@ def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, 
 
 def test_batch_token_counts_equal_the_tokenizers_own_call():
     """count_tokens goes through the Rust backend's batch call; the counts are the tokenizer's own."""
-    from shardgen.dataio.truncation import count_tokens, planning_windows
+    from shardgen.dataio.prompts.truncation import count_tokens, planning_windows
 
     prompts = ["a cat", LONG, "caf\u00e9 \u4e00\u53ea", "x" * 300]
     windows = planning_windows(compose_cfg().model)
@@ -167,9 +167,10 @@ def test_batch_token_counts_equal_the_tokenizers_own_call():
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl"])
 def test_on_truncation_error_stops_planning_at_the_first_batch_with_a_long_prompt(tmp_path, monkeypatch, fmt):
-    import shardgen.dataio.truncation as T
-    from shardgen.dataio.plan import PromptSource, build_plan
-    from shardgen.dataio.prompts import PromptFileError
+    import shardgen.dataio.prompts.truncation as T
+    from shardgen.dataio.prompts.plan import build_plan
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.prompts.read import PromptFileError
 
     monkeypatch.setattr(T, "_BATCH", 4)
     rows = ["a cat"] * 5 + [LONG] * 3 + [f"{LONG} {i}" for i in range(100)]
@@ -184,7 +185,7 @@ def test_on_truncation_error_stops_planning_at_the_first_batch_with_a_long_promp
 
 @pytest.mark.parametrize("policy", ["error", "skip"])
 def test_on_truncation_refuses_long_prompts(tmp_path, policy):
-    from shardgen.dataio.prompts import PromptFileError
+    from shardgen.dataio.prompts.read import PromptFileError
     from tests.conftest import write_lines
 
     f = write_lines(tmp_path / "p.txt", ["a cat", LONG, "a dog"])
@@ -203,8 +204,8 @@ def test_index_rows_follow_the_checkpoint_through_a_kill(tmp_path):
     """Rows written after the last checkpoint are dropped on resume, like the tar's bytes."""
     import numpy as np
 
-    from shardgen.dataio.index import read_index
-    from shardgen.dataio.shardwork import Sample, ShardWork
+    from shardgen.dataio.shards.index import read_index
+    from shardgen.dataio.shards.shardwork import Sample, ShardWork
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.create()

@@ -26,7 +26,7 @@ def _shard_bytes(run_dir: Path) -> dict[str, bytes]:
 
 def _samples(run_dir: Path) -> dict[str, tuple[bytes, bytes]]:
     """key -> (image, prompt) over the committed shards (a sample's json also holds its generation time)."""
-    from shardgen.dataio.verify import read_shard_members
+    from shardgen.dataio.tools.verify import read_shard_members
 
     return {k: (m["png"], m["txt"]) for t in sorted((run_dir / "shards").glob("*.tar"))
             for k, m in read_shard_members(t).items()}
@@ -80,8 +80,8 @@ def _grown_run(tmp_path: Path) -> tuple[Path, Path]:
 def test_appended_prompts_become_new_shards_twice_in_a_row(tmp_path, capsys):
     """40 prompts done, 20 appended: 60 samples, the 3 earlier shards untouched byte for byte (the last one
     stays partial), keys and seeds of the new rows those of their line; the extension is recorded; again."""
-    from shardgen.dataio.plan import load_plan, sample_seed
-    from shardgen.dataio.rundir import RunDir
+    from shardgen.dataio.prompts.plan import load_plan, sample_seed
+    from shardgen.dataio.rundir.layout import RunDir
 
     run_dir, prompts = _grown_run(tmp_path)
     before = _committed(run_dir, range(3))
@@ -120,9 +120,9 @@ def test_two_jobs_extending_at_once_plan_the_rows_once(tmp_path, monkeypatch):
     """Both jobs plan the appended rows at the same moment: one rename wins, the other adopts its extension."""
     import threading
 
-    import shardgen.dataio.extend as extend
-    from shardgen.dataio.plan import load_plan
-    from shardgen.dataio.rundir import RunDir
+    import shardgen.dataio.resume.extend as extend
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
     from shardgen.run.runner import prepare_run
 
     run_dir, prompts = _grown_run(tmp_path)
@@ -167,7 +167,7 @@ def test_a_job_killed_mid_extension_leaves_a_run_the_next_launch_extends_once(tm
     _append(prompts, [f"an appended thing {i}" for i in range(40, 60)])
     flag = tmp_path / "stopped"
     # planning: stop once the rows are scanned into the temp dir; renamed: stop instead of the fingerprint update
-    code = (f"import pathlib, time\nimport shardgen.dataio.extend as e\nname, flag = "
+    code = (f"import pathlib, time\nimport shardgen.dataio.resume.extend as e\nname, flag = "
             f"{'plan_rows_into' if where == 'planning' else 'atomic_write_json'!r}, pathlib.Path({str(flag)!r})\n"
             "real = getattr(e, name)\n"
             "def stop(*a, **kw):\n"
@@ -203,10 +203,11 @@ def test_a_job_killed_mid_extension_leaves_a_run_the_next_launch_extends_once(tm
 def test_an_extension_has_shard_digests_and_an_edit_of_appended_rows_is_refused(tmp_path, fmt):
     """Appended rows are an extension, not a changed file: every shard reads back; a same-size edit of an
     appended row is then refused for its shard only (in-process, no generation)."""
-    from shardgen.dataio.extend import extend_if_appended
-    from shardgen.dataio.plan import PromptSource, build_plan, file_sha256
-    from shardgen.dataio.prompts import PromptFileError
-    from shardgen.dataio.rundir import RunDir, atomic_write_json
+    from shardgen.dataio.resume.extend import extend_if_appended
+    from shardgen.dataio.prompts.plan import build_plan, file_sha256
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.prompts.read import PromptFileError
+    from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
 
     path = write_lines(tmp_path / f"p.{fmt}", (["prompt"] if fmt == "csv" else []) + [f"thing {i}" for i in range(10)])
     run, src = RunDir(tmp_path / "run"), PromptSource(str(path), fmt)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from shardgen.dataio.index import committed_samples
-from shardgen.dataio.verify import read_shard_members, verify_run
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.shards.index import committed_samples
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
 from shardgen.run.replica import BrokenSetupError
 from jobs.generate import run
 from tests.conftest import compose_cfg, write_lines
@@ -152,7 +152,7 @@ def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
     import sys
     import time
 
-    from shardgen.dataio.ledger import read_ledger
+    from shardgen.dataio.resume.ledger import read_ledger
     from shardgen.run.watchdog import STALL_EXIT_CODE
     from tests.conftest import ROOT
 

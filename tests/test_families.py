@@ -43,7 +43,7 @@ def test_lookup_by_name_object_and_most_specific_subclass():
 ])
 def test_token_rules_and_video_come_from_the_family(model, tokens, video):
     from parallel.transformer import sequence_tokens
-    from shardgen.dataio.video import is_video
+    from shardgen.dataio.shards.video import is_video
 
     cfg = compose_cfg(f"model={model}")
     assert sequence_tokens(cfg) == tokens and is_video(cfg) is video

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardgen.dataio.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
-                                         diff_fingerprints)
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
+                                                diff_fingerprints)
+from shardgen.dataio.rundir.layout import RunDir
 from tests.conftest import compose_cfg
 
 

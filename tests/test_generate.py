@@ -12,8 +12,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from shardgen.dataio.prompts import PromptFileError
-from shardgen.dataio.verify import read_shard_members
+from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.dataio.tools.verify import read_shard_members
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg, write_lines
 
@@ -166,7 +166,7 @@ def test_changed_settings_are_refused_naming_the_fields(tmp_path):
 def test_prompt_file_is_hashed_once_per_change_and_an_edit_is_still_refused(tmp_path, monkeypatch):
     """Relaunches and requeues reuse the prompt file's hash while the file is unchanged on disk; an edit
     that keeps size and mtime (what cp -p or rsync -t leave behind) still changes the fingerprint."""
-    import shardgen.dataio.fingerprint as fingerprint
+    import shardgen.dataio.resume.fingerprint as fingerprint
 
     f = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
     args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *FAST)

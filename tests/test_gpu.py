@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import verify_run
 from jobs.generate import run
 from tests.conftest import compose_cfg
 

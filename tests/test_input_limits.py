@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from jobs import dedup, verify
-from shardgen.dataio import index as shard_index
-from shardgen.dataio.plan import PromptSource, build_plan, load_plan
-from shardgen.dataio.prompts import PromptFileError
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import read_shard_members
+from shardgen.dataio.shards import index as shard_index
+from shardgen.dataio.prompts.plan import build_plan, load_plan
+from shardgen.dataio.prompts.read import PromptFileError, PromptSource
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import read_shard_members
 from shardgen.run.runner import run_rank
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import ARGS, gen
@@ -78,7 +78,7 @@ def test_a_prompt_over_the_length_limit_is_a_file_line_error_or_a_reject(tmp_pat
 def test_a_runaway_line_is_never_tokenized(tmp_path, monkeypatch):
     """A 20 MB line between short prompts (a file that lost its newlines): a reject found by length, with the
     truncation check on (which tokenizes long prompts); before, planning tokenized it whole (GBs, minutes)."""
-    from shardgen.dataio.truncation import TruncationCheck, planning_windows
+    from shardgen.dataio.prompts.truncation import TruncationCheck, planning_windows
 
     path = tmp_path / "p.txt"
     path.write_bytes(b"a cat\n" + b"x" * (20 << 20) + b"\na dog\n")

@@ -19,15 +19,15 @@ import pytest
 
 from jobs import preview, status, verify
 from jobs.generate import run
-from shardgen.dataio import index as shard_index
-from shardgen.dataio.claims import Claimer, owner_record
-from shardgen.dataio.fingerprint import FingerprintMismatch, check_or_write_fingerprint
-from shardgen.dataio.plan import load_plan, sample_key
-from shardgen.dataio.prompts import PromptFileError, read_prompts
-from shardgen.dataio.rundir import DiskFullError, RunDir, RunDirError
-from shardgen.dataio.shardwork import Sample, ShardWork, sample_members
-from shardgen.dataio.tarshard import PartialTar, scan_tar
-from shardgen.dataio.verify import read_shard_members, verify_run
+from shardgen.dataio.shards import index as shard_index
+from shardgen.dataio.prompts.plan import load_plan, sample_key
+from shardgen.dataio.prompts.read import PromptFileError, read_prompts
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch, check_or_write_fingerprint
+from shardgen.dataio.rundir.claims import Claimer, owner_record
+from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError
+from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
+from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
 from tests.conftest import compose_cfg, write_lines
 
 PROMPTS = [f"prompt number {i}" for i in range(8)]
@@ -305,7 +305,7 @@ def test_a_damaged_plan_is_planned_again_identically(copy, damage):
 
 
 def test_a_garbled_plan_shard_is_planned_again_or_refused_naming_the_file_and_the_fix(copy):
-    from shardgen.dataio.repair import checked_rows
+    from shardgen.dataio.resume.repair import checked_rows
 
     prompts, d, want = copy
     (d / "shards" / "000001.stats.json").unlink()

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from jobs.generate import run
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.repair import load_plan_checked
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import read_shard_members, repair_run, verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.resume.repair import load_plan_checked
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import read_shard_members, repair_run, verify_run
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import make_partial

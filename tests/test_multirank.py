@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.resume.ledger import read_ledger
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import verify_run
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg
 from tests.test_generate import shard_images

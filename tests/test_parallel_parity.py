@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import verify_run
 from tests.conftest import ROOT, compose_cfg
 from tests.test_generate import shard_images
 

@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from shardgen.dataio.plan import PlanError, PromptSource, build_plan, load_plan, sample_seed
-from shardgen.dataio.prompts import PromptFileError, read_prompts
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.prompts.plan import PlanError, build_plan, load_plan, sample_seed
+from shardgen.dataio.prompts.read import PromptFileError, PromptSource, read_prompts
+from shardgen.dataio.rundir.layout import RunDir
 
 TXT = ("\ufeffa cat\r\nsecond line\n\n   \nna\xefve caf\xe9\n".encode("utf-8") + b"bad \xff byte\n"
        + "\u3000\n".encode("utf-8") + b"last line without newline")
@@ -48,7 +48,7 @@ def test_rows_read_back_equal_the_readers(tmp_path, fmt, data, per_shard):
 
 
 def test_limit_and_a_big_txt_across_planning_blocks(tmp_path, monkeypatch):
-    import shardgen.dataio.planscan as scan_mod
+    import shardgen.dataio.prompts.planscan as scan_mod
 
     monkeypatch.setattr(scan_mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
     path = tmp_path / "p.txt"
@@ -76,7 +76,7 @@ def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
     mixes of blank, whitespace, CR, BOM, non-UTF-8, CJK and long lines, cut at random block edges."""
     import random
 
-    import shardgen.dataio.planscan as scan_mod
+    import shardgen.dataio.prompts.planscan as scan_mod
 
     pieces = [b"a cat", b" lead", b"", b"   ", b"\t", b"\r", b"caf\xc3\xa9", "\u4e00\u53ea".encode(), b"\xff bad",
               b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50]
@@ -94,8 +94,8 @@ def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
 
 
 def test_rows_of_a_large_file_are_estimated_from_samples(tmp_path, monkeypatch):
-    import shardgen.dataio.plan as plan_mod
-    from shardgen.dataio.plan import estimate_rows
+    import shardgen.dataio.prompts.plan as plan_mod
+    from shardgen.dataio.prompts.plan import estimate_rows
 
     path = tmp_path / "p.txt"
     path.write_text("".join(f"prompt {i} " + "x" * (i % 50) + "\n" for i in range(100_000)), encoding="utf-8")
@@ -124,7 +124,7 @@ def test_bad_txt_line_is_named_with_path_and_line(tmp_path):
 
 
 def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
-    from shardgen.dataio.plan import _host
+    from shardgen.dataio.prompts.plan import _host
 
     path = tmp_path / "p.txt"
     path.write_text("a\nb\n")
@@ -144,7 +144,7 @@ def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
 def test_a_job_that_loses_the_planning_race_adopts_the_winners_plan(tmp_path, monkeypatch):
     """Two jobs plan one fresh run at once: the one whose rename loses is still writing into its own temp dir
     while the winner reads its plan back; neither fails, and both use one plan."""
-    import shardgen.dataio.plan as plan_mod
+    import shardgen.dataio.prompts.plan as plan_mod
 
     path = tmp_path / "p.txt"
     path.write_text("a\nb\nc\n")
@@ -194,7 +194,7 @@ def test_a_prompt_file_changed_under_the_plan_is_refused(tmp_path):
 
 
 def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
-    from shardgen.dataio.plan import choose_samples_per_shard, idle_warning
+    from shardgen.dataio.prompts.plan import choose_samples_per_shard, idle_warning
 
     big = dict(width=1024, height=1024, image_format="png", batch_size=4)
     n, why = choose_samples_per_shard(1_000_000, replicas=8, **big)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.prompts import (FORMATS, PromptFileError, PromptRow, check_prompt_source, detect_format,
-                            read_prompts)
+from shardgen.dataio.prompts.read import (FORMATS, PromptFileError, PromptRow, check_prompt_source, detect_format,
+                                          read_prompts)
 
 SKIP_HINT = "prompts.on_bad_row=skip"
 

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from shardgen.dataio.claims import Claimer, owner_record
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir.claims import Claimer, owner_record
+from shardgen.dataio.rundir.layout import RunDir
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.run.runner import RankControl
 from shardgen.run.watchdog import StallWatchdog

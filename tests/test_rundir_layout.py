@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir.layout import RunDir
 
 
 def test_every_path_is_under_the_run_directory_where_the_docs_say():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.prompts import PromptFileError
-from shardgen.dataio.rundir import RUN_MARKER, RunDir, RunDirError
+from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.dataio.rundir.layout import RUN_MARKER, RunDir, RunDirError
 from tests.test_integrity import copy, gen, reference  # noqa: F401 (fixtures)
 
 

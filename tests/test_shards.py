@@ -8,9 +8,9 @@ import tarfile
 
 import numpy as np
 
-from shardgen.dataio.rundir import RunDir, read_json
-from shardgen.dataio.shardwork import Sample, ShardWork, shard_checkpoints
-from shardgen.dataio.tarshard import PartialTar
+from shardgen.dataio.rundir.layout import RunDir, read_json
+from shardgen.dataio.shards.shardwork import Sample, ShardWork, shard_checkpoints
+from shardgen.dataio.shards.tarshard import PartialTar
 
 
 def names_in(data: bytes) -> list[str]:

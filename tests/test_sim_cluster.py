@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.plan import load_plan, sample_key
-from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.prompts.plan import load_plan, sample_key
+from shardgen.dataio.rundir.layout import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 

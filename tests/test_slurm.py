@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import load_plan
-from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.verify import verify_run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.resume.ledger import read_ledger
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import verify_run
 from shardgen.launch.slurm import SlurmConfigError, validate_slurm
 from jobs.generate import run
 from tests.conftest import compose_cfg, write_lines
@@ -145,13 +145,13 @@ def test_a_claim_held_by_another_slurm_job_on_another_node_is_dead_when_slurm_sa
                                                                                        answer, rc, ended):
     """Across nodes a holder's pid cannot be checked: a claim of another SLURM job is taken over at once when
     scontrol says that job's attempt is over (not after its lease), never when SLURM cannot say."""
-    from shardgen.dataio.claims import holder_known_dead
+    from shardgen.dataio.rundir.claims import holder_known_dead
 
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(f"#!/bin/sh\necho '{answer}' >&{2 if rc else 1}\nexit {rc}\n")
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setattr("shardgen.dataio.slurm_jobs._ended_cache", {})
+    monkeypatch.setattr("shardgen.dataio.rundir.slurm_jobs._ended_cache", {})
     holder = dict(host="node2", pid=4242, job="5", restart=0)
     assert holder_known_dead(holder, dict(host="node1", pid=1, job="6", restart=0)) is ended
     assert holder_known_dead(holder, dict(host="node1", pid=1, job=None, restart=0)) is False  # not under SLURM

@@ -17,7 +17,7 @@ import torch
 from shardgen.bench import measure as M
 from shardgen.bench.report import DIAGNOSTICS, Report, fmt_flop, say, summary
 from shardgen.bench.ways import baseline_kwargs, fbc_counter, noise_floor, run_baseline, run_shardgen
-from shardgen.dataio.video import is_video
+from shardgen.dataio.shards import is_video
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -71,7 +71,7 @@ def compose(overrides: list[str]):
 
 
 def first_failure(run_dir: Path) -> str | None:
-    from shardgen.dataio.verify import read_shard_members
+    from shardgen.dataio.tools import read_shard_members
 
     for tar in sorted((run_dir / "shards").glob("*.tar")):
         for mem in read_shard_members(tar).values():
@@ -86,7 +86,7 @@ class Bench:
 
     def __init__(self, args):
         from parallel.world import choose_device
-        from shardgen.dataio.plan import sample_seed
+        from shardgen.dataio.prompts import sample_seed
         from shardgen.models.loader import torch_dtype
 
         self.args, self.rep = args, Report(args.out)

@@ -177,7 +177,7 @@ def read_outputs(folder: Path, n: int) -> dict[int, np.ndarray]:
     """The baseline loop's ``000000.png`` (or ``.mp4``) ... of ``folder`` as RGB arrays (videos: FxHxWx3), by index."""
     from PIL import Image
 
-    from shardgen.dataio.video import decode_video
+    from shardgen.dataio.shards import decode_video
 
     out = {}
     for i in range(n):
@@ -209,7 +209,7 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
     """prompt index -> decoded image (a video: its FxHxWx3 frames) of every committed sample of a run."""
     from PIL import Image
 
-    from shardgen.dataio.verify import read_shard_members
+    from shardgen.dataio.tools import read_shard_members
 
     out = {}
     for tar in sorted((run_dir / "shards").glob("*.tar")):
@@ -218,7 +218,7 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
             if img is not None:
                 out[int(key)] = np.asarray(Image.open(io.BytesIO(img)).convert("RGB"))
             elif "mp4" in mem:
-                from shardgen.dataio.video import decode_video
+                from shardgen.dataio.shards import decode_video
 
                 out[int(key)] = decode_video(mem["mp4"])[0]
     return out

@@ -53,7 +53,7 @@ def save_output(out, cfg, stem: Path) -> None:
     job's own encoder and settings (the seed docs' ``export_to_video`` needs imageio, which the job does not use:
     the same H.264 encode on both sides keeps the work equal)."""
     if hasattr(out, "frames"):
-        from shardgen.dataio.video import encode_video
+        from shardgen.dataio.shards import encode_video
 
         frames = np.asarray(out.frames[0])  # FxHxWx3 floats in [0, 1] (diffusers' default "np" output)
         pixels = (frames.astype(np.float32) * 255).round().clip(0, 255).astype(np.uint8)

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
-from shardgen.dataio.claims import HEARTBEAT_S, LEASE_S
 from shardgen.dataio.prompts import MAX_PROMPT_CHARS
+from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S
 
 
 @dataclass(kw_only=True)
@@ -167,7 +167,7 @@ class GenerateConfig:
     launcher: LauncherConfig = MISSING
     prompts: PromptsConfig = MISSING
     signals: Dict[str, Any] = field(default_factory=dict)
-    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/signals.py)."""
+    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/shards/signals.py)."""
     run_dir: str = "runs/default"
     """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
     samples_per_shard: Optional[int] = None
@@ -195,7 +195,7 @@ class GenerateConfig:
     """Video models: mp4 frame rate (default: the model's)."""
     video_codec: str = "libx264"
     """Video models: FFmpeg encoder of the mp4 (libx264 = H.264, libx265, libvpx-vp9, mpeg4);
-    shardgen/dataio/video.py."""
+    shardgen/dataio/shards/video.py."""
     video_crf: int = 18
     """Video models: x264/x265 constant rate factor, 0 (lossless) .. 51; 18 is visually lossless."""
     latent_checkpoint_every: Any = "auto"

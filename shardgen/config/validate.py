@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
 from shardgen.dataio.rundir import check_run_dir_text
-from shardgen.dataio.signals import Signals
-from shardgen.dataio.video import validate_video_config
+from shardgen.dataio.shards import Signals, validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 

@@ -14,13 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardgen.dataio.fingerprint import compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import PromptSource, build_plan, load_plan, resolve_samples_per_shard, sample_bytes_estimate
-from shardgen.dataio.prompts import check_prompt_source
-from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
-from shardgen.dataio.runlog import read_jsonl
-from shardgen.dataio.truncation import TruncationCheck, planning_windows
+from shardgen.dataio.prompts import (PromptSource, TruncationCheck, build_plan, check_prompt_source, load_plan,
+                                     planning_windows, resolve_samples_per_shard, sample_bytes_estimate)
+from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
+                                    read_ledger)
+from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
 from shardgen.models.loader import model_version
 
 if TYPE_CHECKING:
@@ -70,7 +68,7 @@ def measured_rate(run: RunDir) -> float | None:
 def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
     from parallel.strategies import parallel_dims
-    from shardgen.dataio.video import VIDEO_EXT, is_video
+    from shardgen.dataio.shards import VIDEO_EXT, is_video
     from shardgen.run.runner import prompt_path, shard_sizing
 
     world = world_size_of(cfg)

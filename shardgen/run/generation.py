@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from shardgen.dataio.plan import PlannedRow
-from shardgen.dataio.shardwork import Sample
+from shardgen.dataio.prompts import PlannedRow
+from shardgen.dataio.shards import Sample
 from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
-from shardgen.dataio.video import is_video
+from shardgen.dataio.shards import is_video
 
 log = logging.getLogger("shardgen.latents")
 

@@ -9,8 +9,8 @@ import time
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan
+from shardgen.dataio.prompts import Plan
+from shardgen.dataio.resume import read_ledger
 
 RESYNC_S = 10.0  # how often the bar re-reads the run directory to count the other replicas' work
 

@@ -14,14 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shardgen.dataio.claims import Claimer, scan_claims
-from shardgen.dataio.index import committed_samples
-from shardgen.dataio.plan import Plan
-from shardgen.dataio.repair import checked_rows, read_shard_stats
-from shardgen.dataio.runlog import record_commit
-from shardgen.dataio.shardwork import Sample, ShardWork
-from shardgen.dataio.verify import read_shard_members
-from shardgen.dataio.sink import ShardSink
+from shardgen.dataio.prompts import Plan
+from shardgen.dataio.resume import checked_rows, read_shard_stats
+from shardgen.dataio.rundir import Claimer, record_commit, scan_claims
+from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples
+from shardgen.dataio.tools import read_shard_members
 from shardgen.run.generation import GenSettings, generate_batch
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile
@@ -79,7 +76,7 @@ class ReplicaWorker:
     poll_s: float = 2.0
     retry_failed: bool = False             # after the run is complete, regenerate recorded failures
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
-    annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/annotate.py)
+    annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/shards/annotate.py)
     autocompile: AutoCompile | None = None  # compile=auto on a one-rank replica: decided here, batch by batch
     generated: int = 0
     gen_s: float = 0.0

@@ -16,23 +16,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
-from shardgen.dataio.annotate import SampleAnnotator, run_provenance, text_windows
-from shardgen.dataio.truncation import TruncationCheck, checks_while_planning, planning_windows
-from shardgen.dataio.claims import Claimer, owner_record
-from shardgen.dataio.extend import extend_if_appended
-from shardgen.dataio.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
-                                         remember_prompt_hash)
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import (Plan, PromptSource, build_plan, estimate_rows, idle_warning, load_plan,
-                                  resolve_samples_per_shard)
-from shardgen.dataio.prompts import check_prompt_source
-from shardgen.dataio.repair import load_plan_or_discard, record_plan_digests, repair_run_dir
-from shardgen.dataio.rundir import (RunDir, atomic_write_bytes, atomic_write_json, check_run_dir_text, check_run_root,
-                                    create_exclusive, first_missing_dir)
-from shardgen.dataio.runlog import attach_rank_log, detach_rank_log, log_to_file_only, record_launch
-from shardgen.dataio.signals import Signals
-from shardgen.dataio.sink import ShardSink
-from shardgen.dataio.video import VIDEO_EXT, VideoEncoder, is_video
+from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
+                                     checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
+                                     resolve_samples_per_shard)
+from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
+                                    load_plan_or_discard, prompt_file_hash, read_ledger, record_plan_digests,
+                                    remember_prompt_hash, repair_run_dir)
+from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
+                                    check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
+                                    first_missing_dir, log_to_file_only, owner_record, record_launch)
+from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
+                                    run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
 from shardgen.run.progress import Progress
@@ -115,7 +109,7 @@ def prompt_path(cfg: GenerateConfig) -> Path:
 
 def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:
     """Check or create the run directory's fingerprint and plan, and repair what a killed job left
-    (global rank 0 only; shardgen/dataio/repair.py says what is repaired and what is refused).
+    (global rank 0 only; shardgen/dataio/resume/repair.py says what is repaired and what is refused).
     ``save_config``: record the resolved config (a launcher preparing before its ranks leaves that to rank 0).
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while

@@ -12,7 +12,7 @@ RESERVED_KEYS = frozenset({
     # the row and how it was generated (shardgen/run/generation.py)
     "prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance", "guidance_2", "strategy",
     "true_cfg_scale", "lossy", "gen_s",
-    # the outcome (shardgen/dataio/shardwork.py)
+    # the outcome (shardgen/dataio/shards/shardwork.py)
     "status", "error",
     # annotations (annotate.py, signals.py)
     "provenance", "tokens", "truncated", "signals",

@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from shardgen.dataio.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
-from shardgen.dataio.plan import (PLAN_VERSION, Plan, PlanError, PromptSource, file_sha256, load_plan, new_plan_dir,
-                                  plan_rows_into)
-from shardgen.dataio.rundir import RunDir, atomic_write_json
-from shardgen.dataio.truncation import TruncationCheck
+from shardgen.dataio.prompts.plan import (PLAN_VERSION, Plan, PlanError, file_sha256, load_plan, new_plan_dir,
+                                          plan_rows_into)
+from shardgen.dataio.prompts.read import PromptSource
+from shardgen.dataio.prompts.truncation import TruncationCheck
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
+from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")

@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir import RunDir, append_line, is_run_dir
+from shardgen.dataio.rundir.layout import RunDir, append_line, is_run_dir
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -1,7 +1,7 @@
 """Prompts longer than a text encoder keeps (``prompts.on_truncation``): counting their tokens.
 
 With ``warn`` (the default) planning tokenizes nothing: each batch's prompts are counted when they
-are generated (``dataio/annotate.py``, the pipeline's own tokenizers, one batch call) and flagged
+are generated (``dataio/shards/annotate.py``, the pipeline's own tokenizers, one batch call) and flagged
 ``truncated`` in their json, the index and the shard's stats. ``error`` and ``skip`` must know
 before any image is made, so planning counts, with the fast tokenizers' batch call (Rust, all
 cores) and a progress bar.

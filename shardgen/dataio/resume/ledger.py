@@ -12,10 +12,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardgen.dataio.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
-from shardgen.dataio.shardwork import STATS_FIELDS, all_checkpoints
+from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
+from shardgen.dataio.shards.shardwork import STATS_FIELDS, all_checkpoints
 
 
 @dataclass

@@ -2,7 +2,7 @@
 records or raising RunDirError naming the file; one ``safe_write`` for every file a tool writes; and
 ``tool_errors``, which turns what a user or a damaged file can cause into one line and exit status 2.
 
-A run directory is untrusted input (see shardgen/dataio/rundir.py): any file may be missing, empty,
+A run directory is untrusted input (see shardgen/dataio/rundir/layout.py): any file may be missing, empty,
 garbage, truncated, from another version or a symlink. Logs (``logs/events.*.jsonl``, ``launches.jsonl``)
 are history: an odd line is skipped. Files the answer depends on (the plan, a shard's index or tar) are
 refused naming the file and the fix.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_bytes
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"
@@ -135,7 +135,7 @@ def read_index_columns(run: RunDir, columns: list[str], where: str | None = None
 
 def read_tar_members(path: Path) -> dict[str, dict[str, bytes]]:
     """key -> {extension: bytes} of a committed tar; RunDirError naming it when it is not a readable tar."""
-    from shardgen.dataio.verify import read_shard_members
+    from shardgen.dataio.tools.verify import read_shard_members
 
     path = Path(path)
     if path.is_symlink():

@@ -17,9 +17,9 @@ import io
 import logging
 from typing import Callable, Iterator
 
-from shardgen.dataio.index import IMAGE_EXTS, index_path, write_index
-from shardgen.dataio.plan import Plan
-from shardgen.dataio.signals import ClipScorer, SignalConfigError, phash
+from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.shards.index import IMAGE_EXTS, index_path, write_index
+from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
 
 log = logging.getLogger("shardgen.signals")
 AFTER = ("phash", "clip")
@@ -60,7 +60,7 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from shardgen.dataio.verify import read_shard_members
+    from shardgen.dataio.tools.verify import read_shard_members
 
     path = index_path(plan.run, shard)
     rows = pq.read_table(path).to_pylist()

@@ -20,15 +20,14 @@ import io
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from shardgen.dataio import prompts as P
-from shardgen.dataio.truncation import TruncationCheck
+from shardgen.dataio.prompts import read as P
+from shardgen.dataio.prompts.read import PromptSource
+from shardgen.dataio.prompts.truncation import TruncationCheck
 
-if TYPE_CHECKING:  # a type only: plan.py imports this module
-    from shardgen.dataio.plan import PromptSource
 
 log = logging.getLogger("shardgen.plan")
 _BLOCK = 16 << 20   # txt planning reads the file in blocks of this many bytes
@@ -173,15 +172,15 @@ def _check_block(source: PromptSource, block: memoryview, arr: np.ndarray, line_
     if source.max_chars is not None:  # a line of more bytes may be too long: the exact check below counts characters
         suspect = suspect or bool((ends - line_starts > source.max_chars).any())
     clean = arr[:end].max() < 128 or _utf8(block[:end])
-    if clean and not suspect and not (at_file_start and block[:3] == P._BOM):
+    if clean and not suspect and not (at_file_start and block[:3] == P.BOM):
         return 0
     rejects = 0
     for i, (s, e) in enumerate(zip(line_starts.tolist(), ends.tolist())):
         raw = bytes(block[s:e])
-        if at_file_start and i == 0 and raw.startswith(P._BOM):
-            raw = raw[len(P._BOM):]
-        row = P._emit(source.path, first + i, first + i + 1, source.on_bad_row, P._parse_txt, raw,
-                      max_chars=source.max_chars)
+        if at_file_start and i == 0 and raw.startswith(P.BOM):
+            raw = raw[len(P.BOM):]
+        row = P.emit(source.path, first + i, first + i + 1, source.on_bad_row, P.parse_txt, raw,
+                     max_chars=source.max_chars)
         rejects += row.reject is not None
     return rejects
 
@@ -192,7 +191,7 @@ def _offer_long_lines(check: TruncationCheck, block: memoryview, line_starts: np
         if check.stop:
             return
         try:
-            prompt = P._strip_eol(bytes(block[line_starts[j]:ends[j]])).decode("utf-8").lstrip("\ufeff")
+            prompt = P.strip_eol(bytes(block[line_starts[j]:ends[j]])).decode("utf-8").lstrip("\ufeff")
         except UnicodeDecodeError:
             continue  # a reject, not a prompt
         if prompt.strip() and (max_chars is None or len(prompt) <= max_chars):  # too long: a reject, never tokenized
@@ -253,11 +252,11 @@ def check_unchanged(path: str, size: int) -> None:
     try:
         now = os.path.getsize(path)
     except OSError as e:
-        raise P._fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
-                      "Restore it: the run's shards are read from it") from None
+        raise P.fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
+                     "Restore it: the run's shards are read from it") from None
     if now < size:
-        raise P._fail(path, 0, f"the prompt file changed since the run was planned ({size} bytes then, {now} now)",
-                      "Restore the original file, or start a new run_dir")
+        raise P.fail(path, 0, f"the prompt file changed since the run was planned ({size} bytes then, {now} now)",
+                     "Restore the original file, or start a new run_dir")
 
 
 def file_identity(path: str) -> tuple:
@@ -288,13 +287,13 @@ def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: i
         if src.format in ("csv", "tsv"):
             yield from _table_rows_at(src, data, line, index, count, head)
             return
-        parse = P._parse_txt if src.format == "txt" else P._parse_jsonl
+        parse = P.parse_txt if src.format == "txt" else P.parse_jsonl
         args = () if src.format == "txt" else (src.field, src.seed_field)
         for i in range(count):
             raw = data.readline()
-            if offset == 0 and i == 0 and raw.startswith(P._BOM):
-                raw = raw[len(P._BOM):]
-            yield P._emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
+            if offset == 0 and i == 0 and raw.startswith(P.BOM):
+                raw = raw[len(P.BOM):]
+            yield P.emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
 
 
 def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
@@ -303,19 +302,19 @@ def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
     from itertools import chain, islice
 
     if head is not None:
-        header = next(P._raw_lines(io.BytesIO(head)))[1]
+        header = next(P.raw_lines(io.BytesIO(head)))[1]
     else:
         with open(src.path, "rb") as h:
-            header = next(P._raw_lines(h))[1]
+            header = next(P.raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
-    for r in islice(P._read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
-                                  src.on_bad_row, src.max_chars), count):
+    for r in islice(P.read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
+                                 src.on_bad_row, src.max_chars), count):
         yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject)
 
 
 def parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.PromptRow]:
     """``count`` rows of a parquet prompt file from row ``index`` (only the row groups that hold them are read)."""
-    pf = P._parquet_file(src.path)
+    pf = P.parquet_file(src.path)
     row_groups, first, pos = [], 0, 0  # the row groups that hold rows index..index+count-1
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
@@ -325,5 +324,5 @@ def parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.Pro
         pos += n
     table = pf.read_row_groups(row_groups).slice(index - first, count)
     for i, rec in enumerate(table.to_pylist()):
-        yield P._emit(src.path, index + i, index + i + 1, src.on_bad_row, P._parse_parquet, rec, src.field,
-                      src.seed_field, max_chars=src.max_chars)
+        yield P.emit(src.path, index + i, index + i + 1, src.on_bad_row, P.parse_parquet, rec, src.field,
+                     src.seed_field, max_chars=src.max_chars)

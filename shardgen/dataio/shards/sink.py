@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from shardgen.dataio.shardwork import Sample, ShardWork, encode_image
+from shardgen.dataio.shards.shardwork import Sample, ShardWork, encode_image
 from shardgen.errors import is_user_error
 
 
@@ -24,9 +24,9 @@ class ShardSink:
 
     def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2, signals=None,
                  encoder: Callable[[Sample], bytes] | None = None):
-        """``signals``: curation signals (shardgen/dataio/signals.py), computed before encoding (images only).
+        """``signals``: curation signals (shardgen/dataio/shards/signals.py), computed before encoding (images only).
         ``encoder(sample) -> bytes`` replaces the image encoder; its ``ext`` names the member (video runs:
-        shardgen/dataio/video.py's VideoEncoder writes ``{key}.mp4``)."""
+        shardgen/dataio/shards/video.py's VideoEncoder writes ``{key}.mp4``)."""
         self.fmt, self.quality = (encoder.ext if encoder else image_format), quality
         self.signals = signals if encoder is None else None
         self._encoder = encoder or (lambda s: encode_image(s.pixels, self.fmt, self.quality))

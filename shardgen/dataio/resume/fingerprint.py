@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.plan import file_sha256
-from shardgen.dataio.prompts import MAX_PROMPT_CHARS
-from shardgen.dataio.rundir import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive, json_bytes,
-                                    read_json, read_state)
-from shardgen.dataio.video import video_fingerprint
+from shardgen.dataio.prompts.plan import file_sha256
+from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
+                                           json_bytes, read_json, read_state)
+from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen")
@@ -156,7 +156,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
 
 def fingerprint_changes(run: RunDir) -> list[dict]:
     """The recorded allow_fingerprint_change launches, oldest first (unreadable lines skipped)."""
-    from shardgen.dataio.runlog import read_jsonl
+    from shardgen.dataio.rundir.runlog import read_jsonl
 
     path = run.fingerprint_changes_path
     try:

@@ -18,7 +18,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardgen.dataio.rundir import disk_full, open_fresh
+from shardgen.dataio.rundir.layout import disk_full, open_fresh
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)

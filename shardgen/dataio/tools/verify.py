@@ -12,11 +12,11 @@ import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from shardgen.dataio.index import committed_samples
-from shardgen.dataio.plan import Plan, PlannedRow, file_sha256, sample_key
-from shardgen.dataio.rundir import RunDirError
-from shardgen.dataio.shardwork import shard_checkpoints
-from shardgen.dataio.video import VIDEO_EXT, check_video_member
+from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_key
+from shardgen.dataio.rundir.layout import RunDirError
+from shardgen.dataio.shards.index import committed_samples
+from shardgen.dataio.shards.shardwork import shard_checkpoints
+from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
 from shardgen.errors import UserError
 
 IMAGE_EXTS = ("png", "jpg", "webp")
@@ -127,7 +127,7 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
 
 def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
     """Check every shard of ``plan``; report each defect in a line that names the shard and key."""
-    from shardgen.dataio.fingerprint import read_fingerprint
+    from shardgen.dataio.resume.fingerprint import read_fingerprint
 
     rep = VerifyReport()
     try:
@@ -143,7 +143,7 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
 
 
 def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport) -> None:
-    from shardgen.dataio.repair import checked_rows, read_shard_stats
+    from shardgen.dataio.resume.repair import checked_rows, read_shard_stats
 
     run = plan.run
     tar, stats_path = run.shard_tar(shard), run.shard_stats(shard)
@@ -219,7 +219,7 @@ def _unfinished_line(plan: Plan, shard: int, has_tar: bool) -> str:
 def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
     """Make every defective shard of ``report`` sound or absent: stats rewritten from a sound tar, else
     the shard removed (generated again by the next launch). A line for each shard repaired."""
-    from shardgen.dataio.repair import finish_or_discard
+    from shardgen.dataio.resume.repair import finish_or_discard
 
     run, out = plan.run, []
     for shard, what in sorted(report.bad_shards.items()):

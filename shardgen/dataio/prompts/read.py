@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
-from shardgen.dataio.samplejson import split_reserved
+from shardgen.dataio.prompts.samplejson import split_reserved
 from shardgen.errors import UserError
 
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 ON_BAD_ROW = ("error", "skip")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
                ".parquet": "parquet"}
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
 _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
 _SEED_TEXT = re.compile(r"[0-9]+")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
 _PARQUET_BATCH = 4096
@@ -57,7 +57,28 @@ class _BadRow(Exception):
     """Internal: the row at hand is bad; ``str(exc)`` is the reason shown to the user."""
 
 
-def _fail(path: str, line: int, what: str, fix: str) -> PromptFileError:
+@dataclass(frozen=True)
+class PromptSource:
+    """The prompt file and how to read it (``prompts.*`` of the config)."""
+
+    path: str
+    format: str = "auto"
+    field: str = "prompt"
+    seed_field: str = "seed"
+    on_bad_row: str = "error"
+    limit: int | None = None
+    max_chars: int | None = None  # longer prompts are bad rows (None in plans made before the limit existed)
+
+    @classmethod
+    def from_cfg(cls, prompts: Any, path: str | os.PathLike) -> "PromptSource":
+        """From a PromptsConfig and the resolved path of its file."""
+        return cls(path=str(path), format=detect_format(str(path), prompts.format), field=prompts.field,
+                   seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit,
+                   max_chars=prompts.get("max_prompt_chars"))
+
+
+def fail(path: str, line: int, what: str, fix: str) -> PromptFileError:
+    """The one-line error for ``path`` (at ``line`` when not 0): what is wrong, then what to change."""
     where = f"{path}:{line}" if line else path
     return PromptFileError(f"{where}: {what}. {fix}")
 
@@ -70,15 +91,15 @@ def detect_format(path: str, format: str = "auto") -> str:
     if format != "auto":
         if format in FORMATS:
             return format
-        raise _fail(path, 0, f"prompts.format={format!r} is not a known format",
-                    f"Use prompts.format=auto or one of: {', '.join(FORMATS)}")
+        raise fail(path, 0, f"prompts.format={format!r} is not a known format",
+                   f"Use prompts.format=auto or one of: {', '.join(FORMATS)}")
     ext = os.path.splitext(path)[1].lower()
     if ext in _EXTENSIONS:
         return _EXTENSIONS[ext]
     fix = f"Name the file {', '.join(_EXTENSIONS)}, or set prompts.format=<one of {', '.join(FORMATS)}>"
     if ext == ".json":  # the usual near miss: a .json file that is really one object per line
         fix += " (prompts.format=jsonl if it holds one JSON object per line)"
-    raise _fail(path, 0, f"cannot tell the prompt format from the extension {ext or '(none)'!r}", fix)
+    raise fail(path, 0, f"cannot tell the prompt format from the extension {ext or '(none)'!r}", fix)
 
 
 def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") -> None:
@@ -88,7 +109,7 @@ def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") 
     _check_file(path)
     fmt = detect_format(path, format)
     if fmt == "parquet":
-        _check_columns(path, _parquet_file(path).schema_arrow.names, field, fmt)
+        _check_columns(path, parquet_file(path).schema_arrow.names, field, fmt)
     elif fmt in ("csv", "tsv"):
         with open(path, "rb") as f:
             _read_header(path, _table_reader(_text_lines(f, {}), fmt), fmt, field, {})
@@ -118,20 +139,20 @@ def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed
 def _check_file(path: str) -> None:
     p = Path(path)
     if not p.exists():
-        raise _fail(path, 0, "the prompt file does not exist",
-                    f"Check prompts.path (a relative path is taken from {os.getcwd()})")
+        raise fail(path, 0, "the prompt file does not exist",
+                   f"Check prompts.path (a relative path is taken from {os.getcwd()})")
     if p.is_dir():
-        raise _fail(path, 0, "is a directory, not a prompt file", "Set prompts.path to a file")
+        raise fail(path, 0, "is a directory, not a prompt file", "Set prompts.path to a file")
     if not p.is_file():
-        raise _fail(path, 0, "is not a regular file", "Set prompts.path to a regular file")
+        raise fail(path, 0, "is not a regular file", "Set prompts.path to a regular file")
     try:
         with open(p, "rb") as f:
             f.read(1)
     except OSError as e:
-        raise _fail(path, 0, f"cannot be read ({e.strerror})", "Check the file's permissions") from None
+        raise fail(path, 0, f"cannot be read ({e.strerror})", "Check the file's permissions") from None
     if p.stat().st_size == 0:
-        raise _fail(path, 0, "the prompt file is empty (0 bytes)",
-                    "Add prompts, or point prompts.path at the right file")
+        raise fail(path, 0, "the prompt file is empty (0 bytes)",
+                   "Add prompts, or point prompts.path at the right file")
 
 
 def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
@@ -139,8 +160,8 @@ def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
     for n, row in enumerate(rows, 1):
         yield row
     if n == 0:
-        raise _fail(path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
-                    "Add prompts, or point prompts.path at the right file")
+        raise fail(path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
+                   "Add prompts, or point prompts.path at the right file")
 
 
 def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str,
@@ -154,7 +175,7 @@ def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str,
         elif fmt == "jsonl":
             yield from _read_jsonl(path, f, field, seed_field, on_bad_row, max_chars)
         else:
-            yield from _read_table(path, f, fmt, field, seed_field, on_bad_row, max_chars)
+            yield from read_table(path, f, fmt, field, seed_field, on_bad_row, max_chars)
 
 
 def too_long(n: int, max_chars: int) -> str:
@@ -162,8 +183,8 @@ def too_long(n: int, max_chars: int) -> str:
     return f"the prompt is {n} characters long, over prompts.max_prompt_chars={max_chars}"
 
 
-def _emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *args: Any,
-          max_chars: int | None = None) -> PromptRow:
+def emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *args: Any,
+         max_chars: int | None = None) -> PromptRow:
     """The row ``parse(*args)`` makes, or, when it raises _BadRow (or the prompt is longer than ``max_chars``:
     checked before anything tokenizes it), an error or a reject."""
     try:
@@ -172,16 +193,16 @@ def _emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *a
             raise _BadRow(too_long(len(prompt), max_chars))
     except _BadRow as e:
         if on_bad_row == "error":
-            raise _fail(path, line, str(e), _SKIP_HINT) from None
+            raise fail(path, line, str(e), _SKIP_HINT) from None
         return PromptRow(index, line, None, None, {}, str(e))
     return PromptRow(index, line, prompt, seed, extra, None)
 
 
-def _raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+def raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes with terminator); a leading UTF-8 BOM is removed."""
     for lineno, raw in enumerate(f, 1):
-        if lineno == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM):]
+        if lineno == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
             if not raw:  # the file is only a BOM: no rows at all
                 return
         yield lineno, raw
@@ -195,7 +216,8 @@ def _decode(raw: bytes) -> str:
                       "is the file saved as UTF-8?)") from None
 
 
-def _strip_eol(raw: bytes) -> bytes:
+def strip_eol(raw: bytes) -> bytes:
+    """``raw`` without its line terminator (\\n or \\r\\n)."""
     if raw.endswith(b"\r\n"):
         return raw[:-2]
     return raw[:-1] if raw.endswith(b"\n") else raw
@@ -236,7 +258,7 @@ def _json_type(value: Any) -> str:
 def _check_columns(path: str, columns: list[str], field: str, fmt: str) -> None:
     dup = next((c for i, c in enumerate(columns) if c in columns[:i]), None)
     if dup is not None:
-        raise _fail(path, 1, f"the header has the column {dup!r} twice", "Give every column a distinct name")
+        raise fail(path, 1, f"the header has the column {dup!r} twice", "Give every column a distinct name")
     if field in columns:
         return
     fix = "Set prompts.field=<one of them>"
@@ -247,28 +269,30 @@ def _check_columns(path: str, columns: list[str], field: str, fmt: str) -> None:
         fix += "; the header looks tab-separated: set prompts.format=tsv"
     if len(columns) == 1 and fmt == "tsv" and "," in columns[0]:
         fix += "; the header looks comma-separated: set prompts.format=csv"
-    raise _fail(path, 1, f"no column {field!r} (prompts.field); the columns are {columns}", fix)
+    raise fail(path, 1, f"no column {field!r} (prompts.field); the columns are {columns}", fix)
 
 
 # ---------------------------------------------------------------- txt and jsonl
 
 def _read_txt(path: str, f: BinaryIO, on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
-    for index, (line, raw) in enumerate(_raw_lines(f)):
-        yield _emit(path, index, line, on_bad_row, _parse_txt, raw, max_chars=max_chars)
+    for index, (line, raw) in enumerate(raw_lines(f)):
+        yield emit(path, index, line, on_bad_row, parse_txt, raw, max_chars=max_chars)
 
 
-def _parse_txt(raw: bytes) -> tuple[str, None, dict]:
+def parse_txt(raw: bytes) -> tuple[str, None, dict]:
+    """One txt line (terminator included) as (prompt, no seed, no fields); raises _BadRow."""
     # Only the terminator goes: the prompt must equal the file's text byte for byte.
-    return _check_prompt(_decode(_strip_eol(raw))), None, {}
+    return _check_prompt(_decode(strip_eol(raw))), None, {}
 
 
 def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str,
                 max_chars: int | None = None) -> Iterator[PromptRow]:
-    for index, (line, raw) in enumerate(_raw_lines(f)):
-        yield _emit(path, index, line, on_bad_row, _parse_jsonl, raw, field, seed_field, max_chars=max_chars)
+    for index, (line, raw) in enumerate(raw_lines(f)):
+        yield emit(path, index, line, on_bad_row, parse_jsonl, raw, field, seed_field, max_chars=max_chars)
 
 
-def _parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+def parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+    """One jsonl line as (prompt, seed, the other fields); raises _BadRow."""
     text = _decode(raw)
     if not text.strip():
         raise _BadRow("blank line (every jsonl line must be one JSON object)")
@@ -326,7 +350,7 @@ def _text_lines(f: BinaryIO, bad: dict[int, str]) -> Iterator[str]:
     """Decoded lines for the csv module, one per physical line so its ``line_num`` is the
     file's line number; a line that is not UTF-8 is passed on replaced and noted in ``bad``,
     because the csv module's iterator protocol has no way to reject a single line."""
-    for lineno, raw in _raw_lines(f):
+    for lineno, raw in raw_lines(f):
         try:
             yield _decode(raw)
         except _BadRow as e:
@@ -355,18 +379,19 @@ def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -
     try:
         header = next(reader)
     except StopIteration:
-        raise _fail(path, 0, "the prompt file is empty", "Add a header line and prompts") from None
+        raise fail(path, 0, "the prompt file is empty", "Add a header line and prompts") from None
     except csv.Error as e:
-        raise _fail(path, 1, f"malformed {fmt} header ({e})", "Fix the header line") from None
+        raise fail(path, 1, f"malformed {fmt} header ({e})", "Fix the header line") from None
     reason = _pop_bad(bad, 1, reader.line_num)
     if reason:
-        raise _fail(path, 1, f"the header is {reason}", "Save the file as UTF-8")
+        raise fail(path, 1, f"the header is {reason}", "Save the file as UTF-8")
     _check_columns(path, header, field, fmt)
     return header
 
 
-def _read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
-                on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
+def read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
+               on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
+    """The rows of a csv/tsv file ``f`` (header first), each a PromptRow (or a reject per ``on_bad_row``)."""
     bad: dict[int, str] = {}
     reader = _table_reader(_text_lines(f, bad), fmt)
     header = _read_header(path, reader, fmt, field, bad)
@@ -380,8 +405,8 @@ def _read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
         except csv.Error as e:
             cells, reason = None, f"malformed {fmt} ({e})"
         reason = _pop_bad(bad, start, reader.line_num) or reason
-        yield _emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field,
-                    max_chars=max_chars)
+        yield emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field,
+                   max_chars=max_chars)
         index += 1
 
 
@@ -404,18 +429,19 @@ def _parquet_module(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise _fail(path, 0, "reading parquet prompt files needs pyarrow, which is not installed",
-                    "Run: pip install pyarrow (or pip install 'shardgen[parquet]')") from None
+        raise fail(path, 0, "reading parquet prompt files needs pyarrow, which is not installed",
+                   "Run: pip install pyarrow (or pip install 'shardgen[parquet]')") from None
     return pq
 
 
-def _parquet_file(path: str):
+def parquet_file(path: str):
+    """``path`` opened as a pyarrow ParquetFile, or a PromptFileError saying it is not one."""
     pq = _parquet_module(path)
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError/...; all mean "not readable as parquet"
-        raise _fail(path, 0, f"is not a readable parquet file ({e})",
-                    "Check the file, or set prompts.format= to its real format") from None
+        raise fail(path, 0, f"is not a readable parquet file ({e})",
+                   "Check the file, or set prompts.format= to its real format") from None
 
 
 def _parquet_records(path: str, pf) -> Iterator[dict]:
@@ -426,20 +452,21 @@ def _parquet_records(path: str, pf) -> Iterator[dict]:
         except StopIteration:
             return
         except Exception as e:  # a corrupt page half-way: name the file, not a pyarrow internal
-            raise _fail(path, 0, f"cannot be read as parquet ({e})", "Check the file") from None
+            raise fail(path, 0, f"cannot be read as parquet ({e})", "Check the file") from None
         yield from batch.to_pylist()
 
 
 def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str,
                   max_chars: int | None = None) -> Iterator[PromptRow]:
-    pf = _parquet_file(path)
+    pf = parquet_file(path)
     _check_columns(path, pf.schema_arrow.names, field, "parquet")
     for index, rec in enumerate(_parquet_records(path, pf)):
         # parquet has no lines: ``line`` is the 1-based row number
-        yield _emit(path, index, index + 1, on_bad_row, _parse_parquet, rec, field, seed_field, max_chars=max_chars)
+        yield emit(path, index, index + 1, on_bad_row, parse_parquet, rec, field, seed_field, max_chars=max_chars)
 
 
-def _parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+def parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
+    """One parquet record as (prompt, seed, the other fields made JSON-able); raises _BadRow."""
     prompt, seed, extra = _parse_record(rec, field, seed_field)
     extra = {k: _jsonable(v) for k, v in extra.items()}
     _check_values(extra)

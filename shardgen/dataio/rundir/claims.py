@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir import RunDir, pid_alive
+from shardgen.dataio.rundir.layout import RunDir, pid_alive
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
 LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
@@ -57,7 +57,7 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
     if job and job == me["job"]:
         return restart < me["restart"]
     if job and me["job"]:  # another SLURM job, maybe on another node (where its pid means nothing): ask SLURM
-        from shardgen.dataio.slurm_jobs import slurm_attempt_ended
+        from shardgen.dataio.rundir.slurm_jobs import slurm_attempt_ended
 
         return slurm_attempt_ended(str(job), restart)
     return False

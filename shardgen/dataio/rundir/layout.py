@@ -340,19 +340,19 @@ class RunDir:
 
     @property
     def launches_path(self) -> Path:
-        """Every launch's summary, one JSON line each (shardgen/dataio/runlog.py)."""
+        """Every launch's summary, one JSON line each (shardgen/dataio/rundir/runlog.py)."""
         return self.root / "launches.jsonl"
 
     @property
     def shards_checked_path(self) -> Path:
         """Committed shards a launch found sound, with their files' sizes and mtimes (the next launch skips those
-        unchanged: shardgen/dataio/repair.py)."""
+        unchanged: shardgen/dataio/resume/repair.py)."""
         return self.root / "shards_checked.json"
 
     @property
     def stats_cache_path(self) -> Path:
         """What ``jobs.status`` needs of each committed shard's stats, with the stats file's size and mtime (a
-        status call reads only the stats that changed since: shardgen/dataio/ledger.py)."""
+        status call reads only the stats that changed since: shardgen/dataio/resume/ledger.py)."""
         return self.root / "stats_cache.json"
 
     @property

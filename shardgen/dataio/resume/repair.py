@@ -24,13 +24,14 @@ import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio import index as shard_index
-from shardgen.dataio.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
-from shardgen.dataio.prompts import PromptFileError
-from shardgen.dataio.rundir import RunDir, RunDirError, atomic_write_json, map_io, own_file_name, read_state, shard_name
-from shardgen.dataio.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
-from shardgen.dataio.tarshard import BLOCK, scan_tar
+from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
+from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, map_io, own_file_name, read_state,
+                                           shard_name)
+from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
+from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
+from shardgen.dataio.shards import index as shard_index
 
 log = logging.getLogger("shardgen.repair")
 REPLAN_HINT = "delete {plan_json} and re-run: the plan is made again from the prompt file, identically"

@@ -13,9 +13,9 @@ import re
 import time
 from collections import defaultdict
 
-from shardgen.dataio.ledger import Ledger, read_ledger
-from shardgen.dataio.plan import Plan
-from shardgen.dataio.runfiles import read_events
+from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.resume.ledger import Ledger, read_ledger
+from shardgen.dataio.tools.runfiles import read_events
 
 LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
 LOG_TAIL_BYTES = 256 * 1024       # the last error is looked for in the end of each rank log

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardgen.dataio import index as shard_index
-from shardgen.dataio.plan import sample_key
-from shardgen.dataio.rundir import DiskFullError, RunDir, RunDirError, atomic_write_json, read_state
-from shardgen.dataio.tarshard import PartialTar, fsync_dir, scan_tar
+from shardgen.dataio.shards import index as shard_index
+from shardgen.dataio.prompts.plan import sample_key
+from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.shards.tarshard import PartialTar, fsync_dir, scan_tar
 
 log = logging.getLogger("shardgen.shard")
 
@@ -109,7 +109,7 @@ STATS_FIELDS = {"shard": int, "count": int, "ok": int, "failed": int, "rejected"
 class ShardWork:
     """The writer-side state of one claimed shard; ``commit`` is the one place a shard is committed.
 
-    The tar holds the ok samples only (one layout for every reader); the index (shardgen/dataio/index.py)
+    The tar holds the ok samples only (one layout for every reader); the index (shardgen/dataio/shards/index.py)
     holds a row for every sample, failed and rejected ones included. Both advance batch by batch under one
     checkpoint."""
 

@@ -29,12 +29,13 @@ import logging
 
 import numpy as np
 
-from shardgen.dataio import prompts as P
-from shardgen.dataio.planscan import (check_unchanged, file_identity, parquet_rows_at, range_digests, read_range,
-                                      read_rows_at, rows_digest, scan_rows, scan_txt, truncation_outcome)
-from shardgen.dataio.rundir import pid_alive as _pid_alive
-from shardgen.dataio.rundir import PLAN_TEMP_NAME, RunDir, atomic_write_json, read_json
-from shardgen.dataio.truncation import TruncationCheck
+from shardgen.dataio.prompts import read as P
+from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, parquet_rows_at, range_digests,
+                                              read_range, read_rows_at, rows_digest, scan_rows, scan_txt,
+                                              truncation_outcome)
+from shardgen.dataio.prompts.read import PromptSource
+from shardgen.dataio.prompts.truncation import TruncationCheck
+from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive as _pid_alive, read_json
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -96,26 +97,6 @@ class PlannedRow:
     @property
     def key(self) -> str:
         return sample_key(self.index)
-
-
-@dataclass(frozen=True)
-class PromptSource:
-    """The prompt file and how to read it (``prompts.*`` of the config)."""
-
-    path: str
-    format: str = "auto"
-    field: str = "prompt"
-    seed_field: str = "seed"
-    on_bad_row: str = "error"
-    limit: int | None = None
-    max_chars: int | None = None  # longer prompts are bad rows (None in plans made before the limit existed)
-
-    @classmethod
-    def from_cfg(cls, prompts: Any, path: str | os.PathLike) -> "PromptSource":
-        """From a PromptsConfig and the resolved path of its file."""
-        return cls(path=str(path), format=P.detect_format(str(path), prompts.format), field=prompts.field,
-                   seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit,
-                   max_chars=prompts.get("max_prompt_chars"))
 
 
 @dataclass(frozen=True)
@@ -374,11 +355,11 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
         before = file_identity(source.path)
         counts = plan_rows_into(tmp, source, samples_per_shard, truncation)
         if file_identity(source.path) != before:
-            raise P._fail(source.path, 0, "the prompt file changed while it was being planned",
-                          "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
+            raise P.fail(source.path, 0, "the prompt file changed while it was being planned",
+                         "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
         if counts["num_rows"] == 0:
-            raise P._fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
-                          "Add prompts, or point prompts.path at the right file")
+            raise P.fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
+                         "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
             prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
@@ -471,7 +452,7 @@ def estimate_rows(source: PromptSource) -> int:
     counted in files up to 64 MB, extrapolated from 16 samples of 1 MB spread over larger ones (a
     pass over a 2 GB file would cost seconds for a figure the sizing rounds anyway)."""
     if source.format == "parquet":
-        n = P._parquet_file(source.path).metadata.num_rows
+        n = P.parquet_file(source.path).metadata.num_rows
     else:
         size = os.path.getsize(source.path)
         with open(source.path, "rb") as f:

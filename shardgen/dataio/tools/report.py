@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shardgen.dataio.ledger import read_ledger
-from shardgen.dataio.plan import Plan
-from shardgen.dataio.rundir import RunDirError, read_state
-from shardgen.dataio.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
+from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.resume.ledger import read_ledger
+from shardgen.dataio.rundir.layout import RunDirError, read_state
+from shardgen.dataio.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
@@ -105,7 +105,7 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
     """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts."""
     from PIL import Image
 
-    from shardgen.dataio.verify import IMAGE_EXTS
+    from shardgen.dataio.tools.verify import IMAGE_EXTS
 
     cells = []
     for key, mem in committed_members(plan.run):

@@ -21,11 +21,11 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from shardgen.dataio.rundir import RunDir, shard_name, temp_path
-from shardgen.dataio.samplejson import input_fields
+from shardgen.dataio.prompts.samplejson import input_fields
+from shardgen.dataio.rundir.layout import RunDir, shard_name, temp_path
 
 IMAGE_EXTS = ("png", "jpg", "webp")
-# Curation signals (shardgen/dataio/signals.py) and their column types in the index.
+# Curation signals (shardgen/dataio/shards/signals.py) and their column types in the index.
 SIGNAL_COLUMNS = {"phash": "string", "watermark": "string", "watermark_ok": "bool", "clip_score": "float64"}
 
 

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from shardgen.dataio.truncation import token_counts
+from shardgen.dataio.prompts.truncation import token_counts
 
 if TYPE_CHECKING:  # a type only: shardwork imports the plan, which imports this module
-    from shardgen.dataio.shardwork import Sample
+    from shardgen.dataio.shards.shardwork import Sample
 
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")  # a Hugging Face cache snapshot: its commit
 

@@ -1,0 +1,24 @@
+"""Shards out: samples to tar shards, durably, with their index, video encoding and signals.
+
+sink.py (``ShardSink``: encoding and writing on background threads), shardwork.py (``ShardWork``: where a
+shard is checkpointed and committed), tarshard.py (the tar writer and scanner), index.py (the shard index),
+video.py (mp4 encode/decode), annotate.py (provenance and token counts), signals.py (curation signals
+computed on the writer's threads). Imports only the rundir and prompts rooms.
+"""
+
+from typing import TYPE_CHECKING
+
+from shardgen.dataio import lazy_names
+
+if TYPE_CHECKING:
+    from .annotate import SampleAnnotator, run_provenance, text_windows
+    from .index import committed_samples
+    from .shardwork import Sample, ShardWork, durable_partial
+    from .signals import Signals
+    from .sink import ShardSink
+    from .video import VIDEO_EXT, VideoEncoder, decode_video, encode_video, is_video, preview_png, validate_video_config
+
+__all__ = ["Sample", "SampleAnnotator", "ShardSink", "ShardWork", "Signals", "VIDEO_EXT", "VideoEncoder",
+           "committed_samples", "decode_video", "durable_partial", "encode_video", "is_video", "preview_png",
+           "run_provenance", "text_windows", "validate_video_config"]
+__getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use
