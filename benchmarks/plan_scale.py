@@ -177,7 +177,7 @@ def first_launch(run_dir: Path, prompts: Path, overrides: list[str]) -> dict:
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from shardgen.config.schema import register_configs
+    from shardgen.config.store import register_configs
 
     register_configs()
     conf = Path(__file__).resolve().parent.parent / "conf"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from shardgen.config.schema import register_configs
+from shardgen.config.store import register_configs
 from shardgen.run.runner import RunResult
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

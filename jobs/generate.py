@@ -16,7 +16,8 @@ import sys
 
 import hydra
 
-from shardgen.config.schema import GenerateConfig, register_configs
+from shardgen.config.schema import GenerateConfig
+from shardgen.config.store import register_configs
 
 register_configs()
 log = logging.getLogger("shardgen")

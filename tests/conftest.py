@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from shardgen.config.schema import register_configs
+from shardgen.config.store import register_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

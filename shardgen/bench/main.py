@@ -63,7 +63,7 @@ def parse_size(size) -> tuple[int, int]:
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from shardgen.config.schema import register_configs
+    from shardgen.config.store import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
+from shardgen.config import schema
+
 SCHEMA = Path(__file__).with_name("schema.py")
 # (the schema class, the key prefix its fields take, the heading of its section)
 SECTIONS = (("GenerateConfig", "", "Settings (top-level keys)"),
@@ -61,8 +63,6 @@ def _default(f: dataclasses.Field) -> str:
 
 def help_entries() -> list[tuple[str, list[tuple[str, str, str]]]]:
     """[(section heading, [(dotted key, default, description)])] for every field of the schema."""
-    from shardgen.config import schema
-
     docs = field_docs()
     sections = []
     for cls_name, prefix, heading in SECTIONS:

@@ -1,4 +1,4 @@
-"""Config schema: dataclasses registered in Hydra's ConfigStore.
+"""Config schema: dataclasses registered in Hydra's ConfigStore (by store.py: register_configs).
 
 ``conf/generate.yaml`` starts its defaults list with ``generate_schema``, so every YAML file
 and command-line override is merged onto these typed nodes: a misspelled key fails while the
@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
 from shardgen.dataio.prompts import MAX_PROMPT_CHARS
@@ -269,12 +268,3 @@ class GenerateConfig:
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""
-
-
-def register_configs() -> None:
-    """Register the schema (idempotent). Group YAMLs are typed by the fields of GenerateConfig."""
-    from shardgen.config.help import hydra_help_node
-
-    cs = ConfigStore.instance()
-    cs.store(name="generate_schema", node=GenerateConfig)
-    cs.store(group="hydra/help", name="shardgen", node=hydra_help_node())  # --help: these docstrings
