@@ -215,7 +215,8 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
         forwards = flux_fused.enable(transformer)
     state = None
     if background and todo:
-        state = transformer.__dict__[STATE_ATTR] = BackgroundCompile()
+        # made earlier when compile=auto decided before the first batch (it starts at the first step)
+        state = transformer.__dict__.setdefault(STATE_ATTR, BackgroundCompile())
     for block in todo:
         block.__dict__["_shardgen_eager_forward"] = block.forward
         target = forwards.get(block, block.forward)

@@ -139,6 +139,9 @@ class AutoCompile:
             self._batch_compiled = False
             return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
         state = self._state()
+        if self.decided is None and _number(self._record.get("eager_s")):
+            self._decide(float(self._record["eager_s"]))  # from the records: the thread starts at the first step
+            return self._background_settings(s)
         if state is not None and state.switch():
             log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
                      "the next batches run compiled", state.seconds, len(self._eager))
@@ -148,7 +151,7 @@ class AutoCompile:
     def _state(self):
         from shardgen.speed.background import state_of
 
-        return state_of(self.background)
+        return state_of(self.background, create=True)
 
     def _decide(self, eager_s: float) -> None:
         r = self._record
@@ -177,11 +180,9 @@ class AutoCompile:
         if self.background is not None:
             state = self._state()
             if not self.decided:
-                if state is not None:
-                    state.abandon()
-            elif state is None or not state.start():
-                self.decided = False
-                log.warning("compile=auto: the blocks left no arguments to compile from; staying eager")
+                state.abandon()
+            else:
+                state.start_when_captured()
 
     def finish(self) -> None:
         """The end of the process's work: wait for a background compilation still running (a thread must not be
@@ -229,19 +230,17 @@ class AutoCompile:
         if seconds > 0 and samples > 0 and (samples >= s.batch_size or s.accel.compile):
             per_sample = seconds / max(samples, s.batch_size)  # a compiled-path call is padded to the batch size
             (self._compiled if compiled else self._eager).append(per_sample)
-        if self.decided is None:
-            eager = _number(self._record.get("eager_s")) or (self._eager[0] if self._eager else None)
-            if eager is None:  # a short first batch: no figure (decide on the next one)
-                return
-            if not _number(self._record.get("eager_s")) and self._eager:
-                write_record(self.path, self.key, {"eager_s": self._eager[0]})
-            self._decide(eager)
         state = self._state()
-        if compiled and len(self._compiled) == 2 and state is not None:
-            update = {"compiled_s": statistics.median(self._compiled), "compiled_before": True}
-            if self._eager:
-                update["eager_s"] = statistics.median(self._eager)
-            write_record(self.path, self.key, update)
+        if self.decided is None:
+            if not self._eager:  # a short first batch: no figure (decide on the next one)
+                return
+            # the first eager batch, timed before any compilation ran beside it
+            write_record(self.path, self.key, {"eager_s": self._eager[0]})
+            self._decide(self._eager[0])
+        elif self.decided and not state.started and state.captured:
+            state.start()  # a block class that never ran (its graph then compiles on the main thread)
+        if compiled and len(self._compiled) == 2:
+            write_record(self.path, self.key, {"compiled_s": statistics.median(self._compiled), "compiled_before": True})
             self._record_background(state)
 
     def summary(self) -> str:
