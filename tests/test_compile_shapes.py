@@ -233,19 +233,21 @@ def test_compile_auto_in_the_background_through_the_job(tmp_path, monkeypatch, c
     assert shard_images(tmp_path / "eager") == shard_images(tmp_path / "auto")
 
 
-def test_a_decision_taken_before_the_first_batch_starts_compiling_at_the_first_step():
-    """With recorded figures compile=auto decides before the first batch: the thread starts inside the first
-    call, as soon as every block class has left its arguments (here two classes), not after the batch."""
+def test_a_decision_taken_before_the_first_batch_starts_compiling_at_the_second_step():
+    """With recorded figures compile=auto decides before the first batch: the thread starts inside that batch,
+    when its second denoising step begins (the first one left every argument signature: here block a's first
+    call has other strides than its second, as FLUX.1's first double block has), not after the batch."""
     from shardgen.speed.background import BackgroundCompile, DeferredForward
 
     state = BackgroundCompile()
     a, b = torch.nn.Linear(2, 2), torch.nn.Identity()
     fa = DeferredForward(a, a.forward, a.forward, state)
+    fa2 = DeferredForward(a, a.forward, a.forward, state)  # a second block of a's class
     fb = DeferredForward(b, b.forward, b.forward, state)
     assert not state.start_when_captured() and not state.started  # nothing captured yet
-    x = torch.ones(1, 2)
-    fa(x)
-    assert not state.started  # one class of two
-    fb(x)
+    x = torch.ones(2, 2)
+    fa(x), fa2(x.t()), fb(x)  # step 1: a with two stride patterns, then b
+    assert not state.started and len(state.captured) == 3
+    fa(x)  # step 2 begins
     assert state.started and state.wait(10) and state.error is None
     assert state.switch() and torch.equal(fa(x), a(x))

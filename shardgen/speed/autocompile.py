@@ -140,7 +140,9 @@ class AutoCompile:
             return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
         state = self._state()
         if self.decided is None and _number(self._record.get("eager_s")):
-            self._decide(float(self._record["eager_s"]))  # from the records: the thread starts at the first step
+            self._decide(float(self._record["eager_s"]))
+            if self.decided:  # from the records, before the first batch: the thread starts at its second step
+                state.start_when_captured()
             return self._background_settings(s)
         if state is not None and state.switch():
             log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
@@ -177,12 +179,8 @@ class AutoCompile:
                            f"({cache} cache{prior})")
         log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
                  if self.decided else "staying eager", self.reason)
-        if self.background is not None:
-            state = self._state()
-            if not self.decided:
-                state.abandon()
-            else:
-                state.start_when_captured()
+        if self.background is not None and not self.decided:
+            self._state().abandon()
 
     def finish(self) -> None:
         """The end of the process's work: wait for a background compilation still running (a thread must not be
@@ -237,8 +235,8 @@ class AutoCompile:
             # the first eager batch, timed before any compilation ran beside it
             write_record(self.path, self.key, {"eager_s": self._eager[0]})
             self._decide(self._eager[0])
-        elif self.decided and not state.started and state.captured:
-            state.start()  # a block class that never ran (its graph then compiles on the main thread)
+        if self.decided and not state.started and state.captured:
+            state.start()  # after a whole batch (also: a one-step batch, where no second step started it)
         if compiled and len(self._compiled) == 2:
             write_record(self.path, self.key, {"compiled_s": statistics.median(self._compiled), "compiled_before": True})
             self._record_background(state)

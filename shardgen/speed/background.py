@@ -6,12 +6,14 @@ more than compiling saves, and even a long one waits before its first image. Her
 
 1. ``compile_blocks(..., background=True)`` gives each repeated block a ``DeferredForward``: the block's
    own (eager) forward, plus the ``torch.compile`` wrapper it will use later, not yet called.
-2. The first batch runs eagerly; each block class's first call leaves its arguments behind (``capture``).
+2. The first batch runs eagerly; each block class leaves the arguments of its first call of each distinct
+   signature (shapes, strides, dtypes: what dynamo's guards check; FLUX.1's first double block gets other
+   strides than the next ones, which would compile a third graph on the main thread).
 3. ``BackgroundCompile.start`` calls each class's compiled wrapper once, on those arguments, on a thread
    of its own: dynamo traces, inductor generates code (its compile workers are processes), the graph
    runs once. Meanwhile the main thread keeps generating eagerly: the GPU stays busy. When the decision
-   is taken before the first batch (``start_when_captured``), the thread starts at the first denoising
-   step, as soon as every block class has left its arguments.
+   is taken before the first batch (``start_when_captured``), the thread starts at the second denoising
+   step, when the first step has left every signature.
    Python's switch interval is lowered while the thread runs: every torch op of the main thread releases
    the GIL and must take it back, and at the default 5 ms each op could wait that long behind the
    tracer (H200, Qwen-Image: eager batches 22-40% slower during the compilation at 5 ms).
@@ -74,8 +76,10 @@ class BackgroundCompile:
 
     def __init__(self) -> None:
         self.forwards: list[DeferredForward] = []
-        self.captured: dict[type, tuple[DeferredForward, tuple, dict, Any]] = {}
+        self.captured: dict[tuple, tuple[DeferredForward, tuple, dict, Any]] = {}  # (class, signature) -> call
+        self.first: DeferredForward | None = None  # the first block called: its next call starts the next step
         self.capturing = True
+        self.step_seen = False      # a whole transformer call ran through the blocks (the first was called again)
         self.wanted = False         # start as soon as every block class has left its arguments
         self.ready = False          # the blocks call their compiled wrappers (set by ``switch``, between batches)
         self.done = threading.Event()  # the background thread ended (compiled, or failed: see ``error``)
@@ -100,13 +104,11 @@ class BackgroundCompile:
         return True
 
     def start_when_captured(self) -> bool:
-        """Start now if every block class has left its arguments, else as soon as the last one does (inside
-        the first denoising step); True when it started now."""
+        """Start now if a whole denoising step has left its arguments, else when the next step begins;
+        True when it started now."""
         self.wanted = True
-        return self.captured_all() and self.start()
+        return self.step_seen and self.start()
 
-    def captured_all(self) -> bool:
-        return bool(self.forwards) and len(self.captured) == len({f.block_type for f in self.forwards})
 
     def switch(self) -> bool:
         """Turn the blocks to their compiled wrappers if the background compilation succeeded; True when
@@ -173,11 +175,31 @@ class DeferredForward:
         st = self.state
         if st.ready:
             return self.compiled(*args, **kwargs)
-        if st.capturing and self.block_type not in st.captured:
-            st.captured[self.block_type] = (self, args, kwargs, _sdpa_now())
-            if st.wanted and st.captured_all():
-                st.start()
+        if st.capturing:
+            if st.first is None:
+                st.first = self
+            elif st.first is self:  # the next denoising step begins: the first one left every signature
+                st.step_seen = True
+                if st.wanted:
+                    st.start()
+            key = (self.block_type, signature((args, kwargs)))
+            if st.capturing and key not in st.captured:
+                st.captured[key] = (self, args, kwargs, _sdpa_now())
         return self.eager(*args, **kwargs)
+
+
+def signature(value: Any) -> Any:
+    """What dynamo's guards see of an argument: tensors by shape, stride, dtype and device; containers
+    element by element; plain values by value; anything else by type."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return tuple(signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, signature(v)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
