@@ -15,13 +15,19 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
   Without a recorded eager speed the first batch runs eagerly and is timed: it is real work, not a probe.
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
-**In the background** (``background=True``: ``compile: auto`` on CUDA; shardgen/speed/background.py): the
-blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
+**In the background** (``compile: auto`` on CUDA, once this cache has compiled this model and shape set
+before; shardgen/speed/background.py): the blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
 arguments; after it, the same estimate decides whether to compile, but the cost is not waited for: a
 background thread compiles while the next batches run eagerly, and the blocks switch to the compiled
 graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
 here, minus the time the compilation takes, x (1 - 1/speed-up), more than ``BACKGROUND_MIN_SAVING_S``.
 Its cost figure is then the background thread's wall time.
+
+Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
+background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
+63-180 s (inductor's code generation and kernel tuning beside the eager batches, which it slowed) and
+FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
+estimate above says a job is long enough to pay for it (then every later process compiles in the background).
 
 The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
 priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
@@ -123,6 +129,8 @@ class AutoCompile:
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
+        if not self._record.get("compiled_before"):
+            self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
 
     def settings(self, s: Any) -> Any:
         """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
