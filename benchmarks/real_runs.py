@@ -10,13 +10,15 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 2. ``eager``: ``python -m jobs.generate ... compile=false``;
 3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh
    ``$SHARDGEN_CACHE`` (its compile cache and compile records empty): a first job on a new node;
-4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling costs and gives here;
-5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a requeued job, a second job
-   or node after a compiled one.
+4. ``warm``: default settings again, on the cache ``cold`` filled: a requeued job, a second job or node;
+5. ``compiled-cold`` (only with ``--skip ''``): ``compile=true`` on another fresh cache: what compiling on
+   the main thread costs and gives here.
 
 Whole-run figures are the prompt count over the process's wall time (interpreter start, model build,
 planning, compilation, the last commit: everything the user waits for), against the seed loop's steady
-rate, so they understate shardgen; the steady figure is the job's median batch once compiled (from its
+rate, so they understate shardgen, and against the seed loop's whole process for the same prompt count
+(``seed_whole_s``: its process time with its ``--seed-n`` prompts at its steady rate replaced by ``--n``
+prompts at that rate: the same interpreter start and model build); the steady figure is the job's median batch once compiled (from its
 ``compile=auto`` summary line). Results: ``summary.json`` and one log per process under ``--out``.
 """
 
@@ -49,8 +51,12 @@ def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, int, str]:
 def parse_job(out: str) -> dict:
     """The job's own figures from its log: compile decision, batch timings, graphs."""
     res = {}
-    if m := re.search(r"compile=auto: (compiling|staying eager) \((.*)\)", out):
+    if m := re.search(r"compile=auto: (compiling in the background|compiling|staying eager) \((.*)\)", out):
         res["decision"], res["reason"] = m.group(1), m.group(2)
+    if m := re.search(r"compiled in the background in ([\d.]+) s", out):
+        res["background_compile_s"] = float(m.group(1))
+    if m := re.search(r"background compilation failed.*", out):
+        res["background_error"] = m.group(0)[:300]
     if m := re.search(r"(\d+) eager batches, ([\d.]+) s/sample", out):
         res["eager_batches"], res["eager_s_per_sample"] = int(m.group(1)), float(m.group(2))
     if m := re.search(r"(\d+) compiled batches, first ([\d.]+) s/sample(?:, steady ([\d.]+) s/sample)?", out):
@@ -72,7 +78,8 @@ def main() -> None:
     ap.add_argument("--size", default=None, help="HEIGHTxWIDTH (default: the model's own)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
-    ap.add_argument("--skip", default="", help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm")
+    ap.add_argument("--skip", default="compiled-cold",
+                    help="comma-separated ways to leave out: seed,eager,cold,warm,compiled-cold (default: compiled-cold)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -84,7 +91,7 @@ def main() -> None:
                          "(a rerun deletes its run-*/, cache*/ and seed*/ subdirectories)")
     out.mkdir(parents=True, exist_ok=True)
     for old in ("run-eager", "run-cold", "run-compiled-cold", "run-warm", "cache", "cache-eager", "cache-cold",
-                "seed-cache", "seed"):  # this script's own outputs
+                "cache-compiled", "seed-cache", "seed"):  # this script's own outputs
         shutil.rmtree(out / old, ignore_errors=True)
     prompts = out / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
@@ -107,10 +114,13 @@ def main() -> None:
                               out / "seed.log", seed_env)
         base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
         res["seed"] = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
+        if base.get("images_per_hour") and base.get("n"):  # the same process with --n prompts at its steady rate
+            per_image = 3600 / base["images_per_hour"]
+            res["seed"]["seed_whole_s"] = wall + (a.n - base["n"]) * per_image
     # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
-    # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
-    ways = {"eager": (["compile=false"], "cache-eager"), "compiled-cold": (["compile=true"], "cache"),
-            "warm": ([], "cache"), "cold": ([], "cache-cold")}
+    # the one "cold" filled (its compiled artifacts and compile records), as a requeued job would
+    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"), "warm": ([], "cache"),
+            "compiled-cold": (["compile=true"], "cache-compiled")}
     for way, (extra, cache_name) in ways.items():
         if way in skip:
             continue
@@ -120,8 +130,11 @@ def main() -> None:
         res[way] = r
         (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
     seed = (res.get("seed") or {}).get("images_per_hour")
+    seed_whole = (res.get("seed") or {}).get("seed_whole_s")
     for way in ways:
         r = res.get(way)
+        if r and seed_whole:
+            r["x_seed_whole"] = seed_whole / r["wall_s"]
         if r and seed:
             r["x_seed_loop"] = r["images_per_hour"] / seed
             if r.get("steady_s_per_sample"):

@@ -231,6 +231,7 @@ def log_compile_summary(worker: ReplicaWorker) -> None:
     """How compilation went in this process: the auto decision and the graphs compiled (bounded: one per
     block class and batch shape; a number that grows with the batches means recompilation)."""
     if worker.autocompile is not None:
+        worker.autocompile.finish()
         log.info("%s", worker.autocompile.summary())
     if worker.settings.accel.compile:
         log.info("compiled graphs in this process: %d", compiled_graphs())
@@ -266,8 +267,10 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
     if (settings.compile_auto or settings.accel.compile) and ctx.ranks == 1:  # model-parallel ranks would have to agree
         # compile=auto decides here; compile=true is timed and recorded (the figures a later auto process uses)
+        # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
         worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here,
-                                         decided=None if settings.compile_auto else True)
+                                         decided=None if settings.compile_auto else True,
+                                         background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
         worker.settings = worker.autocompile.settings(settings)
     if ctx.leader:
         worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from shardgen.errors import UserError
 from shardgen.families import family_of
+from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
 
 log = logging.getLogger("shardgen.accel")
 
@@ -86,6 +87,9 @@ class AccelOptions:
     fused_blocks: bool = True
     compile_tuning: bool = True
     cfg_batching: bool = False
+    compile_background: bool = False
+    """With ``compile``: the blocks run eagerly while their graphs are compiled on a background thread, and
+    switch to them between two batches (shardgen/speed/background.py; what ``compile: auto`` does on CUDA)."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "AccelOptions":
@@ -182,11 +186,13 @@ def compile_cache_dir() -> str:
 
 
 def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: bool = False,
-                   tuning: bool = False) -> int:
+                   tuning: bool = False, background: bool = False) -> int:
     """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
     torch.compile's (``default`` passes none: inductor's default mode). ``fused``: FLUX blocks compile
     shardgen/speed/flux_fused.py's forwards instead of their own (other models: ignored). ``tuning``:
-    inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time)."""
+    inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time).
+    ``background``: the blocks stay eager until a background thread has compiled their graphs
+    (shardgen/speed/background.py)."""
     blocks = repeated_blocks(transformer)
     if not blocks:
         raise AccelError(f"compile=true: {type(transformer).__name__} declares no _repeated_blocks to compile "
@@ -207,14 +213,27 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
         from shardgen.speed import flux_fused
 
         forwards = flux_fused.enable(transformer)
+    state = None
+    if background and todo:
+        # made earlier when compile=auto decided before the first batch (it starts at the first step)
+        state = transformer.__dict__.setdefault(STATE_ATTR, BackgroundCompile())
     for block in todo:
         block.__dict__["_shardgen_eager_forward"] = block.forward
         target = forwards.get(block, block.forward)
-        if mode == "default":
-            block.forward = torch.compile(target, fullgraph=True, dynamic=False)
-        else:  # autotuned GEMM templates with fused epilogues (minutes of compilation per shape)
-            block.forward = torch.compile(target, fullgraph=True, dynamic=False, mode=mode)
+        compiled = _compiled(target, mode)
+        if state is not None:
+            compiled = DeferredForward(block, target, compiled, state)
+        block.forward = compiled
     return len(blocks)
+
+
+def _compiled(target, mode: str):
+    """``target`` wrapped by ``torch.compile`` with the blocks' options (the same options give backend objects
+    that compare equal, so every wrapper shares the graphs compiled by any of them)."""
+    if mode == "default":
+        return torch.compile(target, fullgraph=True, dynamic=False)
+    # autotuned GEMM templates with fused epilogues (minutes of compilation per shape)
+    return torch.compile(target, fullgraph=True, dynamic=False, mode=mode)
 
 
 def _plain_forward(block: torch.nn.Module) -> bool:
@@ -228,6 +247,7 @@ def uncompile_blocks(transformer: torch.nn.Module) -> None:
     from shardgen.speed import flux_fused
 
     flux_fused.disable(transformer)
+    transformer.__dict__.pop(STATE_ATTR, None)
     for block in repeated_blocks(transformer):
         if "_shardgen_eager_forward" in block.__dict__:
             block.__dict__.pop("_shardgen_eager_forward")
@@ -445,7 +465,7 @@ def current(pipe) -> AccelOptions | None:
 
 def _compile_settings(opts: AccelOptions) -> tuple:
     """What the compiled blocks depend on (a change means compiling them again)."""
-    return opts.compile_mode, opts.fused_blocks, opts.compile_tuning
+    return opts.compile_mode, opts.fused_blocks, opts.compile_tuning, opts.compile_background
 
 
 def prepare(pipe, opts: AccelOptions) -> dict:
@@ -478,7 +498,8 @@ def prepare(pipe, opts: AccelOptions) -> dict:
     if opts.compile and (not was.compile or recompile):
         cuda = device is not None and torch.device(device).type == "cuda"
         done["compiled_blocks"] = compile_blocks(tr, opts.compile_mode, fused=opts.fused_blocks,
-                                                 tuning=opts.compile_tuning and cuda)
+                                                 tuning=opts.compile_tuning and cuda,
+                                                 background=opts.compile_background)
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache

@@ -15,6 +15,20 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
   Without a recorded eager speed the first batch runs eagerly and is timed: it is real work, not a probe.
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
+**In the background** (``compile: auto`` on CUDA, once this cache has compiled this model and shape set
+before; shardgen/speed/background.py): the blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
+arguments; after it, the same estimate decides whether to compile, but the cost is not waited for: a
+background thread compiles while the next batches run eagerly, and the blocks switch to the compiled
+graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
+here, minus the time the compilation takes, x (1 - 1/speed-up), more than ``BACKGROUND_MIN_SAVING_S``.
+Its cost figure is then the background thread's wall time.
+
+Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
+background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
+63-180 s (inductor's code generation and kernel tuning beside the eager batches, which it slowed) and
+FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
+estimate above says a job is long enough to pay for it (then every later process compiles in the background).
+
 The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
 priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
 the model, the shapes (size, frames, batch, steps), true CFG, the compile settings, the GPU and the
@@ -36,6 +50,7 @@ PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H2
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
 MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
+BACKGROUND_MIN_SAVING_S = 5.0  # background compilation: the least expected saving worth its CPU and GPU contention
 MARGIN = 1.2          # compile only when the expected saving is this much over the cost: the figures are estimates
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
@@ -101,22 +116,52 @@ class AutoCompile:
     decided: bool | None = None
     """None until decided; True or False from the start for ``compile: true`` (then only timed and recorded)."""
     reason: str = ""
+    background: Any = None
+    """Compile on a background thread (``compile: auto`` on CUDA): the transformer whose blocks are compiled
+    (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
     _record: dict = field(default_factory=dict)
+    _batch_compiled: bool = False   # background: the batch being timed ran the compiled blocks
+    _recorded_cost: bool = False    # background: its compile time is recorded (once)
 
     def __post_init__(self) -> None:
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
+        if not self._record.get("compiled_before"):
+            self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
 
     def settings(self, s: Any) -> Any:
         """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
+        if self.background is not None:
+            return self._background_settings(s)
         if self.decided is None:
             eager = _number(self._record.get("eager_s")) or (self._eager[0] if self._eager else None)
             if eager is not None:
                 self._decide(eager)
         return replace(s, accel=replace(s.accel, compile=bool(self.decided)))
+
+    def _background_settings(self, s: Any) -> Any:
+        if self.decided is False:  # not worth it: compile=false's path from here on
+            self._batch_compiled = False
+            return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
+        state = self._state()
+        if self.decided is None and _number(self._record.get("eager_s")):
+            self._decide(float(self._record["eager_s"]))
+            if self.decided:  # from the records, before the first batch: the thread starts at its second step
+                state.start_when_captured()
+            return self._background_settings(s)
+        if state is not None and state.switch():
+            log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
+                     "the next batches run compiled", state.seconds, len(self._eager))
+        self._batch_compiled = bool(state is not None and state.ready)
+        return replace(s, accel=replace(s.accel, compile=True, compile_background=True))
+
+    def _state(self):
+        from shardgen.speed.background import state_of
+
+        return state_of(self.background, create=True)
 
     def _decide(self, eager_s: float) -> None:
         r = self._record
@@ -125,18 +170,49 @@ class AutoCompile:
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
         left = max(0, int(self.remaining()))
-        saving = left * eager_s * (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
-        self.decided = saving > MARGIN * cost
+        gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
         cache = "warm" if warm else "cold"
         prior = "" if _number(r.get(f"compile_{cache}_s")) else ", prior"
-        self.reason = (f"{left} samples left here x {eager_s:.2f} s eager x (1 - 1/{speedup:.2f} speed-up"
-                       f"{'' if compiled else ' (prior)'}) = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
-                       f"({cache} cache{prior})")
-        log.info("compile=auto: %s (%s)", "compiling" if self.decided else "staying eager", self.reason)
+        figures = f"{left} samples left here x {eager_s:.2f} s eager"
+        speed = f"(1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'})"
+        if self.background is not None:  # the compile time is spent generating eagerly, not waiting
+            saving = max(0.0, left * eager_s - cost) * gain
+            self.decided = saving > BACKGROUND_MIN_SAVING_S
+            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{prior}) x {speed} "
+                           f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
+        else:
+            saving = left * eager_s * gain
+            self.decided = saving > MARGIN * cost
+            self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
+                           f"({cache} cache{prior})")
+        log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
+                 if self.decided else "staying eager", self.reason)
+        if self.background is not None and not self.decided:
+            self._state().abandon()
+
+    def finish(self) -> None:
+        """The end of the process's work: wait for a background compilation still running (a thread must not be
+        inside the compiler when the process ends) and record its cost if it ended unused."""
+        state = self._state() if self.background is not None else None
+        if state is None or not state.started or state.done.is_set():
+            return
+        log.info("compile=auto: waiting for the background compilation to end (the work ended first; not used)")
+        state.wait()
+        self._record_background(state)
+
+    def _record_background(self, state) -> None:
+        if state.seconds is None or self._recorded_cost:
+            return
+        self._recorded_cost = True
+        warm = bool(self._record.get("compiled_before"))
+        write_record(self.path, self.key, {"compiled_before": True,
+                                           "compile_warm_s" if warm else "compile_cold_s": state.seconds})
 
     def observe(self, s: Any, samples: int, seconds: float) -> None:
         """Time of one batch of ``samples`` real samples made with ``s``. A compiled call is padded to the batch
         size, so it is timed per batch slot; a short eager batch is not timed (its per-sample time is off)."""
+        if self.background is not None:
+            return self._observe_background(s, samples, seconds)
         if seconds <= 0 or samples <= 0 or (samples < s.batch_size and not s.accel.compile):
             return
         per_sample = seconds / max(samples, s.batch_size)
@@ -155,12 +231,35 @@ class AutoCompile:
                 update["eager_s"] = statistics.median(self._eager)
             write_record(self.path, self.key, update)
 
+    def _observe_background(self, s: Any, samples: int, seconds: float) -> None:
+        compiled = self._batch_compiled
+        if seconds > 0 and samples > 0 and (samples >= s.batch_size or s.accel.compile):
+            per_sample = seconds / max(samples, s.batch_size)  # a compiled-path call is padded to the batch size
+            (self._compiled if compiled else self._eager).append(per_sample)
+        state = self._state()
+        if self.decided is None:
+            if not self._eager:  # a short first batch: no figure (decide on the next one)
+                return
+            # the first eager batch, timed before any compilation ran beside it
+            write_record(self.path, self.key, {"eager_s": self._eager[0]})
+            self._decide(self._eager[0])
+        if self.decided and not state.started and state.captured:
+            state.start()  # after a whole batch (also: a one-step batch, where no second step started it)
+        if compiled and len(self._compiled) == 2:
+            write_record(self.path, self.key, {"compiled_s": statistics.median(self._compiled), "compiled_before": True})
+            self._record_background(state)
+
     def summary(self) -> str:
         """One line for the end of the job: the decision and the batch timings behind it."""
         parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
-                 f"{'compiled' if self.decided else 'eager'}"]
+                 f"{'compiled' if self.decided else 'eager'}{' in the background' if self.background is not None and self.decided else ''}"]
         if self._eager:
             parts.append(f"{len(self._eager)} eager batches, {statistics.median(self._eager):.2f} s/sample")
+        state = self._state() if self.background is not None else None
+        if state is not None and state.seconds is not None:
+            parts.append(f"compiled in the background in {state.seconds:.1f} s")
+        elif state is not None and state.error:
+            parts.append(f"background compilation failed: {state.error[:200]}")
         if self._compiled:
             parts.append(f"{len(self._compiled)} compiled batches, first {self._compiled[0]:.2f} s/sample"
                          + (f", steady {statistics.median(self._compiled[1:]):.2f} s/sample"
