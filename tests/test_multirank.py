@@ -67,6 +67,7 @@ def handed_over(log_text: str) -> int:
     return sum(int(n) for n in re.findall(r"handed over (\d+) samples", log_text))
 
 
+@pytest.mark.soak  # ~70 s; tests/test_integrity_faults.py kills at every chosen point deterministically
 def test_sigkill_at_random_moments_loses_at_most_a_batch_per_replica(tmp_path, reference):
     """3 kills of the whole 2-rank job at random instants (tests/test_integrity_faults.py kills at chosen points);
     every rerun continues; the end result equals the uninterrupted run, and each kill lost at most one batch

@@ -305,7 +305,10 @@ def test_latent_checkpoints_are_on_by_default_for_video_batches_that_take_a_minu
 
 @pytest.mark.slow
 @pytest.mark.parametrize("every", [("latent_checkpoint_every=2",),
-                                   ("latent_checkpoint_every=auto", "latent_checkpoint_s=0.05")],
+                                   # the same resume path as every-2-steps; only when a checkpoint is due differs
+                                   # (tests LatentCheckpoints.due directly above)
+                                   pytest.param(("latent_checkpoint_every=auto", "latent_checkpoint_s=0.05"),
+                                                marks=pytest.mark.soak)],
                          ids=["every-2-steps", "auto-by-time"])
 def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, caplog, every):
     """A real SIGKILL once the batch's first latent checkpoint exists (every 2 steps of 8, or the default auto
