@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import FORMATS
+from shardgen.dataio.prompts import FORMATS, ROW_SETTINGS, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text
 from shardgen.dataio.shards import Signals, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -75,6 +75,9 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
     _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
           f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
+    bad = unknown_names(cfg.prompts.get("row_settings"))
+    _need(not bad, f"prompts.row_settings: {', '.join(map(repr, bad))} cannot be set per row: list only "
+                   f"{', '.join(ROW_SETTINGS)} (other columns stay metadata anyway)")
     Signals(cfg.get("signals")).check(cfg.width, cfg.height)
     _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
     _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardgen.dataio.prompts import (PromptSource, TruncationCheck, build_plan, check_prompt_source, load_plan,
-                                     planning_windows, resolve_samples_per_shard, sample_bytes_estimate)
+                                     planning_windows, resolve_samples_per_shard, rules_from_cfg,
+                                     sample_bytes_estimate)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
@@ -91,7 +92,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   read_ledger(plan).done_samples)
     else:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
-            source = PromptSource.from_cfg(cfg.prompts, path)
+            source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
             per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **sizing)
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
-                                     resolve_samples_per_shard)
+                                     resolve_samples_per_shard, rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
                                     load_plan_or_discard, prompt_file_hash, read_ledger, record_plan_digests,
                                     remember_prompt_hash, repair_run_dir)
@@ -122,7 +122,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    source = PromptSource.from_cfg(cfg.prompts, path)
+    source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
     extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
     resuming = True

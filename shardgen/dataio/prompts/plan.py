@@ -21,7 +21,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -93,6 +93,8 @@ class PlannedRow:
     seed: int
     extra: dict
     reject: str | None
+    settings: dict = field(default_factory=dict)
+    """The generation settings the row sets (``prompts.row_settings``, rowsettings.py); {}: the run's."""
 
     @property
     def key(self) -> str:
@@ -171,7 +173,7 @@ class Plan:
             rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
         else:
             rows = self._checked_rows(src, shard, seg, rng)
-        return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra,
+        return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
 
@@ -363,7 +365,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
             prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
-            source=source.__dict__))
+            source=source.as_json()))
         try:
             os.rename(tmp, run.plan_dir)
         except OSError:

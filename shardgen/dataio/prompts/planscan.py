@@ -55,7 +55,7 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
     from the rows' lines (parquet: row numbers). (rows, rejects, starts, where the planned rows end: a byte
     offset, parquet a row, the shards' digests: parquet only, of the rows read; text formats: None)."""
     rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
-                          on_bad_row=source.on_bad_row, max_chars=source.max_chars)
+                          on_bad_row=source.on_bad_row, max_chars=source.max_chars, rules=source.rules)
     n = rejects = 0
     first_lines, hashers, stop_line = [], [], None
     parquet = source.format == "parquet"
@@ -210,7 +210,8 @@ def _utf8(block) -> bool:
 
 def row_bytes(row: P.PromptRow) -> bytes:
     """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file)."""
-    return json.dumps([row.prompt, row.seed, row.extra, row.reject], sort_keys=True, ensure_ascii=False).encode() + b"\n"
+    fields = [row.prompt, row.seed, row.extra, row.reject] + ([row.settings] if row.settings else [])  # as before without
+    return json.dumps(fields, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
 def rows_digest(rows: list[P.PromptRow]) -> bytes:
@@ -288,7 +289,7 @@ def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: i
             yield from _table_rows_at(src, data, line, index, count, head)
             return
         parse = P.parse_txt if src.format == "txt" else P.parse_jsonl
-        args = () if src.format == "txt" else (src.field, src.seed_field)
+        args = () if src.format == "txt" else (src.field, src.seed_field, src.rules)
         for i in range(count):
             raw = data.readline()
             if offset == 0 and i == 0 and raw.startswith(P.BOM):
@@ -308,8 +309,8 @@ def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
             header = next(P.raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
     for r in islice(P.read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
-                                 src.on_bad_row, src.max_chars), count):
-        yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject)
+                                 src.on_bad_row, src.max_chars, src.rules), count):
+        yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject, r.settings)
 
 
 def parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.PromptRow]:
@@ -325,4 +326,4 @@ def parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.Pro
     table = pf.read_row_groups(row_groups).slice(index - first, count)
     for i, rec in enumerate(table.to_pylist()):
         yield P.emit(src.path, index + i, index + i + 1, src.on_bad_row, P.parse_parquet, rec, src.field,
-                     src.seed_field, max_chars=src.max_chars)
+                     src.seed_field, src.rules, max_chars=src.max_chars)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
 from shardgen.dataio.prompts.samplejson import split_reserved
 from shardgen.errors import UserError
 
@@ -47,6 +48,8 @@ class PromptRow:
     seed: int | None = None
     extra: dict = dc_field(default_factory=dict)
     reject: str | None = None
+    settings: dict = dc_field(default_factory=dict)
+    """Generation settings the row sets (``prompts.row_settings``; rowsettings.py), checked and resolved."""
 
 
 class PromptFileError(UserError, ValueError):
@@ -68,13 +71,29 @@ class PromptSource:
     on_bad_row: str = "error"
     limit: int | None = None
     max_chars: int | None = None  # longer prompts are bad rows (None in plans made before the limit existed)
+    row_rules: dict | None = None  # prompts.row_settings: RowRules.as_json() (None: no row sets a setting)
 
     @classmethod
-    def from_cfg(cls, prompts: Any, path: str | os.PathLike) -> "PromptSource":
-        """From a PromptsConfig and the resolved path of its file."""
-        return cls(path=str(path), format=detect_format(str(path), prompts.format), field=prompts.field,
+    def from_cfg(cls, prompts: Any, path: str | os.PathLike, rules: RowRules | None = None) -> "PromptSource":
+        """From a PromptsConfig and the resolved path of its file; ``rules``: how rows' settings are checked
+        (None, or no names: the rows set none)."""
+        fmt = detect_format(str(path), prompts.format)
+        if rules is not None and rules.names and fmt == "txt":
+            raise fail(str(path), 0, "prompts.row_settings needs a prompt file with fields (jsonl, csv, tsv or "
+                       "parquet), and a txt line is only a prompt", "Use prompts.row_settings=[] for a txt file")
+        return cls(path=str(path), format=fmt, field=prompts.field,
                    seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit,
-                   max_chars=prompts.get("max_prompt_chars"))
+                   max_chars=prompts.get("max_prompt_chars"),
+                   row_rules=rules.as_json() if rules is not None and rules.names else None)
+
+    @property
+    def rules(self) -> RowRules | None:
+        """The row settings' rules (None: the rows set none)."""
+        return RowRules(**self.row_rules) if self.row_rules else None
+
+    def as_json(self) -> dict:
+        """For plan.json; without ``row_rules`` when there are none, so such plans stay as they were."""
+        return {k: v for k, v in self.__dict__.items() if k != "row_rules" or v is not None}
 
 
 def fail(path: str, line: int, what: str, fix: str) -> PromptFileError:
@@ -116,14 +135,16 @@ def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") 
 
 
 def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed_field: str = "seed",
-                 on_bad_row: str = "error", max_chars: int | None = None) -> Iterator[PromptRow]:
+                 on_bad_row: str = "error", max_chars: int | None = None,
+                 rules: RowRules | None = None) -> Iterator[PromptRow]:
     """Stream the rows of a prompt file, one ``PromptRow`` per data row, in file order.
 
     ``field`` names the prompt column (csv/tsv/parquet) or key (jsonl); ``seed_field`` an
     optional per-row seed (an integer in [0, 2**63)); other columns go to ``extra``.
     A bad row raises PromptFileError naming path and line (``on_bad_row="error"``) or is
     yielded with ``prompt=None`` and its ``reject`` reason (``"skip"``); a prompt longer than
-    ``max_chars`` characters is a bad row. Arguments and the file's existence are checked at call
+    ``max_chars`` characters is a bad row; ``rules``: the fields read as the row's generation settings (a bad
+    value is a bad row). Arguments and the file's existence are checked at call
     time; an empty file raises when iterated.
     """
     if on_bad_row not in ON_BAD_ROW:
@@ -131,7 +152,7 @@ def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed
     path = os.fspath(path)
     _check_file(path)
     fmt = detect_format(path, format)
-    return _require_rows(path, _rows(path, fmt, field, seed_field, on_bad_row, max_chars))
+    return _require_rows(path, _rows(path, fmt, field, seed_field, on_bad_row, max_chars, rules))
 
 
 # ---------------------------------------------------------------- shared plumbing
@@ -165,17 +186,17 @@ def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
 
 
 def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str,
-          max_chars: int | None) -> Iterator[PromptRow]:
+          max_chars: int | None, rules: RowRules | None) -> Iterator[PromptRow]:
     if fmt == "parquet":
-        yield from _read_parquet(path, field, seed_field, on_bad_row, max_chars)
+        yield from _read_parquet(path, field, seed_field, on_bad_row, max_chars, rules)
         return
     with open(path, "rb") as f:
         if fmt == "txt":
             yield from _read_txt(path, f, on_bad_row, max_chars)
         elif fmt == "jsonl":
-            yield from _read_jsonl(path, f, field, seed_field, on_bad_row, max_chars)
+            yield from _read_jsonl(path, f, field, seed_field, on_bad_row, max_chars, rules)
         else:
-            yield from read_table(path, f, fmt, field, seed_field, on_bad_row, max_chars)
+            yield from read_table(path, f, fmt, field, seed_field, on_bad_row, max_chars, rules)
 
 
 def too_long(n: int, max_chars: int) -> str:
@@ -188,14 +209,14 @@ def emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *ar
     """The row ``parse(*args)`` makes, or, when it raises _BadRow (or the prompt is longer than ``max_chars``:
     checked before anything tokenizes it), an error or a reject."""
     try:
-        prompt, seed, extra = parse(*args)
+        prompt, seed, extra, *settings = parse(*args)  # readers of rows with fields add the row's settings
         if max_chars is not None and len(prompt) > max_chars:
             raise _BadRow(too_long(len(prompt), max_chars))
-    except _BadRow as e:
+    except (_BadRow, BadSetting) as e:
         if on_bad_row == "error":
             raise fail(path, line, str(e), _SKIP_HINT) from None
         return PromptRow(index, line, None, None, {}, str(e))
-    return PromptRow(index, line, prompt, seed, extra, None)
+    return PromptRow(index, line, prompt, seed, extra, None, settings[0] if settings else {})
 
 
 def raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
@@ -286,13 +307,14 @@ def parse_txt(raw: bytes) -> tuple[str, None, dict]:
 
 
 def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str,
-                max_chars: int | None = None) -> Iterator[PromptRow]:
+                max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
     for index, (line, raw) in enumerate(raw_lines(f)):
-        yield emit(path, index, line, on_bad_row, parse_jsonl, raw, field, seed_field, max_chars=max_chars)
+        yield emit(path, index, line, on_bad_row, parse_jsonl, raw, field, seed_field, rules, max_chars=max_chars)
 
 
-def parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | None, dict]:
-    """One jsonl line as (prompt, seed, the other fields); raises _BadRow."""
+def parse_jsonl(raw: bytes, field: str, seed_field: str,
+                rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
+    """One jsonl line as (prompt, seed, the other fields, its settings); raises _BadRow or BadSetting."""
     text = _decode(raw)
     if not text.strip():
         raise _BadRow("blank line (every jsonl line must be one JSON object)")
@@ -305,7 +327,7 @@ def parse_jsonl(raw: bytes, field: str, seed_field: str) -> tuple[str, int | Non
     if not isinstance(obj, dict):
         raise _BadRow(f"not a JSON object (got {_json_type(obj)})")
     _check_values(obj)
-    return _parse_record(obj, field, seed_field)
+    return _parse_record(obj, field, seed_field, rules)
 
 
 def _no_constant(name: str):
@@ -334,14 +356,16 @@ def _check_values(obj: Any) -> None:
             raise _BadRow(f"{value} is not a JSON number (standard JSON has no NaN or Infinity)")
 
 
-def _parse_record(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
-    """A jsonl object or parquet row: the prompt, the seed, the rest as extra."""
+def _parse_record(rec: dict, field: str, seed_field: str,
+                  rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
+    """A jsonl object or parquet row: the prompt, the seed, the rest as extra, the row's settings."""
     if field not in rec:
         raise _BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}")
     extra = dict(rec)
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_value(extra.pop(seed_field, None), seed_field)
-    return prompt, seed, split_reserved(extra)
+    settings = rules.parse(extra) if rules else {}
+    return prompt, seed, split_reserved(extra), settings
 
 
 # ---------------------------------------------------------------- csv and tsv
@@ -390,7 +414,7 @@ def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -
 
 
 def read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
-               on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
+               on_bad_row: str, max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
     """The rows of a csv/tsv file ``f`` (header first), each a PromptRow (or a reject per ``on_bad_row``)."""
     bad: dict[int, str] = {}
     reader = _table_reader(_text_lines(f, bad), fmt)
@@ -405,13 +429,13 @@ def read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
         except csv.Error as e:
             cells, reason = None, f"malformed {fmt} ({e})"
         reason = _pop_bad(bad, start, reader.line_num) or reason
-        yield emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field,
+        yield emit(path, index, start, on_bad_row, _parse_cells, cells, reason, header, field, seed_field, rules,
                    max_chars=max_chars)
         index += 1
 
 
 def _parse_cells(cells: list[str] | None, reason: str | None, header: list[str], field: str,
-                 seed_field: str) -> tuple[str, int | None, dict]:
+                 seed_field: str, rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
     if reason:
         raise _BadRow(reason)
     if len(cells) != len(header):
@@ -420,7 +444,8 @@ def _parse_cells(cells: list[str] | None, reason: str | None, header: list[str],
     extra = dict(zip(header, cells))
     prompt = _check_prompt(extra.pop(field))
     seed = _seed_text(extra.pop(seed_field), seed_field) if seed_field in extra else None
-    return prompt, seed, split_reserved(extra)
+    settings = rules.parse(extra, text=True) if rules else {}
+    return prompt, seed, split_reserved(extra), settings
 
 
 # ---------------------------------------------------------------- parquet
@@ -457,20 +482,24 @@ def _parquet_records(path: str, pf) -> Iterator[dict]:
 
 
 def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str,
-                  max_chars: int | None = None) -> Iterator[PromptRow]:
+                  max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
     pf = parquet_file(path)
     _check_columns(path, pf.schema_arrow.names, field, "parquet")
     for index, rec in enumerate(_parquet_records(path, pf)):
         # parquet has no lines: ``line`` is the 1-based row number
-        yield emit(path, index, index + 1, on_bad_row, parse_parquet, rec, field, seed_field, max_chars=max_chars)
+        yield emit(path, index, index + 1, on_bad_row, parse_parquet, rec, field, seed_field, rules,
+                   max_chars=max_chars)
 
 
-def parse_parquet(rec: dict, field: str, seed_field: str) -> tuple[str, int | None, dict]:
-    """One parquet record as (prompt, seed, the other fields made JSON-able); raises _BadRow."""
-    prompt, seed, extra = _parse_record(rec, field, seed_field)
+def parse_parquet(rec: dict, field: str, seed_field: str,
+                  rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
+    """One parquet record as (prompt, seed, the other fields made JSON-able, its settings); raises _BadRow or
+    BadSetting."""
+    rec = {k: _jsonable(v) if k in (rules.names if rules else ()) else v for k, v in rec.items()}  # NaN: unset
+    prompt, seed, extra, settings = _parse_record(rec, field, seed_field, rules)
     extra = {k: _jsonable(v) for k, v in extra.items()}
     _check_values(extra)
-    return prompt, seed, extra
+    return prompt, seed, extra, settings
 
 
 def _jsonable(value: Any) -> Any:

@@ -56,6 +56,8 @@ def _dataset_fields(cfg: Any) -> dict:
         out["prompts.on_truncation"] = cfg.prompts.on_truncation
     if cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS) != MAX_PROMPT_CHARS:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
+    if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
+        out["prompts.row_settings"] = list(cfg.prompts.row_settings)
     return out
 
 
@@ -67,7 +69,7 @@ def diff_fingerprints(old: dict, new: dict) -> list[str]:
 
 # fields the plan is made from: a change cannot be applied to a planned run (the plan is fixed once)
 PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.seed_field", "prompts.on_bad_row",
-               "prompts.limit", "prompts.max_prompt_chars", "samples_per_shard", "seed")
+               "prompts.limit", "prompts.max_prompt_chars", "prompts.row_settings", "samples_per_shard", "seed")
 
 
 def read_fingerprint(run: RunDir) -> dict | None:

@@ -1,0 +1,164 @@
+"""Per-row generation settings (``prompts.row_settings``): columns/fields of a prompt row that set how its sample
+is generated (size, aspect ratio, negative prompt, guidance, true CFG scale, frames) instead of staying metadata.
+
+Only the names listed in ``prompts.row_settings`` are read as settings (default: none, so a prompt file whose
+columns happen to be named ``width`` keeps them as metadata). Each value is checked while planning, before any
+weight is read: a bad one is a bad row (``file:line: <field>: what is wrong and what to write``, or a reject with
+``prompts.on_bad_row=skip``). ``RowRules`` holds what the checks need (the model's size multiple, the run's area
+for ``aspect_ratio``, the video frame stride); it is recorded in plan.json with the prompt source, so a resumed
+run reads its rows back with exactly the rules it was planned with.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "num_frames")
+"""The names ``prompts.row_settings`` may list."""
+MAX_SIDE = 8192
+"""The largest image side a row may ask for, in pixels."""
+MAX_RATIO = 8.0
+"""The most elongated ``aspect_ratio`` a row may ask for (8:1 or 1:8)."""
+_RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
+_NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
+_INT = re.compile(r"\s*[0-9]+\s*")
+
+
+class BadSetting(Exception):
+    """A row's setting is wrong; ``str(exc)`` says which field, what is wrong and what to write."""
+
+
+def unknown_names(names: Any) -> list[str]:
+    """The names of ``names`` (``prompts.row_settings``) that are not settings a row may give."""
+    return [str(n) for n in (names or ()) if n not in ROW_SETTINGS]
+
+
+@dataclass(frozen=True)
+class RowRules:
+    """What a row's settings are checked against: the names read as settings, the model's size multiple (pixels
+    per latent token along a side), the run's height and width (their product is the area an ``aspect_ratio``
+    keeps), and the video frame stride (0: an image model)."""
+
+    names: tuple[str, ...]
+    multiple: int = 16
+    height: int = 1024
+    width: int = 1024
+    frame_stride: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(self.names))  # plan.json gives a list back
+
+    def as_json(self) -> dict:
+        """For plan.json (``RowRules(**d)`` reads it back)."""
+        return dict(names=list(self.names), multiple=self.multiple, height=self.height, width=self.width,
+                    frame_stride=self.frame_stride)
+
+    def parse(self, rec: dict, text: bool = False) -> dict:
+        """Remove the setting fields from ``rec`` (a row's fields) and return them checked and resolved
+        (``aspect_ratio`` becomes ``height``/``width`` too); a null or, in csv/tsv (``text``), empty value is
+        unset: the run's own. Raises BadSetting."""
+        raw = {}
+        for name in self.names:
+            value = rec.pop(name, None)
+            if text and isinstance(value, str) and value.strip() == "":
+                value = None
+            if value is not None:
+                raw[name] = value
+        out: dict = {}
+        for name in ("guidance", "true_cfg_scale"):
+            if name in raw:
+                out[name] = _number(name, raw[name], text, low=0.0 if name == "guidance" else 1.0)
+        if "negative_prompt" in raw:
+            if not isinstance(raw["negative_prompt"], str):
+                raise BadSetting(f"negative_prompt: {_kind(raw['negative_prompt'])} is not a string: write the "
+                                 "negative prompt as text (or null for the run's model.negative_prompt)")
+            out["negative_prompt"] = raw["negative_prompt"]
+        if "num_frames" in raw:
+            out["num_frames"] = self._frames(raw["num_frames"], text)
+        if "aspect_ratio" in raw:
+            if "width" in raw or "height" in raw:
+                raise BadSetting("aspect_ratio: the row gives width/height too: give either aspect_ratio or "
+                                 "width and height, not both")
+            out["aspect_ratio"] = str(raw["aspect_ratio"]).strip()
+            out["height"], out["width"] = self.ratio_size(raw["aspect_ratio"])
+        for name in ("height", "width"):
+            if name in raw:
+                out[name] = self._side(name, raw[name], text)
+        return out
+
+    def ratio_size(self, ratio: Any) -> tuple[int, int]:
+        """(height, width) of ``ratio`` ("16:9", "3:4", also "16x9") at the run's area, each side rounded to the
+        model's multiple."""
+        m = _RATIO.fullmatch(ratio) if isinstance(ratio, str) else None
+        w, h = (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
+        if not (w > 0 and h > 0 and 1 / MAX_RATIO <= w / h <= MAX_RATIO):
+            raise BadSetting(f"aspect_ratio: {ratio!r} is not an aspect ratio: write WIDTH:HEIGHT, e.g. \"16:9\", "
+                             f"\"1:1\" or \"3:4\" (at most {MAX_RATIO:g}:1 either way)")
+        area = self.height * self.width
+        width = max(self.multiple, round(math.sqrt(area * w / h) / self.multiple) * self.multiple)
+        height = max(self.multiple, round(math.sqrt(area * h / w) / self.multiple) * self.multiple)
+        if max(width, height) > MAX_SIDE:
+            raise BadSetting(f"aspect_ratio: {ratio!r} at the run's {self.width}x{self.height} area needs a "
+                             f"{width}x{height} image, over {MAX_SIDE} pixels a side: use a less elongated ratio")
+        return height, width
+
+    def _side(self, name: str, value: Any, text: bool) -> int:
+        if text and isinstance(value, str) and _INT.fullmatch(value):
+            value = int(value)
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok or value % self.multiple or not self.multiple <= value <= MAX_SIDE:
+            got = repr(value) if ok or text else _kind(value)
+            raise BadSetting(f"{name}: {got} is not an image {name} this model can make: write a whole number of "
+                             f"pixels, a multiple of {self.multiple} from {self.multiple} to {MAX_SIDE}")
+        return value
+
+    def _frames(self, value: Any, text: bool) -> int:
+        if not self.frame_stride:
+            raise BadSetting("num_frames: this is an image model: remove num_frames from prompts.row_settings "
+                             "(or the row)")
+        if text and isinstance(value, str) and _INT.fullmatch(value):
+            value = int(value)
+        s = self.frame_stride
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (value - 1) % s:
+            raise BadSetting(f"num_frames: {value!r} is not a frame count this model can make: write "
+                             f"{s}k+1 frames (1, {s + 1}, {2 * s + 1}, ...)")
+        return value
+
+
+def rules_from_cfg(cfg: Any) -> RowRules | None:
+    """The rules of a GenerateConfig's ``prompts.row_settings`` (None when it lists none): the size multiple is
+    the model family's latent patch (VAE downscale x transformer patch; shardgen/families/)."""
+    names = tuple(cfg.prompts.get("row_settings") or ())
+    if not names:
+        return None
+    from shardgen.families import family_for
+
+    fam = family_for(cfg.model.pipeline)
+    return RowRules(names=names, multiple=fam.latent_patch, height=int(cfg.height), width=int(cfg.width),
+                    frame_stride=fam.frame_stride)
+
+
+def _kind(value: Any) -> str:
+    names = {type(None): "null", bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), repr(value))
+
+
+def _number(name: str, value: Any, text: bool, low: float) -> float:
+    if text and isinstance(value, str) and _NUMBER.fullmatch(value):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadSetting(f"{name}: {_kind(value) if not text else repr(value)} is not a number: write a number "
+                         f"from {low:g} up, e.g. 3.5")
+    if not (math.isfinite(value) and value >= low):
+        raise BadSetting(f"{name}: {value!r} is out of range: write a number from {low:g} up"
+                         + (" (1 = true CFG off)" if name == "true_cfg_scale" else ""))
+    return float(value)
+
+
+def generation_key(settings: dict) -> tuple:
+    """What a pipeline call takes once for all its samples, as a row's settings set it (the rest: the run's):
+    rows of equal keys can share a batch. negative_prompt is per sample (a list), so not part of it."""
+    return tuple(settings.get(k) for k in ("height", "width", "num_frames", "guidance", "true_cfg_scale"))
