@@ -10,6 +10,7 @@ an option changes (a model's size, a strategy's own settings), never a default a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -155,7 +156,7 @@ class PromptsConfig:
     max_prompt_chars: int = MAX_PROMPT_CHARS
     """A longer prompt is a bad row (an error naming file:line, or a reject with on_bad_row=skip), found
     before anything tokenizes it: a runaway line (a whole file without newlines) cannot exhaust memory."""
-    row_settings: List[str] = field(default_factory=list)
+    row_settings: List[str] = dataclasses.field(default_factory=list)  # (``field`` is a key of this class)
     """Fields (jsonl) or columns (csv/tsv/parquet) that set a row's own generation settings, e.g.
     prompts.row_settings=[aspect_ratio,negative_prompt,guidance]; a null or empty value keeps the run's. Any of:
     width, height (pixels, a multiple of the model's 16), aspect_ratio ("16:9", "1:1", "3:4": a size at the run's

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardgen.dataio.prompts import PlannedRow
+from shardgen.dataio.prompts import PlannedRow, generation_key
 from shardgen.dataio.shards import Sample
 from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
@@ -61,8 +63,50 @@ class GenSettings:
                    latents=LatentCheckpoints.from_cfg(cfg, strategy))
 
 
-def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int]) -> dict:
-    """Keyword arguments for ``pipe(...)``: only those its signature accepts.
+# the settings a row may set that are one value per pipeline call (negative_prompt is per sample)
+CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale")
+
+
+def settings_for(s: GenSettings, row: PlannedRow) -> GenSettings:
+    """The run's settings with those ``row`` sets itself (``prompts.row_settings``)."""
+    own = {k: row.settings[k] for k in CALL_SETTINGS if k in row.settings}
+    return dataclasses.replace(s, **own) if own else s
+
+
+def by_call(rows: list[PlannedRow]) -> list[list[PlannedRow]]:
+    """``rows`` grouped by the settings a pipeline call shares (``generation_key``), the groups in the order of
+    their first row, each in row order: rows of one group can be generated in one call."""
+    groups: dict[tuple, list[PlannedRow]] = {}
+    for r in rows:
+        groups.setdefault(generation_key(r.settings), []).append(r)
+    return list(groups.values())
+
+
+def shape_batches(rows: list[PlannedRow], batch_size: int) -> list[list[int]]:
+    """The batches ``rows`` (a shard's rows still to make) are generated in, as positions in ``rows``: each batch
+    is the first row not yet in one, with the next rows of its ``generation_key`` up to ``batch_size``. Batches
+    stay full however the shapes mix, and the earliest unmade row is always in the next batch, so the samples
+    can be written in row order (the shard's n_done, resume) with a bounded look-ahead. A run whose rows set
+    no size or guidance gets consecutive slices of ``batch_size``, as without row settings."""
+    queues: dict[tuple, deque] = {}
+    for i, r in enumerate(rows):
+        queues.setdefault(generation_key(r.settings), deque()).append(i)
+    taken, batches = [False] * len(rows), []
+    for i, r in enumerate(rows):
+        if taken[i]:
+            continue
+        q = queues[generation_key(r.settings)]  # its head is i: the key's earlier rows are taken
+        batch = [q.popleft() for _ in range(min(batch_size, len(q)))]
+        for j in batch:
+            taken[j] = True
+        batches.append(batch)
+    return batches
+
+
+def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int],
+                    negative_prompts: list[str | None] | None = None) -> dict:
+    """Keyword arguments for ``pipe(...)``: only those its signature accepts; ``negative_prompts``: each
+    sample's (None: ``s.negative_prompt``), used with true CFG.
 
     Generators live on the CPU: the initial noise of a seed is then the same on every device.
     """
@@ -79,7 +123,8 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
         kw["guidance_scale_2"] = s.guidance_2
     if s.true_cfg_scale > 1.0 and "true_cfg_scale" in params:
         kw["true_cfg_scale"] = s.true_cfg_scale
-        kw["negative_prompt"] = [s.negative_prompt or " "] * len(prompts)
+        negatives = negative_prompts or [None] * len(prompts)
+        kw["negative_prompt"] = [(n if n is not None else s.negative_prompt) or " " for n in negatives]
     return kw
 
 
@@ -116,6 +161,8 @@ def _meta(row: PlannedRow, s: GenSettings) -> dict:
         meta["guidance_2"] = s.guidance_2
     if s.accel.lossy:
         meta["lossy"] = s.accel.lossy
+    # the row's own settings not written above (its size and guidance are, from ``settings_for``)
+    meta.update({k: row.settings[k] for k in ("negative_prompt", "aspect_ratio") if k in row.settings})
     return meta
 
 
@@ -135,8 +182,8 @@ def padded(rows: list[PlannedRow], s: GenSettings) -> list[PlannedRow]:
 
 
 def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
-    """Generate ``rows`` (all valid) in one call; on an exception, retry one by one so only the
-    samples that fail on their own are recorded as failed.
+    """Generate ``rows`` (all valid, of one ``by_call`` group: ``s`` is ``settings_for`` them) in one call; on an
+    exception, retry one by one so only the samples that fail on their own are recorded as failed.
 
     ``replica_ranks`` > 1 (tp/cp): the replica's ranks compute every batch together, each inside the
     others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
@@ -145,7 +192,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
-        kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call])
+        kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
+                             [r.settings.get("negative_prompt") for r in call])
         with accel.sdpa_context(pipe, s.accel, shape), \
                 latent_checkpoints(pipe, s.latents, [r.index for r in call], kw, s.steps):  # latent_checkpoint_every
             out = pipe(**kw)
@@ -177,9 +225,12 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
 
 
 def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
-    """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU."""
+    """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU. Rows with
+    their own size or guidance (``prompts.row_settings``) go in one call per ``by_call`` group; each sample has
+    its own generator, so its pixels do not depend on the rows it was batched with."""
     valid = [r for r in rows if r.reject is None]
-    made = {smp.index: smp for smp in (run_pipeline(pipe, s, valid, replica_ranks) if valid else [])}
+    made = {smp.index: smp for group in by_call(valid)
+            for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks)}
     out = []
     for r in rows:
         if r.reject is not None:

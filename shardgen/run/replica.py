@@ -19,7 +19,7 @@ from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, record_commit, scan_claims
 from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples
 from shardgen.dataio.tools import read_shard_members
-from shardgen.run.generation import GenSettings, generate_batch
+from shardgen.run.generation import GenSettings, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile
 from parallel.world import broadcast_object
@@ -84,6 +84,8 @@ class ReplicaWorker:
     _retried: set = field(default_factory=set, init=False)
     _old: dict = field(default_factory=dict, init=False)
     _done_in_shard: int = field(default=0, init=False)  # rows of the current shard already made (remaining_here)
+    _ahead: dict = field(default_factory=dict, init=False)  # leader: samples made before an earlier row, by position
+    _written: int = field(default=0, init=False)            # leader: rows handed over to the sink (from n_done)
     _cursor: int | None = field(default=None, init=False)  # where the walk for the next shard starts
     _done: set | None = field(default=None, init=False)    # shards known committed (a cache: they stay committed)
 
@@ -236,26 +238,30 @@ class ReplicaWorker:
         redo = None if regenerate is None else set(regenerate)
         if self.ctx.leader and n_done:
             log.info("shard %06d: resuming after %d samples (claim g%d)", shard, n_done, gen)
-        for start in range(0, len(rows), self.batch_size):
-            with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + start}"):
-                if not self._batch(shard, n_done, rows, start, redo):
+        self._ahead, self._written = {}, 0
+        # batches by shape (prompts.row_settings): samples are still handed over in row order, so a resume
+        # continues after the shard's n_done as ever; what was made ahead of it is made again
+        for batch in shape_batches(rows, self.batch_size):
+            with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + batch[0]}"):
+                if not self._batch(shard, n_done, rows, batch, redo):
                     return
         if self.ctx.leader:
             with self.watchdog.busy(f"committing shard {shard:06d}"):
                 self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
 
-    def _batch(self, shard: int, n_done: int, rows: list, start: int, redo: set | None) -> bool:
-        """Generate and hand over one batch; False when the shard was taken over by another replica."""
+    def _batch(self, shard: int, n_done: int, rows: list, positions: list[int], redo: set | None) -> bool:
+        """Generate the rows at ``positions`` and hand over the samples now complete in row order; False when
+        the shard was taken over by another replica."""
         if not self._share(self._keep_going(shard)):
             log.warning("shard %06d was taken over by another replica; leaving it", shard)
             return False
-        batch = rows[start:start + self.batch_size]
+        batch = [rows[p] for p in positions]
         t0 = time.perf_counter()
         todo = batch if redo is None else [r for r in batch if r.index in redo]
         if self.on_batch:
             self.on_batch("start", self)
         if self.autocompile and todo:
-            self._done_in_shard = n_done + start
+            self._done_in_shard = n_done + self._written + len(self._ahead)
             self.settings = self.autocompile.settings(self.settings)
         t_gen = time.perf_counter()
         made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
@@ -275,10 +281,16 @@ class ReplicaWorker:
         self._check_broken(list(made.values()))
         if self.ctx.leader:
             self.annotate(list(made.values()))
-            self.sink.submit(self._work, samples)  # returns once the previous batch is durable
-            self.on_samples(len(samples))
-            log.debug("handed over %d samples of shard %06d (%d/%d)", len(samples), shard,
-                      n_done + start + len(samples), n_done + len(rows))
+            self._ahead.update(zip(positions, samples))
+            ready = []
+            while self._written in self._ahead:  # the samples that now follow the shard's written ones
+                ready.append(self._ahead.pop(self._written))
+                self._written += 1
+            if ready:
+                self.sink.submit(self._work, ready)  # returns once the previous batch is durable
+                self.on_samples(len(ready))
+            log.debug("handed over %d samples of shard %06d (%d/%d)", len(ready), shard,
+                      n_done + self._written, n_done + len(rows))
         return True
 
     def _keep_going(self, shard: int) -> bool:

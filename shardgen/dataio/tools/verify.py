@@ -120,7 +120,10 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
     if meta.get("seed") != row.seed:
         problems.append(f"{key}: seed {meta.get('seed')!r}, the plan says {row.seed}")
     for mk, fk in FINGERPRINT_KEYS.items():
-        if fp is not None and fk in fp and meta.get(mk) != fp[fk]:
+        if mk in row.settings:  # the row's own (prompts.row_settings): its image is checked against its json above
+            if meta.get(mk) != row.settings[mk]:
+                problems.append(f"{key}: {mk}={meta.get(mk)!r}, its row (line {row.line}) says {row.settings[mk]!r}")
+        elif fp is not None and fk in fp and meta.get(mk) != fp[fk]:
             problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
     return problems
 

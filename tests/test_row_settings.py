@@ -1,0 +1,195 @@
+"""Per-row generation settings (issue 24, ``prompts.row_settings``): what a user of a mixed-size run notices.
+
+One jsonl mixes three aspect ratios, a width/height row, per-row negative prompts, guidance and true CFG: every
+image has its row's size and json; each sample is byte-identical to a one-row run given the same settings by
+the config; the tars are byte-identical across batch sizes and after a kill + resume; bad values are
+``file:line: <field>: ...`` errors with nothing written, or rejects with ``prompts.on_bad_row=skip``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from jobs import verify
+from shardgen.config.validate import ConfigError
+from shardgen.dataio.prompts.read import PromptFileError, read_prompts
+from shardgen.dataio.prompts.rowsettings import RowRules
+from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.run.runner import run_rank
+from tests.conftest import compose_cfg
+
+NAMES = "[aspect_ratio,width,height,negative_prompt,guidance,true_cfg_scale]"
+# the run's area is 48x48: 1:1 -> 48x48, 16:9 -> 64x32, 1:2 -> 32x64 (sides rounded to the model's 16)
+ROWS = [
+    dict(prompt="a cat", seed=11, aspect_ratio="1:1"),
+    dict(prompt="a dog", seed=12, aspect_ratio="16:9", negative_prompt="blurry", guidance=2.0),
+    dict(prompt="a car", seed=13, aspect_ratio="1:2", true_cfg_scale=2.0, negative_prompt="dark"),
+    dict(prompt="a tree", seed=14, aspect_ratio="16:9"),
+    dict(prompt="a boat", seed=15, width=32, height=16),
+    dict(prompt="a hat", seed=16, aspect_ratio="1:2", true_cfg_scale=2.0, negative_prompt="bright"),
+    dict(prompt="a cup", seed=17, aspect_ratio="1:1", guidance=5),
+    dict(prompt="a pen", seed=18, source="web"),
+]
+SIZES = [(48, 48), (64, 32), (32, 64), (64, 32), (32, 16), (32, 64), (48, 48), (48, 48)]  # (width, height)
+ARGS = ("height=48", "width=48", "steps=1", "progress=false", "samples_per_shard=4", "lease_s=1", "heartbeat_s=0.25")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def gen(run_dir: Path, prompts: Path, *extra: str, **kw):
+    return run_rank(compose_cfg("prompts=jsonl", f"run_dir={run_dir}", f"prompts.path={prompts}", *ARGS, *extra), **kw)
+
+
+def samples(run_dir: Path) -> dict:
+    """index -> (png bytes, json without timing)."""
+    out = {}
+    for tar in sorted((run_dir / "shards").glob("*.tar")):
+        for mem in read_shard_members(tar).values():
+            meta = json.loads(mem["json"])
+            meta.pop("gen_s", None)
+            out[meta["index"]] = (mem.get("png"), meta)
+    return out
+
+
+def tars(run_dir: Path) -> dict:
+    return {t.name: t.read_bytes() for t in sorted((run_dir / "shards").glob("*.tar"))}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """(prompt file, a finished mixed run at batch_size=3, its samples)."""
+    d = tmp_path_factory.mktemp("mixed")
+    prompts = write_jsonl(d / "p.jsonl", ROWS)
+    assert gen(d / "run", prompts, f"prompts.row_settings={NAMES}", "batch_size=3").complete
+    return prompts, d / "run", samples(d / "run")
+
+
+def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
+    _, run_dir, got = mixed
+    assert sorted(got) == list(range(len(ROWS)))
+    for i, (png, meta) in got.items():
+        assert Image.open(io.BytesIO(png)).size == SIZES[i], i
+        assert (meta["width"], meta["height"]) == SIZES[i]
+        assert meta["guidance"] == ROWS[i].get("guidance", 3.5)
+        assert meta.get("true_cfg_scale") == ROWS[i].get("true_cfg_scale")
+        assert meta.get("negative_prompt") == ROWS[i].get("negative_prompt")
+        assert meta.get("aspect_ratio") == ROWS[i].get("aspect_ratio")
+    assert got[7][1]["source"] == "web"  # a column not listed stays metadata
+    assert verify.main([str(run_dir)]) == 0
+    import pandas as pd
+
+    index = pd.concat(pd.read_parquet(p) for p in sorted((run_dir / "shards").glob("*.parquet")))
+    assert sorted(zip(index["index"], index.width, index.height)) == [(i, w, h) for i, (w, h) in enumerate(SIZES)]
+
+
+def test_each_sample_is_the_one_a_one_row_run_with_those_settings_makes(mixed, tmp_path):
+    """The config's height/width/guidance/true CFG/negative prompt, for one row: the same png bytes."""
+    _, _, got = mixed
+    for i in (1, 2, 4, 7):  # a 16:9 row with its own guidance, a true-CFG row, a width/height row, a plain row
+        row = ROWS[i]
+        w, h = SIZES[i]
+        extra = [f"width={w}", f"height={h}", f"guidance={row.get('guidance', 3.5)}",
+                 f"model.true_cfg_scale={row.get('true_cfg_scale', 1.0)}"]
+        if "negative_prompt" in row:
+            extra.append(f"model.negative_prompt={row['negative_prompt']}")
+        one = write_jsonl(tmp_path / f"one{i}.jsonl", [dict(prompt=row["prompt"], seed=row["seed"])])
+        gen(tmp_path / f"one{i}", one, *extra)
+        png, meta = samples(tmp_path / f"one{i}")[0]
+        assert png == got[i][0], f"row {i}: its pixels depend on the rows it was batched with"
+        for k in ("width", "height", "guidance", "true_cfg_scale", "seed"):
+            assert meta.get(k) == got[i][1].get(k)
+
+
+@pytest.mark.slow
+def test_tars_are_identical_across_batch_sizes_and_after_a_kill_and_resume(mixed, tmp_path):
+    prompts, run_dir, _ = mixed
+    want = tars(run_dir)  # batch_size=3
+    assert gen(tmp_path / "b1", prompts, f"prompts.row_settings={NAMES}", "batch_size=1").complete
+    assert tars(tmp_path / "b1") == want
+    ends = []
+
+    def kill_at_the_second_batch(event, worker):
+        if event == "end":
+            ends.append(event)
+            if len(ends) == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen(tmp_path / "k", prompts, f"prompts.row_settings={NAMES}", "batch_size=2", on_batch=kill_at_the_second_batch)
+    assert not list((tmp_path / "k" / "shards").glob("*.tar"))  # killed inside the first shard
+    time.sleep(1.1)  # our own claim expires (lease_s=1)
+    assert gen(tmp_path / "k", prompts, f"prompts.row_settings={NAMES}", "batch_size=2").complete
+    assert tars(tmp_path / "k") == want
+
+
+@pytest.mark.parametrize("row, message", [
+    (dict(prompt="x", width=40), r"p.jsonl:2: width: 40 is not an image width this model can make: write a whole "
+                                 r"number of pixels, a multiple of 16 from 16 to 8192"),
+    (dict(prompt="x", height=99999), r"p.jsonl:2: height: 99999 is not an image height"),
+    (dict(prompt="x", width="64"), r"p.jsonl:2: width: a string is not an image width"),
+    (dict(prompt="x", guidance=-1), r"p.jsonl:2: guidance: -1.0 is out of range: write a number from 0 up"),
+    (dict(prompt="x", guidance="high"), r"p.jsonl:2: guidance: a string is not a number: write a number from 0 up"),
+    (dict(prompt="x", true_cfg_scale=0.5), r"p.jsonl:2: true_cfg_scale: 0.5 is out of range: write a number from 1 up"),
+    (dict(prompt="x", aspect_ratio="wide"), r"p.jsonl:2: aspect_ratio: 'wide' is not an aspect ratio: write "
+                                            r"WIDTH:HEIGHT, e.g. \"16:9\""),
+    (dict(prompt="x", aspect_ratio="1:1", width=64), r"p.jsonl:2: aspect_ratio: the row gives width/height too"),
+    (dict(prompt="x", negative_prompt=3), r"p.jsonl:2: negative_prompt: 3 is not a string"),
+])
+def test_a_bad_value_is_a_file_line_error_naming_the_field_with_nothing_written(tmp_path, row, message):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="fine"), row])
+    with pytest.raises(PromptFileError, match=message):
+        gen(tmp_path / "run", prompts, f"prompts.row_settings={NAMES}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_skip_records_bad_rows_as_rejects(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="fine", aspect_ratio="1:2"),
+                                                 dict(prompt="bad", guidance=-2), dict(prompt="also", width=33)])
+    res = gen(tmp_path / "run", prompts, f"prompts.row_settings={NAMES}", "prompts.on_bad_row=skip")
+    assert res.complete
+    got = samples(tmp_path / "run")
+    assert got[0][1]["status"] == "ok" and (got[0][1]["width"], got[0][1]["height"]) == (32, 64)
+    assert got[1][1]["status"] == "rejected" and "guidance: -2.0 is out of range" in got[1][1]["error"]
+    assert got[2][1]["status"] == "rejected" and "width: 33 is not an image width" in got[2][1]["error"]
+    assert verify.main([str(tmp_path / "run")]) == 0
+
+
+def test_csv_cells_and_unlisted_columns(tmp_path):
+    """csv cells are text: numbers are parsed, an empty cell keeps the run's; without row_settings (the default)
+    columns named width/height stay metadata, as before."""
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,width,height,guidance\na,64,,2.5\nb,,,\n", encoding="utf-8")
+    rules = RowRules(names=("width", "height", "guidance"), height=48, width=48)
+    rows = list(read_prompts(str(path), rules=rules))
+    assert rows[0].settings == {"width": 64, "guidance": 2.5} and rows[0].extra == {}
+    assert rows[1].settings == {}
+    plain = list(read_prompts(str(path)))
+    assert plain[0].settings == {} and plain[0].extra == {"extra": {"width": "64", "height": "", "guidance": "2.5"}}
+    path.write_text("prompt,width\na,6x4\n", encoding="utf-8")
+    with pytest.raises(PromptFileError, match=r"p.csv:2: width: '6x4' is not an image width"):
+        list(read_prompts(str(path), rules=rules))
+
+
+def test_an_unknown_name_is_a_config_error_listing_the_allowed_ones(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="x")])
+    with pytest.raises(ConfigError, match=r"prompts.row_settings: 'style' cannot be set per row: list only width, "
+                                          r"height, aspect_ratio, negative_prompt, guidance, true_cfg_scale, num_frames"):
+        gen(tmp_path / "run", prompts, "prompts.row_settings=[guidance,style]")
+    assert not (tmp_path / "run").exists()
+
+
+def test_num_frames_is_refused_for_an_image_model():
+    with pytest.raises(Exception, match="num_frames: this is an image model"):
+        RowRules(names=("num_frames",)).parse({"num_frames": 5})
+    assert RowRules(names=("num_frames",), frame_stride=4).parse({"num_frames": 9}) == {"num_frames": 9}
+    with pytest.raises(Exception, match=r"num_frames: 8 is not a frame count this model can make: write 4k\+1"):
+        RowRules(names=("num_frames",), frame_stride=4).parse({"num_frames": 8})
