@@ -30,13 +30,13 @@ ROWS = [
     dict(prompt="a cat", seed=11, aspect_ratio="1:1"),
     dict(prompt="a dog", seed=12, aspect_ratio="16:9", negative_prompt="blurry", guidance=2.0),
     dict(prompt="a car", seed=13, aspect_ratio="1:2", true_cfg_scale=2.0, negative_prompt="dark"),
-    dict(prompt="a tree", seed=14, aspect_ratio="16:9"),
+    dict(prompt="a tree", seed=14, aspect_ratio="1:1"),  # batched with row 0, ahead of rows 1 and 2
     dict(prompt="a boat", seed=15, width=32, height=16),
     dict(prompt="a hat", seed=16, aspect_ratio="1:2", true_cfg_scale=2.0, negative_prompt="bright"),
     dict(prompt="a cup", seed=17, aspect_ratio="1:1", guidance=5),
-    dict(prompt="a pen", seed=18, source="web"),
+    dict(prompt="a pen", seed=18, source="web"),  # the run's own settings
 ]
-SIZES = [(48, 48), (64, 32), (32, 64), (64, 32), (32, 16), (32, 64), (48, 48), (48, 48)]  # (width, height)
+SIZES = [(48, 48), (64, 32), (32, 64), (48, 48), (32, 16), (32, 64), (48, 48), (48, 48)]  # (width, height)
 ARGS = ("height=48", "width=48", "steps=1", "progress=false", "samples_per_shard=4", "lease_s=1", "heartbeat_s=0.25")
 
 
@@ -125,10 +125,27 @@ def test_tars_are_identical_across_batch_sizes_and_after_a_kill_and_resume(mixed
 
     with pytest.raises(KeyboardInterrupt):
         gen(tmp_path / "k", prompts, f"prompts.row_settings={NAMES}", "batch_size=2", on_batch=kill_at_the_second_batch)
-    assert not list((tmp_path / "k" / "shards").glob("*.tar"))  # killed inside the first shard
+    assert not list((tmp_path / "k" / "shards").glob("*.tar"))  # killed inside the first shard,
+    assert list((tmp_path / "k" / "work").glob("*.ckpt.json"))     # after row 0 was handed over (row 3: made ahead)
     time.sleep(1.1)  # our own claim expires (lease_s=1)
     assert gen(tmp_path / "k", prompts, f"prompts.row_settings={NAMES}", "batch_size=2").complete
     assert tars(tmp_path / "k") == want
+
+
+def test_batches_are_full_by_shape_and_the_earliest_row_goes_first():
+    from shardgen.dataio.prompts import PlannedRow
+    from shardgen.run.generation import GenSettings, shape_batches
+
+    s = GenSettings(height=48, width=48, steps=1, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=8, model="tiny", strategy="dp")
+    own = [{"width": 64}, {}, {"width": 64}, {"height": 48, "width": 48}, {"width": 64}, {"guidance": 2.0}]
+    rows = [PlannedRow(index=i, line=i + 1, prompt="p", seed=i, extra={}, reject=None, settings=o)
+            for i, o in enumerate(own)]
+    # row 3 gives the run's own size explicitly: it shares row 1's call
+    assert shape_batches(s, rows, 2) == [[0, 2], [1, 3], [4], [5]]
+    assert shape_batches(s, rows, 1) == [[i] for i in range(6)]
+    plain = [PlannedRow(index=i, line=i + 1, prompt="p", seed=i, extra={}, reject=None) for i in range(5)]
+    assert shape_batches(s, plain, 2) == [[0, 1], [2, 3], [4]]  # no row settings: slices, as before
 
 
 @pytest.mark.parametrize("row, message", [

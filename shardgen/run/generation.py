@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardgen.dataio.prompts import PlannedRow, generation_key
+from shardgen.dataio.prompts import PlannedRow
 from shardgen.dataio.shards import Sample
 from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
@@ -73,29 +73,36 @@ def settings_for(s: GenSettings, row: PlannedRow) -> GenSettings:
     return dataclasses.replace(s, **own) if own else s
 
 
-def by_call(rows: list[PlannedRow]) -> list[list[PlannedRow]]:
-    """``rows`` grouped by the settings a pipeline call shares (``generation_key``), the groups in the order of
-    their first row, each in row order: rows of one group can be generated in one call."""
+def call_key(s: GenSettings, row: PlannedRow) -> tuple:
+    """What a pipeline call takes once for all its samples, for ``row`` (its own settings, else the run's): rows
+    of equal keys can share a call. negative_prompt is per sample (a list), so not part of it."""
+    own = settings_for(s, row)
+    return tuple(getattr(own, k) for k in CALL_SETTINGS)
+
+
+def by_call(s: GenSettings, rows: list[PlannedRow]) -> list[list[PlannedRow]]:
+    """``rows`` grouped by ``call_key``, the groups in the order of their first row, each in row order: rows of
+    one group can be generated in one call."""
     groups: dict[tuple, list[PlannedRow]] = {}
     for r in rows:
-        groups.setdefault(generation_key(r.settings), []).append(r)
+        groups.setdefault(call_key(s, r), []).append(r)
     return list(groups.values())
 
 
-def shape_batches(rows: list[PlannedRow], batch_size: int) -> list[list[int]]:
+def shape_batches(s: GenSettings, rows: list[PlannedRow], batch_size: int) -> list[list[int]]:
     """The batches ``rows`` (a shard's rows still to make) are generated in, as positions in ``rows``: each batch
-    is the first row not yet in one, with the next rows of its ``generation_key`` up to ``batch_size``. Batches
+    is the first row not yet in one, with the next rows of its ``call_key`` up to ``batch_size``. Batches
     stay full however the shapes mix, and the earliest unmade row is always in the next batch, so the samples
     can be written in row order (the shard's n_done, resume) with a bounded look-ahead. A run whose rows set
     no size or guidance gets consecutive slices of ``batch_size``, as without row settings."""
     queues: dict[tuple, deque] = {}
     for i, r in enumerate(rows):
-        queues.setdefault(generation_key(r.settings), deque()).append(i)
+        queues.setdefault(call_key(s, r), deque()).append(i)
     taken, batches = [False] * len(rows), []
     for i, r in enumerate(rows):
         if taken[i]:
             continue
-        q = queues[generation_key(r.settings)]  # its head is i: the key's earlier rows are taken
+        q = queues[call_key(s, r)]  # its head is i: the key's earlier rows are taken
         batch = [q.popleft() for _ in range(min(batch_size, len(q)))]
         for j in batch:
             taken[j] = True
@@ -229,7 +236,7 @@ def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ra
     their own size or guidance (``prompts.row_settings``) go in one call per ``by_call`` group; each sample has
     its own generator, so its pixels do not depend on the rows it was batched with."""
     valid = [r for r in rows if r.reject is None]
-    made = {smp.index: smp for group in by_call(valid)
+    made = {smp.index: smp for group in by_call(s, valid)
             for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks)}
     out = []
     for r in rows:

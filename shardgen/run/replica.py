@@ -241,7 +241,7 @@ class ReplicaWorker:
         self._ahead, self._written = {}, 0
         # batches by shape (prompts.row_settings): samples are still handed over in row order, so a resume
         # continues after the shard's n_done as ever; what was made ahead of it is made again
-        for batch in shape_batches(rows, self.batch_size):
+        for batch in shape_batches(self.settings, rows, self.batch_size):
             with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + batch[0]}"):
                 if not self._batch(shard, n_done, rows, batch, redo):
                     return

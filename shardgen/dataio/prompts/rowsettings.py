@@ -157,8 +157,3 @@ def _number(name: str, value: Any, text: bool, low: float) -> float:
                          + (" (1 = true CFG off)" if name == "true_cfg_scale" else ""))
     return float(value)
 
-
-def generation_key(settings: dict) -> tuple:
-    """What a pipeline call takes once for all its samples, as a row's settings set it (the rest: the run's):
-    rows of equal keys can share a batch. negative_prompt is per sample (a list), so not part of it."""
-    return tuple(settings.get(k) for k in ("height", "width", "num_frames", "guidance", "true_cfg_scale"))
