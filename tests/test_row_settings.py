@@ -214,3 +214,37 @@ def test_num_frames_is_refused_for_an_image_model():
     assert RowRules(names=("num_frames",), frame_stride=4).parse({"num_frames": 9}) == {"num_frames": 9}
     with pytest.raises(Exception, match=r"num_frames: 8 is not a frame count this model can make: write 4k\+1"):
         RowRules(names=("num_frames",), frame_stride=4).parse({"num_frames": 8})
+
+
+def test_video_rows_with_their_own_frame_counts(tmp_path):
+    """model=tiny_video with prompts.row_settings=[num_frames]: each mp4 has its row's frames, the same bytes as
+    a one-row run of that many frames; a count the model cannot make is a file:line error."""
+    video = ("model=tiny_video", "height=32", "width=32", "num_frames=5", "steps=1", "batch_size=2")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="a", seed=1, num_frames=9), dict(prompt="b", seed=2),
+                                                 dict(prompt="c", seed=3, num_frames=9)])
+    assert gen(tmp_path / "run", prompts, *video, "prompts.row_settings=[num_frames]").complete
+    got = {json.loads(m["json"])["index"]: (m["mp4"], json.loads(m["json"]))
+           for t in (tmp_path / "run" / "shards").glob("*.tar") for m in read_shard_members(t).values()}
+    assert [got[i][1]["frames"] for i in range(3)] == [9, 5, 9]
+    one = write_jsonl(tmp_path / "one.jsonl", [dict(prompt="c", seed=3)])
+    gen(tmp_path / "one", one, *video[:3], "num_frames=9", *video[4:])
+    assert next(m["mp4"] for m in read_shard_members(tmp_path / "one" / "shards" / "000000.tar").values()) == got[2][0]
+    assert verify.main([str(tmp_path / "run")]) == 0
+    bad = write_jsonl(tmp_path / "bad.jsonl", [dict(prompt="a", num_frames=8)])
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: num_frames: 8 is not a frame count this model can make"):
+        gen(tmp_path / "bad", bad, *video, "prompts.row_settings=[num_frames]")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_make_the_same_samples(mixed, tmp_path):
+    """launcher=local with 2 gloo ranks (one shard each): the same images and settings as one rank."""
+    from jobs.generate import run
+
+    prompts, _, want = mixed
+    cfg = compose_cfg("prompts=jsonl", f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", *ARGS,
+                      f"prompts.row_settings={NAMES}", "batch_size=2", "launcher=local", "launcher.nprocs=2")
+    assert run(cfg).complete
+    got = samples(tmp_path / "run")
+    assert {i: png for i, (png, _) in got.items()} == {i: png for i, (png, _) in want.items()}
+    assert all((got[i][1]["width"], got[i][1]["height"]) == SIZES[i] for i in got)
