@@ -244,7 +244,8 @@ def test_two_ranks_make_the_same_samples(mixed, tmp_path):
     prompts, _, want = mixed
     cfg = compose_cfg("prompts=jsonl", f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", *ARGS,
                       f"prompts.row_settings={NAMES}", "batch_size=2", "launcher=local", "launcher.nprocs=2")
-    assert run(cfg).complete
+    run(cfg)
+    assert verify.main([str(tmp_path / "run")]) == 0
     got = samples(tmp_path / "run")
     assert {i: png for i, (png, _) in got.items()} == {i: png for i, (png, _) in want.items()}
     assert all((got[i][1]["width"], got[i][1]["height"]) == SIZES[i] for i in got)
