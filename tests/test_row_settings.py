@@ -130,6 +130,10 @@ def test_tars_are_identical_across_batch_sizes_and_after_a_kill_and_resume(mixed
     time.sleep(1.1)  # our own claim expires (lease_s=1)
     assert gen(tmp_path / "k", prompts, f"prompts.row_settings={NAMES}", "batch_size=2").complete
     assert tars(tmp_path / "k") == want
+    from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch, match=r"prompts.row_settings: run has \['aspect_ratio'"):
+        gen(tmp_path / "k", prompts, "prompts.row_settings=[guidance]")
 
 
 def test_batches_are_full_by_shape_and_the_earliest_row_goes_first():
@@ -198,6 +202,13 @@ def test_csv_cells_and_unlisted_columns(tmp_path):
     path.write_text("prompt,width\na,6x4\n", encoding="utf-8")
     with pytest.raises(PromptFileError, match=r"p.csv:2: width: '6x4' is not an image width"):
         list(read_prompts(str(path), rules=rules))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"], "width": [64, None], "guidance": [float("nan"), 2.0]}),
+                   tmp_path / "p.parquet")
+    rows = list(read_prompts(str(tmp_path / "p.parquet"), rules=rules))
+    assert [r.settings for r in rows] == [{"width": 64}, {"guidance": 2.0}]  # null and NaN: the run's
 
 
 def test_an_unknown_name_is_a_config_error_listing_the_allowed_ones(tmp_path):
