@@ -89,6 +89,13 @@ def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
 
     index = pd.concat(pd.read_parquet(p) for p in sorted((run_dir / "shards").glob("*.parquet")))
     assert sorted(zip(index["index"], index.width, index.height)) == [(i, w, h) for i, (w, h) in enumerate(SIZES)]
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.dataio.tools.report import build_report
+
+    page = build_report(load_plan(RunDir(run_dir)))  # jobs.report: images per size
+    for size, n in (("48x48", 4), ("64x32", 1), ("32x64", 2), ("32x16", 1)):
+        assert f"<tr><td>{size}</td><td>{n}</td>" in page
 
 
 def test_each_sample_is_the_one_a_one_row_run_with_those_settings_makes(mixed, tmp_path):

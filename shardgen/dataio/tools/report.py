@@ -24,7 +24,8 @@ from shardgen.dataio.tools.runfiles import committed_members, read_events, read_
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
-_COLUMNS = ("key", "prompt", "status", "error", "truncated", "tokens", "gen_s", "phash", "watermark_ok", "clip_score")
+_COLUMNS = ("key", "prompt", "status", "error", "truncated", "tokens", "gen_s", "phash", "watermark_ok", "clip_score",
+            "width", "height")
 
 
 def _index_rows(plan: Plan) -> dict[str, list]:
@@ -153,6 +154,17 @@ def _truncation(rows: dict[str, list]) -> list[tuple]:
         [(f"longest prompt, {encoder} tokens", n) for encoder, n in sorted(longest.items())]
 
 
+def _sizes(rows: dict[str, list]) -> list[tuple]:
+    """(size, images, mean generation s per image) of each size the ok samples have, most common first: a run
+    whose rows set their own size or aspect ratio (prompts.row_settings) makes several."""
+    times: dict[str, list] = defaultdict(list)
+    for st, w, h, t in zip(rows["status"], rows["width"], rows["height"], rows["gen_s"]):
+        if st == "ok":
+            times[f"{w}x{h}"].append(t)
+    return [(size, len(ts), _num(sum(t for t in ts if t is not None) / max(1, sum(t is not None for t in ts)), 3))
+            for size, ts in sorted(times.items(), key=lambda kv: -len(kv[1]))]
+
+
 def _signal_sections(rows: dict[str, list]) -> list[tuple[str, str]]:
     out = []
     if any(v is not None for v in rows["clip_score"]):
@@ -189,6 +201,7 @@ def build_report(plan: Plan) -> str:
                 ("Failures by reason", _table(_failures(rows), ("status", "reason", "samples"))
                  if status["failed"] + status["rejected"] else "<p>none</p>"),
                 ("Truncation", _table(_truncation(rows), ("what", "count"))),
+                ("Images per size", _table(_sizes(rows), ("width x height", "images", "mean gen s"))),
                 ("Generation time per sample (s)", histogram(rows["gen_s"], "gen_s"))]
     sections += _signal_sections(rows)
     sections.append(("Contact sheet", contact_sheet(plan)))
