@@ -24,7 +24,7 @@ from shardgen.dataio.tools.verify import read_shard_members
 from shardgen.run.runner import run_rank
 from tests.conftest import compose_cfg
 
-NAMES = "[aspect_ratio,width,height,negative_prompt,guidance,true_cfg_scale]"
+NAMES = "[aspect_ratio,width,height,negative_prompt,guidance,true_cfg_scale,steps]"
 # the run's area is 48x48: 1:1 -> 48x48, 16:9 -> 64x32, 1:2 -> 32x64 (sides rounded to the model's 16)
 ROWS = [
     dict(prompt="a cat", seed=11, aspect_ratio="1:1"),
@@ -33,7 +33,7 @@ ROWS = [
     dict(prompt="a tree", seed=14, aspect_ratio="1:1"),  # batched with row 0, ahead of rows 1 and 2
     dict(prompt="a boat", seed=15, width=32, height=16),
     dict(prompt="a hat", seed=16, aspect_ratio="1:2", true_cfg_scale=2.0, negative_prompt="bright"),
-    dict(prompt="a cup", seed=17, aspect_ratio="1:1", guidance=5),
+    dict(prompt="a cup", seed=17, aspect_ratio="1:1", guidance=5, steps=2),
     dict(prompt="a pen", seed=18, source="web"),  # the run's own settings
 ]
 SIZES = [(48, 48), (64, 32), (32, 64), (48, 48), (32, 16), (32, 64), (48, 48), (48, 48)]  # (width, height)
@@ -79,7 +79,7 @@ def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
     for i, (png, meta) in got.items():
         assert Image.open(io.BytesIO(png)).size == SIZES[i], i
         assert (meta["width"], meta["height"]) == SIZES[i]
-        assert meta["guidance"] == ROWS[i].get("guidance", 3.5)
+        assert meta["guidance"] == ROWS[i].get("guidance", 3.5) and meta["steps"] == ROWS[i].get("steps", 1)
         assert meta.get("true_cfg_scale") == ROWS[i].get("true_cfg_scale")
         assert meta.get("negative_prompt") == ROWS[i].get("negative_prompt")
         assert meta.get("aspect_ratio") == ROWS[i].get("aspect_ratio")
@@ -101,10 +101,10 @@ def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
 def test_each_sample_is_the_one_a_one_row_run_with_those_settings_makes(mixed, tmp_path):
     """The config's height/width/guidance/true CFG/negative prompt, for one row: the same png bytes."""
     _, _, got = mixed
-    for i in (1, 2, 4, 7):  # a 16:9 row with its own guidance, a true-CFG row, a width/height row, a plain row
+    for i in (1, 2, 4, 6, 7):  # 16:9 with its own guidance, true CFG, width/height, 2 steps, the run's own
         row = ROWS[i]
         w, h = SIZES[i]
-        extra = [f"width={w}", f"height={h}", f"guidance={row.get('guidance', 3.5)}",
+        extra = [f"width={w}", f"height={h}", f"guidance={row.get('guidance', 3.5)}", f"steps={row.get('steps', 1)}",
                  f"model.true_cfg_scale={row.get('true_cfg_scale', 1.0)}"]
         if "negative_prompt" in row:
             extra.append(f"model.negative_prompt={row['negative_prompt']}")
@@ -112,7 +112,7 @@ def test_each_sample_is_the_one_a_one_row_run_with_those_settings_makes(mixed, t
         gen(tmp_path / f"one{i}", one, *extra)
         png, meta = samples(tmp_path / f"one{i}")[0]
         assert png == got[i][0], f"row {i}: its pixels depend on the rows it was batched with"
-        for k in ("width", "height", "guidance", "true_cfg_scale", "seed"):
+        for k in ("width", "height", "guidance", "true_cfg_scale", "steps", "seed"):
             assert meta.get(k) == got[i][1].get(k)
 
 
@@ -171,6 +171,7 @@ def test_batches_are_full_by_shape_and_the_earliest_row_goes_first():
                                             r"WIDTH:HEIGHT, e.g. \"16:9\""),
     (dict(prompt="x", aspect_ratio="1:1", width=64), r"p.jsonl:2: aspect_ratio: the row gives width/height too"),
     (dict(prompt="x", negative_prompt=3), r"p.jsonl:2: negative_prompt: 3 is not a string"),
+    (dict(prompt="x", steps=0), r"p.jsonl:2: steps: 0 is not a number of denoising steps: write a whole number"),
 ])
 def test_a_bad_value_is_a_file_line_error_naming_the_field_with_nothing_written(tmp_path, row, message):
     prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="fine"), row])
@@ -221,7 +222,8 @@ def test_csv_cells_and_unlisted_columns(tmp_path):
 def test_an_unknown_name_is_a_config_error_listing_the_allowed_ones(tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="x")])
     with pytest.raises(ConfigError, match=r"prompts.row_settings: 'style' cannot be set per row: list only width, "
-                                          r"height, aspect_ratio, negative_prompt, guidance, true_cfg_scale, num_frames"):
+                                          r"height, aspect_ratio, negative_prompt, guidance, true_cfg_scale, steps, "
+                                          r"num_frames"):
         gen(tmp_path / "run", prompts, "prompts.row_settings=[guidance,style]")
     assert not (tmp_path / "run").exists()
 

@@ -160,7 +160,7 @@ class PromptsConfig:
     """Fields (jsonl) or columns (csv/tsv/parquet) that set a row's own generation settings, e.g.
     prompts.row_settings=[aspect_ratio,negative_prompt,guidance]; a null or empty value keeps the run's. Any of:
     width, height (pixels, a multiple of the model's 16), aspect_ratio ("16:9", "1:1", "3:4": a size at the run's
-    height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), num_frames (video models).
+    height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), steps, num_frames (video models).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
     same size and guidance are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""

@@ -64,7 +64,7 @@ class GenSettings:
 
 
 # the settings a row may set that are one value per pipeline call (negative_prompt is per sample)
-CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale")
+CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale", "steps")
 
 
 def settings_for(s: GenSettings, row: PlannedRow) -> GenSettings:

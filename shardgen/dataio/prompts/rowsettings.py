@@ -16,10 +16,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "num_frames")
+ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
+                "num_frames")
 """The names ``prompts.row_settings`` may list."""
 MAX_SIDE = 8192
 """The largest image side a row may ask for, in pixels."""
+MAX_STEPS = 1000
+"""The most denoising steps a row may ask for."""
 MAX_RATIO = 8.0
 """The most elongated ``aspect_ratio`` a row may ask for (8:1 or 1:8)."""
 _RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
@@ -76,6 +79,8 @@ class RowRules:
                 raise BadSetting(f"negative_prompt: {_kind(raw['negative_prompt'])} is not a string: write the "
                                  "negative prompt as text (or null for the run's model.negative_prompt)")
             out["negative_prompt"] = raw["negative_prompt"]
+        if "steps" in raw:
+            out["steps"] = _count("steps", raw["steps"], text)
         if "num_frames" in raw:
             out["num_frames"] = self._frames(raw["num_frames"], text)
         if "aspect_ratio" in raw:
@@ -144,6 +149,15 @@ def rules_from_cfg(cfg: Any) -> RowRules | None:
 def _kind(value: Any) -> str:
     names = {type(None): "null", bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
     return names.get(type(value), repr(value))
+
+
+def _count(name: str, value: Any, text: bool) -> int:
+    if text and isinstance(value, str) and _INT.fullmatch(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
+        raise BadSetting(f"{name}: {value!r} is not a number of denoising steps: write a whole number from 1 to "
+                         f"{MAX_STEPS}")
+    return value
 
 
 def _number(name: str, value: Any, text: bool, low: float) -> float:
