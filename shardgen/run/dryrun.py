@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardgen.dataio.prompts import (PromptSource, TruncationCheck, build_plan, check_prompt_source, load_plan,
-                                     planning_windows, resolve_samples_per_shard, sample_bytes_estimate)
+                                     planning_windows)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
+from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_version
 
 if TYPE_CHECKING:
