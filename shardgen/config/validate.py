@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS
 from shardgen.dataio.rundir import check_run_dir_text
@@ -14,7 +15,6 @@ from shardgen.errors import UserError
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
-LAUNCHERS = ("none", "local", "slurm")
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {
