@@ -18,7 +18,7 @@ Layout (all names zero-padded shard ids)::
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
       summary.json              totals, rewritten at the end of each launch
       shards_checked.json       committed shards a launch found sound (sizes, mtimes): later launches skip them
-      stats_cache.json          what jobs.status needs of each stats file, valid while the file is unchanged
+      stats_cache.npz           what jobs.status needs of each stats file (columns), valid while it is unchanged
       logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
@@ -353,7 +353,7 @@ class RunDir:
     def stats_cache_path(self) -> Path:
         """What ``jobs.status`` needs of each committed shard's stats, with the stats file's size and mtime (a
         status call reads only the stats that changed since: shardgen/dataio/resume/ledger.py)."""
-        return self.root / "stats_cache.json"
+        return self.root / "stats_cache.npz"
 
     @property
     def config_path(self) -> Path:
