@@ -194,21 +194,27 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
 
 
 def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
-    """(shards with a stats file, shard -> (size, mtime_ns) of it), from one listing of shards/."""
+    """(shards with a stats file, shard -> (size, mtime_ns) of it), from one listing of shards/.
+
+    ``os.listdir`` and a stat relative to the directory's descriptor: a ``DirEntry`` for each of the 300k names
+    of a 100k-shard run costs a second more, and only the stats files are stat'ed."""
     names, sig = set(), {}
     try:
-        with os.scandir(run.shards_dir) as it:
-            for e in it:
-                if e.name.endswith(".stats.json") and e.name[:6].isdigit():
-                    shard = int(e.name[:6])
-                    names.add(shard)
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    sig[shard] = (st.st_size, st.st_mtime_ns)
-    except FileNotFoundError:
-        pass
+        listed = [n for n in os.listdir(run.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()]
+        fd = os.open(run.shards_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return names, sig
+    try:
+        for name in listed:
+            shard = int(name[:6])
+            names.add(shard)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            sig[shard] = (st.st_size, st.st_mtime_ns)
+    finally:
+        os.close(fd)
     return names, sig
 
 
