@@ -171,19 +171,20 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     table, reasons = _load_table(run)
     keep = _valid_rows(table, sig)
     table = {k: v[keep] for k, v in table.items()}
-    reasons = {s: r for s, r in reasons.items() if s in set(table["shard"].tolist())}
-    todo = sorted(names - set(table["shard"].tolist()))
+    kept = set(table["shard"].tolist())
+    reasons = {s: r for s, r in reasons.items() if s in kept}
+    todo = sorted(names - kept)
     fresh = _read_stats_parallel(run, todo)
     damaged = sum(st is None for st in fresh.values())
     rows = [(s, st) for s, st in fresh.items() if st is not None and s in sig]
     if rows:
         table = _append_rows(table, rows, sig)
-        reasons.update({s: st["failures_by_reason"] for s, st in rows
-                        if st.get("failures_by_reason") and isinstance(st["failures_by_reason"], dict)})
+        reasons.update(_reasons_of(rows))
         _save_table(run, table, reasons)
     # stats read but gone from the listing meanwhile (not in sig) still count, as read_ledger counts them
-    extra = [st for s, st in fresh.items() if st is not None and s not in sig]
-    summary = _summarize(table, reasons, extra)
+    extra = {s: st for s, st in fresh.items() if st is not None and s not in sig}
+    reasons.update(_reasons_of(extra.items()))
+    summary = _summarize(table, reasons, list(extra.values()))
     summary.damaged = damaged
     now, me = time.time(), owner_record(-1)
     open_shards = sorted((claims.keys() | ckpts_of.keys()) - names)
@@ -191,6 +192,12 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
               for s in open_shards if 0 <= s < plan.num_shards]
     idle = plan.num_shards - summary.shards - damaged - len(active)
     return StatusLedger(plan=plan, done=summary, active=active, idle_pending=idle)
+
+
+def _reasons_of(items) -> dict[int, dict]:
+    """shard -> its stats' failures by reason, for the (shard, stats) pairs that have any (as read_ledger adds)."""
+    return {s: st["failures_by_reason"] for s, st in items
+            if st.get("failures_by_reason") and isinstance(st["failures_by_reason"], dict)}
 
 
 def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
