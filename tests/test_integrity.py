@@ -255,6 +255,17 @@ def test_a_truncated_committed_tar_is_not_complete(copy, capsys):
     verified_identical(d, want)
 
 
+def test_a_tar_truncated_after_a_launch_found_it_sound_is_still_caught(copy):
+    """A launch records the committed shards it found sound (shards_checked.npy) and skips them later, only while
+    their files' sizes and mtimes are unchanged: a tar truncated since is checked and generated again."""
+    prompts, d, want = copy
+    assert gen(d, prompts).generated_here == 0  # a launch on the complete run records every shard as sound
+    assert (d / "shards_checked.npy").is_file()
+    os.truncate(d / "shards" / "000001.tar", 7000)
+    assert gen(d, prompts).generated_here == 3
+    verified_identical(d, want)
+
+
 def test_a_committed_tar_damaged_in_place_is_caught_and_repaired(copy, capsys):
     prompts, d, want = copy
     tar = d / "shards" / "000000.tar"
