@@ -369,6 +369,21 @@ def test_a_holder_whose_claim_was_taken_over_leaves_cleanly(tmp_path):
         b.close()
 
 
+def test_a_holder_taken_over_just_after_its_last_claim_check_leaves_cleanly(tmp_path, caplog):
+    """The take-over lands between the holder's still_mine() and its commit (seen with 1,000 simulated replicas:
+    'shard writer failed: FileNotFoundError ... index.jsonl'): the holder leaves the shard to the new one."""
+    rd = RunDir(tmp_path / "run")
+    rd.create()
+    work_a = ShardWork.open(rd, 3, 1, range(0, 1), still_mine=lambda: True)  # its last check said "mine"
+    work_a.write([Sample(key=sample_key(0), index=0, prompt="p", meta=dict(index=0), status="rejected",
+                         failure="x")], [None], "png")
+    ShardWork.open(rd, 3, 2, range(0, 1))  # the new holder removes a's partial files
+    with caplog.at_level("WARNING"):
+        assert work_a.commit() is None
+    assert "removed by the replica that took it over; leaving it" in caplog.text
+    assert not rd.shard_tar(3).exists() and not rd.shard_stats(3).exists()
+
+
 def test_a_claim_with_a_future_heartbeat_is_taken_over_in_bounded_time_and_reported(tmp_path, caplog):
     rd = RunDir(tmp_path / "run")
     rd.create()

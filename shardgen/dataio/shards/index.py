@@ -141,7 +141,10 @@ def resumable(run: RunDir, shard: int, checkpoint: dict | None) -> bool:
     if checkpoint is None:
         return True
     path = partial_index_path(run, shard, checkpoint["gen"])
-    return path.exists() and len(_first_lines(path, checkpoint["n_done"])) == checkpoint["n_done"]
+    try:  # missing, or removed meanwhile by a replica taking the shard over
+        return len(_first_lines(path, checkpoint["n_done"])) == checkpoint["n_done"]
+    except FileNotFoundError:
+        return False
 
 
 def write_index(final: Path, rows: list[dict]) -> None:

@@ -159,9 +159,9 @@ class ShardWork:
         if not self.still_mine():
             log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
             return None
-        self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
         final = self.run.shard_tar(self.shard)
-        try:
+        try:  # taken over between still_mine and here: the new holder removes our partial files
+            self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
             os.replace(self.tar.path, final)
         except FileNotFoundError:  # the new holder removed our partial: it owns the shard now
             log.warning("shard %06d: its partial was removed by the replica that took it over; leaving it", self.shard)
