@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import errno
 import json
 import os
 import random
@@ -154,10 +155,25 @@ def prefill(run: RunDir, plan, fraction: float, seed: int = 0) -> int:
     tar, idx = run.shard_tar(shard), run.shards_dir / f"{shard:06d}.parquet"
     picks = random.Random(seed).sample([s for s in range(plan.num_shards) if s != shard], n - 1)
     for s in picks:
-        os.link(tar, run.shard_tar(s))
-        os.link(idx, run.shards_dir / f"{s:06d}.parquet")
+        try:
+            os.link(tar, run.shard_tar(s))
+            os.link(idx, run.shards_dir / f"{s:06d}.parquet")
+        except OSError as e:  # ext4 allows 65,000 links to a file: go on from a copy (as many links again)
+            if e.errno != errno.EMLINK:
+                raise
+            tar, idx = _copy_next_to(tar, run, s), _copy_next_to(idx, run, s)
+            run.shard_tar(s).unlink(missing_ok=True)
+            os.link(tar, run.shard_tar(s))
+            os.link(idx, run.shards_dir / f"{s:06d}.parquet")
         run.shard_stats(s).write_text(json.dumps(dict(stats, shard=s)))
     return n
+
+
+def _copy_next_to(path: Path, run: RunDir, s: int) -> Path:
+    """A copy of a prefilled file, with as many links left as a fresh file (beside the run dir, not in it)."""
+    out = run.root.parent / f"{run.root.name}.prefill-{s}{path.suffix}"
+    shutil.copy2(path, out)
+    return out
 
 
 def simulate(*args, **kwargs) -> dict:

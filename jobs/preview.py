@@ -15,8 +15,8 @@ from pathlib import Path
 
 from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.shards import VIDEO_EXT, durable_partial, preview_png
-from shardgen.dataio.tools import IMAGE_EXTS, committed_members, count_arg, read_shard_members, safe_write, tool_errors
+from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, preview_png
+from shardgen.dataio.tools import committed_members, count_arg, read_shard_members, safe_write, tool_errors
 
 
 def _members(run: RunDir, num_shards: int):
@@ -39,7 +39,7 @@ def collect(run: RunDir, n: int, num_shards: int = 0) -> list[tuple[str, bytes |
     durable part of the ``num_shards`` shards' partials in work/."""
     out = []
     for key, mem in _members(run, num_shards):
-        img = next((mem[e] for e in IMAGE_EXTS if e in mem), None)
+        img = mem[image_ext(mem)] if image_ext(mem) else None
         if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
             img = preview_png(mem[VIDEO_EXT])
         out.append((mem.get("txt", b"").decode("utf-8", "replace"), img, _meta(mem.get("json"))))

@@ -32,6 +32,7 @@ from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
 from parallel.transformer import HALF_DTYPES, model_family, sequence_tokens, transformer_info
 from parallel.world import on_rank0_then_share
+from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import GiB
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
 
 def decide(cfg: GenerateConfig, world_size: int, facts) -> ParallelDims:
     """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the choice."""
-    if cfg.launcher.name == "slurm":  # submitting: the nodes measure and choose when the job starts
+    if launcher_of(cfg).described_nodes:  # submitting: the nodes measure and choose when the job starts
         return ParallelDims(world_size=world_size, strategy="dp", cfg=cfg.cfg_degree)
 
     def _choose():

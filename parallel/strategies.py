@@ -21,6 +21,7 @@ from parallel.auto import decide
 from parallel.dims import CP_STRATEGIES, ParallelConfigError, ParallelDims, divisors
 from parallel.transformer import (HALF_DTYPES, TransformerInfo, latent_frames, model_family, sequence_tokens,
                                   transformer_info)
+from shardgen.config.launchers import launcher_of
 
 if TYPE_CHECKING:
     from parallel.world import World
@@ -62,13 +63,12 @@ def device_facts(cfg: GenerateConfig, world_size: int) -> DeviceFacts:
     """Facts about the devices, without touching them (no CUDA context is created)."""
     import torch
 
-    ln = cfg.launcher
-    if ln.name == "slurm":  # validating a submission: the nodes are described by the launcher config
-        gpus = 0 if cfg.device == "cpu" else ln.gpus_per_node
-        return DeviceFacts(type="cuda" if gpus else "cpu", count=gpus, local_ranks=ln.tasks_per_node or gpus or 1,
-                           where=f"each SLURM node (launcher.gpus_per_node={ln.gpus_per_node})")
+    launcher = launcher_of(cfg)
+    if launcher.described_nodes:  # validating a submission: the nodes are described by the launcher config
+        gpus, local_ranks, where = launcher.described_nodes(cfg)
+        return DeviceFacts(type="cuda" if gpus else "cpu", count=gpus, local_ranks=local_ranks, where=where)
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (world_size if ln.name == "local" else 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or launcher.local_ranks(world_size)
     return DeviceFacts(type="cuda" if cuda else "cpu", count=torch.cuda.device_count() if cuda else 0,
                        local_ranks=local)
 
@@ -96,7 +96,7 @@ def _check_devices(dims: ParallelDims, facts: DeviceFacts, cfg: GenerateConfig) 
         # diffusers puts rank r's shard on GPU r % (GPUs per node): right only with one rank per GPU on every node
         _fail(f"strategy=tp over several nodes needs one rank per GPU on every node (diffusers places rank r on GPU "
               f"r % {facts.count}), but there are {facts.local_ranks} ranks per node; launch {facts.count} per node")
-    if dims.strategy == "tp" and facts.type == "cpu" and cfg.launcher.name != "slurm":
+    if dims.strategy == "tp" and facts.type == "cpu" and not launcher_of(cfg).described_nodes:
         import torch
 
         if torch.cuda.is_available():  # diffusers places each rank's shard on the accelerator, not on our device

@@ -255,6 +255,17 @@ def test_a_truncated_committed_tar_is_not_complete(copy, capsys):
     verified_identical(d, want)
 
 
+def test_a_tar_truncated_after_a_launch_found_it_sound_is_still_caught(copy):
+    """A launch records the committed shards it found sound (shards_checked.npy) and skips them later, only while
+    their files' sizes and mtimes are unchanged: a tar truncated since is checked and generated again."""
+    prompts, d, want = copy
+    assert gen(d, prompts).generated_here == 0  # a launch on the complete run records every shard as sound
+    assert (d / "shards_checked.npy").is_file()
+    os.truncate(d / "shards" / "000001.tar", 7000)
+    assert gen(d, prompts).generated_here == 3
+    verified_identical(d, want)
+
+
 def test_a_committed_tar_damaged_in_place_is_caught_and_repaired(copy, capsys):
     prompts, d, want = copy
     tar = d / "shards" / "000000.tar"
@@ -356,6 +367,21 @@ def test_a_holder_whose_claim_was_taken_over_leaves_cleanly(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_holder_taken_over_just_after_its_last_claim_check_leaves_cleanly(tmp_path, caplog):
+    """The take-over lands between the holder's still_mine() and its commit (seen with 1,000 simulated replicas:
+    'shard writer failed: FileNotFoundError ... index.jsonl'): the holder leaves the shard to the new one."""
+    rd = RunDir(tmp_path / "run")
+    rd.create()
+    work_a = ShardWork.open(rd, 3, 1, range(0, 1), still_mine=lambda: True)  # its last check said "mine"
+    work_a.write([Sample(key=sample_key(0), index=0, prompt="p", meta=dict(index=0), status="rejected",
+                         failure="x")], [None], "png")
+    ShardWork.open(rd, 3, 2, range(0, 1))  # the new holder removes a's partial files
+    with caplog.at_level("WARNING"):
+        assert work_a.commit() is None
+    assert "removed by the replica that took it over; leaving it" in caplog.text
+    assert not rd.shard_tar(3).exists() and not rd.shard_stats(3).exists()
 
 
 def test_a_claim_with_a_future_heartbeat_is_taken_over_in_bounded_time_and_reported(tmp_path, caplog):

@@ -34,6 +34,27 @@ def test_status_of_a_half_done_run_shows_pending_shards(done_run, capsys):
     assert "2 done" in out and "1 pending" in out and "stopped (no live claim) / resumable" in out
 
 
+def test_status_keeps_committed_stats_in_a_cache_and_reads_a_changed_one_again(done_run, capsys):
+    """A later status call reads its figures from stats_cache.npz; a stats file rewritten since (another size or
+    mtime) is read again, and a damaged cache only costs a re-read: the output is the same."""
+    import json
+
+    assert status.main([str(done_run), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["results"]["failed"] == 0 and (done_run / "stats_cache.npz").is_file()
+    path = done_run / "shards" / "000001.stats.json"
+    stats = json.loads(path.read_text())
+    stats.update(ok=stats["ok"] - 1, failed=stats["failed"] + 1, failures_by_reason={"CUDA out of memory": 1})
+    path.write_text(json.dumps(stats))
+    assert status.main([str(done_run), "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["results"]["failed"] == 1 and second["results"]["ok"] == first["results"]["ok"] - 1
+    assert second["failures_by_reason"] == {"CUDA out of memory": 1}
+    (done_run / "stats_cache.npz").write_bytes(b"not a zip")
+    assert status.main([str(done_run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == second
+
+
 def test_verify_passes_a_complete_run(done_run, capsys):
     assert verify.main([str(done_run)]) == 0
     assert "OK: every prompt index exactly once" in capsys.readouterr().out

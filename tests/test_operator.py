@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.dataio.prompts.plan import resolve_samples_per_shard
+from shardgen.dataio.shards.sizing import resolve_samples_per_shard
 from shardgen.dataio.prompts.read import PromptSource
 from tests.conftest import compose_cfg
 

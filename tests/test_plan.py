@@ -194,7 +194,8 @@ def test_a_prompt_file_changed_under_the_plan_is_refused(tmp_path):
 
 
 def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
-    from shardgen.dataio.prompts.plan import choose_samples_per_shard, idle_warning
+    from shardgen.dataio.prompts.plan import idle_warning
+    from shardgen.dataio.shards.sizing import choose_samples_per_shard
 
     big = dict(width=1024, height=1024, image_format="png", batch_size=4)
     n, why = choose_samples_per_shard(1_000_000, replicas=8, **big)

@@ -154,6 +154,27 @@ def test_slurm_submission_is_checked_against_the_nodes_it_asks_for(monkeypatch, 
         parallel_dims(compose_cfg("launcher=slurm", "launcher.gpus_per_node=4", "strategy=device_map"), 4)
 
 
+
+def test_a_launcher_row_alone_decides_how_parallel_sees_its_nodes(monkeypatch, no_weights):
+    """parallel/ asks the launcher table (shardgen/config/launchers.py), never a launcher's name: a new row with
+    described nodes is checked against them, and strategy=auto waits for those nodes, with parallel/ unchanged."""
+    from parallel.strategies import device_facts
+    from shardgen.config import launchers
+
+    row = launchers.Launcher("cluster", world_size=lambda ln: 16, described_nodes=lambda cfg: (2, 2, "each node"))
+    monkeypatch.setitem(launchers.LAUNCHERS, "cluster", row)
+    cfg = compose_cfg("strategy=device_map", "strategy.gpus_per_replica=2")
+    cfg.launcher.name = "cluster"
+    assert device_facts(cfg, 16) == DeviceFacts("cuda", 2, 2, "each node")
+    with pytest.raises(ParallelConfigError, match="needs 4 GPUs, but each node has 2"):
+        parallel_dims(cfg, 16)
+    auto = compose_cfg("strategy=auto")
+    auto.launcher.name = "cluster"
+    assert decide(auto, 16, device_facts(auto, 16)).strategy == "dp"  # chosen on the nodes when the job starts
+    from shardgen.run.dryrun import world_size_of
+
+    assert world_size_of(auto) == 16
+
 # --- auto ------------------------------------------------------------------------------------------------
 
 GiB = 1 << 30

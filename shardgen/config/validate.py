@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS, ROW_SETTINGS, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text
-from shardgen.dataio.shards import Signals, validate_video_config
+from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
-IMAGE_FORMATS = ("png", "jpg", "webp")
-LAUNCHERS = ("none", "local", "slurm")
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {
@@ -56,7 +55,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     """Raise ConfigError for the first impossible setting (first: a mandatory value left unset)."""
     check_mandatory(cfg)
     check_run_dir_text(cfg.run_dir)
-    _need(cfg.image_format in IMAGE_FORMATS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_FORMATS)}")
+    _need(cfg.image_format in IMAGE_EXTS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_EXTS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
     _need(cfg.prompts.get("max_prompt_chars", 1) >= 1,
           f"prompts.max_prompt_chars={cfg.prompts.get('max_prompt_chars')}: use 1 or more")

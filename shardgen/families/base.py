@@ -12,7 +12,7 @@ This module imports no other shardgen module: every layer may ask it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 
 class ComponentSpec(NamedTuple):
@@ -59,8 +59,6 @@ class ModelFamily:
     """Video only: frames per latent frame after the first (num_frames = stride*k + 1); 0 for image families."""
     dummies: dict[str, DummyModel] = field(default_factory=dict)
     """``model.weights=dummy`` architectures by model config name (conf/model/<name>.yaml's ``name``)."""
-    prepare_speed: Callable[[Any, Any], dict] | None = None
-    """``(pipe, AccelOptions) -> what was done``: the family's own speed hooks, applied by speed/accel.prepare."""
     hidden_default: int = 3072
     """Transformer width assumed by ``auto`` when the config does not give it."""
 

@@ -1,5 +1,6 @@
 """Qwen-Image (``QwenImagePipeline``): a Qwen2.5-VL text encoder whose text is trimmed to the batch's longest
-prompt (so the text token count varies per batch), true CFG, and its own speed hooks (shardgen/speed/qwen.py).
+prompt (so the text token count varies per batch), true CFG. Its speed hooks live with the speed code (shardgen/speed/qwen.py, listed in
+speed/accel.py: SPEED_HOOKS): families sit below speed/ and import nothing from it.
 """
 
 from __future__ import annotations
@@ -40,28 +41,7 @@ _QWEN_IMAGE = {
 }
 
 
-def prepare_speed(pipe, opts) -> dict:
-    """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
-    whose per-branch state needs the two calls), real-valued RoPE when compiled."""
-    from shardgen.speed import qwen
-
-    if not qwen.is_qwen_image(pipe):
-        return {}
-    batch_cfg = opts.cfg_batching and not opts.first_block_cache
-    qwen.remove_cfg_batching(pipe)
-    qwen.remove_text_buckets(pipe)
-    qwen.disable_real_rope(pipe.transformer)
-    if opts.compile or batch_cfg:
-        qwen.install_text_buckets(pipe)
-    if batch_cfg:
-        qwen.install_cfg_batching(pipe)
-    real_rope = opts.compile and qwen.enable_real_rope(pipe.transformer)
-    dynamic = opts.compile and qwen.mark_text_dynamic(pipe.transformer) >= 0
-    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
-                     "text_length_dynamic": dynamic}}
-
-
 QWEN_IMAGE = register(ModelFamily(
     name="Qwen-Image", pipeline="QwenImagePipeline", text_tokens=None,
     encode_outputs=("prompt_embeds", "prompt_embeds_mask"),
-    dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)}, prepare_speed=prepare_speed))
+    dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)}))

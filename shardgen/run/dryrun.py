@@ -8,18 +8,18 @@ no honest figure, and the dry run says so instead of guessing.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardgen.config.launchers import launcher_of
 from shardgen.dataio.prompts import (PromptSource, TruncationCheck, build_plan, check_prompt_source, load_plan,
-                                     planning_windows, resolve_samples_per_shard, rules_from_cfg,
-                                     sample_bytes_estimate)
+                                     planning_windows, rules_from_cfg)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
+from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_version
 
 if TYPE_CHECKING:
@@ -51,12 +51,7 @@ class DryRun:
 
 def world_size_of(cfg: GenerateConfig) -> int:
     """The ranks a launch of ``cfg`` would have."""
-    ln = cfg.launcher
-    if ln.name == "local":
-        return ln.nprocs
-    if ln.name == "slurm":
-        return ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1)
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher_of(cfg).world_size(cfg.launcher)
 
 
 def measured_rate(run: RunDir) -> float | None:

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
-                                     resolve_samples_per_shard, rules_from_cfg)
+                                     rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
                                     load_plan_or_discard, prompt_file_hash, read_ledger, record_plan_digests,
                                     remember_prompt_hash, repair_run_dir)
@@ -26,7 +26,7 @@ from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
                                     first_missing_dir, log_to_file_only, owner_record, record_launch)
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
-                                    run_provenance, text_windows)
+                                    resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
 from shardgen.run.progress import Progress

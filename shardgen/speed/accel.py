@@ -59,7 +59,9 @@ from typing import Any
 import torch
 from shardgen.errors import UserError
 from shardgen.families import family_of
+from shardgen.speed import qwen
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
+from shardgen.speed.blocks import repeated_blocks
 
 log = logging.getLogger("shardgen.accel")
 
@@ -150,11 +152,6 @@ def validate(opts: AccelOptions, device: torch.device | str | None = None) -> No
 
 
 # --- regional compilation ----------------------------------------------------------------------------
-
-def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    names = tuple(getattr(transformer, "_repeated_blocks", None) or ())
-    return [m for m in transformer.modules() if type(m).__name__ in names]
-
 
 def _raise_recompile_limits() -> None:
     import torch._dynamo.config as dc
@@ -459,6 +456,10 @@ def _scan_native_attention(transformer) -> bool:
 
 # --- the entry point ----------------------------------------------------------------------------------
 
+SPEED_HOOKS = {"Qwen-Image": qwen.prepare_speed}
+"""Model family name (shardgen/families/) -> its own speed hooks ``(pipe, AccelOptions) -> what was done``,
+applied by ``prepare`` after the generic options. A family with none is absent."""
+
 def current(pipe) -> AccelOptions | None:
     return getattr(pipe, _STATE_ATTR, None)
 
@@ -504,8 +505,9 @@ def prepare(pipe, opts: AccelOptions) -> dict:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache
     family = family_of(pipe)
-    if family is not None and family.prepare_speed is not None:  # the family's own hooks (Qwen-Image's)
-        done.update(family.prepare_speed(pipe, opts))
+    hook = SPEED_HOOKS.get(family.name) if family is not None else None
+    if hook is not None:  # the family's own hooks (Qwen-Image's)
+        done.update(hook(pipe, opts))
     done["prepare_s"] = round(time.perf_counter() - t0, 3)
     setattr(pipe, _STATE_ATTR, opts)
     if opts != AccelOptions(sdpa=opts.sdpa):

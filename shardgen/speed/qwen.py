@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from shardgen.speed.blocks import repeated_blocks
+
 log = logging.getLogger("shardgen.qwen")
 
 TEXT_BUCKETS = (128, 256, 512, 1024)
@@ -163,8 +165,6 @@ def mark_text_dynamic(transformer: torch.nn.Module) -> int:
     Each text bucket used to compile a graph of its own (128 / 256 / 512 tokens: 16-25 s each on an H200,
     even from a warm cache); marked dynamic on the first call, one graph serves every length. The buckets
     stay: they keep the number of attention shapes (kernel plans) small. Dims of size 1 stay static."""
-    from shardgen.speed.accel import repeated_blocks
-
     n = 0
     for block in repeated_blocks(transformer):
         forward = block.__dict__.get("forward")
@@ -238,3 +238,24 @@ def disable_real_rope(transformer: torch.nn.Module) -> None:
     hook = transformer.__dict__.pop("_shardgen_rope_hook", None)
     if hook is not None:
         hook.remove()
+
+
+# --- the family's hook (speed/accel.py: SPEED_HOOKS) -----------------------------------------------------
+
+def prepare_speed(pipe, opts) -> dict:
+    """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
+    whose per-branch state needs the two calls), real-valued RoPE when compiled."""
+    if not is_qwen_image(pipe):
+        return {}
+    batch_cfg = opts.cfg_batching and not opts.first_block_cache
+    remove_cfg_batching(pipe)
+    remove_text_buckets(pipe)
+    disable_real_rope(pipe.transformer)
+    if opts.compile or batch_cfg:
+        install_text_buckets(pipe)
+    if batch_cfg:
+        install_cfg_batching(pipe)
+    real_rope = opts.compile and enable_real_rope(pipe.transformer)
+    dynamic = opts.compile and mark_text_dynamic(pipe.transformer) >= 0
+    return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
+                     "text_length_dynamic": dynamic}}

@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import logging
 
@@ -410,41 +410,6 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                 rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
 
 
-# ---------------------------------------------------------------- shard sizing
-
-TARGET_SHARD_BYTES = 300_000_000  # a few hundred MB: big enough for streaming reads, small enough to redo
-SHARDS_PER_REPLICA = 4            # when the prompts allow: a replica that finishes early takes another shard
-MAX_SAMPLES_PER_SHARD = 100_000
-# Bytes per pixel of an encoded sample (generated 1024x1024 images: png ~1.5 MB with compress_level=1; an mp4:
-# per pixel of each frame, H.264 at crf 18 ~0.3).
-BYTES_PER_PIXEL = {"png": 1.5, "jpg": 0.4, "webp": 0.3, "mp4": 0.3}
-
-
-def sample_bytes_estimate(*, width: int, height: int, image_format: str, frames: int = 1) -> float:
-    """About how many bytes one encoded sample takes in a tar (``image_format`` mp4: a video of ``frames``)."""
-    return BYTES_PER_PIXEL.get(image_format, 1.5) * width * height * max(1, frames)
-
-
-def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_format: str, replicas: int,
-                             batch_size: int, frames: int = 1) -> tuple[int, str]:
-    """(samples per shard, why): about TARGET_SHARD_BYTES of images per shard, but at least
-    SHARDS_PER_REPLICA shards per replica when the prompts allow, never below a batch, and a whole
-    number of batches: every batch of a shard but the run's last then has the same shape, so a compiled
-    model never compiles again for a shard's short last batch (issue 20: that cost 16-40 s per process).
-    ``image_format`` mp4 with ``frames``: a video run."""
-    sample_bytes = sample_bytes_estimate(width=width, height=height, image_format=image_format, frames=frames)
-    by_size = max(1, int(TARGET_SHARD_BYTES // sample_bytes))
-    by_spread = -(-num_rows // (SHARDS_PER_REPLICA * max(1, replicas)))
-    n = min(MAX_SAMPLES_PER_SHARD, max(min(by_size, by_spread), min(batch_size, by_size)))
-    if n > batch_size > 1:  # rounded down: smaller shards only spread the work better
-        n = n // batch_size * batch_size
-    what = f"{width}x{height} {image_format}" + (f" of {frames} frames" if image_format == "mp4" else "")
-    why = (f"~{sample_bytes / 1e6:.2f} MB per {what} sample: {by_size} fit in "
-           f"{TARGET_SHARD_BYTES / 1e6:.0f} MB; {num_rows} prompts over {replicas} replica(s) x {SHARDS_PER_REPLICA} "
-           f"shards: {by_spread}; at least a batch ({batch_size}), a whole number of batches")
-    return max(1, n), why
-
-
 _EXACT_COUNT_BYTES = 64 << 20  # prompt files up to this size have their lines counted for shard sizing
 _SAMPLES = 16                  # larger ones: lines counted in this many 1 MB samples spread over the file
 
@@ -471,16 +436,6 @@ def estimate_rows(source: PromptSource) -> int:
         if source.format in ("csv", "tsv"):  # the header line is not a prompt (quoted newlines still overcount)
             n = max(0, n - 1)
     return min(n, source.limit) if source.limit is not None else n
-
-
-def resolve_samples_per_shard(requested: int | None, source: PromptSource, **run) -> int:
-    """``requested`` if set, else the choice of ``choose_samples_per_shard`` (logged with its reasons);
-    ``run``: width, height, image_format, replicas, batch_size."""
-    if requested is not None:
-        return requested
-    n, why = choose_samples_per_shard(estimate_rows(source), **run)
-    log.info("samples_per_shard=%d (chosen: %s; set samples_per_shard=N to choose)", n, why)
-    return n
 
 
 def idle_warning(num_shards: int, replicas: int, samples_per_shard: int) -> str | None:

@@ -6,11 +6,14 @@ bars, ``jobs.status``, ``jobs.verify`` and a requeued job all read it the same w
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
@@ -64,32 +67,21 @@ class Ledger:
         return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
 
 
-def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None,
-                persist: bool = False) -> Ledger:
+def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
     """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards.
 
     Each directory is listed once (not once per shard), and the done shards' stats are read by a few threads:
-    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes.
-    ``persist`` (jobs.status): keep what it needs of each stats file in ``stats_cache.json``, valid while the
-    file's size and mtime (from the listing) are unchanged, so a status call reads only new stats."""
+    on NFS or Lustre each read is a round trip, and 100k of them one after the other would take minutes."""
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
     claims = scan_claims(run) if run.claims_dir.exists() else {}
     ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
-    sigs = _stats_signatures(run) if persist else {}
-    if persist:
-        cache.update(_load_persisted(run, sigs))
-    new = _read_stats_parallel(run, sorted(done - cache.keys()))
-    cache.update(new)
-    if persist and any(v is not None for v in new.values()):
-        _persist(run, cache, sigs)
+    cache.update(_read_stats_parallel(run, sorted(done - cache.keys())))
     now, me = time.time(), owner_record(-1)
     shards, reasons = [], Counter()
-    plain = not plan.extensions  # one segment: a shard's rows by arithmetic (shard_range 100k times costs a second)
-    per, total = plan.samples_per_shard, (plan.meta["num_rows"] if plan.meta else plan.num_rows)
     for shard in range(plan.num_shards):
-        rows = min(per, total - shard * per) if plain else len(plan.shard_range(shard))
+        rows = _rows(plan, shard)
         if shard in done:
             st = cache.get(shard)
             if st is None:  # shown as damaged; the next launch (or jobs.verify --repair) repairs it
@@ -100,62 +92,211 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
                 reasons.update(st["failures_by_reason"])
             shards.append(ShardState(shard, rows, "done", st["count"], stats=st))
             continue
-        best = max(ckpts_of.get(shard, []), key=lambda c: c["n_done"], default=None)
-        n = best["n_done"] if best else 0
-        times = dict(started=best.get("started"), updated=best.get("updated")) if best else {}
-        gen = claims.get(shard)
-        if gen is None:
-            shards.append(ShardState(shard, rows, "pending", n, **times))
-            continue
-        record, mtime = read_claim(run, shard, gen)
-        age = None if mtime is None else now - mtime
-        state = claim_state(record, mtime, now, lease_s, me)
-        shards.append(ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
-                                 holder=record if isinstance(record, dict) else {}, **times))
+        shards.append(_open_shard(run, shard, rows, claims, ckpts_of, now, lease_s, me))
     return Ledger(plan=plan, shards=shards, failures_by_reason=reasons)
 
 
-STATUS_FIELDS = ("shard", "count", "ok", "failed", "rejected", "truncated", "failures_by_reason", "started",
-                 "finished", "wall_s")  # what the status and the ledger's totals use of a shard's stats
+def _rows(plan: Plan, shard: int) -> int:
+    """A shard's rows; by arithmetic with one segment (shard_range 100k times costs a second)."""
+    if plan.extensions:
+        return len(plan.shard_range(shard))
+    per, total = plan.samples_per_shard, (plan.meta["num_rows"] if plan.meta else plan.num_rows)
+    return min(per, total - shard * per)
 
 
-def _stats_signatures(run: RunDir) -> dict[int, list[int]]:
-    """shard -> [size, mtime_ns] of its stats file, from one listing of shards/."""
-    out = {}
+def _open_shard(run: RunDir, shard: int, rows: int, claims: dict, ckpts_of: dict, now: float, lease_s: float,
+                me: dict) -> ShardState:
+    """A shard not committed: pending, or its claim's state, with its best checkpoint's samples and times."""
+    best = max(ckpts_of.get(shard, []), key=lambda c: c["n_done"], default=None)
+    n = best["n_done"] if best else 0
+    times = dict(started=best.get("started"), updated=best.get("updated")) if best else {}
+    gen = claims.get(shard)
+    if gen is None:
+        return ShardState(shard, rows, "pending", n, **times)
+    record, mtime = read_claim(run, shard, gen)
+    age = None if mtime is None else now - mtime
+    state = claim_state(record, mtime, now, lease_s, me)
+    return ShardState(shard, rows, "pending" if state == "gone" else state, n, claim_age_s=age,
+                      holder=record if isinstance(record, dict) else {}, **times)
+
+
+@dataclass
+class DoneSummary:
+    """What ``jobs.status`` needs of the committed shards, summed (not one object per shard)."""
+
+    shards: int = 0          # committed with readable stats
+    damaged: int = 0         # committed, stats unreadable
+    samples: int = 0
+    totals: Counter = field(default_factory=Counter)            # ok / failed / rejected / truncated
+    failures_by_reason: Counter = field(default_factory=Counter)
+    first_started: float | None = None
+    last_finished: float | None = None
+
+
+@dataclass
+class StatusLedger:
+    """A run's snapshot for ``jobs.status``: the committed shards summed, a state per shard only for the shards
+    with a claim or a checkpoint (``active``), and how many are pending without either."""
+
+    plan: Plan
+    done: DoneSummary
+    active: list[ShardState]
+    idle_pending: int
+
+    @property
+    def done_samples(self) -> int:
+        return self.done.samples + sum(s.samples for s in self.active)
+
+    def count(self, state: str) -> int:
+        base = {"done": self.done.shards, "damaged": self.done.damaged, "pending": self.idle_pending}.get(state, 0)
+        return base + sum(s.state == state for s in self.active)
+
+
+_COLS = ("shard", "size", "mtime_ns", "count", "ok", "failed", "rejected", "truncated")  # int64 columns
+_TIMES = ("started", "finished")  # float64 columns, NaN where the stats have no number
+
+
+def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
+    """The run's state for ``jobs.status``, from one listing of each directory.
+
+    What status needs of each committed shard's stats is kept in ``stats_cache.npz`` (columns, not a JSON object
+    per shard: 100k of those take seconds to parse), each row valid while its stats file's size and mtime (from
+    the listing) are unchanged; a call reads only the stats committed or changed since the last one."""
+    run = plan.run
+    names, sig = _stats_listing(run)
+    names = {s for s in names if s < plan.num_shards}  # (as read_ledger, which walks the plan's shards)
+    sig = {s: v for s, v in sig.items() if s < plan.num_shards}
+    claims = scan_claims(run) if run.claims_dir.exists() else {}
+    ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
+    table, reasons = _load_table(run)
+    keep = _valid_rows(table, sig)
+    table = {k: v[keep] for k, v in table.items()}
+    kept = set(table["shard"].tolist())
+    reasons = {s: r for s, r in reasons.items() if s in kept}
+    todo = sorted(names - kept)
+    fresh = _read_stats_parallel(run, todo)
+    damaged = sum(st is None for st in fresh.values())
+    rows = [(s, st) for s, st in fresh.items() if st is not None and s in sig]
+    if rows:
+        table = _append_rows(table, rows, sig)
+        reasons.update(_reasons_of(rows))
+        _save_table(run, table, reasons)
+    # stats read but gone from the listing meanwhile (not in sig) still count, as read_ledger counts them
+    extra = {s: st for s, st in fresh.items() if st is not None and s not in sig}
+    reasons.update(_reasons_of(extra.items()))
+    summary = _summarize(table, reasons, list(extra.values()))
+    summary.damaged = damaged
+    now, me = time.time(), owner_record(-1)
+    open_shards = sorted((claims.keys() | ckpts_of.keys()) - names)
+    active = [_open_shard(run, s, _rows(plan, s), claims, ckpts_of, now, lease_s, me)
+              for s in open_shards if 0 <= s < plan.num_shards]
+    idle = plan.num_shards - summary.shards - damaged - len(active)
+    return StatusLedger(plan=plan, done=summary, active=active, idle_pending=idle)
+
+
+def _reasons_of(items) -> dict[int, dict]:
+    """shard -> its stats' failures by reason, for the (shard, stats) pairs that have any (as read_ledger adds)."""
+    return {s: st["failures_by_reason"] for s, st in items
+            if st.get("failures_by_reason") and isinstance(st["failures_by_reason"], dict)}
+
+
+def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
+    """(shards with a stats file, shard -> (size, mtime_ns) of it), from one listing of shards/.
+
+    ``os.listdir`` and a stat relative to the directory's descriptor: a ``DirEntry`` for each of the 300k names
+    of a 100k-shard run costs a second more, and only the stats files are stat'ed."""
+    names, sig = set(), {}
     try:
-        with os.scandir(run.shards_dir) as it:
-            for e in it:
-                if e.name.endswith(".stats.json") and e.name[:6].isdigit():
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    out[int(e.name[:6])] = [st.st_size, st.st_mtime_ns]
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def _load_persisted(run: RunDir, sigs: dict[int, list[int]]) -> dict[int, dict]:
+        listed = [n for n in os.listdir(run.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()]
+        fd = os.open(run.shards_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return names, sig
     try:
-        saved = read_state(run.stats_cache_path)
-    except RunDirError:  # none yet, or damaged: the stats are read again
-        return {}
-    out = {}
-    for key, entry in (saved.items() if isinstance(saved, dict) else ()):
-        if key.isdigit() and isinstance(entry, dict) and entry.get("sig") == sigs.get(int(key)) \
-                and isinstance(entry.get("stats"), dict):
-            out[int(key)] = entry["stats"]
-    return out
+        for name in listed:
+            shard = int(name[:6])
+            names.add(shard)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            sig[shard] = (st.st_size, st.st_mtime_ns)
+    finally:
+        os.close(fd)
+    return names, sig
 
 
-def _persist(run: RunDir, cache: dict, sigs: dict[int, list[int]]) -> None:
-    data = {str(s): dict(sig=sigs[s], stats={k: st[k] for k in STATUS_FIELDS if k in st})
-            for s, st in cache.items() if st is not None and s in sigs}
+def _empty_table() -> dict:
+    return {**{k: np.zeros(0, np.int64) for k in _COLS}, **{k: np.zeros(0, np.float64) for k in _TIMES}}
+
+
+def _load_table(run: RunDir) -> tuple[dict, dict[int, dict]]:
+    """The saved columns and failures by reason (shard -> its dict); empty when there is none or it is damaged."""
+    path = run.stats_cache_path
     try:
-        atomic_write_bytes(run.stats_cache_path, json.dumps(data, separators=(",", ":")).encode())
+        if path.is_symlink():
+            raise ValueError("a symlink")
+        with np.load(path, allow_pickle=False) as z:
+            table = {k: np.asarray(z[k], np.int64) for k in _COLS} | {k: np.asarray(z[k], np.float64) for k in _TIMES}
+            reasons = json.loads(str(z["reasons"]))
+        if len({len(v) for v in table.values()}) != 1 or not isinstance(reasons, dict):
+            raise ValueError("columns of different lengths")
+        return table, {int(s): r for s, r in reasons.items()}
+    except Exception:  # none yet, or damaged (any of numpy's and zipfile's errors): the stats are read again
+        return _empty_table(), {}
+
+
+def _valid_rows(table: dict, sig: dict[int, tuple[int, int]]) -> np.ndarray:
+    """Which saved rows still describe their stats file (same size and mtime as listed now)."""
+    if not len(table["shard"]) or not sig:
+        return np.zeros(len(table["shard"]), bool)
+    keys = np.fromiter(sig.keys(), np.int64, len(sig))
+    vals = np.array(list(sig.values()), np.int64).reshape(-1, 2)
+    order = np.argsort(keys)
+    keys, vals = keys[order], vals[order]
+    pos = np.clip(np.searchsorted(keys, table["shard"]), 0, len(keys) - 1)
+    return (keys[pos] == table["shard"]) & (vals[pos, 0] == table["size"]) & (vals[pos, 1] == table["mtime_ns"])
+
+
+def _num_or_nan(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else np.nan
+
+
+def _int_or_zero(x) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) else 0
+
+
+def _append_rows(table: dict, rows: list[tuple[int, dict]], sig: dict) -> dict:
+    add = dict(shard=[s for s, _ in rows], size=[sig[s][0] for s, _ in rows], mtime_ns=[sig[s][1] for s, _ in rows])
+    for k in ("count", "ok", "failed", "rejected", "truncated"):
+        add[k] = [_int_or_zero(st.get(k, 0)) for _, st in rows]
+    for k in _TIMES:
+        add[k] = [_num_or_nan(st.get(k)) for _, st in rows]
+    return {k: np.concatenate([table[k], np.asarray(add[k], table[k].dtype)]) for k in table}
+
+
+def _save_table(run: RunDir, table: dict, reasons: dict[int, dict]) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **table, reasons=np.array(json.dumps({str(s): r for s, r in reasons.items()})))
+    try:
+        atomic_write_bytes(run.stats_cache_path, buf.getvalue())
     except OSError:  # a run directory this user may only read: the next call reads the stats again
         pass
+
+
+def _summarize(table: dict, reasons: dict[int, dict], extra: list[dict]) -> DoneSummary:
+    out = DoneSummary(shards=len(table["shard"]) + len(extra))
+    out.samples = int(table["count"].sum()) + sum(st["count"] for st in extra)
+    for k in ("ok", "failed", "rejected", "truncated"):
+        out.totals[k] = int(table[k].sum()) + sum(_int_or_zero(st.get(k, 0)) for st in extra)
+    for s in sorted(reasons):  # in shard order, as read_ledger adds them (most_common keeps ties in that order)
+        out.failures_by_reason.update(reasons[s])
+    starts = np.concatenate([table["started"], [_num_or_nan(st.get("started")) for st in extra]])
+    ends = np.concatenate([table["finished"], [_num_or_nan(st.get("finished")) for st in extra]])
+    if (starts == starts).any():
+        out.first_started = float(np.nanmin(starts))
+    if (ends == ends).any():
+        out.last_finished = float(np.nanmax(ends))
+    return out
 
 
 def _read_stats_parallel(run: RunDir, shards: list[int]) -> dict[int, dict | None]:

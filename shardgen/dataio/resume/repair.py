@@ -16,6 +16,7 @@ Refused: a run without a valid fingerprint, a symlinked fingerprint or plan file
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -24,11 +25,13 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
+
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, map_io, own_file_name, read_state,
-                                           shard_name)
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, map_io,
+                                           own_file_name, read_state, shard_name)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
 from shardgen.dataio.shards import index as shard_index
@@ -145,25 +148,32 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
 def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     """Check what a launch must trust; repair what is safe to repair; a line for each repair done."""
     run = plan.run
-    notes = [f"removed {p.name}, left by a killed job" for p in run.clean_leftovers()]
-    notes += _remove_symlinks(run)
+    # one listing of shards/ (300k names on a 100k-shard run) serves the leftovers, the symlinks and the checks
+    shards_dir_ok = run.shards_dir.is_dir() and not run.shards_dir.is_symlink()
+    with os.scandir(run.shards_dir) if shards_dir_ok else contextlib.nullcontext([]) as it:
+        entries = {e.name: e for e in it}
+    listed = {run.shards_dir: list(entries)} if shards_dir_ok else None
+    removed = run.clean_leftovers(listed=listed)
+    notes = [f"removed {p.name}, left by a killed job" for p in removed]
+    links = _remove_symlinks(run, entries if shards_dir_ok else None)
+    notes += [line for line, _ in links]
+    for path in removed + [p for _, p in links]:
+        if path.parent == run.shards_dir:
+            entries.pop(path.name, None)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
-    # one listing of shards/; only the shards that have files there are checked, and of those only the ones
-    # whose files changed since a launch found them sound (their sizes and mtimes come with the listing), the
-    # rest concurrently: on a shared filesystem 100k shards checked one after another at every launch of
-    # every job would take minutes each
-    with os.scandir(run.shards_dir) if run.shards_dir.is_dir() else contextlib.nullcontext([]) as it:
-        entries = {e.name: e for e in it}
+    # only the shards that have files in shards/ are checked, and of those only the ones whose files changed
+    # since a launch found them sound (their sizes and mtimes come with the listing), the rest concurrently: on a
+    # shared filesystem 100k shards checked one after another at every launch of every job would take minutes each
     present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
                      & set(range(plan.num_shards)))
     seen = {s: _files_signature(run, s, entries) for s in present}
     before = _read_checked(run)
-    todo = [s for s in present if seen[s] is None or before.get(str(s)) != seen[s]]
+    todo = [s for s in present if seen[s] is None or before.get(s) != seen[s]]
     problems = dict(zip(todo, map_io(lambda s: committed_shard_problem(run, s), todo)))
-    sound = {str(s): seen[s] for s in present if problems.get(s) is None and seen[s] is not None}
+    sound = {s: seen[s] for s in present if problems.get(s) is None and seen[s] is not None}
     if sound != before:
-        atomic_write_json(run.shards_checked_path, sound)
+        _write_checked(run, sound)
     for shard, problem in problems.items():
         if problem is None:
             continue
@@ -176,7 +186,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     return notes
 
 
-def _files_signature(run: RunDir, shard: int, entries: dict) -> list[int] | None:
+def _files_signature(run: RunDir, shard: int, entries: dict) -> tuple[int, ...] | None:
     """Sizes and mtimes of a committed shard's stats, tar and index, from the listing of shards/ (None: one is
     missing, so it must be checked)."""
     out = []
@@ -190,35 +200,57 @@ def _files_signature(run: RunDir, shard: int, entries: dict) -> list[int] | None
         except FileNotFoundError:
             return None
         out += [st.st_mode, st.st_size, st.st_mtime_ns]
-    return out
+    return tuple(out)
 
 
-def _read_checked(run: RunDir) -> dict:
+_CHECKED_COLS = 10  # shard, then (mode, size, mtime_ns) of its stats, tar and index
+
+
+def _read_checked(run: RunDir) -> dict[int, tuple[int, ...]]:
+    """shard -> the signature a launch found sound (``shards_checked.npy``: one int64 row per shard; a JSON object
+    of 100k entries took seconds to parse at every launch)."""
+    path = run.shards_checked_path
     try:
-        checked = read_state(run.shards_checked_path)
-    except RunDirError:  # none yet, or damaged: every shard is checked again
+        if path.is_symlink():
+            return {}
+        rows = np.load(path, allow_pickle=False)
+        if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != _CHECKED_COLS:
+            return {}
+    except Exception:  # none yet, or damaged (numpy's errors vary): every shard is checked again
         return {}
-    return checked if isinstance(checked, dict) else {}
+    return {r[0]: tuple(r[1:]) for r in rows.tolist()}
 
 
-def _remove_symlinks(run: RunDir) -> list[str]:
-    """Remove symlinks where shardgen's own files go (they are never followed); a user's other links stay."""
+def _write_checked(run: RunDir, sound: dict[int, tuple[int, ...]]) -> None:
+    rows = np.array([(s, *sig) for s, sig in sorted(sound.items())], np.int64).reshape(-1, _CHECKED_COLS)
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    atomic_write_bytes(run.shards_checked_path, buf.getvalue())
+
+
+def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tuple[str, Path]]:
+    """Remove symlinks where shardgen's own files go (they are never followed); a user's other links stay.
+    (note, path) for each; ``shards_entries``: the caller's listing of shards/ (not listed again)."""
     notes = []
     for d in (run.shards_dir, run.work_dir, run.claims_dir, run.logs_dir):
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
-        with os.scandir(d) if d.is_dir() else contextlib.nullcontext([]) as entries:
-            # from the listing: no stat per entry; only links at names shardgen uses (a user's own stay)
-            links = [e.name for e in entries if e.is_symlink() and own_file_name(d.name, e.name)]
+        if d == run.shards_dir and shards_entries is not None:
+            links = [n for n, e in shards_entries.items() if e.is_symlink() and own_file_name(d.name, n)]
+        else:
+            with os.scandir(d) if d.is_dir() else contextlib.nullcontext([]) as entries:
+                # from the listing: no stat per entry; only links at names shardgen uses (a user's own stay)
+                links = [e.name for e in entries if e.is_symlink() and own_file_name(d.name, e.name)]
         for name in links:
             (d / name).unlink()
-            notes.append(f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)")
+            notes.append((f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)",
+                          d / name))
     for path in (run.prompt_hash_path, run.summary_path, run.shards_checked_path, run.config_path,
                  run.fingerprint_changes_path, run.plan_digests_path, run.launches_path):
         if path.is_symlink():
             path.unlink()
-            notes.append(f"removed the symlink {path.name} (it was not followed)")
+            notes.append((f"removed the symlink {path.name} (it was not followed)", path))
     return notes
 
 

@@ -17,8 +17,8 @@ Layout (all names zero-padded shard ids)::
       work/000000.g3.ckpt.json  its checkpoint: samples, tar bytes and their sha256, durably written
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
       summary.json              totals, rewritten at the end of each launch
-      shards_checked.json       committed shards a launch found sound (sizes, mtimes): later launches skip them
-      stats_cache.json          what jobs.status needs of each stats file, valid while the file is unchanged
+      shards_checked.npy        committed shards a launch found sound (sizes, mtimes): later launches skip them
+      stats_cache.npz           what jobs.status needs of each stats file (columns), valid while it is unchanged
       logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
@@ -347,13 +347,13 @@ class RunDir:
     def shards_checked_path(self) -> Path:
         """Committed shards a launch found sound, with their files' sizes and mtimes (the next launch skips those
         unchanged: shardgen/dataio/resume/repair.py)."""
-        return self.root / "shards_checked.json"
+        return self.root / "shards_checked.npy"
 
     @property
     def stats_cache_path(self) -> Path:
         """What ``jobs.status`` needs of each committed shard's stats, with the stats file's size and mtime (a
         status call reads only the stats that changed since: shardgen/dataio/resume/ledger.py)."""
-        return self.root / "stats_cache.json"
+        return self.root / "stats_cache.npz"
 
     @property
     def config_path(self) -> Path:
@@ -442,18 +442,18 @@ class RunDir:
             return set()
         return {int(n[:6]) for n in os.listdir(self.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()}
 
-    def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
+    def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S, listed: dict[Path, list[str]] | None = None) -> list[Path]:
         """Remove what killed jobs left behind (temp files, temporary plan directories); the removed paths.
 
         Only names shardgen itself makes are touched (``TEMP_FILE_NAME``, ``PLAN_TEMP_NAME``): a user's
         ``.session.tmp`` or ``.plan-backup/`` stays. Safe with other jobs running: a temp file goes at once
         only when its owner (host and pid in its name) is this host's and dead, anything else only when
         untouched for ``max_age_s`` (a live writer renames its temp file within seconds; a planner adds a
-        file per shard)."""
+        file per shard). ``listed``: directories the caller has just listed (their names), not listed again."""
         removed = []
         for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
             try:
-                names = os.listdir(d) if not d.is_symlink() else []
+                names = (listed[d] if listed and d in listed else os.listdir(d)) if not d.is_symlink() else []
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:

@@ -2,8 +2,9 @@
 
 sink.py (``ShardSink``: encoding and writing on background threads), shardwork.py (``ShardWork``: where a
 shard is checkpointed and committed), tarshard.py (the tar writer and scanner), index.py (the shard index),
-video.py (mp4 encode/decode), annotate.py (provenance and token counts), signals.py (curation signals
-computed on the writer's threads). Imports only the rundir and prompts rooms.
+formats.py (the output formats, one table: extension -> encoder, decoder, size estimate), sizing.py (samples
+per shard), video.py (mp4 encode/decode), annotate.py (provenance and token counts), signals.py (curation
+signals computed on the writer's threads). Imports only the rundir and prompts rooms.
 """
 
 from typing import TYPE_CHECKING
@@ -12,13 +13,16 @@ from shardgen.dataio import lazy_names
 
 if TYPE_CHECKING:
     from .annotate import SampleAnnotator, run_provenance, text_windows
+    from .formats import IMAGE_EXTS, image_ext, sample_bytes_estimate
     from .index import committed_samples
     from .shardwork import Sample, ShardWork, durable_partial
     from .signals import Signals
     from .sink import ShardSink
+    from .sizing import resolve_samples_per_shard
     from .video import VIDEO_EXT, VideoEncoder, decode_video, encode_video, is_video, preview_png, validate_video_config
 
-__all__ = ["Sample", "SampleAnnotator", "ShardSink", "ShardWork", "Signals", "VIDEO_EXT", "VideoEncoder",
-           "committed_samples", "decode_video", "durable_partial", "encode_video", "is_video", "preview_png",
-           "run_provenance", "text_windows", "validate_video_config"]
+__all__ = ["IMAGE_EXTS", "Sample", "SampleAnnotator", "ShardSink", "ShardWork", "Signals", "VIDEO_EXT", "VideoEncoder",
+           "committed_samples", "decode_video", "durable_partial", "encode_video", "image_ext", "is_video",
+           "preview_png", "resolve_samples_per_shard", "run_provenance", "sample_bytes_estimate", "text_windows",
+           "validate_video_config"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

@@ -23,8 +23,8 @@ from typing import Iterable
 
 from shardgen.dataio.prompts.samplejson import input_fields
 from shardgen.dataio.rundir.layout import RunDir, shard_name, temp_path
+from shardgen.dataio.shards.formats import image_ext
 
-IMAGE_EXTS = ("png", "jpg", "webp")
 # Curation signals (shardgen/dataio/shards/signals.py) and their column types in the index.
 SIGNAL_COLUMNS = {"phash": "string", "watermark": "string", "watermark_ok": "bool", "clip_score": "float64"}
 
@@ -59,7 +59,7 @@ def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
     by_ext = {name.partition(".")[2]: data for name, data in members}
     meta = json.loads(by_ext["json"])
     key = members[0][0].partition(".")[0]
-    fmt = next((e for e in IMAGE_EXTS if e in by_ext), None)
+    fmt = image_ext(by_ext)
     image = by_ext.get(fmt) if fmt else None
     signals = meta.get("signals") if isinstance(meta.get("signals"), dict) else {}  # only ours (samplejson.py)
     row = dict(shard=shard, key=key, index=meta.get("index"), line=meta.get("line"), prompt=meta.get("prompt"),
@@ -141,7 +141,10 @@ def resumable(run: RunDir, shard: int, checkpoint: dict | None) -> bool:
     if checkpoint is None:
         return True
     path = partial_index_path(run, shard, checkpoint["gen"])
-    return path.exists() and len(_first_lines(path, checkpoint["n_done"])) == checkpoint["n_done"]
+    try:  # missing, or removed meanwhile by a replica taking the shard over
+        return len(_first_lines(path, checkpoint["n_done"])) == checkpoint["n_done"]
+    except FileNotFoundError:
+        return False
 
 
 def write_index(final: Path, rows: list[dict]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -43,23 +42,6 @@ class Sample:
         meta = json.loads(members["json"])
         return cls(key=key, index=meta["index"], prompt=meta.get("prompt"), meta=meta, status=meta["status"],
                    failure=meta.get("error"), members=[(f"{key}.{ext}", data) for ext, data in members.items()])
-
-
-def encode_image(pixels, fmt: str, quality: int) -> bytes:
-    """Encode an HxWx3 uint8 array as png / jpg / webp bytes."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    img = Image.fromarray(pixels)
-    if fmt == "png":
-        img.save(buf, format="PNG", compress_level=1)  # level 1: ~4x faster than 6, ~10% larger
-    elif fmt == "jpg":
-        img.save(buf, format="JPEG", quality=quality)
-    elif fmt == "webp":
-        img.save(buf, format="WEBP", quality=quality)
-    else:
-        raise ValueError(f"unknown image format {fmt!r}")
-    return buf.getvalue()
 
 
 def sample_members(s: Sample, image: bytes | None, fmt: str) -> list[tuple[str, bytes]]:
@@ -177,9 +159,9 @@ class ShardWork:
         if not self.still_mine():
             log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
             return None
-        self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
         final = self.run.shard_tar(self.shard)
-        try:
+        try:  # taken over between still_mine and here: the new holder removes our partial files
+            self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
             os.replace(self.tar.path, final)
         except FileNotFoundError:  # the new holder removed our partial: it owns the shard now
             log.warning("shard %06d: its partial was removed by the replica that took it over; leaving it", self.shard)

@@ -15,7 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from shardgen.dataio.shards.shardwork import Sample, ShardWork, encode_image
+from shardgen.dataio.shards.formats import encode_image
+from shardgen.dataio.shards.shardwork import Sample, ShardWork
 from shardgen.errors import is_user_error
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDirError, read_state
+from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -106,14 +107,12 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
     """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts."""
     from PIL import Image
 
-    from shardgen.dataio.tools.verify import IMAGE_EXTS
-
     cells = []
     for key, mem in committed_members(plan.run):
-        ext = next((e for e in IMAGE_EXTS if e in mem), None)
+        ext = image_ext(mem)
         if ext is not None and len(cells) < n:
             try:
-                img = Image.open(io.BytesIO(mem[ext])).convert("RGB")
+                img = Image.fromarray(OUTPUT_FORMATS[ext].decode(mem[ext]))
             except Exception:  # an image that does not decode (jobs.verify reports it): no thumbnail
                 continue
             img.thumbnail((size, size))

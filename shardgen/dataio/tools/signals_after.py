@@ -13,12 +13,12 @@ generation time).
 
 from __future__ import annotations
 
-import io
 import logging
 from typing import Callable, Iterator
 
 from shardgen.dataio.prompts.plan import Plan
-from shardgen.dataio.shards.index import IMAGE_EXTS, index_path, write_index
+from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
+from shardgen.dataio.shards.index import index_path, write_index
 from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
 
 log = logging.getLogger("shardgen.signals")
@@ -56,9 +56,7 @@ def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[in
 
 
 def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
-    import numpy as np
     import pyarrow.parquet as pq
-    from PIL import Image
 
     from shardgen.dataio.tools.verify import read_shard_members
 
@@ -69,8 +67,8 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
         return None  # done already (a rerun after a kill)
     members = read_shard_members(plan.run.shard_tar(shard))
     for r in todo:
-        image = next(members[r["key"]][e] for e in IMAGE_EXTS if e in members[r["key"]])
-        pixels = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+        ext = image_ext(members[r["key"]])
+        pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])
         for column, f in functions.items():
             if r.get(column) is None:
                 r[column] = f(pixels, r["prompt"])

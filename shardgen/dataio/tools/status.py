@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 
 from shardgen.dataio.prompts.plan import Plan
-from shardgen.dataio.resume.ledger import Ledger, read_ledger
+from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
 from shardgen.dataio.tools.runfiles import read_events
 
 LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
@@ -26,19 +26,17 @@ def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _span(led: Ledger, now: float, live: bool) -> tuple[float | None, float | None]:
+def _span(led: StatusLedger, now: float, live: bool) -> tuple[float | None, float | None]:
     """(first start, end) of the work on record: the end is now while a claim is live, else the last activity."""
-    starts = [_num(s.stats.get("started")) for s in led.shards if s.stats]
-    starts += [_num(s.started) for s in led.shards if s.state != "done" and s.samples]
-    ends = [_num(s.stats.get("finished")) for s in led.shards if s.stats]
-    ends += [_num(s.updated) for s in led.shards if s.state != "done" and s.samples]
+    starts = [led.done.first_started] + [_num(s.started) for s in led.active if s.state != "done" and s.samples]
+    ends = [led.done.last_finished] + [_num(s.updated) for s in led.active if s.state != "done" and s.samples]
     starts, ends = [t for t in starts if t is not None], [t for t in ends if t is not None]
     if not starts:
         return None, None
     return min(starts), now if live else max(ends, default=None)
 
 
-def _replica_rates(plan: Plan, led: Ledger, now: float) -> list[dict]:
+def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
     """Per replica: samples committed (commit events) plus in its live shards, and its rate over that span."""
     acc: dict[str, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
 
@@ -53,7 +51,7 @@ def _replica_rates(plan: Plan, led: Ledger, now: float) -> list[dict]:
     for e in read_events(plan.run):  # typed records: a torn or odd line of a log is skipped
         t, wall = _num(e["t"]), _num(e.get("wall_s")) or 0.0
         add(e["replica"], e["samples"], t - wall, t)
-    for s in led.shards:
+    for s in led.active:
         if s.state in LIVE and s.holder is not None:
             add(s.holder.get("replica", "?"), s.samples, _num(s.started), now)
     out = []
@@ -63,9 +61,9 @@ def _replica_rates(plan: Plan, led: Ledger, now: float) -> list[dict]:
     return out
 
 
-def _claims(led: Ledger, now: float) -> list[dict]:
+def _claims(led: StatusLedger, now: float) -> list[dict]:
     out = []
-    for s in led.shards:
+    for s in led.active:
         if s.state not in ("running", "future", "stalled", "dead"):
             continue
         h = s.holder or {}
@@ -99,20 +97,20 @@ def last_error(plan: Plan) -> dict | None:
 def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
     now = time.time() if now is None else now
-    led = read_ledger(plan, lease_s, persist=True)  # reads only the stats committed since the last call
+    led = read_status_ledger(plan, lease_s)  # reads only the stats committed since the last call
     done, complete = led.done_samples, led.count("done") == plan.num_shards
-    live = any(s.state in LIVE for s in led.shards)
+    live = any(s.state in LIVE for s in led.active)
     t0, end = _span(led, now, live)
     if complete:
-        end = led.finished_at() or end
+        end = led.done.last_finished or end
     elapsed = (end - t0) if t0 is not None and end is not None else None
     rate = done / elapsed if elapsed and elapsed > 0 and done else None
     state = "complete" if complete else "running" if live else "stopped" if done else "not started"
     eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
-    totals = led.totals()
+    totals = led.done.totals
     return dict(
         run_dir=str(plan.run.root), state=state, samples_total=plan.num_rows, samples_done=done,
-        samples_committed=sum(s.samples for s in led.shards if s.state == "done"),
+        samples_committed=led.done.samples,
         rejected_in_plan=plan.num_rejects,
         shards=dict(total=plan.num_shards, done=led.count("done"), running=led.count("running") + led.count("future"),
                     stalled=led.count("stalled") + led.count("dead"), pending=led.count("pending"),
@@ -121,4 +119,4 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
                                                      truncated=totals.get("truncated", 0)),
-        failures_by_reason=dict(led.failures_by_reason.most_common()), last_error=last_error(plan))
+        failures_by_reason=dict(led.done.failures_by_reason.most_common()), last_error=last_error(plan))

@@ -5,7 +5,6 @@ Used by ``jobs.verify`` (``--repair``) and the tests."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import tarfile
@@ -16,11 +15,9 @@ from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_k
 from shardgen.dataio.rundir.layout import RunDirError
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
+from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
 from shardgen.errors import UserError
-
-IMAGE_EXTS = ("png", "jpg", "webp")
-MEDIA_EXTS = IMAGE_EXTS + (VIDEO_EXT,)  # a sample's one image or video member
 
 
 @dataclass
@@ -82,13 +79,10 @@ def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[st
     if decode and images == [VIDEO_EXT]:  # decodes every frame; counts them against the json
         problems += check_video_member(key, members[VIDEO_EXT], meta)
     elif decode and images:
-        from PIL import Image
-
         try:
-            img = Image.open(io.BytesIO(members[images[0]]))
-            img.load()
-            if img.size != (meta.get("width"), meta.get("height")):
-                problems.append(f"{key}: the image is {img.size[0]}x{img.size[1]}, its json says "
+            height, width = OUTPUT_FORMATS[images[0]].decode(members[images[0]]).shape[:2]
+            if (width, height) != (meta.get("width"), meta.get("height")):
+                problems.append(f"{key}: the image is {width}x{height}, its json says "
                                 f"{meta.get('width')}x{meta.get('height')}")
         except Exception as e:
             problems.append(f"{key}: image does not decode ({e})")

@@ -1,0 +1,12 @@
+"""The transformer's repeated blocks: what regional compilation, fp8 and the per-model speed hooks work on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks whose class the transformer lists in ``_repeated_blocks`` (FLUX.1: 19 double-stream + 38
+    single-stream blocks), in module order."""
+    names = tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    return [m for m in transformer.modules() if type(m).__name__ in names]
