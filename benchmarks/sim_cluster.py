@@ -1,11 +1,11 @@
 """The run directory at cluster scale, simulated: N replicas (threads) against one run directory.
 
 Everything but the GPU is real: the plan (``build_plan``), the claims and their heartbeats (``Claimer``), the
-replica loop (``ReplicaWorker``: ``_next_shard``, checkpoints, commits through ``ShardSink``), the launch-time
+replica loop (``ReplicaWorker``: ``next_shard``, checkpoints, commits through ``ShardSink``), the launch-time
 repair and the ledger read by ``jobs.status``. The generator is fake: a sleep and an 8x8 image per sample.
 
 It counts the filesystem metadata operations each part makes (os.* calls and ``open``, wrapped in-process),
-per committed shard, the claim latency (time in ``_next_shard`` until a shard is claimed), duplicated samples
+per committed shard, the claim latency (time in ``next_shard`` until a shard is claimed), duplicated samples
 in the committed shards (must be 0), the heartbeat traffic, a replica's start-up on the run and ``jobs.status``
 on it, and the tail (from the first replica finding nothing left to do to the end of the run).
 
@@ -44,7 +44,12 @@ from shardgen.dataio.rundir import Claimer, RunDir, owner_record
 from shardgen.dataio.shards import Sample, ShardSink
 from shardgen.dataio.tools import run_status
 from shardgen.run import replica as replica_mod
+from shardgen.run.generation import GenSettings
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
+
+# what the fake generator's replicas are given: the shape of every batch (tiny samples, one call key)
+SIM_SETTINGS = GenSettings(height=8, width=8, steps=1, guidance=0.0, true_cfg_scale=1.0, negative_prompt=None,
+                           max_sequence_length=77, model="sim", strategy="dp")
 
 OPS = ("stat", "lstat", "listdir", "scandir", "open", "rename", "replace", "unlink", "mkdir", "rmdir", "utime",
        "link", "fsync")
@@ -145,11 +150,11 @@ def prefill(run: RunDir, plan, fraction: float, seed: int = 0) -> int:
         return 0
     sink = ShardSink("png", threads=1)
     claimer = Claimer(run, owner_record(0), heartbeat_s=3600)
-    w = ReplicaWorker(plan=plan, pipe=None, settings=None, batch_size=plan.samples_per_shard,
+    w = ReplicaWorker(plan=plan, pipe=None, settings=SIM_SETTINGS, batch_size=plan.samples_per_shard,
                       ctx=ReplicaContext(0, 1), sink=sink, claimer=claimer)
     replica_mod.generate_batch = fake_generator(0, 0, random.Random(0))
-    shard, gen, done = w._next_shard()
-    w._process(shard, gen, done)
+    shard, gen, done = w.next_shard()
+    w.process(shard, gen, done)
     w.close()
     stats = json.loads(run.shard_stats(shard).read_text())
     tar, idx = run.shard_tar(shard), run.shards_dir / f"{shard:06d}.parquet"
@@ -250,9 +255,9 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
             time.sleep(rng.random() * stagger_s)
         claimer = Claimer(run, dict(owner_record(index), attempt=attempt), lease_s=lease_s, heartbeat_s=heartbeat_s)
         sink = ShardSink("png", threads=1)
-        w = ReplicaWorker(plan=plan, pipe=None, settings=None, batch_size=batch, ctx=ReplicaContext(index, replicas),
+        w = ReplicaWorker(plan=plan, pipe=None, settings=SIM_SETTINGS, batch_size=batch, ctx=ReplicaContext(index, replicas),
                           sink=sink, claimer=claimer, poll_s=min(2.0, heartbeat_s))
-        next_shard = w._next_shard
+        next_shard = w.next_shard
 
         def timed():
             if stop.is_set():
@@ -273,7 +278,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                 with lock:
                     commits[shard] += 1
                     last_commit[0] = max(last_commit[0], time.time())
-        w._next_shard, w._committed = timed, committed
+        w.next_shard, w._committed = timed, committed
         try:
             w.run()
             w.close()

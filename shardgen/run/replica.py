@@ -27,7 +27,7 @@ from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.replica")
 MAX_FAILED_BATCHES = 3  # every sample of this many consecutive batches failing = a broken setup
-WALK_MISSES = 64        # taken shards in a row before a replica lists the run again (_next_shard)
+WALK_MISSES = 64        # taken shards in a row before a replica lists the run again (next_shard)
 TAKEOVER_CHECKS = 16    # claimed shards a replica with nothing free checks for a dead holder, per poll
 
 
@@ -106,10 +106,10 @@ class ReplicaWorker:
     def run(self) -> None:
         """Loop: next shard (shared by the leader), process it; stop when the run is complete.
         With ``retry_failed``, then rewrite each committed shard that recorded failures."""
-        while (assignment := self._share(self._next_shard() if self.ctx.leader else None)) is not None:
-            self._process(*assignment)
+        while (assignment := self._share(self.next_shard() if self.ctx.leader else None)) is not None:
+            self.process(*assignment)
         while self.retry_failed and (assignment := self._share(self._next_retry() if self.ctx.leader else None)):
-            self._process(*assignment)
+            self.process(*assignment)
         if self.sink:
             self.sink.flush()
 
@@ -142,7 +142,7 @@ class ReplicaWorker:
             return obj
         return broadcast_object(obj, src=self.ctx.leader_rank, group=self.ctx.group)
 
-    def _next_shard(self) -> tuple[int, int, int] | None:
+    def next_shard(self) -> tuple[int, int, int] | None:
         """(shard, claim generation, samples already done), waiting while others hold the last shards.
 
         At cluster scale every listing of shards/ (100k entries) and every claim attempt is a round trip to a
@@ -232,7 +232,7 @@ class ReplicaWorker:
         return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
                               still_mine=lambda: self.claimer.still_mine(shard))
 
-    def _process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
+    def process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
         """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""
         rows = checked_rows(self.plan, shard)[n_done:]
         redo = None if regenerate is None else set(regenerate)
