@@ -29,7 +29,8 @@ def test_a_padded_short_batch_gives_the_bytes_of_an_unpadded_one(tmp_path, monke
     from shardgen.run import generation
 
     real = generation.pipeline_kwargs
-    monkeypatch.setattr(generation, "pipeline_kwargs", lambda pipe, s, p, seeds: calls.append(len(p)) or real(pipe, s, p, seeds))
+    monkeypatch.setattr(generation, "pipeline_kwargs",
+                        lambda pipe, s, p, *rest, **kw: calls.append(len(p)) or real(pipe, s, p, *rest, **kw))
     eager = run(compose_cfg(f"run_dir={tmp_path / 'eager'}", f"prompts.path={f}", "batch_size=4", *FAST))
     assert calls == [4, 3]
     calls.clear()

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from shardgen.errors import UserError
+
 ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
                 "num_frames")
 """The names ``prompts.row_settings`` may list."""
@@ -30,8 +32,9 @@ _NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
 _INT = re.compile(r"\s*[0-9]+\s*")
 
 
-class BadSetting(Exception):
-    """A row's setting is wrong; ``str(exc)`` says which field, what is wrong and what to write."""
+class BadSetting(UserError, ValueError):
+    """A row's setting is wrong; ``str(exc)`` says which field, what is wrong and what to write (the reader
+    puts the file and line in front, or records a reject under ``prompts.on_bad_row=skip``)."""
 
 
 def unknown_names(names: Any) -> list[str]:
