@@ -84,6 +84,42 @@ def test_compile_blocks_fused_compiles_the_fused_forwards_and_uncompile_restores
     assert torch.equal(run(tr, kw), ref)
 
 
+class _Pipe:
+    """What ``accel.prepare`` reads of a pipeline: its transformer and execution device."""
+
+    def __init__(self, tr, device="cpu"):
+        self.transformer, self._execution_device = tr, torch.device(device)
+
+
+def test_fused_blocks_run_eagerly_on_cuda_only_and_switch_back(monkeypatch):
+    """compile=false with fused_blocks (the default): the fused forwards run uncompiled on CUDA; on the CPU the
+    stock blocks stay (diffusers' bytes); fused_blocks=false or compiling puts them back / takes them over."""
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    pipe = _Pipe(tr)
+    accel.prepare(pipe, accel.AccelOptions(compile=False, sdpa="default"))
+    assert all("forward" not in b.__dict__ for b in accel.repeated_blocks(tr))  # CPU: untouched
+    assert torch.equal(run(tr, kw), ref)
+    pipe._execution_device = torch.device("cuda")  # only the device type is read; the blocks still run on the CPU
+    monkeypatch.setattr(accel, "validate", lambda opts, device=None: None)
+    done = accel.prepare(pipe, accel.AccelOptions(compile=False, sdpa="flash"))
+    assert done["fused_eager_blocks"] == 4
+    assert sorted(b.forward.__func__.__name__ for b in accel.repeated_blocks(tr)) == \
+        ["double_block_forward"] * 2 + ["single_block_forward"] * 2
+    out = run(tr, kw)
+    assert (out - ref).abs().max() < 1e-12 * ref.abs().max() and not torch.equal(out, ref)
+    accel.prepare(pipe, accel.AccelOptions(compile=False, sdpa="flash", fused_blocks=False))
+    assert all("forward" not in b.__dict__ for b in accel.repeated_blocks(tr))
+    assert not any(isinstance(getattr(m, "processor", None), flux_fused.FusedFluxAttnProcessor) for m in tr.modules())
+    assert torch.equal(run(tr, kw), ref)
+    accel.prepare(pipe, accel.AccelOptions(compile=False, sdpa="default"))  # fused again, then compiled
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    accel.prepare(pipe, accel.AccelOptions(compile=True, sdpa="default", compile_tuning=False))
+    assert len(compiled) == 4  # every block compiled (none skipped as "already prepared")
+    assert (run(tr, kw) - ref).abs().max() < 1e-12 * ref.abs().max()
+
+
 @pytest.mark.slow  # a real torch.compile on the CPU
 def test_really_compiled_fused_blocks_match_eager():
     tr, kw = small_flux(torch.float32), small_inputs(torch.float32)

@@ -267,9 +267,10 @@ class GenerateConfig:
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
     max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
     fused_blocks: bool = True
-    """With compile=true on FLUX.1 transformers: compile shardgen/speed/flux_fused.py's block forwards (one Triton
-    pass for q/k RMSNorm+RoPE, GELU in the GEMM epilogue, no concatenation before proj_out). Exact up to
-    bf16 rounding; other models and tp/cp runs keep the stock blocks."""
+    """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
+    GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
+    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200). Exact up to bf16 rounding;
+    other models, tp/cp runs and eager CPU runs keep the stock blocks; false = diffusers' own blocks."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
