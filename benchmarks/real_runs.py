@@ -10,9 +10,13 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 2. ``eager``: ``python -m jobs.generate ... compile=false``;
 3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh
    ``$SHARDGEN_CACHE`` (its compile cache and compile records empty): a first job on a new node;
-4. ``warm``: default settings again, on the cache ``cold`` filled: a requeued job, a second job or node;
-5. ``compiled-cold`` (only with ``--skip ''``): ``compile=true`` on another fresh cache: what compiling on
-   the main thread costs and gives here.
+4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling on the main thread costs and gives
+   here, and a cache that has compiled this model (as a long first job leaves it: a short default job on a
+   fresh cache stays eager and compiles nothing);
+5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a requeued job, a second job or node.
+
+``--skip`` leaves ways out; a later call with the same ``--out`` runs the rest (e.g. ``warm`` alone, on the cache
+an earlier call's ``compiled-cold`` left) and merges its figures into the same ``summary.json``.
 
 Whole-run figures are the prompt count over the process's wall time (interpreter start, model build,
 planning, compilation, the last commit: everything the user waits for), against the seed loop's steady
@@ -78,8 +82,8 @@ def main() -> None:
     ap.add_argument("--size", default=None, help="HEIGHTxWIDTH (default: the model's own)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
-    ap.add_argument("--skip", default="compiled-cold",
-                    help="comma-separated ways to leave out: seed,eager,cold,warm,compiled-cold (default: compiled-cold)")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm (default: none)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -88,15 +92,25 @@ def main() -> None:
     out = Path(a.out).absolute()
     if out.is_dir() and any(out.iterdir()) and not (out / "prompts.txt").is_file():
         raise SystemExit(f"--out {out}: not empty and not an earlier real_runs.py output; give a new directory "
-                         "(a rerun deletes its run-*/, cache*/ and seed*/ subdirectories)")
+                         "(a rerun deletes the run-*/, cache*/ and seed*/ subdirectories of the ways it runs)")
     out.mkdir(parents=True, exist_ok=True)
-    for old in ("run-eager", "run-cold", "run-compiled-cold", "run-warm", "cache", "cache-eager", "cache-cold",
-                "cache-compiled", "seed-cache", "seed"):  # this script's own outputs
-        shutil.rmtree(out / old, ignore_errors=True)
+    skip = set(filter(None, a.skip.split(",")))
+    # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
+    # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
+    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"),
+            "compiled-cold": (["compile=true"], "cache-compiled"), "warm": ([], "cache-compiled")}
+    fresh = {"eager": ["run-eager", "cache-eager"], "cold": ["run-cold", "cache"],
+             "compiled-cold": ["run-compiled-cold", "cache-compiled"], "warm": ["run-warm"],
+             "seed": ["seed", "seed-cache"]}
+    for way, dirs in fresh.items():  # this script's own outputs, for the ways this call runs
+        if way not in skip:
+            for d in dirs:
+                shutil.rmtree(out / d, ignore_errors=True)
+    if "warm" not in skip and "compiled-cold" in skip and not (out / "cache-compiled").is_dir():
+        raise SystemExit("warm runs on the cache compiled-cold filled: run compiled-cold first (same --out)")
     prompts = out / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
-    cache = out / "cache"
-    env = dict(os.environ, SHARDGEN_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     size = []
     if a.size:
@@ -104,8 +118,9 @@ def main() -> None:
         size = [f"height={h}", f"width={w or h}"]
     job = [sys.executable, "-m", "jobs.generate", f"model={a.model}", f"model.weights={a.weights}", "prompts=txt",
            f"prompts.path={prompts}", f"steps={a.steps}", f"device={a.device}", "progress=false", *size, *a.overrides]
-    skip = set(filter(None, a.skip.split(",")))
-    res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
+    old_res = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    same = old_res.get("model") == a.model and old_res.get("steps") == a.steps and old_res.get("n") == a.n
+    res: dict = {**(old_res if same else {}), "model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
     if "seed" not in skip:
         seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
         wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", a.model, "--steps", str(a.steps),
@@ -117,10 +132,6 @@ def main() -> None:
         if base.get("images_per_hour") and base.get("n"):  # the same process with --n prompts at its steady rate
             per_image = 3600 / base["images_per_hour"]
             res["seed"]["seed_whole_s"] = wall + (a.n - base["n"]) * per_image
-    # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
-    # the one "cold" filled (its compiled artifacts and compile records), as a requeued job would
-    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"), "warm": ([], "cache"),
-            "compiled-cold": (["compile=true"], "cache-compiled")}
     for way, (extra, cache_name) in ways.items():
         if way in skip:
             continue
