@@ -108,7 +108,7 @@ def main() -> None:
                                  "prompts.row_settings=[width,height]", f"run_dir={out / ('run-' + name)}"])
 
     cfg = mixed_cfg("mixed", prompts)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     t0 = time.perf_counter()
