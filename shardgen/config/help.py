@@ -22,7 +22,7 @@ NESTED_SECTIONS = (("ModelConfig", "model.", "model.* (chosen by model=OPTION; a
                    ("StrategyConfig", "strategy.", "strategy.* (chosen by strategy=OPTION)"),
                    ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION)"),
                    ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
-NESTED = {"model", "strategy", "launcher", "prompts"}  # GenerateConfig fields that are sections of their own
+NESTED = {"model", "strategy", "launcher", "prompts"}  # NestedConfigs fields that are sections of their own
 WIDTH = 100
 
 
@@ -62,21 +62,19 @@ def _default(f: dataclasses.Field) -> str:
 
 def sections() -> list[tuple[str, str, str]]:
     """(schema class, key prefix, heading) of every section: the top-level keys by group (schema.GROUPS; a group's
-    heading is the first line of its docstring), GenerateConfig's own keys, then the nested groups."""
+    heading is the first line of its docstring), signals, then the nested configs."""
     groups = [(g.__name__, "", f"{g.__doc__.splitlines()[0].rstrip('.')} (top-level keys)") for g in schema.GROUPS]
-    return groups + [("GenerateConfig", "", "signals (chosen by signals=[OPTION,...])")] + list(NESTED_SECTIONS)
+    return groups + [("NestedConfigs", "", "signals (chosen by signals=[OPTION,...])")] + list(NESTED_SECTIONS)
 
 
 def help_entries() -> list[tuple[str, list[tuple[str, str, str]]]]:
     """[(section heading, [(dotted key, default, description)])] for every field of the schema, each once."""
     docs = field_docs()
-    in_groups = {f.name for g in schema.GROUPS for f in dataclasses.fields(g)}
     out = []
     for cls_name, prefix, heading in sections():
         cls = getattr(schema, cls_name)
         rows = [(prefix + f.name, _default(f), docs.get(cls_name, {}).get(f.name, ""))
-                for f in dataclasses.fields(cls)
-                if not (cls_name == "GenerateConfig" and (f.name in NESTED or f.name in in_groups))]
+                for f in dataclasses.fields(cls) if not (cls_name == "NestedConfigs" and f.name in NESTED)]
         out.append((heading, rows))
     return out
 

@@ -323,18 +323,9 @@ class CoordinationConfig:
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
 
 
-# The top-level keys' groups, in --help's order. GenerateConfig inherits their fields, so the keys stay flat
-# (``tp_degree=4``, ``compile=false``) while each is defined once, in its group; a class reading a group's keys
-# takes them with shardgen/pick.py (``pick(SpeedConfig, cfg)``), never by listing them again.
-GROUPS = (RunConfig, GenerationConfig, OutputConfig, VideoConfig, ParallelDegrees, SpeedConfig, CoordinationConfig)
-
-
 @dataclass(kw_only=True)
-class GenerateConfig(*reversed(GROUPS)):  # reversed: a dataclass lists its last base's fields first
-    """The main job: every prompt of ``prompts`` into one sample of ``run_dir``'s shards.
-
-    Its own fields are the nested groups (``model.*``, ``strategy.*``, ...); every top-level key comes from one of
-    ``GROUPS``."""
+class NestedConfigs:
+    """The config groups chosen with ``group=option`` (model=flux_dev, strategy=tp, ...), each a node of its own."""
 
     model: ModelConfig = MISSING
     strategy: StrategyConfig = MISSING
@@ -342,3 +333,17 @@ class GenerateConfig(*reversed(GROUPS)):  # reversed: a dataclass lists its last
     prompts: PromptsConfig = MISSING
     signals: Dict[str, Any] = field(default_factory=dict)
     """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/shards/signals.py)."""
+
+
+# The top-level keys' groups, in --help's order. GenerateConfig inherits their fields, so the keys stay flat
+# (``tp_degree=4``, ``compile=false``) while each is defined once, in its group; a class reading a group's keys
+# takes them with shardgen/pick.py (``pick(SpeedConfig, cfg)``), never by listing them again.
+GROUPS = (RunConfig, GenerationConfig, OutputConfig, VideoConfig, ParallelDegrees, SpeedConfig, CoordinationConfig)
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(*reversed(GROUPS), NestedConfigs):  # a dataclass lists its last base's fields first
+    """The main job: every prompt of ``prompts`` into one sample of ``run_dir``'s shards.
+
+    Nothing of its own: the nested configs (``model.*``, ... first in a saved config) and every top-level key, each
+    from one of ``GROUPS``."""
