@@ -57,3 +57,92 @@ def test_unknown_option_lists_the_valid_ones():
 def test_wrong_type_fails():
     with pytest.raises(ConfigCompositionException):
         compose_cfg("batch_size=four")
+
+
+# --- the top-level keys in groups (schema.GROUPS), each defined once, read through shardgen/pick.py ---
+
+def test_every_top_level_key_is_in_exactly_one_group():
+    import dataclasses
+    from collections import Counter
+
+    from shardgen.config.schema import GROUPS, GenerateConfig, NestedConfigs
+
+    names = Counter(f.name for g in (*GROUPS, NestedConfigs) for f in dataclasses.fields(g))
+    assert [n for n, c in names.items() if c > 1] == []  # inheritance would silently merge a key of two groups
+    assert set(names) == {f.name for f in dataclasses.fields(GenerateConfig)}  # no key outside the groups
+
+
+def test_each_groups_keys_stay_flat_on_the_command_line():
+    from shardgen.config.schema import (CoordinationConfig, GenerationConfig, OutputConfig, ParallelDegrees,
+                                        RunConfig, SpeedConfig, VideoConfig)
+    from shardgen.pick import pick
+
+    cfg = compose_cfg("model=tiny_video", "strategy=tp", "tp_degree=4", "compile=false", "video_crf=20", "lease_s=30",
+                      "image_quality=80", "seed=7", "dry_run=true", "height=64")
+    assert (pick(ParallelDegrees, cfg).tp_degree, pick(SpeedConfig, cfg).compile) == (4, False)
+    assert (pick(VideoConfig, cfg).video_crf, pick(VideoConfig, cfg).num_frames) == (20, cfg.model.num_frames)
+    assert (pick(CoordinationConfig, cfg).lease_s, pick(OutputConfig, cfg).image_quality) == (30.0, 80)
+    assert (pick(GenerationConfig, cfg).seed, pick(GenerationConfig, cfg).height, pick(RunConfig, cfg).dry_run) \
+        == (7, 64, True)
+
+
+def test_pick_refuses_a_default_only_a_composed_config_resolves_and_an_unknown_field():
+    from shardgen.config.schema import SpeedConfig, VideoConfig
+    from shardgen.pick import pick
+
+    assert pick(SpeedConfig, {"fp8": True}).fp8 and pick(SpeedConfig, {}).compile == "auto"  # the schema's default
+    with pytest.raises(KeyError, match=r"VideoConfig.num_frames.*\$\{model.num_frames\}"):
+        pick(VideoConfig, {})
+    with pytest.raises(TypeError, match="SpeedConfig has no field fp16"):
+        pick(SpeedConfig, {}, fp16=True)
+
+
+class _Reads:
+    """A composed config that records the top-level keys read from it (not those only probed with ``in``)."""
+
+    def __init__(self, cfg):
+        self._cfg, self.read = cfg, set()
+
+    def __contains__(self, key):
+        return key in self._cfg
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return self._cfg[key]
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return self._cfg.get(key, default)
+
+    def __getattr__(self, key):
+        self.read.add(key)
+        return getattr(self._cfg, key)
+
+
+def test_each_runtime_class_reads_only_its_groups_keys(tmp_path):
+    import dataclasses
+
+    from shardgen.config.schema import GenerationConfig, SpeedConfig, VideoConfig
+    from shardgen.dataio.shards.video import VideoEncoder
+    from shardgen.run.generation import GenSettings
+    from shardgen.run.latent_ckpt import LatentCheckpoints
+    from shardgen.speed.accel import AccelOptions
+
+    def keys(*groups):
+        return {f.name for g in groups for f in dataclasses.fields(g)}
+
+    cfg = compose_cfg("model=tiny_video", f"run_dir={tmp_path}")
+    # (what builds it, the keys it may read: its groups' and the nested groups or keys it derives a value from)
+    cases = [(AccelOptions.from_cfg, keys(SpeedConfig) | {"device", "strategy"}),
+             (VideoEncoder.from_cfg, keys(VideoConfig)),
+             (LatentCheckpoints.from_cfg, keys(VideoConfig) | {"run_dir", "model", "strategy"}),
+             (GenSettings.from_cfg, keys(GenerationConfig, VideoConfig, SpeedConfig) | {"run_dir", "model", "strategy"})]
+    for build, allowed in cases:
+        rec = _Reads(cfg)
+        build(rec)
+        assert rec.read - allowed == set(), build.__qualname__
+    rec = _Reads(cfg)
+    s = GenSettings.from_cfg(rec)
+    assert {"height", "width", "steps", "guidance", "batch_size", "num_frames"} <= rec.read
+    assert (s.height, s.num_frames, s.true_cfg_scale, s.model) == (cfg.height, cfg.num_frames,
+                                                                    cfg.model.true_cfg_scale, cfg.model.name)

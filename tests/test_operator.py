@@ -111,8 +111,12 @@ def test_generate_help_describes_every_key_from_the_schemas_docstrings():
     assert p.returncode == 0, p.stderr
     out = " ".join(p.stdout.split())  # help text is wrapped: compare with whitespace collapsed
     assert "usage: python -m jobs.generate" in out and "prompts: csv, default, jsonl" in out
-    entries = [row for _, rows in help_entries() for row in rows]
+    sections = help_entries()
+    entries = [row for _, rows in sections for row in rows]
     assert len(entries) > 60 and all(doc for _, _, doc in entries)  # every key has a docstring
+    assert len({key for key, _, _ in entries}) == len(entries)  # each key once, under its group's heading
+    assert all(f"== {heading} ==" in p.stdout for heading, _ in sections)
+    assert "== Speed: shardgen/speed/accel.py; the LOSSY options are opt-in (top-level keys) == compile=auto" in out
     for key, default, doc in entries:
         assert f"{key}={default} {doc}" in out, key
     assert "tp_degree=1 Tensor-parallel ranks per replica (strategy=tp)." in out  # one, spelled out

@@ -17,13 +17,12 @@ from omegaconf import MISSING
 from shardgen.config import schema
 
 SCHEMA = Path(__file__).with_name("schema.py")
-# (the schema class, the key prefix its fields take, the heading of its section)
-SECTIONS = (("GenerateConfig", "", "Settings (top-level keys)"),
-            ("ModelConfig", "model.", "model.* (chosen by model=OPTION; any key can be overridden)"),
-            ("StrategyConfig", "strategy.", "strategy.* (chosen by strategy=OPTION)"),
-            ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION)"),
-            ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
-NESTED = {"model", "strategy", "launcher", "prompts"}  # GenerateConfig fields that are sections of their own
+# (the schema class, the key prefix its fields take, the heading of its section) of the nested groups
+NESTED_SECTIONS = (("ModelConfig", "model.", "model.* (chosen by model=OPTION; any key can be overridden)"),
+                   ("StrategyConfig", "strategy.", "strategy.* (chosen by strategy=OPTION)"),
+                   ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION)"),
+                   ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
+NESTED = {"model", "strategy", "launcher", "prompts"}  # NestedConfigs fields that are sections of their own
 WIDTH = 100
 
 
@@ -61,16 +60,23 @@ def _default(f: dataclasses.Field) -> str:
     return str(value) if not isinstance(value, (dict, list)) or value else ("{}" if isinstance(value, dict) else "[]")
 
 
+def sections() -> list[tuple[str, str, str]]:
+    """(schema class, key prefix, heading) of every section: the top-level keys by group (schema.GROUPS; a group's
+    heading is the first line of its docstring), signals, then the nested configs."""
+    groups = [(g.__name__, "", f"{g.__doc__.splitlines()[0].rstrip('.')} (top-level keys)") for g in schema.GROUPS]
+    return groups + [("NestedConfigs", "", "signals (chosen by signals=[OPTION,...])")] + list(NESTED_SECTIONS)
+
+
 def help_entries() -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """[(section heading, [(dotted key, default, description)])] for every field of the schema."""
+    """[(section heading, [(dotted key, default, description)])] for every field of the schema, each once."""
     docs = field_docs()
-    sections = []
-    for cls_name, prefix, heading in SECTIONS:
+    out = []
+    for cls_name, prefix, heading in sections():
         cls = getattr(schema, cls_name)
         rows = [(prefix + f.name, _default(f), docs.get(cls_name, {}).get(f.name, ""))
-                for f in dataclasses.fields(cls) if not (cls_name == "GenerateConfig" and f.name in NESTED)]
-        sections.append((heading, rows))
-    return sections
+                for f in dataclasses.fields(cls) if not (cls_name == "NestedConfigs" and f.name in NESTED)]
+        out.append((heading, rows))
+    return out
 
 
 def help_text() -> str:

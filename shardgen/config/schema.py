@@ -6,6 +6,11 @@ config is composed ("Key 'tp_degre' is not in struct"), with nothing loaded or w
 
 This is the one source of every default: the YAML files choose group options and set only what
 an option changes (a model's size, a strategy's own settings), never a default again.
+
+The top-level keys are grouped by what reads them (RunConfig, GenerationConfig, OutputConfig, VideoConfig,
+ParallelDegrees, SpeedConfig, CoordinationConfig: ``GROUPS``); GenerateConfig inherits every group, so the keys
+stay flat on the command line and in the YAML (``compile=false``, ``tp_degree=4``, ``video_crf=20``). A new key is
+one field with a docstring in its group (the docstring is its ``--help`` text, under the group's heading).
 """
 
 from __future__ import annotations
@@ -167,22 +172,34 @@ class PromptsConfig:
 
 
 @dataclass(kw_only=True)
-class GenerateConfig:
-    """The main job: every prompt of ``prompts`` into one sample of ``run_dir``'s shards."""
+class RunConfig:
+    """Run: the run directory and what this launch does with it."""
 
-    model: ModelConfig = MISSING
-    strategy: StrategyConfig = MISSING
-    launcher: LauncherConfig = MISSING
-    prompts: PromptsConfig = MISSING
-    signals: Dict[str, Any] = field(default_factory=dict)
-    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/shards/signals.py)."""
     run_dir: str = "runs/default"
     """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
     samples_per_shard: Optional[int] = None
     """Samples per shard; null = chosen from the image size and the ranks (a few hundred MB per shard,
     several shards per replica; the choice is logged). Fixed once the run is planned."""
-    batch_size: int = 4
-    """Prompts per pipeline call, per replica."""
+    retry_failed: bool = False
+    """Regenerate exactly the samples recorded as failed in committed shards."""
+    allow_fingerprint_change: bool = False
+    """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
+    dry_run: bool = False
+    """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
+    no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""
+    check_memory: bool = True
+    """Before building the model: refuse when its weights (sized from its config) do not fit the memory of the
+    device each rank builds it on, saying what to change; false = try anyway (parallel/memory.py)."""
+    progress: bool = True
+    """Show a progress bar (leader of replica 0)."""
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """Generation: what every sample is made with.
+
+    A row may set its own size, steps and guidance (prompts.row_settings)."""
+
     height: int = II("model.height")
     """Image height in pixels (default: the model's); a multiple of 16."""
     width: int = II("model.width")
@@ -193,10 +210,32 @@ class GenerateConfig:
     """Guidance scale (default: the model's)."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
+    batch_size: int = 4
+    """Prompts per pipeline call, per replica."""
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    dtype: str = II("model.dtype")
+    """float32 | float64 | bfloat16 | float16 (default: the model's)."""
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    """Output: how samples are encoded and written."""
+
     image_format: str = "png"
     """png | jpg | webp"""
     image_quality: int = 95
     """jpg/webp quality (1-100)."""
+    writer_threads: int = 2
+    """Background image encoders per replica."""
+
+
+@dataclass(kw_only=True)
+class VideoConfig:
+    """Video models: frames, the mp4 encoding, mid-sample checkpoints.
+
+    shardgen/dataio/shards/video.py, shardgen/run/latent_ckpt.py."""
+
     num_frames: Optional[int] = II("model.num_frames")
     """Video models: frames per sample (default: the model's); null for image models."""
     fps: Optional[int] = II("model.fps")
@@ -213,11 +252,14 @@ class GenerateConfig:
     longer than that ever save; image models and model-parallel strategies: off); null = off."""
     latent_checkpoint_s: float = 60.0
     """With latent_checkpoint_every=auto: the most denoising time a kill may cost a video batch, seconds."""
-    device: str = "auto"
-    """auto | cpu | cuda"""
-    dtype: str = II("model.dtype")
-    """float32 | float64 | bfloat16 | float16 (default: the model's)."""
-    # model-parallel degrees, read by the strategies (top-level so `strategy=tp tp_degree=4` works as typed)
+
+
+@dataclass(kw_only=True)
+class ParallelDegrees:
+    """Parallel degrees: ranks per replica along each model-parallel dimension.
+
+    Top-level keys, read by the strategies (parallel/dims.py), so that ``strategy=tp tp_degree=4`` works as typed."""
+
     tp_degree: int = 1
     """Tensor-parallel ranks per replica (strategy=tp)."""
     ulysses_degree: int = 1
@@ -227,17 +269,52 @@ class GenerateConfig:
     cfg_degree: int = 1
     """CFG-parallel ranks per replica (1 or 2): with true CFG (model.true_cfg_scale > 1), one rank computes the
     conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
+
+
+@dataclass(kw_only=True)
+class SpeedConfig:
+    """Speed: shardgen/speed/accel.py; the LOSSY options are opt-in.
+
+    Measured in docs/performance.md."""
+
     compile: Any = "auto"
     """Regional compilation of the transformer's repeated blocks: true | false | auto. auto: off on CPU and for
     the model-parallel strategies; on CUDA with strategy dp each process compiles only when the work it has
     left saves more than compiling costs (recorded per GPU and model in $SHARDGEN_CACHE/compile, else priors;
     the first batch runs eagerly to measure). shardgen/speed/accel.py, shardgen/speed/autocompile.py."""
-    writer_threads: int = 2
-    """Background image encoders per replica."""
-    retry_failed: bool = False
-    """Regenerate exactly the samples recorded as failed in committed shards."""
-    allow_fingerprint_change: bool = False
-    """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
+    compile_mode: str = "default"
+    """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
+    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
+    compile_tuning: bool = True
+    """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
+    compilation once per process, ~2% faster steps)."""
+    fused_blocks: bool = True
+    """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
+    GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
+    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200). Exact up to bf16 rounding;
+    other models, tp/cp runs and eager CPU runs keep the stock blocks; false = diffusers' own blocks."""
+    sdpa_backend: str = "auto"
+    """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
+    efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
+    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/accel.py."""
+    cfg_batching: bool = False
+    """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
+    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
+    on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
+    first_block_cache: float = 0.0
+    """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
+    blocks of a step when the first block's output barely changed; decided per batch."""
+    fp8: bool = False
+    """Opt-in, LOSSY: the transformer blocks' linear layers in float8 e4m3 (torch._scaled_mm, row-wise
+    scales); needs compute capability 8.9+ and compile=true to be faster."""
+
+
+@dataclass(kw_only=True)
+class CoordinationConfig:
+    """Coordination: how replicas share a run directory.
+
+    Shard claims (shardgen/dataio/rundir/claims.py) and stalled ranks (shardgen/run/watchdog.py)."""
+
     lease_s: float = LEASE_S
     """A shard claim whose heartbeat is older than this is taken over by another replica."""
     heartbeat_s: float = HEARTBEAT_S
@@ -245,36 +322,29 @@ class GenerateConfig:
     stall_timeout_s: Optional[float] = 1800.0
     """A rank stuck this long inside one batch or commit (a hung GPU or collective) exits, so the job ends
     instead of idling to its time limit; null = never. shardgen/run/watchdog.py."""
-    check_memory: bool = True
-    """Before building the model: refuse when its weights (sized from its config) do not fit the memory of the
-    device each rank builds it on, saying what to change; false = try anyway (parallel/memory.py)."""
-    dry_run: bool = False
-    """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
-    no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""
-    progress: bool = True
-    """Show a progress bar (leader of replica 0)."""
-    sdpa_backend: str = "auto"
-    """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
-    efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
-    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/accel.py."""
-    first_block_cache: float = 0.0
-    """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
-    blocks of a step when the first block's output barely changed; decided per batch."""
-    fp8: bool = False
-    """Opt-in, LOSSY: the transformer blocks' linear layers in float8 e4m3 (torch._scaled_mm, row-wise
-    scales); needs compute capability 8.9+ and compile=true to be faster."""
-    compile_mode: str = "default"
-    """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
-    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
-    fused_blocks: bool = True
-    """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
-    GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
-    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200). Exact up to bf16 rounding;
-    other models, tp/cp runs and eager CPU runs keep the stock blocks; false = diffusers' own blocks."""
-    cfg_batching: bool = False
-    """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
-    calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
-    on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
-    compile_tuning: bool = True
-    """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
-    compilation once per process, ~2% faster steps)."""
+
+
+@dataclass(kw_only=True)
+class NestedConfigs:
+    """The config groups chosen with ``group=option`` (model=flux_dev, strategy=tp, ...), each a node of its own."""
+
+    model: ModelConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    prompts: PromptsConfig = MISSING
+    signals: Dict[str, Any] = field(default_factory=dict)
+    """Curation signals, a config group: signals=[phash,watermark,clip] (shardgen/dataio/shards/signals.py)."""
+
+
+# The top-level keys' groups, in --help's order. GenerateConfig inherits their fields, so the keys stay flat
+# (``tp_degree=4``, ``compile=false``) while each is defined once, in its group; a class reading a group's keys
+# takes them with shardgen/pick.py (``pick(SpeedConfig, cfg)``), never by listing them again.
+GROUPS = (RunConfig, GenerationConfig, OutputConfig, VideoConfig, ParallelDegrees, SpeedConfig, CoordinationConfig)
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(*reversed(GROUPS), NestedConfigs):  # a dataclass lists its last base's fields first
+    """The main job: every prompt of ``prompts`` into one sample of ``run_dir``'s shards.
+
+    Nothing of its own: the nested configs (``model.*``, ... first in a saved config) and every top-level key, each
+    from one of ``GROUPS``."""

@@ -17,6 +17,7 @@ from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job, is_user_error
+from shardgen.pick import pick
 
 log = logging.getLogger("shardgen.generation")
 
@@ -51,16 +52,13 @@ class GenSettings:
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
         """The settings of ``cfg``; ``strategy``: the one that runs when the config says ``auto`` (it decides
         ``compile: auto`` too)."""
-        m = cfg.model
         strategy = strategy or cfg.strategy.name
         opts = AccelOptions.from_cfg(cfg, strategy)
-        return cls(height=cfg.height, width=cfg.width, steps=cfg.steps, guidance=cfg.guidance,
-                   true_cfg_scale=m.true_cfg_scale, negative_prompt=m.negative_prompt,
-                   max_sequence_length=m.max_sequence_length, model=m.name, strategy=strategy,
-                   accel=opts, num_frames=cfg.get("num_frames"),
-                   guidance_2=m.get("guidance_2"), batch_size=int(cfg.batch_size),
-                   compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
-                   latents=LatentCheckpoints.from_cfg(cfg, strategy))
+        # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
+        # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
+        return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
+                    compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
+                    latents=LatentCheckpoints.from_cfg(cfg, strategy))
 
 
 # the settings a row may set that are one value per pipeline call (negative_prompt is per sample)

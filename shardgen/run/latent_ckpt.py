@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from shardgen.config.schema import VideoConfig
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
 from shardgen.dataio.shards import is_video
+from shardgen.pick import pick
 
 log = logging.getLogger("shardgen.latents")
 
@@ -45,10 +47,11 @@ class LatentCheckpoints:
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
         """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
         than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
-        every, directory = cfg.get("latent_checkpoint_every"), RunDir(Path(cfg.run_dir).absolute()).latents_dir
+        video, directory = pick(VideoConfig, cfg), RunDir(Path(cfg.run_dir).absolute()).latents_dir
+        every = video.latent_checkpoint_every
         if every == "auto":
             video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"
-            return cls(directory, interval_s=float(cfg.get("latent_checkpoint_s", 60.0))) if video_dp else None
+            return cls(directory, interval_s=float(video.latent_checkpoint_s)) if video_dp else None
         return cls(directory, every=int(every)) if every else None
 
     def due(self, done: int, since_save_s: float) -> bool:

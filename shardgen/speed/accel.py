@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from shardgen.errors import UserError
 from shardgen.families import family_of
+from shardgen.pick import pick
 from shardgen.speed import qwen
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
 from shardgen.speed.blocks import repeated_blocks
@@ -104,11 +105,10 @@ class AccelOptions:
         if strategy is None:
             strategy = get("strategy", None)
             strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
-        return cls(compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
-                   sdpa=str(get("sdpa_backend", "auto")), cfg_batching=bool(get("cfg_batching", False)),
-                   first_block_cache=float(get("first_block_cache", 0.0) or 0.0), fp8=bool(get("fp8", False)),
-                   compile_mode=str(get("compile_mode", "default") or "default"),
-                   fused_blocks=bool(get("fused_blocks", True)), compile_tuning=bool(get("compile_tuning", True)))
+        # the other fields are SpeedConfig's keys of the same name (shardgen/pick.py); a key absent from a partial
+        # config keeps this class's default
+        return pick(cls, cfg, compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
+                    sdpa=str(get("sdpa_backend", cls.sdpa)))
 
     @property
     def lossy(self) -> dict:

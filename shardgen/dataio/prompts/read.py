@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
 from shardgen.dataio.prompts.samplejson import split_reserved
 from shardgen.errors import UserError
+from shardgen.pick import pick
 
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 ON_BAD_ROW = ("error", "skip")
@@ -81,10 +82,9 @@ class PromptSource:
         if rules is not None and rules.names and fmt == "txt":
             raise fail(str(path), 0, "prompts.row_settings needs a prompt file with fields (jsonl, csv, tsv or "
                        "parquet), and a txt line is only a prompt", "Use prompts.row_settings=[] for a txt file")
-        return cls(path=str(path), format=fmt, field=prompts.field,
-                   seed_field=prompts.seed_field, on_bad_row=prompts.on_bad_row, limit=prompts.limit,
-                   max_chars=prompts.get("max_prompt_chars"),
-                   row_rules=rules.as_json() if rules is not None and rules.names else None)
+        # field, seed_field, on_bad_row, limit: the prompts.* keys of the same name (shardgen/pick.py)
+        return pick(cls, prompts, path=str(path), format=fmt, max_chars=prompts.get("max_prompt_chars"),
+                    row_rules=rules.as_json() if rules is not None and rules.names else None)
 
     @property
     def rules(self) -> RowRules | None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from shardgen.errors import UserError
+from shardgen.pick import pick
 
 VIDEO_EXT = "mp4"
 # yuv420p: what every player decodes; it halves chroma, so width and height must be even
@@ -41,7 +42,7 @@ def validate_video_config(cfg: Any) -> None:
     """Check the video keys before anything is loaded (a no-op for image runs)."""
     every = cfg.get("latent_checkpoint_every")
     if every == "auto":
-        if not cfg.get("latent_checkpoint_s", 60.0) > 0:
+        if not cfg.latent_checkpoint_s > 0:
             raise VideoConfigError(f"latent_checkpoint_s={cfg.latent_checkpoint_s}: use a positive number of "
                                    "seconds (or latent_checkpoint_every=null to save none)")
     elif every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1
@@ -119,23 +120,25 @@ def decode_video(data: bytes) -> tuple[np.ndarray, VideoInfo]:
 
 @dataclass(frozen=True)
 class VideoEncoder:
-    """The writers' encoder for a video run: a sample's frames into mp4 bytes, its json gaining the video fields."""
+    """The writers' encoder for a video run: a sample's frames into mp4 bytes, its json gaining the video fields.
+    Its fields are the keys of the same name (schema.py's VideoConfig: their defaults and docstrings are there)."""
 
     fps: int
-    codec: str = "libx264"
-    crf: int = 18
+    video_codec: str
+    video_crf: int
     ext: str = VIDEO_EXT
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "VideoEncoder":
-        return cls(fps=cfg.fps, codec=cfg.video_codec, crf=cfg.video_crf)
+        """The encoder of a composed config (or anything holding the keys fps, video_codec, video_crf)."""
+        return pick(cls, cfg)
 
     def __call__(self, sample) -> bytes:
-        frames = sample.pixels
-        data = encode_video(frames, self.fps, self.codec, self.crf)
+        frames, codec = sample.pixels, self.video_codec
+        data = encode_video(frames, self.fps, codec, self.video_crf)
         n, h, w = (int(x) for x in frames.shape[:3])
-        sample.meta.update(frames=n, fps=self.fps, duration=round(n / self.fps, 4), size=[w, h], codec=self.codec,
-                           crf=self.crf if self.codec in CRF_CODECS else None, pix_fmt=PIX_FMT)
+        sample.meta.update(frames=n, fps=self.fps, duration=round(n / self.fps, 4), size=[w, h], codec=codec,
+                           crf=self.video_crf if codec in CRF_CODECS else None, pix_fmt=PIX_FMT)
         return data
 
 
