@@ -12,7 +12,9 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
 - **the figures**: measured on this GPU for this model and shape set by earlier processes and kept in
   ``$SHARDGEN_CACHE/compile/records.json`` (eager and compiled seconds per sample, the cold and warm
   compile costs); where none is recorded yet, the priors below (H200 measurements, docs/performance.md).
-  Without a recorded eager speed the first batch runs eagerly and is timed: it is real work, not a probe.
+  Without a recorded eager speed the first two batches run eagerly and the second is timed (real work, not a
+  probe): the first pays the process's one-time GPU costs (H200, session 8: the first batch 10-25% slower than
+  the next), and that inflated figure had compiled 24-prompt jobs that then lost 3-4% to ``compile=false``.
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
 **In the background** (``compile: auto`` on CUDA, once this cache has compiled this model and shape set
@@ -20,8 +22,9 @@ before; shardgen/speed/background.py): the blocks are prepared for compiling fro
 arguments; after it, the same estimate decides whether to compile, but the cost is not waited for: a
 background thread compiles while the next batches run eagerly, and the blocks switch to the compiled
 graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
-here, minus the time the compilation takes, x (1 - 1/speed-up), more than ``BACKGROUND_MIN_SAVING_S``.
-Its cost figure is then the background thread's wall time.
+here, minus the time the compilation takes, x (1 - 1/speed-up), minus what the thread slows the eager batches
+beside it (``CONTENTION`` x its time), more than ``BACKGROUND_MIN_SAVING_S``. Its cost figure is then the
+background thread's wall time.
 
 Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
 background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
@@ -48,6 +51,9 @@ log = logging.getLogger("shardgen.compile")
 
 PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
+PRIOR_BACKGROUND_S = 30.0  # a background thread's time from a warm cache (H200, session 8: Qwen 23 s, FLUX.1 41 s)
+CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
+EAGER_BATCHES = 2     # full eager batches before deciding without a recorded eager speed (the last one is timed)
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
 MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
 BACKGROUND_MIN_SAVING_S = 5.0  # background compilation: the least expected saving worth its CPU and GPU contention
@@ -137,7 +143,7 @@ class AutoCompile:
         if self.background is not None:
             return self._background_settings(s)
         if self.decided is None:
-            eager = _number(self._record.get("eager_s")) or (self._eager[0] if self._eager else None)
+            eager = _number(self._record.get("eager_s")) or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
         return replace(s, accel=replace(s.accel, compile=bool(self.decided)))
@@ -166,25 +172,27 @@ class AutoCompile:
     def _decide(self, eager_s: float) -> None:
         r = self._record
         warm = bool(r.get("compiled_before"))
-        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or (PRIOR_WARM_S if warm else PRIOR_COLD_S)
+        prior = (PRIOR_BACKGROUND_S if self.background is not None else PRIOR_WARM_S) if warm else PRIOR_COLD_S
+        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or prior
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
         left = max(0, int(self.remaining()))
         gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
         cache = "warm" if warm else "cold"
-        prior = "" if _number(r.get(f"compile_{cache}_s")) else ", prior"
+        prior_note = "" if _number(r.get(f"compile_{cache}_s")) else ", prior"
         figures = f"{left} samples left here x {eager_s:.2f} s eager"
         speed = f"(1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'})"
         if self.background is not None:  # the compile time is spent generating eagerly, not waiting
-            saving = max(0.0, left * eager_s - cost) * gain
+            saving = max(0.0, left * eager_s - cost) * gain - CONTENTION * cost
             self.decided = saving > BACKGROUND_MIN_SAVING_S
-            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{prior}) x {speed} "
+            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{prior_note}) x {speed} "
+                           f"- {CONTENTION} x {cost:.0f} s slower eager batches beside it "
                            f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
         else:
             saving = left * eager_s * gain
             self.decided = saving > MARGIN * cost
             self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
-                           f"({cache} cache{prior})")
+                           f"({cache} cache{prior_note})")
         log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
                  if self.decided else "staying eager", self.reason)
         if self.background is not None and not self.decided:
@@ -218,7 +226,7 @@ class AutoCompile:
         per_sample = seconds / max(samples, s.batch_size)
         if not s.accel.compile:
             self._eager.append(per_sample)
-            if len(self._eager) == 1 and not _number(self._record.get("eager_s")):
+            if len(self._eager) == EAGER_BATCHES and not _number(self._record.get("eager_s")):
                 write_record(self.path, self.key, {"eager_s": per_sample})
             return
         self._compiled.append(per_sample)
@@ -238,11 +246,11 @@ class AutoCompile:
             (self._compiled if compiled else self._eager).append(per_sample)
         state = self._state()
         if self.decided is None:
-            if not self._eager:  # a short first batch: no figure (decide on the next one)
+            if len(self._eager) < EAGER_BATCHES:  # not yet a steady figure (or a short batch: none)
                 return
-            # the first eager batch, timed before any compilation ran beside it
-            write_record(self.path, self.key, {"eager_s": self._eager[0]})
-            self._decide(self._eager[0])
+            # the last of the first eager batches, timed before any compilation ran beside it
+            write_record(self.path, self.key, {"eager_s": self._eager[-1]})
+            self._decide(self._eager[-1])
         if self.decided and not state.started and state.captured:
             state.start()  # after a whole batch (also: a one-step batch, where no second step started it)
         if compiled and len(self._compiled) == 2:
