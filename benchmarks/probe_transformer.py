@@ -36,11 +36,11 @@ GiB = 1024 ** 3
 
 
 def build(device, dtype):
-    from shardgen.models.dummy import _construct, dummy_architecture, materialize_random
+    from shardgen.models.dummy import construct_meta, dummy_architecture, materialize_random
 
     spec = dummy_architecture("FluxPipeline")["transformer"]
     g = torch.Generator(device).manual_seed(0)
-    return materialize_random(_construct(spec), device, dtype, generator=g).eval()
+    return materialize_random(construct_meta(spec), device, dtype, generator=g).eval()
 
 
 def inputs(batch, device, dtype, size=1024, text=512):

@@ -192,9 +192,9 @@ def _safetensors_params(folder: Path) -> int:
 
 def _meta_params(spec) -> int:
     """Parameters of a dummy-architecture component, built on the meta device."""
-    from shardgen.models.dummy import _construct
+    from shardgen.models.dummy import construct_meta
 
-    return sum(p.numel() for p in _construct(spec).parameters())
+    return sum(p.numel() for p in construct_meta(spec).parameters())
 
 
 def component_params(model_cfg: ModelConfig) -> dict[str, int]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardgen.families import dummy_models, family_of
-from shardgen.models.dummy import _construct, build_dummy_pipeline, dummy_architecture
+from shardgen.models.dummy import construct_meta, build_dummy_pipeline, dummy_architecture
 
 # Scaled-down copies of the embedded architectures: same classes and code paths, tiny widths/depths.
 SMALL = {
@@ -93,9 +93,9 @@ def test_embedded_configs_are_the_published_ones():
     assert flux["transformer"].config["num_layers"] == 19 and flux["transformer"].config["num_single_layers"] == 38
     assert flux["text_encoder_2"].config["d_model"] == 4096 and flux["text_encoder_2"].config["num_layers"] == 24
     # Parameter counts of the full-size modules, built on meta only (no memory).
-    t = _construct(flux["transformer"])
+    t = construct_meta(flux["transformer"])
     assert abs(sum(p.numel() for p in t.parameters()) / 1e9 - 11.90) < 0.01
-    t5 = _construct(flux["text_encoder_2"])
+    t5 = construct_meta(flux["text_encoder_2"])
     assert abs(sum(p.numel() for p in t5.parameters()) / 1e9 - 4.76) < 0.01  # shared embedding tied once
 
 

@@ -29,9 +29,9 @@ SMALL = {
 def test_sd35_large_has_the_published_sizes_and_token_rules():
     from parallel.transformer import sequence_tokens
     from shardgen.families import family_of
-    from shardgen.models.dummy import _construct, dummy_architecture
+    from shardgen.models.dummy import construct_meta, dummy_architecture
 
-    params = {n: sum(p.numel() for p in _construct(s).parameters()) for n, s in dummy_architecture("sd35_large").items()
+    params = {n: sum(p.numel() for p in construct_meta(s).parameters()) for n, s in dummy_architecture("sd35_large").items()
               if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
     assert round(params["transformer"] / 1e9, 2) == 8.06  # "8.1B parameters" (the model card)
     assert params["text_encoder"] == 123_650_304 and params["text_encoder_2"] == 694_659_840  # CLIP-L, bigG + proj.

@@ -154,10 +154,10 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, video_
 def test_wan_dummy_architectures_have_the_published_sizes():
     """Built on the meta device (no memory): Wan 2.1 1.3B = 1.419B, 14B = 14.288B transformer parameters (what the
     released safetensors hold), UMT5-XXL encoder 5.68B; Wan 2.2 A14B = two 14B experts."""
-    from shardgen.models.dummy import _construct, dummy_architecture
+    from shardgen.models.dummy import construct_meta, dummy_architecture
 
     def params(arch):
-        return {n: sum(p.numel() for p in _construct(s).parameters()) for n, s in dummy_architecture(arch).items()
+        return {n: sum(p.numel() for p in construct_meta(s).parameters()) for n, s in dummy_architecture(arch).items()
                 if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
 
     small, big, moe = params("wan21_t2v_1_3b"), params("wan21_t2v_14b"), params("wan22_t2v_a14b")

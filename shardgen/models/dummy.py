@@ -126,7 +126,7 @@ def materialize_random(module: torch.nn.Module, device: torch.device, dtype: tor
     return module
 
 
-def _construct(spec: ComponentSpec) -> torch.nn.Module:
+def construct_meta(spec: ComponentSpec) -> torch.nn.Module:
     """The module of ``spec`` with parameters on meta and buffers computed on the CPU."""
     from accelerate import init_empty_weights
 
@@ -264,7 +264,7 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:
-            module = materialize_random(_construct(spec), device, dtype, generator)
+            module = materialize_random(construct_meta(spec), device, dtype, generator)
             module.eval().requires_grad_(False)
             _synchronize(device)
             components[name] = module

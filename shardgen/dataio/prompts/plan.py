@@ -35,7 +35,7 @@ from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, pa
                                               truncation_outcome)
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
-from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive as _pid_alive, read_json
+from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -329,7 +329,7 @@ def clean_stale_tmp(run: RunDir) -> None:
             continue
         host, pid = d.name.split("-")[1:3]
         try:
-            dead = (host == _host() and not _pid_alive(int(pid))) or time.time() - d.stat().st_mtime > STALE_TMP_S
+            dead = (host == _host() and not pid_alive(int(pid))) or time.time() - d.stat().st_mtime > STALE_TMP_S
         except OSError:
             continue
         if dead:
