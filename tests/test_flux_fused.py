@@ -120,6 +120,26 @@ def test_fused_blocks_run_eagerly_on_cuda_only_and_switch_back(monkeypatch):
     assert (run(tr, kw) - ref).abs().max() < 1e-12 * ref.abs().max()
 
 
+def test_blocks_wrapped_by_a_hook_keep_it_and_their_stock_forward():
+    """device_map places blocks with accelerate hooks that wrap forward: fusing would drop them, so it is left."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    calls = []
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    for block in accel.repeated_blocks(tr):
+        add_hook_to_module(block, Count())
+    assert accel.fuse_blocks_eager(tr) == 0
+    assert not any(isinstance(getattr(m, "processor", None), flux_fused.FusedFluxAttnProcessor) for m in tr.modules())
+    assert torch.equal(run(tr, kw), ref) and len(calls) == 4
+
+
 @pytest.mark.slow  # a real torch.compile on the CPU
 def test_really_compiled_fused_blocks_match_eager():
     tr, kw = small_flux(torch.float32), small_inputs(torch.float32)

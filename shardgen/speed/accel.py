@@ -235,6 +235,10 @@ def fuse_blocks_eager(transformer: torch.nn.Module) -> int:
 
     if _blocks_replaced(transformer):
         return 0  # compiled or fused already
+    if not all(_plain_forward(b) for b in repeated_blocks(transformer)):
+        # a hook wraps the blocks (accelerate's device placement under device_map): replacing forward would drop it
+        log.info("fused FLUX blocks not used eagerly: a hook wraps the blocks' forward")
+        return 0
     forwards = flux_fused.enable(transformer)
     for block, fused in forwards.items():
         block.__dict__["_shardgen_eager_forward"] = block.forward
