@@ -1,5 +1,6 @@
 """Show a run's progress: shard states, rate and ETA (also before the first shard commits), each replica's
-rate, what each claim holder is doing, the last error in the rank logs, failures by reason.
+rate, what each claim holder is doing, the last error in the rank logs, failures by reason, images per shape
+(width x height [x frames]) when rows set their own size (prompts.row_settings).
 
     python -m jobs.status RUN_DIR [--shards] [--json]
 """
@@ -40,6 +41,10 @@ def _rate_line(st: dict) -> str | None:
     return f"  rate     {rate} (committed and checkpointed samples); ETA {_fmt_s(st['eta_s'])}"
 
 
+def _video(st: dict) -> bool:
+    return any(shape.count("x") == 2 for shape in st["shapes"])
+
+
 def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
     """The status as text."""
     sh = st["shards"]
@@ -64,6 +69,9 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
               "tokens (\"truncated\": true in their json and index)")
     for reason, n in list(st["failures_by_reason"].items())[:10]:
         print(f"    {n:>8}  {reason}")
+    if st["shapes"] and (st["row_settings"] or len(st["shapes"]) > 1):
+        print("  shapes   " + ", ".join(f"{n} at {shape}" for shape, n in st["shapes"].items())
+              + " (images in committed shards, width x height" + (" x frames)" if _video(st) else ")"))
     if st["claims"]:
         print("  claims")
         for c in st["claims"] if all_claims else st["claims"][:10]:

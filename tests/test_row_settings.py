@@ -98,6 +98,27 @@ def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
         assert f"<tr><td>{size}</td><td>{n}</td>" in page
 
 
+def test_status_and_report_count_images_per_shape(mixed, capsys):
+    """jobs.status (text and --json) and jobs.report give the same images per shape, from the shards' stats."""
+    from jobs import status
+
+    _, run_dir, _ = mixed
+    want = {"48x48": 4, "32x64": 2, "64x32": 1, "32x16": 1}
+    stats = [json.loads(p.read_text()) for p in sorted((run_dir / "shards").glob("*.stats.json"))]
+    assert [st["shapes"] for st in stats] == [{"32x64": 1, "48x48": 2, "64x32": 1},
+                                              {"32x16": 1, "32x64": 1, "48x48": 2}]
+    assert status.main([str(run_dir), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["shapes"] == want
+    assert st["row_settings"] == ["aspect_ratio", "width", "height", "negative_prompt", "guidance", "true_cfg_scale",
+                                  "steps"]
+    assert status.main([str(run_dir)]) == 0
+    assert "  shapes   4 at 48x48, 2 at 32x64, 1 at 64x32, 1 at 32x16 (images in committed shards, width x height)" \
+        in capsys.readouterr().out
+    assert status.main([str(run_dir), "--json"]) == 0  # the second call reads the status cache: the same counts
+    assert json.loads(capsys.readouterr().out)["shapes"] == want
+
+
 def test_each_sample_is_the_one_a_one_row_run_with_those_settings_makes(mixed, tmp_path):
     """The config's height/width/guidance/true CFG/negative prompt, for one row: the same png bytes."""
     _, _, got = mixed
@@ -246,6 +267,8 @@ def test_video_rows_with_their_own_frame_counts(tmp_path):
     got = {json.loads(m["json"])["index"]: (m["mp4"], json.loads(m["json"]))
            for t in (tmp_path / "run" / "shards").glob("*.tar") for m in read_shard_members(t).values()}
     assert [got[i][1]["frames"] for i in range(3)] == [9, 5, 9]
+    assert json.loads((tmp_path / "run" / "shards" / "000000.stats.json").read_text())["shapes"] == \
+        {"32x32x5": 1, "32x32x9": 2}  # width x height x frames, as jobs.status and jobs.report show them
     one = write_jsonl(tmp_path / "one.jsonl", [dict(prompt="c", seed=3)])
     gen(tmp_path / "one", one, *video[:3], "num_frames=9", *video[4:])
     assert next(m["mp4"] for m in read_shard_members(tmp_path / "one" / "shards" / "000000.tar").values()) == got[2][0]

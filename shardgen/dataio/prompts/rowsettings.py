@@ -136,6 +136,12 @@ class RowRules:
         return value
 
 
+def shape_label(width: Any, height: Any, frames: Any = None) -> str:
+    """A sample's shape as ``jobs.status``/``jobs.report`` and a shard's stats name it: ``WIDTHxHEIGHT``, with
+    ``xFRAMES`` for a video (``832x480x81``)."""
+    return f"{width}x{height}" + (f"x{frames}" if frames is not None else "")
+
+
 def rules_from_cfg(cfg: Any) -> RowRules | None:
     """The rules of a GenerateConfig's ``prompts.row_settings`` (None when it lists none): the size multiple is
     the model family's latent patch (VAE downscale x transformer patch; shardgen/families/)."""
