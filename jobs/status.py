@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import plan_for_tool, run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
 from shardgen.dataio.tools import run_status, tool_errors
@@ -41,10 +42,6 @@ def _rate_line(st: dict) -> str | None:
     return f"  rate     {rate} (committed and checkpointed samples); ETA {_fmt_s(st['eta_s'])}"
 
 
-def _video(st: dict) -> bool:
-    return any(shape.count("x") == 2 for shape in st["shapes"])
-
-
 def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
     """The status as text."""
     sh = st["shards"]
@@ -71,7 +68,7 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
         print(f"    {n:>8}  {reason}")
     if st["shapes"] and (st["row_settings"] or len(st["shapes"]) > 1):
         print("  shapes   " + ", ".join(f"{n} at {shape}" for shape, n in st["shapes"].items())
-              + " (images in committed shards, width x height" + (" x frames)" if _video(st) else ")"))
+              + f" (images in committed shards, {shape_legend(st['shapes'])})")
     if st["claims"]:
         print("  claims")
         for c in st["claims"] if all_claims else st["claims"][:10]:

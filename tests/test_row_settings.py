@@ -338,3 +338,45 @@ def test_rows_appended_to_the_prompt_file_extend_the_run_with_their_own_settings
     got = samples(tmp_path / "run")
     assert [(got[i][1]["width"], got[i][1]["height"]) for i in (4, 5)] == [(16, 64), (32, 64)]
     assert verify.main([str(tmp_path / "run")]) == 0
+    from shardgen.dataio.prompts import Shape, load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+
+    shapes = load_plan(RunDir(tmp_path / "run")).shapes()  # the extension's rows counted with the first plan's
+    assert shapes == {Shape(48, 48): 2, Shape(32, 64): 2, Shape(64, 32): 1, Shape(16, 64): 1}
+
+
+def test_dry_run_counts_rows_per_shape_and_sizes_the_tars_by_them(mixed, capsys):
+    """dry_run=true before a launch (a plan thrown away) and on the finished run (its plan): rows per shape, and
+    the expected bytes added up shape by shape, not as if every row had the run's 48x48."""
+    from jobs.generate import run
+    from shardgen.dataio.shards import sample_bytes_estimate
+    from shardgen.run.dryrun import dry_run
+
+    prompts, run_dir, _ = mixed
+    want_bytes = sum(sample_bytes_estimate(width=w, height=h, image_format="png") for w, h in SIZES)
+    assert want_bytes != len(SIZES) * sample_bytes_estimate(width=48, height=48, image_format="png")
+    for where in (run_dir.parent / "not-yet", run_dir):
+        cfg = compose_cfg("prompts=jsonl", f"run_dir={where}", f"prompts.path={prompts}", *ARGS,
+                          f"prompts.row_settings={NAMES}", "dry_run=true")
+        d = dry_run(cfg)
+        assert d.shapes == {"48x48": 4, "32x64": 2, "64x32": 1, "32x16": 1}
+        assert d.expected_bytes == pytest.approx(want_bytes)
+        run(cfg)
+        assert "  shapes    4 at 48x48, 2 at 32x64, 1 at 32x16, 1 at 64x32 (rows per width x height; " \
+               "prompts.row_settings)\n" in capsys.readouterr().out
+    assert not (run_dir.parent / "not-yet").exists()
+
+
+def test_the_plan_gives_the_runs_and_each_shards_shape_set(mixed):
+    """Plan.shapes (counted while planning, for what depends on the shapes a run's calls take: compiled graphs,
+    attention sequence lengths) and count_shapes over one shard's rows."""
+    from shardgen.dataio.prompts import Shape, count_shapes, load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+
+    _, run_dir, _ = mixed
+    plan = load_plan(RunDir(run_dir))
+    assert plan.shapes() == {Shape(48, 48): 4, Shape(32, 64): 2, Shape(64, 32): 1, Shape(32, 16): 1}
+    rules = RowRules(**plan.meta["source"]["row_rules"])
+    assert count_shapes(rules, plan.rows(1)) == {Shape(32, 16): 1, Shape(32, 64): 1, Shape(48, 48): 2}
+    assert [s.label for s in plan.shapes()] == ["48x48", "32x64", "32x16", "64x32"]  # most rows first
+    assert RowRules(names=("num_frames",), frame_stride=4, frames=5).shape({"num_frames": 9}) == Shape(1024, 1024, 9)
