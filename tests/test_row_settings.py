@@ -380,3 +380,27 @@ def test_the_plan_gives_the_runs_and_each_shards_shape_set(mixed):
     assert count_shapes(rules, plan.rows(1)) == {Shape(32, 16): 1, Shape(32, 64): 1, Shape(48, 48): 2}
     assert [s.label for s in plan.shapes()] == ["48x48", "32x64", "32x16", "64x32"]  # most rows first
     assert RowRules(names=("num_frames",), frame_stride=4, frames=5).shape({"num_frames": 9}) == Shape(1024, 1024, 9)
+
+
+def test_rows_whose_tokens_a_cp_degree_cannot_split_are_refused_before_any_weight(tmp_path):
+    """Ulysses-2 splits each image's tokens over 2 ranks: a row at 48x48 (3x3 = 9 tokens) cannot be split. The
+    run's own size passes the launch checks, so the plan's shapes are checked (dry run and launch alike)."""
+    from parallel.dims import ParallelConfigError, ParallelDims
+    from parallel.strategies import check_row_shapes
+    from shardgen.dataio.prompts import Shape
+    from shardgen.run.dryrun import dry_run
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="a", width=64, height=32), dict(prompt="b"),
+                                                 dict(prompt="c", aspect_ratio="1:1"), dict(prompt="d", width=32)])
+    cfg = compose_cfg("prompts=jsonl", f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", "height=48",
+                      "width=64", "prompts.row_settings=[width,height,aspect_ratio]", "strategy=cp_ulysses",
+                      "ulysses_degree=2", "launcher=local", "launcher.nprocs=2", "dry_run=true")
+    with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 1 rows at 48x48 \(9 tokens\): their"):
+        dry_run(cfg)  # 64x32, the run's 64x48 and 32x48 split (8, 12, 6 tokens); 1:1 at 64x48's area is 48x48
+    dims = ParallelDims(world_size=2, strategy="cp_ulysses", ulysses=2)
+    with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 3 rows at 48x48 \(9 tokens\): their "
+                                                  r"image tokens do not divide by the CP degree 2 \(ulysses 2 x ring "
+                                                  r"1\); give those rows sizes whose \(H/16\)\*\(W/16\) divides by 2"):
+        check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(48, 48): 3}, "cpu")
+    check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(32, 48): 3}, "cpu")  # 8 and 6 tokens: fine
+    assert not (tmp_path / "run").exists()

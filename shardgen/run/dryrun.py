@@ -66,7 +66,7 @@ def measured_rate(run: RunDir) -> float | None:
 
 def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
-    from parallel.strategies import parallel_dims
+    from parallel.strategies import check_row_shapes, parallel_dims
     from shardgen.dataio.shards import VIDEO_EXT, is_video
     from shardgen.run.runner import prompt_path, shard_sizing
 
@@ -98,6 +98,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
+    check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
         shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): rows - rejected}
     expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
