@@ -376,8 +376,7 @@ def test_the_plan_gives_the_runs_and_each_shards_shape_set(mixed):
     _, run_dir, _ = mixed
     plan = load_plan(RunDir(run_dir))
     assert plan.shapes() == {Shape(48, 48): 4, Shape(32, 64): 2, Shape(64, 32): 1, Shape(32, 16): 1}
-    rules = RowRules(**plan.meta["source"]["row_rules"])
-    assert count_shapes(rules, plan.rows(1)) == {Shape(32, 16): 1, Shape(32, 64): 1, Shape(48, 48): 2}
+    assert count_shapes(plan.row_rules, plan.rows(1)) == {Shape(32, 16): 1, Shape(32, 64): 1, Shape(48, 48): 2}
     assert [s.label for s in plan.shapes()] == ["48x48", "32x64", "32x16", "64x32"]  # most rows first
     assert RowRules(names=("num_frames",), frame_stride=4, frames=5).shape({"num_frames": 9}) == Shape(1024, 1024, 9)
 

@@ -35,7 +35,7 @@ from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, pa
                                               read_range, read_rows_at, rows_digest, scan_rows, scan_txt,
                                               truncation_outcome)
 from shardgen.dataio.prompts.read import PromptSource
-from shardgen.dataio.prompts.rowsettings import Shape, shapes_json
+from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive as _pid_alive, read_json
 from shardgen.errors import UserError
@@ -209,6 +209,13 @@ class Plan:
         """(bytes of the prompt file planned, their SHA-256 when recorded): where an append starts."""
         m = self.extensions[-1].meta if self.extensions else self.meta
         return m["prompt_size"], m.get("prompt_sha256")
+
+    @property
+    def row_rules(self) -> RowRules | None:
+        """The rules the run's rows were read with (prompts.row_settings; None: none): ``count_shapes(plan.row_rules,
+        plan.rows(shard))`` is a shard's shape set, ``row_rules.shape(row.settings)`` one row's shape."""
+        rules = ((self.meta or {}).get("source") or {}).get("row_rules")
+        return RowRules(**rules) if rules else None
 
     def shapes(self) -> Counter | None:
         """Rows per ``Shape`` (width, height, frames) over the plan and its extensions, counted while planning

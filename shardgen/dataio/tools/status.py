@@ -126,5 +126,4 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
 
 def row_setting_names(plan: Plan) -> list[str]:
     """The prompt-file fields the run reads as generation settings (``prompts.row_settings``; [] for none)."""
-    rules = ((plan.meta or {}).get("source") or {}).get("row_rules")
-    return list(rules.get("names") or ()) if isinstance(rules, dict) else []
+    return list(plan.row_rules.names) if plan.row_rules else []
