@@ -1,5 +1,6 @@
 """Show a run's progress: shard states, rate and ETA (also before the first shard commits), each replica's
-rate, what each claim holder is doing, the last error in the rank logs, failures by reason.
+rate, what each claim holder is doing, the last error in the rank logs, failures by reason, images per shape
+(width x height [x frames]) when rows set their own size (prompts.row_settings).
 
     python -m jobs.status RUN_DIR [--shards] [--json]
 """
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 
+from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import plan_for_tool, run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
 from shardgen.dataio.tools import run_status, tool_errors
@@ -64,6 +66,9 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
               "tokens (\"truncated\": true in their json and index)")
     for reason, n in list(st["failures_by_reason"].items())[:10]:
         print(f"    {n:>8}  {reason}")
+    if st["shapes"] and (st["row_settings"] or len(st["shapes"]) > 1):
+        print("  shapes   " + ", ".join(f"{n} at {shape}" for shape, n in st["shapes"].items())
+              + f" (images in committed shards, {shape_legend(st['shapes'])})")
     if st["claims"]:
         print("  claims")
         for c in st["claims"] if all_claims else st["claims"][:10]:

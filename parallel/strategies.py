@@ -211,6 +211,31 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
                   f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
 
 
+def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | None, device_type: str | None = None
+                     ) -> None:
+    """``_check_sequence``'s image-token rule for the shapes rows give themselves (prompts.row_settings), once the
+    plan has counted them (``Plan.shapes``; Shape -> rows), before any weight is read: a row whose tokens the CP
+    degree does not divide would otherwise stop the job inside a collective, half-way through the run.
+    ``device_type``: this rank's ("cuda" or "cpu"; None: from the config, as the launch checks find it)."""
+    n = dims.ulysses * dims.ring
+    if n == 1 or not shapes:
+        return
+    device_type = device_type or device_facts(cfg, dims.world_size).type
+    if (dims.ulysses_anything or dims.ring_anything) and device_type == "cuda":  # they split unevenly on GPUs
+        return
+    family = model_family(cfg)
+    p = family.latent_patch
+    bad = [(shape, rows, family.image_tokens(shape.height, shape.width) * family.latent_frames(shape.frames))
+           for shape, rows in shapes.items()]
+    bad = [(shape, rows, tokens) for shape, rows, tokens in bad if tokens % n]
+    if bad:
+        some = ", ".join(f"{rows} rows at {shape.label} ({tokens} tokens)" for shape, rows, tokens in bad[:3])
+        _fail(f"prompts.row_settings: {some}{' ...' if len(bad) > 3 else ''}: their image tokens do not divide by "
+              f"the CP degree {n} (ulysses {dims.ulysses} x ring {dims.ring}); give those rows sizes whose "
+              f"{'latent frames x ' if family.is_video else ''}(H/{p})*(W/{p}) divides by {n}, or use strategy=dp or "
+              "tp for this prompt file")
+
+
 def _token_rule(what: str, cfg: GenerateConfig) -> str:
     family = model_family(cfg)
     patch = family.latent_patch

@@ -4,7 +4,8 @@ The tiny model runs in float64, so a split computation differs from the single-p
 order of its floating-point sums: ~1e-15 relative. The bounds below (1e-10 on the transformer output and
 on the decoded [0, 1] images) leave five orders of magnitude for that, and still catch any real mistake
 (a wrong shard, a missed all-reduce, a misordered gather: those give differences of order 1e-2 and up).
-The whole jobs then write the same PNG pixels as a one-rank run: a drift of 1e-12 can change an 8-bit
+The whole jobs (on a prompt file whose rows set their own sizes and guidance) then write the same PNG pixels as a
+one-rank run: a drift of 1e-12 can change an 8-bit
 value only if the exact value sits within 1e-12 of a rounding boundary, so we allow at most 1 level,
 and in practice see none.
 """
@@ -102,12 +103,31 @@ def test_tp2_and_ulysses2_match_one_process(tmp_path):
             assert res[name]["images"] <= IMAGE_TOL, (name, res[name])
 
 
+# Rows of three shapes with their own negative prompts, guidance and true CFG (prompts.row_settings), so the
+# whole jobs below also check per-row settings under model parallelism: every image has its row's size. Each size
+# gives an even number of image tokens (Ulysses-2 splits them): 64x64 -> 16, 32x64 -> 8, 96x48 -> 18.
+MIXED = [dict(prompt="a cat"), dict(prompt="a dog", width=32, height=64, true_cfg_scale=2.0, negative_prompt="blurry"),
+         dict(prompt="a car", aspect_ratio="2:1", guidance=5.0), dict(prompt="a tree"),
+         dict(prompt="a boat", width=32, height=64, true_cfg_scale=2.0, negative_prompt="dark"),
+         dict(prompt="a hat", aspect_ratio="2:1", guidance=5.0), dict(prompt="a cup"),
+         dict(prompt="a pen", width=32, height=64, true_cfg_scale=2.0)]  # 3 pipeline calls a shard
+MIXED_SIZES = [(64, 64), (32, 64), (96, 48), (64, 64), (32, 64), (96, 48), (64, 64), (32, 64)]  # (width, height)
+ROW_ARGS = ("prompts=jsonl", "prompts.row_settings=[width,height,aspect_ratio,negative_prompt,guidance,true_cfg_scale]")
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory) -> dict[str, bytes]:
+def mixed_prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "mixed.jsonl"
+    path.write_text("".join(json.dumps(dict(r, seed=10 + i)) + "\n" for i, r in enumerate(MIXED)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, mixed_prompts) -> dict[str, bytes]:
     from jobs.generate import run
 
     d = tmp_path_factory.mktemp("one") / "run"
-    assert run(compose_cfg(f"run_dir={d}", *COMMON)).ok == 8
+    assert run(compose_cfg(f"run_dir={d}", *COMMON, *ROW_ARGS, f"prompts.path={mixed_prompts}")).ok == 8
     return shard_images(d)
 
 
@@ -119,18 +139,21 @@ def _pixels(png: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
                          ids=["tp2", "ulysses2"])
-def test_whole_job_matches_one_rank(tmp_path, one_rank, strategy):
-    """`python -m jobs.generate strategy=... launcher=local launcher.nprocs=2` as typed: a complete run that
-    jobs.verify accepts, with the one-rank run's pixels."""
+def test_whole_job_matches_one_rank(tmp_path, one_rank, mixed_prompts, strategy):
+    """`python -m jobs.generate strategy=... launcher=local launcher.nprocs=2` as typed, on a prompt file whose
+    rows set their own size, negative prompt, guidance and true CFG: a complete run that jobs.verify accepts,
+    every image of its row's size, with the one-rank run's pixels."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "jobs.generate", *strategy, "launcher=local", "launcher.nprocs=2",
-           f"run_dir={run_dir}", *COMMON]
+           f"run_dir={run_dir}", *COMMON, *ROW_ARGS, f"prompts.path={mixed_prompts}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    rep = verify_run(load_plan(RunDir(run_dir)))  # what jobs.verify checks, in process
+    rep = verify_run(load_plan(RunDir(run_dir)))  # what jobs.verify checks, in process (each image's size too)
     assert rep.ok, rep.defects
     images = shard_images(run_dir)
     assert sorted(images) == sorted(one_rank)
+    assert [_pixels(images[k]).shape[1::-1] for k in sorted(images)] == MIXED_SIZES
     worst = max(int(np.abs(_pixels(images[k]) - _pixels(one_rank[k])).max()) for k in images)
-    print(f"{strategy}: max pixel difference vs one rank = {worst} levels")
+    identical = sum(images[k] == one_rank[k] for k in images)
+    print(f"{strategy}: max pixel difference vs one rank = {worst} levels; {identical}/8 PNGs byte-identical")
     assert worst <= 1

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardgen.config.launchers import launcher_of
-from shardgen.dataio.prompts import (PromptSource, TruncationCheck, build_plan, check_prompt_source, load_plan,
-                                     planning_windows, rules_from_cfg)
+from shardgen.dataio.prompts import (PromptSource, Shape, TruncationCheck, build_plan, check_prompt_source,
+                                     load_plan, planning_windows, rules_from_cfg, shape_legend)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
@@ -47,6 +47,9 @@ class DryRun:
     expected_s: float | None
     refused: str | None
     """Why the launch would be refused (a changed fingerprint), or None."""
+    shapes: dict[str, int] | None = None
+    """Rows per shape (``WIDTHxHEIGHT[xFRAMES]``, most first) when rows set their own size or frames
+    (prompts.row_settings); the expected size adds up each shape's samples. None: every row has the run's shape."""
 
 
 def world_size_of(cfg: GenerateConfig) -> int:
@@ -63,7 +66,7 @@ def measured_rate(run: RunDir) -> float | None:
 
 def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
-    from parallel.strategies import parallel_dims
+    from parallel.strategies import check_row_shapes, parallel_dims
     from shardgen.dataio.shards import VIDEO_EXT, is_video
     from shardgen.run.runner import prompt_path, shard_sizing
 
@@ -85,6 +88,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     if plan is not None:
         counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
                   read_ledger(plan).done_samples)
+        shapes = plan.shapes()
     else:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
             source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
@@ -92,9 +96,15 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
                              truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
+            shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
-    each = sample_bytes_estimate(width=cfg.width, height=cfg.height, image_format=sizing["image_format"],
-                                 frames=sizing["frames"])
+    check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
+    if not shapes:  # every valid row at the run's size and frames
+        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): rows - rejected}
+    expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
+                                             frames=s.frames or 1) for s, n in shapes.items())
+    shape_rows = {s.label: n for s, n in shapes.items()} if len(shapes) > 1 or cfg.prompts.get("row_settings") \
+        else None
     rate = measured_rate(run)
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
@@ -103,8 +113,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   strategy=" ".join(filter(None, (dims.strategy, dims.describe()))),
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
-                  expected_bytes=each * (rows - rejected), rate=rate,
-                  expected_s=(rows - done) / rate if rate else None, refused=refused)
+                  expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
+                  refused=refused, shapes=shape_rows)
 
 
 def _fmt_s(s: float) -> str:
@@ -124,9 +134,13 @@ def describe(d: DryRun) -> str:
              f"  shards    {d.shards} of {d.samples_per_shard} samples"
              + (f"; {d.done_samples} samples already done" if d.done_samples else ""),
              f"  ranks     {d.world_size}: {d.replicas} replica(s) of {d.ranks_per_replica} rank(s), strategy {d.strategy}",
-             f"  samples   {d.sample}",
-             f"  size      ~{d.expected_bytes / 1e6:.1f} MB of tars (estimated from the sample size)",
-             f"  time      {time_line}"]
+             f"  samples   {d.sample}"]
+    if d.shapes:
+        lines.append("  shapes    " + ", ".join(f"{n} at {shape}" for shape, n in d.shapes.items())
+                     + f" (rows per {shape_legend(d.shapes)}; prompts.row_settings)")
+    lines += [f"  size      ~{d.expected_bytes / 1e6:.1f} MB of tars (estimated from the sample size"
+              + (" of each shape)" if d.shapes else ")"),
+              f"  time      {time_line}"]
     if d.refused:
         lines.append(f"  REFUSED   this launch would be refused: {d.refused}")
     return "\n".join(lines)

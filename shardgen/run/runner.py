@@ -38,7 +38,7 @@ from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exporte
 from parallel import world as W
 from parallel.dims import ParallelDims
 from parallel.memory import check_memory
-from parallel.strategies import apply_strategy, parallel_dims
+from parallel.strategies import apply_strategy, check_row_shapes, parallel_dims
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -206,6 +206,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
+        check_row_shapes(cfg, dims, plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
         if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)

@@ -21,6 +21,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +35,7 @@ from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, pa
                                               read_range, read_rows_at, rows_digest, scan_rows, scan_txt,
                                               truncation_outcome)
 from shardgen.dataio.prompts.read import PromptSource
+from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
 from shardgen.errors import UserError
@@ -207,6 +209,27 @@ class Plan:
         """(bytes of the prompt file planned, their SHA-256 when recorded): where an append starts."""
         m = self.extensions[-1].meta if self.extensions else self.meta
         return m["prompt_size"], m.get("prompt_sha256")
+
+    @property
+    def row_rules(self) -> RowRules | None:
+        """The rules the run's rows were read with (prompts.row_settings; None: none): ``count_shapes(plan.row_rules,
+        plan.rows(shard))`` is a shard's shape set, ``row_rules.shape(row.settings)`` one row's shape."""
+        rules = ((self.meta or {}).get("source") or {}).get("row_rules")
+        return RowRules(**rules) if rules else None
+
+    def shapes(self) -> Counter | None:
+        """Rows per ``Shape`` (width, height, frames) over the plan and its extensions, counted while planning
+        (rejected rows left out), most rows first; None when the run has no prompts.row_settings (every row has
+        the run's shape) or was planned before shapes were counted. The set of shapes a run's calls take: the
+        compiled graphs and attention sequence lengths it needs (``count_shapes`` gives one shard's)."""
+        parts = [self.meta or {}] + [e.meta for e in self.extensions]
+        if any(not isinstance(m.get("shapes"), list) for m in parts):
+            return None
+        out: Counter = Counter()
+        for m in parts:
+            for w, h, frames, n in m["shapes"]:
+                out[Shape(w, h, frames)] += n
+        return Counter(dict(out.most_common()))
 
 
 def _truncated(path: Path, rng: range) -> set[int]:
@@ -389,13 +412,16 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     """Scan the rows from byte ``offset`` (row ``first_row``; parquet: from the start) into shards of
     ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
     planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
-    num_shards, starts_sha256, rows_end, digests_sha256). ``head_end``: where the file's first row starts
-    (csv/tsv: the header before it is hashed with each shard); None: where this scan's first shard starts."""
+    num_shards, starts_sha256, rows_end, digests_sha256, and with prompts.row_settings ``shapes``: rows per shape,
+    ``shapes_json``). ``head_end``: where the file's first row starts (csv/tsv: the header before it is hashed
+    with each shard); None: where this scan's first shard starts."""
+    shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
     if source.format == "txt":
         num_rows, num_rejects, starts, rows_end, digests = scan_txt(source, samples_per_shard, truncation, offset,
                                                                     first_row)
     else:
-        num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row)
+        num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
+                                                                     shapes)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -406,8 +432,11 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
         digests = range_digests(source.path, starts, rows_end, head_end if source.format in ("csv", "tsv") else 0)
     np.save(out / "starts.npy", starts)
     np.save(out / "digests.npy", digests)
-    return dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts),
-                rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
+    counts = dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts),
+                  rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
+    if shapes is not None:
+        counts["shapes"] = shapes_json(shapes)
+    return counts
 
 
 _EXACT_COUNT_BYTES = 64 << 20  # prompt files up to this size have their lines counted for shard sizing

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 from shardgen.errors import UserError
 
@@ -30,6 +31,31 @@ MAX_RATIO = 8.0
 _RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
 _NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
 _INT = re.compile(r"\s*[0-9]+\s*")
+
+
+class Shape(NamedTuple):
+    """What sets the size of a pipeline call's tensors (a compiled graph, attention's sequence length): the image
+    width and height in pixels, and the frames of a video (None: an image model)."""
+
+    width: int
+    height: int
+    frames: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``WIDTHxHEIGHT`` or ``WIDTHxHEIGHTxFRAMES``, as jobs.status and jobs.report show it."""
+        return shape_label(self.width, self.height, self.frames)
+
+
+def count_shapes(rules: RowRules, rows: Iterable[Any]) -> Counter:
+    """Rows per ``Shape`` of ``rows`` (PromptRow or PlannedRow: ``settings``, ``reject``), rejected rows left
+    out: a shard's shape set, or (summed while planning) a run's, as ``Plan.shapes`` gives it."""
+    return Counter(rules.shape(r.settings) for r in rows if r.reject is None)
+
+
+def shapes_json(shapes: Counter) -> list[list]:
+    """``shapes`` (Shape -> rows) for plan.json: [[width, height, frames or null, rows], ...], most rows first."""
+    return [[*shape, n] for shape, n in sorted(shapes.items(), key=lambda kv: (-kv[1], kv[0].label))]
 
 
 class BadSetting(UserError, ValueError):
@@ -53,6 +79,8 @@ class RowRules:
     height: int = 1024
     width: int = 1024
     frame_stride: int = 0
+    frames: int | None = None
+    """The run's ``num_frames`` (video models): the frames of a row that gives none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))  # plan.json gives a list back
@@ -60,7 +88,13 @@ class RowRules:
     def as_json(self) -> dict:
         """For plan.json (``RowRules(**d)`` reads it back)."""
         return dict(names=list(self.names), multiple=self.multiple, height=self.height, width=self.width,
-                    frame_stride=self.frame_stride)
+                    frame_stride=self.frame_stride, frames=self.frames)
+
+    def shape(self, settings: dict) -> Shape:
+        """The shape a row whose own settings are ``settings`` (``parse``'s) is generated at: its own size and
+        frames, else the run's."""
+        return Shape(int(settings.get("width", self.width)), int(settings.get("height", self.height)),
+                     settings.get("num_frames", self.frames) if self.frame_stride else None)
 
     def parse(self, rec: dict, text: bool = False) -> dict:
         """Remove the setting fields from ``rec`` (a row's fields) and return them checked and resolved
@@ -136,6 +170,17 @@ class RowRules:
         return value
 
 
+def shape_label(width: Any, height: Any, frames: Any = None) -> str:
+    """A sample's shape as ``jobs.status``/``jobs.report`` and a shard's stats name it: ``WIDTHxHEIGHT``, with
+    ``xFRAMES`` for a video (``832x480x81``)."""
+    return f"{width}x{height}" + (f"x{frames}" if frames is not None else "")
+
+
+def shape_legend(labels: Iterable[str]) -> str:
+    """What the numbers of ``shape_label``s mean: "width x height", or with video shapes "width x height x frames"."""
+    return "width x height" + (" x frames" if any(str(s).count("x") == 2 for s in labels) else "")
+
+
 def rules_from_cfg(cfg: Any) -> RowRules | None:
     """The rules of a GenerateConfig's ``prompts.row_settings`` (None when it lists none): the size multiple is
     the model family's latent patch (VAE downscale x transformer patch; shardgen/families/)."""
@@ -145,8 +190,9 @@ def rules_from_cfg(cfg: Any) -> RowRules | None:
     from shardgen.families import family_for
 
     fam = family_for(cfg.model.pipeline)
+    frames = cfg.get("num_frames") if fam.frame_stride else None
     return RowRules(names=names, multiple=fam.latent_patch, height=int(cfg.height), width=int(cfg.width),
-                    frame_stride=fam.frame_stride)
+                    frame_stride=fam.frame_stride, frames=None if frames is None else int(frames))
 
 
 def _kind(value: Any) -> str:

@@ -129,6 +129,7 @@ class DoneSummary:
     samples: int = 0
     totals: Counter = field(default_factory=Counter)            # ok / failed / rejected / truncated
     failures_by_reason: Counter = field(default_factory=Counter)
+    shapes: Counter = field(default_factory=Counter)            # images per shape (shard stats' ``shapes``)
     first_started: float | None = None
     last_finished: float | None = None
 
@@ -168,23 +169,28 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     sig = {s: v for s, v in sig.items() if s < plan.num_shards}
     claims = scan_claims(run) if run.claims_dir.exists() else {}
     ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
-    table, reasons = _load_table(run)
+    table, reasons, shapes = _load_table(run)
     keep = _valid_rows(table, sig)
     table = {k: v[keep] for k, v in table.items()}
     kept = set(table["shard"].tolist())
     reasons = {s: r for s, r in reasons.items() if s in kept}
+    shapes = {s: r for s, r in shapes.items() if s in kept}
     todo = sorted(names - kept)
     fresh = _read_stats_parallel(run, todo)
     damaged = sum(st is None for st in fresh.values())
     rows = [(s, st) for s, st in fresh.items() if st is not None and s in sig]
     if rows:
         table = _append_rows(table, rows, sig)
-        reasons.update(_reasons_of(rows))
-        _save_table(run, table, reasons)
+        reasons.update(_dicts_of(rows, "failures_by_reason"))
+        shapes.update(_dicts_of(rows, "shapes"))
+        _save_table(run, table, reasons, shapes)
     # stats read but gone from the listing meanwhile (not in sig) still count, as read_ledger counts them
     extra = {s: st for s, st in fresh.items() if st is not None and s not in sig}
-    reasons.update(_reasons_of(extra.items()))
+    reasons.update(_dicts_of(extra.items(), "failures_by_reason"))
+    shapes.update(_dicts_of(extra.items(), "shapes"))
     summary = _summarize(table, reasons, list(extra.values()))
+    for s in sorted(shapes):
+        summary.shapes.update({k: v for k, v in shapes[s].items() if _int_or_zero(v)})
     summary.damaged = damaged
     now, me = time.time(), owner_record(-1)
     open_shards = sorted((claims.keys() | ckpts_of.keys()) - names)
@@ -194,10 +200,10 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     return StatusLedger(plan=plan, done=summary, active=active, idle_pending=idle)
 
 
-def _reasons_of(items) -> dict[int, dict]:
-    """shard -> its stats' failures by reason, for the (shard, stats) pairs that have any (as read_ledger adds)."""
-    return {s: st["failures_by_reason"] for s, st in items
-            if st.get("failures_by_reason") and isinstance(st["failures_by_reason"], dict)}
+def _dicts_of(items, name: str) -> dict[int, dict]:
+    """shard -> its stats' ``name`` (failures by reason, images per shape), for the (shard, stats) pairs that have
+    one (as read_ledger adds them)."""
+    return {s: st[name] for s, st in items if st.get(name) and isinstance(st[name], dict)}
 
 
 def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
@@ -229,20 +235,21 @@ def _empty_table() -> dict:
     return {**{k: np.zeros(0, np.int64) for k in _COLS}, **{k: np.zeros(0, np.float64) for k in _TIMES}}
 
 
-def _load_table(run: RunDir) -> tuple[dict, dict[int, dict]]:
-    """The saved columns and failures by reason (shard -> its dict); empty when there is none or it is damaged."""
+def _load_table(run: RunDir) -> tuple[dict, dict[int, dict], dict[int, dict]]:
+    """The saved columns, failures by reason and images per shape (shard -> its dict); empty when there is none or
+    it is damaged (or from before shapes were kept: the stats are read again once)."""
     path = run.stats_cache_path
     try:
         if path.is_symlink():
             raise ValueError("a symlink")
         with np.load(path, allow_pickle=False) as z:
             table = {k: np.asarray(z[k], np.int64) for k in _COLS} | {k: np.asarray(z[k], np.float64) for k in _TIMES}
-            reasons = json.loads(str(z["reasons"]))
-        if len({len(v) for v in table.values()}) != 1 or not isinstance(reasons, dict):
+            reasons, shapes = json.loads(str(z["reasons"])), json.loads(str(z["shapes"]))
+        if len({len(v) for v in table.values()}) != 1 or not isinstance(reasons, dict) or not isinstance(shapes, dict):
             raise ValueError("columns of different lengths")
-        return table, {int(s): r for s, r in reasons.items()}
+        return table, {int(s): r for s, r in reasons.items()}, {int(s): r for s, r in shapes.items()}
     except Exception:  # none yet, or damaged (any of numpy's and zipfile's errors): the stats are read again
-        return _empty_table(), {}
+        return _empty_table(), {}, {}
 
 
 def _valid_rows(table: dict, sig: dict[int, tuple[int, int]]) -> np.ndarray:
@@ -274,9 +281,10 @@ def _append_rows(table: dict, rows: list[tuple[int, dict]], sig: dict) -> dict:
     return {k: np.concatenate([table[k], np.asarray(add[k], table[k].dtype)]) for k in table}
 
 
-def _save_table(run: RunDir, table: dict, reasons: dict[int, dict]) -> None:
+def _save_table(run: RunDir, table: dict, reasons: dict[int, dict], shapes: dict[int, dict]) -> None:
     buf = io.BytesIO()
-    np.savez(buf, **table, reasons=np.array(json.dumps({str(s): r for s, r in reasons.items()})))
+    np.savez(buf, **table, reasons=np.array(json.dumps({str(s): r for s, r in reasons.items()})),
+             shapes=np.array(json.dumps({str(s): r for s, r in shapes.items()})))
     try:
         atomic_write_bytes(run.stats_cache_path, buf.getvalue())
     except OSError:  # a run directory this user may only read: the next call reads the stats again

@@ -288,9 +288,10 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
     scan = scan_tar(tar, keys) if keys is not None and tar.is_file() and not tar.is_symlink() else None
     size = tar.stat().st_size if scan is not None else 0
     if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.end + 2 * BLOCK:
-        counts, reasons, failed = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
+        counts, reasons, failed, shapes = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
         atomic_write_json(run.shard_stats(shard), shard_stats(shard, counts, reasons, failed, tar_bytes=size,
-                                                              sha256=file_sha256(tar), started=tar.stat().st_mtime))
+                                                              sha256=file_sha256(tar), started=tar.stat().st_mtime,
+                                                              shapes=shapes))
         return f"shard {shard:06d}: {problem}; its tar is whole, so its stats were written from it (not regenerated)"
     run.shard_stats(shard).unlink(missing_ok=True)
     tar.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from typing import Callable
 
 from shardgen.dataio.shards import index as shard_index
 from shardgen.dataio.prompts.plan import sample_key
+from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError, atomic_write_json, read_state
 from shardgen.dataio.shards.tarshard import PartialTar, fsync_dir, scan_tar
 
@@ -64,14 +65,22 @@ def _reason_class(reason: str) -> str:
     return reason.split(":", 1)[0][:80]
 
 
-def stats_from_samples(shard: int, metas: list[dict]) -> tuple[Counter, Counter, list]:
-    """(status counts, failure reasons, failed-sample records) of a shard's sample jsons."""
-    counts, reasons, failed = Counter(), Counter(), []
+def stats_from_samples(shard: int, metas: list[dict]) -> tuple[Counter, Counter, list, Counter]:
+    """(status counts, failure reasons, failed-sample records, images per shape) of a shard's sample jsons."""
+    counts, reasons, failed, shapes = Counter(), Counter(), [], Counter()
     for meta in metas:
         _count(counts, reasons, failed, meta["status"], meta.get("error"), meta.get("key") or sample_key(meta["index"]),
                meta["index"])
         counts["truncated"] += bool(meta.get("truncated"))
-    return counts, reasons, failed
+        count_shape(shapes, meta["status"], meta)
+    return counts, reasons, failed, shapes
+
+
+def count_shape(shapes: Counter, status: str, meta: dict) -> None:
+    """Count an ok sample under its shape (``shape_label``: width x height [x frames], from its json): the one
+    count of images per shape, written in the shard's stats, that jobs.status and jobs.report sum."""
+    if status == "ok":
+        shapes[shape_label(meta.get("width"), meta.get("height"), meta.get("frames"))] += 1
 
 
 def _count(counts: Counter, reasons: Counter, failed: list, status: str, failure: str | None, key: str,
@@ -105,6 +114,7 @@ class ShardWork:
     counts: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
     failed: list = field(default_factory=list)
+    shapes: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.time)
     still_mine: Callable[[], bool] = lambda: True   # False once another replica took the shard over
 
@@ -132,7 +142,8 @@ class ShardWork:
                    index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
         if ckpt is not None:
             work.n_done, work.started = len(rows), float(ckpt["started"])
-            work.counts, work.reasons, work.failed = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
+            metas = [json.loads(r["json"]) for r in rows]
+            work.counts, work.reasons, work.failed, work.shapes = stats_from_samples(shard, metas)
         _remove_older_generations(run, shard, gen)
         work._write_checkpoint()
         return work
@@ -147,6 +158,7 @@ class ShardWork:
                 members += record
             _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
             self.counts["truncated"] += bool(s.meta.get("truncated"))
+            count_shape(self.shapes, s.status, s.meta)
         self.tar.append(members)
         self.n_done += len(samples)
         self._write_checkpoint()
@@ -168,7 +180,7 @@ class ShardWork:
             return None
         fsync_dir(final.parent)
         stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.tar.bytes,
-                            sha256=self.tar.sha256, started=self.started)
+                            sha256=self.tar.sha256, started=self.started, shapes=self.shapes)
         atomic_write_json(self.run.shard_stats(self.shard), stats)
         _remove_older_generations(self.run, self.shard, self.gen + 1)
         return stats
@@ -187,12 +199,13 @@ class ShardWork:
 
 
 def shard_stats(shard: int, counts: Counter, reasons: Counter, failed: list, *, tar_bytes: int, sha256: str,
-                started: float) -> dict:
-    """The stats (done marker) of a committed shard; ``truncated``: its prompts a text encoder cut."""
+                started: float, shapes: Counter) -> dict:
+    """The stats (done marker) of a committed shard; ``truncated``: its prompts a text encoder cut; ``shapes``:
+    its images per shape (``count_shape``)."""
     now = time.time()
     return dict(shard=shard, count=counts["ok"] + counts["failed"] + counts["rejected"], ok=counts["ok"],
                 failed=counts["failed"], rejected=counts["rejected"], truncated=counts["truncated"],
-                failures_by_reason=dict(reasons), failed_samples=failed,
+                failures_by_reason=dict(reasons), shapes=dict(sorted(shapes.items())), failed_samples=failed,
                 tar_bytes=tar_bytes, sha256=sha256, started=started, finished=now, wall_s=round(now - started, 3))
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
-from shardgen.dataio.resume.ledger import read_ledger
+from shardgen.dataio.prompts.rowsettings import shape_label
+from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.rundir.layout import RunDirError, read_state
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
@@ -153,15 +154,18 @@ def _truncation(rows: dict[str, list]) -> list[tuple]:
         [(f"longest prompt, {encoder} tokens", n) for encoder, n in sorted(longest.items())]
 
 
-def _sizes(rows: dict[str, list]) -> list[tuple]:
-    """(size, images, mean generation s per image) of each size the ok samples have, most common first: a run
-    whose rows set their own size or aspect ratio (prompts.row_settings) makes several."""
+def _shapes(plan: Plan, rows: dict[str, list]) -> list[tuple]:
+    """(shape, images, mean generation s per image) of each shape the ok samples have, most common first: a run
+    whose rows set their own size, aspect ratio or frames (prompts.row_settings) makes several. The images are
+    counted once, in each shard's stats (what jobs.status sums too); the times come from the index, by size."""
     times: dict[str, list] = defaultdict(list)
     for st, w, h, t in zip(rows["status"], rows["width"], rows["height"], rows["gen_s"]):
-        if st == "ok":
-            times[f"{w}x{h}"].append(t)
-    return [(size, len(ts), _num(sum(t for t in ts if t is not None) / max(1, sum(t is not None for t in ts)), 3))
-            for size, ts in sorted(times.items(), key=lambda kv: -len(kv[1]))]
+        if st == "ok" and t is not None:
+            times[shape_label(w, h)].append(t)
+    shapes = read_status_ledger(plan).done.shapes
+    size = {shape: "x".join(shape.split("x")[:2]) for shape in shapes}  # a video's frames are not in the index
+    return [(shape, n, _num(sum(times[size[shape]]) / len(times[size[shape]]), 3) if times[size[shape]] else "?")
+            for shape, n in shapes.most_common()]
 
 
 def _signal_sections(rows: dict[str, list]) -> list[tuple[str, str]]:
@@ -200,7 +204,8 @@ def build_report(plan: Plan) -> str:
                 ("Failures by reason", _table(_failures(rows), ("status", "reason", "samples"))
                  if status["failed"] + status["rejected"] else "<p>none</p>"),
                 ("Truncation", _table(_truncation(rows), ("what", "count"))),
-                ("Images per size", _table(_sizes(rows), ("width x height", "images", "mean gen s"))),
+                ("Images per shape", _table(_shapes(plan, rows), ("width x height [x frames]", "images",
+                                                                   "mean gen s (this size)"))),
                 ("Generation time per sample (s)", histogram(rows["gen_s"], "gen_s"))]
     sections += _signal_sections(rows)
     sections.append(("Contact sheet", contact_sheet(plan)))

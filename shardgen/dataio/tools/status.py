@@ -3,7 +3,8 @@ what each claim holder is doing, the last error in the rank logs.
 
 Everything is read from the run directory: committed shards' stats, the checkpoints of shards in progress
 (so a rate and an ETA exist before the first shard commits), claims and their heartbeats (a run without a
-live claim is stopped: it has no ETA), the commit events and the rank logs.
+live claim is stopped: it has no ETA), the commit events and the rank logs. Images per shape (width x height
+[x frames], a run with ``prompts.row_settings`` makes several) are the committed shards' stats summed.
 """
 
 from __future__ import annotations
@@ -119,4 +120,10 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
                                                      truncated=totals.get("truncated", 0)),
-        failures_by_reason=dict(led.done.failures_by_reason.most_common()), last_error=last_error(plan))
+        failures_by_reason=dict(led.done.failures_by_reason.most_common()), last_error=last_error(plan),
+        row_settings=row_setting_names(plan), shapes=dict(led.done.shapes.most_common()))
+
+
+def row_setting_names(plan: Plan) -> list[str]:
+    """The prompt-file fields the run reads as generation settings (``prompts.row_settings``; [] for none)."""
+    return list(plan.row_rules.names) if plan.row_rules else []
