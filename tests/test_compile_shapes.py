@@ -149,6 +149,26 @@ def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(
     assert "0.2 x 30 s slower eager batches beside it" in auto.reason
 
 
+def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_per_size(tmp_path):
+    """prompts.row_settings with three sizes: the records key names the shape set (a single-size run's figures are not
+    reused), and without a recorded cost the prior is paid once per size (one graph set each)."""
+    from types import SimpleNamespace
+
+    from shardgen.run.generation import GenSettings
+
+    s = GenSettings(height=64, width=64, steps=2, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=512, model="tiny", strategy="dp", batch_size=4, compile_auto=True)
+    pipe = SimpleNamespace(_execution_device=torch.device("cpu"), transformer=torch.nn.Identity())
+    one, mixed = AC.record_key(pipe, s), AC.record_key(pipe, s, ["64x64", "48x80", "80x48"])
+    assert one != mixed and '"shapes": ["48x80", "64x64", "80x48"]' in mixed
+    assert AC.record_key(pipe, s, ["64x64"]) == one  # one shape is the run's own
+    auto = AC.AutoCompile("k", remaining=lambda: 40, path=tmp_path / "r.json", shapes=3)
+    for seconds in (24.0, 20.0):
+        auto.observe(auto.settings(_S()), 4, seconds)
+    assert not auto.settings(_S()).accel.compile  # 40 x 5 s x (1 - 1/1.35) = 52 s saved
+    assert auto.decided is False and "vs 135 s x 1.2 to compile (cold cache, prior)" in auto.reason  # 3 x 45 s
+
+
 @pytest.mark.parametrize("content", [b"", b"\x00garbage", b"[1, 2]", b'{"k": "not a dict"}', b'{"k": {"eager_s": "x"}}'])
 def test_compile_auto_ignores_damaged_records(tmp_path, content):
     path = tmp_path / "records.json"

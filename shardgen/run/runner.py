@@ -269,7 +269,9 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     if (settings.compile_auto or settings.accel.compile) and ctx.ranks == 1:  # model-parallel ranks would have to agree
         # compile=auto decides here; compile=true is timed and recorded (the figures a later auto process uses)
         # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
-        worker.autocompile = AutoCompile(record_key(pipe, settings), remaining=worker.remaining_here,
+        shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
+        worker.autocompile = AutoCompile(record_key(pipe, settings, shapes), remaining=worker.remaining_here,
+                                         shapes=max(1, len(shapes)),
                                          decided=None if settings.compile_auto else True,
                                          background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
         worker.settings = worker.autocompile.settings(settings)

@@ -94,8 +94,10 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
-def record_key(pipe: Any, settings: Any) -> str:
-    """What the figures depend on: model, shapes, CFG, compile settings, GPU, library versions."""
+def record_key(pipe: Any, settings: Any, shapes: list[str] | None = None) -> str:
+    """What the figures depend on: model, shapes, CFG, compile settings, GPU, library versions. ``shapes``: the
+    run's image/video shapes when its rows set their own (``prompts.row_settings``; the plan's shape set): a mixed
+    run compiles a graph set per shape and its batches take several speeds, so it keeps figures of its own."""
     import diffusers
     import torch
 
@@ -108,6 +110,8 @@ def record_key(pipe: Any, settings: Any) -> str:
                  true_cfg=settings.true_cfg_scale > 1.0, cfg_batching=a.cfg_batching, fp8=a.fp8,
                  fbc=a.first_block_cache, mode=a.compile_mode, fused=a.fused_blocks, tuning=a.compile_tuning,
                  gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__)
+    if shapes and len(shapes) > 1:
+        parts["shapes"] = sorted(shapes)
     return json.dumps(parts, sort_keys=True)
 
 
@@ -125,6 +129,8 @@ class AutoCompile:
     background: Any = None
     """Compile on a background thread (``compile: auto`` on CUDA): the transformer whose blocks are compiled
     (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
+    shapes: int = 1
+    """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
     _record: dict = field(default_factory=dict)
@@ -173,7 +179,7 @@ class AutoCompile:
         r = self._record
         warm = bool(r.get("compiled_before"))
         prior = (PRIOR_BACKGROUND_S if self.background is not None else PRIOR_WARM_S) if warm else PRIOR_COLD_S
-        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or prior
+        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or prior * max(1, self.shapes)
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
         left = max(0, int(self.remaining()))
