@@ -231,37 +231,72 @@ def _restarts(job_id) -> int:
     return int(m.group(1)) if m else 0
 
 
-# More than one attempt of work: the first attempt gets ~40 s before its USR2 (time_min=2, signal_delay_s=75), a
-# requeued one often less (the controller's 30 s tick signals it early), and a loaded machine is slower still, so the
-# test allows many timeouts rather than sizing the run to a machine's speed.
-TIMEOUT_RUN = ("height=384", "width=384", "prompts.limit=64", "samples_per_shard=16", "launcher.time_min=2",
-               "launcher.signal_delay_s=75")
+def slow_first_attempt(monkeypatch, slow_s: float) -> None:
+    """Submit tests.hanging_job.HangingJob with every batch ``slow_s`` seconds longer on the job's first attempt; the
+    copy a timeout or preemption requeues (GenerateJob.checkpoint) is the plain job, at full speed."""
+    import functools
+
+    import shardgen.launch.slurm
+    from tests.hanging_job import HangingJob
+
+    monkeypatch.setattr(shardgen.launch.slurm, "GenerateJob",
+                        functools.partial(HangingJob, fault="slow", bad_attempts=1, slow_s=slow_s))
+
+
+def attempt_log(run_dir: Path, job_id) -> str:
+    """The first task's log of a one-task job, over all its attempts."""
+    return (run_dir / "logs" / "slurm" / str(job_id) / f"{job_id}_0_log.err").read_text(errors="replace")
 
 
 @pytest.mark.slurm
 @needs_cluster
-def test_timeout_requeues_until_the_run_is_done(tmp_path):
-    """A job whose time limit (2 min) is shorter than the run: each timeout checkpoints and requeues
-    (submitit counts it against launcher.max_num_timeout) until the run is complete."""
+def test_timeout_requeues_until_the_run_is_done(tmp_path, reference, monkeypatch, caplog):
+    """A job whose time limit (1 min, the shortest SLURM has) is shorter than the run: SLURM's own warning signal
+    before the limit makes it checkpoint and requeue (submitit counts it against launcher.max_num_timeout) until the
+    run is complete, with the one-process bytes and at most one batch redone per timeout.
+
+    Not load-sensitive by construction: the first attempt cannot finish (12 batches of 6 s of sleep, more than its
+    time limit whatever the machine's speed), so a timeout is certain; the requeued attempts run at full speed (16 px)
+    and SLURM, checking on a 30 s tick, sends the warning at the first tick within signal_delay_s + 30 = 35 s of the
+    limit: 25-55 s into an attempt (~45 s into a requeued one, which starts ~7-15 s after the tick that requeued it),
+    far more than the rest of the run needs even on a loaded machine; 12 timeouts are allowed. (The old version, 2 min
+    and signal_delay_s=75, gave requeued attempts ~17 s: at load ~9 some made no progress and the limit ran out.)"""
     run_dir = tmp_path / "run"
-    jobs = slurm(run_dir, *TIMEOUT_RUN, "prompts.limit=48", "launcher.max_num_timeout=12")
-    jobs[0].results()
-    rep = verify_run(load_plan(RunDir(run_dir)))
-    assert rep.ok, rep.defects
-    assert _restarts(jobs[0].job_id) >= 1, "the run finished inside one time limit: the test proves nothing"
+    caplog.set_level(logging.DEBUG, logger="shardgen")  # the jobs log each batch they hand over
+    slow_first_attempt(monkeypatch, slow_s=6)
+    job = slurm(run_dir, "launcher.time_min=1", "launcher.signal_delay_s=5", "launcher.max_num_timeout=12")[0]
+    job.results()
+    assert_complete_and_identical(run_dir, reference)
+    timeouts = _restarts(job.job_id)
+    assert timeouts >= 1, "the run finished inside one time limit: the test proves nothing"
+    log = attempt_log(run_dir, job.job_id)
+    # each time limit's signal was taken for a timeout (not a preemption) and checkpointed the job before it requeued
+    assert set(re.findall(r"this job is (timed-out|preempted)", log)) == {"timed-out"}, log[-3000:]
+    assert log.count("progress is in the run directory; requeueing") == timeouts, log[-3000:]
+    redone = handed_over(run_dir) - N
+    assert 0 <= redone <= 4 * timeouts, f"{redone} samples were redone (more than one batch per timeout)"
 
 
 @pytest.mark.slurm
 @needs_cluster
-def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, capsys):
+def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, monkeypatch, capsys):
+    """launcher.max_num_timeout=0: the first timeout ends the job; the report says the limit is used up and how to
+    continue; the samples made are kept (and are not failures: nothing is marked for a failure requeue).
+
+    The timeout's signal is sent once the first samples are durable (the USR2 SLURM sends before a time limit;
+    submitit takes any signal to a job of time_min <= 10 for a timeout), so progress before it is certain on a loaded
+    machine; the real time limit's path is test_timeout_requeues_until_the_run_is_done's."""
+    from shardgen.launch.slurm import wait_for
+
     run_dir = tmp_path / "run"
-    many = write_lines(tmp_path / "many.txt", [f"prompt number {i}" for i in range(400)])
-    # far more work than one 2-minute job can do, and no requeue allowed
-    slurm(run_dir, *TIMEOUT_RUN, f"prompts.path={many}", "prompts.limit=400", "launcher.max_num_timeout=0",
-          "launcher.wait=true")
+    slow_first_attempt(monkeypatch, slow_s=2)  # 24 s for the run: it cannot finish between a poll and the signal
+    job = slurm(run_dir, "launcher.time_min=10", "launcher.max_num_timeout=0")[0]
+    _wait(lambda: _done(run_dir) >= 4, 180, "the first samples")
+    subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True)
+    wait_for([job], load_plan(RunDir(run_dir)))  # what launcher.wait=true does after submitting
     out = capsys.readouterr().out
     assert "timeout limit used up" in out and "re-run the same command to continue" in out
-    assert 0 < _done(run_dir) < 400
+    assert 0 < _done(run_dir) < N
     assert not (run_dir / "logs" / "failures").exists()  # a used-up timeout limit is not a failure to requeue
     # the samples the timed-out job made are real, not failures recorded while it was stopped
     assert read_ledger(load_plan(RunDir(run_dir))).totals()["failed"] == 0
