@@ -66,11 +66,29 @@ COMMON = ("height=16", "width=16", "steps=2", "samples_per_shard=8", f"prompts.l
           "progress=false", "launcher.cpus_per_task=1", "heartbeat_s=1", "lease_s=20")
 
 
+_REFERENCE: dict[str, bytes] = {}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref") / "run"
-    assert run(compose_cfg(f"run_dir={d}", *[c for c in COMMON if not c.startswith("launcher.")])).ok == N
-    return shard_images(d)
+    """The local one-process run's images, made once per session (tests/test_multinode.py imports this fixture: a
+    module-scoped fixture of its own would run it again)."""
+    if not _REFERENCE:
+        d = tmp_path_factory.mktemp("ref") / "run"
+        assert run(compose_cfg(f"run_dir={d}", *[c for c in COMMON if not c.startswith("launcher.")])).ok == N
+        _REFERENCE.update(shard_images(d))
+    return dict(_REFERENCE)
+
+
+@pytest.fixture(autouse=True)
+def prompt_slurm_polls(monkeypatch):
+    """submitit asks sacct about a job that ended without a result (a failed or killed one) only every (job age / 2)
+    seconds, up to 10 min, then waits 15 s for the result file it never wrote: a test idled up to a minute after each
+    such job. Ask every 3 s and wait 3 s (a result file is written on a local disk before its job ends)."""
+    import submitit.slurm.slurm
+
+    monkeypatch.setattr(submitit.slurm.slurm.SlurmJob.watcher, "_delay_s", 3)
+    monkeypatch.setattr(submitit.slurm.slurm.SlurmJob, "_results_timeout_s", 3)
 
 
 def slurm(run_dir, *overrides):
@@ -175,6 +193,7 @@ def test_a_submission_sbatch_refuses_is_a_message_naming_the_cause(tmp_path):
 
 @pytest.mark.slurm
 @needs_cluster
+@one_node_only  # on two nodes, test_multinode's dead-rank test ends with this very job (1 node x 2 tasks, compared)
 def test_two_task_job_completes_like_the_local_run(tmp_path, reference):
     slurm(tmp_path / "run", "launcher.tasks_per_node=2", "launcher.wait=true", "launcher.time_min=60")
     assert_complete_and_identical(tmp_path / "run", reference)
