@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +150,16 @@ def test_launcher_parameters_reach_the_sbatch_script(tmp_path):
                  "#SBATCH --time=240"):
         assert line in script.splitlines(), line
     assert "--kill-on-bad-exit=1 python -m x" in script
+
+
+def test_a_job_installs_its_signal_handlers_before_importing_torch():
+    """submitit installs the handler that checkpoints on SIGUSR2 only after it unpickled the job, which imports the
+    job's module: that import must not take torch's seconds, or a preemption or time-limit signal early in a job (on a
+    loaded node) kills it instead of requeueing it. The same for the tests' faulty job."""
+    code = "import sys, shardgen.launch.slurm, tests.hanging_job; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("answer,rc,ended", [
