@@ -396,7 +396,8 @@ def test_a_failed_or_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, 
     run_dir = tmp_path / "run"
     # an error is retried sample by sample under dp; in a tp replica it ends the job (it cannot be retried alone)
     tp = ("strategy=tp", "tp_degree=2", "launcher.tasks_per_node=2") if fault == "raise" else ()
-    jobs = slurm(run_dir, f"prompts.path={prompts}", "stall_timeout_s=5", f"launcher.max_failures={max_failures}",
+    # 15 s: a real batch here takes ~0.1 s, but the first of an attempt took over 5 s (a false stall) at load ~40
+    jobs = slurm(run_dir, f"prompts.path={prompts}", "stall_timeout_s=15", f"launcher.max_failures={max_failures}",
                  "launcher.time_min=60", "launcher.wait=true", *tp)
     marks = sorted((run_dir / "logs" / "failures").iterdir())
     why = "stalled in shard 000002" if fault == "hang" else "RuntimeError: CUDA error: unspecified launch failure"
