@@ -20,7 +20,8 @@ import pytest
 from tests.conftest import compose_cfg
 from tests.test_generate import shard_images
 from tests.test_slurm import (COMMON, N, _done, _nodes, _restarts, _state, _task_pids, _two_nodes_reason, _wait,
-                              assert_complete_and_identical, reference, slurm)  # noqa: F401 (reference: a fixture)
+                              assert_complete_and_identical, prompt_slurm_polls, reference,  # noqa: F401 (fixtures)
+                              slurm)
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ["bash", str(ROOT / "scripts" / "slurm_cluster.sh")]
@@ -78,16 +79,15 @@ def with_fault(monkeypatch, fault: str, bad_attempts: int = 99, node: str | None
 # --- SLURM ------------------------------------------------------------------------------------
 
 @needs_two_nodes
-def test_dp_and_tp_ranks_on_two_nodes_give_one_process_bytes(tmp_path, reference):
-    """4 ranks on 2 nodes: dp (4 replicas) and tp_degree=2 (one replica per node); both jobs run at once."""
+def test_dp_ranks_on_two_nodes_give_one_process_bytes(tmp_path, reference):
+    """4 ranks on 2 nodes, dp: 4 replicas, ranks 0-1 on the first node. (tp_degree=2 on two nodes, one replica per
+    node, is test_rank_raising_on_the_second_node_requeues_the_two_node_job's job: its requeued attempt runs both
+    replicas and ends with the one-process bytes.)"""
     node1, node2 = _nodes()[:2]
     dp = slurm(tmp_path / "dp", *FOUR_RANKS)[0]
-    tp = slurm(tmp_path / "tp", *FOUR_RANKS, "strategy=tp", "tp_degree=2")[0]
-    dp.results(), tp.results()
-    for name, job, replica_of in (("dp", dp, lambda r: r), ("tp", tp, lambda r: r // 2)):
-        assert_complete_and_identical(tmp_path / name, reference)
-        assert placements(tmp_path / name)[str(job.job_id)] == {
-            r: (node1 if r < 2 else node2, replica_of(r)) for r in range(4)}
+    dp.results()
+    assert_complete_and_identical(tmp_path / "dp", reference)
+    assert placements(tmp_path / "dp")[str(dp.job_id)] == {r: (node1 if r < 2 else node2, r) for r in range(4)}
 
 
 @needs_two_nodes
@@ -122,9 +122,10 @@ def test_rank_killed_on_the_second_node_ends_the_job_and_one_node_resumes(tmp_pa
 @needs_two_nodes
 def test_rank_raising_on_the_second_node_requeues_the_two_node_job(tmp_path, reference, monkeypatch, capsys):
     """tp_degree=2, one replica per node; the replica on the second node raises a CUDA error on its first attempt:
-    the job requeues itself and finishes on both nodes with the one-process bytes."""
+    the job requeues itself and finishes on both nodes with the one-process bytes (tp across two nodes: ranks 0-1 =
+    replica 0 on the first node, ranks 2-3 = replica 1 on the second)."""
     run_dir = tmp_path / "run"
-    node2 = _nodes()[1]
+    node1, node2 = _nodes()[:2]
     with_fault(monkeypatch, "raise_any", bad_attempts=1, node=node2)
     job = slurm(run_dir, *FOUR_RANKS, "strategy=tp", "tp_degree=2", "launcher.max_failures=2",
                 "launcher.wait=true")[0]
@@ -133,7 +134,7 @@ def test_rank_raising_on_the_second_node_requeues_the_two_node_job(tmp_path, ref
     assert _restarts(job.job_id) == 1
     assert f"job {job.job_id}: done, run {N} ok" in capsys.readouterr().out
     assert_complete_and_identical(run_dir, reference)
-    assert {node for node, _ in placements(run_dir, restart=1)[str(job.job_id)].values()} == set(_nodes()[:2])
+    assert placements(run_dir, restart=1)[str(job.job_id)] == {r: (node1 if r < 2 else node2, r // 2) for r in range(4)}
 
 
 @needs_two_nodes

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,11 +67,29 @@ COMMON = ("height=16", "width=16", "steps=2", "samples_per_shard=8", f"prompts.l
           "progress=false", "launcher.cpus_per_task=1", "heartbeat_s=1", "lease_s=20")
 
 
+_REFERENCE: dict[str, bytes] = {}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref") / "run"
-    assert run(compose_cfg(f"run_dir={d}", *[c for c in COMMON if not c.startswith("launcher.")])).ok == N
-    return shard_images(d)
+    """The local one-process run's images, made once per session (tests/test_multinode.py imports this fixture: a
+    module-scoped fixture of its own would run it again)."""
+    if not _REFERENCE:
+        d = tmp_path_factory.mktemp("ref") / "run"
+        assert run(compose_cfg(f"run_dir={d}", *[c for c in COMMON if not c.startswith("launcher.")])).ok == N
+        _REFERENCE.update(shard_images(d))
+    return dict(_REFERENCE)
+
+
+@pytest.fixture(autouse=True)
+def prompt_slurm_polls(monkeypatch):
+    """submitit asks sacct about a job that ended without a result (a failed or killed one) only every (job age / 2)
+    seconds, up to 10 min, then waits 15 s for the result file it never wrote: a test idled up to a minute after each
+    such job. Ask every 3 s and wait 3 s (a result file is written on a local disk before its job ends)."""
+    import submitit.slurm.slurm
+
+    monkeypatch.setattr(submitit.slurm.slurm.SlurmJob.watcher, "_delay_s", 3)
+    monkeypatch.setattr(submitit.slurm.slurm.SlurmJob, "_results_timeout_s", 3)
 
 
 def slurm(run_dir, *overrides):
@@ -133,6 +152,16 @@ def test_launcher_parameters_reach_the_sbatch_script(tmp_path):
     assert "--kill-on-bad-exit=1 python -m x" in script
 
 
+def test_a_job_installs_its_signal_handlers_before_importing_torch():
+    """submitit installs the handler that checkpoints on SIGUSR2 only after it unpickled the job, which imports the
+    job's module: that import must not take torch's seconds, or a preemption or time-limit signal early in a job (on a
+    loaded node) kills it instead of requeueing it. The same for the tests' faulty job."""
+    code = "import sys, shardgen.launch.slurm, tests.hanging_job; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("answer,rc,ended", [
     ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=0", 0, False),  # the holder may be alive
     ("JobId=5 JobName=x JobState=RUNNING Reason=None Restarts=1", 0, True),  # requeued since: that attempt is over
@@ -175,6 +204,7 @@ def test_a_submission_sbatch_refuses_is_a_message_naming_the_cause(tmp_path):
 
 @pytest.mark.slurm
 @needs_cluster
+@one_node_only  # on two nodes, test_multinode's dead-rank test ends with this very job (1 node x 2 tasks, compared)
 def test_two_task_job_completes_like_the_local_run(tmp_path, reference):
     slurm(tmp_path / "run", "launcher.tasks_per_node=2", "launcher.wait=true", "launcher.time_min=60")
     assert_complete_and_identical(tmp_path / "run", reference)
@@ -231,37 +261,72 @@ def _restarts(job_id) -> int:
     return int(m.group(1)) if m else 0
 
 
-# More than one attempt of work: the first attempt gets ~40 s before its USR2 (time_min=2, signal_delay_s=75), a
-# requeued one often less (the controller's 30 s tick signals it early), and a loaded machine is slower still, so the
-# test allows many timeouts rather than sizing the run to a machine's speed.
-TIMEOUT_RUN = ("height=384", "width=384", "prompts.limit=64", "samples_per_shard=16", "launcher.time_min=2",
-               "launcher.signal_delay_s=75")
+def slow_first_attempt(monkeypatch, slow_s: float) -> None:
+    """Submit tests.hanging_job.HangingJob with every batch ``slow_s`` seconds longer on the job's first attempt; the
+    copy a timeout or preemption requeues (GenerateJob.checkpoint) is the plain job, at full speed."""
+    import functools
+
+    import shardgen.launch.slurm
+    from tests.hanging_job import HangingJob
+
+    monkeypatch.setattr(shardgen.launch.slurm, "GenerateJob",
+                        functools.partial(HangingJob, fault="slow", bad_attempts=1, slow_s=slow_s))
+
+
+def attempt_log(run_dir: Path, job_id) -> str:
+    """The first task's log of a one-task job, over all its attempts."""
+    return (run_dir / "logs" / "slurm" / str(job_id) / f"{job_id}_0_log.err").read_text(errors="replace")
 
 
 @pytest.mark.slurm
 @needs_cluster
-def test_timeout_requeues_until_the_run_is_done(tmp_path):
-    """A job whose time limit (2 min) is shorter than the run: each timeout checkpoints and requeues
-    (submitit counts it against launcher.max_num_timeout) until the run is complete."""
+def test_timeout_requeues_until_the_run_is_done(tmp_path, reference, monkeypatch, caplog):
+    """A job whose time limit (1 min, the shortest SLURM has) is shorter than the run: SLURM's own warning signal
+    before the limit makes it checkpoint and requeue (submitit counts it against launcher.max_num_timeout) until the
+    run is complete, with the one-process bytes and at most one batch redone per timeout.
+
+    Not load-sensitive by construction: the first attempt cannot finish (12 batches of 6 s of sleep, more than its
+    time limit whatever the machine's speed), so a timeout is certain; the requeued attempts run at full speed (16 px)
+    and SLURM, checking on a 30 s tick, sends the warning at the first tick within signal_delay_s + 30 = 35 s of the
+    limit: 25-55 s into an attempt (~45 s into a requeued one, which starts ~7-15 s after the tick that requeued it),
+    far more than the rest of the run needs even on a loaded machine; 12 timeouts are allowed. (The old version, 2 min
+    and signal_delay_s=75, gave requeued attempts ~17 s: at load ~9 some made no progress and the limit ran out.)"""
     run_dir = tmp_path / "run"
-    jobs = slurm(run_dir, *TIMEOUT_RUN, "prompts.limit=48", "launcher.max_num_timeout=12")
-    jobs[0].results()
-    rep = verify_run(load_plan(RunDir(run_dir)))
-    assert rep.ok, rep.defects
-    assert _restarts(jobs[0].job_id) >= 1, "the run finished inside one time limit: the test proves nothing"
+    caplog.set_level(logging.DEBUG, logger="shardgen")  # the jobs log each batch they hand over
+    slow_first_attempt(monkeypatch, slow_s=6)
+    job = slurm(run_dir, "launcher.time_min=1", "launcher.signal_delay_s=5", "launcher.max_num_timeout=12")[0]
+    job.results()
+    assert_complete_and_identical(run_dir, reference)
+    timeouts = _restarts(job.job_id)
+    assert timeouts >= 1, "the run finished inside one time limit: the test proves nothing"
+    log = attempt_log(run_dir, job.job_id)
+    # each time limit's signal was taken for a timeout (not a preemption) and checkpointed the job before it requeued
+    assert set(re.findall(r"this job is (timed-out|preempted)", log)) == {"timed-out"}, log[-3000:]
+    assert log.count("progress is in the run directory; requeueing") == timeouts, log[-3000:]
+    redone = handed_over(run_dir) - N
+    assert 0 <= redone <= 4 * timeouts, f"{redone} samples were redone (more than one batch per timeout)"
 
 
 @pytest.mark.slurm
 @needs_cluster
-def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, capsys):
+def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, monkeypatch, capsys):
+    """launcher.max_num_timeout=0: the first timeout ends the job; the report says the limit is used up and how to
+    continue; the samples made are kept (and are not failures: nothing is marked for a failure requeue).
+
+    The timeout's signal is sent once the first samples are durable (the USR2 SLURM sends before a time limit;
+    submitit takes any signal to a job of time_min <= 10 for a timeout), so progress before it is certain on a loaded
+    machine; the real time limit's path is test_timeout_requeues_until_the_run_is_done's."""
+    from shardgen.launch.slurm import wait_for
+
     run_dir = tmp_path / "run"
-    many = write_lines(tmp_path / "many.txt", [f"prompt number {i}" for i in range(400)])
-    # far more work than one 2-minute job can do, and no requeue allowed
-    slurm(run_dir, *TIMEOUT_RUN, f"prompts.path={many}", "prompts.limit=400", "launcher.max_num_timeout=0",
-          "launcher.wait=true")
+    slow_first_attempt(monkeypatch, slow_s=2)  # 24 s for the run: it cannot finish between a poll and the signal
+    job = slurm(run_dir, "launcher.time_min=10", "launcher.max_num_timeout=0")[0]
+    _wait(lambda: _done(run_dir) >= 4, 180, "the first samples")
+    subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True)
+    wait_for([job], load_plan(RunDir(run_dir)))  # what launcher.wait=true does after submitting
     out = capsys.readouterr().out
     assert "timeout limit used up" in out and "re-run the same command to continue" in out
-    assert 0 < _done(run_dir) < 400
+    assert 0 < _done(run_dir) < N
     assert not (run_dir / "logs" / "failures").exists()  # a used-up timeout limit is not a failure to requeue
     # the samples the timed-out job made are real, not failures recorded while it was stopped
     assert read_ledger(load_plan(RunDir(run_dir))).totals()["failed"] == 0
@@ -331,7 +396,8 @@ def test_a_failed_or_stalled_rank_requeues_its_job_up_to_max_failures(tmp_path, 
     run_dir = tmp_path / "run"
     # an error is retried sample by sample under dp; in a tp replica it ends the job (it cannot be retried alone)
     tp = ("strategy=tp", "tp_degree=2", "launcher.tasks_per_node=2") if fault == "raise" else ()
-    jobs = slurm(run_dir, f"prompts.path={prompts}", "stall_timeout_s=5", f"launcher.max_failures={max_failures}",
+    # 15 s: a real batch here takes ~0.1 s, but the first of an attempt took over 5 s (a false stall) at load ~40
+    jobs = slurm(run_dir, f"prompts.path={prompts}", "stall_timeout_s=15", f"launcher.max_failures={max_failures}",
                  "launcher.time_min=60", "launcher.wait=true", *tp)
     marks = sorted((run_dir / "logs" / "failures").iterdir())
     why = "stalled in shard 000002" if fault == "hang" else "RuntimeError: CUDA error: unspecified launch failure"

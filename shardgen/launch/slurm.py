@@ -15,7 +15,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from parallel.world import ParallelConfigError
+# not parallel.world: unpickling the submitted job imports this module before submitit installs its signal handler,
+# and torch takes seconds to import: a preemption or time-limit signal in that window would kill the job
+from parallel.dims import ParallelConfigError
 from shardgen.dataio.rundir import RunDir
 from shardgen.errors import UserError
 from shardgen.launch.ranks import child_config, setup_rank_logging
