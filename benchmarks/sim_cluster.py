@@ -40,7 +40,7 @@ import numpy as np
 
 from shardgen.dataio.prompts import PromptSource, build_plan, load_plan
 from shardgen.dataio.resume import record_plan_digests, repair_run_dir
-from shardgen.dataio.rundir import Claimer, RunDir, owner_record
+from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S, Claimer, RunDir, owner_record
 from shardgen.dataio.shards import Sample, ShardSink
 from shardgen.dataio.tools import run_status
 from shardgen.run import replica as replica_mod
@@ -111,6 +111,44 @@ class OpCounter:
 
 
 COUNTER = OpCounter()
+
+
+class Heartbeats:
+    """One thread beating the claims of every simulated replica (``Claimer.beat``), as each replica's own
+    heartbeat thread would: 1,000 threads waking every ``heartbeat_s`` on 2 cores are themselves the load that
+    made leases expire. Records how late its passes ran (a pass late by more than the lease would be a spurious
+    takeover: the figures say whether the machine kept up)."""
+
+    def __init__(self, heartbeat_s: float):
+        self.heartbeat_s = heartbeat_s
+        self.claimers: dict[int, Claimer] = {}  # by id (a Claimer, a dataclass, is not hashable)
+        self.max_gap_s = 0.0  # the longest time between the starts of two passes
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sim-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, claimer: Claimer) -> None:
+        with self._lock:
+            self.claimers[id(claimer)] = claimer
+
+    def remove(self, claimer: Claimer) -> None:
+        with self._lock:
+            self.claimers.pop(id(claimer), None)
+
+    def _loop(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(max(0.0, last + self.heartbeat_s - time.perf_counter())):
+            now = time.perf_counter()
+            self.max_gap_s, last = max(self.max_gap_s, now - last), now
+            with self._lock:
+                claimers = list(self.claimers.values())
+            for c in claimers:
+                c.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class Killed(Exception):
@@ -192,8 +230,9 @@ def simulate(*args, **kwargs) -> dict:
 
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
              seconds: float = 60.0, prefill_frac: float = 0.0, kill_prob: float = 0.0, lease_s: float = 2.0,
-             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0) -> dict:
-    """Run the simulation; the figures as a dict."""
+             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0, poll_s: float | None = None) -> dict:
+    """Run the simulation; the figures as a dict. ``poll_s``: the replicas' idle poll (default: as the runner
+    sets it, ``min(2, heartbeat_s)``)."""
     t_plan = time.perf_counter()
     if (root / "plan" / "plan.json").exists():  # --dir of an earlier run: measured again as it is (--prefill ignored)
         run = RunDir(root)
@@ -227,12 +266,14 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
         status_s, status_ops = time.perf_counter() - t0, COUNTER.total() - ops0
         COUNTER.counts.clear()
         COUNTER.entries.clear()  # the figures per committed shard count the replicas' operations only
+        poll_s = min(2.0, heartbeat_s) if poll_s is None else poll_s
         fig = _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed,
-                            stagger_s)
+                            stagger_s, poll_s)
     finally:
         COUNTER.uninstall()
     dup, committed_samples = _duplicates(run)
     fig.update(replicas=replicas, shards=shards, per_shard=per_shard, prefilled=prefilled, plan_s=round(plan_s, 2),
+               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s,
                first_startup_s=round(first_s, 3), first_startup_ops=first_ops,
                startup_s=round(startup_s, 3), startup_ops=startup_ops,
                first_status_s=round(first_status_s, 3), first_status_ops=first_status_ops, status_s=round(status_s, 3),
@@ -241,35 +282,45 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
     return fig
 
 
-def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s) -> dict:
+def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s,
+                  poll_s) -> dict:
     stop = threading.Event()
     rng = random.Random(seed)
     replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng)
-    latencies, lock = [], threading.Lock()
-    commits = Counter()
-    kills = Counter()
-    last_commit, last_claim = [0.0], [0.0]
+    latencies, first_claims, lock = [], [], threading.Lock()
+    commits, kills, takeovers = Counter(), Counter(), Counter()
+    last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]
+    beats = Heartbeats(heartbeat_s)
+    cpu0, t_start = os.times(), time.time()
 
     def one(index: int, attempt: int = 0):
         if stagger_s:
             time.sleep(rng.random() * stagger_s)
-        claimer = Claimer(run, dict(owner_record(index), attempt=attempt), lease_s=lease_s, heartbeat_s=heartbeat_s)
+        claimer = Claimer(run, dict(owner_record(index), attempt=attempt), lease_s=lease_s, heartbeat_s=heartbeat_s,
+                          own_thread=False)
+        beats.add(claimer)
         sink = ShardSink("png", threads=1)
         w = ReplicaWorker(plan=plan, pipe=None, settings=SIM_SETTINGS, batch_size=batch, ctx=ReplicaContext(index, replicas),
-                          sink=sink, claimer=claimer, poll_s=min(2.0, heartbeat_s))
-        next_shard = w.next_shard
+                          sink=sink, claimer=claimer, poll_s=poll_s)
+        next_shard, claims = w.next_shard, [0]
 
         def timed():
             if stop.is_set():
                 return None
             COUNTER.set_phase("claim")
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             got = next_shard()
             COUNTER.set_phase("process")  # the replica's own work on the shard until the next claim
-            if got is not None:
-                with lock:
-                    latencies.append(time.perf_counter() - t)
-                    last_claim[0] = max(last_claim[0], time.time())
+            with lock:
+                if got is None:  # nothing was left for this replica from the call's start on: the tail began
+                    first_idle[0] = min(first_idle[0], wall)
+                    return None
+                latencies.append(time.perf_counter() - t)
+                if claims[0] == 0 and attempt == 0:
+                    first_claims.append(time.time() - t_start)
+                claims[0] += 1
+                last_claim[0] = max(last_claim[0], time.time())
+                takeovers[got[1] > 1] += 1
             return got
 
         def committed(shard, stats, orig=w._committed):
@@ -285,12 +336,13 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
         except Killed:
             with lock:
                 kills[index] += 1
-            claimer.close()  # the process is gone: its heartbeat stops, its claim expires after lease_s
-            sink.close()
-            if not stop.is_set():
-                one(index, attempt + 1)  # SLURM requeues it
+            sink.close()  # the process is gone: its heartbeat stops, its claim expires after lease_s
+        finally:
+            beats.remove(claimer)
+            claimer.close()
+        if kills[index] > attempt and not stop.is_set():
+            one(index, attempt + 1)  # SLURM requeues it
 
-    t_start = time.time()
     threads = [threading.Thread(target=one, args=(i,), name=f"replica-{i}", daemon=True) for i in range(replicas)]
     for t in threads:
         t.start()
@@ -301,23 +353,37 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     t_end = time.time()
     for t in threads:
         t.join(timeout=max(0.1, t_end + 60 - time.time()))
+    beats.close()
+    cpu = os.times()
     complete = len(run.done_shards()) == plan.num_shards
     n = sum(commits.values())
     phases = COUNTER.by_phase()
     per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
     claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
-    lat = sorted(latencies)
+    lat, first = sorted(latencies), sorted(first_claims)
+    end = last_commit[0]
     return dict(seconds=round(t_end - t_start, 1), complete=complete,
                 stuck=sum(t.is_alive() for t in threads), committed_shards=n,
                 shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
                 ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
                 listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},
-                claim_median_ms=round(1000 * statistics.median(lat), 2) if lat else None,
-                claim_p99_ms=round(1000 * lat[int(0.99 * (len(lat) - 1))], 2) if lat else None,
-                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()), kills=sum(kills.values()),
-                # the tail: from the last claim (from then on a replica looking for work finds none) to the last commit
-                tail_s=round(max(0.0, last_commit[0] - last_claim[0]), 2) if complete else None,
+                claim_median_ms=_ms(lat, 0.5), claim_p99_ms=_ms(lat, 0.99),
+                # the herd at start: time from the replicas' start to each one's first claim
+                first_claim_median_ms=_ms(first, 0.5), first_claim_max_ms=_ms(first, 1.0),
+                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()),
+                heartbeat_max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()),
+                takeovers=takeovers[True],  # claims of a generation above 1: with no kills, each one is spurious
+                # the tail: from the first replica finding nothing left to do to the end of the run (its last commit)
+                tail_s=round(max(0.0, end - first_idle[0]), 2) if complete and first_idle[0] < end else None,
+                last_claim_to_end_s=round(max(0.0, end - last_claim[0]), 2) if complete else None,
+                run_s=round(end - t_start, 2) if complete else None,
+                cpu_share=round((cpu.user + cpu.system - cpu0.user - cpu0.system) / max(1e-9, t_end - t_start), 2),
                 commits_twice=sum(1 for c in commits.values() if c > 1))
+
+
+def _ms(sorted_s: list[float], q: float) -> float | None:
+    """The q quantile of sorted seconds, in ms."""
+    return round(1000 * sorted_s[int(q * (len(sorted_s) - 1))], 2) if sorted_s else None
 
 
 def _duplicates(run: RunDir) -> tuple[int, int]:
@@ -345,14 +411,25 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--stagger-s", type=float, default=0.0)
+    ap.add_argument("--scale", type=float, default=None,
+                    help="time scale K: the production lease (120 s), heartbeat (15 s) and idle poll (2 s) and a "
+                    "shard's GPU time (--shard-gpu-s) all divided by K (overrides --gen-s, --lease-s, --heartbeat-s)")
+    ap.add_argument("--shard-gpu-s", type=float, default=2000.0,
+                    help="with --scale: a real shard's generation time (1,000 samples x 2 s)")
     ap.add_argument("--dir", default=None, help="where to make the run (default: a temp dir, removed after); "
                     "a run left there by an earlier call is used as it is")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    poll_s = None
+    if a.scale:
+        batches = -(-a.per_shard // a.batch)
+        a.gen_s, a.lease_s, a.heartbeat_s = a.shard_gpu_s / a.scale / batches, LEASE_S / a.scale, HEARTBEAT_S / a.scale
+        poll_s = min(2.0, HEARTBEAT_S) / a.scale  # as the runner sets it from the production heartbeat
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="simcluster-"))
     try:
         fig = simulate(tmp / "run", a.replicas, a.shards, a.per_shard, a.batch, a.gen_s, a.seconds, a.prefill,
-                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s)
+                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s)
+        fig.update(scale=a.scale)
     finally:
         if a.dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
