@@ -230,9 +230,10 @@ def simulate(*args, **kwargs) -> dict:
 
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
              seconds: float = 60.0, prefill_frac: float = 0.0, kill_prob: float = 0.0, lease_s: float = 2.0,
-             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0, poll_s: float | None = None) -> dict:
+             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0, poll_s: float | None = None,
+             procs: int = 1) -> dict:
     """Run the simulation; the figures as a dict. ``poll_s``: the replicas' idle poll (default: as the runner
-    sets it, ``min(2, heartbeat_s)``)."""
+    sets it, ``min(2, heartbeat_s)``); ``procs``: processes the replicas are spread over."""
     t_plan = time.perf_counter()
     if (root / "plan" / "plan.json").exists():  # --dir of an earlier run: measured again as it is (--prefill ignored)
         run = RunDir(root)
@@ -268,12 +269,12 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
         COUNTER.entries.clear()  # the figures per committed shard count the replicas' operations only
         poll_s = min(2.0, heartbeat_s) if poll_s is None else poll_s
         fig = _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed,
-                            stagger_s, poll_s)
+                            stagger_s, poll_s, procs)
     finally:
         COUNTER.uninstall()
     dup, committed_samples = _duplicates(run)
     fig.update(replicas=replicas, shards=shards, per_shard=per_shard, prefilled=prefilled, plan_s=round(plan_s, 2),
-               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s,
+               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s, stagger_s=stagger_s,
                first_startup_s=round(first_s, 3), first_startup_ops=first_ops,
                startup_s=round(startup_s, 3), startup_ops=startup_ops,
                first_status_s=round(first_status_s, 3), first_status_ops=first_status_ops, status_s=round(status_s, 3),
@@ -283,7 +284,68 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
 
 
 def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s,
-                  poll_s) -> dict:
+                  poll_s, procs: int = 1) -> dict:
+    """The replicas, split over ``procs`` processes (forked: each a group of replica threads with one heartbeat
+    thread, as a node's processes would be); their figures merged."""
+    t_start = time.time()
+    groups = [list(range(replicas))[i::procs] for i in range(max(1, procs))]
+    args = (run, plan, replicas, batch, gen_s, t_start + seconds, kill_prob, lease_s, heartbeat_s, stagger_s, poll_s)
+    if len(groups) == 1:
+        parts = [_replica_group(groups[0], *args, seed=seed, t_start=t_start)]
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the plan and the installed operation counter come along
+        queue = ctx.Queue()
+        children = [ctx.Process(target=lambda g=g, i=i: queue.put(_replica_group(g, *args, seed=seed + i,
+                                                                                t_start=t_start)), daemon=True)
+                    for i, g in enumerate(groups)]
+        for c in children:
+            c.start()
+        parts = [queue.get() for _ in children]
+        for c in children:
+            c.join()
+    t_end = max(p["t_end"] for p in parts)
+    complete = len(run.done_shards()) == plan.num_shards
+    commits, counts, entries = Counter(), Counter(), Counter()
+    for part in parts:
+        commits.update(part["commits"])
+        counts.update(part["counts"])
+        entries.update(part["entries"])
+    n = sum(commits.values())
+    phases: dict[str, Counter] = {}
+    for (ph, name), k in counts.items():
+        phases.setdefault(ph, Counter())[name] += k
+    per = {ph: round(sum(c.values()) / max(1, n), 2) for ph, c in phases.items()}
+    claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
+    lat = sorted(x for part in parts for x in part["latencies"])
+    first = sorted(x for part in parts for x in part["first_claims"])
+    end = max(p["last_commit"] for p in parts)
+    first_idle = min(p["first_idle"] for p in parts)
+    return dict(seconds=round(t_end - t_start, 1), complete=complete, procs=len(groups),
+                stuck=sum(p["stuck"] for p in parts), committed_shards=n,
+                shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
+                ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
+                listed_entries_per_shard={ph: round(e / max(1, n), 1) for ph, e in entries.items()},
+                claim_median_ms=_ms(lat, 0.5), claim_p99_ms=_ms(lat, 0.99),
+                # the herd at start: time from the replicas' start to each one's first claim
+                first_claim_median_ms=_ms(first, 0.5), first_claim_max_ms=_ms(first, 1.0),
+                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()),
+                heartbeat_max_gap_s=max(p["max_gap_s"] for p in parts), kills=sum(p["kills"] for p in parts),
+                takeovers=sum(p["takeovers"] for p in parts),  # claims of a generation above 1: with no kills, spurious
+                # the tail: from the first replica finding nothing left to do to the end of the run (its last commit)
+                tail_s=round(max(0.0, end - first_idle), 2) if complete and first_idle < end else None,
+                last_claim_to_end_s=round(max(0.0, end - max(p["last_claim"] for p in parts)), 2) if complete else None,
+                run_s=round(end - t_start, 2) if complete else None,
+                cpu_share=round(sum(p["cpu_s"] for p in parts) / max(1e-9, t_end - t_start), 2),
+                commits_twice=sum(1 for c in commits.values() if c > 1))
+
+
+def _replica_group(indices, run, plan, replicas, batch, gen_s, deadline, kill_prob, lease_s, heartbeat_s, stagger_s,
+                   poll_s, *, seed, t_start) -> dict:
+    """Run the replicas ``indices`` as threads of this process, their claims beaten by one thread; raw figures."""
+    COUNTER.counts.clear()
+    COUNTER.entries.clear()
     stop = threading.Event()
     rng = random.Random(seed)
     replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng)
@@ -291,7 +353,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     commits, kills, takeovers = Counter(), Counter(), Counter()
     last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]
     beats = Heartbeats(heartbeat_s)
-    cpu0, t_start = os.times(), time.time()
+    cpu0 = os.times()
 
     def one(index: int, attempt: int = 0):
         if stagger_s:
@@ -343,10 +405,9 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
         if kills[index] > attempt and not stop.is_set():
             one(index, attempt + 1)  # SLURM requeues it
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"replica-{i}", daemon=True) for i in range(replicas)]
+    threads = [threading.Thread(target=one, args=(i,), name=f"replica-{i}", daemon=True) for i in indices]
     for t in threads:
         t.start()
-    deadline = t_start + seconds
     while any(t.is_alive() for t in threads) and time.time() < deadline:
         time.sleep(0.2)
     stop.set()  # replicas stop at their next claim; a replica in its shard finishes it
@@ -355,30 +416,11 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
         t.join(timeout=max(0.1, t_end + 60 - time.time()))
     beats.close()
     cpu = os.times()
-    complete = len(run.done_shards()) == plan.num_shards
-    n = sum(commits.values())
-    phases = COUNTER.by_phase()
-    per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
-    claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
-    lat, first = sorted(latencies), sorted(first_claims)
-    end = last_commit[0]
-    return dict(seconds=round(t_end - t_start, 1), complete=complete,
-                stuck=sum(t.is_alive() for t in threads), committed_shards=n,
-                shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
-                ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
-                listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},
-                claim_median_ms=_ms(lat, 0.5), claim_p99_ms=_ms(lat, 0.99),
-                # the herd at start: time from the replicas' start to each one's first claim
-                first_claim_median_ms=_ms(first, 0.5), first_claim_max_ms=_ms(first, 1.0),
-                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()),
-                heartbeat_max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()),
-                takeovers=takeovers[True],  # claims of a generation above 1: with no kills, each one is spurious
-                # the tail: from the first replica finding nothing left to do to the end of the run (its last commit)
-                tail_s=round(max(0.0, end - first_idle[0]), 2) if complete and first_idle[0] < end else None,
-                last_claim_to_end_s=round(max(0.0, end - last_claim[0]), 2) if complete else None,
-                run_s=round(end - t_start, 2) if complete else None,
-                cpu_share=round((cpu.user + cpu.system - cpu0.user - cpu0.system) / max(1e-9, t_end - t_start), 2),
-                commits_twice=sum(1 for c in commits.values() if c > 1))
+    return dict(t_end=t_end, stuck=sum(t.is_alive() for t in threads), commits=commits, counts=Counter(COUNTER.counts),
+                entries=Counter(COUNTER.entries), latencies=latencies, first_claims=first_claims,
+                max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()), takeovers=takeovers[True],
+                last_commit=last_commit[0], last_claim=last_claim[0], first_idle=first_idle[0],
+                cpu_s=cpu.user + cpu.system - cpu0.user - cpu0.system)
 
 
 def _ms(sorted_s: list[float], q: float) -> float | None:
@@ -411,6 +453,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--stagger-s", type=float, default=0.0)
+    ap.add_argument("--procs", type=int, default=1, help="processes the replica threads are spread over (forked)")
     ap.add_argument("--scale", type=float, default=None,
                     help="time scale K: the production lease (120 s), heartbeat (15 s) and idle poll (2 s) and a "
                     "shard's GPU time (--shard-gpu-s) all divided by K (overrides --gen-s, --lease-s, --heartbeat-s)")
@@ -428,7 +471,7 @@ def main(argv=None) -> int:
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="simcluster-"))
     try:
         fig = simulate(tmp / "run", a.replicas, a.shards, a.per_shard, a.batch, a.gen_s, a.seconds, a.prefill,
-                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s)
+                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s, procs=a.procs)
         fig.update(scale=a.scale)
     finally:
         if a.dir is None:
