@@ -169,9 +169,11 @@ def make_plan(root: Path, shards: int, per_shard: int) -> RunDir:
     return run
 
 
-def fake_generator(gen_s: float, kill_prob: float, rng: random.Random):
+def fake_generator(gen_s: float, kill_prob: float, rng: random.Random, jitter: float = 0.0):
+    """A generator that sleeps ``gen_s`` a batch (times a factor uniform in 1 +- ``jitter``: GPUs and prompts differ,
+    so a cluster's replicas do not all finish their shards in the same second), raises Killed with ``kill_prob``."""
     def generate_batch(pipe, settings, rows, replica_ranks=1):
-        time.sleep(gen_s)
+        time.sleep(gen_s * (1 + jitter * (2 * rng.random() - 1)) if jitter else gen_s)
         if kill_prob and rng.random() < kill_prob:
             raise Killed()
         return [Sample(key=r.key, index=r.index, prompt=r.prompt,
@@ -231,7 +233,7 @@ def simulate(*args, **kwargs) -> dict:
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
              seconds: float = 60.0, prefill_frac: float = 0.0, kill_prob: float = 0.0, lease_s: float = 2.0,
              heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0, poll_s: float | None = None,
-             procs: int = 1) -> dict:
+             procs: int = 1, jitter: float = 0.0) -> dict:
     """Run the simulation; the figures as a dict. ``poll_s``: the replicas' idle poll (default: as the runner
     sets it, ``min(2, heartbeat_s)``); ``procs``: processes the replicas are spread over."""
     t_plan = time.perf_counter()
@@ -269,12 +271,12 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
         COUNTER.entries.clear()  # the figures per committed shard count the replicas' operations only
         poll_s = min(2.0, heartbeat_s) if poll_s is None else poll_s
         fig = _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed,
-                            stagger_s, poll_s, procs)
+                            stagger_s, poll_s, procs, jitter)
     finally:
         COUNTER.uninstall()
     dup, committed_samples = _duplicates(run)
     fig.update(replicas=replicas, shards=shards, per_shard=per_shard, prefilled=prefilled, plan_s=round(plan_s, 2),
-               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s, stagger_s=stagger_s,
+               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s, stagger_s=stagger_s, jitter=jitter,
                first_startup_s=round(first_s, 3), first_startup_ops=first_ops,
                startup_s=round(startup_s, 3), startup_ops=startup_ops,
                first_status_s=round(first_status_s, 3), first_status_ops=first_status_ops, status_s=round(status_s, 3),
@@ -284,14 +286,19 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
 
 
 def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s,
-                  poll_s, procs: int = 1) -> dict:
+                  poll_s, procs: int = 1, jitter: float = 0.0) -> dict:
     """The replicas, split over ``procs`` processes (forked: each a group of replica threads with one heartbeat
     thread, as a node's processes would be); their figures merged."""
     t_start = time.time()
     groups = [list(range(replicas))[i::procs] for i in range(max(1, procs))]
-    args = (run, plan, replicas, batch, gen_s, t_start + seconds, kill_prob, lease_s, heartbeat_s, stagger_s, poll_s)
+    args = (run, plan, replicas, batch, gen_s, t_start + seconds, kill_prob, lease_s, heartbeat_s, stagger_s, poll_s,
+            jitter)
     if len(groups) == 1:
-        parts = [_replica_group(groups[0], *args, seed=seed, t_start=t_start)]
+        switch = sys.getswitchinterval()  # the group shortens it: put it back for the process (a test's) going on
+        try:
+            parts = [_replica_group(groups[0], *args, seed=seed, t_start=t_start)]
+        finally:
+            sys.setswitchinterval(switch)
     else:
         import multiprocessing as mp
 
@@ -337,19 +344,25 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                 tail_s=round(max(0.0, end - first_idle), 2) if complete and first_idle < end else None,
                 last_claim_to_end_s=round(max(0.0, end - max(p["last_claim"] for p in parts)), 2) if complete else None,
                 run_s=round(end - t_start, 2) if complete else None,
+                # the replicas' time with nothing to do at the end, as a share of all replicas' time (GPU time lost)
+                tail_idle_share=round(sum(max(0.0, end - t) for p in parts for t in p["idle_from"])
+                                      / (replicas * (end - t_start)), 4) if complete else None,
                 cpu_share=round(sum(p["cpu_s"] for p in parts) / max(1e-9, t_end - t_start), 2),
                 commits_twice=sum(1 for c in commits.values() if c > 1))
 
 
 def _replica_group(indices, run, plan, replicas, batch, gen_s, deadline, kill_prob, lease_s, heartbeat_s, stagger_s,
-                   poll_s, *, seed, t_start) -> dict:
+                   poll_s, jitter, *, seed, t_start) -> dict:
     """Run the replicas ``indices`` as threads of this process, their claims beaten by one thread; raw figures."""
     COUNTER.counts.clear()
     COUNTER.entries.clear()
+    # hundreds of threads in one interpreter: a thread back from a syscall waits for the GIL up to the switch interval
+    # per waiting thread; the heartbeat thread makes two syscalls per replica per pass, so shorter turns keep it on time
+    sys.setswitchinterval(0.001)
     stop = threading.Event()
     rng = random.Random(seed)
-    replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng)
-    latencies, first_claims, lock = [], [], threading.Lock()
+    replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng, jitter)
+    latencies, first_claims, idle_from, lock = [], [], [], threading.Lock()
     commits, kills, takeovers = Counter(), Counter(), Counter()
     last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]
     beats = Heartbeats(heartbeat_s)
@@ -376,6 +389,7 @@ def _replica_group(indices, run, plan, replicas, batch, gen_s, deadline, kill_pr
             with lock:
                 if got is None:  # nothing was left for this replica from the call's start on: the tail began
                     first_idle[0] = min(first_idle[0], wall)
+                    idle_from.append(wall)
                     return None
                 latencies.append(time.perf_counter() - t)
                 if claims[0] == 0 and attempt == 0:
@@ -419,7 +433,7 @@ def _replica_group(indices, run, plan, replicas, batch, gen_s, deadline, kill_pr
     return dict(t_end=t_end, stuck=sum(t.is_alive() for t in threads), commits=commits, counts=Counter(COUNTER.counts),
                 entries=Counter(COUNTER.entries), latencies=latencies, first_claims=first_claims,
                 max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()), takeovers=takeovers[True],
-                last_commit=last_commit[0], last_claim=last_claim[0], first_idle=first_idle[0],
+                last_commit=last_commit[0], last_claim=last_claim[0], first_idle=first_idle[0], idle_from=idle_from,
                 cpu_s=cpu.user + cpu.system - cpu0.user - cpu0.system)
 
 
@@ -453,6 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--stagger-s", type=float, default=0.0)
+    ap.add_argument("--jitter", type=float, default=0.0, help="each fake batch's time varies by up to this share")
     ap.add_argument("--procs", type=int, default=1, help="processes the replica threads are spread over (forked)")
     ap.add_argument("--scale", type=float, default=None,
                     help="time scale K: the production lease (120 s), heartbeat (15 s) and idle poll (2 s) and a "
@@ -471,7 +486,8 @@ def main(argv=None) -> int:
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="simcluster-"))
     try:
         fig = simulate(tmp / "run", a.replicas, a.shards, a.per_shard, a.batch, a.gen_s, a.seconds, a.prefill,
-                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s, procs=a.procs)
+                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s, procs=a.procs,
+                       jitter=a.jitter)
         fig.update(scale=a.scale)
     finally:
         if a.dir is None:
