@@ -113,6 +113,20 @@ class OpCounter:
 COUNTER = OpCounter()
 
 
+class _IdleClock:
+    """The replica module's ``time``, but its ``sleep`` (only ``next_shard``'s idle poll sleeps there) marks the
+    calling thread's operations from then on as ``idle``: an idle replica's polls at the tail are counted apart
+    from the claims of replicas finding work (``timed`` in ``_replica_group`` sets ``claim`` again)."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(s: float) -> None:
+        COUNTER.set_phase("idle")
+        time.sleep(s)
+
+
 class Heartbeats:
     """One thread beating the claims of every simulated replica (``Claimer.beat``), as each replica's own
     heartbeat thread would: 1,000 threads waking every ``heartbeat_s`` on 2 cores are themselves the load that
@@ -222,12 +236,14 @@ def _copy_next_to(path: Path, run: RunDir, s: int) -> Path:
 
 
 def simulate(*args, **kwargs) -> dict:
-    """``_simulate`` with the replica module's generator put back afterwards (a test process goes on to real jobs)."""
-    real = replica_mod.generate_batch
+    """``_simulate`` with the replica module's generator and clock put back afterwards (a test process goes on to
+    real jobs)."""
+    real, clock = replica_mod.generate_batch, replica_mod.time
+    replica_mod.time = _IdleClock()
     try:
         return _simulate(*args, **kwargs)
     finally:
-        replica_mod.generate_batch = real
+        replica_mod.generate_batch, replica_mod.time = real, clock
 
 
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
@@ -329,10 +345,15 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
     first = sorted(x for part in parts for x in part["first_claims"])
     end = max(p["last_commit"] for p in parts)
     first_idle = min(p["first_idle"] for p in parts)
+    idle_s = sum(max(0.0, end - t) for p in parts for t in p["idle_from"])  # replica-seconds spent idle at the tail
     return dict(seconds=round(t_end - t_start, 1), complete=complete, procs=len(groups),
                 stuck=sum(p["stuck"] for p in parts), committed_shards=n,
                 shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
                 ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
+                # without the idle replicas' polls at the tail: what a shard costs while there is work
+                ops_per_shard_working=round(sum(v for ph, v in per.items() if ph != "idle"), 1),
+                idle_ops_by_call=dict(sorted(phases.get("idle", Counter()).items())),
+                idle_ops_per_replica_s=round(sum(phases.get("idle", Counter()).values()) / idle_s, 2) if idle_s else None,
                 listed_entries_per_shard={ph: round(e / max(1, n), 1) for ph, e in entries.items()},
                 claim_median_ms=_ms(lat, 0.5), claim_p99_ms=_ms(lat, 0.99),
                 # the herd at start: time from the replicas' start to each one's first claim
@@ -345,8 +366,7 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                 last_claim_to_end_s=round(max(0.0, end - max(p["last_claim"] for p in parts)), 2) if complete else None,
                 run_s=round(end - t_start, 2) if complete else None,
                 # the replicas' time with nothing to do at the end, as a share of all replicas' time (GPU time lost)
-                tail_idle_share=round(sum(max(0.0, end - t) for p in parts for t in p["idle_from"])
-                                      / (replicas * (end - t_start)), 4) if complete else None,
+                tail_idle_share=round(idle_s / (replicas * (end - t_start)), 4) if complete else None,
                 cpu_share=round(sum(p["cpu_s"] for p in parts) / max(1e-9, t_end - t_start), 2),
                 commits_twice=sum(1 for c in commits.values() if c > 1))
 

@@ -42,7 +42,7 @@ def test_many_replicas_beaten_by_one_thread_commit_every_shard_once_without_a_ta
     committed once, no claim taken over (the lease never lapsed), and the tail is measured."""
     sim = _sim()
     fig = sim.simulate(tmp_path / "run", replicas=40, shards=100, per_shard=1, batch=1, gen_s=0.1, seconds=40,
-                       lease_s=10.0, heartbeat_s=0.5, poll_s=0.05, seed=1)
+                       lease_s=4.0, heartbeat_s=0.5, poll_s=0.05, seed=1)
     assert fig["complete"] and fig["stuck"] == 0 and fig["committed_shards"] == 100
     assert fig["takeovers"] == 0 and fig["commits_twice"] == 0 and fig["duplicated_samples"] == 0
     assert fig["heartbeat_ops"] > 0  # the shared thread did beat the claims held
@@ -56,7 +56,7 @@ def test_claim_operations_per_shard_do_not_grow_with_the_shards_of_the_run(tmp_p
     about as many metadata operations on either (no listing per claim, no walk over the done ones)."""
     sim = _sim()
     figs = [sim.simulate(tmp_path / f"run{n}", replicas=12, shards=n, per_shard=1, batch=1, gen_s=0.02, seconds=40,
-                         prefill_frac=1 - 60 / n, lease_s=10.0, heartbeat_s=1.0, poll_s=0.05, seed=2)
+                         prefill_frac=1 - 60 / n, lease_s=4.0, heartbeat_s=1.0, poll_s=0.05, seed=2)
             for n in (150, 3000)]
     for fig in figs:
         assert fig["complete"] and fig["committed_shards"] == 60 and fig["duplicated_samples"] == 0
