@@ -11,6 +11,13 @@ on it, and the tail (from the first replica finding nothing left to do to the en
 
     PYTHONPATH=$PWD python benchmarks/sim_cluster.py --replicas 256 --shards 10000 --seconds 60 [--prefill 0.9]
         [--kill-prob 0.01] [--json out.json]
+    PYTHONPATH=$PWD nice -n 10 python benchmarks/sim_cluster.py --replicas 1000 --shards 10000 --prefill 0.85 \
+        --scale 5 --procs 16 --jitter 0.05 --seconds 1300
+
+``--scale K`` divides production's lease, heartbeat, idle poll and a shard's GPU time together (their ratios,
+and so the operations per shard, stay production's); ``--procs P`` spreads the replica threads over P forked
+processes, each with one thread beating all its replicas' claims (``Claimer.beat``): a heartbeat thread per
+replica, or hundreds of replicas in one interpreter, starve the heartbeats of the GIL (docs/scaling.md).
 
 ``--prefill F`` fabricates F of the shards as committed (copies of one real committed shard, renamed and
 with their own stats) so the claims and the start-up are measured on a run that is mostly done, the case
