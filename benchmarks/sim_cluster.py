@@ -11,6 +11,13 @@ on it, and the tail (from the first replica finding nothing left to do to the en
 
     PYTHONPATH=$PWD python benchmarks/sim_cluster.py --replicas 256 --shards 10000 --seconds 60 [--prefill 0.9]
         [--kill-prob 0.01] [--json out.json]
+    PYTHONPATH=$PWD nice -n 10 python benchmarks/sim_cluster.py --replicas 1000 --shards 10000 --prefill 0.85 \
+        --scale 5 --procs 16 --jitter 0.05 --seconds 1300
+
+``--scale K`` divides production's lease, heartbeat, idle poll and a shard's GPU time together (their ratios,
+and so the operations per shard, stay production's); ``--procs P`` spreads the replica threads over P forked
+processes, each with one thread beating all its replicas' claims (``Claimer.beat``): a heartbeat thread per
+replica, or hundreds of replicas in one interpreter, starve the heartbeats of the GIL (docs/scaling.md).
 
 ``--prefill F`` fabricates F of the shards as committed (copies of one real committed shard, renamed and
 with their own stats) so the claims and the start-up are measured on a run that is mostly done, the case
@@ -40,7 +47,7 @@ import numpy as np
 
 from shardgen.dataio.prompts import PromptSource, build_plan, load_plan
 from shardgen.dataio.resume import record_plan_digests, repair_run_dir
-from shardgen.dataio.rundir import Claimer, RunDir, owner_record
+from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S, Claimer, RunDir, owner_record
 from shardgen.dataio.shards import Sample, ShardSink
 from shardgen.dataio.tools import run_status
 from shardgen.run import replica as replica_mod
@@ -113,6 +120,58 @@ class OpCounter:
 COUNTER = OpCounter()
 
 
+class _IdleClock:
+    """The replica module's ``time``, but its ``sleep`` (only ``next_shard``'s idle poll sleeps there) marks the
+    calling thread's operations from then on as ``idle``: an idle replica's polls at the tail are counted apart
+    from the claims of replicas finding work (``timed`` in ``_replica_group`` sets ``claim`` again)."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(s: float) -> None:
+        COUNTER.set_phase("idle")
+        time.sleep(s)
+
+
+class Heartbeats:
+    """One thread beating the claims of every simulated replica (``Claimer.beat``), as each replica's own
+    heartbeat thread would: 1,000 threads waking every ``heartbeat_s`` on 2 cores are themselves the load that
+    made leases expire. Records how late its passes ran (a pass late by more than the lease would be a spurious
+    takeover: the figures say whether the machine kept up)."""
+
+    def __init__(self, heartbeat_s: float):
+        self.heartbeat_s = heartbeat_s
+        self.claimers: dict[int, Claimer] = {}  # by id (a Claimer, a dataclass, is not hashable)
+        self.max_gap_s = 0.0  # the longest time between the starts of two passes
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sim-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, claimer: Claimer) -> None:
+        with self._lock:
+            self.claimers[id(claimer)] = claimer
+
+    def remove(self, claimer: Claimer) -> None:
+        with self._lock:
+            self.claimers.pop(id(claimer), None)
+
+    def _loop(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(max(0.0, last + self.heartbeat_s - time.perf_counter())):
+            now = time.perf_counter()
+            self.max_gap_s, last = max(self.max_gap_s, now - last), now
+            with self._lock:
+                claimers = list(self.claimers.values())
+            for c in claimers:
+                c.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class Killed(Exception):
     """A simulated kill of a replica (its heartbeat stops; its claim expires)."""
 
@@ -131,9 +190,11 @@ def make_plan(root: Path, shards: int, per_shard: int) -> RunDir:
     return run
 
 
-def fake_generator(gen_s: float, kill_prob: float, rng: random.Random):
+def fake_generator(gen_s: float, kill_prob: float, rng: random.Random, jitter: float = 0.0):
+    """A generator that sleeps ``gen_s`` a batch (times a factor uniform in 1 +- ``jitter``: GPUs and prompts differ,
+    so a cluster's replicas do not all finish their shards in the same second), raises Killed with ``kill_prob``."""
     def generate_batch(pipe, settings, rows, replica_ranks=1):
-        time.sleep(gen_s)
+        time.sleep(gen_s * (1 + jitter * (2 * rng.random() - 1)) if jitter else gen_s)
         if kill_prob and rng.random() < kill_prob:
             raise Killed()
         return [Sample(key=r.key, index=r.index, prompt=r.prompt,
@@ -182,18 +243,22 @@ def _copy_next_to(path: Path, run: RunDir, s: int) -> Path:
 
 
 def simulate(*args, **kwargs) -> dict:
-    """``_simulate`` with the replica module's generator put back afterwards (a test process goes on to real jobs)."""
-    real = replica_mod.generate_batch
+    """``_simulate`` with the replica module's generator and clock put back afterwards (a test process goes on to
+    real jobs)."""
+    real, clock = replica_mod.generate_batch, replica_mod.time
+    replica_mod.time = _IdleClock()
     try:
         return _simulate(*args, **kwargs)
     finally:
-        replica_mod.generate_batch = real
+        replica_mod.generate_batch, replica_mod.time = real, clock
 
 
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
              seconds: float = 60.0, prefill_frac: float = 0.0, kill_prob: float = 0.0, lease_s: float = 2.0,
-             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0) -> dict:
-    """Run the simulation; the figures as a dict."""
+             heartbeat_s: float = 0.5, seed: int = 0, stagger_s: float = 0.0, poll_s: float | None = None,
+             procs: int = 1, jitter: float = 0.0) -> dict:
+    """Run the simulation; the figures as a dict. ``poll_s``: the replicas' idle poll (default: as the runner
+    sets it, ``min(2, heartbeat_s)``); ``procs``: processes the replicas are spread over."""
     t_plan = time.perf_counter()
     if (root / "plan" / "plan.json").exists():  # --dir of an earlier run: measured again as it is (--prefill ignored)
         run = RunDir(root)
@@ -227,12 +292,14 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
         status_s, status_ops = time.perf_counter() - t0, COUNTER.total() - ops0
         COUNTER.counts.clear()
         COUNTER.entries.clear()  # the figures per committed shard count the replicas' operations only
+        poll_s = min(2.0, heartbeat_s) if poll_s is None else poll_s
         fig = _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed,
-                            stagger_s)
+                            stagger_s, poll_s, procs, jitter)
     finally:
         COUNTER.uninstall()
     dup, committed_samples = _duplicates(run)
     fig.update(replicas=replicas, shards=shards, per_shard=per_shard, prefilled=prefilled, plan_s=round(plan_s, 2),
+               gen_s=gen_s, lease_s=lease_s, heartbeat_s=heartbeat_s, poll_s=poll_s, stagger_s=stagger_s, jitter=jitter,
                first_startup_s=round(first_s, 3), first_startup_ops=first_ops,
                startup_s=round(startup_s, 3), startup_ops=startup_ops,
                first_status_s=round(first_status_s, 3), first_status_ops=first_status_ops, status_s=round(status_s, 3),
@@ -241,35 +308,122 @@ def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch:
     return fig
 
 
-def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s) -> dict:
+def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s, heartbeat_s, seed, stagger_s,
+                  poll_s, procs: int = 1, jitter: float = 0.0) -> dict:
+    """The replicas, split over ``procs`` processes (forked: each a group of replica threads with one heartbeat
+    thread, as a node's processes would be); their figures merged."""
+    t_start = time.time()
+    groups = [list(range(replicas))[i::procs] for i in range(max(1, procs))]
+    args = (run, plan, replicas, batch, gen_s, t_start + seconds, kill_prob, lease_s, heartbeat_s, stagger_s, poll_s,
+            jitter)
+    if len(groups) == 1:
+        switch = sys.getswitchinterval()  # the group shortens it: put it back for the process (a test's) going on
+        try:
+            parts = [_replica_group(groups[0], *args, seed=seed, t_start=t_start)]
+        finally:
+            sys.setswitchinterval(switch)
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the plan and the installed operation counter come along
+        queue = ctx.Queue()
+        children = [ctx.Process(target=lambda g=g, i=i: queue.put(_replica_group(g, *args, seed=seed + i,
+                                                                                t_start=t_start)), daemon=True)
+                    for i, g in enumerate(groups)]
+        for c in children:
+            c.start()
+        parts = [queue.get() for _ in children]
+        for c in children:
+            c.join()
+    t_end = max(p["t_end"] for p in parts)
+    complete = len(run.done_shards()) == plan.num_shards
+    commits, counts, entries = Counter(), Counter(), Counter()
+    for part in parts:
+        commits.update(part["commits"])
+        counts.update(part["counts"])
+        entries.update(part["entries"])
+    n = sum(commits.values())
+    phases: dict[str, Counter] = {}
+    for (ph, name), k in counts.items():
+        phases.setdefault(ph, Counter())[name] += k
+    per = {ph: round(sum(c.values()) / max(1, n), 2) for ph, c in phases.items()}
+    claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
+    lat = sorted(x for part in parts for x in part["latencies"])
+    first = sorted(x for part in parts for x in part["first_claims"])
+    end = max(p["last_commit"] for p in parts)
+    first_idle = min(p["first_idle"] for p in parts)
+    idle_s = sum(max(0.0, end - t) for p in parts for t in p["idle_from"])  # replica-seconds spent idle at the tail
+    return dict(seconds=round(t_end - t_start, 1), complete=complete, procs=len(groups),
+                stuck=sum(p["stuck"] for p in parts), committed_shards=n,
+                shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
+                ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
+                # without the idle replicas' polls at the tail: what a shard costs while there is work
+                ops_per_shard_working=round(sum(v for ph, v in per.items() if ph != "idle"), 1),
+                idle_ops_by_call=dict(sorted(phases.get("idle", Counter()).items())),
+                idle_ops_per_replica_s=round(sum(phases.get("idle", Counter()).values()) / idle_s, 2) if idle_s else None,
+                listed_entries_per_shard={ph: round(e / max(1, n), 1) for ph, e in entries.items()},
+                claim_median_ms=_ms(lat, 0.5), claim_p99_ms=_ms(lat, 0.99),
+                # the herd at start: time from the replicas' start to each one's first claim
+                first_claim_median_ms=_ms(first, 0.5), first_claim_max_ms=_ms(first, 1.0),
+                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()),
+                heartbeat_max_gap_s=max(p["max_gap_s"] for p in parts), kills=sum(p["kills"] for p in parts),
+                takeovers=sum(p["takeovers"] for p in parts),  # claims of a generation above 1: with no kills, spurious
+                # the tail: from the first replica finding nothing left to do to the end of the run (its last commit)
+                tail_s=round(max(0.0, end - first_idle), 2) if complete and first_idle < end else None,
+                last_claim_to_end_s=round(max(0.0, end - max(p["last_claim"] for p in parts)), 2) if complete else None,
+                run_s=round(end - t_start, 2) if complete else None,
+                # the replicas' time with nothing to do at the end, as a share of all replicas' time (GPU time lost)
+                tail_idle_share=round(idle_s / (replicas * (end - t_start)), 4) if complete else None,
+                cpu_share=round(sum(p["cpu_s"] for p in parts) / max(1e-9, t_end - t_start), 2),
+                commits_twice=sum(1 for c in commits.values() if c > 1))
+
+
+def _replica_group(indices, run, plan, replicas, batch, gen_s, deadline, kill_prob, lease_s, heartbeat_s, stagger_s,
+                   poll_s, jitter, *, seed, t_start) -> dict:
+    """Run the replicas ``indices`` as threads of this process, their claims beaten by one thread; raw figures."""
+    COUNTER.counts.clear()
+    COUNTER.entries.clear()
+    # hundreds of threads in one interpreter: a thread back from a syscall waits for the GIL up to the switch interval
+    # per waiting thread; the heartbeat thread makes two syscalls per replica per pass, so shorter turns keep it on time
+    sys.setswitchinterval(0.001)
     stop = threading.Event()
     rng = random.Random(seed)
-    replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng)
-    latencies, lock = [], threading.Lock()
-    commits = Counter()
-    kills = Counter()
-    last_commit, last_claim = [0.0], [0.0]
+    replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng, jitter)
+    latencies, first_claims, idle_from, lock = [], [], [], threading.Lock()
+    commits, kills, takeovers = Counter(), Counter(), Counter()
+    last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]
+    beats = Heartbeats(heartbeat_s)
+    cpu0 = os.times()
 
     def one(index: int, attempt: int = 0):
         if stagger_s:
             time.sleep(rng.random() * stagger_s)
-        claimer = Claimer(run, dict(owner_record(index), attempt=attempt), lease_s=lease_s, heartbeat_s=heartbeat_s)
+        claimer = Claimer(run, dict(owner_record(index), attempt=attempt), lease_s=lease_s, heartbeat_s=heartbeat_s,
+                          own_thread=False)
+        beats.add(claimer)
         sink = ShardSink("png", threads=1)
         w = ReplicaWorker(plan=plan, pipe=None, settings=SIM_SETTINGS, batch_size=batch, ctx=ReplicaContext(index, replicas),
-                          sink=sink, claimer=claimer, poll_s=min(2.0, heartbeat_s))
-        next_shard = w.next_shard
+                          sink=sink, claimer=claimer, poll_s=poll_s)
+        next_shard, claims = w.next_shard, [0]
 
         def timed():
             if stop.is_set():
                 return None
             COUNTER.set_phase("claim")
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             got = next_shard()
             COUNTER.set_phase("process")  # the replica's own work on the shard until the next claim
-            if got is not None:
-                with lock:
-                    latencies.append(time.perf_counter() - t)
-                    last_claim[0] = max(last_claim[0], time.time())
+            with lock:
+                if got is None:  # nothing was left for this replica from the call's start on: the tail began
+                    first_idle[0] = min(first_idle[0], wall)
+                    idle_from.append(wall)
+                    return None
+                latencies.append(time.perf_counter() - t)
+                if claims[0] == 0 and attempt == 0:
+                    first_claims.append(time.time() - t_start)
+                claims[0] += 1
+                last_claim[0] = max(last_claim[0], time.time())
+                takeovers[got[1] > 1] += 1
             return got
 
         def committed(shard, stats, orig=w._committed):
@@ -285,39 +439,34 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
         except Killed:
             with lock:
                 kills[index] += 1
-            claimer.close()  # the process is gone: its heartbeat stops, its claim expires after lease_s
-            sink.close()
-            if not stop.is_set():
-                one(index, attempt + 1)  # SLURM requeues it
+            sink.close()  # the process is gone: its heartbeat stops, its claim expires after lease_s
+        finally:
+            beats.remove(claimer)
+            claimer.close()
+        if kills[index] > attempt and not stop.is_set():
+            one(index, attempt + 1)  # SLURM requeues it
 
-    t_start = time.time()
-    threads = [threading.Thread(target=one, args=(i,), name=f"replica-{i}", daemon=True) for i in range(replicas)]
+    threads = [threading.Thread(target=one, args=(i,), name=f"replica-{i}", daemon=True) for i in indices]
     for t in threads:
         t.start()
-    deadline = t_start + seconds
     while any(t.is_alive() for t in threads) and time.time() < deadline:
         time.sleep(0.2)
     stop.set()  # replicas stop at their next claim; a replica in its shard finishes it
     t_end = time.time()
     for t in threads:
         t.join(timeout=max(0.1, t_end + 60 - time.time()))
-    complete = len(run.done_shards()) == plan.num_shards
-    n = sum(commits.values())
-    phases = COUNTER.by_phase()
-    per = {p: round(sum(c.values()) / max(1, n), 2) for p, c in phases.items()}
-    claim_calls = {k: round(v / max(1, n), 2) for k, v in sorted(phases.get("claim", Counter()).items())}
-    lat = sorted(latencies)
-    return dict(seconds=round(t_end - t_start, 1), complete=complete,
-                stuck=sum(t.is_alive() for t in threads), committed_shards=n,
-                shards_per_s=round(n / (t_end - t_start), 1), ops_per_shard=per,
-                ops_per_shard_total=round(sum(per.values()), 1), claim_ops_by_call=claim_calls,
-                listed_entries_per_shard={p: round(e / max(1, n), 1) for p, e in COUNTER.entries.items()},
-                claim_median_ms=round(1000 * statistics.median(lat), 2) if lat else None,
-                claim_p99_ms=round(1000 * lat[int(0.99 * (len(lat) - 1))], 2) if lat else None,
-                heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()), kills=sum(kills.values()),
-                # the tail: from the last claim (from then on a replica looking for work finds none) to the last commit
-                tail_s=round(max(0.0, last_commit[0] - last_claim[0]), 2) if complete else None,
-                commits_twice=sum(1 for c in commits.values() if c > 1))
+    beats.close()
+    cpu = os.times()
+    return dict(t_end=t_end, stuck=sum(t.is_alive() for t in threads), commits=commits, counts=Counter(COUNTER.counts),
+                entries=Counter(COUNTER.entries), latencies=latencies, first_claims=first_claims,
+                max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()), takeovers=takeovers[True],
+                last_commit=last_commit[0], last_claim=last_claim[0], first_idle=first_idle[0], idle_from=idle_from,
+                cpu_s=cpu.user + cpu.system - cpu0.user - cpu0.system)
+
+
+def _ms(sorted_s: list[float], q: float) -> float | None:
+    """The q quantile of sorted seconds, in ms."""
+    return round(1000 * sorted_s[int(q * (len(sorted_s) - 1))], 2) if sorted_s else None
 
 
 def _duplicates(run: RunDir) -> tuple[int, int]:
@@ -345,14 +494,28 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--stagger-s", type=float, default=0.0)
+    ap.add_argument("--jitter", type=float, default=0.0, help="each fake batch's time varies by up to this share")
+    ap.add_argument("--procs", type=int, default=1, help="processes the replica threads are spread over (forked)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="time scale K: the production lease (120 s), heartbeat (15 s) and idle poll (2 s) and a "
+                    "shard's GPU time (--shard-gpu-s) all divided by K (overrides --gen-s, --lease-s, --heartbeat-s)")
+    ap.add_argument("--shard-gpu-s", type=float, default=2000.0,
+                    help="with --scale: a real shard's generation time (1,000 samples x 2 s)")
     ap.add_argument("--dir", default=None, help="where to make the run (default: a temp dir, removed after); "
                     "a run left there by an earlier call is used as it is")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    poll_s = None
+    if a.scale:
+        batches = -(-a.per_shard // a.batch)
+        a.gen_s, a.lease_s, a.heartbeat_s = a.shard_gpu_s / a.scale / batches, LEASE_S / a.scale, HEARTBEAT_S / a.scale
+        poll_s = min(2.0, HEARTBEAT_S) / a.scale  # as the runner sets it from the production heartbeat
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="simcluster-"))
     try:
         fig = simulate(tmp / "run", a.replicas, a.shards, a.per_shard, a.batch, a.gen_s, a.seconds, a.prefill,
-                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s)
+                       a.kill_prob, a.lease_s, a.heartbeat_s, stagger_s=a.stagger_s, poll_s=poll_s, procs=a.procs,
+                       jitter=a.jitter)
+        fig.update(scale=a.scale)
     finally:
         if a.dir is None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -85,3 +85,24 @@ def test_the_heartbeat_keeps_a_claim_alive(run, claimers):
     assert a.try_claim(0, None) == 1
     time.sleep(1.5)
     assert claimers(1, lease_s=1.0, heartbeat_s=60).try_claim(0, 1) is None
+
+
+def test_a_claimer_without_its_own_thread_is_kept_alive_by_beat_and_sees_a_takeover(run, claimers):
+    """own_thread=False (sim_cluster.py beats 1,000 simulated replicas from one thread): no heartbeat thread is
+    started, beat() renews the claims held, and it notes a shard another replica took over."""
+    import threading
+
+    before = [t.name for t in threading.enumerate()].count("shardgen-heartbeat")
+    a = claimers(0, lease_s=0.6, heartbeat_s=0.1, own_thread=False)
+    assert [t.name for t in threading.enumerate()].count("shardgen-heartbeat") == before
+    assert a.try_claim(0, None) == 1 and a.try_claim(1, None) == 1
+    past = time.time() - 10
+    os.utime(run.claim(0, 1), (past, past))
+    os.utime(run.claim(1, 1), (past, past))
+    a.beat()  # both claims renewed: their heartbeat is fresh again
+    b = claimers(1, lease_s=0.6, heartbeat_s=60)
+    assert b.try_claim(0, 1) is None and b.try_claim(1, 1) is None
+    os.utime(run.claim(1, 1), (past, past))  # a misses its heartbeats for shard 1: b takes it over
+    assert b.try_claim(1, 1) == 2
+    a.beat()
+    assert 1 in a.lost and not a.still_mine(1) and a.still_mine(0)

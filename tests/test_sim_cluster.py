@@ -35,3 +35,31 @@ def test_random_kills_leave_every_prompt_in_exactly_one_sample(tmp_path):
             keys = sorted(name.split(".")[0] for name in tar.getnames() if name.endswith(".json"))
         assert keys == [sample_key(i) for i in plan.shard_range(shard)], shard
     assert not [p for p in run.claims_dir.iterdir()]  # every claim released after its commit
+
+
+@pytest.mark.slow
+def test_many_replicas_beaten_by_one_thread_commit_every_shard_once_without_a_takeover(tmp_path):
+    """40 replicas, their claims kept alive by the simulation's one heartbeat thread (Claimer.beat): every shard
+    committed once, no claim taken over (the lease never lapsed), and the tail is measured."""
+    sim = _sim()
+    fig = sim.simulate(tmp_path / "run", replicas=40, shards=100, per_shard=1, batch=1, gen_s=0.1, seconds=40,
+                       lease_s=30.0, heartbeat_s=0.5, poll_s=0.05, seed=1)  # a lease no load on a shared box outlasts
+    assert fig["complete"] and fig["stuck"] == 0 and fig["committed_shards"] == 100
+    assert fig["takeovers"] == 0 and fig["commits_twice"] == 0 and fig["duplicated_samples"] == 0
+    assert fig["heartbeat_ops"] > 0  # the shared thread did beat the claims held
+    assert fig["tail_s"] is not None and 0 <= fig["tail_s"] < fig["run_s"]
+    assert not list(RunDir(tmp_path / "run").claims_dir.iterdir())
+
+
+@pytest.mark.slow
+def test_claim_operations_per_shard_do_not_grow_with_the_shards_of_the_run(tmp_path):
+    """The same 60 shards left to do on a run of 150 and of 3,000 shards (the rest committed): a claim costs
+    about as many metadata operations on either (no listing per claim, no walk over the done ones)."""
+    sim = _sim()
+    figs = [sim.simulate(tmp_path / f"run{n}", replicas=12, shards=n, per_shard=1, batch=1, gen_s=0.02, seconds=40,
+                         prefill_frac=1 - 60 / n, lease_s=4.0, heartbeat_s=1.0, poll_s=0.05, seed=2)
+            for n in (150, 3000)]
+    for fig in figs:
+        assert fig["complete"] and fig["committed_shards"] == 60 and fig["duplicated_samples"] == 0
+    small, large = (f["ops_per_shard"]["claim"] for f in figs)
+    assert large < 1.5 * small + 3, (small, large)

@@ -110,13 +110,16 @@ class Claimer:
     heartbeat_s: float = HEARTBEAT_S
     held: dict[int, int] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    own_thread: bool = True  # False: no heartbeat thread; the caller calls beat() every heartbeat_s
     _seen: dict = field(default_factory=dict)  # (shard, gen) -> (heartbeat mtime, our time when it was first seen)
 
     def __post_init__(self):
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat_loop, name="shardgen-heartbeat", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if self.own_thread:
+            self._thread = threading.Thread(target=self._heartbeat_loop, name="shardgen-heartbeat", daemon=True)
+            self._thread.start()
 
     def try_claim(self, shard: int, latest_gen: int | None) -> int | None:
         """Claim ``shard`` (whose highest claim generation is ``latest_gen``); its new generation or None."""
@@ -182,20 +185,27 @@ class Claimer:
     def close(self) -> None:
         """Stop the heartbeat thread (claims stay; they expire or are released)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            with self._lock:
-                held = dict(self.held)
-            for shard, gen in held.items():
-                if self.run.claim(shard, gen + 1).exists():
-                    self.lost.add(shard)
-                    continue
-                try:
-                    os.utime(self.run.claim(shard, gen), follow_symlinks=False)
-                except FileNotFoundError:
-                    self.lost.add(shard)
+            self.beat()
+
+    def beat(self) -> None:
+        """One heartbeat: renew every claim held (its mtime), and note those another replica took over.
+        The claimer's thread calls it every ``heartbeat_s``; a driver of many claimers (benchmarks/sim_cluster.py
+        beats 1,000 simulated replicas from one thread) may call it instead."""
+        with self._lock:
+            held = dict(self.held)
+        for shard, gen in held.items():
+            if self.run.claim(shard, gen + 1).exists():
+                self.lost.add(shard)
+                continue
+            try:
+                os.utime(self.run.claim(shard, gen), follow_symlinks=False)
+            except FileNotFoundError:
+                self.lost.add(shard)
 
 
 def _who(record: dict | None) -> str:
