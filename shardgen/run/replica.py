@@ -127,7 +127,7 @@ class ReplicaWorker:
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
             self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
-            self._work = self._open(shard, gen)
+            self._work = self._open(shard, gen, replaces=True)
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
         return None
@@ -231,9 +231,9 @@ class ReplicaWorker:
                 return shard, gen
         return None
 
-    def _open(self, shard: int, gen: int) -> ShardWork:
+    def _open(self, shard: int, gen: int, replaces: bool = False) -> ShardWork:
         return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
-                              still_mine=lambda: self.claimer.still_mine(shard))
+                              still_mine=lambda: self.claimer.still_mine(shard), replaces=replaces)
 
     def process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
         """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""

@@ -117,6 +117,7 @@ class ShardWork:
     shapes: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.time)
     still_mine: Callable[[], bool] = lambda: True   # False once another replica took the shard over
+    replaces: bool = False  # rewrites a committed shard on purpose (retry_failed); else a committed one stands
 
     @property
     def keys(self) -> list[str]:
@@ -124,7 +125,7 @@ class ShardWork:
 
     @classmethod
     def open(cls, run: RunDir, shard: int, gen: int, indices: range,
-             still_mine: Callable[[], bool] = lambda: True) -> "ShardWork":
+             still_mine: Callable[[], bool] = lambda: True, replaces: bool = False) -> "ShardWork":
         """Start generation ``gen`` of ``shard``, continuing from the furthest earlier checkpoint whose
         partial verifies: its index has a row for each of its samples, its tar's bytes hash to the checkpoint's
         sha256 and hold exactly the ok samples of those rows, in plan order. An unverifiable partial is reported
@@ -138,7 +139,7 @@ class ShardWork:
                 break
         if tar is None:
             ckpt, rows, tar = None, [], PartialTar(run.partial_tar(shard, gen))
-        work = cls(run=run, shard=shard, gen=gen, indices=indices, tar=tar, still_mine=still_mine,
+        work = cls(run=run, shard=shard, gen=gen, indices=indices, tar=tar, still_mine=still_mine, replaces=replaces,
                    index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
         if ckpt is not None:
             work.n_done, work.started = len(rows), float(ckpt["started"])
@@ -170,6 +171,14 @@ class ShardWork:
         self.tar.finish()
         if not self.still_mine():
             log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
+            return None
+        if not self.replaces and self.run.shard_stats(self.shard).exists():
+            # the holder this replica took the shard over from was alive after all and committed it (it passed its
+            # own still_mine check just before the takeover): its commit stands, whole; ours would replace its tar,
+            # index and stats one by one (docs/scaling.md, "takeover at commit")
+            log.warning("shard %06d was committed by the replica it was taken over from; dropping this copy", self.shard)
+            self.close()
+            _remove_older_generations(self.run, self.shard, self.gen + 1)
             return None
         final = self.run.shard_tar(self.shard)
         try:  # taken over between still_mine and here: the new holder removes our partial files
