@@ -30,28 +30,23 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed_run(cfg, pipe) -> dict:
-    """``run_rank`` on the shared pipeline: wall seconds, seconds inside pipeline calls, new graphs."""
+    """The job on the shared pipeline (``shardgen.bench.ways.run_shardgen``, the bench's own timing): wall seconds,
+    seconds inside the pipeline calls, batches, and the graphs compiled during the run."""
+    from shardgen.bench.measure import TransformerTimer
+    from shardgen.bench.ways import run_shardgen
+
+    device = torch_device()
+    r = run_shardgen(pipe, cfg, device, TransformerTimer(pipe.transformer, device))
+    return {"wall_s": round(r["wall_s"], 2), "calls_s": round(sum(r["batch_s"]), 2), "batches": r["batches"],
+            "ok": r["ok"], "failed": r["failed"],
+            "graphs_compiled": r["graphs_compiled"] + r["recompiles_after_first_batch"]}
+
+
+def torch_device():
+    """The GPU (with its index: ``torch.cuda.set_device`` needs one), else the CPU."""
     import torch
 
-    from shardgen.run.runner import run_rank
-    from shardgen.speed.autocompile import compiled_graphs
-
-    calls, start = [], []
-
-    def hook(event, worker):
-        if event == "start":
-            start.append(time.perf_counter())
-        else:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            calls.append(time.perf_counter() - start[-1])
-
-    graphs0 = compiled_graphs()
-    t0 = time.perf_counter()
-    result = run_rank(cfg, pipeline=pipe, on_batch=hook)
-    wall = time.perf_counter() - t0
-    return {"wall_s": round(wall, 2), "calls_s": round(sum(calls), 2), "batches": len(calls), "ok": result.ok,
-            "failed": result.failed, "graphs_compiled": compiled_graphs() - graphs0}
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def sizes_written(run_dir: Path) -> dict:
@@ -108,7 +103,7 @@ def main() -> None:
                                  "prompts.row_settings=[width,height]", f"run_dir={out / ('run-' + name)}"])
 
     cfg = mixed_cfg("mixed", prompts)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     t0 = time.perf_counter()
