@@ -99,10 +99,10 @@ def main() -> None:
     # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
     ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"),
             "compiled-cold": (["compile=true"], "cache-compiled"), "warm": ([], "cache-compiled")}
-    fresh = {"eager": ["run-eager", "cache-eager"], "cold": ["run-cold", "cache"],
-             "compiled-cold": ["run-compiled-cold", "cache-compiled"], "warm": ["run-warm"],
-             "seed": ["seed", "seed-cache"]}
-    for way, dirs in fresh.items():  # this script's own outputs, for the ways this call runs
+    # this script's own outputs, for the ways this call runs: each way's run dir, and its cache unless it reuses one
+    fresh = {way: [f"run-{way}"] + ([cache] if way != "warm" else []) for way, (_, cache) in ways.items()}
+    fresh["seed"] = ["seed", "seed-cache"]
+    for way, dirs in fresh.items():
         if way not in skip:
             for d in dirs:
                 shutil.rmtree(out / d, ignore_errors=True)
