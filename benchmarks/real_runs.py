@@ -66,8 +66,10 @@ def parse_job(out: str) -> dict:
     if m := re.search(r"(\d+) compiled batches, first ([\d.]+) s/sample(?:, steady ([\d.]+) s/sample)?", out):
         res["compiled_batches"], res["first_compiled_s_per_sample"] = int(m.group(1)), float(m.group(2))
         res["steady_s_per_sample"] = float(m.group(3)) if m.group(3) else None
-    if m := re.search(r"compiled graphs in this process: (\d+)", out):
+    if m := re.search(r"compiled graphs in this process: (\d+)(?: \((.*)\))?", out):
         res["graphs"] = int(m.group(1))
+        if m.group(2):
+            res["compile_cache"] = m.group(2)
     if m := re.search(r": (\d+) (?:images|videos), (\d+) failed", out):
         res["ok"], res["failed"] = int(m.group(1)), int(m.group(2))
     return res

@@ -308,3 +308,23 @@ def test_a_decision_taken_before_the_first_batch_starts_compiling_at_the_second_
     fa(x)  # step 2 begins
     assert state.started and state.wait(10) and state.error is None
     assert state.switch() and torch.equal(fa(x), a(x))
+
+
+@pytest.mark.slow  # two real inductor compilations on the CPU (~10 s)
+def test_compile_cache_counts_say_whether_a_warm_cache_was_hit(monkeypatch, tmp_path):
+    """The job's "compiled graphs" line says where its graphs came from: a fresh cache misses, the same graph
+    compiled again (a requeued job: dynamo state reset) is served by inductor's FX graph cache."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    counters.clear()
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(16)
+        torch.compile(lambda t: (t * 3).cos() + 1)(x)
+        assert "fx graph cache 0 hit / 1 miss" in AC.compile_cache_counts()
+        torch._dynamo.reset()
+        torch.compile(lambda t: (t * 3).cos() + 1)(x)
+        assert "fx graph cache 1 hit / 1 miss" in AC.compile_cache_counts()
+    finally:
+        torch._dynamo.reset()

@@ -28,7 +28,7 @@ from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
                                     resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
-from shardgen.speed.autocompile import AutoCompile, compiled_graphs, record_key
+from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -235,7 +235,8 @@ def log_compile_summary(worker: ReplicaWorker) -> None:
         worker.autocompile.finish()
         log.info("%s", worker.autocompile.summary())
     if worker.settings.accel.compile:
-        log.info("compiled graphs in this process: %d", compiled_graphs())
+        cache = compile_cache_counts()
+        log.info("compiled graphs in this process: %d%s", compiled_graphs(), f" ({cache})" if cache else "")
 
 
 def nothing_to_do(cfg: GenerateConfig, plan: Plan) -> bool:

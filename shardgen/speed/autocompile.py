@@ -289,3 +289,17 @@ def compiled_graphs() -> int:
         return 0
     return int(counters["stats"]["unique_graphs"])
 
+
+
+def compile_cache_counts() -> str:
+    """Where this process's compiled graphs came from: inductor's FX graph cache and AOTAutograd's cache hits and
+    misses (a warm cache that misses recompiles from scratch: why a "warm" compilation can take as long as a cold
+    one), and ``""`` before any compilation."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return ""
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    parts = {"fx graph cache": (ind["fxgraph_cache_hit"], ind["fxgraph_cache_miss"]),
+             "aot autograd cache": (aot["autograd_cache_hit"], aot["autograd_cache_miss"])}
+    return ", ".join(f"{name} {hit} hit / {miss} miss" for name, (hit, miss) in parts.items() if hit or miss)
