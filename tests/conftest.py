@@ -39,7 +39,40 @@ def tiny_cache(tmp_path_factory):
     shutil.rmtree(cache, ignore_errors=True)
 
 
+# tests that drive the SLURM cluster: one after another on one xdist worker (they share the cluster's two nodes and
+# its queue, and mostly wait on it), started first: they are the suite's longest chain, and their waits overlap the
+# CPU-bound tests on the other worker (`-n 2` in pyproject.toml's addopts; `-n 0` runs everything in one process)
+CLUSTER_TEST_FILES = ("test_slurm.py", "test_multinode.py")
+
+
+def _on_the_cluster(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in CLUSTER_TEST_FILES
+
+
+def pytest_collection_modifyitems(config, items):
+    """The cluster tests first (a stable sort: everything else keeps its order)."""
+    items.sort(key=lambda item: not _on_the_cluster(item.nodeid))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with two kinds of scope: all the cluster tests (one worker, in order), and each other
+    test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
+    longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the grouped tests ran on both
+    workers)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cluster" if _on_the_cluster(nodeid) else nodeid
+
+    return ClusterScopeScheduling(config, log)
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """A txt prompt file."""
     path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
     return path
+
+def pytest_collection_finish(session):
+    import sys
+    print("FIN", [i.nodeid for i in session.items][:2], file=sys.stderr)
