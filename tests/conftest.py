@@ -72,7 +72,3 @@ def write_lines(path: Path, lines: list[str]) -> Path:
     """A txt prompt file."""
     path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
     return path
-
-def pytest_collection_finish(session):
-    import sys
-    print("FIN", [i.nodeid for i in session.items][:2], file=sys.stderr)
