@@ -6,6 +6,12 @@ import os
 import shutil
 from pathlib import Path
 
+# before torch loads its OpenMP runtime (it reads this once): idle OpenMP threads sleep instead of spinning. The suite
+# runs two xdist workers, SLURM jobs and multi-rank tests on 2 cores at once; spinning threads of one process took the
+# cores the others needed (measured: a test beside a busy process took 84 s with spinning threads, 44 s without).
+# Child processes (ranks, jobs) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 from hydra import compose, initialize_config_dir
 
