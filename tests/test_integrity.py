@@ -429,6 +429,7 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
         mine = a.still_mine(3)
         if takeover_at == "check":
             takeover.set()
+            time.sleep(jitter)  # a's take_commit lands before, during or after b's takeover
         return mine
 
     def paused_before_stats(path, obj):
@@ -454,7 +455,6 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
     thread_a.start()
     try:
         assert takeover.wait(10)
-        time.sleep(jitter)
         past = time.time() - 3600
         os.utime(rd.claim(3, 1), (past, past))  # a's heartbeat looks dead from b
         gen_b = b.try_claim(3, 1)
@@ -480,7 +480,7 @@ def test_two_commits_of_one_shard_racing_leave_exactly_one_generation_whole(tmp_
     for i in range(12 if takeover_at == "check" else 2):
         rd = RunDir(tmp_path / f"run{i}")
         rd.create()
-        got_a, got_b = _racing_commits(rd, takeover_at, (i % 4) * 0.0005, monkeypatch)
+        got_a, got_b = _racing_commits(rd, takeover_at, (i % 4) * 0.001, monkeypatch)
         assert (got_a is None) != (got_b is None), f"iteration {i}: both or neither committed"
         winner = got_a or got_b
         assert json.loads(rd.shard_stats(3).read_text()) == winner  # the stats written are the winner's
