@@ -5,6 +5,7 @@ copy the way the table says, then re-runs generate / verify / status in process.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -25,6 +26,7 @@ from shardgen.dataio.prompts.read import PromptFileError, read_prompts
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, check_or_write_fingerprint
 from shardgen.dataio.rundir.claims import Claimer, owner_record
 from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError
+from shardgen.dataio.shards import shardwork
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
 from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
 from shardgen.dataio.tools.verify import read_shard_members, verify_run
@@ -410,6 +412,113 @@ def test_a_shard_committed_by_its_old_holder_during_a_takeover_is_not_overwritte
     retry = ShardWork.open(rd, 3, 3, range(0, 1), replaces=True)
     one_sample(retry, "from the retry")
     assert retry.commit() is not None and b"from the retry" in shard_index.index_path(rd, 3).read_bytes()
+
+
+def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) -> tuple[dict | None, dict | None]:
+    """Holder a finishes shard 3 (4 samples) and commits. It is alive but was silent past its lease, and replica b
+    takes the shard over and commits it too, b's takeover landing ``takeover_at``: "check" (just after a's last
+    claim check in its commit, racing a's renames) or "stats" (a has renamed its tar and index and pauses before
+    its stats, the done marker, until b is through). (a's commit result, b's.)"""
+    a = Claimer(rd, dict(owner_record(0), host="host-a"), lease_s=60, own_thread=False)
+    b = Claimer(rd, dict(owner_record(1), host="host-b"), lease_s=60, own_thread=False)
+    assert a.try_claim(3, None) == 1
+    takeover, b_through, results = threading.Event(), threading.Event(), {}
+    write_json = shardwork.atomic_write_json
+
+    def a_still_mine() -> bool:
+        mine = a.still_mine(3)
+        if takeover_at == "check":
+            takeover.set()
+            time.sleep(jitter)  # a's take_commit lands before, during or after b's takeover
+        return mine
+
+    def paused_before_stats(path, obj):
+        if path == rd.shard_stats(3) and threading.current_thread().name == "a" and takeover_at == "stats":
+            takeover.set()
+            assert b_through.wait(10)
+        write_json(path, obj)
+
+    def commit_a(work: ShardWork) -> None:
+        try:
+            results["a"] = work.commit()
+        finally:
+            takeover.set()  # a gave up before the point: b goes on
+
+    def samples(who: str, start: int) -> tuple[list, list]:
+        return ([Sample(key=sample_key(i), index=i, prompt=f"p{i}", meta=dict(index=i)) for i in range(start, 4)],
+                [f"image {i} by {who}".encode() for i in range(start, 4)])
+
+    monkeypatch.setattr(shardwork, "atomic_write_json", paused_before_stats)
+    work_a = ShardWork.open(rd, 3, 1, range(0, 4), still_mine=a_still_mine, take_commit=lambda: a.take_commit(3))
+    work_a.write(*samples("a", 0), "png")
+    thread_a = threading.Thread(target=commit_a, args=(work_a,), name="a")
+    thread_a.start()
+    try:
+        assert takeover.wait(10)
+        past = time.time() - 3600
+        os.utime(rd.claim(3, 1), (past, past))  # a's heartbeat looks dead from b
+        gen_b = b.try_claim(3, 1)
+        if gen_b is not None:  # else a took the right to commit first: b never gets the shard
+            work_b = ShardWork.open(rd, 3, gen_b, range(0, 4), still_mine=lambda: b.still_mine(3),
+                                    take_commit=lambda: b.take_commit(3))
+            if work_b.n_done < 4:  # a's partial was already renamed away: b generates the shard again
+                work_b.write(*samples("b", work_b.n_done), "png")
+            results["b"] = work_b.commit()
+    finally:
+        b_through.set()
+        thread_a.join(20)
+    monkeypatch.undo()
+    return results.get("a"), results.get("b")
+
+
+@pytest.mark.parametrize("takeover_at", ["check", "stats"])
+def test_two_commits_of_one_shard_racing_leave_exactly_one_generation_whole(tmp_path, monkeypatch, takeover_at):
+    """A holder alive but silent past its lease and the replica that took its shard over commit the shard at the
+    same time: exactly one commits; the shard's tar, index and stats are that commit's, every sample once, all
+    made by one replica; no partial file of either is left in work/."""
+    keys = [sample_key(i) for i in range(4)]
+    for i in range(12 if takeover_at == "check" else 2):
+        rd = RunDir(tmp_path / f"run{i}")
+        rd.create()
+        got_a, got_b = _racing_commits(rd, takeover_at, (i % 4) * 0.001, monkeypatch)
+        assert (got_a is None) != (got_b is None), f"iteration {i}: both or neither committed"
+        winner = got_a or got_b
+        assert json.loads(rd.shard_stats(3).read_text()) == winner  # the stats written are the winner's
+        tar = rd.shard_tar(3).read_bytes()
+        assert hashlib.sha256(tar).hexdigest() == winner["sha256"] and len(tar) == winner["tar_bytes"]
+        members = read_shard_members(rd.shard_tar(3))
+        assert sorted(members) == keys and [r["key"] for r in shard_index.read_index(rd, 3)] == keys
+        makers = {m["png"].split(b" by ")[1] for m in members.values()}
+        assert len(makers) == 1, f"iteration {i}: samples of two replicas in one shard: {makers}"
+        assert not [p.name for p in rd.work_dir.iterdir()], f"iteration {i}: partial files left"
+
+
+def test_a_kill_between_taking_the_commit_and_writing_its_stats_is_repaired_at_launch(copy, monkeypatch):
+    """The commit's exclusive claim (the next generation) is taken and the tar renamed, then the job dies before
+    the stats: the claim expires like any other, and the next launch finishes the shard from its tar."""
+    prompts, d, want = copy
+    rd = RunDir(d)
+    make_partial(d, 1, 3)  # shard 1's 3 samples in a partial of claim g1, whose holder is gone
+    holder = Claimer(rd, owner_record(0), lease_s=60, own_thread=False)
+    assert holder.try_claim(1, 1) == 2
+    work = ShardWork.open(rd, 1, 2, load_plan(rd).shard_range(1), still_mine=lambda: holder.still_mine(1),
+                          take_commit=lambda: holder.take_commit(1))
+    assert work.n_done == 3
+
+    def killed(path, data):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("shardgen.dataio.shards.shardwork.atomic_write_json", killed)
+    with pytest.raises(SystemExit):
+        work.commit()
+    monkeypatch.undo()
+    assert rd.claim(1, 3).exists() and rd.shard_tar(1).exists() and not rd.shard_stats(1).exists()
+    past = time.time() - 3600
+    os.utime(rd.claim(1, 3), (past, past))  # the dead job's claims expire
+    inode = rd.shard_tar(1).stat().st_ino
+    assert gen(d, prompts).generated_here == 0
+    assert rd.shard_tar(1).stat().st_ino == inode  # finished from its tar, not generated again
+    verified_identical(d, want)
 
 
 def test_a_claim_with_a_future_heartbeat_is_taken_over_in_bounded_time_and_reported(tmp_path, caplog):

@@ -202,9 +202,12 @@ def test_shard_size_is_chosen_from_the_image_size_and_the_ranks():
     assert n == 188 and "1.57 MB per 1024x1024 png sample" in why  # ~300 MB shards, 47 batches of 4
     n, _ = choose_samples_per_shard(24, replicas=1, **big)
     assert n == 4  # 24 prompts: 6 by spread, rounded down to whole batches (no short batch in any shard)
-    assert choose_samples_per_shard(30, replicas=1, **dict(big, batch_size=3))[0] == 6
+    assert choose_samples_per_shard(30, replicas=1, **dict(big, batch_size=3))[0] == 3  # 2 by spread: a batch
+    assert choose_samples_per_shard(300, replicas=1, **dict(big, batch_size=3))[0] == 18  # 19 by spread, rounded
     n, _ = choose_samples_per_shard(64, replicas=2, width=64, height=64, image_format="png", batch_size=4)
-    assert n == 8  # 64 prompts on 2 replicas: 8 shards, 4 per replica, not one shard and an idle rank
+    assert n == 4  # 64 prompts on 2 replicas: 16 shards, 8 per replica, not one shard and an idle rank
+    n, _ = choose_samples_per_shard(20_000, replicas=8, width=64, height=64, image_format="png", batch_size=4)
+    assert n == 156  # 129 shards: ~16 per replica, so the tail (about one shard) is ~1/16 of the run
     assert choose_samples_per_shard(3, replicas=1, width=64, height=64, image_format="png", batch_size=4)[0] == 4
     assert idle_warning(1, 2, 1000).startswith("2 replicas but only 1 shard(s) of 1000: 1 replica(s) will have")
     assert idle_warning(8, 2, 8) is None

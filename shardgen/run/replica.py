@@ -233,7 +233,8 @@ class ReplicaWorker:
 
     def _open(self, shard: int, gen: int, replaces: bool = False) -> ShardWork:
         return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
-                              still_mine=lambda: self.claimer.still_mine(shard), replaces=replaces)
+                              still_mine=lambda: self.claimer.still_mine(shard), replaces=replaces,
+                              take_commit=lambda: self.claimer.take_commit(shard))
 
     def process(self, shard: int, gen: int, n_done: int, regenerate: list[int] | None = None) -> None:
         """Generate the shard's rows from ``n_done`` on (only ``regenerate`` ones, carrying the rest over)."""

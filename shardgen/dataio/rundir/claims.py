@@ -126,17 +126,44 @@ class Claimer:
         if latest_gen is not None and self._alive(shard, latest_gen):
             return None
         gen = (latest_gen or 0) + 1
-        try:
-            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
+        if not self._create(shard, gen, self.owner):
             return None
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.owner, f)
-            f.flush()
-            os.fsync(f.fileno())
         with self._lock:
             self.held[shard] = gen
         return gen
+
+    def take_commit(self, shard: int) -> bool:
+        """Take the right to commit ``shard``: create its next claim generation ourselves, exclusively, just before
+        the commit's renames. A replica taking the shard over creates that same generation, so of a holder alive
+        but silent past its lease and the replica that took it over exactly one gets it, however close their
+        commits are (a stat-then-rename check leaves a window where both rename: docs/scaling.md, "takeover at
+        commit"). True: the shard is ours to commit (the new generation is held, renewed and released like a
+        claim; if we die before the stats are written it expires and the shard is taken over, and the launch's
+        repair finishes or removes what the renames left). False: it was taken over; we must not commit."""
+        with self._lock:
+            gen = self.held.get(shard)
+            if gen is None or shard in self.lost:
+                return False
+        if not self._create(shard, gen + 1, dict(self.owner, commit=True)):
+            with self._lock:
+                self.lost.add(shard)
+            return False
+        with self._lock:
+            self.held[shard] = gen + 1
+        return True
+
+    def _create(self, shard: int, gen: int, record: dict) -> bool:
+        """Create claim (shard, gen) with ``record`` in it; False when it exists (O_EXCL: one creator wins, on
+        NFSv3+ and Lustre too)."""
+        try:
+            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
 
     def _alive(self, shard: int, gen: int) -> bool:
         """Whether claim (shard, gen) still holds: its heartbeat is recent by its mtime, and it has
@@ -200,11 +227,16 @@ class Claimer:
             held = dict(self.held)
         for shard, gen in held.items():
             if self.run.claim(shard, gen + 1).exists():
-                self.lost.add(shard)
+                self._lose(shard, gen)
                 continue
             try:
                 os.utime(self.run.claim(shard, gen), follow_symlinks=False)
             except FileNotFoundError:
+                self._lose(shard, gen)
+
+    def _lose(self, shard: int, gen: int) -> None:
+        with self._lock:
+            if self.held.get(shard) == gen:  # not when take_commit moved us to gen + 1 since the snapshot
                 self.lost.add(shard)
 
 

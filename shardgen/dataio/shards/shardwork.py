@@ -118,14 +118,17 @@ class ShardWork:
     started: float = field(default_factory=time.time)
     still_mine: Callable[[], bool] = lambda: True   # False once another replica took the shard over
     replaces: bool = False  # rewrites a committed shard on purpose (retry_failed); else a committed one stands
+    # takes the exclusive right to commit just before the renames (Claimer.take_commit); the default is for a writer
+    # without claims (one process: nothing to race with)
+    take_commit: Callable[[], bool] = lambda: True
 
     @property
     def keys(self) -> list[str]:
         return [sample_key(i) for i in self.indices]
 
     @classmethod
-    def open(cls, run: RunDir, shard: int, gen: int, indices: range,
-             still_mine: Callable[[], bool] = lambda: True, replaces: bool = False) -> "ShardWork":
+    def open(cls, run: RunDir, shard: int, gen: int, indices: range, still_mine: Callable[[], bool] = lambda: True,
+             replaces: bool = False, take_commit: Callable[[], bool] = lambda: True) -> "ShardWork":
         """Start generation ``gen`` of ``shard``, continuing from the furthest earlier checkpoint whose
         partial verifies: its index has a row for each of its samples, its tar's bytes hash to the checkpoint's
         sha256 and hold exactly the ok samples of those rows, in plan order. An unverifiable partial is reported
@@ -140,7 +143,7 @@ class ShardWork:
         if tar is None:
             ckpt, rows, tar = None, [], PartialTar(run.partial_tar(shard, gen))
         work = cls(run=run, shard=shard, gen=gen, indices=indices, tar=tar, still_mine=still_mine, replaces=replaces,
-                   index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
+                   take_commit=take_commit, index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
         if ckpt is not None:
             work.n_done, work.started = len(rows), float(ckpt["started"])
             metas = [json.loads(r["json"]) for r in rows]
@@ -169,16 +172,21 @@ class ShardWork:
         last); return the stats, or None when the shard was taken over meanwhile (nothing committed)."""
         assert self.n_done == len(self.indices), f"shard {self.shard}: {self.n_done} of {len(self.indices)} samples"
         self.tar.finish()
-        if not self.still_mine():
+        # a holder alive but silent past its lease and the replica that took its shard over can reach this point in
+        # the same milliseconds: a check of the done marker then the renames would let both rename their tar, index
+        # and stats one by one (files of two generations). take_commit is exclusive (an O_EXCL create): one wins,
+        # the other leaves its partial files to the winner, which removes them at its commit (or, when the winner is
+        # a takeover still resuming, continues from them)
+        if not self.still_mine() or not self.take_commit():
             log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
+            self.close()
             return None
         if not self.replaces and self.run.shard_stats(self.shard).exists():
-            # the holder this replica took the shard over from was alive after all and committed it (it passed its
-            # own still_mine check just before the takeover): its commit stands, whole; ours would replace its tar,
-            # index and stats one by one (docs/scaling.md, "takeover at commit")
+            # the holder this replica took the shard over from was alive after all and committed it (whole, under its
+            # own take_commit) before this replica claimed: its commit stands; ours would replace it
             log.warning("shard %06d was committed by the replica it was taken over from; dropping this copy", self.shard)
             self.close()
-            _remove_older_generations(self.run, self.shard, self.gen + 1)
+            remove_generation(self.run, self.shard, self.gen)
             return None
         final = self.run.shard_tar(self.shard)
         try:  # taken over between still_mine and here: the new holder removes our partial files
@@ -320,6 +328,11 @@ def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
     """Remove the work files (partial tar, its index, checkpoint) of ``shard``'s generations below ``gen``, by
     name: generations are numbered from 1, so no listing of work/ (thousands of entries at cluster scale)."""
     for g in range(1, gen):
-        for path in (run.partial_tar(shard, g), shard_index.partial_index_path(run, shard, g),
-                     run.checkpoint(shard, g)):
-            path.unlink(missing_ok=True)
+        remove_generation(run, shard, g)
+
+
+def remove_generation(run: RunDir, shard: int, gen: int) -> None:
+    """Remove the work files (partial tar, its index, checkpoint) of generation ``gen`` of ``shard``."""
+    for path in (run.partial_tar(shard, gen), shard_index.partial_index_path(run, shard, gen),
+                 run.checkpoint(shard, gen)):
+        path.unlink(missing_ok=True)

@@ -12,7 +12,10 @@ from shardgen.dataio.shards.formats import VIDEO_EXT, sample_bytes_estimate
 log = logging.getLogger("shardgen.plan")
 
 TARGET_SHARD_BYTES = 300_000_000  # a few hundred MB: big enough for streaming reads, small enough to redo
-SHARDS_PER_REPLICA = 4            # when the prompts allow: a replica that finishes early takes another shard
+# when the prompts allow: a replica that finishes early takes another shard. The run's tail (the replicas idle
+# while the last shards finish) is about one shard's time, so its share of a run is ~1/SHARDS_PER_REPLICA: at 4 a
+# simulated run lost 7-11% of its GPU time idle at the end, at 16 3-4% (benchmarks/tail_sweep.py, docs/scaling.md)
+SHARDS_PER_REPLICA = 16
 MAX_SAMPLES_PER_SHARD = 100_000
 
 
