@@ -344,8 +344,13 @@ def test_leftovers_of_killed_jobs_are_cleaned_up(copy):
     dead_tmp.write_text("{")
     live_tmp = d / "work" / f".000001.g1.ckpt.json~{socket.gethostname()}~{os.getpid()}~x2.tmp"
     live_tmp.write_text("{")  # a live writer's (ours): kept
+    # a latent checkpoint being written when its job was killed (a video run's latent_checkpoint_every; found by
+    # tests/test_video.py's SIGKILL test when the kill landed inside the write)
+    (d / "latents").mkdir(exist_ok=True)
+    dead_latent = d / "latents" / f".0000000000+2.pt~{socket.gethostname()}~999999~x3.tmp"
+    dead_latent.write_bytes(b"\x80")
     gen(d, prompts)
-    assert not planning.exists() and not dead_tmp.exists() and live_tmp.exists()
+    assert not planning.exists() and not dead_tmp.exists() and not dead_latent.exists() and live_tmp.exists()
 
 
 # ------------------------------------------------------------------ claims: clock skew and take-over

@@ -451,7 +451,7 @@ class RunDir:
         untouched for ``max_age_s`` (a live writer renames its temp file within seconds; a planner adds a
         file per shard). ``listed``: directories the caller has just listed (their names), not listed again."""
         removed = []
-        for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
+        for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir, self.latents_dir):
             try:
                 names = (listed[d] if listed and d in listed else os.listdir(d)) if not d.is_symlink() else []
             except (FileNotFoundError, NotADirectoryError):
