@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +31,7 @@ from shardgen.dataio.shards import shardwork
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
 from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
 from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from tests.conftest import compose_cfg, write_lines
 
 PROMPTS = [f"prompt number {i}" for i in range(8)]
@@ -474,6 +476,24 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
         thread_a.join(20)
     monkeypatch.undo()
     return results.get("a"), results.get("b")
+
+
+def test_a_copy_dropped_because_the_shard_was_committed_meanwhile_leaves_no_claim(tmp_path):
+    """The old holder committed and released the shard between this replica's done-marker check and its claim
+    (a fresh generation 1 then), so this replica generated it again; its commit drops the copy and must release
+    its claims too (generation 1 and the commit's generation 2): nobody else would, and they stayed in claims/."""
+    rd = RunDir(tmp_path / "run")
+    rd.create()
+    b = Claimer(rd, owner_record(1), heartbeat_s=3600)
+    worker = ReplicaWorker(plan=SimpleNamespace(run=rd), pipe=None, settings=None, batch_size=1, ctx=ReplicaContext(),
+                           claimer=b)
+    try:
+        assert b.try_claim(3, None) == 1 and b.take_commit(3)
+        rd.shard_stats(3).write_text("{}")  # the old holder's commit (its claims already released)
+        worker._committed(3, None)
+        assert not list(rd.claims_dir.iterdir())
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("takeover_at", ["check", "stats"])

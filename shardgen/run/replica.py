@@ -308,8 +308,13 @@ class ReplicaWorker:
         return False
 
     def _committed(self, shard: int, stats: dict | None) -> None:
-        if stats is None:  # taken over before the commit: the new holder commits it
-            self.claimer.held.pop(shard, None)
+        if stats is None:  # not committed here: taken over (the new holder commits it) or committed meanwhile
+            if self.plan.run.shard_stats(shard).exists():
+                # committed by the holder this replica took it over from, whose release came before our claim: no
+                # later holder will release our claim files, so we do (they would stay in claims/ for good)
+                self.claimer.release(shard)
+            else:  # the new holder's release removes our older generation with its own
+                self.claimer.held.pop(shard, None)
             return
         self.claimer.release(shard)
         record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
