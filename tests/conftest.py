@@ -60,6 +60,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not _on_the_cluster(item.nodeid))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) where it is not installed
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with two kinds of scope: all the cluster tests (one worker, in order), and each other
     test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no

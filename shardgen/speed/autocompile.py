@@ -290,7 +290,6 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-
 def compile_cache_counts() -> str:
     """Where this process's compiled graphs came from: inductor's FX graph cache and AOTAutograd's cache hits and
     misses (a warm cache that misses recompiles from scratch: why a "warm" compilation can take as long as a cold
