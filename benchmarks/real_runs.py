@@ -75,6 +75,20 @@ def parse_job(out: str) -> dict:
     return res
 
 
+def psnr_vs_seed(run_dir: Path, seed_dir: Path, n: int) -> dict:
+    """PSNR of the job's samples against the seed loop's images of the same prompts and seeds (the first ``n``
+    rows): the job's output is the seed loop's up to bf16 noise, whatever ran (eager, compiled, fused)."""
+    if not seed_dir.is_dir() or not run_dir.is_dir():
+        return {}
+    from shardgen.bench import measure as M
+
+    try:
+        stats = M.psnr_stats(M.shard_images(run_dir), M.read_outputs(seed_dir, n))
+    except Exception as e:  # noqa: BLE001 - a figure missing, the run's own figures stay
+        return {"psnr_error": f"{type(e).__name__}: {e}"[:300]}
+    return {"psnr_vs_seed": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in stats.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -131,6 +145,7 @@ def main() -> None:
         seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
         wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", a.model, "--steps", str(a.steps),
                                "--n", str(a.seed_n), "--weights", a.weights, "--baseline-only", "--device", a.device, "--out", str(out / "seed"),
+                               "--workdir", str(out / "seed" / "work"),  # keeps the seed loop's images (PSNR below)
                                *(["--size", a.size] if a.size else []), *sum((["--set", o] for o in a.overrides), [])],
                               out / "seed.log", seed_env)
         base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
@@ -146,6 +161,7 @@ def main() -> None:
         limit = [f"prompts.limit={n}"] if n < a.n else []
         wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra, *limit], out / f"{way}.log", way_env)
         r = dict(parse_job(log), rc=rc, wall_s=wall, n=n, images_per_hour=3600 * n / wall)
+        r.update(psnr_vs_seed(out / f"run-{way}", out / "seed" / "work" / "baseline", a.seed_n))
         res[way] = r
         (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
     seed = (res.get("seed") or {}).get("images_per_hour")

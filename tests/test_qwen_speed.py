@@ -96,3 +96,87 @@ def test_real_rope_matches_diffusers_complex_rope(pipe):
     finally:
         qwen.disable_real_rope(pipe.transformer)
     np.testing.assert_array_equal(before, after)
+
+
+# --- joint attention without the key-padding mask (shardgen/speed/prefix_attention.py) --------------------
+
+def _masked_reference(q, k, v, valid, offset):
+    keep = torch.arange(k.shape[1])[None, :] < (valid + offset)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :]).transpose(1, 2)
+
+
+def test_prefix_attention_is_the_masked_attention():
+    from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths, runs
+
+    assert runs([5, 5, 2, 5]) == [(0, 2, 5), (2, 3, 2), (3, 4, 5)] and runs([]) == []
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 11, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for valid in ([3, 7, 7, 0], [4, 4, 4, 4], [7, 7, 7, 7]):
+        valid = torch.tensor(valid)
+        got = prefix_attention(q, k, v, valid, 4)
+        assert got.shape == q.shape and got.is_contiguous()
+        torch.testing.assert_close(got, _masked_reference(q, k, v, valid, 4), rtol=1e-12, atol=1e-12)
+    assert prefix_lengths(torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])).tolist() == [2, 3, 0]
+    assert prefix_lengths(torch.tensor([[1, 0, 1]])) is None  # padding in the middle: the masked path runs
+
+
+def test_prefix_attention_compiles_once_for_every_set_of_lengths():
+    """The lengths are a host tensor the compiled graph passes through: new lengths, no new graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    from shardgen.speed import prefix_attention  # noqa: F401 (registers the op)
+
+    counter = CompileCounter()
+    fn = torch.compile(lambda q, k, v, n: torch.ops.shardgen.prefix_attention(q * 2, k, v, n, 4) + 1,
+                       backend=counter, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 11, 2, 8, generator=g) for _ in range(3))
+    for valid in ([1, 2, 3], [7, 7, 7], [0, 5, 5]):
+        valid = torch.tensor(valid)
+        torch.testing.assert_close(fn(q, k, v, valid), _masked_reference(q * 2, k, v, valid, 4) + 1)
+    assert counter.frame_count == 1
+
+
+def _ran_prefix_attention(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "shardgen::prefix_attention")
+
+
+@pytest.mark.slow
+def test_attention_without_the_mask_keeps_qwen_pixels(pipe):
+    """Prompts of different lengths padded to a bucket (a key-padding mask in every block), true CFG with a
+    negative prompt, batched or not: the unmasked prefix attention gives the pixels of diffusers' masked one."""
+    kw = dict(true_cfg_scale=4.0, negative_prompt=[" "] * 2)
+    plain = _pixels(pipe, PROMPTS, **kw)
+    stock = {id(b.attn.processor) for b in pipe.transformer.transformer_blocks}
+    qwen.install_text_buckets(pipe)
+    try:
+        assert qwen.enable_prefix_attention(pipe.transformer) == len(pipe.transformer.transformer_blocks)
+        assert qwen.enable_prefix_attention(pipe.transformer) == 0  # idempotent
+        out = {}
+        calls = _ran_prefix_attention(lambda: out.setdefault("padded", _pixels(pipe, PROMPTS, **kw)))
+        assert calls == 2 * 2 * len(pipe.transformer.transformer_blocks)  # 2 steps x (cond, uncond) x blocks
+        qwen.install_cfg_batching(pipe)
+        calls = _ran_prefix_attention(lambda: out.setdefault("cfg_batched", _pixels(pipe, PROMPTS, **kw)))
+        assert calls == 2 * len(pipe.transformer.transformer_blocks)
+    finally:
+        qwen.disable_prefix_attention(pipe.transformer)
+        qwen.remove_cfg_batching(pipe)
+        qwen.remove_text_buckets(pipe)
+    np.testing.assert_array_equal(plain, out["padded"])
+    np.testing.assert_array_equal(plain, out["cfg_batched"])
+    assert {id(b.attn.processor) for b in pipe.transformer.transformer_blocks} == stock
+    assert not pipe.transformer._forward_pre_hooks
+
+
+def test_attention_lengths_from_the_mask_once_per_call():
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    first = qwen.text_lengths(m, 2, 3)
+    assert first.tolist() == [2, 1] and qwen.text_lengths(m, 2, 3) is first  # cached for the same mask
+    m[1, 1] = 1  # changed in place: read again
+    assert qwen.text_lengths(m, 2, 3).tolist() == [2, 2]
+    assert qwen.text_lengths(None, 3, 5).tolist() == [5, 5, 5]
+    assert qwen.text_lengths(torch.tensor([[0, 1, 1]]), 1, 3) is None
+    assert qwen.text_lengths(m, 3, 3) is None  # not this call's shape

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from shardgen.speed.blocks import repeated_blocks
+from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
 
 log = logging.getLogger("shardgen.qwen")
 
@@ -146,6 +147,13 @@ def _cfg_call(forward, kwargs: dict, pair) -> tuple[Any, Any]:
     b = c_emb.shape[0]
     kw = dict(kwargs, encoder_hidden_states=torch.cat([c_emb, u_emb]),
               encoder_hidden_states_mask=torch.cat([c_mask, u_mask]))
+    if "text_lengths" in (kwargs.get("attention_kwargs") or {}):  # the lengths hook saw the conditional call only
+        lengths = [text_lengths(m, b, n) for m in (c_mask, u_mask)]
+        extra = dict(kwargs["attention_kwargs"])
+        extra.pop("text_lengths")
+        if all(x is not None for x in lengths):
+            extra["text_lengths"] = torch.cat(lengths)
+        kw["attention_kwargs"] = extra
     for key in ("hidden_states", "timestep", "guidance"):
         if isinstance(kwargs.get(key), torch.Tensor):
             kw[key] = torch.cat([kwargs[key], kwargs[key]])
@@ -240,11 +248,135 @@ def disable_real_rope(transformer: torch.nn.Module) -> None:
         hook.remove()
 
 
+# --- joint attention without the key-padding mask ----------------------------------------------------------
+
+_LENGTHS = None  # mask tensor -> (its version, its prefix lengths): one host copy per mask, not per step
+
+
+def text_lengths(mask: torch.Tensor | None, batch: int, text_len: int) -> torch.Tensor | None:
+    """Each sample's number of real text tokens (CPU int64), or None when the mask is not a prefix of ones.
+
+    The pipeline passes the same mask object at every step, so it is copied to the host once per call."""
+    global _LENGTHS
+    if mask is None:
+        return torch.full((batch,), text_len, dtype=torch.int64)
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, text_len):
+        return None
+    if _LENGTHS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _LENGTHS = WeakIdKeyDictionary()
+    hit = _LENGTHS.get(mask)
+    if hit is None or hit[0] != mask._version:
+        hit = _LENGTHS[mask] = (mask._version, prefix_lengths(mask))
+    return hit[1]
+
+
+def _lengths_hook(module, args, kwargs):
+    """Transformer pre-hook: the text lengths of this call reach every block's processor as an attention kwarg."""
+    text = kwargs.get("encoder_hidden_states")
+    if args or not isinstance(text, torch.Tensor) or text.dim() != 3:
+        return None
+    lengths = text_lengths(kwargs.get("encoder_hidden_states_mask"), text.shape[0], text.shape[1])
+    if lengths is None:
+        return None
+    return args, dict(kwargs, attention_kwargs=dict(kwargs.get("attention_kwargs") or {}, text_lengths=lengths))
+
+
+def _prefix_processor_class():
+    from diffusers.models.transformers.transformer_qwenimage import (QwenDoubleStreamAttnProcessor2_0,
+                                                                     apply_rotary_emb_qwen)
+
+    class PrefixAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
+        """diffusers' Qwen joint attention with keys and values ordered [image, text] instead of [text, image]:
+        each sample's valid keys are then a prefix, and ``prefix_attention`` needs no mask. Queries and outputs
+        keep diffusers' order. Without ``text_lengths`` (a call not prepared by ``_lengths_hook``), with an
+        attention backend or a parallel config of diffusers', it is the stock processor."""
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                     attention_mask=None, image_rotary_emb=None, text_lengths=None):
+            if (text_lengths is None or attention_mask is not None or encoder_hidden_states is None
+                    or self._parallel_config is not None or self._attention_backend is not None
+                    or text_lengths.shape != (hidden_states.shape[0],)):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                        attention_mask, image_rotary_emb)
+            seq_txt, seq_img = encoder_hidden_states.shape[1], hidden_states.shape[1]
+            head_dim = attn.inner_dim // attn.heads
+            # from here to the attention call: the stock processor's lines (diffusers 0.42)
+            img_q, img_k, img_v = (p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
+            txt_q, txt_k, txt_v = (p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+                                   for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_q is not None:
+                img_q = attn.norm_q(img_q)
+            if attn.norm_k is not None:
+                img_k = attn.norm_k(img_k)
+            if attn.norm_added_q is not None:
+                txt_q = attn.norm_added_q(txt_q)
+            if attn.norm_added_k is not None:
+                txt_k = attn.norm_added_k(txt_k)
+            if image_rotary_emb is not None:
+                img_freqs, txt_freqs = image_rotary_emb
+                img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+                img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+                txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+                txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+            joint = torch.ops.shardgen.prefix_attention(
+                torch.cat([txt_q, img_q], dim=1), torch.cat([img_k, txt_k], dim=1), torch.cat([img_v, txt_v], dim=1),
+                text_lengths, seq_img)
+            joint = joint.flatten(2, 3).to(txt_q.dtype)
+            img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())
+            if len(attn.to_out) > 1:
+                img_out = attn.to_out[1](img_out)  # dropout
+            return img_out, attn.to_add_out(joint[:, :seq_txt, :].contiguous())
+
+    return PrefixAttnProcessor
+
+
+def enable_prefix_attention(transformer: torch.nn.Module) -> int:
+    """Qwen-Image blocks attend without the key-padding mask (idempotent); how many processors were replaced.
+
+    Only blocks whose processor is exactly diffusers' ``QwenDoubleStreamAttnProcessor2_0`` on its default
+    backend are changed (a custom or parallel processor keeps running)."""
+    try:
+        from diffusers.models.transformers import transformer_qwenimage as tq
+    except ImportError:
+        return 0
+    if not isinstance(transformer, tq.QwenImageTransformer2DModel):
+        return 0
+    cls, n = _prefix_processor_class(), 0
+    for block in getattr(transformer, "transformer_blocks", []):
+        proc = getattr(getattr(block, "attn", None), "processor", None)
+        if type(proc) is not tq.QwenDoubleStreamAttnProcessor2_0 or proc._attention_backend is not None \
+                or proc._parallel_config is not None:
+            continue
+        new = cls()
+        new.__dict__["_shardgen_stock"] = proc
+        block.attn.processor = new
+        n += 1
+    if n and "_shardgen_lengths_hook" not in transformer.__dict__:
+        transformer.__dict__["_shardgen_lengths_hook"] = transformer.register_forward_pre_hook(
+            _lengths_hook, with_kwargs=True)
+    return n
+
+
+def disable_prefix_attention(transformer: torch.nn.Module) -> None:
+    """The stock processors back, the lengths hook off."""
+    hook = transformer.__dict__.pop("_shardgen_lengths_hook", None)
+    if hook is not None:
+        hook.remove()
+    for block in getattr(transformer, "transformer_blocks", []):
+        proc = getattr(getattr(block, "attn", None), "processor", None)
+        stock = getattr(proc, "__dict__", {}).get("_shardgen_stock")
+        if stock is not None:
+            block.attn.processor = stock
+
+
 # --- the family's hook (speed/accel.py: SPEED_HOOKS) -----------------------------------------------------
 
 def prepare_speed(pipe, opts) -> dict:
     """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
-    whose per-branch state needs the two calls), real-valued RoPE when compiled."""
+    whose per-branch state needs the two calls), real-valued RoPE when compiled, joint attention without the
+    key-padding mask with ``fused_blocks`` on CUDA."""
     if not is_qwen_image(pipe):
         return {}
     batch_cfg = opts.cfg_batching and not opts.first_block_cache
@@ -257,5 +389,10 @@ def prepare_speed(pipe, opts) -> dict:
         install_cfg_batching(pipe)
     real_rope = opts.compile and enable_real_rope(pipe.transformer)
     dynamic = opts.compile and mark_text_dynamic(pipe.transformer) >= 0
+    disable_prefix_attention(pipe.transformer)
+    device = getattr(pipe, "_execution_device", None)
+    # CUDA only, like the fused FLUX blocks: CPU runs keep diffusers' exact bytes
+    prefix = (opts.fused_blocks and device is not None and torch.device(device).type == "cuda"
+              and enable_prefix_attention(pipe.transformer))
     return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
-                     "text_length_dynamic": dynamic}}
+                     "text_length_dynamic": dynamic, "prefix_attention_blocks": int(prefix)}}
