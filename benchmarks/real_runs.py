@@ -13,7 +13,11 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling on the main thread costs and gives
    here, and a cache that has compiled this model (as a long first job leaves it: a short default job on a
    fresh cache stays eager and compiles nothing);
-5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a requeued job, a second job or node.
+5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a second job or node on a cache only
+   ``compile=true`` jobs have used (no eager speed recorded: the job times two eager batches before deciding);
+6. ``requeued``: default settings once more, on the same cache after ``warm``: a requeued job or the next job of
+   the same run, which finds the eager speed and the background compile time ``warm`` recorded and decides
+   before its first batch.
 
 ``--skip`` leaves ways out; a later call with the same ``--out`` runs the rest (e.g. ``warm`` alone, on the cache
 an earlier call's ``compiled-cold`` left) and merges its figures into the same ``summary.json``.
@@ -102,7 +106,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm (default: none)")
+                    help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm,requeued (default: none)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -117,15 +121,16 @@ def main() -> None:
     # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
     # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
     ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"),
-            "compiled-cold": (["compile=true"], "cache-compiled"), "warm": ([], "cache-compiled")}
+            "compiled-cold": (["compile=true"], "cache-compiled"), "warm": ([], "cache-compiled"),
+            "requeued": ([], "cache-compiled")}
     # this script's own outputs, for the ways this call runs: each way's run dir, and its cache unless it reuses one
-    fresh = {way: [f"run-{way}"] + ([cache] if way != "warm" else []) for way, (_, cache) in ways.items()}
+    fresh = {way: [f"run-{way}"] + ([cache] if way not in ("warm", "requeued") else []) for way, (_, cache) in ways.items()}
     fresh["seed"] = ["seed", "seed-cache"]
     for way, dirs in fresh.items():
         if way not in skip:
             for d in dirs:
                 shutil.rmtree(out / d, ignore_errors=True)
-    if "warm" not in skip and "compiled-cold" in skip and not (out / "cache-compiled").is_dir():
+    if not {"warm", "requeued"} <= skip and "compiled-cold" in skip and not (out / "cache-compiled").is_dir():
         raise SystemExit("warm runs on the cache compiled-cold filled: run compiled-cold first (same --out)")
     prompts = out / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
