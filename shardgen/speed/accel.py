@@ -25,8 +25,10 @@ Exact (outputs change only by bf16 rounding noise):
   tuning results) lives in ``$SHARDGEN_CACHE/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set
   (``compile_cache_dir``), so a requeued job or a second process pays tracing, not code generation.
 - Qwen-Image (shardgen/speed/qwen.py): prompt embeddings padded to a few text lengths (no recompilation
-  per batch), RoPE on real tensors inside the compiled blocks, and ``cfg_batching``: true CFG's
-  conditional and unconditional transformer calls as one call.
+  per batch), RoPE on real tensors inside the compiled blocks, with ``fused_blocks`` on CUDA the joint
+  attention without its key-padding mask (keys ordered [image, text], one unmasked SDPA call per run of equal
+  text lengths: shardgen/speed/prefix_attention.py), and ``cfg_batching``: true CFG's conditional and
+  unconditional transformer calls as one call.
 - ``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures
   flash / efficient / cudnn once per process at the run's attention shape, checks each against the
   others, and puts the fastest first in SDPA's priority order (inside each pipeline call only, see

@@ -24,7 +24,10 @@ background thread compiles while the next batches run eagerly, and the blocks sw
 graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
 here, minus the time the compilation takes, x (1 - 1/speed-up), minus what the thread slows the eager batches
 beside it (``CONTENTION`` x its time), more than ``BACKGROUND_MIN_SAVING_S``. Its cost figure is then the
-background thread's wall time.
+background thread's wall time (``compile_background_s``). The same decision weighs compiling on the main thread
+instead (the work left x the gain - the warm main-thread cost ``compile_warm_s``, more than ``MARGIN`` x that
+cost) and takes it when it saves more: a thread can starve beside eager batches that hold the GIL (H200,
+FLUX.2-dev, warm cache: 78 s in the background, 11 s on the main thread; Qwen-Image's thread: 11-19 s).
 
 Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
 background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
@@ -51,7 +54,7 @@ log = logging.getLogger("shardgen.compile")
 
 PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
-PRIOR_BACKGROUND_S = 30.0  # a background thread's time from a warm cache (H200, session 8: Qwen 23 s, FLUX.1 41 s)
+PRIOR_BACKGROUND_S = 30.0  # a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 78 s)
 CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
 EAGER_BATCHES = 2     # full eager batches before deciding without a recorded eager speed (the last one is timed)
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
@@ -152,7 +155,7 @@ class AutoCompile:
             eager = _number(self._record.get("eager_s")) or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
-        return replace(s, accel=replace(s.accel, compile=bool(self.decided)))
+        return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False))
 
     def _background_settings(self, s: Any) -> Any:
         if self.decided is False:  # not worth it: compile=false's path from here on
@@ -161,9 +164,9 @@ class AutoCompile:
         state = self._state()
         if self.decided is None and _number(self._record.get("eager_s")):
             self._decide(float(self._record["eager_s"]))
-            if self.decided:  # from the records, before the first batch: the thread starts at its second step
-                state.start_when_captured()
-            return self._background_settings(s)
+            if self.decided and self.background is not None:  # from the records, before the first batch: the
+                state.start_when_captured()                   # thread starts at its second step
+            return self.settings(s)
         if state is not None and state.switch():
             log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
                      "the next batches run compiled", state.seconds, len(self._eager))
@@ -189,11 +192,25 @@ class AutoCompile:
         figures = f"{left} samples left here x {eager_s:.2f} s eager"
         speed = f"(1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'})"
         if self.background is not None:  # the compile time is spent generating eagerly, not waiting
+            cost = _number(r.get("compile_background_s")) or PRIOR_BACKGROUND_S * max(1, self.shapes)
+            prior_note = "" if _number(r.get("compile_background_s")) else ", prior"
             saving = max(0.0, left * eager_s - cost) * gain - CONTENTION * cost
-            self.decided = saving > BACKGROUND_MIN_SAVING_S
+            main_cost = _number(r.get("compile_warm_s")) or PRIOR_WARM_S * max(1, self.shapes)
+            main = left * eager_s * gain - main_cost
             self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{prior_note}) x {speed} "
                            f"- {CONTENTION} x {cost:.0f} s slower eager batches beside it "
                            f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
+            if main > saving and left * eager_s * gain > MARGIN * main_cost:
+                # the thread can starve beside eager batches that hold the GIL (H200, FLUX.2-dev: 78 s in the
+                # background against 11 s on the main thread, both from a warm cache): waiting is cheaper
+                self._state().abandon()
+                self.background, self.decided = None, True
+                self.reason = (f"{figures} x {speed} - {main_cost:.0f} s to compile on the main thread (warm cache"
+                               f"{'' if _number(r.get('compile_warm_s')) else ', prior'}) = {main:.0f} s saved, more than "
+                               f"in the background: {self.reason}")
+                log.info("compile=auto: compiling (%s)", self.reason)
+                return
+            self.decided = saving > BACKGROUND_MIN_SAVING_S
         else:
             saving = left * eager_s * gain
             self.decided = saving > MARGIN * cost
@@ -218,9 +235,7 @@ class AutoCompile:
         if state.seconds is None or self._recorded_cost:
             return
         self._recorded_cost = True
-        warm = bool(self._record.get("compiled_before"))
-        write_record(self.path, self.key, {"compiled_before": True,
-                                           "compile_warm_s" if warm else "compile_cold_s": state.seconds})
+        write_record(self.path, self.key, {"compiled_before": True, "compile_background_s": state.seconds})
 
     def observe(self, s: Any, samples: int, seconds: float) -> None:
         """Time of one batch of ``samples`` real samples made with ``s``. A compiled call is padded to the batch
@@ -257,6 +272,8 @@ class AutoCompile:
             # the last of the first eager batches, timed before any compilation ran beside it
             write_record(self.path, self.key, {"eager_s": self._eager[-1]})
             self._decide(self._eager[-1])
+            if self.background is None:  # compiling on the main thread instead: observe() times it from here
+                return
         if self.decided and not state.started and state.captured:
             state.start()  # after a whole batch (also: a one-step batch, where no second step started it)
         if compiled and len(self._compiled) == 2:
