@@ -248,3 +248,21 @@ def test_neighbouring_run_seeds_share_no_noise():
     run0 = {sample_seed(0, i) for i in range(5000)}
     run1 = {sample_seed(1, i) for i in range(5000)}
     assert len(run0) == 5000 and not run0 & run1
+
+
+def test_plan_replicas_sizes_the_shards_for_every_launch_that_will_join_the_run(tmp_path):
+    """One launch plans for 100 one-GPU jobs: ~16 shards each (a short tail), not 16 shards for the run; the
+    choice is the planner's, the value checked like every key (a clear error before any work)."""
+    from shardgen.config.validate import ConfigError, validate_config
+    from shardgen.run.dryrun import dry_run
+    from tests.conftest import compose_cfg
+
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(8_000)))
+    args = ("model=tiny", f"run_dir={tmp_path / 'run'}", f"prompts.path={path}", "dry_run=true", "device=cpu",
+            "batch_size=4", "height=64", "width=64")
+    alone, joined = (dry_run(compose_cfg(*args, *extra)) for extra in ((), ("plan_replicas=100",)))
+    assert (alone.samples_per_shard, alone.shards) == (500, 16)  # 16 shards for one replica
+    assert joined.samples_per_shard == 4 and joined.shards == 2_000  # 8,000 / (100 x 16) = 5, whole batches
+    with pytest.raises(ConfigError, match=r"plan_replicas=0: use 1 or more"):
+        validate_config(compose_cfg(*args, "plan_replicas=0"))

@@ -180,6 +180,11 @@ class RunConfig:
     samples_per_shard: Optional[int] = None
     """Samples per shard; null = chosen from the image size and the ranks (a few hundred MB per shard,
     several shards per replica; the choice is logged). Fixed once the run is planned."""
+    plan_replicas: Optional[int] = None
+    """With samples_per_shard null: the replicas the shards are sized for (about 16 shards each, so the run's tail,
+    the last shards' time with replicas idle, stays ~1/16 of the run); null = this launch's replicas. Set it when
+    more launches will work on the same run_dir than the one that plans it (e.g. 500 one-GPU SLURM jobs:
+    plan_replicas=500). Fixed once the run is planned."""
     retry_failed: bool = False
     """Regenerate exactly the samples recorded as failed in committed shards."""
     allow_fingerprint_change: bool = False

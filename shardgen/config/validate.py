@@ -62,6 +62,9 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
           f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")
+    _need(cfg.plan_replicas is None or cfg.plan_replicas >= 1,
+          f"plan_replicas={cfg.plan_replicas}: use 1 or more (the replicas all launches of the run bring), or null "
+          "(this launch's)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
     for key in ("height", "width"):
         v = cfg[key]

@@ -165,10 +165,12 @@ def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> Tru
 
 
 def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
-    """What choosing samples_per_shard needs to know about the samples (a video run: mp4s of num_frames)."""
+    """What choosing samples_per_shard needs to know about the samples (a video run: mp4s of num_frames) and the
+    replicas: this launch's ``replicas``, or ``plan_replicas`` when more launches will join the run."""
     video = is_video(cfg)
     return dict(width=cfg.width, height=cfg.height, image_format=VIDEO_EXT if video else cfg.image_format,
-                frames=cfg.num_frames if video else 1, replicas=replicas, batch_size=cfg.batch_size)
+                frames=cfg.num_frames if video else 1, replicas=max(replicas, getattr(cfg, "plan_replicas", None) or 0),
+                batch_size=cfg.batch_size)
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
