@@ -180,3 +180,19 @@ def test_attention_lengths_from_the_mask_once_per_call():
     assert qwen.text_lengths(None, 3, 5).tolist() == [5, 5, 5]
     assert qwen.text_lengths(torch.tensor([[0, 1, 1]]), 1, 3) is None
     assert qwen.text_lengths(m, 3, 3) is None  # not this call's shape
+
+
+def test_prefix_attention_processors_keep_their_class_across_enables(pipe):
+    """Compiled blocks guard on their processor's type: enabling again (autocompile prepares the pipeline at each
+    change of its settings) must bring the same class, or the blocks would compile again."""
+    blocks = pipe.transformer.transformer_blocks
+    try:
+        qwen.enable_prefix_attention(pipe.transformer)
+        first = {type(b.attn.processor) for b in blocks}
+        qwen.disable_prefix_attention(pipe.transformer)
+        qwen.enable_prefix_attention(pipe.transformer)
+        assert {type(b.attn.processor) for b in blocks} == first and len(first) == 1
+        assert len(pipe.transformer._forward_pre_hooks) == 1
+    finally:
+        qwen.disable_prefix_attention(pipe.transformer)
+    assert not pipe.transformer._forward_pre_hooks

@@ -23,6 +23,7 @@ Three thin hooks on a built ``QwenImagePipeline`` (its ``__call__`` stays diffus
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -283,7 +284,10 @@ def _lengths_hook(module, args, kwargs):
     return args, dict(kwargs, attention_kwargs=dict(kwargs.get("attention_kwargs") or {}, text_lengths=lengths))
 
 
+@functools.lru_cache(maxsize=None)
 def _prefix_processor_class():
+    """The processor class, made once per process: compiled blocks guard on their processor's type, so a
+    second ``enable_prefix_attention`` must not bring a new class (it would compile the blocks again)."""
     from diffusers.models.transformers.transformer_qwenimage import (QwenDoubleStreamAttnProcessor2_0,
                                                                      apply_rotary_emb_qwen)
 
@@ -389,10 +393,14 @@ def prepare_speed(pipe, opts) -> dict:
         install_cfg_batching(pipe)
     real_rope = opts.compile and enable_real_rope(pipe.transformer)
     dynamic = opts.compile and mark_text_dynamic(pipe.transformer) >= 0
-    disable_prefix_attention(pipe.transformer)
     device = getattr(pipe, "_execution_device", None)
-    # CUDA only, like the fused FLUX blocks: CPU runs keep diffusers' exact bytes
-    prefix = (opts.fused_blocks and device is not None and torch.device(device).type == "cuda"
-              and enable_prefix_attention(pipe.transformer))
+    # CUDA only, like the fused FLUX blocks: CPU runs keep diffusers' exact bytes. Left in place across calls
+    # (enable is idempotent): new processors would make the compiled blocks compile again
+    prefix = 0
+    if opts.fused_blocks and device is not None and torch.device(device).type == "cuda":
+        enable_prefix_attention(pipe.transformer)
+        prefix = sum(isinstance(b.attn.processor, _prefix_processor_class()) for b in pipe.transformer.transformer_blocks)
+    else:
+        disable_prefix_attention(pipe.transformer)
     return {"qwen": {"text_buckets": opts.compile or batch_cfg, "cfg_batching": batch_cfg, "real_rope": real_rope,
                      "text_length_dynamic": dynamic, "prefix_attention_blocks": int(prefix)}}
