@@ -296,9 +296,10 @@ class SpeedConfig:
     fused_blocks: bool = True
     """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
     GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
-    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200); Qwen-Image's joint attention runs
-    without its key-padding mask on CUDA (shardgen/speed/prefix_attention.py: 1.2-1.7x faster attention). Exact up
-    to bf16 rounding; other models, tp/cp runs and CPU runs keep the stock blocks; false = diffusers' own blocks."""
+    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200); Qwen-Image's joint attention
+    runs without its key-padding mask on CUDA (shardgen/speed/prefix_attention.py: attention 1.27x faster with
+    mixed text lengths, 1.65x with equal ones, H200). Exact up to bf16 rounding; other models, tp/cp runs and CPU
+    runs keep the stock blocks; false = diffusers' own blocks."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |

@@ -178,26 +178,27 @@ class AutoCompile:
 
         return state_of(self.background, create=True)
 
+    def _cost(self, key: str, prior: float) -> tuple[float, str]:
+        """(seconds, note): the compile cost recorded under ``key``, else ``prior`` per shape, noted as a prior."""
+        recorded = _number(self._record.get(key))
+        return (recorded, "") if recorded else (prior * max(1, self.shapes), ", prior")
+
     def _decide(self, eager_s: float) -> None:
         r = self._record
         warm = bool(r.get("compiled_before"))
-        prior = (PRIOR_BACKGROUND_S if self.background is not None else PRIOR_WARM_S) if warm else PRIOR_COLD_S
-        cost = _number(r.get("compile_warm_s" if warm else "compile_cold_s")) or prior * max(1, self.shapes)
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
         left = max(0, int(self.remaining()))
         gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
         cache = "warm" if warm else "cold"
-        prior_note = "" if _number(r.get(f"compile_{cache}_s")) else ", prior"
         figures = f"{left} samples left here x {eager_s:.2f} s eager"
         speed = f"(1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'})"
         if self.background is not None:  # the compile time is spent generating eagerly, not waiting
-            cost = _number(r.get("compile_background_s")) or PRIOR_BACKGROUND_S * max(1, self.shapes)
-            prior_note = "" if _number(r.get("compile_background_s")) else ", prior"
+            cost, note = self._cost("compile_background_s", PRIOR_BACKGROUND_S)
             saving = max(0.0, left * eager_s - cost) * gain - CONTENTION * cost
-            main_cost = _number(r.get("compile_warm_s")) or PRIOR_WARM_S * max(1, self.shapes)
+            main_cost, main_note = self._cost("compile_warm_s", PRIOR_WARM_S)
             main = left * eager_s * gain - main_cost
-            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{prior_note}) x {speed} "
+            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{note}) x {speed} "
                            f"- {CONTENTION} x {cost:.0f} s slower eager batches beside it "
                            f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
             if main > saving and left * eager_s * gain > MARGIN * main_cost:
@@ -206,16 +207,16 @@ class AutoCompile:
                 self._state().abandon()
                 self.background, self.decided = None, True
                 self.reason = (f"{figures} x {speed} - {main_cost:.0f} s to compile on the main thread (warm cache"
-                               f"{'' if _number(r.get('compile_warm_s')) else ', prior'}) = {main:.0f} s saved, more than "
-                               f"in the background: {self.reason}")
+                               f"{main_note}) = {main:.0f} s saved, more than in the background: {self.reason}")
                 log.info("compile=auto: compiling (%s)", self.reason)
                 return
             self.decided = saving > BACKGROUND_MIN_SAVING_S
         else:
+            cost, note = self._cost("compile_warm_s", PRIOR_WARM_S) if warm else self._cost("compile_cold_s", PRIOR_COLD_S)
             saving = left * eager_s * gain
             self.decided = saving > MARGIN * cost
             self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
-                           f"({cache} cache{prior_note})")
+                           f"({cache} cache{note})")
         log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
                  if self.decided else "staying eager", self.reason)
         if self.background is not None and not self.decided:

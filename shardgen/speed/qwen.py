@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
@@ -251,22 +252,17 @@ def disable_real_rope(transformer: torch.nn.Module) -> None:
 
 # --- joint attention without the key-padding mask ----------------------------------------------------------
 
-_LENGTHS = None  # mask tensor -> (its version, its prefix lengths): one host copy per mask, not per step
+_LENGTHS = WeakIdKeyDictionary()  # mask tensor -> (its version, its prefix lengths): one host copy per mask
 
 
 def text_lengths(mask: torch.Tensor | None, batch: int, text_len: int) -> torch.Tensor | None:
     """Each sample's number of real text tokens (CPU int64), or None when the mask is not a prefix of ones.
 
     The pipeline passes the same mask object at every step, so it is copied to the host once per call."""
-    global _LENGTHS
     if mask is None:
         return torch.full((batch,), text_len, dtype=torch.int64)
     if mask.dim() != 2 or tuple(mask.shape) != (batch, text_len):
         return None
-    if _LENGTHS is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        _LENGTHS = WeakIdKeyDictionary()
     hit = _LENGTHS.get(mask)
     if hit is None or hit[0] != mask._version:
         hit = _LENGTHS[mask] = (mask._version, prefix_lengths(mask))
@@ -340,13 +336,15 @@ def enable_prefix_attention(transformer: torch.nn.Module) -> int:
     """Qwen-Image blocks attend without the key-padding mask (idempotent); how many processors were replaced.
 
     Only blocks whose processor is exactly diffusers' ``QwenDoubleStreamAttnProcessor2_0`` on its default
-    backend are changed (a custom or parallel processor keeps running)."""
+    backend are changed (a custom or parallel processor keeps running), and none of a tensor-parallel model."""
     try:
         from diffusers.models.transformers import transformer_qwenimage as tq
     except ImportError:
         return 0
     if not isinstance(transformer, tq.QwenImageTransformer2DModel):
         return 0
+    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+        return 0  # tensor parallel keeps the stock processors, as it keeps FLUX.1's stock blocks (flux_fused.py)
     cls, n = _prefix_processor_class(), 0
     for block in getattr(transformer, "transformer_blocks", []):
         proc = getattr(getattr(block, "attn", None), "processor", None)
