@@ -49,10 +49,17 @@ def tiny_cache(tmp_path_factory):
 # its queue, and mostly wait on it), started first: they are the suite's longest chain, and their waits overlap the
 # CPU-bound tests on the other worker (`-n 2` in pyproject.toml's addopts; `-n 0` runs everything in one process)
 CLUSTER_TEST_FILES = ("test_slurm.py", "test_multinode.py")
+# the GPU tests share one device: one worker runs them in turn (two workers side by side each saw the other's
+# models in GPU memory and failed the memory check; measured on an H200, session 11)
+GPU_TEST_FILES = ("test_gpu.py",)
+
+
+def _test_file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 
 
 def _on_the_cluster(nodeid: str) -> bool:
-    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in CLUSTER_TEST_FILES
+    return _test_file(nodeid) in CLUSTER_TEST_FILES
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,15 +69,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) where it is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with two kinds of scope: all the cluster tests (one worker, in order), and each other
-    test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
+    """xdist's scope scheduling with three kinds of scope: all the cluster tests (one worker, in order), all the GPU
+    tests (one worker, in order), and each other test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
     longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the grouped tests ran on both
     workers)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterScopeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if _on_the_cluster(nodeid) else nodeid
+            if _on_the_cluster(nodeid):
+                return "cluster"
+            return "gpu" if _test_file(nodeid) in GPU_TEST_FILES else nodeid
 
     return ClusterScopeScheduling(config, log)
 

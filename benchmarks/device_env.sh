@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Source on the GPU machine before a benchmark:  source benchmarks/device_env.sh
+# 1. installs the carried wheels (.whl/, see ../shared/GPU.md) into /tmp/site;
+# 2. gives every process a bytecode cache. The device's Python environment is read-only and ships without
+#    .pyc files, so each process there compiles ~3,000 modules from source (~8 s, issue 20's start-up
+#    profile, benchmarks/results/h200-s10/startup/); an installed environment on a user's cluster has them
+#    (pip writes them at install). PYTHONPYCACHEPREFIX sends the caches to /tmp/pyc, filled here once, before
+#    anything is timed, for the seed loop and shardgen alike. SHARDGEN_NO_PYC=1 leaves this step out.
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD
+if [ -z "${SHARDGEN_NO_PYC:-}" ]; then
+  export PYTHONPYCACHEPREFIX=/tmp/pyc
+  site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  t0=$(date +%s.%N)
+  python3 -m compileall -q -j 0 -x '/tests?/' "$site" /tmp/site "$PWD/shardgen" "$PWD/jobs" \
+    "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" >/dev/null 2>&1
+  echo "device_env: bytecode for $site and /tmp/site in /tmp/pyc: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+fi
