@@ -47,13 +47,14 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, int, str]:
-    """(wall seconds, exit status, output) of ``cmd`` run to completion, its output saved to ``log``."""
+    """(wall seconds, exit status, output) of ``cmd`` run to completion, its output streamed to ``log`` (what a
+    way printed survives a benchmark cut short by a time limit)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
-    log.write_text(proc.stdout)
     print(f"  {log.stem}: rc {proc.returncode}, {wall:.1f} s", flush=True)
-    return wall, proc.returncode, proc.stdout
+    return wall, proc.returncode, log.read_text()
 
 
 def parse_job(out: str) -> dict:

@@ -42,7 +42,10 @@ def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str
     if device_type == "cuda":
         import torch
 
-        return torch.cuda.mem_get_info()[0], f"GPU {torch.cuda.current_device()}"
+        # blocks this process's caching allocator holds but does not use are free to it too (a second model built in
+        # one process, e.g. the GPU tests one after another, saw them as taken)
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return torch.cuda.mem_get_info()[0] + max(0, cached), f"GPU {torch.cuda.current_device()}"
     try:
         with open("/proc/meminfo") as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -153,3 +155,25 @@ def test_compile_auto_follows_the_strategy_that_runs(strategy, ran, device, on):
     cfg = compose_cfg(*overrides)
     settings = GenSettings.from_cfg(cfg, ran)
     assert settings.accel.compile is on and settings.strategy == (ran or strategy)
+
+
+@pytest.mark.parametrize("pipeline, model, extra", [
+    ("FluxPipeline", "flux_dev", ()), ("Flux2Pipeline", "flux2_dev", ()),
+    ("QwenImagePipeline", "qwen_image", ("model.true_cfg_scale=4.0", "model.negative_prompt=blurry"))])
+def test_the_seed_loop_and_the_jobs_batch_do_equal_work(pipeline, model, extra):
+    """The benchmark's seed loop (one prompt, one generator, PIL output) and the job's batch of mixed-length
+    prompts give the same pixels for each model's own settings (true CFG and its negative prompt included), on a
+    scaled-down model in float64 (where batching cannot move a bit): the speed-ups compare equal work. On the GPU
+    the two differ only by bf16 rounding (FLUX.2-dev's random weights amplify it most: ~26 dB, session 11)."""
+    from shardgen.bench.ways import baseline_kwargs
+    from shardgen.models.dummy import build_dummy_pipeline
+    from shardgen.run.generation import GenSettings, pipeline_kwargs, to_pixels
+    from tests.test_dummy_models import SMALL
+
+    pipe = build_dummy_pipeline(pipeline, "cpu", torch.float64, overrides=SMALL[pipeline])
+    cfg = compose_cfg(f"model={model}", "height=64", "width=64", "steps=2", *extra)
+    prompts = ["a cat", "an astronaut riding a horse on the moon, digital art, a dog on the beach at sunset", "x"]
+    _, batch = to_pixels(pipe(**pipeline_kwargs(pipe, GenSettings.from_cfg(cfg), prompts, [5, 6, 7])).images)
+    for i, prompt in enumerate(prompts):
+        alone = np.asarray(pipe(**baseline_kwargs(pipe, cfg, prompt, 5 + i)).images[0])
+        np.testing.assert_array_equal(batch[i], alone)

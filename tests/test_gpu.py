@@ -3,6 +3,8 @@ that fits one GPU. Skipped, saying why, without CUDA."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    gc.collect()  # the earlier test's pipeline, then its cached GPU blocks: the next model's memory check sees them free
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("strategy", [("strategy=dp",), ("strategy=device_map", "strategy.gpus_per_replica=1"),
