@@ -137,7 +137,7 @@ def test_compile_auto_decides_from_records_before_the_first_batch_and_records_wh
 def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(tmp_path, compiled_s, eager_s, left,
                                                                                 compiles):
     """A cache a compiled job filled (no eager figure recorded): two eager batches, the second timed, then the work
-    left minus the thread's prior time (30 s), x the gain, minus what the thread slows the eager batches beside it."""
+    left minus the thread's prior time (45 s), x the gain, minus what the thread slows the eager batches beside it."""
     path = tmp_path / "records.json"
     path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": compiled_s}}))
     auto = AC.AutoCompile("k", remaining=lambda: left, path=path, background=torch.nn.Identity())
@@ -146,7 +146,7 @@ def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(
         auto.observe(auto.settings(_S()), 4, seconds)
     assert auto.decided is compiles
     assert json.loads(path.read_text())["k"]["eager_s"] == pytest.approx(eager_s)
-    assert "0.2 x 30 s slower eager batches beside it" in auto.reason
+    assert "0.2 x 45 s slower eager batches beside it" in auto.reason
 
 
 @pytest.mark.parametrize("record, left, way", [
@@ -171,6 +171,21 @@ def test_compile_auto_compiles_on_the_main_thread_when_the_thread_would_starve(t
             assert (s.accel.compile, s.accel.compile_background) == (True, False)
         assert json.loads(path.read_text())["k"]["compile_warm_s"] == pytest.approx(11.1)
         assert "compile=auto compiled; 2 compiled batches" in auto.summary()
+
+
+def test_a_first_job_on_a_warm_cache_compiles_on_the_main_thread_without_a_thread_record(tmp_path):
+    """FLUX.2-dev on an H200 (session 11): the cache a compiled job filled, no eager or thread figure yet. With the
+    30 s thread prior it went to the background (the thread took 60 s: 1.08x the seed loop); the main thread (the
+    next job, 7 s) gave 1.17x. After its two eager batches (4.60 s/sample) with 32 left it now waits for the compile:
+    32 x 4.60 x (1 - 3.72/4.60) - 15 s = 13 s saved, against (147 - 45 s) x 0.19 - 0.2 x 45 s = 10 s."""
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": 3.72}}))
+    auto = AC.AutoCompile("k", remaining=lambda: 32, path=path, background=torch.nn.Identity())
+    for seconds in (4 * 4.60 * 1.2, 4 * 4.60):
+        auto.observe(auto.settings(_S()), 4, seconds)
+    s = auto.settings(_S())
+    assert auto.decided and (s.accel.compile, s.accel.compile_background) == (True, False)
+    assert "to compile on the main thread (warm cache, prior) = 13 s saved" in auto.reason
 
 
 def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_per_size(tmp_path):

@@ -54,7 +54,11 @@ log = logging.getLogger("shardgen.compile")
 
 PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
-PRIOR_BACKGROUND_S = 30.0  # a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 78 s)
+# a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 60-78 s: the thread starves
+# beside eager batches that hold the GIL, the main thread's 7-11 s does not vary so): with no record, a first job
+# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev, session 11: the 30 s prior sent
+# it to a 60 s thread, 1.08x the seed loop; the next job, on the main thread, 1.17x)
+PRIOR_BACKGROUND_S = 45.0
 CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
 EAGER_BATCHES = 2     # full eager batches before deciding without a recorded eager speed (the last one is timed)
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
