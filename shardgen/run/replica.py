@@ -6,8 +6,10 @@ replica receive the same shard and rows from it and compute alongside.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
+import itertools
 import logging
 import random
 import time
@@ -88,6 +90,8 @@ class ReplicaWorker:
     _written: int = field(default=0, init=False)            # leader: rows handed over to the sink (from n_done)
     _cursor: int | None = field(default=None, init=False)  # where the walk for the next shard starts
     _done: set | None = field(default=None, init=False)    # shards known committed (a cache: they stay committed)
+    _todo: list = field(default_factory=list, init=False)  # shards not known done, ascending (see _not_done)
+    _todo_of: Any = field(default=None, init=False)        # the _done set _todo was computed from
 
     def __enter__(self) -> "ReplicaWorker":
         return self
@@ -201,11 +205,23 @@ class ReplicaWorker:
             return None
         return gen
 
+    def _not_done(self, n: int) -> list[int]:
+        """The shards not known done, ascending. Computed from the whole plan only when ``_done`` is a new listing;
+        otherwise the last list, filtered: late in a run (nearly all done) and at the tail, where idle replicas poll,
+        that is the few shards left, not the 100k of the plan (each poll and each walk went over all of them)."""
+        if self._todo_of is not self._done:
+            self._todo = [s for s in range(n) if s not in self._done]
+            self._todo_of = self._done
+        elif len(self._todo) > 2 * max(0, n - len(self._done)) + 64:  # over half stale: each filter halves the list
+            self._todo = [s for s in self._todo if s not in self._done]
+        return self._todo
+
     def _walk(self, n: int) -> tuple[int, int] | None:
         """Claim the first free shard from the cursor on (a claim generation 1); None after WALK_MISSES taken ones."""
+        todo = self._not_done(n)
+        start = bisect.bisect_left(todo, self._cursor)
         misses = 0
-        for i in range(n):
-            shard = (self._cursor + i) % n
+        for shard in itertools.chain(itertools.islice(todo, start, None), itertools.islice(todo, 0, start)):
             if shard in self._done or shard in self.claimer.held:
                 continue
             gen = self._claim_free(shard, None)
@@ -219,7 +235,7 @@ class ReplicaWorker:
     def _refresh_and_claim(self, n: int) -> tuple[int, int] | None:
         """From fresh listings: a random free shard, else a few claimed ones whose holder may be gone."""
         latest = scan_claims(self.plan.run)
-        todo = [s for s in range(n) if s not in self._done and s not in self.claimer.held]
+        todo = [s for s in self._not_done(n) if s not in self._done and s not in self.claimer.held]
         free = [s for s in todo if s not in latest]
         random.shuffle(free)
         for shard in free:
