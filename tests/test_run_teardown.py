@@ -56,3 +56,34 @@ def test_rank_control_drains_the_open_writers_only():
         assert control.drain_writers(5) == 1
     assert control.drain_writers(5) == 0
     assert sink.waits == [5]
+
+
+def test_a_sink_closed_while_its_writer_is_busy_leaves_it_the_pool_to_finish(monkeypatch, caplog):
+    """close() reached through an error while the writer has a batch in hand and is slower than the close timeout
+    (an overloaded filesystem, a starved thread): the batch is still encoded and written, not failed by a pool shut
+    down under it (what the 1,000-replica simulation printed at load 400)."""
+    from shardgen.dataio.shards.sink import ShardSink
+
+    release, written = threading.Event(), []
+
+    class Work:
+        def write(self, samples, encoded, fmt):
+            written.append(encoded)
+
+    def encoder(sample):
+        return b"encoded"
+    encoder.ext = "png"
+
+    sink = ShardSink(encoder=encoder)
+    encode_all = sink._encode_all
+    monkeypatch.setattr(sink, "_encode_all", lambda samples: (release.wait(10), encode_all(samples))[1])
+    monkeypatch.setattr(sink, "CLOSE_TIMEOUT_S", 0.2)
+    sample = type("S", (), {"pixels": object(), "meta": {}, "status": "ok"})()
+    sink.submit(Work(), [sample])
+    monkeypatch.setattr(sink, "flush", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))  # a signal mid-flush
+    with caplog.at_level("WARNING", logger="shardgen.sink"), pytest.raises(KeyboardInterrupt):
+        sink.close()
+    release.set()
+    sink._thread.join(5)
+    assert written == [[b"encoded"]] and sink._error is None
+    assert "still writing after 0 s" in caplog.text

@@ -9,6 +9,7 @@ that bounds what a kill can lose. The time spent in that wait is measured (``wai
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,9 +20,13 @@ from shardgen.dataio.shards.formats import encode_image
 from shardgen.dataio.shards.shardwork import Sample, ShardWork
 from shardgen.errors import is_user_error
 
+log = logging.getLogger("shardgen.sink")
+
 
 class ShardSink:
     """Writes batches of samples into ShardWork objects on a background thread."""
+
+    CLOSE_TIMEOUT_S = 60.0  # how long close() waits for the writer's last item before leaving it behind
 
     def __init__(self, image_format: str = "png", quality: int = 95, threads: int = 2, signals=None,
                  encoder: Callable[[Sample], bytes] | None = None):
@@ -62,13 +67,20 @@ class ShardSink:
         return self._idle.wait(timeout_s)
 
     def close(self) -> None:
-        """Flush, then stop the threads."""
+        """Flush, then stop the threads. A writer still busy after ``CLOSE_TIMEOUT_S`` (close reached through an
+        error or a signal while a batch was in hand, on an overloaded filesystem) keeps its encoding pool: shutting
+        the pool under it made its next submit fail (seen in the 1,000-replica simulation at load 400), the batch
+        then lost to an error nobody read; the daemon thread ends with the item or with the process."""
         try:
             self.flush()
         finally:
             self._queue.put(None)
-            self._thread.join(timeout=60)
-            self._pool.shutdown(wait=True)
+            self._thread.join(timeout=self.CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("the shard writer is still writing after %.0f s; leaving it to finish",
+                            self.CLOSE_TIMEOUT_S)
+            else:
+                self._pool.shutdown(wait=True)
 
     def _enqueue(self, item) -> None:
         self.flush()
