@@ -383,13 +383,19 @@ def _shared_done_shards(num_shards: int):
     set, its shard numbers taken from one table of the process instead of parsed by each replica. 1,000 replicas'
     sets of 100k freshly parsed ints, and the interpreter arenas their parsing pinned between the listings' names,
     took 23 GB of this 24 GB machine at 100k shards (docs/scaling.md); on a cluster each replica has its own host.
+    The listings of one process are taken one at a time (a lock; counted as before).
     Returns the method it replaced (to put back)."""
     table = {f"{s:06d}.stats.json": s for s in range(num_shards)}
+    # one listing at a time per process: when 1,000 replicas finish together each confirms the run is complete with
+    # a listing (300k names at 100k shards); 31 threads' lists alive at once in each of 32 processes took the
+    # machine's last 20 GB (session 11: the run completed, then was killed for memory before writing its figures)
+    one_at_a_time = threading.Lock()
 
     def done_shards(self) -> set[int]:
         if not self.shards_dir.exists():
             return set()
-        return {table[n] for n in os.listdir(self.shards_dir) if n in table}
+        with one_at_a_time:
+            return {table[n] for n in os.listdir(self.shards_dir) if n in table}
 
     real, RunDir.done_shards = RunDir.done_shards, done_shards
     return real

@@ -20,8 +20,8 @@ from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
-                                    load_plan_or_discard, prompt_file_hash, read_ledger, record_plan_digests,
-                                    remember_prompt_hash, repair_run_dir)
+                                    load_plan_or_discard, prompt_file_hash, read_ledger, read_status_ledger,
+                                    record_plan_digests, remember_prompt_hash, repair_run_dir)
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
                                     first_missing_dir, log_to_file_only, owner_record, record_launch)
@@ -310,8 +310,10 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     W.barrier()
     if world.rank != 0:
         return None
-    ledger = read_ledger(plan, cfg.lease_s)
-    totals = ledger.totals()
+    # the whole run's counts, as jobs.status reads them: only the stats committed since the last reader are read
+    # (stats_cache.npz), not every committed shard's at each job's end (100k reads per job on a 100k-shard run)
+    ledger = read_status_ledger(plan, cfg.lease_s)
+    totals = ledger.done.totals
     result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
                        complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s,
