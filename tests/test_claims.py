@@ -106,3 +106,31 @@ def test_a_claimer_without_its_own_thread_is_kept_alive_by_beat_and_sees_a_takeo
     assert b.try_claim(1, 1) == 2
     a.beat()
     assert 1 in a.lost and not a.still_mine(1) and a.still_mine(0)
+
+
+def test_an_idle_replica_polls_over_the_shards_left_not_the_whole_plan():
+    """At the tail of a 100k-shard run the walk and each idle poll go over the few shards not known done: the plan
+    is gone through once per listing of shards/, not once per poll (session 10: 100k lookups a poll, the
+    1,000-replica simulation's tail at load 200-390)."""
+    from types import SimpleNamespace
+
+    from shardgen.run.replica import ReplicaWorker
+
+    class CountingSet(set):
+        lookups = 0
+
+        def __contains__(self, item):
+            CountingSet.lookups += 1
+            return super().__contains__(item)
+
+    n = 100_000
+    w = SimpleNamespace(_done=CountingSet(range(n - 5)), _todo=[], _todo_of=None)
+    assert ReplicaWorker._not_done(w, n) == list(range(n - 5, n))
+    assert CountingSet.lookups == n  # the listing's pass over the plan
+    w._done.update({n - 5, n - 4})  # two more seen committed (a stat of their done marker)
+    CountingSet.lookups = 0
+    for _ in range(100):  # polls
+        left = [s for s in ReplicaWorker._not_done(w, n) if s not in w._done]
+    assert left == [n - 3, n - 2, n - 1] and CountingSet.lookups <= 100 * 5 + 5
+    w._done = CountingSet(range(n - 1))  # a new listing: the plan once more
+    assert ReplicaWorker._not_done(w, n) == [n - 1]
