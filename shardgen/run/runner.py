@@ -20,7 +20,7 @@ from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
-                                    load_plan_or_discard, prompt_file_hash, read_ledger, read_status_ledger,
+                                    load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir)
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
@@ -252,7 +252,7 @@ def say_nothing_to_do(plan: Plan) -> None:
 
 
 def _has_failures(plan: Plan) -> bool:
-    return read_ledger(plan).totals()["failed"] > 0
+    return read_status_ledger(plan).done.totals["failed"] > 0  # as _finish reads them: the stats cache
 
 
 def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
