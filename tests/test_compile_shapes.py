@@ -14,7 +14,7 @@ import torch
 
 from jobs.generate import run
 from shardgen.speed import autocompile as AC
-from shardgen.speed.accel import AccelOptions
+from shardgen.speed.accel import AccelError, AccelOptions
 from tests.conftest import compose_cfg, write_lines
 from tests.test_generate import shard_images
 
@@ -368,3 +368,41 @@ def test_compile_cache_counts_say_whether_a_warm_cache_was_hit(monkeypatch, tmp_
         assert "fx graph cache 1 hit / 1 miss" in AC.compile_cache_counts()
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("force, left, compiles", [("eager", 10**6, False), ("main", 1, True)])
+def test_a_forced_compile_path_is_taken_whatever_the_figures_say(tmp_path, monkeypatch, force, left, compiles):
+    monkeypatch.setenv(AC.FORCE_ENV, force)
+    # figures that would compile from the first batch (and, with one sample left, never)
+    record = {"eager_s": 5.0, "compiled_s": 1.0, "compiled_before": True, "compile_warm_s": 0.1}
+    auto = _auto(tmp_path, left=left, record=record)
+    for _ in range(AC.EAGER_BATCHES):  # forced: the eager batches run first, the recorded eager speed is not used
+        s = auto.settings(_S())
+        assert not s.accel.compile
+        auto.observe(s, 4, 8.0)
+    assert auto.settings(_S()).accel.compile is compiles
+    assert f"forced by SHARDGEN_COMPILE_AUTO={force}, 2.00 s/sample eager" in auto.reason
+    monkeypatch.setenv(AC.FORCE_ENV, "sometimes")
+    with pytest.raises(AccelError, match="SHARDGEN_COMPILE_AUTO='sometimes': use one of"):
+        _auto(tmp_path, left=1)
+
+
+def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh_cache(tmp_path, monkeypatch, caplog):
+    """The job's background path on CUDA (made possible on CPU: the CUDA check faked, torch.compile the identity),
+    forced on a cache that has never compiled: two eager batches, one beside the thread, then compiled batches."""
+    import logging
+
+    from shardgen.speed import accel
+
+    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(22)])  # batches of 4: 2 eager, then compiled by the 4th
+    monkeypatch.setenv(AC.FORCE_ENV, "background")
+    monkeypatch.setattr(accel, "resolve_compile", lambda value, device="auto", strategy="dp": True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=4", *FAST))
+    assert (r.ok, r.failed) == (22, 0)
+    assert "compile=auto: compiling in the background (forced by SHARDGEN_COMPILE_AUTO=background" in caplog.text
+    m = re.search(r"compile=auto compiled in the background; ([23]) eager batches, [\d.]+ s/sample; compiled in the "
+                  r"background in [\d.]+ s; ([34]) compiled batches", caplog.text)
+    assert m and int(m[1]) + int(m[2]) == 6, caplog.text[-2000:]  # the third batch: beside the thread or after it

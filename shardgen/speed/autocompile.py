@@ -35,6 +35,11 @@ background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; 
 FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
 estimate above says a job is long enough to pay for it (then every later process compiles in the background).
 
+**Forcing a path** (tests, benchmarks): ``SHARDGEN_COMPILE_AUTO=eager|main|background`` in the environment makes a
+``compile: auto`` process take that path whatever the figures say, after its first ``EAGER_BATCHES`` eager batches:
+stay eager, compile on the main thread, or compile on a background thread (the batch after the one that ran beside
+the thread waits for it, so the switch always happens while work is left). tests/test_gpu_matrix.py walks each.
+
 The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
 priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
 the model, the shapes (size, frames, batch, steps), true CFG, the compile settings, the GPU and the
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,6 +70,8 @@ EAGER_BATCHES = 2     # full eager batches before deciding without a recorded ea
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
 MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
 BACKGROUND_MIN_SAVING_S = 5.0  # background compilation: the least expected saving worth its CPU and GPU contention
+FORCE_ENV = "SHARDGEN_COMPILE_AUTO"
+FORCE_PATHS = ("eager", "main", "background")
 MARGIN = 1.2          # compile only when the expected saving is this much over the cost: the figures are estimates
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
@@ -138,6 +146,8 @@ class AutoCompile:
     (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
     shapes: int = 1
     """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
+    force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
+    """The path taken whatever the figures say (``FORCE_PATHS``; the module doc), None: decided from the figures."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
     _record: dict = field(default_factory=dict)
@@ -145,18 +155,26 @@ class AutoCompile:
     _recorded_cost: bool = False    # background: its compile time is recorded (once)
 
     def __post_init__(self) -> None:
+        from shardgen.speed.accel import AccelError
+
+        if self.force is not None and self.force not in FORCE_PATHS:
+            raise AccelError(f"{FORCE_ENV}={self.force!r}: use one of {list(FORCE_PATHS)} or leave it unset")
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
-        if not self._record.get("compiled_before"):
+        if self.force == "main" or (not self._record.get("compiled_before") and self.force != "background"):
             self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
+
+    def _recorded_eager(self) -> float | None:
+        """The eager speed recorded by an earlier process (none when forced: the eager batches run first)."""
+        return None if self.force else _number(self._record.get("eager_s"))
 
     def settings(self, s: Any) -> Any:
         """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
         if self.background is not None:
             return self._background_settings(s)
         if self.decided is None:
-            eager = _number(self._record.get("eager_s")) or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
+            eager = self._recorded_eager() or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
         return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False))
@@ -166,11 +184,13 @@ class AutoCompile:
             self._batch_compiled = False
             return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
         state = self._state()
-        if self.decided is None and _number(self._record.get("eager_s")):
+        if self.decided is None and self._recorded_eager():
             self._decide(float(self._record["eager_s"]))
             if self.decided and self.background is not None:  # from the records, before the first batch: the
                 state.start_when_captured()                   # thread starts at its second step
             return self.settings(s)
+        if self.force and state.started and len(self._eager) > EAGER_BATCHES:
+            state.wait()  # forced: one eager batch ran beside the thread; the switch must not depend on its speed
         if state is not None and state.switch():
             log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
                      "the next batches run compiled", state.seconds, len(self._eager))
@@ -188,6 +208,14 @@ class AutoCompile:
         return (recorded, "") if recorded else (prior * max(1, self.shapes), ", prior")
 
     def _decide(self, eager_s: float) -> None:
+        if self.force:
+            self.decided = self.force != "eager"
+            self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
+            log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
+                     "compiling in the background" if self.background is not None else "compiling", self.reason)
+            if self.background is not None and not self.decided:
+                self._state().abandon()
+            return
         r = self._record
         warm = bool(r.get("compiled_before"))
         compiled = _number(r.get("compiled_s"))
