@@ -4,6 +4,7 @@ compiles only where the work left pays for the compilation, from recorded or pri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -406,3 +407,30 @@ def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh
     m = re.search(r"compile=auto compiled in the background; ([23]) eager batches, [\d.]+ s/sample; compiled in the "
                   r"background in [\d.]+ s; ([34]) compiled batches", caplog.text)
     assert m and int(m[1]) + int(m[2]) == 6, caplog.text[-2000:]  # the third batch: beside the thread or after it
+
+
+def test_every_family_declares_blocks_to_compile_and_an_unknown_transformer_runs_eagerly(caplog):
+    """compile: auto compiles the repeated blocks: each family's dummy transformer has some (diffusers' SD3 lists
+    none: its family declares them), and a transformer with none runs eagerly instead of failing as compile=true."""
+    from types import SimpleNamespace
+
+    from shardgen.families.base import dummy_models
+    from shardgen.run.generation import GenSettings
+    from shardgen.run.runner import _without_auto_compile_where_nothing_compiles
+    from shardgen.speed.blocks import repeated_blocks
+
+    for name, (family, dummy) in dummy_models().items():
+        spec = dummy.components["transformer"]
+        cls = getattr(__import__("diffusers"), spec.cls)
+        names = getattr(cls, "_repeated_blocks", None) or family.repeated_blocks.get(spec.cls)
+        assert names, f"{name}: {spec.cls} has no repeated blocks to compile"
+    s = GenSettings(height=64, width=64, steps=1, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=32, model="x", strategy="dp", batch_size=1, compile_auto=True,
+                    accel=AccelOptions(compile=True))
+    plain = SimpleNamespace(transformer=torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not repeated_blocks(plain.transformer)
+    with caplog.at_level("INFO", logger="shardgen"):
+        out = _without_auto_compile_where_nothing_compiles(s, plain)
+    assert not out.accel.compile and not out.compile_auto and "Sequential has no repeated blocks" in caplog.text
+    compile_true = _without_auto_compile_where_nothing_compiles(dataclasses.replace(s, compile_auto=False), plain)
+    assert compile_true.accel.compile  # compile=true: as asked (and refused by prepare, saying to set compile=false)

@@ -261,10 +261,24 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
                           leader_rank=dims.leader_of(rank), group=dims.replica_group(), ranks=dims.replica_size)
 
 
+def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) -> GenSettings:
+    """``compile: auto`` off for a transformer with no repeated blocks to compile (a pipeline no family knows):
+    the default must run it eagerly, not fail as ``compile=true`` does."""
+    from dataclasses import replace
+
+    from shardgen.speed.blocks import repeated_blocks
+
+    tr = getattr(pipe, "transformer", None)
+    if not settings.compile_auto or (tr is not None and repeated_blocks(tr)):
+        return settings
+    log.info("compile=auto: %s has no repeated blocks to compile regionally; running eagerly", type(tr).__name__)
+    return replace(settings, compile_auto=False, accel=replace(settings.accel, compile=False))
+
+
 def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, strategy: str,
                  control: RankControl) -> ReplicaWorker:
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
-    settings = GenSettings.from_cfg(cfg, strategy)
+    settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,
