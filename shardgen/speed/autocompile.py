@@ -1,4 +1,4 @@
-"""``compile: auto`` decided per process, from what compiling costs and saves here (issue 20).
+"""``compile: auto`` decided per process, from what compiling costs and saves here.
 
 Compiling the transformer's blocks makes each image ~1.35x faster on an H200, but the first compiled
 batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
@@ -11,9 +11,9 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
   cache has compiled this model and shape before.
 - **the figures**: measured on this GPU for this model and shape set by earlier processes and kept in
   ``$SHARDGEN_CACHE/compile/records.json`` (eager and compiled seconds per sample, the cold and warm
-  compile costs); where none is recorded yet, the priors below (H200 measurements, docs/performance.md).
+  compile costs); where none is recorded yet, the priors below (H200 measurements, benchmarks/results/performance-history.md).
   Without a recorded eager speed the first two batches run eagerly and the second is timed (real work, not a
-  probe): the first pays the process's one-time GPU costs (H200, session 8: the first batch 10-25% slower than
+  probe): the first pays the process's one-time GPU costs (H200: the first batch 10-25% slower than
   the next), and that inflated figure had compiled 24-prompt jobs that then lost 3-4% to ``compile=false``.
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
@@ -29,7 +29,7 @@ instead (the work left x the gain - the warm main-thread cost ``compile_warm_s``
 cost) and takes it when it saves more: a thread can starve beside eager batches that hold the GIL (H200,
 FLUX.2-dev, warm cache: 78 s in the background, 11 s on the main thread; Qwen-Image's thread: 11-19 s).
 
-Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
+Why only from a warm cache (H200, dummy weights, 24-40 prompts, benchmarks/results/performance-history.md): from a warm cache the
 background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
 63-180 s (inductor's code generation and kernel tuning beside the eager batches, which it slowed) and
 FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
@@ -62,7 +62,7 @@ PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H2
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
 # a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 60-78 s: the thread starves
 # beside eager batches that hold the GIL, the main thread's 7-11 s does not vary so): with no record, a first job
-# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev, session 11: the 30 s prior sent
+# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev: a 30 s prior sent
 # it to a 60 s thread, 1.08x the seed loop; the next job, on the main thread, 1.17x)
 PRIOR_BACKGROUND_S = 45.0
 CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
