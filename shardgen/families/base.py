@@ -61,6 +61,9 @@ class ModelFamily:
     """``model.weights=dummy`` architectures by model config name (conf/model/<name>.yaml's ``name``)."""
     hidden_default: int = 3072
     """Transformer width assumed by ``auto`` when the config does not give it."""
+    speed_hooks: str | None = None
+    """``"module:function"`` of the family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
+    ``shardgen.speed.accel.prepare`` after the generic options (named, not imported: families sit below speed/)."""
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""

@@ -383,7 +383,7 @@ def disable_prefix_attention(transformer: torch.nn.Module) -> None:
             block.attn.processor = stock
 
 
-# --- the family's hook (speed/accel.py: SPEED_HOOKS) -----------------------------------------------------
+# --- the family's hook (families/qwen_image.py: speed_hooks) -----------------------------------------------------
 
 def prepare_speed(pipe, opts) -> dict:
     """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
