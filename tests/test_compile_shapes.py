@@ -434,3 +434,14 @@ def test_every_family_declares_blocks_to_compile_and_an_unknown_transformer_runs
     assert not out.accel.compile and not out.compile_auto and "Sequential has no repeated blocks" in caplog.text
     compile_true = _without_auto_compile_where_nothing_compiles(dataclasses.replace(s, compile_auto=False), plain)
     assert compile_true.accel.compile  # compile=true: as asked (and refused by prepare, saying to set compile=false)
+
+
+def test_a_process_that_stayed_eager_records_its_steady_eager_speed(tmp_path):
+    auto = _auto(tmp_path, left=1)  # one sample left: compiling never pays
+    for seconds in (14.0, 12.0, 10.0, 10.4, 9.6):  # the second batch, timed to decide, is not yet steady
+        s = auto.settings(_S())
+        auto.observe(s, 4, seconds)
+    assert auto.decided is False
+    assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == 3.0  # the decision's 12 s / 4
+    auto.finish()
+    assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == pytest.approx(2.55)  # median of 2-5
