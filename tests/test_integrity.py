@@ -138,7 +138,9 @@ def test_two_jobs_racing_on_a_fresh_run_dir_one_wins(tmp_path):
         threads = [threading.Thread(target=job, args=(s,)) for s in (2, 4)]
         [t.start() for t in threads]
         [t.join() for t in threads]
-        assert sorted(outcomes) == ["new", "refused"]
+        # the second either lost the creation (refused) or came just after it: a run without a sample takes its
+        # settings, and the first is refused once its model loaded (tests/test_fingerprint.py)
+        assert sorted(outcomes) in (["new", "refused"], ["new", "resume"])
 
 
 def test_allow_fingerprint_change_with_edited_prompts_is_refused_not_ignored(copy):

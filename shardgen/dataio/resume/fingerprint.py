@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.prompts.plan import file_sha256
+from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
                                            json_bytes, read_json, read_state)
@@ -105,10 +105,14 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
     refused like any resume with other settings. Raises FingerprintMismatch naming each differing
     field, unless ``allow_change`` (recorded in fingerprint_changes.jsonl), which is refused too for
     fields the existing plan was made from. RunDirError when a run exists but its fingerprint does not.
+    A run that holds no sample yet (its launches stopped before generating, e.g. a model that did not load) takes
+    the new settings instead, recorded likewise; a launch still loading its model with the old ones is refused once
+    loaded (shardgen/run/runner.py), so samples of both never mix.
     ``prompt_path`` is named when the prompt file's content differs (a run is tied to the content, not
     the path: a moved run resumes from its file's new place).
     """
     old = read_fingerprint(run)
+    lost_race = False
     if old is None:
         state = _has_run_state(run)
         if state:
@@ -120,6 +124,7 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         if create_exclusive(run.fingerprint_path, json_bytes(fingerprint)):
             return False
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
+        lost_race = True  # that job is starting now, not a launch that stopped before its first sample
     diffs = diff_fingerprints(old, fingerprint)
     if not diffs:
         return True
@@ -127,15 +132,50 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
                         f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
                         f"{str(fingerprint.get('prompts.sha256'))[:16]}...)")
+    if not allow_change and not lost_race and holds_no_samples(run):
+        # a launch that failed before its first sample (a model that did not load) leaves nothing to mix with
+        _restart_unstarted(run, old, fingerprint)
+        return True
     if not allow_change:
         raise FingerprintMismatch(
             f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
             "samples:\n  "
             + "\n  ".join(diffs)
-            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
-              "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
+            + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
+              f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
+              "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
+              "made stay as they are, and jobs.verify lists them as made with other settings: never repair them "
+              "away unless you mean to delete them).")
     _apply_change(run, old, fingerprint)
     return True
+
+
+def holds_no_samples(run: RunDir) -> bool:
+    """No sample was generated, started or claimed in ``run``: shards/, work/ and claims/ hold nothing."""
+    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.latents_dir):
+        try:
+            if any(not n.startswith(".") for n in os.listdir(d)):
+                return False
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return True
+
+
+def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
+    """Take the new settings for a run without a sample; a changed plan field discards the plan (made again)."""
+    if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
+        if extension_dirs(run):
+            raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
+                                      "again with other settings; choose a new run_dir")
+        discard_plan(run, "replaced")
+    changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  host=socket.gethostname(), changes=changes, no_samples=True)
+    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    atomic_write_json(run.fingerprint_path, new)
+    run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
+    log.info("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
+             ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
