@@ -66,5 +66,20 @@ def main(cfg: GenerateConfig) -> None:
         raise
 
 
+def refuse_unknown_overrides(argv: list[str]) -> None:
+    """Exit with one line when an override names no key or group option (Hydra would add ``+key`` silently, and
+    answer a wrong option with its search path)."""
+    from hydra._internal.utils import get_args_parser
+
+    from shardgen.config.overrides import check_overrides
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    problem = check_overrides(list(args.overrides or ()))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:])
     main()
