@@ -124,7 +124,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
-    extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
+    extend_if_appended(run, fp, source, identity["size"], lambda: planning_truncation_check(cfg, source))
     resuming = True
     try:
         resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
@@ -150,13 +150,13 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: str, replicas: int) -> Plan:
     per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
     plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                      truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
+                      truncation=planning_truncation_check(cfg, source), prompt_sha256=digest)
     log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
              plan.num_shards, plan.samples_per_shard, run.root)
     return plan
 
 
-def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
+def planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
     """The token count planning does: none for on_truncation=warn (generation counts each batch)."""
     policy = cfg.prompts.on_truncation
     if not checks_while_planning(policy):
