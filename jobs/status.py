@@ -79,13 +79,14 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
                   f"by {c['host'] or '?'} pid {c['pid'] or '?'} job {c['job'] or '-'} replica {c['replica']}")
     if err := st["last_error"]:
         print(f"  last error  rank {err['rank']} at {err['time']} ({err['level']}, {err['logger']}): {err['message']}")
+    if (warn := st["last_warning"]) and st["state"] != "complete":  # a finished run's warnings are in its counts
+        print(f"  last warning  rank {warn['rank']} at {warn['time']} ({warn['logger']}): {warn['message']}")
     state = {"complete": "COMPLETE", "running": "in progress / resumable",
              "stopped": "stopped (no live claim) / resumable: re-run the generate command",
              "not started": "not started / resumable"}[st["state"]]
     print(f"  state    {state}")
 
 
-@tool_errors
 @tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,

@@ -110,3 +110,14 @@ def test_tools_refuse_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert verify.main([str(tmp_path)]) == 2
     assert status.main([str(tmp_path)]) == 2
     assert "not a shardgen run directory" in capsys.readouterr().err
+
+
+def test_status_tells_the_last_error_from_the_last_warning(done_run, capsys):
+    (done_run / "shards" / "000001.stats.json").unlink()  # a stopped run: its warnings are news
+    with open(done_run / "logs" / "rank000.log", "a") as f:
+        f.write("2030-01-01 00:00:00,000 ERROR shardgen: CUDA out of memory\n"
+                "2030-01-01 00:00:01,000 WARNING shardgen: 2 prompt(s) were longer than the text encoders keep\n")
+    assert status.main([str(done_run)]) == 0
+    out = capsys.readouterr().out
+    assert "  last error  rank 000 at 2030-01-01 00:00:00,000 (ERROR, shardgen): CUDA out of memory" in out
+    assert "  last warning  rank 000 at 2030-01-01 00:00:01,000 (shardgen): 2 prompt(s) were longer" in out
