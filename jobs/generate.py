@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import hydra
 
@@ -46,6 +47,16 @@ def run(cfg: GenerateConfig):
     return run_rank(cfg)
 
 
+def interrupted_message(run_dir: str, command: str) -> str:
+    """What an interrupted launch tells: resumable once the run exists (its fingerprint written), otherwise that
+    nothing was written (a new run interrupted while planning is removed again)."""
+    from shardgen.dataio.rundir import RunDir
+
+    if not RunDir(Path(run_dir).absolute()).fingerprint_path.is_file():
+        return f"interrupted before {run_dir} held a run: nothing was written. Run the command again to start:\n  {command}"
+    return f"interrupted. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
@@ -56,8 +67,8 @@ def main(cfg: GenerateConfig) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        log.error("interrupted. %s is resumable: re-run the same command to continue where it stopped:\n  %s",
-                  cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate", *sys.argv[1:]]))
+        log.error("%s", interrupted_message(cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate",
+                                                                     *sys.argv[1:]])))
         sys.exit(130)
     except Exception as e:
         if is_user_error(e) and not debug:  # a message for the user, not a traceback

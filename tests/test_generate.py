@@ -205,3 +205,24 @@ def test_pickle_only_model_directory_is_refused(tmp_path):
     with pytest.raises(Exception, match="only pickle checkpoints"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", f"model.source={d}", "prompts.limit=2",
                         "progress=false", "dtype=float32"))
+
+
+def test_ctrl_c_while_planning_a_new_run_says_nothing_was_written_and_after_it_resumable(tmp_path, monkeypatch):
+    import shardgen.run.runner as runner
+    from jobs.generate import interrupted_message
+
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=4", *FAST)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "build_plan", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose_cfg(*args))
+    assert not d.exists()
+    assert interrupted_message(str(d), "CMD").startswith(f"interrupted before {d} held a run: nothing was written. "
+                                                          "Run the command again to start:")
+    run(compose_cfg(*args))
+    assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
