@@ -46,7 +46,7 @@ def test_the_refusal_steers_to_a_new_run_dir_and_says_what_allowing_the_change_d
         check_or_write_fingerprint(run, fp("steps=3"))
     advice = str(e.value).split("\n")[-1]
     assert advice.startswith(f"To generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2)")
-    assert "the samples already made stay as they are" in advice and "never repair them away" in advice
+    assert "the samples already made stay as they are: jobs.verify notes them, and its --repair keeps them" in advice
 
 
 def test_a_run_without_a_sample_takes_new_settings_and_records_them(tmp_path):

@@ -144,8 +144,7 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
             + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
               f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
               "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
-              "made stay as they are, and jobs.verify lists them as made with other settings: never repair them "
-              "away unless you mean to delete them).")
+              "made stay as they are: jobs.verify notes them, and its --repair keeps them).")
     _apply_change(run, old, fingerprint)
     return True
 
