@@ -53,7 +53,8 @@ def interrupted_message(run_dir: str, command: str) -> str:
     from shardgen.dataio.rundir import RunDir
 
     if not RunDir(Path(run_dir).absolute()).fingerprint_path.is_file():
-        return f"interrupted before {run_dir} held a run: nothing was written. Run the command again to start:\n  {command}"
+        return (f"interrupted before {run_dir} held a run: nothing was written. Run the command again to start:\n"
+                f"  {command}")
     return f"interrupted. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
 
 

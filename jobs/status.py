@@ -2,7 +2,7 @@
 rate, what each claim holder is doing, the last error in the rank logs, failures by reason, images per shape
 (width x height [x frames]) when rows set their own size (prompts.row_settings).
 
-    python -m jobs.status RUN_DIR [--shards] [--json]
+    python -m jobs.status RUN_DIR [--shards] [--json | --prometheus]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import plan_for_tool, run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
-from shardgen.dataio.tools import run_status, tool_errors
+from shardgen.dataio.tools import run_metrics, run_status, tool_errors
 
 
 def _fmt_s(s: float | None) -> str:
@@ -94,13 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     ap.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
+    ap.add_argument("--prometheus", action="store_true",
+                    help="the run's figures and every rank's counters (metrics/*.prom) in Prometheus' text format")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
     st = run_status(plan, run_lease_s(plan.run))
-    if args.json:
+    if args.prometheus:
+        sys.stdout.write(run_metrics(st, plan).decode())
+    elif args.json:
         print(json.dumps(st, indent=1, sort_keys=True))
     else:
         print_status(st, args.run_dir, args.shards)

@@ -121,3 +121,27 @@ def test_status_tells_the_last_error_from_the_last_warning(done_run, capsys):
     out = capsys.readouterr().out
     assert "  last error  rank 000 at 2030-01-01 00:00:00,000 (ERROR, shardgen): CUDA out of memory" in out
     assert "  last warning  rank 000 at 2030-01-01 00:00:01,000 (shardgen): 2 prompt(s) were longer" in out
+
+
+def test_prometheus_exposition_of_a_run_and_its_ranks_has_the_real_counts(done_run, capsys):
+    """Each writing rank's textfile (metrics/rank000.prom, rewritten at each commit) and jobs.status --prometheus
+    (the run's figures plus every rank file) parse with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def values(text: str) -> dict:
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k in ("status", "state")))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    rank = values((done_run / "metrics" / "rank000.prom").read_text())
+    assert rank[("shardgen_committed_samples_total", (("status", "ok"),))] == 12
+    assert rank[("shardgen_committed_samples_total", (("status", "failed"),))] == 0
+    assert rank[("shardgen_committed_shards_total", ())] == 3 and rank[("shardgen_claims_total", ())] == 3
+    assert rank[("shardgen_generated_samples_total", ())] == 12 and rank[("shardgen_device_seconds_per_sample", ())] > 0
+    (done_run / "shards" / "000001.stats.json").unlink()  # a shard lost: the run's figures say so
+    assert status.main([str(done_run), "--prometheus"]) == 0
+    run = values(capsys.readouterr().out)
+    assert run[("shardgen_run_prompts", ())] == 12 and run[("shardgen_run_samples_done", ())] == 7
+    assert run[("shardgen_run_samples", (("status", "ok"),))] == 7
+    assert run[("shardgen_run_shards", (("state", "done"),))] == 2
+    assert run[("shardgen_run_shards", (("state", "pending"),))] == 1 and run[("shardgen_run_complete", ())] == 0
+    assert run[("shardgen_committed_samples_total", (("status", "ok"),))] == 12  # the rank's file, merged in

@@ -19,12 +19,12 @@ from omegaconf import OmegaConf
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      rules_from_cfg)
-from shardgen.dataio.resume import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
-                                    load_plan_or_discard, prompt_file_hash, read_status_ledger,
-                                    read_fingerprint, record_plan_digests, remember_prompt_hash, repair_run_dir)
-from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
-                                    check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
-                                    first_missing_dir, log_to_file_only, owner_record, record_launch)
+from shardgen.dataio.resume import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
+                                    extend_if_appended, load_plan_or_discard, prompt_file_hash, read_fingerprint,
+                                    read_status_ledger, record_plan_digests, remember_prompt_hash, repair_run_dir)
+from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
+                                    attach_rank_log, check_run_dir_text, check_run_root, create_exclusive,
+                                    detach_rank_log, first_missing_dir, log_to_file_only, owner_record, record_launch)
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
                                     resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
@@ -297,6 +297,7 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                                 signals=Signals(cfg.signals),
                                 encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
+        worker.metrics = RankMetrics(plan.run, rank=ctx.leader_rank, replica=ctx.index, ranks_per_replica=ctx.ranks)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         if ctx.index == 0 and cfg.progress:
             worker.progress = Progress(plan, unit="video" if is_video(cfg) else "img")

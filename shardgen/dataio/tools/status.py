@@ -131,3 +131,36 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
 def row_setting_names(plan: Plan) -> list[str]:
     """The prompt-file fields the run reads as generation settings (``prompts.row_settings``; [] for none)."""
     return list(plan.row_rules.names) if plan.row_rules else []
+
+
+def run_metrics(st: dict, plan: Plan) -> bytes:
+    """The run as a Prometheus exposition: its figures from ``st`` (``run_status``) under a ``run`` label, then every
+    rank's own counters from its metrics/ file."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from shardgen.dataio.rundir import exposition, read_rank_metrics
+
+    def gauge(name: str, doc: str, value: float | None = None, by: tuple[str, dict] | None = None):
+        family = GaugeMetricFamily(name, doc, labels=["run", by[0]] if by else ["run"])
+        for label, v in (by[1].items() if by else [(None, value)]):
+            family.add_metric([st["run_dir"]] + ([label] if by else []), v)
+        return family
+
+    res, shards = st["results"], st["shards"]
+    families = [
+        gauge("shardgen_run_prompts", "Prompts of the run's plan (valid rows)", st["samples_total"]),
+        gauge("shardgen_run_samples_done", "Samples committed or checkpointed", st["samples_done"]),
+        gauge("shardgen_run_samples", "Samples in committed shards, by status",
+              by=("status", {k: res[k] for k in ("ok", "failed", "rejected")})),
+        gauge("shardgen_run_truncated_samples", "Samples whose prompt a text encoder cut", res.get("truncated", 0)),
+        gauge("shardgen_run_shards", "Shards by state",
+              by=("state", {k: shards[k] for k in ("done", "running", "stalled", "pending", "damaged")})),
+        gauge("shardgen_run_claims", "Claims of unfinished shards (live, stalled or dead holders)",
+              len(st["claims"])),
+        gauge("shardgen_run_complete", "1 once every shard is committed", int(st["state"] == "complete")),
+    ]
+    if st["rate"] is not None:  # none before a first sample, nor an ETA without a live claim
+        families.append(gauge("shardgen_run_samples_per_second", "The run's rate over its span", st["rate"]))
+    if st["eta_s"] is not None:
+        families.append(gauge("shardgen_run_eta_seconds", "Seconds until the run completes at its rate", st["eta_s"]))
+    return exposition(families + read_rank_metrics(plan.run))
