@@ -271,15 +271,15 @@ def test_plan_replicas_sizes_the_shards_for_every_launch_that_will_join_the_run(
 def test_a_dry_run_plans_as_the_launch_does_tokenizing_only_where_planning_counts_tokens(tmp_path, monkeypatch):
     """on_truncation=warn (the default): no prompt is tokenized while planning, in a dry run as in the launch
     (tokenizing every row of a 5M-line file took minutes; the plan alone takes seconds)."""
-    import shardgen.run.runner as runner
+    from shardgen.dataio.prompts.truncation import TruncationCheck
     from shardgen.run.dryrun import describe, dry_run
     from tests.conftest import compose_cfg
 
     path = tmp_path / "p.txt"
-    path.write_text("".join(f"prompt {i}\n" for i in range(2_000)))
+    path.write_text("".join(f"prompt {i}: {'a long description of a scene ' * 4}\n" for i in range(2_000)))
     tokenized = []
-    real = runner.planning_windows
-    monkeypatch.setattr(runner, "planning_windows", lambda model: tokenized.append(model) or real(model))
+    real = TruncationCheck.flush
+    monkeypatch.setattr(TruncationCheck, "flush", lambda self: tokenized.append(len(self._pending)) or real(self))
     args = ("model=flux_dev", f"run_dir={tmp_path / 'run'}", f"prompts.path={path}", "dry_run=true", "progress=false")
     d = dry_run(compose_cfg(*args))
     assert d.prompts == 2_000 and not tokenized
