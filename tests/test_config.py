@@ -183,3 +183,11 @@ def test_the_command_line_refuses_plus_batchsize_in_one_line_before_hydra(tmp_pa
     assert p.returncode == 2 and not (tmp_path / "r").exists()
     assert p.stderr.strip() == ("error: +batchsize=4: no key 'batchsize' (did you mean batch_size?); "
                                 "python -m jobs.generate --help lists every key")
+
+
+def test_docs_config_md_is_the_reference_generated_from_the_schema():
+    from shardgen.config.help import markdown_reference
+    from tests.conftest import ROOT
+
+    current = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert current == markdown_reference(), "regenerate it: python -m shardgen.config.help > docs/config.md"
