@@ -67,3 +67,9 @@ def test_the_quick_start_installs_the_cpu_torch_build_as_pasted():
     torch = [l for l in lines if l.startswith("pip install torch")]
     assert torch == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"]
     assert lines.index(torch[0]) < lines.index('pip install -e .[test]') < lines.index("python -m jobs.generate")
+
+
+def test_the_contents_list_every_section():
+    contents = README.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    headings = re.findall(r"^##+ (.+)$", README.split("## Contents", 1)[1].split("\n", 1)[1], flags=re.M)
+    assert headings and all(f"[{h}](#" in contents for h in headings), headings
