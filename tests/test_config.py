@@ -169,6 +169,7 @@ def test_known_keys_options_and_free_dicts_pass_the_check():
 
     assert check_overrides(["batch_size=4", "model=flux_dev", "strategy=tp", "tp_degree=2", "launcher.nodes=2",
                             "+strategy.max_memory.0=70GiB", "signals=[phash,clip]", "hydra.run.dir=.",
+                            "hydra/job_logging=disabled",
                             "~model.revision", "prompts.limit=3"]) is None
 
 

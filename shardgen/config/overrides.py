@@ -36,7 +36,7 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
     groups = {p.name for p in conf.iterdir() if p.is_dir()}
     for text, o in zip(overrides, parsed):
         key = o.key_or_group
-        if key.split(".")[0] in ("hydra", "hydra/help", "hydra/job_logging") or o.package is not None:
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
             continue
         if key in groups and not o.is_delete():
             problem = _unknown_options(key, o.value(), group_options(key, conf))
