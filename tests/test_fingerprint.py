@@ -6,7 +6,7 @@ import pytest
 
 from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
                                                 diff_fingerprints, fingerprint_changes, read_fingerprint)
-from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
 from tests.conftest import compose_cfg
 
 
@@ -105,3 +105,18 @@ def test_a_launch_whose_run_was_started_over_while_it_loaded_is_refused(tmp_path
     with pytest.raises(FingerprintMismatch, match="changed while this launch loaded its model"):
         run(compose_cfg(*args))
     assert not list((tmp_path / "r" / "shards").iterdir())
+
+
+def test_appended_prompts_are_no_change_of_settings_for_a_launch_loading_its_model(tmp_path):
+    from shardgen.dataio.resume.fingerprint import check_settings_unchanged, run_settings
+
+    run = RunDir(tmp_path / "run")
+    check_or_write_fingerprint(run, fp())
+    run.plan_dir.mkdir()
+    run.plan_json_path.write_text("{}")
+    before = run_settings(run)
+    atomic_write_json(run.fingerprint_path, fp() | {"prompts.sha256": "sha-of-more-prompts"})  # as an extension does
+    check_settings_unchanged(run, before)  # the plan this launch holds still holds
+    atomic_write_json(run.fingerprint_path, fp("steps=2") | {"prompts.sha256": "sha-of-more-prompts"})
+    with pytest.raises(FingerprintMismatch, match="changed while this launch loaded its model"):
+        check_settings_unchanged(run, before)

@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      rules_from_cfg)
-from shardgen.dataio.resume import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
-                                    extend_if_appended, load_plan_or_discard, prompt_file_hash, read_fingerprint,
-                                    read_status_ledger, record_plan_digests, remember_prompt_hash, repair_run_dir)
+from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_unchanged, compute_fingerprint,
+                                    extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
+                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
                                     attach_rank_log, check_run_dir_text, check_run_root, create_exclusive,
                                     detach_rank_log, first_missing_dir, log_to_file_only, owner_record, record_launch)
@@ -214,11 +214,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         dims.build_mesh(world.device.type)
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
-        settings_read = read_fingerprint(plan.run) if dims.is_leader(world.rank) else None
+        settings_read = run_settings(plan.run) if dims.is_leader(world.rank) else None
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         if ctx.leader:
-            _check_settings_unchanged(plan.run, settings_read)
+            check_settings_unchanged(plan.run, settings_read)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.on_batch = on_batch
             worker.run()
@@ -231,15 +231,6 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
-
-
-def _check_settings_unchanged(run: RunDir, before: dict | None) -> None:
-    """Refuse to generate when another launch took the run over with other settings while this one loaded its model
-    (a run without a sample accepts new settings: shardgen/dataio/resume/fingerprint.py)."""
-    if read_fingerprint(run) != before:
-        raise FingerprintMismatch(f"{run.fingerprint_path} changed while this launch loaded its model: another launch "
-                                  f"started {run.root} over with other settings. Launch again with the settings in "
-                                  "fingerprint.json, or choose a new run_dir")
 
 
 def log_compile_summary(worker: ReplicaWorker) -> None:

@@ -177,6 +177,35 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
              ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
+def run_settings(run: RunDir) -> tuple[dict | None, tuple | None]:
+    """What ``check_settings_unchanged`` compares: the fingerprint, and which plan.json file the plan is."""
+    try:
+        st = run.plan_json_path.stat()
+        plan = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        plan = None
+    return read_fingerprint(run), plan
+
+
+def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | None]) -> None:
+    """Refuse to generate when another launch started the run over with other settings since ``before``
+    (``run_settings``), e.g. while this one loaded its model: a run without a sample takes new settings. Appended
+    prompts change the fingerprint's prompts.sha256 alone and keep plan.json: this launch's plan still holds."""
+    now = run_settings(run)
+    if now == before:
+        return
+    (old_fp, old_plan), (new_fp, new_plan) = before, now
+    def but_prompts(fp: dict) -> dict:
+        return {k: v for k, v in fp.items() if k != "prompts.sha256"}
+
+    extended = (old_fp is not None and new_fp is not None and old_plan == new_plan
+                and not diff_fingerprints(but_prompts(old_fp), but_prompts(new_fp)))
+    if not extended:
+        raise FingerprintMismatch(f"{run.fingerprint_path} changed while this launch loaded its model: another launch "
+                                  f"started {run.root} over with other settings. Launch again with the settings in "
+                                  "fingerprint.json, or choose a new run_dir")
+
+
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
     planned = run.plan_json_path.exists()
     plan_diffs = [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
