@@ -145,3 +145,22 @@ def test_prometheus_exposition_of_a_run_and_its_ranks_has_the_real_counts(done_r
     assert run[("shardgen_run_shards", (("state", "done"),))] == 2
     assert run[("shardgen_run_shards", (("state", "pending"),))] == 1 and run[("shardgen_run_complete", ())] == 0
     assert run[("shardgen_committed_samples_total", (("status", "ok"),))] == 12  # the rank's file, merged in
+
+
+def test_a_rank_that_commits_nothing_shows_zeros_in_a_file_named_by_its_slurm_job_and_rank(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shardgen.dataio.rundir import RankMetrics, RunDir
+
+    metrics = RankMetrics(RunDir(tmp_path), rank=3, replica=1, ranks_per_replica=2, job="77")
+    metrics.write()
+    path = tmp_path / "metrics" / "job77.rank003.prom"
+    samples = [s for f in text_string_to_metric_families(path.read_text()) for s in f.samples]
+    ok = next(s for s in samples if s.name == "shardgen_committed_samples_total" and s.labels["status"] == "ok")
+    assert ok.value == 0 and ok.labels | {"host": "-"} == dict(run=str(tmp_path), rank="3", replica="1", host="-",
+                                                              job="77", status="ok")
+    metrics.commit({"ok": 4, "failed": 1, "rejected": 0}, generated=5, gen_s=2.5)
+    values = {s.name: s.value for f in text_string_to_metric_families(path.read_text()) for s in f.samples
+              if s.labels.get("status") in (None, "failed")}
+    assert values["shardgen_committed_samples_total"] == 1 and values["shardgen_device_seconds_total"] == 5.0
+    assert values["shardgen_device_seconds_per_sample"] == 1.0 and values["shardgen_committed_shards_total"] == 1

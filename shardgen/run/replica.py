@@ -111,6 +111,8 @@ class ReplicaWorker:
     def run(self) -> None:
         """Loop: next shard (shared by the leader), process it; stop when the run is complete.
         With ``retry_failed``, then rewrite each committed shard that recorded failures."""
+        if self.metrics:
+            self.metrics.write()
         while (assignment := self._share(self.next_shard() if self.ctx.leader else None)) is not None:
             self.process(*assignment)
         while self.retry_failed and (assignment := self._share(self._next_retry() if self.ctx.leader else None)):

@@ -75,14 +75,15 @@ class RankMetrics:
             self.committed.update({s: stats.get(s, 0) for s in STATUSES})
             self.shards += 1
             self.generated, self.gen_s, self.last_commit = generated, gen_s, time.time()
-            try:
-                self.write()
-            except OSError as e:  # the metrics are for watching: a full disk shows in the shards' own writes
-                log.warning("could not write %s (%s); the next commit tries again", self.path, e)
+            self.write()
 
     def write(self) -> None:
-        self.run.metrics_dir.mkdir(exist_ok=True)
-        atomic_write_bytes(self.path, exposition(self.families()))
+        """Rewrite the file (at the start, so a rank that never commits shows its zeros, and at each commit)."""
+        try:
+            self.run.metrics_dir.mkdir(exist_ok=True)
+            atomic_write_bytes(self.path, exposition(self.families()))
+        except OSError as e:  # the metrics are for watching: a full disk shows in the shards' own writes
+            log.warning("could not write %s (%s); the next commit tries again", self.path, e)
 
     def families(self) -> list[Metric]:
         values = [str(self.run.root), str(self.rank), str(self.replica), socket.gethostname(), self.job]
