@@ -173,7 +173,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     atomic_write_json(run.fingerprint_path, new)
     run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
-    log.info("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
+    log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
              ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
