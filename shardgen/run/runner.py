@@ -205,7 +205,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     try:
         dims = parallel_dims(cfg, world.world_size)
-        plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
+        # with the run's settings as accepted, to find a launch that starts the run over while this one loads
+        plan, settings = W.on_rank0_then_share(lambda: _prepared_with_settings(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
         check_row_shapes(cfg, dims, plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
@@ -214,11 +215,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         dims.build_mesh(world.device.type)
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
-        settings_read = run_settings(plan.run) if dims.is_leader(world.rank) else None
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         ctx = _replica_context(world, dims)
         if ctx.leader:
-            check_settings_unchanged(plan.run, settings_read)
+            check_settings_unchanged(plan.run, settings)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.on_batch = on_batch
             worker.run()
@@ -231,6 +231,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def _prepared_with_settings(cfg: GenerateConfig, replicas: int) -> tuple[Plan, tuple]:
+    plan = prepare_run(cfg, replicas)
+    return plan, run_settings(plan.run)
 
 
 def log_compile_summary(worker: ReplicaWorker) -> None:

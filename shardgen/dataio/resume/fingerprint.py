@@ -174,7 +174,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     atomic_write_json(run.fingerprint_path, new)
     run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
     log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
-             ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
+                ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
 def run_settings(run: RunDir) -> tuple[dict | None, tuple | None]:
@@ -195,6 +195,7 @@ def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | Non
     if now == before:
         return
     (old_fp, old_plan), (new_fp, new_plan) = before, now
+
     def but_prompts(fp: dict) -> dict:
         return {k: v for k, v in fp.items() if k != "prompts.sha256"}
 
