@@ -49,8 +49,8 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
 
 def _unknown_options(group: str, value: Any, options: list[str]) -> str | None:
     chosen = value if isinstance(value, list) else [value]
-    for v in chosen:
-        if not isinstance(v, str) or v not in options:
+    for v in chosen:  # a sweep or null is Hydra's to judge
+        if isinstance(v, str) and v not in options:
             return (f"no {group} option {v!r}{_did_you_mean(str(v), options)}; the options are "
                     f"{', '.join(options)} (conf/{group}/)")
     return None
