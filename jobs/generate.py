@@ -26,6 +26,10 @@ log = logging.getLogger("shardgen")
 
 def run(cfg: GenerateConfig):
     """Run or submit the job described by a composed config (tests call this directly)."""
+    from shardgen.dataio.rundir import check_run_dir_text, check_run_root
+
+    check_run_dir_text(cfg.run_dir)  # a run_dir shardgen may not write to is refused in a moment, before torch loads
+    check_run_root(Path(cfg.run_dir).absolute())
     from shardgen.launch.local import launch_local, launched_by_torchrun
     from shardgen.run.runner import run_rank
     from shardgen.config.validate import validate_config

@@ -226,3 +226,19 @@ def test_ctrl_c_while_planning_a_new_run_says_nothing_was_written_and_after_it_r
                                                           "Run the command again to start:")
     run(compose_cfg(*args))
     assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
+
+
+def test_a_run_dir_of_user_files_is_refused_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("mine")
+    code = ("import sys\nfrom jobs.generate import run\nfrom shardgen.errors import UserError\n"
+            "from tests.conftest import compose_cfg\n"
+            f"try:\n    run(compose_cfg('run_dir={tmp_path}'))\nexcept UserError as e:\n    print(e)\n"
+            "print('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.stdout.splitlines()[-2:] == [f"run_dir {tmp_path} holds files (notes.txt) and is not a shardgen run "
+                                          f"(no .shardgen-run); shardgen writes only into a new or empty directory or "
+                                          f"an existing run, so nothing of yours is touched. Choose another run_dir "
+                                          f"(e.g. run_dir={tmp_path / 'run'})", "False"], p.stderr
