@@ -85,7 +85,9 @@ def test_a_failed_model_load_leaves_a_run_dir_that_the_fixed_command_completes(t
             "progress=false")
     with pytest.raises(ModelLoadError, match="point model.source at the local directory"):
         run(compose_cfg(*args, "prompts.limit=4"))
-    result = run(compose_cfg(*args, "prompts.limit=6", f"model.source={tiny_model_path()}"))
+    fixed = (*args, "prompts.limit=6", f"model.source={tiny_model_path()}")
+    assert run(compose_cfg(*fixed, "dry_run=true")).refused is None  # as the launch: not refused
+    result = run(compose_cfg(*fixed))
     assert result.complete and result.ok == 6
     assert read_fingerprint(RunDir(tmp_path / "m3"))["model.source"] == str(tiny_model_path())
 

@@ -17,8 +17,8 @@ from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import format_bytes
 from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prompt_source, load_plan, rules_from_cfg,
                                      shape_legend)
-from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
-                                    read_ledger)
+from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, holds_no_samples, prompt_file_hash,
+                                    read_fingerprint, read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
 from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_version
@@ -82,7 +82,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     refused = None
     if old is not None:
         diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model)))
-        if diffs and not cfg.allow_fingerprint_change:
+        # a run without a sample takes the new settings: the launch starts it over
+        if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
