@@ -270,7 +270,7 @@ def test_plan_replicas_sizes_the_shards_for_every_launch_that_will_join_the_run(
 
 def test_a_dry_run_plans_as_the_launch_does_tokenizing_only_where_planning_counts_tokens(tmp_path, monkeypatch):
     """on_truncation=warn (the default): no prompt is tokenized while planning, in a dry run as in the launch
-    (tokenizing every row of a 5M-line file took minutes; the plan alone takes seconds)."""
+    (tokenizing every row of a 5M-line file takes minutes; planning it alone, seconds)."""
     from shardgen.dataio.prompts.truncation import TruncationCheck
     from shardgen.run.dryrun import describe, dry_run
     from tests.conftest import compose_cfg
