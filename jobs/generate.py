@@ -26,10 +26,15 @@ log = logging.getLogger("shardgen")
 
 def run(cfg: GenerateConfig):
     """Run or submit the job described by a composed config (tests call this directly)."""
-    from shardgen.dataio.rundir import check_run_dir_text, check_run_root
+    from shardgen.dataio.prompts import prompt_file_path
+    from shardgen.dataio.resume.fingerprint import refuse_changed_settings
+    from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
 
-    check_run_dir_text(cfg.run_dir)  # a run_dir shardgen may not write to is refused in a moment, before torch loads
-    check_run_root(Path(cfg.run_dir).absolute())
+    # a run_dir shardgen may not write to, or a resume with other settings, is refused in a moment, before torch loads
+    check_run_dir_text(cfg.run_dir)
+    run_dir = RunDir(Path(cfg.run_dir).absolute())
+    if not check_run_root(run_dir.root) and not cfg.dry_run:  # an existing run (a dry run reports a refusal)
+        refuse_changed_settings(cfg, run_dir, prompt_file_path(cfg.prompts.path))
     from shardgen.launch.local import launch_local, launched_by_torchrun
     from shardgen.run.runner import run_rank
     from shardgen.config.validate import validate_config

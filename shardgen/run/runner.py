@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
-                                     rules_from_cfg)
+                                     prompt_file_path, rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_unchanged, compute_fingerprint,
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
@@ -95,16 +95,9 @@ class RunResult:
         return self.generated_here / self.wall_s if self.wall_s > 0 else 0.0
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
 def prompt_path(cfg: GenerateConfig) -> Path:
-    """The prompt file; a relative path is taken from the current directory, else from the project
-    (so the shipped examples/prompts.txt works from anywhere)."""
-    path = Path(os.path.expanduser(cfg.prompts.path))
-    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
-        return PROJECT_ROOT / path
-    return path.absolute()
+    """The prompt file of ``cfg`` (``prompt_file_path``)."""
+    return prompt_file_path(cfg.prompts.path)
 
 
 def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:

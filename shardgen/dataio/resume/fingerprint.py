@@ -125,28 +125,52 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
             return False
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
         lost_race = True  # that job is starting now, not a launch that stopped before its first sample
-    diffs = diff_fingerprints(old, fingerprint)
-    if not diffs:
+    if not diff_fingerprints(old, fingerprint):
         return True
-    if prompt_path is not None and old.get("prompts.sha256") != fingerprint.get("prompts.sha256"):
-        diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
-                        f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
-                        f"{str(fingerprint.get('prompts.sha256'))[:16]}...)")
     if not allow_change and not lost_race and holds_no_samples(run):
         # a launch that failed before its first sample (a model that did not load) leaves nothing to mix with
         _restart_unstarted(run, old, fingerprint)
         return True
     if not allow_change:
-        raise FingerprintMismatch(
-            f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
-            "samples:\n  "
-            + "\n  ".join(diffs)
-            + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
-              f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
-              "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
-              "made stay as they are: jobs.verify notes them, and its --repair keeps them).")
+        raise _mismatch(run, old, fingerprint, prompt_path)
     _apply_change(run, old, fingerprint)
     return True
+
+
+def _mismatch(run: RunDir, old: dict, new: dict, prompt_path: str | os.PathLike | None) -> FingerprintMismatch:
+    diffs = diff_fingerprints(old, new)
+    if prompt_path is not None and old.get("prompts.sha256") != new.get("prompts.sha256"):
+        diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
+                        f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
+                        f"{str(new.get('prompts.sha256'))[:16]}...)")
+    return FingerprintMismatch(
+        f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
+        "samples:\n  "
+        + "\n  ".join(diffs)
+        + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
+          f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
+          "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
+          "made stay as they are: jobs.verify notes them, and its --repair keeps them).")
+
+
+def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
+    """The refusal ``check_or_write_fingerprint`` would make, read-only and before torch is imported (a second, not
+    ten). Whatever the launch may accept or repair is left to it: no or a damaged fingerprint, a run without a
+    sample, a prompt file changed since it was hashed (an append extends the run), allow_fingerprint_change."""
+    from shardgen.models.versions import model_version
+
+    if cfg.allow_fingerprint_change or not run.fingerprint_path.is_file() or holds_no_samples(run):
+        return
+    try:
+        old = read_fingerprint(run)
+        digest = cached_prompt_hash(run, _file_identity(prompt_path))
+    except (RunDirError, OSError):
+        return
+    if old is None or digest is None:
+        return
+    new = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k != "prompts.sha256"):
+        raise _mismatch(run, old, new, prompt_path)
 
 
 def holds_no_samples(run: RunDir) -> bool:
@@ -250,13 +274,18 @@ def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
     Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
     costs 10-30 s with every GPU of the job waiting."""
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
+    return cached_prompt_hash(run, identity) or file_sha256(path), identity
+
+
+def cached_prompt_hash(run: RunDir, identity: dict) -> str | None:
+    """The prompt file's hash remembered in the run directory, if the file (``identity``) is unchanged since."""
     try:
         cached = read_json(run.prompt_hash_path)
         if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
-            return cached["sha256"], identity
+            return cached["sha256"]
     except (OSError, ValueError, KeyError, AttributeError):
-        pass  # none yet, or unreadable: hash the file
-    return file_sha256(path), identity
+        pass  # none yet, or unreadable
+    return None
 
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
