@@ -90,11 +90,14 @@ def main(cfg: GenerateConfig) -> None:
 def refuse_unknown_overrides(argv: list[str]) -> None:
     """Exit with one line when an override names no key or group option (Hydra would add ``+key`` silently, and
     answer a wrong option with its search path)."""
-    from hydra._internal.utils import get_args_parser
-
     from shardgen.config.overrides import check_overrides
 
-    args, _ = get_args_parser().parse_known_args(argv)
+    try:  # Hydra's own command-line parser (the overrides among its flags); a Hydra without it checks them itself
+        from hydra._internal.utils import get_args_parser
+
+        args, _ = get_args_parser().parse_known_args(argv)
+    except (ImportError, AttributeError, SystemExit):
+        return
     problem = check_overrides(list(args.overrides or ()))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
