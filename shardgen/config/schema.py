@@ -188,7 +188,10 @@ class RunConfig:
     retry_failed: bool = False
     """Regenerate exactly the samples recorded as failed in committed shards."""
     allow_fingerprint_change: bool = False
-    """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
+    """Continue a run whose pixel-determining settings changed: its samples then mix both settings (the ones already
+    made stay; jobs.verify notes them, and recorded in fingerprint_changes.jsonl). Not needed for a run without a
+    sample yet (one whose model did not load): it takes new settings by itself. To compare settings, use a new
+    run_dir instead."""
     dry_run: bool = False
     """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
     no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""

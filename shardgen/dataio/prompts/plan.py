@@ -313,6 +313,18 @@ def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None
     return digests
 
 
+def discard_plan(run: RunDir, why: str) -> None:
+    """Remove the run's plan (moved aside first, so a concurrent reader sees it whole or not at all); ``why`` names
+    the moved-aside directory while it is being removed."""
+    aside = run.root / f".plan-{why}~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
+    try:
+        os.rename(run.plan_dir, aside)
+    except FileNotFoundError:
+        pass  # another job moved it first
+    shutil.rmtree(aside, ignore_errors=True)
+    run.plan_digests_path.unlink(missing_ok=True)
+
+
 def extension_dirs(run: RunDir) -> list[Path]:
     """The run's plan extensions (``plan/ext-NNNNNN``), in order."""
     return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())

@@ -19,6 +19,7 @@ from shardgen.dataio.prompts.samplejson import split_reserved
 from shardgen.errors import UserError
 from shardgen.pick import pick
 
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 ON_BAD_ROW = ("error", "skip")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
@@ -515,3 +516,12 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "isoformat"):  # dates, times, timestamps
         return value.isoformat()
     return str(value)  # decimals, bytes, durations: a readable string beats a crash
+
+
+def prompt_file_path(text: str) -> Path:
+    """The prompt file ``prompts.path`` names; a relative path is taken from the current directory, else from the
+    project (so the shipped examples/prompts.txt works from anywhere)."""
+    path = Path(os.path.expanduser(text))
+    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+        return PROJECT_ROOT / path
+    return path.absolute()

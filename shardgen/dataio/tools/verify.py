@@ -30,6 +30,9 @@ class VerifyReport:
     defects: list[str] = field(default_factory=list)
     bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate) or "stats" (rewrite)
     unfinished: list[str] = field(default_factory=list)  # a line per shard not committed yet: in progress, not started
+    earlier_settings: Counter = field(default_factory=Counter)
+    """Samples made with settings the run had before a recorded allow_fingerprint_change: "steps=1" -> count.
+    Not defects: the change was asked for, and --repair keeps them."""
     in_progress: int = 0                                  # of those, shards with durable samples in work/
 
     @property
@@ -98,8 +101,10 @@ FINGERPRINT_KEYS = {"model": "model.name", "height": "height", "width": "width",
                     "guidance": "guidance"}
 
 
-def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | None, fp: dict | None) -> list[str]:
-    """The sample is the one the plan and the fingerprint say: prompt text, seed, size, steps, model."""
+def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | None, fp: dict | None,
+                   earlier: dict[str, list] | None = None, older: Counter | None = None) -> list[str]:
+    """The sample is the one the plan and the fingerprint say: prompt text, seed, size, steps, model. A setting
+    equal to a value in ``earlier`` (fingerprint key -> values before recorded changes) is counted in ``older``."""
     if row is None:
         return []
     problems = []
@@ -118,7 +123,10 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
             if meta.get(mk) != row.settings[mk]:
                 problems.append(f"{key}: {mk}={meta.get(mk)!r}, its row (line {row.line}) says {row.settings[mk]!r}")
         elif fp is not None and fk in fp and meta.get(mk) != fp[fk]:
-            problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
+            if meta.get(mk) in (earlier or {}).get(fk, ()) and older is not None:
+                older[f"{mk}={meta.get(mk)!r}"] += 1
+            else:
+                problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
     return problems
 
 
@@ -134,12 +142,26 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
     except RunDirError as e:
         fp = None
         rep.defects.append(str(e))
+    earlier = earlier_settings(plan.run)
     for shard in range(plan.num_shards):
-        _verify_shard(plan, shard, fp, decode, rep)
+        _verify_shard(plan, shard, fp, decode, rep, earlier)
     return rep
 
 
-def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport) -> None:
+def earlier_settings(run) -> dict[str, list]:
+    """Fingerprint key -> the values it had before each recorded allow_fingerprint_change."""
+    from shardgen.dataio.resume.fingerprint import fingerprint_changes
+
+    out: dict[str, list] = defaultdict(list)
+    for record in fingerprint_changes(run):
+        for key, change in (record.get("changes") or {}).items():
+            if isinstance(change, list) and change:
+                out[key].append(change[0])
+    return dict(out)
+
+
+def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport,
+                  earlier: dict[str, list] | None = None) -> None:
     from shardgen.dataio.resume.repair import checked_rows, read_shard_stats
 
     run = plan.run
@@ -187,7 +209,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     shard_status: Counter = Counter()
     for key, mem in members.items():
         status, meta, problems = _check_sample(key, mem, decode)
-        problems += _check_content(key, meta, mem.get("txt"), rows.get(key), fp)
+        problems += _check_content(key, meta, mem.get("txt"), rows.get(key), fp, earlier, rep.earlier_settings)
         shard_status[status] += 1
         rep.defects += [f"{name}: {p}" for p in problems]
     if len(rep.defects) > before:
