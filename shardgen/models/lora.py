@@ -1,0 +1,269 @@
+"""LoRA adapters (``model.loras``, and a row's own with ``prompts.row_settings=[loras]``): checked, hashed, and
+applied to a pipeline through diffusers' own ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora``.
+
+An adapter is identified by its file's sha256 (in the run's fingerprint and each sample's json), never by its path:
+a run moved with its adapters resumes; a different file at the same path is refused.
+
+Adapters are always fused into the weights they adapt: a denoising step then costs what the base model's does
+(no extra low-rank matmuls), and a strategy that splits the transformer (tp, cp) splits the adapted weights. With
+one adapter set for the whole run, the adapters are fused and unloaded before the strategy shards the transformer.
+When rows name their own sets, the peft layers stay and each set is fused in turn (``AdapterSets``): the adapted
+layers' base weights are kept on the CPU and copied back before the next set is fused, so a row's pixels are those
+of a run made with its set alone, whatever set came before (unfusing alone would leave rounding behind).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from shardgen.errors import UserError
+
+log = logging.getLogger("shardgen.lora")
+
+ROW_FIELD = "loras"
+"""The ``prompts.row_settings`` name of a row's own adapters."""
+
+
+TP_PER_ROW = ("prompts.row_settings=[loras] switches adapters between batches, which strategy=tp cannot do (each "
+              "rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run in "
+              "model.loras")
+
+
+class LoraError(UserError, ValueError):
+    """An adapter that cannot be used as given; the message names it and what to change."""
+
+
+@dataclass(frozen=True)
+class Lora:
+    """One adapter of a set: its file, the scale it is applied at, and the file's sha256."""
+
+    path: str
+    scale: float
+    sha256: str
+
+    @property
+    def adapter_name(self) -> str:
+        """The name diffusers knows it by: its content, so one file loaded twice is one adapter."""
+        return f"lora_{self.sha256[:16]}"
+
+    def as_json(self) -> dict:
+        """For a sample's json and the plan."""
+        return dict(path=self.path, scale=self.scale, sha256=self.sha256)
+
+
+LoraSet = tuple  # tuple[Lora, ...]: the adapters of one pipeline call, in the order they are fused
+
+
+_HASHES: dict[tuple, str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, computed once per process while its size, mtime and ctime stay the same."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def check_file(where: str, path: Path) -> None:
+    """LoraError unless ``path`` is a readable safetensors file with tensors in it (its header read, no weight)."""
+    if not path.exists():
+        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file")
+    if not path.is_file():
+        raise LoraError(f"{where}: {path} is not a file; give the path of a LoRA .safetensors file")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise LoraError(f"{where}: {path} is not a readable safetensors file ({type(e).__name__}: "
+                        f"{_first_line(e)}); give a LoRA saved as .safetensors (pickled .bin/.pt adapters are "
+                        "not loaded)") from None
+    if not keys:
+        raise LoraError(f"{where}: {path} holds no tensors; give a LoRA .safetensors file")
+
+
+def resolve(entries: Iterable[Any], where: str, base_dir: Path | None = None) -> LoraSet:
+    """The adapters of ``entries`` (``{path, scale}`` mappings; a relative path is taken from ``base_dir``, else
+    the current directory), each file checked and hashed. LoraError names ``where`` and the entry."""
+    out = []
+    for i, entry in enumerate(entries or ()):
+        at = f"{where}[{i}]"
+        path, scale = _entry(entry, at)
+        p = Path(os.path.expanduser(path))
+        p = (p if p.is_absolute() else (base_dir or Path.cwd()) / p).absolute()
+        check_file(at, p)
+        out.append(Lora(path=str(p), scale=scale, sha256=file_sha256(p)))
+    names = [lo.adapter_name for lo in out]
+    dup = next((lo for lo in out if names.count(lo.adapter_name) > 1), None)
+    if dup is not None:
+        raise LoraError(f"{where}: {dup.path} (sha256 {dup.sha256[:16]}...) is listed twice; list each adapter once, "
+                        "at the sum of its scales")
+    return tuple(out)
+
+
+def _entry(entry: Any, at: str) -> tuple[str, float]:
+    import math
+
+    if hasattr(entry, "get") and not isinstance(entry, str):
+        path, scale = entry.get("path"), entry.get("scale", 1.0)
+    else:
+        path, scale = entry, 1.0
+    if not isinstance(path, str) or not path.strip():
+        raise LoraError(f"{at}: no path; write {{path: FILE.safetensors, scale: 0.8}}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise LoraError(f"{at}: scale {scale!r} is not a number; write e.g. scale: 0.8 (1.0 = as trained)")
+    return path, float(scale)
+
+
+def run_set(cfg: Any) -> LoraSet:
+    """The run's adapters (``model.loras``), checked and hashed."""
+    return resolve(cfg.model.get("loras") or (), "model.loras")
+
+
+def per_row(cfg: Any) -> bool:
+    """True when rows may name their own adapters (``prompts.row_settings`` lists ``loras``)."""
+    return ROW_FIELD in (cfg.prompts.get("row_settings") or ())
+
+
+def fingerprint_fields(loras: LoraSet) -> dict:
+    """The adapters' part of the run fingerprint: content and scale (not the path); {} without adapters, so runs
+    made before adapters existed resume unchanged."""
+    return {"model.loras": [[lo.sha256, lo.scale] for lo in loras]} if loras else {}
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """``e``'s message on one line (torch's state-dict errors put the mismatch on the second)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return (text[:limit] + "...") if len(text) > limit else text or type(e).__name__
+
+
+def _check_pipeline(pipe: Any) -> None:
+    if not hasattr(pipe, "load_lora_weights"):
+        raise LoraError(f"model.loras: {type(pipe).__name__} cannot load LoRA adapters in this diffusers; remove "
+                        "model.loras (and loras from prompts.row_settings)")
+
+
+def _load(pipe: Any, lora: Lora) -> None:
+    """Load one adapter (not yet active); LoraError when it does not fit the model."""
+    try:
+        with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
+            warnings.filterwarnings("ignore", message=".*multiple adapters", category=UserWarning)
+            pipe.load_lora_weights(lora.path, adapter_name=lora.adapter_name)
+    except Exception as e:
+        raise LoraError(f"LoRA {lora.path} does not fit {type(pipe).__name__}'s model ({type(e).__name__}: "
+                        f"{_first_line(e)}); use an adapter trained for this model") from None
+    present = {n for names in pipe.get_list_adapters().values() for n in names}
+    if lora.adapter_name not in present:
+        raise LoraError(f"LoRA {lora.path} matches no layer of {type(pipe).__name__}'s model (its weight names are "
+                        "another model's); use an adapter trained for this model")
+
+
+def _fuse(pipe: Any, loras: LoraSet) -> None:
+    names = [lo.adapter_name for lo in loras]
+    pipe.set_adapters(names, [lo.scale for lo in loras])
+    pipe.fuse_lora(components=list(pipe._lora_loadable_modules), adapter_names=names)
+
+
+def fuse_into(pipe: Any, loras: LoraSet) -> None:
+    """Fuse ``loras`` into ``pipe``'s weights for good and drop the peft layers: the pipeline is the base one with
+    adapted weights (what tp then shards)."""
+    if not loras:
+        return
+    _check_pipeline(pipe)
+    for lora in loras:
+        _load(pipe, lora)
+    _fuse(pipe, loras)
+    pipe.unload_lora_weights()
+    log.info("LoRA fused: %s", ", ".join(f"{Path(lo.path).name} x{lo.scale:g}" for lo in loras))
+
+
+class AdapterSets:
+    """Switches a pipeline between adapter sets, batch by batch (rows with their own ``loras``): each set fused
+    into the base weights, which are restored exactly in between."""
+
+    def __init__(self, pipe: Any):
+        _check_pipeline(pipe)
+        self.pipe = pipe
+        self.current: LoraSet = ()
+        self._loaded: set[str] = set()
+        self._base: dict[int, tuple[Any, dict]] = {}  # id(peft layer) -> (layer, its base tensors on the CPU)
+
+    def activate(self, loras: LoraSet) -> None:
+        """Make ``loras`` the fused set (loading adapters seen for the first time)."""
+        if tuple(loras) == self.current:
+            return
+        pipe = self.pipe
+        if self.current:
+            pipe.unfuse_lora(components=list(pipe._lora_loadable_modules))
+            self._restore()
+        for lora in loras:
+            if lora.adapter_name not in self._loaded:
+                _load(pipe, lora)
+                self._loaded.add(lora.adapter_name)
+                self._keep_base()
+        if loras:
+            pipe.enable_lora()
+            _fuse(pipe, loras)
+        elif self._loaded:
+            pipe.disable_lora()
+        self.current = tuple(loras)
+
+    def _layers(self) -> Iterable[Any]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for name in self.pipe._lora_loadable_modules:
+            model = getattr(self.pipe, name, None)
+            if model is not None:
+                yield from (m for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+    def _keep_base(self) -> None:
+        for layer in self._layers():
+            if id(layer) not in self._base:
+                base = layer.get_base_layer()
+                self._base[id(layer)] = (layer, {k: v.detach().to("cpu", copy=True)
+                                                 for k, v in base.named_parameters(recurse=False)})
+
+    def _restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for layer, tensors in self._base.values():
+                params = dict(layer.get_base_layer().named_parameters(recurse=False))
+                for k, v in tensors.items():
+                    params[k].copy_(v)
+
+
+def activate(pipe: Any, loras: LoraSet) -> None:
+    """Before a pipeline call: the call's adapter set fused into ``pipe`` (no-op when it already is)."""
+    sets = getattr(pipe, "_shardgen_adapter_sets", None)
+    if sets is not None:
+        sets.activate(loras)
+    elif tuple(loras) != getattr(pipe, "_shardgen_loras", ()):
+        raise LoraError("a row names its own LoRA adapters but the pipeline was built with one set for the run; list "
+                        f"{ROW_FIELD} in prompts.row_settings")
+
+
+def apply(pipe: Any, cfg: Any) -> Any:
+    """The run's adapters applied to a freshly loaded ``pipe`` (before any strategy splits it): fused for good, or,
+    when rows name their own, ready to switch set by set. Returns ``pipe``."""
+    loras = run_set(cfg)
+    if per_row(cfg):
+        pipe._shardgen_adapter_sets = AdapterSets(pipe)
+        pipe._shardgen_adapter_sets.activate(loras)
+    else:
+        fuse_into(pipe, loras)
+        pipe._shardgen_loras = loras
+    return pipe
