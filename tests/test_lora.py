@@ -13,6 +13,7 @@ from shardgen.dataio.resume.fingerprint import FingerprintMismatch
 from shardgen.dataio.tools.verify import read_shard_members
 from shardgen.errors import UserError
 from shardgen.models.tiny import save_tiny_lora
+from shardgen.run.runner import prepare_run
 from tests.conftest import compose_cfg
 from tests.test_generate import shard_images
 from tests.test_parallel_parity import IMAGE_TOL, TRANSFORMER_TOL, _parity_rank
@@ -112,3 +113,75 @@ def test_tp2_and_ulysses2_run_the_adapted_model(tmp_path, adapters):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in ("tp", "cp_ulysses"):
             assert res[name]["transformer"] <= TRANSFORMER_TOL and res[name]["images"] <= IMAGE_TOL, (name, res)
+
+
+# rows naming their own adapters (prompts.row_settings=[loras]): the run's set (none here), one adapter, two, none
+# again; in an order that mixes the sets within each batch of 3
+ROWS = [dict(prompt="a cat"), dict(prompt="a dog", loras=["a.safetensors"]),
+        dict(prompt="a car", loras=[{"path": "b.safetensors", "scale": 0.5}, "a.safetensors"]),
+        dict(prompt="a hat", loras=["a.safetensors"]), dict(prompt="a cup", loras=[]),
+        dict(prompt="a pen", loras=[{"path": "b.safetensors", "scale": 0.5}, "a.safetensors"])]
+ROW_ARGS = ("height=64", "width=64", "steps=2", "samples_per_shard=6", "progress=false", "prompts=jsonl")
+
+
+def by_prompt(run_dir: Path) -> dict[str, bytes]:
+    images, metas = shard_images(run_dir), jsons(run_dir)
+    return {metas[k]["prompt"]: images[k] for k in images}
+
+
+@pytest.fixture(scope="module")
+def row_files(tmp_path_factory, adapters) -> Path:
+    d = tmp_path_factory.mktemp("rows")
+    for name in ("a", "b"):
+        (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    (d / "rows.jsonl").write_text("".join(json.dumps(dict(r, seed=10 + i)) + "\n" for i, r in enumerate(ROWS)))
+    return d
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_rows_adapters_give_the_bytes_of_one_adapter_runs(tmp_path, row_files, batch_size):
+    run_dir = tmp_path / "rows"
+    assert run(compose_cfg(f"run_dir={run_dir}", *ROW_ARGS, f"batch_size={batch_size}",
+                           f"prompts.path={row_files / 'rows.jsonl'}", "prompts.row_settings=[loras]")).ok == 6
+    mixed = by_prompt(run_dir)
+    sets = {}  # the rows of each adapter set, each set then run alone with model.loras
+    for i, r in enumerate(ROWS):
+        sets.setdefault(json.dumps(r.get("loras", [])), []).append(dict(prompt=r["prompt"], seed=10 + i))
+    for n, (key, rows) in enumerate(sets.items()):
+        f = tmp_path / f"set{n}.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        entries = [(row_files / (e if isinstance(e, str) else e["path"]), 1.0 if isinstance(e, str) else e["scale"])
+                   for e in json.loads(key)]
+        lora = (loras_arg(*entries),) if entries else ()
+        assert run(compose_cfg(f"run_dir={tmp_path / f'set{n}'}", *ROW_ARGS, "batch_size=3", f"prompts.path={f}",
+                               *lora)).ok == len(rows)
+        alone = by_prompt(tmp_path / f"set{n}")
+        assert {r["prompt"]: mixed[r["prompt"]] for r in rows} == alone, json.loads(key)
+    assert len(set(mixed.values())) == 6
+
+
+def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, adapters):
+    d = tmp_path / "p"
+    d.mkdir()
+    for name in ("a", "b"):
+        (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, f"prompts.path={d / 'rows.jsonl'}", "prompts.row_settings=[loras]")
+    prepare_run(compose_cfg(*args))  # planned, then stopped before its first batch
+    (d / "a.safetensors").write_bytes(adapters["b"].read_bytes())
+    with pytest.raises(UserError, match="a.safetensors: a row of this run names this LoRA, which changed"):
+        run(compose_cfg(*args))
+
+
+def test_a_rows_unusable_adapter_is_a_bad_row(tmp_path, row_files):
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps(dict(prompt="a cat", loras=["a.safetensors"])) + "\n"
+                 + json.dumps(dict(prompt="a dog", loras=["missing.safetensors"])) + "\n")
+    (tmp_path / "a.safetensors").write_bytes((row_files / "a.safetensors").read_bytes())
+    args = (*ROW_ARGS, f"prompts.path={f}", "prompts.row_settings=[loras]")
+    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: loras\[0\]: .*missing.safetensors does not exist"):
+        run(compose_cfg(f"run_dir={tmp_path / 'a'}", *args))
+    r = run(compose_cfg(f"run_dir={tmp_path / 'b'}", *args, "prompts.on_bad_row=skip"))
+    assert (r.ok, r.rejected, r.complete) == (1, 1, True)
+    with pytest.raises(UserError, match="strategy=tp cannot"):
+        run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "strategy=tp"))

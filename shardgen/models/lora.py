@@ -18,9 +18,8 @@ import hashlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from shardgen.errors import UserError
 
@@ -39,9 +38,9 @@ class LoraError(UserError, ValueError):
     """An adapter that cannot be used as given; the message names it and what to change."""
 
 
-@dataclass(frozen=True)
-class Lora:
-    """One adapter of a set: its file, the scale it is applied at, and the file's sha256."""
+class Lora(NamedTuple):
+    """One adapter of a set: its file, the scale it is applied at, and the file's sha256 (a tuple: hashable for
+    batching rows by adapter set, and plain JSON in a row's settings)."""
 
     path: str
     scale: float
@@ -126,6 +125,40 @@ def _entry(entry: Any, at: str) -> tuple[str, float]:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise LoraError(f"{at}: scale {scale!r} is not a number; write e.g. scale: 0.8 (1.0 = as trained)")
     return path, float(scale)
+
+
+def parse_row(value: Any, text: bool, base_dir: Path | None) -> LoraSet:
+    """A row's ``loras`` (``prompts.row_settings``): a list of paths or ``{path, scale}`` objects (jsonl, parquet),
+    or in csv/tsv ``PATH[:SCALE];PATH[:SCALE]``; a relative path is taken from the prompt file's folder; ``[]``: no
+    adapter for this row. LoraError says what is wrong."""
+    if isinstance(value, str):
+        value = [_text_entry(part) for part in value.split(";") if part.strip()] if text else [value]
+    if hasattr(value, "tolist"):  # a parquet list column
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise LoraError(f"{value!r} is not a list of adapters: write [{{\"path\": \"style.safetensors\", "
+                        "\"scale\": 0.8}] (csv/tsv: style.safetensors:0.8;other.safetensors)")
+    return resolve(value, ROW_FIELD, base_dir)
+
+
+def _text_entry(part: str) -> Any:
+    path, _, scale = part.strip().rpartition(":")
+    try:
+        return dict(path=path, scale=float(scale)) if path else part.strip()
+    except ValueError:
+        return part.strip()  # a colon of the path itself
+
+
+def check_planned(adapters: dict[str, str]) -> None:
+    """The adapter files rows named when the run was planned (sha256 -> path) still hold what they held: a row's
+    adapter changed under a run is refused like a changed ``model.loras``."""
+    for digest, path in sorted(adapters.items(), key=lambda kv: kv[1]):
+        p = Path(path)
+        now = file_sha256(p) if p.is_file() else None
+        if now != digest:
+            raise LoraError(f"{path}: a row of this run names this LoRA, which {'changed' if now else 'is gone'} since "
+                            f"the run was planned (sha256 {digest[:16]}..., now {(now or 'missing')[:16]}...); restore "
+                            "it, or start a new run_dir")
 
 
 def run_set(cfg: Any) -> LoraSet:

@@ -34,6 +34,7 @@ from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_version
+from shardgen.models.lora import check_planned as check_planned_adapters
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -136,6 +137,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
             run.fingerprint_path.unlink(missing_ok=True)
             run.undo_start(top)
         raise
+    check_planned_adapters(plan.adapters())  # a row's LoRA file changed since planning: refused like model.loras
     if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
         log.warning(warning)
     run.create()

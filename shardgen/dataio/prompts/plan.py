@@ -217,6 +217,14 @@ class Plan:
         rules = ((self.meta or {}).get("source") or {}).get("row_rules")
         return RowRules(**rules) if rules else None
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA files the plan's rows name (sha256 -> path, prompts.row_settings=[loras]), over the plan and its
+        extensions; {} when its rows name none."""
+        out: dict[str, str] = {}
+        for m in [self.meta or {}] + [e.meta for e in self.extensions]:
+            out.update(m.get("loras") or {})
+        return out
+
     def shapes(self) -> Counter | None:
         """Rows per ``Shape`` (width, height, frames) over the plan and its extensions, counted while planning
         (rejected rows left out), most rows first; None when the run has no prompts.row_settings (every row has
@@ -413,15 +421,16 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
     planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
     num_shards, starts_sha256, rows_end, digests_sha256, and with prompts.row_settings ``shapes``: rows per shape,
-    ``shapes_json``). ``head_end``: where the file's first row starts (csv/tsv: the header before it is hashed
+    ``shapes_json``, and ``loras``: the adapter files rows name, sha256 -> path). ``head_end``: where the file's first row starts (csv/tsv: the header before it is hashed
     with each shard); None: where this scan's first shard starts."""
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
+    adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
     if source.format == "txt":
         num_rows, num_rejects, starts, rows_end, digests = scan_txt(source, samples_per_shard, truncation, offset,
                                                                     first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
-                                                                     shapes)
+                                                                     shapes, adapters)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -436,6 +445,8 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                   rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
     if shapes is not None:
         counts["shapes"] = shapes_json(shapes)
+    if adapters is not None:
+        counts["loras"] = adapters
     return counts
 
 
