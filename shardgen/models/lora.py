@@ -220,7 +220,7 @@ def fuse_into(pipe: Any, loras: LoraSet) -> None:
         _load(pipe, lora)
     _fuse(pipe, loras)
     pipe.unload_lora_weights()
-    log.info("LoRA fused: %s", ", ".join(f"{Path(lo.path).name} x{lo.scale:g}" for lo in loras))
+    log.info("LoRA fused: %s", _names(loras))
 
 
 class AdapterSets:
@@ -284,9 +284,16 @@ def activate(pipe: Any, loras: LoraSet) -> None:
     sets = getattr(pipe, "_shardgen_adapter_sets", None)
     if sets is not None:
         sets.activate(loras)
-    elif tuple(loras) != getattr(pipe, "_shardgen_loras", ()):
-        raise LoraError("a row names its own LoRA adapters but the pipeline was built with one set for the run; list "
-                        f"{ROW_FIELD} in prompts.row_settings")
+        return
+    built = getattr(pipe, "_shardgen_loras", ())
+    if tuple(loras) != built:
+        raise LoraError(f"a call asks for LoRA adapters {_names(loras)} and the pipeline has {_names(built)} fused; "
+                        "build it with shardgen.models.lora.apply(pipe, cfg) (rows naming their own adapters need "
+                        f"{ROW_FIELD} in prompts.row_settings)")
+
+
+def _names(loras: LoraSet) -> str:
+    return "[" + ", ".join(f"{Path(lo.path).name} x{lo.scale:g}" for lo in loras) + "]"
 
 
 def apply(pipe: Any, cfg: Any) -> Any:
