@@ -185,3 +185,17 @@ def test_a_rows_unusable_adapter_is_a_bad_row(tmp_path, row_files):
     assert (r.ok, r.rejected, r.complete) == (1, 1, True)
     with pytest.raises(UserError, match="strategy=tp cannot"):
         run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "strategy=tp"))
+
+
+def test_the_memory_check_counts_the_whole_transformer_a_tp_rank_fuses():
+    from parallel.dims import ParallelDims
+    from parallel.memory import memory_problem
+
+    flux = {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
+            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (parallel.auto.component_params)
+    tp4 = ParallelDims(world_size=4, strategy="tp", tp=4)  # the transformer split 4 ways: 14.8 GiB per rank
+    plain = compose_cfg("model=flux_dev", "model.weights=dummy")
+    assert memory_problem(plain, tp4, flux, 2, 20 << 30, "GPU 0") is None
+    adapted = compose_cfg("model=flux_dev", "model.weights=dummy", "model.loras=[{path: style.safetensors}]")
+    msg = memory_problem(adapted, tp4, flux, 2, 20 << 30, "GPU 0")
+    assert "needs ~31.4 GiB" in msg and "fuses the adapters into the whole transformer" in msg and "\n" not in msg
