@@ -138,25 +138,31 @@ def row_files(tmp_path_factory, adapters) -> Path:
     return d
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_rows_adapters_give_the_bytes_of_one_adapter_runs(tmp_path, row_files, batch_size):
-    run_dir = tmp_path / "rows"
-    assert run(compose_cfg(f"run_dir={run_dir}", *ROW_ARGS, f"batch_size={batch_size}",
-                           f"prompts.path={row_files / 'rows.jsonl'}", "prompts.row_settings=[loras]")).ok == 6
-    mixed = by_prompt(run_dir)
-    sets = {}  # the rows of each adapter set, each set then run alone with model.loras
+@pytest.fixture(scope="module")
+def one_set_runs(tmp_path_factory, row_files) -> dict[str, bytes]:
+    """prompt -> image of runs made with one adapter set each (model.loras), over the rows naming that set."""
+    d = tmp_path_factory.mktemp("sets")
+    sets, out = {}, {}
     for i, r in enumerate(ROWS):
         sets.setdefault(json.dumps(r.get("loras", [])), []).append(dict(prompt=r["prompt"], seed=10 + i))
     for n, (key, rows) in enumerate(sets.items()):
-        f = tmp_path / f"set{n}.jsonl"
+        f = d / f"set{n}.jsonl"
         f.write_text("".join(json.dumps(r) + "\n" for r in rows))
         entries = [(row_files / (e if isinstance(e, str) else e["path"]), 1.0 if isinstance(e, str) else e["scale"])
                    for e in json.loads(key)]
         lora = (loras_arg(*entries),) if entries else ()
-        assert run(compose_cfg(f"run_dir={tmp_path / f'set{n}'}", *ROW_ARGS, "batch_size=3", f"prompts.path={f}",
+        assert run(compose_cfg(f"run_dir={d / f'set{n}'}", *ROW_ARGS, "batch_size=3", f"prompts.path={f}",
                                *lora)).ok == len(rows)
-        alone = by_prompt(tmp_path / f"set{n}")
-        assert {r["prompt"]: mixed[r["prompt"]] for r in rows} == alone, json.loads(key)
+        out.update(by_prompt(d / f"set{n}"))
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_rows_adapters_give_the_bytes_of_one_adapter_runs(tmp_path, row_files, one_set_runs, batch_size):
+    assert run(compose_cfg(f"run_dir={tmp_path}", *ROW_ARGS, f"batch_size={batch_size}",
+                           f"prompts.path={row_files / 'rows.jsonl'}", "prompts.row_settings=[loras]")).ok == 6
+    mixed = by_prompt(tmp_path)
+    assert mixed == one_set_runs
     assert len(set(mixed.values())) == 6
 
 

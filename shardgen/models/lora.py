@@ -75,6 +75,18 @@ def file_sha256(path: Path) -> str:
     return _HASHES[key]
 
 
+def checked_sha256(where: str, path: Path) -> str:
+    """``check_file`` then ``file_sha256``; both once per process per file version (a million rows naming one
+    adapter read it once)."""
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is None or (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns) not in _HASHES:
+        check_file(where, path)
+    return file_sha256(path)
+
+
 def check_file(where: str, path: Path) -> None:
     """LoraError unless ``path`` is a readable safetensors file with tensors in it (its header read, no weight)."""
     if not path.exists():
@@ -103,8 +115,7 @@ def resolve(entries: Iterable[Any], where: str, base_dir: Path | None = None) ->
         path, scale = _entry(entry, at)
         p = Path(os.path.expanduser(path))
         p = (p if p.is_absolute() else (base_dir or Path.cwd()) / p).absolute()
-        check_file(at, p)
-        out.append(Lora(path=str(p), scale=scale, sha256=file_sha256(p)))
+        out.append(Lora(path=str(p), scale=scale, sha256=checked_sha256(at, p)))
     names = [lo.adapter_name for lo in out]
     dup = next((lo for lo in out if names.count(lo.adapter_name) > 1), None)
     if dup is not None:
