@@ -172,11 +172,19 @@ def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, ad
     for name in ("a", "b"):
         (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
-    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, f"prompts.path={d / 'rows.jsonl'}", "prompts.row_settings=[loras]")
+    # a short lease: the launch refused while reading a shard's rows leaves its claim to expire, as any stopped job
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={d / 'rows.jsonl'}", "prompts.row_settings=[loras]")
     prepare_run(compose_cfg(*args))  # planned, then stopped before its first batch
-    (d / "a.safetensors").write_bytes(adapters["b"].read_bytes())
+    (d / "a.safetensors").write_bytes(adapters["wide"].read_bytes())
     with pytest.raises(UserError, match="a.safetensors: a row of this run names this LoRA, which changed"):
         run(compose_cfg(*args))
+    moved = d.rename(tmp_path / "moved")  # the prompt file and its adapters moved: rows read theirs from there
+    args = (*args[:-2], f"prompts.path={moved / 'rows.jsonl'}", args[-1])
+    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
+        run(compose_cfg(*args))
+    (moved / "a.safetensors").write_bytes(adapters["a"].read_bytes())
+    assert run(compose_cfg(*args)).complete
 
 
 def test_a_rows_unusable_adapter_is_a_bad_row(tmp_path, row_files):

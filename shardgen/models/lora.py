@@ -162,14 +162,14 @@ def _text_entry(part: str) -> Any:
 
 def check_planned(adapters: dict[str, str]) -> None:
     """The adapter files rows named when the run was planned (sha256 -> path) still hold what they held: a row's
-    adapter changed under a run is refused like a changed ``model.loras``."""
+    adapter changed under a run is refused like a changed ``model.loras``, at launch. (A file no longer at its
+    planned path, as in a run moved with its prompt file, is checked when its rows are read: ``Plan.rows``.)"""
     for digest, path in sorted(adapters.items(), key=lambda kv: kv[1]):
         p = Path(path)
-        now = file_sha256(p) if p.is_file() else None
+        now = file_sha256(p) if p.is_file() else digest
         if now != digest:
-            raise LoraError(f"{path}: a row of this run names this LoRA, which {'changed' if now else 'is gone'} since "
-                            f"the run was planned (sha256 {digest[:16]}..., now {(now or 'missing')[:16]}...); restore "
-                            "it, or start a new run_dir")
+            raise LoraError(f"{path}: a row of this run names this LoRA, which changed since the run was planned "
+                            f"(sha256 {digest[:16]}..., now {now[:16]}...); restore it, or start a new run_dir")
 
 
 def run_set(cfg: Any) -> LoraSet:

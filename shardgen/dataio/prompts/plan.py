@@ -175,9 +175,22 @@ class Plan:
             rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
         else:
             rows = self._checked_rows(src, shard, seg, rng)
+        self._check_adapters(rows)
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
+
+    def _check_adapters(self, rows: list[P.PromptRow]) -> None:
+        """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned."""
+        planned = self.adapters() if any(r.settings.get("loras") for r in rows) else {}
+        for r in rows:
+            for lo in r.settings.get("loras", ()):
+                if lo.sha256 not in planned:
+                    from shardgen.models.lora import LoraError
+
+                    raise LoraError(f"{self.prompt_path or self.meta['source']['path']}:{r.line}: loras: {lo.path} "
+                                    f"(sha256 {lo.sha256[:16]}...) is not the file this row named when the run was "
+                                    "planned; restore it, or start a new run_dir")
 
     def _checked_rows(self, src: PromptSource, shard: int, seg: Segment | None, rng: range) -> list[P.PromptRow]:
         """The rows of ``shard`` parsed from exactly the bytes (parquet: the rows) whose digest the plan recorded:
