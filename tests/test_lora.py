@@ -10,7 +10,9 @@ import pytest
 
 from jobs.generate import run
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
-from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
 from shardgen.errors import UserError
 from shardgen.models.tiny import save_tiny_lora
 from shardgen.run.runner import prepare_run
@@ -71,6 +73,10 @@ def test_resume_with_another_adapter_file_is_refused(tmp_path, adapters):
         run(compose_cfg(*args))
     with pytest.raises(FingerprintMismatch, match="model.loras"):  # another scale
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((adapters["a"], 0.5))))
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+    run(compose_cfg(*args, "allow_fingerprint_change=true"))  # asked for: jobs.verify names the samples it mixed
+    defects = verify_run(load_plan(RunDir(tmp_path / "run"))).defects
+    assert len(defects) == 3 and all("made with LoRA adapters" in d for d in defects), defects
 
 
 @pytest.mark.parametrize("what, needle", [
@@ -164,6 +170,7 @@ def test_rows_adapters_give_the_bytes_of_one_adapter_runs(tmp_path, row_files, o
     mixed = by_prompt(tmp_path)
     assert mixed == one_set_runs
     assert len(set(mixed.values())) == 6
+    assert verify_run(load_plan(RunDir(tmp_path))).ok  # each sample's adapters are its row's
 
 
 def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, adapters):
