@@ -222,3 +222,33 @@ def test_the_memory_check_counts_the_whole_transformer_a_tp_rank_fuses():
     adapted = compose_cfg("model=flux_dev", "model.weights=dummy", "model.loras=[{path: style.safetensors}]")
     msg = memory_problem(adapted, tp4, flux, 2, 20 << 30, "GPU 0")
     assert "needs ~31.4 GiB" in msg and "fuses the adapters into the whole transformer" in msg and "\n" not in msg
+
+
+def test_switching_adapter_sets_compiles_nothing(adapters):
+    """The per-row sets (AdapterSets, the run's adapters preloaded) under torch.compile: the first set compiles the
+    block once; switching to other sets, to none and back reuses its graph (each adapted layer keeps one merged
+    state, so dynamo's guards hold)."""
+    import torch
+
+    from shardgen.models import lora
+    from shardgen.models.loader import load_pipeline
+
+    cfg = compose_cfg("prompts.row_settings=[loras]", "prompts=jsonl", "prompts.path=x.jsonl")
+    pipe = lora.apply(load_pipeline(cfg.model, torch.float64, "cpu"), cfg)
+    a, b = (lora.resolve([dict(path=str(adapters[n]), scale=s)], "t") for n, s in (("a", 0.8), ("b", 0.5)))
+    lora.preload(pipe, {lo.sha256: lo.path for lo in (*a, *b)})
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    pipe.transformer.single_transformer_blocks[0].compile(backend=count, dynamic=False)  # adapted: to_q, to_k, to_v
+    made = []
+    for loras in (a, b, (*b, *a), (), a):
+        n = len(graphs)
+        lora.activate(pipe, loras)
+        pipe(prompt=["a cat"], height=32, width=32, num_inference_steps=1, max_sequence_length=32, output_type="pt",
+             generator=torch.Generator().manual_seed(0))
+        made.append(len(graphs) - n)
+    assert made == [1, 0, 0, 0, 0], made

@@ -215,9 +215,11 @@ def _load(pipe: Any, lora: Lora) -> None:
                         "another model's); use an adapter trained for this model")
 
 
-def _fuse(pipe: Any, loras: LoraSet) -> None:
-    names = [lo.adapter_name for lo in loras]
-    pipe.set_adapters(names, [lo.scale for lo in loras])
+def _fuse(pipe: Any, scales: dict[str, float]) -> None:
+    """Fuse the adapters ``scales`` names (adapter name -> scale), in one order whatever the set: that of their
+    names (their sha256), so equal sets give equal weights, and a compiled layer's merged adapters keep one order."""
+    names = sorted(scales)
+    pipe.set_adapters(names, [scales[n] for n in names])
     pipe.fuse_lora(components=list(pipe._lora_loadable_modules), adapter_names=names)
 
 
@@ -229,41 +231,48 @@ def fuse_into(pipe: Any, loras: LoraSet) -> None:
     _check_pipeline(pipe)
     for lora in loras:
         _load(pipe, lora)
-    _fuse(pipe, loras)
+    _fuse(pipe, {lo.adapter_name: lo.scale for lo in loras})
     pipe.unload_lora_weights()
     log.info("LoRA fused: %s", _names(loras))
 
 
 class AdapterSets:
     """Switches a pipeline between adapter sets, batch by batch (rows with their own ``loras``): each set fused
-    into the base weights, which are restored exactly in between."""
+    into the base weights, which are restored exactly in between.
+
+    Every adapter loaded is fused each time, those outside the set at scale 0 (adding exact zeros: the bytes of the
+    set alone), in ``_fuse``'s one order. Every adapted layer then is in the same state whatever the set (the same
+    adapters merged, in the same order), so a compiled transformer's guards hold and switching compiles nothing; only
+    an adapter loaded for the first time changes the layers (``preload`` loads a run's up front)."""
 
     def __init__(self, pipe: Any):
         _check_pipeline(pipe)
         self.pipe = pipe
         self.current: LoraSet = ()
-        self._loaded: set[str] = set()
+        self._names: list[str] = []  # the adapters loaded, in loading order
+        self._fused = False
         self._base: dict[int, tuple[Any, dict]] = {}  # id(peft layer) -> (layer, its base tensors on the CPU)
 
-    def activate(self, loras: LoraSet) -> None:
-        """Make ``loras`` the fused set (loading adapters seen for the first time)."""
-        if tuple(loras) == self.current:
+    def activate(self, loras: LoraSet, load: Iterable[Lora] = ()) -> None:
+        """Make ``loras`` the fused set, loading its adapters (and those of ``load``) not loaded yet."""
+        loras = tuple(loras)
+        new = {lo.adapter_name: lo for lo in (*loras, *load) if lo.adapter_name not in self._names}
+        if loras == self.current and not new:
             return
         pipe = self.pipe
-        if self.current:
-            pipe.unfuse_lora(components=list(pipe._lora_loadable_modules))
+        components = list(pipe._lora_loadable_modules)
+        if self._fused:
+            pipe.unfuse_lora(components=components)
             self._restore()
-        for lora in loras:
-            if lora.adapter_name not in self._loaded:
-                _load(pipe, lora)
-                self._loaded.add(lora.adapter_name)
-                self._keep_base()
-        if loras:
-            pipe.enable_lora()
-            _fuse(pipe, loras)
-        elif self._loaded:
-            pipe.disable_lora()
-        self.current = tuple(loras)
+            self._fused = False
+        for name, lora in new.items():
+            _load(pipe, lora)
+            self._names.append(name)
+            self._keep_base()
+        if self._names:
+            _fuse(pipe, {n: 0.0 for n in self._names} | {lo.adapter_name: lo.scale for lo in loras})
+            self._fused = True
+        self.current = loras
 
     def _layers(self) -> Iterable[Any]:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -305,6 +314,18 @@ def activate(pipe: Any, loras: LoraSet) -> None:
 
 def _names(loras: LoraSet) -> str:
     return "[" + ", ".join(f"{Path(lo.path).name} x{lo.scale:g}" for lo in loras) + "]"
+
+
+def preload(pipe: Any, adapters: dict[str, str]) -> None:
+    """Load the adapters a run's rows name (``Plan.adapters()``: sha256 -> path) before its first batch: one that
+    does not fit the model stops the job before any generation, and switching never changes the layers of a compiled
+    transformer. A file no longer at its planned path loads when its rows come."""
+    sets = getattr(pipe, "_shardgen_adapter_sets", None)
+    if sets is None or not adapters:
+        return
+    here = [Lora(path, 1.0, digest) for digest, path in sorted(adapters.items(), key=lambda kv: kv[1])
+            if Path(path).is_file()]
+    sets.activate(sets.current, load=here)
 
 
 def apply(pipe: Any, cfg: Any) -> Any:
