@@ -252,3 +252,28 @@ def test_switching_adapter_sets_compiles_nothing(adapters):
              generator=torch.Generator().manual_seed(0))
         made.append(len(graphs) - n)
     assert made == [1, 0, 0, 0, 0], made
+
+
+def test_a_rows_adapters_parse_the_same_from_any_folder(tmp_path, adapters):
+    """Every spelling of a row's adapters; a parquet shard's digest counts them by content and scale, so a run moved
+    with its prompt file and adapters reads the same rows."""
+    from shardgen.dataio.prompts.planscan import row_bytes
+    from shardgen.dataio.prompts.read import PromptRow
+    from shardgen.dataio.prompts.rowsettings import RowRules
+    from shardgen.models.lora import file_sha256
+
+    a, b = file_sha256(adapters["a"]), file_sha256(adapters["b"])
+    digests = []
+    for folder in ("one", "two"):
+        d = tmp_path / folder
+        d.mkdir()
+        for name in ("a", "b"):
+            (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+        rules = RowRules(names=("loras",), base_dir=str(d))
+        spellings = [rules.parse({"loras": v}) for v in (["b.safetensors:0.5", "a.safetensors"],
+                                                          [{"path": "b.safetensors", "scale": 0.5}, str(d / "a.safetensors")])]
+        spellings.append(rules.parse({"loras": "b.safetensors:0.5;a.safetensors"}, text=True))
+        assert all([(lo.sha256, lo.scale) for lo in s["loras"]] == [(b, 0.5), (a, 1.0)] for s in spellings)
+        assert rules.parse({"loras": []}) == {"loras": ()}
+        digests.append(row_bytes(PromptRow(0, 1, "a cat", None, {}, None, spellings[0])))
+    assert digests[0] == digests[1]

@@ -182,8 +182,9 @@ class PromptsConfig:
     prompts.row_settings=[aspect_ratio,negative_prompt,guidance]; a null or empty value keeps the run's. Any of:
     width, height (pixels, a multiple of the model's 16), aspect_ratio ("16:9", "1:1", "3:4": a size at the run's
     height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), steps, num_frames (video models),
-    loras (LoRA adapters instead of model.loras: [{"path": "style.safetensors", "scale": 0.8}], csv/tsv
-    "style.safetensors:0.8;other.safetensors", paths from the prompt file's folder, [] = none; not with strategy=tp).
+    loras (LoRA adapters instead of model.loras: [{"path": "style.safetensors", "scale": 0.8}] or
+    ["style.safetensors:0.8"], csv/tsv "style.safetensors:0.8;other.safetensors", paths from the prompt file's
+    folder, [] = none; not with strategy=tp or fp8).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
     same size, guidance and adapters are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""

@@ -139,16 +139,17 @@ def _entry(entry: Any, at: str) -> tuple[str, float]:
 
 
 def parse_row(value: Any, text: bool, base_dir: Path | None) -> LoraSet:
-    """A row's ``loras`` (``prompts.row_settings``): a list of paths or ``{path, scale}`` objects (jsonl, parquet),
-    or in csv/tsv ``PATH[:SCALE];PATH[:SCALE]``; a relative path is taken from the prompt file's folder; ``[]``: no
-    adapter for this row. LoraError says what is wrong."""
+    """A row's ``loras`` (``prompts.row_settings``): a list of ``{path, scale}`` objects or ``PATH[:SCALE]`` strings
+    (jsonl, parquet), or in csv/tsv ``PATH[:SCALE];PATH[:SCALE]``; a relative path is taken from the prompt file's
+    folder; ``[]``: no adapter for this row. LoraError says what is wrong."""
     if isinstance(value, str):
-        value = [_text_entry(part) for part in value.split(";") if part.strip()] if text else [value]
+        value = value.split(";") if text else [value]
     if hasattr(value, "tolist"):  # a parquet list column
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise LoraError(f"{value!r} is not a list of adapters: write [{{\"path\": \"style.safetensors\", "
-                        "\"scale\": 0.8}] (csv/tsv: style.safetensors:0.8;other.safetensors)")
+                        "\"scale\": 0.8}] or [\"style.safetensors:0.8\"] (csv/tsv: style.safetensors:0.8;other.safetensors)")
+    value = [_text_entry(v) if isinstance(v, str) else v for v in value if not (isinstance(v, str) and not v.strip())]
     return resolve(value, ROW_FIELD, base_dir)
 
 

@@ -218,8 +218,12 @@ def _utf8(block) -> bool:
 # ---------------------------------------------------------------- shard digests
 
 def row_bytes(row: P.PromptRow) -> bytes:
-    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file)."""
-    fields = [row.prompt, row.seed, row.extra, row.reject] + ([row.settings] if row.settings else [])  # as before without
+    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file). A row's
+    LoRA adapters count by content and scale, not by where the prompt file's folder put their paths (a run moves)."""
+    settings = row.settings
+    if "loras" in settings:
+        settings = dict(settings, loras=[[lo.sha256, lo.scale] for lo in settings["loras"]])
+    fields = [row.prompt, row.seed, row.extra, row.reject] + ([settings] if settings else [])  # as before without
     return json.dumps(fields, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
