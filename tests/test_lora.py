@@ -81,18 +81,22 @@ def test_resume_with_another_adapter_file_is_refused(tmp_path, adapters):
 
 @pytest.mark.parametrize("what, needle", [
     ("missing", "does not exist"), ("garbage", "not a readable safetensors file"),
-    ("not a lora", "does not fit"), ("another model", "does not fit"), ("twice", "listed twice"),
+    ("not a lora", "does not fit"), ("another model", "does not fit"), ("other names", "matches no layer"),
+    ("twice", "listed twice"),
 ])
 def test_an_unusable_adapter_is_one_line_before_generation(tmp_path, adapters, what, needle):
+    import torch
+    from safetensors.torch import save_file
+
     bad = tmp_path / "bad.safetensors"
     entries = [(bad, 1.0)]
     if what == "garbage":
         bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all")
     elif what == "not a lora":
-        from safetensors.torch import save_file
-        import torch
-
         save_file({"transformer.proj_out.weight": torch.zeros(4, 4)}, str(bad))
+    elif what == "other names":  # a UNet's LoRA (SDXL-style keys)
+        save_file({"unet.down.0.to_q.lora_A.weight": torch.zeros(4, 8), "unet.down.0.to_q.lora_B.weight":
+                   torch.zeros(8, 4)}, str(bad))
     elif what == "another model":
         entries = [(adapters["wide"], 1.0)]
     elif what == "twice":

@@ -56,7 +56,7 @@ class Lora(NamedTuple):
         return dict(path=self.path, scale=self.scale, sha256=self.sha256)
 
 
-LoraSet = tuple  # tuple[Lora, ...]: the adapters of one pipeline call, in the order they are fused
+LoraSet = tuple  # tuple[Lora, ...]: the adapters of one pipeline call, as listed (fused in ``_fuse``'s one order)
 
 
 _HASHES: dict[tuple, str] = {}
