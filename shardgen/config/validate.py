@@ -1,4 +1,5 @@
-"""Checks on a composed config that need no file, device or weight: they run first, everywhere."""
+"""Checks on a composed config that need no device or weight (of files, only the LoRA adapters' headers are read):
+they run first, everywhere."""
 
 from __future__ import annotations
 
