@@ -34,6 +34,7 @@ from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_version
+from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -129,6 +130,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
             run.fingerprint_path.unlink(missing_ok=True)
             run.undo_start(top)
         raise
+    check_planned_adapters(plan.adapters())  # a row's LoRA file changed since planning: refused like model.loras
     if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
         log.warning(warning)
     run.create()
@@ -209,6 +211,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
+        preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
         if ctx.leader:
             check_settings_unchanged(plan.run, settings)

@@ -90,7 +90,7 @@ class PromptSource:
     @property
     def rules(self) -> RowRules | None:
         """The row settings' rules (None: the rows set none)."""
-        return RowRules(**self.row_rules) if self.row_rules else None
+        return RowRules(**self.row_rules, base_dir=str(Path(self.path).parent)) if self.row_rules else None
 
     def as_json(self) -> dict:
         """For plan.json; without ``row_rules`` when there are none, so such plans stay as they were."""

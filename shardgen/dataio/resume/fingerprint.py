@@ -20,6 +20,7 @@ from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, ato
                                            json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
+from shardgen.models import lora
 
 log = logging.getLogger("shardgen")
 
@@ -43,6 +44,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
+        **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
     }
 
 

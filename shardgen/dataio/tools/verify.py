@@ -127,7 +127,21 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
                 older[f"{mk}={meta.get(mk)!r}"] += 1
             else:
                 problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
-    return problems
+    return problems + _check_adapters(key, meta, row, fp)
+
+
+def _check_adapters(key: str, meta: dict, row: PlannedRow, fp: dict | None) -> list[str]:
+    """The sample was made with its row's LoRA adapters (prompts.row_settings=[loras]), else the run's (model.loras):
+    the same files (sha256) at the same scales, in the same order."""
+    own = row.settings.get("loras")
+    if own is None and fp is None:
+        return []
+    want = [[lo.sha256, lo.scale] for lo in own] if own is not None else fp.get("model.loras", [])
+    got = [[a.get("sha256"), a.get("scale")] for a in meta.get("loras") or [] if isinstance(a, dict)]
+    if got == want:
+        return []
+    whose = f"its row (line {row.line})" if own is not None else "the run's fingerprint"
+    return [f"{key}: made with LoRA adapters (sha256, scale) {got}, {whose} says {want}"]
 
 
 def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
