@@ -57,8 +57,8 @@ def test_every_example_after_the_quick_start_has_a_run_dir_of_its_own():
         assert named, f"no run_dir: {shlex.join(argv)}"
         run_dirs += named
     dupes = {d for d in run_dirs if run_dirs.count(d) > 1}
-    # the same run on purpose: a run then its resume, the two nodes of one torchrun job
-    assert dupes <= {"runs/video", "/tmp/runs/tr"}, dupes
+    # the same run on purpose: a run then its resume or its refusal, the two nodes of one torchrun job
+    assert dupes <= {"runs/video", "/tmp/runs/tr", "runs/lora"}, dupes
 
 
 def test_the_quick_start_installs_the_cpu_torch_build_as_pasted():
