@@ -24,7 +24,7 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     record_plan_digests, remember_prompt_hash, repair_run_dir)
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
-                                    first_missing_dir, log_to_file_only, owner_record, record_launch)
+                                    first_missing_dir, is_url, log_to_file_only, owner_record, record_launch)
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
                                     resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
@@ -98,9 +98,11 @@ class RunResult:
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def prompt_path(cfg: GenerateConfig) -> Path:
+def prompt_path(cfg: GenerateConfig) -> Path | str:
     """The prompt file; a relative path is taken from the current directory, else from the project
-    (so the shipped examples/prompts.txt works from anywhere)."""
+    (so the shipped examples/prompts.txt works from anywhere); a URL (``s3://bucket/captions.parquet``) as it is."""
+    if is_url(cfg.prompts.path):
+        return cfg.prompts.path
     path = Path(os.path.expanduser(cfg.prompts.path))
     if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
         return PROJECT_ROOT / path

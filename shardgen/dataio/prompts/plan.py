@@ -38,6 +38,7 @@ from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
+from shardgen.dataio.rundir.remote import open_input, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -74,7 +75,7 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None 
     """SHA-256 of a file's bytes (part of the run fingerprint); of its first ``size`` bytes if given."""
     h = hashlib.sha256()
     left = size if size is not None else 1 << 62
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while left and (block := f.read(min(chunk, left))):
             h.update(block)
             left -= len(block)
@@ -387,7 +388,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
-            prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
             source=source.as_json()))
         try:
             os.rename(tmp, run.plan_dir)
@@ -450,8 +451,8 @@ def estimate_rows(source: PromptSource) -> int:
     if source.format == "parquet":
         n = P.parquet_file(source.path).metadata.num_rows
     else:
-        size = os.path.getsize(source.path)
-        with open(source.path, "rb") as f:
+        size = sizeof(source.path)
+        with open_input(source.path) as f:
             if size <= _EXACT_COUNT_BYTES:
                 data = f.read()
                 n = data.count(b"\n") + (not data.endswith(b"\n"))  # a last line without a newline

@@ -28,6 +28,7 @@ import numpy as np
 from shardgen.dataio.prompts import read as P
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
+from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_input, sizeof
 
 
 log = logging.getLogger("shardgen.plan")
@@ -91,7 +92,7 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
         starts = np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
         return n, rejects, starts, first_row + n, digest_array([h.digest() for h in hashers])
     offsets = _line_offsets(source.path, np.append(lines, stop_line) if stop_line else lines)
-    end = int(offsets[-1]) if stop_line else os.path.getsize(source.path)
+    end = int(offsets[-1]) if stop_line else sizeof(source.path)
     return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
 
 
@@ -101,7 +102,7 @@ def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
     if not len(lines):
         return out
     base = newlines = 0  # bytes and newlines before the current block
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while block := f.read(_BLOCK):
             nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
             # line L starts after newline number L-1 (1-based)
@@ -122,7 +123,7 @@ def scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None
     limit = source.limit if source.limit is not None else 1 << 62
     starts, rows, rejects, base, carry = [], first_row, 0, offset, 0
     buf = bytearray(_BLOCK)
-    with open(source.path, "rb", buffering=0) as f:
+    with open_input(source.path, buffering=0) as f:
         f.seek(offset)
         while rows < limit:
             if carry == len(buf):  # a line longer than the buffer: grow it
@@ -238,7 +239,7 @@ def range_digests(path: str, starts: np.ndarray, end: int, head_end: int) -> np.
     0 for txt and jsonl)."""
     offsets = [int(x) for x in starts[:, 0]] + [end]
     out = []
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         head = f.read(head_end)
         f.seek(offsets[0])
         for lo, hi in zip(offsets, offsets[1:]):
@@ -256,7 +257,9 @@ def check_unchanged(path: str, size: int) -> None:
     """The planned bytes are still there (appending is how a run grows, so a longer file is fine: the
     launch's fingerprint check hashes the content)."""
     try:
-        now = os.path.getsize(path)
+        now = sizeof(path)
+    except StorageError:
+        raise  # names the URL and why
     except OSError as e:
         raise P.fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
                      "Restore it: the run's shards are read from it") from None
@@ -266,14 +269,17 @@ def check_unchanged(path: str, size: int) -> None:
 
 
 def file_identity(path: str) -> tuple:
-    """(size, mtime, inode) of a file: equal before and after a scan when nothing wrote to it meanwhile."""
+    """(size, mtime, inode) of a file (a remote one: size, ETag, modification time): equal before and after a scan
+    when nothing wrote to it meanwhile."""
+    if is_url(path):
+        return tuple(identity(path).values())
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, bytes]:
     """(bytes 0..head_end, bytes lo..hi) of the prompt file: the csv/tsv header, and a shard's rows."""
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         head = f.read(head_end)
         f.seek(lo)
         return head, f.read(max(0, hi - lo))
@@ -288,7 +294,7 @@ def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: i
         return
     with contextlib.ExitStack() as stack:
         if data is None:
-            data = stack.enter_context(open(src.path, "rb"))
+            data = stack.enter_context(open_input(src.path))
             data.seek(offset)
         if src.format in ("csv", "tsv"):
             yield from _table_rows_at(src, data, line, index, count, head)
@@ -310,7 +316,7 @@ def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
     if head is not None:
         header = next(P.raw_lines(io.BytesIO(head)))[1]
     else:
-        with open(src.path, "rb") as h:
+        with open_input(src.path) as h:
             header = next(P.raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
     for r in islice(P.read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardgen.dataio.prompts.plan import file_sha256
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
+from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
                                            json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
@@ -167,16 +168,19 @@ def fingerprint_changes(run: RunDir) -> list[dict]:
         return []
 
 
-def _file_identity(path: Path) -> dict:
+def _file_identity(path: Path | str) -> dict:
+    if is_url(path):  # an object store: an overwrite changes the ETag, which identifies the content
+        return remote_identity(str(path))
     st = Path(path).stat()
     # ctime cannot be set back by tools that preserve mtime (cp -p, rsync -t): any write changes it
     return dict(path=str(Path(path).absolute()), size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
                 inode=st.st_ino)
 
 
-def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
+def prompt_file_hash(run: RunDir, path: Path | str) -> tuple[str, dict]:
     """(SHA-256 of the prompt file, the file's identity when hashed); the hash is reused from the run
-    directory while path, size, inode, mtime and ctime all match what was hashed.
+    directory while path, size, inode, mtime and ctime all match what was hashed (a remote file: its URL, size,
+    ETag and modification time, so a launch reads none of its bytes to check the fingerprint).
 
     Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
     costs 10-30 s with every GPU of the job waiting."""
