@@ -33,3 +33,34 @@ def test_prompts_from_a_bucket_txt_and_parquet(s3, bucket, tmp_path):
     assert (result.ok, result.complete) == (10, True)
     hashed = json.loads((tmp_path / "pq" / "prompt_hash.json").read_text())
     assert hashed["path"] == f"s3://{bucket}/captions.parquet" and hashed["etag"]
+
+
+def bucket_samples(s3, url: str) -> dict[str, list[str]]:
+    """shard name -> the keys of its tar, over the shards whose stats (the done marker) are in the bucket."""
+    import io
+    import tarfile
+
+    fs, out = s3.fs(), {}
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(url, refresh=True)}
+    for stats in sorted(n for n in names if n.endswith(".stats.json")):
+        shard = stats[:6]
+        assert {f"{shard}.tar", f"{shard}.parquet"} <= names, f"{shard}: stats without its tar or index"
+        data = fs.cat_file(f"{url}/{shard}.tar")
+        assert len(data) == json.loads(fs.cat_file(f"{url}/{stats}"))["tar_bytes"]
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            out[shard] = sorted({m.name.split(".")[0] for m in tar.getmembers()})
+    return out
+
+
+def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/run", "keep_local=false", "prompts.limit=10",
+                      "samples_per_shard=4", *FAST)
+    assert run(cfg).complete
+    keys = bucket_samples(s3, f"s3://{bucket}/run")
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(10)]
+    local = sorted(p.name for p in (run_dir / "shards").iterdir())
+    assert local == [f"00000{i}.{ext}" for i in range(3) for ext in ("stats.json", "uploaded.json")]
+    again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
+    assert again.complete and again.generated_here == 0
+    assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local

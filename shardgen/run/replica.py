@@ -73,6 +73,7 @@ class ReplicaWorker:
     sink: ShardSink | None = None          # leader only
     claimer: Claimer | None = None         # leader only
     on_samples: Callable[[int], None] = lambda n: None
+    on_commit: Callable[[int], None] = lambda shard: None  # leader, on the writer: after a shard's commit (its upload)
     progress: Any = None                   # leader of replica 0: the progress bar
     on_batch: Callable[[str, "ReplicaWorker"], None] | None = None  # run_rank's hook: "start"/"end" of a batch
     poll_s: float = 2.0
@@ -336,6 +337,7 @@ class ReplicaWorker:
         record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
+        self.on_commit(shard)
 
     def _check_broken(self, samples) -> None:
         generated = [s for s in samples if s.status != "rejected"]

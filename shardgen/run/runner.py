@@ -25,7 +25,7 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
                                     first_missing_dir, is_url, log_to_file_only, owner_record, record_launch)
-from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
+from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder, is_video,
                                     resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
@@ -143,6 +143,9 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     run.create()
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
+    if uploader := ShardUploader.from_cfg(cfg, run):
+        uploader.check()  # no bucket, no permission: one line naming the URL, before any weight is read
+        uploader.upload_pending()  # uploads a killed launch left unfinished
     remember_prompt_hash(run, digest, identity)
     if save_config:
         _save_config(run, cfg)
@@ -288,6 +291,8 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                                 encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
+        if uploader := ShardUploader.from_cfg(cfg, plan.run):
+            worker.on_commit = uploader.upload
         if ctx.index == 0 and cfg.progress:
             worker.progress = Progress(plan, unit="video" if is_video(cfg) else "img")
             worker.on_samples = worker.progress.advance
