@@ -20,8 +20,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 96\r\nConnection: close\r\n\r\n"
-             b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>".ljust(96))
+
+
+def error_response(status: str, code: str) -> bytes:
+    """An S3 error answer: ``status`` ("503 Slow Down") with the error ``code`` ("SlowDown") in its XML."""
+    body = f"<Error><Code>{code}</Code><Message>{code} (injected by the test proxy)</Message></Error>".encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+SLOW_DOWN = error_response("503 Slow Down", "SlowDown")
+ACCESS_DENIED = error_response("403 Forbidden", "AccessDenied")
 
 
 def free_port() -> int:
@@ -33,13 +42,15 @@ def free_port() -> int:
 @dataclass
 class FaultProxy:
     """TCP proxy to ``target``: ``down()`` drops every connection and refuses new ones until ``up()``;
-    ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown."""
+    ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``)."""
 
     target: int
     port: int = field(default_factory=free_port)
     is_down: bool = False
     errors_left: int = 0
     served_errors: int = 0
+    refused: int = 0
+    answer: bytes = SLOW_DOWN
     _conns: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -54,8 +65,8 @@ class FaultProxy:
     def up(self) -> None:
         self.is_down = False
 
-    def fail_next(self, n: int) -> None:
-        self.errors_left = n
+    def fail_next(self, n: int, answer: bytes = SLOW_DOWN) -> None:
+        self.errors_left, self.answer = n, answer
         self._drop_all()  # pooled connections would bypass the faults
 
     def _drop_all(self) -> None:
@@ -68,12 +79,13 @@ class FaultProxy:
         while True:
             client, _ = self._sock.accept()
             if self.is_down:
+                self.refused += 1
                 _close(client)
                 continue
             if self.errors_left > 0:
                 self.errors_left -= 1
                 self.served_errors += 1
-                threading.Thread(target=self._slow_down, args=(client,), daemon=True).start()
+                threading.Thread(target=self._answer, args=(client, self.answer), daemon=True).start()
                 continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target))
@@ -86,11 +98,11 @@ class FaultProxy:
                 threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
-    def _slow_down(client: socket.socket) -> None:
+    def _answer(client: socket.socket, answer: bytes) -> None:
         try:
             client.settimeout(2)
-            client.recv(65536)
-            client.sendall(SLOW_DOWN)
+            head = client.recv(65536)
+            client.sendall(answer.split(b"\r\n\r\n")[0] + b"\r\n\r\n" if head.startswith(b"HEAD") else answer)
         except OSError:
             pass
         _close(client)
@@ -133,7 +145,9 @@ class S3Server:
         return name
 
 
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# a secret no file of a run may contain (tests/test_remote.py looks for it)
+SECRET = "shardgen-test-secret-9Qx7Zt"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "shardgen-test-key", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def start_server() -> S3Server:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import run
+from shardgen.errors import UserError
 from tests.conftest import compose_cfg
+from tests.s3_server import ACCESS_DENIED, SECRET
 
 FAST = ("height=16", "width=16", "steps=1", "progress=false", "batch_size=4")
 
@@ -64,3 +68,44 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path):
     again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
     assert again.complete and again.generated_here == 0
     assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
+
+
+def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.BACKOFF_S", 0.2)
+    lines = [f"prompt {i}" for i in range(8)]
+    put(s3, f"s3://{bucket}/p.txt", "".join(p + "\n" for p in lines).encode())
+    s3.proxy.fail_next(8)  # 503 SlowDown: more than the S3 client's own 5 attempts absorb
+    threading.Timer(4.0, s3.proxy.down).start()  # then the server unreachable for 2 s, in the middle of the run
+    threading.Timer(6.0, s3.proxy.up).start()
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path=s3://{bucket}/p.txt",
+                      f"output_uri=s3://{bucket}/out", "samples_per_shard=2", *FAST)
+    with caplog.at_level(logging.WARNING, logger="shardgen.storage"):
+        result = run(cfg)
+    assert result.complete and s3.proxy.served_errors == 8
+    assert any("retry 1 of" in r.getMessage() for r in caplog.records), "no retry was logged"
+    keys = bucket_samples(s3, f"s3://{bucket}/out")
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(8)]
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert not [p for p in files if SECRET.encode() in p.read_bytes()], "a credential was written into the run"
+
+
+@pytest.mark.parametrize("case", ["output bucket", "prompt object", "denied"])
+def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucket, tmp_path, monkeypatch, case):
+    monkeypatch.setattr("shardgen.run.runner.apply_strategy", lambda *a: pytest.fail("a model was loaded"))
+    put(s3, f"s3://{bucket}/p.txt", b"one\ntwo\n")
+    prompts, out, url = f"s3://{bucket}/p.txt", f"s3://{bucket}/out", None
+    if case == "output bucket":
+        out = url = "s3://no-such-bucket-37/run"
+    elif case == "prompt object":
+        prompts = url = f"s3://{bucket}/missing.txt"
+    else:
+        url = prompts
+        s3.proxy.fail_next(1000, ACCESS_DENIED)
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}", *FAST)
+    with pytest.raises(UserError) as e:
+        run(cfg)
+    s3.proxy.fail_next(0)
+    msg = str(e.value)
+    assert url.rstrip("/") in msg and "\n" not in msg
+    assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
+            "denied": "access denied"}[case] in msg

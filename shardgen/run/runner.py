@@ -122,6 +122,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     top = first_missing_dir(run.root)
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
+    if uploader := ShardUploader.from_cfg(cfg, run):
+        uploader.check()  # no bucket, no permission: one line naming the URL, before planning or any weight
     digest, identity = prompt_file_hash(run, path)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
@@ -143,9 +145,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     run.create()
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
-    if uploader := ShardUploader.from_cfg(cfg, run):
-        uploader.check()  # no bucket, no permission: one line naming the URL, before any weight is read
-        uploader.upload_pending()  # uploads a killed launch left unfinished
+    if uploader:
+        uploader.resume()  # the uploads a killed launch left unfinished
     remember_prompt_hash(run, digest, identity)
     if save_config:
         _save_config(run, cfg)

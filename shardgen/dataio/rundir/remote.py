@@ -61,7 +61,8 @@ def permanent_reason(e: BaseException) -> str | None:
     for err in (e, e.__cause__, e.__context__):
         if err is None:
             continue
-        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", "")) if hasattr(err, "response") else ""
+        response = getattr(err, "response", None)
+        code = str((response.get("Error") or {}).get("Code", "")) if isinstance(response, dict) else ""
         if code in PERMANENT_CODES:
             return PERMANENT_CODES[code]
         if type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's, not importable here

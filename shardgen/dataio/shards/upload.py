@@ -46,17 +46,22 @@ class ShardUploader:
         return cls(run, uri, keep_local=cfg.get("keep_local", True)) if uri else None
 
     def check(self) -> None:
-        """Before any model is loaded: the run uploads where its earlier launches did, and ``uri`` takes a write
-        (a probe object written and removed). StorageError naming the URL when not."""
+        """Before planning or loading any model: ``uri`` takes a write (a probe object written and removed);
+        StorageError naming the URL (no bucket, no permission, no credentials) when not."""
+        probe = f"{self._root}/.shardgen-probe-{socket.gethostname()}-{os.getpid()}"
+        retrying("writing a test object", self.uri, lambda: self._fs.pipe_file(probe, b""))
+        retrying("removing the test object", self.uri, lambda: self._fs.rm_file(probe))
+
+    def resume(self) -> int:
+        """At a launch: the run uploads where its earlier launches did (RunDirError when not), and the uploads a
+        killed launch left unfinished are finished; how many shards were uploaded."""
         path = self.run.output_uri_path
         if not create_exclusive(path, json_bytes({"output_uri": self.uri})):
             before = read_json(path).get("output_uri")
             if before != self.uri:
                 raise RunDirError(f"{self.run.root} uploads its shards to {before} ({path}); this launch says "
                                   f"output_uri={self.uri}. Use {before}, or start a new run_dir")
-        probe = f"{self._root}/.shardgen-probe-{socket.gethostname()}-{os.getpid()}"
-        retrying("writing a test object", self.uri, lambda: self._fs.pipe_file(probe, b""))
-        retrying("removing the test object", self.uri, lambda: self._fs.rm_file(probe))
+        return self.upload_pending()
 
     def pending(self) -> list[int]:
         """Committed shards whose upload is not recorded (or recorded for other stats: rewritten since)."""
