@@ -182,7 +182,8 @@ def start_server() -> S3Server:
 def s3():
     """The session's S3 server, its endpoint and dummy credentials in the environment (restored afterwards)."""
     server = start_server()
-    env = {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint}
+    # the S3 client's own retries kept short: shardgen's retries (shardgen/dataio/rundir/remote.py) are what is tested
+    env = {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint, "AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "2"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield server

@@ -74,14 +74,14 @@ def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path
     monkeypatch.setattr("shardgen.dataio.rundir.remote.BACKOFF_S", 0.2)
     lines = [f"prompt {i}" for i in range(8)]
     put(s3, f"s3://{bucket}/p.txt", "".join(p + "\n" for p in lines).encode())
-    s3.proxy.fail_next(8)  # 503 SlowDown: more than the S3 client's own 5 attempts absorb
-    threading.Timer(4.0, s3.proxy.down).start()  # then the server unreachable for 2 s, in the middle of the run
-    threading.Timer(6.0, s3.proxy.up).start()
+    s3.proxy.fail_next(6)  # 503 SlowDown: more than the S3 client's own attempts (2 in tests) absorb
+    threading.Timer(3.0, s3.proxy.down).start()  # then the server unreachable for 1.5 s, in the middle of the run
+    threading.Timer(4.5, s3.proxy.up).start()
     cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path=s3://{bucket}/p.txt",
                       f"output_uri=s3://{bucket}/out", "samples_per_shard=2", *FAST)
     with caplog.at_level(logging.WARNING, logger="shardgen.storage"):
         result = run(cfg)
-    assert result.complete and s3.proxy.served_errors == 8
+    assert result.complete and s3.proxy.served_errors == 6
     assert any("retry 1 of" in r.getMessage() for r in caplog.records), "no retry was logged"
     keys = bucket_samples(s3, f"s3://{bucket}/out")
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(8)]
@@ -109,3 +109,72 @@ def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucke
     assert url.rstrip("/") in msg and "\n" not in msg
     assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
             "denied": "access denied"}[case] in msg
+
+
+# a job that stops for good (until killed) at one point of its uploads: after the Nth object put ("put"), or just
+# before the Nth upload is recorded in run_dir ("record"), then touches the flag file
+STOPPING_JOB = """
+import pathlib, sys, time
+import shardgen.dataio.shards.upload as up
+where, n, flag = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
+calls = []
+def stopping(real):
+    def call(*a, **kw):
+        if where == "record" and "uploaded" not in str(a[0]):
+            return real(*a, **kw)
+        calls.append(1)
+        if where == "put":
+            real(*a, **kw)
+        if len(calls) == n:
+            flag.touch()
+            time.sleep(600)
+        return None if where == "put" else real(*a, **kw)
+    return call
+if where == "put":
+    up.ShardUploader._put = stopping(up.ShardUploader._put)
+else:
+    up.atomic_write_json = stopping(up.atomic_write_json)
+from jobs.generate import run
+from tests.conftest import compose_cfg
+run(compose_cfg(*sys.argv[4:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_during_uploads_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path):
+    """Prompts in the bucket, shards to the bucket with keep_local=false; SIGKILL after a tar's upload (its stats
+    not yet sent) and after a whole upload not yet recorded: the next launch finishes both, each prompt is in
+    exactly one shard of the bucket, no shard there lacks a whole tar, and no tar is left on the local disk."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    put(s3, f"s3://{bucket}/p.txt", "".join(f"prompt {i}\n" for i in range(12)).encode())
+    run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
+    args = [f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt", f"output_uri={out}", "keep_local=false",
+            "samples_per_shard=2", *FAST]
+    for where, n in (("put", 3), ("record", 2)):  # the 2nd shard's tar, not its index; the 2nd shard's record
+        flag = tmp_path / f"stopped-{where}"
+        p = subprocess.Popen([sys.executable, "-c", STOPPING_JOB, where, str(n), str(flag), *args], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            deadline = time.time() + 120
+            while not flag.exists():
+                assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
+                time.sleep(0.05)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
+        if where == "put":  # a tar whose shard is not done (no stats yet): not counted by readers below
+            assert any(x.endswith(".tar") and x.replace(".tar", ".stats.json") not in names for x in names)
+        bucket_samples(s3, out)  # every shard whose stats are listed has its whole tar and index
+    result = run(compose_cfg(*args))
+    assert result.complete and result.ok == 12
+    keys = bucket_samples(s3, out)
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(12)]
+    assert not [p.name for p in (run_dir / "shards").iterdir() if p.suffix in (".tar", ".parquet")]
