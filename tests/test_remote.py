@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import jobs.status
+import jobs.verify
 from jobs.generate import run
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg
@@ -56,7 +58,7 @@ def bucket_samples(s3, url: str) -> dict[str, list[str]]:
     return out
 
 
-def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path):
+def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys):
     run_dir = tmp_path / "run"
     cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/run", "keep_local=false", "prompts.limit=10",
                       "samples_per_shard=4", *FAST)
@@ -68,6 +70,9 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path):
     again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
     assert again.complete and again.generated_here == 0
     assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
+    assert jobs.verify.main([str(run_dir)]) == 0  # reads the tars and indexes back from the bucket
+    assert jobs.status.main([str(run_dir)]) == 0
+    assert "10/10 samples" in capsys.readouterr().out
 
 
 def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):
@@ -134,6 +139,8 @@ if where == "put":
     up.ShardUploader._put = stopping(up.ShardUploader._put)
 else:
     up.atomic_write_json = stopping(up.atomic_write_json)
+import jobs.status
+import jobs.verify
 from jobs.generate import run
 from tests.conftest import compose_cfg
 run(compose_cfg(*sys.argv[4:]))

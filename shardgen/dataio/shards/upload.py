@@ -135,6 +135,19 @@ class ShardUploader:
         return retrying(f"reading {name}", self.uri, get)
 
 
+def fetch_uploaded(run: RunDir, shard: int) -> tuple[bytes, bytes] | None:
+    """(tar, index) of ``shard`` read back from where its upload is recorded, when its local tar is gone
+    (keep_local=false); None when it has no upload record. StorageError when the objects cannot be read."""
+    try:
+        uri = read_json(run.shard_uploaded(shard))["uri"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fs, root = filesystem(uri)
+    name = f"{shard:06d}"
+    return tuple(retrying(f"reading {name}{ext}", uri, lambda ext=ext: fs.cat_file(f"{root.rstrip('/')}/{name}{ext}"))
+                 for ext in (".tar", ".parquet"))
+
+
 def uploaded_elsewhere(run: RunDir, shard: int, tar_bytes: int) -> bool:
     """Whether ``shard``'s tar is absent because it was uploaded (keep_local=false) as committed."""
     try:
