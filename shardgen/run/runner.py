@@ -23,10 +23,10 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir)
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
-                                    check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
+                                    bytes_read, check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
                                     first_missing_dir, is_url, log_to_file_only, owner_record, record_launch)
-from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder, is_video,
-                                    resolve_samples_per_shard, run_provenance, text_windows)
+from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
+                                    is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
 from shardgen.run.progress import Progress
@@ -159,6 +159,9 @@ def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: s
                       truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
     log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
              plan.num_shards, plan.samples_per_shard, run.root)
+    if is_url(source.path):
+        log.info("%s: %d bytes read so far by ranged reads (the file has %d; nothing copied to disk)", source.path,
+                 bytes_read(source.path), plan.meta["prompt_size"] if plan.meta else -1)
     return plan
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable, TypeVar
 
 from shardgen.errors import UserError
@@ -26,6 +27,7 @@ RETRIES = 6          # attempts of one request before a transient error is given
 BACKOFF_S = 0.5      # the first wait; doubled at each retry
 MAX_BACKOFF_S = 16.0
 READ_BLOCK = 4 << 20  # bytes per ranged read of a remote prompt file
+_BYTES_READ: Counter = Counter()  # URL -> bytes fetched by this process
 # error codes of S3 and its look-alikes that no retry changes
 PERMANENT_CODES = {"NoSuchBucket": "the bucket does not exist", "NoSuchKey": "no such object",
                    "AccessDenied": "access denied", "InvalidAccessKeyId": "the access key is not known",
@@ -160,7 +162,13 @@ class RemoteFile(io.RawIOBase):
         buf[:len(data)] = data
         self._pos += len(data)
         self.bytes_read += len(data)
+        _BYTES_READ[self.url] += len(data)
         return len(data)
+
+
+def bytes_read(url: str) -> int:
+    """Bytes of ``url`` this process has fetched so far (ranged reads; a planning scan reports it)."""
+    return _BYTES_READ[url]
 
 
 def open_remote(url: str, buffering: int = READ_BLOCK) -> io.BufferedReader:

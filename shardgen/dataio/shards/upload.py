@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes, read_json
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
+                                           read_json)
 from shardgen.dataio.rundir.remote import StorageError, filesystem, info, retrying
 from shardgen.dataio.shards import index as shard_index
 
@@ -121,7 +122,8 @@ class ShardUploader:
     def _put(self, local) -> None:
         if not local.is_file():
             raise FileNotFoundError(local)
-        retrying(f"uploading {local.name}", self.uri, lambda: self._fs.put_file(str(local), f"{self._root}/{local.name}"))
+        target = f"{self._root}/{local.name}"
+        retrying(f"uploading {local.name}", self.uri, lambda: self._fs.put_file(str(local), target))
 
     def _remote_bytes(self, name: str) -> bytes | None:
         """The object ``name`` under uri, None when there is none."""
