@@ -13,6 +13,7 @@ import pytest
 import jobs.status
 import jobs.verify
 from jobs.generate import run
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg
 from tests.s3_server import ACCESS_DENIED, SECRET
@@ -24,12 +25,22 @@ def put(s3, url: str, data: bytes) -> None:
     s3.fs().pipe(url, data)
 
 
-def test_prompts_from_a_bucket_txt_and_parquet(s3, bucket, tmp_path):
+def test_prompts_from_a_bucket_appended_to_extend_changed_refused_parquet_by_ranges(s3, bucket, tmp_path):
     lines = [f"a prompt number {i}" for i in range(10)]
     put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in lines).encode())
-    result = run(compose_cfg(f"run_dir={tmp_path / 'txt'}", f"prompts.path=s3://{bucket}/captions.txt",
-                             "samples_per_shard=4", *FAST))
-    assert (result.ok, result.complete) == (10, True)
+    txt = compose_cfg(f"run_dir={tmp_path / 'txt'}", f"prompts.path=s3://{bucket}/captions.txt",
+                      "samples_per_shard=4", *FAST)
+    first, again = run(txt), run(txt)
+    assert (first.ok, again.generated_here) == (10, 0)  # the second launch finds the run complete, its file unchanged
+    # the object rewritten with rows appended: the new rows extend the run, as for a local file
+    put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in lines + ["one more", "and another"]).encode())
+    result = run(txt)
+    assert (result.ok, result.generated_here, result.complete) == (12, 2, True)
+    # any other change (here, one row edited, the size unchanged) is refused, naming the URL, before any model
+    put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in ["A" + lines[0][1:]] + lines[1:]
+                                                   + ["one more", "and another"]).encode())
+    with pytest.raises(FingerprintMismatch, match=f"s3://{bucket}/captions.txt: not this run's prompt file"):
+        run(txt)
     buf = pa.BufferOutputStream()
     pq.write_table(pa.table({"prompt": lines, "n": list(range(10))}), buf, row_group_size=3)
     put(s3, f"s3://{bucket}/captions.parquet", buf.getvalue().to_pybytes())

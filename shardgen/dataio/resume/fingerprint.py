@@ -185,6 +185,8 @@ def prompt_file_hash(run: RunDir, path: Path | str) -> tuple[str, dict]:
     Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
     costs 10-30 s with every GPU of the job waiting."""
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
+    if is_url(path) and not (identity.get("etag") or identity.get("modified")):
+        return file_sha256(path), identity  # a server that tells neither: its size alone cannot vouch for the content
     try:
         cached = read_json(run.prompt_hash_path)
         if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
