@@ -52,6 +52,31 @@ def test_prompts_from_a_bucket_appended_to_extend_changed_refused_parquet_by_ran
     assert hashed["path"] == f"s3://{bucket}/captions.parquet" and hashed["etag"]
 
 
+def test_a_large_remote_parquet_is_planned_from_its_footer_and_its_etag_guards_the_rows(s3, bucket, tmp_path):
+    """200k rows planned with a few ranged reads (no row read, no hash pass); the object overwritten later: its rows
+    are refused when a shard is read, naming the URL."""
+    from shardgen.dataio.prompts.read import PromptFileError
+    from shardgen.dataio.rundir import bytes_read
+    from shardgen.run.runner import prepare_run
+
+    n, url = 200_000, f"s3://{bucket}/big.parquet"
+    table = pa.table({"prompt": [f"a photo of thing number {i}" for i in range(n)], "n": list(range(n))})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=20_000)
+    put(s3, url, buf.getvalue().to_pybytes())
+    size = s3.fs().info(url)["size"]
+    plan = prepare_run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts=parquet", f"prompts.path={url}",
+                                   "samples_per_shard=1000", *FAST))
+    assert (plan.num_rows, plan.num_shards) == (n, 200)
+    assert bytes_read(url) < size / 10, f"{bytes_read(url)} of {size} bytes read to plan"
+    assert [r.prompt for r in plan.rows(150)][:2] == [f"a photo of thing number {i}" for i in (150000, 150001)]
+    other = pa.BufferOutputStream()
+    pq.write_table(table.slice(1), other, row_group_size=20_000)
+    put(s3, url, other.getvalue().to_pybytes())  # another object: another ETag
+    with pytest.raises(PromptFileError, match=f"{url}: the prompt file changed since the run was planned"):
+        plan.rows(3)
+
+
 def bucket_samples(s3, url: str) -> dict[str, list[str]]:
     """shard name -> the keys of its tar, over the shards whose stats (the done marker) are in the bucket."""
     import io

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from shardgen.config.launchers import launcher_of
 from shardgen.dataio.prompts import (PromptSource, Shape, TruncationCheck, build_plan, check_prompt_source,
-                                     load_plan, planning_windows, rules_from_cfg, shape_legend)
+                                     detect_format, load_plan, planning_windows, rules_from_cfg, shape_legend)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
@@ -80,7 +80,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
     refused = None
     if old is not None:
-        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model)))
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0], model_version(cfg.model)))
         if diffs and not cfg.allow_fingerprint_change:
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)

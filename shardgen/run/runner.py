@@ -124,9 +124,9 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     if uploader := ShardUploader.from_cfg(cfg, run):
         uploader.check()  # no bucket, no permission: one line naming the URL, before planning or any weight
-    digest, identity = prompt_file_hash(run, path)
-    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
+    digest, identity = prompt_file_hash(run, path, source.format)
+    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
     extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
     resuming = True

@@ -51,6 +51,22 @@ def truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> n
     return None
 
 
+def planned_from_footer(source: PromptSource, check: TruncationCheck | None) -> bool:
+    """Whether ``source`` is planned from its parquet footer alone, no row read: a remote parquet file with an ETag
+    (which identifies its content in the fingerprint, so no pass hashes it), when planning needs nothing of its rows
+    (no token count, no per-row settings). Its rows are then checked when their shard is read."""
+    return (source.format == "parquet" and check is None and not source.row_rules and is_url(source.path)
+            and bool(identity(source.path)["etag"]))
+
+
+def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndarray, int, None]:
+    """(rows, rejects: 0, shard starts, the end row, no digests) of a parquet file from its footer's row count."""
+    n = P.parquet_file(source.path).metadata.num_rows
+    n = min(n, source.limit) if source.limit is not None else n
+    first = np.arange(0, n, per_shard, dtype=np.int64)
+    return n, 0, np.stack([first, first + 1], axis=1), n, None
+
+
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
               shapes: Counter | None = None) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
     """Any format: every row through the reader (those before ``first_row`` planned already); shard starts
@@ -266,6 +282,13 @@ def check_unchanged(path: str, size: int) -> None:
     if now < size:
         raise P.fail(path, 0, f"the prompt file changed since the run was planned ({size} bytes then, {now} now)",
                      "Restore the original file, or start a new run_dir")
+
+
+def check_etag(path: str, etag: str | None) -> None:
+    """A remote prompt file still has the ETag it was planned with (None: not recorded, nothing to check)."""
+    if etag is not None and is_url(path) and identity(path)["etag"] != etag:
+        raise P.fail(path, 0, f"the prompt file changed since the run was planned (ETag {etag} then, "
+                     f"{identity(path)['etag']} now)", "Restore the original object, or start a new run_dir")
 
 
 def file_identity(path: str) -> tuple:
