@@ -14,6 +14,7 @@ import jobs.status
 import jobs.verify
 from jobs.generate import run
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+from shardgen.dataio.rundir import StorageError
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg
 from tests.s3_server import ACCESS_DENIED, SECRET
@@ -128,6 +129,25 @@ def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(8)]
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
     assert not [p for p in files if SECRET.encode() in p.read_bytes()], "a credential was written into the run"
+
+
+def test_uploads_failing_past_the_retries_stop_the_run_and_the_next_launch_finishes_them(s3, bucket, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.RETRIES", 2)
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.BACKOFF_S", 0.05)
+    out = f"s3://{bucket}/out"
+    # a short lease: the claim the failed launch held (this process: alive) is taken over in seconds
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"output_uri={out}", "prompts.limit=6", "samples_per_shard=2",
+                      "lease_s=2", "heartbeat_s=0.5", *FAST)
+    monkeypatch.setattr("shardgen.dataio.shards.upload.ShardUploader.check", lambda self: None)  # down after it
+    s3.proxy.down()
+    with pytest.raises(StorageError, match=f"{out}/: [a-z]+ 000000.stats.json failed 2 times"):
+        run(cfg)
+    s3.proxy.up()
+    result = run(cfg)
+    assert (result.complete, result.generated_here) == (True, 4)  # shard 0 committed before: uploaded, not redone
+    keys = bucket_samples(s3, out)
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(6)]
 
 
 @pytest.mark.parametrize("case", ["output bucket", "prompt object", "denied"])

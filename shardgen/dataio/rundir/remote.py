@@ -76,10 +76,10 @@ def permanent_reason(e: BaseException) -> str | None:
     return None
 
 
-def retrying(what: str, url: str, fn: Callable[[], T], *, attempts: int = RETRIES) -> T:
+def retrying(what: str, url: str, fn: Callable[[], T], *, attempts: int | None = None) -> T:
     """``fn()``, retried with backoff on transient errors (each retry logged); StorageError naming ``url`` on a
-    permanent one, or when the retries are used up."""
-    delay = BACKOFF_S
+    permanent one, or when the ``attempts`` (default RETRIES) are used up."""
+    attempts, delay = attempts or RETRIES, BACKOFF_S
     for attempt in range(1, attempts + 1):
         try:
             return fn()
