@@ -117,8 +117,8 @@ def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path
     lines = [f"prompt {i}" for i in range(8)]
     put(s3, f"s3://{bucket}/p.txt", "".join(p + "\n" for p in lines).encode())
     s3.proxy.fail_next(6)  # 503 SlowDown: more than the S3 client's own attempts (2 in tests) absorb
-    threading.Timer(3.0, s3.proxy.down).start()  # then the server unreachable for 1.5 s, in the middle of the run
-    threading.Timer(4.5, s3.proxy.up).start()
+    threading.Timer(2.0, s3.proxy.down).start()  # then the server unreachable for 1 s, in the middle of the run
+    threading.Timer(3.0, s3.proxy.up).start()
     cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path=s3://{bucket}/p.txt",
                       f"output_uri=s3://{bucket}/out", "samples_per_shard=2", *FAST)
     with caplog.at_level(logging.WARNING, logger="shardgen.storage"):
@@ -172,42 +172,29 @@ def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucke
             "denied": "access denied"}[case] in msg
 
 
-# a job that stops for good (until killed) at one point of its uploads: after the Nth object put ("put"), or just
-# before the Nth upload is recorded in run_dir ("record"), then touches the flag file
+# a job that stops for good (until killed) right after its Nth object upload, then touches the flag file
 STOPPING_JOB = """
 import pathlib, sys, time
 import shardgen.dataio.shards.upload as up
-where, n, flag = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
-calls = []
-def stopping(real):
-    def call(*a, **kw):
-        if where == "record" and "uploaded" not in str(a[0]):
-            return real(*a, **kw)
-        calls.append(1)
-        if where == "put":
-            real(*a, **kw)
-        if len(calls) == n:
-            flag.touch()
-            time.sleep(600)
-        return None if where == "put" else real(*a, **kw)
-    return call
-if where == "put":
-    up.ShardUploader._put = stopping(up.ShardUploader._put)
-else:
-    up.atomic_write_json = stopping(up.atomic_write_json)
-import jobs.status
-import jobs.verify
+n, flag, real, calls = int(sys.argv[1]), pathlib.Path(sys.argv[2]), up.ShardUploader._put, []
+def put(*a, **kw):
+    real(*a, **kw)
+    calls.append(1)
+    if len(calls) == n:
+        flag.touch()
+        time.sleep(600)
+up.ShardUploader._put = put
 from jobs.generate import run
 from tests.conftest import compose_cfg
-run(compose_cfg(*sys.argv[4:]))
+run(compose_cfg(*sys.argv[3:]))
 """
 
 
 @pytest.mark.slow
-def test_sigkilled_during_uploads_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path):
-    """Prompts in the bucket, shards to the bucket with keep_local=false; SIGKILL after a tar's upload (its stats
-    not yet sent) and after a whole upload not yet recorded: the next launch finishes both, each prompt is in
-    exactly one shard of the bucket, no shard there lacks a whole tar, and no tar is left on the local disk."""
+def test_sigkilled_during_an_upload_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path):
+    """Prompts in the bucket, shards to the bucket with keep_local=false; SIGKILL after a tar's upload (its index
+    and stats not yet sent): the next launch finishes it, each prompt is in exactly one shard of the bucket, no
+    shard there lacks a whole tar, and no tar is left on the local disk."""
     import os
     import signal
     import subprocess
@@ -220,24 +207,51 @@ def test_sigkilled_during_uploads_then_resumed_every_prompt_once_in_the_bucket(s
     run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
     args = [f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt", f"output_uri={out}", "keep_local=false",
             "samples_per_shard=2", *FAST]
-    for where, n in (("put", 3), ("record", 2)):  # the 2nd shard's tar, not its index; the 2nd shard's record
-        flag = tmp_path / f"stopped-{where}"
-        p = subprocess.Popen([sys.executable, "-c", STOPPING_JOB, where, str(n), str(flag), *args], cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        try:
-            deadline = time.time() + 120
-            while not flag.exists():
-                assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
-                time.sleep(0.05)
-        finally:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-        names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
-        if where == "put":  # a tar whose shard is not done (no stats yet): not counted by readers below
-            assert any(x.endswith(".tar") and x.replace(".tar", ".stats.json") not in names for x in names)
-        bucket_samples(s3, out)  # every shard whose stats are listed has its whole tar and index
+    flag = tmp_path / "stopped"
+    p = subprocess.Popen([sys.executable, "-c", STOPPING_JOB, "3", str(flag), *args], cwd=ROOT,  # shard 1's tar
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 120
+        while not flag.exists():
+            assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
+    assert "000001.tar" in names and "000001.stats.json" not in names  # not done there yet: readers skip it
+    assert list(bucket_samples(s3, out)) == ["000000"]
     result = run(compose_cfg(*args))
     assert result.complete and result.ok == 12
     keys = bucket_samples(s3, out)
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(12)]
     assert not [p.name for p in (run_dir / "shards").iterdir() if p.suffix in (".tar", ".parquet")]
+
+
+def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,
+                                                                                           monkeypatch):
+    import hashlib
+
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.dataio.shards.upload import ShardUploader
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.shards_dir.mkdir(parents=True)
+    tar = b"t" * 2048
+    run_dir.shard_tar(0).write_bytes(tar)
+    (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
+    run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
+    uploader = ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False)
+
+    def killed(*a):
+        raise KeyboardInterrupt  # as a kill between the stats upload and the record
+
+    monkeypatch.setattr("shardgen.dataio.shards.upload.atomic_write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        uploader.upload(0)
+    monkeypatch.undo()
+    assert run_dir.shard_tar(0).exists() and uploader.pending() == [0]  # nothing deleted before the record
+    sent = []
+    monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
+    assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
+    assert not run_dir.shard_tar(0).exists()
