@@ -109,7 +109,8 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys):
     assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
     assert jobs.verify.main([str(run_dir)]) == 0  # reads the tars and indexes back from the bucket
     assert jobs.status.main([str(run_dir)]) == 0
-    assert "10/10 samples" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "10/10 samples" in out and f"uploads  3 of 3 committed shards in s3://{bucket}/run/" in out
 
 
 def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):

@@ -137,6 +137,19 @@ class ShardUploader:
         return retrying(f"reading {name}", self.uri, get)
 
 
+def upload_state(run: RunDir) -> dict | None:
+    """Where the run uploads its shards and how many committed shards have a recorded upload (from one listing of
+    shards/); None for a run without output_uri."""
+    try:
+        uri = read_json(run.output_uri_path)["output_uri"]
+        names = os.listdir(run.shards_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    done = {n[:6] for n in names if n.endswith(".stats.json")}
+    return dict(uri=uri, uploaded=sum(n.endswith(".uploaded.json") and n[:6] in done for n in names),
+                committed=len(done))
+
+
 def fetch_uploaded(run: RunDir, shard: int) -> tuple[bytes, bytes] | None:
     """(tar, index) of ``shard`` read back from where its upload is recorded, when its local tar is gone
     (keep_local=false); None when it has no upload record. StorageError when the objects cannot be read."""
