@@ -14,6 +14,7 @@ import jobs.status
 import jobs.verify
 from jobs.generate import run
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+from shardgen.config.validate import ConfigError
 from shardgen.dataio.rundir import StorageError
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg
@@ -256,3 +257,11 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
     assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
     assert not run_dir.shard_tar(0).exists()
+
+
+@pytest.mark.parametrize("key", ["output_uri", "prompts.path"])
+def test_a_url_with_a_password_is_refused_before_anything_is_written(tmp_path, key):
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"{key}=https://me:hunter2@example.org/data/p.txt", *FAST)
+    with pytest.raises(ConfigError, match=f"{key}: a URL with a password in it would be written"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
@@ -94,6 +95,10 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
+    for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
+        _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
+              f"{key}: a URL with a password in it would be written into the run directory and its logs; give "
+              "the credentials through the environment or the storage client's config files instead")
     _need(cfg.keep_local or bool(cfg.output_uri), "keep_local=false deletes local shards once uploaded: set output_uri "
           "too (output_uri=s3://bucket/run/), or keep_local=true")
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
