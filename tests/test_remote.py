@@ -146,8 +146,10 @@ def test_uploads_failing_past_the_retries_stop_the_run_and_the_next_launch_finis
     with pytest.raises(StorageError, match=f"{out}/: [a-z]+ 000000.stats.json failed 2 times"):
         run(cfg)
     s3.proxy.up()
+    committed = len(list((tmp_path / "run" / "shards").glob("*.stats.json")))  # uploads run beside generation
+    assert committed >= 1 and not list((tmp_path / "run" / "shards").glob("*.uploaded.json"))
     result = run(cfg)
-    assert (result.complete, result.generated_here) == (True, 4)  # shard 0 committed before: uploaded, not redone
+    assert (result.complete, result.generated_here) == (True, 6 - 2 * committed)  # uploaded now, not made again
     keys = bucket_samples(s3, out)
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(6)]
 

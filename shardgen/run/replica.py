@@ -73,7 +73,7 @@ class ReplicaWorker:
     sink: ShardSink | None = None          # leader only
     claimer: Claimer | None = None         # leader only
     on_samples: Callable[[int], None] = lambda n: None
-    on_commit: Callable[[int], None] = lambda shard: None  # leader, on the writer: after a shard's commit (its upload)
+    uploader: Any = None                   # leader with output_uri: a ShardUploader, on its own thread
     progress: Any = None                   # leader of replica 0: the progress bar
     on_batch: Callable[[str, "ReplicaWorker"], None] | None = None  # run_rank's hook: "start"/"end" of a batch
     poll_s: float = 2.0
@@ -101,10 +101,10 @@ class ReplicaWorker:
         self.close()
 
     def close(self) -> None:
-        """Make every handed-over batch durable (the sink commits and releases its shards), then stop the
-        watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
+        """Make every handed-over batch durable (the sink commits and releases its shards), wait for the uploads,
+        then stop the watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
         with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
-            for part in (self.progress, self.claimer, self.watchdog, self.sink):
+            for part in (self.progress, self.claimer, self.watchdog, self.uploader, self.sink):  # the sink first
                 if part is not None:
                     stack.callback(part.close)
 
@@ -337,7 +337,8 @@ class ReplicaWorker:
         record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
-        self.on_commit(shard)
+        if self.uploader is not None:
+            self.uploader.submit(shard)
 
     def _check_broken(self, samples) -> None:
         generated = [s for s in samples if s.status != "rejected"]

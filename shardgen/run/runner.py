@@ -295,8 +295,7 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                                 encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
-        if uploader := ShardUploader.from_cfg(cfg, plan.run):
-            worker.on_commit = uploader.upload
+        worker.uploader = ShardUploader.from_cfg(cfg, plan.run)
         if ctx.index == 0 and cfg.progress:
             worker.progress = Progress(plan, unit="video" if is_video(cfg) else "img")
             worker.on_samples = worker.progress.advance

@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
@@ -26,6 +28,7 @@ from shardgen.dataio.rundir.remote import StorageError, filesystem, info, retryi
 from shardgen.dataio.shards import index as shard_index
 
 log = logging.getLogger("shardgen.upload")
+MAX_WAITING = 4  # committed shards waiting for their upload before a commit waits (bounds the local disk)
 
 
 @dataclass
@@ -35,10 +38,42 @@ class ShardUploader:
     run: RunDir
     uri: str
     keep_local: bool = True
+    _queue: queue.Queue = field(default_factory=lambda: queue.Queue(MAX_WAITING), init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _error: BaseException | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.uri = self.uri.rstrip("/") + "/"
         self._fs, self._root = filesystem(self.uri)
+
+    def submit(self, shard: int) -> None:
+        """Upload ``shard`` on the uploader's thread (started on first use), so that generation never waits on the
+        network; waits only while MAX_WAITING shards are queued. Re-raises an earlier upload's error."""
+        self._raise_if_failed()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="shardgen-upload", daemon=True)
+            self._thread.start()
+        self._queue.put(shard)
+
+    def close(self) -> None:
+        """Wait for the queued uploads; re-raise the first error (what it left is uploaded by the next launch)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while (shard := self._queue.get()) is not None:
+            if self._error is None:  # after an error the rest waits for the next launch
+                try:
+                    self.upload(shard)
+                except BaseException as e:  # surfaced by the next submit or close
+                    self._error = e
 
     @classmethod
     def from_cfg(cls, cfg: Any, run: RunDir) -> "ShardUploader | None":
