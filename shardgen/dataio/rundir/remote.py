@@ -120,7 +120,7 @@ def identity(url: str) -> dict:
     """What identifies the content of a remote file without reading it: its URL, size, ETag (or checksum, as the
     store names it) and modification time. Equal identities: the same bytes (an overwrite changes the ETag)."""
     meta = info(url)
-    tag = next((meta[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "checksum", "sha256") if meta.get(k)), None)
+    tag = next((meta[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "checksum", "sha256") if meta.get(k)), None)
     modified = meta.get("LastModified") or meta.get("mtime") or meta.get("updated")
     return dict(path=url, size=int(meta.get("size") or 0), etag=str(tag) if tag is not None else None,
                 modified=str(modified) if modified is not None else None)
