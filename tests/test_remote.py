@@ -104,7 +104,7 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys):
     keys = bucket_samples(s3, f"s3://{bucket}/run")
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(10)]
     local = sorted(p.name for p in (run_dir / "shards").iterdir())
-    assert local == [f"00000{i}.{ext}" for i in range(3) for ext in ("stats.json", "uploaded.json")]
+    assert local == [f"00000{i}.{ext}" for i in range(3) for ext in ("parquet", "stats.json", "uploaded.json")]
     again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
     assert again.complete and again.generated_here == 0
     assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
@@ -229,7 +229,7 @@ def test_sigkilled_during_an_upload_then_resumed_every_prompt_once_in_the_bucket
     assert result.complete and result.ok == 12
     keys = bucket_samples(s3, out)
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(12)]
-    assert not [p.name for p in (run_dir / "shards").iterdir() if p.suffix in (".tar", ".parquet")]
+    assert not list((run_dir / "shards").glob("*.tar"))
 
 
 def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,

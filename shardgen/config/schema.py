@@ -237,8 +237,8 @@ class OutputConfig:
     """Where committed shards are uploaded besides run_dir/shards (an fsspec URL: s3://bucket/run/, gs://...):
     tar, index, then stats (the done marker, last); null = run_dir only. Claims and heartbeats stay in run_dir."""
     keep_local: bool = True
-    """With output_uri: false deletes a shard's local tar and index once its upload is confirmed (its stats stay:
-    the run's done marker), bounding the node's disk."""
+    """With output_uri: false deletes a shard's local tar once its upload is confirmed (its small index and stats
+    stay: the run's done marker, what status/report/dedup read), bounding the node's disk."""
 
 
 @dataclass(kw_only=True)

@@ -272,8 +272,8 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
         stats = read_shard_stats(run, shard)
     except RunDirError as e:
         return str(e)
-    if not has_tar and uploaded_elsewhere(run, shard, stats["tar_bytes"]):
-        return None  # uploaded to output_uri, then deleted here (keep_local=false)
+    if not has_tar and uploaded_elsewhere(run, shard, stats["tar_bytes"]):  # deleted once uploaded (keep_local=false)
+        return shard_index.index_problem(run, shard, stats["count"])
     if not has_tar or tar.is_symlink():
         return f"{tar.name} is missing"
     size = tar.lstat().st_size

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from shardgen.dataio.prompts.samplejson import input_fields
 from shardgen.dataio.rundir.layout import RunDir, shard_name, temp_path
@@ -162,27 +162,24 @@ def write_index(final: Path, rows: list[dict]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None, source: Any = None) -> list[dict]:
-    """The committed index rows of ``shard`` (empty if it has no index file); ``source``: the index's bytes as a
-    file object (a shard uploaded to output_uri and deleted here) instead of its file."""
+def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) -> list[dict]:
+    """The committed index rows of ``shard`` (empty if it has no index file)."""
     import pyarrow.parquet as pq
 
-    path = index_path(run, shard) if source is None else source
-    if source is None and not path.exists():
+    path = index_path(run, shard)
+    if not path.exists():
         return []
     return pq.read_table(path, columns=list(columns) if columns else None).to_pylist()
 
 
-def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, bytes]],
-                      index: Any = None) -> tuple[dict, list[str]]:
+def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, bytes]]) -> tuple[dict, list[str]]:
     """Every committed record of ``shard`` (the tar's samples plus the index's failed and rejected
     ones, as {"txt", "json"} like ``verify.read_shard_members`` gives) and the index's defects:
-    a missing index, a key in both places, an index row without its tar sample or the reverse. ``index``: the
-    index's bytes as a file object instead of its file (``read_index``)."""
-    if index is None and not index_path(run, shard).exists():
+    a missing index, a key in both places, an index row without its tar sample or the reverse."""
+    if not index_path(run, shard).exists():
         return dict(tar_members), [f"no index {index_path(run, shard).name}"]
     try:
-        rows = read_index(run, shard, ("key", "prompt", "status", "json"), index)
+        rows = read_index(run, shard, ("key", "prompt", "status", "json"))
     except Exception as e:  # a damaged parquet file: pyarrow raises several kinds of error
         return dict(tar_members), [f"unreadable index {index_path(run, shard).name} ({type(e).__name__}: {e})"]
     problems = []

@@ -4,8 +4,8 @@ A shard is committed in run_dir/shards as always (shardwork.py), then uploaded: 
 (the done marker, last), each object under the shard's own name (``NNNNNN.tar``, ``.parquet``, ``.stats.json``). An
 object store publishes an object whole when its upload completes, so a reader of the bucket sees a shard's tar
 complete or not at all, and its stats only once tar and index are there. After the tar's size is confirmed on the
-server, ``shards/NNNNNN.uploaded.json`` records the upload; with ``keep_local=false`` the local tar and index are
-then deleted (the stats stay: they are the run's done marker). A shard committed but not recorded as uploaded (a
+server, ``shards/NNNNNN.uploaded.json`` records the upload; with ``keep_local=false`` the local tar is then deleted
+(its index and stats stay: small, the run's done marker and what status, report and dedup read). A shard committed but not recorded as uploaded (a
 kill during its upload) is uploaded again by the next launch, to the same names. Claims, heartbeats and
 checkpoints stay in run_dir.
 """
@@ -124,7 +124,7 @@ class ShardUploader:
 
     def upload(self, shard: int) -> None:
         """Upload ``shard`` (tar, index, then stats), confirm the tar's size, record it; with keep_local=false
-        delete the local tar and index. Nothing to do when it is recorded already."""
+        delete the local tar. Nothing to do when it is recorded already."""
         if self.uploaded(shard):
             return
         run, name = self.run, f"{shard:06d}"
@@ -146,9 +146,8 @@ class ShardUploader:
             raise
         atomic_write_json(run.shard_uploaded(shard), dict(uri=self.uri, sha256=stats["sha256"],
                                                           tar_bytes=stats["tar_bytes"], time=time.time()))
-        if not self.keep_local:
+        if not self.keep_local:  # the index stays: small, and what status, report and dedup read
             run.shard_tar(shard).unlink(missing_ok=True)
-            shard_index.index_path(run, shard).unlink(missing_ok=True)
         log.info("shard %s uploaded to %s", name, self.uri)
 
     def _url(self, name: str) -> str:
@@ -185,17 +184,16 @@ def upload_state(run: RunDir) -> dict | None:
                 committed=len(done))
 
 
-def fetch_uploaded(run: RunDir, shard: int) -> tuple[bytes, bytes] | None:
-    """(tar, index) of ``shard`` read back from where its upload is recorded, when its local tar is gone
-    (keep_local=false); None when it has no upload record. StorageError when the objects cannot be read."""
+def fetch_uploaded(run: RunDir, shard: int) -> bytes | None:
+    """The tar of ``shard`` read back from where its upload is recorded (its local copy deleted: keep_local=false);
+    None when it has no upload record. StorageError when it cannot be read."""
     try:
         uri = read_json(run.shard_uploaded(shard))["uri"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     fs, root = filesystem(uri)
-    name = f"{shard:06d}"
-    return tuple(retrying(f"reading {name}{ext}", uri, lambda ext=ext: fs.cat_file(f"{root.rstrip('/')}/{name}{ext}"))
-                 for ext in (".tar", ".parquet"))
+    name = f"{shard:06d}.tar"
+    return retrying(f"reading {name}", uri, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
 
 
 def uploaded_elsewhere(run: RunDir, shard: int, tar_bytes: int) -> bool:

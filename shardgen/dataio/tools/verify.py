@@ -157,7 +157,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     rep.shards_checked += 1
     uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None  # keep_local=false: in the bucket
     if uploaded is not None:
-        tar, index = io.BytesIO(uploaded[0]), io.BytesIO(uploaded[1])
+        tar = io.BytesIO(uploaded)
     elif tar.is_symlink() or not tar.is_file():
         rep.bad_shards[shard] = "tar"
         rep.defects.append(f"{name}: {tar} is {'a symlink' if tar.is_symlink() else 'missing'}")
@@ -174,7 +174,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.bad_shards[shard] = "tar"
         rep.defects.append(f"{name}: unreadable tar {run.shard_tar(shard)} ({e})")
         return
-    members, problems = committed_samples(run, shard, members, index if uploaded else None)  # + failed/rejected
+    members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
     rep.defects += [f"{name}: {p}" for p in problems]
     if problems:  # the index and the tar disagree: --repair regenerates the shard (or rebuilds its stats)
         rep.bad_shards[shard] = "tar"
@@ -188,7 +188,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     got = set(members)
     if got != expected:
         rep.defects.append(f"{name}: {len(expected - got)} prompt indices missing, {len(got - expected)} unexpected keys")
-    if st is not None and "sha256" in st and st["sha256"] != (hashlib.sha256(uploaded[0]).hexdigest() if uploaded
+    if st is not None and "sha256" in st and st["sha256"] != (hashlib.sha256(uploaded).hexdigest() if uploaded
                                                              else file_sha256(tar)):
         rep.defects.append(f"{name}: {run.shard_tar(shard).name} does not match the sha256 in its stats (damaged "
                            "after its commit)")
