@@ -1,7 +1,7 @@
 """Files at fsspec URLs (``s3://``, ``gs://``, ``hf://``, ``https://``): reading a prompt file, writing shards.
 
-A local path never comes through here (the callers open it with ``open`` as before). A remote file is read
-through ranged requests (``RemoteFile``: a seekable file object whose reads are byte ranges), never copied to
+``open_input`` and ``sizeof`` take a local path (opened as before) or a URL; a remote file is read through ranged
+requests (``RemoteFile``: a seekable file object whose reads are byte ranges), never copied to
 local disk first. Credentials come from where each filesystem looks for them (for S3: the environment, the
 AWS config files, an instance role); nothing here writes or logs them.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import time
 from collections import Counter
 from typing import Any, Callable, TypeVar
@@ -178,8 +179,6 @@ def open_remote(url: str, buffering: int = READ_BLOCK) -> io.BufferedReader:
 
 def sizeof(path: Any) -> int:
     """A file's size in bytes, local or remote."""
-    import os
-
     return identity(str(path))["size"] if is_url(path) else os.path.getsize(path)
 
 
