@@ -237,7 +237,7 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     import hashlib
 
     from shardgen.dataio.rundir.layout import RunDir
-    from shardgen.dataio.shards.upload import ShardUploader
+    from shardgen.dataio.shards.upload import ShardUploader, committed_tar
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.shards_dir.mkdir(parents=True)
@@ -259,6 +259,7 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
     assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
     assert not run_dir.shard_tar(0).exists()
+    assert committed_tar(run_dir, 0).read() == tar  # what retry_failed and jobs.signals read: from the bucket
 
 
 @pytest.mark.parametrize("key", ["output_uri", "prompts.path"])

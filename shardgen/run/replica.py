@@ -19,7 +19,7 @@ from typing import Any, Callable
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, record_commit, scan_claims
-from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples
+from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples, committed_tar
 from shardgen.dataio.tools import read_shard_members
 from shardgen.run.generation import GenSettings, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
@@ -131,7 +131,7 @@ class ReplicaWorker:
                 continue
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
-            self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
+            self._old, _ = committed_samples(run, shard, read_shard_members(committed_tar(run, shard)))
             self._work = self._open(shard, gen, replaces=True)
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed

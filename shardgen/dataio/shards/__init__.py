@@ -20,11 +20,12 @@ if TYPE_CHECKING:
     from .signals import Signals
     from .sink import ShardSink
     from .sizing import resolve_samples_per_shard
-    from .upload import ShardUploader, fetch_uploaded, upload_state, uploaded_elsewhere
+    from .upload import ShardUploader, committed_tar, fetch_uploaded, upload_state, uploaded_elsewhere
     from .video import VIDEO_EXT, VideoEncoder, decode_video, encode_video, is_video, preview_png, validate_video_config
 
 __all__ = ["IMAGE_EXTS", "Sample", "SampleAnnotator", "ShardSink", "ShardUploader", "ShardWork", "Signals",
-           "VIDEO_EXT", "VideoEncoder", "committed_samples", "decode_video", "durable_partial", "encode_video",
-           "fetch_uploaded", "image_ext", "is_video", "preview_png", "resolve_samples_per_shard", "run_provenance",
-           "sample_bytes_estimate", "text_windows", "upload_state", "uploaded_elsewhere", "validate_video_config"]
+           "VIDEO_EXT", "VideoEncoder", "committed_samples", "committed_tar", "decode_video", "durable_partial",
+           "encode_video", "fetch_uploaded", "image_ext", "is_video", "preview_png", "resolve_samples_per_shard",
+           "run_provenance", "sample_bytes_estimate", "text_windows", "upload_state", "uploaded_elsewhere",
+           "validate_video_config"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

@@ -12,6 +12,7 @@ checkpoints stay in run_dir.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -194,6 +195,15 @@ def fetch_uploaded(run: RunDir, shard: int) -> bytes | None:
     fs, root = filesystem(uri)
     name = f"{shard:06d}.tar"
     return retrying(f"reading {name}", uri, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
+
+
+def committed_tar(run: RunDir, shard: int) -> Any:
+    """The committed tar of ``shard`` to read: its local file, or, when that was deleted once uploaded
+    (keep_local=false), its bytes from the bucket as a file object."""
+    path = run.shard_tar(shard)
+    if not os.path.lexists(path) and (data := fetch_uploaded(run, shard)) is not None:
+        return io.BytesIO(data)
+    return path
 
 
 def uploaded_elsewhere(run: RunDir, shard: int, tar_bytes: int) -> bool:
