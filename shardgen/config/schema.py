@@ -144,7 +144,8 @@ class PromptsConfig:
     """The prompt file and how to read it."""
 
     path: str = MISSING
-    """The prompt file (mandatory for every prompts option but default: prompts=parti prompts.path=FILE)."""
+    """The prompt file (mandatory for every prompts option but default: prompts=parti prompts.path=FILE), or its
+    fsspec URL (s3://bucket/captions.parquet, gs://, hf://, https://; read by ranged requests)."""
     format: str = "auto"
     """auto (by extension) | txt | jsonl | csv | tsv | parquet"""
     field: str = "prompt"

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {
-    "prompts.path": "prompts.path=FILE, the prompt file to read (a relative path is taken from the current directory)",
+    "prompts.path": "prompts.path=FILE, the prompt file to read (a relative path is taken from the current directory; "
+                    "a URL such as s3://bucket/captions.parquet is read where it is)",
     "signals.clip.model": "signals.clip.model=PATH, a transformers CLIPModel directory with its processor files "
                           "(or leave clip out of signals=[...])",
     "model.source": "model.source=HUB_ID_OR_DIR, the diffusers pipeline to load (safetensors only)",
