@@ -96,7 +96,7 @@ def bucket_samples(s3, url: str) -> dict[str, list[str]]:
     return out
 
 
-def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys):
+def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/run", "keep_local=false", "prompts.limit=10",
                       "samples_per_shard=4", *FAST)
@@ -112,6 +112,18 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys):
     assert jobs.status.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "10/10 samples" in out and f"uploads  3 of 3 committed shards in s3://{bucket}/run/" in out
+    # the README's snippets, reading the bucket
+    import fsspec
+    import webdataset as wds
+    from datasets import load_dataset
+    from webdataset.gopen import gopen_schemes
+
+    monkeypatch.setitem(gopen_schemes, "s3", lambda url, mode="rb", bufsize=8192, **kw: fsspec.open(url, mode).open())
+    ds = wds.WebDataset(f"s3://{bucket}/run/{{000000..000002}}.tar", shardshuffle=False).decode("pil")
+    assert sorted(s["json"]["index"] for s in ds) == list(range(10))
+    hf = load_dataset("webdataset", data_files={"train": f"s3://{bucket}/run/*.tar"}, split="train",
+                      cache_dir=str(tmp_path / "hf"))
+    assert hf.num_rows == 10
 
 
 def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):
