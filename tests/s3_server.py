@@ -42,7 +42,8 @@ def free_port() -> int:
 @dataclass
 class FaultProxy:
     """TCP proxy to ``target``: ``down()`` drops every connection and refuses new ones until ``up()``;
-    ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``)."""
+    ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``), counted from 0 in
+    ``served_errors``."""
 
     target: int
     port: int = field(default_factory=free_port)
@@ -66,7 +67,7 @@ class FaultProxy:
         self.is_down = False
 
     def fail_next(self, n: int, answer: bytes = SLOW_DOWN) -> None:
-        self.errors_left, self.answer = n, answer
+        self.errors_left, self.answer, self.served_errors = n, answer, 0
         self._drop_all()  # pooled connections would bypass the faults
 
     def _drop_all(self) -> None:
