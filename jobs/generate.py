@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import hydra
 
@@ -25,6 +26,15 @@ log = logging.getLogger("shardgen")
 
 def run(cfg: GenerateConfig):
     """Run or submit the job described by a composed config (tests call this directly)."""
+    from shardgen.dataio.prompts import prompt_file_path
+    from shardgen.dataio.resume.fingerprint import refuse_changed_settings
+    from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
+
+    # a run_dir shardgen may not write to, or a resume with other settings, is refused in a moment, before torch loads
+    check_run_dir_text(cfg.run_dir)
+    run_dir = RunDir(Path(cfg.run_dir).absolute())
+    if not check_run_root(run_dir.root) and not cfg.dry_run:  # an existing run (a dry run reports a refusal)
+        refuse_changed_settings(cfg, run_dir, prompt_file_path(cfg.prompts.path))
     from shardgen.launch.local import launch_local, launched_by_torchrun
     from shardgen.run.runner import run_rank
     from shardgen.config.validate import validate_config
@@ -46,6 +56,17 @@ def run(cfg: GenerateConfig):
     return run_rank(cfg)
 
 
+def interrupted_message(run_dir: str, command: str) -> str:
+    """What an interrupted launch tells: resumable once the run exists (its fingerprint written), otherwise that
+    nothing was written (a new run interrupted while planning is removed again)."""
+    from shardgen.dataio.rundir import RunDir
+
+    if not RunDir(Path(run_dir).absolute()).fingerprint_path.is_file():
+        return (f"interrupted before {run_dir} held a run: nothing was written. Run the command again to start:\n"
+                f"  {command}")
+    return f"interrupted. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
@@ -56,8 +77,8 @@ def main(cfg: GenerateConfig) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        log.error("interrupted. %s is resumable: re-run the same command to continue where it stopped:\n  %s",
-                  cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate", *sys.argv[1:]]))
+        log.error("%s", interrupted_message(cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate",
+                                                                     *sys.argv[1:]])))
         sys.exit(130)
     except Exception as e:
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
@@ -66,5 +87,23 @@ def main(cfg: GenerateConfig) -> None:
         raise
 
 
+def refuse_unknown_overrides(argv: list[str]) -> None:
+    """Exit with one line when an override names no key or group option (Hydra would add ``+key`` silently, and
+    answer a wrong option with its search path)."""
+    from shardgen.config.overrides import check_overrides
+
+    try:  # Hydra's own command-line parser (the overrides among its flags); a Hydra without it checks them itself
+        from hydra._internal.utils import get_args_parser
+
+        args, _ = get_args_parser().parse_known_args(argv)
+    except (ImportError, AttributeError, SystemExit):
+        return
+    problem = check_overrides(list(args.overrides or ()))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:])
     main()

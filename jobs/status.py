@@ -2,7 +2,7 @@
 rate, what each claim holder is doing, the last error in the rank logs, failures by reason, images per shape
 (width x height [x frames]) when rows set their own size (prompts.row_settings).
 
-    python -m jobs.status RUN_DIR [--shards] [--json]
+    python -m jobs.status RUN_DIR [--shards] [--json | --prometheus]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import plan_for_tool, run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
-from shardgen.dataio.tools import run_status, tool_errors
+from shardgen.dataio.tools import run_metrics, run_status, tool_errors
 
 
 def _fmt_s(s: float | None) -> str:
@@ -84,6 +84,8 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
                   f"by {c['host'] or '?'} pid {c['pid'] or '?'} job {c['job'] or '-'} replica {c['replica']}")
     if err := st["last_error"]:
         print(f"  last error  rank {err['rank']} at {err['time']} ({err['level']}, {err['logger']}): {err['message']}")
+    if (warn := st["last_warning"]) and st["state"] != "complete":  # a finished run's warnings are in its counts
+        print(f"  last warning  rank {warn['rank']} at {warn['time']} ({warn['logger']}): {warn['message']}")
     state = {"complete": "COMPLETE", "running": "in progress / resumable",
              "stopped": "stopped (no live claim) / resumable: re-run the generate command",
              "not started": "not started / resumable"}[st["state"]]
@@ -91,20 +93,23 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
 
 
 @tool_errors
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     ap.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
+    ap.add_argument("--prometheus", action="store_true",
+                    help="the run's figures and every rank's counters (metrics/*.prom) in Prometheus' text format")
     args = ap.parse_args(argv)
     plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
     st = run_status(plan, run_lease_s(plan.run))
-    if args.json:
+    if args.prometheus:
+        sys.stdout.write(run_metrics(st, plan).decode())
+    elif args.json:
         print(json.dumps(st, indent=1, sort_keys=True))
     else:
         print_status(st, args.run_dir, args.shards)

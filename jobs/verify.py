@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  UNFINISHED", line)
     if len(rep.unfinished) > args.max_lines:
         print(f"  ... and {len(rep.unfinished) - args.max_lines} more")
+    if rep.earlier_settings:
+        print(f"  NOTE     {sum(rep.earlier_settings.values())} samples were made with settings the run had before "
+              f"allow_fingerprint_change ({', '.join(f'{n} with {s}' for s, n in rep.earlier_settings.items())}; "
+              "fingerprint_changes.jsonl): kept, --repair leaves them. To make them again with the current "
+              "settings, delete their shards' .tar and .stats.json and re-run the generate command")
     if rep.ok:
         print("OK: every prompt index exactly once, every tar readable and unchanged, every sample as planned, "
               "counts match")

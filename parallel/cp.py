@@ -17,6 +17,7 @@ import torch
 
 from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims
+from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ def enable(transformer: Any, dims: ParallelDims, device: torch.device) -> None:
 
 
 def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
-    """The whole pipeline on this rank's device, its transformer context-parallel."""
-    pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+    """The whole pipeline on this rank's device, with the run's LoRA adapters, its transformer context-parallel."""
+    pipe = lora.apply(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device), cfg)
     enable(pipe.transformer, dims, world.device)
     extra = " (anything)" if dims.ulysses_anything or dims.ring_anything else ""
     log.info("context parallel: ulysses %d x ring %d%s, attention backend %s", dims.ulysses, dims.ring, extra,

@@ -20,6 +20,7 @@ import torch
 from parallel.transformer import load_transformer
 from shardgen.config.sizes import GiB, parse_bytes
 from shardgen.families import families, family_of
+from shardgen.models import lora
 from shardgen.models.loader import ModelLoadError, load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> StagedPipeli
     torch.cuda.set_device(gpus[0])
     caps = memory_caps(cfg.strategy.max_memory, gpus)
     log.info("device_map: replica on GPUs %s, max_memory %s", gpus, {g: f"{c / GiB:.1f}GiB" for g, c in caps.items()})
-    pipe = _load(cfg, gpus, caps)
+    pipe = lora.apply(_load(cfg, gpus, caps), cfg)  # fused where each weight lives
     offloaded = place(pipe, gpus, caps)
     # the pipeline makes its latents on the device of its first GPU-resident component: decode there too
     device = pipe._execution_device

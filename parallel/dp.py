@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -13,8 +14,9 @@ if TYPE_CHECKING:
 
 
 def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
-    """Load the whole pipeline onto this rank's device (with ``strategy.attention_backend``, if set)."""
-    pipe = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+    """Load the whole pipeline onto this rank's device, with the run's LoRA adapters (``model.loras``) and
+    ``strategy.attention_backend``, if set."""
+    pipe = lora.apply(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device), cfg)
     if dims.attention_backend:
         pipe.transformer.set_attention_backend(dims.attention_backend)
     return pipe

@@ -24,12 +24,14 @@ class MemoryCheckError(UserError, MemoryError):
     """The model's weights do not fit the memory of the device they are built on."""
 
 
-def weights_per_process(params: dict[str, int], dtype_bytes: int, dims: ParallelDims) -> int:
-    """Bytes of weights one process holds: tp splits the transformer(s) over the replica's ranks, device_map
-    spreads the whole pipeline over its GPUs; dp and cp hold all of it."""
+def weights_per_process(params: dict[str, int], dtype_bytes: int, dims: ParallelDims, fused_whole: bool = False
+                        ) -> int:
+    """Bytes of weights one process holds: tp splits the transformer(s) over the replica's ranks (unless
+    ``fused_whole``: LoRA adapters are fused into the whole transformer before tp shards it), device_map spreads the
+    whole pipeline over its GPUs; dp and cp hold all of it."""
     transformer = sum(n for k, n in params.items() if k.startswith("transformer"))  # Wan 2.2: two experts
     others = sum(params.values()) - transformer
-    if dims.strategy == "tp":
+    if dims.strategy == "tp" and not fused_whole:
         transformer //= max(1, dims.tp)
     total = (transformer + others) * dtype_bytes
     if dims.strategy == "device_map":
@@ -58,11 +60,15 @@ def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str
 def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, int], dtype_bytes: int,
                    available: int | None, where: str) -> str | None:
     """The message when the weights do not fit (pure: tests give it any figures); None when they do."""
-    need = weights_per_process(params, dtype_bytes, dims)
+    fused_whole = dims.strategy == "tp" and bool(cfg.model.get("loras"))
+    need = weights_per_process(params, dtype_bytes, dims, fused_whole)
     if available is None or need * HEADROOM <= available:
         return None
     split = "" if dims.strategy in ("tp", "device_map") else (
         " or split the transformer over several GPUs (strategy=tp tp_degree=N, strategy=device_map)")
+    if fused_whole:
+        split = (" (with model.loras each tp rank fuses the adapters into the whole transformer before sharding it), "
+                 "or strategy=device_map")
     return (f"model={cfg.model.name} (weights={cfg.model.weights}, dtype={cfg.dtype}) needs ~{need / GiB:.1f} GiB "
             f"for its weights in each process ({sum(params.values()) / 1e9:.1f}B parameters, strategy "
             f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use a device with more "

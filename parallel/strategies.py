@@ -22,6 +22,7 @@ from parallel.dims import CP_STRATEGIES, ParallelConfigError, ParallelDims, divi
 from parallel.transformer import (HALF_DTYPES, TransformerInfo, latent_frames, model_family, sequence_tokens,
                                   transformer_info)
 from shardgen.config.launchers import launcher_of
+from shardgen.models import lora
 
 if TYPE_CHECKING:
     from parallel.world import World
@@ -253,6 +254,8 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,
     attention backend resolved."""
     _check_devices(dims, facts, cfg)
     _check_cfg(dims, cfg)
+    if dims.strategy == "tp" and lora.per_row(cfg):  # auto may choose tp
+        _fail(lora.TP_PER_ROW)
     if dims.strategy == "tp" or dims.strategy in CP_STRATEGIES:
         _check_model(dims, info_fn(cfg.model))
     if dims.strategy in CP_STRATEGIES:

@@ -5,6 +5,9 @@ Each rank reads only its slice of every planned weight: the transformer is loade
 which streams each shard off the safetensors files into a DTensor. The other components (text
 encoders, VAE) are loaded whole and moved one by one to the rank's device; the pipeline itself is
 never moved (``pipeline.to`` on a sharded transformer is refused by diffusers, and would be wrong).
+
+With LoRA adapters (``model.loras``) each rank loads the whole transformer, fuses the adapters into it and then
+shards it in memory: the shards are slices of the adapted weights.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims
 from parallel.transformer import load_transformer
+from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
@@ -43,9 +47,10 @@ def place_components(pipe, device: torch.device, skip: tuple[str, ...] = ("trans
 def apply(cfg: GenerateConfig, world: World, dims: ParallelDims):
     """This rank's pipeline: its transformer shard plus whole copies of the other components on its device."""
     dtype = torch_dtype(cfg.dtype)
-    if cfg.model.weights == "dummy":
-        # random weights built on the device; diffusers shards them in memory (rank 0's values are broadcast)
-        pipe = load_pipeline(cfg.model, dtype, world.device)
+    if cfg.model.weights == "dummy" or cfg.model.get("loras"):
+        # dummy: random weights built on the device; LoRA: the adapters fused into the whole weights first. diffusers
+        # then shards them in memory (rank 0's values are broadcast), so every rank runs the adapted model
+        pipe = lora.apply(load_pipeline(cfg.model, dtype, world.device), cfg)
         with parallel_patches(world.device, tensor_parallel=True):
             pipe.transformer.enable_parallelism(config=tp_config(dims))
     else:

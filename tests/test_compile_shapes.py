@@ -4,6 +4,7 @@ compiles only where the work left pays for the compilation, from recorded or pri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 
 from jobs.generate import run
 from shardgen.speed import autocompile as AC
-from shardgen.speed.accel import AccelOptions
+from shardgen.speed.accel import AccelError, AccelOptions
 from tests.conftest import compose_cfg, write_lines
 from tests.test_generate import shard_images
 
@@ -368,3 +369,79 @@ def test_compile_cache_counts_say_whether_a_warm_cache_was_hit(monkeypatch, tmp_
         assert "fx graph cache 1 hit / 1 miss" in AC.compile_cache_counts()
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("force, left, compiles", [("eager", 10**6, False), ("main", 1, True)])
+def test_a_forced_compile_path_is_taken_whatever_the_figures_say(tmp_path, monkeypatch, force, left, compiles):
+    monkeypatch.setenv(AC.FORCE_ENV, force)
+    # figures that would compile from the first batch (and, with one sample left, never)
+    record = {"eager_s": 5.0, "compiled_s": 1.0, "compiled_before": True, "compile_warm_s": 0.1}
+    auto = _auto(tmp_path, left=left, record=record)
+    for _ in range(AC.EAGER_BATCHES):  # forced: the eager batches run first, the recorded eager speed is not used
+        s = auto.settings(_S())
+        assert not s.accel.compile
+        auto.observe(s, 4, 8.0)
+    assert auto.settings(_S()).accel.compile is compiles
+    assert f"forced by SHARDGEN_COMPILE_AUTO={force}, 2.00 s/sample eager" in auto.reason
+    monkeypatch.setenv(AC.FORCE_ENV, "sometimes")
+    with pytest.raises(AccelError, match="SHARDGEN_COMPILE_AUTO='sometimes': use one of"):
+        _auto(tmp_path, left=1)
+
+
+def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh_cache(tmp_path, monkeypatch, caplog):
+    """The job's background path on CUDA (made possible on CPU: the CUDA check faked, torch.compile the identity),
+    forced on a cache that has never compiled: two eager batches, one beside the thread, then compiled batches."""
+    import logging
+
+    from shardgen.speed import accel
+
+    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(22)])  # batches of 4: 2 eager, then compiled by the 4th
+    monkeypatch.setenv(AC.FORCE_ENV, "background")
+    monkeypatch.setattr(accel, "resolve_compile", lambda value, device="auto", strategy="dp": True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=4", *FAST))
+    assert (r.ok, r.failed) == (22, 0)
+    assert "compile=auto: compiling in the background (forced by SHARDGEN_COMPILE_AUTO=background" in caplog.text
+    m = re.search(r"compile=auto compiled in the background; ([23]) eager batches, [\d.]+ s/sample; compiled in the "
+                  r"background in [\d.]+ s; ([34]) compiled batches", caplog.text)
+    assert m and int(m[1]) + int(m[2]) == 6, caplog.text[-2000:]  # the third batch: beside the thread or after it
+
+
+def test_every_family_declares_blocks_to_compile_and_an_unknown_transformer_runs_eagerly(caplog):
+    """compile: auto compiles the repeated blocks: each family's dummy transformer has some (diffusers' SD3 lists
+    none: its family declares them), and a transformer with none runs eagerly instead of failing as compile=true."""
+    from types import SimpleNamespace
+
+    from shardgen.families.base import dummy_models
+    from shardgen.run.generation import GenSettings
+    from shardgen.run.runner import _without_auto_compile_where_nothing_compiles
+    from shardgen.speed.blocks import repeated_blocks
+
+    for name, (family, dummy) in dummy_models().items():
+        spec = dummy.components["transformer"]
+        cls = getattr(__import__("diffusers"), spec.cls)
+        names = getattr(cls, "_repeated_blocks", None) or family.repeated_blocks.get(spec.cls)
+        assert names, f"{name}: {spec.cls} has no repeated blocks to compile"
+    s = GenSettings(height=64, width=64, steps=1, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=32, model="x", strategy="dp", batch_size=1, compile_auto=True,
+                    accel=AccelOptions(compile=True))
+    plain = SimpleNamespace(transformer=torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not repeated_blocks(plain.transformer)
+    with caplog.at_level("INFO", logger="shardgen"):
+        out = _without_auto_compile_where_nothing_compiles(s, plain)
+    assert not out.accel.compile and not out.compile_auto and "Sequential has no repeated blocks" in caplog.text
+    compile_true = _without_auto_compile_where_nothing_compiles(dataclasses.replace(s, compile_auto=False), plain)
+    assert compile_true.accel.compile  # compile=true: as asked (and refused by prepare, saying to set compile=false)
+
+
+def test_a_process_that_stayed_eager_records_its_steady_eager_speed(tmp_path):
+    auto = _auto(tmp_path, left=1)  # one sample left: compiling never pays
+    for seconds in (14.0, 12.0, 10.0, 10.4, 9.6):  # the second batch, timed to decide, is not yet steady
+        s = auto.settings(_S())
+        auto.observe(s, 4, seconds)
+    assert auto.decided is False
+    assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == 3.0  # the decision's 12 s / 4
+    auto.finish()
+    assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == pytest.approx(2.55)  # median of 2-5

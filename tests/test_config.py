@@ -146,3 +146,49 @@ def test_each_runtime_class_reads_only_its_groups_keys(tmp_path):
     assert {"height", "width", "steps", "guidance", "batch_size", "num_frames"} <= rec.read
     assert (s.height, s.num_frames, s.true_cfg_scale, s.model) == (cfg.height, cfg.num_frames,
                                                                     cfg.model.true_cfg_scale, cfg.model.name)
+
+
+@pytest.mark.parametrize("override,line", [
+    ("batchsize=4", "batchsize=4: no key 'batchsize' (did you mean batch_size?)"),
+    ("+batchsize=4", "+batchsize=4: no key 'batchsize' (did you mean batch_size?)"),
+    ("++batchsize=4", "++batchsize=4: no key 'batchsize' (did you mean batch_size?)"),
+    ("+model.sourc=x", "+model.sourc=x: no key 'model.sourc' (did you mean model.source?)"),
+    ("strategy=tpp", "strategy=tpp: no strategy option 'tpp' (did you mean tp?); the options are auto, cp_ring,"),
+    ("model=flux", "model=flux: no model option 'flux' (did you mean flux_dev or flux2_dev?); the options are "),
+    ("signals=[phash,wm]", "signals=[phash,wm]: no signals option 'wm'; the options are clip, phash, watermark"),
+])
+def test_a_misspelled_key_or_option_names_the_close_ones_even_when_added_with_plus(override, line):
+    from shardgen.config.overrides import check_overrides
+
+    message = check_overrides(["steps=2", override])
+    assert message.startswith(line) and "\n" not in message
+
+
+def test_known_keys_options_and_free_dicts_pass_the_check():
+    from shardgen.config.overrides import check_overrides
+
+    assert check_overrides(["batch_size=4", "model=flux_dev", "strategy=tp", "tp_degree=2", "launcher.nodes=2",
+                            "+strategy.max_memory.0=70GiB", "signals=[phash,clip]", "hydra.run.dir=.",
+                            "hydra/job_logging=disabled",
+                            "~model.revision", "prompts.limit=3"]) is None
+
+
+def test_the_command_line_refuses_plus_batchsize_in_one_line_before_hydra(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", "+batchsize=4", f"run_dir={tmp_path / 'r'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and not (tmp_path / "r").exists()
+    assert p.stderr.strip() == ("error: +batchsize=4: no key 'batchsize' (did you mean batch_size?); "
+                                "python -m jobs.generate --help lists every key")
+
+
+def test_docs_config_md_is_the_reference_generated_from_the_schema():
+    from shardgen.config.help import markdown_reference
+    from tests.conftest import ROOT
+
+    current = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert current == markdown_reference(), "regenerate it: python -m shardgen.config.help > docs/config.md"

@@ -141,7 +141,9 @@ def test_truncated_prompts_are_warned_flagged_and_provenance_recorded(tmp_path, 
     assert json.loads((tmp_path / "run" / "shards" / "000000.stats.json").read_text())["truncated"] == 1
     capsys.readouterr()
     assert jobs.status.main([str(tmp_path / "run")]) == 0
-    assert "truncated 1 prompts longer than a text encoder keeps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "truncated 1 prompts longer than a text encoder keeps" in out
+    assert "last error" not in out and "last warning" not in out  # a clean complete run: the count says it all
     meta = _sample_json(tmp_path / "run")
     short, long = meta["0000000000"], meta["0000000001"]
     assert short["truncated"] is False and long["truncated"] is True

@@ -19,6 +19,7 @@ EXPECTED = {
     "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "DiskFullError": "user", "StorageError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
+    "LoraError": "user",
 }
 
 

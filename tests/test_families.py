@@ -52,8 +52,17 @@ def test_token_rules_and_video_come_from_the_family(model, tokens, video):
 def test_only_qwen_image_has_speed_hooks_and_every_image_family_runs_device_map():
     from shardgen.families import families
 
-    from shardgen.speed.accel import SPEED_HOOKS
+    from shardgen.speed import qwen
+    from shardgen.speed.accel import family_speed_hooks
 
-    assert list(SPEED_HOOKS) == ["Qwen-Image"] and "Qwen-Image" in {f.name for f in families()}
+    assert {f.name: f.speed_hooks for f in families() if f.speed_hooks} == {"Qwen-Image": "shardgen.speed.qwen:prepare_speed"}
+    assert family_speed_hooks(qwen_pipeline_class_instance()) is qwen.prepare_speed
     assert {"Flux2Pipeline", "FluxPipeline", "QwenImagePipeline"} <= {
         f.pipeline for f in families() if f.encode_outputs and not f.is_video}
+
+
+def qwen_pipeline_class_instance():
+    """A QwenImagePipeline object without components (the family is found by class)."""
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.__new__(QwenImagePipeline)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
-                                                diff_fingerprints)
-from shardgen.dataio.rundir.layout import RunDir
+                                                diff_fingerprints, fingerprint_changes, read_fingerprint)
+from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
 from tests.conftest import compose_cfg
 
 
@@ -29,7 +29,96 @@ def test_only_pixel_determining_settings_count():
 def test_a_resume_with_other_settings_is_refused_naming_the_field(tmp_path):
     run = RunDir(tmp_path / "run")
     assert check_or_write_fingerprint(run, fp()) is False
+    run.create()
+    run.shard_tar(0).write_bytes(b"")  # a run with a sample
     assert check_or_write_fingerprint(run, fp("batch_size=1")) is True
     with pytest.raises(FingerprintMismatch, match="steps: run has 4, this launch has 3"):
         check_or_write_fingerprint(run, fp("steps=3"))
     assert check_or_write_fingerprint(run, fp("steps=3"), allow_change=True) is True
+
+
+def test_the_refusal_steers_to_a_new_run_dir_and_says_what_allowing_the_change_does(tmp_path):
+    run = RunDir(tmp_path / "run")
+    check_or_write_fingerprint(run, fp())
+    run.create()
+    run.shard_tar(0).write_bytes(b"")
+    with pytest.raises(FingerprintMismatch) as e:
+        check_or_write_fingerprint(run, fp("steps=3"))
+    advice = str(e.value).split("\n")[-1]
+    assert advice.startswith(f"To generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2)")
+    assert "the samples already made stay as they are: jobs.verify notes them, and its --repair keeps them" in advice
+
+
+def test_a_run_without_a_sample_takes_new_settings_and_records_them(tmp_path):
+    run = RunDir(tmp_path / "run")
+    check_or_write_fingerprint(run, fp("model=flux_dev"))
+    run.create()
+    new = fp("model=flux_dev", "model.source=/models/flux")
+    assert check_or_write_fingerprint(run, new) is True
+    assert read_fingerprint(run) == new
+    assert fingerprint_changes(run)[0]["changes"] == {"model.source": ["black-forest-labs/FLUX.1-dev", "/models/flux"]}
+    run.claims_dir.joinpath("000000.claim").write_text("{}")  # a sample under way: settings are fixed again
+    with pytest.raises(FingerprintMismatch, match="model.source"):
+        check_or_write_fingerprint(run, fp("model=flux_dev"))
+
+
+def test_a_failed_model_load_leaves_a_run_dir_that_the_fixed_command_completes(tmp_path, monkeypatch):
+    """The hub is unreachable: the first launch fails loading; the same command with model.source pointing at a
+    local directory then runs in the same run_dir (and a prompts.limit change plans it again)."""
+    import os
+
+    from diffusers import FluxPipeline
+
+    from jobs.generate import run
+    from shardgen.models.loader import ModelLoadError
+    from shardgen.models.tiny import tiny_model_path
+
+    real = FluxPipeline.from_pretrained
+
+    def offline(source, **kw):
+        if not os.path.isdir(source):
+            raise OSError(f"{source} is not cached and the hub is unreachable")
+        return real(source, **kw)
+
+    monkeypatch.setattr(FluxPipeline, "from_pretrained", offline)
+    args = ("model=flux_dev", f"run_dir={tmp_path / 'm3'}", "height=32", "width=32", "steps=1", "dtype=float32",
+            "progress=false")
+    with pytest.raises(ModelLoadError, match="point model.source at the local directory"):
+        run(compose_cfg(*args, "prompts.limit=4"))
+    fixed = (*args, "prompts.limit=6", f"model.source={tiny_model_path()}")
+    assert run(compose_cfg(*fixed, "dry_run=true")).refused is None  # as the launch: not refused
+    result = run(compose_cfg(*fixed))
+    assert result.complete and result.ok == 6
+    assert read_fingerprint(RunDir(tmp_path / "m3"))["model.source"] == str(tiny_model_path())
+
+
+def test_a_launch_whose_run_was_started_over_while_it_loaded_is_refused(tmp_path, monkeypatch):
+    from jobs.generate import run
+    import shardgen.run.runner as runner
+
+    args = (f"run_dir={tmp_path / 'r'}", "height=32", "width=32", "steps=1", "progress=false", "prompts.limit=2")
+    real = runner.apply_strategy
+
+    def load_while_another_launch_takes_over(cfg, world, dims):
+        check_or_write_fingerprint(RunDir(tmp_path / "r"), fp("steps=2"))
+        return real(cfg, world, dims)
+
+    monkeypatch.setattr(runner, "apply_strategy", load_while_another_launch_takes_over)
+    with pytest.raises(FingerprintMismatch, match="changed while this launch loaded its model"):
+        run(compose_cfg(*args))
+    assert not list((tmp_path / "r" / "shards").iterdir())
+
+
+def test_appended_prompts_are_no_change_of_settings_for_a_launch_loading_its_model(tmp_path):
+    from shardgen.dataio.resume.fingerprint import check_settings_unchanged, run_settings
+
+    run = RunDir(tmp_path / "run")
+    check_or_write_fingerprint(run, fp())
+    run.plan_dir.mkdir()
+    run.plan_json_path.write_text("{}")
+    before = run_settings(run)
+    atomic_write_json(run.fingerprint_path, fp() | {"prompts.sha256": "sha-of-more-prompts"})  # as an extension does
+    check_settings_unchanged(run, before)  # the plan this launch holds still holds
+    atomic_write_json(run.fingerprint_path, fp("steps=2") | {"prompts.sha256": "sha-of-more-prompts"})
+    with pytest.raises(FingerprintMismatch, match="changed while this launch loaded its model"):
+        check_settings_unchanged(run, before)

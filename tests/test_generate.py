@@ -205,3 +205,57 @@ def test_pickle_only_model_directory_is_refused(tmp_path):
     with pytest.raises(Exception, match="only pickle checkpoints"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", f"model.source={d}", "prompts.limit=2",
                         "progress=false", "dtype=float32"))
+
+
+def test_ctrl_c_while_planning_a_new_run_says_nothing_was_written_and_after_it_resumable(tmp_path, monkeypatch):
+    import shardgen.run.runner as runner
+    from jobs.generate import interrupted_message
+
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=4", *FAST)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "build_plan", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose_cfg(*args))
+    assert not d.exists()
+    assert interrupted_message(str(d), "CMD").startswith(f"interrupted before {d} held a run: nothing was written. "
+                                                          "Run the command again to start:")
+    run(compose_cfg(*args))
+    assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
+
+
+def test_a_foreign_run_dir_and_a_resume_with_other_settings_are_refused_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    from shardgen.dataio.prompts import prompt_file_path
+    from shardgen.dataio.resume.fingerprint import (check_or_write_fingerprint, compute_fingerprint, prompt_file_hash,
+                                                    remember_prompt_hash)
+    from shardgen.dataio.rundir import RunDir
+    from shardgen.models.versions import model_version
+
+    cfg, made = compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts.limit=2", *FAST), RunDir(tmp_path / "run")
+    digest, identity = prompt_file_hash(made, prompt_file_path(cfg.prompts.path))  # a run with a sample, as a launch
+    check_or_write_fingerprint(made, compute_fingerprint(cfg, digest, model_version(cfg.model)))  # leaves it
+    remember_prompt_hash(made, digest, identity)
+    made.create()
+    made.shard_tar(0).write_bytes(b"")
+    code = ("import sys\nfrom jobs.generate import run\nfrom shardgen.errors import UserError\n"
+            "from tests.conftest import compose_cfg\n"
+            f"for args in [('run_dir={tmp_path / 'mine'}',), ('run_dir={tmp_path / 'run'}', 'prompts.limit=2', "
+            f"{', '.join(repr(a) for a in FAST if a != 'steps=1')}, 'steps=2')]:\n"
+            "    try:\n        run(compose_cfg(*args))\n    except UserError as e:\n        print(str(e).splitlines()[0])\n"
+            "print('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.stdout.splitlines()[-3:] == [
+        f"run_dir {tmp_path / 'mine'} holds files (notes.txt) and is not a shardgen run (no .shardgen-run); shardgen "
+        f"writes only into a new or empty directory or an existing run, so nothing of yours is touched. Choose another "
+        f"run_dir (e.g. run_dir={tmp_path / 'mine' / 'run'})",
+        f"{tmp_path / 'run' / 'fingerprint.json'} says {tmp_path / 'run'} was made with other settings; resuming would "
+        "mix different samples:", "False"], p.stderr

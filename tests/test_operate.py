@@ -110,3 +110,57 @@ def test_tools_refuse_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert verify.main([str(tmp_path)]) == 2
     assert status.main([str(tmp_path)]) == 2
     assert "not a shardgen run directory" in capsys.readouterr().err
+
+
+def test_status_tells_the_last_error_from_the_last_warning(done_run, capsys):
+    (done_run / "shards" / "000001.stats.json").unlink()  # a stopped run: its warnings are news
+    with open(done_run / "logs" / "rank000.log", "a") as f:
+        f.write("2030-01-01 00:00:00,000 ERROR shardgen: CUDA out of memory\n"
+                "2030-01-01 00:00:01,000 WARNING shardgen: 2 prompt(s) were longer than the text encoders keep\n")
+    assert status.main([str(done_run)]) == 0
+    out = capsys.readouterr().out
+    assert "  last error  rank 000 at 2030-01-01 00:00:00,000 (ERROR, shardgen): CUDA out of memory" in out
+    assert "  last warning  rank 000 at 2030-01-01 00:00:01,000 (shardgen): 2 prompt(s) were longer" in out
+
+
+def test_prometheus_exposition_of_a_run_and_its_ranks_has_the_real_counts(done_run, capsys):
+    """Each writing rank's textfile (metrics/rank000.prom, rewritten at each commit) and jobs.status --prometheus
+    (the run's figures plus every rank file) parse with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def values(text: str) -> dict:
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k in ("status", "state")))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    rank = values((done_run / "metrics" / "rank000.prom").read_text())
+    assert rank[("shardgen_committed_samples_total", (("status", "ok"),))] == 12
+    assert rank[("shardgen_committed_samples_total", (("status", "failed"),))] == 0
+    assert rank[("shardgen_committed_shards_total", ())] == 3 and rank[("shardgen_claims_total", ())] == 3
+    assert rank[("shardgen_generated_samples_total", ())] == 12 and rank[("shardgen_device_seconds_per_sample", ())] > 0
+    (done_run / "shards" / "000001.stats.json").unlink()  # a shard lost: the run's figures say so
+    assert status.main([str(done_run), "--prometheus"]) == 0
+    run = values(capsys.readouterr().out)
+    assert run[("shardgen_run_prompts", ())] == 12 and run[("shardgen_run_samples_done", ())] == 7
+    assert run[("shardgen_run_samples", (("status", "ok"),))] == 7
+    assert run[("shardgen_run_shards", (("state", "done"),))] == 2
+    assert run[("shardgen_run_shards", (("state", "pending"),))] == 1 and run[("shardgen_run_complete", ())] == 0
+    assert run[("shardgen_committed_samples_total", (("status", "ok"),))] == 12  # the rank's file, merged in
+
+
+def test_a_rank_that_commits_nothing_shows_zeros_in_a_file_named_by_its_slurm_job_and_rank(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shardgen.dataio.rundir import RankMetrics, RunDir
+
+    metrics = RankMetrics(RunDir(tmp_path), rank=3, replica=1, ranks_per_replica=2, job="77")
+    metrics.write()
+    path = tmp_path / "metrics" / "job77.rank003.prom"
+    samples = [s for f in text_string_to_metric_families(path.read_text()) for s in f.samples]
+    ok = next(s for s in samples if s.name == "shardgen_committed_samples_total" and s.labels["status"] == "ok")
+    assert ok.value == 0 and ok.labels | {"host": "-"} == dict(run=str(tmp_path), rank="3", replica="1", host="-",
+                                                              job="77", status="ok")
+    metrics.commit({"ok": 4, "failed": 1, "rejected": 0}, generated=5, gen_s=2.5)
+    values = {s.name: s.value for f in text_string_to_metric_families(path.read_text()) for s in f.samples
+              if s.labels.get("status") in (None, "failed")}
+    assert values["shardgen_committed_samples_total"] == 1 and values["shardgen_device_seconds_total"] == 5.0
+    assert values["shardgen_device_seconds_per_sample"] == 1.0 and values["shardgen_committed_shards_total"] == 1

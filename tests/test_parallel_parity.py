@@ -48,7 +48,8 @@ def _transformer_inputs(torch):
 
 
 def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
-    """One of 2 ranks: the single-process reference, then TP-2 and Ulysses-2 built by the strategies."""
+    """One of 2 ranks: the single-process reference (with the config's LoRA adapters, as dp applies them), then
+    TP-2 and Ulysses-2 built by the strategies."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -56,6 +57,7 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
 
     from shardgen.run.generation import GenSettings, pipeline_kwargs
     from shardgen.run.runner import quiet_libraries
+    from shardgen.models import lora
     from shardgen.models.loader import load_pipeline, torch_dtype
     from parallel import world as W
     from parallel.dims import ParallelDims
@@ -68,7 +70,7 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     settings = GenSettings.from_cfg(cfg)
     prompts, seeds = ["a cat", "an astronaut riding a horse"], [11, 12]
     with torch.no_grad():
-        ref = load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device)
+        ref = lora.apply(load_pipeline(cfg.model, torch_dtype(cfg.dtype), world.device), cfg)
         ref_out = ref.transformer(**_transformer_inputs(torch))[0]
         ref_img = ref(**pipeline_kwargs(ref, settings, prompts, seeds)).images
         results = {}

@@ -266,3 +266,30 @@ def test_plan_replicas_sizes_the_shards_for_every_launch_that_will_join_the_run(
     assert joined.samples_per_shard == 4 and joined.shards == 2_000  # 8,000 / (100 x 16) = 5, whole batches
     with pytest.raises(ConfigError, match=r"plan_replicas=0: use 1 or more"):
         validate_config(compose_cfg(*args, "plan_replicas=0"))
+
+
+def test_a_dry_run_plans_as_the_launch_does_tokenizing_only_where_planning_counts_tokens(tmp_path, monkeypatch):
+    """on_truncation=warn (the default): no prompt is tokenized while planning, in a dry run as in the launch
+    (tokenizing every row of a 5M-line file takes minutes; planning it alone, seconds)."""
+    from shardgen.dataio.prompts.truncation import TruncationCheck
+    from shardgen.run.dryrun import describe, dry_run
+    from tests.conftest import compose_cfg
+
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}: {'a long description of a scene ' * 4}\n" for i in range(2_000)))
+    tokenized = []
+    real = TruncationCheck.flush
+    monkeypatch.setattr(TruncationCheck, "flush", lambda self: tokenized.append(len(self._pending)) or real(self))
+    args = ("model=flux_dev", f"run_dir={tmp_path / 'run'}", f"prompts.path={path}", "dry_run=true", "progress=false")
+    d = dry_run(compose_cfg(*args))
+    assert d.prompts == 2_000 and not tokenized
+    assert "  size      ~3.1 GB of tars" in describe(d)  # 2,000 x ~1.57 MB png samples, not "~3145.7 MB"
+    dry_run(compose_cfg(*args, "prompts.on_truncation=skip"))  # a launch skipping long prompts counts them: so does this
+    assert tokenized
+
+
+def test_sizes_are_printed_in_a_unit_that_keeps_a_short_number():
+    from shardgen.config.sizes import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1.6e6, 122_880e6, 7.9e12, 250e9)] == \
+        ["512 B", "1.6 MB", "123 GB", "7.9 TB", "250 GB"]

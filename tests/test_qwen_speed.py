@@ -196,3 +196,24 @@ def test_prefix_attention_processors_keep_their_class_across_enables(pipe):
     finally:
         qwen.disable_prefix_attention(pipe.transformer)
     assert not pipe.transformer._forward_pre_hooks
+
+
+@pytest.mark.slow
+def test_prefix_attention_made_eagerly_takes_the_compiled_path_real_rope(pipe):
+    """compile=auto runs its first batches eagerly (prefix attention, complex RoPE) and then switches to compiled
+    blocks, which take real RoPE pairs: the processors made before the switch rotate by the real pairs too, and the
+    pixels stay diffusers' own."""
+    plain = _pixels(pipe, PROMPTS)
+    qwen._prefix_processor_class.cache_clear()  # made now, before real RoPE, as in an eager first batch
+    qwen.install_text_buckets(pipe)
+    try:
+        qwen.enable_prefix_attention(pipe.transformer)
+        eager = _pixels(pipe, PROMPTS)
+        assert qwen.enable_real_rope(pipe.transformer)
+        switched = _pixels(pipe, PROMPTS)
+    finally:
+        qwen.disable_real_rope(pipe.transformer)
+        qwen.disable_prefix_attention(pipe.transformer)
+        qwen.remove_text_buckets(pipe)
+    np.testing.assert_array_equal(plain, eager)
+    np.testing.assert_array_equal(plain, switched)

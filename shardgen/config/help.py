@@ -108,3 +108,25 @@ def hydra_help_node() -> dict:
     # string.Template (Hydra) reads $NAME: a literal $ is $$; OmegaConf would resolve ${...}: help_text has none
     template = template.replace("$", "$$").replace("$$APP_CONFIG_GROUPS", "$APP_CONFIG_GROUPS")
     return {"app_name": "jobs.generate", "header": "", "footer": "", "template": template}
+
+
+def markdown_reference() -> str:
+    """docs/config.md: every key with its default and docstring, by section, and each config group's options
+    (``python -m shardgen.config.help > docs/config.md`` writes it; a test checks it is current)."""
+    from shardgen.config.overrides import group_options
+
+    lines = ["# Configuration reference", "",
+             "Generated from the docstrings of `shardgen/config/schema.py` by `python -m shardgen.config.help > "
+             "docs/config.md`; do not edit by hand. `python -m jobs.generate --help` prints the same. Every key is a "
+             "Hydra override: `python -m jobs.generate key=value group=option`.", "", "## Config groups", "",
+             "| group | options (conf/GROUP/*.yaml) |", "|---|---|"]
+    lines += [f"| `{g}` | {', '.join(f'`{o}`' for o in group_options(g))} |"
+              for g in ("model", "strategy", "launcher", "prompts", "signals")]
+    for heading, rows in help_entries():
+        lines += ["", f"## {heading}", "", "| key | default | what it does |", "|---|---|---|"]
+        lines += [f"| `{key}` | `{default}` | {doc.replace('|', chr(92) + '|')} |" for key, default, doc in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_reference(), end="")

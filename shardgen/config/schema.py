@@ -26,6 +26,17 @@ from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S
 
 
 @dataclass(kw_only=True)
+class LoraEntry:
+    """One LoRA adapter of ``model.loras`` (shardgen/models/lora.py)."""
+
+    path: str = MISSING
+    """The adapter's .safetensors file (diffusers, peft or kohya format, as diffusers' load_lora_weights reads
+    them); a relative path is taken from the current directory. Its sha256 joins the run's fingerprint."""
+    scale: float = 1.0
+    """How strongly it is applied: 1.0 = as trained, 0 = not at all."""
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """What pipeline to build and how."""
 
@@ -63,6 +74,11 @@ class ModelConfig:
     """Wan 2.2 A14B: guidance scale of the low-noise expert (``guidance_scale_2``); null = ``guidance``."""
     cache_dir: Optional[str] = None
     """Where the embedded tiny model is built and cached (default: $SHARDGEN_CACHE or ~/.cache/shardgen)."""
+    loras: List[LoraEntry] = field(default_factory=list)
+    """LoRA adapters applied to every sample, fused into the weights before any strategy splits them, e.g.
+    'model.loras=[{path: style.safetensors, scale: 0.8}]'. A different file on resume is refused like any
+    other setting; each sample's json lists the adapters it was made with (path, scale, sha256). Rows may name
+    their own with prompts.row_settings=[loras]."""
 
 
 @dataclass(kw_only=True)
@@ -166,9 +182,12 @@ class PromptsConfig:
     """Fields (jsonl) or columns (csv/tsv/parquet) that set a row's own generation settings, e.g.
     prompts.row_settings=[aspect_ratio,negative_prompt,guidance]; a null or empty value keeps the run's. Any of:
     width, height (pixels, a multiple of the model's 16), aspect_ratio ("16:9", "1:1", "3:4": a size at the run's
-    height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), steps, num_frames (video models).
+    height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), steps, num_frames (video models),
+    loras (LoRA adapters instead of model.loras: [{"path": "style.safetensors", "scale": 0.8}] or
+    ["style.safetensors:0.8"], csv/tsv "style.safetensors:0.8;other.safetensors", paths from the prompt file's
+    folder, [] = none; not with strategy=tp or fp8).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
-    same size and guidance are batched together; each sample's json records its settings. Default []: every
+    same size, guidance and adapters are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""
 
 
@@ -189,7 +208,10 @@ class RunConfig:
     retry_failed: bool = False
     """Regenerate exactly the samples recorded as failed in committed shards."""
     allow_fingerprint_change: bool = False
-    """Continue a run whose pixel-determining settings changed (mixes outputs; you asked for it)."""
+    """Continue a run whose pixel-determining settings changed: its samples then mix both settings (the ones already
+    made stay; jobs.verify notes them, and recorded in fingerprint_changes.jsonl). Not needed for a run without a
+    sample yet (one whose model did not load): it takes new settings by itself. To compare settings, use a new
+    run_dir instead."""
     dry_run: bool = False
     """Print what this launch would do (prompts, shards, replicas, strategy, expected size and time) and stop:
     no model is loaded and nothing is written to run_dir (a new plan is made in a temporary directory)."""

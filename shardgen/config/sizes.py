@@ -24,3 +24,12 @@ def parse_bytes(value: Any) -> int:
     if not n > 0:
         raise ValueError(f"{value!r} is not a memory size: use e.g. 70GiB, 70GB, 512MiB or a number of bytes")
     return int(n)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest decimal unit that keeps a number from 1 to 999 (``1.6 MB``, ``123 GB``)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{int(n)} B"

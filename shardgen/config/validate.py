@@ -1,4 +1,5 @@
-"""Checks on a composed config that need no file, device or weight: they run first, everywhere."""
+"""Checks on a composed config that need no device or weight (of files, only the LoRA adapters' headers are read):
+they run first, everywhere."""
 
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    _check_loras(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
@@ -115,6 +117,18 @@ def validate_config(cfg: GenerateConfig) -> None:
         validate_accel(AccelOptions.from_cfg(cfg), device)
     except AccelError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_loras(cfg: GenerateConfig) -> None:
+    """The adapter files exist and are safetensors (their headers read, no weight); tp and fp8 cannot switch per
+    row."""
+    from shardgen.models import lora
+
+    lora.run_set(cfg)
+    _need(not (lora.per_row(cfg) and cfg.strategy.name == "tp"), lora.TP_PER_ROW)
+    _need(not (lora.per_row(cfg) and cfg.get("fp8")),
+          "fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between batches; set "
+          "fp8=false, or give the run one adapter set in model.loras")
 
 
 def _check_max_memory(max_memory: Any) -> None:

@@ -61,6 +61,12 @@ class ModelFamily:
     """``model.weights=dummy`` architectures by model config name (conf/model/<name>.yaml's ``name``)."""
     hidden_default: int = 3072
     """Transformer width assumed by ``auto`` when the config does not give it."""
+    speed_hooks: str | None = None
+    """``"module:function"`` of the family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
+    ``shardgen.speed.accel.prepare`` after the generic options (named, not imported: families sit below speed/)."""
+    repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
+    ``_repeated_blocks`` (what regional compilation and fp8 work on)."""
 
     @property
     def is_video(self) -> bool:
@@ -138,6 +144,12 @@ UNKNOWN = ModelFamily(name="unknown", pipeline="", text_tokens=None)
 def family_for(pipe_or_class: Any) -> ModelFamily:
     """``family_of``, or ``UNKNOWN``'s conservative rules for a pipeline no family registers."""
     return family_of(pipe_or_class) or UNKNOWN
+
+
+def declared_repeated_blocks(transformer_class: str) -> tuple[str, ...]:
+    """The repeated block classes a family declares for ``transformer_class`` (empty when none does)."""
+    return next((fam.repeated_blocks[transformer_class] for fam in _FAMILIES.values()
+                 if transformer_class in fam.repeated_blocks), ())
 
 
 def dummy_models() -> dict[str, tuple[ModelFamily, DummyModel]]:

@@ -1,6 +1,6 @@
 """Qwen-Image (``QwenImagePipeline``): a Qwen2.5-VL text encoder whose text is trimmed to the batch's longest
-prompt (so the text token count varies per batch), true CFG. Its speed hooks live with the speed code (shardgen/speed/qwen.py, listed in
-speed/accel.py: SPEED_HOOKS): families sit below speed/ and import nothing from it.
+prompt (so the text token count varies per batch), true CFG. Its speed hooks live with the speed code (shardgen/speed/qwen.py), named by ``speed_hooks``:
+families sit below speed/ and import nothing from it.
 """
 
 from __future__ import annotations
@@ -44,4 +44,5 @@ _QWEN_IMAGE = {
 QWEN_IMAGE = register(ModelFamily(
     name="Qwen-Image", pipeline="QwenImagePipeline", text_tokens=None,
     encode_outputs=("prompt_embeds", "prompt_embeds_mask"),
-    dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)}))
+    dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)},
+    speed_hooks="shardgen.speed.qwen:prepare_speed"))

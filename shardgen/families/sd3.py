@@ -43,4 +43,6 @@ SD3 = register(ModelFamily(
     # encode_prompt computes the unconditional embeddings too (guidance_scale > 1 by default)
     encode_outputs=("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
                     "negative_pooled_prompt_embeds"),
-    dummies={"sd35_large": DummyModel("Stable Diffusion 3.5 Large", _SD35_LARGE)}, hidden_default=2432))
+    dummies={"sd35_large": DummyModel("Stable Diffusion 3.5 Large", _SD35_LARGE)}, hidden_default=2432,
+    # diffusers' SD3 transformer lists no _repeated_blocks; its 38 joint blocks are one class
+    repeated_blocks={"SD3Transformer2DModel": ("JointTransformerBlock",)}))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from shardgen.errors import UserError
+from shardgen.models.versions import model_version  # noqa: F401 (where callers found it)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
@@ -38,19 +39,6 @@ def resolve_source(model_cfg: Any) -> str:
 
         return str(tiny_video_model_path(model_cfg.cache_dir))
     return str(model_cfg.source)
-
-
-def model_version(model_cfg: Any) -> str | None:
-    """A version string for the fingerprint where the source alone does not pin the weights."""
-    if model_cfg.source == "tiny":
-        from shardgen.models.tiny import TINY_VERSION
-
-        return f"tiny-{TINY_VERSION}"
-    if model_cfg.source == "tiny_video":
-        from shardgen.models.tiny_video import TINY_VIDEO_VERSION
-
-        return f"tiny-video-{TINY_VIDEO_VERSION}"
-    return model_cfg.revision
 
 
 def check_safetensors_only(path: str) -> None:

@@ -22,9 +22,7 @@ from pathlib import Path
 import torch
 
 from shardgen.models.quiet import quiet_libraries
-
-# Bump when the architecture or training strings change: old caches are then ignored.
-TINY_VERSION = "v2"  # v2: the T5 tokenizer has a fixed vocabulary (v1 trained one differed per process)
+from shardgen.models.versions import TINY_VERSION  # the cache's name; bumped there
 CORPUS = [
     "a photo of a cat",
     "a dog on the beach",
@@ -146,3 +144,28 @@ def build_tiny_pipeline(seed: int = 0):
         torch.random.set_rng_state(gen_state)
     return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clip, tokenizer=clip_tok,
                         text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer, vae=vae)
+
+
+def save_tiny_lora(path: str | os.PathLike, seed: int = 1, rank: int = 4,
+                   targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0"), **config: object) -> Path:
+    """Save a LoRA for the tiny transformer to the .safetensors file ``path`` (diffusers' format, made with peft:
+    random A and B from ``seed``, so it visibly changes the images). ``config`` overrides TRANSFORMER_CONFIG: an
+    adapter for another model's shapes. Returns ``path``."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        transformer = FluxTransformer2DModel(**(TRANSFORMER_CONFIG | config))
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets),
+                                           init_lora_weights=False))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    layers = get_peft_model_state_dict(transformer)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # diffusers' own layout (FluxPipeline.save_lora_weights): the component's name, then peft's keys
+    save_file({f"transformer.{k}": v.contiguous() for k, v in layers.items()}, str(path))
+    return path

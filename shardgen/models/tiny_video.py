@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from shardgen.models.tiny import cached_build, t5_style_tokenizer
+from shardgen.models.versions import TINY_VIDEO_VERSION  # the cache's name; bumped there
 
-# Bump when the architecture or training strings change: old caches are then ignored.
-TINY_VIDEO_VERSION = "v1"
 TEXT_DIM = 32
 TRANSFORMER_CONFIG = dict(
     patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardgen.config.launchers import launcher_of
-from shardgen.dataio.prompts import (PromptSource, Shape, TruncationCheck, build_plan, check_prompt_source,
-                                     detect_format, load_plan, planning_windows, rules_from_cfg, shape_legend)
-from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prompt_file_hash, read_fingerprint,
-                                    read_ledger)
+from shardgen.config.sizes import format_bytes
+from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prompt_source, detect_format, load_plan,
+                                     rules_from_cfg, shape_legend)
+from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, holds_no_samples, prompt_file_hash,
+                                    read_fingerprint, read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
 from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_version
@@ -68,7 +69,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
     from parallel.strategies import check_row_shapes, parallel_dims
     from shardgen.dataio.shards import VIDEO_EXT, is_video
-    from shardgen.run.runner import prompt_path, shard_sizing
+    from shardgen.run.runner import planning_truncation_check, prompt_path, shard_sizing
 
     world = world_size_of(cfg)
     dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
@@ -80,8 +81,10 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
     refused = None
     if old is not None:
-        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0], model_version(cfg.model)))
-        if diffs and not cfg.allow_fingerprint_change:
+        digest = prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0]
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, digest, model_version(cfg.model)))
+        # a run without a sample takes the new settings: the launch starts it over
+        if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
@@ -93,8 +96,9 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
             source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
             per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **sizing)
+            # the launch's own planning: prompts are tokenized only where on_truncation makes planning count them
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                             truncation=TruncationCheck(planning_windows(cfg.model), cfg.prompts.on_truncation))
+                             truncation=planning_truncation_check(cfg, source))
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
@@ -138,7 +142,7 @@ def describe(d: DryRun) -> str:
     if d.shapes:
         lines.append("  shapes    " + ", ".join(f"{n} at {shape}" for shape, n in d.shapes.items())
                      + f" (rows per {shape_legend(d.shapes)}; prompts.row_settings)")
-    lines += [f"  size      ~{d.expected_bytes / 1e6:.1f} MB of tars (estimated from the sample size"
+    lines += [f"  size      ~{format_bytes(d.expected_bytes)} of tars (estimated from the sample size"
               + (" of each shape)" if d.shapes else ")"),
               f"  time      {time_line}"]
     if d.refused:

@@ -17,6 +17,7 @@ from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job, is_user_error
+from shardgen.models import lora
 from shardgen.pick import pick
 
 log = logging.getLogger("shardgen.generation")
@@ -47,6 +48,8 @@ class GenSettings:
     compile_auto: bool = False
     """``compile: auto`` where compiling is possible: each process decides whether it pays
     (shardgen/speed/autocompile.py); ``accel.compile`` is then that decision, batch by batch."""
+    loras: tuple = ()
+    """The LoRA adapters fused for the call (shardgen/models/lora.py: ``Lora``s, in fusing order)."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
@@ -58,11 +61,11 @@ class GenSettings:
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
                     compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
-                    latents=LatentCheckpoints.from_cfg(cfg, strategy))
+                    latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg))
 
 
 # the settings a row may set that are one value per pipeline call (negative_prompt is per sample)
-CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale", "steps")
+CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale", "steps", "loras")
 
 
 def settings_for(s: GenSettings, row: PlannedRow) -> GenSettings:
@@ -166,6 +169,8 @@ def _meta(row: PlannedRow, s: GenSettings) -> dict:
         meta["guidance_2"] = s.guidance_2
     if s.accel.lossy:
         meta["lossy"] = s.accel.lossy
+    if s.loras:
+        meta["loras"] = [lo.as_json() for lo in s.loras]
     # the row's own settings not written above (its size and guidance are, from ``settings_for``)
     meta.update({k: row.settings[k] for k in ("negative_prompt", "aspect_ratio") if k in row.settings})
     return meta
@@ -193,7 +198,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     ``replica_ranks`` > 1 (tp/cp): the replica's ranks compute every batch together, each inside the
     others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
     it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
-    accel.prepare(pipe, s.accel)  # outside the try: a setup error is the job's, not the samples'
+    lora.activate(pipe, s.loras)  # outside the try, like accel: a setup error is the job's, not the samples'
+    accel.prepare(pipe, s.accel)
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows, read_shard_stats
-from shardgen.dataio.rundir import Claimer, record_commit, scan_claims
+from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit, scan_claims
 from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples, committed_tar
 from shardgen.dataio.tools import read_shard_members
 from shardgen.run.generation import GenSettings, generate_batch, shape_batches
@@ -81,6 +81,7 @@ class ReplicaWorker:
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch and commit
     annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/shards/annotate.py)
     autocompile: AutoCompile | None = None  # compile=auto on a one-rank replica: decided here, batch by batch
+    metrics: RankMetrics | None = None     # leader: the Prometheus file (metrics/), rewritten at each commit
     generated: int = 0
     gen_s: float = 0.0
     _failed_batches: int = field(default=0, init=False)
@@ -111,6 +112,8 @@ class ReplicaWorker:
     def run(self) -> None:
         """Loop: next shard (shared by the leader), process it; stop when the run is complete.
         With ``retry_failed``, then rewrite each committed shard that recorded failures."""
+        if self.metrics:
+            self.metrics.write()
         while (assignment := self._share(self.next_shard() if self.ctx.leader else None)) is not None:
             self.process(*assignment)
         while self.retry_failed and (assignment := self._share(self._next_retry() if self.ctx.leader else None)):
@@ -249,6 +252,8 @@ class ReplicaWorker:
         return None
 
     def _open(self, shard: int, gen: int, replaces: bool = False) -> ShardWork:
+        if self.metrics:
+            self.metrics.claimed()
         return ShardWork.open(self.plan.run, shard, gen, self.plan.shard_range(shard),
                               still_mine=lambda: self.claimer.still_mine(shard), replaces=replaces,
                               take_commit=lambda: self.claimer.take_commit(shard))
@@ -335,6 +340,8 @@ class ReplicaWorker:
             return
         self.claimer.release(shard)
         record_commit(self.plan.run, self.ctx.index, stats)  # logs/events.*.jsonl: the report's throughput
+        if self.metrics:
+            self.metrics.commit(stats, self.generated, self.gen_s)
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
         if self.uploader is not None:

@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
-                                     rules_from_cfg)
-from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint, extend_if_appended,
-                                    load_plan_or_discard, prompt_file_hash, read_status_ledger,
-                                    record_plan_digests, remember_prompt_hash, repair_run_dir)
-from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
-                                    bytes_read, check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
-                                    first_missing_dir, is_url, log_to_file_only, owner_record, record_launch)
+                                     prompt_file_path, rules_from_cfg)
+from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_unchanged, compute_fingerprint,
+                                    extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
+                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
+from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
+                                    attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
+                                    detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
+                                    record_launch)
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
@@ -34,6 +35,7 @@ from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_version
+from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -95,18 +97,9 @@ class RunResult:
         return self.generated_here / self.wall_s if self.wall_s > 0 else 0.0
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
 def prompt_path(cfg: GenerateConfig) -> Path | str:
-    """The prompt file; a relative path is taken from the current directory, else from the project
-    (so the shipped examples/prompts.txt works from anywhere); a URL (``s3://bucket/captions.parquet``) as it is."""
-    if is_url(cfg.prompts.path):
-        return cfg.prompts.path
-    path = Path(os.path.expanduser(cfg.prompts.path))
-    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
-        return PROJECT_ROOT / path
-    return path.absolute()
+    """The prompt file of ``cfg`` (``prompt_file_path``: a URL as it is)."""
+    return prompt_file_path(cfg.prompts.path)
 
 
 def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = True) -> Plan:
@@ -128,7 +121,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     digest, identity = prompt_file_hash(run, path, source.format)
     fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
-    extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))
+    extend_if_appended(run, fp, source, identity["size"], lambda: planning_truncation_check(cfg, source))
     resuming = True
     try:
         resuming = check_or_write_fingerprint(run, fp, allow_change=cfg.allow_fingerprint_change, prompt_path=path)
@@ -140,6 +133,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
             run.fingerprint_path.unlink(missing_ok=True)
             run.undo_start(top)
         raise
+    check_planned_adapters(plan.adapters())  # a row's LoRA file changed since planning: refused like model.loras
     if warning := idle_warning(plan.num_shards, replicas, plan.samples_per_shard):
         log.warning(warning)
     run.create()
@@ -156,7 +150,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: str, replicas: int) -> Plan:
     per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
     plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                      truncation=_planning_truncation_check(cfg, source), prompt_sha256=digest)
+                      truncation=planning_truncation_check(cfg, source), prompt_sha256=digest)
     log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
              plan.num_shards, plan.samples_per_shard, run.root)
     if is_url(source.path):
@@ -165,7 +159,7 @@ def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: s
     return plan
 
 
-def _planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
+def planning_truncation_check(cfg: GenerateConfig, source: PromptSource) -> TruncationCheck | None:
     """The token count planning does: none for on_truncation=warn (generation counts each batch)."""
     policy = cfg.prompts.on_truncation
     if not checks_while_planning(policy):
@@ -214,7 +208,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     try:
         dims = parallel_dims(cfg, world.world_size)
-        plan = W.on_rank0_then_share(lambda: prepare_run(cfg, dims.dp))
+        # with the run's settings as accepted, to find a launch that starts the run over while this one loads
+        plan, settings = W.on_rank0_then_share(lambda: _prepared_with_settings(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
         check_row_shapes(cfg, dims, plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
@@ -224,7 +219,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
+        preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
+        if ctx.leader:
+            check_settings_unchanged(plan.run, settings)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
             worker.on_batch = on_batch
             worker.run()
@@ -237,6 +235,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     finally:
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def _prepared_with_settings(cfg: GenerateConfig, replicas: int) -> tuple[Plan, tuple]:
+    plan = prepare_run(cfg, replicas)
+    return plan, run_settings(plan.run)
 
 
 def log_compile_summary(worker: ReplicaWorker) -> None:
@@ -270,10 +273,24 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
                           leader_rank=dims.leader_of(rank), group=dims.replica_group(), ranks=dims.replica_size)
 
 
+def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) -> GenSettings:
+    """``compile: auto`` off for a transformer with no repeated blocks to compile (a pipeline no family knows):
+    the default must run it eagerly, not fail as ``compile=true`` does."""
+    from dataclasses import replace
+
+    from shardgen.speed.blocks import repeated_blocks
+
+    tr = getattr(pipe, "transformer", None)
+    if not settings.compile_auto or (tr is not None and repeated_blocks(tr)):
+        return settings
+    log.info("compile=auto: %s has no repeated blocks to compile regionally; running eagerly", type(tr).__name__)
+    return replace(settings, compile_auto=False, accel=replace(settings.accel, compile=False))
+
+
 def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, strategy: str,
                  control: RankControl) -> ReplicaWorker:
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
-    settings = GenSettings.from_cfg(cfg, strategy)
+    settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
                            retry_failed=cfg.retry_failed,
@@ -294,6 +311,7 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
                                 signals=Signals(cfg.signals),
                                 encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
+        worker.metrics = RankMetrics(plan.run, rank=ctx.leader_rank, replica=ctx.index, ranks_per_replica=ctx.ranks)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
         worker.uploader = ShardUploader.from_cfg(cfg, plan.run)
         if ctx.index == 0 and cfg.progress:

@@ -66,7 +66,6 @@ import torch
 from shardgen.errors import UserError
 from shardgen.families import family_of
 from shardgen.pick import pick
-from shardgen.speed import qwen
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
 from shardgen.speed.blocks import repeated_blocks
 
@@ -490,9 +489,16 @@ def _scan_native_attention(transformer) -> bool:
 
 # --- the entry point ----------------------------------------------------------------------------------
 
-SPEED_HOOKS = {"Qwen-Image": qwen.prepare_speed}
-"""Model family name (shardgen/families/) -> its own speed hooks ``(pipe, AccelOptions) -> what was done``,
-applied by ``prepare`` after the generic options. A family with none is absent."""
+def family_speed_hooks(pipe):
+    """The speed hooks the pipeline's family names (``ModelFamily.speed_hooks``), or None."""
+    import importlib
+
+    family = family_of(pipe)
+    if family is None or not family.speed_hooks:
+        return None
+    module, _, name = family.speed_hooks.partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def current(pipe) -> AccelOptions | None:
     return getattr(pipe, _STATE_ATTR, None)
@@ -542,8 +548,7 @@ def prepare(pipe, opts: AccelOptions) -> dict:
     if opts.first_block_cache > 0:
         enable_first_block_cache(tr, opts.first_block_cache)
         done["first_block_cache"] = opts.first_block_cache
-    family = family_of(pipe)
-    hook = SPEED_HOOKS.get(family.name) if family is not None else None
+    hook = family_speed_hooks(pipe)
     if hook is not None:  # the family's own hooks (Qwen-Image's)
         done.update(hook(pipe, opts))
     done["prepare_s"] = round(time.perf_counter() - t0, 3)

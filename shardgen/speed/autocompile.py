@@ -1,4 +1,4 @@
-"""``compile: auto`` decided per process, from what compiling costs and saves here (issue 20).
+"""``compile: auto`` decided per process, from what compiling costs and saves here.
 
 Compiling the transformer's blocks makes each image ~1.35x faster on an H200, but the first compiled
 batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
@@ -11,9 +11,9 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
   cache has compiled this model and shape before.
 - **the figures**: measured on this GPU for this model and shape set by earlier processes and kept in
   ``$SHARDGEN_CACHE/compile/records.json`` (eager and compiled seconds per sample, the cold and warm
-  compile costs); where none is recorded yet, the priors below (H200 measurements, docs/performance.md).
+  compile costs); where none is recorded yet, the priors below (H200 measurements, benchmarks/results/performance-history.md).
   Without a recorded eager speed the first two batches run eagerly and the second is timed (real work, not a
-  probe): the first pays the process's one-time GPU costs (H200, session 8: the first batch 10-25% slower than
+  probe): the first pays the process's one-time GPU costs (H200: the first batch 10-25% slower than
   the next), and that inflated figure had compiled 24-prompt jobs that then lost 3-4% to ``compile=false``.
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
@@ -29,11 +29,16 @@ instead (the work left x the gain - the warm main-thread cost ``compile_warm_s``
 cost) and takes it when it saves more: a thread can starve beside eager batches that hold the GIL (H200,
 FLUX.2-dev, warm cache: 78 s in the background, 11 s on the main thread; Qwen-Image's thread: 11-19 s).
 
-Why only from a warm cache (H200, dummy weights, 24-40 prompts, docs/performance.md): from a warm cache the
+Why only from a warm cache (H200, dummy weights, 24-40 prompts, benchmarks/results/performance-history.md): from a warm cache the
 background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
 63-180 s (inductor's code generation and kernel tuning beside the eager batches, which it slowed) and
 FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
 estimate above says a job is long enough to pay for it (then every later process compiles in the background).
+
+**Forcing a path** (tests, benchmarks): ``SHARDGEN_COMPILE_AUTO=eager|main|background`` in the environment makes a
+``compile: auto`` process take that path whatever the figures say, after its first ``EAGER_BATCHES`` eager batches:
+stay eager, compile on the main thread, or compile on a background thread (the batch after the one that ran beside
+the thread waits for it, so the switch always happens while work is left). tests/test_gpu_matrix.py walks each.
 
 The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
 priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,7 +62,7 @@ PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H2
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
 # a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 60-78 s: the thread starves
 # beside eager batches that hold the GIL, the main thread's 7-11 s does not vary so): with no record, a first job
-# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev, session 11: the 30 s prior sent
+# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev: a 30 s prior sent
 # it to a 60 s thread, 1.08x the seed loop; the next job, on the main thread, 1.17x)
 PRIOR_BACKGROUND_S = 45.0
 CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
@@ -64,6 +70,8 @@ EAGER_BATCHES = 2     # full eager batches before deciding without a recorded ea
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
 MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
 BACKGROUND_MIN_SAVING_S = 5.0  # background compilation: the least expected saving worth its CPU and GPU contention
+FORCE_ENV = "SHARDGEN_COMPILE_AUTO"
+FORCE_PATHS = ("eager", "main", "background")
 MARGIN = 1.2          # compile only when the expected saving is this much over the cost: the figures are estimates
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
@@ -138,6 +146,8 @@ class AutoCompile:
     (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
     shapes: int = 1
     """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
+    force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
+    """The path taken whatever the figures say (``FORCE_PATHS``; the module doc), None: decided from the figures."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
     _record: dict = field(default_factory=dict)
@@ -145,18 +155,26 @@ class AutoCompile:
     _recorded_cost: bool = False    # background: its compile time is recorded (once)
 
     def __post_init__(self) -> None:
+        from shardgen.speed.accel import AccelError
+
+        if self.force is not None and self.force not in FORCE_PATHS:
+            raise AccelError(f"{FORCE_ENV}={self.force!r}: use one of {list(FORCE_PATHS)} or leave it unset")
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
-        if not self._record.get("compiled_before"):
+        if self.force == "main" or (not self._record.get("compiled_before") and self.force != "background"):
             self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
+
+    def _recorded_eager(self) -> float | None:
+        """The eager speed recorded by an earlier process (none when forced: the eager batches run first)."""
+        return None if self.force else _number(self._record.get("eager_s"))
 
     def settings(self, s: Any) -> Any:
         """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
         if self.background is not None:
             return self._background_settings(s)
         if self.decided is None:
-            eager = _number(self._record.get("eager_s")) or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
+            eager = self._recorded_eager() or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
         return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False))
@@ -166,11 +184,13 @@ class AutoCompile:
             self._batch_compiled = False
             return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
         state = self._state()
-        if self.decided is None and _number(self._record.get("eager_s")):
+        if self.decided is None and self._recorded_eager():
             self._decide(float(self._record["eager_s"]))
             if self.decided and self.background is not None:  # from the records, before the first batch: the
                 state.start_when_captured()                   # thread starts at its second step
             return self.settings(s)
+        if self.force and state.started and len(self._eager) > EAGER_BATCHES:
+            state.wait()  # forced: one eager batch ran beside the thread; the switch must not depend on its speed
         if state is not None and state.switch():
             log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
                      "the next batches run compiled", state.seconds, len(self._eager))
@@ -188,6 +208,14 @@ class AutoCompile:
         return (recorded, "") if recorded else (prior * max(1, self.shapes), ", prior")
 
     def _decide(self, eager_s: float) -> None:
+        if self.force:
+            self.decided = self.force != "eager"
+            self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
+            log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
+                     "compiling in the background" if self.background is not None else "compiling", self.reason)
+            if self.background is not None and not self.decided:
+                self._state().abandon()
+            return
         r = self._record
         warm = bool(r.get("compiled_before"))
         compiled = _number(r.get("compiled_s"))
@@ -227,14 +255,24 @@ class AutoCompile:
             self._state().abandon()
 
     def finish(self) -> None:
-        """The end of the process's work: wait for a background compilation still running (a thread must not be
-        inside the compiler when the process ends) and record its cost if it ended unused."""
+        """The end of the process's work: record the steady eager speed of a process that stayed eager, wait for a
+        background compilation still running (a thread must not be inside the compiler when the process ends) and
+        record its cost if it ended unused."""
+        self._record_steady_eager()
         state = self._state() if self.background is not None else None
         if state is None or not state.started or state.done.is_set():
             return
         log.info("compile=auto: waiting for the background compilation to end (the work ended first; not used)")
         state.wait()
         self._record_background(state)
+
+    def _record_steady_eager(self) -> None:
+        """A process that stayed eager leaves the median of its eager batches after the first as ``eager_s``: the
+        second batch alone, timed to decide, runs ~10% slower than the steady ones (H200, Qwen-Image: 2.96 against
+        2.67 s/image), which overstates what compiling saves for the next process that reads the records."""
+        steady = self._eager[1:]
+        if self.decided is False and len(steady) >= EAGER_BATCHES and not self.force:
+            write_record(self.path, self.key, {"eager_s": statistics.median(steady)})
 
     def _record_background(self, state) -> None:
         if state.seconds is None or self._recorded_cost:

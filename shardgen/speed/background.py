@@ -1,4 +1,4 @@
-"""Compiling on a background thread while the first batches run eagerly (``compile: auto``, issue 20).
+"""Compiling on a background thread while the first batches run eagerly (``compile: auto``).
 
 Compiling the repeated blocks costs 40-55 s on an H200 from a fresh cache and 10-17 s from a warm one,
 paid by the first compiled batch: a short job (a few dozen prompts, a requeued job near its end) loses

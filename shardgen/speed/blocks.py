@@ -7,6 +7,9 @@ import torch
 
 def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks whose class the transformer lists in ``_repeated_blocks`` (FLUX.1: 19 double-stream + 38
-    single-stream blocks), in module order."""
-    names = tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    single-stream blocks) or its family declares for it (Stable Diffusion 3's ``JointTransformerBlock``), in module
+    order."""
+    from shardgen.families.base import declared_repeated_blocks
+
+    names = tuple(getattr(transformer, "_repeated_blocks", None) or declared_repeated_blocks(type(transformer).__name__))
     return [m for m in transformer.modules() if type(m).__name__ in names]

@@ -220,6 +220,18 @@ def _dispatching_rope(orig):
     return apply_rotary_emb_qwen
 
 
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Qwen's rotation of ``x`` by ``freqs`` in whichever form they come: complex (diffusers' own) or real
+    (cos, sin) pairs (``enable_real_rope``). The form is the ``pos_embed`` hook's alone, so a processor made
+    while the blocks ran eagerly keeps working after they switch to compiled ones that take real frequencies."""
+    if isinstance(freqs, torch.Tensor) and not freqs.is_complex():
+        return rope_real(x, freqs)
+    from diffusers.models.transformers import transformer_qwenimage as tq
+
+    stock = getattr(tq.apply_rotary_emb_qwen, "_shardgen_orig", tq.apply_rotary_emb_qwen)
+    return stock(x, freqs, use_real=False)
+
+
 def _as_real(module, args, output):
     """pos_embed's (image, text) complex frequencies as real (cos, sin) pairs, made once per call."""
     return tuple(torch.view_as_real(f).clone() if f.is_complex() else f for f in output)
@@ -284,8 +296,7 @@ def _lengths_hook(module, args, kwargs):
 def _prefix_processor_class():
     """The processor class, made once per process: compiled blocks guard on their processor's type, so a
     second ``enable_prefix_attention`` must not bring a new class (it would compile the blocks again)."""
-    from diffusers.models.transformers.transformer_qwenimage import (QwenDoubleStreamAttnProcessor2_0,
-                                                                     apply_rotary_emb_qwen)
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
     class PrefixAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         """diffusers' Qwen joint attention with keys and values ordered [image, text] instead of [text, image]:
@@ -316,10 +327,9 @@ def _prefix_processor_class():
                 txt_k = attn.norm_added_k(txt_k)
             if image_rotary_emb is not None:
                 img_freqs, txt_freqs = image_rotary_emb
-                img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-                img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-                txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-                txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+                # the frequencies' form (complex or real pairs) can change when compile=auto switches
+                img_q, img_k = apply_rope(img_q, img_freqs), apply_rope(img_k, img_freqs)
+                txt_q, txt_k = apply_rope(txt_q, txt_freqs), apply_rope(txt_k, txt_freqs)
             joint = torch.ops.shardgen.prefix_attention(
                 torch.cat([txt_q, img_q], dim=1), torch.cat([img_k, txt_k], dim=1), torch.cat([img_v, txt_v], dim=1),
                 text_lengths, seq_img)
@@ -373,7 +383,7 @@ def disable_prefix_attention(transformer: torch.nn.Module) -> None:
             block.attn.processor = stock
 
 
-# --- the family's hook (speed/accel.py: SPEED_HOOKS) -----------------------------------------------------
+# --- the family's hook (families/qwen_image.py: speed_hooks) -----------------------------------------------------
 
 def prepare_speed(pipe, opts) -> dict:
     """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,

@@ -177,9 +177,22 @@ class Plan:
             rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
         else:
             rows = self._checked_rows(src, shard, seg, rng)
+        self._check_adapters(rows)
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
+
+    def _check_adapters(self, rows: list[P.PromptRow]) -> None:
+        """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned."""
+        planned = self.adapters() if any(r.settings.get("loras") for r in rows) else {}
+        for r in rows:
+            for lo in r.settings.get("loras", ()):
+                if lo.sha256 not in planned:
+                    from shardgen.models.lora import LoraError
+
+                    raise LoraError(f"{self.prompt_path or self.meta['source']['path']}:{r.line}: loras: {lo.path} "
+                                    f"(sha256 {lo.sha256[:16]}...) is not the file this row named when the run was "
+                                    "planned; restore it, or start a new run_dir")
 
     def _checked_rows(self, src: PromptSource, shard: int, seg: Segment | None, rng: range) -> list[P.PromptRow]:
         """The rows of ``shard`` parsed from exactly the bytes (parquet: the rows) whose digest the plan recorded:
@@ -218,6 +231,14 @@ class Plan:
         plan.rows(shard))`` is a shard's shape set, ``row_rules.shape(row.settings)`` one row's shape."""
         rules = ((self.meta or {}).get("source") or {}).get("row_rules")
         return RowRules(**rules) if rules else None
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA files the plan's rows name (sha256 -> path, prompts.row_settings=[loras]), over the plan and its
+        extensions; {} when its rows name none."""
+        out: dict[str, str] = {}
+        for m in [self.meta or {}] + [e.meta for e in self.extensions]:
+            out.update(m.get("loras") or {})
+        return out
 
     def shapes(self) -> Counter | None:
         """Rows per ``Shape`` (width, height, frames) over the plan and its extensions, counted while planning
@@ -313,6 +334,18 @@ def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None
             or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"] or "rows_end" not in meta:
         raise _plan_error(path, "does not match plan.json (changed after planning)")
     return digests
+
+
+def discard_plan(run: RunDir, why: str) -> None:
+    """Remove the run's plan (moved aside first, so a concurrent reader sees it whole or not at all); ``why`` names
+    the moved-aside directory while it is being removed."""
+    aside = run.root / f".plan-{why}~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
+    try:
+        os.rename(run.plan_dir, aside)
+    except FileNotFoundError:
+        pass  # another job moved it first
+    shutil.rmtree(aside, ignore_errors=True)
+    run.plan_digests_path.unlink(missing_ok=True)
 
 
 def extension_dirs(run: RunDir) -> list[Path]:
@@ -416,9 +449,10 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
     planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
     num_shards, starts_sha256, rows_end, digests_sha256, and with prompts.row_settings ``shapes``: rows per shape,
-    ``shapes_json``). ``head_end``: where the file's first row starts (csv/tsv: the header before it is hashed
+    ``shapes_json``, and ``loras``: the adapter files rows name, sha256 -> path). ``head_end``: where the file's first row starts (csv/tsv: the header before it is hashed
     with each shard); None: where this scan's first shard starts."""
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
+    adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
     footer = planned_from_footer(source, truncation) and first_row == 0
     if footer:  # a remote parquet file: no row read before the first image
         num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
@@ -427,7 +461,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                                                                     first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
-                                                                     shapes)
+                                                                     shapes, adapters)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -444,6 +478,8 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
         counts["digests_sha256"] = hashlib.sha256(digests.tobytes()).hexdigest()
     if shapes is not None:
         counts["shapes"] = shapes_json(shapes)
+    if adapters is not None:
+        counts["loras"] = adapters
     return counts
 
 

@@ -68,11 +68,13 @@ def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndar
 
 
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
-              shapes: Counter | None = None) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
+              shapes: Counter | None = None, adapters: dict | None = None
+              ) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
     """Any format: every row through the reader (those before ``first_row`` planned already); shard starts
     from the rows' lines (parquet: row numbers). (rows, rejects, starts, where the planned rows end: a byte
     offset, parquet a row, the shards' digests: parquet only, of the rows read; text formats: None).
-    ``shapes``: counts the valid rows per ``Shape`` (prompts.row_settings' sizes and frames) into it."""
+    ``shapes``: counts the valid rows per ``Shape`` (prompts.row_settings' sizes and frames) into it; ``adapters``:
+    the LoRA files valid rows name (sha256 -> path) go into it."""
     rules = source.rules
     rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
                           on_bad_row=source.on_bad_row, max_chars=source.max_chars, rules=source.rules)
@@ -95,6 +97,8 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
             rejects += row.reject is not None
             if shapes is not None and row.reject is None:
                 shapes[rules.shape(row.settings)] += 1
+            if adapters is not None and row.reject is None:
+                adapters.update((lo.sha256, lo.path) for lo in row.settings.get("loras", ()))
             if check and row.reject is None and len(row.prompt.encode("utf-8")) > check.min_bytes:
                 check.offer(row.index, row.line, row.prompt)
                 if check.stop:
@@ -231,8 +235,12 @@ def _utf8(block) -> bool:
 # ---------------------------------------------------------------- shard digests
 
 def row_bytes(row: P.PromptRow) -> bytes:
-    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file)."""
-    fields = [row.prompt, row.seed, row.extra, row.reject] + ([row.settings] if row.settings else [])  # as before without
+    """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file). A row's
+    LoRA adapters count by content and scale, not by where the prompt file's folder put their paths (a run moves)."""
+    settings = row.settings
+    if "loras" in settings:
+        settings = dict(settings, loras=[[lo.sha256, lo.scale] for lo in settings["loras"]])
+    fields = [row.prompt, row.seed, row.extra, row.reject] + ([settings] if settings else [])  # as before without
     return json.dumps(fields, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 

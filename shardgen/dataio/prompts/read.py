@@ -20,6 +20,7 @@ from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_i
 from shardgen.errors import UserError
 from shardgen.pick import pick
 
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 ON_BAD_ROW = ("error", "skip")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
@@ -90,7 +91,7 @@ class PromptSource:
     @property
     def rules(self) -> RowRules | None:
         """The row settings' rules (None: the rows set none)."""
-        return RowRules(**self.row_rules) if self.row_rules else None
+        return RowRules(**self.row_rules, base_dir=str(Path(self.path).parent)) if self.row_rules else None
 
     def as_json(self) -> dict:
         """For plan.json; without ``row_rules`` when there are none, so such plans stay as they were."""
@@ -528,3 +529,15 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "isoformat"):  # dates, times, timestamps
         return value.isoformat()
     return str(value)  # decimals, bytes, durations: a readable string beats a crash
+
+
+def prompt_file_path(text: str) -> Path | str:
+    """The prompt file ``prompts.path`` names; a relative path is taken from the current directory, else from the
+    project (so the shipped examples/prompts.txt works from anywhere); a URL (``s3://bucket/captions.parquet``) as
+    it is."""
+    if is_url(text):
+        return text
+    path = Path(os.path.expanduser(text))
+    if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+        return PROJECT_ROOT / path
+    return path.absolute()

@@ -15,12 +15,13 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from shardgen.errors import UserError
 
 ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
-                "num_frames")
+                "num_frames", "loras")
 """The names ``prompts.row_settings`` may list."""
 MAX_SIDE = 8192
 """The largest image side a row may ask for, in pixels."""
@@ -81,6 +82,9 @@ class RowRules:
     frame_stride: int = 0
     frames: int | None = None
     """The run's ``num_frames`` (video models): the frames of a row that gives none."""
+    base_dir: str | None = None
+    """Where a row's relative adapter paths (``loras``) are taken from: the prompt file's folder (not recorded in
+    plan.json: a moved run reads them from its file's new place)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))  # plan.json gives a list back
@@ -118,6 +122,13 @@ class RowRules:
             out["negative_prompt"] = raw["negative_prompt"]
         if "steps" in raw:
             out["steps"] = _count("steps", raw["steps"], text)
+        if "loras" in raw:
+            from shardgen.models.lora import LoraError, parse_row
+
+            try:
+                out["loras"] = parse_row(raw["loras"], text, Path(self.base_dir) if self.base_dir else None)
+            except LoraError as e:
+                raise BadSetting(f"loras: {e}") from None
         if "num_frames" in raw:
             out["num_frames"] = self._frames(raw["num_frames"], text)
         if "aspect_ratio" in raw:

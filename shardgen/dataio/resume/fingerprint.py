@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.prompts.plan import file_sha256
+from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
                                            json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
+from shardgen.models import lora
 
 log = logging.getLogger("shardgen")
 
@@ -45,6 +46,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
+        **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
     }
 
 
@@ -107,10 +109,14 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
     refused like any resume with other settings. Raises FingerprintMismatch naming each differing
     field, unless ``allow_change`` (recorded in fingerprint_changes.jsonl), which is refused too for
     fields the existing plan was made from. RunDirError when a run exists but its fingerprint does not.
+    A run that holds no sample yet (its launches stopped before generating, e.g. a model that did not load) takes
+    the new settings instead, recorded likewise; a launch still loading its model with the old ones is refused once
+    loaded (shardgen/run/runner.py), so samples of both never mix.
     ``prompt_path`` is named when the prompt file's content differs (a run is tied to the content, not
     the path: a moved run resumes from its file's new place).
     """
     old = read_fingerprint(run)
+    lost_race = False
     if old is None:
         state = _has_run_state(run)
         if state:
@@ -122,22 +128,111 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         if create_exclusive(run.fingerprint_path, json_bytes(fingerprint)):
             return False
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
-    diffs = diff_fingerprints(old, fingerprint)
-    if not diffs:
+        lost_race = True  # that job is starting now, not a launch that stopped before its first sample
+    if not diff_fingerprints(old, fingerprint):
         return True
-    if prompt_path is not None and old.get("prompts.sha256") != fingerprint.get("prompts.sha256"):
-        diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
-                        f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
-                        f"{str(fingerprint.get('prompts.sha256'))[:16]}...)")
+    if not allow_change and not lost_race and holds_no_samples(run):
+        # a launch that failed before its first sample (a model that did not load) leaves nothing to mix with
+        _restart_unstarted(run, old, fingerprint)
+        return True
     if not allow_change:
-        raise FingerprintMismatch(
-            f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
-            "samples:\n  "
-            + "\n  ".join(diffs)
-            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
-              "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
+        raise _mismatch(run, old, fingerprint, prompt_path)
     _apply_change(run, old, fingerprint)
     return True
+
+
+def _mismatch(run: RunDir, old: dict, new: dict, prompt_path: str | os.PathLike | None) -> FingerprintMismatch:
+    diffs = diff_fingerprints(old, new)
+    if prompt_path is not None and old.get("prompts.sha256") != new.get("prompts.sha256"):
+        diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
+                        f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
+                        f"{str(new.get('prompts.sha256'))[:16]}...)")
+    return FingerprintMismatch(
+        f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
+        "samples:\n  "
+        + "\n  ".join(diffs)
+        + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
+          f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
+          "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
+          "made stay as they are: jobs.verify notes them, and its --repair keeps them).")
+
+
+def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
+    """The refusal ``check_or_write_fingerprint`` would make, read-only and before torch is imported (a second, not
+    ten). Whatever the launch may accept or repair is left to it: no or a damaged fingerprint, a run without a
+    sample, a prompt file changed since it was hashed (an append extends the run), allow_fingerprint_change."""
+    from shardgen.models.versions import model_version
+
+    if cfg.allow_fingerprint_change or not run.fingerprint_path.is_file() or holds_no_samples(run):
+        return
+    try:
+        old = read_fingerprint(run)
+        digest = cached_prompt_hash(run, _file_identity(prompt_path))
+    except (RunDirError, OSError):
+        return
+    if old is None or digest is None:
+        return
+    new = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k != "prompts.sha256"):
+        raise _mismatch(run, old, new, prompt_path)
+
+
+def holds_no_samples(run: RunDir) -> bool:
+    """No sample was generated, started or claimed in ``run``: shards/, work/ and claims/ hold nothing."""
+    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.latents_dir):
+        try:
+            if any(not n.startswith(".") for n in os.listdir(d)):
+                return False
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return True
+
+
+def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
+    """Take the new settings for a run without a sample; a changed plan field discards the plan (made again)."""
+    if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
+        if extension_dirs(run):
+            raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
+                                      "again with other settings; choose a new run_dir")
+        discard_plan(run, "replaced")
+    changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  host=socket.gethostname(), changes=changes, no_samples=True)
+    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    atomic_write_json(run.fingerprint_path, new)
+    run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
+    log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
+                ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
+
+
+def run_settings(run: RunDir) -> tuple[dict | None, tuple | None]:
+    """What ``check_settings_unchanged`` compares: the fingerprint, and which plan.json file the plan is."""
+    try:
+        st = run.plan_json_path.stat()
+        plan = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        plan = None
+    return read_fingerprint(run), plan
+
+
+def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | None]) -> None:
+    """Refuse to generate when another launch started the run over with other settings since ``before``
+    (``run_settings``), e.g. while this one loaded its model: a run without a sample takes new settings. Appended
+    prompts change the fingerprint's prompts.sha256 alone and keep plan.json: this launch's plan still holds."""
+    now = run_settings(run)
+    if now == before:
+        return
+    (old_fp, old_plan), (new_fp, new_plan) = before, now
+
+    def but_prompts(fp: dict) -> dict:
+        return {k: v for k, v in fp.items() if k != "prompts.sha256"}
+
+    extended = (old_fp is not None and new_fp is not None and old_plan == new_plan
+                and not diff_fingerprints(but_prompts(old_fp), but_prompts(new_fp)))
+    if not extended:
+        raise FingerprintMismatch(f"{run.fingerprint_path} changed while this launch loaded its model: another launch "
+                                  f"started {run.root} over with other settings. Launch again with the settings in "
+                                  "fingerprint.json, or choose a new run_dir")
 
 
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
@@ -191,13 +286,18 @@ def prompt_file_hash(run: RunDir, path: Path | str, fmt: str | None = None) -> t
         return "etag-" + hashlib.sha256(f"{identity['etag']}|{identity['size']}".encode()).hexdigest(), identity
     if is_url(path) and not (identity.get("etag") or identity.get("modified")):
         return file_sha256(path), identity  # a server that tells neither: its size alone cannot vouch for the content
+    return cached_prompt_hash(run, identity) or file_sha256(path), identity
+
+
+def cached_prompt_hash(run: RunDir, identity: dict) -> str | None:
+    """The prompt file's hash remembered in the run directory, if the file (``identity``) is unchanged since."""
     try:
         cached = read_json(run.prompt_hash_path)
         if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
-            return cached["sha256"], identity
+            return cached["sha256"]
     except (OSError, ValueError, KeyError, AttributeError):
-        pass  # none yet, or unreadable: hash the file
-    return file_sha256(path), identity
+        pass  # none yet, or unreadable
+    return None
 
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:

@@ -20,14 +20,12 @@ import io
 import json
 import logging
 import os
-import shutil
-import socket
 import time
 from pathlib import Path
 
 import numpy as np
 
-from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
+from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, map_io,
@@ -77,13 +75,7 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
                           "backup, or start a new run_dir")
     if damage:
         log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
-        aside = run.root / f".plan-damaged~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
-        try:
-            os.rename(run.plan_dir, aside)
-        except FileNotFoundError:
-            pass  # another job moved it first
-        shutil.rmtree(aside, ignore_errors=True)
-        run.plan_digests_path.unlink(missing_ok=True)
+        discard_plan(run, "damaged")
     return None
 
 

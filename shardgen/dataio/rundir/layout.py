@@ -296,6 +296,15 @@ class RunDir:
         return self.logs_dir / f"events.{host}.{pid}.jsonl"
 
     @property
+    def metrics_dir(self) -> Path:
+        """Prometheus textfile-collector files, one per writing rank (shardgen/dataio/rundir/metrics.py)."""
+        return self.root / "metrics"
+
+    def metrics_path(self, rank: int, job: str = "") -> Path:
+        """Rank ``rank``'s metrics file; under SLURM named by its job too (an array's jobs each have a rank 0)."""
+        return self.metrics_dir / (f"job{job}.rank{rank:03d}.prom" if job else f"rank{rank:03d}.prom")
+
+    @property
     def latents_dir(self) -> Path:
         """Denoising-loop checkpoints of video batches (run/latent_ckpt.py)."""
         return self.root / "latents"

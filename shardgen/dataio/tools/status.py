@@ -1,5 +1,5 @@
 """A run's state for an operator (``jobs.status``, also as JSON): progress, rate and ETA, each replica's rate,
-what each claim holder is doing, the last error in the rank logs.
+what each claim holder is doing, the last error and warning in the rank logs.
 
 Everything is read from the run directory: committed shards' stats, the checkpoints of shards in progress
 (so a rate and an ETA exist before the first shard commits), claims and their heartbeats (a run without a
@@ -75,10 +75,10 @@ def _claims(led: StatusLedger, now: float) -> list[dict]:
     return out
 
 
-def last_error(plan: Plan) -> dict | None:
-    """The latest ERROR or WARNING line of the rank logs (logs/rank*.log): rank, time, level, logger, message
-    (its first line); None without one."""
-    best = None
+def last_problems(plan: Plan) -> dict[str, dict | None]:
+    """The latest ERROR (or CRITICAL) line and the latest WARNING line of the rank logs (logs/rank*.log), as
+    ``{"error": ..., "warning": ...}``: rank, time, level, logger, message (its first line); None without one."""
+    best: dict[str, dict | None] = {"error": None, "warning": None}
     logs = sorted(plan.run.logs_dir.glob("rank*.log")) if plan.run.logs_dir.is_dir() else []
     for path in logs:
         if path.is_symlink():  # a link where a rank log should be is not followed
@@ -90,9 +90,12 @@ def last_error(plan: Plan) -> dict | None:
         except OSError:
             continue
         for line in text.splitlines():
-            if (m := _ERROR_LINE.match(line)) and (best is None or m.group(1) >= best["time"]):
-                best = dict(rank=path.stem.removeprefix("rank"), time=m.group(1), level=m.group(2), logger=m.group(3),
-                            message=m.group(4))
+            if not (m := _ERROR_LINE.match(line)):
+                continue
+            kind = "warning" if m.group(2) == "WARNING" else "error"
+            if best[kind] is None or m.group(1) >= best[kind]["time"]:
+                best[kind] = dict(rank=path.stem.removeprefix("rank"), time=m.group(1), level=m.group(2),
+                                  logger=m.group(3), message=m.group(4))
     return best
 
 
@@ -121,7 +124,8 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
                                                      truncated=totals.get("truncated", 0)),
-        failures_by_reason=dict(led.done.failures_by_reason.most_common()), last_error=last_error(plan),
+        failures_by_reason=dict(led.done.failures_by_reason.most_common()),
+        **{f"last_{kind}": line for kind, line in last_problems(plan).items()},
         row_settings=row_setting_names(plan), shapes=dict(led.done.shapes.most_common()),
         uploads=upload_state(plan.run))
 
@@ -129,3 +133,36 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
 def row_setting_names(plan: Plan) -> list[str]:
     """The prompt-file fields the run reads as generation settings (``prompts.row_settings``; [] for none)."""
     return list(plan.row_rules.names) if plan.row_rules else []
+
+
+def run_metrics(st: dict, plan: Plan) -> bytes:
+    """The run as a Prometheus exposition: its figures from ``st`` (``run_status``) under a ``run`` label, then every
+    rank's own counters from its metrics/ file."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from shardgen.dataio.rundir import exposition, read_rank_metrics
+
+    def gauge(name: str, doc: str, value: float | None = None, by: tuple[str, dict] | None = None):
+        family = GaugeMetricFamily(name, doc, labels=["run", by[0]] if by else ["run"])
+        for label, v in (by[1].items() if by else [(None, value)]):
+            family.add_metric([st["run_dir"]] + ([label] if by else []), v)
+        return family
+
+    res, shards = st["results"], st["shards"]
+    families = [
+        gauge("shardgen_run_prompts", "Prompts of the run's plan (valid rows)", st["samples_total"]),
+        gauge("shardgen_run_samples_done", "Samples committed or checkpointed", st["samples_done"]),
+        gauge("shardgen_run_samples", "Samples in committed shards, by status",
+              by=("status", {k: res[k] for k in ("ok", "failed", "rejected")})),
+        gauge("shardgen_run_truncated_samples", "Samples whose prompt a text encoder cut", res.get("truncated", 0)),
+        gauge("shardgen_run_shards", "Shards by state",
+              by=("state", {k: shards[k] for k in ("done", "running", "stalled", "pending", "damaged")})),
+        gauge("shardgen_run_claims", "Claims of unfinished shards (live, stalled or dead holders)",
+              len(st["claims"])),
+        gauge("shardgen_run_complete", "1 once every shard is committed", int(st["state"] == "complete")),
+    ]
+    if st["rate"] is not None:  # none before a first sample, nor an ETA without a live claim
+        families.append(gauge("shardgen_run_samples_per_second", "The run's rate over its span", st["rate"]))
+    if st["eta_s"] is not None:
+        families.append(gauge("shardgen_run_eta_seconds", "Seconds until the run completes at its rate", st["eta_s"]))
+    return exposition(families + read_rank_metrics(plan.run))

@@ -33,6 +33,9 @@ class VerifyReport:
     defects: list[str] = field(default_factory=list)
     bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate) or "stats" (rewrite)
     unfinished: list[str] = field(default_factory=list)  # a line per shard not committed yet: in progress, not started
+    earlier_settings: Counter = field(default_factory=Counter)
+    """Samples made with settings the run had before a recorded allow_fingerprint_change: "steps=1" -> count.
+    Not defects: the change was asked for, and --repair keeps them."""
     in_progress: int = 0                                  # of those, shards with durable samples in work/
 
     @property
@@ -101,8 +104,10 @@ FINGERPRINT_KEYS = {"model": "model.name", "height": "height", "width": "width",
                     "guidance": "guidance"}
 
 
-def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | None, fp: dict | None) -> list[str]:
-    """The sample is the one the plan and the fingerprint say: prompt text, seed, size, steps, model."""
+def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | None, fp: dict | None,
+                   earlier: dict[str, list] | None = None, older: Counter | None = None) -> list[str]:
+    """The sample is the one the plan and the fingerprint say: prompt text, seed, size, steps, model. A setting
+    equal to a value in ``earlier`` (fingerprint key -> values before recorded changes) is counted in ``older``."""
     if row is None:
         return []
     problems = []
@@ -121,8 +126,25 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
             if meta.get(mk) != row.settings[mk]:
                 problems.append(f"{key}: {mk}={meta.get(mk)!r}, its row (line {row.line}) says {row.settings[mk]!r}")
         elif fp is not None and fk in fp and meta.get(mk) != fp[fk]:
-            problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
-    return problems
+            if meta.get(mk) in (earlier or {}).get(fk, ()) and older is not None:
+                older[f"{mk}={meta.get(mk)!r}"] += 1
+            else:
+                problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
+    return problems + _check_adapters(key, meta, row, fp)
+
+
+def _check_adapters(key: str, meta: dict, row: PlannedRow, fp: dict | None) -> list[str]:
+    """The sample was made with its row's LoRA adapters (prompts.row_settings=[loras]), else the run's (model.loras):
+    the same files (sha256) at the same scales, in the same order."""
+    own = row.settings.get("loras")
+    if own is None and fp is None:
+        return []
+    want = [[lo.sha256, lo.scale] for lo in own] if own is not None else fp.get("model.loras", [])
+    got = [[a.get("sha256"), a.get("scale")] for a in meta.get("loras") or [] if isinstance(a, dict)]
+    if got == want:
+        return []
+    whose = f"its row (line {row.line})" if own is not None else "the run's fingerprint"
+    return [f"{key}: made with LoRA adapters (sha256, scale) {got}, {whose} says {want}"]
 
 
 def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
@@ -137,12 +159,26 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
     except RunDirError as e:
         fp = None
         rep.defects.append(str(e))
+    earlier = earlier_settings(plan.run)
     for shard in range(plan.num_shards):
-        _verify_shard(plan, shard, fp, decode, rep)
+        _verify_shard(plan, shard, fp, decode, rep, earlier)
     return rep
 
 
-def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport) -> None:
+def earlier_settings(run) -> dict[str, list]:
+    """Fingerprint key -> the values it had before each recorded allow_fingerprint_change."""
+    from shardgen.dataio.resume.fingerprint import fingerprint_changes
+
+    out: dict[str, list] = defaultdict(list)
+    for record in fingerprint_changes(run):
+        for key, change in (record.get("changes") or {}).items():
+            if isinstance(change, list) and change:
+                out[key].append(change[0])
+    return dict(out)
+
+
+def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport,
+                  earlier: dict[str, list] | None = None) -> None:
     from shardgen.dataio.resume.repair import checked_rows, read_shard_stats
 
     run = plan.run
@@ -195,7 +231,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     shard_status: Counter = Counter()
     for key, mem in members.items():
         status, meta, problems = _check_sample(key, mem, decode)
-        problems += _check_content(key, meta, mem.get("txt"), rows.get(key), fp)
+        problems += _check_content(key, meta, mem.get("txt"), rows.get(key), fp, earlier, rep.earlier_settings)
         shard_status[status] += 1
         rep.defects += [f"{name}: {p}" for p in problems]
     if len(rep.defects) > before:

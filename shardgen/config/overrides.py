@@ -1,0 +1,79 @@
+"""Command-line overrides checked against the schema before Hydra composes them.
+
+Hydra refuses ``batchsize=4`` with a hint to append it (``+batchsize=4``), which then runs with the key
+ignored, and answers ``model=flux`` with its search path. Here every key is looked up in the schema,
+``+key`` included, and every group option in conf/: a miss is one line naming the close matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+from shardgen.config.schema import GenerateConfig
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+HELP = "python -m jobs.generate --help lists every key"
+
+
+def group_options(group: str, conf: Path = CONF) -> list[str]:
+    """The options of a config group: its YAML files in conf/<group>/."""
+    return sorted(p.stem for p in (conf / group).glob("*.yaml"))
+
+
+def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
+    """The first override that names no key of the schema or no option of its group, as a one-line message
+    saying what to write instead; None when all are known (or Hydra's parser refuses them: it says why)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # a syntax error: Hydra's own message names the character
+        return None
+    groups = {p.name for p in conf.iterdir() if p.is_dir()}
+    for text, o in zip(overrides, parsed):
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
+            continue
+        if key in groups and not o.is_delete():
+            problem = _unknown_options(key, o.value(), group_options(key, conf))
+        else:
+            problem = _unknown_key(key.split("."), GenerateConfig)
+        if problem:
+            return f"{text}: {problem}"
+    return None
+
+
+def _unknown_options(group: str, value: Any, options: list[str]) -> str | None:
+    chosen = value if isinstance(value, list) else [value]
+    for v in chosen:  # a sweep or null is Hydra's to judge
+        if isinstance(v, str) and v not in options:
+            return (f"no {group} option {v!r}{_did_you_mean(str(v), options)}; the options are "
+                    f"{', '.join(options)} (conf/{group}/)")
+    return None
+
+
+def _unknown_key(parts: list[str], schema: type) -> str | None:
+    """Walk ``parts`` down the schema's dataclasses; anything under a dict-typed field is free."""
+    for depth, name in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        if name not in fields:
+            where = ".".join(parts[:depth])
+            return (f"no key {'.'.join(parts[:depth + 1])!r}{_did_you_mean(name, list(fields), where)}; "
+                    f"{HELP}{' under ' + where + '.' if where else ''}")
+        hint = typing.get_type_hints(schema)[name]
+        if not dataclasses.is_dataclass(hint):
+            return None  # a leaf or a dict: the value's type is Hydra's to check
+        schema = hint
+    return None
+
+
+def _did_you_mean(name: str, known: list[str], where: str = "") -> str:
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if not close:
+        return ""
+    prefix = where + "." if where else ""
+    return " (did you mean " + " or ".join(prefix + c for c in close) + "?)"

@@ -1,0 +1,130 @@
+"""Prometheus metrics of a run: a textfile-collector file per writing rank in ``metrics/``, rewritten atomically at
+each shard commit, and read back (merged) by ``jobs.status RUN --prometheus``.
+
+A rank's file holds this process's counters since it started (a new launch starts them again, which Prometheus
+reads as a counter reset); the run's own figures (samples done, shards by state) come from the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from shardgen.dataio.rundir.layout import RunDir, atomic_write_bytes
+
+log = logging.getLogger("shardgen")
+LABELS = ("run", "rank", "replica", "host", "job")
+STATUSES = ("ok", "failed", "rejected")
+
+
+def exposition(families: Iterable[Metric]) -> bytes:
+    """The Prometheus text format of ``families``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    families = list(families)
+
+    class Families:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families())
+    return generate_latest(registry)
+
+
+@dataclass
+class RankMetrics:
+    """One writing rank's counters (a replica's leader); ``commit`` updates them and rewrites its file."""
+
+    run: RunDir
+    rank: int
+    replica: int
+    ranks_per_replica: int = 1
+    """Devices busy in each batch: device-seconds are the batches' wall seconds times this."""
+    job: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
+    started: float = field(default_factory=time.time)
+    committed: Counter = field(default_factory=Counter)
+    shards: int = 0
+    claims: int = 0
+    generated: int = 0
+    gen_s: float = 0.0
+    last_commit: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.run.metrics_path(self.rank, self.job)
+
+    def claimed(self) -> None:
+        """A shard claimed (counted at the next write)."""
+        self.claims += 1
+
+    def commit(self, stats: dict, generated: int, gen_s: float) -> None:
+        """A shard committed by this rank: add its counts, take the worker's totals, rewrite the file (called from
+        the writer thread that committed it)."""
+        with self._lock:
+            self.committed.update({s: stats.get(s, 0) for s in STATUSES})
+            self.shards += 1
+            self.generated, self.gen_s, self.last_commit = generated, gen_s, time.time()
+            self.write()
+
+    def write(self) -> None:
+        """Rewrite the file (at the start, so a rank that never commits shows its zeros, and at each commit)."""
+        try:
+            self.run.metrics_dir.mkdir(exist_ok=True)
+            atomic_write_bytes(self.path, exposition(self.families()))
+        except OSError as e:  # the metrics are for watching: a full disk shows in the shards' own writes
+            log.warning("could not write %s (%s); the next commit tries again", self.path, e)
+
+    def families(self) -> list[Metric]:
+        values = [str(self.run.root), str(self.rank), str(self.replica), socket.gethostname(), self.job]
+        device_s = self.gen_s * self.ranks_per_replica
+        samples = CounterMetricFamily("shardgen_committed_samples", "Samples in the shards this rank committed, by "
+                                      "status", labels=[*LABELS, "status"])
+        for status in STATUSES:
+            samples.add_metric([*values, status], self.committed[status])
+        out = [samples]
+        for name, kind, doc, value in (
+                ("shardgen_committed_shards", "counter", "Shards this rank committed", self.shards),
+                ("shardgen_claims", "counter", "Shards this rank claimed (one per shard it worked on)", self.claims),
+                ("shardgen_generated_samples", "counter", "Samples this rank's pipeline calls made", self.generated),
+                ("shardgen_device_seconds", "counter", "Wall seconds of this replica's batches times its devices",
+                 device_s),
+                ("shardgen_device_seconds_per_sample", "gauge", "Device seconds per generated sample",
+                 device_s / self.generated if self.generated else 0.0),
+                ("shardgen_samples_per_second", "gauge", "Generated samples per second since this process started",
+                 self.generated / max(1e-9, time.time() - self.started)),
+                ("shardgen_start_time_seconds", "gauge", "When this process started (unix time)", self.started),
+                ("shardgen_last_commit_time_seconds", "gauge", "When this rank last committed a shard (unix time)",
+                 self.last_commit)):
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=LABELS)
+            family.add_metric(values, value)
+            out.append(family)
+        return out
+
+
+def read_rank_metrics(run: RunDir) -> list[Metric]:
+    """Every rank file of ``run`` (``metrics/*.prom``), families of the same name merged; an unreadable or damaged
+    file is skipped (it is rewritten at its rank's next commit)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Metric] = {}
+    paths = sorted(run.metrics_dir.glob("*.prom")) if run.metrics_dir.is_dir() else []
+    for path in paths:
+        try:
+            families = list(text_string_to_metric_families(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        for family in families:
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            into.samples += family.samples
+    return list(merged.values())

@@ -1,0 +1,342 @@
+"""LoRA adapters (``model.loras``, and a row's own with ``prompts.row_settings=[loras]``): checked, hashed, and
+applied to a pipeline through diffusers' own ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora``.
+
+An adapter is identified by its file's sha256 (in the run's fingerprint and each sample's json), never by its path:
+a run moved with its adapters resumes; a different file at the same path is refused.
+
+Adapters are always fused into the weights they adapt: a denoising step then costs what the base model's does
+(no extra low-rank matmuls), and a strategy that splits the transformer (tp, cp) splits the adapted weights. With
+one adapter set for the whole run, the adapters are fused and unloaded before the strategy shards the transformer.
+When rows name their own sets, the peft layers stay and each set is fused in turn (``AdapterSets``): the adapted
+layers' base weights are kept on the CPU and copied back before the next set is fused, so a row's pixels are those
+of a run made with its set alone, whatever set came before (unfusing alone would leave rounding behind).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+from shardgen.errors import UserError
+
+log = logging.getLogger("shardgen.lora")
+
+ROW_FIELD = "loras"
+"""The ``prompts.row_settings`` name of a row's own adapters."""
+
+
+TP_PER_ROW = ("prompts.row_settings=[loras] switches adapters between batches, which strategy=tp cannot do (each "
+              "rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run in "
+              "model.loras")
+
+
+class LoraError(UserError, ValueError):
+    """An adapter that cannot be used as given; the message names it and what to change."""
+
+
+class Lora(NamedTuple):
+    """One adapter of a set: its file, the scale it is applied at, and the file's sha256 (a tuple: hashable for
+    batching rows by adapter set, and plain JSON in a row's settings)."""
+
+    path: str
+    scale: float
+    sha256: str
+
+    @property
+    def adapter_name(self) -> str:
+        """The name diffusers knows it by: its content, so one file loaded twice is one adapter."""
+        return f"lora_{self.sha256[:16]}"
+
+    def as_json(self) -> dict:
+        """For a sample's json and the plan."""
+        return dict(path=self.path, scale=self.scale, sha256=self.sha256)
+
+
+LoraSet = tuple  # tuple[Lora, ...]: the adapters of one pipeline call, as listed (fused in ``_fuse``'s one order)
+
+
+_HASHES: dict[tuple, str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, computed once per process while its size, mtime and ctime stay the same."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def checked_sha256(where: str, path: Path) -> str:
+    """``check_file`` then ``file_sha256``; both once per process per file version (a million rows naming one
+    adapter read it once)."""
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is None or (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns) not in _HASHES:
+        check_file(where, path)
+    return file_sha256(path)
+
+
+def check_file(where: str, path: Path) -> None:
+    """LoraError unless ``path`` is a readable safetensors file with tensors in it (its header read, no weight)."""
+    if not path.exists():
+        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file")
+    if not path.is_file():
+        raise LoraError(f"{where}: {path} is not a file; give the path of a LoRA .safetensors file")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise LoraError(f"{where}: {path} is not a readable safetensors file ({type(e).__name__}: "
+                        f"{_first_line(e)}); give a LoRA saved as .safetensors (pickled .bin/.pt adapters are "
+                        "not loaded)") from None
+    if not keys:
+        raise LoraError(f"{where}: {path} holds no tensors; give a LoRA .safetensors file")
+
+
+def resolve(entries: Iterable[Any], where: str, base_dir: Path | None = None) -> LoraSet:
+    """The adapters of ``entries`` (``{path, scale}`` mappings; a relative path is taken from ``base_dir``, else
+    the current directory), each file checked and hashed. LoraError names ``where`` and the entry."""
+    out = []
+    for i, entry in enumerate(entries or ()):
+        at = f"{where}[{i}]"
+        path, scale = _entry(entry, at)
+        p = Path(os.path.expanduser(path))
+        p = (p if p.is_absolute() else (base_dir or Path.cwd()) / p).absolute()
+        out.append(Lora(path=str(p), scale=scale, sha256=checked_sha256(at, p)))
+    names = [lo.adapter_name for lo in out]
+    dup = next((lo for lo in out if names.count(lo.adapter_name) > 1), None)
+    if dup is not None:
+        raise LoraError(f"{where}: {dup.path} (sha256 {dup.sha256[:16]}...) is listed twice; list each adapter once, "
+                        "at the sum of its scales")
+    return tuple(out)
+
+
+def _entry(entry: Any, at: str) -> tuple[str, float]:
+    import math
+
+    if hasattr(entry, "get") and not isinstance(entry, str):
+        path, scale = entry.get("path"), entry.get("scale", 1.0)
+    else:
+        path, scale = entry, 1.0
+    if not isinstance(path, str) or not path.strip():
+        raise LoraError(f"{at}: no path; write {{path: FILE.safetensors, scale: 0.8}}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise LoraError(f"{at}: scale {scale!r} is not a number; write e.g. scale: 0.8 (1.0 = as trained)")
+    return path, float(scale)
+
+
+def parse_row(value: Any, text: bool, base_dir: Path | None) -> LoraSet:
+    """A row's ``loras`` (``prompts.row_settings``): a list of ``{path, scale}`` objects or ``PATH[:SCALE]`` strings
+    (jsonl, parquet), or in csv/tsv ``PATH[:SCALE];PATH[:SCALE]``; a relative path is taken from the prompt file's
+    folder; ``[]``: no adapter for this row. LoraError says what is wrong."""
+    if isinstance(value, str):
+        value = value.split(";") if text else [value]
+    if hasattr(value, "tolist"):  # a parquet list column
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise LoraError(f"{value!r} is not a list of adapters: write [{{\"path\": \"style.safetensors\", "
+                        "\"scale\": 0.8}] or [\"style.safetensors:0.8\"] (csv/tsv: style.safetensors:0.8;other.safetensors)")
+    value = [_text_entry(v) if isinstance(v, str) else v for v in value if not (isinstance(v, str) and not v.strip())]
+    return resolve(value, ROW_FIELD, base_dir)
+
+
+def _text_entry(part: str) -> Any:
+    path, _, scale = part.strip().rpartition(":")
+    try:
+        return dict(path=path, scale=float(scale)) if path else part.strip()
+    except ValueError:
+        return part.strip()  # a colon of the path itself
+
+
+def check_planned(adapters: dict[str, str]) -> None:
+    """The adapter files rows named when the run was planned (sha256 -> path) still hold what they held: a row's
+    adapter changed under a run is refused like a changed ``model.loras``, at launch. (A file no longer at its
+    planned path, as in a run moved with its prompt file, is checked when its rows are read: ``Plan.rows``.)"""
+    for digest, path in sorted(adapters.items(), key=lambda kv: kv[1]):
+        p = Path(path)
+        now = file_sha256(p) if p.is_file() else digest
+        if now != digest:
+            raise LoraError(f"{path}: a row of this run names this LoRA, which changed since the run was planned "
+                            f"(sha256 {digest[:16]}..., now {now[:16]}...); restore it, or start a new run_dir")
+
+
+def run_set(cfg: Any) -> LoraSet:
+    """The run's adapters (``model.loras``), checked and hashed."""
+    return resolve(cfg.model.get("loras") or (), "model.loras")
+
+
+def per_row(cfg: Any) -> bool:
+    """True when rows may name their own adapters (``prompts.row_settings`` lists ``loras``)."""
+    return ROW_FIELD in (cfg.prompts.get("row_settings") or ())
+
+
+def fingerprint_fields(loras: LoraSet) -> dict:
+    """The adapters' part of the run fingerprint: content and scale (not the path); {} without adapters, so runs
+    made before adapters existed resume unchanged."""
+    return {"model.loras": [[lo.sha256, lo.scale] for lo in loras]} if loras else {}
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """``e``'s message on one line (torch's state-dict errors put the mismatch on the second)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return (text[:limit] + "...") if len(text) > limit else text or type(e).__name__
+
+
+def _check_pipeline(pipe: Any) -> None:
+    if not hasattr(pipe, "load_lora_weights"):
+        raise LoraError(f"model.loras: {type(pipe).__name__} cannot load LoRA adapters in this diffusers; remove "
+                        "model.loras (and loras from prompts.row_settings)")
+
+
+def _load(pipe: Any, lora: Lora) -> None:
+    """Load one adapter (not yet active); LoraError when it does not fit the model."""
+    try:
+        with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
+            warnings.filterwarnings("ignore", message=".*multiple adapters", category=UserWarning)
+            pipe.load_lora_weights(lora.path, adapter_name=lora.adapter_name)
+    except Exception as e:
+        raise LoraError(f"LoRA {lora.path} does not fit {type(pipe).__name__}'s model ({type(e).__name__}: "
+                        f"{_first_line(e)}); use an adapter trained for this model") from None
+    present = {n for names in pipe.get_list_adapters().values() for n in names}
+    if lora.adapter_name not in present:
+        raise LoraError(f"LoRA {lora.path} matches no layer of {type(pipe).__name__}'s model (its weight names are "
+                        "another model's); use an adapter trained for this model")
+
+
+def _fuse(pipe: Any, scales: dict[str, float]) -> None:
+    """Fuse the adapters ``scales`` names (adapter name -> scale), in one order whatever the set: that of their
+    names (their sha256), so equal sets give equal weights, and a compiled layer's merged adapters keep one order."""
+    names = sorted(scales)
+    pipe.set_adapters(names, [scales[n] for n in names])
+    pipe.fuse_lora(components=list(pipe._lora_loadable_modules), adapter_names=names)
+
+
+def fuse_into(pipe: Any, loras: LoraSet) -> None:
+    """Fuse ``loras`` into ``pipe``'s weights for good and drop the peft layers: the pipeline is the base one with
+    adapted weights (what tp then shards)."""
+    if not loras:
+        return
+    _check_pipeline(pipe)
+    for lora in loras:
+        _load(pipe, lora)
+    _fuse(pipe, {lo.adapter_name: lo.scale for lo in loras})
+    pipe.unload_lora_weights()
+    log.info("LoRA fused: %s", _names(loras))
+
+
+class AdapterSets:
+    """Switches a pipeline between adapter sets, batch by batch (rows with their own ``loras``): each set fused
+    into the base weights, which are restored exactly in between.
+
+    Every adapter loaded is fused each time, those outside the set at scale 0 (adding exact zeros: the bytes of the
+    set alone), in ``_fuse``'s one order. Every adapted layer then is in the same state whatever the set (the same
+    adapters merged, in the same order), so a compiled transformer's guards hold and switching compiles nothing; only
+    an adapter loaded for the first time changes the layers (``preload`` loads a run's up front)."""
+
+    def __init__(self, pipe: Any):
+        _check_pipeline(pipe)
+        self.pipe = pipe
+        self.current: LoraSet = ()
+        self._names: list[str] = []  # the adapters loaded, in loading order
+        self._fused = False
+        self._base: dict[int, tuple[Any, dict]] = {}  # id(peft layer) -> (layer, its base tensors on the CPU)
+
+    def activate(self, loras: LoraSet, load: Iterable[Lora] = ()) -> None:
+        """Make ``loras`` the fused set, loading its adapters (and those of ``load``) not loaded yet."""
+        loras = tuple(loras)
+        new = {lo.adapter_name: lo for lo in (*loras, *load) if lo.adapter_name not in self._names}
+        if loras == self.current and not new:
+            return
+        pipe = self.pipe
+        components = list(pipe._lora_loadable_modules)
+        if self._fused:
+            pipe.unfuse_lora(components=components)
+            self._restore()
+            self._fused = False
+        for name, lora in new.items():
+            _load(pipe, lora)
+            self._names.append(name)
+            self._keep_base()
+        if self._names:
+            _fuse(pipe, {n: 0.0 for n in self._names} | {lo.adapter_name: lo.scale for lo in loras})
+            self._fused = True
+        self.current = loras
+
+    def _layers(self) -> Iterable[Any]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for name in self.pipe._lora_loadable_modules:
+            model = getattr(self.pipe, name, None)
+            if model is not None:
+                yield from (m for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+    def _keep_base(self) -> None:
+        for layer in self._layers():
+            if id(layer) not in self._base:
+                base = layer.get_base_layer()
+                self._base[id(layer)] = (layer, {k: v.detach().to("cpu", copy=True)
+                                                 for k, v in base.named_parameters(recurse=False)})
+
+    def _restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for layer, tensors in self._base.values():
+                params = dict(layer.get_base_layer().named_parameters(recurse=False))
+                for k, v in tensors.items():
+                    params[k].copy_(v)
+
+
+def activate(pipe: Any, loras: LoraSet) -> None:
+    """Before a pipeline call: the call's adapter set fused into ``pipe`` (no-op when it already is)."""
+    sets = getattr(pipe, "_shardgen_adapter_sets", None)
+    if sets is not None:
+        sets.activate(loras)
+        return
+    built = getattr(pipe, "_shardgen_loras", ())
+    if tuple(loras) != built:
+        raise LoraError(f"a call asks for LoRA adapters {_names(loras)} and the pipeline has {_names(built)} fused; "
+                        "build it with shardgen.models.lora.apply(pipe, cfg) (rows naming their own adapters need "
+                        f"{ROW_FIELD} in prompts.row_settings)")
+
+
+def _names(loras: LoraSet) -> str:
+    return "[" + ", ".join(f"{Path(lo.path).name} x{lo.scale:g}" for lo in loras) + "]"
+
+
+def preload(pipe: Any, adapters: dict[str, str]) -> None:
+    """Load the adapters a run's rows name (``Plan.adapters()``: sha256 -> path) before its first batch: one that
+    does not fit the model stops the job before any generation, and switching never changes the layers of a compiled
+    transformer. A file no longer at its planned path loads when its rows come."""
+    sets = getattr(pipe, "_shardgen_adapter_sets", None)
+    if sets is None or not adapters:
+        return
+    here = [Lora(path, 1.0, digest) for digest, path in sorted(adapters.items(), key=lambda kv: kv[1])
+            if Path(path).is_file()]
+    sets.activate(sets.current, load=here)
+
+
+def apply(pipe: Any, cfg: Any) -> Any:
+    """The run's adapters applied to a freshly loaded ``pipe`` (before any strategy splits it): fused for good, or,
+    when rows name their own, ready to switch set by set. Returns ``pipe``."""
+    loras = run_set(cfg)
+    if per_row(cfg):
+        pipe._shardgen_adapter_sets = AdapterSets(pipe)
+        pipe._shardgen_adapter_sets.activate(loras)
+    else:
+        fuse_into(pipe, loras)
+        pipe._shardgen_loras = loras
+    return pipe

@@ -1,0 +1,283 @@
+"""LoRA adapters (shardgen/models/lora.py): made at test time with peft on the tiny model, applied through
+diffusers' own loaders, in the fingerprint and each sample's json, refused with one line when unusable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.generate import run
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.errors import UserError
+from shardgen.models.tiny import save_tiny_lora
+from shardgen.run.runner import prepare_run
+from tests.conftest import compose_cfg
+from tests.test_generate import shard_images
+from tests.test_parallel_parity import IMAGE_TOL, TRANSFORMER_TOL, _parity_rank
+
+FAST = ("height=64", "width=64", "steps=2", "prompts.limit=3", "samples_per_shard=3", "batch_size=3", "progress=false")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("loras")
+    wide = dict(attention_head_dim=32, axes_dims_rope=(8, 8, 16))  # another model's shapes
+    return dict(a=save_tiny_lora(d / "a.safetensors", seed=1), b=save_tiny_lora(d / "b.safetensors", seed=2),
+                wide=save_tiny_lora(d / "wide.safetensors", seed=3, **wide))
+
+
+def loras_arg(*entries: tuple[Path, float]) -> str:
+    return "model.loras=[" + ",".join(f"{{path: '{p}', scale: {s}}}" for p, s in entries) + "]"
+
+
+def jsons(run_dir: Path) -> dict[str, dict]:
+    return {k: json.loads(m["json"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+            for k, m in read_shard_members(tar).items()}
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> dict[str, bytes]:
+    d = tmp_path_factory.mktemp("base") / "run"
+    assert run(compose_cfg(f"run_dir={d}", *FAST)).ok == 3
+    return shard_images(d)
+
+
+def test_scale_zero_gives_the_bytes_of_no_lora(tmp_path, adapters, base_run):
+    assert run(compose_cfg(f"run_dir={tmp_path}", *FAST, loras_arg((adapters["a"], 0.0)))).ok == 3
+    assert shard_images(tmp_path) == base_run
+
+
+def test_a_lora_changes_the_pixels_and_is_in_each_sample(tmp_path, adapters, base_run):
+    from shardgen.models.lora import file_sha256
+
+    assert run(compose_cfg(f"run_dir={tmp_path}", *FAST, loras_arg((adapters["a"], 0.8)))).ok == 3
+    images = shard_images(tmp_path)
+    assert sorted(images) == sorted(base_run) and all(images[k] != base_run[k] for k in images)
+    for meta in jsons(tmp_path).values():
+        assert meta["loras"] == [dict(path=str(adapters["a"]), scale=0.8, sha256=file_sha256(adapters["a"]))]
+
+
+def test_resume_with_another_adapter_file_is_refused(tmp_path, adapters):
+    lora = tmp_path / "style.safetensors"
+    lora.write_bytes(adapters["a"].read_bytes())
+    args = (f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((lora, 1.0)))
+    run(compose_cfg(*args))
+    run(compose_cfg(*args))  # the same file: resumes
+    lora.write_bytes(adapters["b"].read_bytes())
+    with pytest.raises(FingerprintMismatch, match="model.loras"):
+        run(compose_cfg(*args))
+    with pytest.raises(FingerprintMismatch, match="model.loras"):  # another scale
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((adapters["a"], 0.5))))
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+    run(compose_cfg(*args, "allow_fingerprint_change=true"))  # asked for: jobs.verify names the samples it mixed
+    defects = verify_run(load_plan(RunDir(tmp_path / "run"))).defects
+    assert len(defects) == 3 and all("made with LoRA adapters" in d for d in defects), defects
+
+
+@pytest.mark.parametrize("what, needle", [
+    ("missing", "does not exist"), ("garbage", "not a readable safetensors file"),
+    ("not a lora", "does not fit"), ("another model", "does not fit"), ("other names", "matches no layer"),
+    ("twice", "listed twice"),
+])
+def test_an_unusable_adapter_is_one_line_before_generation(tmp_path, adapters, what, needle):
+    import torch
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad.safetensors"
+    entries = [(bad, 1.0)]
+    if what == "garbage":
+        bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all")
+    elif what == "not a lora":
+        save_file({"transformer.proj_out.weight": torch.zeros(4, 4)}, str(bad))
+    elif what == "other names":  # a UNet's LoRA (SDXL-style keys)
+        save_file({"unet.down.0.to_q.lora_A.weight": torch.zeros(4, 8), "unet.down.0.to_q.lora_B.weight":
+                   torch.zeros(8, 4)}, str(bad))
+    elif what == "another model":
+        entries = [(adapters["wide"], 1.0)]
+    elif what == "twice":
+        entries = [(adapters["a"], 0.5), (adapters["a"], 0.5)]
+    with pytest.raises(UserError, match=needle) as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg(*entries)))
+    assert "\n" not in str(e.value), str(e.value)
+    assert not list((tmp_path / "run").glob("shards/*.tar"))
+
+
+@pytest.mark.slow
+def test_tp2_and_ulysses2_run_the_adapted_model(tmp_path, adapters):
+    """Under gloo, with two adapters: tp-2 (fused before sharding) and ulysses-2 give the one-process adapted
+    transformer output and images (float64: a split sum differs by ~1e-15; an adapter missing on a rank, by ~1e-2)."""
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+
+    cfg = compose_cfg("height=128", "width=128", "steps=2", loras_arg((adapters["a"], 0.8), (adapters["b"], 0.5)))
+    mp.start_processes(_parity_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("tp", "cp_ulysses"):
+            assert res[name]["transformer"] <= TRANSFORMER_TOL and res[name]["images"] <= IMAGE_TOL, (name, res)
+
+
+# rows naming their own adapters (prompts.row_settings=[loras]): the run's set (none here), one adapter, two, none
+# again; in an order that mixes the sets within each batch of 3
+ROWS = [dict(prompt="a cat"), dict(prompt="a dog", loras=["a.safetensors"]),
+        dict(prompt="a car", loras=[{"path": "b.safetensors", "scale": 0.5}, "a.safetensors"]),
+        dict(prompt="a hat", loras=["a.safetensors"]), dict(prompt="a cup", loras=[]),
+        dict(prompt="a pen", loras=[{"path": "b.safetensors", "scale": 0.5}, "a.safetensors"])]
+ROW_ARGS = ("height=64", "width=64", "steps=2", "samples_per_shard=6", "progress=false", "prompts=jsonl")
+
+
+def by_prompt(run_dir: Path) -> dict[str, bytes]:
+    images, metas = shard_images(run_dir), jsons(run_dir)
+    return {metas[k]["prompt"]: images[k] for k in images}
+
+
+@pytest.fixture(scope="module")
+def row_files(tmp_path_factory, adapters) -> Path:
+    d = tmp_path_factory.mktemp("rows")
+    for name in ("a", "b"):
+        (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    (d / "rows.jsonl").write_text("".join(json.dumps(dict(r, seed=10 + i)) + "\n" for i, r in enumerate(ROWS)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def one_set_runs(tmp_path_factory, row_files) -> dict[str, bytes]:
+    """prompt -> image of runs made with one adapter set each (model.loras), over the rows naming that set."""
+    d = tmp_path_factory.mktemp("sets")
+    sets, out = {}, {}
+    for i, r in enumerate(ROWS):
+        sets.setdefault(json.dumps(r.get("loras", [])), []).append(dict(prompt=r["prompt"], seed=10 + i))
+    for n, (key, rows) in enumerate(sets.items()):
+        f = d / f"set{n}.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        entries = [(row_files / (e if isinstance(e, str) else e["path"]), 1.0 if isinstance(e, str) else e["scale"])
+                   for e in json.loads(key)]
+        lora = (loras_arg(*entries),) if entries else ()
+        assert run(compose_cfg(f"run_dir={d / f'set{n}'}", *ROW_ARGS, "batch_size=3", f"prompts.path={f}",
+                               *lora)).ok == len(rows)
+        out.update(by_prompt(d / f"set{n}"))
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_rows_adapters_give_the_bytes_of_one_adapter_runs(tmp_path, row_files, one_set_runs, batch_size):
+    assert run(compose_cfg(f"run_dir={tmp_path}", *ROW_ARGS, f"batch_size={batch_size}",
+                           f"prompts.path={row_files / 'rows.jsonl'}", "prompts.row_settings=[loras]")).ok == 6
+    mixed = by_prompt(tmp_path)
+    assert mixed == one_set_runs
+    assert len(set(mixed.values())) == 6
+    assert verify_run(load_plan(RunDir(tmp_path))).ok  # each sample's adapters are its row's
+
+
+def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, adapters):
+    d = tmp_path / "p"
+    d.mkdir()
+    for name in ("a", "b"):
+        (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
+    # a short lease: the launch refused while reading a shard's rows leaves its claim to expire, as any stopped job
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={d / 'rows.jsonl'}", "prompts.row_settings=[loras]")
+    prepare_run(compose_cfg(*args))  # planned, then stopped before its first batch
+    (d / "a.safetensors").write_bytes(adapters["wide"].read_bytes())
+    with pytest.raises(UserError, match="a.safetensors: a row of this run names this LoRA, which changed"):
+        run(compose_cfg(*args))
+    moved = d.rename(tmp_path / "moved")  # the prompt file and its adapters moved: rows read theirs from there
+    args = (*args[:-2], f"prompts.path={moved / 'rows.jsonl'}", args[-1])
+    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
+        run(compose_cfg(*args))
+    (moved / "a.safetensors").write_bytes(adapters["a"].read_bytes())
+    assert run(compose_cfg(*args)).complete
+
+
+def test_a_rows_unusable_adapter_is_a_bad_row(tmp_path, row_files):
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps(dict(prompt="a cat", loras=["a.safetensors"])) + "\n"
+                 + json.dumps(dict(prompt="a dog", loras=["missing.safetensors"])) + "\n")
+    (tmp_path / "a.safetensors").write_bytes((row_files / "a.safetensors").read_bytes())
+    args = (*ROW_ARGS, f"prompts.path={f}", "prompts.row_settings=[loras]")
+    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: loras\[0\]: .*missing.safetensors does not exist"):
+        run(compose_cfg(f"run_dir={tmp_path / 'a'}", *args))
+    r = run(compose_cfg(f"run_dir={tmp_path / 'b'}", *args, "prompts.on_bad_row=skip"))
+    assert (r.ok, r.rejected, r.complete) == (1, 1, True)
+    with pytest.raises(UserError, match="strategy=tp cannot"):
+        run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "strategy=tp"))
+    with pytest.raises(UserError, match="fp8=true quantizes the weights once"):
+        run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "fp8=true"))
+
+
+def test_the_memory_check_counts_the_whole_transformer_a_tp_rank_fuses():
+    from parallel.dims import ParallelDims
+    from parallel.memory import memory_problem
+
+    flux = {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
+            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (parallel.auto.component_params)
+    tp4 = ParallelDims(world_size=4, strategy="tp", tp=4)  # the transformer split 4 ways: 14.8 GiB per rank
+    plain = compose_cfg("model=flux_dev", "model.weights=dummy")
+    assert memory_problem(plain, tp4, flux, 2, 20 << 30, "GPU 0") is None
+    adapted = compose_cfg("model=flux_dev", "model.weights=dummy", "model.loras=[{path: style.safetensors}]")
+    msg = memory_problem(adapted, tp4, flux, 2, 20 << 30, "GPU 0")
+    assert "needs ~31.4 GiB" in msg and "fuses the adapters into the whole transformer" in msg and "\n" not in msg
+
+
+def test_switching_adapter_sets_compiles_nothing(adapters):
+    """The per-row sets (AdapterSets, the run's adapters preloaded) under torch.compile: the first set compiles the
+    block once; switching to other sets, to none and back reuses its graph (each adapted layer keeps one merged
+    state, so dynamo's guards hold)."""
+    import torch
+
+    from shardgen.models import lora
+    from shardgen.models.loader import load_pipeline
+
+    cfg = compose_cfg("prompts.row_settings=[loras]", "prompts=jsonl", "prompts.path=x.jsonl")
+    pipe = lora.apply(load_pipeline(cfg.model, torch.float64, "cpu"), cfg)
+    a, b = (lora.resolve([dict(path=str(adapters[n]), scale=s)], "t") for n, s in (("a", 0.8), ("b", 0.5)))
+    lora.preload(pipe, {lo.sha256: lo.path for lo in (*a, *b)})
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    pipe.transformer.single_transformer_blocks[0].compile(backend=count, dynamic=False)  # adapted: to_q, to_k, to_v
+    made = []
+    for loras in (a, b, (*b, *a), (), a):
+        n = len(graphs)
+        lora.activate(pipe, loras)
+        pipe(prompt=["a cat"], height=32, width=32, num_inference_steps=1, max_sequence_length=32, output_type="pt",
+             generator=torch.Generator().manual_seed(0))
+        made.append(len(graphs) - n)
+    assert made == [1, 0, 0, 0, 0], made
+
+
+def test_a_rows_adapters_parse_the_same_from_any_folder(tmp_path, adapters):
+    """Every spelling of a row's adapters; a parquet shard's digest counts them by content and scale, so a run moved
+    with its prompt file and adapters reads the same rows."""
+    from shardgen.dataio.prompts.planscan import row_bytes
+    from shardgen.dataio.prompts.read import PromptRow
+    from shardgen.dataio.prompts.rowsettings import RowRules
+    from shardgen.models.lora import file_sha256
+
+    a, b = file_sha256(adapters["a"]), file_sha256(adapters["b"])
+    digests = []
+    for folder in ("one", "two"):
+        d = tmp_path / folder
+        d.mkdir()
+        for name in ("a", "b"):
+            (d / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+        rules = RowRules(names=("loras",), base_dir=str(d))
+        spellings = [rules.parse({"loras": v}) for v in (["b.safetensors:0.5", "a.safetensors"],
+                                                          [{"path": "b.safetensors", "scale": 0.5}, str(d / "a.safetensors")])]
+        spellings.append(rules.parse({"loras": "b.safetensors:0.5;a.safetensors"}, text=True))
+        assert all([(lo.sha256, lo.scale) for lo in s["loras"]] == [(b, 0.5), (a, 1.0)] for s in spellings)
+        assert rules.parse({"loras": []}) == {"loras": ()}
+        digests.append(row_bytes(PromptRow(0, 1, "a cat", None, {}, None, spellings[0])))
+    assert digests[0] == digests[1]

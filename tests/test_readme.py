@@ -1,0 +1,75 @@
+"""The README as a newcomer pastes it: commands that set up a CPU machine as written, examples that do not collide."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from shardgen.config.overrides import check_overrides
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def code_blocks(text: str) -> list[str]:
+    """The fenced blocks of a markdown text."""
+    return re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """The command lines of a block as argv lists (``$ `` prompts and ``\\`` continuations joined; output skipped)."""
+    out, pending = [], ""
+    for line in block.splitlines():
+        line = line.removeprefix("$ ")
+        if pending:
+            line, pending = pending + line, ""
+        if line.endswith("\\"):
+            pending = line[:-1]
+            continue
+        try:
+            argv = shlex.split(line, comments=True)
+        except ValueError:  # output, not a command
+            continue
+        if argv:
+            out.append(argv)
+    return out
+
+
+def generate_commands() -> list[list[str]]:
+    found = []
+    for block in code_blocks(README):
+        for argv in commands(block):
+            if "jobs.generate" in argv and "--help" not in argv:
+                found.append(argv)
+    return found
+
+
+def test_every_example_after_the_quick_start_has_a_run_dir_of_its_own():
+    found = generate_commands()
+    first, *rest = found
+    assert first == ["python", "-m", "jobs.generate"]  # the quick start: runs/default
+    assert len(rest) >= 20
+    run_dirs = []
+    for argv in rest:
+        if check_overrides(argv[argv.index("jobs.generate") + 1:]):  # a typo shown refused: it writes nothing
+            continue
+        named = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
+        assert named, f"no run_dir: {shlex.join(argv)}"
+        run_dirs += named
+    dupes = {d for d in run_dirs if run_dirs.count(d) > 1}
+    # the same run on purpose: a run then its resume, the two nodes of one torchrun job
+    assert dupes <= {"runs/video", "/tmp/runs/tr"}, dupes
+
+
+def test_the_quick_start_installs_the_cpu_torch_build_as_pasted():
+    quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    lines = [" ".join(argv) for block in code_blocks(quick) for argv in commands(block)]
+    torch = [l for l in lines if l.startswith("pip install torch")]
+    assert torch == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"]
+    assert lines.index(torch[0]) < lines.index('pip install -e .[test]') < lines.index("python -m jobs.generate")
+
+
+def test_the_contents_list_every_section():
+    contents = README.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    headings = re.findall(r"^##+ (.+)$", README.split("## Contents", 1)[1].split("\n", 1)[1], flags=re.M)
+    assert headings and all(f"[{h}](#" in contents for h in headings), headings
