@@ -51,6 +51,11 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
           f"shards, {st['rejected_in_plan']} rejected rows in the plan")
     print(f"  shards   {sh['done']} done, {sh['running']} running, {sh['stalled']} stalled (claim expired or holder "
           f"dead; taken over by the next replica), {sh['pending']} pending, of {sh['total']}")
+    if up := st.get("uploads"):
+        behind = up["committed"] - up["uploaded"]
+        print(f"  uploads  {up['uploaded']} of {up['committed']} committed shards in {up['uri']}"
+              + (f" ({behind} being uploaded, or left by a killed launch: the next launch uploads them)" if behind
+                 else ""))
     if sh["damaged"]:
         print(f"  damaged  {sh['damaged']} shards with unreadable stats: the next launch repairs them "
               f"(or python -m jobs.verify {run_dir} --repair)")

@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from shardgen.config.store import register_configs
+from tests.s3_server import bucket, s3  # noqa: F401 (fixtures: a real S3-compatible server, a fresh bucket)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

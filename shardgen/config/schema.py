@@ -160,7 +160,8 @@ class PromptsConfig:
     """The prompt file and how to read it."""
 
     path: str = MISSING
-    """The prompt file (mandatory for every prompts option but default: prompts=parti prompts.path=FILE)."""
+    """The prompt file (mandatory for every prompts option but default: prompts=parti prompts.path=FILE), or its
+    fsspec URL (s3://bucket/captions.parquet, gs://, hf://, https://; read by ranged requests)."""
     format: str = "auto"
     """auto (by extension) | txt | jsonl | csv | tsv | parquet"""
     field: str = "prompt"
@@ -255,6 +256,12 @@ class OutputConfig:
     """jpg/webp quality (1-100)."""
     writer_threads: int = 2
     """Background image encoders per replica."""
+    output_uri: Optional[str] = None
+    """Where committed shards are uploaded besides run_dir/shards (an fsspec URL: s3://bucket/run/, gs://...):
+    tar, index, then stats (the done marker, last); null = run_dir only. Claims and heartbeats stay in run_dir."""
+    keep_local: bool = True
+    """With output_uri: false deletes a shard's local tar once its upload is confirmed (its small index and stats
+    stay: the run's done marker, what status/report/dedup read), bounding the node's disk."""
 
 
 @dataclass(kw_only=True)

@@ -4,11 +4,12 @@ they run first, everywhere."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import FORMATS, ROW_SETTINGS, unknown_names
-from shardgen.dataio.rundir import check_run_dir_text
+from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {
-    "prompts.path": "prompts.path=FILE, the prompt file to read (a relative path is taken from the current directory)",
+    "prompts.path": "prompts.path=FILE, the prompt file to read (a relative path is taken from the current directory; "
+                    "a URL such as s3://bucket/captions.parquet is read where it is)",
     "signals.clip.model": "signals.clip.model=PATH, a transformers CLIPModel directory with its processor files "
                           "(or leave clip out of signals=[...])",
     "model.source": "model.source=HUB_ID_OR_DIR, the diffusers pipeline to load (safetensors only)",
@@ -93,6 +95,14 @@ def validate_config(cfg: GenerateConfig) -> None:
           "cfg_batching=true runs both CFG branches in one call on every rank, cfg_degree=2 splits them over two "
           "ranks: choose one (cfg_batching=false or cfg_degree=1)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
+    _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
+          "s3://bucket/run/ (the local copy is run_dir/shards already)")
+    for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
+        _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
+              f"{key}: a URL with a password in it would be written into the run directory and its logs; give "
+              "the credentials through the environment or the storage client's config files instead")
+    _need(cfg.keep_local or bool(cfg.output_uri), "keep_local=false deletes local shards once uploaded: set output_uri "
+          "too (output_uri=s3://bucket/run/), or keep_local=true")
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))

@@ -12,3 +12,7 @@ def quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    import logging
+
+    for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # object storage (output_uri, a prompts URL): one
+        logging.getLogger(name).setLevel(logging.WARNING)       # INFO line per client created; retries are ours

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import format_bytes
-from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prompt_source, load_plan, rules_from_cfg,
-                                     shape_legend)
+from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prompt_source, detect_format, load_plan,
+                                     rules_from_cfg, shape_legend)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, holds_no_samples, prompt_file_hash,
                                     read_fingerprint, read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
@@ -81,7 +81,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
     refused = None
     if old is not None:
-        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model)))
+        digest = prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0]
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, digest, model_version(cfg.model)))
         # a run without a sample takes the new settings: the launch starts it over
         if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit, scan_claims
-from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples
+from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples, committed_tar
 from shardgen.dataio.tools import read_shard_members
 from shardgen.run.generation import GenSettings, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
@@ -73,6 +73,7 @@ class ReplicaWorker:
     sink: ShardSink | None = None          # leader only
     claimer: Claimer | None = None         # leader only
     on_samples: Callable[[int], None] = lambda n: None
+    uploader: Any = None                   # leader with output_uri: a ShardUploader, on its own thread
     progress: Any = None                   # leader of replica 0: the progress bar
     on_batch: Callable[[str, "ReplicaWorker"], None] | None = None  # run_rank's hook: "start"/"end" of a batch
     poll_s: float = 2.0
@@ -101,10 +102,10 @@ class ReplicaWorker:
         self.close()
 
     def close(self) -> None:
-        """Make every handed-over batch durable (the sink commits and releases its shards), then stop the
-        watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
+        """Make every handed-over batch durable (the sink commits and releases its shards), wait for the uploads,
+        then stop the watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
         with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
-            for part in (self.progress, self.claimer, self.watchdog, self.sink):
+            for part in (self.progress, self.claimer, self.watchdog, self.uploader, self.sink):  # the sink first
                 if part is not None:
                     stack.callback(part.close)
 
@@ -133,7 +134,7 @@ class ReplicaWorker:
                 continue
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
-            self._old, _ = committed_samples(run, shard, read_shard_members(run.shard_tar(shard)))
+            self._old, _ = committed_samples(run, shard, read_shard_members(committed_tar(run, shard)))
             self._work = self._open(shard, gen, replaces=True)
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed
@@ -343,6 +344,8 @@ class ReplicaWorker:
             self.metrics.commit(stats, self.generated, self.gen_s)
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
+        if self.uploader is not None:
+            self.uploader.submit(shard)
 
     def _check_broken(self, samples) -> None:
         generated = [s for s in samples if s.status != "rejected"]

@@ -23,10 +23,11 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_u
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
-                                    attach_rank_log, check_run_dir_text, check_run_root, create_exclusive,
-                                    detach_rank_log, first_missing_dir, log_to_file_only, owner_record, record_launch)
-from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
-                                    resolve_samples_per_shard, run_provenance, text_windows)
+                                    attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
+                                    detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
+                                    record_launch)
+from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
+                                    is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
 from shardgen.run.progress import Progress
@@ -96,8 +97,8 @@ class RunResult:
         return self.generated_here / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def prompt_path(cfg: GenerateConfig) -> Path:
-    """The prompt file of ``cfg`` (``prompt_file_path``)."""
+def prompt_path(cfg: GenerateConfig) -> Path | str:
+    """The prompt file of ``cfg`` (``prompt_file_path``: a URL as it is)."""
     return prompt_file_path(cfg.prompts.path)
 
 
@@ -114,9 +115,11 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     top = first_missing_dir(run.root)
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
-    digest, identity = prompt_file_hash(run, path)
-    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    if uploader := ShardUploader.from_cfg(cfg, run):
+        uploader.check()  # no bucket, no permission: one line naming the URL, before planning or any weight
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
+    digest, identity = prompt_file_hash(run, path, source.format)
+    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
     extend_if_appended(run, fp, source, identity["size"], lambda: planning_truncation_check(cfg, source))
     resuming = True
@@ -136,6 +139,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     run.create()
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
+    if uploader:
+        uploader.resume()  # the uploads a killed launch left unfinished
     remember_prompt_hash(run, digest, identity)
     if save_config:
         _save_config(run, cfg)
@@ -148,6 +153,9 @@ def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: s
                       truncation=planning_truncation_check(cfg, source), prompt_sha256=digest)
     log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
              plan.num_shards, plan.samples_per_shard, run.root)
+    if is_url(source.path):
+        log.info("%s: %d bytes read so far by ranged reads (the file has %d; nothing copied to disk)", source.path,
+                 bytes_read(source.path), plan.meta["prompt_size"] if plan.meta else -1)
     return plan
 
 
@@ -305,6 +313,7 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
         worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
         worker.metrics = RankMetrics(plan.run, rank=ctx.leader_rank, replica=ctx.index, ranks_per_replica=ctx.ranks)
         worker.poll_s = min(2.0, cfg.heartbeat_s)
+        worker.uploader = ShardUploader.from_cfg(cfg, plan.run)
         if ctx.index == 0 and cfg.progress:
             worker.progress = Progress(plan, unit="video" if is_video(cfg) else "img")
             worker.on_samples = worker.progress.advance

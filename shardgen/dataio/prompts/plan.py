@@ -31,13 +31,14 @@ import logging
 import numpy as np
 
 from shardgen.dataio.prompts import read as P
-from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, parquet_rows_at, range_digests,
-                                              read_range, read_rows_at, rows_digest, scan_rows, scan_txt,
-                                              truncation_outcome)
+from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_identity, footer_plan,
+                                              parquet_rows_at, planned_from_footer, range_digests, read_range,
+                                              read_rows_at, rows_digest, scan_rows, scan_txt, truncation_outcome)
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
+from shardgen.dataio.rundir.remote import identity, is_url, open_input, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -74,7 +75,7 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None 
     """SHA-256 of a file's bytes (part of the run fingerprint); of its first ``size`` bytes if given."""
     h = hashlib.sha256()
     left = size if size is not None else 1 << 62
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while left and (block := f.read(min(chunk, left))):
             h.update(block)
             left -= len(block)
@@ -170,7 +171,8 @@ class Plan:
         rng = self.shard_range(shard)
         where = self.run.plan_dir if seg is None else seg.dir
         cut = _truncated(where / "truncated.npy", rng)
-        if (seg.digests if seg else self.digests) is None:  # planned before shard digests: checked by size only
+        if (seg.digests if seg else self.digests) is None:  # planned before shard digests, or from a remote footer
+            check_etag(src.path, m.get("prompt_etag"))
             offset, line = (int(x) for x in (seg or self).starts[shard - (seg.first_shard if seg else 0)])
             rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
         else:
@@ -420,7 +422,8 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
-            prompt_size=os.path.getsize(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),
             source=source.as_json()))
         try:
             os.rename(tmp, run.plan_dir)
@@ -450,7 +453,10 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     with each shard); None: where this scan's first shard starts."""
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
     adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
-    if source.format == "txt":
+    footer = planned_from_footer(source, truncation) and first_row == 0
+    if footer:  # a remote parquet file: no row read before the first image
+        num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
+    elif source.format == "txt":
         num_rows, num_rejects, starts, rows_end, digests = scan_txt(source, samples_per_shard, truncation, offset,
                                                                     first_row)
     else:
@@ -460,14 +466,16 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     if cut is not None:
         np.save(out / "truncated.npy", cut)
         num_rejects += len(cut)
-    if digests is None:  # text formats: each shard's bytes, in one more pass
+    if digests is None and not footer:  # text formats: each shard's bytes, in one more pass
         if head_end is None:
             head_end = int(starts[0][0]) if len(starts) else 0
         digests = range_digests(source.path, starts, rows_end, head_end if source.format in ("csv", "tsv") else 0)
     np.save(out / "starts.npy", starts)
-    np.save(out / "digests.npy", digests)
     counts = dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts),
-                  rows_end=rows_end, digests_sha256=hashlib.sha256(digests.tobytes()).hexdigest())
+                  rows_end=rows_end)
+    if digests is not None:  # a footer plan has none: the file's ETag (recorded in plan.json) stands for its rows
+        np.save(out / "digests.npy", digests)
+        counts["digests_sha256"] = hashlib.sha256(digests.tobytes()).hexdigest()
     if shapes is not None:
         counts["shapes"] = shapes_json(shapes)
     if adapters is not None:
@@ -486,8 +494,8 @@ def estimate_rows(source: PromptSource) -> int:
     if source.format == "parquet":
         n = P.parquet_file(source.path).metadata.num_rows
     else:
-        size = os.path.getsize(source.path)
-        with open(source.path, "rb") as f:
+        size = sizeof(source.path)
+        with open_input(source.path) as f:
             if size <= _EXACT_COUNT_BYTES:
                 data = f.read()
                 n = data.count(b"\n") + (not data.endswith(b"\n"))  # a last line without a newline

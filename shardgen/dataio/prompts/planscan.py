@@ -28,6 +28,7 @@ import numpy as np
 from shardgen.dataio.prompts import read as P
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
+from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_input, sizeof
 
 
 log = logging.getLogger("shardgen.plan")
@@ -48,6 +49,22 @@ def truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> n
     log.warning("%s: generated from their first tokens and flagged \"truncated\": true in their json and index "
                 "(prompts.on_truncation=skip or error refuses them)", message)
     return None
+
+
+def planned_from_footer(source: PromptSource, check: TruncationCheck | None) -> bool:
+    """Whether ``source`` is planned from its parquet footer alone, no row read: a remote parquet file with an ETag
+    (which identifies its content in the fingerprint, so no pass hashes it), when planning needs nothing of its rows
+    (no token count, no per-row settings). Its rows are then checked when their shard is read."""
+    return (source.format == "parquet" and check is None and not source.row_rules and is_url(source.path)
+            and bool(identity(source.path)["etag"]))
+
+
+def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndarray, int, None]:
+    """(rows, rejects: 0, shard starts, the end row, no digests) of a parquet file from its footer's row count."""
+    n = P.parquet_file(source.path).metadata.num_rows
+    n = min(n, source.limit) if source.limit is not None else n
+    first = np.arange(0, n, per_shard, dtype=np.int64)
+    return n, 0, np.stack([first, first + 1], axis=1), n, None
 
 
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
@@ -95,7 +112,7 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
         starts = np.stack([lines - 1, lines], axis=1) if n else np.zeros((0, 2), np.int64)
         return n, rejects, starts, first_row + n, digest_array([h.digest() for h in hashers])
     offsets = _line_offsets(source.path, np.append(lines, stop_line) if stop_line else lines)
-    end = int(offsets[-1]) if stop_line else os.path.getsize(source.path)
+    end = int(offsets[-1]) if stop_line else sizeof(source.path)
     return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
 
 
@@ -105,7 +122,7 @@ def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
     if not len(lines):
         return out
     base = newlines = 0  # bytes and newlines before the current block
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while block := f.read(_BLOCK):
             nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
             # line L starts after newline number L-1 (1-based)
@@ -126,7 +143,7 @@ def scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None
     limit = source.limit if source.limit is not None else 1 << 62
     starts, rows, rejects, base, carry = [], first_row, 0, offset, 0
     buf = bytearray(_BLOCK)
-    with open(source.path, "rb", buffering=0) as f:
+    with open_input(source.path, buffering=0) as f:
         f.seek(offset)
         while rows < limit:
             if carry == len(buf):  # a line longer than the buffer: grow it
@@ -246,7 +263,7 @@ def range_digests(path: str, starts: np.ndarray, end: int, head_end: int) -> np.
     0 for txt and jsonl)."""
     offsets = [int(x) for x in starts[:, 0]] + [end]
     out = []
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         head = f.read(head_end)
         f.seek(offsets[0])
         for lo, hi in zip(offsets, offsets[1:]):
@@ -264,7 +281,9 @@ def check_unchanged(path: str, size: int) -> None:
     """The planned bytes are still there (appending is how a run grows, so a longer file is fine: the
     launch's fingerprint check hashes the content)."""
     try:
-        now = os.path.getsize(path)
+        now = sizeof(path)
+    except StorageError:
+        raise  # names the URL and why
     except OSError as e:
         raise P.fail(path, 0, f"the prompt file of this run cannot be read ({e.strerror})",
                      "Restore it: the run's shards are read from it") from None
@@ -273,15 +292,25 @@ def check_unchanged(path: str, size: int) -> None:
                      "Restore the original file, or start a new run_dir")
 
 
+def check_etag(path: str, etag: str | None) -> None:
+    """A remote prompt file still has the ETag it was planned with (None: not recorded, nothing to check)."""
+    if etag is not None and is_url(path) and identity(path)["etag"] != etag:
+        raise P.fail(path, 0, f"the prompt file changed since the run was planned (ETag {etag} then, "
+                     f"{identity(path)['etag']} now)", "Restore the original object, or start a new run_dir")
+
+
 def file_identity(path: str) -> tuple:
-    """(size, mtime, inode) of a file: equal before and after a scan when nothing wrote to it meanwhile."""
+    """(size, mtime, inode) of a file (a remote one: size, ETag, modification time): equal before and after a scan
+    when nothing wrote to it meanwhile."""
+    if is_url(path):
+        return tuple(identity(path).values())
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, bytes]:
     """(bytes 0..head_end, bytes lo..hi) of the prompt file: the csv/tsv header, and a shard's rows."""
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         head = f.read(head_end)
         f.seek(lo)
         return head, f.read(max(0, hi - lo))
@@ -296,7 +325,7 @@ def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: i
         return
     with contextlib.ExitStack() as stack:
         if data is None:
-            data = stack.enter_context(open(src.path, "rb"))
+            data = stack.enter_context(open_input(src.path))
             data.seek(offset)
         if src.format in ("csv", "tsv"):
             yield from _table_rows_at(src, data, line, index, count, head)
@@ -318,7 +347,7 @@ def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
     if head is not None:
         header = next(P.raw_lines(io.BytesIO(head)))[1]
     else:
-        with open(src.path, "rb") as h:
+        with open_input(src.path) as h:
             header = next(P.raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
     for r in islice(P.read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
 from shardgen.dataio.prompts.samplejson import split_reserved
+from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_input, open_remote
 from shardgen.errors import UserError
 from shardgen.pick import pick
 
@@ -131,7 +132,7 @@ def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") 
     if fmt == "parquet":
         _check_columns(path, parquet_file(path).schema_arrow.names, field, fmt)
     elif fmt in ("csv", "tsv"):
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             _read_header(path, _table_reader(_text_lines(f, {}), fmt), fmt, field, {})
 
 
@@ -159,6 +160,9 @@ def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed
 # ---------------------------------------------------------------- shared plumbing
 
 def _check_file(path: str) -> None:
+    if is_url(path):
+        _check_remote(path)
+        return
     p = Path(path)
     if not p.exists():
         raise fail(path, 0, "the prompt file does not exist",
@@ -177,6 +181,13 @@ def _check_file(path: str) -> None:
                    "Add prompts, or point prompts.path at the right file")
 
 
+def _check_remote(url: str) -> None:
+    """A remote prompt file exists and is not empty (one metadata request; StorageError naming the URL when the
+    bucket, the object or the permission is missing)."""
+    if identity(url)["size"] == 0:
+        raise fail(url, 0, "the prompt file is empty (0 bytes)", "Add prompts, or point prompts.path at the right file")
+
+
 def _require_rows(path: str, rows: Iterable[PromptRow]) -> Iterator[PromptRow]:
     n = 0
     for n, row in enumerate(rows, 1):
@@ -191,7 +202,7 @@ def _rows(path: str, fmt: str, field: str, seed_field: str, on_bad_row: str,
     if fmt == "parquet":
         yield from _read_parquet(path, field, seed_field, on_bad_row, max_chars, rules)
         return
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         if fmt == "txt":
             yield from _read_txt(path, f, on_bad_row, max_chars)
         elif fmt == "jsonl":
@@ -464,7 +475,9 @@ def parquet_file(path: str):
     """``path`` opened as a pyarrow ParquetFile, or a PromptFileError saying it is not one."""
     pq = _parquet_module(path)
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(open_remote(path) if is_url(path) else path)
+    except StorageError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError/...; all mean "not readable as parquet"
         raise fail(path, 0, f"is not a readable parquet file ({e})",
                    "Check the file, or set prompts.format= to its real format") from None
@@ -518,9 +531,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)  # decimals, bytes, durations: a readable string beats a crash
 
 
-def prompt_file_path(text: str) -> Path:
+def prompt_file_path(text: str) -> Path | str:
     """The prompt file ``prompts.path`` names; a relative path is taken from the current directory, else from the
-    project (so the shipped examples/prompts.txt works from anywhere)."""
+    project (so the shipped examples/prompts.txt works from anywhere); a URL (``s3://bucket/captions.parquet``) as
+    it is."""
+    if is_url(text):
+        return text
     path = Path(os.path.expanduser(text))
     if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
         return PROJECT_ROOT / path

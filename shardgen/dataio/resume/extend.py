@@ -29,6 +29,7 @@ from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
 from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
+from shardgen.dataio.rundir.remote import open_input, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -49,12 +50,12 @@ def not_an_append(path: str | os.PathLike, size: int, sha256: str, fmt: str) -> 
     appended; None when it is."""
     if fmt == "parquet":
         return "a parquet file is rewritten, not appended to: put the new prompts in a new run_dir"
-    now = os.path.getsize(path)
+    now = sizeof(path)
     if now == size:
         return f"it has the planned file's {size} bytes but other content"
     if now < size:
         return f"it has {now} bytes, the planned file had {size}"
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         f.seek(size - 1)
         if f.read(1) != b"\n":
             return "the planned file did not end with a newline, so what was appended changed its last row"
@@ -109,7 +110,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
     try:
         counts = plan_rows_into(tmp, source, plan.samples_per_shard, truncation, offset=before[0],
                                 first_row=plan.num_rows, head_end=int(plan.starts[0][0]))  # csv/tsv: the header
-        if os.path.getsize(source.path) != after[0]:
+        if sizeof(source.path) != after[0]:
             raise PromptFileChanging(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
                                   "bytes when hashed); re-run once it is written")
         now = time.time()

@@ -6,6 +6,7 @@ any of them changed (up to the numerics of the strategy).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any
 
 from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
+from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
                                            json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
@@ -262,20 +264,28 @@ def fingerprint_changes(run: RunDir) -> list[dict]:
         return []
 
 
-def _file_identity(path: Path) -> dict:
+def _file_identity(path: Path | str) -> dict:
+    if is_url(path):  # an object store: an overwrite changes the ETag, which identifies the content
+        return remote_identity(str(path))
     st = Path(path).stat()
     # ctime cannot be set back by tools that preserve mtime (cp -p, rsync -t): any write changes it
     return dict(path=str(Path(path).absolute()), size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
                 inode=st.st_ino)
 
 
-def prompt_file_hash(run: RunDir, path: Path) -> tuple[str, dict]:
+def prompt_file_hash(run: RunDir, path: Path | str, fmt: str | None = None) -> tuple[str, dict]:
     """(SHA-256 of the prompt file, the file's identity when hashed); the hash is reused from the run
-    directory while path, size, inode, mtime and ctime all match what was hashed.
+    directory while path, size, inode, mtime and ctime all match what was hashed (a remote file: its URL, size,
+    ETag and modification time, so a launch reads none of its bytes to check the fingerprint). A remote parquet
+    file (``fmt``) with an ETag is identified by it, never hashed (it is planned from its footer: planscan.py).
 
     Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
     costs 10-30 s with every GPU of the job waiting."""
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
+    if is_url(path) and fmt == "parquet" and identity.get("etag"):  # rewritten, never appended to: the ETag says all
+        return "etag-" + hashlib.sha256(f"{identity['etag']}|{identity['size']}".encode()).hexdigest(), identity
+    if is_url(path) and not (identity.get("etag") or identity.get("modified")):
+        return file_sha256(path), identity  # a server that tells neither: its size alone cannot vouch for the content
     return cached_prompt_hash(run, identity) or file_sha256(path), identity
 
 
@@ -297,6 +307,4 @@ def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
 
 def _check(identity: dict, digest: str) -> str:
     """A checksum of the cache record: a damaged cache (a changed hex digit) is never taken for the file's hash."""
-    import hashlib
-
     return hashlib.sha256(json.dumps([identity, digest], sort_keys=True).encode()).hexdigest()[:16]

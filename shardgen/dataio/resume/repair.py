@@ -32,6 +32,7 @@ from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_byt
                                            own_file_name, read_state, shard_name)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
+from shardgen.dataio.shards.upload import uploaded_elsewhere
 from shardgen.dataio.shards import index as shard_index
 
 log = logging.getLogger("shardgen.repair")
@@ -263,6 +264,8 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
         stats = read_shard_stats(run, shard)
     except RunDirError as e:
         return str(e)
+    if not has_tar and uploaded_elsewhere(run, shard, stats["tar_bytes"]):  # deleted once uploaded (keep_local=false)
+        return shard_index.index_problem(run, shard, stats["count"])
     if not has_tar or tar.is_symlink():
         return f"{tar.name} is missing"
     size = tar.lstat().st_size

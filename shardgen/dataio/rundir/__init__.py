@@ -1,8 +1,9 @@
 """The run directory, the floor of dataio: where every file of a run lives and how it is written.
 
 layout.py (``RunDir``: every path of the run directory; atomic and exclusive writes, run_dir checks),
-claims.py (a replica's lease on a shard), runlog.py (the run's event and rank logs), metrics.py (Prometheus files), slurm_jobs.py (asking
-SLURM whether a job has ended). Imports nothing else of dataio.
+claims.py (a replica's lease on a shard), runlog.py (the run's event and rank logs), metrics.py (Prometheus files),
+slurm_jobs.py (asking SLURM whether a job has ended), remote.py (files at fsspec URLs: ranged reads, retries,
+``StorageError``). Imports nothing else of dataio.
 """
 
 from typing import TYPE_CHECKING
@@ -11,13 +12,15 @@ from shardgen.dataio import lazy_names
 
 if TYPE_CHECKING:
     from .claims import Claimer, FUTURE_TOLERANCE_S, HEARTBEAT_S, LEASE_S, owner_record, scan_claims
+    from .remote import StorageError, bytes_read, is_url
     from .layout import (RunDir, atomic_write_bytes, atomic_write_json, check_run_dir_text, check_run_root,
                          create_exclusive, first_missing_dir, run_dir_arg)
     from .metrics import RankMetrics, exposition, read_rank_metrics
     from .runlog import attach_rank_log, detach_rank_log, log_to_file_only, read_jsonl, record_commit, record_launch
 
-__all__ = ["Claimer", "FUTURE_TOLERANCE_S", "HEARTBEAT_S", "LEASE_S", "RankMetrics", "RunDir", "atomic_write_bytes",
-           "atomic_write_json", "attach_rank_log", "check_run_dir_text", "check_run_root", "create_exclusive",
-           "detach_rank_log", "exposition", "first_missing_dir", "log_to_file_only", "owner_record", "read_jsonl",
-           "read_rank_metrics", "record_commit", "record_launch", "run_dir_arg", "scan_claims"]
+__all__ = ["Claimer", "FUTURE_TOLERANCE_S", "HEARTBEAT_S", "LEASE_S", "RankMetrics", "RunDir", "StorageError",
+           "atomic_write_bytes", "atomic_write_json", "attach_rank_log", "bytes_read", "check_run_dir_text",
+           "check_run_root", "create_exclusive", "detach_rank_log", "exposition", "first_missing_dir", "is_url",
+           "log_to_file_only", "owner_record", "read_jsonl", "read_rank_metrics", "record_commit", "record_launch",
+           "run_dir_arg", "scan_claims"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

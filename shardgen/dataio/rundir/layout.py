@@ -56,7 +56,7 @@ RUN_MARKER = ".shardgen-run"  # the owner record of a run directory
 MARKER_VERSION = 1
 # the only names clean-up may remove: what shardgen's own writers and planners create
 TEMP_FILE_NAME = re.compile(r"\.[^~/]+~[^~/]+~[0-9]+~[A-Za-z0-9_]+\.tmp")
-_OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet)"),
+_OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet|uploaded\.json)"),
               "work": re.compile(r"[0-9]{6}\.g[0-9]+\.(tar|ckpt\.json|index\.jsonl)"),
               "claims": re.compile(r"[0-9]{6}\.g[0-9]+"),
               "logs": re.compile(r"rank[0-9]+\.log|events\.[^/]+\.jsonl")}
@@ -344,6 +344,11 @@ class RunDir:
         return self.root / "prompt_hash.json"
 
     @property
+    def output_uri_path(self) -> Path:
+        """Where the run's shards are uploaded (output_uri), fixed by the first launch that set it."""
+        return self.root / "output_uri.json"
+
+    @property
     def summary_path(self) -> Path:
         return self.root / "summary.json"
 
@@ -432,6 +437,10 @@ class RunDir:
 
     def shard_stats(self, shard: int) -> Path:
         return self.shards_dir / f"{shard_name(shard)}.stats.json"
+
+    def shard_uploaded(self, shard: int) -> Path:
+        """The record of ``shard``'s confirmed upload to output_uri (shardgen/dataio/shards/upload.py)."""
+        return self.shards_dir / f"{shard_name(shard)}.uploaded.json"
 
     def plan_rows(self, shard: int) -> Path:
         return self.plan_dir / f"{shard_name(shard)}.jsonl"

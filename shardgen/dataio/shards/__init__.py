@@ -4,7 +4,8 @@ sink.py (``ShardSink``: encoding and writing on background threads), shardwork.p
 shard is checkpointed and committed), tarshard.py (the tar writer and scanner), index.py (the shard index),
 formats.py (the output formats, one table: extension -> encoder, decoder, size estimate), sizing.py (samples
 per shard), video.py (mp4 encode/decode), annotate.py (provenance and token counts), signals.py (curation
-signals computed on the writer's threads). Imports only the rundir and prompts rooms.
+signals computed on the writer's threads), upload.py (committed shards copied to output_uri). Imports only the
+rundir and prompts rooms.
 """
 
 from typing import TYPE_CHECKING
@@ -19,10 +20,12 @@ if TYPE_CHECKING:
     from .signals import Signals
     from .sink import ShardSink
     from .sizing import resolve_samples_per_shard
+    from .upload import ShardUploader, committed_tar, fetch_uploaded, upload_state, uploaded_elsewhere
     from .video import VIDEO_EXT, VideoEncoder, decode_video, encode_video, is_video, preview_png, validate_video_config
 
-__all__ = ["IMAGE_EXTS", "Sample", "SampleAnnotator", "ShardSink", "ShardWork", "Signals", "VIDEO_EXT", "VideoEncoder",
-           "committed_samples", "decode_video", "durable_partial", "encode_video", "image_ext", "is_video",
-           "preview_png", "resolve_samples_per_shard", "run_provenance", "sample_bytes_estimate", "text_windows",
+__all__ = ["IMAGE_EXTS", "Sample", "SampleAnnotator", "ShardSink", "ShardUploader", "ShardWork", "Signals",
+           "VIDEO_EXT", "VideoEncoder", "committed_samples", "committed_tar", "decode_video", "durable_partial",
+           "encode_video", "fetch_uploaded", "image_ext", "is_video", "preview_png", "resolve_samples_per_shard",
+           "run_provenance", "sample_bytes_estimate", "text_windows", "upload_state", "uploaded_elsewhere",
            "validate_video_config"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

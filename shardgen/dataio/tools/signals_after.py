@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.index import index_path, write_index
+from shardgen.dataio.shards.upload import committed_tar
 from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
 
 log = logging.getLogger("shardgen.signals")
@@ -65,7 +66,7 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
     todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
     if not todo:
         return None  # done already (a rerun after a kill)
-    members = read_shard_members(plan.run.shard_tar(shard))
+    members = read_shard_members(committed_tar(plan.run, shard))  # keep_local=false: from the bucket
     for r in todo:
         ext = image_ext(members[r["key"]])
         pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
+from shardgen.dataio.shards.upload import upload_state
 from shardgen.dataio.tools.runfiles import read_events
 
 LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
@@ -125,7 +126,8 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
                                                      truncated=totals.get("truncated", 0)),
         failures_by_reason=dict(led.done.failures_by_reason.most_common()),
         **{f"last_{kind}": line for kind, line in last_problems(plan).items()},
-        row_settings=row_setting_names(plan), shapes=dict(led.done.shapes.most_common()))
+        row_settings=row_setting_names(plan), shapes=dict(led.done.shapes.most_common()),
+        uploads=upload_state(plan.run))
 
 
 def row_setting_names(plan: Plan) -> list[str]:

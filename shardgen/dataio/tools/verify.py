@@ -5,6 +5,8 @@ Used by ``jobs.verify`` (``--repair``) and the tests."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import tarfile
@@ -15,6 +17,7 @@ from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_k
 from shardgen.dataio.rundir.layout import RunDirError
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
+from shardgen.dataio.shards.upload import fetch_uploaded
 from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
 from shardgen.errors import UserError
@@ -188,7 +191,10 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.in_progress += "not started" not in rep.unfinished[-1]
         return
     rep.shards_checked += 1
-    if tar.is_symlink() or not tar.is_file():
+    uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None  # keep_local=false: in the bucket
+    if uploaded is not None:
+        tar = io.BytesIO(uploaded)
+    elif tar.is_symlink() or not tar.is_file():
         rep.bad_shards[shard] = "tar"
         rep.defects.append(f"{name}: {tar} is {'a symlink' if tar.is_symlink() else 'missing'}")
         return
@@ -202,7 +208,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         members = read_shard_members(tar)
     except Exception as e:
         rep.bad_shards[shard] = "tar"
-        rep.defects.append(f"{name}: unreadable tar {tar} ({e})")
+        rep.defects.append(f"{name}: unreadable tar {run.shard_tar(shard)} ({e})")
         return
     members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
     rep.defects += [f"{name}: {p}" for p in problems]
@@ -218,8 +224,10 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     got = set(members)
     if got != expected:
         rep.defects.append(f"{name}: {len(expected - got)} prompt indices missing, {len(got - expected)} unexpected keys")
-    if st is not None and "sha256" in st and file_sha256(tar) != st["sha256"]:
-        rep.defects.append(f"{name}: {tar.name} does not match the sha256 in its stats (damaged after its commit)")
+    if st is not None and "sha256" in st and st["sha256"] != (hashlib.sha256(uploaded).hexdigest() if uploaded
+                                                             else file_sha256(tar)):
+        rep.defects.append(f"{name}: {run.shard_tar(shard).name} does not match the sha256 in its stats (damaged "
+                           "after its commit)")
     shard_status: Counter = Counter()
     for key, mem in members.items():
         status, meta, problems = _check_sample(key, mem, decode)

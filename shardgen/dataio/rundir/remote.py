@@ -1,0 +1,187 @@
+"""Files at fsspec URLs (``s3://``, ``gs://``, ``hf://``, ``https://``): reading a prompt file, writing shards.
+
+``open_input`` and ``sizeof`` take a local path (opened as before) or a URL; a remote file is read through ranged
+requests (``RemoteFile``: a seekable file object whose reads are byte ranges), never copied to
+local disk first. Credentials come from where each filesystem looks for them (for S3: the environment, the
+AWS config files, an instance role); nothing here writes or logs them.
+
+Transient errors (timeouts, 5xx, throttling, dropped or refused connections) are retried with backoff, each retry
+logged; permanent ones (no such bucket or object, no permission, no credentials) raise ``StorageError``: one line
+naming the URL and the fix.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Callable, TypeVar
+
+from shardgen.errors import UserError
+
+log = logging.getLogger("shardgen.storage")
+T = TypeVar("T")
+
+RETRIES = 6          # attempts of one request before a transient error is given up on
+BACKOFF_S = 0.5      # the first wait; doubled at each retry
+MAX_BACKOFF_S = 16.0
+READ_BLOCK = 4 << 20  # bytes per ranged read of a remote prompt file
+_BYTES_READ: Counter = Counter()  # URL -> bytes fetched by this process
+# error codes of S3 and its look-alikes that no retry changes
+PERMANENT_CODES = {"NoSuchBucket": "the bucket does not exist", "NoSuchKey": "no such object",
+                   "AccessDenied": "access denied", "InvalidAccessKeyId": "the access key is not known",
+                   "SignatureDoesNotMatch": "the secret key does not match", "AllAccessDisabled": "access denied",
+                   "InvalidBucketName": "not a valid bucket name", "403": "access denied", "404": "not found"}
+FIX = ("Check the URL, that the bucket exists and that the credentials the environment provides (for S3: "
+       "AWS_ACCESS_KEY_ID/AWS_PROFILE, AWS_ENDPOINT_URL for an S3-compatible server) may use it")
+
+
+class StorageError(UserError, OSError):
+    """Object storage refused a request for good (no bucket, no permission, no credentials), or kept failing."""
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names a file through a filesystem other than the local one (``scheme://...``)."""
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(the fsspec filesystem of ``url``, the path within it); StorageError when its package is missing."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
+        raise StorageError(f"{url}: cannot open this URL ({e}). Install the fsspec package of its scheme "
+                           "(s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://)") from None
+
+
+def permanent_reason(e: BaseException) -> str | None:
+    """Why ``e`` will fail again however often it is retried; None for a transient error."""
+    for err in (e, e.__cause__, e.__context__):
+        if err is None:
+            continue
+        response = getattr(err, "response", None)
+        code = str((response.get("Error") or {}).get("Code", "")) if isinstance(response, dict) else ""
+        if code in PERMANENT_CODES:
+            return PERMANENT_CODES[code]
+        if type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's, not importable here
+            return "no credentials found"
+    if isinstance(e, FileNotFoundError):
+        return "not found (no such bucket or object)"
+    if isinstance(e, (PermissionError, IsADirectoryError, NotADirectoryError)):
+        return "access denied" if isinstance(e, PermissionError) else str(e)
+    return None
+
+
+def retrying(what: str, url: str, fn: Callable[[], T], *, attempts: int | None = None) -> T:
+    """``fn()``, retried with backoff on transient errors (each retry logged); StorageError naming ``url`` on a
+    permanent one, or when the ``attempts`` (default RETRIES) are used up."""
+    attempts, delay = attempts or RETRIES, BACKOFF_S
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except Exception as e:
+            why = permanent_reason(e)
+            if why is not None:
+                raise StorageError(f"{url}: {what} failed: {why}. {FIX}") from None
+            if attempt == attempts:
+                raise StorageError(f"{url}: {what} failed {attempts} times ({type(e).__name__}: {short(e)}); "
+                                   "the storage is unreachable or failing. Re-run once it answers: the run "
+                                   "continues where it stopped") from None
+            log.warning("%s: %s failed (%s: %s); retry %d of %d in %.1f s", url, what, type(e).__name__, short(e),
+                        attempt, attempts - 1, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+    raise AssertionError("unreachable")
+
+
+def short(e: BaseException) -> str:
+    """An error's message on one line, bounded (a botocore message can hold a whole response)."""
+    return " ".join(str(e).split())[:200]
+
+
+def info(url: str) -> dict:
+    """The file's metadata (size, ETag, ...), fresh from the server; StorageError when it does not exist."""
+    fs, path = filesystem(url)
+
+    def get() -> dict:
+        fs.invalidate_cache(path)
+        return fs.info(path)
+
+    return retrying("reading the file's metadata", url, get)
+
+
+def identity(url: str) -> dict:
+    """What identifies the content of a remote file without reading it: its URL, size, ETag (or checksum, as the
+    store names it) and modification time. Equal identities: the same bytes (an overwrite changes the ETag)."""
+    meta = info(url)
+    tag = next((meta[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "checksum", "sha256") if meta.get(k)), None)
+    modified = meta.get("LastModified") or meta.get("mtime") or meta.get("updated")
+    return dict(path=url, size=int(meta.get("size") or 0), etag=str(tag) if tag is not None else None,
+                modified=str(modified) if modified is not None else None)
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote file as a seekable binary file whose reads are ranged requests, each retried on a transient error
+    (a dropped connection mid-file is a retry of one range, not a failed scan). ``bytes_read``: what was fetched."""
+
+    def __init__(self, url: str, size: int | None = None):
+        super().__init__()
+        self.url = url
+        self._fs, self._path = filesystem(url)
+        self.size = size if size is not None else identity(url)["size"]
+        self._pos = 0
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.size - self._pos)
+        if n <= 0:
+            return 0
+        lo = self._pos
+        data = retrying(f"reading bytes {lo}..{lo + n}", self.url,
+                        lambda: self._fs.cat_file(self._path, start=lo, end=lo + n))
+        buf[:len(data)] = data
+        self._pos += len(data)
+        self.bytes_read += len(data)
+        _BYTES_READ[self.url] += len(data)
+        return len(data)
+
+
+def bytes_read(url: str) -> int:
+    """Bytes of ``url`` this process has fetched so far (ranged reads; a planning scan reports it)."""
+    return _BYTES_READ[url]
+
+
+def open_remote(url: str, buffering: int = READ_BLOCK) -> io.BufferedReader:
+    """``url`` opened for reading as a buffered binary file (ranged reads of ``buffering`` bytes)."""
+    return io.BufferedReader(RemoteFile(url), buffer_size=max(buffering, io.DEFAULT_BUFFER_SIZE))
+
+
+def sizeof(path: Any) -> int:
+    """A file's size in bytes, local or remote."""
+    return identity(str(path))["size"] if is_url(path) else os.path.getsize(path)
+
+
+def open_input(path: Any, buffering: int = -1):
+    """A local path or a URL opened for binary reading (a URL: ranged reads, never a download first)."""
+    return open_remote(str(path)) if is_url(path) else open(path, "rb", buffering=buffering)

@@ -1,0 +1,206 @@
+"""A real S3-compatible server for the tests: moto's standalone server in a subprocess, behind a small proxy that
+injects faults (the server unreachable, 503 answers) without losing the server's buckets.
+
+The ``s3`` fixture (session-scoped, used through tests/conftest.py) sets the standard AWS variables (endpoint,
+dummy credentials) in this process's environment, so in-process runs and child processes reach it alike; it skips,
+saying why, where moto's server cannot be started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+
+
+
+def error_response(status: str, code: str) -> bytes:
+    """An S3 error answer: ``status`` ("503 Slow Down") with the error ``code`` ("SlowDown") in its XML."""
+    body = f"<Error><Code>{code}</Code><Message>{code} (injected by the test proxy)</Message></Error>".encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+SLOW_DOWN = error_response("503 Slow Down", "SlowDown")
+ACCESS_DENIED = error_response("403 Forbidden", "AccessDenied")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class FaultProxy:
+    """TCP proxy to ``target``: ``down()`` drops every connection and refuses new ones until ``up()``;
+    ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``), counted from 0 in
+    ``served_errors``."""
+
+    target: int
+    port: int = field(default_factory=free_port)
+    is_down: bool = False
+    errors_left: int = 0
+    served_errors: int = 0
+    refused: int = 0
+    answer: bytes = SLOW_DOWN
+    _conns: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def down(self) -> None:
+        self.is_down = True
+        self._drop_all()
+
+    def up(self) -> None:
+        self.is_down = False
+
+    def fail_next(self, n: int, answer: bytes = SLOW_DOWN) -> None:
+        self.errors_left, self.answer, self.served_errors = n, answer, 0
+        self._drop_all()  # pooled connections would bypass the faults
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            for c in self._conns:
+                _close(c)
+            self._conns.clear()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self._sock.accept()
+            if self.is_down:
+                self.refused += 1
+                _close(client)
+                continue
+            if self.errors_left > 0:
+                self.errors_left -= 1
+                self.served_errors += 1
+                threading.Thread(target=self._answer, args=(client, self.answer), daemon=True).start()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _answer(client: socket.socket, answer: bytes) -> None:
+        try:
+            client.settimeout(2)
+            head = client.recv(65536)
+            client.sendall(answer.split(b"\r\n\r\n")[0] + b"\r\n\r\n" if head.startswith(b"HEAD") else answer)
+        except OSError:
+            pass
+        _close(client)
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    _close(src)
+    _close(dst)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
+
+
+@dataclass
+class S3Server:
+    """The running server: ``endpoint`` (through the fault proxy), ``proxy``, ``bucket()`` a fresh bucket."""
+
+    endpoint: str
+    proxy: FaultProxy
+    process: subprocess.Popen
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True)
+
+    def bucket(self) -> str:
+        name = f"b{uuid.uuid4().hex[:12]}"
+        self.fs().mkdir(name)
+        return name
+
+
+# a secret no file of a run may contain (tests/test_remote.py looks for it)
+SECRET = "shardgen-test-secret-9Qx7Zt"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "shardgen-test-key", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def start_server() -> S3Server:
+    """moto's server on a free port, waited for; pytest.skip saying why when it cannot start."""
+    for mod in ("moto", "s3fs", "flask"):
+        try:
+            __import__(mod)
+        except ImportError:
+            pytest.skip(f"{mod} is not installed (pip install -e '.[test]' installs s3fs and moto[server])")
+    port = free_port()
+    exe = shutil.which("moto_server")
+    cmd = [exe, "-p", str(port)] if exe else [sys.executable, "-m", "moto.server", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **AWS_ENV})
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.skip(f"moto's S3 server exited at start: {proc.stderr.read().decode()[-300:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.skip("moto's S3 server did not answer within 30 s")
+    proxy = FaultProxy(target=port)
+    proxy.start()
+    return S3Server(endpoint=f"http://127.0.0.1:{proxy.port}", proxy=proxy, process=proc)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """The session's S3 server, its endpoint and dummy credentials in the environment (restored afterwards)."""
+    server = start_server()
+    # the S3 client's own retries kept short: shardgen's retries (shardgen/dataio/rundir/remote.py) are what is tested
+    env = {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint, "AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "2"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield server
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.process.kill()
+    server.process.wait()
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    """A fresh, empty bucket; the proxy passes everything through again when the test ends."""
+    name = s3.bucket()
+    yield name
+    s3.proxy.up()
+    s3.proxy.errors_left = 0

@@ -1,0 +1,285 @@
+"""Prompts and shards on object storage, against a real S3-compatible server (tests/s3_server.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import jobs.status
+import jobs.verify
+from jobs.generate import run
+from shardgen.config.validate import ConfigError
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+from shardgen.dataio.rundir import StorageError
+from shardgen.errors import UserError
+from tests.conftest import compose_cfg
+from tests.s3_server import ACCESS_DENIED, SECRET
+
+FAST = ("height=16", "width=16", "steps=1", "progress=false", "batch_size=4")
+
+
+def put(s3, url: str, data: bytes) -> None:
+    s3.fs().pipe(url, data)
+
+
+def test_prompts_from_a_bucket_appended_to_extend_changed_refused_parquet_by_ranges(s3, bucket, tmp_path):
+    lines = [f"a prompt number {i}" for i in range(10)]
+    put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in lines).encode())
+    txt = compose_cfg(f"run_dir={tmp_path / 'txt'}", f"prompts.path=s3://{bucket}/captions.txt",
+                      "samples_per_shard=4", *FAST)
+    first, again = run(txt), run(txt)
+    assert (first.ok, again.generated_here) == (10, 0)  # the second launch finds the run complete, its file unchanged
+    # the object rewritten with rows appended: the new rows extend the run, as for a local file
+    put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in lines + ["one more", "and another"]).encode())
+    result = run(txt)
+    assert (result.ok, result.generated_here, result.complete) == (12, 2, True)
+    # any other change (here, one row edited, the size unchanged) is refused, naming the URL, before any model
+    put(s3, f"s3://{bucket}/captions.txt", "".join(p + "\n" for p in ["A" + lines[0][1:]] + lines[1:]
+                                                   + ["one more", "and another"]).encode())
+    with pytest.raises(FingerprintMismatch, match=f"s3://{bucket}/captions.txt: not this run's prompt file"):
+        run(txt)
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.table({"prompt": lines, "n": list(range(10))}), buf, row_group_size=3)
+    put(s3, f"s3://{bucket}/captions.parquet", buf.getvalue().to_pybytes())
+    result = run(compose_cfg(f"run_dir={tmp_path / 'pq'}", "prompts=parquet",
+                             f"prompts.path=s3://{bucket}/captions.parquet",
+                             "samples_per_shard=4", *FAST))
+    assert (result.ok, result.complete) == (10, True)
+    hashed = json.loads((tmp_path / "pq" / "prompt_hash.json").read_text())
+    assert hashed["path"] == f"s3://{bucket}/captions.parquet" and hashed["etag"]
+
+
+def test_a_large_remote_parquet_is_planned_from_its_footer_and_its_etag_guards_the_rows(s3, bucket, tmp_path):
+    """200k rows planned with a few ranged reads (no row read, no hash pass); the object overwritten later: its rows
+    are refused when a shard is read, naming the URL."""
+    from shardgen.dataio.prompts.read import PromptFileError
+    from shardgen.dataio.rundir import bytes_read
+    from shardgen.run.runner import prepare_run
+
+    n, url = 200_000, f"s3://{bucket}/big.parquet"
+    table = pa.table({"prompt": [f"a photo of thing number {i}" for i in range(n)], "n": list(range(n))})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=20_000)
+    put(s3, url, buf.getvalue().to_pybytes())
+    size = s3.fs().info(url)["size"]
+    plan = prepare_run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts=parquet", f"prompts.path={url}",
+                                   "samples_per_shard=1000", *FAST))
+    assert (plan.num_rows, plan.num_shards) == (n, 200)
+    assert bytes_read(url) < size / 10, f"{bytes_read(url)} of {size} bytes read to plan"
+    assert [r.prompt for r in plan.rows(150)][:2] == [f"a photo of thing number {i}" for i in (150000, 150001)]
+    other = pa.BufferOutputStream()
+    pq.write_table(table.slice(1), other, row_group_size=20_000)
+    put(s3, url, other.getvalue().to_pybytes())  # another object: another ETag
+    with pytest.raises(PromptFileError, match=f"{url}: the prompt file changed since the run was planned"):
+        plan.rows(3)
+
+
+def bucket_samples(s3, url: str) -> dict[str, list[str]]:
+    """shard name -> the keys of its tar, over the shards whose stats (the done marker) are in the bucket."""
+    import io
+    import tarfile
+
+    fs, out = s3.fs(), {}
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(url, refresh=True)}
+    for stats in sorted(n for n in names if n.endswith(".stats.json")):
+        shard = stats[:6]
+        assert {f"{shard}.tar", f"{shard}.parquet"} <= names, f"{shard}: stats without its tar or index"
+        data = fs.cat_file(f"{url}/{shard}.tar")
+        assert len(data) == json.loads(fs.cat_file(f"{url}/{stats}"))["tar_bytes"]
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            out[shard] = sorted({m.name.split(".")[0] for m in tar.getmembers()})
+    return out
+
+
+def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/run", "keep_local=false", "prompts.limit=10",
+                      "samples_per_shard=4", *FAST)
+    assert run(cfg).complete
+    keys = bucket_samples(s3, f"s3://{bucket}/run")
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(10)]
+    local = sorted(p.name for p in (run_dir / "shards").iterdir())
+    assert local == [f"00000{i}.{ext}" for i in range(3) for ext in ("parquet", "stats.json", "uploaded.json")]
+    again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
+    assert again.complete and again.generated_here == 0
+    assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
+    assert jobs.verify.main([str(run_dir)]) == 0  # reads the tars back from the bucket
+    assert jobs.status.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "10/10 samples" in out and f"uploads  3 of 3 committed shards in s3://{bucket}/run/" in out
+    # the README's snippets, reading the bucket
+    import fsspec
+    import webdataset as wds
+    from datasets import load_dataset
+    from webdataset.gopen import gopen_schemes
+
+    monkeypatch.setitem(gopen_schemes, "s3", lambda url, mode="rb", bufsize=8192, **kw: fsspec.open(url, mode).open())
+    ds = wds.WebDataset(f"s3://{bucket}/run/{{000000..000002}}.tar", shardshuffle=False).decode("pil")
+    assert sorted(s["json"]["index"] for s in ds) == list(range(10))
+    hf = load_dataset("webdataset", data_files={"train": f"s3://{bucket}/run/*.tar"}, split="train",
+                      cache_dir=str(tmp_path / "hf"))
+    assert hf.num_rows == 10
+
+
+def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.BACKOFF_S", 0.2)
+    lines = [f"prompt {i}" for i in range(8)]
+    put(s3, f"s3://{bucket}/p.txt", "".join(p + "\n" for p in lines).encode())
+    s3.proxy.fail_next(6)  # 503 SlowDown: more than the S3 client's own attempts (2 in tests) absorb
+    outage = [threading.Timer(2.0, s3.proxy.down), threading.Timer(3.0, s3.proxy.up)]  # 1 s, mid-run
+    for t in outage:
+        t.start()
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path=s3://{bucket}/p.txt",
+                      f"output_uri=s3://{bucket}/out", "samples_per_shard=2", *FAST)
+    with caplog.at_level(logging.WARNING, logger="shardgen.storage"):
+        result = run(cfg)
+    for t in outage:  # over before the next test
+        t.join()
+    assert result.complete and s3.proxy.served_errors == 6
+    assert any("retry 1 of" in r.getMessage() for r in caplog.records), "no retry was logged"
+    keys = bucket_samples(s3, f"s3://{bucket}/out")
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(8)]
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert not [p for p in files if SECRET.encode() in p.read_bytes()], "a credential was written into the run"
+
+
+def test_uploads_failing_past_the_retries_stop_the_run_and_the_next_launch_finishes_them(s3, bucket, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.RETRIES", 2)
+    monkeypatch.setattr("shardgen.dataio.rundir.remote.BACKOFF_S", 0.05)
+    out = f"s3://{bucket}/out"
+    # a short lease: the claim the failed launch held (this process: alive) is taken over in seconds
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"output_uri={out}", "prompts.limit=6", "samples_per_shard=2",
+                      "lease_s=2", "heartbeat_s=0.5", *FAST)
+    monkeypatch.setattr("shardgen.dataio.shards.upload.ShardUploader.check", lambda self: None)  # down after it
+    s3.proxy.down()
+    with pytest.raises(StorageError, match=f"{out}/: [a-z]+ 000000.stats.json failed 2 times"):
+        run(cfg)
+    s3.proxy.up()
+    committed = len(list((tmp_path / "run" / "shards").glob("*.stats.json")))  # uploads run beside generation
+    assert committed >= 1 and not list((tmp_path / "run" / "shards").glob("*.uploaded.json"))
+    result = run(cfg)
+    assert (result.complete, result.generated_here) == (True, 6 - 2 * committed)  # uploaded now, not made again
+    keys = bucket_samples(s3, out)
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(6)]
+
+
+@pytest.mark.parametrize("case", ["output bucket", "prompt object", "denied"])
+def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucket, tmp_path, monkeypatch, case):
+    monkeypatch.setattr("shardgen.run.runner.apply_strategy", lambda *a: pytest.fail("a model was loaded"))
+    put(s3, f"s3://{bucket}/p.txt", b"one\ntwo\n")
+    prompts, out, url = f"s3://{bucket}/p.txt", f"s3://{bucket}/out", None
+    if case == "output bucket":
+        out = url = "s3://no-such-bucket-here/run"
+    elif case == "prompt object":
+        prompts = url = f"s3://{bucket}/missing.txt"
+    else:
+        url = prompts
+        s3.proxy.fail_next(1000, ACCESS_DENIED)
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}", *FAST)
+    with pytest.raises(UserError) as e:
+        run(cfg)
+    s3.proxy.fail_next(0)
+    msg = str(e.value)
+    assert url.rstrip("/") in msg and "\n" not in msg
+    assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
+            "denied": "access denied"}[case] in msg
+
+
+# a job that stops for good (until killed) right after its Nth object upload, then touches the flag file
+STOPPING_JOB = """
+import pathlib, sys, time
+import shardgen.dataio.shards.upload as up
+n, flag, real, calls = int(sys.argv[1]), pathlib.Path(sys.argv[2]), up.ShardUploader._put, []
+def put(*a, **kw):
+    real(*a, **kw)
+    calls.append(1)
+    if len(calls) == n:
+        flag.touch()
+        time.sleep(600)
+up.ShardUploader._put = put
+from jobs.generate import run
+from tests.conftest import compose_cfg
+run(compose_cfg(*sys.argv[3:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_during_an_upload_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path):
+    """Prompts in the bucket, shards to the bucket with keep_local=false; SIGKILL after a tar's upload (its index
+    and stats not yet sent): the next launch finishes it, each prompt is in exactly one shard of the bucket, no
+    shard there lacks a whole tar, and no tar is left on the local disk."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    put(s3, f"s3://{bucket}/p.txt", "".join(f"prompt {i}\n" for i in range(12)).encode())
+    run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
+    args = [f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt", f"output_uri={out}", "keep_local=false",
+            "samples_per_shard=2", *FAST]
+    flag = tmp_path / "stopped"
+    p = subprocess.Popen([sys.executable, "-c", STOPPING_JOB, "3", str(flag), *args], cwd=ROOT,  # shard 1's tar
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.time() + 120
+        while not flag.exists():
+            assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
+    assert "000001.tar" in names and "000001.stats.json" not in names  # not done there yet: readers skip it
+    assert list(bucket_samples(s3, out)) == ["000000"]
+    result = run(compose_cfg(*args))
+    assert result.complete and result.ok == 12
+    keys = bucket_samples(s3, out)
+    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(12)]
+    assert not list((run_dir / "shards").glob("*.tar"))
+
+
+def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,
+                                                                                           monkeypatch):
+    import hashlib
+
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.dataio.shards.upload import ShardUploader, committed_tar
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.shards_dir.mkdir(parents=True)
+    tar = b"t" * 2048
+    run_dir.shard_tar(0).write_bytes(tar)
+    (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
+    run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
+    uploader = ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False)
+
+    def killed(*a):
+        raise KeyboardInterrupt  # as a kill between the stats upload and the record
+
+    monkeypatch.setattr("shardgen.dataio.shards.upload.atomic_write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        uploader.upload(0)
+    monkeypatch.undo()
+    assert run_dir.shard_tar(0).exists() and uploader.pending() == [0]  # nothing deleted before the record
+    sent = []
+    monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
+    assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
+    assert not run_dir.shard_tar(0).exists()
+    assert committed_tar(run_dir, 0).read() == tar  # what retry_failed and jobs.signals read: from the bucket
+
+
+@pytest.mark.parametrize("key", ["output_uri", "prompts.path"])
+def test_a_url_with_a_password_is_refused_before_anything_is_written(tmp_path, key):
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"{key}=https://me:hunter2@example.org/data/p.txt", *FAST)
+    with pytest.raises(ConfigError, match=f"{key}: a URL with a password in it would be written"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
