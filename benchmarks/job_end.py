@@ -1,4 +1,4 @@
-"""What a job's end reads on a big run (issue 27): the old whole-run ledger (every committed shard's stats) against
+"""What a job's end reads on a big run: the old whole-run ledger (every committed shard's stats) against
 the status ledger a job's end now reads (only stats committed since the last reader), timed and with metadata
 operations counted as in sim_cluster.py. Run it on a run directory a simulation left (``sim_cluster.py --dir``):
 

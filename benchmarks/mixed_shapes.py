@@ -1,4 +1,4 @@
-"""One run mixing image sizes (per-row settings) against the same work as one run per size (issue 24).
+"""One run mixing image sizes (per-row settings) against the same work as one run per size.
 
     python benchmarks/mixed_shapes.py --model flux_dev --steps 8 --n 12 --out $OUT/mixed
 

@@ -1,11 +1,11 @@
-"""Whole runs as a user launches them, side by side with the seed docs' loop (issue 20).
+"""Whole runs as a user launches them, side by side with the diffusers guide's loop.
 
     python benchmarks/real_runs.py --model flux_dev --steps 28 --n 48 --seed-n 8 --out $OUT/flux_dev
 
 One process per line, in this order, on one prompt file of captions of 1 to 200 words
 (``shardgen.bench.main.bench_prompts``: a count that need not divide by the batch):
 
-1. ``seed``: ``python -m jobs.bench --baseline-only`` on the first ``--seed-n`` prompts: the seed docs'
+1. ``seed``: ``python -m jobs.bench --baseline-only`` on the first ``--seed-n`` prompts: the guide's
    eager loop (one prompt per call, the job's generation arguments, PNG saved): images/hour, steady;
 2. ``eager``: ``python -m jobs.generate ... compile=false``;
 3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh

@@ -388,7 +388,7 @@ def _shared_done_shards(num_shards: int):
     table = {f"{s:06d}.stats.json": s for s in range(num_shards)}
     # one listing at a time per process: when 1,000 replicas finish together each confirms the run is complete with
     # a listing (300k names at 100k shards); 31 threads' lists alive at once in each of 32 processes took the
-    # machine's last 20 GB (session 11: the run completed, then was killed for memory before writing its figures)
+    # machine's last 20 GB (1,000 replicas on 100k shards: the run completed, then was killed for memory before writing its figures)
     one_at_a_time = threading.Lock()
 
     def done_shards(self) -> set[int]:

@@ -7,7 +7,7 @@
 
 Both ways share one pipeline object (built once) and the same prompts (1-70 words) and seeds:
 
-1. baseline: the seed docs' data-parallel loop for one rank, eager: per prompt
+1. baseline: diffusers' data-parallel guide's loop for one rank, eager: per prompt
    ``pipe(prompt=prompt, generator=Generator("cpu").manual_seed(seed), **the job's generation arguments)``
    (guidance, text length, ``true_cfg_scale`` and ``negative_prompt`` where the model has true CFG: equal
    work), then ``image.save(png)``;

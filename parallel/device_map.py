@@ -3,7 +3,7 @@
 The transformer is loaded with ``device_map="balanced"`` and ``max_memory`` over the replica's GPUs
 (accelerate splits its blocks and moves activations between them); the VAE goes on the first GPU;
 each text encoder stays resident on a GPU when it fits next to the transformer, and otherwise follows
-the seed docs' staged flow, per batch: encode the prompts, offload the encoders, denoise, decode.
+the staged flow of diffusers' distributed-inference guide, per batch: encode the prompts, offload the encoders, denoise, decode.
 ``StagedPipeline`` does that behind the pipeline's own ``__call__`` contract.
 """
 

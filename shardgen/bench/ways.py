@@ -1,4 +1,4 @@
-"""The two ways the benchmark compares, on one shared pipeline object: the seed docs' loop (``run_baseline``,
+"""The two ways the benchmark compares, on one shared pipeline object: the diffusers guide's loop (``run_baseline``,
 called with exactly the generation arguments the job uses) and shardgen's job (``run_shardgen``, through
 ``run_rank``'s supported ``pipeline=`` and ``on_batch=`` hooks)."""
 
@@ -30,7 +30,7 @@ def baseline_kwargs(pipe, cfg, prompt: str, seed: int) -> dict:
 
 def run_baseline(pipe, cfg, prompts: list[str], seeds: list[int], out_dir: Path, timer: TransformerTimer,
                  device: torch.device) -> dict:
-    """The seed docs' loop: one prompt per call, eager, PIL output saved as PNG."""
+    """The diffusers guide's loop: one prompt per call, eager, PIL output saved as PNG."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # warm-up (CUDA/cuBLAS/cuDNN initialisation), 2 steps; its first transformer call is kept for the FLOP count
     timer.capture_next = True
@@ -50,7 +50,7 @@ def run_baseline(pipe, cfg, prompts: list[str], seeds: list[int], out_dir: Path,
 
 def save_output(out, cfg, stem: Path) -> None:
     """The seed loop's save: ``out.images[0].save(png)``; for a video pipeline ``out.frames[0]`` as mp4 with the
-    job's own encoder and settings (the seed docs' ``export_to_video`` needs imageio, which the job does not use:
+    job's own encoder and settings (the guide's ``export_to_video`` needs imageio, which the job does not use:
     the same H.264 encode on both sides keeps the work equal)."""
     if hasattr(out, "frames"):
         from shardgen.dataio.shards import encode_video

@@ -1,5 +1,5 @@
 """The launchers, one table: what each one means to the layers that do not start ranks (parallel/, run/), so that
-none of them checks a launcher's name (issue 23). Starting the ranks is shardgen/launch/ (jobs/generate.py picks
+none of them checks a launcher's name. Starting the ranks is shardgen/launch/ (jobs/generate.py picks
 the launcher module); a new launcher adds its row here, its module there and its YAML in conf/launcher/.
 """
 

@@ -24,7 +24,7 @@ def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_fo
     """(samples per shard, why): about TARGET_SHARD_BYTES of images per shard, but at least
     SHARDS_PER_REPLICA shards per replica when the prompts allow, never below a batch, and a whole
     number of batches: every batch of a shard but the run's last then has the same shape, so a compiled
-    model never compiles again for a shard's short last batch (issue 20: that cost 16-40 s per process).
+    model never compiles again for a shard's short last batch (on an H200 that cost 16-40 s per process).
     ``image_format`` mp4 with ``frames``: a video run."""
     sample_bytes = sample_bytes_estimate(width=width, height=height, image_format=image_format, frames=frames)
     by_size = max(1, int(TARGET_SHARD_BYTES // sample_bytes))
