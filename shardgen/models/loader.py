@@ -53,6 +53,28 @@ def model_version(model_cfg: Any) -> str | None:
     return model_cfg.revision
 
 
+def model_sha256(model_cfg: Any) -> str | None:
+    """The content hash of the weights a launch will read (shardgen/models/content.py), for the fingerprint: the tiny
+    models' cache entries and local model directories; None for dummy weights and hub ids (no local bytes)."""
+    from shardgen.models.content import content_sha256
+    from shardgen.models.tiny import default_cache_dir
+
+    if model_cfg.weights == "dummy":
+        return None
+    source = resolve_source(model_cfg)
+    if not os.path.isdir(source):
+        return None
+    if model_cfg.source in ("tiny", "tiny_video"):
+        cache_root = Path(source).parent  # the tiny builds record their hash where they are built
+    else:
+        cache_root = Path(os.path.expanduser(model_cfg.cache_dir)) if model_cfg.cache_dir else default_cache_dir()
+    try:
+        return content_sha256(source, cache_root)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model.source={source!r} ({e.filename}: {e.strerror or e}); fix its "
+                             "permissions or point model.source at a readable copy") from None
+
+
 def check_safetensors_only(path: str) -> None:
     """Refuse a local model directory that only has pickle checkpoints (they can run arbitrary code)."""
     p = Path(path)
@@ -100,6 +122,8 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable from here: download the model where one is and point "
             "model.source at the local directory.")
+        if model_cfg.source in ("tiny", "tiny_video"):
+            hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
         raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
     pipe.set_progress_bar_config(disable=True)
     if device is not None:

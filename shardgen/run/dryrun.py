@@ -20,7 +20,7 @@ from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, prom
                                     read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
 from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_sha256, model_version
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -80,7 +80,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
     refused = None
     if old is not None:
-        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model)))
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, prompt_file_hash(run, path)[0], model_version(cfg.model),
+                                                         model_sha256(cfg.model)))
         if diffs and not cfg.allow_fingerprint_change:
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)

@@ -33,7 +33,7 @@ from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -121,7 +121,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     digest, identity = prompt_file_hash(run, path)
-    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    fp = compute_fingerprint(cfg, digest, model_version(cfg.model), model_sha256(cfg.model))
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
     extend_if_appended(run, fp, source, identity["size"], lambda: _planning_truncation_check(cfg, source))

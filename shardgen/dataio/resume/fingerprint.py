@@ -28,10 +28,13 @@ class FingerprintMismatch(UserError, RuntimeError):
     """A resume would mix samples made with different settings."""
 
 
-def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None) -> dict:
-    """The pixel-determining fields of a resolved GenerateConfig, as a flat dict."""
+def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None,
+                        model_sha256: str | None = None) -> dict:
+    """The pixel-determining fields of a resolved GenerateConfig, as a flat dict. ``model_sha256``: the content hash
+    of the weights (shardgen/models/content.py), where the model has local bytes."""
     m, p = cfg.model, cfg.prompts
-    return _dataset_fields(cfg) | {
+    content = {"model.sha256": model_sha256} if model_sha256 else {}
+    return _dataset_fields(cfg) | content | {
         "model.name": m.name, "model.pipeline": m.pipeline, "model.source": m.source, "model.revision": m.revision,
         "model.weights": m.weights, "model.version": model_version, "model.true_cfg_scale": m.true_cfg_scale,
         "model.negative_prompt": m.negative_prompt, "model.max_sequence_length": m.max_sequence_length,
@@ -61,9 +64,13 @@ def _dataset_fields(cfg: Any) -> dict:
     return out
 
 
+# fields added to the fingerprint later: a run recorded before them resumes, and records them from then on
+ADDED_FIELDS = ("model.sha256",)
+
+
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
-    """Human-readable lines for each field that differs."""
-    keys = sorted(set(old) | set(new))
+    """Human-readable lines for each field that differs (a field of ADDED_FIELDS absent from ``old`` does not)."""
+    keys = sorted(k for k in set(old) | set(new) if k in old or k not in ADDED_FIELDS)
     return [f"{k}: run has {old.get(k)!r}, this launch has {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
@@ -122,6 +129,8 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
     diffs = diff_fingerprints(old, fingerprint)
     if not diffs:
+        if any(k in fingerprint and k not in old for k in ADDED_FIELDS):
+            atomic_write_json(run.fingerprint_path, dict(old, **{k: fingerprint[k] for k in ADDED_FIELDS if k in fingerprint}))
         return True
     if prompt_path is not None and old.get("prompts.sha256") != fingerprint.get("prompts.sha256"):
         diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
