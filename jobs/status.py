@@ -86,7 +86,6 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
 
 
 @tool_errors
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

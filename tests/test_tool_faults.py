@@ -4,16 +4,20 @@ message, never a traceback, and never a write through a symlink."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from jobs import dedup, preview, report, status, verify
+from jobs import dedup, preview, report, signals, status, verify
+from shardgen.errors import UserError
 from tests.conftest import write_lines
 from tests.test_integrity import gen, make_partial
 from tests.test_integrity_faults import OPS as FAULT_OPS, damage_file
@@ -128,3 +132,95 @@ def test_report_escapes_the_logs_and_never_writes_through_a_link(runs, tmp_path,
     page = (d / "report.html").read_text()
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert victim.read_text() == "precious" and not (d / "report.html").is_symlink()
+
+
+@pytest.mark.parametrize("tool,target", [("preview", "shards/000000.tar"), ("report", "plan/plan.json"),
+                                         ("report", "fingerprint.json"), ("preview", "new.png")])
+def test_a_tools_out_never_lands_in_the_run_directory(runs, tmp_path, capsys, tool, target):
+    d = tmp_path / "r"
+    shutil.copytree(runs[0], d, symlinks=True)
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    argv = [str(d), "--out", str(tmp_path / "r" / "." / target)]
+    assert TOOLS_BY_NAME[tool].main(argv) == 2
+    err = capsys.readouterr().err
+    assert "inside the run directory" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+    assert TOOLS_BY_NAME[tool].main([str(d)]) == 0  # its own default output is still written
+
+
+def test_a_preview_sheet_too_large_to_draw_is_refused_first(runs, capsys):
+    assert preview.main([str(runs[0]), "--size", "60000"]) == 2
+    assert "megapixels" in capsys.readouterr().err
+    assert preview.main([str(runs[0]), "--n", "100000", "--size", "256"]) == 2
+
+
+TOOLS_BY_NAME = {"preview": preview, "report": report}
+
+
+class _Hang(BaseException):
+    """A tool still blocked after the alarm (a BaseException: no tool's error handling takes it for its own)."""
+
+
+@contextlib.contextmanager
+def _no_hang(what: str, seconds: int = 20):
+    def ring(*_):
+        raise _Hang(f"{what} hangs")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+FIFO_FILES = ("plan/plan.json", "plan/starts.npy", "fingerprint.json", "shards/000000.stats.json", "shards/000000.tar",
+              "shards/000000.parquet", "stats_cache.npz", "logs/rank000.log", "launches.jsonl")
+
+
+@pytest.mark.parametrize("rel", FIFO_FILES)
+def test_a_fifo_in_a_run_directory_never_blocks_a_reader(runs, tmp_path, capsys, rel):
+    """A FIFO opens for reading only once someone writes to it: every reader opens run files without blocking
+    and refuses what is not a regular file."""
+    from tests.test_integrity import gen
+
+    d = tmp_path / "r"
+    shutil.copytree(runs[0], d, symlinks=True)
+    stats_cache = d / "stats_cache.npz"
+    if not stats_cache.exists():
+        status.main([str(d)])
+    (d / rel).unlink(missing_ok=True)
+    os.mkfifo(d / rel)
+    tools = dict(TOOLS, signals=lambda r: signals.main([str(r)]))
+    for name, tool in tools.items():
+        with _no_hang(f"{name} on a FIFO at {rel}"):
+            try:
+                rc = tool(d)
+            except SystemExit as e:
+                rc = e.code
+        out = capsys.readouterr()
+        assert rc in (0, 1, 2) and "Traceback" not in out.err, (name, rc, out.err)
+    with _no_hang(f"generate on a FIFO at {rel}"):
+        try:
+            r = gen(d, runs[0].parent / "p.txt", "samples_per_shard=2", "signals=[phash]")
+        except UserError as e:
+            assert str(d) in str(e)
+        else:
+            assert r.complete
+
+
+def test_status_escapes_terminal_controls_from_the_run_directory(runs, tmp_path, capsys):
+    """A run directory on shared storage is someone else's input: its log lines and claims are shown, never obeyed."""
+    d = tmp_path / "r"
+    shutil.copytree(runs[1], d, symlinks=True)
+    hostile = "\x1b]0;owned\x07\x1b[2J\x9b\u202e"
+    with open(d / "logs" / "rank000.log", "a") as f:
+        f.write(f"2030-01-01 00:00:00,000 ERROR shardgen: boom {hostile}\n")
+    claim = next((d / "claims").iterdir())
+    record = json.loads(claim.read_text())
+    claim.write_text(json.dumps(dict(record, host=f"host{hostile}", job=hostile)))
+    assert status.main([str(d), "--shards"]) == 0
+    out = capsys.readouterr().out
+    assert "boom" in out and "host" in out
+    assert not any(c in out for c in "\x1b\x07\x9b\u202e") and "\\x1b]0;owned" in out

@@ -37,7 +37,8 @@ from shardgen.dataio.prompts.planscan import (check_unchanged, file_identity, pa
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
-from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
+from shardgen.dataio.rundir.layout import (PLAN_TEMP_NAME, NotRegularFileError, RunDir, atomic_write_json,
+                                           open_regular, pid_alive, read_json)
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -74,7 +75,7 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None 
     """SHA-256 of a file's bytes (part of the run fingerprint); of its first ``size`` bytes if given."""
     h = hashlib.sha256()
     left = size if size is not None else 1 << 62
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while left and (block := f.read(min(chunk, left))):
             h.update(block)
             left -= len(block)
@@ -161,7 +162,7 @@ class Plan:
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
         if self.starts is None:  # a version-1 plan: the rows were copied into plan/
-            with open(self.run.plan_dir / f"{shard:06d}.jsonl", encoding="utf-8") as f:
+            with open_regular(self.run.plan_dir / f"{shard:06d}.jsonl") as f:
                 return [PlannedRow(**json.loads(line)) for line in f]
         m = self.meta
         seg = self._segment(shard)
@@ -293,9 +294,12 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
 def _load_npy(path: Path) -> np.ndarray:
     """A plan array; PlanError naming the file when it is missing or damaged."""
     try:
-        return np.load(path, allow_pickle=False)
+        with open_regular(path) as f:
+            return np.load(f, allow_pickle=False)
     except FileNotFoundError:
         raise _plan_error(path, "missing") from None
+    except NotRegularFileError:
+        raise _plan_error(path, "not a regular file") from None
     except Exception as e:  # numpy raises ValueError, EOFError, even SyntaxError (a garbled header) for damage
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 

@@ -28,7 +28,7 @@ from shardgen.dataio.prompts.plan import (PLAN_VERSION, Plan, PlanError, file_sh
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
+from shardgen.dataio.rundir.layout import RunDir, atomic_write_json, open_regular
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -54,7 +54,7 @@ def not_an_append(path: str | os.PathLike, size: int, sha256: str, fmt: str) -> 
         return f"it has the planned file's {size} bytes but other content"
     if now < size:
         return f"it has {now} bytes, the planned file had {size}"
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         f.seek(size - 1)
         if f.read(1) != b"\n":
             return "the planned file did not end with a newline, so what was appended changed its last row"

@@ -17,7 +17,8 @@ import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, map_io, open_regular,
+                                           read_state)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, all_checkpoints
 
 
@@ -242,7 +243,7 @@ def _load_table(run: RunDir) -> tuple[dict, dict[int, dict], dict[int, dict]]:
     try:
         if path.is_symlink():
             raise ValueError("a symlink")
-        with np.load(path, allow_pickle=False) as z:
+        with open_regular(path, follow=False) as f, np.load(f, allow_pickle=False) as z:
             table = {k: np.asarray(z[k], np.int64) for k in _COLS} | {k: np.asarray(z[k], np.float64) for k in _TIMES}
             reasons, shapes = json.loads(str(z["reasons"])), json.loads(str(z["shapes"]))
         if len({len(v) for v in table.values()}) != 1 or not isinstance(reasons, dict) or not isinstance(shapes, dict):

@@ -42,11 +42,12 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardgen.errors import UserError
 
@@ -195,10 +196,55 @@ def open_fresh(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
+class NotRegularFileError(RunDirError, OSError):
+    """A run file that is a FIFO, a device, a socket or a directory: never read (reading a FIFO blocks until
+    someone writes into it). An OSError too, so readers that skip an unreadable file skip it."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
+
+
+def open_regular(path: str | os.PathLike, *, follow: bool = True) -> BinaryIO:
+    """``path`` opened for reading, only if it is a regular file: the one way run files are opened for reading.
+
+    The open never blocks (O_NONBLOCK: a FIFO opens at once and is refused by its type); ``follow=False`` refuses
+    a symlink too (O_NOFOLLOW). NotRegularFileError names the file, what it is and the fix; a missing file raises
+    FileNotFoundError as ``open`` does."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link "
+                                      "(the next launch repairs what it can)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+            raise NotRegularFileError(f"{path} is {kind}, not a regular file, so it is not read (a FIFO would block "
+                                      "the reader). Move it away and put the file it should be there (in a run "
+                                      "directory: the next launch repairs what it can)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (``open_regular``); RunDirError when it holds more than ``limit`` bytes."""
+    with open_regular(path, follow=follow) as f:
+        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+            raise RunDirError(f"{path} is {os.fstat(f.fileno()).st_size} bytes, more than a file of its kind holds "
+                              f"({limit}); it is damaged or not shardgen's. Move it away")
+        return f.read() if limit is None else f.read(limit + 1)
+
+
 def read_json(path: Path) -> Any:
-    """Read a JSON file."""
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """Read a JSON file (a regular file only: ``open_regular``)."""
+    return json.loads(read_regular(path))
 
 
 def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
@@ -208,8 +254,7 @@ def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
     if path.is_symlink():
         raise RunDirError(f"{path} is a symlink; run files must be regular files")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path, follow=False)
     except FileNotFoundError:
         raise RunDirError(f"{path} is missing") from None
     if not data.strip():
@@ -367,6 +412,11 @@ class RunDir:
     @property
     def preview_path(self) -> Path:
         return self.root / "preview.png"
+
+    @property
+    def tool_outputs(self) -> tuple[Path, ...]:
+        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``)."""
+        return self.preview_path, self.report_path
 
     @property
     def marker_path(self) -> Path:
@@ -578,14 +628,28 @@ def check_run_root(root: Path) -> bool:
                       f"Choose another run_dir (e.g. run_dir={root / 'run'})")
 
 
-def append_line(path: Path, line: str) -> None:
-    """Append one line to a log-like run file (O_APPEND, never through a symlink), durably."""
+def open_append(path: str | os.PathLike) -> int:
+    """A descriptor appending to the regular file ``path`` (created if missing): never through a symlink and never
+    blocking (opening a FIFO for writing waits for a reader); NotRegularFileError naming anything else there."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise RunDirError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
+            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
+            raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it "
+                                      "away") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it away")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to a log-like run file (O_APPEND, never through a symlink, never blocking), durably."""
+    fd = open_append(path)
     with os.fdopen(fd, "ab") as f:
         f.write((line.rstrip("\n") + "\n").encode("utf-8"))
         f.flush()

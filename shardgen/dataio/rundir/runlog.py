@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import RunDir, append_line, is_run_dir
+from shardgen.dataio.rundir.layout import RunDir, append_line, is_run_dir, open_append, open_regular
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -53,7 +53,7 @@ class RankLogHandler(logging.FileHandler):
 
     def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-        return super()._open()
+        return os.fdopen(open_append(self.baseFilename), "a", encoding=self.encoding or "utf-8", errors=self.errors)
 
 
 def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
@@ -110,7 +110,7 @@ def read_jsonl(paths) -> list[dict]:
     """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
     out = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             for line in f:
                 try:
                     out.append(json.loads(line))
