@@ -146,3 +146,12 @@ def test_each_runtime_class_reads_only_its_groups_keys(tmp_path):
     assert {"height", "width", "steps", "guidance", "batch_size", "num_frames"} <= rec.read
     assert (s.height, s.num_frames, s.true_cfg_scale, s.model) == (cfg.height, cfg.num_frames,
                                                                     cfg.model.true_cfg_scale, cfg.model.name)
+
+
+@pytest.mark.parametrize("override", ["guidance=inf", "guidance=nan", "guidance=-inf", "model.true_cfg_scale=nan",
+                                      "height=100000", "width=8208"])
+def test_a_number_no_run_can_use_is_refused_while_validating(override):
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        validate_config(compose_cfg(override))

@@ -206,13 +206,13 @@ class GenerationConfig:
     A row may set its own size, steps and guidance (prompts.row_settings)."""
 
     height: int = II("model.height")
-    """Image height in pixels (default: the model's); a multiple of 16."""
+    """Image height in pixels (default: the model's); a multiple of 16, at most 8192."""
     width: int = II("model.width")
-    """Image width in pixels (default: the model's); a multiple of 16."""
+    """Image width in pixels (default: the model's); a multiple of 16, at most 8192."""
     steps: int = II("model.steps")
     """Denoising steps (default: the model's)."""
     guidance: float = II("model.guidance")
-    """Guidance scale (default: the model's)."""
+    """Guidance scale (default: the model's); a finite number, like every number of the config."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
     batch_size: int = 4

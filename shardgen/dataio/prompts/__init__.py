@@ -14,11 +14,11 @@ from shardgen.dataio import lazy_names
 if TYPE_CHECKING:
     from .plan import Plan, PlannedRow, build_plan, estimate_rows, file_sha256, idle_warning, load_plan, sample_seed
     from .read import FORMATS, MAX_PROMPT_CHARS, PromptSource, check_prompt_source
-    from .rowsettings import (ROW_SETTINGS, RowRules, Shape, count_shapes, rules_from_cfg, shape_label,
+    from .rowsettings import (MAX_SIDE, ROW_SETTINGS, RowRules, Shape, count_shapes, rules_from_cfg, shape_label,
                               shape_legend, unknown_names)
     from .truncation import TruncationCheck, checks_while_planning, planning_windows
 
-__all__ = ["FORMATS", "MAX_PROMPT_CHARS", "Plan", "PlannedRow", "PromptSource", "ROW_SETTINGS", "RowRules",
+__all__ = ["FORMATS", "MAX_PROMPT_CHARS", "MAX_SIDE", "Plan", "PlannedRow", "PromptSource", "ROW_SETTINGS", "RowRules",
            "Shape", "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
            "estimate_rows", "file_sha256", "idle_warning", "load_plan", "planning_windows", "rules_from_cfg",
            "sample_seed", "shape_label", "shape_legend", "unknown_names"]
