@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from shardgen.dataio.rundir.layout import RunDir
 
 
@@ -16,3 +18,20 @@ def test_every_path_is_under_the_run_directory_where_the_docs_say():
     assert {k: str(v.relative_to("/r")) for k, v in paths.items()} == {k: k for k in paths}
     assert run.events_path("h1", 42).match(run.EVENTS_GLOB)
     assert run.failure_mark_path("123", 2).match(run.failure_mark_path("123", "*").name)
+
+
+@pytest.mark.parametrize("host", ["evil/../../x", "..", "a~b/c", ""])
+def test_a_host_name_with_path_characters_stays_in_the_run_directory(tmp_path, monkeypatch, host):
+    import socket
+
+    from jobs import verify
+    from tests.conftest import write_lines
+    from tests.test_integrity import gen
+
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    prompts = write_lines(work / "p.txt", ["a cat", "a dog", "a cow"])
+    assert gen(work / "run", prompts).complete
+    assert verify.main([str(work / "run")]) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*") if work / "run" not in p.parents) == ["a", "b", "p.txt", "run"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import FORMATS, MAX_SIDE, ROW_SETTINGS, unknown_names
+from shardgen.dataio.prompts import FORMATS, MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -61,6 +61,10 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
     _need(cfg.prompts.get("max_prompt_chars", 1) >= 1,
           f"prompts.max_prompt_chars={cfg.prompts.get('max_prompt_chars')}: use 1 or more")
+    negative = cfg.model.get("negative_prompt")
+    _need(negative is None or len(negative) <= cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS),
+          f"model.negative_prompt is {len(negative or '')} characters long, over prompts.max_prompt_chars="
+          f"{cfg.prompts.get('max_prompt_chars', MAX_PROMPT_CHARS)}: shorten it")
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
           f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")

@@ -14,11 +14,9 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -38,7 +36,7 @@ from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import (PLAN_TEMP_NAME, NotRegularFileError, RunDir, atomic_write_json,
-                                           open_regular, pid_alive, read_json)
+                                           host_name, open_regular, pid_alive, read_json)
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -193,8 +191,7 @@ class Plan:
         else:
             end = int(part.starts[i + 1][0]) if i + 1 < len(part.starts) else part.meta["rows_end"]
             head_end = int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0  # the header line
-            head, data = read_range(src.path, head_end, offset, end)
-            digest = hashlib.sha256(head + data).digest()
+            head, data, digest = read_range(src.path, head_end, offset, end)
         if digest != part.digests[i].tobytes():
             raise P.PromptFileError(
                 f"{src.path}: the prompt file changed since the run was planned (the rows of shard {shard:06d}, "
@@ -203,7 +200,8 @@ class Plan:
                 "or start a new run_dir for the new file")
         if src.format == "parquet":
             return rows
-        return list(read_rows_at(src, offset, line, rng.start, len(rng), io.BytesIO(data), head))
+        with data:
+            return list(read_rows_at(src, offset, line, rng.start, len(rng), data, head))
 
     @property
     def covered(self) -> tuple[int, str | None]:
@@ -364,7 +362,7 @@ def clean_stale_tmp(run: RunDir) -> None:
 
 
 def _host() -> str:
-    return socket.gethostname().replace("-", "_")  # "-" separates the temp dir name's fields
+    return host_name().replace("-", "_")  # "-" separates the temp dir name's fields
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,

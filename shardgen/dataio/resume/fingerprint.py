@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from shardgen.dataio.prompts.plan import file_sha256
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
-                                           json_bytes, read_json, read_state)
+                                           host_name, json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
 
@@ -157,7 +156,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
             "be silently ignored. To extend a run, append the new prompts to its prompt file and change no other "
             "setting in that launch: the appended rows are planned as new shards.")
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  host=socket.gethostname(), changes={k: [old.get(k), new.get(k)]
+                  host=host_name(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     atomic_write_json(run.fingerprint_path, new)

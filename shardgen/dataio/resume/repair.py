@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -30,8 +29,8 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, map_io,
-                                           open_regular, own_file_name, read_state, shard_name)
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, host_name,
+                                           map_io, open_regular, own_file_name, read_state, shard_name)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
 from shardgen.dataio.shards import index as shard_index
@@ -76,7 +75,7 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
                           "backup, or start a new run_dir")
     if damage:
         log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
-        aside = run.root / f".plan-damaged~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
+        aside = run.root / f".plan-damaged~{host_name()}~{os.getpid()}~{time.time_ns()}"
         try:
             os.rename(run.plan_dir, aside)
         except FileNotFoundError:

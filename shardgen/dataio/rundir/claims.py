@@ -20,12 +20,11 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, pid_alive, read_regular
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, host_name, pid_alive, read_regular
 
 CLAIM_BYTES = 1 << 16  # a claim record is a few hundred bytes
 
@@ -41,7 +40,7 @@ _CLAIM_RE = re.compile(r"^(\d{6})\.g(\d+)$")
 
 def owner_record(replica: int) -> dict:
     """Who is claiming: enough for others to tell whether we are dead."""
-    return dict(host=socket.gethostname(), pid=os.getpid(), replica=replica,
+    return dict(host=host_name(), pid=os.getpid(), replica=replica,
                 job=os.environ.get("SLURM_JOB_ID"), restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                 started=time.time())
 

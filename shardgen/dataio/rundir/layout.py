@@ -81,8 +81,15 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+def host_name() -> str:
+    """This host's name as it goes into run file names and records (temp files, claims, events): letters, digits,
+    ``.``, ``_`` and ``-`` only, so a name holding ``/``, ``~`` or ``..`` can neither leave the directory nor be
+    mistaken for a separator."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).strip(".") or "host"
+
+
 def _tmp_prefix(name: str) -> str:
-    return f".{name}{_TMP_SEP}{socket.gethostname()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
+    return f".{name}{_TMP_SEP}{host_name()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
 
 
 def temp_path(path: Path) -> Path:
@@ -520,7 +527,7 @@ class RunDir:
 
 def _leftover(path: Path, name: str, max_age_s: float) -> bool:
     parts = name.split(_TMP_SEP)
-    if len(parts) == 4 and parts[1] == socket.gethostname() and parts[2].isdigit():
+    if len(parts) == 4 and parts[1] == host_name() and parts[2].isdigit():
         pid = int(parts[2])
         if pid != os.getpid() and not pid_alive(pid):
             return True

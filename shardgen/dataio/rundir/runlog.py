@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import RunDir, append_line, is_run_dir, open_append, open_regular
+from shardgen.dataio.rundir.layout import RunDir, append_line, host_name, is_run_dir, open_append, open_regular
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -96,7 +95,7 @@ def _append_line(path: Path, record: dict) -> None:
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:
     """Note a committed shard for the report (called on the writer after the stats are written)."""
-    _append_line(run.events_path(socket.gethostname(), os.getpid()), dict(
+    _append_line(run.events_path(host_name(), os.getpid()), dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
         ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
 
