@@ -66,5 +66,15 @@ def main(cfg: GenerateConfig) -> None:
         raise
 
 
-if __name__ == "__main__":
+def entry(argv: list[str] | None = None) -> None:
+    """The command line: refused in one line where Hydra's override parser would fail obscurely, else ``main``."""
+    from shardgen.config.cmdline import command_line_problem
+
+    if problem := command_line_problem(sys.argv[1:] if argv is None else argv):
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -35,3 +35,17 @@ def test_a_host_name_with_path_characters_stays_in_the_run_directory(tmp_path, m
     assert gen(work / "run", prompts).complete
     assert verify.main([str(work / "run")]) == 0
     assert sorted(p.name for p in tmp_path.rglob("*") if work / "run" not in p.parents) == ["a", "b", "p.txt", "run"]
+
+
+def test_a_run_dir_starting_with_a_tilde_is_the_home_directorys(tmp_path, monkeypatch):
+    from jobs import status
+    from jobs.generate import run
+    from tests.conftest import compose_cfg, write_lines
+    from tests.test_integrity import ARGS
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    prompts = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
+    assert run(compose_cfg("run_dir='~/runs/x'", f"prompts.path={prompts}", *ARGS)).complete
+    assert (tmp_path / "home" / "runs" / "x" / "fingerprint.json").is_file() and not (tmp_path / "~").exists()
+    assert status.main(["run_dir=~/runs/x"]) == 0

@@ -165,7 +165,7 @@ def _attempt(mark: Path) -> int:
 def failure_marks(run_root, job_id, before: int | None = None) -> list[str]:
     """What failed on each attempt of ``job_id`` that a rank failed or stalled on (those before attempt
     ``before`` only, if given), oldest first."""
-    run = RunDir(Path(run_root))
+    run = RunDir.at(run_root)
     marks = sorted(run.failures_dir.glob(run.failure_mark_path(job_id, "*").name), key=_attempt)
     return [m.read_text().strip() for m in marks if before is None or _attempt(m) < before]
 
@@ -181,7 +181,7 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
     import submitit
 
     job_id, attempt = submitit.JobEnvironment().job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    run = RunDir(Path(cfg.run_dir))
+    run = RunDir.at(cfg.run_dir)
     run.failures_dir.mkdir(parents=True, exist_ok=True)
     earlier, limit = len(failure_marks(cfg.run_dir, job_id, before=attempt)), cfg.launcher.max_failures
     try:

@@ -73,7 +73,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     world = world_size_of(cfg)
     dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
     check_run_dir_text(cfg.run_dir)
-    run = RunDir(Path(cfg.run_dir).absolute())
+    run = RunDir.at(cfg.run_dir)
     check_run_root(run.root)  # a run_dir the launch would refuse (not a run, /, home) is refused here too; reads only
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)

@@ -47,7 +47,7 @@ class LatentCheckpoints:
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
         """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
         than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
-        video, directory = pick(VideoConfig, cfg), RunDir(Path(cfg.run_dir).absolute()).latents_dir
+        video, directory = pick(VideoConfig, cfg), RunDir.at(cfg.run_dir).latents_dir
         every = video.latent_checkpoint_every
         if every == "auto":
             video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"

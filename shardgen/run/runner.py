@@ -114,7 +114,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
     planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
-    run = RunDir(Path(cfg.run_dir).absolute())
+    run = RunDir.at(cfg.run_dir)
     check_run_dir_text(cfg.run_dir)
     new = check_run_root(run.root)
     top = first_missing_dir(run.root)

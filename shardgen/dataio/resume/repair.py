@@ -334,7 +334,7 @@ def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no pl
     """The plan of ``run_dir`` for a read-only tool (status, preview), or the line to print instead: a damaged
     plan names its file and the fix, a missing one says so."""
     try:
-        plan = load_plan_checked(RunDir(Path(run_dir).absolute()))
+        plan = load_plan_checked(RunDir.at(run_dir))
     except RunDirError as e:
         return f"{run_dir}: {e}"
     return plan if plan is not None else f"{run_dir}: {what}"

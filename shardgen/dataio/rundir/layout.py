@@ -293,7 +293,7 @@ def run_dir_arg(text: str) -> str:
     text = text[len("run_dir="):] if text.startswith("run_dir=") else text
     if not text.strip():
         raise argparse.ArgumentTypeError("the run directory is empty; give its path")
-    return text
+    return os.path.expanduser(text)  # the shell leaves run_dir=~/x alone
 
 
 @dataclass(frozen=True)
@@ -301,6 +301,12 @@ class RunDir:
     """Every path inside one run directory (nothing else builds them); I/O only in ``create`` and ``clean_leftovers``."""
 
     root: Path
+
+    @classmethod
+    def at(cls, run_dir: str | os.PathLike) -> "RunDir":
+        """The run directory a config or command line names: ``~`` expanded (a shell leaves ``run_dir=~/x``
+        alone), relative paths taken from the current directory."""
+        return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute())
 
     @property
     def plan_dir(self) -> Path:

@@ -58,7 +58,7 @@ class RankLogHandler(logging.FileHandler):
 def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
     """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too (held until ``start_writing()``);
     returns the handler."""
-    path = RunDir(Path(run_dir).absolute()).rank_log_path(rank)
+    path = RunDir.at(run_dir).rank_log_path(rank)
     handler = RankLogHandler(path)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.setLevel(logging.INFO)
