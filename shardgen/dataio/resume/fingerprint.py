@@ -135,21 +135,37 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
                         f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
                         f"{str(fingerprint.get('prompts.sha256'))[:16]}...)")
+    fixed = _fixed_by_plan(run, old, fingerprint)
     if not allow_change:
+        # only a fix that works is suggested: allow_fingerprint_change cannot change what the plan was made from
+        fixes = (f"Use the original settings ({', '.join(_setting(k, old.get(k)) for k in fixed)}: the run's plan was "
+                 "made from them) or choose a new run_dir." if fixed else
+                 "Use the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
+                 "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
         raise FingerprintMismatch(
             f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
-            "samples:\n  "
-            + "\n  ".join(diffs)
-            + "\nUse the original settings, choose a new run_dir, or pass allow_fingerprint_change=true "
-              "(recorded in the run; jobs.verify then reports the samples made with the old settings).")
+            "samples:\n  " + "\n  ".join(diffs) + "\n" + fixes)
     _apply_change(run, old, fingerprint)
     return True
 
 
+def _fixed_by_plan(run: RunDir, old: dict, new: dict) -> list[str]:
+    """The differing fields a planned run cannot change (the plan was made from them)."""
+    if not os.path.lexists(run.plan_json_path):
+        return []
+    return [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
+
+
+def _setting(key: str, value: Any) -> str:
+    """``key=value`` as the command line writes it (``null`` for None)."""
+    if key == "prompts.sha256":
+        return "the prompt file it was planned from"
+    return f"{key}={'null' if value is None else value}"
+
+
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
-    planned = run.plan_json_path.exists()
-    plan_diffs = [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
-    if planned and plan_diffs:
+    plan_diffs = _fixed_by_plan(run, old, new)
+    if plan_diffs:
         raise FingerprintMismatch(
             f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
             f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
