@@ -60,6 +60,9 @@ def main(cfg: GenerateConfig) -> None:
                   cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate", *sys.argv[1:]]))
         sys.exit(130)
     except Exception as e:
+        from shardgen.dataio.rundir.layout import storage_error
+
+        e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
             log.error("%s", e)
             sys.exit(2)

@@ -25,6 +25,7 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
 from shardgen.dataio.rundir import (Claimer, RunDir, atomic_write_bytes, atomic_write_json, attach_rank_log,
                                     check_run_dir_text, check_run_root, create_exclusive, detach_rank_log,
                                     first_missing_dir, log_to_file_only, owner_record, record_launch)
+from shardgen.dataio.rundir.layout import storage_error
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, Signals, VIDEO_EXT, VideoEncoder, is_video,
                                     resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.run.generation import GenSettings
@@ -224,6 +225,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     except Exception as e:
         log_to_file_only(rank_log, e)
+        if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
+            raise full from None
         raise
     finally:
         W.shutdown()

@@ -109,13 +109,38 @@ def free_space_text(path: Path) -> str:
         return "? free"
 
 
-def disk_full(e: OSError, path: Path, need: int | None = None) -> DiskFullError | None:
-    """The user-facing error for an out-of-space/quota OSError while writing ``path`` (None for other errors)."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+# what the storage refused a write for, and what frees it: each a user error, never a traceback
+_STORAGE_FIXES = {errno.ENOSPC: "Free space (or inodes: df -i) or raise the quota",
+                  errno.EDQUOT: "Free space or raise the quota",
+                  errno.EFBIG: "Raise the file size limit (ulimit -f) or lower samples_per_shard",
+                  errno.EROFS: "Remount it writable or choose a run_dir on a writable file system"}
+
+
+def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int | None = None) -> DiskFullError | None:
+    """The user-facing error for a write the storage refused (no space or inodes, quota, file size limit, read-only
+    file system) while writing ``path`` (default: the error's file name); None for other errors."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code not in _STORAGE_FIXES:
         return None
+    path = path or getattr(e, "filename", None) or "a run file"
     want = f"; about {need / 1e6:.1f} MB more were being written" if need else ""
-    return DiskFullError(f"no space left writing {path} ({e.strerror}; {free_space_text(Path(path).parent)} there{want}). "
-                         "Free space or raise the quota, then re-run the same command: the run resumes where it stopped.")
+    free = f"; {free_space_text(Path(path).parent)} there" if code in (errno.ENOSPC, errno.EDQUOT) else ""
+    what = "no space left writing" if code in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
+    return DiskFullError(f"{what} {path} ({e.strerror or os.strerror(code)}{free}{want}). {_STORAGE_FIXES[code]}, "
+                         "then re-run the same command: the run resumes where it stopped.")
+
+
+def storage_error(e: BaseException) -> DiskFullError | None:
+    """``disk_full`` of ``e`` or of an error it was raised from (a writer thread's error, re-raised wrapped)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return e
+        if full := disk_full(e):
+            return full
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +50,15 @@ class RankLogHandler(logging.FileHandler):
         held, self._held = self._held or [], None
         for record in held:
             super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A line the log file cannot take (a full disk, a read-only run directory): one line on stderr, the first
+        time, instead of logging's traceback for every record (the console still gets them all)."""
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            error = sys.exc_info()[1]
+            print(f"shardgen: cannot write {self.baseFilename} ({error}); its lines go to the console only",
+                  file=sys.stderr)
 
     def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, open_regular
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, open_regular, storage_error
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"
@@ -75,9 +75,14 @@ def tool_errors(main: Callable[..., int]) -> Callable[..., int]:
                 return main(*args, **kwargs)
             except UserError as e:
                 print(f"error: {e}", file=sys.stderr)
-            except OSError as e:
-                where = f"{e.filename}: " if e.filename else ""
-                print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+            except Exception as e:
+                if full := storage_error(e):  # a full disk, also where a library raised it wrapped
+                    print(f"error: {full}", file=sys.stderr)
+                elif isinstance(e, OSError):
+                    where = f"{e.filename}: " if e.filename else ""
+                    print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+                else:
+                    raise
             return 2
 
     return wrapped
