@@ -224,3 +224,58 @@ def test_status_escapes_terminal_controls_from_the_run_directory(runs, tmp_path,
     out = capsys.readouterr().out
     assert "boom" in out and "host" in out
     assert not any(c in out for c in "\x1b\x07\x9b\u202e") and "\\x1b]0;owned" in out
+
+
+@pytest.fixture(scope="module")
+def unsigned(tmp_path_factory):
+    """A finished run made without signals: work for jobs.signals."""
+    from tests.test_integrity import gen
+
+    d = tmp_path_factory.mktemp("unsigned")
+    prompts = write_lines(d / "p.txt", [f"prompt {i}" for i in range(4)])
+    assert gen(d / "run", prompts, "samples_per_shard=2").complete
+    return d / "run"
+
+
+def _drop_first_image(tar: Path) -> None:
+    import io as _io
+    import tarfile
+
+    from shardgen.dataio.tools.verify import read_shard_members
+
+    members = read_shard_members(tar)
+    first = min(members)
+    with tarfile.open(tar, "w") as tf:
+        for key, mem in sorted(members.items()):
+            for ext, data in mem.items():
+                if key == first and ext == "png":
+                    continue
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, _io.BytesIO(data))
+
+
+@pytest.mark.parametrize("damage", ["garbage index", "damaged tar", "tar lacks an indexed image", "read-only",
+                                    "disk full"])
+def test_signals_on_a_damaged_or_unwritable_run_is_one_line(unsigned, tmp_path, monkeypatch, capsys, damage):
+    import shardgen.dataio.tools.signals_after as signals_after
+
+    d = tmp_path / "r"
+    shutil.copytree(unsigned, d, symlinks=True)
+    shards = d / "shards"
+    if damage == "garbage index":
+        (shards / "000000.parquet").write_bytes(b"PAR1 not really")
+    elif damage == "damaged tar":
+        os.truncate(shards / "000000.tar", 700)
+    elif damage == "tar lacks an indexed image":
+        _drop_first_image(shards / "000000.tar")
+    else:
+        code = errno.EROFS if damage == "read-only" else errno.ENOSPC
+
+        def refused(path, rows):
+            raise OSError(code, os.strerror(code), str(path))
+
+        monkeypatch.setattr(signals_after, "write_index", refused)
+    assert signals.main([str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and str(d) in err, err
