@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--n", type=count_arg(1), default=16, help="samples on the sheet, in key order (default 16)")
     ap.add_argument("--cols", type=count_arg(1), default=4, help="samples per row (default 4)")
-    ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256)")
+    ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256); the sheet "
+                    "may hold at most 100 megapixels")
     ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
     args = ap.parse_args(argv)
     if (pixels := sheet_pixels(args.n, args.cols, args.size)) > MAX_SHEET_PIXELS:

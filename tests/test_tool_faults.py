@@ -22,7 +22,7 @@ from tests.conftest import write_lines
 from tests.test_integrity import gen, make_partial
 from tests.test_integrity_faults import OPS as FAULT_OPS, damage_file
 
-OPS = (*FAULT_OPS, "odd")
+OPS = (*FAULT_OPS, "odd", "fifo")
 TOOLS = {"status": lambda d: status.main([str(d), "--shards"]), "verify": lambda d: verify.main([str(d)]),
          "verify --repair": lambda d: verify.main([str(d), "--repair", "--no-decode"]),
          "preview": lambda d: preview.main([str(d), "--n", "4", "--size", "32"]),
@@ -76,7 +76,8 @@ def test_every_tool_on_every_damaged_file(runs, tmp_path, capsys):
                 d = tmp_path / "case"
                 shutil.copytree(base, d, symlinks=True)
                 damage_file(d / rel, op, rng, decoy)
-                _run_tools(d, decoy, f"{op} {base.name}/{rel}", capsys)
+                with _no_hang(f"{op} {base.name}/{rel}", 60):
+                    _run_tools(d, decoy, f"{op} {base.name}/{rel}", capsys)
                 shutil.rmtree(d)
                 cases += 1
     print(f"{cases} damaged runs x {len(TOOLS)} tools in {time.perf_counter() - t0:.1f} s")

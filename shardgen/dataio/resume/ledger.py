@@ -18,7 +18,7 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, map_io, open_regular,
-                                           read_state)
+                                           read_regular, read_state)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, all_checkpoints
 
 
@@ -325,8 +325,9 @@ def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:
     from omegaconf import OmegaConf
 
     try:
-        return float(OmegaConf.load(run.config_path).get("lease_s", default))
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # missing or damaged: the default
+        text = read_regular(run.config_path, limit=1 << 22).decode("utf-8")
+        return float(OmegaConf.create(text).get("lease_s", default))
+    except (OSError, ValueError, TypeError, AttributeError, RunDirError, yaml.YAMLError):  # missing or damaged
         return default
 
 
