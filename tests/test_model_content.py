@@ -131,3 +131,22 @@ def test_a_cache_that_is_a_file_is_a_message(tmp_path):
     (tmp_path / "cache").write_text("not a directory")
     with pytest.raises(ModelLoadError, match="SHARDGEN_CACHE"):
         tiny_model_path(tmp_path / "cache")
+
+
+def test_a_read_only_cache_is_a_message_and_a_built_one_still_loads(tiny_cache, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    import shardgen.models.content as content
+    import shardgen.models.tiny as tiny
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(k.get("dir")))
+
+    monkeypatch.setattr(tiny.tempfile, "mkdtemp", read_only)
+    with pytest.raises(ModelLoadError, match="cannot be written .*Read-only file system.*SHARDGEN_CACHE"):
+        tiny_model_path(tmp_path / "empty")
+    monkeypatch.setattr(content, "_write_record", lambda *a: (_ for _ in ()).throw(AssertionError("no write")))
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    built = tiny_model_path(tiny_cache)  # built already: read, its hash checked, nothing written
+    assert content_sha256(built, tiny_cache)
