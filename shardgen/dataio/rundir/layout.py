@@ -69,7 +69,8 @@ class RunDirError(UserError, RuntimeError):
 
 
 class DiskFullError(UserError, OSError):
-    """No space (or quota) left while writing a run file; the message names the path and the free space."""
+    """The storage refused a write (no space or inodes, quota, file size limit, a read-only file system); the
+    message names the path, the free space where it applies, and the fix."""
 
 
 def _read_umask() -> int:
