@@ -20,15 +20,25 @@ def test_every_path_is_under_the_run_directory_where_the_docs_say():
     assert run.failure_mark_path("123", 2).match(run.failure_mark_path("123", "*").name)
 
 
-@pytest.mark.parametrize("host", ["evil/../../x", "..", "a~b/c", ""])
-def test_a_host_name_with_path_characters_stays_in_the_run_directory(tmp_path, monkeypatch, host):
+@pytest.mark.parametrize("host,name", [("evil/../../x", "evil_.._.._x"), ("..", "host"), ("", "host"),
+                                       ("a~b", "a_b"), ("node-1.cluster", "node-1.cluster")])
+def test_a_host_name_becomes_a_file_name_part(monkeypatch, host, name):
+    import socket
+
+    from shardgen.dataio.rundir.layout import host_name
+
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    assert host_name() == name
+
+
+def test_a_host_name_with_path_characters_stays_in_the_run_directory(tmp_path, monkeypatch):
     import socket
 
     from jobs import verify
     from tests.conftest import write_lines
     from tests.test_integrity import gen
 
-    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    monkeypatch.setattr(socket, "gethostname", lambda: "a~b/../../x")
     work = tmp_path / "a" / "b"
     work.mkdir(parents=True)
     prompts = write_lines(work / "p.txt", ["a cat", "a dog", "a cow"])

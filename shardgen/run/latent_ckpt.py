@@ -28,6 +28,7 @@ import torch
 
 from shardgen.config.schema import VideoConfig
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
+from shardgen.dataio.rundir.layout import open_regular
 from shardgen.dataio.shards import is_video
 from shardgen.pick import pick
 
@@ -71,7 +72,8 @@ class LatentCheckpoints:
         try:
             if path.is_symlink():
                 raise ValueError("a symlink (never followed)")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with open_regular(path, follow=False) as f:  # a FIFO there would block the load
+                state = torch.load(f, map_location="cpu", weights_only=True)
             _check_state(state, indices, steps)
         except Exception as e:  # noqa: BLE001 (any unreadable or foreign content means: start the batch over)
             log.warning("ignoring latent checkpoint %s (%s: %s); the batch starts from step 0", path,

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, open_regular, storage_error
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
+                                           storage_error)
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"
@@ -148,7 +149,7 @@ def read_records(paths: Iterable[Path], fields: dict[str, type | tuple]) -> list
         if path.is_symlink() or not path.is_file():
             continue
         try:
-            text = path.read_bytes().decode("utf-8", "replace")
+            text = read_regular(path, follow=False).decode("utf-8", "replace")
         except OSError:
             continue
         for line in text.splitlines():
