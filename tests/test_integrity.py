@@ -733,3 +733,15 @@ def test_a_write_refused_outside_the_tar_writer_is_one_message_too(copy, monkeyp
         gen(d, prompts)
     monkeypatch.undo()
     verified_identical_after(d, prompts, want)
+
+
+def test_a_library_error_that_names_its_errno_only_in_its_text_is_a_storage_error():
+    from shardgen.dataio.rundir.layout import storage_error
+
+    try:
+        try:
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")  # pyarrow's form
+        except OSError as e:
+            raise RuntimeError("shard writer failed") from e
+    except RuntimeError as wrapped:
+        assert "Free space (or inodes: df -i)" in str(storage_error(wrapped))

@@ -122,6 +122,8 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable from here: download the model where one is and point "
             "model.source at the local directory.")
+        if os.path.isdir(source):
+            hint = " A file of the model may be damaged (a copy cut short): copy the model directory again."
         if model_cfg.source in ("tiny", "tiny_video"):
             hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
         raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e

@@ -121,11 +121,14 @@ def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int
     """The user-facing error for a write the storage refused (no space or inodes, quota, file size limit, read-only
     file system) while writing ``path`` (default: the error's file name); None for other errors."""
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code is None and isinstance(e, OSError) and (m := re.search(r"\[errno (\d+)\]", str(e), re.I)):
+        code = int(m.group(1))  # pyarrow's write errors carry the errno in their text only
     if code not in _STORAGE_FIXES:
         return None
-    path = path or getattr(e, "filename", None) or "a run file"
+    path = path or getattr(e, "filename", None)
     want = f"; about {need / 1e6:.1f} MB more were being written" if need else ""
-    free = f"; {free_space_text(Path(path).parent)} there" if code in (errno.ENOSPC, errno.EDQUOT) else ""
+    free = f"; {free_space_text(Path(path).parent)} there" if path and code in (errno.ENOSPC, errno.EDQUOT) else ""
+    path = path or "a run file"
     what = "no space left writing" if code in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
     return DiskFullError(f"{what} {path} ({e.strerror or os.strerror(code)}{free}{want}). {_STORAGE_FIXES[code]}, "
                          "then re-run the same command: the run resumes where it stopped.")
