@@ -150,3 +150,16 @@ def test_a_read_only_cache_is_a_message_and_a_built_one_still_loads(tiny_cache, 
     monkeypatch.setattr(tempfile, "mkstemp", read_only)
     built = tiny_model_path(tiny_cache)  # built already: read, its hash checked, nothing written
     assert content_sha256(built, tiny_cache)
+
+
+def test_a_fifo_in_a_model_directory_is_a_message_not_a_hang(tiny_cache, tmp_path):
+    from tests.test_tool_faults import _no_hang
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path(tiny_cache), model)
+    weights = _transformer_weights(model)
+    weights.unlink()
+    os.mkfifo(weights)
+    prompts = write_lines(tmp_path / "p.txt", PROMPTS[:2])
+    with _no_hang("a FIFO in the model directory"), pytest.raises(ModelLoadError, match="not a regular file"):
+        _gen(tmp_path / "run", prompts, f"model.source={model}", "model.name=mine")

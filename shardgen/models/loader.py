@@ -5,6 +5,7 @@ pipeline (hub id or local directory, safetensors only), or the real architecture
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ def model_sha256(model_cfg: Any) -> str | None:
         return None
     source = resolve_source(model_cfg)
     if not os.path.isdir(source):
-        return None
+        source = _hub_snapshot(source, model_cfg.revision)
+        if source is None:
+            return None
+    check_regular_files(Path(source))  # before anything opens one of them
     if model_cfg.source in ("tiny", "tiny_video"):
         cache_root = Path(source).parent  # the tiny builds record their hash where they are built
     else:
@@ -75,11 +79,23 @@ def model_sha256(model_cfg: Any) -> str | None:
                              "permissions or point model.source at a readable copy") from None
 
 
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local snapshot directory of a hub model already in the Hugging Face cache (never downloads); None when
+    it is not there (``from_pretrained`` then says what is missing)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not cached, not a repo id, no huggingface_hub: nothing local to hash
+        return None
+
+
 def check_safetensors_only(path: str) -> None:
     """Refuse a local model directory that only has pickle checkpoints (they can run arbitrary code)."""
     p = Path(path)
     if not p.is_dir():
         return
+    check_regular_files(p)
     files = [f for f in p.rglob("*") if f.is_file()]
     weights = [f for f in files if f.suffix in PICKLE_SUFFIXES or f.suffix == ".safetensors"]
     pickles = [f for f in weights if f.suffix in PICKLE_SUFFIXES]
@@ -88,6 +104,23 @@ def check_safetensors_only(path: str) -> None:
             f"{path} holds only pickle checkpoints ({', '.join(str(f.relative_to(p)) for f in pickles[:3])}); "
             "shardgen loads safetensors only, since a pickle can run arbitrary code. Convert the weights "
             "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
+
+
+def check_regular_files(directory: Path) -> None:
+    """ModelLoadError naming a FIFO, socket or device in a model directory: whatever opened it (from_pretrained, the
+    memory check reading the safetensors headers) would block."""
+    special = next((f for f in Path(directory).rglob("*") if _special(f)), None)
+    if special is not None:
+        raise ModelLoadError(f"{special} in the model directory is not a regular file (a FIFO, socket or device); "
+                             "replace it by the file it should be, or copy the model directory again")
+
+
+def _special(path: Path) -> bool:
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # a broken link (a hub cache's unused file): from_pretrained names it if it is needed
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def pipeline_class(name: str):
