@@ -176,8 +176,9 @@ def _no_hang(what: str, seconds: int = 20):
         signal.signal(signal.SIGALRM, old)
 
 
-FIFO_FILES = ("plan/plan.json", "plan/starts.npy", "fingerprint.json", "shards/000000.stats.json", "shards/000000.tar",
-              "shards/000000.parquet", "stats_cache.npz", "logs/rank000.log", "launches.jsonl")
+# with generate too (test_every_tool_on_every_damaged_file puts a FIFO at every file for the tools alone)
+FIFO_FILES = ("plan/plan.json", "fingerprint.json", "shards/000000.stats.json", "shards/000000.tar", "stats_cache.npz",
+              "launches.jsonl")
 
 
 @pytest.mark.parametrize("rel", FIFO_FILES)
