@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from shardgen.dataio.rundir import RunDir, run_dir_arg
 from shardgen.dataio.tools import count_arg, near_duplicate_groups, read_index_columns, tool_errors
@@ -22,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-distance", type=count_arg(0), default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")
     args = ap.parse_args(argv)
-    run = RunDir(Path(args.run_dir).absolute())
+    run = RunDir.at(args.run_dir)
     if not list(run.shards_dir.glob("*.parquet")):
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2

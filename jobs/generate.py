@@ -81,8 +81,13 @@ def main(cfg: GenerateConfig) -> None:
                                                                      *sys.argv[1:]])))
         sys.exit(130)
     except Exception as e:
+        from shardgen.dataio.rundir.layout import storage_error
+
+        e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
-            log.error("%s", e)
+            from shardgen.dataio.tools.runfiles import escape_terminal
+
+            log.error("%s", escape_terminal(str(e)))  # it may quote the run directory's files: shown, never obeyed
             sys.exit(2)
         raise
 
@@ -104,6 +109,18 @@ def refuse_unknown_overrides(argv: list[str]) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
-    refuse_unknown_overrides(sys.argv[1:])
+def entry(argv: list[str] | None = None) -> None:
+    """The command line: refused in one line where Hydra's override parser would fail obscurely or an override
+    names no key, else ``main``."""
+    from shardgen.config.cmdline import command_line_problem
+
+    argv = sys.argv[1:] if argv is None else argv
+    if problem := command_line_problem(argv):
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    refuse_unknown_overrides(argv)
     main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -16,7 +16,8 @@ from pathlib import Path
 from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import RunDir, run_dir_arg
 from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, preview_png
-from shardgen.dataio.tools import committed_members, count_arg, read_shard_members, safe_write, tool_errors
+from shardgen.dataio.tools import (check_tool_output, committed_members, count_arg, read_shard_members, safe_write,
+                                  tool_errors)
 
 
 def _members(run: RunDir, num_shards: int):
@@ -57,11 +58,21 @@ def _meta(data: bytes | None) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
+TEXT_H = 48  # the prompt's lines under each cell
+MAX_SHEET_PIXELS = 100_000_000  # ~300 MB of RGB in memory while the sheet is drawn
+
+
+def sheet_pixels(n: int, cols: int, size: int) -> int:
+    """Pixels of a sheet of ``n`` cells (what ``contact_sheet`` allocates, checked before anything is read)."""
+    cols = min(cols, n)
+    return cols * size * -(-n // cols) * (size + TEXT_H)
+
+
 def contact_sheet(items, cols: int, size: int):
     """A grid image: each cell the sample (or its failure) above its wrapped prompt."""
     from PIL import Image, ImageDraw
 
-    text_h = 48
+    text_h = TEXT_H
     rows = max(1, (len(items) + cols - 1) // cols)
     sheet = Image.new("RGB", (cols * size, rows * (size + text_h)), "white")
     draw = ImageDraw.Draw(sheet)
@@ -85,25 +96,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
     ap.add_argument("--n", type=count_arg(1), default=16, help="samples on the sheet, in key order (default 16)")
     ap.add_argument("--cols", type=count_arg(1), default=4, help="samples per row (default 4)")
-    ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256)")
+    ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256); the sheet "
+                    "may hold at most 100 megapixels")
     ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
     args = ap.parse_args(argv)
+    if (pixels := sheet_pixels(args.n, args.cols, args.size)) > MAX_SHEET_PIXELS:
+        print(f"error: a sheet of --n {args.n} cells of --size {args.size} in --cols {args.cols} would be "
+              f"{pixels / 1e6:.0f} megapixels, over {MAX_SHEET_PIXELS // 10**6}; lower --n or --size", file=sys.stderr)
+        return 2
     plan = plan_for_tool(args.run_dir)
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
     run = plan.run
+    out = Path(args.out) if args.out else run.preview_path
+    check_tool_output(out, run)
     items = collect(run, args.n, plan.num_shards)
     if not items:
         print(f"{args.run_dir}: no sample is durable yet (no committed shard, no checkpointed batch in work/)",
               file=sys.stderr)
         return 1
-    out = Path(args.out) if args.out else run.preview_path
     buf = io.BytesIO()
     contact_sheet(items, args.cols, args.size).save(buf, format="PNG")
     if out.is_symlink():
         print(f"note: {out} was a symlink; it is replaced by the file (the link's target is left alone)")
-    safe_write(out, buf.getvalue())  # a fresh file renamed into place: never written through a link
+    safe_write(out, buf.getvalue(), run)  # a fresh file renamed into place: never written through a link
     print(f"wrote {out} ({len(items)} samples)")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.tools import tool_errors, write_report
+from shardgen.dataio.tools import check_tool_output, tool_errors, write_report
 
 
 @tool_errors
@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
         print(plan, file=sys.stderr)
         return 2
-    out = write_report(plan, Path(args.out) if args.out else plan.run.report_path)
+    out = Path(args.out) if args.out else plan.run.report_path
+    check_tool_output(out, plan.run)  # before the report is built
+    write_report(plan, out)
     print(f"wrote {out}")
     return 0
 

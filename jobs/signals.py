@@ -13,10 +13,11 @@ import sys
 
 from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.tools import add_signals, signal_functions
+from shardgen.dataio.tools import add_signals, signal_functions, tool_errors
 from shardgen.errors import UserError
 
 
+@tool_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.signals", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from shardgen.dataio.resume import load_plan_checked
 from shardgen.dataio.rundir import RunDir, run_dir_arg
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-lines", type=count_arg(0), default=20, help="defects to print")
     args = ap.parse_args(argv)
     try:
-        plan = load_plan_checked(RunDir(Path(args.run_dir).absolute()))
+        plan = load_plan_checked(RunDir.at(args.run_dir))
     except UserError as e:
         print(f"{args.run_dir}: {e}", file=sys.stderr)
         return 2

@@ -192,3 +192,29 @@ def test_docs_config_md_is_the_reference_generated_from_the_schema():
 
     current = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
     assert current == markdown_reference(), "regenerate it: python -m shardgen.config.help > docs/config.md"
+
+
+@pytest.mark.parametrize("override", ["guidance=inf", "guidance=nan", "guidance=-inf", "model.true_cfg_scale=nan",
+                                      "height=100000", "width=8208"])
+def test_a_number_no_run_can_use_is_refused_while_validating(override):
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        validate_config(compose_cfg(override))
+
+
+@pytest.mark.parametrize("arg,says", [("run_dir=/tmp/é", "quote the value"), ("prompts.path=x/\udcc3\udca9", "UTF-8 locale")])
+def test_what_hydras_parser_cannot_take_is_one_line_naming_the_fix(arg, says, capsys):
+    from jobs import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.entry([arg, "dry_run=true"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and err.count("\n") == 1
+
+
+def test_a_quoted_non_ascii_value_composes():
+    from shardgen.config.cmdline import command_line_problem
+
+    arg = "run_dir='/tmp/é'"
+    assert command_line_problem([arg]) is None and compose_cfg(arg).run_dir == "/tmp/é"

@@ -26,21 +26,23 @@ SEED = int(os.environ.get("FUZZ_SEED", 25))
 BASE = ("height=16", "width=16", "steps=1", "progress=false", "batch_size=2")
 
 TEXTS = ["a cat", "", " ", "\t\n", "é🙂中文", "\u202eright-to-left", "nul\x00byte", "x" * 300, "line\rbreak",
-         "<script>alert(1)</script>", "../../etc/passwd", "\\ud800", "a\u0301" * 20, "0", "null"]
+         "<script>alert(1)</script>", "../../etc/passwd", "\\ud800", "a\u0301" * 20, "0", "null",
+         "\x1b]0;retitled\x07\x1b[2J"]
 NAMES = ["prompt", "seed", "signals", "provenance", "tokens", "truncated", "extra", "key", "status", "error", "index",
          "", "a.b", "../x", "__proto__", "名字", "x" * 200, "json", "txt", "png"]
 CONFIG = {"batch_size": ["1", "3", "0", "-1"], "samples_per_shard": ["1", "2", "null", "0", "-5"],
-          "height": ["16", "32", "15", "0", "-16"], "width": ["16", "32", "17"], "steps": ["1", "2", "0", "-1"],
+          "height": ["16", "32", "15", "0", "-16", "100000"], "width": ["16", "32", "17"], "steps": ["1", "2", "0", "-1"],
           "seed": ["0", "-1", "18446744073709551616", "7"], "image_format": ["png", "jpg", "webp", "bmp"],
           "image_quality": ["1", "100", "0", "101"], "prompts.on_bad_row": ["error", "skip", "maybe"],
           "prompts.max_prompt_chars": ["5", "100000", "0", "1"], "prompts.limit": ["null", "1", "0", "-1"],
-          "guidance": ["0", "3.5", "-1", "1e308"], "lease_s": ["60", "0", "-1"]}
+          "guidance": ["0", "3.5", "-1", "1e308", "inf", "nan"], "lease_s": ["60", "0", "-1"],
+          "model.negative_prompt": ["null", "no", "n" * 200]}
 
 
 def value(rng: random.Random, depth: int = 0):
     """A JSON value of any type and size: strings of every kind, huge and negative numbers, nesting."""
     kind = rng.randrange(9 if depth < 3 else 6)
-    return [lambda: rng.choice(TEXTS), lambda: rng.choice([0, -1, 1, 2**63 - 1, 2**63, 10**30, -10**30]),
+    return [lambda: rng.choice(TEXTS), lambda: rng.choice([0, -1, 1, 2**63 - 1, 2**63, 10**30, -10**30, 10**400]),
             lambda: rng.choice([0.5, -0.0, 1e308, -1e-308, 3.0]), lambda: None, lambda: rng.random() < 0.5,
             lambda: rng.choice(TEXTS) * rng.randint(1, 3),
             lambda: [value(rng, depth + 1) for _ in range(rng.randint(0, 3))],

@@ -13,6 +13,7 @@ import webdataset as wds
 from PIL import Image
 
 from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch
 from shardgen.dataio.tools.verify import read_shard_members
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg, write_lines
@@ -160,7 +161,22 @@ def test_changed_settings_are_refused_naming_the_fields(tmp_path):
                         "progress=false"))
     msg = str(e.value)
     assert "seed: run has 0, this launch has 1" in msg and "steps: run has 1, this launch has 2" in msg
-    assert "allow_fingerprint_change=true" in msg
+    # the seed made the plan: allow_fingerprint_change could not apply it, so only what works is suggested
+    assert "Use the original settings (seed=0: the run's plan was made from them)" in msg
+    assert "allow_fingerprint_change" not in msg
+
+
+def test_every_fix_a_refusal_suggests_works(tmp_path):
+    args = (f"run_dir={tmp_path / 'run'}", *FAST)
+    run(compose_cfg(*args, "prompts.limit=4"))
+    with pytest.raises(FingerprintMismatch) as e:
+        run(compose_cfg(*args))
+    msg = str(e.value)
+    assert "prompts.limit=4" in msg and "allow_fingerprint_change" not in msg
+    assert run(compose_cfg(*args, "prompts.limit=4")).complete  # the suggested fix
+    with pytest.raises(FingerprintMismatch, match="allow_fingerprint_change=true"):
+        run(compose_cfg(*args, "prompts.limit=4", "steps=2"))  # a setting that can change: that fix is offered
+    assert run(compose_cfg(*args, "prompts.limit=4", "steps=2", "allow_fingerprint_change=true")).complete
 
 
 def test_prompt_file_is_hashed_once_per_change_and_an_edit_is_still_refused(tmp_path, monkeypatch):

@@ -128,3 +128,35 @@ def test_a_plan_from_before_shard_digests_still_reads(tmp_path):
     (run.plan_dir / "digests.npy").unlink()
     plan = load_plan(run)
     assert plan.digests is None and [r.prompt for r in plan.rows(1)] == ["c"]
+
+
+def test_planning_a_file_without_newlines_holds_one_block_not_the_line(tmp_path):
+    """128 MB of NUL bytes after one prompt (a file that lost its newlines): refused at file:line, or a reject, with
+    the planner's memory one read block, not the line (it held it whole, and grew its buffer past it)."""
+    import tracemalloc
+
+    path = tmp_path / "p.txt"
+    with open(path, "wb") as f:
+        f.write(b"a cat\n")
+        f.truncate(128 << 20)
+    source = dict(format="txt", max_chars=100_000)
+    with pytest.raises(PromptFileError, match=r"p.txt:2: the line is 134217722 bytes long, over "
+                                              r"prompts.max_prompt_chars=100000"):
+        build_plan(RunDir(tmp_path / "a"), PromptSource(str(path), **source), samples_per_shard=2, run_seed=1)
+    tracemalloc.start()
+    try:
+        plan = build_plan(RunDir(tmp_path / "b"), PromptSource(str(path), on_bad_row="skip", **source),
+                          samples_per_shard=2, run_seed=1)
+        rows = plan.rows(0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [r.prompt for r in rows] == ["a cat", None] and plan.num_rejects == 1
+    assert peak < 64 << 20, peak  # blocks of 16 MB
+
+
+def test_a_negative_prompt_over_the_limit_is_refused_while_validating():
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="model.negative_prompt is 1001 characters long"):
+        validate_config(compose_cfg("prompts.path=x", "prompts.max_prompt_chars=1000", f"model.negative_prompt={'n' * 1001}"))

@@ -5,6 +5,7 @@ copy the way the table says, then re-runs generate / verify / status in process.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -670,3 +671,88 @@ def test_ctrl_c_says_the_run_is_resumable_with_the_command(tmp_path, reference):
     assert p.returncode in (130, -signal.SIGINT), err[-2000:]
     assert "resumable: re-run the same command" in err and f"-m jobs.generate {args[0]}" in err
     assert "Traceback" not in err
+
+
+class _Refusing(io.RawIOBase):
+    """A file whose writes the storage refuses with ``code``."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def write(self, b):
+        raise OSError(self.code, os.strerror(self.code))
+
+
+def _lose(d: Path, shard: int) -> None:
+    for name in (f"{shard:06d}.tar", f"{shard:06d}.stats.json", f"{shard:06d}.parquet"):
+        (d / "shards" / name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("code,says", [(errno.EFBIG, "ulimit -f")])
+def test_a_write_the_storage_refuses_mid_run_is_one_message_and_the_resume_is_identical(copy, monkeypatch, code, says):
+    prompts, d, want = copy
+    _lose(d, 1)
+    _lose(d, 2)
+    real = PartialTar._write
+
+    def refused_after_a_batch(self, blob):
+        if self.bytes:  # the shard's first batch went in: the storage refuses the next
+            self._f, good = _Refusing(code), self._f
+            try:
+                return real(self, blob)
+            finally:
+                self._f = good
+        return real(self, blob)
+
+    monkeypatch.setattr(PartialTar, "_write", refused_after_a_batch)
+    with pytest.raises(DiskFullError, match=says):
+        gen(d, prompts, *SHORT_LEASE)
+    monkeypatch.undo()
+    verified_identical_after(d, prompts, want)
+
+
+SHORT_LEASE = ("lease_s=1", "heartbeat_s=0.2")  # the refused launch's claims are this process's own: soon expired
+
+
+def verified_identical_after(d: Path, prompts: Path, want: dict) -> None:
+    time.sleep(1.2)
+    assert gen(d, prompts, *SHORT_LEASE).complete
+    verified_identical(d, want)
+
+
+def test_a_write_refused_outside_the_tar_writer_is_one_message_too(copy, monkeypatch):
+    """An index written by pyarrow in a writer thread (re-raised wrapped) and a read-only run directory at the start."""
+    import shardgen.dataio.rundir.layout as layout
+    import shardgen.dataio.shards.index as index
+
+    prompts, d, want = copy
+    _lose(d, 1)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(a[0]))
+
+    monkeypatch.setattr(index, "write_index", full)
+    with pytest.raises(DiskFullError, match="no space left writing"):
+        gen(d, prompts, *SHORT_LEASE)
+    monkeypatch.undo()
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(k.get("dir")))
+
+    monkeypatch.setattr(layout.tempfile, "mkstemp", read_only)
+    with pytest.raises(DiskFullError, match=f"cannot write {d}.*Read-only file system"):
+        gen(d, prompts)
+    monkeypatch.undo()
+    verified_identical_after(d, prompts, want)
+
+
+def test_a_library_error_that_names_its_errno_only_in_its_text_is_a_storage_error():
+    from shardgen.dataio.rundir.layout import storage_error
+
+    try:
+        try:
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")  # pyarrow's form
+        except OSError as e:
+            raise RuntimeError("shard writer failed") from e
+    except RuntimeError as wrapped:
+        assert "Free space (or inodes: df -i)" in str(storage_error(wrapped))

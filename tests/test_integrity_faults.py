@@ -61,7 +61,8 @@ ODD = b'[1]\n{"t": "x", "replica": {}, "samples": null, "wall_s": "s", "world_si
 
 
 def damage_file(path: Path, op: str, rng: random.Random, decoy: Path) -> None:
-    """Damage one file in one way of OPS (or "odd": JSON of the wrong shape); a "symlink" points at ``decoy``."""
+    """Damage one file in one way of OPS (or "odd": JSON of the wrong shape, "fifo": a FIFO in its place); a
+    "symlink" points at ``decoy``."""
     data = path.read_bytes()
     if op == "flip" and data:
         b = bytearray(data)
@@ -79,6 +80,9 @@ def damage_file(path: Path, op: str, rng: random.Random, decoy: Path) -> None:
         path.write_bytes(b"")
     elif op == "odd":
         path.write_bytes(ODD)
+    elif op == "fifo":  # opened for reading, it blocks until someone writes into it
+        path.unlink()
+        os.mkfifo(path)
     else:
         path.write_bytes(rng.randbytes(rng.randint(1, 64)))
 

@@ -183,6 +183,10 @@ BAD_ROWS = [
     ("short.tsv", "Prompt\tNote\na\tn\nb\n", "Prompt", 3, 1, "1 column, the header has 2"),
     ("spaces.tsv", "Prompt\tNote\n  \tn\n", "Prompt", 2, 0, "only whitespace"),
     ("latin1.tsv", b"Prompt\tNote\ncaf\xe9\tn\n", "Prompt", 2, 0, "not valid UTF-8"),
+    ("hugeint.jsonl", '{"prompt": "a"}\n{"prompt": "b", "k": %s}\n' % ("9" * 5000), "prompt", 2, 1,
+     "a number with thousands of digits"),
+    ("bigint.jsonl", '{"prompt": "a", "k": [%d]}\n' % 10**400, "prompt", 1, 0, "beyond a number's range"),
+    ("hugeseed.csv", "prompt,seed\na,%s\n" % ("9" * 5000), "prompt", 2, 0, "is not a seed"),
 ]
 
 
@@ -352,3 +356,42 @@ def test_memory_is_constant_in_the_number_of_rows(tmp_path):
         tracemalloc.stop()
     assert count == n
     assert peak < 1_000_000  # the file is 4 MB; a reader that held every row would exceed this
+
+
+def test_a_parquet_string_that_is_not_utf8_is_a_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = b"a" + b"caf\xe9" + b"c"
+    offsets = pa.py_buffer(bytes(memoryview(__import__("array").array("i", [0, 1, 5, 6])).cast("B")))
+    prompts = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(data)])  # bytes never validated
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": prompts}), path)
+    with pytest.raises(PromptFileError, match=rf"^{re.escape(str(path))}:2: .*not valid UTF-8"):
+        list(read_prompts(str(path)))
+    rows = list(read_prompts(str(path), on_bad_row="skip"))
+    assert [r.prompt for r in rows] == ["a", None, "c"] and "not valid UTF-8" in rows[1].reject
+
+
+@pytest.mark.parametrize("fmt,first,last", [("txt", b"a cat\n", b"a dog\n"),
+                                            ("jsonl", b'{"prompt": "a cat"}\n', b'{"prompt": "a dog"}\n'),
+                                            ("csv", b"prompt\na cat\n", b"a dog\n")])
+def test_a_line_of_many_megabytes_is_read_past_in_bounded_memory(tmp_path, fmt, first, last):
+    """A file that lost its newlines (here 40 MB of NUL bytes): a bad row found without holding the line."""
+    path = tmp_path / f"p.{fmt}"
+    with open(path, "wb") as f:
+        f.write(first)
+        f.truncate(40 << 20)
+        f.seek(0, 2)
+        f.write(b"\n" + last)
+    tracemalloc.start()
+    try:
+        rows = list(read_prompts(str(path), on_bad_row="skip", max_chars=1000))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [r.prompt for r in rows] == ["a cat", None, "a dog"]
+    assert "bytes long, over prompts.max_prompt_chars=1000" in rows[1].reject
+    assert peak < 8 << 20, peak
+    with pytest.raises(PromptFileError, match=r":(2|3): the line is \d+ bytes long"):
+        list(read_prompts(str(path), max_chars=1000))

@@ -193,6 +193,9 @@ def test_batches_are_full_by_shape_and_the_earliest_row_goes_first():
     (dict(prompt="x", aspect_ratio="1:1", width=64), r"p.jsonl:2: aspect_ratio: the row gives width/height too"),
     (dict(prompt="x", negative_prompt=3), r"p.jsonl:2: negative_prompt: 3 is not a string"),
     (dict(prompt="x", steps=0), r"p.jsonl:2: steps: 0 is not a number of denoising steps: write a whole number"),
+    (dict(prompt="x", guidance=10**400), r"p.jsonl:2: an integer of 1329 bits is beyond a number's range"),
+    (dict(prompt="x", negative_prompt="n" * 100_001), r"p.jsonl:2: the negative_prompt is 100001 characters long, "
+                                                      r"over prompts.max_prompt_chars=100000"),
 ])
 def test_a_bad_value_is_a_file_line_error_naming_the_field_with_nothing_written(tmp_path, row, message):
     prompts = write_jsonl(tmp_path / "p.jsonl", [dict(prompt="fine"), row])

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from shardgen.dataio.rundir.layout import RunDir
 
 
@@ -16,3 +18,44 @@ def test_every_path_is_under_the_run_directory_where_the_docs_say():
     assert {k: str(v.relative_to("/r")) for k, v in paths.items()} == {k: k for k in paths}
     assert run.events_path("h1", 42).match(run.EVENTS_GLOB)
     assert run.failure_mark_path("123", 2).match(run.failure_mark_path("123", "*").name)
+
+
+@pytest.mark.parametrize("host,name", [("evil/../../x", "evil_.._.._x"), ("..", "host"), ("", "host"),
+                                       ("a~b", "a_b"), ("node-1.cluster", "node-1.cluster")])
+def test_a_host_name_becomes_a_file_name_part(monkeypatch, host, name):
+    import socket
+
+    from shardgen.dataio.rundir.layout import host_name
+
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    assert host_name() == name
+
+
+def test_a_host_name_with_path_characters_stays_in_the_run_directory(tmp_path, monkeypatch):
+    import socket
+
+    from jobs import verify
+    from tests.conftest import write_lines
+    from tests.test_integrity import gen
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "a~b/../../x")
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    prompts = write_lines(work / "p.txt", ["a cat", "a dog", "a cow"])
+    assert gen(work / "run", prompts).complete
+    assert verify.main([str(work / "run")]) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*") if work / "run" not in p.parents) == ["a", "b", "p.txt", "run"]
+
+
+def test_a_run_dir_starting_with_a_tilde_is_the_home_directorys(tmp_path, monkeypatch):
+    from jobs import status
+    from jobs.generate import run
+    from tests.conftest import compose_cfg, write_lines
+    from tests.test_integrity import ARGS
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    prompts = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
+    assert run(compose_cfg("run_dir='~/runs/x'", f"prompts.path={prompts}", *ARGS)).complete
+    assert (tmp_path / "home" / "runs" / "x" / "fingerprint.json").is_file() and not (tmp_path / "~").exists()
+    assert status.main(["run_dir=~/runs/x"]) == 0

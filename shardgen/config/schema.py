@@ -63,7 +63,7 @@ class ModelConfig:
     true_cfg_scale: float = 1.0
     """True classifier-free guidance (Qwen-Image, FLUX with a negative prompt); 1.0 = off."""
     negative_prompt: Optional[str] = None
-    """With true CFG: the negative prompt of every sample; null = a blank one."""
+    """With true CFG: the negative prompt of every sample; null = a blank one. At most prompts.max_prompt_chars."""
     max_sequence_length: int = 512
     """Text tokens for the T5/LLM encoder; the same for every prompt so batching never pads differently."""
     num_frames: Optional[int] = None
@@ -176,8 +176,10 @@ class PromptsConfig:
     """A prompt longer than a text encoder keeps: warn (generate it truncated, flagged in its json) |
     error (stop while planning) | skip (record it as a reject)."""
     max_prompt_chars: int = MAX_PROMPT_CHARS
-    """A longer prompt is a bad row (an error naming file:line, or a reject with on_bad_row=skip), found
-    before anything tokenizes it: a runaway line (a whole file without newlines) cannot exhaust memory."""
+    """A longer prompt (or a row's negative_prompt) is a bad row (an error naming file:line, or a reject with
+    on_bad_row=skip), found before anything tokenizes it; model.negative_prompt is held to it too. A line over
+    12 bytes a character plus 1 MiB (other fields) is a bad row read past in bounded chunks, never held: a runaway
+    line (a whole file without newlines) cannot exhaust memory."""
     row_settings: List[str] = dataclasses.field(default_factory=list)  # (``field`` is a key of this class)
     """Fields (jsonl) or columns (csv/tsv/parquet) that set a row's own generation settings, e.g.
     prompts.row_settings=[aspect_ratio,negative_prompt,guidance]; a null or empty value keeps the run's. Any of:
@@ -229,13 +231,13 @@ class GenerationConfig:
     A row may set its own size, steps and guidance (prompts.row_settings)."""
 
     height: int = II("model.height")
-    """Image height in pixels (default: the model's); a multiple of 16."""
+    """Image height in pixels (default: the model's); a multiple of 16, at most 8192."""
     width: int = II("model.width")
-    """Image width in pixels (default: the model's); a multiple of 16."""
+    """Image width in pixels (default: the model's); a multiple of 16, at most 8192."""
     steps: int = II("model.steps")
     """Denoising steps (default: the model's)."""
     guidance: float = II("model.guidance")
-    """Guidance scale (default: the model's)."""
+    """Guidance scale (default: the model's); a finite number, like every number of the config."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
     batch_size: int = 4

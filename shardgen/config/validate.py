@@ -3,12 +3,13 @@ they run first, everywhere."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import FORMATS, ROW_SETTINGS, unknown_names
+from shardgen.dataio.prompts import FORMATS, MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -58,10 +59,15 @@ def validate_config(cfg: GenerateConfig) -> None:
     """Raise ConfigError for the first impossible setting (first: a mandatory value left unset)."""
     check_mandatory(cfg)
     check_run_dir_text(cfg.run_dir)
+    _check_finite(cfg)
     _need(cfg.image_format in IMAGE_EXTS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_EXTS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
     _need(cfg.prompts.get("max_prompt_chars", 1) >= 1,
           f"prompts.max_prompt_chars={cfg.prompts.get('max_prompt_chars')}: use 1 or more")
+    negative = cfg.model.get("negative_prompt")
+    _need(negative is None or len(negative) <= cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS),
+          f"model.negative_prompt is {len(negative or '')} characters long, over prompts.max_prompt_chars="
+          f"{cfg.prompts.get('max_prompt_chars', MAX_PROMPT_CHARS)}: shorten it")
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
           f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")
@@ -73,6 +79,8 @@ def validate_config(cfg: GenerateConfig) -> None:
         v = cfg[key]
         _need(v >= 16 and v % 16 == 0, f"{key}={v}: must be a positive multiple of 16 (the VAE downscales by 8 "
                                         "and the transformer packs 2x2 latent patches)")
+        _need(v <= MAX_SIDE, f"{key}={v}: over {MAX_SIDE} pixels a side (the most a row may ask for too); use "
+                             f"16..{MAX_SIDE}")
     _need(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: use one of {sorted(DTYPES)}")
     _need(cfg.model.weights in ("pretrained", "dummy"), f"model.weights={cfg.model.weights!r}: use pretrained or dummy")
     _need(cfg.prompts.format in ("auto",) + tuple(FORMATS),
@@ -129,6 +137,24 @@ def _check_loras(cfg: GenerateConfig) -> None:
     _need(not (lora.per_row(cfg) and cfg.get("fp8")),
           "fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between batches; set "
           "fp8=false, or give the run one adapter set in model.loras")
+
+
+def _check_finite(cfg: Any) -> None:
+    """ConfigError naming the first setting that is inf or nan (a number no model can use, and no JSON file holds:
+    the run's fingerprint and every sample's json record them)."""
+    from omegaconf import OmegaConf
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise ConfigError(f"{key}={node}: not a finite number; give a number (e.g. {key}=3.5)")
+
+    walk(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), "")
 
 
 def _check_max_memory(max_memory: Any) -> None:

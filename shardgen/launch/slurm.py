@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 # and torch takes seconds to import: a preemption or time-limit signal in that window would kill the job
 from parallel.dims import ParallelConfigError
 from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir.layout import RunDirError, read_regular
 from shardgen.errors import UserError
 from shardgen.launch.ranks import child_config, setup_rank_logging
 
@@ -165,9 +166,17 @@ def _attempt(mark: Path) -> int:
 def failure_marks(run_root, job_id, before: int | None = None) -> list[str]:
     """What failed on each attempt of ``job_id`` that a rank failed or stalled on (those before attempt
     ``before`` only, if given), oldest first."""
-    run = RunDir(Path(run_root))
+    run = RunDir.at(run_root)
     marks = sorted(run.failures_dir.glob(run.failure_mark_path(job_id, "*").name), key=_attempt)
-    return [m.read_text().strip() for m in marks if before is None or _attempt(m) < before]
+    return [_mark_text(m) for m in marks if before is None or _attempt(m) < before]
+
+
+def _mark_text(mark: Path) -> str:
+    """What a failure mark says (a mark that is not a readable regular file: that it is unreadable)."""
+    try:
+        return read_regular(mark, follow=False, limit=1 << 16).decode("utf-8", "replace").strip()
+    except (OSError, RunDirError) as e:
+        return f"(unreadable failure record {mark.name}: {e})"
 
 
 def requeue_after_failure(cfg: Any, reason: str) -> bool:
@@ -181,7 +190,7 @@ def requeue_after_failure(cfg: Any, reason: str) -> bool:
     import submitit
 
     job_id, attempt = submitit.JobEnvironment().job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    run = RunDir(Path(cfg.run_dir))
+    run = RunDir.at(cfg.run_dir)
     run.failures_dir.mkdir(parents=True, exist_ok=True)
     earlier, limit = len(failure_marks(cfg.run_dir, job_id, before=attempt)), cfg.launcher.max_failures
     try:

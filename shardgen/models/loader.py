@@ -5,6 +5,7 @@ pipeline (hub id or local directory, safetensors only), or the real architecture
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,48 @@ def resolve_source(model_cfg: Any) -> str:
     return str(model_cfg.source)
 
 
+def model_sha256(model_cfg: Any) -> str | None:
+    """The content hash of the weights a launch will read (shardgen/models/content.py), for the fingerprint: the tiny
+    models' cache entries and local model directories; None for dummy weights and hub ids (no local bytes)."""
+    from shardgen.models.content import content_sha256
+    from shardgen.models.tiny import default_cache_dir
+
+    if model_cfg.weights == "dummy":
+        return None
+    source = resolve_source(model_cfg)
+    if not os.path.isdir(source):
+        source = _hub_snapshot(source, model_cfg.revision)
+        if source is None:
+            return None
+    check_regular_files(Path(source))  # before anything opens one of them
+    if model_cfg.source in ("tiny", "tiny_video"):
+        cache_root = Path(source).parent  # the tiny builds record their hash where they are built
+    else:
+        cache_root = Path(os.path.expanduser(model_cfg.cache_dir)) if model_cfg.cache_dir else default_cache_dir()
+    try:
+        return content_sha256(source, cache_root)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model.source={source!r} ({e.filename}: {e.strerror or e}); fix its "
+                             "permissions or point model.source at a readable copy") from None
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local snapshot directory of a hub model already in the Hugging Face cache (never downloads); None when
+    it is not there (``from_pretrained`` then says what is missing)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not cached, not a repo id, no huggingface_hub: nothing local to hash
+        return None
+
+
 def check_safetensors_only(path: str) -> None:
     """Refuse a local model directory that only has pickle checkpoints (they can run arbitrary code)."""
     p = Path(path)
     if not p.is_dir():
         return
+    check_regular_files(p)
     files = [f for f in p.rglob("*") if f.is_file()]
     weights = [f for f in files if f.suffix in PICKLE_SUFFIXES or f.suffix == ".safetensors"]
     pickles = [f for f in weights if f.suffix in PICKLE_SUFFIXES]
@@ -54,6 +92,23 @@ def check_safetensors_only(path: str) -> None:
             f"{path} holds only pickle checkpoints ({', '.join(str(f.relative_to(p)) for f in pickles[:3])}); "
             "shardgen loads safetensors only, since a pickle can run arbitrary code. Convert the weights "
             "(e.g. load them once in a trusted environment and save_pretrained(..., safe_serialization=True)).")
+
+
+def check_regular_files(directory: Path) -> None:
+    """ModelLoadError naming a FIFO, socket or device in a model directory: whatever opened it (from_pretrained, the
+    memory check reading the safetensors headers) would block."""
+    special = next((f for f in Path(directory).rglob("*") if _special(f)), None)
+    if special is not None:
+        raise ModelLoadError(f"{special} in the model directory is not a regular file (a FIFO, socket or device); "
+                             "replace it by the file it should be, or copy the model directory again")
+
+
+def _special(path: Path) -> bool:
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # a broken link (a hub cache's unused file): from_pretrained names it if it is needed
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def pipeline_class(name: str):
@@ -88,6 +143,10 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable from here: download the model where one is and point "
             "model.source at the local directory.")
+        if os.path.isdir(source):
+            hint = " A file of the model may be damaged (a copy cut short): copy the model directory again."
+        if model_cfg.source in ("tiny", "tiny_video"):
+            hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
         raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
     pipe.set_progress_bar_config(disable=True)
     if device is not None:

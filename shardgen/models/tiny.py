@@ -12,6 +12,7 @@ follow the real model's geometry: 1024x1024 -> 128x128 latents -> 4096 image tok
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import string
@@ -21,8 +22,11 @@ from pathlib import Path
 
 import torch
 
+from shardgen.models.content import changed_files, content_sha256
 from shardgen.models.quiet import quiet_libraries
 from shardgen.models.versions import TINY_VERSION  # the cache's name; bumped there
+
+log = logging.getLogger("shardgen")
 CORPUS = [
     "a photo of a cat",
     "a dog on the beach",
@@ -36,8 +40,10 @@ TRANSFORMER_CONFIG = dict(
 
 
 def default_cache_dir() -> Path:
-    """Where built models are cached: ``$SHARDGEN_CACHE`` or ``~/.cache/shardgen``."""
-    return Path(os.environ.get("SHARDGEN_CACHE", Path.home() / ".cache" / "shardgen"))
+    """Where built models are cached: ``$SHARDGEN_CACHE`` or ``~/.cache/shardgen`` (also when it is set but empty,
+    which would otherwise mean the current directory). A leading ``~`` is expanded."""
+    value = os.environ.get("SHARDGEN_CACHE", "").strip()
+    return Path(os.path.expanduser(value)) if value else Path.home() / ".cache" / "shardgen"
 
 
 def tiny_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -51,12 +57,17 @@ def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -
     Safe when several ranks call it at once: each builds into its own temporary
     directory and the first atomic rename wins.
     """
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    root = Path(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
     target = root / name
     if (target / "model_index.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+        if not (changed := changed_files(target, root)):
+            return target
+        # nothing rewrites a built entry: a changed file is damage (a bit flip, a copy cut short); the build is
+        # deterministic, so building it again restores the same bytes
+        log.warning("the cached model %s changed since it was built (%s); building it again", target,
+                    ", ".join(changed[:3]))
+        _move_aside(target)
+    tmp = _build_dir(root)
     quiet_libraries()  # a first run prints the run's lines, not the build's progress bars
     try:
         build().save_pretrained(tmp, safe_serialization=True)
@@ -69,7 +80,29 @@ def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -
                 raise  # not a lost race: a real failure
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    content_sha256(target, root)  # recorded now, while the bytes are the ones just built
     return target
+
+
+def _build_dir(root: Path) -> Path:
+    """A fresh build directory in the cache; ModelLoadError naming SHARDGEN_CACHE when the cache cannot hold one."""
+    from shardgen.models.loader import ModelLoadError
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+    except OSError as e:
+        raise ModelLoadError(f"the model cache {root} cannot be written ({e.strerror or e}), so the tiny model cannot be "
+                             "built there. Point SHARDGEN_CACHE (or model.cache_dir) at a writable directory") from None
+
+
+def _move_aside(target: Path) -> None:
+    aside = target.with_name(f".{target.name}-changed-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(target, aside)
+    except FileNotFoundError:
+        return  # another process moved it first
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _has_all_weights(path: Path) -> bool:

@@ -21,7 +21,7 @@ from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, hold
                                     read_fingerprint, read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
 from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_sha256, model_version
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -74,7 +74,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     world = world_size_of(cfg)
     dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
     check_run_dir_text(cfg.run_dir)
-    run = RunDir(Path(cfg.run_dir).absolute())
+    run = RunDir.at(cfg.run_dir)
     check_run_root(run.root)  # a run_dir the launch would refuse (not a run, /, home) is refused here too; reads only
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
@@ -82,7 +82,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     refused = None
     if old is not None:
         digest = prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0]
-        diffs = diff_fingerprints(old, compute_fingerprint(cfg, digest, model_version(cfg.model)))
+        diffs = diff_fingerprints(old, compute_fingerprint(cfg, digest, model_version(cfg.model),
+                                                         model_sha256(cfg.model)))
         # a run without a sample takes the new settings: the launch starts it over
         if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"

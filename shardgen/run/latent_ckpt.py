@@ -28,6 +28,7 @@ import torch
 
 from shardgen.config.schema import VideoConfig
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
+from shardgen.dataio.rundir.layout import open_regular
 from shardgen.dataio.shards import is_video
 from shardgen.pick import pick
 
@@ -47,7 +48,7 @@ class LatentCheckpoints:
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
         """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
         than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
-        video, directory = pick(VideoConfig, cfg), RunDir(Path(cfg.run_dir).absolute()).latents_dir
+        video, directory = pick(VideoConfig, cfg), RunDir.at(cfg.run_dir).latents_dir
         every = video.latent_checkpoint_every
         if every == "auto":
             video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"
@@ -71,7 +72,8 @@ class LatentCheckpoints:
         try:
             if path.is_symlink():
                 raise ValueError("a symlink (never followed)")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with open_regular(path, follow=False) as f:  # a FIFO there would block the load
+                state = torch.load(f, map_location="cpu", weights_only=True)
             _check_state(state, indices, steps)
         except Exception as e:  # noqa: BLE001 (any unreadable or foreign content means: start the batch over)
             log.warning("ignoring latent checkpoint %s (%s: %s); the batch starts from step 0", path,

@@ -28,13 +28,14 @@ from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_b
                                     record_launch)
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
+from shardgen.dataio.rundir.layout import storage_error
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
-from shardgen.models.loader import model_version
+from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
@@ -109,7 +110,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
     planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
-    run = RunDir(Path(cfg.run_dir).absolute())
+    run = RunDir.at(cfg.run_dir)
     check_run_dir_text(cfg.run_dir)
     new = check_run_root(run.root)
     top = first_missing_dir(run.root)
@@ -119,7 +120,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
         uploader.check()  # no bucket, no permission: one line naming the URL, before planning or any weight
     source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
     digest, identity = prompt_file_hash(run, path, source.format)
-    fp = compute_fingerprint(cfg, digest, model_version(cfg.model))
+    fp = compute_fingerprint(cfg, digest, model_version(cfg.model), model_sha256(cfg.model))
     # rows appended to an existing run's prompt file are planned as an extension (a new run has no fingerprint)
     extend_if_appended(run, fp, source, identity["size"], lambda: planning_truncation_check(cfg, source))
     resuming = True
@@ -231,6 +232,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
     except Exception as e:
         log_to_file_only(rank_log, e)
+        if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
+            raise full from None
         raise
     finally:
         W.shutdown()

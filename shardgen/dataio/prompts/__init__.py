@@ -15,12 +15,12 @@ if TYPE_CHECKING:
     from .plan import Plan, PlannedRow, build_plan, estimate_rows, file_sha256, idle_warning, load_plan, sample_seed
     from .read import (FORMATS, MAX_PROMPT_CHARS, PromptSource, check_prompt_source, detect_format,
                        prompt_file_path)
-    from .rowsettings import (ROW_SETTINGS, RowRules, Shape, count_shapes, rules_from_cfg, shape_label,
+    from .rowsettings import (MAX_SIDE, ROW_SETTINGS, RowRules, Shape, count_shapes, rules_from_cfg, shape_label,
                               shape_legend, unknown_names)
     from .truncation import TruncationCheck, checks_while_planning, planning_windows
 
-__all__ = ["FORMATS", "MAX_PROMPT_CHARS", "Plan", "PlannedRow", "PromptSource", "ROW_SETTINGS", "RowRules", "Shape",
-           "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
+__all__ = ["FORMATS", "MAX_PROMPT_CHARS", "MAX_SIDE", "Plan", "PlannedRow", "PromptSource", "ROW_SETTINGS", "RowRules",
+           "Shape", "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
            "detect_format", "estimate_rows", "file_sha256", "idle_warning", "load_plan", "planning_windows",
            "prompt_file_path", "rules_from_cfg", "sample_seed", "shape_label", "shape_legend", "unknown_names"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

@@ -14,11 +14,9 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -37,7 +35,8 @@ from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
-from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir, atomic_write_json, pid_alive, read_json
+from shardgen.dataio.rundir.layout import (PLAN_TEMP_NAME, NotRegularFileError, RunDir, atomic_write_json,
+                                           host_name, open_regular, pid_alive, read_json)
 from shardgen.dataio.rundir.remote import identity, is_url, open_input, sizeof
 from shardgen.errors import UserError
 
@@ -162,7 +161,7 @@ class Plan:
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
         if self.starts is None:  # a version-1 plan: the rows were copied into plan/
-            with open(self.run.plan_dir / f"{shard:06d}.jsonl", encoding="utf-8") as f:
+            with open_regular(self.run.plan_dir / f"{shard:06d}.jsonl") as f:
                 return [PlannedRow(**json.loads(line)) for line in f]
         m = self.meta
         seg = self._segment(shard)
@@ -207,8 +206,7 @@ class Plan:
         else:
             end = int(part.starts[i + 1][0]) if i + 1 < len(part.starts) else part.meta["rows_end"]
             head_end = int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0  # the header line
-            head, data = read_range(src.path, head_end, offset, end)
-            digest = hashlib.sha256(head + data).digest()
+            head, data, digest = read_range(src.path, head_end, offset, end)
         if digest != part.digests[i].tobytes():
             raise P.PromptFileError(
                 f"{src.path}: the prompt file changed since the run was planned (the rows of shard {shard:06d}, "
@@ -217,7 +215,8 @@ class Plan:
                 "or start a new run_dir for the new file")
         if src.format == "parquet":
             return rows
-        return list(read_rows_at(src, offset, line, rng.start, len(rng), io.BytesIO(data), head))
+        with data:
+            return list(read_rows_at(src, offset, line, rng.start, len(rng), data, head))
 
     @property
     def covered(self) -> tuple[int, str | None]:
@@ -316,9 +315,12 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
 def _load_npy(path: Path) -> np.ndarray:
     """A plan array; PlanError naming the file when it is missing or damaged."""
     try:
-        return np.load(path, allow_pickle=False)
+        with open_regular(path) as f:
+            return np.load(f, allow_pickle=False)
     except FileNotFoundError:
         raise _plan_error(path, "missing") from None
+    except NotRegularFileError:
+        raise _plan_error(path, "not a regular file") from None
     except Exception as e:  # numpy raises ValueError, EOFError, even SyntaxError (a garbled header) for damage
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
@@ -339,7 +341,7 @@ def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None
 def discard_plan(run: RunDir, why: str) -> None:
     """Remove the run's plan (moved aside first, so a concurrent reader sees it whole or not at all); ``why`` names
     the moved-aside directory while it is being removed."""
-    aside = run.root / f".plan-{why}~{socket.gethostname()}~{os.getpid()}~{time.time_ns()}"
+    aside = run.root / f".plan-{why}~{host_name()}~{os.getpid()}~{time.time_ns()}"
     try:
         os.rename(run.plan_dir, aside)
     except FileNotFoundError:
@@ -395,7 +397,7 @@ def clean_stale_tmp(run: RunDir) -> None:
 
 
 def _host() -> str:
-    return socket.gethostname().replace("-", "_")  # "-" separates the temp dir name's fields
+    return host_name().replace("-", "_")  # "-" separates the temp dir name's fields
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,

@@ -143,10 +143,17 @@ def scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None
     limit = source.limit if source.limit is not None else 1 << 62
     starts, rows, rejects, base, carry = [], first_row, 0, offset, 0
     buf = bytearray(_BLOCK)
+    max_line = P.max_line_bytes(source.max_chars)
     with open_input(source.path, buffering=0) as f:
         f.seek(offset)
         while rows < limit:
-            if carry == len(buf):  # a line longer than the buffer: grow it
+            if carry == len(buf) and carry > max_line:  # a line longer than any row: a bad row, skipped unread
+                if (rows - first_row) % per_shard == 0:
+                    starts.append(np.array([[base, rows + 1]], np.int64))
+                size = _skip_long_line(source, f, carry, max_line, rows)
+                rejects, rows, base, carry = rejects + 1, rows + 1, base + size, 0
+                continue
+            if carry == len(buf):  # a line longer than the buffer (but not than a row may be): grow it
                 buf = buf + bytearray(len(buf))
             got = f.readinto(memoryview(buf)[carry:])
             size = carry + got
@@ -181,6 +188,22 @@ def scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None
                 break
     starts = np.concatenate(starts).astype(np.int64) if starts else np.zeros((0, 2), np.int64)
     return rows - first_row, rejects, starts, base, None
+
+
+def _skip_long_line(source: PromptSource, f: BinaryIO, held: int, max_line: int, row: int) -> int:
+    """Read past the rest of a line of which ``held`` bytes are in the buffer: its reject (an error unless
+    on_bad_row=skip, as the per-line reader gives it); the line's length."""
+    size = held
+    while chunk := f.read(1 << 20):  # up to the newline, in bounded chunks: only the length is kept
+        if (nl := chunk.find(b"\n")) >= 0:
+            size += nl + 1
+            f.seek(nl + 1 - len(chunk), os.SEEK_CUR)  # the next line is read from its start
+            break
+        size += len(chunk)
+    long = P.LongLine()
+    long.size, long.limit = size, max_line
+    P.emit(source.path, row, row + 1, source.on_bad_row, P.parse_txt, long, max_chars=source.max_chars)
+    return size
 
 
 def _check_block(source: PromptSource, block: memoryview, arr: np.ndarray, line_starts: np.ndarray,
@@ -308,12 +331,24 @@ def file_identity(path: str) -> tuple:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, bytes]:
-    """(bytes 0..head_end, bytes lo..hi) of the prompt file: the csv/tsv header, and a shard's rows."""
+def read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, BinaryIO, bytes]:
+    """(bytes 0..head_end, a copy of bytes lo..hi, the SHA-256 of both) of the prompt file: the csv/tsv header, and
+    a shard's rows, copied as they are hashed (what is parsed is what was hashed). The copy is in memory up to
+    one block, on disk beyond: a shard holding a runaway line (a reject) stays within bounded memory."""
+    import tempfile
+
+    copy = tempfile.SpooledTemporaryFile(max_size=_BLOCK)
     with open_input(path) as f:
         head = f.read(head_end)
+        h = hashlib.sha256(head)
         f.seek(lo)
-        return head, f.read(max(0, hi - lo))
+        left = max(0, hi - lo)
+        while left > 0 and (chunk := f.read(min(left, _BLOCK))):
+            h.update(chunk)
+            copy.write(chunk)
+            left -= len(chunk)
+    copy.seek(0)
+    return head, copy, h.digest()
 
 
 def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: int, data: BinaryIO | None = None,
@@ -333,16 +368,29 @@ def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: i
         parse = P.parse_txt if src.format == "txt" else P.parse_jsonl
         args = () if src.format == "txt" else (src.field, src.seed_field, src.rules)
         for i in range(count):
-            raw = data.readline()
+            raw = P.read_line(data, P.max_line_bytes(src.max_chars))
             if offset == 0 and i == 0 and raw.startswith(P.BOM):
                 raw = raw[len(P.BOM):]
             yield P.emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
 
 
+class _HeaderThen:
+    """A header line, then the lines of a file: what the bounded line reader (``P.read_line``) reads."""
+
+    def __init__(self, header: bytes, f: BinaryIO):
+        self._header, self._f = header, f
+
+    def readline(self, size: int = -1) -> bytes:
+        if self._header is not None:
+            header, self._header = self._header, None
+            return header
+        return self._f.readline(size)
+
+
 def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
                    head: bytes | None = None) -> Iterator[P.PromptRow]:
     """csv/tsv records from ``f``'s position: the prompt reader, given the header line then the rest."""
-    from itertools import chain, islice
+    from itertools import islice
 
     if head is not None:
         header = next(P.raw_lines(io.BytesIO(head)))[1]
@@ -350,7 +398,7 @@ def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
         with open_input(src.path) as h:
             header = next(P.raw_lines(h))[1]
     # the reader numbers the header line 1 and this shard's first record line 2
-    for r in islice(P.read_table(src.path, chain([header], f), src.format, src.field, src.seed_field,
+    for r in islice(P.read_table(src.path, _HeaderThen(header, f), src.format, src.field, src.seed_field,
                                  src.on_bad_row, src.max_chars, src.rules), count):
         yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject, r.settings)
 

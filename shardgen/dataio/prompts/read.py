@@ -27,7 +27,8 @@ _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "cs
                ".parquet": "parquet"}
 BOM = b"\xef\xbb\xbf"
 _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
-_SEED_TEXT = re.compile(r"[0-9]+")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
+_SEED_TEXT = re.compile(r"[0-9]{1,19}")  # csv/tsv seeds: plain digits only, so " 1", "+1", "1_0" are rejected
+MAX_INT_BITS = 1023  # a row's integers stay within a float's range: every JSON reader can hold them
 _PARQUET_BATCH = 4096
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
 MAX_PROMPT_CHARS = 100_000  # prompts.max_prompt_chars' default: far beyond any text encoder's window
@@ -224,6 +225,9 @@ def emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *ar
         prompt, seed, extra, *settings = parse(*args)  # readers of rows with fields add the row's settings
         if max_chars is not None and len(prompt) > max_chars:
             raise _BadRow(too_long(len(prompt), max_chars))
+        negative = settings[0].get("negative_prompt") if settings else None
+        if max_chars is not None and negative is not None and len(negative) > max_chars:  # tokenized like the prompt
+            raise _BadRow(too_long(len(negative), max_chars).replace("the prompt", "the negative_prompt", 1))
     except (_BadRow, BadSetting) as e:
         if on_bad_row == "error":
             raise fail(path, line, str(e), _SKIP_HINT) from None
@@ -231,9 +235,57 @@ def emit(path: str, index: int, line: int, on_bad_row: str, parse: Callable, *ar
     return PromptRow(index, line, prompt, seed, extra, None, settings[0] if settings else {})
 
 
-def raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes with terminator); a leading UTF-8 BOM is removed."""
-    for lineno, raw in enumerate(f, 1):
+LINE_SLACK = 1 << 20  # a row's bytes beyond its prompt's: other fields, quoting
+
+
+def max_line_bytes(max_chars: int | None) -> int:
+    """The longest line a row with a prompt of ``max_chars`` characters can need (12 bytes a character: a JSON
+    escaped surrogate pair), with room for other fields; a longer line is a bad row, skipped unread."""
+    return 12 * (max_chars or MAX_PROMPT_CHARS) + LINE_SLACK
+
+
+class LongLine(bytes):
+    """A line longer than ``max_line_bytes``, in place of its bytes: they are skipped, never held in memory."""
+
+    size: int
+    limit: int
+
+    def __bool__(self) -> bool:  # a line, though its bytes are not kept: not the end of the file
+        return True
+
+    def reason(self) -> str:
+        return (f"the line is {self.size} bytes long, over prompts.max_prompt_chars={(self.limit - LINE_SLACK) // 12} "
+                f"(a row of at most {self.limit} bytes)")
+
+
+def read_line(f: BinaryIO, max_bytes: int) -> bytes:
+    """The next line of ``f`` (b"" at its end), or a LongLine when it holds more than ``max_bytes``: memory stays
+    bounded whatever the file (a file that lost its newlines is one line of gigabytes)."""
+    raw = f.readline(max_bytes + 1)
+    if len(raw) <= max_bytes or raw.endswith(b"\n"):
+        return raw
+    size = len(raw)
+    while chunk := f.readline(1 << 20):
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    long = LongLine()
+    long.size, long.limit = size, max_bytes
+    return long
+
+
+def _lines(f: BinaryIO | Iterable[bytes], max_bytes: int | None) -> Iterator[bytes]:
+    if max_bytes is None or not hasattr(f, "readline"):
+        yield from f
+        return
+    while raw := read_line(f, max_bytes):
+        yield raw
+
+
+def raw_lines(f: BinaryIO | Iterable[bytes], max_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes with terminator); a leading UTF-8 BOM is removed; a line over
+    ``max_bytes`` comes as a LongLine."""
+    for lineno, raw in enumerate(_lines(f, max_bytes), 1):
         if lineno == 1 and raw.startswith(BOM):
             raw = raw[len(BOM):]
             if not raw:  # the file is only a BOM: no rows at all
@@ -242,6 +294,8 @@ def raw_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
 
 
 def _decode(raw: bytes) -> str:
+    if isinstance(raw, LongLine):
+        raise _BadRow(raw.reason())
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -278,7 +332,7 @@ def _seed_text(text: str, seed_field: str) -> int | None:
     if text == "":
         return None
     if not _SEED_TEXT.fullmatch(text):
-        raise _BadRow(f"{seed_field}={text!r} is not a seed (an integer from 0 to 2**63-1)")
+        raise _BadRow(f"{seed_field}={text[:40]!r} is not a seed (an integer from 0 to 2**63-1)")
     return _seed_value(int(text), seed_field)
 
 
@@ -308,7 +362,7 @@ def _check_columns(path: str, columns: list[str], field: str, fmt: str) -> None:
 # ---------------------------------------------------------------- txt and jsonl
 
 def _read_txt(path: str, f: BinaryIO, on_bad_row: str, max_chars: int | None = None) -> Iterator[PromptRow]:
-    for index, (line, raw) in enumerate(raw_lines(f)):
+    for index, (line, raw) in enumerate(raw_lines(f, max_line_bytes(max_chars))):
         yield emit(path, index, line, on_bad_row, parse_txt, raw, max_chars=max_chars)
 
 
@@ -320,7 +374,7 @@ def parse_txt(raw: bytes) -> tuple[str, None, dict]:
 
 def _read_jsonl(path: str, f: BinaryIO, field: str, seed_field: str, on_bad_row: str,
                 max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
-    for index, (line, raw) in enumerate(raw_lines(f)):
+    for index, (line, raw) in enumerate(raw_lines(f, max_line_bytes(max_chars))):
         yield emit(path, index, line, on_bad_row, parse_jsonl, raw, field, seed_field, rules, max_chars=max_chars)
 
 
@@ -334,6 +388,9 @@ def parse_jsonl(raw: bytes, field: str, seed_field: str,
         obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise _BadRow(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts (4300)
+        raise _BadRow("a number with thousands of digits: too large for any JSON reader (write it as a string)") \
+            from None
     except RecursionError:
         raise _BadRow(f"JSON nested too deeply (more than {_MAX_DEPTH} levels)") from None
     if not isinstance(obj, dict):
@@ -366,6 +423,9 @@ def _check_values(obj: Any) -> None:
                     from None
         elif isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
             raise _BadRow(f"{value} is not a JSON number (standard JSON has no NaN or Infinity)")
+        elif isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+            raise _BadRow(f"an integer of {value.bit_length()} bits is beyond a number's range (about 1.8e308, "
+                          f"{MAX_INT_BITS} bits): write it as a string")
 
 
 def _parse_record(rec: dict, field: str, seed_field: str,
@@ -382,16 +442,16 @@ def _parse_record(rec: dict, field: str, seed_field: str,
 
 # ---------------------------------------------------------------- csv and tsv
 
-def _text_lines(f: BinaryIO, bad: dict[int, str]) -> Iterator[str]:
+def _text_lines(f: BinaryIO, bad: dict[int, str], max_bytes: int | None = None) -> Iterator[str]:
     """Decoded lines for the csv module, one per physical line so its ``line_num`` is the
     file's line number; a line that is not UTF-8 is passed on replaced and noted in ``bad``,
     because the csv module's iterator protocol has no way to reject a single line."""
-    for lineno, raw in raw_lines(f):
+    for lineno, raw in raw_lines(f, max_bytes):
         try:
             yield _decode(raw)
         except _BadRow as e:
             bad[lineno] = str(e)
-            yield raw.decode("utf-8", "replace")
+            yield "\n" if isinstance(raw, LongLine) else raw.decode("utf-8", "replace")
 
 
 def _table_reader(lines: Iterator[str], fmt: str):
@@ -429,7 +489,7 @@ def read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
                on_bad_row: str, max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
     """The rows of a csv/tsv file ``f`` (header first), each a PromptRow (or a reject per ``on_bad_row``)."""
     bad: dict[int, str] = {}
-    reader = _table_reader(_text_lines(f, bad), fmt)
+    reader = _table_reader(_text_lines(f, bad, max_line_bytes(max_chars)), fmt)
     header = _read_header(path, reader, fmt, field, bad)
     index = 0
     while True:
@@ -492,7 +552,20 @@ def _parquet_records(path: str, pf) -> Iterator[dict]:
             return
         except Exception as e:  # a corrupt page half-way: name the file, not a pyarrow internal
             raise fail(path, 0, f"cannot be read as parquet ({e})", "Check the file") from None
-        yield from batch.to_pylist()
+        try:
+            yield from batch.to_pylist()
+        except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8: find the rows, one by one
+            yield from _rows_one_by_one(batch)
+
+
+def _rows_one_by_one(batch) -> Iterator[dict | _BadRow]:
+    """The rows of ``batch``; a row that does not decode as a _BadRow in its place (its row number is kept)."""
+    for i in range(batch.num_rows):
+        try:
+            yield batch.slice(i, 1).to_pylist()[0]
+        except UnicodeDecodeError as e:
+            yield _BadRow(f"a string that is not valid UTF-8 (byte 0x{e.object[e.start]:02x}; is the file's text "
+                          "UTF-8?)")
 
 
 def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str,
@@ -509,6 +582,8 @@ def parse_parquet(rec: dict, field: str, seed_field: str,
                   rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
     """One parquet record as (prompt, seed, the other fields made JSON-able, its settings); raises _BadRow or
     BadSetting."""
+    if isinstance(rec, _BadRow):
+        raise rec
     rec = {k: _jsonable(v) if k in (rules.names if rules else ()) else v for k, v in rec.items()}  # NaN: unset
     prompt, seed, extra, settings = _parse_record(rec, field, seed_field, rules)
     extra = {k: _jsonable(v) for k, v in extra.items()}

@@ -30,8 +30,9 @@ MAX_STEPS = 1000
 MAX_RATIO = 8.0
 """The most elongated ``aspect_ratio`` a row may ask for (8:1 or 1:8)."""
 _RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
-_NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
-_INT = re.compile(r"\s*[0-9]+\s*")
+# text cells (csv, tsv) read as numbers: digits bounded, so no conversion meets Python's int-string limit
+_NUMBER = re.compile(r"\s*[+-]?([0-9]{1,30}\.?[0-9]{0,30}|\.[0-9]{1,30})([eE][+-]?[0-9]{1,4})?\s*")
+_INT = re.compile(r"\s*[0-9]{1,18}\s*")
 
 
 class Shape(NamedTuple):
@@ -163,7 +164,7 @@ class RowRules:
             value = int(value)
         ok = isinstance(value, int) and not isinstance(value, bool)
         if not ok or value % self.multiple or not self.multiple <= value <= MAX_SIDE:
-            got = repr(value) if ok or text else _kind(value)
+            got = _shown(value) if ok or text else _kind(value)
             raise BadSetting(f"{name}: {got} is not an image {name} this model can make: write a whole number of "
                              f"pixels, a multiple of {self.multiple} from {self.multiple} to {MAX_SIDE}")
         return value
@@ -176,7 +177,7 @@ class RowRules:
             value = int(value)
         s = self.frame_stride
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (value - 1) % s:
-            raise BadSetting(f"num_frames: {value!r} is not a frame count this model can make: write "
+            raise BadSetting(f"num_frames: {_shown(value)} is not a frame count this model can make: write "
                              f"{s}k+1 frames (1, {s + 1}, {2 * s + 1}, ...)")
         return value
 
@@ -206,6 +207,12 @@ def rules_from_cfg(cfg: Any) -> RowRules | None:
                     frame_stride=fam.frame_stride, frames=None if frames is None else int(frames))
 
 
+def _shown(value: Any) -> str:
+    """``value`` in a message: its repr, cut to 40 characters (a cell may hold megabytes)."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() <= 1023 else "a huge integer"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _kind(value: Any) -> str:
     names = {type(None): "null", bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
     return names.get(type(value), repr(value))
@@ -215,7 +222,7 @@ def _count(name: str, value: Any, text: bool) -> int:
     if text and isinstance(value, str) and _INT.fullmatch(value):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
-        raise BadSetting(f"{name}: {value!r} is not a number of denoising steps: write a whole number from 1 to "
+        raise BadSetting(f"{name}: {_shown(value)} is not a number of denoising steps: write a whole number from 1 to "
                          f"{MAX_STEPS}")
     return value
 
@@ -224,10 +231,12 @@ def _number(name: str, value: Any, text: bool, low: float) -> float:
     if text and isinstance(value, str) and _NUMBER.fullmatch(value):
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadSetting(f"{name}: {_kind(value) if not text else repr(value)} is not a number: write a number "
+        raise BadSetting(f"{name}: {_kind(value) if not text else _shown(value)} is not a number: write a number "
                          f"from {low:g} up, e.g. 3.5")
+    if isinstance(value, int) and value.bit_length() > 1023:  # beyond a float: no guidance scale
+        value = math.inf
     if not (math.isfinite(value) and value >= low):
-        raise BadSetting(f"{name}: {value!r} is out of range: write a number from {low:g} up"
+        raise BadSetting(f"{name}: {_shown(value)} is out of range: write a number from {low:g} up"
                          + (" (1 = true CFG off)" if name == "true_cfg_scale" else ""))
     return float(value)
 

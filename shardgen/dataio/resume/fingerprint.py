@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
-                                           json_bytes, read_json, read_state)
+                                           host_name, json_bytes, read_json, read_state)
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
 from shardgen.models import lora
@@ -31,10 +30,13 @@ class FingerprintMismatch(UserError, RuntimeError):
     """A resume would mix samples made with different settings."""
 
 
-def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None) -> dict:
-    """The pixel-determining fields of a resolved GenerateConfig, as a flat dict."""
+def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None = None,
+                        model_sha256: str | None = None) -> dict:
+    """The pixel-determining fields of a resolved GenerateConfig, as a flat dict. ``model_sha256``: the content hash
+    of the weights (shardgen/models/content.py), where the model has local bytes."""
     m, p = cfg.model, cfg.prompts
-    return _dataset_fields(cfg) | {
+    content = {"model.sha256": model_sha256} if model_sha256 else {}
+    return _dataset_fields(cfg) | content | {
         "model.name": m.name, "model.pipeline": m.pipeline, "model.source": m.source, "model.revision": m.revision,
         "model.weights": m.weights, "model.version": model_version, "model.true_cfg_scale": m.true_cfg_scale,
         "model.negative_prompt": m.negative_prompt, "model.max_sequence_length": m.max_sequence_length,
@@ -65,9 +67,13 @@ def _dataset_fields(cfg: Any) -> dict:
     return out
 
 
+# fields added to the fingerprint later: a run recorded before them resumes, and records them from then on
+ADDED_FIELDS = ("model.sha256",)
+
+
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
-    """Human-readable lines for each field that differs."""
-    keys = sorted(set(old) | set(new))
+    """Human-readable lines for each field that differs (a field of ADDED_FIELDS absent from ``old`` does not)."""
+    keys = sorted(k for k in set(old) | set(new) if k in old or k not in ADDED_FIELDS)
     return [f"{k}: run has {old.get(k)!r}, this launch has {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
@@ -130,6 +136,8 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
         lost_race = True  # that job is starting now, not a launch that stopped before its first sample
     if not diff_fingerprints(old, fingerprint):
+        if any(k in fingerprint and k not in old for k in ADDED_FIELDS):  # a run recorded before the field
+            atomic_write_json(run.fingerprint_path, dict(old, **{k: fingerprint[k] for k in ADDED_FIELDS if k in fingerprint}))
         return True
     if not allow_change and not lost_race and holds_no_samples(run):
         # a launch that failed before its first sample (a model that did not load) leaves nothing to mix with
@@ -147,14 +155,18 @@ def _mismatch(run: RunDir, old: dict, new: dict, prompt_path: str | os.PathLike 
         diffs.insert(0, f"prompts.path={prompt_path}: not this run's prompt file, whose content it identifies the "
                         f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
                         f"{str(new.get('prompts.sha256'))[:16]}...)")
+    fixed = _fixed_by_plan(run, old, new)
+    fixes = f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). "
+    if fixed:  # allow_fingerprint_change cannot change what the plan was made from: not offered
+        fixes += (f"To continue this run, launch it with its original settings "
+                  f"({', '.join(_setting(k, old.get(k)) for k in fixed)}: the run's plan was made from them).")
+    else:
+        fixes += ("To continue this run, launch it with its original settings (its config.yaml). Only if the old and "
+                  "new samples may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the "
+                  "samples already made stay as they are: jobs.verify notes them, and its --repair keeps them).")
     return FingerprintMismatch(
         f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
-        "samples:\n  "
-        + "\n  ".join(diffs)
-        + f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). To continue "
-          f"this run, launch it with its original settings (its config.yaml). Only if the old and new samples "
-          "may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the samples already "
-          "made stay as they are: jobs.verify notes them, and its --repair keeps them).")
+        "samples:\n  " + "\n  ".join(diffs) + fixes)
 
 
 def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
@@ -173,7 +185,10 @@ def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
     if old is None or digest is None:
         return
     new = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k != "prompts.sha256"):
+    # the model's bytes are hashed by the launch itself (reading the weights is not for before torch)
+    new.pop("model.sha256", None)
+    if diff_fingerprints({k: v for k, v in old.items() if k not in ("prompts.sha256", "model.sha256")},
+                         {k: v for k, v in new.items() if k != "prompts.sha256"}):
         raise _mismatch(run, old, new, prompt_path)
 
 
@@ -197,7 +212,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
         discard_plan(run, "replaced")
     changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  host=socket.gethostname(), changes=changes, no_samples=True)
+                  host=host_name(), changes=changes, no_samples=True)
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     atomic_write_json(run.fingerprint_path, new)
     run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
@@ -235,17 +250,30 @@ def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | Non
                                   "fingerprint.json, or choose a new run_dir")
 
 
+def _fixed_by_plan(run: RunDir, old: dict, new: dict) -> list[str]:
+    """The differing fields a planned run cannot change (the plan was made from them)."""
+    if not os.path.lexists(run.plan_json_path):
+        return []
+    return [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
+
+
+def _setting(key: str, value: Any) -> str:
+    """``key=value`` as the command line writes it (``null`` for None)."""
+    if key == "prompts.sha256":
+        return "the prompt file it was planned from"
+    return f"{key}={'null' if value is None else value}"
+
+
 def _apply_change(run: RunDir, old: dict, new: dict) -> None:
-    planned = run.plan_json_path.exists()
-    plan_diffs = [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
-    if planned and plan_diffs:
+    plan_diffs = _fixed_by_plan(run, old, new)
+    if plan_diffs:
         raise FingerprintMismatch(
             f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
             f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
             "be silently ignored. To extend a run, append the new prompts to its prompt file and change no other "
             "setting in that launch: the appended rows are planned as new shards.")
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  host=socket.gethostname(), changes={k: [old.get(k), new.get(k)]
+                  host=host_name(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     atomic_write_json(run.fingerprint_path, new)

@@ -17,7 +17,8 @@ import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, map_io, read_state
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, map_io, open_regular,
+                                           read_regular, read_state)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, all_checkpoints
 
 
@@ -242,7 +243,7 @@ def _load_table(run: RunDir) -> tuple[dict, dict[int, dict], dict[int, dict]]:
     try:
         if path.is_symlink():
             raise ValueError("a symlink")
-        with np.load(path, allow_pickle=False) as z:
+        with open_regular(path, follow=False) as f, np.load(f, allow_pickle=False) as z:
             table = {k: np.asarray(z[k], np.int64) for k in _COLS} | {k: np.asarray(z[k], np.float64) for k in _TIMES}
             reasons, shapes = json.loads(str(z["reasons"])), json.loads(str(z["shapes"]))
         if len({len(v) for v in table.values()}) != 1 or not isinstance(reasons, dict) or not isinstance(shapes, dict):
@@ -324,8 +325,9 @@ def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:
     from omegaconf import OmegaConf
 
     try:
-        return float(OmegaConf.load(run.config_path).get("lease_s", default))
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # missing or damaged: the default
+        text = read_regular(run.config_path, limit=1 << 22).decode("utf-8")
+        return float(OmegaConf.create(text).get("lease_s", default))
+    except (OSError, ValueError, TypeError, AttributeError, RunDirError, yaml.YAMLError):  # missing or damaged
         return default
 
 

@@ -28,8 +28,8 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, map_io,
-                                           own_file_name, read_state, shard_name)
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, host_name,
+                                           map_io, open_regular, own_file_name, read_state, shard_name)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
 from shardgen.dataio.shards.upload import uploaded_elsewhere
@@ -206,7 +206,8 @@ def _read_checked(run: RunDir) -> dict[int, tuple[int, ...]]:
     try:
         if path.is_symlink():
             return {}
-        rows = np.load(path, allow_pickle=False)
+        with open_regular(path) as f:
+            rows = np.load(f, allow_pickle=False)
         if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != _CHECKED_COLS:
             return {}
     except Exception:  # none yet, or damaged (numpy's errors vary): every shard is checked again
@@ -221,29 +222,35 @@ def _write_checked(run: RunDir, sound: dict[int, tuple[int, ...]]) -> None:
     atomic_write_bytes(run.shards_checked_path, buf.getvalue())
 
 
+def _not_a_file(e: os.DirEntry) -> bool:
+    """A symlink, FIFO, socket or device (from the listing: no stat for the usual regular file or directory)."""
+    return e.is_symlink() or not (e.is_file(follow_symlinks=False) or e.is_dir(follow_symlinks=False))
+
+
 def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tuple[str, Path]]:
-    """Remove symlinks where shardgen's own files go (they are never followed); a user's other links stay.
-    (note, path) for each; ``shards_entries``: the caller's listing of shards/ (not listed again)."""
+    """Remove symlinks, FIFOs, sockets and devices where shardgen's own files go (never followed or read: a FIFO
+    blocks its reader); a user's other entries stay. (note, path) for each; ``shards_entries``: the caller's
+    listing of shards/ (not listed again)."""
     notes = []
     for d in (run.shards_dir, run.work_dir, run.claims_dir, run.logs_dir):
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
         if d == run.shards_dir and shards_entries is not None:
-            links = [n for n, e in shards_entries.items() if e.is_symlink() and own_file_name(d.name, n)]
+            links = [n for n, e in shards_entries.items() if _not_a_file(e) and own_file_name(d.name, n)]
         else:
             with os.scandir(d) if d.is_dir() else contextlib.nullcontext([]) as entries:
                 # from the listing: no stat per entry; only links at names shardgen uses (a user's own stay)
-                links = [e.name for e in entries if e.is_symlink() and own_file_name(d.name, e.name)]
+                links = [e.name for e in entries if _not_a_file(e) and own_file_name(d.name, e.name)]
         for name in links:
             (d / name).unlink()
-            notes.append((f"removed the symlink {d.name}/{name} (run files are never links; it was not followed)",
-                          d / name))
+            notes.append((f"removed {d.name}/{name}, a symlink or special file (run files are regular files; it "
+                           "was not followed or read)", d / name))
     for path in (run.prompt_hash_path, run.summary_path, run.shards_checked_path, run.config_path,
-                 run.fingerprint_changes_path, run.plan_digests_path, run.launches_path):
-        if path.is_symlink():
+                 run.fingerprint_changes_path, run.plan_digests_path, run.launches_path, run.stats_cache_path):
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_file() and not path.is_dir()):
             path.unlink()
-            notes.append((f"removed the symlink {path.name} (it was not followed)", path))
+            notes.append((f"removed {path.name}, a symlink or special file (it was not followed or read)", path))
     return notes
 
 
@@ -323,7 +330,7 @@ def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no pl
     """The plan of ``run_dir`` for a read-only tool (status, preview), or the line to print instead: a damaged
     plan names its file and the fix, a missing one says so."""
     try:
-        plan = load_plan_checked(RunDir(Path(run_dir).absolute()))
+        plan = load_plan_checked(RunDir.at(run_dir))
     except RunDirError as e:
         return f"{run_dir}: {e}"
     return plan if plan is not None else f"{run_dir}: {what}"

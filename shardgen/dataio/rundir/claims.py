@@ -20,12 +20,13 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir.layout import RunDir, pid_alive
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, host_name, pid_alive, read_regular
+
+CLAIM_BYTES = 1 << 16  # a claim record is a few hundred bytes
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
 LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
@@ -39,7 +40,7 @@ _CLAIM_RE = re.compile(r"^(\d{6})\.g(\d+)$")
 
 def owner_record(replica: int) -> dict:
     """Who is claiming: enough for others to tell whether we are dead."""
-    return dict(host=socket.gethostname(), pid=os.getpid(), replica=replica,
+    return dict(host=host_name(), pid=os.getpid(), replica=replica,
                 job=os.environ.get("SLURM_JOB_ID"), restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                 started=time.time())
 
@@ -90,10 +91,11 @@ def read_claim(run: RunDir, shard: int, gen: int) -> tuple[dict | None, float | 
     path = run.claim(shard, gen)
     try:
         mtime = os.stat(path).st_mtime
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path, follow=False, limit=CLAIM_BYTES)
     except FileNotFoundError:
         return None, None
+    except RunDirError:  # not a claim shardgen wrote (a FIFO, a link, a huge file): alive only by its mtime
+        return {}, mtime
     try:
         return json.loads(data), mtime
     except ValueError:

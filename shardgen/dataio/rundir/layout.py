@@ -42,11 +42,12 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardgen.errors import UserError
 
@@ -68,7 +69,8 @@ class RunDirError(UserError, RuntimeError):
 
 
 class DiskFullError(UserError, OSError):
-    """No space (or quota) left while writing a run file; the message names the path and the free space."""
+    """The storage refused a write (no space or inodes, quota, file size limit, a read-only file system); the
+    message names the path, the free space where it applies, and the fix."""
 
 
 def _read_umask() -> int:
@@ -80,8 +82,15 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+def host_name() -> str:
+    """This host's name as it goes into run file names and records (temp files, claims, events): letters, digits,
+    ``.``, ``_`` and ``-`` only, so a name holding ``/``, ``~`` or ``..`` can neither leave the directory nor be
+    mistaken for a separator."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).strip(".") or "host"
+
+
 def _tmp_prefix(name: str) -> str:
-    return f".{name}{_TMP_SEP}{socket.gethostname()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
+    return f".{name}{_TMP_SEP}{host_name()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
 
 
 def temp_path(path: Path) -> Path:
@@ -101,13 +110,41 @@ def free_space_text(path: Path) -> str:
         return "? free"
 
 
-def disk_full(e: OSError, path: Path, need: int | None = None) -> DiskFullError | None:
-    """The user-facing error for an out-of-space/quota OSError while writing ``path`` (None for other errors)."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+# what the storage refused a write for, and what frees it: each a user error, never a traceback
+_STORAGE_FIXES = {errno.ENOSPC: "Free space (or inodes: df -i) or raise the quota",
+                  errno.EDQUOT: "Free space or raise the quota",
+                  errno.EFBIG: "Raise the file size limit (ulimit -f) or lower samples_per_shard",
+                  errno.EROFS: "Remount it writable or choose a run_dir on a writable file system"}
+
+
+def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int | None = None) -> DiskFullError | None:
+    """The user-facing error for a write the storage refused (no space or inodes, quota, file size limit, read-only
+    file system) while writing ``path`` (default: the error's file name); None for other errors."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code is None and isinstance(e, OSError) and (m := re.search(r"\[errno (\d+)\]", str(e), re.I)):
+        code = int(m.group(1))  # pyarrow's write errors carry the errno in their text only
+    if code not in _STORAGE_FIXES:
         return None
+    path = path or getattr(e, "filename", None)
     want = f"; about {need / 1e6:.1f} MB more were being written" if need else ""
-    return DiskFullError(f"no space left writing {path} ({e.strerror}; {free_space_text(Path(path).parent)} there{want}). "
-                         "Free space or raise the quota, then re-run the same command: the run resumes where it stopped.")
+    free = f"; {free_space_text(Path(path).parent)} there" if path and code in (errno.ENOSPC, errno.EDQUOT) else ""
+    path = path or "a run file"
+    what = "no space left writing" if code in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
+    return DiskFullError(f"{what} {path} ({e.strerror or os.strerror(code)}{free}{want}). {_STORAGE_FIXES[code]}, "
+                         "then re-run the same command: the run resumes where it stopped.")
+
+
+def storage_error(e: BaseException) -> DiskFullError | None:
+    """``disk_full`` of ``e`` or of an error it was raised from (a writer thread's error, re-raised wrapped)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return e
+        if full := disk_full(e):
+            return full
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -195,10 +232,55 @@ def open_fresh(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
+class NotRegularFileError(RunDirError, OSError):
+    """A run file that is a FIFO, a device, a socket or a directory: never read (reading a FIFO blocks until
+    someone writes into it). An OSError too, so readers that skip an unreadable file skip it."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
+
+
+def open_regular(path: str | os.PathLike, *, follow: bool = True, buffering: int = -1) -> BinaryIO:
+    """``path`` opened for reading, only if it is a regular file: the one way run files are opened for reading.
+
+    The open never blocks (O_NONBLOCK: a FIFO opens at once and is refused by its type); ``follow=False`` refuses
+    a symlink too (O_NOFOLLOW). NotRegularFileError names the file, what it is and the fix; a missing file raises
+    FileNotFoundError as ``open`` does."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link "
+                                      "(the next launch repairs what it can)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+            raise NotRegularFileError(f"{path} is {kind}, not a regular file, so it is not read (a FIFO would block "
+                                      "the reader). Move it away and put the file it should be there (in a run "
+                                      "directory: the next launch repairs what it can)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (``open_regular``); RunDirError when it holds more than ``limit`` bytes."""
+    with open_regular(path, follow=follow) as f:
+        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+            raise RunDirError(f"{path} is {os.fstat(f.fileno()).st_size} bytes, more than a file of its kind holds "
+                              f"({limit}); it is damaged or not shardgen's. Move it away")
+        return f.read() if limit is None else f.read(limit + 1)
+
+
 def read_json(path: Path) -> Any:
-    """Read a JSON file."""
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """Read a JSON file (a regular file only: ``open_regular``)."""
+    return json.loads(read_regular(path))
 
 
 def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
@@ -208,8 +290,7 @@ def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
     if path.is_symlink():
         raise RunDirError(f"{path} is a symlink; run files must be regular files")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path, follow=False)
     except FileNotFoundError:
         raise RunDirError(f"{path} is missing") from None
     if not data.strip():
@@ -241,7 +322,7 @@ def run_dir_arg(text: str) -> str:
     text = text[len("run_dir="):] if text.startswith("run_dir=") else text
     if not text.strip():
         raise argparse.ArgumentTypeError("the run directory is empty; give its path")
-    return text
+    return os.path.expanduser(text)  # the shell leaves run_dir=~/x alone
 
 
 @dataclass(frozen=True)
@@ -249,6 +330,12 @@ class RunDir:
     """Every path inside one run directory (nothing else builds them); I/O only in ``create`` and ``clean_leftovers``."""
 
     root: Path
+
+    @classmethod
+    def at(cls, run_dir: str | os.PathLike) -> "RunDir":
+        """The run directory a config or command line names: ``~`` expanded (a shell leaves ``run_dir=~/x``
+        alone), relative paths taken from the current directory."""
+        return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute())
 
     @property
     def plan_dir(self) -> Path:
@@ -383,6 +470,11 @@ class RunDir:
         return self.root / "preview.png"
 
     @property
+    def tool_outputs(self) -> tuple[Path, ...]:
+        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``)."""
+        return self.preview_path, self.report_path
+
+    @property
     def marker_path(self) -> Path:
         """The owner record: its presence says this directory is a shardgen run (clean-up happens only in one)."""
         return self.root / RUN_MARKER
@@ -488,7 +580,7 @@ class RunDir:
 
 def _leftover(path: Path, name: str, max_age_s: float) -> bool:
     parts = name.split(_TMP_SEP)
-    if len(parts) == 4 and parts[1] == socket.gethostname() and parts[2].isdigit():
+    if len(parts) == 4 and parts[1] == host_name() and parts[2].isdigit():
         pid = int(parts[2])
         if pid != os.getpid() and not pid_alive(pid):
             return True
@@ -596,14 +688,28 @@ def check_run_root(root: Path) -> bool:
                       f"Choose another run_dir (e.g. run_dir={root / 'run'})")
 
 
-def append_line(path: Path, line: str) -> None:
-    """Append one line to a log-like run file (O_APPEND, never through a symlink), durably."""
+def open_append(path: str | os.PathLike) -> int:
+    """A descriptor appending to the regular file ``path`` (created if missing): never through a symlink and never
+    blocking (opening a FIFO for writing waits for a reader); NotRegularFileError naming anything else there."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise RunDirError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
+            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
+            raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it "
+                                      "away") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it away")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to a log-like run file (O_APPEND, never through a symlink, never blocking), durably."""
+    fd = open_append(path)
     with os.fdopen(fd, "ab") as f:
         f.write((line.rstrip("\n") + "\n").encode("utf-8"))
         f.flush()

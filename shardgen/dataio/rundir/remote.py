@@ -183,5 +183,10 @@ def sizeof(path: Any) -> int:
 
 
 def open_input(path: Any, buffering: int = -1):
-    """A local path or a URL opened for binary reading (a URL: ranged reads, never a download first)."""
-    return open_remote(str(path)) if is_url(path) else open(path, "rb", buffering=buffering)
+    """A local path or a URL opened for binary reading (a URL: ranged reads, never a download first; a local path:
+    only a regular file, ``open_regular``: a FIFO in its place is refused, not waited on)."""
+    if is_url(path):
+        return open_remote(str(path))
+    from shardgen.dataio.rundir.layout import open_regular
+
+    return open_regular(path, buffering=buffering)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
+import sys
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import RunDir, append_line, is_run_dir
+from shardgen.dataio.rundir.layout import RunDir, append_line, host_name, is_run_dir, open_append, open_regular
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -51,15 +51,24 @@ class RankLogHandler(logging.FileHandler):
         for record in held:
             super().emit(record)
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A line the log file cannot take (a full disk, a read-only run directory): one line on stderr, the first
+        time, instead of logging's traceback for every record (the console still gets them all)."""
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            error = sys.exc_info()[1]
+            print(f"shardgen: cannot write {self.baseFilename} ({error}); its lines go to the console only",
+                  file=sys.stderr)
+
     def _open(self):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-        return super()._open()
+        return os.fdopen(open_append(self.baseFilename), "a", encoding=self.encoding or "utf-8", errors=self.errors)
 
 
 def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
     """Send the "shardgen" loggers of this process to ``logs/rank<R>.log`` too (held until ``start_writing()``);
     returns the handler."""
-    path = RunDir(Path(run_dir).absolute()).rank_log_path(rank)
+    path = RunDir.at(run_dir).rank_log_path(rank)
     handler = RankLogHandler(path)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.setLevel(logging.INFO)
@@ -96,7 +105,7 @@ def _append_line(path: Path, record: dict) -> None:
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:
     """Note a committed shard for the report (called on the writer after the stats are written)."""
-    _append_line(run.events_path(socket.gethostname(), os.getpid()), dict(
+    _append_line(run.events_path(host_name(), os.getpid()), dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
         ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
 
@@ -110,7 +119,7 @@ def read_jsonl(paths) -> list[dict]:
     """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
     out = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             for line in f:
                 try:
                     out.append(json.loads(line))

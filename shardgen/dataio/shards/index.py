@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable
 
 from shardgen.dataio.prompts.samplejson import input_fields
-from shardgen.dataio.rundir.layout import RunDir, shard_name, temp_path
+from shardgen.dataio.rundir.layout import RunDir, open_regular, shard_name, temp_path
 from shardgen.dataio.shards.formats import image_ext
 
 # Curation signals (shardgen/dataio/shards/signals.py) and their column types in the index.
@@ -114,7 +114,7 @@ class PartialIndex:
         """Write the rows as the shard's parquet index at ``final`` (atomically); the number of rows."""
         self.sync()
         self._f.close()
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, follow=False) as f:
             rows = [json.loads(line) for line in f]
         write_index(final, rows)
         return len(rows)
@@ -127,7 +127,7 @@ class PartialIndex:
 
 def _first_lines(path: Path, n: int) -> list[bytes]:
     lines = []
-    with open(path, "rb") as f:
+    with open_regular(path, follow=False) as f:
         for line in f:
             if len(lines) == n or not line.endswith(b"\n"):
                 break
@@ -169,7 +169,8 @@ def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) ->
     path = index_path(run, shard)
     if not path.exists():
         return []
-    return pq.read_table(path, columns=list(columns) if columns else None).to_pylist()
+    with open_regular(path) as f:
+        return pq.read_table(f, columns=list(columns) if columns else None).to_pylist()
 
 
 def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, bytes]]) -> tuple[dict, list[str]]:
@@ -205,7 +206,8 @@ def index_problem(run: RunDir, shard: int, count: int) -> str | None:
     if path.is_symlink() or not path.is_file():
         return f"its index {path.name} is missing"
     try:
-        rows = pq.read_metadata(path).num_rows
+        with open_regular(path, follow=False) as f:
+            rows = pq.read_metadata(f).num_rows
     except Exception as e:  # a damaged parquet file: pyarrow raises several kinds of error
         return f"its index {path.name} is unreadable ({type(e).__name__})"
     return None if rows == count else f"its index {path.name} has {rows} rows, its stats say {count}"

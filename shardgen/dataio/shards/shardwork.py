@@ -14,7 +14,8 @@ from typing import Callable
 from shardgen.dataio.shards import index as shard_index
 from shardgen.dataio.prompts.plan import sample_key
 from shardgen.dataio.prompts.rowsettings import shape_label
-from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError, atomic_write_json, read_state
+from shardgen.dataio.rundir.layout import (DiskFullError, RunDir, RunDirError, atomic_write_json, open_regular,
+                                           read_state)
 from shardgen.dataio.shards.tarshard import PartialTar, fsync_dir, scan_tar
 
 log = logging.getLogger("shardgen.shard")
@@ -265,8 +266,7 @@ def durable_partial(run: RunDir, shard: int) -> bytes | None:
     for ckpt in sorted(shard_checkpoints(run, shard), key=lambda c: -c["n_done"]):
         path = run.partial_tar(shard, ckpt["gen"])
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a symlink where a partial should be is not read
-            with os.fdopen(fd, "rb") as f:
+            with open_regular(path, follow=False) as f:  # a symlink or FIFO where a partial should be is not read
                 data = f.read(ckpt["tar_bytes"])
         except OSError:
             continue

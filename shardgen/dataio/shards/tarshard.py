@@ -18,7 +18,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import disk_full, open_fresh
+from shardgen.dataio.rundir.layout import disk_full, open_fresh, open_regular
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
@@ -139,8 +139,7 @@ def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> TarScan:
     gives them (image, txt, then json last, as the writer writes them); where and why it stops."""
     scan = TarScan()
     size = os.lstat(path).st_size if limit is None else limit
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
+    with open_regular(path, follow=False) as f:
         pos, current = 0, None
         while pos + BLOCK <= size:
             f.seek(pos)

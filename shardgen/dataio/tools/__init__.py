@@ -11,12 +11,14 @@ from shardgen.dataio import lazy_names
 if TYPE_CHECKING:
     from .dedup import near_duplicate_groups
     from .report import write_report
-    from .runfiles import committed_members, count_arg, read_index_columns, safe_write, tool_errors
+    from .runfiles import (check_tool_output, committed_members, count_arg, read_index_columns, safe_write,
+                           tool_errors)
     from .signals_after import add_signals, signal_functions
     from .status import run_metrics, run_status
     from .verify import read_shard_members, repair_run, verify_run
 
-__all__ = ["add_signals", "committed_members", "count_arg", "near_duplicate_groups", "read_index_columns",
-           "read_shard_members", "repair_run", "run_metrics", "run_status", "safe_write", "signal_functions", "tool_errors",
+__all__ = ["add_signals", "check_tool_output", "committed_members", "count_arg", "near_duplicate_groups",
+           "read_index_columns", "read_shard_members", "repair_run", "run_metrics", "run_status", "safe_write",
+           "signal_functions", "tool_errors",
            "verify_run", "write_report"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

@@ -223,7 +223,7 @@ _CSS = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collaps
 
 def write_report(plan: Plan, out: Path) -> Path:
     """Write the report to ``out`` (whole, never through a symlink); return it."""
-    safe_write(out, build_report(plan).encode("utf-8"))
+    safe_write(out, build_report(plan).encode("utf-8"), plan.run)
     return out
 
 

@@ -11,33 +11,80 @@ refused naming the file and the fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
+import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
+                                           storage_error)
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"
 NUMBER = (int, float)
 
 
+# control characters (C0 but newline and tab, DEL, C1) and the bidirectional overrides that reorder a line on screen
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_terminal(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``): a run directory on shared storage is
+    someone else's input, and an escape sequence from a log line or a claim would retitle or clear the terminal."""
+    return _TERMINAL_UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                else f"\\u{ord(m.group()):04x}", text)
+
+
+class _EscapingStream:
+    """A text stream that escapes control characters (``escape_terminal``) in everything written to it."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(escape_terminal(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def terminal_safe_output() -> Iterator[None]:
+    """Within the block, what is printed on stdout and stderr has its control characters escaped."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _EscapingStream(out), _EscapingStream(err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
 def tool_errors(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap a tool's ``main``: a user error or an OS error (a read-only or missing directory, a permission)
-    is printed as one line on stderr and the tool returns 2, never a traceback."""
+    is printed as one line on stderr and the tool returns 2, never a traceback. Everything the tool prints has its
+    control characters escaped (``escape_terminal``): what it shows comes from the run directory."""
 
     @functools.wraps(main)
     def wrapped(*args: Any, **kwargs: Any) -> int:
-        try:
-            return main(*args, **kwargs)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-        except OSError as e:
-            where = f"{e.filename}: " if e.filename else ""
-            print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+        with terminal_safe_output():
+            try:
+                return main(*args, **kwargs)
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr)
+            except Exception as e:
+                if full := storage_error(e):  # a full disk, also where a library raised it wrapped
+                    print(f"error: {full}", file=sys.stderr)
+                elif isinstance(e, OSError):
+                    where = f"{e.filename}: " if e.filename else ""
+                    print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+                else:
+                    raise
+            return 2
 
     return wrapped
 
@@ -57,12 +104,33 @@ def count_arg(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def safe_write(path: Path, data: bytes) -> None:
+def _real(path: Path) -> str:
+    """``path`` with its directory resolved and its last name kept (a link there is replaced, not followed)."""
+    path = Path(os.path.abspath(path))
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def check_tool_output(path: Path, run: RunDir) -> None:
+    """RunDirError when ``path`` is inside ``run``'s directory and not one of the tools' own outputs
+    (``RunDir.tool_outputs``): a tool's --out never replaces a shard, the plan or any other run file."""
+    out, root = _real(path), os.path.realpath(run.root)
+    if os.path.commonpath([out, root]) != root:
+        return
+    if out in {_real(p) for p in run.tool_outputs}:
+        return
+    names = ", ".join(p.name for p in run.tool_outputs)
+    raise RunDirError(f"--out {path} is inside the run directory {run.root}, whose files are the run's own (only "
+                      f"{names} there are tools' outputs); choose a path outside it")
+
+
+def safe_write(path: Path, data: bytes, run: RunDir) -> None:
     """Write a tool's output file whole (temp file + rename: a symlink at ``path`` is replaced, never followed);
-    RunDirError naming the path when it cannot be written (a read-only or missing directory, a directory there)."""
+    RunDirError naming the path when it is one of ``run``'s own files (``check_tool_output``) or cannot be written
+    (a read-only or missing directory, a directory there)."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory; give a file name")
+    check_tool_output(path, run)
     try:
         atomic_write_bytes(path, data)
     except UserError:
@@ -81,7 +149,7 @@ def read_records(paths: Iterable[Path], fields: dict[str, type | tuple]) -> list
         if path.is_symlink() or not path.is_file():
             continue
         try:
-            text = path.read_bytes().decode("utf-8", "replace")
+            text = read_regular(path, follow=False).decode("utf-8", "replace")
         except OSError:
             continue
         for line in text.splitlines():
@@ -122,7 +190,8 @@ def read_index_columns(run: RunDir, columns: list[str], where: str | None = None
         if path.is_symlink():
             continue
         try:
-            table = pq.read_table(path, columns=columns)
+            with open_regular(path, follow=False) as f:
+                table = pq.read_table(f, columns=columns)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError...: all mean a damaged file
             raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
                               + REPAIR_HINT.format(root=run.root)) from None

@@ -14,9 +14,11 @@ generation time).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable, Iterator
 
 from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.index import index_path, write_index
 from shardgen.dataio.shards.upload import committed_tar
@@ -59,17 +61,31 @@ def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[in
 def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
     import pyarrow.parquet as pq
 
+    from shardgen.dataio.tools.runfiles import REPAIR_HINT, read_tar_members
     from shardgen.dataio.tools.verify import read_shard_members
 
-    path = index_path(plan.run, shard)
-    rows = pq.read_table(path).to_pylist()
-    todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
+    run = plan.run
+    path = index_path(run, shard)
+    try:
+        with open_regular(path, follow=False) as f:
+            rows = pq.read_table(f).to_pylist()
+        todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError...; an index of another shape KeyError
+        raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+                          + REPAIR_HINT.format(root=run.root)) from None
     if not todo:
         return None  # done already (a rerun after a kill)
-    members = read_shard_members(committed_tar(plan.run, shard))  # keep_local=false: from the bucket
+    tar = committed_tar(plan.run, shard)  # keep_local=false: read back from the bucket
+    members = read_tar_members(tar) if isinstance(tar, Path) else read_shard_members(tar)
     for r in todo:
-        ext = image_ext(members[r["key"]])
-        pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])
+        if (ext := image_ext(members.get(r["key"], {}))) is None:
+            raise RunDirError(f"{run.shard_tar(shard)} lacks the image of {r['key']!r} that its index "
+                              f"{path.name} lists; " + REPAIR_HINT.format(root=run.root))
+        try:
+            pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])
+        except Exception as e:  # PIL's errors for a damaged image vary
+            raise RunDirError(f"{run.shard_tar(shard)}: the image of {r['key']!r} does not decode "
+                              f"({type(e).__name__}); " + REPAIR_HINT.format(root=run.root)) from None
         for column, f in functions.items():
             if r.get(column) is None:
                 r[column] = f(pixels, r["prompt"])

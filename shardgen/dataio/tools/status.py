@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 
 from shardgen.dataio.prompts.plan import Plan
+from shardgen.dataio.rundir.layout import open_regular
 from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
 from shardgen.dataio.shards.upload import upload_state
 from shardgen.dataio.tools.runfiles import read_events
@@ -84,8 +85,8 @@ def last_problems(plan: Plan) -> dict[str, dict | None]:
         if path.is_symlink():  # a link where a rank log should be is not followed
             continue
         try:
-            with open(path, "rb") as f:
-                f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
+            with open_regular(path, follow=False) as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             continue

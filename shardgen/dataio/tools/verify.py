@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_key
-from shardgen.dataio.rundir.layout import RunDirError
+from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded
@@ -52,7 +52,10 @@ class VerifyReport:
 def read_shard_members(path) -> dict[str, dict[str, bytes]]:
     """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
     samples: dict[str, dict[str, bytes]] = defaultdict(dict)
-    with tarfile.open(path) if isinstance(path, (str, os.PathLike)) else tarfile.open(fileobj=path) as tf:
+    if isinstance(path, (str, os.PathLike)):
+        with open_regular(path) as f:
+            return read_shard_members(f)
+    with tarfile.open(fileobj=path) as tf:
         for m in tf:
             if not m.isfile():
                 continue
