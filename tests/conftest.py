@@ -51,7 +51,7 @@ def tiny_cache(tmp_path_factory):
 # CPU-bound tests on the other worker (`-n 2` in pyproject.toml's addopts; `-n 0` runs everything in one process)
 CLUSTER_TEST_FILES = ("test_slurm.py", "test_multinode.py")
 # the GPU tests share one device: one worker runs them in turn (two workers side by side each saw the other's
-# models in GPU memory and failed the memory check; measured on an H200, session 11)
+# models in GPU memory and failed the memory check; measured on an H200)
 GPU_TEST_FILES = ("test_gpu.py",)
 
 

@@ -164,7 +164,7 @@ def test_the_seed_loop_and_the_jobs_batch_do_equal_work(pipeline, model, extra):
     """The benchmark's seed loop (one prompt, one generator, PIL output) and the job's batch of mixed-length
     prompts give the same pixels for each model's own settings (true CFG and its negative prompt included), on a
     scaled-down model in float64 (where batching cannot move a bit): the speed-ups compare equal work. On the GPU
-    the two differ only by bf16 rounding (FLUX.2-dev's random weights amplify it most: ~26 dB, session 11)."""
+    the two differ only by bf16 rounding (FLUX.2-dev's random weights amplify it most: ~26 dB on an H200)."""
     from shardgen.bench.ways import baseline_kwargs
     from shardgen.models.dummy import build_dummy_pipeline
     from shardgen.run.generation import GenSettings, pipeline_kwargs, to_pixels

@@ -110,7 +110,7 @@ def test_a_claimer_without_its_own_thread_is_kept_alive_by_beat_and_sees_a_takeo
 
 def test_an_idle_replica_polls_over_the_shards_left_not_the_whole_plan():
     """At the tail of a 100k-shard run the walk and each idle poll go over the few shards not known done: the plan
-    is gone through once per listing of shards/, not once per poll (session 10: 100k lookups a poll, the
+    is gone through once per listing of shards/, not once per poll (at 100k shards that was 100k lookups a poll, the
     1,000-replica simulation's tail at load 200-390)."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""One shape per batch and compile=auto's choice (issue 20), on CPU: a padded short batch gives the bytes of
+"""One shape per batch and compile=auto's choice, on CPU: a padded short batch gives the bytes of
 an unpadded one, Qwen-Image's compiled blocks serve every text length with one graph, and compile=auto
 compiles only where the work left pays for the compilation, from recorded or prior figures."""
 
@@ -130,10 +130,10 @@ def test_compile_auto_decides_from_records_before_the_first_batch_and_records_wh
 
 
 @pytest.mark.parametrize("compiled_s, eager_s, left, compiles", [
-    (3.61, 3.92, 16, False),  # FLUX.1-dev, 24 prompts (H200, session 8): fused eager is nearly as fast; lost 3% compiled
+    (3.61, 3.92, 16, False),  # FLUX.1-dev, 24 prompts (H200): fused eager is nearly as fast; lost 3% compiled
     (3.61, 3.92, 400, True),
     (2.36, 2.99, 16, False),  # Qwen-Image, 24 prompts: compiling in the background lost 4% to compile=false
-    (2.36, 2.99, 32, True),   # Qwen-Image, 40 prompts: it gained 11% (session 7)
+    (2.36, 2.99, 32, True),   # Qwen-Image, 40 prompts: it gained 11%
 ])
 def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(tmp_path, compiled_s, eager_s, left,
                                                                                 compiles):
@@ -151,10 +151,10 @@ def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(
 
 
 @pytest.mark.parametrize("record, left, way", [
-    # FLUX.2-dev, warm cache (H200, sessions 9-10): its thread took 78 s beside the eager batches, the main thread 11 s
+    # FLUX.2-dev, warm cache (H200): its thread took 78 s beside the eager batches, the main thread 11 s
     ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 36, "main"),
     ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 8, "eager"),
-    # Qwen-Image (session 10): a 17 s thread; no main-thread figure (15 s prior): the background saves more
+    # Qwen-Image: a 17 s thread; no main-thread figure (15 s prior): the background saves more
     ({"eager_s": 3.19, "compiled_s": 2.2, "compile_background_s": 17.0}, 40, "background"),
 ])
 def test_compile_auto_compiles_on_the_main_thread_when_the_thread_would_starve(tmp_path, record, left, way):
@@ -175,7 +175,7 @@ def test_compile_auto_compiles_on_the_main_thread_when_the_thread_would_starve(t
 
 
 def test_a_first_job_on_a_warm_cache_compiles_on_the_main_thread_without_a_thread_record(tmp_path):
-    """FLUX.2-dev on an H200 (session 11): the cache a compiled job filled, no eager or thread figure yet. With the
+    """FLUX.2-dev on an H200: the cache a compiled job filled, no eager or thread figure yet. With the
     30 s thread prior it went to the background (the thread took 60 s: 1.08x the seed loop); the main thread (the
     next job, 7 s) gave 1.17x. After its two eager batches (4.60 s/sample) with 32 left it now waits for the compile:
     32 x 4.60 x (1 - 3.72/4.60) - 15 s = 13 s saved, against (147 - 45 s) x 0.19 - 0.2 x 45 s = 10 s."""

@@ -1,4 +1,4 @@
-"""Seeded fuzzing of prompt rows and config values (issue 25): each case is a completed run that verifies, or a
+"""Seeded fuzzing of prompt rows and config values: each case is a completed run that verifies, or a
 refusal by a user error (a message, no traceback) that wrote nothing. A seeded generator of our own, like the
 fault injection's: no extra dependency, and a failing case is reproduced by its number (FUZZ_CASES, FUZZ_SEED)."""
 

@@ -1,4 +1,4 @@
-"""What a prompt file can do to a run (issue 25): it cannot break the writer or the index, pose as shardgen's
+"""What a prompt file can do to a run: it cannot break the writer or the index, pose as shardgen's
 own fields, exhaust memory with one runaway line, or be changed under a running job without the job noticing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run directory cannot be fooled (issue 11): each row of the issue's table, as a user would notice it.
+"""The run directory cannot be fooled: each way of fooling it, as a user would notice it.
 
 A finished tiny run is made once (module fixture) and copied for each test; every test damages the
 copy the way the table says, then re-runs generate / verify / status in process."""

@@ -1,4 +1,4 @@
-"""Seeded fault injection into a tiny run directory (issue 11): every damaged run ends verified and identical
+"""Seeded fault injection into a tiny run directory: every damaged run ends verified and identical
 to an uninterrupted one, or in a clear refusal naming a file; never a traceback, never a mixed run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The operator's view (issue 22): messages, help, progress of a run in progress, dry runs, exact resumes."""
+"""The operator's view: messages, help, progress of a run in progress, dry runs, exact resumes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-row generation settings (issue 24, ``prompts.row_settings``): what a user of a mixed-size run notices.
+"""Per-row generation settings (``prompts.row_settings``): what a user of a mixed-size run notices.
 
 One jsonl mixes three aspect ratios, a width/height row, per-row negative prompts, guidance and true CFG: every
 image has its row's size and json; each sample is byte-identical to a one-row run given the same settings by

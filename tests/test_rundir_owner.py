@@ -1,4 +1,4 @@
-"""A run_dir that is not a run is never written into or cleaned up (issue 25): a user's files in it survive,
+"""A run_dir that is not a run is never written into or cleaned up: a user's files in it survive,
 ``/``, the home directory and an empty run_dir are refused, and a bad prompt file refused at launch leaves
 nothing behind. Runs made before the owner record existed are still accepted."""
 

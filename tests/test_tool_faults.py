@@ -1,4 +1,4 @@
-"""The operator tools on damaged runs (issue 25): every file of a finished and of an unfinished run damaged in
+"""The operator tools on damaged runs: every file of a finished and of an unfinished run damaged in
 each way, and each tool (status, verify, preview, report, dedup) run on it in process: an exit status and a
 message, never a traceback, and never a write through a symlink."""
 
