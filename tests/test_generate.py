@@ -162,7 +162,7 @@ def test_changed_settings_are_refused_naming_the_fields(tmp_path):
     msg = str(e.value)
     assert "seed: run has 0, this launch has 1" in msg and "steps: run has 1, this launch has 2" in msg
     # the seed made the plan: allow_fingerprint_change could not apply it, so only what works is suggested
-    assert "Use the original settings (seed=0: the run's plan was made from them)" in msg
+    assert "launch it with its original settings (seed=0: the run's plan was made from them)" in msg
     assert "allow_fingerprint_change" not in msg
 
 

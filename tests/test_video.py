@@ -69,7 +69,7 @@ def test_verify_decodes_every_video_and_preview_shows_frames(video_run, capsys):
 
     assert verify.main([str(video_run)]) == 0
     assert "6/6 samples (6 ok)" in capsys.readouterr().out
-    out = video_run / "sheet.png"
+    out = video_run.parent / "sheet.png"  # a tool's output outside the run directory
     assert preview.main([str(video_run), "--size", "64", "--out", str(out)]) == 0
     sheet = np.asarray(Image.open(out).convert("RGB"))
     cell = sheet[:64, :64]
