@@ -16,15 +16,90 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallel.compat import parallel_patches
-from parallel.dims import ParallelDims
+from parallel.dims import ParallelDims, divisors
+from parallel.registry import Strategy, fail, register
+from parallel.transformer import HALF_DTYPES, check_backend_name, latent_frames, model_family, sequence_tokens
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
 if TYPE_CHECKING:
+    from parallel.strategies import DeviceFacts
     from parallel.world import World
     from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.cp")
+ULYSSES, RING, UNIFIED = "cp_ulysses", "cp_ring", "cp_unified"
+# attention backends (diffusers 0.42 names) whose forward op returns the log-sum-exp ring attention merges with;
+# all of them are CUDA kernels for bf16/fp16 inputs. ("native" and "_native_npu" refuse return_lse=True.)
+LSE_BACKENDS = frozenset({"_native_cudnn", "_native_flash", "flash", "flash_hub", "flash_varlen_hub", "_flash_3_hub",
+                          "_flash_3_varlen_hub", "sage", "sage_hub"})
+
+
+
+class ContextParallel(Strategy):
+    """The replica's ``ring x ulysses`` ranks split each sequence; every rank holds the whole pipeline."""
+
+    context_parallel = True
+
+    def replica_dims(self, dims: ParallelDims) -> tuple[tuple[str, int], ...]:
+        return (("ring", dims.ring), ("ulysses", dims.ulysses))
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        self.refuse_combined(dims, "set tp_degree=1 (or use strategy=tp)")
+
+    def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn) -> None:
+        info = info_fn(cfg.model)
+        if info.plan("cp") is None:
+            fail(f"strategy={dims.strategy}: {info.cls_name} has no _cp_plan in this diffusers, so its sequence "
+                 "cannot be split; use strategy=tp or device_map")
+        if dims.ulysses > 1 and info.heads and info.heads % dims.ulysses and not dims.ulysses_anything:
+            fail(f"ulysses_degree={dims.ulysses} does not divide the {info.heads} attention heads of {info.cls_name} "
+                 f"(from {info.source}); use one of {divisors(info.heads)}, or strategy.ulysses_anything=true")
+
+    def check_run(self, dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
+        dims.attention_backend = _check_attention(dims, facts, cfg.dtype)
+        _check_sequence(dims, cfg, facts)
+
+    def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
+        return apply(cfg, world, dims)
+
+
+@register
+class Ulysses(ContextParallel):
+    """Ulysses: an all-to-all over heads."""
+
+    name = ULYSSES
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        super().check_degrees(dims)
+        if dims.ulysses < 2 or dims.ring != 1:
+            fail(f"strategy=cp_ulysses needs ulysses_degree >= 2 and ring_degree=1 (got {dims.ulysses}/{dims.ring}); "
+                 "e.g. strategy=cp_ulysses ulysses_degree=2, or strategy=cp_unified for both")
+
+
+@register
+class Ring(ContextParallel):
+    """Ring attention: K/V passed around, partial results merged with their log-sum-exp."""
+
+    name = RING
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        super().check_degrees(dims)
+        if dims.ring < 2 or dims.ulysses != 1:
+            fail(f"strategy=cp_ring needs ring_degree >= 2 and ulysses_degree=1 (got {dims.ring}/{dims.ulysses}); "
+                 "e.g. strategy=cp_ring ring_degree=2, or strategy=cp_unified for both")
+
+
+@register
+class Unified(ContextParallel):
+    """Ulysses inside, Ring across."""
+
+    name = UNIFIED
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        super().check_degrees(dims)
+        if dims.ulysses * dims.ring < 2:
+            fail("strategy=cp_unified needs ring_degree x ulysses_degree >= 2; e.g. ring_degree=2 ulysses_degree=2")
 
 
 def cp_config(dims: ParallelDims):
@@ -52,3 +127,79 @@ def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
     log.info("context parallel: ulysses %d x ring %d%s, attention backend %s", dims.ulysses, dims.ring, extra,
              dims.attention_backend)
     return pipe
+
+
+def default_attention_backend(device_type: str, needs_lse: bool) -> str:
+    """CUDA: cuDNN attention when ring needs the LSE, else native SDPA (faster on one H200, see docs/strategies.md);
+    CPU: native."""
+    return "_native_cudnn" if device_type == "cuda" and needs_lse else "native"
+
+
+def _check_attention(dims: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
+    """The attention backend for a CP replica (configured, or the device's default), checked; returns it."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    needs_lse = dims.ring > 1
+    name = check_backend_name(dims.attention_backend or default_attention_backend(facts.type, needs_lse))
+    cp_ok = sorted(_AttentionBackendRegistry._supports_context_parallel)
+    if name not in cp_ok:
+        fail(f"strategy.attention_backend={name!r} does not support context parallelism; use one of {cp_ok}")
+    what = "ring attention" if dims.strategy == RING else f"strategy={dims.strategy} with ring_degree={dims.ring}"
+    if needs_lse and name not in LSE_BACKENDS:
+        if facts.type != "cuda":
+            fail(f"{what} needs an attention backend that returns the log-sum-exp (LSE) to merge the ring's partial "
+                  f"results, and on CPU none does (native SDPA refuses return_lse); use strategy=cp_ulysses on CPU, "
+                  "or run ring attention on CUDA GPUs")
+        fail(f"{what} needs an attention backend that returns the log-sum-exp (LSE); {name!r} does not. Set "
+              f"strategy.attention_backend to one of {sorted(LSE_BACKENDS)} (default _native_cudnn)")
+    if name in LSE_BACKENDS:
+        if facts.type != "cuda":
+            fail(f"strategy.attention_backend={name} is a CUDA kernel and {facts.where} has no CUDA GPU; use native "
+                  "on CPU")
+        if dtype not in HALF_DTYPES:
+            fail(f"strategy.attention_backend={name} runs bfloat16/float16 only, and dtype={dtype}; set "
+                  "dtype=bfloat16" + (" (ring attention needs such a backend)" if needs_lse else
+                                      " or strategy.attention_backend=native"))
+    return name
+
+
+def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
+    """Each sequence the transformer splits (image tokens, text tokens) divides by the CP degree, unless an
+    anything-variant is on; those split unevenly only on GPUs (gloo cannot all-gather pieces of unequal size)."""
+    n = dims.ulysses * dims.ring
+    image, text = sequence_tokens(cfg)
+    anything = dims.ulysses_anything or dims.ring_anything
+    variant = "strategy.ulysses_anything=true" if dims.ring == 1 else \
+        "strategy.ring_anything=true" if dims.ulysses == 1 else None
+    fix = f", or {variant}" if variant and facts.type == "cuda" else ""
+    for what, tokens in (("image", image), ("text", text)):
+        if tokens is None and not anything:
+            fail(f"{cfg.model.pipeline} gives each batch a text length of its own, which a CP degree of {n} need not "
+                  f"divide; set {variant or 'ulysses_degree or ring_degree to 1 and its anything-variant'} (on GPUs)")
+        if tokens is None or tokens % n == 0:
+            continue
+        if anything and facts.type != "cuda":
+            fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree {n}: the "
+                  "anything-variants split them unevenly, which needs NCCL (gloo cannot all-gather pieces of unequal "
+                  f"size), and {facts.where} has no CUDA GPU; use sizes that divide by {n}")
+        if anything and tokens < n:
+            fail(f"{tokens} {what} tokens cannot be split over {n} ranks; use a smaller CP degree")
+        if not anything:
+            family = model_family(cfg)
+            frames = "latent frames x " if family.is_video else ""
+            p = family.latent_patch
+            hint = (f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}" if what == "image" else
+                    f"model.max_sequence_length divisible by {n}")
+            fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree "
+                  f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
+
+
+def _token_rule(what: str, cfg: GenerateConfig) -> str:
+    family = model_family(cfg)
+    patch = family.latent_patch
+    if what == "image" and family.is_video:
+        return (f"{latent_frames(cfg)} latent frames of num_frames={cfg.num_frames} x {cfg.height}/{patch} x "
+                f"{cfg.width}/{patch}")
+    if what == "image":
+        return f"{cfg.height}/{patch} x {cfg.width}/{patch}"
+    return "model.max_sequence_length"

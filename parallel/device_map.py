@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from parallel.registry import Strategy, fail, register
 from parallel.transformer import load_transformer
 from shardgen.config.sizes import GiB, parse_bytes
 from shardgen.families import families, family_of
@@ -177,6 +178,47 @@ def place(pipe: Any, gpus: list[int], caps: dict[int, int]) -> list[str]:
             log.info("device_map: %s (%.1f GiB) does not fit next to the transformer: offloaded to the CPU, moved "
                      "in to encode each batch (staged flow)", name, size)
     return [n for n, g in plan.items() if g is None]
+
+
+@register
+class DeviceMap(Strategy):
+    """One process per replica, spanning ``strategy.gpus_per_replica`` GPUs (accelerate's balanced split)."""
+
+    name = "device_map"
+    spans_gpus_in_one_process = True
+
+    def own_degrees(self, dims: ParallelDims) -> list[str]:
+        return [f"strategy.gpus_per_replica={dims.gpus_per_replica}"]
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        if dims.cfg > 1:
+            fail("cfg_degree=2 splits the two CFG branches over two ranks, and strategy=device_map runs one process "
+                 "per replica; set cfg_degree=1, or use strategy=dp / tp / cp_* with cfg_degree=2")
+        self.refuse_combined(dims, "set tp_degree=1 (or use strategy=tp)")
+        if (dims.tp, dims.ulysses, dims.ring) != (1, 1, 1):
+            fail("strategy=device_map spreads one process over several GPUs and ignores tp/ulysses/ring degrees; "
+                 "set them to 1")
+        if dims.gpus_per_replica < 1:
+            fail(f"strategy.gpus_per_replica={dims.gpus_per_replica}: use 1 or more")
+
+    def check_devices(self, dims: ParallelDims, facts, cfg: GenerateConfig) -> None:
+        if facts.type != "cuda":
+            fail(f"strategy=device_map spreads one replica over several GPUs, and {facts.where} has no CUDA GPU "
+                 "(CPU only); on CPU use strategy=dp (or strategy=tp / cp_ulysses with launcher=local to debug)")
+        if cfg.model.weights == "dummy" and dims.gpus_per_replica > 1:
+            fail("model.weights=dummy builds the whole pipeline on one GPU; with strategy=device_map use "
+                 "strategy.gpus_per_replica=1 (or pretrained weights to spread the transformer over several GPUs)")
+        need = facts.local_ranks * dims.gpus_per_replica
+        if need > facts.count:
+            fail(f"strategy=device_map with strategy.gpus_per_replica={dims.gpus_per_replica} and {facts.local_ranks} "
+                 f"rank(s) per node needs {need} GPUs, but {facts.where} has {facts.count}; lower "
+                 "strategy.gpus_per_replica or launch fewer ranks per node")
+
+    def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
+        return (transformer + others) * dtype_bytes // max(1, dims.gpus_per_replica)
+
+    def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims) -> StagedPipeline:
+        return apply(cfg, world, dims)
 
 
 def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> StagedPipeline:

@@ -26,17 +26,14 @@ class MemoryCheckError(UserError, MemoryError):
 
 def weights_per_process(params: dict[str, int], dtype_bytes: int, dims: ParallelDims, fused_whole: bool = False
                         ) -> int:
-    """Bytes of weights one process holds: tp splits the transformer(s) over the replica's ranks (unless
-    ``fused_whole``: LoRA adapters are fused into the whole transformer before tp shards it), device_map spreads the
-    whole pipeline over its GPUs; dp and cp hold all of it."""
+    """Bytes of weights one process holds: its strategy's share (``Strategy.weights_bytes``; dp and cp hold all
+    of it, tp splits the transformer(s) over the replica's ranks, device_map the whole pipeline over its GPUs), or
+    all of it when ``fused_whole`` (LoRA adapters are fused into the whole transformer before it is split)."""
     transformer = sum(n for k, n in params.items() if k.startswith("transformer"))  # Wan 2.2: two experts
     others = sum(params.values()) - transformer
-    if dims.strategy == "tp" and not fused_whole:
-        transformer //= max(1, dims.tp)
-    total = (transformer + others) * dtype_bytes
-    if dims.strategy == "device_map":
-        total //= max(1, dims.gpus_per_replica)
-    return total
+    if fused_whole:
+        return (transformer + others) * dtype_bytes
+    return dims.kind.weights_bytes(transformer, others, dtype_bytes, dims)
 
 
 def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str]:
@@ -60,11 +57,12 @@ def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str
 def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, int], dtype_bytes: int,
                    available: int | None, where: str) -> str | None:
     """The message when the weights do not fit (pure: tests give it any figures); None when they do."""
-    fused_whole = dims.strategy == "tp" and bool(cfg.model.get("loras"))
+    fused_whole = dims.kind.loras_fused_whole and bool(cfg.model.get("loras"))
     need = weights_per_process(params, dtype_bytes, dims, fused_whole)
     if available is None or need * HEADROOM <= available:
         return None
-    split = "" if dims.strategy in ("tp", "device_map") else (
+    kind = dims.kind
+    split = "" if kind.splits_transformer or kind.spans_gpus_in_one_process else (
         " or split the transformer over several GPUs (strategy=tp tp_degree=N, strategy=device_map)")
     if fused_whole:
         split = (" (with model.loras each tp rank fuses the adapters into the whole transformer before sharding it), "

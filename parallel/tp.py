@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel.compat import parallel_patches
-from parallel.dims import ParallelDims
+from parallel.dims import ParallelDims, divisors
+from parallel.registry import Strategy, fail, register
 from parallel.transformer import load_transformer
+from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
@@ -30,11 +32,58 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardgen.tp")
 
 
+MESH_DIM = "tp"
+
+
+@register
+class TensorParallel(Strategy):
+    """The transformer's weights split over the ``tp`` ranks of a replica (diffusers' ``_tp_plan``)."""
+
+    name = "tp"
+    splits_transformer = True
+    loras_fused_whole = True
+
+    def replica_dims(self, dims: ParallelDims) -> tuple[tuple[str, int], ...]:
+        return ((MESH_DIM, dims.tp),)
+
+    def check_degrees(self, dims: ParallelDims) -> None:
+        self.refuse_combined(dims, "set ulysses_degree=1 ring_degree=1 (or use a cp_* strategy)")
+        if dims.tp < 2:
+            fail(f"strategy=tp needs tp_degree >= 2 (got {dims.tp}); e.g. strategy=tp tp_degree=2, or strategy=dp")
+
+    def check_devices(self, dims: ParallelDims, facts, cfg: GenerateConfig) -> None:
+        super().check_devices(dims, facts, cfg)
+        several_nodes = dims.world_size > facts.local_ranks
+        if facts.type == "cuda" and several_nodes and facts.local_ranks != facts.count:
+            # diffusers puts rank r's shard on GPU r % (GPUs per node): right only with one rank per GPU on every node
+            fail(f"strategy=tp over several nodes needs one rank per GPU on every node (diffusers places rank r on GPU "
+                 f"r % {facts.count}), but there are {facts.local_ranks} ranks per node; launch {facts.count} per node")
+        if facts.type == "cpu" and not launcher_of(cfg).described_nodes and torch.cuda.is_available():
+            # diffusers places each rank's shard on the accelerator, not on our device
+            fail("strategy=tp with device=cpu on a machine with a visible CUDA GPU: diffusers would put the shards "
+                 "on the GPU; use device=cuda, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to try tp on CPU")
+
+    def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn) -> None:
+        info = info_fn(cfg.model)
+        if info.plan("tp") is None:
+            fail(f"strategy=tp: {info.cls_name} has no _tp_plan in this diffusers, so it cannot be tensor-parallel; "
+                 "use strategy=device_map to spread it over GPUs, or a cp_* strategy")
+        if info.heads and info.heads % dims.tp:
+            fail(f"tp_degree={dims.tp} does not divide the {info.heads} attention heads of {info.cls_name} "
+                 f"(from {info.source}); use a tp_degree among {divisors(info.heads)}")
+
+    def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
+        return (transformer // max(1, dims.tp) + others) * dtype_bytes
+
+    def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims):
+        return apply(cfg, world, dims)
+
+
 def tp_config(dims: ParallelDims):
     """The diffusers config for the replica's ``tp`` sub-mesh (its size is the degree)."""
     from diffusers import TensorParallelConfig
 
-    return TensorParallelConfig(mesh=dims.mesh("tp"))
+    return TensorParallelConfig(mesh=dims.mesh(MESH_DIM))
 
 
 def place_components(pipe, device: torch.device, skip: tuple[str, ...] = ("transformer",)) -> None:
@@ -61,5 +110,5 @@ def apply(cfg: GenerateConfig, world: World, dims: ParallelDims):
         place_components(pipe, world.device)
     if dims.attention_backend:
         pipe.transformer.set_attention_backend(dims.attention_backend)
-    log.info("tensor parallel: transformer sharded %d ways over ranks %s", dims.tp, dims.mesh("tp").mesh.tolist())
+    log.info("tensor parallel: transformer sharded %d ways over ranks %s", dims.tp, dims.mesh(MESH_DIM).mesh.tolist())
     return pipe

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parallel.dims import ParallelConfigError
+from parallel.registry import ParallelConfigError
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.world")

@@ -324,8 +324,10 @@ def test_lse_backends_are_context_parallel_backends():
     """The LSE list names real CP-capable backends of this diffusers (a rename would break ring validation)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    assert S.LSE_BACKENDS <= set(_AttentionBackendRegistry._supports_context_parallel)
-    assert "native" not in S.LSE_BACKENDS
+    from parallel.cp import LSE_BACKENDS
+
+    assert LSE_BACKENDS <= set(_AttentionBackendRegistry._supports_context_parallel)
+    assert "native" not in LSE_BACKENDS
 
 
 # --- device_map's staged wrapper ----------------------------------------------------------------------------

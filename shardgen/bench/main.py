@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from parallel import registry
 from shardgen.bench import measure as M
 from shardgen.bench.report import DIAGNOSTICS, Report, fmt_flop, say, summary
 from shardgen.bench.ways import baseline_kwargs, fbc_counter, noise_floor, run_baseline, run_shardgen
@@ -136,7 +137,8 @@ class Bench:
                "dtype": cfg.dtype, "size": f"{self.height}x{self.width}", "steps": cfg.steps, "guidance": cfg.guidance,
                "num_frames": cfg.num_frames if is_video(cfg) else None,
                "true_cfg_scale": cfg.model.get("true_cfg_scale", 1.0), "n": a.n, "batch": a.batch,
-               "compile": AccelOptions.from_cfg(cfg).compile, "compile_mode": a.compile_mode, "sdpa_backend": a.sdpa,
+               "compile": AccelOptions.from_cfg(cfg, registry.get(cfg.strategy.name).one_gpu_per_replica).compile,
+               "compile_mode": a.compile_mode, "sdpa_backend": a.sdpa,
                "warmup_run": not a.no_warmup, "argv": sys.argv}
         try:
             import diffusers

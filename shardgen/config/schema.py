@@ -85,8 +85,9 @@ class ModelConfig:
 class StrategyConfig:
     """How one model replica is spread over devices; replicas always split the data (dp)."""
 
-    name: str = "dp"
-    """dp | tp | cp_ulysses | cp_ring | cp_unified | device_map | auto"""
+    name: str = MISSING
+    """dp | tp | cp_ulysses | cp_ring | cp_unified | device_map | auto: one YAML each in conf/strategy/ (the
+    defaults list picks dp)."""
     attention_backend: Optional[str] = None
     """diffusers attention backend (``_native_cudnn``, ``flash``, ...); null = a default for the device."""
     ulysses_anything: bool = False
@@ -98,6 +99,8 @@ class StrategyConfig:
     (``+strategy.max_memory.0=70GiB``); null = 90% of what is free."""
     gpus_per_replica: int = 1
     """device_map: GPUs one replica (one process) spans."""
+    degree: int = 1
+    """Ranks per replica of a strategy whose mesh dimension is its own (its YAML says so)."""
 
 
 @dataclass(kw_only=True)

@@ -128,12 +128,11 @@ def validate_config(cfg: GenerateConfig) -> None:
 
 
 def _check_loras(cfg: GenerateConfig) -> None:
-    """The adapter files exist and are safetensors (their headers read, no weight); tp and fp8 cannot switch per
-    row."""
+    """The adapter files exist and are safetensors (their headers read, no weight); fp8 cannot switch per row."""
     from shardgen.models import lora
 
     lora.run_set(cfg)
-    _need(not (lora.per_row(cfg) and cfg.strategy.name == "tp"), lora.TP_PER_ROW)
+    # per-row adapters under a strategy that splits the transformer: parallel/strategies.py, which knows strategies
     _need(not (lora.per_row(cfg) and cfg.get("fp8")),
           "fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between batches; set "
           "fp8=false, or give the run one adapter set in model.loras")

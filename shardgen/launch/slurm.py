@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 # not parallel.world: unpickling the submitted job imports this module before submitit installs its signal handler,
 # and torch takes seconds to import: a preemption or time-limit signal in that window would kill the job
+from parallel import registry
 from parallel.dims import ParallelConfigError
 from shardgen.dataio.rundir import RunDir
 from shardgen.dataio.rundir.layout import RunDirError, read_regular
@@ -54,7 +55,8 @@ def validate_slurm(cfg: Any) -> None:
         raise SlurmConfigError("launcher.gpus_per_node, launcher.max_num_timeout and launcher.max_failures cannot be "
                                "negative")
     tpn = tasks_per_node(ln)
-    if ln.gpus_per_node and tpn > ln.gpus_per_node and cfg.strategy.name != "device_map":
+    kind = registry.find(cfg.strategy.name)  # None for auto
+    if ln.gpus_per_node and tpn > ln.gpus_per_node and not (kind and kind.spans_gpus_in_one_process):
         raise SlurmConfigError(
             f"launcher.tasks_per_node={tpn} > launcher.gpus_per_node={ln.gpus_per_node}: each rank needs its own GPU; "
             f"set launcher.tasks_per_node={ln.gpus_per_node} (or leave it null)")
@@ -89,7 +91,7 @@ def node_placement(cfg: Any, rank: int, world_size: int) -> str:
     from parallel.strategies import parallel_dims
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if cfg.strategy.name == "auto":  # chosen later by rank 0, once the world exists: nothing to measure here
+    if cfg.strategy.name == registry.AUTO:  # chosen later by rank 0, once the world exists: nothing to measure here
         return f"rank {rank} of {world_size} on {node}"
     dims = parallel_dims(cfg, world_size)
     first = rank - rank % dims.replica_size

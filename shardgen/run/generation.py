@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from parallel import registry
 from shardgen.dataio.prompts import PlannedRow
 from shardgen.dataio.shards import Sample
 from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
@@ -56,7 +57,8 @@ class GenSettings:
         """The settings of ``cfg``; ``strategy``: the one that runs when the config says ``auto`` (it decides
         ``compile: auto`` too)."""
         strategy = strategy or cfg.strategy.name
-        opts = AccelOptions.from_cfg(cfg, strategy)
+        kind = registry.find(strategy)  # None: auto, before it is resolved
+        opts = AccelOptions.from_cfg(cfg, kind is not None and kind.one_gpu_per_replica)
         # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from parallel import registry
 from shardgen.config.schema import VideoConfig
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
 from shardgen.dataio.rundir.layout import open_regular
@@ -46,13 +47,14 @@ class LatentCheckpoints:
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
-        """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy other
-        than dp (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
+        """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy whose
+        replica is more than one rank on one device (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
         video, directory = pick(VideoConfig, cfg), RunDir.at(cfg.run_dir).latents_dir
         every = video.latent_checkpoint_every
         if every == "auto":
-            video_dp = is_video(cfg) and (strategy or cfg.strategy.name) == "dp"
-            return cls(directory, interval_s=float(video.latent_checkpoint_s)) if video_dp else None
+            kind = registry.find(strategy or cfg.strategy.name)
+            one_gpu = kind is not None and kind.one_gpu_per_replica
+            return cls(directory, interval_s=float(video.latent_checkpoint_s)) if is_video(cfg) and one_gpu else None
         return cls(directory, every=int(every)) if every else None
 
     def due(self, done: int, since_save_s: float) -> bool:

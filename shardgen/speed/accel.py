@@ -100,15 +100,14 @@ class AccelOptions:
     switch to them between two batches (shardgen/speed/background.py; what ``compile: auto`` does on CUDA)."""
 
     @classmethod
-    def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "AccelOptions":
-        """The options of ``cfg``; ``strategy``: the one that runs (``strategy=auto`` resolved), else the config's."""
+    def from_cfg(cls, cfg: Any, one_gpu_per_replica: bool = True) -> "AccelOptions":
+        """The options of ``cfg``; ``one_gpu_per_replica``: whether the strategy that runs (``strategy=auto``
+        resolved) makes a replica one rank on one GPU (``Strategy.one_gpu_per_replica``, parallel/registry.py)."""
         get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
-        if strategy is None:
-            strategy = get("strategy", None)
-            strategy = strategy.get("name", "dp") if hasattr(strategy, "get") else "dp"
         # the other fields are SpeedConfig's keys of the same name (shardgen/pick.py); a key absent from a partial
         # config keeps this class's default
-        return pick(cls, cfg, compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")), strategy),
+        return pick(cls, cfg, compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")),
+                                                  one_gpu_per_replica),
                     sdpa=str(get("sdpa_backend", cls.sdpa)))
 
     @property
@@ -122,18 +121,16 @@ class AccelOptions:
         return out
 
 
-COMPILE_AUTO_STRATEGIES = ("dp",)  # one GPU per replica: what compile=auto was measured on
-
-
-def resolve_compile(value: Any, device: str = "auto", strategy: str = "dp") -> bool:
+def resolve_compile(value: Any, device: str = "auto", one_gpu_per_replica: bool = True) -> bool:
     """``compile`` as configured (true, false or auto) -> on or off for this run. ``auto``: on when the
-    run's device is CUDA and each replica is one GPU (strategy dp), off otherwise."""
+    run's device is CUDA and each replica is one GPU (strategy dp: what compile=auto was measured on), off
+    otherwise."""
     if isinstance(value, bool):
         return value
     if str(value).lower() != "auto":
         raise AccelError(f"compile={value!r}: use true, false or auto (on for CUDA with strategy dp, else off)")
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return cuda and strategy in COMPILE_AUTO_STRATEGIES
+    return cuda and one_gpu_per_replica
 
 
 def validate(opts: AccelOptions, device: torch.device | str | None = None) -> None:

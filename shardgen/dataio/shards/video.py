@@ -46,7 +46,7 @@ def validate_video_config(cfg: Any) -> None:
             raise VideoConfigError(f"latent_checkpoint_s={cfg.latent_checkpoint_s}: use a positive number of "
                                    "seconds (or latent_checkpoint_every=null to save none)")
     elif every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1
-                                or not is_video(cfg) or cfg.strategy.name != "dp"):
+                                or not is_video(cfg)):  # its strategy: where strategies are known (parallel/)
         raise VideoConfigError(f"latent_checkpoint_every={every}: use N >= 1 steps, with a video model and "
                                f"strategy=dp (model={cfg.model.name}, strategy={cfg.strategy.name}), auto or null")
     if not is_video(cfg):
