@@ -91,10 +91,19 @@ def content_sha256(directory: str | os.PathLike, cache_root: str | os.PathLike) 
 
 
 def _write_record(path: Path, directory: Path, files: dict) -> None:
-    from shardgen.dataio.rundir.layout import atomic_write_json
+    """Replace the record atomically (a temp file renamed over it: a reader sees the old or the new one). It is
+    advisory, so a failed write only means hashing again next launch."""
+    import tempfile
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, dict(version=RECORD_VERSION, directory=str(directory), files=files))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(dict(version=RECORD_VERSION, directory=str(directory), files=files), f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     except OSError as e:
         log.debug("cannot keep the content hash of %s in %s (%s); it is computed again next launch", directory, path, e)

@@ -10,15 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from shardgen.errors import UserError
+from shardgen.models.errors import ModelLoadError  # noqa: F401 (where callers found it)
 from shardgen.models.versions import model_version  # noqa: F401 (where callers found it)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
-
-
-class ModelLoadError(UserError, RuntimeError):
-    """The model cannot be loaded as configured; the message says what to change."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

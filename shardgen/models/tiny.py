@@ -86,7 +86,7 @@ def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -
 
 def _build_dir(root: Path) -> Path:
     """A fresh build directory in the cache; ModelLoadError naming SHARDGEN_CACHE when the cache cannot hold one."""
-    from shardgen.models.loader import ModelLoadError
+    from shardgen.models.errors import ModelLoadError
 
     try:
         root.mkdir(parents=True, exist_ok=True)
