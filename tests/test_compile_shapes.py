@@ -386,6 +386,10 @@ def test_a_forced_compile_path_is_taken_whatever_the_figures_say(tmp_path, monke
     monkeypatch.setenv(AC.FORCE_ENV, "sometimes")
     with pytest.raises(AccelError, match="SHARDGEN_COMPILE_AUTO='sometimes': use one of"):
         _auto(tmp_path, left=1)
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="SHARDGEN_COMPILE_AUTO='sometimes': use one of"):
+        validate_config(compose_cfg())  # refused with the config, before any weight is read
 
 
 def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh_cache(tmp_path, monkeypatch, caplog):

@@ -135,6 +135,9 @@ def resolve_compile(value: Any, device: str = "auto", one_gpu_per_replica: bool 
 
 def validate(opts: AccelOptions, device: torch.device | str | None = None) -> None:
     """Raise AccelError for an impossible option (no weights needed; call before loading)."""
+    from shardgen.speed.autocompile import check_forced_path
+
+    check_forced_path()
     if opts.sdpa not in SDPA_CHOICES:
         raise AccelError(f"sdpa_backend={opts.sdpa!r}: use one of {list(SDPA_CHOICES)}")
     if opts.compile_mode not in COMPILE_MODES:

@@ -76,6 +76,16 @@ MARGIN = 1.2          # compile only when the expected saving is this much over 
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
 
+def check_forced_path(value: str | None = None) -> None:
+    """AccelError unless ``value`` (default: ``$SHARDGEN_COMPILE_AUTO``) is unset or one of ``FORCE_PATHS``; called
+    by ``shardgen.speed.accel.validate`` too, so a typo is refused before any weight is read."""
+    from shardgen.speed.accel import AccelError
+
+    value = (os.environ.get(FORCE_ENV) or None) if value is None else value
+    if value is not None and value not in FORCE_PATHS:
+        raise AccelError(f"{FORCE_ENV}={value!r}: use one of {list(FORCE_PATHS)} or leave it unset")
+
+
 def records_path() -> Path:
     """``$SHARDGEN_CACHE/compile/records.json`` (next to the inductor cache it describes)."""
     from shardgen.models.tiny import default_cache_dir
@@ -155,10 +165,7 @@ class AutoCompile:
     _recorded_cost: bool = False    # background: its compile time is recorded (once)
 
     def __post_init__(self) -> None:
-        from shardgen.speed.accel import AccelError
-
-        if self.force is not None and self.force not in FORCE_PATHS:
-            raise AccelError(f"{FORCE_ENV}={self.force!r}: use one of {list(FORCE_PATHS)} or leave it unset")
+        check_forced_path(self.force)
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
