@@ -226,10 +226,16 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     while the blocks ran eagerly keeps working after they switch to compiled ones that take real frequencies."""
     if isinstance(freqs, torch.Tensor) and not freqs.is_complex():
         return rope_real(x, freqs)
+    return _stock_rope()(x, freqs, use_real=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _stock_rope():
+    """diffusers' own ``apply_rotary_emb_qwen`` (under ``enable_real_rope``'s dispatcher, if installed), looked up once
+    rather than at each of the blocks' calls."""
     from diffusers.models.transformers import transformer_qwenimage as tq
 
-    stock = getattr(tq.apply_rotary_emb_qwen, "_shardgen_orig", tq.apply_rotary_emb_qwen)
-    return stock(x, freqs, use_real=False)
+    return getattr(tq.apply_rotary_emb_qwen, "_shardgen_orig", tq.apply_rotary_emb_qwen)
 
 
 def _as_real(module, args, output):
