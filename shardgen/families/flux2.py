@@ -42,4 +42,5 @@ _FLUX2_DEV = {
 FLUX2 = register(ModelFamily(
     name="FLUX.2", pipeline="Flux2Pipeline", text_tokens="max_sequence_length",
     encode_outputs=("prompt_embeds", None),
-    dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)}))
+    dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
+    fused_blocks={"Flux2Transformer2DModel": "shardgen.speed.flux2_fused"}))
