@@ -62,15 +62,15 @@ def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
 def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     """FLUX.2's LayerNorm+modulation and SwiGLU Triton kernels against diffusers' eager ops in bf16, at FLUX.2-dev's
     width and at sizes that are not multiples of their tiles (the SwiGLU input a strided view, as in the single
-    blocks): equal but for rare one-step roundings (fp32 sum order)."""
+    blocks): SwiGLU equal but for rare one-step roundings, the LayerNorm within one bf16 step of eager's (its
+    mean and variance are summed in another order than torch's Welford loop)."""
     from shardgen.speed import flux2_fused as f2
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(2, tokens, dim, device="cuda", generator=g).bfloat16()
     shift, scale, _ = (torch.randn(2, 1, 3 * dim, device="cuda", generator=g) * 0.3).bfloat16().chunk(3, dim=-1)
     out, ref = f2.ln_modulate(x, shift, scale, 1e-6), f2.ln_modulate_reference(x, shift, scale, 1e-6)
-    assert (out == ref).float().mean() > 0.999
-    assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+    assert ((out.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 2 ** -14).all()
     wide = torch.randn(2, tokens, 3 * dim + 4 * dim, device="cuda", generator=g).bfloat16()
     view = wide[..., 3 * dim:]
     out, ref = f2.swiglu(view), torch.nn.functional.silu(view[..., :2 * dim]) * view[..., 2 * dim:]

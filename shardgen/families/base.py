@@ -71,6 +71,10 @@ class ModelFamily:
     """Transformer class name -> the module of its fused block forwards (``applicable``, ``enable``, ``disable``;
     ``COMPILED``: whether compiled blocks use them too), which ``fused_blocks=true`` runs instead of the stock
     forwards (named, not imported: families sit below speed/)."""
+    compiled_speedup: float | None = None
+    """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
+    its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic
+    prior (shardgen/speed/autocompile.py)."""
 
     @property
     def is_video(self) -> bool:
