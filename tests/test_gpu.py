@@ -70,7 +70,10 @@ def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     x = torch.randn(2, tokens, dim, device="cuda", generator=g).bfloat16()
     shift, scale, _ = (torch.randn(2, 1, 3 * dim, device="cuda", generator=g) * 0.3).bfloat16().chunk(3, dim=-1)
     out, ref = f2.ln_modulate(x, shift, scale, 1e-6), f2.ln_modulate_reference(x, shift, scale, 1e-6)
-    assert ((out.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 2 ** -14).all()
+    # one bf16 step of the norm, carried through the modulation, plus the product's and the sum's roundings
+    normed = torch.nn.functional.layer_norm(x.float(), (dim,), eps=1e-6)
+    bound = 2 ** -6 * ((1 + scale.float()) * normed).abs() + 2 ** -8 * shift.float().abs() + 2 ** -14
+    assert ((out.float() - ref.float()).abs() <= bound).all(), (out.float() - ref.float()).abs().max()
     wide = torch.randn(2, tokens, 3 * dim + 4 * dim, device="cuda", generator=g).bfloat16()
     view = wide[..., 3 * dim:]
     out, ref = f2.swiglu(view), torch.nn.functional.silu(view[..., :2 * dim]) * view[..., 2 * dim:]

@@ -261,7 +261,7 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-def _ff(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue."""
     first = ff.net[0]
     if type(first).__name__ == "GELU" and getattr(first, "approximate", None) == "tanh":
@@ -283,13 +283,13 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
     attn_output, context_attn_output = attention_outputs[:2]
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * _ff(self.ff, norm_hidden_states)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff, norm_hidden_states)
     if len(attention_outputs) == 3:
         hidden_states = hidden_states + attention_outputs[2]
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
     norm_encoder_hidden_states = (self.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None])
                                   + c_shift_mlp[:, None])
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * _ff(self.ff_context,
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff_context,
                                                                                    norm_encoder_hidden_states)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
