@@ -328,12 +328,13 @@ class SpeedConfig:
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""
     fused_blocks: bool = True
-    """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
-    GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
-    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200); Qwen-Image's joint attention
-    runs without its key-padding mask on CUDA (shardgen/speed/prefix_attention.py: attention 1.27x faster with
-    mixed text lengths, 1.65x with equal ones, H200). Exact up to bf16 rounding; other models, tp/cp runs and CPU
-    runs keep the stock blocks; false = diffusers' own blocks."""
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
+    flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
+    H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones), and compiled with
+    compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
+    (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep
+    the stock blocks; false = diffusers' own blocks."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |

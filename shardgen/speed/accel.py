@@ -13,13 +13,14 @@ Exact (outputs change only by bf16 rounding noise):
   cache hooks (First-Block-Cache) replace a block's ``forward`` and must stay eager (they decide on
   the host whether to skip the remaining blocks); compiling the ``forward`` underneath them keeps the
   block bodies compiled when a cache is enabled.
-- ``fused_blocks``: FLUX.1 blocks run shardgen/speed/flux_fused.py's forwards, which do q/k RMSNorm+RoPE in
-  one Triton pass, the MLP GELU in the GEMM epilogue and the single blocks' ``proj_out`` without the
-  concatenation; other transformers keep their own forward. With ``compile`` those forwards are what is
-  compiled; without it (``compile=false``, a ``compile: auto`` process that stays eager or has not switched
-  yet) they run eagerly on CUDA (H200, FLUX.1-dev batch 4: 3.95 s/image eager fused vs ~5.0 stock eager vs
-  3.50 compiled). Off CUDA without ``compile`` the stock blocks run (the fused ones only help through the
-  Triton kernel, and CPU runs keep diffusers' exact bytes).
+- ``fused_blocks``: the blocks run the fused forwards their family names (``ModelFamily.fused_blocks``: FLUX.1
+  shardgen/speed/flux_fused.py, FLUX.2 flux2_fused.py, Qwen-Image qwen_fused.py): the memory-bound passes between
+  the GEMMs (norms, modulation, RoPE, activations, gated residuals) in fewer passes. Without ``compile``
+  (``compile=false``, a ``compile: auto`` process that stays eager or has not switched yet) they run eagerly on
+  CUDA (H200, batch 4: FLUX.1-dev 3.95 s/image vs ~5.0 stock eager vs 3.50 compiled; FLUX.2-dev's and
+  Qwen-Image's as fast as their compiled blocks). With ``compile`` a module whose ``COMPILED`` is true (FLUX.1's)
+  has its forwards compiled; the others compile diffusers' own. Off CUDA without ``compile`` the stock blocks run
+  (CPU runs keep diffusers' exact bytes).
 - ``compile_tuning`` (with ``compile``, CUDA): inductor's coordinate-descent tuning of its Triton kernels.
 - compiled artifacts are reused across processes: inductor's on-disk cache (FX graphs, Triton kernels,
   tuning results) lives in ``$SHARDGEN_CACHE/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set
