@@ -94,7 +94,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     Signals(cfg.get("signals")).check(cfg.width, cfg.height)
     _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
     _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")
-    _need(cfg.launcher.nprocs >= 1, f"launcher.nprocs={cfg.launcher.nprocs}: use 1 or more")
+    problem = LAUNCHERS[cfg.launcher.name].check(cfg.launcher)
+    _need(problem is None, problem or "")
     _need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"),
           f"device={cfg.device!r}: use auto, cpu or cuda")
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
