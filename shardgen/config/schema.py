@@ -335,10 +335,10 @@ class SpeedConfig:
     """Regional compilation of the transformer's repeated blocks: true | false | auto. auto: off on CPU and for
     the model-parallel strategies; on CUDA with strategy dp each process compiles only when the work it has
     left saves more than compiling costs (recorded per GPU and model in $SHARDGEN_CACHE/compile, else priors;
-    the first batch runs eagerly to measure). shardgen/speed/accel.py, shardgen/speed/autocompile.py."""
+    the first batch runs eagerly to measure). shardgen/speed/regional_compile.py, shardgen/speed/autocompile.py."""
     compile_mode: str = "default"
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
-    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
+    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/regional_compile.py."""
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""
@@ -352,7 +352,7 @@ class SpeedConfig:
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
-    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/accel.py."""
+    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/sdpa.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
