@@ -77,7 +77,7 @@ def main(cfg: GenerateConfig) -> None:
 
         e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
-            from shardgen.dataio.tools.runfiles import escape_terminal
+            from shardgen.tools.runfiles import escape_terminal
 
             log.error("%s", escape_terminal(str(e)))  # it may quote the run directory's files: shown, never obeyed
             sys.exit(2)

@@ -53,7 +53,7 @@ def test_a_launcher_registered_in_one_module_runs_a_job(toy_launcher, tmp_path):
     from shardgen.config.overrides import check_overrides
     from shardgen.dataio.rundir import RunDir
     from shardgen.dataio.prompts import load_plan
-    from shardgen.dataio.tools import verify_run
+    from shardgen.tools import verify_run
 
     typed = ["launcher=toy", "launcher.greeting=bonjour", f"run_dir={tmp_path / 'run'}", *SMALL]
     assert check_overrides(typed) is None

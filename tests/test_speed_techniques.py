@@ -52,7 +52,7 @@ def test_the_registry_lists_the_built_in_techniques_in_applying_order():
 
 def test_a_technique_registered_in_one_module_changes_the_jobs_images_and_is_recorded(toy_technique, tmp_path):
     from jobs.generate import run
-    from shardgen.dataio.tools import read_shard_members
+    from shardgen.tools import read_shard_members
 
     assert "toy_dim" in [t.name for t in techniques()]
     run(compose_cfg(f"run_dir={tmp_path / 'toy'}", *SMALL))
