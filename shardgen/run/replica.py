@@ -95,6 +95,11 @@ class ReplicaWorker:
     _todo: list = field(default_factory=list, init=False)  # shards not known done, ascending (see _not_done)
     _todo_of: Any = field(default=None, init=False)        # the _done set _todo was computed from
 
+    def __post_init__(self) -> None:
+        if self.autocompile is not None:  # compile=auto decides from this worker's work left, and sets its settings
+            self.autocompile.remaining = self.remaining_here
+            self.settings = self.autocompile.settings(self.settings)
+
     def __enter__(self) -> "ReplicaWorker":
         return self
 
