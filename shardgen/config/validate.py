@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import FORMATS, MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, unknown_names
+from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -83,8 +83,8 @@ def validate_config(cfg: GenerateConfig) -> None:
                              f"16..{MAX_SIDE}")
     _need(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: use one of {sorted(DTYPES)}")
     _need(cfg.model.weights in ("pretrained", "dummy"), f"model.weights={cfg.model.weights!r}: use pretrained or dummy")
-    _need(cfg.prompts.format in ("auto",) + tuple(FORMATS),
-          f"prompts.format={cfg.prompts.format!r}: use auto or one of {list(FORMATS)}")
+    formats = list(prompt_formats())
+    _need(cfg.prompts.format in ["auto", *formats], f"prompts.format={cfg.prompts.format!r}: use auto or one of {formats}")
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
     _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
           f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
