@@ -19,8 +19,8 @@ from typing import Any, Callable
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit, scan_claims
-from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples, committed_tar
-from shardgen.tools import read_shard_members
+from shardgen.dataio.shards import (Sample, ShardSink, ShardWork, committed_samples, committed_tar,
+                                     read_shard_members)
 from shardgen.run.generation import GenSettings, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile

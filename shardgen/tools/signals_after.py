@@ -62,7 +62,7 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
     import pyarrow.parquet as pq
 
     from shardgen.tools.runfiles import REPAIR_HINT, read_tar_members
-    from shardgen.tools.verify import read_shard_members
+    from shardgen.dataio.shards.tarshard import read_shard_members
 
     run = plan.run
     path = index_path(run, shard)
