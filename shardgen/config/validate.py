@@ -84,7 +84,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: use one of {sorted(DTYPES)}")
     _need(cfg.model.weights in ("pretrained", "dummy"), f"model.weights={cfg.model.weights!r}: use pretrained or dummy")
     formats = list(prompt_formats())
-    _need(cfg.prompts.format in ["auto", *formats], f"prompts.format={cfg.prompts.format!r}: use auto or one of {formats}")
+    _need(cfg.prompts.format in ["auto", *formats],
+          f"prompts.format={cfg.prompts.format!r}: use auto or one of {formats}")
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
     _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
           f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")

@@ -30,7 +30,8 @@ from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, S
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.dataio.rundir.layout import storage_error
 from shardgen.run.generation import GenSettings
-from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
+from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
+                                       record_key)
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -299,8 +300,9 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy) if ctx.leader else {}
     worker = ReplicaWorker(plan=plan, pipe=pipe, batch_size=cfg.batch_size, ctx=ctx, retry_failed=cfg.retry_failed,
-                           settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings), watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall),
-                           on_batch=on_batch, **leader)
+                           settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings),
+                           watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall), on_batch=on_batch,
+                           **leader)
     return worker
 
 
@@ -313,6 +315,7 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
     # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
     shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
     return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
+                       prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
                        decided=None if settings.compile_auto else True,
                        background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
 

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
                               shape_legend, unknown_names)
     from .truncation import TruncationCheck, checks_while_planning, planning_windows
 
-__all__ = ["MAX_PROMPT_CHARS", "MAX_SIDE", "Plan", "PlannedRow", "PromptFormat", "PromptSource", "ROW_SETTINGS", "RowRules",
-           "Shape", "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
+__all__ = ["MAX_PROMPT_CHARS", "MAX_SIDE", "Plan", "PlannedRow", "PromptFormat", "PromptSource", "ROW_SETTINGS",
+           "RowRules", "Shape", "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
            "detect_format", "estimate_rows", "file_sha256", "idle_warning", "load_plan", "planning_windows",
-           "prompt_file_path", "prompt_format", "prompt_formats", "register_format", "rules_from_cfg", "sample_seed", "shape_label", "shape_legend", "unknown_names"]
+           "prompt_file_path", "prompt_format", "prompt_formats", "register_format", "rules_from_cfg", "sample_seed",
+           "shape_label", "shape_legend", "unknown_names"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

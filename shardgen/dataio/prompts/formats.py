@@ -24,7 +24,8 @@ class PromptFormat:
     extensions: tuple[str, ...]
     """File extensions (lowercase, with the dot) that ``prompts.format=auto`` reads as this format."""
     read: Callable[[Any], Iterator[Any]]
-    """``read(request)`` (a read.ReadRequest): every ``PromptRow`` of the file, in order (bad rows raise or become rejects per ``on_bad_row``)."""
+    """``read(request)`` (a read.ReadRequest): every ``PromptRow`` of the file, in order (bad rows raise or become
+    rejects per ``on_bad_row``)."""
     rows_at: Callable[[Any, BinaryIO | None, int, int, int, int, bytes | None], Iterator[Any]]
     """``rows_at(src, data, offset, line, index, count, head)``: ``count`` rows from row ``index`` starting at byte
     ``offset`` (a row number for formats without lines) and ``line``, read from ``data`` (positioned there; None for

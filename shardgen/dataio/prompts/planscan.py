@@ -56,8 +56,8 @@ def planned_from_footer(source: PromptSource, check: TruncationCheck | None) -> 
     """Whether ``source`` is planned from its parquet footer alone, no row read: a remote parquet file with an ETag
     (which identifies its content in the fingerprint, so no pass hashes it), when planning needs nothing of its rows
     (no token count, no per-row settings). Its rows are then checked when their shard is read."""
-    return (prompt_format(source.format).count_rows is not None and check is None and not source.row_rules and is_url(source.path)
-            and bool(identity(source.path)["etag"]))
+    return (prompt_format(source.format).count_rows is not None and check is None and not source.row_rules
+            and is_url(source.path) and bool(identity(source.path)["etag"]))
 
 
 def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndarray, int, None]:
