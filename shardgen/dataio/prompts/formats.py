@@ -60,10 +60,13 @@ def unregister_format(name: str) -> None:
 
 
 def prompt_formats() -> dict[str, PromptFormat]:
-    """Every registered format by name (the built-in modules imported first)."""
+    """Every registered format by name: the built-in ones in ``BUILTIN``'s order (whichever module was imported
+    first), then the others in the order they were registered."""
     for module in BUILTIN:
         importlib.import_module(module)
-    return dict(_REGISTRY)
+    rank = {module: i for i, module in enumerate(BUILTIN)}
+    ordered = sorted(_REGISTRY.values(), key=lambda f: rank.get(f.read.__module__, len(BUILTIN)))  # stable
+    return {f.name: f for f in ordered}
 
 
 def prompt_format(name: str) -> PromptFormat:
