@@ -10,7 +10,7 @@ import torch
 
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import verify_run
+from shardgen.tools.verify import verify_run
 from jobs.generate import run
 from tests.conftest import compose_cfg
 
