@@ -202,11 +202,12 @@ class Example:
         from jobs import generate
 
         self.capfd.readouterr()
-        self.monkeypatch.setattr(sys, "argv", ["jobs/generate.py", *args])
+        self.monkeypatch.setattr(sys, "argv", [str(ROOT / "jobs" / "generate.py"), *args])
         with self.monkeypatch.context() as m:
             for k, v in self.env.items():
                 if os.environ.get(k) != v:
                     m.setenv(k, v)
+            m.setenv("HYDRA_MAIN_MODULE", "__main__")  # conf/ found next to jobs/generate.py, as when run with -m
             try:
                 generate.entry(args)
                 rc = 0
