@@ -46,12 +46,13 @@ def generate_commands() -> list[list[str]]:
 
 def test_every_example_after_the_quick_start_has_a_run_dir_of_its_own():
     found = generate_commands()
-    first, *rest = found
-    assert first == ["python", "-m", "jobs.generate"]  # the quick start: runs/default
+    assert found[0] == ["python", "-m", "jobs.generate"]  # the quick start: runs/default (shown again with its output)
+    rest = [argv for argv in found if argv != found[0]]
     assert len(rest) >= 20
     run_dirs = []
     for argv in rest:
-        if check_overrides(argv[argv.index("jobs.generate") + 1:]):  # a typo shown refused: it writes nothing
+        overrides = argv[argv.index("jobs.generate") + 1:]
+        if check_overrides(overrides) or overrides == ["steps=2"]:  # shown refused: a typo, runs/default's settings
             continue
         named = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
         assert named, f"no run_dir: {shlex.join(argv)}"

@@ -60,6 +60,26 @@ FETCHED = {
     "PartiPrompts.tsv": "Prompt\tCategory\tChallenge\tNote\n" + "".join(f"prompt {i}\tAnimals\tBasic\t\n"
                                                                         for i in range(10)),
 }
+
+
+def object_storage(request, where: Path) -> None:
+    """The buckets the object-storage section reads and writes, on the moto S3 server (its endpoint and
+    credentials in the environment), with the example prompts as the parquet file it names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs = request.getfixturevalue("s3").fs()
+    for bucket in ("captions", "datasets"):
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+    lines = (ROOT / "examples" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"prompt": lines}), sink)
+    fs.pipe("s3://captions/prompts.parquet", sink.getvalue().to_pybytes())
+
+
+# what a section's examples need that the README tells the reader to have (a bucket, a server)
+SETUP = {"Prompts and shards on object storage": object_storage}
 NO_OUTPUT_EXTRA = ("prompts.limit=8", "steps=1")
 FAILS = re.compile(r"^error: |\[ERROR\]", re.M)
 
@@ -292,6 +312,7 @@ def quick_start(tmp_path_factory):
     return where, skipped
 
 
+@pytest.mark.slow
 def test_the_quick_start_runs_as_shown(quick_start):
     where, skipped = quick_start
     assert any("pip install" in s for s in skipped)  # the set-up lines are recognised, not run
@@ -300,11 +321,13 @@ def test_the_quick_start_runs_as_shown(quick_start):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("title", RUNNABLE)
-def test_a_readme_section_runs_as_shown(title, quick_start, tmp_path, capfd, monkeypatch):
+def test_a_readme_section_runs_as_shown(title, quick_start, tmp_path, capfd, monkeypatch, request):
     """The section's commands and snippets, in order, in a directory of their own with the quick start's run."""
     where = fresh_dir(tmp_path / "example")
     shutil.copytree(quick_start[0] / "runs" / "default", where / "runs" / "default")
     monkeypatch.chdir(where)
+    if title in SETUP:
+        SETUP[title](request, where)
     skipped = Example(where, capfd, monkeypatch).section(SECTIONS[title])
     print("\n".join(skipped))
 
