@@ -50,7 +50,7 @@ NEEDS = [
     (r"^python -m pytest", "the test suite itself"),
     (r"^torchrun|slurm_cluster\.sh| torchrun ", "needs torchrun over several GPUs or nodes"),
     (r"launcher=slurm", "needs a SLURM cluster"),
-    (r"^(?!.*dry_run=true).*\bmodel=(?!tiny\b|tiny_video\b)", "needs a GPU and a large model's weights"),
+    (r"^(?!.*dry_run=true).*\bmodel=(?!tiny)", "needs a GPU and a large model's weights"),
     (r"^python benchmarks/", "a GPU benchmark (H200 figures)"),
     (r"node_exporter", "needs node_exporter"),
     (r"launcher\.nprocs=4", "4 spawned ranks take 30-80 s on 2 cores; tests/test_cfg_parallel.py runs that path"),
