@@ -184,7 +184,7 @@ def assert_shown(cmd: Command, out: str | tuple[str, ...], where: Path) -> None:
     apart)."""
     streams = [mask(progress_bars_dropped(s), where) for s in ((out,) if isinstance(out, str) else out)]
     pos = [0] * len(streams)
-    for line in progress_bars_dropped("\n".join(cmd.shown)).splitlines():
+    for line in progress_bars_dropped("\n".join(cmd.shown)).splitlines():  # a bar is shown for what it looks like
         for frag in (mask(f, where) for f in line.split("...")):
             if not frag:
                 continue
@@ -285,6 +285,7 @@ def shown_later(blocks: list[Block], cmd: Command) -> set[str]:
 
 
 def runnable(blocks: list[Block]) -> bool:
+    """Whether a section has anything this machine can run."""
     return any(b.lang == "python" or (b.is_commands and any(not needs(c.text) for c in commands(b)))
                for b in blocks)
 
@@ -295,6 +296,7 @@ RUNNABLE = [title for title, blocks in SECTIONS.items() if title != QUICK_START 
 
 
 def fresh_dir(path: Path) -> Path:
+    """A directory for a section's examples, with the files the README asks the reader to download."""
     path.mkdir(parents=True, exist_ok=True)
     for name, text in FETCHED.items():
         (path / name).write_text(text)
@@ -326,6 +328,7 @@ def test_a_readme_section_runs_as_shown(title, quick_start, tmp_path, capfd, mon
     where = fresh_dir(tmp_path / "example")
     shutil.copytree(quick_start[0] / "runs" / "default", where / "runs" / "default")
     monkeypatch.chdir(where)
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", where / ".hf")  # load_dataset's cache: not in $HOME
     if title in SETUP:
         SETUP[title](request, where)
     skipped = Example(where, capfd, monkeypatch).section(SECTIONS[title])
