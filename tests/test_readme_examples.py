@@ -12,7 +12,8 @@ The convention (README.md's "Tests" section says the same, for whoever adds an e
   command.
 * Shown output is compared fragment by fragment: each shown line, split at ``...``, must appear in what the
   command printed (stdout and stderr), in order, after masking what varies on every run (log times, durations,
-  rates, the example's own directory, written as ``<dir>/`` or left out). A command whose shown output has an
+  rates, the example's own directory, written as ``<dir>/`` or left out; a sha256 shown as ``<sha256>`` stands for
+  any, where the bytes hashed differ from run to run). A command whose shown output has an
   ``error:`` or ``[ERROR]`` line must fail; any other must exit 0.
 * A ``python -m jobs.generate`` command with no shown output runs with ``prompts.limit=8 steps=1`` added (only its
   success is checked: it makes every sample, none fails, it is not "already complete"); with shown output it runs
@@ -22,7 +23,8 @@ The convention (README.md's "Tests" section says the same, for whoever adds an e
   snippets run there after the commands before them, in the README's order.
 * Commands that need what a CI machine has not got are skipped for the reason ``NEEDS`` gives (a GPU, a real
   model, torchrun, SLURM, the internet, node_exporter); files the README asks the reader to fetch are made by
-  ``FETCHED``; the object-storage section runs against the moto S3 server of tests/s3_server.py.
+  ``FETCHED``; what a section needs set up beyond that is ``SETUP``'s (the object-storage section's buckets, on the
+  moto S3 server of tests/s3_server.py).
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def assert_shown(cmd: Command, out: str | tuple[str, ...], where: Path) -> None:
     """Each shown fragment appears in ``out`` in order (in order within its stream, when stdout and stderr come
     apart)."""
     streams = [mask(progress_bars_dropped(s), where) for s in ((out,) if isinstance(out, str) else out)]
+    if any("<sha256>" in line for line in cmd.shown):  # the README marks a digest that differs on every run
+        streams = [re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", s) for s in streams]
     pos = [0] * len(streams)
     for line in progress_bars_dropped("\n".join(cmd.shown)).splitlines():  # a bar is shown for what it looks like
         for frag in (mask(f, where) for f in line.split("...")):
@@ -347,9 +351,13 @@ def test_the_harness_finds_the_readmes_examples_and_their_shown_output():
                                                                          "model=flux_dev")
 
 
-def test_masking_keeps_counts_and_drops_what_varies(tmp_path):
+def test_masking_keeps_counts_and_hashes_unless_marked_and_drops_what_varies(tmp_path):
     shown = Command("x", ["<dir>/runs/a: 8 images, 0 failed ... in 29.1 s (0.27 images/s)"])
     assert_shown(shown, f"[2026-01-01 00:00:00,001][shardgen] {tmp_path}/runs/a: 8 images, 0 failed, 0 rejected "
                         "of 8 prompts; in 3.0 s (2.67 images/s)\n", tmp_path)
     with pytest.raises(AssertionError, match="not in"):
         assert_shown(shown, f"{tmp_path}/runs/a: 7 images, 0 failed in 3.0 s (2.67 images/s)", tmp_path)
+    digest = "0a587f7d10052e0bd7a228063dc98e9a724ca7854f725f891c5f07f37ddc52b8"
+    assert_shown(Command("x", ["sha256 <sha256>"]), f"sha256 {digest}", tmp_path)
+    with pytest.raises(AssertionError, match="not in"):
+        assert_shown(Command("x", [f"sha256 {digest}"]), f"sha256 {digest[::-1]}", tmp_path)
