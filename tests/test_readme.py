@@ -68,7 +68,9 @@ def test_the_quick_start_installs_the_cpu_torch_build_as_pasted():
     quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     lines = [" ".join(argv) for block in code_blocks(quick) for argv in commands(block)]
     torch = [l for l in lines if l.startswith("pip install torch")]
-    assert torch == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"]
+    # the CPU build first (the default index would pull the multi-GB CUDA one), then the GPU machine's
+    assert torch == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+                     "pip install torch==2.13.0"]
     assert lines.index(torch[0]) < lines.index('pip install -e .[test]') < lines.index("python -m jobs.generate")
 
 
