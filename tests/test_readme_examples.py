@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import shlex
@@ -227,6 +228,9 @@ class Example:
 
         self.capfd.readouterr()
         self.monkeypatch.setattr(sys, "argv", [str(ROOT / "jobs" / "generate.py"), *args])
+        # Hydra points the root logger at this test's captured stream: given back afterwards, for the next tests
+        self.monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+        self.monkeypatch.setattr(logging.root, "level", logging.root.level)
         with self.monkeypatch.context() as m:
             for k, v in self.env.items():
                 if os.environ.get(k) != v:
