@@ -53,6 +53,8 @@ CLUSTER_TEST_FILES = ("test_slurm.py", "test_multinode.py")
 # the GPU tests share one device: one worker runs them in turn (two workers side by side each saw the other's
 # models in GPU memory and failed the memory check; measured on an H200)
 GPU_TEST_FILES = ("test_gpu.py",)
+# the README's examples: one worker, so the quick start's run they all copy is made once
+README_TEST_FILES = ("test_readme_examples.py",)
 
 
 def _test_file(nodeid: str) -> str:
@@ -70,8 +72,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) where it is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with three kinds of scope: all the cluster tests (one worker, in order), all the GPU
-    tests (one worker, in order), and each other test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
+    """xdist's scope scheduling with four kinds of scope: all the cluster tests (one worker, in order), all the GPU
+    tests (one worker, in order), all the README example tests (one worker), and each other test alone (any
+    worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
     longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the grouped tests ran on both
     workers)."""
     from xdist.scheduler import LoadScopeScheduling
@@ -80,6 +83,8 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if _on_the_cluster(nodeid):
                 return "cluster"
+            if _test_file(nodeid) in README_TEST_FILES:
+                return "readme"
             return "gpu" if _test_file(nodeid) in GPU_TEST_FILES else nodeid
 
     return ClusterScopeScheduling(config, log)

@@ -218,3 +218,22 @@ def test_a_quoted_non_ascii_value_composes():
 
     arg = "run_dir='/tmp/é'"
     assert command_line_problem([arg]) is None and compose_cfg(arg).run_dir == "/tmp/é"
+
+
+@pytest.mark.parametrize("arg,line", [
+    ("strategy=tpp", "error: strategy=tpp: no strategy option 'tpp' (did you mean tp?); the options are auto, cp_ring, "
+                     "cp_ulysses, cp_unified, device_map, dp, fsdp, tp (conf/strategy/)"),
+    ("model=flux", "error: model=flux: no model option 'flux' (did you mean flux_dev or flux2_dev?); the options are "
+                   "flux2_dev, flux_dev, qwen_image, sd35_large, tiny, tiny_video, wan21_t2v_14b, wan21_t2v_1_3b, "
+                   "wan22_t2v_a14b (conf/model/)"),
+    ("batchsize=4", "error: batchsize=4: no key 'batchsize' (did you mean batch_size?); python -m jobs.generate "
+                    "--help lists every key"),
+])
+def test_a_wrong_group_option_or_key_on_the_command_line_is_one_line_and_nothing_of_hydras(arg, line, capfd,
+                                                                                         tmp_path):
+    from jobs import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.entry([arg, f"run_dir={tmp_path / 'r'}"])
+    out = capfd.readouterr()
+    assert e.value.code == 2 and out.out == "" and out.err == line + "\n" and not (tmp_path / "r").exists()

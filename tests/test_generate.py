@@ -164,6 +164,7 @@ def test_changed_settings_are_refused_naming_the_fields(tmp_path):
     # the seed made the plan: allow_fingerprint_change could not apply it, so only what works is suggested
     assert "launch it with its original settings (seed=0: the run's plan was made from them)" in msg
     assert "allow_fingerprint_change" not in msg
+    assert "model.sha256" not in msg  # refused before the model's bytes are hashed: the model did not change
 
 
 def test_every_fix_a_refusal_suggests_works(tmp_path):

@@ -186,9 +186,11 @@ def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
     if old is None or digest is None:
         return
     new = compute_fingerprint(cfg, digest, model_version(cfg.model))
-    # the model's bytes are hashed by the launch itself (reading the weights is not for before torch)
+    # the model's bytes are hashed by the launch itself (reading the weights is not for before torch): left out of
+    # both sides, so the refusal does not list an unhashed model as changed
     new.pop("model.sha256", None)
-    if diff_fingerprints({k: v for k, v in old.items() if k not in ("prompts.sha256", "model.sha256")},
+    old = {k: v for k, v in old.items() if k != "model.sha256"}
+    if diff_fingerprints({k: v for k, v in old.items() if k != "prompts.sha256"},
                          {k: v for k, v in new.items() if k != "prompts.sha256"}):
         raise _mismatch(run, old, new, prompt_path)
 
