@@ -1,0 +1,242 @@
+"""Conditioning images per row (prompts.row_settings=[image,strength], shardgen/models/condition.py) on the tiny
+image-to-image model: pixels independent of the batch, the input's sha256 in each sample's json and the index,
+every unusable input rejected with its reason while the rest of the run completes."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from jobs.generate import run
+from shardgen.config.validate import ConfigError
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from tests.conftest import compose_cfg
+from tests.test_generate import shard_images
+
+FAST = ("model=tiny_img2img", "height=64", "width=64", "progress=false", "prompts=jsonl")
+IMAGES = "prompts.row_settings=[image,strength]"
+
+
+def png(path: Path, seed: int, size: tuple[int, int] = (80, 96)) -> Path:
+    """A noise PNG of ``size`` (width, height) from ``seed``."""
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def bomb_png(path: Path, side: int = 100_000) -> Path:
+    """A valid-looking PNG header declaring ``side`` x ``side`` pixels, with almost no data: a decompression bomb."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + head + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return path
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def gen(run_dir: Path, prompts: Path, *extra: str):
+    return run(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *FAST, IMAGES, *extra))
+
+
+def jsons(run_dir: Path) -> dict[str, dict]:
+    return {k: json.loads(m["json"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+            for k, m in read_shard_members(tar).items()}
+
+
+def index_rows(run_dir: Path) -> dict[int, dict]:
+    return {r["index"]: r for f in sorted((run_dir / "shards").glob("*.parquet")) for r in pq.read_table(f).to_pylist()}
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("inputs")
+    png(d / "a.png", seed=0)
+    Image.new("RGB", (80, 96), (20, 60, 220)).save(d / "b.png")  # far from a's noise
+    png(d / "c.png", seed=2)
+    rows = [dict(prompt="a cat", image="a.png", seed=11), dict(prompt="a cat", image="b.png", seed=11),
+            dict(prompt="a dog", image=str(d / "c.png"), seed=12, strength=0.9),
+            dict(prompt="a dog", image="a.png", seed=13)]
+    write_rows(d / "rows.jsonl", rows)
+    return d
+
+
+@pytest.fixture(scope="module")
+def batch3(inputs, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("b3") / "run"
+    assert gen(d, inputs / "rows.jsonl", "batch_size=3", "samples_per_shard=4").ok == 4
+    return d
+
+
+def test_batch_size_does_not_change_the_bytes_and_a_row_alone_makes_the_same(inputs, batch3, tmp_path):
+    assert gen(tmp_path / "b1", inputs / "rows.jsonl", "batch_size=1", "samples_per_shard=4").ok == 4
+    both = shard_images(batch3)
+    assert shard_images(tmp_path / "b1") == both
+    rows = (inputs / "rows.jsonl").read_text().splitlines()
+    write_rows(inputs / "one.jsonl", [json.loads(rows[2])])  # the same row alone (its own seed), in the same folder
+    assert gen(tmp_path / "one", inputs / "one.jsonl").ok == 1
+    assert list(shard_images(tmp_path / "one").values()) == [both["0000000002"]]
+
+
+def test_another_input_image_gives_other_pixels(batch3):
+    images = shard_images(batch3)  # rows 0 and 1: the same prompt and seed, images a and b
+    # the tiny model's random transformer washes most of an input out at strength 0.6; what is left differs
+    assert np.abs(pixels(images["0000000000"]) - pixels(images["0000000001"])).mean() > 0.5
+
+
+def test_the_inputs_sha256_is_in_each_samples_json_and_the_index(inputs, batch3):
+    import hashlib
+
+    digest = {n: hashlib.sha256((inputs / f"{n}.png").read_bytes()).hexdigest() for n in "abc"}
+    meta, index = jsons(batch3), index_rows(batch3)
+    want = {0: "a", 1: "b", 2: "c", 3: "a"}
+    for i, name in want.items():
+        m = meta[f"{i:010d}"]
+        assert m["input_image"]["sha256"] == digest[name] == index[i]["input_image_sha256"]
+        assert (m["input_image"]["width"], m["input_image"]["height"]) == (80, 96)  # the size it had, before fitting
+    assert meta["0000000000"]["input_image"]["path"] == "a.png"  # as the row wrote it
+    assert [meta[f"{i:010d}"]["strength"] for i in range(4)] == [0.6, 0.6, 0.9, 0.6]  # the run's, else the row's
+    assert verify_run(load_plan(RunDir(batch3))).ok
+
+
+def test_strength_is_diffusers_own_near_zero_and_at_one(tmp_path):
+    import torch
+    from diffusers import FluxImg2ImgPipeline
+
+    from shardgen.models.tiny import tiny_model_path
+    from shardgen.run.generation import to_pixels
+
+    Image.new("RGB", (64, 64), (200, 40, 90)).save(tmp_path / "red.png")
+    png(tmp_path / "noise.png", seed=5, size=(64, 64))
+    rows = [dict(prompt="a cat", image=n, seed=3, strength=s) for s in (0.25, 1.0) for n in ("red.png", "noise.png")]
+    assert gen(tmp_path / "run", write_rows(tmp_path / "p.jsonl", rows), "batch_size=2").ok == 4
+    out = [pixels(v) for _, v in sorted(shard_images(tmp_path / "run").items())]
+    pipe = FluxImg2ImgPipeline.from_pretrained(str(tiny_model_path()), dtype=torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    for row, got in zip(rows, out):  # each sample is what diffusers makes of its row, called directly
+        want = pipe(prompt=row["prompt"], image=Image.open(tmp_path / row["image"]), strength=row["strength"],
+                    height=64, width=64, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
+                    generator=torch.Generator("cpu").manual_seed(3), output_type="pt").images
+        assert np.array_equal(got, to_pixels(want)[1][0]), row
+    assert not np.array_equal(out[0], out[1])  # 0.25 of 4 steps: one step from each image, whose content shows
+    assert np.array_equal(out[2], out[3])  # 1: the image entirely replaced by noise, as diffusers' strength=1 does
+
+
+def test_a_strength_below_one_step_is_a_bad_row_at_planning(tmp_path):
+    png(tmp_path / "a.png", seed=0)
+    with pytest.raises(PromptFileError, match=r"p.jsonl:1: strength: 0.1 of 4 steps is less than one denoising step"):
+        gen(tmp_path / "run", write_rows(tmp_path / "p.jsonl", [dict(prompt="x", image="a.png", strength=0.1)]))
+    assert not (tmp_path / "run" / "shards").exists()
+
+
+BAD = {  # row image -> what its reject says
+    "missing.png": "missing.png does not exist",
+    "link.png": "link.png is a symbolic link",
+    "folder": "folder is a directory",
+    "empty.png": "empty.png is empty (0 bytes)",
+    "garbage.png": "garbage.png is not an image PIL can read",
+    "cut.png": "cut.png does not decode whole",
+    "cut.jpg": "cut.jpg does not decode whole",
+    "bomb.png": "bomb.png declares too many pixels",
+}
+
+
+@pytest.fixture
+def bad_inputs(tmp_path) -> Path:
+    good = png(tmp_path / "good.png", seed=1)
+    (tmp_path / "link.png").symlink_to(good)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "garbage.png").write_bytes(b"not an image at all " * 20)
+    (tmp_path / "cut.png").write_bytes(good.read_bytes()[:300])
+    Image.open(good).save(tmp_path / "whole.jpg", quality=90)
+    (tmp_path / "cut.jpg").write_bytes((tmp_path / "whole.jpg").read_bytes()[:700])
+    bomb_png(tmp_path / "bomb.png")
+    rows = [dict(prompt="good", image="good.png")] + [dict(prompt=n, image=n) for n in BAD]
+    rows += [dict(prompt="no image"), dict(prompt="good too", image="whole.jpg")]
+    write_rows(tmp_path / "p.jsonl", rows)
+    return tmp_path
+
+
+def test_every_unusable_input_rejects_its_row_with_the_reason_and_the_rest_completes(bad_inputs, capsys):
+    res = gen(bad_inputs / "run", bad_inputs / "p.jsonl", "prompts.on_bad_row=skip", "batch_size=3")
+    assert (res.ok, res.rejected) == (2, len(BAD) + 1)
+    index = index_rows(bad_inputs / "run")
+    assert [index[i]["status"] for i in (0, len(BAD) + 2)] == ["ok", "ok"]
+    for i, says in enumerate(BAD.values(), 1):
+        assert index[i]["status"] == "rejected" and f"rejected: image: {bad_inputs}/{says}" in index[i]["error"]
+    assert "the row names none" in index[len(BAD) + 1]["error"] or "give the row one" in index[len(BAD) + 1]["error"]
+    rep = verify_run(load_plan(RunDir(bad_inputs / "run")))
+    assert rep.ok, rep.defects
+
+
+def test_with_on_bad_row_error_a_missing_image_stops_planning_at_its_line(bad_inputs):
+    with pytest.raises(PromptFileError, match=r"e.jsonl:2: image: .*missing.png does not exist"):
+        gen(bad_inputs / "run", write_rows(bad_inputs / "e.jsonl", [dict(prompt="a", image="good.png"),
+                                                                    dict(prompt="b", image="missing.png")]))
+
+
+def test_parquet_image_bytes(tmp_path):
+    import pyarrow as pa
+
+    good = png(tmp_path / "a.png", seed=0).read_bytes()
+    table = pa.table({"prompt": ["a", "b", "c", "d"], "image": [good, b"", b"garbage" * 9, {"bytes": good}["bytes"]],
+                      "seed": [1, 2, 3, 1]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    res = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={tmp_path / 'p.parquet'}", *FAST[:-1],
+                          "prompts=parquet", IMAGES, "prompts.on_bad_row=skip"))
+    assert (res.ok, res.rejected) == (2, 2)
+    index = index_rows(tmp_path / "run")
+    assert "image is empty" in index[1]["error"] and "is not an image PIL can read" in index[2]["error"]
+    import hashlib
+
+    assert index[0]["input_image_sha256"] == index[3]["input_image_sha256"] == hashlib.sha256(good).hexdigest()
+    assert json.loads(index[0]["json"])["input_image"]["path"] is None
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_a_model_without_image_input_refuses_image_rows_before_any_weight(tmp_path):
+    with pytest.raises(ConfigError, match="takes no input image"):
+        run(compose_cfg(f"run_dir={tmp_path}", "prompts=jsonl", f"prompts.path={tmp_path / 'p.jsonl'}", IMAGES))
+    with pytest.raises(ConfigError, match=r"makes each sample from an input image: add image to prompts.row_settings"):
+        run(compose_cfg(f"run_dir={tmp_path}", "model=tiny_img2img"))
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_changed_image_on_resume_makes_the_rows_still_to_make_from_the_new_content(tmp_path):
+    """The run's fingerprint covers the prompt file, not the images: a row generated after its image changed is made
+    from the new content, and its json says which; samples already made keep theirs."""
+    png(tmp_path / "a.png", seed=0)
+    png(tmp_path / "b.png", seed=1)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="x", image="a.png"), dict(prompt="y", image="b.png")])
+    args = ("samples_per_shard=1", "batch_size=1")
+    gen(tmp_path / "run", rows, *args)
+    before, old = shard_images(tmp_path / "run"), jsons(tmp_path / "run")
+    png(tmp_path / "b.png", seed=7)  # changed; and its row's shard is lost, so it is made again
+    for name in ("000001.stats.json", "000001.tar"):
+        (tmp_path / "run" / "shards" / name).unlink()
+    assert gen(tmp_path / "run", rows, *args).generated_here == 1
+    after, new = shard_images(tmp_path / "run"), jsons(tmp_path / "run")
+    assert after["0000000000"] == before["0000000000"] and new["0000000000"] == old["0000000000"]
+    assert after["0000000001"] != before["0000000001"]
+    assert new["0000000001"]["input_image"]["sha256"] != old["0000000001"]["input_image"]["sha256"]
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
