@@ -240,3 +240,52 @@ def test_a_changed_image_on_resume_makes_the_rows_still_to_make_from_the_new_con
     assert after["0000000001"] != before["0000000001"]
     assert new["0000000001"]["input_image"]["sha256"] != old["0000000001"]["input_image"]["sha256"]
     assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+# --- image-to-video: the tiny Wan model -------------------------------------------------------------------------
+
+VIDEO = ("model=tiny_video_i2v", "height=32", "width=32", "num_frames=5", "steps=2", "progress=false", "prompts=jsonl",
+         "prompts.row_settings=[image]")
+
+
+def test_image_to_video_rows_batch_by_image_and_batching_does_not_change_the_bytes(inputs, tmp_path):
+    from tests.test_video import shard_videos
+
+    rows = [dict(prompt="a cat", image=n, seed=s) for n, s in (("a.png", 1), ("b.png", 1), ("a.png", 2), ("b.png", 3))]
+    prompts = write_rows(inputs / "video.jsonl", rows)
+    made = {}
+    for batch in (1, 3):
+        d = tmp_path / f"b{batch}"
+        assert run(compose_cfg(f"run_dir={d}", f"prompts.path={prompts}", *VIDEO, f"batch_size={batch}")).ok == 4
+        made[batch] = shard_videos(d)
+    assert made[1] == made[3]
+    assert made[1]["0000000000"] != made[1]["0000000001"]  # the same seed and prompt, another first frame
+    meta = jsons(tmp_path / "b3")
+    assert meta["0000000000"]["input_image"]["sha256"] == meta["0000000002"]["input_image"]["sha256"] != \
+        meta["0000000001"]["input_image"]["sha256"]
+    assert "strength" not in meta["0000000000"]  # image-to-video takes none
+    assert verify_run(load_plan(RunDir(tmp_path / "b3"))).ok
+
+
+def test_wan22_i2v_dummy_has_the_published_size_and_runs_both_experts_from_an_image():
+    """Wan2.2-I2V-A14B: the T2V A14B experts with 36 input channels (20 more of the 1x2x2 patch embedding's 5120
+    outputs), the second expert below t = 0.9 * 1000; a scaled-down build runs both from an input image."""
+    import torch
+
+    from shardgen.models.dummy import build_dummy_pipeline, construct_meta, dummy_architecture
+
+    arch = dummy_architecture("wan22_i2v_a14b", pipeline="WanImageToVideoPipeline")
+    assert sum(p.numel() for p in construct_meta(arch["transformer"]).parameters()) == 14_288_491_584 + 20 * 5120 * 4
+    tiny_tr = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=32)
+    pipe = build_dummy_pipeline("wan22_i2v_a14b", "cpu", torch.float32, pipeline="WanImageToVideoPipeline", overrides=dict(
+        transformer=tiny_tr, transformer_2=tiny_tr, text_encoder=dict(d_model=32, d_ff=37, d_kv=8, num_layers=1,
+                                                                      num_heads=4, vocab_size=1000),
+        vae=dict(base_dim=4, decoder_base_dim=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1)))
+    assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.config.boundary_ratio == 0.9
+    calls = {"transformer": 0, "transformer_2": 0}
+    for name in calls:
+        getattr(pipe, name).register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+    out = pipe(prompt="a cat", image=Image.new("RGB", (32, 32), (10, 200, 30)), height=32, width=32, num_frames=5,
+               num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16, output_type="pt")
+    assert out.frames.shape == (1, 5, 3, 32, 32)
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 import torch
 
+from shardgen.models.compat import guard_ftfy
 from shardgen.families import ComponentSpec, DummyModel, ModelFamily, dummy_models, family_of
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,7 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
             components[name] = module
         seconds[name] = time.perf_counter() - t0
         log.info("dummy %s.%s built in %.2f s", pipeline, name, seconds[name])
+    guard_ftfy(getattr(diffusers, pipeline))
     pipe = getattr(diffusers, pipeline)(**components)
     pipe.set_progress_bar_config(disable=True)
     pipe.dummy_build_seconds = seconds
