@@ -289,3 +289,23 @@ def test_wan22_i2v_dummy_has_the_published_size_and_runs_both_experts_from_an_im
                num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16, output_type="pt")
     assert out.frames.shape == (1, 5, 3, 32, 32)
     assert calls["transformer"] > 0 and calls["transformer_2"] > 0
+
+
+# --- edit: FLUX.1 Kontext on the tiny model ---------------------------------------------------------------------
+
+def test_edit_rows_with_and_without_an_image_and_batching_does_not_change_the_bytes(inputs, tmp_path):
+    rows = [dict(prompt="a cat", image="a.png", seed=1), dict(prompt="a cat", seed=1),
+            dict(prompt="a cat", image="b.png", seed=1), dict(prompt="a dog", image="a.png", seed=2)]
+    prompts = write_rows(inputs / "edit.jsonl", rows)
+    made = {}
+    for batch in (1, 3):
+        d = tmp_path / f"b{batch}"
+        assert run(compose_cfg(f"run_dir={d}", f"prompts.path={prompts}", "model=tiny_kontext", "height=64",
+                               "width=64", "progress=false", "prompts=jsonl", "prompts.row_settings=[image]",
+                               f"batch_size={batch}")).ok == 4
+        made[batch] = shard_images(d)
+    assert made[1] == made[3]
+    assert len({made[1][f"{i:010d}"] for i in range(3)}) == 3  # image a, no image, image b: three images
+    meta = jsons(tmp_path / "b3")
+    assert "input_image" not in meta["0000000001"] and meta["0000000000"]["input_image"]["path"] == "a.png"
+    assert pixels(made[1]["0000000000"]).shape == (64, 64, 3)  # the sample's size, not Kontext's preferred one

@@ -91,8 +91,10 @@ def call_key(s: GenSettings, row: PlannedRow) -> tuple:
     """What a pipeline call takes once for all its samples, for ``row`` (its own settings, else the run's): rows
     of equal keys can share a call. negative_prompt is per sample (a list), so not part of it."""
     own = settings_for(s, row)
-    image = (row.settings.get("image"),) if s.image_per_call else ()  # one input image per call: batched by it
-    return tuple(getattr(own, k) for k in CALL_SETTINGS) + image
+    image = row.settings.get("image")
+    # one input image per call: batched by it; an optional one: rows with and without one in separate calls
+    by_image = (image,) if s.image_per_call else (image is not None,) if s.input_image == "optional" else ()
+    return tuple(getattr(own, k) for k in CALL_SETTINGS) + by_image
 
 
 def by_call(s: GenSettings, rows: list[PlannedRow]) -> list[list[PlannedRow]]:
@@ -148,6 +150,10 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
         kw["image"] = images[0] if s.image_per_call else images
         if s.strength is not None and "strength" in params:
             kw["strength"] = s.strength
+        if "_auto_resize" in params:  # Kontext: the image is fitted to the sample's size already
+            kw["_auto_resize"] = False
+    if "max_area" in params:  # Kontext: the sample's own size, not its 1024x1024 default's area
+        kw["max_area"] = s.height * s.width
     if s.true_cfg_scale > 1.0 and "true_cfg_scale" in params:
         kw["true_cfg_scale"] = s.true_cfg_scale
         negatives = negative_prompts or [None] * len(prompts)
