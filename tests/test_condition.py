@@ -309,3 +309,15 @@ def test_edit_rows_with_and_without_an_image_and_batching_does_not_change_the_by
     meta = jsons(tmp_path / "b3")
     assert "input_image" not in meta["0000000001"] and meta["0000000000"]["input_image"]["path"] == "a.png"
     assert pixels(made[1]["0000000000"]).shape == (64, 64, 3)  # the sample's size, not Kontext's preferred one
+
+
+def test_verify_names_a_sample_made_from_another_image_than_its_rows(batch3):
+    from shardgen.dataio.tools.verify import _check_content
+
+    plan = load_plan(RunDir(batch3))
+    row = plan.rows(0)[1]  # image b.png
+    meta = jsons(batch3)["0000000001"]
+    assert _check_content("k", meta, row.prompt.encode(), row, None) == []
+    other = dict(meta, input_image=dict(meta["input_image"], path="a.png"))
+    assert _check_content("k", other, row.prompt.encode(), row, None) == \
+        ["k: made from input image 'a.png', its row (line 2) names 'b.png'"]
