@@ -321,3 +321,34 @@ def test_verify_names_a_sample_made_from_another_image_than_its_rows(batch3):
     other = dict(meta, input_image=dict(meta["input_image"], path="a.png"))
     assert _check_content("k", other, row.prompt.encode(), row, None) == \
         ["k: made from input image 'a.png', its row (line 2) names 'b.png'"]
+
+
+# --- FLUX.2 reference images: the scaled-down FLUX.2-dev dummy through the generation code --------------------------
+
+def test_flux2_reference_images_reach_the_transformer_and_batching_does_not_change_the_pixels(inputs):
+    import torch
+
+    from shardgen.dataio.prompts.plan import PlannedRow
+    from shardgen.models.condition import InputImage
+    from shardgen.models.dummy import build_dummy_pipeline
+    from shardgen.run.generation import GenSettings, generate_batch
+    from tests.test_dummy_models import SMALL
+
+    pipe = build_dummy_pipeline("Flux2Pipeline", "cpu", torch.float64, overrides=SMALL["Flux2Pipeline"])
+    tokens = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: tokens.append(tuple(kw["hidden_states"].shape[:2])),
+                                               with_kwargs=True)
+    s = GenSettings(height=64, width=64, steps=2, guidance=4.0, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=32, model="flux2_dev", strategy="dp", input_image="optional",
+                    image_per_call=True, batch_size=3)
+    images = [InputImage(ref=n, path=str(inputs / n)) for n in ("a.png", "b.png")]
+    rows = [PlannedRow(index=i, line=i + 1, prompt="a cat", seed=i, extra={}, reject=None,
+                       settings={"image": images[i % 2]} if i < 4 else {}) for i in range(5)]
+    together = generate_batch(pipe, s, rows)
+    assert sorted(set(tokens)) == [(1, 16), (2, 32)]  # calls (per step): rows 0, 2 (a) / 1, 3 (b) / 4 (none)
+    tokens.clear()
+    alone = [smp for r in rows for smp in generate_batch(pipe, s, [r])]
+    assert all(x.status == "ok" and np.array_equal(x.pixels, y.pixels) for x, y in zip(together, alone))
+    assert together[0].meta["input_image"]["path"] == "a.png" and "input_image" not in together[4].meta
+    # 16 image tokens of a 64x64 sample, and 16 more of its 64x64 reference image
+    assert set(tokens) == {(1, 32), (1, 16)}

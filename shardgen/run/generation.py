@@ -235,10 +235,10 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
-        conds = conds or {}
+        conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
                              [r.settings.get("negative_prompt") for r in call],
-                             [conds[r.index].image for r in call] if conds else None)
+                             [conds[r.index].image for r in call] if call[0].index in conds else None)
         with accel.sdpa_context(pipe, s.accel, shape), \
                 latent_checkpoints(pipe, s.latents, [r.index for r in call], kw, s.steps):  # latent_checkpoint_every
             out = pipe(**kw)
