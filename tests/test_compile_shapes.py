@@ -449,3 +449,28 @@ def test_a_process_that_stayed_eager_records_its_steady_eager_speed(tmp_path):
     assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == 3.0  # the decision's 12 s / 4
     auto.finish()
     assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == pytest.approx(2.55)  # median of 2-5
+
+
+def test_a_family_whose_fused_eager_blocks_match_compiled_ones_stays_eager_on_a_long_run(tmp_path):
+    """FLUX.2's fused eager blocks run as fast as its compiled ones: without a record, compile=auto expects the
+    family's measured speed-up, not the generic one, and does not pay a compile for ~1%; with fused_blocks off
+    (stock eager blocks) the generic prior applies."""
+    from dataclasses import replace
+
+    from diffusers import Flux2Pipeline, FluxPipeline
+
+    from shardgen.run.generation import GenSettings
+
+    flux2 = object.__new__(Flux2Pipeline)
+    assert AC.prior_speedup(flux2, fused_blocks=True) == 1.01
+    assert AC.prior_speedup(flux2, fused_blocks=False) == AC.PRIOR_SPEEDUP
+    assert AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=True) == AC.PRIOR_SPEEDUP
+    s = GenSettings(height=1024, width=1024, steps=8, guidance=4.0, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=512, model="flux2_dev", strategy="dp", batch_size=4, compile_auto=True)
+    ways = {}
+    for fused in (True, False):
+        auto = replace(_auto(tmp_path / str(fused), left=400), prior_speedup=AC.prior_speedup(flux2, fused))
+        for seconds in (16.0, 14.8):  # 3.7 s per sample eager
+            auto.observe(auto.settings(s), 4, seconds)
+        ways[fused] = auto.settings(s).accel.compile
+    assert ways == {True: False, False: True}  # 400 x 3.7 x (1 - 1/1.01) = 15 s < 45 s; x 0.26 = 384 s > 45 s

@@ -199,4 +199,4 @@ def test_attention_with_differing_norm_eps_takes_diffusers_path():
     ref = run(tr, kw)
     flux_fused.enable(tr)
     assert torch.equal(run(tr, kw), ref)
-    assert not flux_fused._one_eps(tr.transformer_blocks[0].attn) and flux_fused._one_eps(tr.transformer_blocks[1].attn)
+    assert not flux_fused.one_eps(tr.transformer_blocks[0].attn) and flux_fused.one_eps(tr.transformer_blocks[1].attn)

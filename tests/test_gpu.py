@@ -58,6 +58,67 @@ def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     assert (out.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("tokens, dim", [(4608, 6144), (37, 6144), (5, 100)])
+def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
+    """FLUX.2's LayerNorm+modulation and SwiGLU Triton kernels against diffusers' eager ops in bf16, at FLUX.2-dev's
+    width and at sizes that are not multiples of their tiles (the SwiGLU input a strided view, as in the single
+    blocks): SwiGLU equal but for rare one-step roundings, the LayerNorm within one bf16 step of eager's (its
+    mean and variance are summed in another order than torch's Welford loop)."""
+    from shardgen.speed import flux2_fused as f2
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(2, tokens, dim, device="cuda", generator=g).bfloat16()
+    shift, scale, _ = (torch.randn(2, 1, 3 * dim, device="cuda", generator=g) * 0.3).bfloat16().chunk(3, dim=-1)
+    out, ref = f2.ln_modulate(x, shift, scale, 1e-6), f2.ln_modulate_reference(x, shift, scale, 1e-6)
+    # one bf16 step of the norm, carried through the modulation, plus the product's and the sum's roundings
+    normed = torch.nn.functional.layer_norm(x.float(), (dim,), eps=1e-6)
+    bound = 2 ** -6 * ((1 + scale.float()) * normed).abs() + 2 ** -8 * shift.float().abs() + 2 ** -14
+    assert ((out.float() - ref.float()).abs() <= bound).all(), (out.float() - ref.float()).abs().max()
+    wide = torch.randn(2, tokens, 3 * dim + 4 * dim, device="cuda", generator=g).bfloat16()
+    view = wide[..., 3 * dim:]
+    out, ref = f2.swiglu(view), torch.nn.functional.silu(view[..., :2 * dim]) * view[..., 2 * dim:]
+    assert (out == ref).float().mean() > 0.999
+    assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+
+
+def test_flux2_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error():
+    """A FLUX.2 transformer (head_dim 128, two blocks of each kind) with the fused blocks eagerly: its error against
+    a float32 run of diffusers' blocks is the stock bf16 blocks' error, within 10%."""
+    from diffusers import Flux2Transformer2DModel
+
+    from shardgen.speed import accel
+
+    torch.manual_seed(0)
+    tr = Flux2Transformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
+                                 attention_head_dim=128, num_attention_heads=4, joint_attention_dim=256,
+                                 timestep_guidance_channels=64, axes_dims_rope=(32, 32, 32, 32),
+                                 guidance_embeds=True).cuda().eval()
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.normal_(0, 0.02) if p.ndim > 1 else p.normal_(1, 0.1)
+    g = torch.Generator("cuda").manual_seed(1)
+    ar = torch.arange(32, device="cuda", dtype=torch.float32)
+    z = torch.zeros(1, device="cuda")
+    kw = dict(hidden_states=torch.randn(2, 1024, 64, device="cuda", generator=g),
+              encoder_hidden_states=torch.randn(2, 77, 256, device="cuda", generator=g),
+              timestep=torch.tensor([0.3, 0.8], device="cuda"), guidance=torch.full((2,), 4.0, device="cuda"),
+              img_ids=torch.stack(torch.meshgrid(z, ar, ar, z, indexing="ij"), -1).reshape(-1, 4),
+              txt_ids=torch.zeros(77, 4, device="cuda"), return_dict=False)
+    bf = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and not k.endswith("ids") else v
+          for k, v in kw.items()}
+
+    def err(a, b):
+        return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    with torch.no_grad():
+        ref = tr(**kw)[0]
+        tr.bfloat16()
+        stock = tr(**bf)[0]
+        assert accel.fuse_blocks_eager(tr) == 4
+        fused = tr(**bf)[0]
+    assert err(fused, ref) <= 1.1 * err(stock, ref) + 1e-3, (err(fused, ref), err(stock, ref))
+
+
 def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):
     """compile=true (fused FLUX blocks, tuned kernels) through the whole job moves the pixels no more than
     swapping one exact attention kernel for another does in the eager job (random weights amplify bf16

@@ -74,6 +74,14 @@ class ModelFamily:
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""
+    fused_blocks: dict[str, str] = field(default_factory=dict)
+    """Transformer class name -> the module of its fused block forwards (``applicable``, ``enable``, ``disable``;
+    ``COMPILED``: whether compiled blocks use them too), which ``fused_blocks=true`` runs instead of the stock
+    forwards (named, not imported: families sit below speed/)."""
+    compiled_speedup: float | None = None
+    """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
+    its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic
+    prior (shardgen/speed/autocompile.py)."""
 
     @property
     def is_video(self) -> bool:
@@ -157,6 +165,12 @@ def declared_repeated_blocks(transformer_class: str) -> tuple[str, ...]:
     """The repeated block classes a family declares for ``transformer_class`` (empty when none does)."""
     return next((fam.repeated_blocks[transformer_class] for fam in _FAMILIES.values()
                  if transformer_class in fam.repeated_blocks), ())
+
+
+def declared_fused_blocks(transformer_class: str) -> str | None:
+    """The fused block module a family declares for ``transformer_class`` (None when none does)."""
+    return next((fam.fused_blocks[transformer_class] for fam in _FAMILIES.values()
+                 if transformer_class in fam.fused_blocks), None)
 
 
 def dummy_models() -> dict[str, tuple[ModelFamily, DummyModel]]:

@@ -49,4 +49,5 @@ _FLUX1_DEV = {
 FLUX = register(ModelFamily(
     name="FLUX.1", pipeline="FluxPipeline", text_tokens="max_sequence_length",
     encode_outputs=("prompt_embeds", "pooled_prompt_embeds", None),
-    dummies={"flux_dev": DummyModel("FLUX.1-dev", _FLUX1_DEV)}))
+    dummies={"flux_dev": DummyModel("FLUX.1-dev", _FLUX1_DEV)},
+    fused_blocks={"FluxTransformer2DModel": "shardgen.speed.flux_fused"}))

@@ -45,4 +45,5 @@ QWEN_IMAGE = register(ModelFamily(
     name="Qwen-Image", pipeline="QwenImagePipeline", text_tokens=None,
     encode_outputs=("prompt_embeds", "prompt_embeds_mask"),
     dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)},
-    speed_hooks="shardgen.speed.qwen:prepare_speed"))
+    speed_hooks="shardgen.speed.qwen:prepare_speed",
+    fused_blocks={"QwenImageTransformer2DModel": "shardgen.speed.qwen_fused"}))

@@ -30,7 +30,8 @@ from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, S
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.dataio.rundir.layout import storage_error
 from shardgen.run.generation import GenSettings
-from shardgen.speed.autocompile import AutoCompile, compile_cache_counts, compiled_graphs, record_key
+from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
+                                       record_key)
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -304,6 +305,7 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
         shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
         worker.autocompile = AutoCompile(record_key(pipe, settings, shapes), remaining=worker.remaining_here,
                                          shapes=max(1, len(shapes)),
+                                         prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
                                          decided=None if settings.compile_auto else True,
                                          background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
         worker.settings = worker.autocompile.settings(settings)

@@ -67,7 +67,7 @@ from shardgen.errors import UserError
 from shardgen.families import family_of
 from shardgen.pick import pick
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
-from shardgen.speed.blocks import repeated_blocks
+from shardgen.speed.blocks import fused_blocks, repeated_blocks
 
 log = logging.getLogger("shardgen.accel")
 
@@ -211,10 +211,9 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
             raise AccelError(f"compile=true: {type(block).__name__}.forward is already wrapped (a hook?); "
                              "compile before adding hooks")
     forwards = {}
-    if fused and len(todo) == len(blocks):
-        from shardgen.speed import flux_fused
-
-        forwards = flux_fused.enable(transformer)
+    module = fused_blocks(transformer)
+    if fused and len(todo) == len(blocks) and module is not None and module.COMPILED:
+        forwards = module.enable(transformer)
     state = None
     if background and todo:
         # made earlier when compile=auto decided before the first batch (it starts at the first step)
@@ -232,15 +231,14 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
 def fuse_blocks_eager(transformer: torch.nn.Module) -> int:
     """Run FLUX.1's fused block forwards (shardgen/speed/flux_fused.py) eagerly, in place; how many blocks
     (0: not applicable, nothing touched). ``uncompile_blocks`` restores the stock blocks."""
-    from shardgen.speed import flux_fused
-
-    if _blocks_replaced(transformer):
+    module = fused_blocks(transformer)
+    if module is None or _blocks_replaced(transformer):
         return 0  # compiled or fused already
     if not all(_plain_forward(b) for b in repeated_blocks(transformer)):
         # a hook wraps the blocks (accelerate's device placement under device_map): replacing forward would drop it
-        log.info("fused FLUX blocks not used eagerly: a hook wraps the blocks' forward")
+        log.info("fused blocks not used eagerly: a hook wraps the blocks' forward")
         return 0
-    forwards = flux_fused.enable(transformer)
+    forwards = module.enable(transformer)
     for block, fused in forwards.items():
         block.__dict__["_shardgen_eager_forward"] = block.forward
         block.forward = fused
@@ -274,9 +272,9 @@ def _plain_forward(block: torch.nn.Module) -> bool:
 
 
 def uncompile_blocks(transformer: torch.nn.Module) -> None:
-    from shardgen.speed import flux_fused
-
-    flux_fused.disable(transformer)
+    module = fused_blocks(transformer)
+    if module is not None:
+        module.disable(transformer)
     transformer.__dict__.pop(STATE_ATTR, None)
     for block in repeated_blocks(transformer):
         if "_shardgen_eager_forward" in block.__dict__:

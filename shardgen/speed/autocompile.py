@@ -76,6 +76,18 @@ MARGIN = 1.2          # compile only when the expected saving is this much over 
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
 
+def prior_speedup(pipe: Any, fused_blocks: bool) -> float:
+    """The speed-up compiling is expected to bring ``pipe``'s eager path before a process has recorded one: its
+    family's measured ``compiled_speedup`` (over its fused eager blocks, when it has some, only with
+    ``fused_blocks`` on), else ``PRIOR_SPEEDUP``."""
+    from shardgen.families import family_of
+
+    family = family_of(pipe)
+    if family is not None and family.compiled_speedup and (fused_blocks or not family.fused_blocks):
+        return family.compiled_speedup
+    return PRIOR_SPEEDUP
+
+
 def check_forced_path(value: str | None = None) -> None:
     """AccelError unless ``value`` (default: ``$SHARDGEN_COMPILE_AUTO``) is unset or one of ``FORCE_PATHS``; called
     by ``shardgen.speed.accel.validate`` too, so a typo is refused before any weight is read."""
@@ -154,6 +166,8 @@ class AutoCompile:
     background: Any = None
     """Compile on a background thread (``compile: auto`` on CUDA): the transformer whose blocks are compiled
     (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
+    prior_speedup: float = PRIOR_SPEEDUP
+    """The speed-up expected from compiling while none is recorded (``prior_speedup``)."""
     shapes: int = 1
     """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
     force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
@@ -226,7 +240,7 @@ class AutoCompile:
         r = self._record
         warm = bool(r.get("compiled_before"))
         compiled = _number(r.get("compiled_s"))
-        speedup = eager_s / compiled if compiled else PRIOR_SPEEDUP
+        speedup = eager_s / compiled if compiled else self.prior_speedup
         left = max(0, int(self.remaining()))
         gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
         cache = "warm" if warm else "cold"

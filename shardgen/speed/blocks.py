@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import torch
 
 
@@ -13,3 +16,12 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
     names = tuple(getattr(transformer, "_repeated_blocks", None) or declared_repeated_blocks(type(transformer).__name__))
     return [m for m in transformer.modules() if type(m).__name__ in names]
+
+
+def fused_blocks(transformer: torch.nn.Module) -> ModuleType | None:
+    """The module of fused block forwards the transformer's family declares (FLUX.1: shardgen/speed/flux_fused.py,
+    FLUX.2: flux2_fused.py), or None."""
+    from shardgen.families.base import declared_fused_blocks
+
+    path = declared_fused_blocks(type(transformer).__name__)
+    return importlib.import_module(path) if path else None

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 log = logging.getLogger("shardgen.flux_fused")
 
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
+COMPILED = True
+"""Compiled blocks compile these forwards too (inductor leaves the three patterns above slow)."""
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
     import triton
@@ -161,17 +163,19 @@ def _gelu_up(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # --- the attention processor ------------------------------------------------------------------------
 
-def _eps(norm: torch.nn.Module, dtype: torch.dtype) -> float:
+def norm_eps(norm: torch.nn.Module, dtype: torch.dtype) -> float:
+    """The epsilon an RMSNorm module uses (torch's default, the dtype's eps, when it has none)."""
     eps = getattr(norm, "eps", None)
     return float(eps) if eps is not None else float(torch.finfo(dtype).eps)
 
 
-def _weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+def norm_weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's weight, or ones when it has none (``elementwise_affine=False``)."""
     w = getattr(norm, "weight", None)
     return w if w is not None else torch.ones(like.shape[-1], device=like.device, dtype=like.dtype)
 
 
-def _one_eps(attn) -> bool:
+def one_eps(attn) -> bool:
     """True when all q/k norms of ``attn`` share one epsilon (``rms_rope`` takes one per tensor)."""
     norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
     return len({getattr(n, "eps", None) for n in norms if n is not None}) == 1
@@ -189,7 +193,7 @@ class FusedFluxAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None, **kwargs):
-        if attention_mask is not None or image_rotary_emb is None or kwargs or not _one_eps(attn):
+        if attention_mask is not None or image_rotary_emb is None or kwargs or not one_eps(attn):
             return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                                  **kwargs)
         cos, sin = image_rotary_emb
@@ -198,15 +202,15 @@ class FusedFluxAttnProcessor:
         k = attn.to_k(hidden_states).unflatten(-1, heads_dim)
         v = attn.to_v(hidden_states).unflatten(-1, heads_dim)
         qs, ks, vs = [q], [k], [v]
-        wq, wk = [_weight(attn.norm_q, q)], [_weight(attn.norm_k, k)]
+        wq, wk = [norm_weight(attn.norm_q, q)], [norm_weight(attn.norm_k, k)]
         joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
         if joint:  # text tokens first, as diffusers joins them
             qs.insert(0, attn.add_q_proj(encoder_hidden_states).unflatten(-1, heads_dim))
             ks.insert(0, attn.add_k_proj(encoder_hidden_states).unflatten(-1, heads_dim))
             vs.insert(0, attn.add_v_proj(encoder_hidden_states).unflatten(-1, heads_dim))
-            wq.insert(0, _weight(attn.norm_added_q, q))
-            wk.insert(0, _weight(attn.norm_added_k, k))
-        eps = _eps(attn.norm_q, q.dtype)
+            wq.insert(0, norm_weight(attn.norm_added_q, q))
+            wk.insert(0, norm_weight(attn.norm_added_k, k))
+        eps = norm_eps(attn.norm_q, q.dtype)
         query = rms_rope(qs, wq, cos, sin, eps)
         key = rms_rope(ks, wk, cos, sin, eps)
         value = (torch.cat(vs, dim=1) if joint else v).transpose(1, 2)
@@ -257,7 +261,7 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-def _ff(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue."""
     first = ff.net[0]
     if type(first).__name__ == "GELU" and getattr(first, "approximate", None) == "tanh":
@@ -279,13 +283,13 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
     attn_output, context_attn_output = attention_outputs[:2]
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * _ff(self.ff, norm_hidden_states)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff, norm_hidden_states)
     if len(attention_outputs) == 3:
         hidden_states = hidden_states + attention_outputs[2]
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
     norm_encoder_hidden_states = (self.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None])
                                   + c_shift_mlp[:, None])
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * _ff(self.ff_context,
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff_context,
                                                                                    norm_encoder_hidden_states)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
+from shardgen.speed.qwen_fused import fused_qk, fused_qk_applies
 
 log = logging.getLogger("shardgen.qwen")
 
@@ -323,6 +324,11 @@ def _prefix_processor_class():
             img_q, img_k, img_v = (p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
             txt_q, txt_k, txt_v = (p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
                                    for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if fused_qk_applies(attn, image_rotary_emb, img_q):  # eager on CUDA: norms and RoPE in one pass each
+                query, key = fused_qk(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb)
+                joint = torch.ops.shardgen.prefix_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                                            torch.cat([img_v, txt_v], dim=1), text_lengths, seq_img)
+                return self._outputs(attn, joint.flatten(2, 3).to(txt_q.dtype), seq_txt)
             if attn.norm_q is not None:
                 img_q = attn.norm_q(img_q)
             if attn.norm_k is not None:
@@ -339,7 +345,11 @@ def _prefix_processor_class():
             joint = torch.ops.shardgen.prefix_attention(
                 torch.cat([txt_q, img_q], dim=1), torch.cat([img_k, txt_k], dim=1), torch.cat([img_v, txt_v], dim=1),
                 text_lengths, seq_img)
-            joint = joint.flatten(2, 3).to(txt_q.dtype)
+            return self._outputs(attn, joint.flatten(2, 3).to(txt_q.dtype), seq_txt)
+
+        @staticmethod
+        def _outputs(attn, joint: torch.Tensor, seq_txt: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """The image and text streams' output projections of the joint attention output ([text, image])."""
             img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())
             if len(attn.to_out) > 1:
                 img_out = attn.to_out[1](img_out)  # dropout

@@ -1,0 +1,329 @@
+"""Fused FLUX.2 blocks: the memory-bound work between the matmuls in fewer passes, eagerly and compiled.
+
+FLUX.2-dev's blocks are GEMM-bound, but eagerly about a fifth of a step goes to the elementwise passes around the
+GEMMs over (batch, 4608, 6144)-sized activations (and the single blocks' 36864-wide MLP). The fused forwards do
+the same arithmetic with the intermediate roundings eager diffusers makes, in fewer passes:
+
+- **LayerNorm + modulation** (``(1 + scale) * LayerNorm(x) + shift``): one Triton pass per token row instead of
+  four (the norm, ``1 + scale``, the product, the sum), rounding to bf16 where eager does.
+- **q/k RMSNorm + RoPE + the attention layout**: FLUX.1's ``rms_rope`` kernel (shardgen/speed/flux_fused.py):
+  FLUX.2 uses the same norm and the same interleaved real RoPE.
+- **SwiGLU** (``silu(a) * b`` over the two halves of the up-projection): one pass reading the GEMM output in
+  place (the single blocks' MLP half is a strided view of the fused QKV+MLP projection).
+- **the single blocks' output projection** over ``cat([attention, mlp])``: two GEMMs over the weight's column
+  blocks, the second accumulating into the first's output (``addmm_``), so the 24576-wide concatenation is never
+  written (one more bf16 rounding of a partial sum: bf16 noise).
+- **gated residuals** (``x + gate * y``): one ``addcmul`` pass instead of two.
+
+Off CUDA (or without Triton) every op runs the torch ops eager diffusers runs, so CPU runs keep its exact
+arithmetic. ``enable(transformer)`` swaps the attention processors and returns the block forwards (run eagerly
+or compiled by shardgen/speed/accel.py); ``disable`` restores diffusers' processors. Only plain
+``Flux2Transformer2DModel`` blocks with diffusers' own processors, the native attention backend and no
+context/tensor-parallel config are touched; a call with extra attention arguments (FLUX.2's reference-image KV
+cache) goes to diffusers' processor.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardgen.speed.flux_fused import norm_eps, norm_weight, one_eps, rms_rope
+
+log = logging.getLogger("shardgen.flux2_fused")
+
+_ORIG_PROCESSOR = "_shardgen_orig_processor"
+COMPILED = False
+"""Compiled blocks compile diffusers' own forwards: inductor fuses these passes itself."""
+
+try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+
+def _triton_ok(*xs: torch.Tensor) -> bool:
+    return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
+            and all(x.stride(-1) == 1 for x in xs))
+
+
+# --- LayerNorm + modulation --------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, rows_per_batch, dim, stride_x, stride_mod, eps,
+                            BLOCK_D: tl.constexpr):
+        # one program per token row; the modulation row is its batch sample's
+        row = tl.program_id(0).to(tl.int64)
+        b = row // rows_per_batch
+        d = tl.arange(0, BLOCK_D)
+        mask = d < dim
+        x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / dim
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
+        dtype = out_ptr.dtype.element_ty
+        # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
+        y = (xc * rstd).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        y = ((1.0 + scale).to(dtype).to(tl.float32) * y).to(dtype).to(tl.float32) + shift
+        tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
+
+
+def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """What eager diffusers computes: ``(1 + scale) * LayerNorm(x) + shift`` (no affine LayerNorm)."""
+    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
+
+
+@torch.library.custom_op("shardgen::flux2_ln_modulate", mutates_args=())
+def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
+    dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
+    if not (_triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
+            and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
+        return ln_modulate_reference(x, shift, scale, eps)
+    b, tokens, dim = x.shape
+    out = torch.empty_like(x)
+    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, tokens, dim, x.stride(1), shift.stride(0), eps,
+                                       BLOCK_D=triton.next_power_of_2(dim), num_warps=8)
+    return out
+
+
+@ln_modulate.register_fake
+def _(x, shift, scale, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --- SwiGLU --------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < half
+        a = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + row * stride_x + half + col, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)  # eager rounds silu(a) before the product
+        tl.store(out_ptr + row * half + col, (silu * g).to(dtype), mask=mask)
+
+
+@torch.library.custom_op("shardgen::flux2_swiglu", mutates_args=())
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``Flux2SwiGLU``: ``silu(x[..., :half]) * x[..., half:]``, in one pass on CUDA (``x`` may be a
+    column slice of a wider tensor). An opaque op, so a compiler keeps the one pass."""
+    half = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])  # a view for a column slice of a contiguous tensor
+    if not _triton_ok(x) or rows.data_ptr() != x.data_ptr() or x.shape[-1] % 2:
+        return F.silu(x[..., :half]) * x[..., half:]
+    out = torch.empty(*x.shape[:-1], half, device=x.device, dtype=x.dtype)
+    block = 1024
+    _swiglu_kernel[(rows.shape[0], triton.cdiv(half, block))](rows, out, half, rows.stride(0), BLOCK=block,
+                                                              num_warps=4)
+    return out
+
+
+@swiglu.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``: one pass (``addcmul``) on CUDA, eager's two ops elsewhere (their exact bytes)."""
+    if x.is_cuda:
+        return torch.addcmul(x, gate, y)
+    return x + gate * y
+
+
+# --- the attention processors ------------------------------------------------------------------------------
+
+def _plain_call(attention_mask, image_rotary_emb, kwargs, attn) -> bool:
+    return attention_mask is None and image_rotary_emb is not None and not kwargs and one_eps(attn)
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """SDPA on (batch, heads, tokens, dim) q/k and (batch, tokens, heads, dim) v; (batch, tokens, heads*dim)."""
+    out = F.scaled_dot_product_attention(query, key, value.transpose(1, 2))
+    return out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+
+
+class FusedFlux2AttnProcessor:
+    """diffusers' ``Flux2AttnProcessor`` (double-stream blocks; no mask, native SDPA) with q/k RMSNorm + RoPE +
+    layout in one op per tensor."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, fallback):
+        self.fallback = fallback  # the processor it replaced: takes any call this one does not handle
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
+                 **kwargs):
+        if not _plain_call(attention_mask, image_rotary_emb, kwargs, attn) or encoder_hidden_states is None:
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                                 **kwargs)
+        cos, sin = image_rotary_emb
+        heads_dim = (-1, attn.head_dim)
+        img = [attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)]
+        txt = [attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
+               attn.add_v_proj(encoder_hidden_states)]
+        (q, k, v), (tq, tk, tv) = ([t.unflatten(-1, heads_dim) for t in part] for part in (img, txt))
+        eps = norm_eps(attn.norm_q, q.dtype)
+        # text tokens first, as diffusers joins them
+        query = rms_rope([tq, q], [norm_weight(attn.norm_added_q, q), norm_weight(attn.norm_q, q)], cos, sin, eps)
+        key = rms_rope([tk, k], [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)], cos, sin, eps)
+        out = _attention(query, key, torch.cat([tv, v], dim=1))
+        text = encoder_hidden_states.shape[1]
+        encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
+        return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(encoder_out.contiguous())
+
+
+class FusedFlux2ParallelSelfAttnProcessor:
+    """diffusers' ``Flux2ParallelSelfAttnProcessor`` (single-stream blocks: attention and MLP share the input and
+    output projections) with q/k RMSNorm + RoPE in one op, the SwiGLU in one pass and the output projection over
+    the two parts without their concatenation."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None, **kwargs):
+        if not _plain_call(attention_mask, image_rotary_emb, kwargs, attn) or type(attn.to_out) is not torch.nn.Linear:
+            return self.fallback(attn, hidden_states, attention_mask, image_rotary_emb, **kwargs)
+        cos, sin = image_rotary_emb
+        proj = attn.to_qkv_mlp_proj(hidden_states)
+        inner = attn.inner_dim
+        heads_dim = (-1, attn.head_dim)
+        q, k, v = (proj[..., i * inner:(i + 1) * inner].unflatten(-1, heads_dim) for i in range(3))
+        eps = norm_eps(attn.norm_q, q.dtype)
+        query = rms_rope([q], [norm_weight(attn.norm_q, q)], cos, sin, eps)
+        key = rms_rope([k], [norm_weight(attn.norm_k, k)], cos, sin, eps)
+        out = _attention(query, key, v)
+        mlp = swiglu(proj[..., 3 * inner:])
+        if not out.is_cuda:  # eager's one GEMM over the concatenation: its exact bytes
+            return attn.to_out(torch.cat([out, mlp], dim=-1))
+        w = attn.to_out.weight
+        result = F.linear(out, w[:, :inner], attn.to_out.bias)
+        flat = result.view(-1, result.shape[-1])
+        flat.addmm_(mlp.reshape(-1, mlp.shape[-1]), w[:, inner:].t())
+        return result
+
+
+# --- block forwards ------------------------------------------------------------------------------------------
+
+def _split_mod(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    return Flux2Modulation.split(mod, sets)
+
+
+def _ff(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``Flux2FeedForward`` with the SwiGLU in one pass."""
+    return ff.linear_out(swiglu(ff.linear_in(x)))
+
+
+def double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
+                         image_rotary_emb=None, joint_attention_kwargs=None):
+    """``Flux2TransformerBlock.forward`` with fused LayerNorm+modulation, SwiGLU and gated residuals."""
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _split_mod(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _split_mod(temb_mod_txt, 2)
+    eps = self.norm1.eps
+    attn_output, context_attn_output = self.attn(
+        hidden_states=ln_modulate(hidden_states, shift_msa, scale_msa, eps),
+        encoder_hidden_states=ln_modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, eps),
+        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = gated(hidden_states, gate_msa, attn_output)
+    ff = _ff(self.ff, ln_modulate(hidden_states, shift_mlp, scale_mlp, eps))
+    hidden_states = gated(hidden_states, gate_mlp, ff)
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa, context_attn_output)
+    ff = _ff(self.ff_context, ln_modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, eps))
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp, ff)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def single_block_forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
+                         joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
+    """``Flux2SingleTransformerBlock.forward`` with fused LayerNorm+modulation and gated residual."""
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = _split_mod(temb_mod, 1)[0]
+    attn_output = self.attn(hidden_states=ln_modulate(hidden_states, shift, scale, self.norm.eps),
+                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = gated(hidden_states, gate, attn_output)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+_FORWARDS = {"Flux2SingleTransformerBlock": single_block_forward, "Flux2TransformerBlock": double_block_forward}
+_PROCESSORS = {"Flux2AttnProcessor": FusedFlux2AttnProcessor,
+               "Flux2ParallelSelfAttnProcessor": FusedFlux2ParallelSelfAttnProcessor}
+_FUSED = tuple(_PROCESSORS.values())
+
+
+# --- switching it on and off ---------------------------------------------------------------------------------
+
+def applicable(transformer: torch.nn.Module) -> str | None:
+    """None when the fused blocks can replace this transformer's, else why not."""
+    if type(transformer).__name__ != "Flux2Transformer2DModel":
+        return f"{type(transformer).__name__} is not Flux2Transformer2DModel"
+    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+        # tensor parallel: the sharded linears all-reduce in their own forward, which direct weight use would skip
+        return "its weights are DTensors (tensor parallel)"
+    for name, mod in transformer.named_modules():
+        proc = getattr(mod, "processor", None)
+        if proc is None or isinstance(proc, _FUSED):
+            continue
+        if type(proc).__name__ not in _PROCESSORS:
+            return f"{name} uses {type(proc).__name__}"
+        if proc._attention_backend is not None or proc._parallel_config is not None:
+            return f"{name} has an attention backend or a parallel config (context/tensor parallel)"
+        if getattr(mod, "fused_projections", False):
+            return f"{name} has fused QKV projections"
+    for block in transformer.modules():
+        norms = [m for m in block.children() if isinstance(m, torch.nn.LayerNorm)]
+        if any(n.elementwise_affine or n.eps != norms[0].eps for n in norms):
+            return f"{type(block).__name__} has LayerNorms with weights or several epsilons"
+    return None
+
+
+def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
+    """Swap in the fused attention processors; {block: fused forward (bound)}. Empty (nothing touched) when
+    ``applicable`` says no."""
+    why = applicable(transformer)
+    if why is not None:
+        log.info("fused FLUX.2 blocks not used: %s", why)
+        return {}
+    forwards = {}
+    for mod in transformer.modules():
+        proc = getattr(mod, "processor", None)
+        if proc is not None and not isinstance(proc, _FUSED):
+            mod.__dict__[_ORIG_PROCESSOR] = proc
+            mod.processor = _PROCESSORS[type(proc).__name__](proc)
+        fwd = _FORWARDS.get(type(mod).__name__)
+        if fwd is not None:
+            forwards[mod] = types.MethodType(fwd, mod)
+    return forwards
+
+
+def disable(transformer: torch.nn.Module) -> None:
+    """Put diffusers' own processors back (the caller restores the forwards)."""
+    for mod in transformer.modules():
+        if _ORIG_PROCESSOR in mod.__dict__:
+            mod.processor = mod.__dict__.pop(_ORIG_PROCESSOR)
