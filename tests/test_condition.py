@@ -352,3 +352,14 @@ def test_flux2_reference_images_reach_the_transformer_and_batching_does_not_chan
     assert together[0].meta["input_image"]["path"] == "a.png" and "input_image" not in together[4].meta
     # 16 image tokens of a 64x64 sample, and 16 more of its 64x64 reference image
     assert set(tokens) == {(1, 32), (1, 16)}
+
+
+def test_mid_sample_checkpoints_are_off_for_image_to_video(tmp_path):
+    from shardgen.dataio.shards.video import VideoConfigError
+    from shardgen.run.latent_ckpt import LatentCheckpoints
+
+    with pytest.raises(VideoConfigError, match="starts each video from an input image"):
+        run(compose_cfg(f"run_dir={tmp_path}", *VIDEO, "latent_checkpoint_every=2", "prompts.path=x.jsonl"))
+    cfg = compose_cfg(f"run_dir={tmp_path}", *VIDEO, "prompts.path=x.jsonl")
+    assert cfg.latent_checkpoint_every == "auto" and LatentCheckpoints.from_cfg(cfg, "dp") is None
+    assert LatentCheckpoints.from_cfg(compose_cfg(f"run_dir={tmp_path}", "model=tiny_video"), "dp") is not None
