@@ -363,3 +363,18 @@ def test_mid_sample_checkpoints_are_off_for_image_to_video(tmp_path):
     cfg = compose_cfg(f"run_dir={tmp_path}", *VIDEO, "prompts.path=x.jsonl")
     assert cfg.latent_checkpoint_every == "auto" and LatentCheckpoints.from_cfg(cfg, "dp") is None
     assert LatentCheckpoints.from_cfg(compose_cfg(f"run_dir={tmp_path}", "model=tiny_video"), "dp") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,names,strategy", [
+    ("tiny_img2img", "[image,strength]", ("strategy=tp", "tp_degree=2")),
+    ("tiny_kontext", "[image]", ("strategy=cp_ulysses", "ulysses_degree=2")),  # the image's tokens split too
+])
+def test_model_parallel_ranks_make_the_one_rank_bytes(tmp_path, model, names, strategy):
+    from tests.conftest import ROOT
+
+    args = (f"prompts.path={ROOT / 'examples' / 'images.jsonl'}", f"model={model}", "prompts=jsonl",
+            f"prompts.row_settings={names}", "height=64", "width=64", "progress=false")
+    run(compose_cfg(f"run_dir={tmp_path / 'one'}", *args))
+    run(compose_cfg(f"run_dir={tmp_path / 'two'}", *args, *strategy, "launcher=local", "launcher.nprocs=2"))
+    assert shard_images(tmp_path / "two") == shard_images(tmp_path / "one") and len(shard_images(tmp_path / "one")) == 3
