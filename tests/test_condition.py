@@ -172,19 +172,21 @@ def bad_inputs(tmp_path) -> Path:
     (tmp_path / "cut.jpg").write_bytes((tmp_path / "whole.jpg").read_bytes()[:700])
     bomb_png(tmp_path / "bomb.png")
     rows = [dict(prompt="good", image="good.png")] + [dict(prompt=n, image=n) for n in BAD]
-    rows += [dict(prompt="no image"), dict(prompt="good too", image="whole.jpg")]
+    rows += [dict(prompt="no image"), dict(prompt="good too", image="whole.jpg"),
+             dict(prompt="remote", image="s3://bucket/cat.png")]
     write_rows(tmp_path / "p.jsonl", rows)
     return tmp_path
 
 
 def test_every_unusable_input_rejects_its_row_with_the_reason_and_the_rest_completes(bad_inputs, capsys):
     res = gen(bad_inputs / "run", bad_inputs / "p.jsonl", "prompts.on_bad_row=skip", "batch_size=3")
-    assert (res.ok, res.rejected) == (2, len(BAD) + 1)
+    assert (res.ok, res.rejected) == (2, len(BAD) + 2)
     index = index_rows(bad_inputs / "run")
     assert [index[i]["status"] for i in (0, len(BAD) + 2)] == ["ok", "ok"]
     for i, says in enumerate(BAD.values(), 1):
         assert index[i]["status"] == "rejected" and f"rejected: image: {bad_inputs}/{says}" in index[i]["error"]
-    assert "the row names none" in index[len(BAD) + 1]["error"] or "give the row one" in index[len(BAD) + 1]["error"]
+    assert "image: this model makes each sample from an input image: give the row one" in index[len(BAD) + 1]["error"]
+    assert "'s3://bucket/cat.png' is a URL: input images are read from local files" in index[len(BAD) + 3]["error"]
     rep = verify_run(load_plan(RunDir(bad_inputs / "run")))
     assert rep.ok, rep.defects
 

@@ -86,6 +86,9 @@ def parse_row(value: Any, base_dir: Path | None) -> InputImage:
     if not isinstance(value, str) or not value.strip():
         raise BadImage(f"{value!r} is not an image: give a path (relative to the prompt file's folder, or absolute) "
                        "or, in parquet, a binary column of encoded image bytes")
+    if "://" in value:
+        raise BadImage(f"{value.strip()[:80]!r} is a URL: input images are read from local files (or parquet image "
+                       "bytes); copy the images to this machine and give their paths")
     p = Path(os.path.expanduser(value.strip()))
     p = p if p.is_absolute() else (base_dir or Path.cwd()) / p
     return InputImage(ref=value.strip(), path=str(p))
