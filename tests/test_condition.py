@@ -380,3 +380,27 @@ def test_model_parallel_ranks_make_the_one_rank_bytes(tmp_path, model, names, st
     run(compose_cfg(f"run_dir={tmp_path / 'one'}", *args))
     run(compose_cfg(f"run_dir={tmp_path / 'two'}", *args, *strategy, "launcher=local", "launcher.nprocs=2"))
     assert shard_images(tmp_path / "two") == shard_images(tmp_path / "one") and len(shard_images(tmp_path / "one")) == 3
+
+
+def test_wan21_i2v_dummy_encodes_the_image_with_its_clip_tower_through_the_job_path():
+    """Wan2.1-I2V-14B: the T2V 14B transformer with 36 input channels and the image's CLIP ViT-H/14 features (1280
+    wide) in its cross-attention; a scaled-down build runs its image encoder on the row's image."""
+    import torch
+
+    from shardgen.models.dummy import build_dummy_pipeline, dummy_architecture
+
+    arch = dummy_architecture("wan21_i2v_14b", pipeline="WanImageToVideoPipeline")
+    tr, clip = arch["transformer"].config, arch["image_encoder"].config
+    assert (tr["in_channels"], tr["image_dim"], tr["added_kv_proj_dim"]) == (36, clip["hidden_size"], 40 * 128)
+    small = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=32,
+                 image_dim=32, added_kv_proj_dim=32)
+    pipe = build_dummy_pipeline("wan21_i2v_14b", "cpu", torch.float32, pipeline="WanImageToVideoPipeline", overrides=dict(
+        transformer=small, image_encoder=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                              num_attention_heads=2, projection_dim=32),
+        text_encoder=dict(d_model=32, d_ff=37, d_kv=8, num_layers=1, num_heads=4, vocab_size=1000),
+        vae=dict(base_dim=4, decoder_base_dim=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1)))
+    seen = []
+    pipe.image_encoder.register_forward_hook(lambda m, a, out: seen.append(out.hidden_states[-2].shape))
+    out = pipe(prompt="a cat", image=Image.new("RGB", (32, 32), (10, 200, 30)), height=32, width=32, num_frames=5,
+               num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16, output_type="pt")
+    assert out.frames.shape == (1, 5, 3, 32, 32) and seen == [(1, 257, 32)]  # 16x16 patches of 224 + CLS

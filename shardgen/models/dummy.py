@@ -262,6 +262,10 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
             components[name] = _build_tokenizer(pipeline, name, spec, tokenizer_dir, tok_cache)
         elif spec.library == "value":  # a plain pipeline argument (Wan 2.2's boundary_ratio)
             components[name] = spec.config["value"]
+        elif spec.library == "processor":  # a transformers image processor (Wan 2.1 I2V's CLIP one): no weights
+            import transformers
+
+            components[name] = getattr(transformers, spec.cls)(**spec.config)
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:
