@@ -404,3 +404,19 @@ def test_wan21_i2v_dummy_encodes_the_image_with_its_clip_tower_through_the_job_p
     out = pipe(prompt="a cat", image=Image.new("RGB", (32, 32), (10, 200, 30)), height=32, width=32, num_frames=5,
                num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16, output_type="pt")
     assert out.frames.shape == (1, 5, 3, 32, 32) and seen == [(1, 257, 32)]  # 16x16 patches of 224 + CLS
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_and_keeps_its_own_size_and_orientation_in_the_json(tmp_path):
+    from shardgen.models.condition import InputImage, load
+
+    small = np.random.default_rng(0).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    photo = Image.fromarray(small).resize((1600, 1200), Image.Resampling.BICUBIC)
+    photo.save(tmp_path / "wide.jpg", quality=90)
+    exif = photo.getexif()
+    exif[0x0112] = 6  # shot with the camera turned: shown a quarter turn round, 1200x1600
+    photo.save(tmp_path / "turned.jpg", quality=90, exif=exif)
+    wide, turned = (load(InputImage(n, str(tmp_path / n)), 64, 48) for n in ("wide.jpg", "turned.jpg"))
+    assert (wide.width, wide.height, turned.width, turned.height) == (1600, 1200, 1200, 1600)
+    assert wide.image.size == turned.image.size == (64, 48)
+    full = np.asarray(photo.resize((64, 48), Image.Resampling.LANCZOS), dtype=np.int16)
+    assert np.abs(np.asarray(wide.image, dtype=np.int16) - full).mean() < 4  # the 1/8 scale's pixels: the same picture

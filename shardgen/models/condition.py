@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import stat
 import warnings
@@ -140,9 +141,12 @@ def read_bytes(img: InputImage) -> bytes:
     return data
 
 
-def decode(data: bytes, name: str) -> Any:
-    """``data`` decoded by PIL, every pixel loaded, as RGB (EXIF orientation applied); BadImage for anything PIL
-    cannot read whole or that decodes to over MAX_IMAGE_PIXELS."""
+def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tuple[Any, tuple[int, int]]:
+    """``data`` decoded by PIL, every pixel loaded, as RGB (EXIF orientation applied), and the (width, height) the
+    file declares (oriented likewise); BadImage for anything PIL cannot read whole or that decodes to over
+    MAX_IMAGE_PIXELS. ``cover``: the (width, height) the image will be
+    fitted to; a JPEG is then decoded at the smallest of libjpeg's 1/2, 1/4, 1/8 scales still covering it (a 12 MP
+    photo for a 1024x1024 sample: about 4x faster)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     with warnings.catch_warnings():
@@ -161,9 +165,12 @@ def decode(data: bytes, name: str) -> Any:
             raise BadImage(f"{name} is {w}x{h} pixels, over the {MAX_IMAGE_PIXELS} an input image may have; give a "
                            "smaller image")
         try:
+            if cover is not None and im.format == "JPEG":
+                scale = max(cover[0] / w, cover[1] / h)  # what fitting keeps of the image: it must still cover
+                im.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
             im.load()  # every pixel now: a truncated file fails here, not inside the pipeline
-            im = ImageOps.exif_transpose(im)
-            return im.convert("RGB")
+            turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations a quarter turn away
+            return ImageOps.exif_transpose(im).convert("RGB"), ((h, w) if turned else (w, h))
         except Exception as e:
             raise BadImage(f"{name} does not decode whole ({type(e).__name__}: {e}); give an intact image") from None
 
@@ -182,15 +189,13 @@ def load(img: InputImage, width: int, height: int) -> Conditioned:
     """The input image of a row, read, hashed, decoded and fitted to ``width`` x ``height``; BadImage says why not."""
     data = read_bytes(img)
     digest = hashlib.sha256(data).hexdigest()
-    im = decode(data, img.shown)
-    return Conditioned(fit(im, width, height), digest, im.width, im.height)
+    im, size = decode(data, img.shown, cover=(width, height))
+    return Conditioned(fit(im, width, height), digest, *size)
 
 
 def check_strength(value: Any, text: bool) -> float:
     """A row's ``strength`` (0 < strength <= 1: how far from its input image a sample may go; 1 = the image's
     content is replaced by noise). BadImage says what to write."""
-    import math
-
     if text and isinstance(value, str):
         try:
             value = float(value)
