@@ -221,6 +221,8 @@ def test_a_model_without_image_input_refuses_image_rows_before_any_weight(tmp_pa
         run(compose_cfg(f"run_dir={tmp_path}", "prompts=jsonl", f"prompts.path={tmp_path / 'p.jsonl'}", IMAGES))
     with pytest.raises(ConfigError, match=r"makes each sample from an input image: add image to prompts.row_settings"):
         run(compose_cfg(f"run_dir={tmp_path}", "model=tiny_img2img"))
+    with pytest.raises(ConfigError, match=r"a txt prompt file has no field to name one"):
+        run(compose_cfg(f"run_dir={tmp_path}", "model=tiny_img2img", IMAGES))  # examples/prompts.txt
     assert not any(tmp_path.iterdir())
 
 

@@ -143,6 +143,15 @@ def _check_images(cfg: GenerateConfig) -> None:
     _need(fam.input_image != "required" or "image" in names,
           f"model.pipeline={cfg.model.pipeline} makes each sample from an input image: add image to "
           "prompts.row_settings (prompts.row_settings=[image]) and name each row's image in that field or column")
+    if fam.input_image == "required" and cfg.prompts.get("path"):
+        from shardgen.dataio.prompts import detect_format
+
+        try:
+            fmt = detect_format(str(cfg.prompts.path), cfg.prompts.get("format", "auto"))
+        except UserError:
+            fmt = None  # named when the prompt file is read
+        _need(fmt != "txt", f"model.pipeline={cfg.model.pipeline} makes each sample from an input image, and a txt "
+              "prompt file has no field to name one: use jsonl, csv/tsv or parquet with an image field or column")
     strength = cfg.model.get("strength", 0.6)
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
