@@ -232,10 +232,10 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
     lora.activate(pipe, s.loras)  # outside the try, like accel: a setup error is the job's, not the samples'
     accel.prepare(pipe, s.accel)
+    conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
-        conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
                              [r.settings.get("negative_prompt") for r in call],
                              [conds[r.index].image for r in call] if call[0].index in conds else None)

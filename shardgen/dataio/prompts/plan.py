@@ -13,6 +13,7 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -177,7 +178,7 @@ class Plan:
         else:
             rows = self._checked_rows(src, shard, seg, rng)
         self._check_adapters(rows)
-        bad = self.image_rejects() if "image" in getattr(self.row_rules, "names", ()) else {}
+        bad = self.image_rejects if "image" in getattr(self.row_rules, "names", ()) else {}
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
                            reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index)),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
@@ -240,9 +241,10 @@ class Plan:
             out.update(m.get("loras") or {})
         return out
 
+    @functools.cached_property
     def image_rejects(self) -> dict[str, str]:
         """The rows whose input image file was unusable when planned (row index as a string -> reason; rejected,
-        prompts.row_settings=[image]), over the plan and its extensions."""
+        prompts.row_settings=[image]), over the plan and its extensions; gathered once per Plan."""
         out: dict[str, str] = {}
         for m in [self.meta or {}] + [e.meta for e in self.extensions]:
             out.update(m.get("image_rejects") or {})
