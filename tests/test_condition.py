@@ -422,3 +422,10 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_and_keeps_its_own_size_and_o
     assert wide.image.size == turned.image.size == (64, 48)
     full = np.asarray(photo.resize((64, 48), Image.Resampling.LANCZOS), dtype=np.int16)
     assert np.abs(np.asarray(wide.image, dtype=np.int16) - full).mean() < 4  # the 1/8 scale's pixels: the same picture
+
+
+def test_the_runs_strength_is_in_its_fingerprint(inputs, batch3):
+    from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch, match="model.strength: run has 0.6, this launch has 0.5"):
+        gen(batch3, inputs / "rows.jsonl", "batch_size=3", "samples_per_shard=4", "model.strength=0.5")
