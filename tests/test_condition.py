@@ -429,3 +429,16 @@ def test_the_runs_strength_is_in_its_fingerprint(inputs, batch3):
 
     with pytest.raises(FingerprintMismatch, match="model.strength: run has 0.6, this launch has 0.5"):
         gen(batch3, inputs / "rows.jsonl", "batch_size=3", "samples_per_shard=4", "model.strength=0.5")
+
+
+def test_the_next_batchs_images_are_decoded_on_a_thread_while_a_batch_is_generated(inputs, batch3, tmp_path,
+                                                                                   monkeypatch):
+    import threading
+
+    from shardgen.models import condition
+
+    where, load = [], condition.load
+    monkeypatch.setattr(condition, "load", lambda *a: where.append(threading.current_thread().name) or load(*a))
+    assert gen(tmp_path / "run", inputs / "rows.jsonl", "batch_size=1", "samples_per_shard=4").ok == 4
+    assert sorted(where) == ["MainThread"] + ["shardgen-images_0"] * 3  # the first batch's, then each next one's
+    assert shard_images(tmp_path / "run") == shard_images(batch3)

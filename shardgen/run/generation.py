@@ -270,11 +270,13 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     return samples
 
 
-def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
+def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1,
+                   images: tuple[dict, dict] | None = None) -> list[Sample]:
     """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU. Rows with
     their own size or guidance (``prompts.row_settings``) go in one call per ``by_call`` group; each sample has
-    its own generator, so its pixels do not depend on the rows it was batched with."""
-    conds, bad = load_images(s, [r for r in rows if r.reject is None])
+    its own generator, so its pixels do not depend on the rows it was batched with. ``images``: ``load_images``
+    of the rows already (``ImagePrefetch``); None: loaded here."""
+    conds, bad = images if images is not None else load_images(s, [r for r in rows if r.reject is None])
     valid = [r for r in rows if r.reject is None and r.index not in bad]
     made = {smp.index: smp for group in by_call(s, valid)
             for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks, conds)}
@@ -307,3 +309,32 @@ def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condi
             bad[r.index] = f"image: {e}"
             log.warning("line %d: image: %s; the row is rejected", r.line, e)
     return conds, bad
+
+
+class ImagePrefetch:
+    """The next batch's input images decoded on a thread while the current batch is generated (PIL releases the
+    GIL while it decodes), so after the first batch a GPU waits for no decode; a no-op for models taking none."""
+
+    def __init__(self, takes_images: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardgen-images") if takes_images else None
+        self._pending: tuple | None = None  # (the rows' indices, the future of their load_images)
+
+    def ahead(self, s: GenSettings, rows: list[PlannedRow]) -> None:
+        """Start loading the input images of ``rows`` (the next batch)."""
+        if self._pool is not None and rows:
+            valid = [r for r in rows if r.reject is None]
+            self._pending = (tuple(r.index for r in rows), self._pool.submit(load_images, s, valid))
+
+    def take(self, rows: list[PlannedRow]) -> tuple[dict, dict] | None:
+        """``load_images`` of ``rows`` when they are the batch loaded ahead (waiting for it), else None."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != tuple(r.index for r in rows):
+            return None
+        return pending[1].result()
+
+    def close(self) -> None:
+        """Stop the thread (a load under way finishes; its result is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
