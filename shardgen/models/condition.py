@@ -144,9 +144,9 @@ def read_bytes(img: InputImage) -> bytes:
 def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tuple[Any, tuple[int, int]]:
     """``data`` decoded by PIL, every pixel loaded, as RGB (EXIF orientation applied), and the (width, height) the
     file declares (oriented likewise); BadImage for anything PIL cannot read whole or that decodes to over
-    MAX_IMAGE_PIXELS. ``cover``: the (width, height) the image will be
-    fitted to; a JPEG is then decoded at the smallest of libjpeg's 1/2, 1/4, 1/8 scales still covering it (a 12 MP
-    photo for a 1024x1024 sample: about 4x faster)."""
+    MAX_IMAGE_PIXELS. ``cover``: the (width, height) the image will be fitted to; a JPEG is then decoded at the
+    smallest of libjpeg's 1/2, 1/4, 1/8 scales still covering it (a 12 MP photo for a 1024x1024 sample: about 4x
+    faster)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     with warnings.catch_warnings():
