@@ -442,3 +442,13 @@ def test_the_next_batchs_images_are_decoded_on_a_thread_while_a_batch_is_generat
     assert gen(tmp_path / "run", inputs / "rows.jsonl", "batch_size=1", "samples_per_shard=4").ok == 4
     assert sorted(where) == ["MainThread"] + ["shardgen-images_0"] * 3  # the first batch's, then each next one's
     assert shard_images(tmp_path / "run") == shard_images(batch3)
+
+
+def test_csv_image_and_strength_columns_an_empty_cell_keeping_the_runs(inputs, tmp_path):
+    (tmp_path / "p.csv").write_text(f"prompt,image,strength,note\na cat,{inputs / 'a.png'},0.9,x\na dog,"
+                                    f"{inputs / 'b.png'},,y\n")
+    res = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={tmp_path / 'p.csv'}", *FAST[:-1],
+                          "prompts=csv", IMAGES))
+    assert res.ok == 2
+    meta = jsons(tmp_path / "run")
+    assert [meta[k]["strength"] for k in sorted(meta)] == [0.9, 0.6] and meta["0000000001"]["note"] == "y"
