@@ -55,7 +55,7 @@ def sizes_written(run_dir: Path) -> dict:
 
     from PIL import Image
 
-    from shardgen.dataio.tools import read_shard_members
+    from shardgen.tools import read_shard_members
 
     out: dict = {}
     for tar in sorted((run_dir / "shards").glob("*.tar")):

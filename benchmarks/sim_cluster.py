@@ -49,7 +49,7 @@ from shardgen.dataio.prompts import PromptSource, build_plan, load_plan
 from shardgen.dataio.resume import record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S, Claimer, RunDir, owner_record
 from shardgen.dataio.shards import Sample, ShardSink
-from shardgen.dataio.tools import run_status
+from shardgen.tools import run_status
 from shardgen.run import replica as replica_mod
 from shardgen.run.generation import GenSettings
 from shardgen.run.replica import ReplicaContext, ReplicaWorker

@@ -5,22 +5,23 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.tools import count_arg, near_duplicate_groups, read_index_columns, tool_errors
+from shardgen.dataio.rundir import RunDir
+from shardgen.tools import count_arg, near_duplicate_groups, read_index_columns
+from shardgen.tools.entry import run_tool, tool_parser
 
 
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.dedup", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
+    ap = tool_parser("python -m jobs.dedup", __doc__)
     ap.add_argument("--max-distance", type=count_arg(0), default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")
-    args = ap.parse_args(argv)
+    return run_tool(ap, argv, dedup, plan=None)  # reads the committed index only: a run whose plan is gone too
+
+
+def dedup(args) -> int:
+    """Print the near-duplicate groups of the run's committed images."""
     run = RunDir.at(args.run_dir)
     if not list(run.shards_dir.glob("*.parquet")):
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)

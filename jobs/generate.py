@@ -35,8 +35,7 @@ def run(cfg: GenerateConfig):
     run_dir = RunDir(Path(cfg.run_dir).absolute())
     if not check_run_root(run_dir.root) and not cfg.dry_run:  # an existing run (a dry run reports a refusal)
         refuse_changed_settings(cfg, run_dir, prompt_file_path(cfg.prompts.path))
-    from shardgen.launch.local import launch_local, launched_by_torchrun
-    from shardgen.run.runner import run_rank
+    from shardgen.config.launchers import launcher_of
     from shardgen.config.validate import validate_config
 
     validate_config(cfg)
@@ -46,14 +45,7 @@ def run(cfg: GenerateConfig):
         report = dry_run(cfg)
         print(describe(report))
         return report
-    name = cfg.launcher.name
-    if name == "local" and not launched_by_torchrun():
-        return launch_local(cfg)
-    if name == "slurm":
-        from shardgen.launch.slurm import submit
-
-        return submit(cfg)
-    return run_rank(cfg)
+    return launcher_of(cfg).starter()(cfg)
 
 
 def interrupted_message(run_dir: str, command: str) -> str:
@@ -85,7 +77,7 @@ def main(cfg: GenerateConfig) -> None:
 
         e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
-            from shardgen.dataio.tools.runfiles import escape_terminal
+            from shardgen.tools.runfiles import escape_terminal
 
             log.error("%s", escape_terminal(str(e)))  # it may quote the run directory's files: shown, never obeyed
             sys.exit(2)

@@ -6,18 +6,17 @@ then the durable samples of the shards in progress in work/).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
 import textwrap
 from pathlib import Path
 
-from shardgen.dataio.resume import plan_for_tool
-from shardgen.dataio.rundir import RunDir, run_dir_arg
+from shardgen.dataio.rundir import RunDir
 from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, preview_png
-from shardgen.dataio.tools import (check_tool_output, committed_members, count_arg, read_shard_members, safe_write,
-                                  tool_errors)
+from shardgen.errors import UserError
+from shardgen.tools import check_tool_output, committed_members, count_arg, read_shard_members, safe_write
+from shardgen.tools.entry import run_tool, tool_parser
 
 
 def _members(run: RunDir, num_shards: int):
@@ -89,25 +88,24 @@ def contact_sheet(items, cols: int, size: int):
     return sheet
 
 
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
+    ap = tool_parser("python -m jobs.preview", __doc__)
     ap.add_argument("--n", type=count_arg(1), default=16, help="samples on the sheet, in key order (default 16)")
     ap.add_argument("--cols", type=count_arg(1), default=4, help="samples per row (default 4)")
     ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256); the sheet "
                     "may hold at most 100 megapixels")
     ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
-    args = ap.parse_args(argv)
+    return run_tool(ap, argv, preview, check=_check_sheet_size)
+
+
+def _check_sheet_size(args) -> None:
     if (pixels := sheet_pixels(args.n, args.cols, args.size)) > MAX_SHEET_PIXELS:
-        print(f"error: a sheet of --n {args.n} cells of --size {args.size} in --cols {args.cols} would be "
-              f"{pixels / 1e6:.0f} megapixels, over {MAX_SHEET_PIXELS // 10**6}; lower --n or --size", file=sys.stderr)
-        return 2
-    plan = plan_for_tool(args.run_dir)
-    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
-        print(plan, file=sys.stderr)
-        return 2
+        raise UserError(f"a sheet of --n {args.n} cells of --size {args.size} in --cols {args.cols} would be "
+                        f"{pixels / 1e6:.0f} megapixels, over {MAX_SHEET_PIXELS // 10**6}; lower --n or --size")
+
+
+def preview(args, plan) -> int:
+    """Write the contact sheet of ``plan``'s run."""
     run = plan.run
     out = Path(args.out) if args.out else run.preview_path
     check_tool_output(out, run)

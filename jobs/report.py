@@ -6,26 +6,21 @@ reason, truncation, signal histograms, contact sheet).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from shardgen.dataio.resume import plan_for_tool
-from shardgen.dataio.rundir import run_dir_arg
-from shardgen.dataio.tools import check_tool_output, tool_errors, write_report
+from shardgen.tools import check_tool_output, write_report
+from shardgen.tools.entry import run_tool, tool_parser
 
 
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
+    ap = tool_parser("python -m jobs.report", __doc__)
     ap.add_argument("--out", default=None, help="the HTML file (default RUN_DIR/report.html)")
-    args = ap.parse_args(argv)
-    plan = plan_for_tool(args.run_dir)
-    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
-        print(plan, file=sys.stderr)
-        return 2
+    return run_tool(ap, argv, report)
+
+
+def report(args, plan) -> int:
+    """Write the report of ``plan``'s run."""
     out = Path(args.out) if args.out else plan.run.report_path
     check_tool_output(out, plan.run)  # before the report is built
     write_report(plan, out)

@@ -7,14 +7,14 @@ rate, what each claim holder is doing, the last error in the rank logs, failures
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from shardgen.dataio.prompts import shape_legend
-from shardgen.dataio.resume import plan_for_tool, run_lease_s
-from shardgen.dataio.rundir import FUTURE_TOLERANCE_S, run_dir_arg
-from shardgen.dataio.tools import run_metrics, run_status, tool_errors
+from shardgen.dataio.resume import run_lease_s
+from shardgen.dataio.rundir import FUTURE_TOLERANCE_S
+from shardgen.tools import run_metrics, run_status
+from shardgen.tools.entry import run_tool, tool_parser
 
 
 def _fmt_s(s: float | None) -> str:
@@ -92,20 +92,17 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
     print(f"  state    {state}")
 
 
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
+    ap = tool_parser("python -m jobs.status", __doc__)
     ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
     ap.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
     ap.add_argument("--prometheus", action="store_true",
                     help="the run's figures and every rank's counters (metrics/*.prom) in Prometheus' text format")
-    args = ap.parse_args(argv)
-    plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")
-    if isinstance(plan, str):  # a damaged or missing plan: the line says which file and what to do
-        print(plan, file=sys.stderr)
-        return 2
+    return run_tool(ap, argv, status, plan="not a shardgen run directory yet (no plan/plan.json)")
+
+
+def status(args, plan) -> int:
+    """Print the status of ``plan``'s run as asked."""
     st = run_status(plan, run_lease_s(plan.run))
     if args.prometheus:
         sys.stdout.write(run_metrics(st, plan).decode())

@@ -6,33 +6,23 @@ in progress is checked as far as it is committed: its other shards are listed as
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from shardgen.dataio.resume import load_plan_checked
-from shardgen.dataio.rundir import RunDir, run_dir_arg
-from shardgen.dataio.tools import count_arg, repair_run, tool_errors, verify_run
-from shardgen.errors import UserError
+from shardgen.tools import count_arg, repair_run, verify_run
+from shardgen.tools.entry import run_tool, tool_parser
 
 
-@tool_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.verify", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=run_dir_arg, help="the run directory (PATH or run_dir=PATH)")
+    ap = tool_parser("python -m jobs.verify", __doc__)
     ap.add_argument("--no-decode", action="store_true", help="skip decoding every image (faster)")
     ap.add_argument("--repair", action="store_true",
                     help="rewrite stats from sound tars; remove shards whose samples are wrong (generate makes them again)")
     ap.add_argument("--max-lines", type=count_arg(0), default=20, help="defects to print")
-    args = ap.parse_args(argv)
-    try:
-        plan = load_plan_checked(RunDir.at(args.run_dir))
-    except UserError as e:
-        print(f"{args.run_dir}: {e}", file=sys.stderr)
-        return 2
-    if plan is None:
-        print(f"{args.run_dir}: not a shardgen run directory (no plan/plan.json)", file=sys.stderr)
-        return 2
+    return run_tool(ap, argv, verify)
+
+
+def verify(args, plan) -> int:
+    """Audit ``plan``'s run (and repair it with --repair); 0 sound, 1 defects."""
     rep = verify_run(plan, decode=not args.no_decode)
     status = ", ".join(f"{v} {k}" for k, v in sorted(rep.status.items()))
     print(f"{args.run_dir}: {rep.shards_checked}/{plan.num_shards} shards, {rep.samples}/{plan.num_rows} samples ({status})")

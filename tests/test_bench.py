@@ -82,7 +82,7 @@ def test_accel_flags_off_give_identical_bytes_and_touch_nothing(tmp_path, monkey
 
 @pytest.mark.slow  # whole jobs / bench runs
 def test_lossy_options_run_and_are_recorded(tmp_path):
-    from shardgen.dataio.tools.verify import read_shard_members
+    from shardgen.tools.verify import read_shard_members
 
     cfg = compose_cfg(f"run_dir={tmp_path / 'lossy'}", "first_block_cache=0.5", "fp8=true", *FAST)
     result = run(cfg)

@@ -20,7 +20,7 @@ from shardgen.config.validate import ConfigError
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.tools.verify import read_shard_members, verify_run
 from tests.conftest import compose_cfg
 from tests.test_generate import shard_images
 
@@ -316,7 +316,7 @@ def test_edit_rows_with_and_without_an_image_and_batching_does_not_change_the_by
 
 
 def test_verify_names_a_sample_made_from_another_image_than_its_rows(batch3):
-    from shardgen.dataio.tools.verify import _check_content
+    from shardgen.tools.verify import _check_content
 
     plan = load_plan(RunDir(batch3))
     row = plan.rows(0)[1]  # image b.png

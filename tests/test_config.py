@@ -167,7 +167,7 @@ def test_a_misspelled_key_or_option_names_the_close_ones_even_when_added_with_pl
 def test_known_keys_options_and_free_dicts_pass_the_check():
     from shardgen.config.overrides import check_overrides
 
-    assert check_overrides(["batch_size=4", "model=flux_dev", "strategy=tp", "tp_degree=2", "launcher.nodes=2",
+    assert check_overrides(["batch_size=4", "model=flux_dev", "strategy=tp", "tp_degree=2", "launcher=slurm", "launcher.nodes=2",
                             "+strategy.max_memory.0=70GiB", "signals=[phash,clip]", "hydra.run.dir=.",
                             "hydra/job_logging=disabled",
                             "~model.revision", "prompts.limit=3"]) is None

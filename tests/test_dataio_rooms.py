@@ -13,7 +13,7 @@ from shardgen.dataio import _type_checking_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 DATAIO = ROOT / "shardgen" / "dataio"
-ORDER = ["rundir", "prompts", "shards", "resume", "tools"]  # lowest first (shardgen/dataio/__init__.py)
+ORDER = ["rundir", "prompts", "shards", "resume"]  # lowest first (shardgen/dataio/__init__.py)
 
 
 def _imports(path: Path):

@@ -13,7 +13,7 @@ from jobs.generate import run
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.index import index_path
-from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.tools.verify import read_shard_members, verify_run
 from tests.conftest import compose_cfg
 from tests.test_failures import faulty
 

@@ -19,7 +19,7 @@ EXPECTED = {
     "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
-    "LoraError": "user",
+    "LoraError": "user", "BadRow": "user",
     "BadImage": "user",
 }
 

@@ -26,7 +26,7 @@ def _shard_bytes(run_dir: Path) -> dict[str, bytes]:
 
 def _samples(run_dir: Path) -> dict[str, tuple[bytes, bytes]]:
     """key -> (image, prompt) over the committed shards (a sample's json also holds its generation time)."""
-    from shardgen.dataio.tools.verify import read_shard_members
+    from shardgen.tools.verify import read_shard_members
 
     return {k: (m["png"], m["txt"]) for t in sorted((run_dir / "shards").glob("*.tar"))
             for k, m in read_shard_members(t).items()}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardgen.speed import accel, flux_fused
+from shardgen.speed import accel, flux_fused, techniques
 from shardgen.run.generation import to_pixels
 
 SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
@@ -101,7 +101,7 @@ def test_fused_blocks_run_eagerly_on_cuda_only_and_switch_back(monkeypatch):
     assert all("forward" not in b.__dict__ for b in accel.repeated_blocks(tr))  # CPU: untouched
     assert torch.equal(run(tr, kw), ref)
     pipe._execution_device = torch.device("cuda")  # only the device type is read; the blocks still run on the CPU
-    monkeypatch.setattr(accel, "validate", lambda opts, device=None: None)
+    monkeypatch.setattr(techniques, "validate", lambda opts, device=None: None)
     done = accel.prepare(pipe, accel.AccelOptions(compile=False, sdpa="flash"))
     assert done["fused_eager_blocks"] == 4
     assert sorted(b.forward.__func__.__name__ for b in accel.repeated_blocks(tr)) == \

@@ -14,7 +14,7 @@ from PIL import Image
 
 from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
-from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.tools.verify import read_shard_members
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg, write_lines
 

@@ -36,7 +36,7 @@ from shardgen.bench.main import bench_prompts
 from shardgen.bench.measure import psnr, shard_images
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import verify_run
+from shardgen.tools.verify import verify_run
 from shardgen.speed import autocompile as AC
 from tests.conftest import compose_cfg
 

@@ -14,7 +14,7 @@ from shardgen.dataio.shards import index as shard_index
 from shardgen.dataio.prompts.plan import build_plan, load_plan
 from shardgen.dataio.prompts.read import PromptFileError, PromptSource
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.tools.verify import read_shard_members
 from shardgen.run.runner import run_rank
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import ARGS, gen

@@ -31,7 +31,7 @@ from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError
 from shardgen.dataio.shards import shardwork
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
 from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
-from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from tests.conftest import compose_cfg, write_lines
 

@@ -19,7 +19,7 @@ from jobs.generate import run
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.repair import load_plan_checked
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import read_shard_members, repair_run, verify_run
+from shardgen.tools.verify import read_shard_members, repair_run, verify_run
 from shardgen.errors import UserError
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import make_partial

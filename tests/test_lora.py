@@ -12,7 +12,7 @@ from jobs.generate import run
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.errors import UserError
 from shardgen.models.tiny import save_tiny_lora
 from shardgen.run.runner import prepare_run

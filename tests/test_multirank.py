@@ -17,7 +17,7 @@ import pytest
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import verify_run
+from shardgen.tools.verify import verify_run
 from jobs.generate import run
 from tests.conftest import ROOT, compose_cfg
 from tests.test_generate import shard_images

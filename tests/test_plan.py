@@ -49,8 +49,10 @@ def test_rows_read_back_equal_the_readers(tmp_path, fmt, data, per_shard):
 
 def test_limit_and_a_big_txt_across_planning_blocks(tmp_path, monkeypatch):
     import shardgen.dataio.prompts.planscan as scan_mod
+    import shardgen.dataio.prompts.txt as txt_mod
 
-    monkeypatch.setattr(scan_mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
+    for mod in (scan_mod, txt_mod):  # txt's scan, and the line offsets of the limit's stop
+        monkeypatch.setattr(mod, "_BLOCK", 64)  # many blocks, lines cut at block edges
     path = tmp_path / "p.txt"
     path.write_text("".join(f"prompt number {i}\n" if i % 37 else "\n" for i in range(1000)), encoding="utf-8")
     for limit in (None, 555):
@@ -76,7 +78,7 @@ def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
     mixes of blank, whitespace, CR, BOM, non-UTF-8, CJK and long lines, cut at random block edges."""
     import random
 
-    import shardgen.dataio.prompts.planscan as scan_mod
+    import shardgen.dataio.prompts.txt as scan_mod
 
     pieces = [b"a cat", b" lead", b"", b"   ", b"\t", b"\r", b"caf\xc3\xa9", "\u4e00\u53ea".encode(), b"\xff bad",
               b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50]
@@ -144,7 +146,7 @@ def test_a_killed_planners_temp_dir_is_removed_by_the_next_launch(tmp_path):
 def test_a_job_that_loses_the_planning_race_adopts_the_winners_plan(tmp_path, monkeypatch):
     """Two jobs plan one fresh run at once: the one whose rename loses is still writing into its own temp dir
     while the winner reads its plan back; neither fails, and both use one plan."""
-    import shardgen.dataio.prompts.plan as plan_mod
+    import shardgen.dataio.prompts.txt as plan_mod  # the txt format plans with its scan_txt
 
     path = tmp_path / "p.txt"
     path.write_text("a\nb\nc\n")

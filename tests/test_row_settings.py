@@ -20,7 +20,7 @@ from jobs import verify
 from shardgen.config.validate import ConfigError
 from shardgen.dataio.prompts.read import PromptFileError, read_prompts
 from shardgen.dataio.prompts.rowsettings import RowRules
-from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.tools.verify import read_shard_members
 from shardgen.run.runner import run_rank
 from tests.conftest import compose_cfg
 
@@ -91,7 +91,7 @@ def test_every_image_has_its_rows_size_and_json_and_verify_passes(mixed):
     assert sorted(zip(index["index"], index.width, index.height)) == [(i, w, h) for i, (w, h) in enumerate(SIZES)]
     from shardgen.dataio.prompts.plan import load_plan
     from shardgen.dataio.rundir.layout import RunDir
-    from shardgen.dataio.tools.report import build_report
+    from shardgen.tools.report import build_report
 
     page = build_report(load_plan(RunDir(run_dir)))  # jobs.report: images per size
     for size, n in (("48x48", 4), ("64x32", 1), ("32x64", 2), ("32x16", 1)):

@@ -15,7 +15,7 @@ from PIL import Image
 from jobs.generate import run
 from shardgen.dataio.shards.signals import (ClipScorer, SignalConfigError, WATERMARK_BITS, WATERMARK_MESSAGE,
                                             decode_watermark)
-from shardgen.dataio.tools.verify import read_shard_members
+from shardgen.tools.verify import read_shard_members
 from tests.conftest import compose_cfg
 
 FAST = ("steps=1", "progress=false", "batch_size=2")
@@ -126,7 +126,7 @@ def test_phash_after_the_fact_lets_dedup_work_on_a_run_made_without_signals(tmp_
     first shard, a rerun does only the rest; then jobs.dedup finds the identical pair and jobs.verify passes."""
     import jobs.signals
     import jobs.verify
-    import shardgen.dataio.tools.signals_after as after
+    import shardgen.tools.signals_after as after
     from jobs.dedup import main as dedup
 
     rows = [{"prompt": "a cat", "seed": 1}, {"prompt": "a dog", "seed": 2}, {"prompt": "a bird", "seed": 3},

@@ -17,7 +17,7 @@ import pytest
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.tools.verify import verify_run
+from shardgen.tools.verify import verify_run
 from shardgen.launch.slurm import SlurmConfigError, validate_slurm
 from jobs.generate import run
 from tests.conftest import compose_cfg, write_lines

@@ -243,7 +243,7 @@ def _drop_first_image(tar: Path) -> None:
     import io as _io
     import tarfile
 
-    from shardgen.dataio.tools.verify import read_shard_members
+    from shardgen.tools.verify import read_shard_members
 
     members = read_shard_members(tar)
     first = min(members)
@@ -260,7 +260,7 @@ def _drop_first_image(tar: Path) -> None:
 @pytest.mark.parametrize("damage", ["garbage index", "damaged tar", "tar lacks an indexed image", "read-only",
                                     "disk full"])
 def test_signals_on_a_damaged_or_unwritable_run_is_one_line(unsigned, tmp_path, monkeypatch, capsys, damage):
-    import shardgen.dataio.tools.signals_after as signals_after
+    import shardgen.tools.signals_after as signals_after
 
     d = tmp_path / "r"
     shutil.copytree(unsigned, d, symlinks=True)

@@ -22,7 +22,7 @@ from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video
-from shardgen.dataio.tools.verify import read_shard_members, verify_run
+from shardgen.tools.verify import read_shard_members, verify_run
 from tests.conftest import ROOT, compose_cfg
 
 # 32x32, 5 frames (2 latent frames), 2 steps: a batch of 2 videos in well under a second

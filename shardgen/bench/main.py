@@ -72,7 +72,7 @@ def compose(overrides: list[str]):
 
 
 def first_failure(run_dir: Path) -> str | None:
-    from shardgen.dataio.tools import read_shard_members
+    from shardgen.dataio.shards import read_shard_members
 
     for tar in sorted((run_dir / "shards").glob("*.tar")):
         for mem in read_shard_members(tar).values():

@@ -209,7 +209,7 @@ def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
     """prompt index -> decoded image (a video: its FxHxWx3 frames) of every committed sample of a run."""
     from PIL import Image
 
-    from shardgen.dataio.tools import read_shard_members
+    from shardgen.dataio.shards import read_shard_members
 
     out = {}
     for tar in sorted((run_dir / "shards").glob("*.tar")):

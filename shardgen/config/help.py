@@ -20,7 +20,9 @@ SCHEMA = Path(__file__).with_name("schema.py")
 # (the schema class, the key prefix its fields take, the heading of its section) of the nested groups
 NESTED_SECTIONS = (("ModelConfig", "model.", "model.* (chosen by model=OPTION; any key can be overridden)"),
                    ("StrategyConfig", "strategy.", "strategy.* (chosen by strategy=OPTION)"),
-                   ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION)"),
+                   ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION; every launcher)"),
+                   ("LocalLauncherConfig", "launcher.", "launcher.* of launcher=local"),
+                   ("SlurmLauncherConfig", "launcher.", "launcher.* of launcher=slurm"),
                    ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
 NESTED = {"model", "strategy", "launcher", "prompts"}  # NestedConfigs fields that are sections of their own
 WIDTH = 100
@@ -73,8 +75,11 @@ def help_entries() -> list[tuple[str, list[tuple[str, str, str]]]]:
     out = []
     for cls_name, prefix, heading in sections():
         cls = getattr(schema, cls_name)
+        inherited = {f.name for base in cls.__bases__ if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)} if prefix else set()  # a launcher's base keys: listed once
         rows = [(prefix + f.name, _default(f), docs.get(cls_name, {}).get(f.name, ""))
-                for f in dataclasses.fields(cls) if not (cls_name == "NestedConfigs" and f.name in NESTED)]
+                for f in dataclasses.fields(cls)
+                if not (cls_name == "NestedConfigs" and f.name in NESTED) and f.name not in inherited]
         out.append((heading, rows))
     return out
 

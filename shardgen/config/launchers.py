@@ -1,18 +1,23 @@
-"""The launchers, one table: what each one means to the layers that do not start ranks (parallel/, run/), so that
-none of them checks a launcher's name. Starting the ranks is shardgen/launch/ (jobs/generate.py picks
-the launcher module); a new launcher adds its row here, its module there and its YAML in conf/launcher/.
+"""The launchers, one registry: each launcher's config class (its own fields), what it means to the layers that do
+not start ranks (parallel/, run/), and the function that starts the job, so that nothing checks a launcher's
+name. A new launcher is a module of its own (its start function) registering its row with ``register_launcher``,
+plus a YAML in conf/launcher/ naming its config as ``base_<name>`` (or a ConfigStore entry of its own).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from shardgen.config.schema import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
+
 
 @dataclass(frozen=True)
 class Launcher:
-    """One launcher (``launcher.name``) as the code below shardgen/launch/ sees it."""
+    """One launcher (``launcher.name``): its config class, how it starts the job, and what the code below
+    shardgen/launch/ asks of it."""
 
     name: str
     world_size: Callable[[Any], int]
@@ -23,6 +28,29 @@ class Launcher:
     """(GPUs per node, ranks per node, where) of the nodes a launch will run on when this process cannot see them:
     the devices checked are the ones the config describes, and strategy=auto chooses on the nodes when the job
     starts. None: the ranks run on this machine, whose devices count."""
+    config: type = LauncherConfig
+    """The dataclass of ``launcher.*`` for this option: LauncherConfig's fields plus its own."""
+    start: str | Callable[[Any], Any] = "shardgen.run.runner:run_rank"
+    """What runs the job with the composed config: a function, or ``"module:function"`` imported when the job
+    starts (the launch modules sit above this layer)."""
+    check: Callable[[Any], str | None] = lambda launcher_cfg: None
+    """A problem with the launcher config in one line (what to set instead), or None; run by validate_config."""
+
+    def starter(self) -> Callable[[Any], Any]:
+        """The start function itself (``start`` imported when it is a ``"module:function"`` path)."""
+        if callable(self.start):
+            return self.start
+        module, _, function = self.start.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
+LAUNCHERS: dict[str, Launcher] = {}
+
+
+def register_launcher(launcher: Launcher) -> Launcher:
+    """Add (or replace) a launcher row under its name; returns it."""
+    LAUNCHERS[launcher.name] = launcher
+    return launcher
 
 
 def _slurm_nodes(cfg: Any) -> tuple[int, int, str]:
@@ -31,15 +59,20 @@ def _slurm_nodes(cfg: Any) -> tuple[int, int, str]:
     return gpus, ln.tasks_per_node or gpus or 1, f"each SLURM node (launcher.gpus_per_node={ln.gpus_per_node})"
 
 
-LAUNCHERS = {launcher.name: launcher for launcher in (
-    # this process, or torchrun's ranks when detected
-    Launcher("none", world_size=lambda ln: int(os.environ.get("WORLD_SIZE", "1"))),
-    # launcher.nprocs ranks spawned on this machine
-    Launcher("local", world_size=lambda ln: ln.nprocs, local_ranks=lambda world_size: world_size),
-    # submitit: launcher.nodes x tasks per node, started later on the cluster's nodes
-    Launcher("slurm", world_size=lambda ln: ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1),
-             described_nodes=_slurm_nodes),
-)}
+def _check_local(ln: Any) -> str | None:
+    return None if ln.nprocs >= 1 else f"launcher.nprocs={ln.nprocs}: use 1 or more"
+
+
+# this process, or torchrun's ranks when detected
+register_launcher(Launcher("none", world_size=lambda ln: int(os.environ.get("WORLD_SIZE", "1"))))
+# launcher.nprocs ranks spawned on this machine
+register_launcher(Launcher("local", world_size=lambda ln: ln.nprocs, local_ranks=lambda world_size: world_size,
+                           config=LocalLauncherConfig, start="shardgen.launch.local:start_local",
+                           check=_check_local))
+# submitit: launcher.nodes x tasks per node, started later on the cluster's nodes
+register_launcher(Launcher("slurm", world_size=lambda ln: ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1),
+                           described_nodes=_slurm_nodes, config=SlurmLauncherConfig,
+                           start="shardgen.launch.slurm:submit"))
 
 
 def launcher_of(cfg: Any) -> Launcher:

@@ -20,8 +20,15 @@ HELP = "python -m jobs.generate --help lists every key"
 
 
 def group_options(group: str, conf: Path = CONF) -> list[str]:
-    """The options of a config group: its YAML files in conf/<group>/."""
-    return sorted(p.stem for p in (conf / group).glob("*.yaml"))
+    """The options of a config group: its YAML files in conf/<group>/ and its ConfigStore entries (a schema the
+    YAMLs name, ``base_*``, is not an option)."""
+    from hydra.core.config_store import ConfigStore
+
+    try:
+        stored = [n.removesuffix(".yaml") for n in ConfigStore.instance().list(group)]
+    except OSError:  # no entry in the group
+        stored = []
+    return sorted({p.stem for p in (conf / group).glob("*.yaml")} | {n for n in stored if not n.startswith("base_")})
 
 
 def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
@@ -34,6 +41,7 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
     except Exception:  # a syntax error: Hydra's own message names the character
         return None
     groups = {p.name for p in conf.iterdir() if p.is_dir()}
+    chosen = {o.key_or_group: o.value() for o in parsed if o.key_or_group in groups and not o.is_delete()}
     for text, o in zip(overrides, parsed):
         key = o.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
@@ -41,7 +49,7 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
         if key in groups and not o.is_delete():
             problem = _unknown_options(key, o.value(), group_options(key, conf))
         else:
-            problem = _unknown_key(key.split("."), GenerateConfig)
+            problem = _unknown_key(key.split("."), GenerateConfig) or _other_launchers_key(key, chosen)
         if problem:
             return f"{text}: {problem}"
     return None
@@ -59,16 +67,42 @@ def _unknown_options(group: str, value: Any, options: list[str]) -> str | None:
 def _unknown_key(parts: list[str], schema: type) -> str | None:
     """Walk ``parts`` down the schema's dataclasses; anything under a dict-typed field is free."""
     for depth, name in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(schema)}
-        if name not in fields:
+        hints = _field_types(schema)
+        if name not in hints:
             where = ".".join(parts[:depth])
-            return (f"no key {'.'.join(parts[:depth + 1])!r}{_did_you_mean(name, list(fields), where)}; "
+            return (f"no key {'.'.join(parts[:depth + 1])!r}{_did_you_mean(name, list(hints), where)}; "
                     f"{HELP}{' under ' + where + '.' if where else ''}")
-        hint = typing.get_type_hints(schema)[name]
-        if not dataclasses.is_dataclass(hint):
+        if not dataclasses.is_dataclass(hints[name]):
             return None  # a leaf or a dict: the value's type is Hydra's to check
-        schema = hint
+        schema = hints[name]
     return None
+
+
+def _other_launchers_key(key: str, chosen: dict[str, Any]) -> str | None:
+    """A ``launcher.KEY`` that only other launchers have (``launcher.partition`` without ``launcher=slurm``)."""
+    from shardgen.config.launchers import LAUNCHERS
+
+    name, parts = chosen.get("launcher", "none"), key.split(".")
+    if parts[0] != "launcher" or len(parts) < 2 or not isinstance(name, str) or name not in LAUNCHERS:
+        return None
+    if parts[1] in {f.name for f in dataclasses.fields(LAUNCHERS[name].config)}:
+        return None
+    owners = [n for n, row in LAUNCHERS.items() if parts[1] in {f.name for f in dataclasses.fields(row.config)}]
+    return (f"launcher={name} has no key {key!r}; it is a key of " + " or ".join(f"launcher={n}" for n in owners)
+            + ": choose that launcher too")
+
+
+def _field_types(schema: type) -> dict[str, Any]:
+    """Field name -> type of ``schema`` and of every subclass of it: a group whose options extend a base config
+    (each launcher's own fields) takes any option's keys here; the chosen option's schema judges the rest."""
+    out: dict[str, Any] = {}
+    todo = [schema]
+    while todo:
+        cls = todo.pop()
+        hints = typing.get_type_hints(cls)
+        out.update({f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in out})
+        todo += cls.__subclasses__()
+    return out
 
 
 def _did_you_mean(name: str, known: list[str], where: str = "") -> str:

@@ -108,41 +108,56 @@ class StrategyConfig:
 
 @dataclass(kw_only=True)
 class LauncherConfig:
-    """Where the ranks come from."""
+    """Where the ranks come from: what every launcher has (each launcher= option extends it with its own fields)."""
 
     name: str = "none"
     """none (this process, or torchrun's ranks when detected) | local (spawn nprocs ranks) | slurm (submitit)"""
-    nprocs: int = 1
-    """local: ranks to spawn on this machine."""
     backend: Optional[str] = None
     """torch.distributed backend; null = nccl on CUDA, gloo on CPU."""
-    # --- slurm ---
+
+
+@dataclass(kw_only=True)
+class LocalLauncherConfig(LauncherConfig):
+    """launcher=local: ranks spawned on this machine."""
+
+    name: str = "local"
+    """The launcher's name in LAUNCHERS (shardgen/config/launchers.py)."""
+    nprocs: int = 1
+    """Ranks to spawn on this machine."""
+
+
+@dataclass(kw_only=True)
+class SlurmLauncherConfig(LauncherConfig):
+    """launcher=slurm: SLURM tasks submitted through submitit, one rank each."""
+
+    name: str = "slurm"
+    """The launcher's name in LAUNCHERS (shardgen/config/launchers.py)."""
     partition: Optional[str] = None
-    """slurm: the partition (sbatch --partition); null = the cluster's default."""
+    """the partition (sbatch --partition); null = the cluster's default."""
     account: Optional[str] = None
-    """slurm: the account to charge (sbatch --account)."""
+    """the account to charge (sbatch --account)."""
     qos: Optional[str] = None
-    """slurm: the quality of service (sbatch --qos)."""
+    """the quality of service (sbatch --qos)."""
     nodes: int = 1
-    """slurm: nodes per job."""
+    """nodes per job."""
     gpus_per_node: int = 0
-    """slurm: GPUs per node (sbatch --gpus-per-node); 0 = a CPU job."""
+    """GPUs per node (sbatch --gpus-per-node); 0 = a CPU job."""
     tasks_per_node: Optional[int] = None
     """Ranks per node; null = gpus_per_node (or 1 without GPUs)."""
     cpus_per_task: int = 4
-    """slurm: CPU cores per rank."""
+    """CPU cores per rank."""
     mem_gb: Optional[int] = None
-    """slurm: memory per node in GB; null = the cluster's default."""
+    """memory per node in GB; null = the cluster's default."""
     time_min: int = 240
     """Wall-time limit of each job, minutes; on timeout the job requeues and resumes."""
     constraint: Optional[str] = None
-    """slurm: node features required (sbatch --constraint)."""
+    """node features required (sbatch --constraint)."""
     exclude: Optional[str] = None
-    """slurm: nodes not to use (sbatch --exclude)."""
+    """nodes not to use (sbatch --exclude)."""
     array: int = 1
     """Independent jobs sharing the run directory (each one a full set of nodes)."""
     array_parallelism: Optional[int] = None
-    """slurm: at most this many of the array's jobs at once; null = all."""
+    """at most this many of the array's jobs at once; null = all."""
     max_num_timeout: int = 3
     """Requeues allowed after timeouts (submitit); preemptions do not count."""
     signal_delay_s: int = 90
@@ -326,24 +341,25 @@ class SpeedConfig:
     """Regional compilation of the transformer's repeated blocks: true | false | auto. auto: off on CPU and for
     the model-parallel strategies; on CUDA with strategy dp each process compiles only when the work it has
     left saves more than compiling costs (recorded per GPU and model in $SHARDGEN_CACHE/compile, else priors;
-    the first batch runs eagerly to measure). shardgen/speed/accel.py, shardgen/speed/autocompile.py."""
+    the first batch runs eagerly to measure). shardgen/speed/regional_compile.py, shardgen/speed/autocompile.py."""
     compile_mode: str = "default"
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
-    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/accel.py."""
+    max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/regional_compile.py."""
     compile_tuning: bool = True
     """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
     compilation once per process, ~2% faster steps)."""
     fused_blocks: bool = True
-    """FLUX.1 transformers run shardgen/speed/flux_fused.py's block forwards (one Triton pass for q/k RMSNorm+RoPE,
-    GELU in the GEMM epilogue, no concatenation before proj_out): compiled with compile=true, eagerly on CUDA
-    otherwise (compile=false included; ~1.25x the stock eager blocks on an H200); Qwen-Image's joint attention
-    runs without its key-padding mask on CUDA (shardgen/speed/prefix_attention.py: attention 1.27x faster with
-    mixed text lengths, 1.65x with equal ones, H200). Exact up to bf16 rounding; other models, tp/cp runs and CPU
-    runs keep the stock blocks; false = diffusers' own blocks."""
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
+    flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
+    H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones), and compiled with
+    compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
+    (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep
+    the stock blocks; false = diffusers' own blocks."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash |
-    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/accel.py."""
+    cudnn | efficient | math. Exact up to bf16 rounding. shardgen/speed/sdpa.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import FORMATS, MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, unknown_names
+from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -83,8 +83,9 @@ def validate_config(cfg: GenerateConfig) -> None:
                              f"16..{MAX_SIDE}")
     _need(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: use one of {sorted(DTYPES)}")
     _need(cfg.model.weights in ("pretrained", "dummy"), f"model.weights={cfg.model.weights!r}: use pretrained or dummy")
-    _need(cfg.prompts.format in ("auto",) + tuple(FORMATS),
-          f"prompts.format={cfg.prompts.format!r}: use auto or one of {list(FORMATS)}")
+    formats = list(prompt_formats())
+    _need(cfg.prompts.format in ["auto", *formats],
+          f"prompts.format={cfg.prompts.format!r}: use auto or one of {formats}")
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
     _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
           f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
@@ -94,7 +95,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     Signals(cfg.get("signals")).check(cfg.width, cfg.height)
     _need(cfg.prompts.limit is None or cfg.prompts.limit >= 1, f"prompts.limit={cfg.prompts.limit}: use 1 or more, or null")
     _need(cfg.launcher.name in LAUNCHERS, f"launcher.name={cfg.launcher.name!r}: use one of {list(LAUNCHERS)}")
-    _need(cfg.launcher.nprocs >= 1, f"launcher.nprocs={cfg.launcher.nprocs}: use 1 or more")
+    problem = LAUNCHERS[cfg.launcher.name].check(cfg.launcher)
+    _need(problem is None, problem or "")
     _need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"),
           f"device={cfg.device!r}: use auto, cpu or cuda")
     _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "

@@ -1,6 +1,6 @@
-"""Data in and out of a run, in five rooms by role, each importing only the rooms below it:
+"""Data in and out of a run, in four rooms by role, each importing only the rooms below it (the operator tools that
+read a run, shardgen/tools/, sit above them):
 
-    tools    dataset and operator tools: verify, report, status, signals after the fact, dedup
     resume   a run across launches: fingerprint, ledger, repair, extending the plan
     shards   shards out: sink, shard commit (shardwork), tar, index, video, annotations, signals
     prompts  prompts in and planning: readers, plan, planning scans, truncation, reserved json keys

@@ -46,4 +46,6 @@ QWEN_IMAGE = register(ModelFamily(
     encode_outputs=("prompt_embeds", "prompt_embeds_mask"),
     dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)},
     speed_hooks="shardgen.speed.qwen:prepare_speed",
-    fused_blocks={"QwenImageTransformer2DModel": "shardgen.speed.qwen_fused"}))
+    fused_blocks={"QwenImageTransformer2DModel": "shardgen.speed.qwen_fused"},
+    # H200, 1024x1024, 8 steps, true CFG, batch 4: the fused eager blocks 2.15 s/image, compiled 2.21
+    compiled_speedup=0.97))

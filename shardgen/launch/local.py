@@ -56,6 +56,15 @@ def rank_error_message(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
+def start_local(cfg: GenerateConfig) -> None:
+    """``launcher=local``: spawn the ranks, unless torchrun (or the like) already started this process as one."""
+    if launched_by_torchrun():
+        from shardgen.run.runner import run_rank
+
+        return run_rank(cfg)
+    return launch_local(cfg)
+
+
 def launch_local(cfg: GenerateConfig) -> None:
     """Spawn ``launcher.nprocs`` ranks on this machine running the same code (the debug mode). What can be
     refused (degrees, the prompt file, a changed fingerprint) is refused here, once, before any rank starts,

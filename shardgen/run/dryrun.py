@@ -9,7 +9,7 @@ no honest figure, and the dry run says so instead of guessing.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,8 +149,3 @@ def describe(d: DryRun) -> str:
     if d.refused:
         lines.append(f"  REFUSED   this launch would be refused: {d.refused}")
     return "\n".join(lines)
-
-
-def as_dict(d: DryRun) -> dict:
-    """The dry run as JSON-ready data."""
-    return asdict(d)

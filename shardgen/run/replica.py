@@ -19,8 +19,8 @@ from typing import Any, Callable
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit, scan_claims
-from shardgen.dataio.shards import Sample, ShardSink, ShardWork, committed_samples, committed_tar
-from shardgen.dataio.tools import read_shard_members
+from shardgen.dataio.shards import (Sample, ShardSink, ShardWork, committed_samples, committed_tar,
+                                     read_shard_members)
 from shardgen.run.generation import GenSettings, ImagePrefetch, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile
@@ -95,6 +95,11 @@ class ReplicaWorker:
     _todo: list = field(default_factory=list, init=False)  # shards not known done, ascending (see _not_done)
     _todo_of: Any = field(default=None, init=False)        # the _done set _todo was computed from
     _images: ImagePrefetch | None = field(default=None, init=False)  # input images, decoded a batch ahead
+
+    def __post_init__(self) -> None:
+        if self.autocompile is not None:  # compile=auto decides from this worker's work left, and sets its settings
+            self.autocompile.remaining = self.remaining_here
+            self.settings = self.autocompile.settings(self.settings)
 
     def __enter__(self) -> "ReplicaWorker":
         return self

@@ -225,8 +225,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         ctx = _replica_context(world, dims)
         if ctx.leader:
             check_settings_unchanged(plan.run, settings)
-        with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control) as worker, control.writing(worker.sink):
-            worker.on_batch = on_batch
+        with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
+                control.writing(worker.sink):
             worker.run()
         log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
@@ -292,37 +292,51 @@ def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) ->
 
 
 def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, strategy: str,
-                 control: RankControl) -> ReplicaWorker:
+                 control: RankControl, on_batch: Callable[[str, Any], None] | None = None) -> ReplicaWorker:
+    """The replica's worker, built complete: its settings, compile=auto's decider, and on the leader the writer,
+    the claims, the metrics, the uploads and the progress bar."""
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
     settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
-    worker = ReplicaWorker(plan=plan, pipe=pipe, settings=settings, batch_size=cfg.batch_size, ctx=ctx,
-                           retry_failed=cfg.retry_failed,
-                           watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall))
-    if (settings.compile_auto or settings.accel.compile) and ctx.ranks == 1:  # model-parallel ranks would have to agree
-        # compile=auto decides here; compile=true is timed and recorded (the figures a later auto process uses)
-        # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
-        shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
-        worker.autocompile = AutoCompile(record_key(pipe, settings, shapes), remaining=worker.remaining_here,
-                                         shapes=max(1, len(shapes)),
-                                         prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
-                                         decided=None if settings.compile_auto else True,
-                                         background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
-        worker.settings = worker.autocompile.settings(settings)
-    if ctx.leader:
-        worker.annotate = SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
-                                          text_windows(pipe, cfg.model.max_sequence_length))
-        worker.sink = ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads,
-                                signals=Signals(cfg.signals),
-                                encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None)
-        worker.claimer = Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s)
-        worker.metrics = RankMetrics(plan.run, rank=ctx.leader_rank, replica=ctx.index, ranks_per_replica=ctx.ranks)
-        worker.poll_s = min(2.0, cfg.heartbeat_s)
-        worker.uploader = ShardUploader.from_cfg(cfg, plan.run)
-        if ctx.index == 0 and cfg.progress:
-            worker.progress = Progress(plan, unit="video" if is_video(cfg) else "img")
-            worker.on_samples = worker.progress.advance
+    leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy) if ctx.leader else {}
+    worker = ReplicaWorker(plan=plan, pipe=pipe, batch_size=cfg.batch_size, ctx=ctx, retry_failed=cfg.retry_failed,
+                           settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings),
+                           watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall), on_batch=on_batch,
+                           **leader)
     return worker
+
+
+def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -> AutoCompile | None:
+    """compile=auto's decider on a one-rank replica (model-parallel ranks would have to agree), also for
+    compile=true, which is timed and recorded (the figures a later auto process uses); None otherwise. The worker
+    it is given to binds it to its own count of the work left (``ReplicaWorker.remaining_here``)."""
+    if not (settings.compile_auto or settings.accel.compile) or ctx.ranks != 1:
+        return None
+    # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
+    shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
+    return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
+                       prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
+                       decided=None if settings.compile_auto else True,
+                       background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
+
+
+def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
+                  strategy: str) -> dict:
+    """What only the replica's leader holds, as ReplicaWorker's fields: the annotator, the writer (sink), the
+    claims, the metrics file, the uploader, and on replica 0 the progress bar."""
+    parts = dict(
+        annotate=SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
+                                 text_windows(pipe, cfg.model.max_sequence_length)),
+        sink=ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads, signals=Signals(cfg.signals),
+                       encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None),
+        claimer=Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s),
+        metrics=RankMetrics(plan.run, rank=ctx.leader_rank, replica=ctx.index, ranks_per_replica=ctx.ranks),
+        poll_s=min(2.0, cfg.heartbeat_s),
+        uploader=ShardUploader.from_cfg(cfg, plan.run))
+    if ctx.index == 0 and cfg.progress:
+        parts["progress"] = Progress(plan, unit="video" if is_video(cfg) else "img")
+        parts["on_samples"] = parts["progress"].advance
+    return parts
 
 
 def _sum_over_ranks(n: int) -> int:

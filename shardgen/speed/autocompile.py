@@ -90,8 +90,8 @@ def prior_speedup(pipe: Any, fused_blocks: bool) -> float:
 
 def check_forced_path(value: str | None = None) -> None:
     """AccelError unless ``value`` (default: ``$SHARDGEN_COMPILE_AUTO``) is unset or one of ``FORCE_PATHS``; called
-    by ``shardgen.speed.accel.validate`` too, so a typo is refused before any weight is read."""
-    from shardgen.speed.accel import AccelError
+    by ``shardgen.speed.techniques.validate`` too, so a typo is refused before any weight is read."""
+    from shardgen.speed.techniques import AccelError
 
     value = (os.environ.get(FORCE_ENV) or None) if value is None else value
     if value is not None and value not in FORCE_PATHS:

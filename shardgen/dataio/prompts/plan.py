@@ -31,8 +31,9 @@ import numpy as np
 
 from shardgen.dataio.prompts import read as P
 from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_identity, footer_plan,
-                                              parquet_rows_at, planned_from_footer, range_digests, read_range,
-                                              read_rows_at, rows_digest, scan_rows, scan_txt, truncation_outcome)
+                                              planned_from_footer, range_digests, read_range,
+                                              read_rows_at, rows_digest, scan_rows, truncation_outcome)
+from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
@@ -202,12 +203,13 @@ class Plan:
         part = seg or self
         i = shard - (seg.first_shard if seg else 0)
         offset, line = (int(x) for x in part.starts[i])
-        if src.format == "parquet":
-            rows = list(parquet_rows_at(src, rng.start, len(rng)))
+        fmt = prompt_format(src.format)
+        if not fmt.lines:  # numbered rows: hashed as read
+            rows = list(read_rows_at(src, offset, line, rng.start, len(rng)))
             digest = rows_digest(rows)
         else:
             end = int(part.starts[i + 1][0]) if i + 1 < len(part.starts) else part.meta["rows_end"]
-            head_end = int(self.starts[0][0]) if src.format in ("csv", "tsv") else 0  # the header line
+            head_end = int(self.starts[0][0]) if fmt.header else 0  # the header line
             head, data, digest = read_range(src.path, head_end, offset, end)
         if digest != part.digests[i].tobytes():
             raise P.PromptFileError(
@@ -215,7 +217,7 @@ class Plan:
                 f"lines from {line}, differ from the plan's); the run stops so that no shard mixes two versions of "
                 "its input. Restore the original file and re-run (appending rows is allowed: it extends the run), "
                 "or start a new run_dir for the new file")
-        if src.format == "parquet":
+        if not fmt.lines:
             return rows
         with data:
             return list(read_rows_at(src, offset, line, rng.start, len(rng), data, head))
@@ -470,9 +472,9 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     footer = planned_from_footer(source, truncation) and first_row == 0
     if footer:  # a remote parquet file: no row read before the first image
         num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
-    elif source.format == "txt":
-        num_rows, num_rejects, starts, rows_end, digests = scan_txt(source, samples_per_shard, truncation, offset,
-                                                                    first_row)
+    elif (scan := prompt_format(source.format).scan) is not None:  # a scan of its own (txt's)
+        num_rows, num_rejects, starts, rows_end, digests = scan(source, samples_per_shard, truncation, offset,
+                                                                first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
                                                                      shapes, adapters, image_rejects)
@@ -483,7 +485,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     if digests is None and not footer:  # text formats: each shard's bytes, in one more pass
         if head_end is None:
             head_end = int(starts[0][0]) if len(starts) else 0
-        digests = range_digests(source.path, starts, rows_end, head_end if source.format in ("csv", "tsv") else 0)
+        digests = range_digests(source.path, starts, rows_end, head_end if prompt_format(source.format).header else 0)
     np.save(out / "starts.npy", starts)
     counts = dict(num_rows=num_rows, num_rejects=num_rejects, num_shards=len(starts), starts_sha256=_digest(starts),
                   rows_end=rows_end)
@@ -507,8 +509,9 @@ def estimate_rows(source: PromptSource) -> int:
     """About how many rows the prompt file has (lines; parquet: its metadata), for shard sizing only:
     counted in files up to 64 MB, extrapolated from 16 samples of 1 MB spread over larger ones (a
     pass over a 2 GB file would cost seconds for a figure the sizing rounds anyway)."""
-    if source.format == "parquet":
-        n = P.parquet_file(source.path).metadata.num_rows
+    fmt = prompt_format(source.format)
+    if fmt.count_rows is not None:
+        n = fmt.count_rows(source.path)
     else:
         size = sizeof(source.path)
         with open_input(source.path) as f:
@@ -522,7 +525,7 @@ def estimate_rows(source: PromptSource) -> int:
                     block = f.read(1 << 20)
                     seen, lines = seen + len(block), lines + block.count(b"\n")
                 n = round(size * lines / seen)
-        if source.format in ("csv", "tsv"):  # the header line is not a prompt (quoted newlines still overcount)
+        if fmt.header:  # the header line is not a prompt (quoted newlines still overcount)
             n = max(0, n - 1)
     return min(n, source.limit) if source.limit is not None else n
 

@@ -28,13 +28,14 @@ from typing import BinaryIO, Iterator
 import numpy as np
 
 from shardgen.dataio.prompts import read as P
+from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_input, sizeof
 
 
 log = logging.getLogger("shardgen.plan")
-_BLOCK = 16 << 20   # txt planning reads the file in blocks of this many bytes
+_BLOCK = 16 << 20   # bytes read at a time (line offsets, shard ranges)
 
 
 def truncation_outcome(source: PromptSource, check: TruncationCheck | None) -> np.ndarray | None:
@@ -57,13 +58,13 @@ def planned_from_footer(source: PromptSource, check: TruncationCheck | None) -> 
     """Whether ``source`` is planned from its parquet footer alone, no row read: a remote parquet file with an ETag
     (which identifies its content in the fingerprint, so no pass hashes it), when planning needs nothing of its rows
     (no token count, no per-row settings). Its rows are then checked when their shard is read."""
-    return (source.format == "parquet" and check is None and not source.row_rules and is_url(source.path)
-            and bool(identity(source.path)["etag"]))
+    return (prompt_format(source.format).count_rows is not None and check is None and not source.row_rules
+            and is_url(source.path) and bool(identity(source.path)["etag"]))
 
 
 def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndarray, int, None]:
     """(rows, rejects: 0, shard starts, the end row, no digests) of a parquet file from its footer's row count."""
-    n = P.parquet_file(source.path).metadata.num_rows
+    n = prompt_format(source.format).count_rows(source.path)
     n = min(n, source.limit) if source.limit is not None else n
     first = np.arange(0, n, per_shard, dtype=np.int64)
     return n, 0, np.stack([first, first + 1], axis=1), n, None
@@ -84,7 +85,7 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
                           on_bad_row=source.on_bad_row, max_chars=source.max_chars, rules=source.rules)
     n = rejects = 0
     first_lines, hashers, stop_line = [], [], None
-    parquet = source.format == "parquet"
+    parquet = not prompt_format(source.format).lines  # numbered rows, hashed as read
     try:
         for row in rows:
             if source.limit is not None and row.index >= source.limit:
@@ -156,129 +157,6 @@ def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
             out[want] = base + nl[lines[want] - 2 - newlines] + 1
             base, newlines = base + len(block), newlines + len(nl)
     return out
-
-
-def scan_txt(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, offset: int = 0,
-              first_row: int = 0) -> tuple[int, int, np.ndarray, int, None]:
-    """txt, fast: whole blocks checked with numpy (UTF-8, no empty or blank line); a block where
-    a line may be bad goes through the exact per-line reader, for the same rejects and messages.
-
-    Work per block is a newline search over its bytes plus a look at each line's first byte, so 10M
-    captions of 200 bytes plan in seconds; memory is one reused block buffer and its line positions.
-    Returns (rows, rejects, starts, the byte where the last planned row ends, None: no digests yet)."""
-    limit = source.limit if source.limit is not None else 1 << 62
-    starts, rows, rejects, base, carry = [], first_row, 0, offset, 0
-    buf = bytearray(_BLOCK)
-    max_line = P.max_line_bytes(source.max_chars)
-    with open_input(source.path, buffering=0) as f:
-        f.seek(offset)
-        while rows < limit:
-            if carry == len(buf) and carry > max_line:  # a line longer than any row: a bad row, skipped unread
-                if (rows - first_row) % per_shard == 0:
-                    starts.append(np.array([[base, rows + 1]], np.int64))
-                size = _skip_long_line(source, f, carry, max_line, rows)
-                rejects, rows, base, carry = rejects + 1, rows + 1, base + size, 0
-                continue
-            if carry == len(buf):  # a line longer than the buffer (but not than a row may be): grow it
-                buf = buf + bytearray(len(buf))
-            got = f.readinto(memoryview(buf)[carry:])
-            size = carry + got
-            arr = np.frombuffer(buf, np.uint8, size)
-            ends = np.flatnonzero(arr == 10) + 1
-            if not got and size and (not len(ends) or ends[-1] != size):
-                ends = np.append(ends, size)  # the last line may lack a newline
-            if not len(ends):
-                if not got:
-                    break
-                carry = size  # no whole line yet: read on
-                continue
-            ends = ends[:limit - rows]
-            line_starts = np.empty_like(ends)
-            line_starts[0], line_starts[1:] = 0, ends[:-1]
-            first = rows  # index of the block's first row
-            js = np.arange(-(first - first_row) % per_shard, len(ends), per_shard)  # the block's rows starting a shard
-            starts.append(np.stack([base + line_starts[js], first + js + 1], axis=1))
-            view = memoryview(buf)[:size]
-            rejects += _check_block(source, view, arr, line_starts, ends, first, base == 0)
-            if check:
-                _offer_long_lines(check, view, line_starts, ends, first, source.max_chars)
-                if check.stop:
-                    break
-            rows += len(ends)
-            end = int(ends[-1])
-            base += end
-            del arr, view  # the buffer is written to again below: no view of it may outlive the block
-            carry = size - end
-            buf[:carry] = buf[end:size]
-            if not got:
-                break
-    starts = np.concatenate(starts).astype(np.int64) if starts else np.zeros((0, 2), np.int64)
-    return rows - first_row, rejects, starts, base, None
-
-
-def _skip_long_line(source: PromptSource, f: BinaryIO, held: int, max_line: int, row: int) -> int:
-    """Read past the rest of a line of which ``held`` bytes are in the buffer: its reject (an error unless
-    on_bad_row=skip, as the per-line reader gives it); the line's length."""
-    size = held
-    while chunk := f.read(1 << 20):  # up to the newline, in bounded chunks: only the length is kept
-        if (nl := chunk.find(b"\n")) >= 0:
-            size += nl + 1
-            f.seek(nl + 1 - len(chunk), os.SEEK_CUR)  # the next line is read from its start
-            break
-        size += len(chunk)
-    long = P.LongLine()
-    long.size, long.limit = size, max_line
-    P.emit(source.path, row, row + 1, source.on_bad_row, P.parse_txt, long, max_chars=source.max_chars)
-    return size
-
-
-def _check_block(source: PromptSource, block: memoryview, arr: np.ndarray, line_starts: np.ndarray,
-                 ends: np.ndarray, first: int, at_file_start: bool) -> int:
-    """Rejects in the whole lines ``line_starts..ends`` of a block (raises on a bad line unless
-    on_bad_row=skip). A prompt has a byte that is certainly not whitespace (33..126); a line without
-    one may be blank. Most lines start with one, so only the others are searched."""
-    end = int(ends[-1])
-    solid_first = (arr[line_starts] - np.uint8(33)) < 94  # uint8 wraps: 33..126 -> 0..93
-    suspect = False
-    if not solid_first.all():
-        lines = np.flatnonzero(~solid_first)
-        solid = (arr[:end] - np.uint8(33)) < 94
-        suspect = not np.maximum.reduceat(solid, line_starts)[lines].all()
-    if source.max_chars is not None:  # a line of more bytes may be too long: the exact check below counts characters
-        suspect = suspect or bool((ends - line_starts > source.max_chars).any())
-    clean = arr[:end].max() < 128 or _utf8(block[:end])
-    if clean and not suspect and not (at_file_start and block[:3] == P.BOM):
-        return 0
-    rejects = 0
-    for i, (s, e) in enumerate(zip(line_starts.tolist(), ends.tolist())):
-        raw = bytes(block[s:e])
-        if at_file_start and i == 0 and raw.startswith(P.BOM):
-            raw = raw[len(P.BOM):]
-        row = P.emit(source.path, first + i, first + i + 1, source.on_bad_row, P.parse_txt, raw,
-                     max_chars=source.max_chars)
-        rejects += row.reject is not None
-    return rejects
-
-
-def _offer_long_lines(check: TruncationCheck, block: memoryview, line_starts: np.ndarray, ends: np.ndarray,
-                      first: int, max_chars: int | None) -> None:
-    for j in np.flatnonzero(ends - line_starts - 1 > check.min_bytes).tolist():
-        if check.stop:
-            return
-        try:
-            prompt = P.strip_eol(bytes(block[line_starts[j]:ends[j]])).decode("utf-8").lstrip("\ufeff")
-        except UnicodeDecodeError:
-            continue  # a reject, not a prompt
-        if prompt.strip() and (max_chars is None or len(prompt) <= max_chars):  # too long: a reject, never tokenized
-            check.offer(first + j, first + j + 1, prompt)
-
-
-def _utf8(block) -> bool:
-    try:
-        str(block, "utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
 
 
 # ---------------------------------------------------------------- shard digests
@@ -381,68 +259,13 @@ def read_range(path: str, head_end: int, lo: int, hi: int) -> tuple[bytes, Binar
 
 
 def read_rows_at(src: PromptSource, offset: int, line: int, index: int, count: int, data: BinaryIO | None = None,
-                  head: bytes | None = None) -> Iterator[P.PromptRow]:
-    """``count`` rows from row ``index``, which starts at byte ``offset`` (parquet: row) and ``line``; read from
-    ``data`` (the shard's bytes, with ``head`` the file's bytes before the first row) when given, else the file."""
-    if src.format == "parquet":
-        yield from parquet_rows_at(src, index, count)
-        return
+                 head: bytes | None = None) -> Iterator[P.PromptRow]:
+    """``count`` rows from row ``index``, which starts at byte ``offset`` (a format without lines: row) and ``line``;
+    read from ``data`` (the shard's bytes, with ``head`` the file's bytes before the first row) when given, else the
+    file (its format's ``rows_at``)."""
+    fmt = prompt_format(src.format)
     with contextlib.ExitStack() as stack:
-        if data is None:
+        if data is None and fmt.lines:
             data = stack.enter_context(open_input(src.path))
             data.seek(offset)
-        if src.format in ("csv", "tsv"):
-            yield from _table_rows_at(src, data, line, index, count, head)
-            return
-        parse = P.parse_txt if src.format == "txt" else P.parse_jsonl
-        args = () if src.format == "txt" else (src.field, src.seed_field, src.rules)
-        for i in range(count):
-            raw = P.read_line(data, P.max_line_bytes(src.max_chars))
-            if offset == 0 and i == 0 and raw.startswith(P.BOM):
-                raw = raw[len(P.BOM):]
-            yield P.emit(src.path, index + i, line + i, src.on_bad_row, parse, raw, *args, max_chars=src.max_chars)
-
-
-class _HeaderThen:
-    """A header line, then the lines of a file: what the bounded line reader (``P.read_line``) reads."""
-
-    def __init__(self, header: bytes, f: BinaryIO):
-        self._header, self._f = header, f
-
-    def readline(self, size: int = -1) -> bytes:
-        if self._header is not None:
-            header, self._header = self._header, None
-            return header
-        return self._f.readline(size)
-
-
-def _table_rows_at(src: PromptSource, f, line: int, index: int, count: int,
-                   head: bytes | None = None) -> Iterator[P.PromptRow]:
-    """csv/tsv records from ``f``'s position: the prompt reader, given the header line then the rest."""
-    from itertools import islice
-
-    if head is not None:
-        header = next(P.raw_lines(io.BytesIO(head)))[1]
-    else:
-        with open_input(src.path) as h:
-            header = next(P.raw_lines(h))[1]
-    # the reader numbers the header line 1 and this shard's first record line 2
-    for r in islice(P.read_table(src.path, _HeaderThen(header, f), src.format, src.field, src.seed_field,
-                                 src.on_bad_row, src.max_chars, src.rules), count):
-        yield P.PromptRow(r.index + index, r.line + line - 2, r.prompt, r.seed, r.extra, r.reject, r.settings)
-
-
-def parquet_rows_at(src: PromptSource, index: int, count: int) -> Iterator[P.PromptRow]:
-    """``count`` rows of a parquet prompt file from row ``index`` (only the row groups that hold them are read)."""
-    pf = P.parquet_file(src.path)
-    row_groups, first, pos = [], 0, 0  # the row groups that hold rows index..index+count-1
-    for g in range(pf.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if pos + n > index and pos < index + count:
-            first = pos if not row_groups else first
-            row_groups.append(g)
-        pos += n
-    table = pf.read_row_groups(row_groups).slice(index - first, count)
-    for i, rec in enumerate(table.to_pylist()):
-        yield P.emit(src.path, index + i, index + i + 1, src.on_bad_row, P.parse_parquet, rec, src.field,
-                     src.seed_field, src.rules, max_chars=src.max_chars)
+        yield from fmt.rows_at(src, data, offset, line, index, count, head)

@@ -24,6 +24,7 @@ from typing import Callable
 
 from shardgen.dataio.prompts.plan import (PLAN_VERSION, Plan, PlanError, file_sha256, load_plan, new_plan_dir,
                                           plan_rows_into)
+from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
@@ -47,8 +48,8 @@ def _only_the_prompts_differ(old: dict, new: dict) -> bool:
 def not_an_append(path: str | os.PathLike, size: int, sha256: str, fmt: str) -> str | None:
     """Why the file at ``path`` is not the planned file (``size`` bytes hashing to ``sha256``) with rows
     appended; None when it is."""
-    if fmt == "parquet":
-        return "a parquet file is rewritten, not appended to: put the new prompts in a new run_dir"
+    if not prompt_format(fmt).lines:
+        return f"a {fmt} file is rewritten, not appended to: put the new prompts in a new run_dir"
     now = sizeof(path)
     if now == size:
         return f"it has the planned file's {size} bytes but other content"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
+from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
@@ -318,7 +319,7 @@ def prompt_file_hash(run: RunDir, path: Path | str, fmt: str | None = None) -> t
     Every launch and every SLURM requeue checks the fingerprint: hashing a 10 GB prompt file again
     costs 10-30 s with every GPU of the job waiting."""
     identity = _file_identity(path)  # before hashing: a write during hashing changes it, so it never matches
-    if is_url(path) and fmt == "parquet" and identity.get("etag"):  # rewritten, never appended to: the ETag says all
+    if is_url(path) and fmt and prompt_format(fmt).count_rows is not None and identity.get("etag"):  # rewritten, never appended to: the ETag says all
         return "etag-" + hashlib.sha256(f"{identity['etag']}|{identity['size']}".encode()).hexdigest(), identity
     if is_url(path) and not (identity.get("etag") or identity.get("modified")):
         return file_sha256(path), identity  # a server that tells neither: its size alone cannot vouch for the content

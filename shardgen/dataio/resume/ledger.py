@@ -61,12 +61,6 @@ class Ledger:
                 c.update({k: s.stats.get(k, 0) for k in ("ok", "failed", "rejected", "truncated")})
         return c
 
-    def finished_at(self) -> float | None:
-        """When the last shard was committed, once every shard is; None while the run is not complete."""
-        if self.count("done") != len(self.shards):
-            return None
-        return max((s.stats.get("finished", 0) for s in self.shards if s.stats), default=None)
-
 
 def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None = None) -> Ledger:
     """Snapshot every shard's state; ``stats_cache`` (shard -> stats) avoids re-reading done shards.
@@ -329,8 +323,3 @@ def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:
         return float(OmegaConf.create(text).get("lease_s", default))
     except (OSError, ValueError, TypeError, AttributeError, RunDirError, yaml.YAMLError):  # missing or damaged
         return default
-
-
-def list_work_files(run: RunDir) -> list[str]:
-    """Names in work/ (partials and checkpoints)."""
-    return sorted(os.listdir(run.work_dir)) if run.work_dir.exists() else []

@@ -326,11 +326,14 @@ def load_plan_checked(run: RunDir) -> Plan | None:
                           "it plans again from the prompt file, identically") from None
 
 
-def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no plan/plan.json)") -> Plan | str:
-    """The plan of ``run_dir`` for a read-only tool (status, preview), or the line to print instead: a damaged
-    plan names its file and the fix, a missing one says so."""
+def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no plan/plan.json)") -> Plan:
+    """The plan of ``run_dir`` for a read-only tool (status, verify, preview, ...); RunDirError, its message starting
+    with ``run_dir``, when there is none (``what`` says so) or it is damaged (the message names its file and the
+    fix)."""
     try:
         plan = load_plan_checked(RunDir.at(run_dir))
     except RunDirError as e:
-        return f"{run_dir}: {e}"
-    return plan if plan is not None else f"{run_dir}: {what}"
+        raise RunDirError(f"{run_dir}: {e}") from None
+    if plan is None:
+        raise RunDirError(f"{run_dir}: {what}")
+    return plan

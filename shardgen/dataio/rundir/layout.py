@@ -534,9 +534,6 @@ class RunDir:
         """The record of ``shard``'s confirmed upload to output_uri (shardgen/dataio/shards/upload.py)."""
         return self.shards_dir / f"{shard_name(shard)}.uploaded.json"
 
-    def plan_rows(self, shard: int) -> Path:
-        return self.plan_dir / f"{shard_name(shard)}.jsonl"
-
     def partial_tar(self, shard: int, gen: int) -> Path:
         return self.work_dir / f"{shard_name(shard)}.g{gen}.tar"
 

@@ -6,7 +6,8 @@ file, cut at any checkpointed byte offset, is a valid tar prefix: resuming copie
 to the last checkpoint and appends. The SHA-256 of the bytes written so far is kept as they are
 written, so a checkpoint (and a committed shard's stats) record what the bytes must hash to, and
 a resume verifies the prefix before it trusts it. (webdataset's TarWriter streams through
-``tarfile`` and cannot reopen a file at an offset, hence this small writer; readers stay webdataset's.)
+``tarfile`` and cannot reopen a file at an offset, hence this small writer; readers stay webdataset's.) ``read_shard_members`` reads a committed shard back for the
+tools, the resume of a rewritten shard and the benchmark.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import tarfile
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,3 +186,20 @@ class _Reader:
     def __init__(self, f):
         self.fileobj, self.offset, self.pax_headers = f, f.tell(), {}
         self.encoding, self.errors = "utf-8", "surrogateescape"
+
+
+def read_shard_members(path) -> dict[str, dict[str, bytes]]:
+    """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
+    samples: dict[str, dict[str, bytes]] = defaultdict(dict)
+    if isinstance(path, (str, os.PathLike)):
+        with open_regular(path) as f:
+            return read_shard_members(f)
+    with tarfile.open(fileobj=path) as tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            key, _, ext = m.name.partition(".")
+            if ext in samples[key]:
+                raise ValueError(f"{path}: member {m.name} appears twice")
+            samples[key][ext] = tf.extractfile(m).read()
+    return samples

@@ -61,8 +61,8 @@ def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[in
 def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
     import pyarrow.parquet as pq
 
-    from shardgen.dataio.tools.runfiles import REPAIR_HINT, read_tar_members
-    from shardgen.dataio.tools.verify import read_shard_members
+    from shardgen.tools.runfiles import REPAIR_HINT, read_tar_members
+    from shardgen.dataio.shards.tarshard import read_shard_members
 
     run = plan.run
     path = index_path(run, shard)

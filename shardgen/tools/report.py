@@ -22,7 +22,7 @@ from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.rundir.layout import RunDirError, read_state
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
-from shardgen.dataio.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
+from shardgen.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40

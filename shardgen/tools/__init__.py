@@ -1,7 +1,8 @@
 """Dataset and operator tools over a finished or running run: verify, report, status, signals after
-the fact, near-duplicates; runfiles.py has what the tools share (reading a run's files, their errors).
+the fact, near-duplicates; runfiles.py has what the tools share (reading a run's files, their errors), entry.py
+the command line every jobs/ tool starts from (its arguments, the plan, one-line errors).
 
-Used by jobs/ (verify, report, status, signals, dedup, preview); the top room of dataio.
+Used by jobs/ (verify, report, status, signals, dedup, preview); above shardgen/dataio/, whose rooms it reads.
 """
 
 from typing import TYPE_CHECKING

@@ -18,7 +18,7 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.layout import open_regular
 from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
 from shardgen.dataio.shards.upload import upload_state
-from shardgen.dataio.tools.runfiles import read_events
+from shardgen.tools.runfiles import read_events
 
 LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
 LOG_TAIL_BYTES = 256 * 1024       # the last error is looked for in the end of each rank log

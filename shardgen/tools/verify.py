@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import os
-import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded
 from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
+from shardgen.dataio.shards.tarshard import read_shard_members
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
 from shardgen.errors import UserError
 
@@ -47,23 +47,6 @@ class VerifyReport:
     def ok(self) -> bool:
         """Complete and sound."""
         return not self.defects and not self.unfinished
-
-
-def read_shard_members(path) -> dict[str, dict[str, bytes]]:
-    """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
-    samples: dict[str, dict[str, bytes]] = defaultdict(dict)
-    if isinstance(path, (str, os.PathLike)):
-        with open_regular(path) as f:
-            return read_shard_members(f)
-    with tarfile.open(fileobj=path) as tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            key, _, ext = m.name.partition(".")
-            if ext in samples[key]:
-                raise ValueError(f"{path}: member {m.name} appears twice")
-            samples[key][ext] = tf.extractfile(m).read()
-    return samples
 
 
 def _check_sample(key: str, members: dict[str, bytes], decode: bool) -> tuple[str, dict, list[str]]:

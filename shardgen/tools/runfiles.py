@@ -204,7 +204,7 @@ def read_index_columns(run: RunDir, columns: list[str], where: str | None = None
 
 def read_tar_members(path: Path) -> dict[str, dict[str, bytes]]:
     """key -> {extension: bytes} of a committed tar; RunDirError naming it when it is not a readable tar."""
-    from shardgen.dataio.tools.verify import read_shard_members
+    from shardgen.dataio.shards.tarshard import read_shard_members
 
     path = Path(path)
     if path.is_symlink():

@@ -1,0 +1,154 @@
+"""``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures flash /
+efficient / cudnn once per process at the run's attention shape, checks each against the others, and puts the
+fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
+flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``:
+the choice is a context around each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shardgen.pick import pick
+from shardgen.speed.techniques import AccelError, AccelOptions
+from shardgen.speed.techniques import Technique, register_technique
+
+log = logging.getLogger("shardgen.accel")
+
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math")
+SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
+
+
+@dataclass(frozen=True)
+class SdpaConfig:
+    """The option this technique reads."""
+
+    sdpa: str = "auto"
+    """auto | default | flash | efficient | cudnn | math (``sdpa_backend`` in the config)."""
+
+
+def _backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+_SDPA_CHOICE: dict[tuple, tuple[str, dict]] = {}
+
+
+def chosen_sdpa() -> dict[str, tuple[str, dict]]:
+    """The attention kernels ``sdpa=auto`` chose in this process: (device, dtype, shape) -> (kernel, timings)."""
+    return {str(k): v for k, v in _SDPA_CHOICE.items()}
+
+
+def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
+                 iters: int = 5) -> dict:
+    """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout,
+    and its largest deviation from the first kernel that ran (a broken kernel is not chosen)."""
+    from torch.nn.attention import sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
+               for _ in range(3))
+    res, ref = {}, None
+    for name in ("flash", "cudnn", "efficient"):
+        try:
+            with sdpa_kernel([_backend(name)]):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                end.record()
+                end.synchronize()
+            err = 0.0 if ref is None else float((out.float() - ref).abs().max())
+            ref = out.float() if ref is None else ref
+            res[name] = {"ms": start.elapsed_time(end) / iters, "max_abs_diff": err}
+        except Exception as e:  # not available for this device/shape/dtype
+            res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return res
+
+
+def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> tuple[str, dict]:
+    """The fastest correct fused kernel for this attention shape (measured once per process)."""
+    key = (str(device), dtype, shape[1:])  # chosen once per run: the last, smaller batch keeps the kernel
+    if key not in _SDPA_CHOICE:
+        timings = measure_sdpa(device, dtype, *shape)
+        ok = {n: t for n, t in timings.items() if "ms" in t and t["max_abs_diff"] < 0.05}
+        best = min(ok, key=lambda n: ok[n]["ms"]) if ok else "default"
+        if best != "flash" and "flash" in ok and ok[best]["ms"] > SDPA_MARGIN * ok["flash"]["ms"]:
+            best = "flash"  # torch's own first choice, unless another kernel is clearly faster
+        _SDPA_CHOICE[key] = (best, timings)
+        log.info("attention kernel for %s: %s (%s)", shape, best,
+                 ", ".join(f"{n} {t['ms']:.2f} ms" for n, t in timings.items() if "ms" in t))
+    return _SDPA_CHOICE[key]
+
+
+def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int) -> tuple[int, int, int, int] | None:
+    """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config."""
+    tr = getattr(pipe, "transformer", None)
+    cfg = getattr(tr, "config", None)
+    if cfg is None or "num_attention_heads" not in cfg or "attention_head_dim" not in cfg:
+        return None
+    factor = getattr(pipe, "vae_scale_factor", 8) * 2  # latents packed in 2x2 patches
+    tokens = (height // factor) * (width // factor) + text_tokens
+    return batch, int(cfg.num_attention_heads), int(tokens), int(cfg.attention_head_dim)
+
+
+def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | None):
+    """A context for one pipeline call that puts the chosen SDPA kernel first (a no-op off CUDA, with
+    ``sdpa=default``, or when the transformer uses another diffusers attention backend)."""
+    from torch.nn.attention import sdpa_kernel
+
+    device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", None)
+    if opts.sdpa == "default" or device is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    if opts.sdpa == "math":
+        name = "math"
+    elif opts.sdpa == "auto":
+        if shape is None or not _uses_native_attention(pipe.transformer):
+            return contextlib.nullcontext()
+        name, _ = choose_sdpa(torch.device(device), pipe.transformer.dtype, shape)
+        if name == "default":
+            return contextlib.nullcontext()
+    else:
+        name = opts.sdpa
+    order = [name] + [n for n in ("flash", "cudnn", "efficient", "math") if n != name]
+    try:
+        return sdpa_kernel([_backend(n) for n in order], set_priority=True)
+    except TypeError:  # torch without set_priority: the chosen kernel only (and math as a fallback)
+        return sdpa_kernel([_backend(name), _backend("math")])
+
+
+def _uses_native_attention(transformer) -> bool:
+    """True when no non-default diffusers attention backend was set (then torch SDPA does the work);
+    looked up once per transformer (strategies set backends before the first call)."""
+    cached = transformer.__dict__.get("_shardgen_native_attention")
+    if cached is None:
+        cached = transformer.__dict__["_shardgen_native_attention"] = _scan_native_attention(transformer)
+    return cached
+
+
+def _scan_native_attention(transformer) -> bool:
+    for mod in transformer.modules():
+        processor = getattr(mod, "processor", None)
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is not None and str(getattr(backend, "value", backend)) not in ("native",):
+            return False
+    return True
+
+
+def validate(opts: AccelOptions, device=None) -> None:
+    """AccelError for a kernel name SDPA does not have."""
+    name = pick(SdpaConfig, opts).sdpa
+    if name not in SDPA_CHOICES:
+        raise AccelError(f"sdpa_backend={name!r}: use one of {list(SDPA_CHOICES)}")
+
+
+register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate))

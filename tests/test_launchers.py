@@ -1,0 +1,94 @@
+"""Launchers as a registry: each launcher= option has a config class of its own fields, and a launcher added in
+one module (here, this test's) runs a job with nothing else changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from shardgen.config.schema import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
+from tests.conftest import compose_cfg
+
+SMALL = ("height=32", "width=32", "steps=1", "prompts.limit=3", "samples_per_shard=2", "batch_size=2",
+         "progress=false")
+
+
+@dataclass(kw_only=True)
+class ToyLauncherConfig(LauncherConfig):
+    """launcher=toy: this process, announced with a greeting."""
+
+    name: str = "toy"
+    greeting: str = "hello"
+
+
+STARTED: list[str] = []
+
+
+def start_toy(cfg) -> object:
+    """Record the greeting, then run the job's one rank in this process."""
+    from shardgen.run.runner import run_rank
+
+    STARTED.append(cfg.launcher.greeting)
+    return run_rank(cfg)
+
+
+@pytest.fixture
+def toy_launcher(monkeypatch):
+    from shardgen.config import launchers
+
+    monkeypatch.setitem(launchers.LAUNCHERS, "toy", launchers.Launcher(
+        "toy", world_size=lambda ln: 1, config=ToyLauncherConfig, start=start_toy))
+    store = ConfigStore.instance()
+    store.store(group="launcher", name="toy", node=ToyLauncherConfig)
+    yield
+    store.repo["launcher"].pop("toy.yaml")  # other tests list the launcher options (docs/config.md)
+    STARTED.clear()
+
+
+def test_a_launcher_registered_in_one_module_runs_a_job(toy_launcher, tmp_path):
+    from jobs.generate import run
+    from shardgen.config.overrides import check_overrides
+    from shardgen.dataio.rundir import RunDir
+    from shardgen.dataio.prompts import load_plan
+    from shardgen.tools import verify_run
+
+    typed = ["launcher=toy", "launcher.greeting=bonjour", f"run_dir={tmp_path / 'run'}", *SMALL]
+    assert check_overrides(typed) is None
+    result = run(compose_cfg(*typed))
+    assert STARTED == ["bonjour"] and result.ok == 3
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+    assert sorted(p.name for p in (tmp_path / "run" / "shards").glob("*.tar")) == ["000000.tar", "000001.tar"]
+
+
+@pytest.mark.parametrize("overrides, cls, values", [
+    (("launcher=slurm", "launcher.partition=gpu", "launcher.nodes=2"), SlurmLauncherConfig,
+     {"partition": "gpu", "nodes": 2, "time_min": 240}),
+    (("launcher=local", "launcher.nprocs=2"), LocalLauncherConfig, {"nprocs": 2, "backend": None}),
+    ((), LauncherConfig, {"name": "none"}),
+])
+def test_each_launcher_option_has_only_its_own_fields(overrides, cls, values):
+    cfg = compose_cfg(*overrides)
+    assert OmegaConf.get_type(cfg.launcher) is cls
+    assert {k: cfg.launcher[k] for k in values} == values
+    assert ("partition" in cfg.launcher) == (cls is SlurmLauncherConfig)
+    assert ("nprocs" in cfg.launcher) == (cls is LocalLauncherConfig)
+
+
+def test_another_launchers_key_is_refused_in_one_line_naming_its_launcher():
+    from shardgen.config.overrides import check_overrides
+
+    assert check_overrides(["launcher.partition=gpu"]) == (
+        "launcher.partition=gpu: launcher=none has no key 'launcher.partition'; it is a key of launcher=slurm: "
+        "choose that launcher too")
+    assert check_overrides(["launcher=local", "launcher.nodes=2"]).startswith("launcher.nodes=2: launcher=local")
+    assert check_overrides(["launcher=slurm", "launcher.nodes=2"]) is None
+
+
+def test_a_launchers_own_check_runs_before_any_work(tmp_path):
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"^launcher.nprocs=0: use 1 or more$"):
+        validate_config(compose_cfg("launcher=local", "launcher.nprocs=0", f"run_dir={tmp_path}"))

@@ -1,0 +1,45 @@
+"""The operator tools share one entry (shardgen/tools/entry.py): a run directory without a plan, or with a damaged
+one, is one line on stderr and exit status 2 from each of them, never a traceback."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PLAN_TOOLS = ["status", "verify", "report", "signals", "preview"]
+
+
+@pytest.mark.parametrize("tool", PLAN_TOOLS)
+def test_a_directory_without_a_plan_is_one_line_and_status_2(tool, tmp_path, capsys):
+    main = importlib.import_module(f"jobs.{tool}").main
+    assert main([str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"error: {tmp_path}: not a shardgen run directory") and "plan/plan.json" in out.err
+
+
+@pytest.mark.parametrize("tool", PLAN_TOOLS)
+def test_a_damaged_plan_names_its_file_and_the_fix(tool, tmp_path, capsys):
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "plan.json").write_text("{not json")
+    assert importlib.import_module(f"jobs.{tool}").main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'plan' / 'plan.json'}: unreadable") and "re-run" in err
+    assert err.count("\n") == 1
+
+
+def test_plan_for_tool_raises_a_user_error_instead_of_returning_a_line(tmp_path):
+    from shardgen.dataio.resume import plan_for_tool
+    from shardgen.dataio.rundir.layout import RunDirError
+
+    with pytest.raises(RunDirError, match=f"^{tmp_path}: nothing here yet$"):
+        plan_for_tool(str(tmp_path), "nothing here yet")
+
+
+def test_dedup_reads_no_plan_and_says_what_is_missing(tmp_path, capsys):
+    from jobs.dedup import main
+
+    (tmp_path / "shards").mkdir()
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"{tmp_path}: no committed shard index (shards/*.parquet) yet\n"
