@@ -72,11 +72,12 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
         from shardgen.models.tiny import TRANSFORMER_CONFIG
 
         return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "shardgen.models.tiny.TRANSFORMER_CONFIG")
-    if model_cfg.source == "tiny_video":
+    if model_cfg.source in ("tiny_video", "tiny_video_i2v"):
         from shardgen.models import tiny_video
 
-        return TransformerInfo("WanTransformer3DModel", dict(tiny_video.TRANSFORMER_CONFIG),
-                               "shardgen.models.tiny_video.TRANSFORMER_CONFIG")
+        name = "TRANSFORMER_CONFIG" if model_cfg.source == "tiny_video" else "I2V_TRANSFORMER_CONFIG"
+        return TransformerInfo("WanTransformer3DModel", dict(getattr(tiny_video, name)),
+                               f"shardgen.models.tiny_video.{name}")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)

@@ -62,6 +62,9 @@ class ModelConfig:
     """Guidance scale (FLUX: distilled guidance embedding)."""
     true_cfg_scale: float = 1.0
     """True classifier-free guidance (Qwen-Image, FLUX with a negative prompt); 1.0 = off."""
+    strength: float = 0.6
+    """Image-to-image models: how far a sample may go from its input image, above 0 and at most 1 (1 = the image
+    replaced by noise); a row may give its own (prompts.row_settings=[image,strength])."""
     negative_prompt: Optional[str] = None
     """With true CFG: the negative prompt of every sample; null = a blank one. At most prompts.max_prompt_chars."""
     max_sequence_length: int = 512
@@ -205,7 +208,10 @@ class PromptsConfig:
     height x width area), negative_prompt, guidance, true_cfg_scale (1 = off), steps, num_frames (video models),
     loras (LoRA adapters instead of model.loras: [{"path": "style.safetensors", "scale": 0.8}] or
     ["style.safetensors:0.8"], csv/tsv "style.safetensors:0.8;other.safetensors", paths from the prompt file's
-    folder, [] = none; not with strategy=tp or fp8).
+    folder, [] = none; not with strategy=tp or fp8), image (image-to-image, edit and image-to-video models: the
+    row's input image, a path from the prompt file's folder or absolute, or parquet image bytes; a missing or
+    unreadable one rejects its row; its sha256 in the sample's json and the index), strength (image-to-image: above
+    0, at most 1).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
     same size, guidance and adapters are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""

@@ -117,6 +117,7 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
     _check_loras(cfg)
+    _check_images(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
@@ -127,6 +128,35 @@ def validate_config(cfg: GenerateConfig) -> None:
         validate_accel(AccelOptions.from_cfg(cfg), device)
     except AccelError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_images(cfg: GenerateConfig) -> None:
+    """Rows name input images only for a model that takes them, and a model that needs one per row gets them."""
+    from shardgen.families import family_for
+
+    fam, names = family_for(cfg.model.pipeline), set(cfg.prompts.get("row_settings") or ())
+    _need(not ({"image", "strength"} & names) or fam.input_image,
+          f"prompts.row_settings names {'image' if 'image' in names else 'strength'}, and model.pipeline="
+          f"{cfg.model.pipeline} takes no input image: use an image-to-image, edit or image-to-video model (e.g. "
+          "model=tiny_img2img, flux_dev_img2img), or remove image and strength from prompts.row_settings")
+    _need("strength" not in names or fam.strength,
+          f"prompts.row_settings names strength, and model.pipeline={cfg.model.pipeline} takes none (only "
+          "image-to-image pipelines do): remove strength from prompts.row_settings")
+    _need(fam.input_image != "required" or "image" in names,
+          f"model.pipeline={cfg.model.pipeline} makes each sample from an input image: add image to "
+          "prompts.row_settings (prompts.row_settings=[image]) and name each row's image in that field or column")
+    if fam.input_image == "required" and cfg.prompts.get("path"):
+        from shardgen.dataio.prompts import detect_format
+
+        try:
+            fmt = detect_format(str(cfg.prompts.path), cfg.prompts.get("format", "auto"))
+        except UserError:
+            fmt = None  # named when the prompt file is read
+        _need(fmt != "txt", f"model.pipeline={cfg.model.pipeline} makes each sample from an input image, and a txt "
+              "prompt file has no field to name one: use jsonl, csv/tsv or parquet with an image field or column")
+    strength = cfg.model.get("strength", 0.6)
+    _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
+          f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
 
 
 def _check_loras(cfg: GenerateConfig) -> None:

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 class ComponentSpec(NamedTuple):
     """How to build one pipeline component: ``library`` is "diffusers", "transformers", "tokenizer" (a tiny
-    tokenizer of kind ``cls`` trained here) or "value" (a plain pipeline argument, ``config["value"]``);
+    tokenizer of kind ``cls`` trained here), "processor" (a transformers image processor ``cls(**config)``) or
+    "value" (a plain pipeline argument, ``config["value"]``);
     ``config`` is the kwargs of the diffusers class, of the transformers config class ``config_cls``, or of
     the tokenizer builder."""
 
@@ -64,6 +65,13 @@ class ModelFamily:
     speed_hooks: str | None = None
     """``"module:function"`` of the family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
     ``shardgen.speed.accel.prepare`` after the generic options (named, not imported: families sit below speed/)."""
+    input_image: str = ""
+    """Whether ``__call__`` takes an input image per sample (``image``; prompts.row_settings=[image]): "" (text
+    only), "optional" (edit models: references) or "required" (image-to-image, image-to-video)."""
+    strength: bool = False
+    """Image-to-image: ``__call__`` takes ``strength`` (how far a sample may go from its input image)."""
+    image_per_call: bool = False
+    """The pipeline conditions a whole call on one image (Wan image-to-video): rows are batched by input image."""
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""

@@ -1,6 +1,7 @@
 """FLUX.2 (``Flux2Pipeline``): FLUX.2-dev, a Mistral-Small-3 text encoder and a 32-channel VAE.
 
-The text is padded to ``model.max_sequence_length`` tokens, which join the image tokens in joint attention.
+The text is padded to ``model.max_sequence_length`` tokens, which join the image tokens in joint attention. A row's
+input image (prompts.row_settings=[image]) is a reference image: its latent tokens join them too.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ _FLUX2_DEV = {
         base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")),
 }
 
+# reference images (prompts.row_settings=[image]): ``image`` conditions the whole call, so rows are batched by image
 FLUX2 = register(ModelFamily(
     name="FLUX.2", pipeline="Flux2Pipeline", text_tokens="max_sequence_length",
-    encode_outputs=("prompt_embeds", None),
+    encode_outputs=("prompt_embeds", None), input_image="optional", image_per_call=True,
     dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
     fused_blocks={"Flux2Transformer2DModel": "shardgen.speed.flux2_fused"},
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)

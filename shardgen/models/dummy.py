@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 import torch
 
+from shardgen.models.compat import guard_ftfy
 from shardgen.families import ComponentSpec, DummyModel, ModelFamily, dummy_models, family_of
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,10 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
             components[name] = _build_tokenizer(pipeline, name, spec, tokenizer_dir, tok_cache)
         elif spec.library == "value":  # a plain pipeline argument (Wan 2.2's boundary_ratio)
             components[name] = spec.config["value"]
+        elif spec.library == "processor":  # a transformers image processor (Wan 2.1 I2V's CLIP one): no weights
+            import transformers
+
+            components[name] = getattr(transformers, spec.cls)(**spec.config)
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:
@@ -270,6 +275,7 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
             components[name] = module
         seconds[name] = time.perf_counter() - t0
         log.info("dummy %s.%s built in %.2f s", pipeline, name, seconds[name])
+    guard_ftfy(getattr(diffusers, pipeline))
     pipe = getattr(diffusers, pipeline)(**components)
     pipe.set_progress_bar_config(disable=True)
     pipe.dummy_build_seconds = seconds

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shardgen.models.compat import guard_ftfy
 from shardgen.models.errors import ModelLoadError  # noqa: F401 (where callers found it)
 from shardgen.models.versions import model_version  # noqa: F401 (where callers found it)
 
@@ -25,16 +26,19 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}") from None
 
 
+TINY_SOURCES = {"tiny": "shardgen.models.tiny:tiny_model_path",
+                "tiny_video": "shardgen.models.tiny_video:tiny_video_model_path",
+                "tiny_video_i2v": "shardgen.models.tiny_video:tiny_video_i2v_model_path"}
+"""The embedded models' ``model.source`` names -> the function building (once) and returning their directory."""
+
+
 def resolve_source(model_cfg: Any) -> str:
     """The directory or hub id ``from_pretrained`` reads; builds the tiny model on first use."""
-    if model_cfg.source == "tiny":
-        from shardgen.models.tiny import tiny_model_path
+    if model_cfg.source in TINY_SOURCES:
+        import importlib
 
-        return str(tiny_model_path(model_cfg.cache_dir))
-    if model_cfg.source == "tiny_video":
-        from shardgen.models.tiny_video import tiny_video_model_path
-
-        return str(tiny_video_model_path(model_cfg.cache_dir))
+        module, name = TINY_SOURCES[model_cfg.source].split(":")
+        return str(getattr(importlib.import_module(module), name)(model_cfg.cache_dir))
     return str(model_cfg.source)
 
 
@@ -52,7 +56,7 @@ def model_sha256(model_cfg: Any) -> str | None:
         if source is None:
             return None
     check_regular_files(Path(source))  # before anything opens one of them
-    if model_cfg.source in ("tiny", "tiny_video"):
+    if model_cfg.source in TINY_SOURCES:
         cache_root = Path(source).parent  # the tiny builds record their hash where they are built
     else:
         cache_root = Path(os.path.expanduser(model_cfg.cache_dir)) if model_cfg.cache_dir else default_cache_dir()
@@ -124,6 +128,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     Extra kwargs go to ``from_pretrained`` (e.g. ``device_map`` for the device_map strategy).
     """
     cls = pipeline_class(model_cfg.pipeline)
+    guard_ftfy(cls)
     if model_cfg.weights == "dummy":
         from shardgen.models.dummy import build_dummy_pipeline
 
@@ -141,7 +146,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
             "model.source at the local directory.")
         if os.path.isdir(source):
             hint = " A file of the model may be damaged (a copy cut short): copy the model directory again."
-        if model_cfg.source in ("tiny", "tiny_video"):
+        if model_cfg.source in TINY_SOURCES:
             hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
         raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
     pipe.set_progress_bar_config(disable=True)

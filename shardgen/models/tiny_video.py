@@ -52,3 +52,26 @@ def build_tiny_video_pipeline(seed: int = 0):
                                         num_train_timesteps=1000, flow_shift=3.0)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
                        scheduler=scheduler)
+
+
+# image-to-video: the noisy latents, the input image's latents (the first frame, then zeros) and the 4-channel
+# first-frame mask are concatenated on the channels (16 + 16 + 4), as in Wan 2.2 I2V (no CLIP image encoder)
+I2V_TRANSFORMER_CONFIG = TRANSFORMER_CONFIG | dict(in_channels=36)
+
+
+def tiny_video_i2v_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the directory of the tiny Wan image-to-video pipeline, building it once if it is missing."""
+    return cached_build(f"tiny-wan-i2v-{TINY_VIDEO_VERSION}", build_tiny_video_i2v_pipeline, cache_dir)
+
+
+def build_tiny_video_i2v_pipeline(seed: int = 0):
+    """Build the tiny Wan image-to-video pipeline in memory (``WanImageToVideoPipeline``: the text-to-video model's
+    components, its transformer taking the input image's latents too; random weights from ``seed``)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    t2v = build_tiny_video_pipeline(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        transformer = WanTransformer3DModel(**I2V_TRANSFORMER_CONFIG)
+    return WanImageToVideoPipeline(tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder, vae=t2v.vae,
+                                   scheduler=t2v.scheduler, transformer=transformer)

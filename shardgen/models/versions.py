@@ -19,4 +19,6 @@ def model_version(model_cfg: Any) -> str | None:
         return f"tiny-{TINY_VERSION}"
     if model_cfg.source == "tiny_video":
         return f"tiny-video-{TINY_VIDEO_VERSION}"
+    if model_cfg.source == "tiny_video_i2v":
+        return f"tiny-video-i2v-{TINY_VIDEO_VERSION}"
     return model_cfg.revision

@@ -18,7 +18,8 @@ from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job, is_user_error
-from shardgen.models import lora
+from shardgen.models import condition, lora
+from shardgen.families import family_for
 from shardgen.pick import pick
 
 log = logging.getLogger("shardgen.generation")
@@ -51,6 +52,13 @@ class GenSettings:
     (shardgen/speed/autocompile.py); ``accel.compile`` is then that decision, batch by batch."""
     loras: tuple = ()
     """The LoRA adapters fused for the call (shardgen/models/lora.py: ``Lora``s, in fusing order)."""
+    strength: float | None = None
+    """Image-to-image: how far a sample may go from its input image (``model.strength``, or the row's); None: the
+    model takes no strength."""
+    input_image: str = ""
+    """Whether the pipeline takes an input image per sample: "", "optional", "required" (its family's)."""
+    image_per_call: bool = False
+    """The pipeline conditions a whole call on one input image: rows are batched by image."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
@@ -59,15 +67,18 @@ class GenSettings:
         strategy = strategy or cfg.strategy.name
         kind = registry.find(strategy)  # None: auto, before it is resolved
         opts = AccelOptions.from_cfg(cfg, kind is not None and kind.one_gpu_per_replica)
+        fam = family_for(cfg.model.pipeline)
         # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
                     compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
-                    latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg))
+                    latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
+                    input_image=fam.input_image, image_per_call=fam.image_per_call,
+                    strength=float(cfg.model.strength) if fam.strength else None)
 
 
 # the settings a row may set that are one value per pipeline call (negative_prompt is per sample)
-CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale", "steps", "loras")
+CALL_SETTINGS = ("height", "width", "num_frames", "guidance", "true_cfg_scale", "steps", "loras", "strength")
 
 
 def settings_for(s: GenSettings, row: PlannedRow) -> GenSettings:
@@ -80,7 +91,10 @@ def call_key(s: GenSettings, row: PlannedRow) -> tuple:
     """What a pipeline call takes once for all its samples, for ``row`` (its own settings, else the run's): rows
     of equal keys can share a call. negative_prompt is per sample (a list), so not part of it."""
     own = settings_for(s, row)
-    return tuple(getattr(own, k) for k in CALL_SETTINGS)
+    image = row.settings.get("image")
+    # one input image per call: batched by it; an optional one: rows with and without one in separate calls
+    by_image = (image,) if s.image_per_call else (image is not None,) if s.input_image == "optional" else ()
+    return tuple(getattr(own, k) for k in CALL_SETTINGS) + by_image
 
 
 def by_call(s: GenSettings, rows: list[PlannedRow]) -> list[list[PlannedRow]]:
@@ -114,9 +128,10 @@ def shape_batches(s: GenSettings, rows: list[PlannedRow], batch_size: int) -> li
 
 
 def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[int],
-                    negative_prompts: list[str | None] | None = None) -> dict:
+                    negative_prompts: list[str | None] | None = None, images: list | None = None) -> dict:
     """Keyword arguments for ``pipe(...)``: only those its signature accepts; ``negative_prompts``: each
-    sample's (None: ``s.negative_prompt``), used with true CFG.
+    sample's (None: ``s.negative_prompt``), used with true CFG; ``images``: each sample's input image (PIL, fitted
+    to the call's size; a pipeline conditioning a whole call on one image gets the first).
 
     Generators live on the CPU: the initial noise of a seed is then the same on every device.
     """
@@ -131,6 +146,14 @@ def pipeline_kwargs(pipe: Any, s: GenSettings, prompts: list[str], seeds: list[i
         kw["num_frames"] = s.num_frames
     if s.guidance_2 is not None and "guidance_scale_2" in params:
         kw["guidance_scale_2"] = s.guidance_2
+    if images and "image" in params:
+        kw["image"] = images[0] if s.image_per_call else images
+        if s.strength is not None and "strength" in params:
+            kw["strength"] = s.strength
+        if "_auto_resize" in params:  # Kontext: the image is fitted to the sample's size already
+            kw["_auto_resize"] = False
+    if "max_area" in params:  # Kontext: the sample's own size, not its 1024x1024 default's area
+        kw["max_area"] = s.height * s.width
     if s.true_cfg_scale > 1.0 and "true_cfg_scale" in params:
         kw["true_cfg_scale"] = s.true_cfg_scale
         negatives = negative_prompts or [None] * len(prompts)
@@ -161,7 +184,7 @@ def to_pixels(images: torch.Tensor) -> tuple[list[bool], Any]:
     return flags.tolist(), host.numpy()
 
 
-def _meta(row: PlannedRow, s: GenSettings) -> dict:
+def _meta(row: PlannedRow, s: GenSettings, cond: condition.Conditioned | None = None) -> dict:
     meta = dict(row.extra)  # input columns first, so our own fields win on a name clash
     meta.update(prompt=row.prompt, index=row.index, line=row.line, seed=row.seed, model=s.model, height=s.height,
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
@@ -173,6 +196,11 @@ def _meta(row: PlannedRow, s: GenSettings) -> dict:
         meta["lossy"] = s.accel.lossy
     if s.loras:
         meta["loras"] = [lo.as_json() for lo in s.loras]
+    if "image" in row.settings:  # the input image's content (its sha256) is what made the sample
+        image = row.settings["image"]
+        meta["input_image"] = cond.as_json(image.ref) if cond is not None else dict(path=image.ref)
+        if s.strength is not None:
+            meta["strength"] = s.strength
     # the row's own settings not written above (its size and guidance are, from ``settings_for``)
     meta.update({k: row.settings[k] for k in ("negative_prompt", "aspect_ratio") if k in row.settings})
     return meta
@@ -193,20 +221,24 @@ def padded(rows: list[PlannedRow], s: GenSettings) -> list[PlannedRow]:
     return rows + [rows[-1]] * (s.batch_size - len(rows))
 
 
-def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
+def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1,
+                 conds: dict[int, condition.Conditioned] | None = None) -> list[Sample]:
     """Generate ``rows`` (all valid, of one ``by_call`` group: ``s`` is ``settings_for`` them) in one call; on an
-    exception, retry one by one so only the samples that fail on their own are recorded as failed.
+    exception, retry one by one so only the samples that fail on their own are recorded as failed. ``conds``: the
+    rows' input images by row index (``load_images``).
 
     ``replica_ranks`` > 1 (tp/cp): the replica's ranks compute every batch together, each inside the
     others' collectives, so one rank cannot retry alone: its peers would wait forever in a collective
     it left (or match it with the wrong one). Its error ends the job instead; a rerun continues."""
     lora.activate(pipe, s.loras)  # outside the try, like accel: a setup error is the job's, not the samples'
     accel.prepare(pipe, s.accel)
+    conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
     try:
         call = padded(rows, s)
         shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
-                             [r.settings.get("negative_prompt") for r in call])
+                             [r.settings.get("negative_prompt") for r in call],
+                             [conds[r.index].image for r in call] if call[0].index in conds else None)
         with accel.sdpa_context(pipe, s.accel, shape), \
                 latent_checkpoints(pipe, s.latents, [r.index for r in call], kw, s.steps):  # latent_checkpoint_every
             out = pipe(**kw)
@@ -222,13 +254,14 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
                 "stops here. Re-run the same command to continue from the last durable batch (if the error is "
                 "out of memory, lower batch_size).") from e
         if len(rows) == 1:
-            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt, meta=_meta(rows[0], s),
+            return [Sample(key=rows[0].key, index=rows[0].index, prompt=rows[0].prompt,
+                           meta=_meta(rows[0], s, conds.get(rows[0].index)),
                            status="failed", failure=f"exception: {type(e).__name__}: {e}")]
         log.warning("batch of %d failed (%s: %s); retrying its samples one by one", len(rows), type(e).__name__, e)
-        return [sample for r in rows for sample in run_pipeline(pipe, s, [r])]
+        return [sample for r in rows for sample in run_pipeline(pipe, s, [r], conds=conds)]
     samples = []
     for r, ok, px in zip(rows, finite, pixels):
-        meta = _meta(r, s)
+        meta = _meta(r, s, conds.get(r.index))
         if ok:
             samples.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=meta, pixels=px))
         else:
@@ -237,18 +270,71 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     return samples
 
 
-def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1) -> list[Sample]:
+def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ranks: int = 1,
+                   images: tuple[dict, dict] | None = None) -> list[Sample]:
     """Samples for ``rows`` in index order: rejected rows become rejects without touching the GPU. Rows with
     their own size or guidance (``prompts.row_settings``) go in one call per ``by_call`` group; each sample has
-    its own generator, so its pixels do not depend on the rows it was batched with."""
-    valid = [r for r in rows if r.reject is None]
+    its own generator, so its pixels do not depend on the rows it was batched with. ``images``: ``load_images``
+    of the rows already (``ImagePrefetch``); None: loaded here."""
+    conds, bad = images if images is not None else load_images(s, [r for r in rows if r.reject is None])
+    valid = [r for r in rows if r.reject is None and r.index not in bad]
     made = {smp.index: smp for group in by_call(s, valid)
-            for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks)}
+            for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks, conds)}
     out = []
     for r in rows:
-        if r.reject is not None:
+        reject = r.reject if r.reject is not None else bad.get(r.index)
+        if reject is not None:
             out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s),
-                              status="rejected", failure=f"rejected: {r.reject}"))
+                              status="rejected", failure=f"rejected: {reject}"))
         else:
             out.append(made[r.index])
     return out
+
+
+def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condition.Conditioned], dict[int, str]]:
+    """The input images of ``rows`` (prompts.row_settings=[image]), each decoded and fitted to its row's size, by row
+    index; and the reason of each row whose image cannot be used (or which has none for a model that needs one):
+    those rows are rejected, the others generated."""
+    conds, bad = {}, {}
+    for r in rows:
+        image = r.settings.get("image")
+        if image is None:
+            if s.input_image == "required":
+                bad[r.index] = "image: this model makes each sample from an input image, and the row names none"
+            continue
+        own = settings_for(s, r)
+        try:
+            conds[r.index] = condition.load(image, own.width, own.height)
+        except condition.BadImage as e:
+            bad[r.index] = f"image: {e}"
+            log.warning("line %d: image: %s; the row is rejected", r.line, e)
+    return conds, bad
+
+
+class ImagePrefetch:
+    """The next batch's input images decoded on a thread while the current batch is generated (PIL releases the
+    GIL while it decodes), so after the first batch a GPU waits for no decode; a no-op for models taking none."""
+
+    def __init__(self, takes_images: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardgen-images") if takes_images else None
+        self._pending: tuple | None = None  # (the rows' indices, the future of their load_images)
+
+    def ahead(self, s: GenSettings, rows: list[PlannedRow]) -> None:
+        """Start loading the input images of ``rows`` (the next batch)."""
+        if self._pool is not None and rows:
+            valid = [r for r in rows if r.reject is None]
+            self._pending = (tuple(r.index for r in rows), self._pool.submit(load_images, s, valid))
+
+    def take(self, rows: list[PlannedRow]) -> tuple[dict, dict] | None:
+        """``load_images`` of ``rows`` when they are the batch loaded ahead (waiting for it), else None."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != tuple(r.index for r in rows):
+            return None
+        return pending[1].result()
+
+    def close(self) -> None:
+        """Stop the thread (a load under way finishes; its result is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -47,14 +47,18 @@ class LatentCheckpoints:
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "LatentCheckpoints | None":
-        """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model or a strategy whose
-        replica is more than one rank on one device (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
+        """None when off: ``latent_checkpoint_every`` null, or ``auto`` for an image model, an image-to-video one or a
+        strategy whose replica is more than one rank on one device (``strategy``: the one that runs, ``strategy=auto`` resolved)."""
         video, directory = pick(VideoConfig, cfg), RunDir.at(cfg.run_dir).latents_dir
         every = video.latent_checkpoint_every
         if every == "auto":
             kind = registry.find(strategy or cfg.strategy.name)
             one_gpu = kind is not None and kind.one_gpu_per_replica
-            return cls(directory, interval_s=float(video.latent_checkpoint_s)) if is_video(cfg) and one_gpu else None
+            from shardgen.families import family_for
+
+            plain = not family_for(cfg.model.pipeline).input_image  # image-to-video: its condition is not saved
+            return cls(directory, interval_s=float(video.latent_checkpoint_s)) if is_video(cfg) and one_gpu and plain \
+                else None
         return cls(directory, every=int(every)) if every else None
 
     def due(self, done: int, since_save_s: float) -> bool:

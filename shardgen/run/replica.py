@@ -21,7 +21,7 @@ from shardgen.dataio.resume import checked_rows, read_shard_stats
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit, scan_claims
 from shardgen.dataio.shards import (Sample, ShardSink, ShardWork, committed_samples, committed_tar,
                                      read_shard_members)
-from shardgen.run.generation import GenSettings, generate_batch, shape_batches
+from shardgen.run.generation import GenSettings, ImagePrefetch, generate_batch, shape_batches
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile
 from parallel.world import broadcast_object
@@ -94,6 +94,7 @@ class ReplicaWorker:
     _done: set | None = field(default=None, init=False)    # shards known committed (a cache: they stay committed)
     _todo: list = field(default_factory=list, init=False)  # shards not known done, ascending (see _not_done)
     _todo_of: Any = field(default=None, init=False)        # the _done set _todo was computed from
+    _images: ImagePrefetch | None = field(default=None, init=False)  # input images, decoded a batch ahead
 
     def __post_init__(self) -> None:
         if self.autocompile is not None:  # compile=auto decides from this worker's work left, and sets its settings
@@ -110,7 +111,8 @@ class ReplicaWorker:
         """Make every handed-over batch durable (the sink commits and releases its shards), wait for the uploads,
         then stop the watchdog, the claims' heartbeat and the progress bar; each one even if an earlier one raises."""
         with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
-            for part in (self.progress, self.claimer, self.watchdog, self.uploader, self.sink):  # the sink first
+            parts = (self._images, self.progress, self.claimer, self.watchdog, self.uploader, self.sink)
+            for part in parts:  # the sink first
                 if part is not None:
                     stack.callback(part.close)
 
@@ -272,17 +274,21 @@ class ReplicaWorker:
         self._ahead, self._written = {}, 0
         # batches by shape (prompts.row_settings): samples are still handed over in row order, so a resume
         # continues after the shard's n_done as ever; what was made ahead of it is made again
-        for batch in shape_batches(self.settings, rows, self.batch_size):
+        batches = shape_batches(self.settings, rows, self.batch_size)
+        for i, batch in enumerate(batches):
+            following = batches[i + 1] if i + 1 < len(batches) else []
             with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + batch[0]}"):
-                if not self._batch(shard, n_done, rows, batch, redo):
+                if not self._batch(shard, n_done, rows, batch, redo, following):
                     return
         if self.ctx.leader:
             with self.watchdog.busy(f"committing shard {shard:06d}"):
                 self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
 
-    def _batch(self, shard: int, n_done: int, rows: list, positions: list[int], redo: set | None) -> bool:
+    def _batch(self, shard: int, n_done: int, rows: list, positions: list[int], redo: set | None,
+               following: list[int] = ()) -> bool:
         """Generate the rows at ``positions`` and hand over the samples now complete in row order; False when
-        the shard was taken over by another replica."""
+        the shard was taken over by another replica. ``following``: the next batch's positions, whose input images
+        are decoded meanwhile."""
         if not self._share(self._keep_going(shard)):
             log.warning("shard %06d was taken over by another replica; leaving it", shard)
             return False
@@ -295,7 +301,11 @@ class ReplicaWorker:
             self._done_in_shard = n_done + self._written + len(self._ahead)
             self.settings = self.autocompile.settings(self.settings)
         t_gen = time.perf_counter()
-        made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks)
+        if self._images is None:
+            self._images = ImagePrefetch(bool(self.settings.input_image))
+        images = self._images.take(todo)
+        self._images.ahead(self.settings, [rows[p] for p in following if redo is None or rows[p].index in redo])
+        made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ctx.ranks, images)
                                            if todo else [])}
         if self.autocompile and todo:
             self.autocompile.observe(self.settings, sum(r.reject is None for r in todo), time.perf_counter() - t_gen)

@@ -116,7 +116,7 @@ def _check_content(key: str, meta: dict, txt: bytes | None, row: PlannedRow | No
                 older[f"{mk}={meta.get(mk)!r}"] += 1
             else:
                 problems.append(f"{key}: {mk}={meta.get(mk)!r}, the run's fingerprint says {fp[fk]!r}")
-    return problems + _check_adapters(key, meta, row, fp)
+    return problems + _check_adapters(key, meta, row, fp) + _check_input_image(key, meta, row)
 
 
 def _check_adapters(key: str, meta: dict, row: PlannedRow, fp: dict | None) -> list[str]:
@@ -131,6 +131,24 @@ def _check_adapters(key: str, meta: dict, row: PlannedRow, fp: dict | None) -> l
         return []
     whose = f"its row (line {row.line})" if own is not None else "the run's fingerprint"
     return [f"{key}: made with LoRA adapters (sha256, scale) {got}, {whose} says {want}"]
+
+
+def _check_input_image(key: str, meta: dict, row: PlannedRow) -> list[str]:
+    """The sample names its row's input image (prompts.row_settings=[image]): the path the row wrote, or for image
+    bytes in the prompt file (parquet) their very sha256; a file's content may change under a run (its json records
+    the content used), its path may not."""
+    image, got = row.settings.get("image"), meta.get("input_image")
+    if image is None:
+        return [f"{key}: made from an input image its row (line {row.line}) does not name"] if got else []
+    got = got if isinstance(got, dict) else {}
+    if image.data is not None:
+        want = hashlib.sha256(image.data).hexdigest()
+        if meta.get("status", "ok") == "ok" and got.get("sha256") != want:
+            return [f"{key}: made from an input image of sha256 {got.get('sha256')!r}, its row's (line {row.line}) "
+                    f"bytes have {want}"]
+    elif got.get("path") != image.ref:
+        return [f"{key}: made from input image {got.get('path')!r}, its row (line {row.line}) names {image.ref!r}"]
+    return []
 
 
 def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:

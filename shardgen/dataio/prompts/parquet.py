@@ -77,7 +77,8 @@ def parse_parquet(rec: dict, field: str, seed_field: str,
     BadSetting."""
     if isinstance(rec, BadRow):
         raise rec
-    rec = {k: _jsonable(v) if k in (rules.names if rules else ()) else v for k, v in rec.items()}  # NaN: unset
+    # NaN: unset; an input image keeps its bytes (a binary column, or datasets' {"bytes", "path"} struct)
+    rec = {k: _jsonable(v) if k in (rules.names if rules else ()) and k != "image" else v for k, v in rec.items()}
     prompt, seed, extra, settings = parse_record(rec, field, seed_field, rules)
     extra = {k: _jsonable(v) for k, v in extra.items()}
     check_values(extra)

@@ -13,6 +13,7 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -178,8 +179,9 @@ class Plan:
         else:
             rows = self._checked_rows(src, shard, seg, rng)
         self._check_adapters(rows)
+        bad = self.image_rejects if "image" in getattr(self.row_rules, "names", ()) else {}
         return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
-                           reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None),
+                           reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index)),
                            seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
 
     def _check_adapters(self, rows: list[P.PromptRow]) -> None:
@@ -239,6 +241,15 @@ class Plan:
         out: dict[str, str] = {}
         for m in [self.meta or {}] + [e.meta for e in self.extensions]:
             out.update(m.get("loras") or {})
+        return out
+
+    @functools.cached_property
+    def image_rejects(self) -> dict[str, str]:
+        """The rows whose input image file was unusable when planned (row index as a string -> reason; rejected,
+        prompts.row_settings=[image]), over the plan and its extensions; gathered once per Plan."""
+        out: dict[str, str] = {}
+        for m in [self.meta or {}] + [e.meta for e in self.extensions]:
+            out.update(m.get("image_rejects") or {})
         return out
 
     def shapes(self) -> Counter | None:
@@ -457,6 +468,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     with each shard); None: where this scan's first shard starts."""
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
     adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
+    image_rejects = {} if source.row_rules and "image" in source.row_rules["names"] else None
     footer = planned_from_footer(source, truncation) and first_row == 0
     if footer:  # a remote parquet file: no row read before the first image
         num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
@@ -465,7 +477,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                                                                 first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
-                                                                     shapes, adapters)
+                                                                     shapes, adapters, image_rejects)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -484,6 +496,8 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
         counts["shapes"] = shapes_json(shapes)
     if adapters is not None:
         counts["loras"] = adapters
+    if image_rejects:
+        counts["image_rejects"] = image_rejects
     return counts
 
 

@@ -15,12 +15,14 @@ row is used; rows appended after the planned bytes change no digest (the run gro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import logging
 import os
 from collections import Counter
+from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import numpy as np
@@ -69,13 +71,15 @@ def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndar
 
 
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
-              shapes: Counter | None = None, adapters: dict | None = None
+              shapes: Counter | None = None, adapters: dict | None = None, image_rejects: dict | None = None
               ) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
     """Any format: every row through the reader (those before ``first_row`` planned already); shard starts
     from the rows' lines (parquet: row numbers). (rows, rejects, starts, where the planned rows end: a byte
     offset, parquet a row, the shards' digests: parquet only, of the rows read; text formats: None).
     ``shapes``: counts the valid rows per ``Shape`` (prompts.row_settings' sizes and frames) into it; ``adapters``:
-    the LoRA files valid rows name (sha256 -> path) go into it."""
+    the LoRA files valid rows name (sha256 -> path) go into it; ``image_rejects``: the rows whose input image file is
+    unusable (``image_problem``) go into it (row index -> reason; with prompts.on_bad_row=error the scan stops at the
+    first, naming its file and line)."""
     rules = source.rules
     rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
                           on_bad_row=source.on_bad_row, max_chars=source.max_chars, rules=source.rules)
@@ -95,6 +99,9 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
                     hashers.append(hashlib.sha256())
             if parquet:
                 hashers[-1].update(row_bytes(row))
+            if image_rejects is not None and row.reject is None and (bad := image_problem(source, row)):
+                image_rejects[str(row.index)] = bad  # the row read back stays as it is: the plan records its reject
+                row = dataclasses.replace(row, reject=bad)
             rejects += row.reject is not None
             if shapes is not None and row.reject is None:
                 shapes[rules.shape(row.settings)] += 1
@@ -117,6 +124,25 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
     return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
 
 
+def image_problem(source: PromptSource, row: P.PromptRow) -> str | None:
+    """Why ``row``'s input image file cannot be used (missing, a link, a directory, empty, too big: what a stat
+    tells, no pixel decoded), None when it can or the row names none; raises PromptFileError (file:line) with
+    prompts.on_bad_row=error."""
+    from shardgen.models import condition
+
+    image = row.settings.get("image")
+    if image is None or image.path is None:
+        return None
+    try:
+        condition.check_file(Path(image.path))
+    except condition.BadImage as e:
+        if source.on_bad_row == "error":
+            raise P.fail(source.path, row.line, f"image: {e}", "Fix the row's image, or set prompts.on_bad_row=skip "
+                         "to reject such rows and generate the others") from None
+        return f"image: {e}"
+    return None
+
+
 def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
     """Byte offset where each (1-based, increasing) line of ``lines`` starts."""
     out = np.zeros(len(lines), dtype=np.int64)
@@ -137,10 +163,13 @@ def _line_offsets(path: str, lines: np.ndarray) -> np.ndarray:
 
 def row_bytes(row: P.PromptRow) -> bytes:
     """A parsed row as bytes, for the digest of a parquet shard (whose rows are not byte ranges of the file). A row's
-    LoRA adapters count by content and scale, not by where the prompt file's folder put their paths (a run moves)."""
+    LoRA adapters count by content and scale, not by where the prompt file's folder put their paths (a run moves);
+    its input image by the path as written (or the bytes' sha256)."""
     settings = row.settings
     if "loras" in settings:
         settings = dict(settings, loras=[[lo.sha256, lo.scale] for lo in settings["loras"]])
+    if "image" in settings:  # the path as written, or the bytes' sha256 (parquet image bytes)
+        settings = dict(settings, image=settings["image"].digest_key())
     fields = [row.prompt, row.seed, row.extra, row.reject] + ([settings] if settings else [])  # as before without
     return json.dumps(fields, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, NamedTuple
 from shardgen.errors import UserError
 
 ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
-                "num_frames", "loras")
+                "num_frames", "loras", "image", "strength")
 """The names ``prompts.row_settings`` may list."""
 MAX_SIDE = 8192
 """The largest image side a row may ask for, in pixels."""
@@ -85,15 +85,21 @@ class RowRules:
     """The run's ``num_frames`` (video models): the frames of a row that gives none."""
     base_dir: str | None = None
     """Where a row's relative adapter paths (``loras``) are taken from: the prompt file's folder (not recorded in
-    plan.json: a moved run reads them from its file's new place)."""
+    plan.json: a moved run reads them from its file's new place); input images (``image``) likewise."""
+    images: str = ""
+    """Whether the model takes an input image per row (its family's ``input_image``): "" none, "optional",
+    "required" (a row without one is a bad row)."""
+    steps: int = 0
+    """The run's denoising steps: a row's ``strength`` must leave at least one (0: not checked)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))  # plan.json gives a list back
 
     def as_json(self) -> dict:
         """For plan.json (``RowRules(**d)`` reads it back)."""
-        return dict(names=list(self.names), multiple=self.multiple, height=self.height, width=self.width,
-                    frame_stride=self.frame_stride, frames=self.frames)
+        out = dict(names=list(self.names), multiple=self.multiple, height=self.height, width=self.width,
+                   frame_stride=self.frame_stride, frames=self.frames)
+        return out | ({"images": self.images, "steps": self.steps} if self.images else {})  # image runs only
 
     def shape(self, settings: dict) -> Shape:
         """The shape a row whose own settings are ``settings`` (``parse``'s) is generated at: its own size and
@@ -132,6 +138,7 @@ class RowRules:
                 raise BadSetting(f"loras: {e}") from None
         if "num_frames" in raw:
             out["num_frames"] = self._frames(raw["num_frames"], text)
+        out.update(self._image(raw, text, out.get("steps", self.steps)))
         if "aspect_ratio" in raw:
             if "width" in raw or "height" in raw:
                 raise BadSetting("aspect_ratio: the row gives width/height too: give either aspect_ratio or "
@@ -158,6 +165,30 @@ class RowRules:
             raise BadSetting(f"aspect_ratio: {ratio!r} at the run's {self.width}x{self.height} area needs a "
                              f"{width}x{height} image, over {MAX_SIDE} pixels a side: use a less elongated ratio")
         return height, width
+
+    def _image(self, raw: dict, text: bool, steps: int) -> dict:
+        """A row's ``image`` and ``strength`` checked (the image's file, not its pixels: shardgen/models/condition.py)."""
+        from shardgen.models import condition as C
+
+        out: dict = {}
+        if not self.images and ("image" in raw or "strength" in raw):
+            raise BadSetting("image: this model takes no input image: remove image and strength from "
+                             "prompts.row_settings, or use an image-to-image model")
+        checks = {"image": lambda v: C.parse_row(v, Path(self.base_dir) if self.base_dir else None),
+                  "strength": lambda v: C.check_strength(v, text)}
+        for name, check in checks.items():
+            if name in raw:
+                try:
+                    out[name] = check(raw[name])
+                except C.BadImage as e:
+                    raise BadSetting(f"{name}: {e}") from None
+        if self.images == "required" and "image" not in out:
+            raise BadSetting("image: this model makes each sample from an input image: give the row one (a path, "
+                             "or encoded image bytes in parquet)")
+        if "strength" in out and steps and int(steps * out["strength"]) < 1:
+            raise BadSetting(f"strength: {out['strength']:g} of {steps} steps is less than one denoising step: "
+                             f"write at least {1 / steps:g}, or give the row more steps")
+        return out
 
     def _side(self, name: str, value: Any, text: bool) -> int:
         if text and isinstance(value, str) and _INT.fullmatch(value):
@@ -204,7 +235,8 @@ def rules_from_cfg(cfg: Any) -> RowRules | None:
     fam = family_for(cfg.model.pipeline)
     frames = cfg.get("num_frames") if fam.frame_stride else None
     return RowRules(names=names, multiple=fam.latent_patch, height=int(cfg.height), width=int(cfg.width),
-                    frame_stride=fam.frame_stride, frames=None if frames is None else int(frames))
+                    frame_stride=fam.frame_stride, frames=None if frames is None else int(frames),
+                    images=fam.input_image, steps=int(cfg.steps) if fam.strength else 0)
 
 
 def _shown(value: Any) -> str:

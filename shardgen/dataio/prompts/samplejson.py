@@ -11,7 +11,7 @@ from __future__ import annotations
 RESERVED_KEYS = frozenset({
     # the row and how it was generated (shardgen/run/generation.py)
     "prompt", "index", "line", "seed", "model", "height", "width", "steps", "guidance", "guidance_2", "strategy",
-    "true_cfg_scale", "lossy", "gen_s", "loras",
+    "true_cfg_scale", "lossy", "gen_s", "loras", "input_image", "strength",
     # the outcome (shardgen/dataio/shards/shardwork.py)
     "status", "error",
     # annotations (annotate.py, signals.py)

@@ -50,7 +50,15 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
         **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
+        **_strength(cfg),  # image-to-image runs only
     }
+
+
+def _strength(cfg: Any) -> dict:
+    """The run's image-to-image strength, for models that take one ({} otherwise: other runs resume unchanged)."""
+    from shardgen.families import family_for
+
+    return {"model.strength": cfg.model.get("strength")} if family_for(cfg.model.pipeline).strength else {}
 
 
 def _dataset_fields(cfg: Any) -> dict:

@@ -48,7 +48,7 @@ def schema():
               ("width", pa.int32()), ("height", pa.int32()), ("image_format", pa.string()),
               ("image_bytes", pa.int64()), ("image_sha256", pa.string()), ("gen_s", pa.float64()),
               ("model", pa.string()), ("strategy", pa.string()), ("tokens", pa.string()), ("truncated", pa.bool_()),
-              ("extra", pa.string())]
+              ("input_image_sha256", pa.string()), ("extra", pa.string())]
     fields += [(name, getattr(pa, "bool_" if t == "bool" else t)()) for name, t in SIGNAL_COLUMNS.items()]
     fields.append(("json", pa.string()))
     return pa.schema(fields)
@@ -69,11 +69,17 @@ def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
                image_sha256=hashlib.sha256(image).hexdigest() if image is not None else None,
                gen_s=meta.get("gen_s"), model=meta.get("model"), strategy=meta.get("strategy"),
                tokens=json.dumps(meta["tokens"], sort_keys=True) if meta.get("tokens") else None,
-               truncated=meta.get("truncated"),
+               truncated=meta.get("truncated"), input_image_sha256=_input_sha256(meta),
                extra=json.dumps(input_fields(meta), ensure_ascii=False, sort_keys=True),
                json=by_ext["json"].decode("utf-8"))
     row.update({name: signals.get(name) for name in SIGNAL_COLUMNS})
     return row
+
+
+def _input_sha256(meta: dict) -> str | None:
+    """The sha256 of the input image a sample was made from (prompts.row_settings=[image]), None without one."""
+    image = meta.get("input_image")
+    return image.get("sha256") if isinstance(image, dict) and isinstance(image.get("sha256"), str) else None
 
 
 class PartialIndex:

@@ -38,6 +38,14 @@ def is_video(cfg: Any) -> bool:
     return family_for(cfg.model.pipeline).is_video
 
 
+def _takes_images(cfg: Any) -> bool:
+    """Whether the run's model takes an input image per row (image-to-video): its pipeline conditions the latents
+    on it, which the mid-sample checkpoints' resume does not restore."""
+    from shardgen.families import family_for
+
+    return bool(family_for(cfg.model.pipeline).input_image)
+
+
 def validate_video_config(cfg: Any) -> None:
     """Check the video keys before anything is loaded (a no-op for image runs)."""
     every = cfg.get("latent_checkpoint_every")
@@ -45,6 +53,10 @@ def validate_video_config(cfg: Any) -> None:
         if not cfg.latent_checkpoint_s > 0:
             raise VideoConfigError(f"latent_checkpoint_s={cfg.latent_checkpoint_s}: use a positive number of "
                                    "seconds (or latent_checkpoint_every=null to save none)")
+    elif every is not None and _takes_images(cfg):
+        raise VideoConfigError(f"latent_checkpoint_every={every}: model={cfg.model.name} starts each video from an "
+                               "input image, which a mid-sample checkpoint does not keep; use "
+                               "latent_checkpoint_every=null (or auto: off for such models)")
     elif every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1
                                 or not is_video(cfg)):  # its strategy: where strategies are known (parallel/)
         raise VideoConfigError(f"latent_checkpoint_every={every}: use N >= 1 steps, with a video model and "
