@@ -218,18 +218,18 @@ def prefill(run: RunDir, plan, fraction: float, seed: int = 0) -> int:
     w.process(shard, gen, done)
     w.close()
     stats = json.loads(run.shard_stats(shard).read_text())
-    tar, idx = run.shard_tar(shard), run.shards_dir / f"{shard:06d}.parquet"
+    tar, idx = run.shard_file(shard), run.shards_dir / f"{shard:06d}.parquet"
     picks = random.Random(seed).sample([s for s in range(plan.num_shards) if s != shard], n - 1)
     for s in picks:
         try:
-            os.link(tar, run.shard_tar(s))
+            os.link(tar, run.shard_file(s))
             os.link(idx, run.shards_dir / f"{s:06d}.parquet")
         except OSError as e:  # ext4 allows 65,000 links to a file: go on from a copy (as many links again)
             if e.errno != errno.EMLINK:
                 raise
             tar, idx = _copy_next_to(tar, run, s), _copy_next_to(idx, run, s)
-            run.shard_tar(s).unlink(missing_ok=True)
-            os.link(tar, run.shard_tar(s))
+            run.shard_file(s).unlink(missing_ok=True)
+            os.link(tar, run.shard_file(s))
             os.link(idx, run.shards_dir / f"{s:06d}.parquet")
         run.shard_stats(s).write_text(json.dumps(dict(stats, shard=s)))
     return n

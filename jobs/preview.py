@@ -28,7 +28,7 @@ def _members(run: RunDir, num_shards: int):
         if shard in done or (data := durable_partial(run, shard)) is None:
             continue
         try:
-            members = read_shard_members(io.BytesIO(data))
+            members = read_shard_members(io.BytesIO(data), run.container)
         except Exception:  # a damaged partial is shown as nothing, like a damaged committed tar
             continue
         yield from sorted(members.items())

@@ -78,7 +78,7 @@ def test_index_equals_the_tars_and_holds_failures_and_rejects(mixed_run):
     by_key = df.set_index("key")
     for shard in range(load_plan(rund).num_shards):
         assert index_path(rund, shard).exists()
-        for key, mem in read_shard_members(rund.shard_tar(shard)).items():
+        for key, mem in read_shard_members(rund.shard_file(shard)).items():
             row = by_key.loc[key]
             meta = json.loads(mem["json"])
             assert (row["status"], row["prompt"], row["seed"], row["shard"]) == ("ok", mem["txt"].decode(),
@@ -229,5 +229,5 @@ def test_index_rows_follow_the_checkpoint_through_a_kill(tmp_path):
     second.commit()
     rows = read_index(run_dir, 0)
     assert [(r["index"], r["status"]) for r in rows] == [(0, "ok"), (1, "failed"), (2, "rejected"), (3, "ok")]
-    assert set(read_shard_members(run_dir.shard_tar(0))) == {"0000000000", "0000000003"}
+    assert set(read_shard_members(run_dir.shard_file(0))) == {"0000000000", "0000000003"}
     assert not list(run_dir.work_dir.iterdir())  # partial rows cleaned with the partial tar

@@ -52,7 +52,7 @@ def test_failures_are_recorded_and_retry_failed_regenerates_exactly_them(tmp_pat
     members = {}
     run_dir = RunDir(tmp_path / "run")
     for shard in range(load_plan(run_dir).num_shards):  # failures live in the index, images in the tar
-        members.update(committed_samples(run_dir, shard, read_shard_members(run_dir.shard_tar(shard)))[0])
+        members.update(committed_samples(run_dir, shard, read_shard_members(run_dir.shard_file(shard)))[0])
     nan = json.loads(members["0000000001"]["json"])
     boom = json.loads(members["0000000003"]["json"])
     assert nan["status"] == "failed" and nan["error"].startswith("nonfinite")

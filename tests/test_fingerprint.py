@@ -30,7 +30,7 @@ def test_a_resume_with_other_settings_is_refused_naming_the_field(tmp_path):
     run = RunDir(tmp_path / "run")
     assert check_or_write_fingerprint(run, fp()) is False
     run.create()
-    run.shard_tar(0).write_bytes(b"")  # a run with a sample
+    run.shard_file(0).write_bytes(b"")  # a run with a sample
     assert check_or_write_fingerprint(run, fp("batch_size=1")) is True
     with pytest.raises(FingerprintMismatch, match="steps: run has 4, this launch has 3"):
         check_or_write_fingerprint(run, fp("steps=3"))
@@ -41,7 +41,7 @@ def test_the_refusal_steers_to_a_new_run_dir_and_says_what_allowing_the_change_d
     run = RunDir(tmp_path / "run")
     check_or_write_fingerprint(run, fp())
     run.create()
-    run.shard_tar(0).write_bytes(b"")
+    run.shard_file(0).write_bytes(b"")
     with pytest.raises(FingerprintMismatch) as e:
         check_or_write_fingerprint(run, fp("steps=3"))
     advice = str(e.value).split("\n")[-1]

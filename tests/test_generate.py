@@ -262,7 +262,7 @@ def test_a_foreign_run_dir_and_a_resume_with_other_settings_are_refused_before_t
     check_or_write_fingerprint(made, compute_fingerprint(cfg, digest, model_version(cfg.model)))  # leaves it
     remember_prompt_hash(made, digest, identity)
     made.create()
-    made.shard_tar(0).write_bytes(b"")
+    made.shard_file(0).write_bytes(b"")
     code = ("import sys\nfrom jobs.generate import run\nfrom shardgen.errors import UserError\n"
             "from tests.conftest import compose_cfg\n"
             f"for args in [('run_dir={tmp_path / 'mine'}',), ('run_dir={tmp_path / 'run'}', 'prompts.limit=2', "

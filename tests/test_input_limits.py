@@ -110,7 +110,7 @@ def test_a_prompt_file_edited_during_the_run_stops_it_before_any_changed_row_is_
         run_rank(cfg, on_batch=edit_after_shard_0)
     assert edited and path.stat().st_size == size
     run = RunDir(tmp_path / "run")
-    committed = {k: m["txt"].decode() for s in run.done_shards() for k, m in read_shard_members(run.shard_tar(s)).items()}
+    committed = {k: m["txt"].decode() for s in run.done_shards() for k, m in read_shard_members(run.shard_file(s)).items()}
     assert 2 <= len(committed) < 8  # shard 0 and the shard in hand when the file changed (read before it), no more
     assert all(txt == prompts[int(k)] for k, txt in committed.items())  # every committed prompt as planned
     assert verify.main([str(tmp_path / "run")]) == 1  # the tool says so too, without a traceback

@@ -83,9 +83,9 @@ def make_partial(run_dir: Path, shard: int, n: int, gen: int = 1) -> dict:
     rd = RunDir(run_dir)
     plan = load_plan(rd)
     keys = [sample_key(i) for i in plan.shard_range(shard)]
-    whole = rd.shard_tar(shard).read_bytes()
-    end = 0 if n == 0 else scan_tar(rd.shard_tar(shard), keys[:n], limit=len(whole) - 1024).end
-    tar = PartialTar(rd.partial_tar(shard, gen))
+    whole = rd.shard_file(shard).read_bytes()
+    end = 0 if n == 0 else scan_tar(rd.shard_file(shard), keys[:n], limit=len(whole) - 1024).end
+    tar = PartialTar(rd.partial_shard(shard, gen))
     tar._write(whole[:end])
     tar.sync()
     tar.close()
@@ -99,7 +99,7 @@ def make_partial(run_dir: Path, shard: int, n: int, gen: int = 1) -> dict:
     rd.claim(shard, gen).write_text(json.dumps(dict(host="elsewhere", pid=1, replica=0, job=None, restart=0)))
     os.utime(rd.claim(shard, gen), (time.time() - 3600, time.time() - 3600))
     rd.shard_stats(shard).unlink()
-    rd.shard_tar(shard).unlink()
+    rd.shard_file(shard).unlink()
     return ckpt
 
 
@@ -239,7 +239,7 @@ def test_an_edited_partial_or_checkpoint_is_restarted_never_trusted(copy, edit):
     prompts, d, want = copy
     ckpt = make_partial(d, 1, 2)
     rd = RunDir(d)
-    ck, part = rd.checkpoint(1, 1), rd.partial_tar(1, 1)
+    ck, part = rd.checkpoint(1, 1), rd.partial_shard(1, 1)
     if edit in ("smaller", "unaligned", "larger", "n_done"):
         field, delta = {"smaller": ("tar_bytes", -512), "unaligned": ("tar_bytes", 7), "larger": ("tar_bytes", 1024),
                         "n_done": ("n_done", 1)}[edit]
@@ -384,7 +384,7 @@ def test_a_holder_whose_claim_was_taken_over_leaves_cleanly(tmp_path):
         assert b.try_claim(3, 1) == 2
         ShardWork.open(rd, 3, 2, range(0, 1), still_mine=lambda: b.still_mine(3))  # removes a's partial
         assert work_a.commit() is None  # no FileNotFoundError: a leaves the shard to b
-        assert not rd.shard_tar(3).exists()
+        assert not rd.shard_file(3).exists()
     finally:
         a.close()
         b.close()
@@ -402,7 +402,7 @@ def test_a_holder_taken_over_just_after_its_last_claim_check_leaves_cleanly(tmp_
     with caplog.at_level("WARNING"):
         assert work_a.commit() is None
     assert "removed by the replica that took it over; leaving it" in caplog.text
-    assert not rd.shard_tar(3).exists() and not rd.shard_stats(3).exists()
+    assert not rd.shard_file(3).exists() and not rd.shard_stats(3).exists()
 
 
 def test_a_shard_committed_by_its_old_holder_during_a_takeover_is_not_overwritten(tmp_path, caplog):
@@ -420,7 +420,7 @@ def test_a_shard_committed_by_its_old_holder_during_a_takeover_is_not_overwritte
     work_a = ShardWork.open(rd, 3, 1, range(0, 1))
     one_sample(work_a, "from a")
     assert work_a.commit() is not None
-    committed = {p: p.read_bytes() for p in (rd.shard_tar(3), rd.shard_stats(3), shard_index.index_path(rd, 3))}
+    committed = {p: p.read_bytes() for p in (rd.shard_file(3), rd.shard_stats(3), shard_index.index_path(rd, 3))}
     work_b = ShardWork.open(rd, 3, 2, range(0, 1))
     one_sample(work_b, "from b")
     with caplog.at_level("WARNING"):
@@ -521,9 +521,9 @@ def test_two_commits_of_one_shard_racing_leave_exactly_one_generation_whole(tmp_
         assert (got_a is None) != (got_b is None), f"iteration {i}: both or neither committed"
         winner = got_a or got_b
         assert json.loads(rd.shard_stats(3).read_text()) == winner  # the stats written are the winner's
-        tar = rd.shard_tar(3).read_bytes()
+        tar = rd.shard_file(3).read_bytes()
         assert hashlib.sha256(tar).hexdigest() == winner["sha256"] and len(tar) == winner["tar_bytes"]
-        members = read_shard_members(rd.shard_tar(3))
+        members = read_shard_members(rd.shard_file(3))
         assert sorted(members) == keys and [r["key"] for r in shard_index.read_index(rd, 3)] == keys
         makers = {m["png"].split(b" by ")[1] for m in members.values()}
         assert len(makers) == 1, f"iteration {i}: samples of two replicas in one shard: {makers}"
@@ -549,12 +549,12 @@ def test_a_kill_between_taking_the_commit_and_writing_its_stats_is_repaired_at_l
     with pytest.raises(SystemExit):
         work.commit()
     monkeypatch.undo()
-    assert rd.claim(1, 3).exists() and rd.shard_tar(1).exists() and not rd.shard_stats(1).exists()
+    assert rd.claim(1, 3).exists() and rd.shard_file(1).exists() and not rd.shard_stats(1).exists()
     past = time.time() - 3600
     os.utime(rd.claim(1, 3), (past, past))  # the dead job's claims expire
-    inode = rd.shard_tar(1).stat().st_ino
+    inode = rd.shard_file(1).stat().st_ino
     assert gen(d, prompts).generated_here == 0
-    assert rd.shard_tar(1).stat().st_ino == inode  # finished from its tar, not generated again
+    assert rd.shard_file(1).stat().st_ino == inode  # finished from its tar, not generated again
     verified_identical(d, want)
 
 

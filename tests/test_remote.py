@@ -257,7 +257,7 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     run_dir = RunDir(tmp_path / "run")
     run_dir.shards_dir.mkdir(parents=True)
     tar = b"t" * 2048
-    run_dir.shard_tar(0).write_bytes(tar)
+    run_dir.shard_file(0).write_bytes(tar)
     (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
     run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
     uploader = ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False)
@@ -269,11 +269,11 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     with pytest.raises(KeyboardInterrupt):
         uploader.upload(0)
     monkeypatch.undo()
-    assert run_dir.shard_tar(0).exists() and uploader.pending() == [0]  # nothing deleted before the record
+    assert run_dir.shard_file(0).exists() and uploader.pending() == [0]  # nothing deleted before the record
     sent = []
     monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
     assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
-    assert not run_dir.shard_tar(0).exists()
+    assert not run_dir.shard_file(0).exists()
     assert committed_tar(run_dir, 0).read() == tar  # what retry_failed and jobs.signals read: from the bucket
 
 

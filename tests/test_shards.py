@@ -57,7 +57,7 @@ def test_shard_work_resumes_from_the_best_checkpoint_and_commits_each_sample_onc
     assert (stats["count"], stats["ok"], stats["failed"]) == (4, 3, 1)
     assert [f["index"] for f in stats["failed_samples"]] == [1]
     assert read_json(run.shard_stats(0)) == stats and run.done_shards() == {0}
-    names = names_in(run.shard_tar(0).read_bytes())
+    names = names_in(run.shard_file(0).read_bytes())
     assert len(names) == len(set(names)) == 3 * 3  # image, txt and json each; the failure is in the index only
     assert [n for n in names if n.endswith(".png")] == [f"{i:010d}.png" for i in (0, 2, 3)]
     assert shard_checkpoints(run, 0) == []  # nothing of the earlier generations is left

@@ -31,7 +31,7 @@ def test_random_kills_leave_every_prompt_in_exactly_one_sample(tmp_path):
     run = RunDir(tmp_path / "run")
     plan = load_plan(run)
     for shard in range(plan.num_shards):
-        with tarfile.open(run.shard_tar(shard)) as tar:  # every member, a repeated one included
+        with tarfile.open(run.shard_file(shard)) as tar:  # every member, a repeated one included
             keys = sorted(name.split(".")[0] for name in tar.getnames() if name.endswith(".json"))
         assert keys == [sample_key(i) for i in plan.shard_range(shard)], shard
     assert not [p for p in run.claims_dir.iterdir()]  # every claim released after its commit

@@ -282,6 +282,9 @@ class OutputConfig:
     """jpg/webp quality (1-100)."""
     writer_threads: int = 2
     """Background image encoders per replica."""
+    shard_container: str = "tar"
+    """The shard files' format: tar (webdataset's) or a container a module registers
+    (shardgen/dataio/shards/container.py). Fixed once the run is planned (plan/plan.json records it)."""
     output_uri: Optional[str] = None
     """Where committed shards are uploaded besides run_dir/shards (an fsspec URL: s3://bucket/run/, gs://...):
     tar, index, then stats (the done marker, last); null = run_dir only. Claims and heartbeats stay in run_dir."""

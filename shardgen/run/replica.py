@@ -141,7 +141,7 @@ class ReplicaWorker:
                 continue
             self._retried.add(shard)
             failed = [f["index"] for f in stats["failed_samples"] if f["status"] == "failed"]
-            self._old, _ = committed_samples(run, shard, read_shard_members(committed_tar(run, shard)))
+            self._old, _ = committed_samples(run, shard, read_shard_members(committed_tar(run, shard), run.container))
             self._work = self._open(shard, gen, replaces=True)
             log.info("shard %06d: regenerating %d failed samples", shard, len(failed))
             return shard, gen, self._work.n_done, failed

@@ -202,15 +202,16 @@ def read_index_columns(run: RunDir, columns: list[str], where: str | None = None
     return out
 
 
-def read_tar_members(path: Path) -> dict[str, dict[str, bytes]]:
-    """key -> {extension: bytes} of a committed tar; RunDirError naming it when it is not a readable tar."""
-    from shardgen.dataio.shards.tarshard import read_shard_members
+def read_members_checked(path: Path, container: str = "tar") -> dict[str, dict[str, bytes]]:
+    """key -> {extension: bytes} of a committed shard file in ``container``; RunDirError naming it when it is not
+    readable."""
+    from shardgen.dataio.shards.container import read_shard_members
 
     path = Path(path)
     if path.is_symlink():
         raise RunDirError(f"{path} is a symlink; run files must be regular files. {REPAIR_HINT.format(root=path.parent.parent)}")
     try:
-        return read_shard_members(path)
+        return read_shard_members(path, container)
     except Exception as e:  # tarfile.ReadError, EOFError, ValueError (a member twice), OSError...
         raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
                           + REPAIR_HINT.format(root=path.parent.parent)) from None
@@ -219,9 +220,9 @@ def read_tar_members(path: Path) -> dict[str, dict[str, bytes]]:
 def committed_members(run: RunDir) -> Iterable[tuple[str, dict[str, bytes]]]:
     """(key, members) of every readable committed tar in shard order; damaged tars are skipped (jobs.verify
     names them): for the tools that only show samples (preview, the report's contact sheet)."""
-    for tar in sorted(run.shards_dir.glob("*.tar")) if run.shards_dir.is_dir() else []:
+    for tar in run.shard_files():
         try:
-            members = read_tar_members(tar)
+            members = read_members_checked(tar, run.container)
         except RunDirError:
             continue
         yield from sorted(members.items())

@@ -61,8 +61,8 @@ def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[in
 def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
     import pyarrow.parquet as pq
 
-    from shardgen.tools.runfiles import REPAIR_HINT, read_tar_members
-    from shardgen.dataio.shards.tarshard import read_shard_members
+    from shardgen.dataio.shards.container import read_shard_members
+    from shardgen.tools.runfiles import REPAIR_HINT, read_members_checked
 
     run = plan.run
     path = index_path(run, shard)
@@ -76,15 +76,16 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
     if not todo:
         return None  # done already (a rerun after a kill)
     tar = committed_tar(plan.run, shard)  # keep_local=false: read back from the bucket
-    members = read_tar_members(tar) if isinstance(tar, Path) else read_shard_members(tar)
+    members = (read_members_checked(tar, run.container) if isinstance(tar, Path)
+               else read_shard_members(tar, run.container))
     for r in todo:
         if (ext := image_ext(members.get(r["key"], {}))) is None:
-            raise RunDirError(f"{run.shard_tar(shard)} lacks the image of {r['key']!r} that its index "
+            raise RunDirError(f"{run.shard_file(shard)} lacks the image of {r['key']!r} that its index "
                               f"{path.name} lists; " + REPAIR_HINT.format(root=run.root))
         try:
             pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])
         except Exception as e:  # PIL's errors for a damaged image vary
-            raise RunDirError(f"{run.shard_tar(shard)}: the image of {r['key']!r} does not decode "
+            raise RunDirError(f"{run.shard_file(shard)}: the image of {r['key']!r} does not decode "
                               f"({type(e).__name__}); " + REPAIR_HINT.format(root=run.root)) from None
         for column, f in functions.items():
             if r.get(column) is None:

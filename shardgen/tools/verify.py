@@ -18,7 +18,7 @@ from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded
 from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
-from shardgen.dataio.shards.tarshard import read_shard_members
+from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
 from shardgen.errors import UserError
 
@@ -186,7 +186,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     from shardgen.dataio.resume.repair import checked_rows, read_shard_stats
 
     run = plan.run
-    tar, stats_path = run.shard_tar(shard), run.shard_stats(shard)
+    tar, stats_path = run.shard_file(shard), run.shard_stats(shard)
     name = f"shard {shard:06d}"
     if not os.path.lexists(stats_path):  # not committed yet: unfinished, not a defect
         rep.unfinished.append(_unfinished_line(plan, shard, os.path.lexists(tar)))
@@ -209,10 +209,10 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.bad_shards[shard] = "stats"
         rep.defects.append(f"{name}: {e}")
     try:
-        members = read_shard_members(tar)
+        members = read_shard_members(tar, run.container)
     except Exception as e:
         rep.bad_shards[shard] = "tar"
-        rep.defects.append(f"{name}: unreadable tar {run.shard_tar(shard)} ({e})")
+        rep.defects.append(f"{name}: unreadable tar {run.shard_file(shard)} ({e})")
         return
     members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
     rep.defects += [f"{name}: {p}" for p in problems]
@@ -230,7 +230,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.defects.append(f"{name}: {len(expected - got)} prompt indices missing, {len(got - expected)} unexpected keys")
     if st is not None and "sha256" in st and st["sha256"] != (hashlib.sha256(uploaded).hexdigest() if uploaded
                                                              else file_sha256(tar)):
-        rep.defects.append(f"{name}: {run.shard_tar(shard).name} does not match the sha256 in its stats (damaged "
+        rep.defects.append(f"{name}: {run.shard_file(shard).name} does not match the sha256 in its stats (damaged "
                            "after its commit)")
     shard_status: Counter = Counter()
     for key, mem in members.items():
@@ -270,7 +270,7 @@ def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
     for shard, what in sorted(report.bad_shards.items()):
         if what == "tar":  # the samples themselves are wrong: regenerate
             run.shard_stats(shard).unlink(missing_ok=True)
-            run.shard_tar(shard).unlink(missing_ok=True)
+            run.shard_file(shard).unlink(missing_ok=True)
             out.append(f"shard {shard:06d}: removed; the next launch generates it again")
         else:
             run.shard_stats(shard).unlink(missing_ok=True)

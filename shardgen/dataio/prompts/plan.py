@@ -13,6 +13,7 @@ Also the pure rules every rank must agree on: a sample's key and seed from its r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -310,6 +311,8 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
     if meta.get("version", 1) == 1:
         return Plan(run=run, **kw)
+    # the container the run was planned with (a plan without the key: tar); the tools' RunDir learns it here
+    run = dataclasses.replace(run, container=str(meta.get("shard_container") or "tar"))
     starts_path = run.starts_path
     starts = _load_npy(starts_path)
     if starts.shape != (kw["num_shards"], 2):
@@ -438,6 +441,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
+            shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),
             source=source.as_json()))
         try:

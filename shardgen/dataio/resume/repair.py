@@ -31,7 +31,7 @@ from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim,
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, host_name,
                                            map_io, open_regular, own_file_name, read_state, shard_name)
 from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
-from shardgen.dataio.shards.tarshard import BLOCK, scan_tar
+from shardgen.dataio.shards.container import get_container
 from shardgen.dataio.shards.upload import uploaded_elsewhere
 from shardgen.dataio.shards import index as shard_index
 
@@ -158,7 +158,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     # only the shards that have files in shards/ are checked, and of those only the ones whose files changed
     # since a launch found them sound (their sizes and mtimes come with the listing), the rest concurrently: on a
     # shared filesystem 100k shards checked one after another at every launch of every job would take minutes each
-    present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((".tar", ".stats.json"))}
+    present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((f".{run.container}", ".stats.json"))}
                      & set(range(plan.num_shards)))
     seen = {s: _files_signature(run, s, entries) for s in present}
     before = _read_checked(run)
@@ -184,7 +184,7 @@ def _files_signature(run: RunDir, shard: int, entries: dict) -> tuple[int, ...] 
     missing, so it must be checked)."""
     out = []
     name = shard_name(shard)  # names, not paths: 100k Path objects cost seconds at every launch
-    for file in (f"{name}.stats.json", f"{name}.tar", f"{name}.parquet"):  # RunDir.shard_stats, .shard_tar, index
+    for file in (f"{name}.stats.json", f"{name}.{run.container}", f"{name}.parquet"):  # .shard_stats, .shard_file, index
         e = entries.get(file)
         if e is None:
             return None
@@ -263,7 +263,7 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
     """Why shard ``shard`` is not soundly committed (None: it is, or nothing of it is committed).
     Cheap: the stats parse and the tar is a regular file of the size they record (jobs.verify also
     checks the tar's sha256 and every sample)."""
-    stats_path, tar = run.shard_stats(shard), run.shard_tar(shard)
+    stats_path, tar = run.shard_stats(shard), run.shard_file(shard)
     has_stats, has_tar = os.path.lexists(stats_path), os.path.lexists(tar)
     if not has_stats:
         return "a committed tar without its stats (a kill between the two)" if has_tar else None
@@ -284,12 +284,13 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
 def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> str:
     """Write a committed shard's stats from its index and tar when both are whole and agree; else remove the
     shard (stats first: the done marker) so it is generated again. The line saying what was done."""
-    tar = run.shard_tar(shard)
+    tar = run.shard_file(shard)
     rows = _committed_rows(run, shard, indices)
     keys = [r["key"] for r in rows if r["status"] == "ok"] if rows is not None else None
-    scan = scan_tar(tar, keys) if keys is not None and tar.is_file() and not tar.is_symlink() else None
+    scan = get_container(run.container).scan(tar, keys) if keys is not None and tar.is_file() and not tar.is_symlink() \
+        else None
     size = tar.stat().st_size if scan is not None else 0
-    if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.end + 2 * BLOCK:
+    if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.closed_end:
         counts, reasons, failed, shapes = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
         atomic_write_json(run.shard_stats(shard), shard_stats(shard, counts, reasons, failed, tar_bytes=size,
                                                               sha256=file_sha256(tar), started=tar.stat().st_mtime,

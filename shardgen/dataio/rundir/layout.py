@@ -330,12 +330,15 @@ class RunDir:
     """Every path inside one run directory (nothing else builds them); I/O only in ``create`` and ``clean_leftovers``."""
 
     root: Path
+    container: str = "tar"
+    """The shard container (``shard_container``): the extension of the shard files. A plan read back sets the one
+    the run was planned with (plan/plan.json)."""
 
     @classmethod
-    def at(cls, run_dir: str | os.PathLike) -> "RunDir":
+    def at(cls, run_dir: str | os.PathLike, container: str = "tar") -> "RunDir":
         """The run directory a config or command line names: ``~`` expanded (a shell leaves ``run_dir=~/x``
         alone), relative paths taken from the current directory."""
-        return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute())
+        return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute(), container)
 
     @property
     def plan_dir(self) -> Path:
@@ -524,8 +527,15 @@ class RunDir:
                 raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                                   f"directory. Replace it by a directory (make run_dir itself the link instead)")
 
-    def shard_tar(self, shard: int) -> Path:
-        return self.shards_dir / f"{shard_name(shard)}.tar"
+    def shard_file(self, shard: int) -> Path:
+        """The committed shard's samples, in the run's container (``000042.tar``)."""
+        return self.shards_dir / f"{shard_name(shard)}.{self.container}"
+
+    def shard_files(self) -> list[Path]:
+        """Every committed shard file in shards/, in shard order."""
+        if not self.shards_dir.is_dir():
+            return []
+        return sorted(p for p in self.shards_dir.glob(f"*.{self.container}") if p.name[:6].isdigit())
 
     def shard_stats(self, shard: int) -> Path:
         return self.shards_dir / f"{shard_name(shard)}.stats.json"
@@ -534,8 +544,9 @@ class RunDir:
         """The record of ``shard``'s confirmed upload to output_uri (shardgen/dataio/shards/upload.py)."""
         return self.shards_dir / f"{shard_name(shard)}.uploaded.json"
 
-    def partial_tar(self, shard: int, gen: int) -> Path:
-        return self.work_dir / f"{shard_name(shard)}.g{gen}.tar"
+    def partial_shard(self, shard: int, gen: int) -> Path:
+        """Generation ``gen``'s shard file under construction."""
+        return self.work_dir / f"{shard_name(shard)}.g{gen}.{self.container}"
 
     def checkpoint(self, shard: int, gen: int) -> Path:
         return self.work_dir / f"{shard_name(shard)}.g{gen}.ckpt.json"

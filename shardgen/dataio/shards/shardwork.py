@@ -16,7 +16,8 @@ from shardgen.dataio.prompts.plan import sample_key
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.rundir.layout import (DiskFullError, RunDir, RunDirError, atomic_write_json, open_regular,
                                            read_state)
-from shardgen.dataio.shards.tarshard import PartialTar, fsync_dir, scan_tar
+from shardgen.dataio.shards.container import PartialShard, get_container
+from shardgen.dataio.shards.tarshard import fsync_dir
 
 log = logging.getLogger("shardgen.shard")
 
@@ -109,7 +110,8 @@ class ShardWork:
     shard: int
     gen: int
     indices: range
-    tar: PartialTar
+    file: PartialShard
+    """The shard file under construction, in the run's container (``RunDir.container``)."""
     index: shard_index.PartialIndex
     n_done: int = 0
     counts: Counter = field(default_factory=Counter)
@@ -134,16 +136,16 @@ class ShardWork:
         partial verifies: its index has a row for each of its samples, its tar's bytes hash to the checkpoint's
         sha256 and hold exactly the ok samples of those rows, in plan order. An unverifiable partial is reported
         and the shard restarts from its first sample."""
-        tar, ckpt, rows = None, None, None
+        file, ckpt, rows = None, None, None
         for ckpt in _checkpoints_by_progress(run, shard, gen):
             rows = _index_rows(run, shard, ckpt, indices)
             if rows is not None:
-                tar = _adopt(run, shard, gen, ckpt, [r["key"] for r in rows if r["status"] == "ok"])
-            if tar is not None:
+                file = _adopt(run, shard, gen, ckpt, [r["key"] for r in rows if r["status"] == "ok"])
+            if file is not None:
                 break
-        if tar is None:
-            ckpt, rows, tar = None, [], PartialTar(run.partial_tar(shard, gen))
-        work = cls(run=run, shard=shard, gen=gen, indices=indices, tar=tar, still_mine=still_mine, replaces=replaces,
+        if file is None:
+            ckpt, rows, file = None, [], get_container(run.container).writer(run.partial_shard(shard, gen))
+        work = cls(run=run, shard=shard, gen=gen, indices=indices, file=file, still_mine=still_mine, replaces=replaces,
                    take_commit=take_commit, index=shard_index.PartialIndex.resume(run, shard, gen, ckpt))
         if ckpt is not None:
             work.n_done, work.started = len(rows), float(ckpt["started"])
@@ -164,7 +166,7 @@ class ShardWork:
             _count(self.counts, self.reasons, self.failed, s.status, s.failure, s.key, s.index)
             self.counts["truncated"] += bool(s.meta.get("truncated"))
             count_shape(self.shapes, s.status, s.meta)
-        self.tar.append(members)
+        self.file.append(members)
         self.n_done += len(samples)
         self._write_checkpoint()
 
@@ -172,7 +174,7 @@ class ShardWork:
         """Commit the shard: close the tar, rename it into shards/, write its stats (the done marker,
         last); return the stats, or None when the shard was taken over meanwhile (nothing committed)."""
         assert self.n_done == len(self.indices), f"shard {self.shard}: {self.n_done} of {len(self.indices)} samples"
-        self.tar.finish()
+        self.file.finish()
         # a holder alive but silent past its lease and the replica that took its shard over can reach this point in
         # the same milliseconds: a check of the done marker then the renames would let both rename their tar, index
         # and stats one by one (files of two generations). take_commit is exclusive (an O_EXCL create): one wins,
@@ -189,30 +191,30 @@ class ShardWork:
             self.close()
             remove_generation(self.run, self.shard, self.gen)
             return None
-        final = self.run.shard_tar(self.shard)
+        final = self.run.shard_file(self.shard)
         try:  # taken over between still_mine and here: the new holder removes our partial files
             self.index.commit(shard_index.index_path(self.run, self.shard))  # the index first: a tar is never alone
-            os.replace(self.tar.path, final)
+            os.replace(self.file.path, final)
         except FileNotFoundError:  # the new holder removed our partial: it owns the shard now
             log.warning("shard %06d: its partial was removed by the replica that took it over; leaving it", self.shard)
             return None
         fsync_dir(final.parent)
-        stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.tar.bytes,
-                            sha256=self.tar.sha256, started=self.started, shapes=self.shapes)
+        stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.file.bytes,
+                            sha256=self.file.sha256, started=self.started, shapes=self.shapes)
         atomic_write_json(self.run.shard_stats(self.shard), stats)
         _remove_older_generations(self.run, self.shard, self.gen + 1)
         return stats
 
     def close(self) -> None:
         """Stop writing (the partial and its checkpoint stay for a resume)."""
-        self.tar.close()
+        self.file.close()
         self.index.close()
 
     def _write_checkpoint(self) -> None:
-        tar_bytes = self.tar.sync()  # data durable before the record that points at it
+        tar_bytes = self.file.sync()  # data durable before the record that points at it
         self.index.sync()
         atomic_write_json(self.run.checkpoint(self.shard, self.gen), dict(
-            shard=self.shard, gen=self.gen, n_done=self.n_done, tar_bytes=tar_bytes, sha256=self.tar.sha256,
+            shard=self.shard, gen=self.gen, n_done=self.n_done, tar_bytes=tar_bytes, sha256=self.file.sha256,
             counts=dict(self.counts), started=self.started, updated=time.time()))
 
 
@@ -264,7 +266,7 @@ def durable_partial(run: RunDir, shard: int) -> bytes | None:
     """The durable bytes of ``shard``'s furthest partial tar (up to its checkpoint, a valid tar prefix), for
     readers of a run in progress (jobs.preview); None without one. Never written to, never trusted further."""
     for ckpt in sorted(shard_checkpoints(run, shard), key=lambda c: -c["n_done"]):
-        path = run.partial_tar(shard, ckpt["gen"])
+        path = run.partial_shard(shard, ckpt["gen"])
         try:
             with open_regular(path, follow=False) as f:  # a symlink or FIFO where a partial should be is not read
                 data = f.read(ckpt["tar_bytes"])
@@ -302,26 +304,27 @@ def _index_rows(run: RunDir, shard: int, ckpt: dict, indices: range) -> list[dic
     return rows
 
 
-def _adopt(run: RunDir, shard: int, gen: int, ckpt: dict, keys: list[str]) -> PartialTar | None:
-    """A PartialTar continuing ``ckpt``'s verified prefix, which must hold exactly the samples ``keys``; None when
-    it does not verify."""
-    src = run.partial_tar(shard, ckpt["gen"])
+def _adopt(run: RunDir, shard: int, gen: int, ckpt: dict, keys: list[str]) -> PartialShard | None:
+    """A partial shard file continuing ``ckpt``'s verified prefix, which must hold exactly the samples ``keys``; None
+    when it does not verify."""
+    src = run.partial_shard(shard, ckpt["gen"])
+    container = get_container(run.container)
     try:
-        tar = PartialTar(run.partial_tar(shard, gen), prefix_of=src, prefix_bytes=ckpt["tar_bytes"],
-                         prefix_sha256=ckpt["sha256"])
+        file = container.writer(run.partial_shard(shard, gen), prefix_of=src, prefix_bytes=ckpt["tar_bytes"],
+                                prefix_sha256=ckpt["sha256"])
     except (ValueError, OSError) as e:  # ValueError: the prefix does not hash to the checkpoint's sha256
         if isinstance(e, DiskFullError):
             raise
         log.warning("shard %06d: %s does not match its checkpoint (%s); restarting the shard from its first sample",
                     shard, src, e)
         return None
-    scan = scan_tar(tar.path, keys, limit=tar.bytes)
-    if scan.problem or len(scan.samples) != len(keys) or scan.end != tar.bytes:
+    scan = container.scan(file.path, keys, limit=file.bytes)
+    if scan.problem or len(scan.samples) != len(keys) or scan.end != file.bytes:
         log.warning("shard %06d: %s holds %d whole samples, its index says %d (%s); restarting the shard",
                     shard, src, len(scan.samples), len(keys), scan.problem or "count differs")
-        tar.discard()
+        file.discard()
         return None
-    return tar
+    return file
 
 
 def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
@@ -333,6 +336,6 @@ def _remove_older_generations(run: RunDir, shard: int, gen: int) -> None:
 
 def remove_generation(run: RunDir, shard: int, gen: int) -> None:
     """Remove the work files (partial tar, its index, checkpoint) of generation ``gen`` of ``shard``."""
-    for path in (run.partial_tar(shard, gen), shard_index.partial_index_path(run, shard, gen),
+    for path in (run.partial_shard(shard, gen), shard_index.partial_index_path(run, shard, gen),
                  run.checkpoint(shard, gen)):
         path.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ file, cut at any checkpointed byte offset, is a valid tar prefix: resuming copie
 to the last checkpoint and appends. The SHA-256 of the bytes written so far is kept as they are
 written, so a checkpoint (and a committed shard's stats) record what the bytes must hash to, and
 a resume verifies the prefix before it trusts it. (webdataset's TarWriter streams through
-``tarfile`` and cannot reopen a file at an offset, hence this small writer; readers stay webdataset's.) ``read_shard_members`` reads a committed shard back for the
+``tarfile`` and cannot reopen a file at an offset, hence this small writer; readers stay webdataset's.) ``read_tar_members`` reads a committed shard back for the
 tools, the resume of a rewritten shard and the benchmark.
 """
 
@@ -17,10 +17,10 @@ import json
 import os
 import tarfile
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardgen.dataio.rundir.layout import disk_full, open_fresh, open_regular
+from shardgen.dataio.shards.container import ShardContainer, ShardScan, register_container
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
@@ -126,20 +126,10 @@ class PartialTar:
         self.path.unlink(missing_ok=True)
 
 
-@dataclass
-class TarScan:
-    """What a walk over a (partial or committed) shard tar found."""
-
-    samples: list[dict] = field(default_factory=list)  # each whole sample's json, in order
-    end: int = 0              # byte offset just after the last whole sample
-    complete: bool = False    # the end-of-archive blocks follow the last sample
-    problem: str | None = None
-
-
-def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> TarScan:
+def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> ShardScan:
     """Walk the members of ``path`` (up to ``limit`` bytes): whole samples in the order ``keys``
     gives them (image, txt, then json last, as the writer writes them); where and why it stops."""
-    scan = TarScan()
+    scan = ShardScan()
     size = os.lstat(path).st_size if limit is None else limit
     with open_regular(path, follow=False) as f:
         pos, current = 0, None
@@ -148,6 +138,7 @@ def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> TarScan:
             head = f.read(BLOCK)
             if head == b"\0" * BLOCK:
                 scan.complete = current is None and f.read(BLOCK) == b"\0" * BLOCK and pos == scan.end
+                scan.closed_end = pos + 2 * BLOCK if scan.complete else 0
                 break
             try:
                 f.seek(pos)
@@ -188,12 +179,12 @@ class _Reader:
         self.encoding, self.errors = "utf-8", "surrogateescape"
 
 
-def read_shard_members(path) -> dict[str, dict[str, bytes]]:
+def read_tar_members(path) -> dict[str, dict[str, bytes]]:
     """key -> {extension: bytes} of one tar, a path or a file object (raises on an unreadable tar)."""
     samples: dict[str, dict[str, bytes]] = defaultdict(dict)
     if isinstance(path, (str, os.PathLike)):
         with open_regular(path) as f:
-            return read_shard_members(f)
+            return read_tar_members(f)
     with tarfile.open(fileobj=path) as tf:
         for m in tf:
             if not m.isfile():
@@ -203,3 +194,7 @@ def read_shard_members(path) -> dict[str, dict[str, bytes]]:
                 raise ValueError(f"{path}: member {m.name} appears twice")
             samples[key][ext] = tf.extractfile(m).read()
     return samples
+
+
+TAR = register_container(ShardContainer("tar", writer=PartialTar, scan=scan_tar, read_members=read_tar_members))
+"""webdataset's container: the default ``shard_container``."""

@@ -133,11 +133,12 @@ class ShardUploader:
             stats_bytes = run.shard_stats(shard).read_bytes()
             stats = json.loads(stats_bytes)
             if self._remote_bytes(f"{name}.stats.json") != stats_bytes:  # else: sent whole before a kill
-                for local in (run.shard_tar(shard), shard_index.index_path(run, shard)):
+                for local in (run.shard_file(shard), shard_index.index_path(run, shard)):
                     self._put(local)
-                size = info(self._url(f"{name}.tar")).get("size")
+                file = run.shard_file(shard).name
+                size = info(self._url(file)).get("size")
                 if size != stats["tar_bytes"]:
-                    raise StorageError(f"{self._url(name + '.tar')}: {size} bytes on the server after its upload, "
+                    raise StorageError(f"{self._url(file)}: {size} bytes on the server after its upload, "
                                        f"{stats['tar_bytes']} committed; re-run to upload it again")
                 retrying(f"uploading {name}.stats.json", self.uri,
                          lambda: self._fs.pipe_file(f"{self._root}/{name}.stats.json", stats_bytes))
@@ -148,7 +149,7 @@ class ShardUploader:
         atomic_write_json(run.shard_uploaded(shard), dict(uri=self.uri, sha256=stats["sha256"],
                                                           tar_bytes=stats["tar_bytes"], time=time.time()))
         if not self.keep_local:  # the index stays: small, and what status, report and dedup read
-            run.shard_tar(shard).unlink(missing_ok=True)
+            run.shard_file(shard).unlink(missing_ok=True)
         log.info("shard %s uploaded to %s", name, self.uri)
 
     def _url(self, name: str) -> str:
@@ -193,14 +194,14 @@ def fetch_uploaded(run: RunDir, shard: int) -> bytes | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     fs, root = filesystem(uri)
-    name = f"{shard:06d}.tar"
+    name = run.shard_file(shard).name
     return retrying(f"reading {name}", uri, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
 
 
 def committed_tar(run: RunDir, shard: int) -> Any:
     """The committed tar of ``shard`` to read: its local file, or, when that was deleted once uploaded
     (keep_local=false), its bytes from the bucket as a file object."""
-    path = run.shard_tar(shard)
+    path = run.shard_file(shard)
     if not os.path.lexists(path) and (data := fetch_uploaded(run, shard)) is not None:
         return io.BytesIO(data)
     return path
