@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -96,22 +97,59 @@ def bucket_samples(s3, url: str) -> dict[str, list[str]]:
     return out
 
 
-def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys, monkeypatch):
-    run_dir = tmp_path / "run"
-    cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/run", "keep_local=false", "prompts.limit=10",
-                      "samples_per_shard=4", *FAST)
-    assert run(cfg).complete
-    keys = bucket_samples(s3, f"s3://{bucket}/run")
+def dir_bytes(path) -> int:
+    """Bytes of the regular files under ``path``."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def tool_answers(run_dir, capsys) -> dict[str, str]:
+    """What jobs.status, jobs.verify, jobs.dedup and jobs.report say about ``run_dir``, with its path and the
+    bucket folder (which differ between the runs compared) and the times of day taken out."""
+    import re
+
+    import jobs.dedup
+    import jobs.report
+
+    out = {}
+    for name, tool, args in (("status", jobs.status, []), ("verify", jobs.verify, []),
+                             ("dedup", jobs.dedup, ["--json", "--max-distance", "64"]), ("report", jobs.report, [])):
+        capsys.readouterr()
+        assert tool.main([str(run_dir), *args]) == 0, name
+        out[name] = capsys.readouterr().out
+    html = (run_dir / "report.html").read_text()
+    # the report's figures that do not depend on when it ran: counts, failures, truncation, the contact sheet
+    sections = dict(part.split("</h2>", 1) for part in html.split("<h2>")[1:])
+    out["report"] = "".join(sections[k] for k in ("Counts", "Failures by reason", "Truncation", "Contact sheet"))
+    out["status"] = "\n".join(line for line in out["status"].splitlines()
+                              if not re.search(r"started|finished|elapsed|rate|/s\b|ago|uploads", line))
+    return {k: v.replace(str(run_dir), "RUN").replace("/keep/", "/X/").replace("/drop/", "/X/") for k, v in out.items()}
+
+
+def test_keep_local_false_leaves_no_shard_file_on_disk_and_every_tool_answers_as_with_keep_local_true(
+        s3, bucket, tmp_path, capsys, monkeypatch):
+    answers, runs = {}, {}
+    for keep in ("true", "false"):
+        run_dir = runs[keep] = tmp_path / f"keep-{keep}"
+        folder = "keep" if keep == "true" else "drop"
+        cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri=s3://{bucket}/{folder}", f"keep_local={keep}",
+                          "prompts.limit=10", "samples_per_shard=4", "signals=[phash]", *FAST)
+        assert run(cfg).complete
+        answers[keep] = tool_answers(run_dir, capsys)
+    shards = runs["false"] / "shards"
+    assert dir_bytes(shards) == 0 and not list(shards.iterdir())  # tars, indexes and stats all deleted
+    assert dir_bytes(runs["true"] / "shards") > 0
+    assert sorted(p.name for p in (runs["false"] / "uploads").iterdir()) == [f"00000{i}.json" for i in range(3)]
+    assert answers["false"] == answers["true"]
+    assert "10/10 samples" in answers["false"]["verify"]
+    assert sorted(json.loads(answers["false"]["dedup"])[0]) == [f"{i:010d}" for i in range(10)]  # every phash read
+    keys = bucket_samples(s3, f"s3://{bucket}/drop")
     assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(10)]
-    local = sorted(p.name for p in (run_dir / "shards").iterdir())
-    assert local == [f"00000{i}.{ext}" for i in range(3) for ext in ("parquet", "stats.json", "uploaded.json")]
+    cfg = compose_cfg(f"run_dir={runs['false']}", f"output_uri=s3://{bucket}/drop", "keep_local=false",
+                      "prompts.limit=10", "samples_per_shard=4", "signals=[phash]", *FAST)
     again = run(cfg)  # a complete run stays complete: nothing regenerated, nothing uploaded again
-    assert again.complete and again.generated_here == 0
-    assert sorted(p.name for p in (run_dir / "shards").iterdir()) == local
-    assert jobs.verify.main([str(run_dir)]) == 0  # reads the tars back from the bucket
-    assert jobs.status.main([str(run_dir)]) == 0
-    out = capsys.readouterr().out
-    assert "10/10 samples" in out and f"uploads  3 of 3 committed shards in s3://{bucket}/run/" in out
+    assert again.complete and again.generated_here == 0 and dir_bytes(shards) == 0
+    assert jobs.status.main([str(runs["false"])]) == 0
+    assert f"uploads  3 of 3 committed shards in s3://{bucket}/drop/" in capsys.readouterr().out
     # the README's snippets, reading the bucket
     import fsspec
     import webdataset as wds
@@ -119,11 +157,53 @@ def test_shards_to_a_bucket_with_keep_local_false(s3, bucket, tmp_path, capsys, 
     from webdataset.gopen import gopen_schemes
 
     monkeypatch.setitem(gopen_schemes, "s3", lambda url, mode="rb", bufsize=8192, **kw: fsspec.open(url, mode).open())
-    ds = wds.WebDataset(f"s3://{bucket}/run/{{000000..000002}}.tar", shardshuffle=False).decode("pil")
+    ds = wds.WebDataset(f"s3://{bucket}/drop/{{000000..000002}}.tar", shardshuffle=False).decode("pil")
     assert sorted(s["json"]["index"] for s in ds) == list(range(10))
-    hf = load_dataset("webdataset", data_files={"train": f"s3://{bucket}/run/*.tar"}, split="train",
+    hf = load_dataset("webdataset", data_files={"train": f"s3://{bucket}/drop/*.tar"}, split="train",
                       cache_dir=str(tmp_path / "hf"))
     assert hf.num_rows == 10
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "another job's"])
+def test_an_object_in_the_bucket_that_is_not_the_uploaded_one_is_never_read_as_the_shard(s3, bucket, tmp_path,
+                                                                                        capsys, damage):
+    """keep_local=false, then the bucket's tar of shard 1 replaced: jobs.verify names it and --repair has the shard
+    generated (and uploaded) again; the next launch makes exactly that shard."""
+    run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
+    cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri={out}", "keep_local=false", "prompts.limit=6",
+                      "samples_per_shard=2", *FAST)
+    assert run(cfg).complete
+    good = s3.fs().cat_file(f"{out}/000001.tar")
+    put(s3, f"{out}/000001.tar", {"truncated": good[:len(good) // 2], "empty": b"",
+                                  "another job's": s3.fs().cat_file(f"{out}/000002.tar")}[damage])
+    capsys.readouterr()
+    assert jobs.verify.main([str(run_dir)]) == 1
+    said = capsys.readouterr().out
+    assert f"shard 000001: {out}/000001.tar: " in said and "not the" in said and "000000:" not in said
+    assert jobs.verify.main([str(run_dir), "--repair"]) == 1
+    result = run(cfg)
+    assert (result.complete, result.generated_here) == (True, 2)
+    assert s3.fs().cat_file(f"{out}/000001.tar") == good  # the same pixels, uploaded again
+    assert jobs.verify.main([str(run_dir)]) == 0
+
+
+def test_an_object_at_the_key_before_the_upload_is_sent_over_not_taken_as_the_shard(s3, bucket, tmp_path):
+    """Another job's object already at the shard's names (same size or not): the upload sends the local bytes."""
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.dataio.shards.upload import ShardUploader, committed_tar
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.shards_dir.mkdir(parents=True)
+    tar = b"t" * 2048
+    run_dir.shard_tar(0).write_bytes(tar)
+    (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
+    run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
+    put(s3, f"s3://{bucket}/out/000000.tar", b"u" * 2048)  # the same size, other bytes
+    put(s3, f"s3://{bucket}/out/000000.parquet", b"ind")
+    ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False).upload(0)
+    assert s3.fs().cat_file(f"s3://{bucket}/out/000000.tar") == tar
+    assert s3.fs().cat_file(f"s3://{bucket}/out/000000.parquet") == b"index"
+    assert committed_tar(run_dir, 0).read() == tar and not list(run_dir.shards_dir.iterdir())
 
 
 def test_transient_faults_are_retried_and_the_run_completes(s3, bucket, tmp_path, caplog, monkeypatch):
@@ -158,11 +238,11 @@ def test_uploads_failing_past_the_retries_stop_the_run_and_the_next_launch_finis
                       "lease_s=2", "heartbeat_s=0.5", *FAST)
     monkeypatch.setattr("shardgen.dataio.shards.upload.ShardUploader.check", lambda self: None)  # down after it
     s3.proxy.down()
-    with pytest.raises(StorageError, match=f"{out}/: [a-z]+ 000000.stats.json failed 2 times"):
+    with pytest.raises(StorageError, match=f"{out}/: [a-z ]+000000.tar[a-z' ]* failed 2 times"):
         run(cfg)
     s3.proxy.up()
     committed = len(list((tmp_path / "run" / "shards").glob("*.stats.json")))  # uploads run beside generation
-    assert committed >= 1 and not list((tmp_path / "run" / "shards").glob("*.uploaded.json"))
+    assert committed >= 1 and not list((tmp_path / "run" / "uploads").glob("*.json"))
     result = run(cfg)
     assert (result.complete, result.generated_here) == (True, 6 - 2 * committed)  # uploaded now, not made again
     keys = bucket_samples(s3, out)
@@ -249,8 +329,6 @@ def test_sigkilled_during_an_upload_then_resumed_every_prompt_once_in_the_bucket
 
 def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,
                                                                                            monkeypatch):
-    import hashlib
-
     from shardgen.dataio.rundir.layout import RunDir
     from shardgen.dataio.shards.upload import ShardUploader, committed_tar
 
@@ -271,9 +349,10 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     monkeypatch.undo()
     assert run_dir.shard_tar(0).exists() and uploader.pending() == [0]  # nothing deleted before the record
     sent = []
-    monkeypatch.setattr(ShardUploader, "_put", lambda self, local: sent.append(local.name))
+    real = uploader._fs.put_file
+    monkeypatch.setattr(uploader._fs, "put_file", lambda *a, **kw: (sent.append(a[0]), real(*a, **kw)))
     assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
-    assert not run_dir.shard_tar(0).exists()
+    assert dir_bytes(run_dir.shards_dir) == 0  # tar, index and stats deleted once the record is written
     assert committed_tar(run_dir, 0).read() == tar  # what retry_failed and jobs.signals read: from the bucket
 
 
