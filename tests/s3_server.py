@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -172,9 +173,10 @@ def start_server() -> S3Server:
         host, port = "127.0.0.1", free_port()
         exe = shutil.which("moto_server")
         cmd = [exe, "-p", str(port)] if exe else [sys.executable, "-m", "moto.server", "-p", str(port)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                env={**os.environ, **AWS_ENV})
-        wait_for(host, port, proc)
+        # its log (a line per request) to a file: a pipe nobody reads fills up and stops the server mid-run
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **AWS_ENV})
+        wait_for(host, port, proc, log)
     proxy = FaultProxy(target=port, host=host)
     proxy.start()
     return S3Server(endpoint=f"http://127.0.0.1:{proxy.port}", proxy=proxy, process=proc)
@@ -194,13 +196,14 @@ def given_server(endpoint: str) -> tuple[str, int]:
     return url.hostname, url.port
 
 
-def wait_for(host: str, port: int, proc: subprocess.Popen) -> None:
+def wait_for(host: str, port: int, proc: subprocess.Popen, log) -> None:
     """Until the server started as ``proc`` accepts connections; pytest.skip saying why when it exits or stays
     silent for 30 s."""
     deadline = time.time() + 30
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.skip(f"moto's S3 server exited at start: {proc.stderr.read().decode()[-300:]}")
+            log.seek(0)
+            pytest.skip(f"moto's S3 server exited at start: {log.read().decode()[-300:]}")
         try:
             socket.create_connection((host, port), timeout=1).close()
             return

@@ -6,6 +6,8 @@ import hashlib
 import json
 import logging
 import threading
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -271,60 +273,123 @@ def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucke
             "denied": "access denied"}[case] in msg
 
 
-# a job that stops for good (until killed) right after its Nth object upload, then touches the flag file
-STOPPING_JOB = """
-import pathlib, sys, time
-import shardgen.dataio.shards.upload as up
-n, flag, real, calls = int(sys.argv[1]), pathlib.Path(sys.argv[2]), up.ShardUploader._put, []
-def put(*a, **kw):
-    real(*a, **kw)
-    calls.append(1)
-    if len(calls) == n:
-        flag.touch()
-        time.sleep(600)
-up.ShardUploader._put = put
-from jobs.generate import run
-from tests.conftest import compose_cfg
-run(compose_cfg(*sys.argv[3:]))
-"""
+@dataclass
+class BucketWatch:
+    """Lists ``url`` over and over on a thread while jobs upload into it, reading every tar it lists: ``seen`` maps
+    each tar name to the distinct contents read, ``unreadable`` the tars listed that were no whole, readable tar."""
+
+    s3: Any
+    url: str
+    seen: dict = field(default_factory=dict)
+    unreadable: list = field(default_factory=list)
+    listings: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import io
+        import tarfile
+
+        fs = self.s3.fs()
+        while not self.stop.wait(0.1):  # (a server on 2 shared cores: not a busy loop)
+            try:
+                listed = fs.ls(self.url, detail=True, refresh=True)
+            except FileNotFoundError:  # nothing uploaded yet
+                listed = []
+            self.listings += 1
+            for entry in listed:
+                name = entry["name"].rsplit("/", 1)[-1]
+                if not name.endswith(".tar"):
+                    continue
+                try:
+                    data = fs.cat_file(entry["name"])
+                    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                        for member in tar.getmembers():
+                            tar.extractfile(member).read()
+                except FileNotFoundError:
+                    continue
+                except Exception as e:
+                    self.unreadable.append(f"{name} ({entry['size']} bytes listed): {e}")
+                    continue
+                if len(data) != entry["size"]:
+                    self.unreadable.append(f"{name}: {entry['size']} bytes listed, {len(data)} read")
+                self.seen.setdefault(name, set()).add(hashlib.sha256(data).hexdigest())
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 @pytest.mark.slow
-def test_sigkilled_during_an_upload_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path):
-    """Prompts in the bucket, shards to the bucket with keep_local=false; SIGKILL after a tar's upload (its index
-    and stats not yet sent): the next launch finishes it, each prompt is in exactly one shard of the bucket, no
-    shard there lacks a whole tar, and no tar is left on the local disk."""
+def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path,
+                                                                                          monkeypatch):
+    """The real ``python -m jobs.generate``, prompts in the bucket, shards to it with keep_local=false, SIGKILLed
+    inside an upload three times (tests/upload_hook: after a tar is sent, before the stats are, after the stats
+    and before the record), then resumed: every prompt exactly once in the bucket, every tar ever listed there
+    whole and final, nothing of the shards left on the local disk."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    import fsspec
+    import webdataset as wds
+    from webdataset.gopen import gopen_schemes
+
     from tests.conftest import ROOT
 
-    put(s3, f"s3://{bucket}/p.txt", "".join(f"prompt {i}\n" for i in range(12)).encode())
+    n = 12
+    put(s3, f"s3://{bucket}/p.txt", "".join(f"prompt {i}\n" for i in range(n)).encode())
     run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
-    args = [f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt", f"output_uri={out}", "keep_local=false",
-            "samples_per_shard=2", *FAST]
-    flag = tmp_path / "stopped"
-    p = subprocess.Popen([sys.executable, "-c", STOPPING_JOB, "3", str(flag), *args], cwd=ROOT,  # shard 1's tar
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd = [sys.executable, "-m", "jobs.generate", f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt",
+           f"output_uri={out}", "keep_local=false", "samples_per_shard=2", *FAST]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'upload_hook'}")
+    watch = BucketWatch(s3, out)
+    # where each launch is killed, and what the bucket then holds and lacks (a shard half-sent each time)
+    stops = [("after:000001.tar", {"000000.stats.json", "000001.tar"}, {"000001.stats.json"}),
+             ("before:000001.stats.json", {"000001.tar", "000001.parquet"}, {"000001.stats.json"}),
+             ("after:000002.stats.json", {"000001.stats.json", "000002.stats.json"}, set())]
     try:
-        deadline = time.time() + 120
-        while not flag.exists():
-            assert p.poll() is None and time.time() < deadline, "the job ended before the kill point"
-            time.sleep(0.05)
+        for i, (stop, present, absent) in enumerate(stops):
+            flag = tmp_path / f"stopped-{i}"
+            log = tmp_path / f"launch-{i}.log"
+            with open(log, "wb") as f:
+                p = subprocess.Popen(cmd, cwd=ROOT, env={**env, "SHARDGEN_TEST_UPLOAD_STOP": f"{stop}:{flag}"},
+                                     stdout=f, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.time() + 180
+                while not flag.exists():
+                    assert p.poll() is None, f"launch {i} ended before {stop}: {log.read_text()[-2000:]}"
+                    assert time.time() < deadline, f"launch {i} did not reach {stop}: {log.read_text()[-2000:]}"
+                    time.sleep(0.05)
+                listed = watch.listings
+                while watch.listings < listed + 2:  # the bucket as the kill finds it, read whole
+                    time.sleep(0.05)
+            finally:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+            names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
+            assert present <= names and not absent & names, (stop, sorted(names))
+        assert not (run_dir / "uploads" / "000002.json").exists()  # killed between its stats and its record
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
     finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-    names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
-    assert "000001.tar" in names and "000001.stats.json" not in names  # not done there yet: readers skip it
-    assert list(bucket_samples(s3, out)) == ["000000"]
-    result = run(compose_cfg(*args))
-    assert result.complete and result.ok == 12
-    keys = bucket_samples(s3, out)
-    assert sorted(k for ks in keys.values() for k in ks) == [f"{i:010d}" for i in range(12)]
-    assert not list((run_dir / "shards").glob("*.tar"))
+        watch.close()
+    assert not watch.unreadable, watch.unreadable
+    final = {x.rsplit("/", 1)[-1]: s3.fs().cat_file(x) for x in s3.fs().ls(out, refresh=True) if x.endswith(".tar")}
+    assert len(final) == n // 2 and watch.seen.keys() <= final.keys()
+    for name, contents in watch.seen.items():  # every tar listed at any time was the final one, whole
+        assert contents == {hashlib.sha256(final[name]).hexdigest()}, name
+    monkeypatch.setitem(gopen_schemes, "s3", lambda url, mode="rb", bufsize=8192, **kw: fsspec.open(url, mode).open())
+    keys = [s["__key__"] for s in wds.WebDataset(f"{out}/{{000000..{n // 2 - 1:06d}}}.tar", shardshuffle=False)]
+    assert sorted(keys) == [f"{i:010d}" for i in range(n)]  # every prompt exactly once
+    assert sorted(k for ks in bucket_samples(s3, out).values() for k in ks) == sorted(keys)
+    assert dir_bytes(run_dir / "shards") == 0 and dir_bytes(run_dir / "work") == 0
+    assert len(list((run_dir / "uploads").iterdir())) == n // 2
 
 
 def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,
