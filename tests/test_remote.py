@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
+import io
 import json
+import os
+import re
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -419,6 +423,102 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     assert uploader.resume() == 1 and sent == [] and uploader.pending() == []
     assert dir_bytes(run_dir.shards_dir) == 0  # tar, index and stats deleted once the record is written
     assert committed_tar(run_dir, 0).read() == tar  # what retry_failed and jobs.signals read: from the bucket
+
+
+class RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """python's file server answering byte ranges (``Range: bytes=A-B``, as object stores and CDNs do), quietly."""
+
+    def send_head(self):
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        path = self.translate_path(self.path)
+        if m is None or not os.path.isfile(path):
+            return super().send_head()
+        data = open(path, "rb").read()
+        lo = int(m[1])
+        part = data[lo:int(m[2]) + 1 if m[2] else None]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {lo}-{lo + len(part) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(part)))
+        self.end_headers()
+        return io.BytesIO(part)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def web(tmp_path):
+    """(a folder, the http:// URL it is served at) by a local http.server on a free port."""
+    import functools
+
+    folder = tmp_path / "www"
+    folder.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(RangeHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_prompts_over_http_txt_and_parquet_planned_run_and_a_changed_file_refused(web, tmp_path):
+    folder, url = web
+    lines = [f"a prompt number {i}" for i in range(6)]
+    (folder / "p.txt").write_text("".join(p + "\n" for p in lines))
+    pq.write_table(pa.table({"prompt": lines}), folder / "p.parquet", row_group_size=2)
+    txt = compose_cfg(f"run_dir={tmp_path / 'txt'}", f"prompts.path={url}/p.txt", "samples_per_shard=4", *FAST)
+    first, again = run(txt), run(txt)
+    assert (first.ok, first.complete, again.generated_here) == (6, True, 0)
+    par = compose_cfg(f"run_dir={tmp_path / 'pq'}", "prompts=parquet", f"prompts.path={url}/p.parquet",
+                      "samples_per_shard=4", *FAST)
+    assert (run(par).ok, run(par).generated_here) == (6, 0)
+    assert jobs.verify.main([str(tmp_path / "txt")]) == 0 and jobs.verify.main([str(tmp_path / "pq")]) == 0
+    # the same bytes as the local file would give: the images of the http run are those of a local run
+    local = run(compose_cfg(f"run_dir={tmp_path / 'local'}", f"prompts.path={folder / 'p.txt'}",
+                            "samples_per_shard=4", *FAST))
+    assert local.ok == 6
+    assert (tmp_path / "local/shards/000000.tar").read_bytes() == (tmp_path / "txt/shards/000000.tar").read_bytes()
+    # a row edited in place (the size unchanged), for each format: refused, naming the URL, as a local file is
+    (folder / "p.txt").write_text("".join(p + "\n" for p in ["A" + lines[0][1:]] + lines[1:]))
+    with pytest.raises(FingerprintMismatch, match=f"{url}/p.txt: not this run's prompt file"):
+        run(txt)
+    pq.write_table(pa.table({"prompt": ["A" + lines[0][1:]] + lines[1:]}), folder / "p.parquet", row_group_size=2)
+    with pytest.raises(FingerprintMismatch, match=f"{url}/p.parquet: not this run's prompt file"):
+        run(par)
+
+
+def test_a_url_whose_filesystem_package_is_missing_is_one_line_naming_it_before_any_model(tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: its absence cannot be shown")
+    monkeypatch.setattr("shardgen.run.runner.apply_strategy", lambda *a: pytest.fail("a model was loaded"))
+    for key, url, shown in (("prompts.path", "gs://a-bucket/p.txt", "gs://a-bucket/p.txt"),
+                            ("output_uri", "gs://a-bucket/out", "gs://a-bucket/out/")):
+        cfg = compose_cfg(f"run_dir={tmp_path / key}", f"{key}={url}", *FAST)
+        with pytest.raises(UserError) as e:
+            run(cfg)
+        assert str(e.value) == f"{shown}: reading gs:// URLs needs gcsfs, which is not installed: pip install gcsfs"
+
+
+def test_a_web_server_that_ignores_byte_ranges_is_refused_naming_it(tmp_path):
+    import functools
+
+    from shardgen.dataio.rundir import StorageError
+    from shardgen.dataio.rundir.remote import open_remote
+
+    (tmp_path / "p.txt").write_bytes(b"x" * 100_000)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None}),
+        directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/p.txt"
+    try:
+        with pytest.raises(StorageError, match=f"{url}: 100000 bytes sent for a range of 10: the server ignores"):
+            open_remote(url, buffering=10).raw.read(10)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("key", ["output_uri", "prompts.path"])
