@@ -193,17 +193,24 @@ def test_an_object_in_the_bucket_that_is_not_the_uploaded_one_is_never_read_as_t
     assert jobs.verify.main([str(run_dir)]) == 0
 
 
-def test_an_object_at_the_key_before_the_upload_is_sent_over_not_taken_as_the_shard(s3, bucket, tmp_path):
-    """Another job's object already at the shard's names (same size or not): the upload sends the local bytes."""
+def committed_shard(root) -> tuple:
+    """(a RunDir at ``root`` holding shard 0 committed: a 2 kB tar, an index, stats; the tar's bytes)."""
     from shardgen.dataio.rundir.layout import RunDir
-    from shardgen.dataio.shards.upload import ShardUploader, committed_tar
 
-    run_dir = RunDir(tmp_path / "run")
+    run_dir = RunDir(root)
     run_dir.shards_dir.mkdir(parents=True)
     tar = b"t" * 2048
     run_dir.shard_tar(0).write_bytes(tar)
     (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
     run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
+    return run_dir, tar
+
+
+def test_an_object_at_the_key_before_the_upload_is_sent_over_not_taken_as_the_shard(s3, bucket, tmp_path):
+    """Another job's object already at the shard's names (same size or not): the upload sends the local bytes."""
+    from shardgen.dataio.shards.upload import ShardUploader, committed_tar
+
+    run_dir, tar = committed_shard(tmp_path / "run")
     put(s3, f"s3://{bucket}/out/000000.tar", b"u" * 2048)  # the same size, other bytes
     put(s3, f"s3://{bucket}/out/000000.parquet", b"ind")
     ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False).upload(0)
@@ -398,15 +405,9 @@ def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_
 
 def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sending_it_again(s3, bucket, tmp_path,
                                                                                            monkeypatch):
-    from shardgen.dataio.rundir.layout import RunDir
     from shardgen.dataio.shards.upload import ShardUploader, committed_tar
 
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.shards_dir.mkdir(parents=True)
-    tar = b"t" * 2048
-    run_dir.shard_tar(0).write_bytes(tar)
-    (run_dir.shards_dir / "000000.parquet").write_bytes(b"index")
-    run_dir.shard_stats(0).write_text(json.dumps({"tar_bytes": 2048, "sha256": hashlib.sha256(tar).hexdigest()}))
+    run_dir, tar = committed_shard(tmp_path / "run")
     uploader = ShardUploader(run_dir, f"s3://{bucket}/out", keep_local=False)
 
     def killed(*a):

@@ -21,7 +21,7 @@ import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, read_regular,
                                            storage_error)
 from shardgen.errors import UserError
 
