@@ -391,6 +391,7 @@ def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_
     finally:
         watch.close()
     assert not watch.unreadable, watch.unreadable
+    assert {"000000.tar", "000001.tar"} <= watch.seen.keys()  # the watch read the tars the kills left
     final = {x.rsplit("/", 1)[-1]: s3.fs().cat_file(x) for x in s3.fs().ls(out, refresh=True) if x.endswith(".tar")}
     assert len(final) == n // 2 and watch.seen.keys() <= final.keys()
     for name, contents in watch.seen.items():  # every tar listed at any time was the final one, whole
