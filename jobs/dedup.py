@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 def dedup(args) -> int:
     """Print the near-duplicate groups of the run's committed images."""
     run = RunDir.at(args.run_dir)
-    if not list(run.shards_dir.glob("*.parquet")):
+    if not run.listed_shards(run.shards_dir, ".parquet") | run.listed_shards(run.uploads_dir, ".json"):
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2
     cols = read_index_columns(run, ["key", "prompt", "phash"], where="phash")

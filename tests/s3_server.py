@@ -1,9 +1,14 @@
-"""A real S3-compatible server for the tests: moto's standalone server in a subprocess, behind a small proxy that
-injects faults (the server unreachable, 503 answers) without losing the server's buckets.
+"""A real S3-compatible server for the tests: moto's standalone server, behind a small proxy that injects faults
+(the server unreachable, 503 answers) without losing the server's buckets.
+
+The server is the one ``.ci/run`` starts when ``SHARDGEN_TEST_S3_ENDPOINT`` (``http://127.0.0.1:PORT``) is set; else
+the ``s3`` fixture starts its own in a subprocess on a free port (so ``python -m pytest`` alone works on a dev box).
+Every test, the fault-injection ones included, reaches it through the fixture's proxy: an outage is the proxy
+refusing connections, so no test stops or restarts the shared server and none keeps a private one.
 
 The ``s3`` fixture (session-scoped, used through tests/conftest.py) sets the standard AWS variables (endpoint,
 dummy credentials) in this process's environment, so in-process runs and child processes reach it alike; it skips,
-saying why, where moto's server cannot be started.
+saying why, where moto's server cannot be started or the given endpoint does not answer.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-
+ENDPOINT_VAR = "SHARDGEN_TEST_S3_ENDPOINT"  # set by .ci/run: the S3 server it started
 
 def error_response(status: str, code: str) -> bytes:
     """An S3 error answer: ``status`` ("503 Slow Down") with the error ``code`` ("SlowDown") in its XML."""
@@ -41,11 +47,12 @@ def free_port() -> int:
 
 @dataclass
 class FaultProxy:
-    """TCP proxy to ``target``: ``down()`` drops every connection and refuses new ones until ``up()``;
+    """TCP proxy to ``target`` (a port of ``host``): ``down()`` drops every connection and refuses new ones until ``up()``;
     ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``), counted from 0 in
     ``served_errors``."""
 
     target: int
+    host: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
     is_down: bool = False
     errors_left: int = 0
@@ -89,7 +96,7 @@ class FaultProxy:
                 threading.Thread(target=self._answer, args=(client, self.answer), daemon=True).start()
                 continue
             try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
+                upstream = socket.create_connection((self.host, self.target))
             except OSError:
                 _close(client)
                 continue
@@ -133,7 +140,7 @@ class S3Server:
 
     endpoint: str
     proxy: FaultProxy
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # None: the server .ci/run started (it stops it)
 
     def fs(self):
         import s3fs
@@ -152,31 +159,58 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "shardgen-test-key", "AWS_SECRET_ACCESS_KEY": SE
 
 
 def start_server() -> S3Server:
-    """moto's server on a free port, waited for; pytest.skip saying why when it cannot start."""
-    for mod in ("moto", "s3fs", "flask"):
+    """The server of SHARDGEN_TEST_S3_ENDPOINT, or moto's started here on a free port, behind a new proxy;
+    pytest.skip saying why when there is none."""
+    for mod in ("s3fs",) + (() if os.environ.get(ENDPOINT_VAR) else ("moto", "flask")):
         try:
             __import__(mod)
         except ImportError:
             pytest.skip(f"{mod} is not installed (pip install -e '.[test]' installs s3fs and moto[server])")
-    port = free_port()
-    exe = shutil.which("moto_server")
-    cmd = [exe, "-p", str(port)] if exe else [sys.executable, "-m", "moto.server", "-p", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **AWS_ENV})
+    given = os.environ.get(ENDPOINT_VAR)
+    if given:
+        (host, port), proc = given_server(given), None
+    else:
+        host, port = "127.0.0.1", free_port()
+        exe = shutil.which("moto_server")
+        cmd = [exe, "-p", str(port)] if exe else [sys.executable, "-m", "moto.server", "-p", str(port)]
+        # its log (a line per request) to a file: a pipe nobody reads fills up and stops the server mid-run
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **AWS_ENV})
+        wait_for(host, port, proc, log)
+    proxy = FaultProxy(target=port, host=host)
+    proxy.start()
+    return S3Server(endpoint=f"http://127.0.0.1:{proxy.port}", proxy=proxy, process=proc)
+
+
+def given_server(endpoint: str) -> tuple[str, int]:
+    """(host, port) of the server at ``endpoint``, checked to answer; pytest.skip saying why when it does not."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    if url.scheme != "http" or not url.hostname or not url.port:
+        pytest.skip(f"{ENDPOINT_VAR}={endpoint}: expected http://HOST:PORT")
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=5).close()
+    except OSError as e:
+        pytest.skip(f"{ENDPOINT_VAR}={endpoint} does not answer ({e})")
+    return url.hostname, url.port
+
+
+def wait_for(host: str, port: int, proc: subprocess.Popen, log) -> None:
+    """Until the server started as ``proc`` accepts connections; pytest.skip saying why when it exits or stays
+    silent for 30 s."""
     deadline = time.time() + 30
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.skip(f"moto's S3 server exited at start: {proc.stderr.read().decode()[-300:]}")
+            log.seek(0)
+            pytest.skip(f"moto's S3 server exited at start: {log.read().decode()[-300:]}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            socket.create_connection((host, port), timeout=1).close()
+            return
         except OSError:
             time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.skip("moto's S3 server did not answer within 30 s")
-    proxy = FaultProxy(target=port)
-    proxy.start()
-    return S3Server(endpoint=f"http://127.0.0.1:{proxy.port}", proxy=proxy, process=proc)
+    proc.kill()
+    pytest.skip("moto's S3 server did not answer within 30 s")
 
 
 @pytest.fixture(scope="session")
@@ -193,8 +227,9 @@ def s3():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    server.process.kill()
-    server.process.wait()
+    if server.process is not None:
+        server.process.kill()
+        server.process.wait()
 
 
 @pytest.fixture

@@ -289,8 +289,9 @@ class OutputConfig:
     """Where committed shards are uploaded besides run_dir/shards (an fsspec URL: s3://bucket/run/, gs://...):
     tar, index, then stats (the done marker, last); null = run_dir only. Claims and heartbeats stay in run_dir."""
     keep_local: bool = True
-    """With output_uri: false deletes a shard's local tar once its upload is confirmed (its small index and stats
-    stay: the run's done marker, what status/report/dedup read), bounding the node's disk."""
+    """With output_uri: false deletes a shard's local tar, index and stats once their upload is confirmed
+    (run_dir/uploads keeps the record: the shard's done marker; status/verify/report/dedup read the bucket), so
+    run_dir/shards holds only the shards in flight."""
 
 
 @dataclass(kw_only=True)

@@ -206,11 +206,11 @@ class ReplicaWorker:
         run = self.plan.run
         if shard in self._done or shard in self.claimer.held:
             return None
-        if run.shard_stats(shard).exists():
+        if run.is_done(shard):
             self._done.add(shard)
             return None
         gen = self.claimer.try_claim(shard, latest_gen)
-        if gen is not None and run.shard_stats(shard).exists():  # committed by someone between check and claim
+        if gen is not None and run.is_done(shard):  # committed by someone between check and claim
             self._done.add(shard)
             self.claimer.release(shard)
             return None
@@ -346,7 +346,7 @@ class ReplicaWorker:
 
     def _committed(self, shard: int, stats: dict | None) -> None:
         if stats is None:  # not committed here: taken over (the new holder commits it) or committed meanwhile
-            if self.plan.run.shard_stats(shard).exists():
+            if self.plan.run.is_done(shard):
                 # committed by the holder this replica took it over from, whose release came before our claim: no
                 # later holder will release our claim files, so we do (they would stay in claims/ for good)
                 self.claimer.release(shard)

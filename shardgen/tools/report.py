@@ -20,8 +20,9 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
-from shardgen.dataio.rundir.layout import RunDirError, read_state
+from shardgen.dataio.rundir.layout import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
+from shardgen.dataio.shards.shardwork import committed_stats
 from shardgen.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -110,8 +111,10 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
 
     cells = []
     for key, mem in committed_members(plan.run):
+        if len(cells) >= n:  # (an uploaded shard's tar is fetched from the bucket: no more than needed)
+            break
         ext = image_ext(mem)
-        if ext is not None and len(cells) < n:
+        if ext is not None:
             try:
                 img = Image.fromarray(OUTPUT_FORMATS[ext].decode(mem[ext]))
             except Exception:  # an image that does not decode (jobs.verify reports it): no thumbnail
@@ -237,7 +240,7 @@ def _stats(plan: Plan) -> list[dict]:
     out = []
     for shard in sorted(plan.run.done_shards()):
         try:
-            out.append(read_state(plan.run.shard_stats(shard)))
+            out.append(committed_stats(plan.run, shard))  # keep_local=false: from the upload record
         except RunDirError:
             continue
     return [s for s in out if isinstance(s, dict)]

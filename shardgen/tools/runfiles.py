@@ -17,10 +17,11 @@ import json
 import os
 import re
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, read_regular,
                                            storage_error)
 from shardgen.errors import UserError
 
@@ -182,16 +183,19 @@ def read_launches(run: RunDir) -> list[dict]:
 
 def read_index_columns(run: RunDir, columns: list[str], where: str | None = None) -> dict[str, list]:
     """The committed index's ``columns`` over every shard, as lists (``where``: only rows where that column is
-    set); RunDirError naming a damaged shards/*.parquet and the fix."""
-    import pyarrow.parquet as pq
+    set); the index of a shard whose local files were deleted once uploaded (keep_local=false) is read from the
+    bucket. RunDirError naming a damaged index and the fix."""
+    from shardgen.dataio.shards.index import index_path, read_index_table
 
     out: dict[str, list] = {c: [] for c in columns}
-    for path in sorted(run.shards_dir.glob("*.parquet")) if run.shards_dir.is_dir() else []:
+    for shard in sorted(run.listed_shards(run.shards_dir, ".parquet") | run.listed_shards(run.uploads_dir, ".json")):
+        path = index_path(run, shard)
         if path.is_symlink():
             continue
         try:
-            with open_regular(path, follow=False) as f:
-                table = pq.read_table(f, columns=columns)
+            table = read_index_table(run, shard, columns)
+        except UserError:  # the bucket's copy: unreachable, or not the bytes uploaded
+            raise
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError...: all mean a damaged file
             raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
                               + REPAIR_HINT.format(root=run.root)) from None
@@ -218,11 +222,17 @@ def read_members_checked(path: Path, container: str = "tar") -> dict[str, dict[s
 
 
 def committed_members(run: RunDir) -> Iterable[tuple[str, dict[str, bytes]]]:
-    """(key, members) of every readable committed tar in shard order; damaged tars are skipped (jobs.verify
-    names them): for the tools that only show samples (preview, the report's contact sheet)."""
-    for tar in run.shard_files():
+    """(key, members) of every readable committed shard file in shard order, local or (keep_local=false, uploaded)
+    read back from the bucket one shard at a time as the caller asks; damaged ones are skipped (jobs.verify names
+    them): for the tools that only show samples (preview, the report's contact sheet)."""
+    from shardgen.dataio.shards.container import read_shard_members
+    from shardgen.dataio.shards.upload import committed_tar
+
+    for shard in sorted(run.listed_shards(run.shards_dir, f".{run.container}") | run.listed_shards(run.uploads_dir, ".json")):
         try:
-            members = read_members_checked(tar, run.container)
-        except RunDirError:
+            tar = committed_tar(run, shard)
+            members = (read_members_checked(tar, run.container) if isinstance(tar, Path)
+                       else read_shard_members(tar, run.container))
+        except (RunDirError, tarfile.TarError, EOFError, ValueError):
             continue
         yield from sorted(members.items())

@@ -22,6 +22,7 @@ from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.index import index_path, write_index
 from shardgen.dataio.shards.upload import committed_tar
+from shardgen.dataio.shards.uploaded import only_uploaded
 from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
 
 log = logging.getLogger("shardgen.signals")
@@ -66,6 +67,10 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
 
     run = plan.run
     path = index_path(run, shard)
+    if only_uploaded(run, shard):
+        raise RunDirError(f"{run.root}: shard {shard:06d} is kept only where it was uploaded (keep_local=false), and "
+                          "jobs.signals rewrites the indexes in run_dir/shards; compute the signals while generating "
+                          "(signals=[...]), or generate with keep_local=true")
     try:
         with open_regular(path, follow=False) as f:
             rows = pq.read_table(f).to_pylist()

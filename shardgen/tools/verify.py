@@ -188,14 +188,19 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     run = plan.run
     tar, stats_path = run.shard_file(shard), run.shard_stats(shard)
     name = f"shard {shard:06d}"
-    if not os.path.lexists(stats_path):  # not committed yet: unfinished, not a defect
+    if not os.path.lexists(stats_path) and not os.path.lexists(run.shard_uploaded(shard)):  # not committed yet
         rep.unfinished.append(_unfinished_line(plan, shard, os.path.lexists(tar)))
         if os.path.lexists(tar):
             rep.bad_shards[shard] = "stats"
         rep.in_progress += "not started" not in rep.unfinished[-1]
         return
     rep.shards_checked += 1
-    uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None  # keep_local=false: in the bucket
+    try:  # keep_local=false: in the bucket, checked against the upload record
+        uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None
+    except RunDirError as e:  # not the bytes uploaded: --repair has it generated again
+        rep.bad_shards[shard] = "tar"
+        rep.defects.append(f"{name}: {e}")
+        return
     if uploaded is not None:
         tar = io.BytesIO(uploaded)
     elif tar.is_symlink() or not tar.is_file():
@@ -214,7 +219,10 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.bad_shards[shard] = "tar"
         rep.defects.append(f"{name}: unreadable tar {run.shard_file(shard)} ({e})")
         return
-    members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
+    try:
+        members, problems = committed_samples(run, shard, members)  # + the failed/rejected rows of the index
+    except RunDirError as e:  # the bucket's index is not the one uploaded
+        members, problems = members, [str(e)]
     rep.defects += [f"{name}: {p}" for p in problems]
     if problems:  # the index and the tar disagree: --repair regenerates the shard (or rebuilds its stats)
         rep.bad_shards[shard] = "tar"
@@ -264,13 +272,12 @@ def _unfinished_line(plan: Plan, shard: int, has_tar: bool) -> str:
 def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
     """Make every defective shard of ``report`` sound or absent: stats rewritten from a sound tar, else
     the shard removed (generated again by the next launch). A line for each shard repaired."""
-    from shardgen.dataio.resume.repair import finish_or_discard
+    from shardgen.dataio.resume.repair import finish_or_discard, remove_committed
 
     run, out = plan.run, []
     for shard, what in sorted(report.bad_shards.items()):
         if what == "tar":  # the samples themselves are wrong: regenerate
-            run.shard_stats(shard).unlink(missing_ok=True)
-            run.shard_file(shard).unlink(missing_ok=True)
+            remove_committed(run, shard)
             out.append(f"shard {shard:06d}: removed; the next launch generates it again")
         else:
             run.shard_stats(shard).unlink(missing_ok=True)

@@ -18,8 +18,8 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, map_io, open_regular,
-                                           read_regular, read_state)
-from shardgen.dataio.shards.shardwork import STATS_FIELDS, all_checkpoints
+                                           read_regular)
+from shardgen.dataio.shards.shardwork import all_checkpoints, committed_stats
 
 
 @dataclass
@@ -202,19 +202,32 @@ def _dicts_of(items, name: str) -> dict[int, dict]:
 
 
 def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
-    """(shards with a stats file, shard -> (size, mtime_ns) of it), from one listing of shards/.
+    """(committed shards, shard -> (size, mtime_ns) of the file its stats are read from), from one listing of
+    shards/ and one of uploads/: a shard's stats file, else its upload record (keep_local=false deletes the local
+    files once uploaded)."""
+    names: set[int] = set()
+    sig: dict[int, tuple[int, int]] = {}
+    for directory, suffix in ((run.shards_dir, ".stats.json"), (run.uploads_dir, ".json")):
+        _list_signatures(directory, suffix, names, sig)
+    return names, sig
+
+
+def _list_signatures(directory, suffix: str, names: set[int], sig: dict[int, tuple[int, int]]) -> None:
+    """Add the shards with a file ``NNNNNN<suffix>`` in ``directory`` to ``names``, and its (size, mtime_ns) to
+    ``sig`` unless a shard there has one already.
 
     ``os.listdir`` and a stat relative to the directory's descriptor: a ``DirEntry`` for each of the 300k names
     of a 100k-shard run costs a second more, and only the stats files are stat'ed."""
-    names, sig = set(), {}
     try:
-        listed = [n for n in os.listdir(run.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()]
-        fd = os.open(run.shards_dir, os.O_RDONLY | os.O_DIRECTORY)
+        listed = [n for n in os.listdir(directory) if n[6:] == suffix and n[:6].isdigit()]
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
-        return names, sig
+        return
     try:
         for name in listed:
             shard = int(name[:6])
+            if shard in names:
+                continue
             names.add(shard)
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -223,7 +236,6 @@ def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
             sig[shard] = (st.st_size, st.st_mtime_ns)
     finally:
         os.close(fd)
-    return names, sig
 
 
 def _empty_table() -> dict:
@@ -306,7 +318,7 @@ def _read_stats_parallel(run: RunDir, shards: list[int]) -> dict[int, dict | Non
     """shard -> its stats (None: unreadable), read concurrently."""
     def one(shard: int) -> dict | None:
         try:
-            return read_state(run.shard_stats(shard), STATS_FIELDS)
+            return committed_stats(run, shard)
         except RunDirError:
             return None
 

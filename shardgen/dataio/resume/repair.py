@@ -30,8 +30,8 @@ from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json, host_name,
                                            map_io, open_regular, own_file_name, read_state, shard_name)
-from shardgen.dataio.shards.shardwork import STATS_FIELDS, shard_stats, stats_from_samples
 from shardgen.dataio.shards.container import get_container
+from shardgen.dataio.shards.shardwork import committed_stats, shard_stats, stats_from_samples
 from shardgen.dataio.shards.upload import uploaded_elsewhere
 from shardgen.dataio.shards import index as shard_index
 
@@ -232,7 +232,7 @@ def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tu
     blocks its reader); a user's other entries stay. (note, path) for each; ``shards_entries``: the caller's
     listing of shards/ (not listed again)."""
     notes = []
-    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.logs_dir):
+    for d in (run.shards_dir, run.uploads_dir, run.work_dir, run.claims_dir, run.logs_dir):
         if d.is_symlink():
             raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                               "directory. Replace it by a directory (make run_dir itself the link instead)")
@@ -255,8 +255,9 @@ def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tu
 
 
 def read_shard_stats(run: RunDir, shard: int) -> dict:
-    """A committed shard's stats (RunDirError naming the file when it is damaged)."""
-    return read_state(run.shard_stats(shard), STATS_FIELDS)
+    """A committed shard's stats (RunDirError naming the file when it is damaged), from its stats file or, once
+    its local files were deleted after their upload, its upload record."""
+    return committed_stats(run, shard)
 
 
 def committed_shard_problem(run: RunDir, shard: int) -> str | None:
@@ -272,7 +273,7 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
     except RunDirError as e:
         return str(e)
     if not has_tar and uploaded_elsewhere(run, shard, stats["tar_bytes"]):  # deleted once uploaded (keep_local=false)
-        return shard_index.index_problem(run, shard, stats["count"])
+        return None  # its index and stats go next; the bucket's objects are checked against the record when read
     if not has_tar or tar.is_symlink():
         return f"{tar.name} is missing"
     size = tar.lstat().st_size
@@ -296,12 +297,18 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
                                                               sha256=file_sha256(tar), started=tar.stat().st_mtime,
                                                               shapes=shapes))
         return f"shard {shard:06d}: {problem}; its tar is whole, so its stats were written from it (not regenerated)"
-    run.shard_stats(shard).unlink(missing_ok=True)
-    tar.unlink(missing_ok=True)
-    shard_index.index_path(run, shard).unlink(missing_ok=True)
+    remove_committed(run, shard)
     why = scan.problem if scan and scan.problem else "incomplete tar" if scan else \
         "no readable index" if rows is None else "no tar"
     return f"shard {shard:06d}: {problem} ({why}); removed, it is generated again"
+
+
+def remove_committed(run: RunDir, shard: int) -> None:
+    """Remove what commits ``shard`` (stats first: the done marker; its upload record, which stands in for it once
+    the local files are deleted, with it), so that it is generated again."""
+    for path in (run.shard_stats(shard), run.shard_uploaded(shard), run.shard_file(shard),
+                 shard_index.index_path(run, shard)):
+        path.unlink(missing_ok=True)
 
 
 def _committed_rows(run: RunDir, shard: int, indices: range) -> list[dict] | None:

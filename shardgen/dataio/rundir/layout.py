@@ -13,6 +13,9 @@ Layout (all names zero-padded shard ids)::
       plan_digests.json         sha256 and size of each plan file, checked before a plan file is used
       shards/000000.tar         a committed shard (complete, readable)
       shards/000000.stats.json  written last: the shard's done marker (with the tar's size and sha256)
+      uploads/000000.json       with output_uri: the shard's confirmed upload (its stats, each object's size, ETag,
+                                sha256); with keep_local=false its local files are then deleted and this is its done
+                                marker
       work/000000.g3.tar        shard 0's partial tar, claim generation 3
       work/000000.g3.ckpt.json  its checkpoint: samples, tar bytes and their sha256, durably written
       claims/000000.g3          the claim of generation 3 (mtime = heartbeat)
@@ -57,7 +60,8 @@ RUN_MARKER = ".shardgen-run"  # the owner record of a run directory
 MARKER_VERSION = 1
 # the only names clean-up may remove: what shardgen's own writers and planners create
 TEMP_FILE_NAME = re.compile(r"\.[^~/]+~[^~/]+~[0-9]+~[A-Za-z0-9_]+\.tmp")
-_OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet|uploaded\.json)"),
+_OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet)"),
+              "uploads": re.compile(r"[0-9]{6}\.json"),
               "work": re.compile(r"[0-9]{6}\.g[0-9]+\.(tar|ckpt\.json|index\.jsonl)"),
               "claims": re.compile(r"[0-9]{6}\.g[0-9]+"),
               "logs": re.compile(r"rank[0-9]+\.log|events\.[^/]+\.jsonl")}
@@ -349,6 +353,11 @@ class RunDir:
         return self.root / "shards"
 
     @property
+    def uploads_dir(self) -> Path:
+        """The records of the shards' confirmed uploads to output_uri (shardgen/dataio/shards/upload.py)."""
+        return self.root / "uploads"
+
+    @property
     def work_dir(self) -> Path:
         return self.root / "work"
 
@@ -542,7 +551,7 @@ class RunDir:
 
     def shard_uploaded(self, shard: int) -> Path:
         """The record of ``shard``'s confirmed upload to output_uri (shardgen/dataio/shards/upload.py)."""
-        return self.shards_dir / f"{shard_name(shard)}.uploaded.json"
+        return self.uploads_dir / f"{shard_name(shard)}.json"
 
     def partial_shard(self, shard: int, gen: int) -> Path:
         """Generation ``gen``'s shard file under construction."""
@@ -554,11 +563,24 @@ class RunDir:
     def claim(self, shard: int, gen: int) -> Path:
         return self.claims_dir / f"{shard_name(shard)}.g{gen}"
 
+    def is_done(self, shard: int) -> bool:
+        """Whether ``shard`` is committed: its stats file (the done marker) exists, or its upload record (with
+        keep_local=false its local files are deleted once uploaded)."""
+        return self.shard_stats(shard).exists() or self.shard_uploaded(shard).exists()
+
     def done_shards(self) -> set[int]:
-        """Shards whose stats file (the done marker) exists."""
-        if not self.shards_dir.exists():
+        """Shards whose stats file (the done marker) exists, or whose upload is recorded (with keep_local=false
+        their local files are deleted once uploaded)."""
+        return self.listed_shards(self.shards_dir, ".stats.json") | self.listed_shards(self.uploads_dir, ".json")
+
+    @staticmethod
+    def listed_shards(directory: Path, suffix: str) -> set[int]:
+        """Shards with a file ``NNNNNN<suffix>`` in ``directory`` (one listing; none when it does not exist)."""
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
             return set()
-        return {int(n[:6]) for n in os.listdir(self.shards_dir) if n.endswith(".stats.json") and n[:6].isdigit()}
+        return {int(n[:6]) for n in names if n[:6].isdigit() and n[6:] == suffix}
 
     def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S, listed: dict[Path, list[str]] | None = None) -> list[Path]:
         """Remove what killed jobs left behind (temp files, temporary plan directories); the removed paths.
@@ -569,7 +591,8 @@ class RunDir:
         untouched for ``max_age_s`` (a live writer renames its temp file within seconds; a planner adds a
         file per shard). ``listed``: directories the caller has just listed (their names), not listed again."""
         removed = []
-        for d in (self.root, self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir, self.latents_dir):
+        for d in (self.root, self.plan_dir, self.shards_dir, self.uploads_dir, self.work_dir, self.claims_dir,
+                  self.latents_dir):
             try:
                 names = (listed[d] if listed and d in listed else os.listdir(d)) if not d.is_symlink() else []
             except (FileNotFoundError, NotADirectoryError):

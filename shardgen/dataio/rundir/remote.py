@@ -1,5 +1,8 @@
 """Files at fsspec URLs (``s3://``, ``gs://``, ``hf://``, ``https://``): reading a prompt file, writing shards.
 
+Every scheme takes the same fsspec path; s3:// (a local S3 server) and http(s):// (a local web server) are what the
+tests reach, gs:// and hf:// are that same path untested here.
+
 ``open_input`` and ``sizeof`` take a local path (opened as before) or a URL; a remote file is read through ranged
 requests (``RemoteFile``: a seekable file object whose reads are byte ranges), never copied to
 local disk first. Credentials come from where each filesystem looks for them (for S3: the environment, the
@@ -48,15 +51,26 @@ def is_url(path: Any) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+# the package fsspec needs for each scheme (gs:// and hf:// take the same path as s3://, untested here: no server)
+SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub",
+                   "az": "adlfs", "abfs": "adlfs", "http": "aiohttp", "https": "aiohttp"}
+
+
 def filesystem(url: str) -> tuple[Any, str]:
-    """(the fsspec filesystem of ``url``, the path within it); StorageError when its package is missing."""
+    """(the fsspec filesystem of ``url``, the path within it); StorageError, one line naming the package to
+    install, when its scheme's package is missing."""
     import fsspec
 
+    scheme = str(url).split("://", 1)[0].lower()
     try:
         return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
-        raise StorageError(f"{url}: cannot open this URL ({e}). Install the fsspec package of its scheme "
-                           "(s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://)") from None
+    except ImportError:  # e.g. gs:// without gcsfs installed
+        package = SCHEME_PACKAGES.get(scheme, f"the fsspec package of {scheme}://")
+        raise StorageError(f"{url}: reading {scheme}:// URLs needs {package}, which is not installed: "
+                           f"pip install {package}") from None
+    except ValueError as e:  # a scheme fsspec does not know
+        raise StorageError(f"{url}: {scheme}:// is not a filesystem fsspec knows ({short(e)}); use a local path or an "
+                           "s3://, gs://, hf:// or https:// URL") from None
 
 
 def permanent_reason(e: BaseException) -> str | None:
@@ -160,6 +174,10 @@ class RemoteFile(io.RawIOBase):
         lo = self._pos
         data = retrying(f"reading bytes {lo}..{lo + n}", self.url,
                         lambda: self._fs.cat_file(self._path, start=lo, end=lo + n))
+        if len(data) > n:  # a web server that ignores Range sends the whole file for each read
+            raise StorageError(f"{self.url}: {len(data)} bytes sent for a range of {n}: the server ignores byte "
+                               "ranges (Range requests). Serve the file from one that answers them, or copy it to a "
+                               "local path")
         buf[:len(data)] = data
         self._pos += len(data)
         self.bytes_read += len(data)

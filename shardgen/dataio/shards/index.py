@@ -24,6 +24,8 @@ from typing import Iterable
 from shardgen.dataio.prompts.samplejson import input_fields
 from shardgen.dataio.rundir.layout import RunDir, open_regular, shard_name, temp_path
 from shardgen.dataio.shards.formats import image_ext
+from shardgen.dataio.shards.uploaded import local_or_fetched, only_uploaded
+from shardgen.errors import UserError
 
 # Curation signals (shardgen/dataio/shards/signals.py) and their column types in the index.
 SIGNAL_COLUMNS = {"phash": "string", "watermark": "string", "watermark_ok": "bool", "clip_score": "float64"}
@@ -169,24 +171,40 @@ def write_index(final: Path, rows: list[dict]) -> None:
 
 
 def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) -> list[dict]:
-    """The committed index rows of ``shard`` (empty if it has no index file)."""
+    """The committed index rows of ``shard`` (empty if it has no index file); read from the bucket when it was
+    deleted once uploaded (keep_local=false)."""
+    return read_index_table(run, shard, columns).to_pylist()
+
+
+def read_index_table(run: RunDir, shard: int, columns: Iterable[str] | None = None):
+    """The committed index of ``shard`` as a pyarrow table (no rows if it has no index file), local or from the
+    bucket (``uploaded.local_or_fetched``)."""
     import pyarrow.parquet as pq
 
-    path = index_path(run, shard)
-    if not path.exists():
-        return []
-    with open_regular(path) as f:
-        return pq.read_table(f, columns=list(columns) if columns else None).to_pylist()
+    source = committed_index(run, shard)
+    if isinstance(source, Path):
+        if not source.exists():
+            return schema().empty_table().select(list(columns)) if columns else schema().empty_table()
+        source = open_regular(source)
+    with source as f:
+        return pq.read_table(f, columns=list(columns) if columns else None)
+
+
+def committed_index(run: RunDir, shard: int):
+    """The index of ``shard`` to read: its local path, or its bytes from the bucket as a file object."""
+    return local_or_fetched(run, shard, index_path(run, shard), ".parquet")
 
 
 def committed_samples(run: RunDir, shard: int, tar_members: dict[str, dict[str, bytes]]) -> tuple[dict, list[str]]:
     """Every committed record of ``shard`` (the tar's samples plus the index's failed and rejected
     ones, as {"txt", "json"} like ``verify.read_shard_members`` gives) and the index's defects:
     a missing index, a key in both places, an index row without its tar sample or the reverse."""
-    if not index_path(run, shard).exists():
+    if not index_path(run, shard).exists() and not only_uploaded(run, shard):
         return dict(tar_members), [f"no index {index_path(run, shard).name}"]
     try:
         rows = read_index(run, shard, ("key", "prompt", "status", "json"))
+    except UserError:  # the bucket's copy: unreachable, or not the uploaded bytes
+        raise
     except Exception as e:  # a damaged parquet file: pyarrow raises several kinds of error
         return dict(tar_members), [f"unreadable index {index_path(run, shard).name} ({type(e).__name__}: {e})"]
     problems = []

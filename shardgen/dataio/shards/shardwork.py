@@ -18,6 +18,7 @@ from shardgen.dataio.rundir.layout import (DiskFullError, RunDir, RunDirError, a
                                            read_state)
 from shardgen.dataio.shards.container import PartialShard, get_container
 from shardgen.dataio.shards.tarshard import fsync_dir
+from shardgen.dataio.shards.uploaded import record_stats
 
 log = logging.getLogger("shardgen.shard")
 
@@ -184,7 +185,7 @@ class ShardWork:
             log.warning("shard %06d was taken over by another replica before its commit; leaving it", self.shard)
             self.close()
             return None
-        if not self.replaces and self.run.shard_stats(self.shard).exists():
+        if not self.replaces and self.run.is_done(self.shard):
             # the holder this replica took the shard over from was alive after all and committed it (whole, under its
             # own take_commit) before this replica claimed: its commit stands; ours would replace it
             log.warning("shard %06d was committed by the replica it was taken over from; dropping this copy", self.shard)
@@ -227,6 +228,17 @@ def shard_stats(shard: int, counts: Counter, reasons: Counter, failed: list, *, 
                 failed=counts["failed"], rejected=counts["rejected"], truncated=counts["truncated"],
                 failures_by_reason=dict(reasons), shapes=dict(sorted(shapes.items())), failed_samples=failed,
                 tar_bytes=tar_bytes, sha256=sha256, started=started, finished=now, wall_s=round(now - started, 3))
+
+
+def committed_stats(run: RunDir, shard: int) -> dict:
+    """A committed shard's stats (RunDirError naming the file when they are damaged): its stats file, or, once its
+    local files were deleted after their upload (keep_local=false), the stats its upload record keeps."""
+    try:
+        return read_state(run.shard_stats(shard), STATS_FIELDS)
+    except RunDirError:
+        if os.path.lexists(run.shard_stats(shard)) or not os.path.lexists(run.shard_uploaded(shard)):
+            raise
+        return record_stats(run, shard, STATS_FIELDS)
 
 
 def read_checkpoint(path: Path) -> dict:

@@ -3,30 +3,35 @@
 A shard is committed in run_dir/shards as always (shardwork.py), then uploaded: its tar, its index, then its stats
 (the done marker, last), each object under the shard's own name (``NNNNNN.tar``, ``.parquet``, ``.stats.json``). An
 object store publishes an object whole when its upload completes, so a reader of the bucket sees a shard's tar
-complete or not at all, and its stats only once tar and index are there. After the tar's size is confirmed on the
-server, ``shards/NNNNNN.uploaded.json`` records the upload; with ``keep_local=false`` the local tar is then deleted
-(its index and stats stay: small, the run's done marker and what status, report and dedup read). A shard committed but not recorded as uploaded (a
-kill during its upload) is uploaded again by the next launch, to the same names. Claims, heartbeats and
-checkpoints stay in run_dir.
+complete or not at all, and its stats only once tar and index are there. Each object's size (and, where the ETag is
+the content's MD5, its content) is confirmed on the server; then ``uploads/NNNNNN.json`` records the upload: the
+shard's stats and each object's size, ETag and sha256 (uploaded.py reads objects back against it). With
+``keep_local=false`` the shard's local tar, index and stats are then deleted: the record is its done marker, and
+run_dir/shards goes back to empty. A shard committed but not recorded as uploaded (a kill during its upload) is
+uploaded by the next launch, to the same names; an object already there is sent again unless it is the local file's
+bytes. Claims, heartbeats, checkpoints, the plan and the upload records stay in run_dir.
 """
 
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import logging
 import os
 import queue
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
                                            read_json)
-from shardgen.dataio.rundir.remote import StorageError, filesystem, info, retrying
+from shardgen.dataio.rundir.remote import StorageError, filesystem, retrying
 from shardgen.dataio.shards import index as shard_index
+from shardgen.dataio.shards.uploaded import fetch, local_or_fetched, read_record
 
 log = logging.getLogger("shardgen.upload")
 MAX_WAITING = 4  # committed shards waiting for their upload before a commit waits (bounds the local disk)
@@ -101,116 +106,153 @@ class ShardUploader:
         return self.upload_pending()
 
     def pending(self) -> list[int]:
-        """Committed shards whose upload is not recorded (or recorded for other stats: rewritten since)."""
-        return sorted(s for s in self.run.done_shards() if not self.uploaded(s))
+        """Shards with local stats whose upload is not recorded (or recorded for other stats: rewritten since)."""
+        return sorted(s for s in self.run.listed_shards(self.run.shards_dir, ".stats.json") if not self.uploaded(s))
 
     def uploaded(self, shard: int) -> bool:
-        """Whether ``shard``'s committed stats are the ones recorded as uploaded."""
+        """Whether ``shard``'s upload to this uri is recorded, for its local stats when it has them."""
+        record = read_record(self.run, shard)
+        if record is None or record["uri"] != self.uri:
+            return False
         try:
-            record = read_json(self.run.shard_uploaded(shard))
             stats = read_json(self.run.shard_stats(shard))
+        except FileNotFoundError:
+            return True  # only the record is left: uploaded, local files deleted (keep_local=false)
         except (OSError, ValueError):
             return False
-        return isinstance(record, dict) and isinstance(stats, dict) and record.get("sha256") == stats.get("sha256") \
-            and record.get("uri") == self.uri
+        return isinstance(stats, dict) and record["sha256"] == stats.get("sha256")
 
     def upload_pending(self) -> int:
-        """Upload every committed shard not recorded as uploaded; how many were."""
+        """Upload every committed shard not recorded as uploaded; how many were. With keep_local=false, also delete
+        the local files of shards uploaded by a launch killed before it deleted them."""
         todo = self.pending()
         for shard in todo:
             self.upload(shard)
         if todo:
             log.info("uploaded %d committed shard(s) to %s that earlier launches had not", len(todo), self.uri)
+        if not self.keep_local:
+            for shard in self.run.listed_shards(self.run.shards_dir, ".stats.json"):
+                self._drop_local(shard)
         return len(todo)
 
     def upload(self, shard: int) -> None:
-        """Upload ``shard`` (tar, index, then stats), confirm the tar's size, record it; with keep_local=false
-        delete the local tar. Nothing to do when it is recorded already."""
-        if self.uploaded(shard):
+        """Upload ``shard`` (tar, index, then stats), confirm each object, record it; with keep_local=false delete
+        the local files. Nothing is sent when it is recorded already."""
+        run = self.run
+        if not self.uploaded(shard):
+            locals_ = (run.shard_file(shard), shard_index.index_path(run, shard), run.shard_stats(shard))
+            try:
+                stats = json.loads(run.shard_stats(shard).read_bytes())
+                objects = {local.name: self._send(local) for local in locals_}
+            except FileNotFoundError:
+                if self.uploaded(shard):  # another process uploaded it and deleted the local copy meanwhile
+                    return
+                raise
+            run.uploads_dir.mkdir(exist_ok=True)
+            atomic_write_json(run.shard_uploaded(shard), dict(
+                uri=self.uri, sha256=stats["sha256"], tar_bytes=stats["tar_bytes"], time=time.time(), stats=stats,
+                objects=objects))
+            log.info("shard %06d uploaded to %s", shard, self.uri)
+        self._drop_local(shard)
+
+    def _drop_local(self, shard: int) -> None:
+        """keep_local=false: delete an uploaded shard's local tar, index, then stats (the stats last: until then
+        the shard reads as committed locally, and a kill in between leaves it whole)."""
+        if self.keep_local or not self.uploaded(shard):
             return
-        run, name = self.run, f"{shard:06d}"
-        try:
-            stats_bytes = run.shard_stats(shard).read_bytes()
-            stats = json.loads(stats_bytes)
-            if self._remote_bytes(f"{name}.stats.json") != stats_bytes:  # else: sent whole before a kill
-                for local in (run.shard_file(shard), shard_index.index_path(run, shard)):
-                    self._put(local)
-                file = run.shard_file(shard).name
-                size = info(self._url(file)).get("size")
-                if size != stats["tar_bytes"]:
-                    raise StorageError(f"{self._url(file)}: {size} bytes on the server after its upload, "
-                                       f"{stats['tar_bytes']} committed; re-run to upload it again")
-                retrying(f"uploading {name}.stats.json", self.uri,
-                         lambda: self._fs.pipe_file(f"{self._root}/{name}.stats.json", stats_bytes))
-        except FileNotFoundError:
-            if self.uploaded(shard):  # another process uploaded it and deleted the local copy meanwhile
-                return
-            raise
-        atomic_write_json(run.shard_uploaded(shard), dict(uri=self.uri, sha256=stats["sha256"],
-                                                          tar_bytes=stats["tar_bytes"], time=time.time()))
-        if not self.keep_local:  # the index stays: small, and what status, report and dedup read
-            run.shard_file(shard).unlink(missing_ok=True)
-        log.info("shard %s uploaded to %s", name, self.uri)
+        run = self.run
+        for local in (run.shard_file(shard), shard_index.index_path(run, shard), run.shard_stats(shard)):
+            local.unlink(missing_ok=True)
 
     def _url(self, name: str) -> str:
         return self.uri + name
 
-    def _put(self, local) -> None:
+    def _send(self, local: Path) -> dict:
+        """Upload ``local`` under its name unless the object there is its bytes already (sent whole before a
+        kill); the confirmed object's size, ETag and sha256. StorageError when the server holds other bytes after
+        the upload (a job writing the same key at the same time)."""
         if not local.is_file():
             raise FileNotFoundError(local)
+        size, md5, sha = file_digests(local)
         target = f"{self._root}/{local.name}"
-        retrying(f"uploading {local.name}", self.uri, lambda: self._fs.put_file(str(local), target))
+        meta = self._remote_info(local.name)
+        if meta is None or not same_object(meta, size, md5):
+            retrying(f"uploading {local.name}", self.uri, lambda: self._fs.put_file(str(local), target))
+            meta = self._remote_info(local.name) or {}
+            if not same_object(meta, size, md5, unknown=True):
+                raise StorageError(f"{self._url(local.name)}: {meta.get('size')} bytes on the server after its "
+                                   f"upload, other than the {size} sent (another job writing the same key?); check "
+                                   "that no other run uses this output_uri, then re-run to upload it again")
+        return dict(size=size, etag=etag_of(meta), sha256=sha)
 
-    def _remote_bytes(self, name: str) -> bytes | None:
-        """The object ``name`` under uri, None when there is none."""
+    def _remote_info(self, name: str) -> dict | None:
+        """The object ``name``'s metadata, fresh from the server; None when there is none."""
+        path = f"{self._root}/{name}"
 
-        def get() -> bytes | None:
+        def get() -> dict | None:
+            self._fs.invalidate_cache(path)
             try:
-                return self._fs.cat_file(f"{self._root}/{name}")
+                return self._fs.info(path)
             except FileNotFoundError:
                 return None
 
-        return retrying(f"reading {name}", self.uri, get)
+        return retrying(f"reading {name}'s metadata", self.uri, get)
+
+
+def file_digests(path: Path) -> tuple[int, str, str]:
+    """(size, md5, sha256) of a local file, in one streamed pass (md5: what S3 gives as the ETag of an object put
+    in one part)."""
+    md5, sha, size = hashlib.md5(usedforsecurity=False), hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            md5.update(block)
+            sha.update(block)
+            size += len(block)
+    return size, md5.hexdigest(), sha.hexdigest()
+
+
+def etag_of(meta: dict) -> str | None:
+    """An object's ETag without its quotes (None when the store gives none)."""
+    tag = meta.get("ETag") or meta.get("etag")
+    return str(tag).strip('"') if tag else None
+
+
+def same_object(meta: dict, size: int, md5: str, unknown: bool = False) -> bool:
+    """Whether the object of ``meta`` holds the bytes of size ``size`` and MD5 ``md5``: its size equal, and its ETag
+    equal to the MD5 where it is one (a multipart upload's is not); ``unknown``: what the size alone allows to
+    think when the ETag is no MD5."""
+    if meta.get("size") != size:
+        return False
+    tag = etag_of(meta)
+    if tag and re.fullmatch(r"[0-9a-f]{32}", tag):
+        return tag == md5
+    return unknown
 
 
 def upload_state(run: RunDir) -> dict | None:
     """Where the run uploads its shards and how many committed shards have a recorded upload (from one listing of
-    shards/); None for a run without output_uri."""
+    shards/ and uploads/); None for a run without output_uri."""
     try:
         uri = read_json(run.output_uri_path)["output_uri"]
-        names = os.listdir(run.shards_dir)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    done = {n[:6] for n in names if n.endswith(".stats.json")}
-    return dict(uri=uri, uploaded=sum(n.endswith(".uploaded.json") and n[:6] in done for n in names),
-                committed=len(done))
+    done = run.done_shards()
+    return dict(uri=uri, uploaded=len(run.listed_shards(run.uploads_dir, ".json") & done), committed=len(done))
 
 
 def fetch_uploaded(run: RunDir, shard: int) -> bytes | None:
-    """The tar of ``shard`` read back from where its upload is recorded (its local copy deleted: keep_local=false);
-    None when it has no upload record. StorageError when it cannot be read."""
-    try:
-        uri = read_json(run.shard_uploaded(shard))["uri"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    fs, root = filesystem(uri)
-    name = run.shard_file(shard).name
-    return retrying(f"reading {name}", uri, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
+    """The tar of ``shard`` read back from where its upload is recorded (its local copy deleted: keep_local=false),
+    checked against the record; None when it has no upload record. StorageError when it cannot be read."""
+    return fetch(run, shard, run.shard_file(shard).suffix)
 
 
 def committed_tar(run: RunDir, shard: int) -> Any:
     """The committed tar of ``shard`` to read: its local file, or, when that was deleted once uploaded
     (keep_local=false), its bytes from the bucket as a file object."""
-    path = run.shard_file(shard)
-    if not os.path.lexists(path) and (data := fetch_uploaded(run, shard)) is not None:
-        return io.BytesIO(data)
-    return path
+    return local_or_fetched(run, shard, run.shard_file(shard), run.shard_file(shard).suffix)
 
 
 def uploaded_elsewhere(run: RunDir, shard: int, tar_bytes: int) -> bool:
     """Whether ``shard``'s tar is absent because it was uploaded (keep_local=false) as committed."""
-    try:
-        record = read_json(run.shard_uploaded(shard))
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and record.get("tar_bytes") == tar_bytes
+    record = read_record(run, shard)
+    return record is not None and record["tar_bytes"] == tar_bytes

@@ -1,0 +1,87 @@
+"""A committed shard's files read back from output_uri, checked against the run's record of their upload.
+
+``uploads/NNNNNN.json`` (written by upload.py once the objects are confirmed) holds the shard's stats and, for each
+object (tar, index, stats), its size, ETag and sha256. With keep_local=false the local files are deleted after it is
+written, so the record is the shard's done marker and what readers of the run (status, verify, report, dedup, a
+resume) use in their place: its stats directly, the tar and index fetched from the bucket. An object there is never
+trusted by its name alone: one truncated, emptied or rewritten by another job at the same key has another size or
+sha256 than the record, and is refused (RunDirError naming it and the fix), never read as the shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, read_state, shard_name
+from shardgen.dataio.rundir.remote import filesystem, retrying
+
+# what a record must hold to stand in for a shard's local files
+RECORD_FIELDS = {"uri": str, "sha256": str, "tar_bytes": int, "stats": dict, "objects": dict}
+REDO = "remove {record} and re-run the generate command: the shard is generated and uploaded again"
+
+
+def read_record(run: RunDir, shard: int) -> dict | None:
+    """The upload record of ``shard``; None when there is none or it is not one of this version (a shard whose
+    record is unreadable and has no local stats reads as damaged: ``record_stats``)."""
+    path = run.shard_uploaded(shard)
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_state(path, RECORD_FIELDS)
+    except RunDirError:
+        return None
+
+
+def record_stats(run: RunDir, shard: int, fields: dict[str, type]) -> dict:
+    """The stats kept in ``shard``'s upload record (its local stats deleted: keep_local=false); RunDirError naming
+    the record when it is missing, damaged or its stats lack one of ``fields``."""
+    path = run.shard_uploaded(shard)
+    record = read_state(path, RECORD_FIELDS)
+    stats = record["stats"]
+    for key, typ in fields.items():
+        if not isinstance(stats.get(key), typ) or isinstance(stats.get(key), bool) != (typ is bool):
+            raise RunDirError(f"{path}: its stats have no valid {key!r} (damaged); " + REDO.format(record=path))
+    return stats
+
+
+def object_entry(data: bytes, etag: str | None) -> dict:
+    """What a record keeps of one uploaded object: size, ETag, sha256."""
+    return dict(size=len(data), etag=etag, sha256=hashlib.sha256(data).hexdigest())
+
+
+def fetch(run: RunDir, shard: int, suffix: str) -> bytes | None:
+    """The bytes of ``shard``'s object ``suffix`` (".tar", ".parquet") from where its upload is recorded; None
+    without a record. RunDirError when the object's size or sha256 is not the recorded one (truncated, empty, or
+    rewritten by another job at the same key); StorageError when it cannot be read."""
+    record = read_record(run, shard)
+    if record is None:
+        return None
+    name = shard_name(shard) + suffix
+    want = record["objects"].get(name)
+    url = record["uri"].rstrip("/") + "/" + name
+    if not isinstance(want, dict):
+        raise RunDirError(f"{run.shard_uploaded(shard)} records no {name}; " + REDO.format(record=run.shard_uploaded(shard)))
+    fs, root = filesystem(record["uri"])
+    data = retrying(f"reading {name}", url, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
+    if len(data) != want.get("size") or hashlib.sha256(data).hexdigest() != want.get("sha256"):
+        raise RunDirError(f"{url}: {len(data)} bytes that are not the {want.get('size')} bytes uploaded for this run "
+                          f"({run.shard_uploaded(shard)}): truncated, or written over by another job; "
+                          + REDO.format(record=run.shard_uploaded(shard)))
+    return data
+
+
+def local_or_fetched(run: RunDir, shard: int, path: Path, suffix: str) -> Any:
+    """``path`` when it exists; else, for a shard whose local files were deleted once uploaded, its object's bytes
+    from the bucket as a file object; else ``path`` (missing: the caller reports it)."""
+    if not os.path.lexists(path) and (data := fetch(run, shard, suffix)) is not None:
+        return io.BytesIO(data)
+    return path
+
+
+def only_uploaded(run: RunDir, shard: int) -> bool:
+    """Whether ``shard`` is committed only by its upload record (no local stats: keep_local=false)."""
+    return not os.path.lexists(run.shard_stats(shard)) and os.path.lexists(run.shard_uploaded(shard))
