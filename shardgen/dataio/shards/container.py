@@ -19,10 +19,11 @@ asking for another is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Protocol
 
+from shardgen.dataio.shards.tarshard import PartialTar, ShardScan, read_tar_members, scan_tar
 from shardgen.errors import UserError
 
 DEFAULT = "tar"
@@ -30,17 +31,6 @@ DEFAULT = "tar"
 
 class ContainerError(UserError, ValueError):
     """An unknown ``shard_container``; the message lists the known ones."""
-
-
-@dataclass
-class ShardScan:
-    """What a walk over a (partial or committed) shard file found."""
-
-    samples: list[dict] = field(default_factory=list)  # each whole sample's json, in order
-    end: int = 0              # byte offset just after the last whole sample
-    complete: bool = False    # the container is closed after the last sample
-    closed_end: int = 0       # with ``complete``: the byte offset just after the closing (a whole file's size)
-    problem: str | None = None
 
 
 class PartialShard(Protocol):
@@ -97,13 +87,11 @@ def unregister_container(name: str) -> None:
 
 def container_names() -> list[str]:
     """The registered containers' names."""
-    _builtin()
     return sorted(_CONTAINERS)
 
 
 def get_container(name: str | None = None) -> ShardContainer:
     """The container registered as ``name`` (default: tar); ContainerError naming the known ones otherwise."""
-    _builtin()
     name = name or DEFAULT
     try:
         return _CONTAINERS[name]
@@ -112,8 +100,8 @@ def get_container(name: str | None = None) -> ShardContainer:
                              f"{sorted(_CONTAINERS)}") from None
 
 
-def _builtin() -> Any:
-    from shardgen.dataio.shards import tarshard  # noqa: F401 (registers tar)
+TAR = register_container(ShardContainer(DEFAULT, writer=PartialTar, scan=scan_tar, read_members=read_tar_members))
+"""webdataset's container (shardgen/dataio/shards/tarshard.py): the default ``shard_container``."""
 
 
 def read_shard_members(path: str | Path | BinaryIO, container: str | None = None) -> dict[str, dict[str, bytes]]:

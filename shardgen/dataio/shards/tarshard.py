@@ -17,10 +17,10 @@ import json
 import os
 import tarfile
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardgen.dataio.rundir.layout import disk_full, open_fresh, open_regular
-from shardgen.dataio.shards.container import ShardContainer, ShardScan, register_container
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
@@ -126,6 +126,18 @@ class PartialTar:
         self.path.unlink(missing_ok=True)
 
 
+@dataclass
+class ShardScan:
+    """What a walk over a (partial or committed) shard file found (the scan of every container)."""
+
+    samples: list[dict] = field(default_factory=list)  # each whole sample's json, in order
+    end: int = 0              # byte offset just after the last whole sample
+    complete: bool = False    # the container is closed after the last sample
+    closed_end: int = 0       # with ``complete``: the byte offset just after the closing (a whole file's size)
+    problem: str | None = None
+
+
+
 def scan_tar(path: Path, keys: list[str], limit: int | None = None) -> ShardScan:
     """Walk the members of ``path`` (up to ``limit`` bytes): whole samples in the order ``keys``
     gives them (image, txt, then json last, as the writer writes them); where and why it stops."""
@@ -195,6 +207,3 @@ def read_tar_members(path) -> dict[str, dict[str, bytes]]:
             samples[key][ext] = tf.extractfile(m).read()
     return samples
 
-
-TAR = register_container(ShardContainer("tar", writer=PartialTar, scan=scan_tar, read_members=read_tar_members))
-"""webdataset's container: the default ``shard_container``."""
