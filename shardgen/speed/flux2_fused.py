@@ -32,20 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.flux_fused import norm_eps, norm_weight, one_eps, rms_rope
+from shardgen.speed.flux_fused import (norm_eps, norm_weight, one_eps, processor_problem, restore_processors,
+                                       rms_rope, swap_processors, tl, triton)
 
 log = logging.getLogger("shardgen.flux2_fused")
 
-_ORIG_PROCESSOR = "_shardgen_orig_processor"
 COMPILED = False
 """Compiled blocks compile diffusers' own forwards: inductor fuses these passes itself."""
-
-try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
-
 
 def _triton_ok(*xs: torch.Tensor) -> bool:
     return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
@@ -279,28 +272,21 @@ _FUSED = tuple(_PROCESSORS.values())
 
 # --- switching it on and off ---------------------------------------------------------------------------------
 
-def applicable(transformer: torch.nn.Module) -> str | None:
-    """None when the fused blocks can replace this transformer's, else why not."""
-    if type(transformer).__name__ != "Flux2Transformer2DModel":
-        return f"{type(transformer).__name__} is not Flux2Transformer2DModel"
-    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
-        # tensor parallel: the sharded linears all-reduce in their own forward, which direct weight use would skip
-        return "its weights are DTensors (tensor parallel)"
-    for name, mod in transformer.named_modules():
-        proc = getattr(mod, "processor", None)
-        if proc is None or isinstance(proc, _FUSED):
-            continue
-        if type(proc).__name__ not in _PROCESSORS:
-            return f"{name} uses {type(proc).__name__}"
-        if proc._attention_backend is not None or proc._parallel_config is not None:
-            return f"{name} has an attention backend or a parallel config (context/tensor parallel)"
-        if getattr(mod, "fused_projections", False):
-            return f"{name} has fused QKV projections"
+def layer_norm_problem(transformer: torch.nn.Module) -> str | None:
+    """Why ``ln_modulate`` cannot stand for the blocks' LayerNorms (None: it can): norms with weights, or a block's
+    norms with several epsilons."""
     for block in transformer.modules():
         norms = [m for m in block.children() if isinstance(m, torch.nn.LayerNorm)]
         if any(n.elementwise_affine or n.eps != norms[0].eps for n in norms):
             return f"{type(block).__name__} has LayerNorms with weights or several epsilons"
     return None
+
+
+def applicable(transformer: torch.nn.Module) -> str | None:
+    """None when the fused blocks can replace this transformer's, else why not."""
+    if type(transformer).__name__ != "Flux2Transformer2DModel":
+        return f"{type(transformer).__name__} is not Flux2Transformer2DModel"
+    return processor_problem(transformer, tuple(_PROCESSORS), _FUSED) or layer_norm_problem(transformer)
 
 
 def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
@@ -310,20 +296,11 @@ def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
     if why is not None:
         log.info("fused FLUX.2 blocks not used: %s", why)
         return {}
-    forwards = {}
-    for mod in transformer.modules():
-        proc = getattr(mod, "processor", None)
-        if proc is not None and not isinstance(proc, _FUSED):
-            mod.__dict__[_ORIG_PROCESSOR] = proc
-            mod.processor = _PROCESSORS[type(proc).__name__](proc)
-        fwd = _FORWARDS.get(type(mod).__name__)
-        if fwd is not None:
-            forwards[mod] = types.MethodType(fwd, mod)
-    return forwards
+    swap_processors(transformer, _PROCESSORS)
+    return {mod: types.MethodType(_FORWARDS[type(mod).__name__], mod) for mod in transformer.modules()
+            if type(mod).__name__ in _FORWARDS}
 
 
 def disable(transformer: torch.nn.Module) -> None:
     """Put diffusers' own processors back (the caller restores the forwards)."""
-    for mod in transformer.modules():
-        if _ORIG_PROCESSOR in mod.__dict__:
-            mod.processor = mod.__dict__.pop(_ORIG_PROCESSOR)
+    restore_processors(transformer)

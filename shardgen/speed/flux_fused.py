@@ -44,7 +44,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch 
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
+    triton = tl = None
 
 
 # --- RMSNorm + RoPE into the attention layout -----------------------------------------------------------
@@ -301,27 +301,48 @@ _FORWARDS = {"FluxSingleTransformerBlock": single_block_forward, "FluxTransforme
 
 # --- switching it on and off ---------------------------------------------------------------------------
 
-def applicable(transformer: torch.nn.Module) -> str | None:
-    """None when the fused blocks can replace this transformer's, else why not."""
-    if type(transformer).__name__ != "FluxTransformer2DModel":
-        return f"{type(transformer).__name__} is not FluxTransformer2DModel"
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
+def processor_problem(transformer: torch.nn.Module, stock: tuple[str, ...], fused: tuple[type, ...]) -> str | None:
+    """Why the attention processors of ``transformer`` cannot be swapped for fused ones (None: they can): weights
+    that are DTensors (tensor parallel: the sharded linears all-reduce in their own forward, which direct weight
+    use would skip), a processor not among diffusers' ``stock`` ones (nor already one of ``fused``), an attention
+    backend or parallel config, fused QKV projections."""
     if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
-        # tensor parallel: the sharded linears all-reduce in their own forward, which the fused
-        # forwards' direct weight use would skip
         return "its weights are DTensors (tensor parallel)"
     for name, mod in transformer.named_modules():
         proc = getattr(mod, "processor", None)
-        if proc is None or isinstance(proc, FusedFluxAttnProcessor):
+        if proc is None or isinstance(proc, fused):
             continue
-        if type(proc) is not FluxAttnProcessor:
+        if type(proc).__name__ not in stock:
             return f"{name} uses {type(proc).__name__}"
         if proc._attention_backend is not None or proc._parallel_config is not None:
             return f"{name} has an attention backend or a parallel config (context/tensor parallel)"
         if getattr(mod, "fused_projections", False):
             return f"{name} has fused QKV projections"
     return None
+
+
+def swap_processors(transformer: torch.nn.Module, fused: dict[str, type]) -> None:
+    """Each stock processor named in ``fused`` (class name -> fused class) replaced by its fused one, which keeps
+    it to fall back on; ``restore_processors`` puts them back."""
+    for mod in transformer.modules():
+        proc = getattr(mod, "processor", None)
+        if proc is not None and type(proc).__name__ in fused:
+            mod.__dict__[_ORIG_PROCESSOR] = proc
+            mod.processor = fused[type(proc).__name__](proc)
+
+
+def restore_processors(transformer: torch.nn.Module) -> None:
+    """diffusers' own processors back where ``swap_processors`` replaced them."""
+    for mod in transformer.modules():
+        if _ORIG_PROCESSOR in mod.__dict__:
+            mod.processor = mod.__dict__.pop(_ORIG_PROCESSOR)
+
+
+def applicable(transformer: torch.nn.Module) -> str | None:
+    """None when the fused blocks can replace this transformer's, else why not."""
+    if type(transformer).__name__ != "FluxTransformer2DModel":
+        return f"{type(transformer).__name__} is not FluxTransformer2DModel"
+    return processor_problem(transformer, ("FluxAttnProcessor",), (FusedFluxAttnProcessor,))
 
 
 def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[torch.nn.Module, Any]:
@@ -332,12 +353,9 @@ def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[to
     if why is not None:
         log.info("fused FLUX blocks not used: %s", why)
         return {}
+    swap_processors(transformer, {"FluxAttnProcessor": FusedFluxAttnProcessor})
     forwards = {}
     for mod in transformer.modules():
-        proc = getattr(mod, "processor", None)
-        if proc is not None and not isinstance(proc, FusedFluxAttnProcessor):
-            mod.__dict__[_ORIG_PROCESSOR] = proc
-            mod.processor = FusedFluxAttnProcessor(proc)
         fwd = _FORWARDS.get(type(mod).__name__)
         if fwd is single_block_forward and not split_proj_out:
             fwd = single_block_forward_cat
@@ -348,6 +366,4 @@ def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[to
 
 def disable(transformer: torch.nn.Module) -> None:
     """Put diffusers' own processors back (the compiler restores the forwards)."""
-    for mod in transformer.modules():
-        if _ORIG_PROCESSOR in mod.__dict__:
-            mod.processor = mod.__dict__.pop(_ORIG_PROCESSOR)
+    restore_processors(transformer)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardgen.speed.flux2_fused import gated, ln_modulate
+from shardgen.speed.flux2_fused import gated, layer_norm_problem, ln_modulate
 from shardgen.speed.flux_fused import gelu_feed_forward, norm_eps, norm_weight, one_eps, rms_rope
 
 log = logging.getLogger("shardgen.qwen_fused")
@@ -107,11 +107,7 @@ def applicable(transformer: torch.nn.Module) -> str | None:
         return f"{type(transformer).__name__} is not QwenImageTransformer2DModel"
     if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
         return "its weights are DTensors (tensor parallel)"
-    for block in transformer.modules():
-        norms = [m for m in block.children() if isinstance(m, torch.nn.LayerNorm)]
-        if any(n.elementwise_affine or n.eps != norms[0].eps for n in norms):
-            return f"{type(block).__name__} has LayerNorms with weights or several epsilons"
-    return None
+    return layer_norm_problem(transformer)
 
 
 def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
