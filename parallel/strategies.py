@@ -90,7 +90,7 @@ def _check_latent_checkpoints(dims: ParallelDims, cfg: GenerateConfig) -> None:
 def _check_loras(kind: registry.Strategy, cfg: GenerateConfig) -> None:
     """Adapters that change between batches need the whole transformer on every rank."""
     if kind.splits_transformer and lora.per_row(cfg):
-        _fail(lora.TP_PER_ROW)
+        _fail(lora.split_per_row(kind.name))
 
 
 def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | None, device_type: str | None = None

@@ -210,6 +210,8 @@ def test_a_rows_unusable_adapter_is_a_bad_row(tmp_path, row_files):
     assert (r.ok, r.rejected, r.complete) == (1, 1, True)
     with pytest.raises(UserError, match="strategy=tp cannot"):
         run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "strategy=tp"))
+    with pytest.raises(UserError, match="strategy=fsdp cannot"):
+        run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "strategy=fsdp"))
     with pytest.raises(UserError, match="fp8=true quantizes the weights once"):
         run(compose_cfg(f"run_dir={tmp_path / 'c'}", *args, "fp8=true"))
 

@@ -29,9 +29,12 @@ ROW_FIELD = "loras"
 """The ``prompts.row_settings`` name of a row's own adapters."""
 
 
-TP_PER_ROW = ("prompts.row_settings=[loras] switches adapters between batches, which strategy=tp cannot do (each "
-              "rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run in "
-              "model.loras")
+def split_per_row(strategy: str) -> str:
+    """Why ``strategy`` (one that splits the transformer's weights over its ranks) cannot take a row's own
+    adapters, and what to use instead."""
+    return (f"prompts.row_settings=[loras] switches adapters between batches, which strategy={strategy} cannot do "
+            "(each rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run "
+            "in model.loras")
 
 
 class LoraError(UserError, ValueError):
