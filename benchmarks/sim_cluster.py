@@ -193,7 +193,7 @@ def make_plan(root: Path, shards: int, per_shard: int) -> RunDir:
 def fake_generator(gen_s: float, kill_prob: float, rng: random.Random, jitter: float = 0.0):
     """A generator that sleeps ``gen_s`` a batch (times a factor uniform in 1 +- ``jitter``: GPUs and prompts differ,
     so a cluster's replicas do not all finish their shards in the same second), raises Killed with ``kill_prob``."""
-    def generate_batch(pipe, settings, rows, replica_ranks=1):
+    def generate_batch(pipe, settings, rows, replica_ranks=1, images=None):
         time.sleep(gen_s * (1 + jitter * (2 * rng.random() - 1)) if jitter else gen_s)
         if kill_prob and rng.random() < kill_prob:
             raise Killed()

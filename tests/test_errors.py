@@ -20,7 +20,7 @@ EXPECTED = {
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",
-    "BadImage": "user",
+    "BadImage": "user", "ContainerError": "user",
 }
 
 
