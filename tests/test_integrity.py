@@ -367,6 +367,31 @@ def test_leftovers_of_killed_jobs_are_cleaned_up(copy):
     assert not planning.exists() and not dead_tmp.exists() and not dead_latent.exists() and live_tmp.exists()
 
 
+def test_work_files_of_a_committed_shard_left_by_a_kill_after_its_commit_are_removed(copy):
+    """A job killed after a shard's done marker and before the cleanup of its work files leaves them for good (no
+    later claim of a done shard would); the next launch removes them. A shard that a live holder is rewriting
+    (retry_failed) keeps its own."""
+    from shardgen.dataio.resume.repair import repair_run_dir
+
+    prompts, d, want = copy
+    rd = RunDir(d)
+    left = [rd.checkpoint(0, 2), rd.partial_shard(0, 2), shard_index.partial_index_path(rd, 0, 2)]
+    for path in left:
+        path.write_bytes(b"{}")
+    claimer = Claimer(rd, owner_record(0), lease_s=60, heartbeat_s=3600)
+    try:
+        gen = claimer.try_claim(1, None)  # this live process rewrites shard 1
+        rewriting = rd.checkpoint(1, gen)
+        rewriting.write_bytes(b"{}")
+        notes = repair_run_dir(load_plan(rd), lease_s=60)
+        assert not any(p.exists() for p in left) and rewriting.exists()
+        assert sum("shard 000000 is committed" in n for n in notes) == 3
+    finally:
+        claimer.close()
+    rewriting.unlink()
+    verified_identical(d, want)
+
+
 # ------------------------------------------------------------------ claims: clock skew and take-over
 
 def test_a_holder_whose_claim_was_taken_over_leaves_cleanly(tmp_path):

@@ -400,7 +400,8 @@ def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_
     keys = [s["__key__"] for s in wds.WebDataset(f"{out}/{{000000..{n // 2 - 1:06d}}}.tar", shardshuffle=False)]
     assert sorted(keys) == [f"{i:010d}" for i in range(n)]  # every prompt exactly once
     assert sorted(k for ks in bucket_samples(s3, out).values() for k in ks) == sorted(keys)
-    assert dir_bytes(run_dir / "shards") == 0 and dir_bytes(run_dir / "work") == 0
+    left = {p.name: p.read_bytes()[:300] for d in ("shards", "work") for p in (run_dir / d).rglob("*") if p.is_file()}
+    assert dir_bytes(run_dir / "shards") == 0 and dir_bytes(run_dir / "work") == 0, left
     assert len(list((run_dir / "uploads").iterdir())) == n // 2
 
 

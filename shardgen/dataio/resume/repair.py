@@ -155,6 +155,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
             entries.pop(path.name, None)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
+    notes += _remove_committed_work(run, claims, lease_s, me)
     # only the shards that have files in shards/ are checked, and of those only the ones whose files changed
     # since a launch found them sound (their sizes and mtimes come with the listing), the rest concurrently: on a
     # shared filesystem 100k shards checked one after another at every launch of every job would take minutes each
@@ -176,6 +177,26 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
         notes.append(finish_or_discard(run, shard, plan.shard_range(shard), problem))
     for line in notes:
         log.warning("%s: %s", run.root, line)
+    return notes
+
+
+def _remove_committed_work(run: RunDir, claims: dict, lease_s: float, me: dict) -> list[str]:
+    """Remove the work files (partial shard, its index, checkpoint) of shards already committed: a job killed
+    between a commit's done marker and its cleanup leaves them, and no later claim of the shard (it is done) would.
+    A shard a live holder is rewriting (retry_failed) keeps its own."""
+    if not run.work_dir.is_dir():
+        return []
+    with os.scandir(run.work_dir) as it:
+        names = [e.name for e in it if e.name[:6].isdigit() and e.name[6:8] == ".g"]
+    notes = []
+    for shard in sorted({int(n[:6]) for n in names}):
+        gen = claims.get(shard)
+        if not run.is_done(shard) or (gen is not None and claim_state(*read_claim(run, shard, gen), time.time(),
+                                                                      lease_s, me) in ("running", "future")):
+            continue
+        for name in (n for n in names if int(n[:6]) == shard):
+            (run.work_dir / name).unlink(missing_ok=True)
+            notes.append(f"removed work/{name}: shard {shard:06d} is committed (left by a job killed after its commit)")
     return notes
 
 
