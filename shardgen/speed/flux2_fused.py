@@ -40,6 +40,7 @@ log = logging.getLogger("shardgen.flux2_fused")
 COMPILED = False
 """Compiled blocks compile diffusers' own forwards: inductor fuses these passes itself."""
 
+
 def _triton_ok(*xs: torch.Tensor) -> bool:
     return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
             and all(x.stride(-1) == 1 for x in xs))
