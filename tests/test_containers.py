@@ -17,6 +17,7 @@ from shardgen.dataio.rundir.layout import DiskFullError, RunDir, open_fresh, ope
 from shardgen.dataio.shards.container import (ContainerError, ShardContainer, ShardScan, get_container,
                                               read_shard_members, register_container, unregister_container)
 from shardgen.dataio.prompts.plan import load_plan
+from shardgen.errors import UserError
 from shardgen.tools.verify import verify_run
 from tests.conftest import compose_cfg
 
@@ -172,7 +173,9 @@ def test_a_launch_asking_another_container_of_a_planned_run_is_refused(made, tmp
     d, _ = made
     with pytest.raises(ContainerError, match="planned with shard_container=rec.*Set shard_container=rec"):
         run(compose_cfg(f"run_dir={d / 'rec'}", *ARGS))
-    with pytest.raises(ContainerError, match=r"shard_container='zip' is not a known shard container; use one of"):
+    with pytest.raises(UserError, match=r"shard_container='zip': use one of \['rec', 'tar'\]"):
         run(compose_cfg(f"run_dir={tmp_path / 'z'}", *ARGS, "shard_container=zip"))
+    with pytest.raises(UserError, match=r"shard_container='zip': use one of"):  # a dry run refuses it too
+        run(compose_cfg(f"run_dir={tmp_path / 'z'}", *ARGS, "shard_container=zip", "dry_run=true"))
     assert not (tmp_path / "z").exists()
     assert get_container().name == "tar"

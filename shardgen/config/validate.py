@@ -11,7 +11,7 @@ from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
-from shardgen.dataio.shards import IMAGE_EXTS, Signals, validate_video_config
+from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
@@ -105,6 +105,9 @@ def validate_config(cfg: GenerateConfig) -> None:
           "cfg_batching=true runs both CFG branches in one call on every rank, cfg_degree=2 splits them over two "
           "ranks: choose one (cfg_batching=false or cfg_degree=1)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
+    containers = container_names()
+    _need(cfg.get("shard_container", "tar") in containers,
+          f"shard_container={cfg.get('shard_container')!r}: use one of {containers}")
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
     for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
