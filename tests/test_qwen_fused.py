@@ -56,6 +56,8 @@ def test_fused_qk_is_the_processors_norms_and_rope_in_prefix_attentions_order(pi
     ref_q = torch.cat([qwen.apply_rope(attn.norm_added_q(txt_q), freqs[1]), qwen.apply_rope(attn.norm_q(img_q), freqs[0])], 1)
     ref_k = torch.cat([qwen.apply_rope(attn.norm_k(img_k), freqs[0]), qwen.apply_rope(attn.norm_added_k(txt_k), freqs[1])], 1)
     assert query.shape == (2, attn.heads, 21, img_q.shape[-1]) and query.is_contiguous()
+    # every block of a call gets the same frequency tensors: the joint tables are made once for all of them
+    assert all(a is b for a, b in zip(qwen_fused._joint_tables(*freqs), qwen_fused._joint_tables(*freqs)))
     torch.testing.assert_close(query, ref_q.transpose(1, 2), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(key, ref_k.transpose(1, 2), rtol=1e-6, atol=1e-6)
     # eager on CUDA only: the CPU keeps the stock lines (exact bytes); compiled blocks bring real frequencies

@@ -23,6 +23,7 @@ import types
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.flux2_fused import gated, layer_norm_problem, ln_modulate
 from shardgen.speed.flux_fused import gelu_feed_forward, norm_eps, norm_weight, one_eps, rms_rope
@@ -86,16 +87,31 @@ def fused_qk_applies(attn, image_rotary_emb, query: torch.Tensor) -> bool:
             and all(n is not None for n in norms) and one_eps(attn))
 
 
+_TABLES = WeakIdKeyDictionary()  # image freqs -> (their version, text freqs, the four joint tables)
+
+
+def _joint_tables(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(query cos, query sin) over [text, image] and (key cos, key sin) over [image, text]. Every block of a
+    transformer call gets the same frequency tensors, so the tables are made once per call, not once per block."""
+    hit = _TABLES.get(img_freqs)
+    if hit is None or hit[0] != img_freqs._version or hit[1] is not txt_freqs:
+        (img_cos, img_sin), (txt_cos, txt_sin) = _cos_sin(img_freqs), _cos_sin(txt_freqs)
+        hit = _TABLES[img_freqs] = (img_freqs._version, txt_freqs,
+                                    torch.cat([txt_cos, img_cos]), torch.cat([txt_sin, img_sin]),
+                                    torch.cat([img_cos, txt_cos]), torch.cat([img_sin, txt_sin]))
+    return hit[2:]
+
+
 def fused_qk(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
     """The processor's q/k RMSNorm and RoPE in one op per tensor: queries ordered [text, image], keys [image,
     text] (prefix attention's order), each (batch, heads, tokens, head_dim) contiguous (``fused_qk_applies``
     first)."""
-    (img_cos, img_sin), (txt_cos, txt_sin) = (_cos_sin(f) for f in image_rotary_emb)
+    q_cos, q_sin, k_cos, k_sin = _joint_tables(*image_rotary_emb)
     eps = norm_eps(attn.norm_q, img_q.dtype)
     query = rms_rope([txt_q, img_q], [norm_weight(attn.norm_added_q, txt_q), norm_weight(attn.norm_q, img_q)],
-                     torch.cat([txt_cos, img_cos]), torch.cat([txt_sin, img_sin]), eps)
+                     q_cos, q_sin, eps)
     key = rms_rope([img_k, txt_k], [norm_weight(attn.norm_k, img_k), norm_weight(attn.norm_added_k, txt_k)],
-                   torch.cat([img_cos, txt_cos]), torch.cat([img_sin, txt_sin]), eps)
+                   k_cos, k_sin, eps)
     return query, key
 
 
