@@ -26,7 +26,7 @@ from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_b
                                     attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
                                     detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
                                     record_launch)
-from shardgen.dataio.shards.container import ContainerError, get_container
+from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.dataio.rundir.layout import storage_error
@@ -112,7 +112,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
     planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
-    run = RunDir.at(cfg.run_dir, container=get_container(cfg.shard_container).name)  # an unknown one: refused here
+    run = RunDir.at(cfg.run_dir, container=cfg.shard_container)  # a known one: validate_config checked it
     check_run_dir_text(cfg.run_dir)
     new = check_run_root(run.root)
     top = first_missing_dir(run.root)
