@@ -178,3 +178,27 @@ def test_prefix_attention_matches_the_masked_sdpa_in_bf16(valid):
         got = prefix_attention(q, k_it, v_it, torch.tensor(valid), 4096)
     rel = (got[:, 128:].float() - want[:, 128:].float()).pow(2).mean().sqrt() / want[:, 128:].float().pow(2).mean().sqrt()
     assert rel < 5e-3
+
+
+def test_row_adapter_switching_compiles_nothing_after_the_first_batch(tmp_path):
+    """Rows naming their own LoRA sets (FLUX.1-dev shapes, rank-16 adapters) under compile=true: every batch after
+    the first switches the fused set, and no batch compiles a graph the first did not (torch._dynamo's counters)."""
+    import json
+
+    from shardgen.bench.measure import compiled_graphs
+    from shardgen.models.dummy import save_random_lora
+    from shardgen.run.runner import run_rank
+
+    for i, name in enumerate("ab"):
+        save_random_lora("flux_dev", tmp_path / f"{name}.safetensors", rank=16, seed=i)
+    sets = ([], ["a.safetensors"], ["b.safetensors"], ["a.safetensors", "b.safetensors:0.5"])
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps(dict(prompt=f"a photo of thing {i}", loras=sets[i % 4])) + "\n")
+    graphs = []
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", "model.weights=dummy", "height=256", "width=256",
+                      "steps=2", "batch_size=2", "progress=false", "prompts=jsonl", f"prompts.path={tmp_path / 'rows.jsonl'}",
+                      "prompts.row_settings=[loras]", "compile=true", "compile_tuning=false")
+    r = run_rank(cfg, on_batch=lambda event, worker: event == "end" and graphs.append(compiled_graphs()))
+    assert (r.ok, r.failed) == (8, 0)
+    assert len(graphs) == 4 and graphs[-1] == graphs[0], f"graphs compiled after each batch: {graphs}"

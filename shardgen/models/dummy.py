@@ -22,6 +22,7 @@ with the real ``model_max_length``; pass ``tokenizer_dir`` (a pipeline directory
 from __future__ import annotations
 
 import copy
+import os
 import logging
 import tempfile
 import time
@@ -280,3 +281,33 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
     pipe.set_progress_bar_config(disable=True)
     pipe.dummy_build_seconds = seconds
     return pipe
+
+
+# --- random LoRA adapters for a dummy model -------------------------------------------------------
+
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+"""The attention projections an adapter trained for a DiT usually adapts (diffusers' training scripts' default)."""
+
+
+def save_random_lora(model: str, path: str | os.PathLike, rank: int = 64, seed: int = 0,
+                     targets: tuple[str, ...] = LORA_TARGETS, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save a LoRA of ``rank`` for the transformer of the dummy ``model`` (e.g. "flux_dev") to the .safetensors
+    file ``path``, in diffusers' layout (``transformer.<module>.lora_A/B.weight``), random from ``seed``: an adapter
+    with a real adapter's shapes for benchmarks, made without building the model's weights. Returns ``path``."""
+    from safetensors.torch import save_file
+
+    transformer = construct_meta(dummy_architecture(model)["transformer"])
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, mod in transformer.named_modules():
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            a = torch.randn(rank, mod.in_features, generator=gen) / mod.in_features ** 0.5
+            b = torch.randn(mod.out_features, rank, generator=gen) * (0.02 / rank ** 0.5)
+            tensors[f"transformer.{name}.lora_A.weight"] = a.to(dtype).contiguous()
+            tensors[f"transformer.{name}.lora_B.weight"] = b.to(dtype).contiguous()
+    if not tensors:
+        raise ValueError(f"no Linear of {model}'s transformer is named like {targets}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
