@@ -197,7 +197,8 @@ def test_row_adapter_switching_compiles_nothing_after_the_first_batch(tmp_path):
             f.write(json.dumps(dict(prompt=f"a photo of thing {i}", loras=sets[i % 4])) + "\n")
     graphs = []
     cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", "model.weights=dummy", "height=256", "width=256",
-                      "steps=2", "batch_size=2", "progress=false", "prompts=jsonl", f"prompts.path={tmp_path / 'rows.jsonl'}",
+                      "steps=2", "batch_size=2", "samples_per_shard=8", "progress=false", "prompts=jsonl",
+                      f"prompts.path={tmp_path / 'rows.jsonl'}",
                       "prompts.row_settings=[loras]", "compile=true", "compile_tuning=false")
     r = run_rank(cfg, on_batch=lambda event, worker: event == "end" and graphs.append(compiled_graphs()))
     assert (r.ok, r.failed) == (8, 0)
