@@ -329,8 +329,12 @@ def test_verify_names_a_sample_made_from_another_image_than_its_rows(batch3):
 
 # --- FLUX.2 reference images: the scaled-down FLUX.2-dev dummy through the generation code --------------------------
 
-def test_flux2_reference_images_reach_the_transformer_and_batching_does_not_change_the_pixels(inputs):
+def test_flux2_reference_images_reach_the_transformer_and_batching_does_not_change_the_pixels(inputs, monkeypatch):
+    import contextlib
+
     import torch
+
+    from shardgen.speed import accel
 
     from shardgen.dataio.prompts.plan import PlannedRow
     from shardgen.models.condition import InputImage
@@ -344,12 +348,16 @@ def test_flux2_reference_images_reach_the_transformer_and_batching_does_not_chan
                                                with_kwargs=True)
     s = GenSettings(height=64, width=64, steps=2, guidance=4.0, true_cfg_scale=1.0, negative_prompt=None,
                     max_sequence_length=32, model="flux2_dev", strategy="dp", input_image="optional",
-                    image_per_call=True, batch_size=3)
+                    image_per_call=True, image_in_sequence=True, batch_size=3)
+    shapes = []  # the attention shape each call's SDPA kernel is chosen for
+    monkeypatch.setattr(accel, "sdpa_context", lambda pipe, opts, shape: shapes.append(shape) or contextlib.nullcontext())
     images = [InputImage(ref=n, path=str(inputs / n)) for n in ("a.png", "b.png")]
     rows = [PlannedRow(index=i, line=i + 1, prompt="a cat", seed=i, extra={}, reject=None,
                        settings={"image": images[i % 2]} if i < 4 else {}) for i in range(5)]
     together = generate_batch(pipe, s, rows)
     assert sorted(set(tokens)) == [(1, 16), (2, 32)]  # calls (per step): rows 0, 2 (a) / 1, 3 (b) / 4 (none)
+    heads, dim = pipe.transformer.config.num_attention_heads, pipe.transformer.config.attention_head_dim
+    assert shapes == [(2, heads, 32 + 32, dim)] * 2 + [(1, heads, 16 + 32, dim)]  # image tokens (+ the refs') + text
     tokens.clear()
     alone = [smp for r in rows for smp in generate_batch(pipe, s, [r])]
     assert all(x.status == "ok" and np.array_equal(x.pixels, y.pixels) for x, y in zip(together, alone))

@@ -72,6 +72,10 @@ class ModelFamily:
     """Image-to-image: ``__call__`` takes ``strength`` (how far a sample may go from its input image)."""
     image_per_call: bool = False
     """The pipeline conditions a whole call on one image (Wan image-to-video): rows are batched by input image."""
+    image_in_sequence: bool = False
+    """The input image's latent tokens join the sample's in the transformer's attention (edit models: FLUX.1
+    Kontext, FLUX.2 references; shardgen fits the image to the sample's size, so a conditioned call attends over twice
+    the image tokens)."""
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""

@@ -44,6 +44,7 @@ _FLUX2_DEV = {
 FLUX2 = register(ModelFamily(
     name="FLUX.2", pipeline="Flux2Pipeline", text_tokens="max_sequence_length",
     encode_outputs=("prompt_embeds", None), input_image="optional", image_per_call=True,
+    image_in_sequence=True,
     dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
     fused_blocks={"Flux2Transformer2DModel": "shardgen.speed.flux2_fused"},
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)

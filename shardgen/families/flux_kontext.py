@@ -15,5 +15,5 @@ from shardgen.families.base import register
 from shardgen.families.flux import FLUX
 
 FLUX_KONTEXT = register(dataclasses.replace(
-    FLUX, name="FLUX.1 Kontext", pipeline="FluxKontextPipeline", input_image="optional",
+    FLUX, name="FLUX.1 Kontext", pipeline="FluxKontextPipeline", input_image="optional", image_in_sequence=True,
     dummies={"flux_kontext_dev": FLUX.dummies["flux_dev"]}))

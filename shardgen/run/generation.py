@@ -59,6 +59,8 @@ class GenSettings:
     """Whether the pipeline takes an input image per sample: "", "optional", "required" (its family's)."""
     image_per_call: bool = False
     """The pipeline conditions a whole call on one input image: rows are batched by image."""
+    image_in_sequence: bool = False
+    """The input image's tokens join the sample's in attention (``ModelFamily.image_in_sequence``)."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
@@ -74,6 +76,7 @@ class GenSettings:
                     compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
                     latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
                     input_image=fam.input_image, image_per_call=fam.image_per_call,
+                    image_in_sequence=fam.image_in_sequence,
                     strength=float(cfg.model.strength) if fam.strength else None)
 
 
@@ -235,7 +238,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
     try:
         call = padded(rows, s)
-        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length)
+        images = 2 if s.image_in_sequence and call[0].index in conds else 1  # the sample's latents, its input's
+        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length, images)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
                              [r.settings.get("negative_prompt") for r in call],
                              [conds[r.index].image for r in call] if call[0].index in conds else None)

@@ -90,14 +90,16 @@ def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
     return _SDPA_CHOICE[key]
 
 
-def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int) -> tuple[int, int, int, int] | None:
-    """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config."""
+def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int,
+                    images: int = 1) -> tuple[int, int, int, int] | None:
+    """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config; ``images``: how many
+    height x width images' latent tokens the sequence holds (2 for an edit model's conditioned call)."""
     tr = getattr(pipe, "transformer", None)
     cfg = getattr(tr, "config", None)
     if cfg is None or "num_attention_heads" not in cfg or "attention_head_dim" not in cfg:
         return None
     factor = getattr(pipe, "vae_scale_factor", 8) * 2  # latents packed in 2x2 patches
-    tokens = (height // factor) * (width // factor) + text_tokens
+    tokens = images * (height // factor) * (width // factor) + text_tokens
     return batch, int(cfg.num_attention_heads), int(tokens), int(cfg.attention_head_dim)
 
 
