@@ -6,9 +6,10 @@ One process per way, in this order, on one prompt file of captions of 1 to 200 w
 own size and CFG settings; two random rank-``--rank`` adapters on the attention projections, made by
 ``shardgen.models.dummy.save_random_lora``):
 
-1. ``base``: ``python -m jobs.generate ... compile=false``;
+1. ``base``: ``python -m jobs.generate ...`` eager (``compile: auto`` held eager by ``SHARDGEN_COMPILE_AUTO=eager``,
+   which times every batch);
 2. ``lora``: the same with ``model.loras=[a]`` (fused into the weights before the first batch);
-3. ``rows``: ``compile=false``, rows cycling through the adapter sets none / a / b / a+b
+3. ``rows``: eager, rows cycling through the adapter sets none / a / b / a+b
    (``prompts.row_settings=[loras]``): each switch restores the base weights and fuses the next set;
 4. ``rows-compiled``: the rows of ``rows`` with ``compile=true``: the graphs compiled after the first batch must
    not grow (switching sets compiles nothing): ``recompiles`` counts dynamo's recompile messages (TORCH_LOGS).
@@ -65,9 +66,9 @@ def main() -> None:
            "progress=false", *size, *a.overrides]
     text = ["prompts=txt", f"prompts.path={out / 'prompts.txt'}"]
     rows = ["prompts=jsonl", f"prompts.path={out / 'rows.jsonl'}", "prompts.row_settings=[loras]"]
-    ways = {"base": [*text, "compile=false"],
-            "lora": [*text, "compile=false", f"model.loras=[{{path: '{out / 'a.safetensors'}', scale: 0.8}}]"],
-            "rows": [*rows, "compile=false"],
+    ways = {"base": text,
+            "lora": [*text, f"model.loras=[{{path: '{out / 'a.safetensors'}', scale: 0.8}}]"],
+            "rows": rows,
             "rows-compiled": [*rows, "compile=true"]}
     skip = set(filter(None, a.skip.split(",")))
     env = dict(os.environ, PYTHONUNBUFFERED="1", SHARDGEN_CACHE=str(out / "cache"))
@@ -75,7 +76,8 @@ def main() -> None:
     for way, extra in ways.items():
         if way in skip:
             continue
-        way_env = dict(env, TORCH_LOGS="recompiles") if way == "rows-compiled" else env
+        held = {"TORCH_LOGS": "recompiles"} if way == "rows-compiled" else {"SHARDGEN_COMPILE_AUTO": "eager"}
+        way_env = dict(env, **held)
         wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *extra], out / f"{way}.log", way_env)
         res[way] = dict(parse_job(log), rc=rc, wall_s=wall, recompiles=log.count("Recompiling function"))
         (out / "summary.json").write_text(json.dumps(res, indent=1))
