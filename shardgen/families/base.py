@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 class ComponentSpec(NamedTuple):
     """How to build one pipeline component: ``library`` is "diffusers", "transformers", "tokenizer" (a tiny
-    tokenizer of kind ``cls`` trained here), "processor" (a transformers image processor ``cls(**config)``) or
-    "value" (a plain pipeline argument, ``config["value"]``);
+    tokenizer of kind ``cls`` trained here), "processor" (a transformers processor ``cls(**config)``; a config's
+    ``tokenizer`` names the component passed as its tokenizer, its ``image_processor`` is the dict of an image
+    processor: ``cls`` and its kwargs) or "value" (a plain pipeline argument, ``config["value"]``);
     ``config`` is the kwargs of the diffusers class, of the transformers config class ``config_cls``, or of
     the tokenizer builder."""
 

@@ -159,6 +159,18 @@ def _synchronize(device: torch.device) -> None:
 _QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
                   "<|im_end|>\n<|im_start|>assistant\n")
+# QwenImageEditPipeline's template: trained on too, so its system prefix is the 64 tokens the pipeline drops
+# (prompt_template_encode_start_idx), as with the real vocabulary, and the kept text starts at <|vision_start|>
+_QWEN_EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+# Qwen2's special tokens at their real ids: Qwen2.5-VL finds the image in the text by these ids (its config's
+# vision_start_token_id, image_token_id, ...), so a tiny vocabulary must keep them
+QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+                    "<|image_pad|>": 151655, "<|video_pad|>": 151656}
 # Mistral's instruct format, reduced to text content (what Flux2Pipeline.format_input produces).
 _MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -175,8 +187,10 @@ def _example_prompts() -> list[str]:
     return [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()] if path.is_file() else []
 
 
-def _train_chat_tokenizer(kind: str, model_max_length: int):
-    """A small byte-level BPE tokenizer with the special tokens of Qwen2 or Mistral (Tekken) chat prompts."""
+def _train_chat_tokenizer(kind: str, model_max_length: int, real_ids: bool = True):
+    """A small byte-level BPE tokenizer with the special tokens of Qwen2 or Mistral (Tekken) chat prompts;
+    ``real_ids``: Qwen2's special tokens at the real vocabulary's ids (``QWEN_SPECIAL_IDS``), else at the trained
+    vocabulary's first ids (a tiny model's compact embedding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -187,8 +201,8 @@ def _train_chat_tokenizer(kind: str, model_max_length: int):
     # realistic text lengths in a benchmark
     prompts = CORPUS + _example_prompts()
     if kind == "qwen":
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        corpus = prompts + [_QWEN_TEMPLATE.format(p) for p in CORPUS]
+        specials = list(QWEN_SPECIAL_IDS)
+        corpus = prompts + [t.format(p) for t in (_QWEN_TEMPLATE, _QWEN_EDIT_TEMPLATE) for p in CORPUS]
     else:
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
@@ -200,11 +214,26 @@ def _train_chat_tokenizer(kind: str, model_max_length: int):
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=4000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if kind == "qwen":
-        return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        return PreTrainedTokenizerFast(tokenizer_object=_with_ids(bpe, QWEN_SPECIAL_IDS) if real_ids else bpe,
+                                       pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                        model_max_length=model_max_length)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", model_max_length=model_max_length,
                                    chat_template=_MISTRAL_CHAT_TEMPLATE)
+
+
+def _with_ids(bpe, ids: dict[str, int]):
+    """The trained tokenizer ``bpe`` with its special tokens moved to ``ids`` (the rest of the vocabulary keeps its
+    ids; the ones the specials leave are unused)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    state = json.loads(bpe.to_str())
+    state["model"]["vocab"].update({t: ids[t] for t in state["model"]["vocab"] if t in ids})
+    for added in state["added_tokens"]:
+        added["id"] = ids.get(added["content"], added["id"])
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_dir, cache: dict):
@@ -229,6 +258,35 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
     if spec.cls in ("qwen", "mistral"):
         return _train_chat_tokenizer(spec.cls, max_len)
     raise ValueError(f"unknown tokenizer kind {spec.cls!r} for {pipeline}.{name}")
+
+
+def _build_processor(pipeline: str, name: str, spec: ComponentSpec, built: dict, tokenizer_dir):
+    """A transformers processor: ``cls(**config)``, its ``tokenizer`` the built component the config names and its
+    ``image_processor`` made from its dict; with ``tokenizer_dir``, one taking a tokenizer is the real one saved in
+    the pipeline directory's ``<name>/`` folder."""
+    config = dict(spec.config)
+    tokenizer = config.pop("tokenizer", None)
+    if tokenizer is not None and tokenizer_dir is not None:
+        path = Path(tokenizer_dir) / name
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer_dir={tokenizer_dir!s} has no {name}/ folder (needed by {pipeline})")
+        return _class(spec.cls).from_pretrained(path)
+    if tokenizer is not None:
+        config["tokenizer"] = built[tokenizer]
+    if isinstance(config.get("image_processor"), dict):
+        sub = dict(config["image_processor"])
+        config["image_processor"] = _class(sub.pop("cls"))(**sub)
+    return _class(spec.cls)(**config)
+
+
+def _class(name: str):
+    """A transformers class by name, or ``module:Class`` (shardgen's image-only Qwen2-VL processor)."""
+    import importlib
+
+    import transformers
+
+    module, _, cls = name.rpartition(":")
+    return getattr(importlib.import_module(module) if module else transformers, cls)
 
 
 # --- the builder ------------------------------------------------------------------------------------
@@ -256,6 +314,7 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
     generator = torch.Generator(device=device).manual_seed(seed)
     components, seconds, tok_cache = {}, {}, {}
     order = [n for n in _BUILD_ORDER if n in specs] + [n for n in specs if n not in _BUILD_ORDER]
+    order.sort(key=lambda n: specs[n].library == "processor")  # after the tokenizers they take
     for name in order:
         spec = specs[name]
         t0 = time.perf_counter()
@@ -263,10 +322,8 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
             components[name] = _build_tokenizer(pipeline, name, spec, tokenizer_dir, tok_cache)
         elif spec.library == "value":  # a plain pipeline argument (Wan 2.2's boundary_ratio)
             components[name] = spec.config["value"]
-        elif spec.library == "processor":  # a transformers image processor (Wan 2.1 I2V's CLIP one): no weights
-            import transformers
-
-            components[name] = getattr(transformers, spec.cls)(**spec.config)
+        elif spec.library == "processor":  # Wan 2.1 I2V's CLIP image processor, Qwen-Image-Edit's VL one: no weights
+            components[name] = _build_processor(pipeline, name, spec, components, tokenizer_dir)
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:
