@@ -77,6 +77,13 @@ class ModelFamily:
     """The input image's latent tokens join the sample's in the transformer's attention (edit models: FLUX.1
     Kontext, FLUX.2 references; shardgen fits the image to the sample's size, so a conditioned call attends over twice
     the image tokens)."""
+    input_image_area: int = 0
+    """The pixel area the pipeline resizes an input image to, keeping its aspect ratio (Qwen-Image-Edit: 1024x1024
+    whatever the sample's size); 0: the sample's size. Each image is fitted to that size before the call
+    (shardgen/models/condition.py: ``area_size``)."""
+    own_components: dict[str, str] = field(default_factory=dict)
+    """Component name -> ``"module:Class"`` that loads it instead of the class the model's ``model_index.json`` names
+    (``Class.from_pretrained(<model>, subfolder=<name>)``): Qwen-Image-Edit's processor without torchvision."""
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""

@@ -185,6 +185,22 @@ def fit(image: Any, width: int, height: int) -> Any:
     return ImageOps.fit(image, (width, height), method=Image.Resampling.LANCZOS)
 
 
+def area_size(width: int, height: int, area: int, multiple: int = 32) -> tuple[int, int]:
+    """The (width, height) of about ``area`` pixels, multiples of ``multiple``, at the aspect ratio of ``width`` x
+    ``height``, as Qwen-Image-Edit's ``calculate_dimensions`` rounds them: the size that pipeline resizes an input
+    image to. Repeated until the size gives itself back (rounding moves the ratio; at most a few rounds), so the
+    pipeline, computing it again from an image of that size, finds the same and resizes nothing."""
+    size = (width, height)
+    for _ in range(16):
+        ratio = size[0] / size[1]
+        w = math.sqrt(area * ratio)  # the pipeline's own arithmetic, in its order: the same floats round alike
+        new = (round(w / multiple) * multiple, round(w / ratio / multiple) * multiple)
+        if new == size:
+            break
+        size = new
+    return size
+
+
 def load(img: InputImage, width: int, height: int) -> Conditioned:
     """The input image of a row, read, hashed, decoded and fitted to ``width`` x ``height``; BadImage says why not."""
     data = read_bytes(img)

@@ -28,7 +28,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 TINY_SOURCES = {"tiny": "shardgen.models.tiny:tiny_model_path",
                 "tiny_video": "shardgen.models.tiny_video:tiny_video_model_path",
-                "tiny_video_i2v": "shardgen.models.tiny_video:tiny_video_i2v_model_path"}
+                "tiny_video_i2v": "shardgen.models.tiny_video:tiny_video_i2v_model_path",
+                "tiny_qwen_edit": "shardgen.models.tiny_qwen_edit:tiny_qwen_edit_model_path"}
 """The embedded models' ``model.source`` names -> the function building (once) and returning their directory."""
 
 
@@ -121,6 +122,21 @@ def pipeline_class(name: str):
     return cls
 
 
+def own_components(model_cfg: Any, source: str) -> dict[str, Any]:
+    """The components the pipeline's family loads with its own classes (``ModelFamily.own_components``), by name,
+    for ``from_pretrained``, which then takes them instead of building the classes ``model_index.json`` names."""
+    import importlib
+
+    from shardgen.families import family_for
+
+    out = {}
+    for name, where in family_for(model_cfg.pipeline).own_components.items():
+        module, _, cls = where.partition(":")
+        out[name] = getattr(importlib.import_module(module), cls).from_pretrained(
+            source, subfolder=name, revision=model_cfg.revision)
+    return out
+
+
 def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str | None,
                   **from_pretrained_kwargs) -> Any:
     """Load the pipeline in ``dtype``; move it to ``device`` unless that is None (strategies place it).
@@ -138,8 +154,9 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
     source = resolve_source(model_cfg)
     check_safetensors_only(source)
     try:
+        own = own_components(model_cfg, source)
         pipe = cls.from_pretrained(source, dtype=dtype, revision=model_cfg.revision, use_safetensors=True,
-                                   **from_pretrained_kwargs)
+                                   **own, **from_pretrained_kwargs)
     except (OSError, EnvironmentError, ValueError) as e:
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable from here: download the model where one is and point "

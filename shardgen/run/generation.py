@@ -61,6 +61,8 @@ class GenSettings:
     """The pipeline conditions a whole call on one input image: rows are batched by image."""
     image_in_sequence: bool = False
     """The input image's tokens join the sample's in attention (``ModelFamily.image_in_sequence``)."""
+    input_image_area: int = 0
+    """The pixel area the pipeline resizes an input image to (its family's); 0: the sample's size."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, strategy: str | None = None) -> "GenSettings":
@@ -77,6 +79,7 @@ class GenSettings:
                     latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
                     input_image=fam.input_image, image_per_call=fam.image_per_call,
                     image_in_sequence=fam.image_in_sequence,
+                    input_image_area=fam.input_image_area,
                     strength=float(cfg.model.strength) if fam.strength else None)
 
 
@@ -295,6 +298,15 @@ def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ra
     return out
 
 
+def input_size(s: GenSettings) -> tuple[int, int]:
+    """The (width, height) an input image is fitted to: the sample's, or the pipeline's own resizing of an image of
+    the sample's aspect ratio (``input_image_area``: an image given at that size is not resized again, and the
+    pipeline's text encoder, which sees the images of a list as given, sees what it sees of a single image)."""
+    if not s.input_image_area:
+        return s.width, s.height
+    return condition.area_size(s.width, s.height, s.input_image_area)
+
+
 def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condition.Conditioned], dict[int, str]]:
     """The input images of ``rows`` (prompts.row_settings=[image]), each decoded and fitted to its row's size, by row
     index; and the reason of each row whose image cannot be used (or which has none for a model that needs one):
@@ -306,9 +318,8 @@ def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condi
             if s.input_image == "required":
                 bad[r.index] = "image: this model makes each sample from an input image, and the row names none"
             continue
-        own = settings_for(s, r)
         try:
-            conds[r.index] = condition.load(image, own.width, own.height)
+            conds[r.index] = condition.load(image, *input_size(settings_for(s, r)))
         except condition.BadImage as e:
             bad[r.index] = f"image: {e}"
             log.warning("line %d: image: %s; the row is rejected", r.line, e)
