@@ -78,6 +78,11 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
         name = "TRANSFORMER_CONFIG" if model_cfg.source == "tiny_video" else "I2V_TRANSFORMER_CONFIG"
         return TransformerInfo("WanTransformer3DModel", dict(getattr(tiny_video, name)),
                                f"shardgen.models.tiny_video.{name}")
+    if model_cfg.source == "tiny_qwen_edit":
+        from shardgen.models.tiny_qwen_edit import TRANSFORMER_CONFIG as QWEN_EDIT
+
+        return TransformerInfo("QwenImageTransformer2DModel", dict(QWEN_EDIT),
+                               "shardgen.models.tiny_qwen_edit.TRANSFORMER_CONFIG")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)

@@ -11,6 +11,7 @@ from typing import Any
 # Bump when the architecture or training strings change: old caches are then ignored.
 TINY_VERSION = "v2"  # v2: the T5 tokenizer has a fixed vocabulary (v1 trained one differed per process)
 TINY_VIDEO_VERSION = "v1"
+TINY_QWEN_EDIT_VERSION = "v1"
 
 
 def model_version(model_cfg: Any) -> str | None:
@@ -21,4 +22,6 @@ def model_version(model_cfg: Any) -> str | None:
         return f"tiny-video-{TINY_VIDEO_VERSION}"
     if model_cfg.source == "tiny_video_i2v":
         return f"tiny-video-i2v-{TINY_VIDEO_VERSION}"
+    if model_cfg.source == "tiny_qwen_edit":
+        return f"tiny-qwen-edit-{TINY_QWEN_EDIT_VERSION}"
     return model_cfg.revision
