@@ -49,14 +49,18 @@ def test_token_rules_and_video_come_from_the_family(model, tokens, video):
     assert sequence_tokens(cfg) == tokens and is_video(cfg) is video
 
 
-def test_only_qwen_image_has_speed_hooks_and_every_image_family_runs_device_map():
-    from shardgen.families import families
+def test_only_the_qwen_families_have_speed_hooks_and_every_image_family_runs_device_map():
+    from diffusers import QwenImageEditPipeline
 
+    from shardgen.families import families
     from shardgen.speed import qwen
     from shardgen.speed.accel import family_speed_hooks
 
-    assert {f.name: f.speed_hooks for f in families() if f.speed_hooks} == {"Qwen-Image": "shardgen.speed.qwen:prepare_speed"}
+    assert {f.name: f.speed_hooks for f in families() if f.speed_hooks} == {
+        "Qwen-Image": "shardgen.speed.qwen:prepare_speed", "Qwen-Image-Edit": "shardgen.speed.qwen:prepare_speed"}
     assert family_speed_hooks(qwen_pipeline_class_instance()) is qwen.prepare_speed
+    edit = QwenImageEditPipeline.__new__(QwenImageEditPipeline)
+    assert qwen.is_qwen_image(edit) and family_speed_hooks(edit) is qwen.prepare_speed
     assert {"Flux2Pipeline", "FluxPipeline", "QwenImagePipeline"} <= {
         f.pipeline for f in families() if f.encode_outputs and not f.is_video}
 

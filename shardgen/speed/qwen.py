@@ -1,6 +1,9 @@
 """Qwen-Image without recompilation and with true CFG in one transformer call.
 
-Three thin hooks on a built ``QwenImagePipeline`` (its ``__call__`` stays diffusers' own):
+Three thin hooks on a built ``QwenImagePipeline`` or ``QwenImageEditPipeline`` (its ``__call__`` stays diffusers'
+own; the edit pipeline's transformer calls differ only in what they carry: the input image's latent tokens after the
+sample's in ``hidden_states``, two ``img_shapes`` a sample, and its vision tokens in the text, which the hooks pass
+through as they pass the rest):
 
 - **text-length buckets** (``install_text_buckets``): ``pipe.encode_prompt`` trims the prompt
   embeddings to the longest prompt of the batch, so every batch brings a new text length and the
@@ -36,19 +39,23 @@ from shardgen.speed.qwen_fused import fused_qk, fused_qk_applies
 
 log = logging.getLogger("shardgen.qwen")
 
-TEXT_BUCKETS = (128, 256, 512, 1024)
+TEXT_BUCKETS = (128, 256, 512, 1024, 1536, 2048, 3072)
 """Text lengths the prompt embeddings are padded to. Qwen's template leaves ~1.3 tokens per word, so all
-of PartiPrompts (1-70 words) lands in 128: one shape for a whole run. Longer prompts take the next one."""
+of PartiPrompts (1-70 words) lands in 128: one shape for a whole run. Longer prompts take the next one.
+Qwen-Image-Edit's text holds the input image's vision tokens too (1369 at 1024x1024, about as many at any aspect
+ratio: the pipeline resizes the image to ~1 megapixel), so its prompts land in 1536. None above 3072: the
+transformer's text RoPE table ends at position 4096 minus half the latent side, which a padded text must not pass
+where the unpadded one would not."""
 _ORIG = "_shardgen_orig_"
 
 
 def is_qwen_image(pipe: Any) -> bool:
-    """True for diffusers' QwenImagePipeline (by class, subclasses included)."""
-    try:
-        from diffusers import QwenImagePipeline
-    except ImportError:  # older diffusers: no Qwen-Image at all
-        return False
-    return isinstance(pipe, QwenImagePipeline)
+    """True for diffusers' QwenImagePipeline and QwenImageEditPipeline (by class, subclasses included)."""
+    import diffusers
+
+    classes = tuple(c for c in (getattr(diffusers, n, None) for n in ("QwenImagePipeline", "QwenImageEditPipeline"))
+                    if c is not None)  # older diffusers: no Qwen-Image at all
+    return bool(classes) and isinstance(pipe, classes)
 
 
 def bucket_length(n: int, buckets: tuple[int, ...] = TEXT_BUCKETS) -> int:
@@ -399,12 +406,12 @@ def disable_prefix_attention(transformer: torch.nn.Module) -> None:
             block.attn.processor = stock
 
 
-# --- the family's hook (families/qwen_image.py: speed_hooks) -----------------------------------------------------
+# --- the families' hook (families/qwen_image.py, qwen_image_edit.py: speed_hooks) -----------------------------------
 
 def prepare_speed(pipe, opts) -> dict:
-    """Qwen-Image: text buckets when compiled or CFG-batched, batched true CFG (not under First-Block-Cache,
-    whose per-branch state needs the two calls), real-valued RoPE when compiled, joint attention without the
-    key-padding mask with ``fused_blocks`` on CUDA."""
+    """Qwen-Image and Qwen-Image-Edit: text buckets when compiled or CFG-batched, batched true CFG (not under
+    First-Block-Cache, whose per-branch state needs the two calls), real-valued RoPE when compiled, joint attention
+    without the key-padding mask with ``fused_blocks`` on CUDA."""
     if not is_qwen_image(pipe):
         return {}
     batch_cfg = opts.cfg_batching and not opts.first_block_cache
