@@ -62,6 +62,19 @@ def _text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def _scaled_init(module: torch.nn.Module, gain: float) -> torch.nn.Module:
+    """``module``'s convolutions and linear layers drawn again from normal(0, gain / sqrt(fan_in)). torch's default
+    init shrinks the signal at each layer of these narrow nets: with it the input image and the prompt moved no
+    pixel (under 1e-5) and the seed a few levels. With these gains (measured, 64x64, 2 steps) another image moves
+    the pixels ~23 levels on average, another prompt ~2, another seed ~46."""
+    import math
+
+    for layer in module.modules():
+        if isinstance(layer, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)):
+            torch.nn.init.normal_(layer.weight, 0.0, gain / math.sqrt(layer.weight[0].numel()))
+    return module
+
+
 def build_tiny_qwen_edit_pipeline(seed: int = 0):
     """Build the tiny Qwen-Image-Edit pipeline in memory (random weights from ``seed``)."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
@@ -78,8 +91,8 @@ def build_tiny_qwen_edit_pipeline(seed: int = 0):
     with torch.random.fork_rng(devices=[]):  # a fixed seed without disturbing the caller's RNG
         torch.manual_seed(seed)
         text_encoder = _text_encoder(tokenizer)
-        transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIG)
-        vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+        transformer = _scaled_init(QwenImageTransformer2DModel(**TRANSFORMER_CONFIG), 1.5)
+        vae = _scaled_init(AutoencoderKLQwenImage(**VAE_CONFIG), 2.0)
     # Qwen-Image's scheduler config (shardgen/families/qwen_image.py)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
