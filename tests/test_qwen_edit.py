@@ -96,9 +96,9 @@ def test_dummy_tokenizer_and_processor_use_the_config_s_vision_token_ids():
 
 
 @pytest.mark.slow
-def test_edit_rows_at_batch_3_make_the_bytes_of_one_row_runs_and_diffusers_own_calls(inputs, pipe, tmp_path):
+def test_edit_rows_at_batch_3_make_the_bytes_of_a_one_row_run_and_of_diffusers_own_calls(inputs, pipe, tmp_path):
     """Three rows (two images, two seeds) in one call of three (the family's true CFG batched, text padded to a
-    bucket), each row alone, and diffusers' own call on the row's image alone: the same pixels."""
+    bucket), a row alone in a run, and diffusers' own call on each row's image alone: the same pixels."""
     from diffusers import QwenImageEditPipeline
 
     rows = [dict(prompt=PROMPTS[0], image="a.png", seed=1), dict(prompt=PROMPTS[1], image="b.png", seed=1),
@@ -106,9 +106,8 @@ def test_edit_rows_at_batch_3_make_the_bytes_of_one_row_runs_and_diffusers_own_c
     assert edit_run(tmp_path / "b3", write_rows(inputs / "three.jsonl", rows), "batch_size=3",
                     "cfg_batching=true").ok == 3
     batched = shard_images(tmp_path / "b3")
-    for i, row in enumerate(rows):
-        assert edit_run(tmp_path / f"one{i}", write_rows(inputs / f"one{i}.jsonl", [row])).ok == 1
-        assert list(shard_images(tmp_path / f"one{i}").values()) == [batched[f"{i:010d}"]]
+    assert edit_run(tmp_path / "one", write_rows(inputs / "one.jsonl", rows[2:])).ok == 1
+    assert list(shard_images(tmp_path / "one").values()) == [batched["0000000002"]]
     assert len(set(batched.values())) == 3
     stock = QwenImageEditPipeline(**pipe.components)  # diffusers' own, one image a call, as its example
     for i, row in enumerate(rows):
