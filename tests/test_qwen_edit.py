@@ -122,13 +122,22 @@ def test_edit_rows_at_batch_3_make_the_bytes_of_a_one_row_run_and_of_diffusers_o
 
 
 @pytest.mark.slow
-def test_a_bad_input_image_rejects_only_its_row_and_the_rest_completes(inputs, tmp_path):
+def test_a_bad_input_image_rejects_only_its_row_and_the_rest_completes(inputs, tmp_path, monkeypatch):
+    import contextlib
+
+    from shardgen.speed import accel
+
+    shapes = []  # the attention shape each call's SDPA kernel is chosen for
+    monkeypatch.setattr(accel, "sdpa_context",
+                        lambda pipe, opts, shape: shapes.append(shape) or contextlib.nullcontext())
     (inputs / "garbage.png").write_bytes(b"not an image at all " * 20)
     rows = [dict(prompt="a cat", image="a.png", seed=5), dict(prompt="lost", image="missing.png"),
             dict(prompt="garbage", image="garbage.png"), dict(prompt="no image"),
             dict(prompt="a cat", image="wide.png", seed=5)]
     res = edit_run(tmp_path / "run", write_rows(inputs / "bad.jsonl", rows), "batch_size=3", "prompts.on_bad_row=skip")
     assert (res.ok, res.rejected) == (2, 3)
+    # two calls of one row: the 4x4 sample's tokens, the input's 64x64 (fitted to 1024x1024), the text's
+    assert shapes == [(1, 2, 16 + 4096 + 512, 8)] * 2
     index = index_rows(tmp_path / "run")
     assert [index[i]["status"] for i in range(5)] == ["ok", "rejected", "rejected", "rejected", "ok"]
     assert f"rejected: image: {inputs}/missing.png does not exist" in index[1]["error"]

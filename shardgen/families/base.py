@@ -75,8 +75,8 @@ class ModelFamily:
     """The pipeline conditions a whole call on one image (Wan image-to-video): rows are batched by input image."""
     image_in_sequence: bool = False
     """The input image's latent tokens join the sample's in the transformer's attention (edit models: FLUX.1
-    Kontext, FLUX.2 references; shardgen fits the image to the sample's size, so a conditioned call attends over twice
-    the image tokens)."""
+    Kontext, FLUX.2 references, Qwen-Image-Edit; shardgen fits the image to the sample's size, or to
+    ``input_image_area``'s, so a conditioned call attends over the sample's image tokens and the input's)."""
     input_image_area: int = 0
     """The pixel area the pipeline resizes an input image to, keeping its aspect ratio (Qwen-Image-Edit: 1024x1024
     whatever the sample's size); 0: the sample's size. Each image is fitted to that size before the call

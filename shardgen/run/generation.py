@@ -241,8 +241,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     conds = conds or {}  # a call's rows all have an input image or none have (``call_key``)
     try:
         call = padded(rows, s)
-        images = 2 if s.image_in_sequence and call[0].index in conds else 1  # the sample's latents, its input's
-        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length, images)
+        joined = input_size(s) if s.image_in_sequence and call[0].index in conds else None  # the input's tokens
+        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length, joined)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
                              [r.settings.get("negative_prompt") for r in call],
                              [conds[r.index].image for r in call] if call[0].index in conds else None)

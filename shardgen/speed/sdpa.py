@@ -91,15 +91,18 @@ def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
 
 
 def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int,
-                    images: int = 1) -> tuple[int, int, int, int] | None:
-    """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config; ``images``: how many
-    height x width images' latent tokens the sequence holds (2 for an edit model's conditioned call)."""
+                    input_size: tuple[int, int] | None = None) -> tuple[int, int, int, int] | None:
+    """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config; ``input_size``: the
+    (width, height) of the input image whose latent tokens join the sample's (an edit model's conditioned call: the
+    sample's size for Kontext and FLUX.2, ~1024x1024 for Qwen-Image-Edit)."""
     tr = getattr(pipe, "transformer", None)
     cfg = getattr(tr, "config", None)
     if cfg is None or "num_attention_heads" not in cfg or "attention_head_dim" not in cfg:
         return None
     factor = getattr(pipe, "vae_scale_factor", 8) * 2  # latents packed in 2x2 patches
-    tokens = images * (height // factor) * (width // factor) + text_tokens
+    tokens = (height // factor) * (width // factor) + text_tokens
+    if input_size is not None:
+        tokens += (input_size[1] // factor) * (input_size[0] // factor)
     return batch, int(cfg.num_attention_heads), int(tokens), int(cfg.attention_head_dim)
 
 
