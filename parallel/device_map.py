@@ -71,8 +71,10 @@ class StagedPipeline:
                  num_inference_steps: int = 28, guidance_scale: float | None = None,
                  true_cfg_scale: float | None = None, negative_prompt: str | list[str] | None = None,
                  max_sequence_length: int | None = None, generator=None, output_type: str = "pil",
-                 return_dict: bool = True):
-        """Encode ``prompt`` (and ``negative_prompt`` with true CFG), then denoise and decode."""
+                 return_dict: bool = True, image: Any = None, strength: float | None = None):
+        """Encode ``prompt`` (and ``negative_prompt`` with true CFG), then denoise and decode; ``image`` and
+        ``strength`` (a row's input image, image-to-image's strength) go to the pipeline as given: its VAE, on the
+        replica's GPUs, encodes the image."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         with self._encoders_on_device():
             embeds = self.encode(prompts, max_sequence_length)
@@ -81,7 +83,7 @@ class StagedPipeline:
                 embeds.update({f"negative_{k}": v for k, v in self.encode(list(negative), max_sequence_length).items()})
         rest = dict(height=height, width=width, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                     true_cfg_scale=true_cfg_scale, max_sequence_length=max_sequence_length, generator=generator,
-                    output_type=output_type, return_dict=return_dict)
+                    output_type=output_type, return_dict=return_dict, image=image, strength=strength)
         rest = {k: v for k, v in rest.items() if v is not None and k in self._call_params}
         return self.pipe(**embeds, **rest)
 

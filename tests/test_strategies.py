@@ -351,6 +351,28 @@ def test_staged_pipeline_gives_the_pipelines_pixels():
         assert ours.shape == (2, 3, 32, 32) and torch.equal(ours, theirs)
 
 
+def test_staged_pipeline_passes_the_rows_input_images_and_strength():
+    """An image-to-image row under device_map is made from its input image (the wrapper passes image and
+    strength): the pipeline's own pixels, and not those of another image."""
+    from PIL import Image
+
+    from shardgen.models.loader import load_pipeline
+    from parallel.device_map import StagedPipeline
+
+    m = SimpleNamespace(pipeline="FluxImg2ImgPipeline", weights="pretrained", source="tiny", revision=None,
+                        cache_dir=None)
+    pipe = load_pipeline(m, torch.float64, "cpu")
+    staged = StagedPipeline(pipe, torch.device("cpu"), offloaded=["text_encoder", "text_encoder_2"])
+    s = GenSettings(height=32, width=32, steps=4, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=32, model="tiny_img2img", strategy="device_map", strength=0.6,
+                    input_image="required")
+    images = [Image.new("RGB", (32, 32), c) for c in ("red", "blue")]
+    ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a dog"], [1, 2], images=images)).images
+    theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2], images=images)).images
+    other = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2], images=images[::-1])).images
+    assert torch.equal(ours, theirs) and not torch.equal(ours, other)
+
+
 def test_device_map_helpers():
     from parallel.device_map import memory_caps, plan_encoders, replica_gpus
     from shardgen.config.sizes import parse_bytes
