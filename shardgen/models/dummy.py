@@ -187,7 +187,7 @@ def _example_prompts() -> list[str]:
     return [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()] if path.is_file() else []
 
 
-def _train_chat_tokenizer(kind: str, model_max_length: int, real_ids: bool = True):
+def train_chat_tokenizer(kind: str, model_max_length: int, real_ids: bool = True):
     """A small byte-level BPE tokenizer with the special tokens of Qwen2 or Mistral (Tekken) chat prompts;
     ``real_ids``: Qwen2's special tokens at the real vocabulary's ids (``QWEN_SPECIAL_IDS``), else at the trained
     vocabulary's first ids (a tiny model's compact embedding)."""
@@ -256,7 +256,7 @@ def _build_tokenizer(pipeline: str, name: str, spec: ComponentSpec, tokenizer_di
         tok.model_max_length = max_len
         return tok
     if spec.cls in ("qwen", "mistral"):
-        return _train_chat_tokenizer(spec.cls, max_len)
+        return train_chat_tokenizer(spec.cls, max_len)
     raise ValueError(f"unknown tokenizer kind {spec.cls!r} for {pipeline}.{name}")
 
 

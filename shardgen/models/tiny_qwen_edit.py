@@ -81,10 +81,10 @@ def build_tiny_qwen_edit_pipeline(seed: int = 0):
                            QwenImageTransformer2DModel)
     from transformers import Qwen2VLImageProcessorPil
 
-    from shardgen.models.dummy import _train_chat_tokenizer
+    from shardgen.models.dummy import train_chat_tokenizer
     from shardgen.models.qwen_vl import ImageOnlyQwen2VLProcessor
 
-    tokenizer = _train_chat_tokenizer("qwen", 1024, real_ids=False)
+    tokenizer = train_chat_tokenizer("qwen", 1024, real_ids=False)
     # the image processor without torchvision's backend: the same pixels on every machine
     processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_CONFIG),
                                           tokenizer=tokenizer)
