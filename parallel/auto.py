@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
-from parallel.transformer import HALF_DTYPES, model_family, sequence_tokens, transformer_info
+from parallel.transformer import HALF_DTYPES, input_image_tokens, model_family, sequence_tokens, transformer_info
 from parallel.world import on_rank0_then_share
 from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import GiB
@@ -222,6 +222,7 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
 
     nbytes = torch_dtype(cfg.dtype).itemsize
     image, text = sequence_tokens(cfg)
+    image += input_image_tokens(cfg)  # what activations are sized from: the input's tokens are in the sequence too
     if facts.type != "cuda":  # the first rule decides: no need to size the model
         return AutoInputs(device_type=facts.type, device_count=0, world_size=world_size, free_bytes=None,
                           transformer_bytes=0, other_bytes=0, image_tokens=image, text_tokens=text, heads=None,

@@ -114,6 +114,20 @@ def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
     return image, (family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None))
 
 
+def input_image_tokens(cfg: GenerateConfig) -> int:
+    """Latent tokens a row's input image adds to the transformer's sequence: those of the image at the size it is
+    fitted to, for an edit model whose input joins the sample's tokens (``ModelFamily.image_in_sequence``) in a run
+    whose rows name images; else 0."""
+    family = model_family(cfg)
+    if not family.image_in_sequence or "image" not in (cfg.prompts.get("row_settings") or ()):
+        return 0
+    from shardgen.models.condition import area_size
+
+    width, height = (area_size(cfg.width, cfg.height, family.input_image_area) if family.input_image_area
+                     else (cfg.width, cfg.height))
+    return family.image_tokens(height, width)
+
+
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):
     """The pretrained transformer of ``model_cfg``, read off its safetensors files; ``from_pretrained`` says how
     it is split (``parallel_config=`` for tp, ``device_map=``/``max_memory=`` for device_map)."""

@@ -204,6 +204,16 @@ def test_the_video_token_count_auto_sizes_from_is_frames_times_patches():
     assert sequence_tokens(compose_cfg("model=wan21_t2v_14b")) == (WAN14B.image_tokens, WAN14B.text_tokens)
 
 
+def test_an_edit_models_input_image_adds_its_tokens_to_the_sequence_auto_sizes_from():
+    from parallel.transformer import input_image_tokens
+
+    edit = ("prompts.row_settings=[image]", "height=512", "width=1024")
+    assert input_image_tokens(compose_cfg("model=flux_kontext_dev", *edit)) == 32 * 64  # the sample's size
+    assert input_image_tokens(compose_cfg("model=qwen_image_edit", *edit)) == 46 * 90  # ~1 MP: 1440 x 736
+    assert input_image_tokens(compose_cfg("model=flux_kontext_dev", "height=512", "width=1024")) == 0  # no image rows
+    assert input_image_tokens(compose_cfg("model=flux_dev_img2img", *edit)) == 0  # the image starts the latents
+
+
 @pytest.mark.parametrize("inputs,strategy,degrees", [
     (WAN14B, "dp", {}),                                                      # an H200 holds a batch of 4 videos
     (replace(WAN14B, free_bytes=79 * GiB), "cp_ulysses", dict(ulysses=2)),   # 80 GB cards: the sequence is split
