@@ -192,3 +192,17 @@ def test_qwen_speed_hooks_keep_the_edit_pipelines_pixels(inputs, pipe):
     assert calls == [(4, 16 + 4096), (4, 128)] * 4  # 2 steps, cond + uncond in one call, text padded to 128
     np.testing.assert_array_equal(plain, hooked)
     assert np.abs(plain.astype(int) - real_rope).max() <= 1
+
+
+def test_a_long_prompt_is_not_flagged_truncated_the_edit_pipeline_keeps_every_token(pipe):
+    """Qwen-Image-Edit's encode_prompt ignores max_sequence_length: its windows are the tokenizer's own, while
+    planning and when samples are annotated, so a 40-token prompt at max_sequence_length=8 is not 'truncated'."""
+    from shardgen.dataio.prompts.truncation import planning_windows, token_counts
+    from shardgen.dataio.shards.annotate import text_windows
+
+    long = " ".join(["word"] * 40)
+    cfg = compose_cfg(*EDIT, "model.max_sequence_length=8")
+    for windows in (text_windows(pipe, 8), planning_windows(cfg.model)):
+        assert [w for _, _, w in windows] == [pipe.tokenizer.model_max_length]
+        (counts, truncated), = token_counts(windows, [long])
+        assert not truncated and max(counts.values()) > 8

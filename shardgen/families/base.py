@@ -73,6 +73,9 @@ class ModelFamily:
     """Image-to-image: ``__call__`` takes ``strength`` (how far a sample may go from its input image)."""
     image_per_call: bool = False
     """The pipeline conditions a whole call on one image (Wan image-to-video): rows are batched by input image."""
+    cuts_text: bool = True
+    """``encode_prompt`` cuts the prompt's tokens at ``max_sequence_length`` (diffusers' pipelines do, but
+    Qwen-Image-Edit's, whose text carries the image's vision tokens): what a sample's ``truncated`` flag checks."""
     image_in_sequence: bool = False
     """The input image's latent tokens join the sample's in the transformer's attention (edit models: FLUX.1
     Kontext, FLUX.2 references, Qwen-Image-Edit; shardgen fits the image to the sample's size, or to

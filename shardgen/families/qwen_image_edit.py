@@ -31,7 +31,7 @@ _QWEN_IMAGE_EDIT = dict(QWEN_IMAGE.dummies["qwen_image"].components, processor=Q
 
 QWEN_IMAGE_EDIT = register(dataclasses.replace(
     QWEN_IMAGE, name="Qwen-Image-Edit", pipeline="QwenImageEditPipeline", input_image="required",
-    image_in_sequence=True, input_image_area=1024 * 1024,
+    image_in_sequence=True, input_image_area=1024 * 1024, cuts_text=False,
     own_components={"processor": "shardgen.models.qwen_vl:ImageOnlyQwen2VLProcessor"},
     # encode_prompt needs the input image too, which strategy=device_map's encoding does not pass
     encode_outputs=None,

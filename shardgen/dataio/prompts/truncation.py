@@ -64,17 +64,19 @@ def planning_windows(model_cfg: Any) -> list[tuple[str, Any, int]]:
     [] when they cannot be read here (then truncation is still recorded per sample)."""
     from transformers import AutoTokenizer
 
+    from shardgen.families import family_for
     from shardgen.models.loader import resolve_source
 
     try:
         root = resolve_source(model_cfg)
         index = json.loads(Path(root, "model_index.json").read_text())
         found = [s for s in ("", "_2", "_3") if (index.get(f"tokenizer{s}") or [None])[0]]
+        cut = model_cfg.max_sequence_length if family_for(model_cfg.pipeline).cuts_text else None
         out = []
         for i, s in enumerate(found):
             tok = AutoTokenizer.from_pretrained(root, subfolder=f"tokenizer{s}")
             name = (index.get(f"text_encoder{s}") or [None, f"tokenizer{s}"])[1]
-            window = tok.model_max_length if i == 0 and len(found) > 1 else model_cfg.max_sequence_length
+            window = tok.model_max_length if i == 0 and len(found) > 1 else (cut or tok.model_max_length)
             out.append((name, tok, int(window)))
         return out
     except Exception as e:  # a hub id without a local copy, an unusual layout: not worth stopping for

@@ -75,7 +75,12 @@ def text_windows(pipe: Any, max_sequence_length: int) -> list[tuple[str, Any, in
 
     With two encoders (FLUX.1: CLIP and T5) the first keeps its own window (CLIP: 77 tokens) and the
     second ``max_sequence_length``; a single encoder keeps ``max_sequence_length``, as diffusers'
-    pipelines truncate them."""
+    pipelines truncate them (a family whose pipeline cuts nothing, ``cuts_text=False``: its tokenizer's own limit)."""
+    from shardgen.families import family_of
+
+    family = family_of(pipe)
+    if family is not None and not family.cuts_text:
+        max_sequence_length = None
     found = [(s, getattr(pipe, f"tokenizer{s}", None)) for s in ("", "_2", "_3")]
     found = [(s, tok) for s, tok in found if tok is not None]
     out = []
@@ -83,7 +88,8 @@ def text_windows(pipe: Any, max_sequence_length: int) -> list[tuple[str, Any, in
         enc = getattr(pipe, f"text_encoder{suffix}", None)
         name = type(enc).__name__ if enc is not None else f"tokenizer{suffix}"
         first_of_two = i == 0 and len(found) > 1
-        window = getattr(pipe, "tokenizer_max_length", tok.model_max_length) if first_of_two else max_sequence_length
+        window = getattr(pipe, "tokenizer_max_length", tok.model_max_length) if first_of_two else \
+            (max_sequence_length or tok.model_max_length)
         out.append((name, tok, int(window)))
     return out
 
