@@ -203,3 +203,26 @@ def test_row_adapter_switching_compiles_nothing_after_the_first_batch(tmp_path):
     r = run_rank(cfg, on_batch=lambda event, worker: event == "end" and graphs.append(compiled_graphs()))
     assert (r.ok, r.failed) == (8, 0)
     assert len(graphs) == 4 and graphs[-1] == graphs[0], f"graphs compiled after each batch: {graphs}"
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("flux_dev_img2img", ("prompts.row_settings=[image,strength]",)),
+    ("flux_kontext_dev", ("prompts.row_settings=[image]",)),
+    ("flux2_dev", ("prompts.row_settings=[image]",)),
+    ("qwen_image_edit", ("prompts.row_settings=[image]",)),
+    ("wan21_i2v_14b", ("prompts.row_settings=[image]", "num_frames=9")),
+])
+def test_each_image_family_makes_every_row_from_its_input_image(tmp_path, model, extra):
+    """The input-image families' real architectures (dummy bf16 weights) through the default job on the GPU: every
+    row of examples/images.jsonl made, the json naming its input image, jobs.verify clean."""
+    from tests.conftest import ROOT
+    from tests.test_condition import jsons
+
+    r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "height=256",
+                        "width=256", "steps=2", "batch_size=2", "progress=false", "prompts=jsonl",
+                        f"prompts.path={ROOT / 'examples' / 'images.jsonl'}", *extra))
+    assert (r.ok, r.failed, r.complete) == (3, 0, True)
+    assert sorted(m["input_image"]["path"] for m in jsons(tmp_path / "run").values()) == \
+        ["images/meadow.png", "images/meadow.png", "images/night_beach.png"]
+    rep = verify_run(load_plan(RunDir(tmp_path / "run")))
+    assert rep.ok, rep.defects
