@@ -474,3 +474,30 @@ def test_a_family_whose_fused_eager_blocks_match_compiled_ones_stays_eager_on_a_
             auto.observe(auto.settings(s), 4, seconds)
         ways[fused] = auto.settings(s).accel.compile
     assert ways == {True: False, False: True}  # 400 x 3.7 x (1 - 1/1.01) = 15 s < 45 s; x 0.26 = 384 s > 45 s
+
+
+def test_a_family_whose_fused_eager_blocks_are_not_compiled_never_runs_stock_blocks_beside_a_background_compile(
+        tmp_path, monkeypatch):
+    """FLUX.2's fused eager blocks are not what its blocks compile: eager batches beside a background compilation
+    would run the stock blocks (H200: 4.5 s/image against the fused 3.7), so on a cache that has compiled before,
+    compile=auto decides on the main thread instead (forcing the background path still takes it); FLUX.1's fused
+    blocks are compiled, so its background path stays."""
+    from shardgen.speed.regional_compile import background_runs_eager_path
+    from shardgen.speed.techniques import AccelOptions
+    from tests.test_flux2_fused import small_flux2
+    from tests.test_flux_fused import small_flux
+
+    opts = AccelOptions()
+    flux2 = small_flux2()
+    assert not background_runs_eager_path(flux2, opts, device="cuda")
+    assert background_runs_eager_path(flux2, opts)  # on the CPU: no fused eager blocks
+    assert background_runs_eager_path(flux2, AccelOptions(fused_blocks=False), device="cuda")
+    assert background_runs_eager_path(small_flux(), opts, device="cuda")
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": 1.0}}))
+    monkeypatch.delenv(AC.FORCE_ENV, raising=False)
+    kw = dict(remaining=lambda: 100, path=path, background=flux2)
+    assert AC.AutoCompile("k", **kw).background is flux2
+    assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is None
+    monkeypatch.setenv(AC.FORCE_ENV, "background")
+    assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is flux2

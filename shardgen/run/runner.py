@@ -33,6 +33,7 @@ from shardgen.dataio.rundir.layout import storage_error
 from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
+from shardgen.speed.regional_compile import background_runs_eager_path
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -322,7 +323,9 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
     return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
                        prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
                        decided=None if settings.compile_auto else True,
-                       background=getattr(pipe, "transformer", None) if settings.compile_auto else None)
+                       background=getattr(pipe, "transformer", None) if settings.compile_auto else None,
+                       background_eager_ok=background_runs_eager_path(getattr(pipe, "transformer", None),
+                                                                      settings.accel))
 
 
 def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,

@@ -18,7 +18,8 @@ prompts left, a requeued job near its end, or a short debug run loses more than 
 - **the decision is final** for the process (no switching back and forth) and logged with its figures.
 
 **In the background** (``compile: auto`` on CUDA, once this cache has compiled this model and shape set
-before; shardgen/speed/background.py): the blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
+before, for a model whose eager batches there run ``compile=false``'s blocks: not FLUX.2-dev's or Qwen-Image's, whose
+fused eager blocks are not the ones compiled; shardgen/speed/background.py): the blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
 arguments; after it, the same estimate decides whether to compile, but the cost is not waited for: a
 background thread compiles while the next batches run eagerly, and the blocks switch to the compiled
 graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
@@ -170,6 +171,9 @@ class AutoCompile:
     """The speed-up expected from compiling while none is recorded (``prior_speedup``)."""
     shapes: int = 1
     """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
+    background_eager_ok: bool = True
+    """The eager batches beside a background compilation run ``compile=false``'s path (``regional_compile.
+    background_runs_eager_path``); when not, a natural decision compiles on the main thread, if at all."""
     force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
     """The path taken whatever the figures say (``FORCE_PATHS``; the module doc), None: decided from the figures."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
@@ -183,7 +187,8 @@ class AutoCompile:
         self._record = read_records(self.path).get(self.key) or {}
         if not isinstance(self._record, dict):
             self._record = {}
-        if self.force == "main" or (not self._record.get("compiled_before") and self.force != "background"):
+        fresh = not self._record.get("compiled_before")
+        if self.force == "main" or ((fresh or not self.background_eager_ok) and self.force != "background"):
             self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
 
     def _recorded_eager(self) -> float | None:

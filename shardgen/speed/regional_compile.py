@@ -161,6 +161,21 @@ def _fused_eager(opts: CompileConfig, device: Any) -> bool:
     return opts.fused_blocks and not opts.compile and device is not None and torch.device(device).type == "cuda"
 
 
+def background_runs_eager_path(transformer: Any, opts: Any, device: Any = None) -> bool:
+    """Whether the eager batches beside a background compilation run what ``compile=false`` runs: not when the
+    family's fused eager blocks are faster than its stock ones and are not what its blocks compile (their module's
+    ``COMPILED`` is false: FLUX.2, Qwen-Image); until the compiled graphs are ready, those batches would run the
+    stock blocks (``DeferredForward``'s eager forward is the one compiled). ``device``: where the transformer runs
+    (default: its parameters')."""
+    module = fused_blocks(transformer) if transformer is not None else None
+    if module is None or module.COMPILED:
+        return True
+    if device is None:
+        device = getattr(next(transformer.parameters(), None), "device", None)
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return not (pick(CompileConfig, opts).fused_blocks and on_cuda and module.applicable(transformer) is None)
+
+
 def _compiled(target, mode: str):
     """``target`` wrapped by ``torch.compile`` with the blocks' options (the same options give backend objects
     that compare equal, so every wrapper shares the graphs compiled by any of them)."""
