@@ -501,3 +501,20 @@ def test_a_family_whose_fused_eager_blocks_are_not_compiled_never_runs_stock_blo
     assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is None
     monkeypatch.setenv(AC.FORCE_ENV, "background")
     assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is flux2
+
+
+@pytest.mark.parametrize("background_ok", [True, False])
+def test_records_that_make_compiling_pay_at_once_compile_before_the_first_batch_on_either_path(tmp_path, monkeypatch,
+                                                                                               background_ok):
+    """The GPU matrix's requeued job: records of a long job whose compilation costs next to nothing compile before
+    the first batch, in the background where the model's eager batches may run beside the thread, else on the main
+    thread."""
+    monkeypatch.delenv(AC.FORCE_ENV, raising=False)
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps({"k": dict(eager_s=100.0, compiled_s=50.0, compile_background_s=0.001,
+                                          compile_warm_s=0.001, compiled_before=True)}))
+    auto = AC.AutoCompile("k", remaining=lambda: 4, path=path, background=torch.nn.Identity(),
+                          background_eager_ok=background_ok)
+    s = auto.settings(_S())
+    assert auto.decided is True and s.accel.compile
+    assert (auto.background is not None) is background_ok and s.accel.compile_background is background_ok
