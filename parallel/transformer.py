@@ -121,10 +121,9 @@ def input_image_tokens(cfg: GenerateConfig) -> int:
     family = model_family(cfg)
     if not family.image_in_sequence or "image" not in (cfg.prompts.get("row_settings") or ()):
         return 0
-    from shardgen.models.condition import area_size
+    from shardgen.models.condition import input_size
 
-    width, height = (area_size(cfg.width, cfg.height, family.input_image_area) if family.input_image_area
-                     else (cfg.width, cfg.height))
+    width, height = input_size(cfg.width, cfg.height, family.input_image_area)
     return family.image_tokens(height, width)
 
 

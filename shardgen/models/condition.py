@@ -201,6 +201,12 @@ def area_size(width: int, height: int, area: int, multiple: int = 32) -> tuple[i
     return size
 
 
+def input_size(width: int, height: int, area: int = 0) -> tuple[int, int]:
+    """The (width, height) a row's input image is fitted to for a sample of ``width`` x ``height``: the sample's,
+    or with ``area`` (``ModelFamily.input_image_area``) the size the pipeline itself resizes an input to."""
+    return area_size(width, height, area) if area else (width, height)
+
+
 def load(img: InputImage, width: int, height: int) -> Conditioned:
     """The input image of a row, read, hashed, decoded and fitted to ``width`` x ``height``; BadImage says why not."""
     data = read_bytes(img)

@@ -302,9 +302,7 @@ def input_size(s: GenSettings) -> tuple[int, int]:
     """The (width, height) an input image is fitted to: the sample's, or the pipeline's own resizing of an image of
     the sample's aspect ratio (``input_image_area``: an image given at that size is not resized again, and the
     pipeline's text encoder, which sees the images of a list as given, sees what it sees of a single image)."""
-    if not s.input_image_area:
-        return s.width, s.height
-    return condition.area_size(s.width, s.height, s.input_image_area)
+    return condition.input_size(s.width, s.height, s.input_image_area)
 
 
 def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condition.Conditioned], dict[int, str]]:
