@@ -1,15 +1,16 @@
-"""LoRA adapters (``model.loras``, and a row's own with ``prompts.row_settings=[loras]``): checked, hashed, and
-applied to a pipeline through diffusers' own ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora``.
+"""LoRA adapters (``model.loras``, and a row's own with ``prompts.row_settings=[loras]``): checked, hashed, and applied
+to a pipeline through diffusers' own ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora``.
 
 An adapter is identified by its file's sha256 (in the run's fingerprint and each sample's json), never by its path:
 a run moved with its adapters resumes; a different file at the same path is refused.
 
-Adapters are always fused into the weights they adapt: a denoising step then costs what the base model's does
-(no extra low-rank matmuls), and a strategy that splits the transformer (tp, cp) splits the adapted weights. With
-one adapter set for the whole run, the adapters are fused and unloaded before the strategy shards the transformer.
-When rows name their own sets, the peft layers stay and each set is fused in turn (``AdapterSets``): the adapted
-layers' base weights are kept (on their GPU when it has room, else in host memory) and copied back before the next set is fused, so a row's pixels are those
-of a run made with its set alone, whatever set came before (unfusing alone would leave rounding behind).
+Adapters are always fused into the weights they adapt: a denoising step then costs what the base model's does (no
+extra low-rank matmuls), and a strategy that splits the transformer (tp, cp) splits the adapted weights. With one
+adapter set for the whole run, the adapters are fused and unloaded before the strategy shards the transformer. When
+rows name their own sets, the peft layers stay and each set is fused in turn (``AdapterSets``): the adapted layers'
+base weights are kept (on their GPU when it has room, else in host memory) and copied back before the next set is
+fused, so a row's pixels are those of a run made with its set alone, whatever set came before (unfusing alone would
+leave rounding behind).
 """
 
 from __future__ import annotations
@@ -309,8 +310,8 @@ HEADROOM = 8 << 30
 
 def _copy_place(tensors: list) -> str:
     """Where the copy of the adapted layers' base weights is kept: beside them on their GPU when it has the room
-    and HEADROOM to spare (restoring then takes milliseconds), else in pinned host memory (FLUX.1-dev's attention
-    projections, ~6 GB: ~0.1 s over PCIe; pageable memory took ~0.8 s a switch on an H200)."""
+    and HEADROOM to spare (restoring is then a device-to-device copy), else in pinned host memory (an asynchronous
+    copy over PCIe; pageable memory is copied through a staging buffer, several times slower)."""
     import torch
 
     devices = {t.device for t in tensors}
