@@ -3,7 +3,10 @@
 Runs the real ``jobs.generate`` path on the tiny model with 1024x1024 PNG output (CPU by default)
 and prints the writer's busy time and the loop's wait on it, as fractions of wall time.
 
-    python benchmarks/writer_overlap.py [--n 16] [--steps 1] [--batch 4] [--format png] [--threads 2]
+    python benchmarks/writer_overlap.py [--n 16] [--steps 1] [--batch 4] [--format png] [--threads 2] [--shard 4]
+
+``--shard N`` sets ``samples_per_shard`` (default: the planner's choice); shards of one batch each, as a short
+run gets, make the loop hand over a shard's last batch and its commit at every batch.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ def main() -> None:
     ap.add_argument("--format", default="png")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shard", type=int, default=0, help="samples_per_shard (0: the planner's choice)")
     args = ap.parse_args()
     register_configs()
     run_dir = Path(tempfile.mkdtemp(prefix="shardgen-bench-"))
     overrides = [f"run_dir={run_dir}", f"prompts.limit={args.n}", f"steps={args.steps}", f"batch_size={args.batch}",
                  f"height={args.size}", f"width={args.size}", f"image_format={args.format}", "progress=false",
                  f"writer_threads={args.threads}", f"device={args.device}"]
+    if args.shard:
+        overrides.append(f"samples_per_shard={args.shard}")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="generate", overrides=overrides)
     from shardgen.run import runner
@@ -55,7 +61,8 @@ def main() -> None:
     w = captured["worker"]
     loop_wall = w.gen_s + w.sink.wait_s
     print(f"{args.n} images {args.size}x{args.size} {args.format}, tiny model, {args.steps} steps, batch {args.batch}, "
-          f"{args.threads} encoder threads, device {args.device}")
+          f"{args.threads} encoder threads, device {args.device}, "
+          f"{args.shard or 'planned'} samples a shard")
     print(f"  job wall            {wall:8.2f} s (model load and planning included)")
     print(f"  generation          {w.gen_s:8.2f} s")
     print(f"  writer busy         {w.sink.write_s:8.2f} s  (encode + tar append + fsync + checkpoint, overlapped)")
