@@ -77,6 +77,42 @@ def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monke
         np.testing.assert_allclose(a.astype(int), b.astype(int), atol=1)
 
 
+def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch):
+    """FLUX.1's first single block gets the double blocks' outputs, the others the single blocks' (views of one
+    buffer before): one graph per block class, not a second single-block graph (a whole extra compilation on a
+    fresh cache). Dynamo's eager backend: the real tracing and guards. The pixels are the stock blocks'."""
+    from shardgen.models.dummy import build_dummy_pipeline
+    from shardgen.speed import accel
+    from tests.test_dummy_models import SMALL
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **dict(kw, backend="eager")))
+    torch._dynamo.reset()
+    small = SMALL["FluxPipeline"]
+    pipe = build_dummy_pipeline("FluxPipeline", "cpu", torch.float32, overrides={
+        **small, "transformer": {**small["transformer"], "num_layers": 3, "num_single_layers": 4}})
+    prompts = ["a cat", "an astronaut riding a horse " * 3]
+
+    def pixels():
+        out = pipe(prompt=prompts, num_inference_steps=2, height=32, width=32, output_type="np",
+                   max_sequence_length=64, generator=[torch.Generator().manual_seed(i) for i in range(2)])
+        return (out.images * 255).round().astype(np.uint8)
+
+    plain = pixels()
+    graphs = AC.compiled_graphs()
+    try:
+        done = accel.prepare(pipe, accel.AccelOptions(compile=True, sdpa="default", fused_blocks=True))
+        assert done["compiled_blocks"] == 7
+        compiled = pixels()
+        assert AC.compiled_graphs() - graphs == 2, "one graph for the double blocks, one for the single blocks"
+        pixels()
+        assert AC.compiled_graphs() - graphs == 2
+    finally:
+        accel.prepare(pipe, accel.AccelOptions(sdpa="default"))
+        torch._dynamo.reset()
+    np.testing.assert_allclose(plain.astype(int), compiled.astype(int), atol=1)
+
+
 @dataclass
 class _S:
     """The GenSettings fields AutoCompile reads."""

@@ -258,7 +258,14 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
     hidden_states = residual + gate.unsqueeze(1) * proj
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    text, image = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    if torch.compiler.is_compiling():
+        # the first single block gets the double blocks' contiguous outputs, the others these views (batch
+        # stride text + image tokens): dynamo's stride guards made that two graphs of this block, each compiled
+        # from scratch on a fresh cache. Contiguous halves keep one graph; inductor can write them from the
+        # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
+        text, image = text.contiguous(), image.contiguous()
+    return text, image
 
 
 def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
