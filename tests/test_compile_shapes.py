@@ -554,3 +554,81 @@ def test_records_that_make_compiling_pay_at_once_compile_before_the_first_batch_
     s = auto.settings(_S())
     assert auto.decided is True and s.accel.compile
     assert (auto.background is not None) is background_ok and s.accel.compile_background is background_ok
+
+
+def _tuning_auto(tmp_path, left, records=None):
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / "records.json"
+    if records is not None:
+        path.write_text(json.dumps(records))
+    return AC.AutoCompile("tuned", untuned_key="untuned", remaining=lambda: left, path=path)
+
+
+def _two_eager_batches(auto, eager_s=3.91):
+    s = auto.settings(_S(accel=AccelOptions(compile=True)))
+    for _ in range(AC.EAGER_BATCHES):
+        auto.observe(s, 4, 4 * eager_s)
+    return auto.settings(_S(accel=AccelOptions(compile=True)))
+
+
+def test_compile_tuning_auto_drops_the_kernel_tuning_when_the_work_left_does_not_pay_for_it(tmp_path, caplog):
+    """FLUX.1-dev's figures on an H200 (3.91 s/sample eager), a fresh cache: 88 samples left compile without the
+    tuning (~2% slower steps, ~25 s less compiling), 2,000 with it, 20 not at all; what each compiled batch measures
+    goes under its own variant's key, so the next process reads the cost of what it will compile."""
+    with caplog.at_level("INFO", logger="shardgen.compile"):
+        short = _tuning_auto(tmp_path / "short", left=88)
+        s = _two_eager_batches(short)
+    assert s.accel.compile and not s.accel.compile_tuning and not short.tuned
+    assert re.search(r"compile=auto: compiling \(88 samples left here x 3\.91 s eager .*; without kernel tuning: .* "
+                     r"= \d+ s net, more than \d+ s net with it\)", caplog.text), caplog.text
+    for seconds in (80.0, 14.4):
+        short.observe(s, 4, seconds)
+    records = json.loads((tmp_path / "short" / "records.json").read_text())
+    assert records["untuned"]["compiled_before"] and records["untuned"]["compile_cold_s"] == pytest.approx(65.6)
+    assert records["untuned"]["eager_s"] == pytest.approx(3.91) and "compiled_before" not in records["tuned"]
+
+    long = _tuning_auto(tmp_path / "long", left=2000)
+    s = _two_eager_batches(long)
+    assert s.accel.compile and s.accel.compile_tuning and long.key == "tuned"
+    few = _tuning_auto(tmp_path / "few", left=20)
+    assert not _two_eager_batches(few).accel.compile and few.tuned
+
+
+def test_compile_tuning_auto_follows_the_cache_a_variant_left(tmp_path):
+    """The untuned graphs compiled before (a warm cache for them) and the tuned ones never: a job of 300 samples
+    compiles untuned from its first batch (the eager figure recorded); with the tuned graphs warm too, it tunes."""
+    untuned = {"compiled_before": True, "compile_warm_s": 6.0, "compiled_s": 2.95, "eager_s": 3.91}
+    auto = _tuning_auto(tmp_path / "a", left=300, records={"tuned": {"eager_s": 3.91}, "untuned": untuned})
+    s = auto.settings(_S(accel=AccelOptions(compile=True)))
+    assert s.accel.compile and not s.accel.compile_tuning
+    warm_both = {"tuned": {"eager_s": 3.91, "compiled_before": True, "compile_warm_s": 6.0, "compiled_s": 2.89},
+                 "untuned": untuned}
+    s = _tuning_auto(tmp_path / "b", left=300, records=warm_both).settings(_S(accel=AccelOptions(compile=True)))
+    assert s.accel.compile and s.accel.compile_tuning
+
+
+def test_a_forced_main_thread_compile_still_chooses_the_tuning_from_the_figures(tmp_path, monkeypatch):
+    """The GPU matrix forces the path (SHARDGEN_COMPILE_AUTO=main) on 12 prompts: it compiles, untuned, whatever the
+    net saving; a user's compile_tuning=false is never overridden."""
+    monkeypatch.setenv(AC.FORCE_ENV, "main")
+    auto = _tuning_auto(tmp_path, left=8)
+    s = _two_eager_batches(auto)
+    assert s.accel.compile and not s.accel.compile_tuning
+    off = _tuning_auto(tmp_path / "off", left=2000)
+    s = off.settings(_S(accel=AccelOptions(compile=True, compile_tuning=False)))
+    for _ in range(AC.EAGER_BATCHES):
+        off.observe(s, 4, 16.0)
+    assert not off.settings(_S(accel=AccelOptions(compile=True, compile_tuning=False))).accel.compile_tuning
+
+
+@pytest.mark.parametrize("overrides, tuned, chooses", [
+    ((), True, True),                                   # the default: compile=auto chooses
+    (("compile_tuning=false",), False, False),
+    (("compile_tuning=true",), True, False),
+    (("compile=true",), True, False),                   # compile=true: tuned, as ever
+])
+def test_compile_tuning_auto_is_chosen_only_under_compile_auto(overrides, tuned, chooses):
+    from shardgen.run.generation import GenSettings
+
+    s = GenSettings.from_cfg(compose_cfg("run_dir=/tmp/x", "device=cuda", *overrides), "dp")
+    assert (s.accel.compile_tuning, s.tuning_auto) == (tuned, chooses)

@@ -349,9 +349,10 @@ class SpeedConfig:
     compile_mode: str = "default"
     """torch.compile mode for the regional compilation (compile=true): default | max-autotune-no-cudagraphs |
     max-autotune. Autotuning costs minutes of compilation per shape. shardgen/speed/regional_compile.py."""
-    compile_tuning: bool = True
-    """With compile=true on CUDA: inductor's coordinate-descent tuning of its Triton kernels (~+40 s of
-    compilation once per process, ~2% faster steps)."""
+    compile_tuning: Any = "auto"
+    """Inductor's coordinate-descent tuning of the compiled blocks' Triton kernels on CUDA (~+40 s of compilation
+    once per cache, ~2% faster steps): true | false | auto. auto: tuned under compile=true; under compile=auto a
+    process tunes only when the work it has left pays for the tuning's compile time (shardgen/speed/autocompile.py)."""
     fused_blocks: bool = True
     """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
     flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass

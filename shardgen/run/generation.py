@@ -50,6 +50,9 @@ class GenSettings:
     compile_auto: bool = False
     """``compile: auto`` where compiling is possible: each process decides whether it pays
     (shardgen/speed/autocompile.py); ``accel.compile`` is then that decision, batch by batch."""
+    tuning_auto: bool = False
+    """``compile_tuning: auto`` under ``compile: auto``: the process chooses whether its compiled kernels are tuned
+    (``accel.compile_tuning`` is then that choice)."""
     loras: tuple = ()
     """The LoRA adapters fused for the call (shardgen/models/lora.py: ``Lora``s, in fusing order)."""
     strength: float | None = None
@@ -75,7 +78,8 @@ class GenSettings:
         # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
-                    compile_auto=opts.compile and str(cfg.get("compile", "auto")).lower() == "auto",
+                    compile_auto=(auto := opts.compile and str(cfg.get("compile", "auto")).lower() == "auto"),
+                    tuning_auto=auto and str(cfg.get("compile_tuning", "auto")).lower() == "auto",
                     latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
                     input_image=fam.input_image, image_per_call=fam.image_per_call,
                     image_in_sequence=fam.image_in_sequence,

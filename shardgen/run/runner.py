@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -286,8 +286,6 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
 def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) -> GenSettings:
     """``compile: auto`` off for a transformer with no repeated blocks to compile (a pipeline no family knows):
     the default must run it eagerly, not fail as ``compile=true`` does."""
-    from dataclasses import replace
-
     from shardgen.speed.blocks import repeated_blocks
 
     tr = getattr(pipe, "transformer", None)
@@ -320,7 +318,9 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
         return None
     # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
     shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
+    untuned = replace(settings, accel=replace(settings.accel, compile_tuning=False))
     return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
+                       untuned_key=record_key(pipe, untuned, shapes) if settings.tuning_auto else None,
                        prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
                        decided=None if settings.compile_auto else True,
                        background=getattr(pipe, "transformer", None) if settings.compile_auto else None,

@@ -36,6 +36,13 @@ background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; 
 FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
 estimate above says a job is long enough to pay for it (then every later process compiles in the background).
 
+**Kernel tuning** (``compile_tuning: auto``, the default): inductor's coordinate-descent tuning makes the compiled
+steps ~2% faster and adds ~25-40 s to a fresh cache's compilation, so it pays only over several hundred samples. A
+process compiling on the main thread weighs both variants over the work it has left, each with its own records
+(the key covers the tuning), and takes the one that saves more (``_choose_tuning``); the background path, taken
+only once this cache holds the tuned graphs, stays tuned. ``compile=true`` tunes; ``compile_tuning=true|false``
+fixes it.
+
 **Forcing a path** (tests, benchmarks): ``SHARDGEN_COMPILE_AUTO=eager|main|background`` in the environment makes a
 ``compile: auto`` process take that path whatever the figures say, after its first ``EAGER_BATCHES`` eager batches:
 stay eager, compile on the main thread, or compile on a background thread (the batch after the one that ran beside
@@ -59,7 +66,10 @@ from typing import Any, Callable
 
 log = logging.getLogger("shardgen.compile")
 
-PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen)
+PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen; 51.5 s
+# for FLUX.1-dev's three graphs then, h200-s15), with inductor's coordinate-descent kernel tuning
+PRIOR_COLD_UNTUNED_S = 20.0  # the same without the tuning (docs/config.md: the tuning adds ~40 s once per process)
+TUNING_GAIN = 0.02    # tuned compiled steps over untuned ones (H200, FLUX.1-dev: 1.3-2.9%, performance-history.md)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
 # a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 60-78 s: the thread starves
 # beside eager batches that hold the GIL, the main thread's 7-11 s does not vary so): with no record, a first job
@@ -132,6 +142,11 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
+def _as_record(value: Any) -> dict:
+    """A key's record, or {} for a missing or damaged one (advisory data)."""
+    return value if isinstance(value, dict) else {}
+
+
 def record_key(pipe: Any, settings: Any, shapes: list[str] | None = None) -> str:
     """What the figures depend on: model, shapes, CFG, compile settings, GPU, library versions. ``shapes``: the
     run's image/video shapes when its rows set their own (``prompts.row_settings``; the plan's shape set): a mixed
@@ -174,6 +189,11 @@ class AutoCompile:
     background_eager_ok: bool = True
     """The eager batches beside a background compilation run ``compile=false``'s path (``regional_compile.
     background_runs_eager_path``); when not, a natural decision compiles on the main thread, if at all."""
+    untuned_key: str | None = None
+    """``compile_tuning: auto``: the records of compiling without kernel tuning. Compiling on the main thread then
+    takes the variant that saves more over the work left (``_choose_tuning``); None: the tuning as configured."""
+    tuned: bool = True
+    """Whether the blocks compile with kernel tuning (``compile_tuning``); False once ``_choose_tuning`` drops it."""
     force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
     """The path taken whatever the figures say (``FORCE_PATHS``; the module doc), None: decided from the figures."""
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
@@ -181,12 +201,12 @@ class AutoCompile:
     _record: dict = field(default_factory=dict)
     _batch_compiled: bool = False   # background: the batch being timed ran the compiled blocks
     _recorded_cost: bool = False    # background: its compile time is recorded (once)
+    _untuned: dict = field(default_factory=dict)  # the records under ``untuned_key``
 
     def __post_init__(self) -> None:
         check_forced_path(self.force)
-        self._record = read_records(self.path).get(self.key) or {}
-        if not isinstance(self._record, dict):
-            self._record = {}
+        records = read_records(self.path)
+        self._record, self._untuned = (_as_record(records.get(k)) for k in (self.key, self.untuned_key))
         fresh = not self._record.get("compiled_before")
         if self.force == "main" or ((fresh or not self.background_eager_ok) and self.force != "background"):
             self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
@@ -203,7 +223,8 @@ class AutoCompile:
             eager = self._recorded_eager() or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
-        return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False))
+        return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False,
+                                        compile_tuning=s.accel.compile_tuning and self.tuned))
 
     def _background_settings(self, s: Any) -> Any:
         if self.decided is False:  # not worth it: compile=false's path from here on
@@ -228,15 +249,54 @@ class AutoCompile:
 
         return state_of(self.background, create=True)
 
-    def _cost(self, key: str, prior: float) -> tuple[float, str]:
-        """(seconds, note): the compile cost recorded under ``key``, else ``prior`` per shape, noted as a prior."""
-        recorded = _number(self._record.get(key))
+    def _cost(self, key: str, prior: float, record: dict | None = None) -> tuple[float, str]:
+        """(seconds, note): the compile cost recorded under ``key`` (in ``record``, default this key's), else
+        ``prior`` per shape, noted as a prior."""
+        recorded = _number((self._record if record is None else record).get(key))
         return (recorded, "") if recorded else (prior * max(1, self.shapes), ", prior")
+
+    def _choose_tuning(self, eager_s: float, left: int, tuned_speedup: float, tuned_cost: float,
+                       compiling: bool = False) -> str:
+        """``compile_tuning: auto``, compiling on the main thread: drop the kernel tuning when compiling without it
+        saves more over the ``left`` samples, and more than nothing unless ``compiling`` anyway (the tuning's ~2%
+        faster steps pay for its compile time only over several hundred samples). Switches this decider to the
+        untuned variant's records and returns the reason's words for it, or "" (tuned, as configured)."""
+        if self.untuned_key is None:
+            return ""
+        r = self._untuned
+        warm = bool(r.get("compiled_before"))
+        cost, note = (self._cost("compile_warm_s", PRIOR_WARM_S, r) if warm
+                      else self._cost("compile_cold_s", PRIOR_COLD_UNTUNED_S, r))
+        compiled = _number(r.get("compiled_s"))
+        speedup = eager_s / compiled if compiled else tuned_speedup / (1.0 + TUNING_GAIN)
+
+        def net(sp: float, c: float) -> float:
+            return left * eager_s * ((1.0 - 1.0 / sp) if sp > MIN_SPEEDUP else 0.0) - MARGIN * c
+
+        untuned, tuned = net(speedup, cost), net(tuned_speedup, tuned_cost)
+        if untuned <= tuned or (untuned <= 0 and not compiling):
+            return ""
+        eager_record = {"eager_s": self._record["eager_s"]} if _number(self._record.get("eager_s")) else {}
+        self.tuned, self.key, self._record = False, self.untuned_key, {**eager_record, **r}
+        return (f"; without kernel tuning: the same x (1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'}) "
+                f"- {cost:.0f} s x {MARGIN} to compile ({'warm' if warm else 'cold'} cache{note}) = {untuned:.0f} s net, "
+                f"more than {tuned:.0f} s net with it")
+
+    def _tuned_figures(self, eager_s: float) -> tuple[float, float]:
+        """(speed-up, main-thread compile cost) of compiling as configured, from this key's records or the priors."""
+        compiled = _number(self._record.get("compiled_s"))
+        warm = bool(self._record.get("compiled_before"))
+        cost = self._cost("compile_warm_s", PRIOR_WARM_S)[0] if warm else self._cost("compile_cold_s", PRIOR_COLD_S)[0]
+        return (eager_s / compiled if compiled else self.prior_speedup), cost
 
     def _decide(self, eager_s: float) -> None:
         if self.force:
             self.decided = self.force != "eager"
             self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
+            if self.force == "main":  # the path is forced, the tuning still chosen from the figures
+                speedup, cost = self._tuned_figures(eager_s)
+                self.reason += self._choose_tuning(eager_s, max(0, int(self.remaining())), speedup, cost,
+                                                   compiling=True)
             log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
                      "compiling in the background" if self.background is not None else "compiling", self.reason)
             if self.background is not None and not self.decided:
@@ -272,9 +332,11 @@ class AutoCompile:
         else:
             cost, note = self._cost("compile_warm_s", PRIOR_WARM_S) if warm else self._cost("compile_cold_s", PRIOR_COLD_S)
             saving = left * eager_s * gain
-            self.decided = saving > MARGIN * cost
             self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
                            f"({cache} cache{note})")
+            untuned = self._choose_tuning(eager_s, left, speedup, cost)
+            self.decided = bool(untuned) or saving > MARGIN * cost
+            self.reason += untuned
         log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
                  if self.decided else "staying eager", self.reason)
         if self.background is not None and not self.decided:
@@ -352,7 +414,8 @@ class AutoCompile:
     def summary(self) -> str:
         """One line for the end of the job: the decision and the batch timings behind it."""
         parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
-                 f"{'compiled' if self.decided else 'eager'}{' in the background' if self.background is not None and self.decided else ''}"]
+                 f"{'compiled' if self.decided else 'eager'}{' in the background' if self.background is not None and self.decided else ''}"
+                 f"{' without kernel tuning' if self.decided and not self.tuned else ''}"]
         if self._eager:
             parts.append(f"{len(self._eager)} eager batches, {statistics.median(self._eager):.2f} s/sample")
         state = self._state() if self.background is not None else None

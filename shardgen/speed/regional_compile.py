@@ -107,10 +107,11 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
                          "regionally; set compile=false")
     _raise_recompile_limits()
     compile_cache_dir()
-    if tuning:
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
-        inductor_config.coordinate_descent_tuning = True
+    # process-wide: set either way, so a process that compiled tuned blocks and compiles again untuned (compile=auto
+    # after compile=true in one test process) gets what it asked for
+    inductor_config.coordinate_descent_tuning = tuning
     todo = [b for b in blocks if "_shardgen_eager_forward" not in b.__dict__]
     for block in todo:
         if not _plain_forward(block):  # a hook wraps forward: compiling it would compile the hook

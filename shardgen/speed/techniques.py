@@ -58,7 +58,7 @@ class AccelOptions:
         # config keeps this class's default
         return pick(cls, cfg, compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")),
                                                   one_gpu_per_replica),
-                    sdpa=str(get("sdpa_backend", cls.sdpa)))
+                    sdpa=str(get("sdpa_backend", cls.sdpa)), compile_tuning=resolve_tuning(get("compile_tuning", "auto")))
 
     @property
     def lossy(self) -> dict:
@@ -81,6 +81,17 @@ def resolve_compile(value: Any, device: str = "auto", one_gpu_per_replica: bool 
         raise AccelError(f"compile={value!r}: use true, false or auto (on for CUDA with strategy dp, else off)")
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     return cuda and one_gpu_per_replica
+
+
+def resolve_tuning(value: Any) -> bool:
+    """``compile_tuning`` as configured (true, false or auto) -> whether compiled blocks are tuned unless ``compile:
+    auto`` decides otherwise: ``auto`` tunes under compile=true and lets compile=auto choose (speed/autocompile.py)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() != "auto":
+        raise AccelError(f"compile_tuning={value!r}: use true, false or auto (compile=auto tunes the kernels only "
+                         "when the work left pays for the tuning's compile time)")
+    return True
 
 
 @dataclass(frozen=True)
