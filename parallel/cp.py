@@ -18,7 +18,8 @@ import torch
 from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims, divisors
 from parallel.registry import Strategy, fail, register
-from parallel.transformer import HALF_DTYPES, check_backend_name, latent_frames, model_family, sequence_tokens
+from parallel.transformer import (HALF_DTYPES, check_backend_name, input_image_tokens, latent_frames, model_family,
+                                  sequence_tokens)
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
@@ -168,18 +169,26 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
     anything-variant is on; those split unevenly only on GPUs (gloo cannot all-gather pieces of unequal size)."""
     n = dims.ulysses * dims.ring
     image, text = sequence_tokens(cfg)
+    sequences = [("image", image, _token_rule("image", cfg)), ("text", text, _token_rule("text", cfg))]
+    extra = input_image_tokens(cfg)
+    if extra:  # an edit model's input image joins the sequence that is split (rows without one: the sample's alone)
+        joint = ("image + input image", image + extra, f"{_token_rule('image', cfg)} + {_input_rule(cfg, extra)}")
+        if model_family(cfg).input_image == "required":
+            sequences[0] = joint
+        else:
+            sequences.insert(0, joint)
     anything = dims.ulysses_anything or dims.ring_anything
     variant = "strategy.ulysses_anything=true" if dims.ring == 1 else \
         "strategy.ring_anything=true" if dims.ulysses == 1 else None
     fix = f", or {variant}" if variant and facts.type == "cuda" else ""
-    for what, tokens in (("image", image), ("text", text)):
+    for what, tokens, rule in sequences:
         if tokens is None and not anything:
             fail(f"{cfg.model.pipeline} gives each batch a text length of its own, which a CP degree of {n} need not "
                   f"divide; set {variant or 'ulysses_degree or ring_degree to 1 and its anything-variant'} (on GPUs)")
         if tokens is None or tokens % n == 0:
             continue
         if anything and facts.type != "cuda":
-            fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree {n}: the "
+            fail(f"{what} tokens = {tokens} ({rule}) do not divide by the CP degree {n}: the "
                   "anything-variants split them unevenly, which needs NCCL (gloo cannot all-gather pieces of unequal "
                   f"size), and {facts.where} has no CUDA GPU; use sizes that divide by {n}")
         if anything and tokens < n:
@@ -189,9 +198,17 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
             frames = "latent frames x " if family.is_video else ""
             p = family.latent_patch
             hint = (f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}" if what == "image" else
-                    f"model.max_sequence_length divisible by {n}")
-            fail(f"{what} tokens = {tokens} ({_token_rule(what, cfg)}) do not divide by the CP degree "
+                    f"height/width whose tokens and the input image's add up to a multiple of {n}" if what != "text"
+                    else f"model.max_sequence_length divisible by {n}")
+            fail(f"{what} tokens = {tokens} ({rule}) do not divide by the CP degree "
                   f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
+
+
+def _input_rule(cfg: GenerateConfig, tokens: int) -> str:
+    from shardgen.models.condition import input_size
+
+    width, height = input_size(cfg.width, cfg.height, model_family(cfg).input_image_area)
+    return f"{tokens} of the input image, fitted to {width}x{height}"
 
 
 def _token_rule(what: str, cfg: GenerateConfig) -> str:

@@ -79,6 +79,11 @@ BAD = [  # (overrides, world size, device facts, what the message must say)
     (("strategy=tp", "tp_degree=2"), 8, GPUS(8, 4), "one rank per GPU on every node"),
     (("model=qwen_image", "model.weights=dummy", "strategy=cp_ulysses", "ulysses_degree=2"), 2, GPUS(2, 2),
      "text length of its own"),
+    # the edit model's input image (fitted to ~1 MP at the sample's aspect) joins the split sequence: 3840 + 4092
+    (("model=qwen_image_edit", "model.weights=dummy", "strategy=cp_ulysses", "ulysses_degree=8", "height=1024",
+      "width=960", "prompts.row_settings=[image]"), 8, GPUS(8, 8),
+     r"image \+ input image tokens = 7932 \(1024/16 x 960/16 \+ 4092 of the input image, fitted to 992x1056\) do "
+     r"not divide by the CP degree 8 .* use height/width whose tokens and the input image's add up to a multiple"),
 ]
 
 
