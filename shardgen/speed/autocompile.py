@@ -278,7 +278,8 @@ class AutoCompile:
             return ""
         eager_record = {"eager_s": self._record["eager_s"]} if _number(self._record.get("eager_s")) else {}
         self.tuned, self.key, self._record = False, self.untuned_key, {**eager_record, **r}
-        return (f"; without kernel tuning: the same x (1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'}) "
+        return (f"; without kernel tuning: {left} samples x {eager_s:.2f} s x (1 - 1/{speedup:.2f} speed-up"
+                f"{'' if compiled else ' (prior)'}) "
                 f"- {cost:.0f} s x {MARGIN} to compile ({'warm' if warm else 'cold'} cache{note}) = {untuned:.0f} s net, "
                 f"more than {tuned:.0f} s net with it")
 
