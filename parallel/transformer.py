@@ -114,16 +114,16 @@ def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
     return image, (family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None))
 
 
-def input_image_tokens(cfg: GenerateConfig) -> int:
-    """Latent tokens a row's input image adds to the transformer's sequence: those of the image at the size it is
-    fitted to, for an edit model whose input joins the sample's tokens (``ModelFamily.image_in_sequence``) in a run
-    whose rows name images; else 0."""
+def input_image_tokens(cfg: GenerateConfig, height: int | None = None, width: int | None = None) -> int:
+    """Latent tokens a row's input image adds to the transformer's sequence for a sample of ``height`` x ``width``
+    (default: the run's): those of the image at the size it is fitted to, for an edit model whose input joins the
+    sample's tokens (``ModelFamily.image_in_sequence``) in a run whose rows name images; else 0."""
     family = model_family(cfg)
     if not family.image_in_sequence or "image" not in (cfg.prompts.get("row_settings") or ()):
         return 0
     from shardgen.models.condition import input_size
 
-    width, height = input_size(cfg.width, cfg.height, family.input_image_area)
+    width, height = input_size(width or cfg.width, height or cfg.height, family.input_image_area)
     return family.image_tokens(height, width)
 
 

@@ -406,3 +406,19 @@ def test_rows_whose_tokens_a_cp_degree_cannot_split_are_refused_before_any_weigh
         check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(48, 48): 3}, "cpu")
     check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(32, 48): 3}, "cpu")  # 8 and 6 tokens: fine
     assert not (tmp_path / "run").exists()
+
+
+def test_an_edit_models_rows_are_checked_with_their_input_images_tokens():
+    """Qwen-Image-Edit's input image (fitted to ~1 MP at the row's aspect) joins the sequence Ulysses splits: a row
+    at 960x1024 has 3840 tokens of its own, which 8 ranks split, and 4092 of its input, which they do not."""
+    from parallel.dims import ParallelConfigError, ParallelDims
+    from parallel.strategies import check_row_shapes
+    from shardgen.dataio.prompts import Shape
+
+    cfg = compose_cfg("run_dir=/tmp/x", "model=qwen_image_edit", "model.weights=dummy", "prompts=jsonl",
+                      "prompts.row_settings=[image,width,height]")
+    dims = ParallelDims(world_size=8, strategy="cp_ulysses", ulysses=8)
+    with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 2 rows at 960x1024 \(7932 tokens\): .* "
+                                                  r"\(H/16\)\*\(W/16\) plus their input image's divides by 8"):
+        check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(960, 1024): 2}, "cuda")
+    check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(768, 1024): 2}, "cuda")  # 3072 + 4144 tokens: fine
