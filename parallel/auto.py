@@ -71,6 +71,8 @@ class AutoInputs:
     has_cp_plan: bool
     true_cfg: bool = False
     """The pipeline runs true CFG (two transformer branches per step)."""
+    can_stage: bool = True
+    """strategy=device_map can run the model (its family says how it encodes prompts: ``encode_outputs``)."""
 
     def dit_bytes(self, cp_degree: int = 1) -> int:
         """One batch's peak transformer activations (split over the CP degree)."""
@@ -136,7 +138,7 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
         cp = _choose_cp(x, budget - weights, why)
         if cp is not None:
             return cp, why
-    if x.transformer_bytes + act <= budget:
+    if x.transformer_bytes + act <= budget and x.can_stage:
         why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(weights + act)} > "
                    f"{_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
         return _pick(x, "device_map", gpus_per_replica=1), why
@@ -149,7 +151,7 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
                            "reads only its shard")
                 return _pick(x, "tp", tp=k), why
         why.append(f"no tp_degree dividing {x.world_size} ranks and {x.heads} heads makes a shard fit")
-    if x.world_size == 1 and x.device_count > 1:
+    if x.world_size == 1 and x.device_count > 1 and x.can_stage:
         for g in range(2, x.device_count + 1):
             if x.transformer_bytes / g + act <= budget:
                 why.append(f"one process with {x.device_count} GPUs: device_map over {g} GPU(s) (balanced), the "
@@ -240,7 +242,8 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
         hidden=info.hidden or model_family(cfg).hidden_default, height=cfg.height, width=cfg.width,
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
-        true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline))
+        true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline),
+        can_stage=model_family(cfg).encode_outputs is not None)
 
 
 def decide(cfg: GenerateConfig, world_size: int, facts) -> ParallelDims:

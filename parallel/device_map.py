@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from parallel.registry import Strategy, fail, register
-from parallel.transformer import load_transformer
+from parallel.transformer import load_transformer, model_family
 from shardgen.config.sizes import GiB, parse_bytes
 from shardgen.families import families, family_of
 from shardgen.models import lora
@@ -215,6 +215,14 @@ class DeviceMap(Strategy):
             fail(f"strategy=device_map with strategy.gpus_per_replica={dims.gpus_per_replica} and {facts.local_ranks} "
                  f"rank(s) per node needs {need} GPUs, but {facts.where} has {facts.count}; lower "
                  "strategy.gpus_per_replica or launch fewer ranks per node")
+
+    def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn) -> None:
+        family = model_family(cfg)
+        if family.encode_outputs is None:  # StagedPipeline encodes the prompts itself, then offloads the encoders
+            supported = sorted(f.pipeline for f in families() if f.encode_outputs is not None)
+            fail(f"strategy=device_map encodes prompts apart from the pipeline and does not know how "
+                 f"{cfg.model.pipeline} does ({family.name}: its prompts are encoded with its input images); use "
+                 f"strategy=dp, tp or fsdp for this model. device_map runs {supported}")
 
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
         return (transformer + others) * dtype_bytes // max(1, dims.gpus_per_replica)

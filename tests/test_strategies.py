@@ -75,6 +75,10 @@ BAD = [  # (overrides, world size, device facts, what the message must say)
     (("strategy=device_map",), 1, CPU, "has no CUDA GPU \\(CPU only\\)"),
     (("strategy=device_map", "strategy.gpus_per_replica=2"), 1, GPUS(1), "needs 2 GPUs, but this machine has 1"),
     (("strategy=device_map", "model=flux_dev", "model.weights=dummy"), 1, GPUS(8), "builds the whole pipeline on one"),
+    (("strategy=device_map", "model=qwen_image_edit", "model.weights=dummy", "strategy.gpus_per_replica=1"), 1,
+     GPUS(1),
+     r"does not know how QwenImageEditPipeline does \(Qwen-Image-Edit: its prompts are encoded with its input "
+     r"images\); use strategy=dp, tp or fsdp"),
     (("strategy=tp", "tp_degree=2"), 4, GPUS(2, 4), "4 ranks per node need one GPU each"),
     (("strategy=tp", "tp_degree=2"), 8, GPUS(8, 4), "one rank per GPU on every node"),
     (("model=qwen_image", "model.weights=dummy", "strategy=cp_ulysses", "ulysses_degree=2"), 2, GPUS(2, 2),
@@ -228,6 +232,8 @@ def test_an_edit_models_input_image_adds_its_tokens_to_the_sequence_auto_sizes_f
     (replace(FLUX_DEV, free_bytes=32 * GiB, world_size=1, device_count=1), "device_map", dict(gpus_per_replica=1)),
     (replace(FLUX_DEV, free_bytes=24 * GiB, world_size=8), "tp", dict(tp=4)),               # 24 GB cards, 8 ranks
     (replace(FLUX_DEV, free_bytes=24 * GiB, world_size=1, device_count=4), "device_map", dict(gpus_per_replica=2)),
+    # a model device_map cannot stage (Qwen-Image-Edit encodes its prompts with the input image): tp, not device_map
+    (replace(FLUX_DEV, free_bytes=32 * GiB, can_stage=False), "tp", dict(tp=2)),
     (LONG, "cp_ulysses", dict(ulysses=2)),
     (replace(LONG, heads=9), "cp_ring", dict(ring=2)),
 ])
@@ -242,6 +248,8 @@ def test_auto_choice(inputs, strategy, degrees):
 def test_auto_says_what_would_make_it_fit():
     with pytest.raises(ParallelConfigError, match="found no way to fit the model"):
         choose(replace(FLUX_DEV, free_bytes=16 * GiB, world_size=1, device_count=1))
+    with pytest.raises(ParallelConfigError, match="found no way to fit the model"):  # device_map would have
+        choose(replace(FLUX_DEV, free_bytes=32 * GiB, world_size=1, device_count=1, can_stage=False))
     with pytest.raises(ParallelConfigError, match="no CP degree dividing the ranks"):  # no ring without bf16/fp16
         choose(replace(LONG, heads=9, half_dtype=False))
 
