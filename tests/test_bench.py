@@ -177,3 +177,21 @@ def test_the_seed_loop_and_the_jobs_batch_do_equal_work(pipeline, model, extra):
     for i, prompt in enumerate(prompts):
         alone = np.asarray(pipe(**baseline_kwargs(pipe, cfg, prompt, 5 + i)).images[0])
         np.testing.assert_array_equal(batch[i], alone)
+
+
+def test_a_flux_step_counts_the_flops_the_architecture_implies():
+    """benchmarks/step_flops.py: FLUX.1-dev at 1024x1024 (4096 image + 512 text tokens) is ~74 TFLOP an image-step
+    (12B parameters, but the adaLN modulation is per sample and a dual-stream block's text side sees 512 tokens);
+    FLUX.2-dev's 32B transformer ~283."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("step_flops", ROOT / "benchmarks" / "step_flops.py")
+    step_flops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_flops)
+    linear, attention = step_flops.step_flops("flux_dev", 4096, 512)
+    assert attention == 4 * 4608 ** 2 * 24 * 128 * 57
+    assert (linear + attention) / 1e12 == pytest.approx(74.4, abs=0.1)
+    linear, attention = step_flops.step_flops("flux2_dev", 4096, 512)
+    assert (linear + attention) / 1e12 == pytest.approx(282.5, abs=0.1)
