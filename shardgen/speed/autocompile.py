@@ -66,8 +66,8 @@ from typing import Any, Callable
 
 log = logging.getLogger("shardgen.compile")
 
-PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache (H200: 40-47 s, FLUX.1/2, Qwen; 51.5 s
-# for FLUX.1-dev's three graphs then, h200-s15), with inductor's coordinate-descent kernel tuning
+PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache, kernels tuned (H200: 40-47 s, FLUX.1/2,
+# Qwen; FLUX.1-dev with three graphs 51.5 s, benchmarks/results/h200-s15)
 PRIOR_COLD_UNTUNED_S = 20.0  # the same without the tuning (docs/config.md: the tuning adds ~40 s once per process)
 TUNING_GAIN = 0.02    # tuned compiled steps over untuned ones (H200, FLUX.1-dev: 1.3-2.9%, performance-history.md)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
@@ -283,31 +283,25 @@ class AutoCompile:
                 f"- {cost:.0f} s x {MARGIN} to compile ({'warm' if warm else 'cold'} cache{note}) = {untuned:.0f} s net, "
                 f"more than {tuned:.0f} s net with it")
 
-    def _tuned_figures(self, eager_s: float) -> tuple[float, float]:
-        """(speed-up, main-thread compile cost) of compiling as configured, from this key's records or the priors."""
-        compiled = _number(self._record.get("compiled_s"))
-        warm = bool(self._record.get("compiled_before"))
-        cost = self._cost("compile_warm_s", PRIOR_WARM_S)[0] if warm else self._cost("compile_cold_s", PRIOR_COLD_S)[0]
-        return (eager_s / compiled if compiled else self.prior_speedup), cost
-
     def _decide(self, eager_s: float) -> None:
-        if self.force:
-            self.decided = self.force != "eager"
-            self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
-            if self.force == "main":  # the path is forced, the tuning still chosen from the figures
-                speedup, cost = self._tuned_figures(eager_s)
-                self.reason += self._choose_tuning(eager_s, max(0, int(self.remaining())), speedup, cost,
-                                                   compiling=True)
-            log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
-                     "compiling in the background" if self.background is not None else "compiling", self.reason)
-            if self.background is not None and not self.decided:
-                self._state().abandon()
-            return
         r = self._record
         warm = bool(r.get("compiled_before"))
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else self.prior_speedup
         left = max(0, int(self.remaining()))
+        # compiling on the main thread costs the warm figure where this cache compiled the blocks before
+        main_cost, main_note = (self._cost("compile_warm_s", PRIOR_WARM_S) if warm
+                                else self._cost("compile_cold_s", PRIOR_COLD_S))
+        if self.force:
+            self.decided = self.force != "eager"
+            self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
+            if self.force == "main":  # the path is forced, the tuning still chosen from the figures
+                self.reason += self._choose_tuning(eager_s, left, speedup, main_cost, compiling=True)
+            log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
+                     "compiling in the background" if self.background is not None else "compiling", self.reason)
+            if self.background is not None and not self.decided:
+                self._state().abandon()
+            return
         gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
         cache = "warm" if warm else "cold"
         figures = f"{left} samples left here x {eager_s:.2f} s eager"
@@ -315,8 +309,7 @@ class AutoCompile:
         if self.background is not None:  # the compile time is spent generating eagerly, not waiting
             cost, note = self._cost("compile_background_s", PRIOR_BACKGROUND_S)
             saving = max(0.0, left * eager_s - cost) * gain - CONTENTION * cost
-            main_cost, main_note = self._cost("compile_warm_s", PRIOR_WARM_S)
-            main = left * eager_s * gain - main_cost
+            main = left * eager_s * gain - main_cost  # warm: the background path is taken on a warm cache only
             self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{note}) x {speed} "
                            f"- {CONTENTION} x {cost:.0f} s slower eager batches beside it "
                            f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
@@ -331,12 +324,11 @@ class AutoCompile:
                 return
             self.decided = saving > BACKGROUND_MIN_SAVING_S
         else:
-            cost, note = self._cost("compile_warm_s", PRIOR_WARM_S) if warm else self._cost("compile_cold_s", PRIOR_COLD_S)
             saving = left * eager_s * gain
-            self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to compile "
-                           f"({cache} cache{note})")
-            untuned = self._choose_tuning(eager_s, left, speedup, cost)
-            self.decided = bool(untuned) or saving > MARGIN * cost
+            self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {main_cost:.0f} s x {MARGIN} to compile "
+                           f"({cache} cache{main_note})")
+            untuned = self._choose_tuning(eager_s, left, speedup, main_cost)
+            self.decided = bool(untuned) or saving > MARGIN * main_cost
             self.reason += untuned
         log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
                  if self.decided else "staying eager", self.reason)
