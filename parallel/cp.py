@@ -18,8 +18,8 @@ import torch
 from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims, divisors
 from parallel.registry import Strategy, fail, register
-from parallel.transformer import (HALF_DTYPES, check_backend_name, input_image_tokens, latent_frames, model_family,
-                                  sequence_tokens)
+from parallel.transformer import (HALF_DTYPES, check_backend_name, latent_frames, model_family, sequence_tokens,
+                                  split_image_tokens)
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
@@ -169,14 +169,10 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
     anything-variant is on; those split unevenly only on GPUs (gloo cannot all-gather pieces of unequal size)."""
     n = dims.ulysses * dims.ring
     image, text = sequence_tokens(cfg)
-    sequences = [("image", image, _token_rule("image", cfg)), ("text", text, _token_rule("text", cfg))]
-    extra = input_image_tokens(cfg)
-    if extra:  # an edit model's input image joins the sequence that is split (rows without one: the sample's alone)
-        joint = ("image + input image", image + extra, f"{_token_rule('image', cfg)} + {_input_rule(cfg, extra)}")
-        if model_family(cfg).input_image == "required":
-            sequences[0] = joint
-        else:
-            sequences.insert(0, joint)
+    # an edit model's input image joins the sequence that is split
+    sequences = [("image", tokens, _token_rule("image", cfg)) if tokens == image else
+                 ("image + input image", tokens, f"{_token_rule('image', cfg)} + {_input_rule(cfg, tokens - image)}")
+                 for tokens in split_image_tokens(cfg, image)] + [("text", text, _token_rule("text", cfg))]
     anything = dims.ulysses_anything or dims.ring_anything
     variant = "strategy.ulysses_anything=true" if dims.ring == 1 else \
         "strategy.ring_anything=true" if dims.ulysses == 1 else None
@@ -197,9 +193,9 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
             family = model_family(cfg)
             frames = "latent frames x " if family.is_video else ""
             p = family.latent_patch
-            hint = (f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}" if what == "image" else
-                    f"height/width whose tokens and the input image's add up to a multiple of {n}" if what != "text"
-                    else f"model.max_sequence_length divisible by {n}")
+            hint = {"image": f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}",
+                    "text": f"model.max_sequence_length divisible by {n}"}.get(
+                what, f"height/width whose tokens and the input image's add up to a multiple of {n}")
             fail(f"{what} tokens = {tokens} ({rule}) do not divide by the CP degree "
                   f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
 

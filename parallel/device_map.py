@@ -33,6 +33,11 @@ log = logging.getLogger("shardgen.device_map")
 RESERVE_FRACTION = 0.15  # of each GPU, kept free for activations when deciding what stays resident
 
 
+def stageable() -> list[str]:
+    """The pipelines StagedPipeline can run: those whose family names its ``encode_prompt`` outputs."""
+    return sorted(f.pipeline for f in families() if f.encode_outputs is not None)
+
+
 @dataclass
 class StagedPipeline:
     """A pipeline whose text encoders may live off the GPU: each call encodes the prompts (moving the
@@ -51,9 +56,8 @@ class StagedPipeline:
     def __post_init__(self):
         family = family_of(self.pipe)  # encode_prompt's outputs, in order, as the pipeline's __call__ names them
         if family is None or family.encode_outputs is None:
-            supported = sorted(f.pipeline for f in families() if f.encode_outputs is not None)
             raise ModelLoadError(f"strategy=device_map does not know how {type(self.pipe).__name__} encodes prompts; "
-                                 f"supported: {supported}")
+                                 f"supported: {stageable()}")
         self._outputs = family.encode_outputs
         self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
         encode = inspect.signature(self.pipe.encode_prompt).parameters
@@ -219,10 +223,9 @@ class DeviceMap(Strategy):
     def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn) -> None:
         family = model_family(cfg)
         if family.encode_outputs is None:  # StagedPipeline encodes the prompts itself, then offloads the encoders
-            supported = sorted(f.pipeline for f in families() if f.encode_outputs is not None)
             fail(f"strategy=device_map encodes prompts apart from the pipeline and does not know how "
                  f"{cfg.model.pipeline} does ({family.name}: its prompts are encoded with its input images); use "
-                 f"strategy=dp, tp or fsdp for this model. device_map runs {supported}")
+                 f"strategy=dp, tp or fsdp for this model. device_map runs {stageable()}")
 
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
         return (transformer + others) * dtype_bytes // max(1, dims.gpus_per_replica)

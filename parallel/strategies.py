@@ -20,7 +20,7 @@ from parallel import registry
 from parallel.auto import decide
 from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.transformer import (TransformerInfo, check_backend_name, input_image_tokens, model_family,
-                                  transformer_info)
+                                  split_image_tokens, transformer_info)
 from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
 
@@ -109,7 +109,9 @@ def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | Non
     family = model_family(cfg)
     p = family.latent_patch
     bad = [(shape, rows, tokens) for shape, rows in shapes.items()
-           for tokens in _split_tokens(cfg, family, shape) if tokens % n]
+           for tokens in split_image_tokens(cfg, family.image_tokens(shape.height, shape.width)
+                                            * family.latent_frames(shape.frames), shape.height, shape.width)
+           if tokens % n]
     if bad:
         some = ", ".join(f"{rows} rows at {shape.label} ({tokens} tokens)" for shape, rows, tokens in bad[:3])
         sizes = (f"{'latent frames x ' if family.is_video else ''}(H/{p})*(W/{p})" +
@@ -117,16 +119,6 @@ def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | Non
         _fail(f"prompts.row_settings: {some}{' ...' if len(bad) > 3 else ''}: their image tokens do not divide by "
               f"the CP degree {n} (ulysses {dims.ulysses} x ring {dims.ring}); give those rows sizes whose "
               f"{sizes} divides by {n}, or use strategy=dp or tp for this prompt file")
-
-
-def _split_tokens(cfg: GenerateConfig, family, shape) -> list[int]:
-    """The token counts context parallelism splits for rows of ``shape``: the sample's, and with an edit model's
-    input image the joint sequence (alone when every row has an image)."""
-    tokens = family.image_tokens(shape.height, shape.width) * family.latent_frames(shape.frames)
-    extra = input_image_tokens(cfg, shape.height, shape.width)
-    if not extra:
-        return [tokens]
-    return [tokens + extra] if family.input_image == "required" else [tokens, tokens + extra]
 
 
 def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,

@@ -127,6 +127,17 @@ def input_image_tokens(cfg: GenerateConfig, height: int | None = None, width: in
     return family.image_tokens(height, width)
 
 
+def split_image_tokens(cfg: GenerateConfig, tokens: int, height: int | None = None, width: int | None = None
+                       ) -> list[int]:
+    """The image-side token counts context parallelism splits for samples of ``tokens`` image tokens at ``height``
+    x ``width`` (default: the run's): the sample's, and with an edit model's input image the joint sequence (that
+    alone when the family requires an input image)."""
+    extra = input_image_tokens(cfg, height, width)
+    if not extra:
+        return [tokens]
+    return [tokens + extra] if model_family(cfg).input_image == "required" else [tokens, tokens + extra]
+
+
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):
     """The pretrained transformer of ``model_cfg``, read off its safetensors files; ``from_pretrained`` says how
     it is split (``parallel_config=`` for tp, ``device_map=``/``max_memory=`` for device_map)."""
