@@ -651,3 +651,10 @@ def test_flux1_dev_on_a_fresh_cache_compiles_only_for_a_run_long_enough(tmp_path
                    prior_speedup=AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=True))
     s = _two_eager_batches(auto)
     assert (s.accel.compile, s.accel.compile_tuning) == (compiles, tuned), auto.reason
+
+
+def test_a_compile_tuning_that_is_not_true_false_or_auto_is_refused_while_validating():
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"^compile_tuning='yes': use true, false or auto"):
+        validate_config(compose_cfg("compile_tuning=yes"))
