@@ -658,3 +658,21 @@ def test_a_compile_tuning_that_is_not_true_false_or_auto_is_refused_while_valida
 
     with pytest.raises(ConfigError, match=r"^compile_tuning='yes': use true, false or auto"):
         validate_config(compose_cfg("compile_tuning=yes"))
+
+
+def test_compile_auto_counts_the_shards_this_job_already_made_as_done(tmp_path, monkeypatch, caplog):
+    """16 prompts in shards of one batch: after the two timed batches (two shards made, their commits possibly still
+    queued on the writer) the decision weighs the 8 samples left, not the run's 16."""
+    import logging
+
+    from shardgen.speed import techniques
+
+    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(16)])
+    monkeypatch.setattr(techniques, "resolve_compile", lambda value, device="auto", strategy="dp": True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        result = run(compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={f}", "batch_size=4",
+                                 "samples_per_shard=4", *FAST))
+    assert result.ok == 16
+    assert re.search(r"compile=auto: \w[\w ]* \(8 samples left here x [\d.]+ s eager", caplog.text), caplog.text

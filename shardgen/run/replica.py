@@ -92,6 +92,7 @@ class ReplicaWorker:
     _written: int = field(default=0, init=False)            # leader: rows handed over to the sink (from n_done)
     _cursor: int | None = field(default=None, init=False)  # where the walk for the next shard starts
     _done: set | None = field(default=None, init=False)    # shards known committed (a cache: they stay committed)
+    _made: set = field(default_factory=set, init=False)    # shards this worker finished (their commits may be queued)
     _todo: list = field(default_factory=list, init=False)  # shards not known done, ascending (see _not_done)
     _todo_of: Any = field(default=None, init=False)        # the _done set _todo was computed from
     _images: ImagePrefetch | None = field(default=None, init=False)  # input images, decoded a batch ahead
@@ -149,7 +150,9 @@ class ReplicaWorker:
 
     def remaining_here(self) -> int:
         """Samples this replica is still expected to make: the unfinished shards' share of one replica."""
-        left = self.plan.num_shards - len(self._done if self._done is not None else self.plan.run.done_shards())
+        # the walk's known-done set misses the shards this worker made itself, whose commits may still be queued
+        known = self._done if self._done is not None else self.plan.run.done_shards()
+        left = self.plan.num_shards - len(known | self._made)
         return max(0, left * self.plan.samples_per_shard // max(1, self.ctx.count) - self._done_in_shard)
 
     def _share(self, obj):
@@ -280,6 +283,7 @@ class ReplicaWorker:
             with self.watchdog.busy(f"shard {shard:06d}, batch from row {n_done + batch[0]}"):
                 if not self._batch(shard, n_done, rows, batch, redo, following):
                     return
+        self._made.add(shard)
         if self.ctx.leader:
             with self.watchdog.busy(f"committing shard {shard:06d}"):
                 self.sink.commit(self._work, on_done=lambda stats, s=shard: self._committed(s, stats))
