@@ -77,12 +77,16 @@ def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monke
         np.testing.assert_allclose(a.astype(int), b.astype(int), atol=1)
 
 
-def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch):
+@pytest.mark.parametrize("background", [False, True])
+def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch, background):
     """FLUX.1's first single block gets the double blocks' outputs, the others the single blocks' (views of one
     buffer before): one graph per block class, not a second single-block graph (a whole extra compilation on a
-    fresh cache). Dynamo's eager backend: the real tracing and guards. The pixels are the stock blocks'."""
+    fresh cache). Compiled on a background thread too, from the arguments the eager blocks left (views there):
+    the thread traces on what the compiled blocks pass. Dynamo's eager backend: the real tracing and guards.
+    The pixels are the stock blocks'."""
     from shardgen.models.dummy import build_dummy_pipeline
     from shardgen.speed import accel
+    from shardgen.speed.background import state_of
     from tests.test_dummy_models import SMALL
 
     real_compile = torch.compile
@@ -101,8 +105,15 @@ def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatc
     plain = pixels()
     graphs = AC.compiled_graphs()
     try:
-        done = accel.prepare(pipe, accel.AccelOptions(compile=True, sdpa="default", fused_blocks=True))
+        done = accel.prepare(pipe, accel.AccelOptions(compile=True, compile_background=background, sdpa="default",
+                                                      fused_blocks=True))
         assert done["compiled_blocks"] == 7
+        if background:
+            state = state_of(pipe.transformer)
+            pixels()  # eager, leaving the arguments
+            assert state.start() and state.wait(120) and state.error is None
+            assert AC.compiled_graphs() - graphs == 2, "the thread: one graph for each block class"
+            assert state.switch()
         compiled = pixels()
         assert AC.compiled_graphs() - graphs == 2, "one graph for the double blocks, one for the single blocks"
         pixels()

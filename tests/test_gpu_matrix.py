@@ -15,8 +15,8 @@ CFG settings) these ways, one after the other on one compile cache:
   make it decide before its first batch (a requeued job on a filled cache).
 
 Every sample must be made, ``jobs.verify`` clean, and each image within the bf16 noise floor of ``eager``
-(PSNR no more than 3 dB below ``floor``'s), and ``compiled`` no more graphs than the model's block classes
-need. The graphs each way compiled are printed, and written as JSON to
+(PSNR no more than 3 dB below ``floor``'s), ``compiled`` the graphs the model's block classes need and no
+compiling way more. The graphs each way compiled are printed, and written as JSON to
 ``$SHARDGEN_MATRIX_OUT`` when set.
 """
 
@@ -130,6 +130,8 @@ def test_every_default_path_makes_every_sample_within_the_noise_floor(tmp_path, 
     images["resume"] = shard_images(resumed)
     for way in ("auto-main", "auto-background", "compiled", "resume"):
         assert figures[way]["graphs"] > 0 or "compiled" in figures[way]["summary"], (way, figures[way])
+        # a way that compiles more graphs than compile=true compiled one for shapes or strides it never runs
+        assert figures[way]["graphs"] <= COMPILED_GRAPHS[model], (way, figures[way])
     assert "eager" in figures["auto-eager"]["summary"] and figures["auto-eager"]["graphs"] == 0
     assert figures["compiled"]["graphs"] == COMPILED_GRAPHS[model], figures["compiled"]
     assert "compiled in the background" in figures["auto-background"]["summary"], figures["auto-background"]

@@ -7,8 +7,10 @@ more than compiling saves, and even a long one waits before its first image. Her
 1. ``compile_blocks(..., background=True)`` gives each repeated block a ``DeferredForward``: the block's
    own (eager) forward, plus the ``torch.compile`` wrapper it will use later, not yet called.
 2. The first batch runs eagerly; each block class leaves the arguments of its first call of each distinct
-   signature (shapes, strides, dtypes: what dynamo's guards check; FLUX.1's first double block gets other
-   strides than the next ones, which would compile a third graph on the main thread).
+   signature (shapes, strides, dtypes: what dynamo's guards check; a block whose first call gets other
+   strides than the next ones would compile another graph on the main thread), as the compiled blocks will
+   pass them (a forward's ``compiled_args``: FLUX.1's compiled single blocks hand on contiguous halves where
+   the eager ones hand on views).
 3. ``BackgroundCompile.start`` calls each class's compiled wrapper once, on those arguments, on a thread
    of its own: dynamo traces, inductor generates code (its compile workers are processes), the graph
    runs once. Meanwhile the main thread keeps generating eagerly: the GPU stays busy. When the decision
@@ -167,6 +169,9 @@ class DeferredForward:
     def __init__(self, block: torch.nn.Module, eager: Callable, compiled: Callable, state: BackgroundCompile):
         self.block_type = type(block)
         self.eager = eager
+        # what the compiled blocks pass each other, where it differs from the eager ones' (strides): the thread
+        # must trace on those, or it compiles a graph the compiled chain never calls
+        self.compiled_args = getattr(getattr(eager, "__func__", eager), "compiled_args", None)
         self.compiled = compiled
         self.state = state
         state.forwards.append(self)
@@ -182,9 +187,10 @@ class DeferredForward:
                 st.step_seen = True
                 if st.wanted:
                     st.start()
-            key = (self.block_type, signature((args, kwargs)))
+            traced = self.compiled_args(args, kwargs) if self.compiled_args else (args, kwargs)
+            key = (self.block_type, signature(traced))
             if st.capturing and key not in st.captured:
-                st.captured[key] = (self, args, kwargs, _sdpa_now())
+                st.captured[key] = (self, *traced, _sdpa_now())
         return self.eager(*args, **kwargs)
 
 

@@ -268,6 +268,18 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
     return text, image
 
 
+def _compiled_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A single block's arguments as the compiled blocks pass them (contiguous halves, above), for a background
+    compilation that captured them from the eager blocks' views (``background.DeferredForward``)."""
+    def contiguous(v):
+        return v.contiguous() if isinstance(v, torch.Tensor) else v
+    return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
+
+
+single_block_forward.compiled_args = _compiled_args
+single_block_forward_cat.compiled_args = _compiled_args
+
+
 def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue."""
     first = ff.net[0]
