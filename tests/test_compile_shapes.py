@@ -256,7 +256,8 @@ def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_
     assert auto.decided is False and "vs 135 s x 1.2 to compile (cold cache, prior)" in auto.reason  # 3 x 45 s
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00garbage", b"[1, 2]", b'{"k": "not a dict"}', b'{"k": {"eager_s": "x"}}'])
+@pytest.mark.parametrize("content", [b"", b"\x00garbage", b"[1, 2]", b'{"k": "not a dict"}', b'{"k": {"eager_s": "x"}}',
+                                     b'{"k": {"eager_s": Infinity, "compiled_s": 1}}', b'{"k": {"eager_s": NaN}}'])
 def test_compile_auto_ignores_damaged_records(tmp_path, content):
     path = tmp_path / "records.json"
     path.write_bytes(content)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 from dataclasses import dataclass, field, replace
@@ -139,7 +140,9 @@ def write_record(path: Path, key: str, record: dict) -> None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    """A recorded figure: a positive finite number (json reads Infinity and NaN too), else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
 
 
 def _as_record(value: Any) -> dict:
