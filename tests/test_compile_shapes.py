@@ -80,7 +80,7 @@ def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monke
 @pytest.mark.parametrize("background", [False, True])
 def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch, background):
     """FLUX.1's first single block gets the double blocks' outputs, the others the single blocks' (views of one
-    buffer before): one graph per block class, not a second single-block graph (a whole extra compilation on a
+    buffer when eager): one graph per block class, not a second single-block graph (a whole extra compilation on a
     fresh cache). Compiled on a background thread too, from the arguments the eager blocks left (views there):
     the thread traces on what the compiled blocks pass. Dynamo's eager backend: the real tracing and guards.
     The pixels are the stock blocks'."""

@@ -67,8 +67,8 @@ from typing import Any, Callable
 
 log = logging.getLogger("shardgen.compile")
 
-PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache, kernels tuned (H200: 40-47 s, FLUX.1/2,
-# Qwen; FLUX.1-dev with three graphs 51.5 s, benchmarks/results/h200-s15)
+PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache, kernels tuned (H200: 40-52 s, FLUX.1/2,
+# Qwen)
 PRIOR_COLD_UNTUNED_S = 20.0  # the same without the tuning (docs/config.md: the tuning adds ~40 s once per process)
 TUNING_GAIN = 0.02    # tuned compiled steps over untuned ones (H200, FLUX.1-dev: 1.3-2.9%, performance-history.md)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
