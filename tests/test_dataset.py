@@ -93,6 +93,22 @@ def test_index_equals_the_tars_and_holds_failures_and_rejects(mixed_run):
     assert failed["image_sha256"].isna().all()
 
 
+def test_a_tool_reading_the_index_exits_zero_after_printing(mixed_run):
+    """Every operator tool reads the committed index from an open file; the process must exit with its own status,
+    not abort at exit in pyarrow's threads (exit 134 after a correct result, which a script takes as a failure)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("from pathlib import Path; from shardgen.dataio.rundir.layout import RunDir; "
+            "from shardgen.tools.runfiles import read_index_columns; "
+            f"print(len(read_index_columns(RunDir(Path({str(mixed_run)!r})), ['key', 'status'])['key']))")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stdout.strip()) == (0, str(len(OK | FAILED | REJECTED))), p.stderr[-1000:]
+
+
 def test_verify_counts_records_in_the_index_and_catches_a_missing_one(mixed_run, tmp_path):
     import shutil
 

@@ -245,6 +245,27 @@ def test_ctrl_c_while_planning_a_new_run_says_nothing_was_written_and_after_it_r
     assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
 
 
+def test_ctrl_c_once_the_plan_is_in_place_keeps_the_run_and_a_rerun_completes_it(tmp_path, monkeypatch):
+    import shardgen.run.runner as runner
+    from jobs.generate import interrupted_message
+
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=4", *FAST)
+    build_plan = runner.build_plan
+
+    def planned_then_interrupted(*a, **k):
+        build_plan(*a, **k)  # plan/ renamed into place: the moment `plan.json` appears
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "build_plan", planned_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose_cfg(*args))
+    assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
+    result = run(compose_cfg(*args))
+    assert (result.total, result.ok, result.complete) == (4, 4, True)
+
+
 def test_a_foreign_run_dir_and_a_resume_with_other_settings_are_refused_before_torch_is_imported(tmp_path):
     import subprocess
     import sys

@@ -112,7 +112,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     ``save_config``: record the resolved config (a launcher preparing before its ranks leaves that to rank 0).
 
     A run_dir that is not a shardgen run is refused before anything is written; a new run refused while
-    planning (a bad prompt row) leaves nothing behind: what this launch created is removed again."""
+    planning (a bad prompt row) leaves nothing behind: what this launch created is removed again, unless its plan
+    was already in place (an interrupt after planning: the run is kept and resumes)."""
     run = RunDir.at(cfg.run_dir, container=cfg.shard_container)  # a known one: validate_config checked it
     check_run_dir_text(cfg.run_dir)
     new = check_run_root(run.root)
@@ -133,7 +134,9 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
         if plan is None:
             plan = _make_plan(cfg, run, source, digest, replicas)
     except BaseException:
-        if new and not resuming:  # a new run that never started: leave no half-made directory behind
+        # a new run stopped before its plan was in place leaves no half-made directory behind; once plan/ is renamed
+        # into place (planning may have read millions of rows) the run is kept, and the same command resumes it
+        if new and not resuming and not os.path.lexists(run.plan_json_path):
             run.fingerprint_path.unlink(missing_ok=True)
             run.undo_start(top)
         raise

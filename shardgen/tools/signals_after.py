@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
-from shardgen.dataio.shards.index import index_path, write_index
+from shardgen.dataio.shards.index import index_path, read_parquet_file, write_index
 from shardgen.dataio.shards.upload import committed_tar
 from shardgen.dataio.shards.uploaded import only_uploaded
 from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
@@ -60,8 +60,6 @@ def add_signals(plan: Plan, functions: dict[str, Callable]) -> Iterator[tuple[in
 
 
 def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int | None:
-    import pyarrow.parquet as pq
-
     from shardgen.dataio.shards.container import read_shard_members
     from shardgen.tools.runfiles import REPAIR_HINT, read_members_checked
 
@@ -73,7 +71,7 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
                           "(signals=[...]), or generate with keep_local=true")
     try:
         with open_regular(path, follow=False) as f:
-            rows = pq.read_table(f).to_pylist()
+            rows = read_parquet_file(f).to_pylist()
         todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError...; an index of another shape KeyError
         raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "

@@ -179,15 +179,24 @@ def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) ->
 def read_index_table(run: RunDir, shard: int, columns: Iterable[str] | None = None):
     """The committed index of ``shard`` as a pyarrow table (no rows if it has no index file), local or from the
     bucket (``uploaded.local_or_fetched``)."""
-    import pyarrow.parquet as pq
-
     source = committed_index(run, shard)
     if isinstance(source, Path):
         if not source.exists():
             return schema().empty_table().select(list(columns)) if columns else schema().empty_table()
         source = open_regular(source)
     with source as f:
-        return pq.read_table(f, columns=list(columns) if columns else None)
+        return read_parquet_file(f, columns)
+
+
+def read_parquet_file(f, columns: Iterable[str] | None = None):
+    """The table in the open parquet file ``f`` (``columns`` only, when given).
+
+    Read with ``ParquetFile``, not ``pq.read_table``: read_table scans a file object through pyarrow's dataset
+    threads, which abort the process at its exit ("terminate called without an active exception", status 134)
+    after the tool printed its result."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(f).read(columns=list(columns) if columns else None)
 
 
 def committed_index(run: RunDir, shard: int):
