@@ -26,6 +26,17 @@ def test_only_pixel_determining_settings_count():
     assert compute_fingerprint(compose_cfg(), "other-sha")["prompts.sha256"] == "other-sha"
 
 
+def test_the_prompt_format_recorded_is_the_one_the_file_is_read_as(tmp_path):
+    assert fp("prompts.path=captions.jsonl")["prompts.format"] == "jsonl"  # the default reads by extension
+    assert fp("prompts.path=captions.jsonl", "prompts.format=txt")["prompts.format"] == "txt"
+    assert fp()["prompts.format"] == "txt"  # examples/prompts.txt: as runs of the default recorded it
+    run = RunDir(tmp_path / "run")  # a run recorded with "auto" unresolved resumes
+    check_or_write_fingerprint(run, dict(fp("prompts.path=captions.jsonl"), **{"prompts.format": "auto"}))
+    run.create()
+    run.shard_file(0).write_bytes(b"")
+    assert check_or_write_fingerprint(run, fp("prompts.path=captions.jsonl")) is True
+
+
 def test_a_resume_with_other_settings_is_refused_naming_the_field(tmp_path):
     run = RunDir(tmp_path / "run")
     assert check_or_write_fingerprint(run, fp()) is False

@@ -75,13 +75,13 @@ def test_parquet_rows_across_row_groups(tmp_path):
 
 def test_txt_fast_scan_equals_the_reader_on_random_files(tmp_path, monkeypatch):
     """The numpy block scan (first-byte test, newline search) gives the reader's rows and rejects on random
-    mixes of blank, whitespace, CR, BOM, non-UTF-8, CJK and long lines, cut at random block edges."""
+    mixes of blank, whitespace, CR, BOM, NUL, non-UTF-8, CJK and long lines, cut at random block edges."""
     import random
 
     import shardgen.dataio.prompts.txt as scan_mod
 
     pieces = [b"a cat", b" lead", b"", b"   ", b"\t", b"\r", b"caf\xc3\xa9", "\u4e00\u53ea".encode(), b"\xff bad",
-              b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50]
+              b"\xef\xbb\xbf", "\u3000".encode(), b"x" * 50, b"\x00"]
     rng = random.Random(1)
     for trial in range(60):
         lines = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 30))]
@@ -243,6 +243,13 @@ def test_a_row_seed_wins_and_every_seed_fits_a_torch_generator():
     assert sample_seed(5, 3, row_seed=42) == 42
     seeds = [sample_seed(s, i) for s in (0, 1, 2**40) for i in range(1000)]
     assert all(0 <= x < 2**63 for x in seeds)
+
+
+def test_every_run_seed_gives_its_own_noise():
+    """Seeds that differ only above bit 30 (1, 2**30 + 1, 2**32 + 1, 2**62 + 1) are different runs."""
+    seeds = [1, 2**30 + 1, 2**32 + 1, 2**40 + 1, 2**62 + 1, 2**63 - 1]
+    per_run = [{sample_seed(s, i) for i in range(1000)} for s in seeds]
+    assert sum(map(len, per_run)) == len(set().union(*per_run)) == 1000 * len(seeds)
 
 
 def test_neighbouring_run_seeds_share_no_noise():

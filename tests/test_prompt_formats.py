@@ -69,3 +69,13 @@ def test_a_bad_row_of_the_new_format_is_one_line_naming_file_and_line(pipe_forma
     prompts.write_text("1|ok\nno seed here\n", encoding="utf-8")
     with pytest.raises(PromptFileError, match=f"^{prompts}:2: not seed\\|prompt. Fix the row"):
         list(read_prompts(str(prompts)))
+
+
+@pytest.mark.parametrize("name,data", [("c.jsonl", '{"prompt": "a cat"}\n'), ("c.csv", "prompt,n\na cat,1\n"),
+                                       ("c.tsv", "prompt\tn\na cat\t1\n")])
+def test_a_prompt_file_given_to_the_default_prompts_is_read_by_its_extension(tmp_path, name, data):
+    from shardgen.dataio.prompts.read import read_prompts
+
+    (tmp_path / name).write_text(data)
+    cfg = compose_cfg(f"prompts.path={tmp_path / name}")  # prompts.path alone, as a first try types it
+    assert [r.prompt for r in read_prompts(cfg.prompts.path, format=cfg.prompts.format)] == ["a cat"]

@@ -37,7 +37,7 @@ def write_parquet(path: Path, columns: dict) -> Path:
 
 def test_txt_exact_text_line_numbers_and_no_extra(tmp_path):
     lines = ["  leading and trailing spaces  ", "tab\tinside", 'quotes "PEACE" and \'single\'', "ünïcödé ✓ 日本",
-             "trailing backslash \\", "a\rlone carriage return"]
+             "trailing backslash \\", "vertical\vtab and form\ffeed"]
     path = write(tmp_path / "p.txt", "".join(l + "\n" for l in lines))
     rows = list(read_prompts(str(path)))
     assert [r.prompt for r in rows] == lines
@@ -158,6 +158,10 @@ BAD_ROWS = [
     ("empty.txt", "a\n\nc\n", "prompt", 2, 1, "empty prompt"),
     ("spaces.txt", "a\nb\n \t \n", "prompt", 3, 2, "only whitespace"),
     ("latin1.txt", b"a\ncaf\xe9\nc\n", "prompt", 2, 1, "not valid UTF-8"),
+    ("nul.txt", "a\nb\x00c\nd\n", "prompt", 2, 1, "NUL byte (is the file UTF-16?"),
+    ("cr.txt", "a\nb\rc\rd\ne\n", "prompt", 2, 1, "carriage return (CR): a file with CR-only line endings"),
+    ("bom.txt", "a\n\ufeffb\nc\n", "prompt", 2, 1, "byte-order mark (U+FEFF), in the middle of the file"),
+    ("nul.jsonl", '{"prompt": "a"}\n{"prompt": "b\\u0000"}\n', "prompt", 2, 1, "NUL byte"),
     ("blank.jsonl", '{"prompt": "a"}\n\n{"prompt": "c"}\n', "prompt", 2, 1, "blank line"),
     ("broken.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n', "prompt", 2, 1, "malformed JSON"),
     ("array.jsonl", '["a"]\n', "prompt", 1, 0, "not a JSON object"),
@@ -286,6 +290,22 @@ def test_missing_column_lists_the_columns(tmp_path):
         assert msg.startswith(f"{path}:1: no column 'prompt'")
         assert "['Prompt', 'Category']" in msg and "prompts.field=<one of them>" in msg
         assert "prompts.field=Prompt" in msg  # the case-insensitive match is suggested
+
+
+@pytest.mark.parametrize("name,data", [("s.csv", "prompt,seed\na cat,5\n"), ("s.tsv", "prompt\tseed\na cat\t5\n")])
+def test_a_seed_column_named_on_purpose_must_be_there(tmp_path, name, data):
+    path = write(tmp_path / name, data)
+    with pytest.raises(PromptFileError, match=r"no column 'Seed' \(prompts.seed_field\); the columns are \['prompt', "
+                                              r"'seed'\]\. Set prompts.seed_field=<one of them>"):
+        list(read_prompts(str(path), seed_field="Seed"))
+    assert [r.seed for r in read_prompts(str(path))] == [5]
+    assert [r.seed for r in read_prompts(str(write(tmp_path / ("n" + name), "prompt\na cat\n")))] == [None]
+
+
+def test_a_parquet_seed_column_named_on_purpose_must_be_there(tmp_path):
+    path = write_parquet(tmp_path / "p.parquet", {"prompt": ["a"], "seed": [5]})
+    with pytest.raises(PromptFileError, match="no column 'Seed' \\(prompts.seed_field\\)"):
+        list(read_prompts(str(path), seed_field="Seed"))
 
 
 def test_tsv_read_as_csv_hints_at_the_format(tmp_path):

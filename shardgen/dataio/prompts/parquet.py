@@ -64,7 +64,7 @@ def _rows_one_by_one(batch) -> Iterator[dict | BadRow]:
 def _read_parquet(path: str, field: str, seed_field: str, on_bad_row: str,
                   max_chars: int | None = None, rules: RowRules | None = None) -> Iterator[PromptRow]:
     pf = parquet_file(path)
-    check_columns(path, pf.schema_arrow.names, field)
+    check_columns(path, pf.schema_arrow.names, field, seed_field=seed_field)
     for index, rec in enumerate(_parquet_records(path, pf)):
         # parquet has no lines: ``line`` is the 1-based row number
         yield emit(path, index, index + 1, on_bad_row, parse_parquet, rec, field, seed_field, rules,

@@ -70,7 +70,14 @@ def sample_seed(run_seed: int, index: int, row_seed: int | None = None) -> int:
     """
     if row_seed is not None:
         return int(row_seed)
-    return _splitmix64((run_seed << 34) ^ index) & 0x7FFFFFFFFFFFFFFF
+    if run_seed < _SHIFTED_SEEDS:
+        key = (run_seed << 34) ^ index
+    else:  # shifted by 34, a seed's bits above 30 would leave the 64-bit hash: hashed first, they all count
+        key = _splitmix64(run_seed) ^ index
+    return _splitmix64(key) & 0x7FFFFFFFFFFFFFFF
+
+
+_SHIFTED_SEEDS = 1 << 30  # run seeds below this keep the (run_seed << 34) ^ index layout every run was made with
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None = None) -> str:

@@ -22,6 +22,7 @@ from shardgen.pick import pick
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 ON_BAD_ROW = ("error", "skip")
 BOM = b"\xef\xbb\xbf"
+DEFAULT_SEED_FIELD = "seed"  # prompts.seed_field's default (shardgen/config/schema.py)
 _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
 MAX_INT_BITS = 1023  # a row's integers stay within a float's range: every JSON reader can hold them
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
@@ -66,7 +67,7 @@ class PromptSource:
     path: str
     format: str = "auto"
     field: str = "prompt"
-    seed_field: str = "seed"
+    seed_field: str = DEFAULT_SEED_FIELD
     on_bad_row: str = "error"
     limit: int | None = None
     max_chars: int | None = None  # longer prompts are bad rows (None in plans made before the limit existed)
@@ -100,7 +101,7 @@ class ReadRequest:
 
     path: str
     field: str = "prompt"
-    seed_field: str = "seed"
+    seed_field: str = DEFAULT_SEED_FIELD
     on_bad_row: str = "error"
     max_chars: int | None = None
     rules: RowRules | None = None
@@ -141,7 +142,7 @@ def check_prompt_source(path: str, format: str = "auto", field: str = "prompt") 
     prompt_format(detect_format(path, format)).check(path, field)
 
 
-def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed_field: str = "seed",
+def read_prompts(path: str, *, format: str = "auto", field: str = "prompt", seed_field: str = DEFAULT_SEED_FIELD,
                  on_bad_row: str = "error", max_chars: int | None = None,
                  rules: RowRules | None = None) -> Iterator[PromptRow]:
     """Stream the rows of a prompt file, one ``PromptRow`` per data row, in file order.
@@ -312,10 +313,13 @@ def strip_eol(raw: bytes) -> bytes:
 
 
 def check_prompt(prompt: Any) -> str:
+    """``prompt`` when it is a string a text encoder can take whole; BadRow saying why not."""
     if not isinstance(prompt, str):
         raise BadRow(f"the prompt is not a string (got {json_type(prompt)})")
     if not prompt.strip():
         raise BadRow("empty prompt" if not prompt else "the prompt is only whitespace")
+    if "\x00" in prompt:  # never text: a UTF-16 file read as UTF-8 has one every other byte
+        raise BadRow("the prompt holds a NUL byte (is the file UTF-16? save it as UTF-8)")
     return prompt
 
 
@@ -334,13 +338,19 @@ def json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def check_columns(path: str, columns: list[str], field: str, hint: str = "") -> None:
-    """PromptFileError unless ``columns`` (a header) are distinct and name ``field``; ``hint`` is added to the fix
-    (a table format's guess at the file's real separator)."""
+def check_columns(path: str, columns: list[str], field: str, hint: str = "", seed_field: str | None = None) -> None:
+    """PromptFileError unless ``columns`` (a header) are distinct and name ``field``, and ``seed_field`` when it is
+    not the default (a file without the default seed column simply has no row seeds; one named on purpose must
+    be there, or its seeds would be ignored silently); ``hint`` is added to the fix (a table format's guess at the
+    file's real separator)."""
     dup = next((c for i, c in enumerate(columns) if c in columns[:i]), None)
     if dup is not None:
         raise fail(path, 1, f"the header has the column {dup!r} twice", "Give every column a distinct name")
     if field in columns:
+        if seed_field not in (None, DEFAULT_SEED_FIELD) and seed_field not in columns:
+            raise fail(path, 1, f"no column {seed_field!r} (prompts.seed_field); the columns are {columns}",
+                       f"Set prompts.seed_field=<one of them>, or leave it at {DEFAULT_SEED_FIELD!r} (then rows "
+                       f"without that column take seeds from the run's seed)")
         return
     fix = "Set prompts.field=<one of them>"
     close = [c for c in columns if c.lower() == field.lower()]

@@ -69,7 +69,7 @@ def _pop_bad(bad: dict[int, str], start: int, last: int) -> str | None:
     return reasons[0] if lines[0] == start else f"line {lines[0]} is {reasons[0]}"
 
 
-def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -> list[str]:
+def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str], seed_field: str | None = None) -> list[str]:
     try:
         header = next(reader)
     except StopIteration:
@@ -79,7 +79,7 @@ def _read_header(path: str, reader, fmt: str, field: str, bad: dict[int, str]) -
     reason = _pop_bad(bad, 1, reader.line_num)
     if reason:
         raise fail(path, 1, f"the header is {reason}", "Save the file as UTF-8")
-    check_columns(path, header, field, _separator_hint(header, fmt))
+    check_columns(path, header, field, _separator_hint(header, fmt), seed_field)
     return header
 
 
@@ -88,7 +88,7 @@ def read_table(path: str, f: BinaryIO, fmt: str, field: str, seed_field: str,
     """The rows of a csv/tsv file ``f`` (header first), each a PromptRow (or a reject per ``on_bad_row``)."""
     bad: dict[int, str] = {}
     reader = _table_reader(_text_lines(f, bad, max_line_bytes(max_chars)), fmt)
-    header = _read_header(path, reader, fmt, field, bad)
+    header = _read_header(path, reader, fmt, field, bad, seed_field)
     index = 0
     while True:
         start = reader.line_num + 1  # a csv record may span lines: report where it starts

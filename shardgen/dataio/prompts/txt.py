@@ -9,7 +9,7 @@ from typing import BinaryIO, Iterator
 import numpy as np
 
 from shardgen.dataio.prompts.formats import PromptFormat, register_format
-from shardgen.dataio.prompts.read import (BOM, LongLine, PromptRow, PromptSource, ReadRequest, check_prompt,
+from shardgen.dataio.prompts.read import (BOM, BadRow, LongLine, PromptRow, PromptSource, ReadRequest, check_prompt,
                                           decode_line, emit, line_rows_at, max_line_bytes, raw_lines, strip_eol)
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.remote import open_input
@@ -20,7 +20,14 @@ _BLOCK = 16 << 20  # planning reads the file in blocks of this many bytes
 def parse_txt(raw: bytes) -> tuple[str, None, dict]:
     """One txt line (terminator included) as (prompt, no seed, no fields); raises BadRow."""
     # Only the terminator goes: the prompt must equal the file's text byte for byte.
-    return check_prompt(decode_line(strip_eol(raw))), None, {}
+    prompt = check_prompt(decode_line(strip_eol(raw)))
+    if "\r" in prompt:  # a line ends at \n (or \r\n): a CR left inside is a line ending of another system
+        raise BadRow("the line holds a carriage return (CR): a file with CR-only line endings holds many prompts "
+                     "on one line. Convert its line endings to LF (\\n)")
+    if prompt.startswith("\ufeff"):  # the file's own BOM is removed before: this one came with a file joined on
+        raise BadRow("the line starts with a byte-order mark (U+FEFF), in the middle of the file: two files joined "
+                     "together? Remove it")
+    return prompt, None, {}
 
 
 def read_txt(req: ReadRequest) -> Iterator[PromptRow]:
@@ -122,7 +129,9 @@ def _check_block(source: PromptSource, block: memoryview, arr: np.ndarray, line_
         suspect = not np.maximum.reduceat(solid, line_starts)[lines].all()
     if source.max_chars is not None:  # a line of more bytes may be too long: the exact check below counts characters
         suspect = suspect or bool((ends - line_starts > source.max_chars).any())
-    clean = arr[:end].max() < 128 or _utf8(block[:end])
+    top = arr[:end].max()
+    clean = top < 128 or _utf8(block[:end])
+    suspect = suspect or _odd_bytes(arr[:end], at_file_start, top >= 128)
     if clean and not suspect and not (at_file_start and block[:3] == BOM):
         return 0
     rejects = 0
@@ -134,6 +143,27 @@ def _check_block(source: PromptSource, block: memoryview, arr: np.ndarray, line_
                      max_chars=source.max_chars)
         rejects += row.reject is not None
     return rejects
+
+
+def _odd_bytes(arr: np.ndarray, at_file_start: bool, non_ascii: bool) -> bool:
+    """Whether ``arr`` may hold a byte parse_txt refuses inside a line: NUL, a CR not ending a line, a BOM
+    past the file's start (then the block goes through the exact reader)."""
+    if not arr[arr < 14].size:  # neither NUL nor CR (13): one cheap pass for almost every block
+        return bool(non_ascii and _has_inner_bom(arr, at_file_start))
+    if (arr == 0).any():
+        return True
+    cr = np.flatnonzero(arr == 13)
+    after = cr + 1
+    if (after >= len(arr)).any() or (arr[after[after < len(arr)]] != 10).any():
+        return True
+    return bool(non_ascii and _has_inner_bom(arr, at_file_start))
+
+
+def _has_inner_bom(arr: np.ndarray, at_file_start: bool) -> bool:
+    """Whether a UTF-8 BOM (EF BB BF) starts anywhere in ``arr`` but at the file's first byte."""
+    at = np.flatnonzero(arr[:-2] == 0xEF) if len(arr) > 2 else np.empty(0, np.int64)
+    at = at[(arr[at + 1] == 0xBB) & (arr[at + 2] == 0xBF)]
+    return bool(len(at) > 1 or (len(at) == 1 and not (at_file_start and at[0] == 0)))
 
 
 def _offer_long_lines(check: TruncationCheck, block: memoryview, line_starts: np.ndarray, ends: np.ndarray,

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.formats import prompt_format
-from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS
+from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
                                            host_name, json_bytes, read_json, read_state)
@@ -43,7 +43,8 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "model.negative_prompt": m.negative_prompt, "model.max_sequence_length": m.max_sequence_length,
         "dtype": cfg.dtype, "height": cfg.height, "width": cfg.width, "steps": cfg.steps, "guidance": cfg.guidance,
         "seed": cfg.seed, "image_format": cfg.image_format, "image_quality": cfg.image_quality,
-        "samples_per_shard": cfg.samples_per_shard, "prompts.sha256": prompt_sha256, "prompts.format": p.format,
+        "samples_per_shard": cfg.samples_per_shard, "prompts.sha256": prompt_sha256,
+        "prompts.format": detect_format(str(p.path), p.format),  # what the file is read as: auto resolved
         "prompts.field": p.field, "prompts.seed_field": p.seed_field, "prompts.on_bad_row": p.on_bad_row,
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
@@ -82,6 +83,8 @@ ADDED_FIELDS = ("model.sha256",)
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
     """Human-readable lines for each field that differs (a field of ADDED_FIELDS absent from ``old`` does not)."""
+    if old.get("prompts.format") == "auto":  # recorded unresolved: the file's extension chose, as it does now
+        old = dict(old, **{"prompts.format": new.get("prompts.format")})
     keys = sorted(k for k in set(old) | set(new) if k in old or k not in ADDED_FIELDS)
     return [f"{k}: run has {old.get(k)!r}, this launch has {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
