@@ -9,21 +9,27 @@ import json
 import sys
 
 from shardgen.dataio.rundir import RunDir
+from shardgen.dataio.rundir.layout import RunDirError, is_run_dir
 from shardgen.tools import count_arg, near_duplicate_groups, read_index_columns
-from shardgen.tools.entry import run_tool, tool_parser
+from shardgen.tools.entry import NO_PLAN, run_tool, tool_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = tool_parser("python -m jobs.dedup", __doc__)
     ap.add_argument("--max-distance", type=count_arg(0), default=4, help="bits two phashes may differ by (0: identical)")
     ap.add_argument("--json", action="store_true", help="one JSON list of groups (lists of keys) on stdout")
-    return run_tool(ap, argv, dedup, plan=None)  # reads the committed index only: a run whose plan is gone too
+    # reads the committed index only: a run whose plan is gone too (so NO_PLAN only where there is neither a run
+    # nor an index)
+    return run_tool(ap, argv, dedup, plan=None)
 
 
 def dedup(args) -> int:
-    """Print the near-duplicate groups of the run's committed images."""
+    """Print the near-duplicate groups of the run's committed images; RunDirError (NO_PLAN) when the path holds
+    neither a committed index nor a run."""
     run = RunDir.at(args.run_dir)
     if not run.listed_shards(run.shards_dir, ".parquet") | run.listed_shards(run.uploads_dir, ".json"):
+        if not is_run_dir(run.root):  # absent, a file, some other directory: not a run in progress, so say that
+            raise RunDirError(f"{args.run_dir}: {NO_PLAN}")
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2
     cols = read_index_columns(run, ["key", "prompt", "phash"], where="phash")

@@ -4,6 +4,7 @@ headless browser; per-rank log files and the launches that accumulate."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -30,6 +31,47 @@ def test_report_shows_counts_failures_throughput_and_thumbnails(mixed_run, tmp_p
     assert page.count("data:image/jpeg;base64,") == 3  # a thumbnail per image, none for failures
     assert "<polyline" in page and "replica 0" in page
     assert "src=\"http" not in page and "href=\"http" not in page  # self-contained
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage, same size"])
+def test_a_damaged_shard_is_named_on_stderr_and_in_the_page_and_exits_1(mixed_run, tmp_path, capsys,  # noqa: F811
+                                                                        damage):
+    """The report is still written for what is readable, but never shows a damaged run as fine: a truncated tar
+    (its size is not its stats') and one as long as before whose bytes do not read as a tar."""
+    d = tmp_path / "run"
+    shutil.copytree(mixed_run, d)
+    tar = d / "shards" / "000000.tar"
+    if damage == "truncated":
+        os.truncate(tar, 100)
+    else:
+        with open(tar, "r+b") as f:
+            f.write(b"not a tar header " * 30)
+    out = tmp_path / "report.html"
+    assert report_main([str(d), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote {out}\n"
+    assert "shards/000000.tar" in captured.err and f"python -m jobs.verify {d} --repair" in captured.err
+    assert "Traceback" not in captured.err
+    page = out.read_text()
+    assert "Damaged shards" in page and "000000.tar" in page and f"python -m jobs.verify {d} --repair" in page
+    assert page.count("data:image/jpeg;base64,") == 2  # the other shards' images, not shard 0's
+
+
+def test_out_never_replaces_a_file_that_is_not_a_report_without_force(mixed_run, tmp_path, capsys):  # noqa: F811
+    mine = tmp_path / "prompts.txt"
+    mine.write_text("a cat\na dog\n")
+    link = tmp_path / "link.html"
+    link.symlink_to(mine)
+    for out in (mine, link):
+        assert report_main([str(mixed_run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out {out} exists") and "--force" in err and err.count("\n") == 1
+    assert mine.read_text() == "a cat\na dog\n" and link.is_symlink()
+    new = tmp_path / "new.html"
+    assert report_main([str(mixed_run), "--out", str(new)]) == 0  # a new file
+    assert report_main([str(mixed_run), "--out", str(new)]) == 0  # a report it wrote: replaced
+    assert report_main([str(mixed_run), "--out", str(mine), "--force"]) == 0
+    assert mine.read_text().startswith("<!doctype html>")
 
 
 def test_rank_logs_and_launches_accumulate(mixed_run, tmp_path):  # noqa: F811

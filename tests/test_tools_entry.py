@@ -39,7 +39,26 @@ def test_plan_for_tool_raises_a_user_error_instead_of_returning_a_line(tmp_path)
 
 def test_dedup_reads_no_plan_and_says_what_is_missing(tmp_path, capsys):
     from jobs.dedup import main
+    from shardgen.dataio.rundir import RunDir
 
-    (tmp_path / "shards").mkdir()
+    RunDir.at(tmp_path).create()  # a run that has committed nothing yet (its plan not needed: dedup reads none)
     assert main([str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"{tmp_path}: no committed shard index (shards/*.parquet) yet\n"
+
+
+@pytest.mark.parametrize("what", ["missing", "a regular file", "an empty directory", "another directory"])
+def test_dedup_on_a_path_that_is_no_run_says_so_as_the_other_tools_do(what, tmp_path, capsys):
+    """Not "no index yet" (a run in progress): the line verify, status and report give."""
+    from jobs.dedup import main
+    from shardgen.tools.entry import NO_PLAN
+
+    path = tmp_path / "x"
+    if what == "a regular file":
+        path.write_text("a cat\n")
+    elif what != "missing":
+        path.mkdir()
+        if what == "another directory":
+            (path / "shards").mkdir()  # a name a run has, but no run's layout
+    assert main([str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"error: {path}: {NO_PLAN}\n"

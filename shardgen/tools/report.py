@@ -3,7 +3,8 @@
 Counts, throughput over time per replica (from ``logs/events.*.jsonl``; the shards' stats files
 where a run has none), launches, failures by reason, truncation, signal histograms and a contact
 sheet. Everything comes from the run directory: the plan, the parquet indexes, the stats, the
-tars (only for the thumbnails).
+tars (only for the thumbnails). A committed shard whose files are not whole is named at the top of the page
+(``damaged_shards``): the report shows what can be read, never a damaged run as a sound one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import base64
 import html
 import io
 import json
+import os
+import stat
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -20,13 +23,18 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
-from shardgen.dataio.rundir.layout import RunDirError
+from shardgen.dataio.resume.repair import committed_shard_problem
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io, open_regular
+from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
-from shardgen.tools.runfiles import committed_members, read_events, read_index_columns, read_launches, safe_write
+from shardgen.dataio.shards.upload import committed_tar
+from shardgen.tools.runfiles import REPAIR_HINT, read_events, read_index_columns, read_launches, safe_write
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
+REPORT_HEAD = "<!doctype html><html><head><meta charset='utf-8'><title>shardgen run "
+"""How every page this tool writes begins: an existing --out that does not is someone's file (``check_report_out``)."""
 _COLUMNS = ("key", "prompt", "status", "error", "truncated", "tokens", "gen_s", "phash", "watermark_ok", "clip_score",
             "width", "height")
 
@@ -105,19 +113,54 @@ def _table(rows: list[tuple], head: tuple) -> str:
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + cells + "</table>"
 
 
-def contact_sheet(plan: Plan, n: int = 24, size: int = 160) -> str:
-    """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts."""
+def damaged_shards(plan: Plan) -> dict[int, str]:
+    """shard -> why its committed files are not whole, over every committed shard. Cheap, as a launch checks them
+    (the stats parse, the tar has the size they record, the index their rows): jobs.verify reads every byte."""
+    done = sorted(plan.run.done_shards())
+    problems = map_io(lambda shard: committed_shard_problem(plan.run, shard), done)
+    return {shard: why for shard, why in zip(done, problems) if why is not None}
+
+
+def _shard_members(run: RunDir, damaged: dict[int, str]):
+    """(shard, key, members) of every committed shard file in shard order, read one shard at a time as the caller
+    asks (an uploaded one fetched from the bucket). ``runfiles.committed_members`` skips an unreadable file
+    silently; here it is added to ``damaged`` (shard -> why), which the report names."""
+    for shard in sorted(run.listed_shards(run.shards_dir, f".{run.container}")
+                        | run.listed_shards(run.uploads_dir, ".json")):
+        name = run.shard_file(shard).name
+        try:
+            tar = committed_tar(run, shard)
+        except RunDirError as e:  # the bucket's copy is not the bytes uploaded (an unreachable bucket: the caller's)
+            damaged.setdefault(shard, str(e))
+            continue
+        if isinstance(tar, Path) and tar.is_symlink():  # never followed: run files are regular files
+            damaged.setdefault(shard, f"{name} is a symlink")
+            continue
+        try:
+            members = read_shard_members(tar, run.container)
+        except Exception as e:  # tarfile.ReadError, EOFError, ValueError (a member twice), OSError...: not readable
+            damaged.setdefault(shard, f"{name} is unreadable ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        for key, mem in sorted(members.items()):
+            yield shard, key, mem
+
+
+def contact_sheet(plan: Plan, n: int = 24, size: int = 160, damaged: dict[int, str] | None = None) -> str:
+    """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts; a shard file among those
+    read that cannot be, or holds an image that does not decode, is added to ``damaged`` (shard -> why)."""
     from PIL import Image
 
+    damaged = {} if damaged is None else damaged
     cells = []
-    for key, mem in committed_members(plan.run):
+    for shard, key, mem in _shard_members(plan.run, damaged):
         if len(cells) >= n:  # (an uploaded shard's tar is fetched from the bucket: no more than needed)
             break
         ext = image_ext(mem)
         if ext is not None:
             try:
                 img = Image.fromarray(OUTPUT_FORMATS[ext].decode(mem[ext]))
-            except Exception:  # an image that does not decode (jobs.verify reports it): no thumbnail
+            except Exception:  # no thumbnail; the shard is named (jobs.verify says more)
+                damaged.setdefault(shard, f"{key}.{ext} does not decode as an image")
                 continue
             img.thumbnail((size, size))
             buf = io.BytesIO()
@@ -188,13 +231,23 @@ def _signal_sections(rows: dict[str, list]) -> list[tuple[str, str]]:
 
 def build_report(plan: Plan) -> str:
     """The report of ``plan``'s run as a self-contained HTML page."""
+    return report_page(plan)[0]
+
+
+def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
+    """The report of ``plan``'s run as a self-contained HTML page, and the committed shards found damaged
+    (shard -> why; the page names them at its top)."""
     rows = _index_rows(plan)
     status = Counter(rows["status"])
     launches = read_launches(plan.run)
+    damaged = damaged_shards(plan)
+    sheet = contact_sheet(plan, damaged=damaged)  # before the page's top is written: reading may find more
     done = len(plan.run.done_shards())
     state = "complete" if done == plan.num_shards else (
         f"in progress: {read_ledger(plan).done_samples} of {plan.num_rows} samples durable; the figures below are "
         "the committed shards'")
+    if damaged:  # "complete" alone would call a damaged run sound
+        state += f"; {len(damaged)} damaged shard(s), named above"
     counts = [("state", state), ("prompts", plan.num_rows), ("shards committed", f"{done} of {plan.num_shards}"),
               ("images (ok)", status["ok"]), ("failed", status["failed"]), ("rejected", status["rejected"]),
               ("truncated prompts", sum(bool(t) for t in rows["truncated"])), ("launches", len(launches))]
@@ -211,23 +264,64 @@ def build_report(plan: Plan) -> str:
                                                                    "mean gen s (this size)"))),
                 ("Generation time per sample (s)", histogram(rows["gen_s"], "gen_s"))]
     sections += _signal_sections(rows)
-    sections.append(("Contact sheet", contact_sheet(plan)))
-    body = "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
+    sections.append(("Contact sheet", sheet))
+    body = _damaged_section(plan, damaged) + "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
     title = html.escape(f"shardgen run {plan.run.root.name}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{_CSS}</style></head>"
+    page = (f"{REPORT_HEAD}{html.escape(plan.run.root.name)}</title><style>{_CSS}</style></head>"
             f"<body><h1>{title}</h1><p class='path'>{html.escape(str(plan.run.root))}</p>{body}</body></html>")
+    return page, damaged
+
+
+def _damaged_section(plan: Plan, damaged: dict[int, str]) -> str:
+    """The page's warning about ``damaged`` shards (empty when there is none): which files and the fix."""
+    if not damaged:
+        return ""
+    rows = [(f"shards/{plan.run.shard_file(shard).name}", why) for shard, why in sorted(damaged.items())]
+    text = (f"{len(damaged)} committed shard(s) could not be read whole: this report leaves out what of them could "
+            f"not be read (their images are missing from the contact sheet). To repair: "
+            + REPAIR_HINT.format(root=plan.run.root))
+    return (f"<div class='damaged'><h2>Damaged shards</h2><p>{html.escape(text)}</p>"
+            f"{_table(rows, ('shard file', 'why'))}</div>")
 
 
 _CSS = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f0f0f0}"
         ".sheet{display:flex;flex-wrap:wrap;gap:8px}figure{margin:0;width:160px;font-size:11px}"
-        "img{image-rendering:pixelated;display:block}.path{color:#666}")
+        "img{image-rendering:pixelated;display:block}.path{color:#666}"
+        ".damaged{border:2px solid #d62728;background:#fdecea;padding:4px 12px}")
 
 
-def write_report(plan: Plan, out: Path) -> Path:
-    """Write the report to ``out`` (whole, never through a symlink); return it."""
-    safe_write(out, build_report(plan).encode("utf-8"), plan.run)
-    return out
+def check_report_out(out: Path, run: RunDir) -> None:
+    """RunDirError when ``out`` exists and is not a page this tool wrote (a regular file beginning with
+    ``REPORT_HEAD``): a user's file, a symlink, a FIFO is never replaced by a report (--force replaces it). The
+    run's own report.html, a new path and a directory (``safe_write`` refuses it) pass. Reads at most the head,
+    without following a link or blocking on a FIFO."""
+    out = Path(out)
+    if Path(os.path.abspath(out)) == Path(os.path.abspath(run.report_path)):
+        return  # the run's own output (check_tool_output): replaced whatever is there
+    try:
+        mode = out.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        return
+    what = "a symlink" if stat.S_ISLNK(mode) else "not a regular file" if not stat.S_ISREG(mode) else None
+    if what is None:
+        with open_regular(out, follow=False) as f:
+            head = f.read(len(REPORT_HEAD.encode()))
+        if head == REPORT_HEAD.encode():
+            return  # a report this tool wrote: replaced, as a re-run is expected to
+        what = "not a report jobs.report wrote"
+    raise RunDirError(f"--out {out} exists and is {what}; it is left as it is. Choose another path, or add --force "
+                      "to replace it")
+
+
+def write_report(plan: Plan, out: Path) -> dict[int, str]:
+    """Write the report to ``out`` (whole, never through a symlink); return the committed shards it found damaged
+    (shard -> why), which the page names too: the caller says so as well."""
+    page, damaged = report_page(plan)
+    safe_write(out, page.encode("utf-8"), plan.run)
+    return damaged
 
 
 def _num(value, digits: int) -> str:
