@@ -86,7 +86,8 @@ def main(cfg: GenerateConfig) -> None:
 
 def refuse_unknown_overrides(argv: list[str]) -> None:
     """Exit with one line when an override names no key or group option (Hydra would add ``+key`` silently, and
-    answer a wrong option with its search path)."""
+    answer a wrong option with its search path), gives a key a value of the wrong type, or has no ``=`` (Hydra's
+    merge and parse errors are five lines, exit status 1)."""
     from shardgen.config.overrides import check_overrides
 
     try:  # Hydra's own command-line parser (the overrides among its flags); a Hydra without it checks them itself
@@ -103,7 +104,7 @@ def refuse_unknown_overrides(argv: list[str]) -> None:
 
 def entry(argv: list[str] | None = None) -> None:
     """The command line: refused in one line where Hydra's override parser would fail obscurely or an override
-    names no key, else ``main``."""
+    names no key or has a value its key cannot take, else ``main``."""
     from shardgen.config.cmdline import command_line_problem
 
     argv = sys.argv[1:] if argv is None else argv

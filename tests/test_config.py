@@ -236,3 +236,63 @@ def test_a_wrong_group_option_or_key_on_the_command_line_is_one_line_and_nothing
         generate.entry([arg, f"run_dir={tmp_path / 'r'}"])
     out = capfd.readouterr()
     assert e.value.code == 2 and out.out == "" and out.err == line + "\n" and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("override,line", [
+    ("batch_size=1.5", "batch_size=1.5: batch_size takes an integer"),
+    ("height=abc", "height=abc: height takes an integer"),
+    ("steps=true", "steps=true: steps takes an integer"),
+    ("seed=1e3", "seed=1e3: seed takes an integer (e.g. seed=1000)"),
+    ("guidance=abc", "guidance=abc: guidance takes a number"),
+    ("progress=maybe", "progress=maybe: progress takes true or false"),
+    ("prompts.limit=abc", "prompts.limit=abc: prompts.limit takes an integer or null"),
+    ("model.source=null", "model.source=null: model.source takes a string, not null"),
+    ("bogus", "bogus: not KEY=VALUE, and no key 'bogus'; python -m jobs.generate --help lists every key"),
+    ("batch_size", "batch_size: no value: write batch_size=VALUE"),
+])
+def test_a_value_hydra_cannot_convert_or_a_word_without_equals_is_one_line_naming_the_type(override, line):
+    from shardgen.config.overrides import check_overrides
+
+    assert check_overrides(["steps=2", override]) == line
+
+
+@pytest.mark.parametrize("override", [
+    "seed=0", "height=1024", "guidance=3.5", "guidance=4", "compile=auto", "compile=true", "prompts.limit=null",
+    "model.revision=null", "signals=[phash]", "height=${model.width}", "seed=${oc.env:SEED,0}", "seed='5'",
+    "progress=0", "stall_timeout_s=null", "prompts.row_settings=[guidance]", "model.loras=[{path: a.safetensors}]",
+    "+strategy.max_memory.0=70GiB", "~model.revision", "seed=1,2", "seed=-1"])
+def test_values_hydra_takes_pass_the_type_check(override):
+    from shardgen.config.overrides import check_overrides
+
+    assert check_overrides(["model=flux_dev", "strategy=tp", override]) is None
+
+
+def test_a_wrong_type_on_the_command_line_exits_2_in_one_line_before_hydra(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", f"run_dir={tmp_path / 'r'}", "batch_size=1.5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and not (tmp_path / "r").exists()
+    assert p.stderr == "error: batch_size=1.5: batch_size takes an integer\n"
+
+
+@pytest.mark.parametrize("override,says", [
+    ("seed=-1", "seed=-1 is out of range: write an integer from 0 to 2**63-1"),
+    (f"seed={2**63}", f"seed={2**63} is out of range: write an integer from 0 to 2**63-1"),
+    ("guidance=-1", "guidance=-1 is out of range: write a number from 0 up"),
+    ("heartbeat_s=0", "heartbeat_s=0.0: use a positive number of seconds below lease_s=120.0"),
+    ("lease_s=0", "lease_s=0.0: use a positive number of seconds"),
+])
+def test_a_run_seed_guidance_or_heartbeat_out_of_range_is_refused_naming_the_range(override, says):
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_config(compose_cfg(override))
+    assert str(e.value).startswith(says)
+
+
+def test_the_edges_of_the_seed_and_guidance_ranges_validate():
+    from shardgen.config.validate import validate_config
+
+    validate_config(compose_cfg(f"seed={2**63 - 1}", "guidance=0", "heartbeat_s=0.5", "lease_s=1"))

@@ -2,7 +2,9 @@
 
 Hydra refuses ``batchsize=4`` with a hint to append it (``+batchsize=4``), which then runs with the key
 ignored, and answers ``model=flux`` with its search path. Here every key is looked up in the schema,
-``+key`` included, and every group option in conf/: a miss is one line naming the close matches.
+``+key`` included, and every group option in conf/: a miss is one line naming the close matches. A value of the
+wrong type (``batch_size=1.5``) and a token with no ``=`` (``bogus``) are one line too, where Hydra would print
+its merge or parse error in five.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import difflib
 import typing
 from pathlib import Path
 from typing import Any
+
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from shardgen.config.schema import GenerateConfig
 
@@ -32,27 +36,84 @@ def group_options(group: str, conf: Path = CONF) -> list[str]:
 
 
 def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
-    """The first override that names no key of the schema or no option of its group, as a one-line message
-    saying what to write instead; None when all are known (or Hydra's parser refuses them: it says why)."""
+    """The first override that is no ``KEY=VALUE``, names no key of the schema or no option of its group, or gives
+    a key a value of a type it cannot take, as a one-line message saying what to write instead; None when all are
+    fine (or Hydra's parser refuses one for its syntax: its message names the character)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # a syntax error: Hydra's own message names the character
-        return None
+    parser, parsed = OverridesParser.create(), []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_overrides([text])[0])
+        except Exception:
+            if "=" in text or text.startswith("~"):  # a syntax error: Hydra's own message names the character
+                return None
+            parsed.append(None)  # a bare token: named below, in its turn
     groups = {p.name for p in conf.iterdir() if p.is_dir()}
-    chosen = {o.key_or_group: o.value() for o in parsed if o.key_or_group in groups and not o.is_delete()}
+    chosen = {o.key_or_group: o.value() for o in parsed if o and o.key_or_group in groups and not o.is_delete()}
     for text, o in zip(overrides, parsed):
+        if o is None:
+            return f"{text}: {_bare_token(text, groups)}"
         key = o.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
             continue
         if key in groups and not o.is_delete():
             problem = _unknown_options(key, o.value(), group_options(key, conf))
         else:
-            problem = _unknown_key(key.split("."), GenerateConfig) or _other_launchers_key(key, chosen)
+            problem = (_unknown_key(key.split("."), GenerateConfig) or _other_launchers_key(key, chosen)
+                       or _wrong_type(o, GenerateConfig))
         if problem:
             return f"{text}: {problem}"
     return None
+
+
+def _bare_token(text: str, groups: set[str]) -> str:
+    """What a command-line word without ``=`` lacks: its value, if it names a key or group, else a key too."""
+    if not all(text.split(".")):  # no key's spelling ("...", "a..b"): no close match to name either
+        return f"not KEY=VALUE; {HELP}"
+    unknown = None if text in groups else _unknown_key(text.split("."), GenerateConfig)
+    return f"not KEY=VALUE, and {unknown}" if unknown else f"no value: write {text}=VALUE"
+
+
+# The leaf types Hydra converts a value to, by OmegaConf's own node (so exactly what composing would refuse), and
+# how a message names each.
+_LEAF_TYPES = {int: (IntegerNode, "an integer"), float: (FloatNode, "a number"), bool: (BooleanNode, "true or false"),
+               str: (StringNode, "a string")}
+
+
+def _wrong_type(o: Any, schema: type) -> str | None:
+    """``KEY takes TYPE`` when Hydra could not convert the override's value to its key's type in the schema; None
+    for a value it can, an interpolation, a sweep, a deletion, ``+key`` (Hydra's to judge) and a key of type Any,
+    a list or a dict."""
+    if o.is_delete() or o.is_add() or o.is_sweep_override():
+        return None
+    hint, key = _leaf_type(o.key_or_group.split("."), schema), o.key_or_group
+    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    if optional:
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else None
+    if hint not in _LEAF_TYPES:
+        return None
+    node, wanted = _LEAF_TYPES[hint]
+    value = o.value()
+    if value is None:
+        return None if optional else f"{key} takes {wanted}, not null"
+    try:
+        node(value=value)
+    except Exception:  # OmegaConf's ValidationError, or a number past a float's range
+        example = (f" (e.g. {key}={int(value)})" if hint is int and isinstance(value, float) and value.is_integer()
+                   else "")
+        return f"{key} takes {wanted}{' or null' if optional else ''}{example}"
+    return None
+
+
+def _leaf_type(parts: list[str], schema: type) -> Any:
+    """The schema's type of a known key; None for a key under a field that is no dataclass (a dict's is free)."""
+    for name in parts[:-1]:
+        schema = _field_types(schema).get(name)
+        if not dataclasses.is_dataclass(schema):
+            return None
+    return _field_types(schema).get(parts[-1])
 
 
 def _unknown_options(group: str, value: Any, options: list[str]) -> str | None:

@@ -18,6 +18,7 @@ from shardgen.errors import UserError
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
+MAX_SEED = 2**63 - 1  # a prompt row's largest seed too (shardgen/dataio/prompts/read.py): 63 bits, as torch takes
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {
@@ -75,6 +76,9 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"plan_replicas={cfg.plan_replicas}: use 1 or more (the replicas all launches of the run bring), or null "
           "(this launch's)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
+    # the ranges a prompt row's seed and guidance are held to (shardgen/dataio/prompts/read.py, rowsettings.py)
+    _need(0 <= cfg.seed <= MAX_SEED, f"seed={cfg.seed} is out of range: write an integer from 0 to 2**63-1")
+    _need(cfg.guidance >= 0, f"guidance={cfg.guidance:g} is out of range: write a number from 0 up")
     for key in ("height", "width"):
         v = cfg[key]
         _need(v >= 16 and v % 16 == 0, f"{key}={v}: must be a positive multiple of 16 (the VAE downscales by 8 "
@@ -99,8 +103,10 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(problem is None, problem or "")
     _need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"),
           f"device={cfg.device!r}: use auto, cpu or cuda")
-    _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s} must be below lease_s={cfg.lease_s} "
-                                             "(a live claim would otherwise look dead)")
+    _need(cfg.lease_s > 0, f"lease_s={cfg.lease_s}: use a positive number of seconds (a claim's heartbeat older "
+                           "than this is taken over)")
+    _need(0 < cfg.heartbeat_s < cfg.lease_s, f"heartbeat_s={cfg.heartbeat_s}: use a positive number of seconds below "
+                                             f"lease_s={cfg.lease_s} (a live claim would otherwise look dead)")
     _need(not (cfg.cfg_batching and cfg.cfg_degree > 1),
           "cfg_batching=true runs both CFG branches in one call on every rank, cfg_degree=2 splits them over two "
           "ranks: choose one (cfg_batching=false or cfg_degree=1)")
