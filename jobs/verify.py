@@ -57,7 +57,7 @@ def verify(args, plan) -> int:
             print("  REPAIRED", line)
         print(f"Now re-run the generate command (e.g. python -m jobs.generate run_dir={args.run_dir} ...) "
               "with the run's settings to complete it.")
-    elif rep.bad_shards:
+    elif rep.bad_shards or rep.stray:
         print(f"To repair: python -m jobs.verify {args.run_dir} --repair, then re-run the generate command")
     return 1
 

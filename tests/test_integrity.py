@@ -781,3 +781,28 @@ def test_a_library_error_that_names_its_errno_only_in_its_text_is_a_storage_erro
             raise RuntimeError("shard writer failed") from e
     except RuntimeError as wrapped:
         assert "Free space (or inodes: df -i)" in str(storage_error(wrapped))
+
+
+# ------------------------------------------------------------------ files named like shards the plan does not have
+
+def test_a_file_named_like_a_shard_the_plan_lacks_is_a_defect_and_moved_out_of_shards(copy, capsys):
+    """A copy left in shards/ (999999.tar, or the next number's index) adds samples to every loader of shards/*:
+    verify names it, --repair and the next launch move it to stray/, byte for byte, and the run stays exactly-once."""
+    prompts, d, want = copy
+    shards = d / "shards"
+    last = max(int(p.name[:6]) for p in shards.glob("*.tar"))
+    tar_bytes = (shards / "000001.tar").read_bytes()
+    (shards / "999999.tar").write_bytes(tar_bytes)
+    (shards / f"{last + 1:06d}.parquet").write_bytes((shards / "000001.parquet").read_bytes())
+    assert verify.main([str(d)]) == 1
+    out = capsys.readouterr().out
+    assert f"DEFECT shards/999999.tar: named like a shard of this run, but the plan has {last + 1} shards" in out
+    assert f"DEFECT shards/{last + 1:06d}.parquet" in out and "--repair" in out
+    assert verify.main([str(d), "--repair"]) == 1  # what it found is still a failure; the run is repaired
+    assert sorted(p.name for p in (d / "stray").iterdir()) == [f"{last + 1:06d}.parquet", "999999.tar"]
+    assert (d / "stray" / "999999.tar").read_bytes() == tar_bytes
+    verified_identical(d, want)
+    (shards / "999999.tar").write_bytes(tar_bytes)  # again: the next launch moves it, keeping the first one
+    gen(d, prompts)
+    assert (d / "stray" / "999999.tar.1").read_bytes() == tar_bytes
+    verified_identical(d, want)

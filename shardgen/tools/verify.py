@@ -37,6 +37,7 @@ class VerifyReport:
     """Samples made with settings the run had before a recorded allow_fingerprint_change: "steps=1" -> count.
     Not defects: the change was asked for, and --repair keeps them."""
     in_progress: int = 0                                  # of those, shards with durable samples in work/
+    stray: list[str] = field(default_factory=list)  # files in shards/ named like a shard the plan does not have
 
     @property
     def sound(self) -> bool:
@@ -166,7 +167,23 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
     earlier = earlier_settings(plan.run)
     for shard in range(plan.num_shards):
         _verify_shard(plan, shard, fp, decode, rep, earlier)
+    _check_stray(plan, rep)
     return rep
+
+
+def _check_stray(plan: Plan, rep: VerifyReport) -> None:
+    """A defect for each file in shards/ named like a shard the plan does not have (loaders read it as the run's)."""
+    from shardgen.dataio.resume.repair import STRAY_DIR, stray_shard_files
+
+    try:
+        names = os.listdir(plan.run.shards_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    rep.stray = stray_shard_files(plan.run, plan.num_shards, names)
+    for name in rep.stray:
+        rep.defects.append(f"shards/{name}: named like a shard of this run, but the plan has {plan.num_shards} "
+                           f"shards: a loader of shards/* reads its samples as this run's (--repair moves it to "
+                           f"{STRAY_DIR}/)")
 
 
 def earlier_settings(run) -> dict[str, list]:
@@ -271,10 +288,12 @@ def _unfinished_line(plan: Plan, shard: int, has_tar: bool) -> str:
 
 def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
     """Make every defective shard of ``report`` sound or absent: stats rewritten from a sound tar, else
-    the shard removed (generated again by the next launch). A line for each shard repaired."""
-    from shardgen.dataio.resume.repair import finish_or_discard, remove_committed
+    the shard removed (generated again by the next launch); stray shard files moved out of shards/. A line for each
+    repair."""
+    from shardgen.dataio.resume.repair import finish_or_discard, move_stray_shard_files, remove_committed
 
     run, out = plan.run, []
+    out += [note for _, note in move_stray_shard_files(run, plan.num_shards, report.stray)]
     for shard, what in sorted(report.bad_shards.items()):
         if what == "tar":  # the samples themselves are wrong: regenerate
             remove_committed(run, shard)

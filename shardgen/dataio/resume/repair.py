@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -153,6 +154,11 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     for path in removed + [p for _, p in links]:
         if path.parent == run.shards_dir:
             entries.pop(path.name, None)
+    if stray_shard_files(run, plan.num_shards, entries):
+        fresh = load_plan(run)  # a concurrent launch may have extended the plan (appended prompts) since this one read it
+        for name, note in move_stray_shard_files(run, max(plan.num_shards, fresh.num_shards if fresh else 0), entries):
+            notes.append(note)
+            entries.pop(name, None)
     claims = scan_claims(run) if run.claims_dir.is_dir() else {}
     me = owner_record(-1)
     notes += _remove_committed_work(run, claims, lease_s, me)
@@ -178,6 +184,37 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     for line in notes:
         log.warning("%s: %s", run.root, line)
     return notes
+
+
+STRAY_DIR = "stray"  # run_dir/stray/: files named like shards the plan does not have, moved out of shards/
+
+
+def stray_shard_files(run: RunDir, num_shards: int, names: Iterable[str]) -> list[str]:
+    """The names among ``names`` (a listing of shards/) that shardgen gives a shard's files, for a shard number the
+    plan does not have (``num_shards`` or more): a copy or another run's file, whose samples a loader of
+    shards/*.tar or shards/*.parquet would read as this run's (twice, or prompts it never had)."""
+    suffixes = (f".{run.container}", ".stats.json", ".parquet")
+    return sorted(n for n in names if len(n) > 6 and n[:6].isdigit() and n[6:] in suffixes and int(n[:6]) >= num_shards)
+
+
+def move_stray_shard_files(run: RunDir, num_shards: int, names: Iterable[str]) -> list[tuple[str, str]]:
+    """Move the stray shard files among ``names`` out of shards/ into stray/ (kept, not deleted: they may be the
+    user's); (name, note) for each moved."""
+    out = []
+    for name in stray_shard_files(run, num_shards, names):
+        dest = run.root / STRAY_DIR / name
+        dest.parent.mkdir(exist_ok=True)
+        for i in range(1, 1000):
+            if not os.path.lexists(dest):
+                break
+            dest = dest.with_name(f"{name}.{i}")  # an earlier launch moved one of this name: both kept
+        try:
+            os.rename(run.shards_dir / name, dest)
+        except FileNotFoundError:  # a concurrent launch moved it first
+            continue
+        out.append((name, f"moved shards/{name} to {STRAY_DIR}/{dest.name}: the plan has no shard {name[:6]} (it has "
+                          f"{num_shards}), so a loader of shards/* would have read its samples as this run's"))
+    return out
 
 
 def _remove_committed_work(run: RunDir, claims: dict, lease_s: float, me: dict) -> list[str]:
