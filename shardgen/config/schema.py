@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import II, MISSING
 
-from shardgen.dataio.prompts import MAX_PROMPT_CHARS
+from shardgen.dataio.prompts import DEFAULT_SEED_FIELD, MAX_PROMPT_CHARS
 from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S
 
 
@@ -187,7 +187,7 @@ class PromptsConfig:
     """auto (by extension) | txt | jsonl | csv | tsv | parquet"""
     field: str = "prompt"
     """Column (csv/tsv/parquet) or field (jsonl) holding the prompt."""
-    seed_field: str = "seed"
+    seed_field: str = DEFAULT_SEED_FIELD
     """Optional per-row seed column/field."""
     on_bad_row: str = "error"
     """error: stop before any generation, naming file and line | skip: record a reject and go on."""

@@ -22,7 +22,7 @@ from shardgen.pick import pick
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 ON_BAD_ROW = ("error", "skip")
 BOM = b"\xef\xbb\xbf"
-DEFAULT_SEED_FIELD = "seed"  # prompts.seed_field's default (shardgen/config/schema.py)
+DEFAULT_SEED_FIELD = "seed"  # prompts.seed_field's default: a file without this column has no row seeds
 _MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
 MAX_INT_BITS = 1023  # a row's integers stay within a float's range: every JSON reader can hold them
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
