@@ -23,6 +23,8 @@ Layout (all names zero-padded shard ids)::
       shards_checked.npy        committed shards a launch found sound (sizes, mtimes): later launches skip them
       stats_cache.npz           what jobs.status needs of each stats file (columns), valid while it is unchanged
       logs/failures, logs/slurm per-job failure counts and per-rank logs (SLURM)
+      stray/                    files found in shards/ named like a shard the plan does not have, moved out by
+                                repair (shardgen/dataio/resume/repair.py): loaders of shards/* never read them
 
 Every file other processes may read is written whole: temp file, fsync, atomic rename.
 That holds on NFS and Lustre, where rename within a directory is atomic. Nothing is ever
@@ -73,8 +75,9 @@ class RunDirError(UserError, RuntimeError):
 
 
 class DiskFullError(UserError, OSError):
-    """The storage refused a write (no space or inodes, quota, file size limit, a read-only file system); the
-    message names the path, the free space where it applies, and the fix."""
+    """The storage refused a write (no space or inodes, quota, file size limit, a read-only file system, a folder or
+    file this user may not write: permission denied or an immutable flag); the message names the path (for a refused
+    permission the folder or file at fault), the free space where it applies, and the fix."""
 
 
 def _read_umask() -> int:
@@ -121,12 +124,20 @@ _STORAGE_FIXES = {errno.ENOSPC: "Free space (or inodes: df -i) or raise the quot
                   errno.EROFS: "Remount it writable or choose a run_dir on a writable file system"}
 
 
+_DENIED = (errno.EACCES, errno.EPERM)  # this user may not write there: its permissions, or an immutable flag
+_QUOTED_PATH = re.compile(r"'([^']*/[^']*)'")  # pyarrow names the file only in its text: "... local file '/r/x'. ..."
+
+
 def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int | None = None) -> DiskFullError | None:
     """The user-facing error for a write the storage refused (no space or inodes, quota, file size limit, read-only
-    file system) while writing ``path`` (default: the error's file name); None for other errors."""
+    file system, permission denied) while writing ``path`` (default: the error's file name); None for other errors,
+    and for a refused permission that names no file (not a run file's: e.g. signalling another user's process)."""
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
     if code is None and isinstance(e, OSError) and (m := re.search(r"\[errno (\d+)\]", str(e), re.I)):
         code = int(m.group(1))  # pyarrow's write errors carry the errno in their text only
+    if code in _DENIED and isinstance(e, OSError):
+        path = path or getattr(e, "filename", None) or ((m := _QUOTED_PATH.search(str(e))) and m.group(1))
+        return _permission_denied(path, code) if path else None
     if code not in _STORAGE_FIXES:
         return None
     path = path or getattr(e, "filename", None)
@@ -136,6 +147,28 @@ def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int
     what = "no space left writing" if code in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
     return DiskFullError(f"{what} {path} ({e.strerror or os.strerror(code)}{free}{want}). {_STORAGE_FIXES[code]}, "
                          "then re-run the same command: the run resumes where it stopped.")
+
+
+def _permission_denied(path: str | os.PathLike, code: int) -> DiskFullError:
+    """The error for EACCES/EPERM on ``path``, naming what is at fault: a folder above it this user cannot enter, the
+    file itself where it exists and its folder is writable, or else (the usual case: a file being created, a temp
+    file, a rename) the folder it is in."""
+    target = Path(path)
+    where, what = target.parent, "not writable"
+    try:
+        blocked = next((d for d in reversed(target.parents) if d.is_dir() and not os.access(d, os.X_OK)), None)
+        if blocked is not None:
+            where, what = blocked, "not accessible"
+        elif os.path.lexists(target) and os.access(target.parent, os.W_OK | os.X_OK):
+            if not os.access(target, os.W_OK, follow_symlinks=False):
+                where = target
+            elif not os.access(target, os.R_OK, follow_symlinks=False):
+                where, what = target, "not readable"
+    except (OSError, ValueError):
+        pass
+    flag = (" or clear its immutable flag (lsattr -d, chattr -i)" if code == errno.EPERM else "")
+    return DiskFullError(f"{where} is {what} by this user ({os.strerror(code).lower()}); fix its permissions (or run "
+                         f"as its owner){flag} and re-run the same command: the run resumes where it stopped")
 
 
 def storage_error(e: BaseException) -> DiskFullError | None:
