@@ -53,10 +53,14 @@ def verify(args, plan) -> int:
         return 0
     print(f"FAILED: {len(rep.defects)} defects")
     if args.repair:
-        for line in repair_run(plan, rep):
+        repaired = repair_run(plan, rep)
+        for line in repaired:
             print("  REPAIRED", line)
-        print(f"Now re-run the generate command (e.g. python -m jobs.generate run_dir={args.run_dir} ...) "
-              "with the run's settings to complete it.")
+        if repaired:
+            print(f"Now re-run the generate command (e.g. python -m jobs.generate run_dir={args.run_dir} ...) "
+                  "with the run's settings to complete it.")
+        else:  # nothing in shards/ to repair: the defects are elsewhere (the prompt file, the fingerprint)
+            print("Nothing in shards/ to repair; fix what the lines above name.")
     elif rep.bad_shards or rep.stray:
         print(f"To repair: python -m jobs.verify {args.run_dir} --repair, then re-run the generate command")
     return 1

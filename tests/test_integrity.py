@@ -806,3 +806,17 @@ def test_a_file_named_like_a_shard_the_plan_lacks_is_a_defect_and_moved_out_of_s
     gen(d, prompts)
     assert (d / "stray" / "999999.tar.1").read_bytes() == tar_bytes
     verified_identical(d, want)
+
+
+def test_verify_says_a_changed_prompt_file_once_and_repair_does_not_send_to_a_refused_rerun(copy, capsys):
+    prompts, d, want = copy
+    original = prompts.read_bytes()
+    try:
+        prompts.write_bytes(original.replace(b"number 1", b"n1", 1))  # shorter: its planned bytes are gone
+        assert verify.main([str(d), "--repair"]) == 1
+        out = capsys.readouterr().out
+        assert out.count("the prompt file changed since the run was planned") == 1 and "DEFECT shard" not in out
+        assert "Nothing in shards/ to repair" in out and "re-run the generate command" not in out
+    finally:
+        prompts.write_bytes(original)  # the module's reference run shares the prompt file
+    verified_identical(d, want)

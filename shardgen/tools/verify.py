@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_key
+from shardgen.dataio.prompts.read import PromptFileError
 from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
@@ -245,7 +246,11 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.bad_shards[shard] = "tar"
     try:
         rows = {sample_key(r.index): r for r in checked_rows(plan, shard)}
-    except UserError as e:  # a damaged plan, or a prompt file changed since planning
+    except PromptFileError as e:  # changed or gone since planning: one line for the run, not one per shard
+        rows = {}
+        if str(e) not in rep.defects:
+            rep.defects.append(str(e))
+    except UserError as e:  # a damaged plan
         rows = {}
         rep.defects.append(f"{name}: {e}")
     before = len(rep.defects)
