@@ -1,7 +1,7 @@
 """A contact sheet of a run's samples with their prompts, as one PNG (a run in progress: its committed shards,
 then the durable samples of the shards in progress in work/).
 
-    python -m jobs.preview RUN_DIR [--n 16] [--cols 4] [--size 256] [--out RUN_DIR/preview.png]
+    python -m jobs.preview RUN_DIR [--n 16] [--cols 4] [--size 256] [--out RUN_DIR/preview.png] [--force]
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+from PIL.PngImagePlugin import PngInfo
+
 from shardgen.dataio.rundir import RunDir
 from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, preview_png
 from shardgen.errors import UserError
 from shardgen.tools import check_tool_output, committed_members, count_arg, read_shard_members, safe_write
 from shardgen.tools.entry import run_tool, tool_parser
+from shardgen.tools.runfiles import refuse_foreign_out
+
+SOFTWARE = "shardgen jobs.preview"  # the sheet's PNG Software text
+SHEET_MARK = b"tEXtSoftware\x00" + SOFTWARE.encode()  # that text chunk's bytes, near the start of every sheet
 
 
 def _members(run: RunDir, num_shards: int):
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=count_arg(16), default=256, help="side of each cell in pixels (default 256); the sheet "
                     "may hold at most 100 megapixels")
     ap.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/preview.png)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace --out even when it exists and is not a sheet this tool wrote")
     return run_tool(ap, argv, preview, check=_check_sheet_size)
 
 
@@ -109,13 +117,17 @@ def preview(args, plan) -> int:
     run = plan.run
     out = Path(args.out) if args.out else run.preview_path
     check_tool_output(out, run)
+    if not args.force:
+        refuse_foreign_out(out, run.preview_path, SHEET_MARK, "jobs.preview")  # a user's file is never replaced unasked
     items = collect(run, args.n, plan.num_shards)
     if not items:
         print(f"{args.run_dir}: no sample is durable yet (no committed shard, no checkpointed batch in work/)",
               file=sys.stderr)
         return 1
     buf = io.BytesIO()
-    contact_sheet(items, args.cols, args.size).save(buf, format="PNG")
+    info = PngInfo()
+    info.add_text("Software", SOFTWARE)  # SHEET_MARK: how a later --out knows the file as this tool's
+    contact_sheet(items, args.cols, args.size).save(buf, format="PNG", pnginfo=info)
     if out.is_symlink():
         print(f"note: {out} was a symlink; it is replaced by the file (the link's target is left alone)")
     safe_write(out, buf.getvalue(), run)  # a fresh file renamed into place: never written through a link

@@ -74,6 +74,23 @@ def test_out_never_replaces_a_file_that_is_not_a_report_without_force(mixed_run,
     assert mine.read_text().startswith("<!doctype html>")
 
 
+def test_preview_out_never_replaces_a_file_that_is_not_a_sheet_without_force(mixed_run, tmp_path, capsys):  # noqa: F811
+    from jobs.preview import main as preview_main
+
+    mine = tmp_path / "notes.png"
+    mine.write_bytes(b"\x89PNG my own picture")
+    assert preview_main([str(mixed_run), "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {mine} exists and is not a file jobs.preview wrote") and "--force" in err
+    assert mine.read_bytes() == b"\x89PNG my own picture"
+    sheet = tmp_path / "sheet.png"
+    assert preview_main([str(mixed_run), "--out", str(sheet)]) == 0
+    assert preview_main([str(mixed_run), "--out", str(sheet)]) == 0  # a sheet it wrote: replaced
+    assert report_main([str(mixed_run), "--out", str(sheet)]) == 2  # a sheet is no report
+    assert preview_main([str(mixed_run), "--out", str(mine), "--force"]) == 0
+    assert mine.read_bytes().startswith(b"\x89PNG\r\n")
+
+
 def test_rank_logs_and_launches_accumulate(mixed_run, tmp_path):  # noqa: F811
     copy = tmp_path / "run"
     shutil.copytree(mixed_run, copy)

@@ -13,8 +13,6 @@ import base64
 import html
 import io
 import json
-import os
-import stat
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -24,12 +22,13 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.resume.repair import committed_shard_problem
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io, open_regular
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io
 from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
 from shardgen.dataio.shards.upload import committed_tar
-from shardgen.tools.runfiles import REPAIR_HINT, read_events, read_index_columns, read_launches, safe_write
+from shardgen.tools.runfiles import (REPAIR_HINT, read_events, read_index_columns, read_launches,
+                                     refuse_foreign_out, safe_write)
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
@@ -292,28 +291,8 @@ _CSS = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collaps
 
 
 def check_report_out(out: Path, run: RunDir) -> None:
-    """RunDirError when ``out`` exists and is not a page this tool wrote (a regular file beginning with
-    ``REPORT_HEAD``): a user's file, a symlink, a FIFO is never replaced by a report (--force replaces it). The
-    run's own report.html, a new path and a directory (``safe_write`` refuses it) pass. Reads at most the head,
-    without following a link or blocking on a FIFO."""
-    out = Path(out)
-    if Path(os.path.abspath(out)) == Path(os.path.abspath(run.report_path)):
-        return  # the run's own output (check_tool_output): replaced whatever is there
-    try:
-        mode = out.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        return
-    what = "a symlink" if stat.S_ISLNK(mode) else "not a regular file" if not stat.S_ISREG(mode) else None
-    if what is None:
-        with open_regular(out, follow=False) as f:
-            head = f.read(len(REPORT_HEAD.encode()))
-        if head == REPORT_HEAD.encode():
-            return  # a report this tool wrote: replaced, as a re-run is expected to
-        what = "not a report jobs.report wrote"
-    raise RunDirError(f"--out {out} exists and is {what}; it is left as it is. Choose another path, or add --force "
-                      "to replace it")
+    """RunDirError when ``out`` exists and is not a page this tool wrote (``refuse_foreign_out``)."""
+    refuse_foreign_out(out, run.report_path, REPORT_HEAD.encode(), "jobs.report")
 
 
 def write_report(plan: Plan, out: Path) -> dict[int, str]:

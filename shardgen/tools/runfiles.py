@@ -16,12 +16,13 @@ import functools
 import json
 import os
 import re
+import stat
 import sys
 import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, read_regular,
+from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
                                            storage_error)
 from shardgen.errors import UserError
 
@@ -122,6 +123,30 @@ def check_tool_output(path: Path, run: RunDir) -> None:
     names = ", ".join(p.name for p in run.tool_outputs)
     raise RunDirError(f"--out {path} is inside the run directory {run.root}, whose files are the run's own (only "
                       f"{names} there are tools' outputs); choose a path outside it")
+
+
+def refuse_foreign_out(out: Path, own: Path, marker: bytes, tool: str) -> None:
+    """RunDirError when ``out`` exists and is not a file ``tool`` wrote (its first 4 KiB hold ``marker``): a user's
+    file, a symlink, a FIFO is never replaced by a tool's output unasked (--force replaces it). The run's own output
+    ``own``, a new path and a directory (``safe_write`` refuses it) pass. Reads at most the head, without following a
+    link or blocking on a FIFO."""
+    out = Path(out)
+    if Path(os.path.abspath(out)) == Path(os.path.abspath(own)):
+        return  # the run's own output (check_tool_output): replaced whatever is there
+    try:
+        mode = out.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        return
+    what = "a symlink" if stat.S_ISLNK(mode) else "not a regular file" if not stat.S_ISREG(mode) else None
+    if what is None:
+        with open_regular(out, follow=False) as f:
+            if marker in f.read(4096):
+                return  # this tool's earlier output: replaced, as a re-run is expected to
+        what = f"not a file {tool} wrote"
+    raise RunDirError(f"--out {out} exists and is {what}; it is left as it is. Choose another path, or add --force "
+                      "to replace it")
 
 
 def safe_write(path: Path, data: bytes, run: RunDir) -> None:
