@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 from shardgen.dataio.prompts.formats import prompt_format, prompt_formats
 from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
 from shardgen.dataio.prompts.samplejson import split_reserved
-from shardgen.dataio.rundir.remote import identity, is_url
+from shardgen.dataio.rundir.remote import info, is_url
 from shardgen.errors import UserError
 from shardgen.pick import pick
 
@@ -190,7 +190,11 @@ def _check_file(path: str) -> None:
 def _check_remote(url: str) -> None:
     """A remote prompt file exists and is not empty (one metadata request; StorageError naming the URL when the
     bucket, the object or the permission is missing)."""
-    if identity(url)["size"] == 0:
+    meta = info(url)
+    if meta.get("type") == "directory":  # a bucket or a prefix: fsspec lists it as a folder of size 0
+        raise fail(url, 0, "is a bucket or folder (a prefix of objects), not a prompt file",
+                   "Set prompts.path to the object's full URL")
+    if int(meta.get("size") or 0) == 0:
         raise fail(url, 0, "the prompt file is empty (0 bytes)", "Add prompts, or point prompts.path at the right file")
 
 
