@@ -62,3 +62,20 @@ def test_dedup_on_a_path_that_is_no_run_says_so_as_the_other_tools_do(what, tmp_
     assert main([str(path)]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err == f"error: {path}: {NO_PLAN}\n"
+
+
+def test_a_tool_whose_reader_closes_the_pipe_stops_quietly():
+    """`python -m jobs.status RUN --shards | head`: no "error: Broken pipe" once head has read its lines."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import sys; from shardgen.tools.runfiles import tool_errors\n"
+            "def main():\n    for _ in range(10000):\n        print('a line of a long listing')\n    return 0\n"
+            "sys.exit(tool_errors(main)())")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()  # the reader is done
+    err = p.stderr.read().decode()
+    assert (p.wait(timeout=60), err) == (141, "")

@@ -73,20 +73,26 @@ def tool_errors(main: Callable[..., int]) -> Callable[..., int]:
 
     @functools.wraps(main)
     def wrapped(*args: Any, **kwargs: Any) -> int:
-        with terminal_safe_output():
-            try:
-                return main(*args, **kwargs)
-            except UserError as e:
-                print(f"error: {e}", file=sys.stderr)
-            except Exception as e:
-                if full := storage_error(e):  # a full disk, also where a library raised it wrapped
-                    print(f"error: {full}", file=sys.stderr)
-                elif isinstance(e, OSError):
-                    where = f"{e.filename}: " if e.filename else ""
-                    print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-                else:
+        try:
+            with terminal_safe_output():
+                try:
+                    return main(*args, **kwargs)
+                except UserError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                except BrokenPipeError:
                     raise
-            return 2
+                except Exception as e:
+                    if full := storage_error(e):  # a full disk, also where a library raised it wrapped
+                        print(f"error: {full}", file=sys.stderr)
+                    elif isinstance(e, OSError):
+                        where = f"{e.filename}: " if e.filename else ""
+                        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+                    else:
+                        raise
+                return 2
+        except BrokenPipeError:  # the reader stopped reading (`| head`): stop quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the closed pipe
 
     return wrapped
 
