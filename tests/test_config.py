@@ -296,3 +296,20 @@ def test_the_edges_of_the_seed_and_guidance_ranges_validate():
     from shardgen.config.validate import validate_config
 
     validate_config(compose_cfg(f"seed={2**63 - 1}", "guidance=0", "heartbeat_s=0.5", "lease_s=1"))
+
+
+@pytest.mark.parametrize("override,says", [
+    ("model.strength=nan", "model.strength=nan: not a finite number; give a number (e.g. model.strength=0.6)"),
+    ("model.loras=[{path: a.safetensors, scale: nan}]",
+     "model.loras[0].scale=nan: not a finite number; give a number (e.g. model.loras[0].scale=0.8)"),
+    ("model.loras=[{path: a.safetensors, scale: -inf}]",
+     "model.loras[0].scale=-inf: not a finite number; give a number (e.g. model.loras[0].scale=0.8)"),
+    ("guidance=nan", "guidance=nan: not a finite number; give a number (e.g. guidance=3.5)"),
+    ("lease_s=inf", "lease_s=inf: not a finite number; give a number (e.g. lease_s=120)"),
+])
+def test_a_number_that_is_not_finite_is_refused_with_an_example_in_its_range(override, says):
+    from shardgen.config.validate import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_config(compose_cfg(override))
+    assert str(e.value) == says

@@ -81,8 +81,12 @@ def test_resume_with_another_adapter_file_is_refused(tmp_path, adapters):
 
 @pytest.mark.parametrize("what, needle", [
     ("missing", "does not exist"), ("garbage", "not a readable safetensors file"),
-    ("not a lora", "does not fit"), ("another model", "does not fit"), ("other names", "matches no layer"),
-    ("twice", "listed twice"),
+    ("not a lora", "does not fit"), ("another model", "does not fit"), ("other names", "2 of its 2 tensors match no layer"),
+    ("twice", "listed twice"), ("some unmatched", r"model.loras\[0\]: .*bad.safetensors: 6 of its 14 tensors match no "
+                                 r"layer of FluxPipeline's transformer \(e.g. 'nonexistent_blocks.0.attn.to_k.lora_A."
+                                 r"weight'\): a LoRA for another model\?"),
+    ("url", r"model.loras\[0\]: s3://prompts/good.safetensors is a URL: LoRA files are read from local paths; copy it "
+            "locally"),
 ])
 def test_an_unusable_adapter_is_one_line_before_generation(tmp_path, adapters, what, needle):
     import torch
@@ -101,10 +105,23 @@ def test_an_unusable_adapter_is_one_line_before_generation(tmp_path, adapters, w
         entries = [(adapters["wide"], 1.0)]
     elif what == "twice":
         entries = [(adapters["a"], 0.5), (adapters["a"], 0.5)]
+    elif what == "some unmatched":  # its transformer_blocks load; its single_transformer_blocks name no layer
+        _renamed(adapters["a"], bad)
+    elif what == "url":
+        entries = [("s3://prompts/good.safetensors", 0.8)]
     with pytest.raises(UserError, match=needle) as e:
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg(*entries)))
     assert "\n" not in str(e.value), str(e.value)
     assert not list((tmp_path / "run").glob("shards/*.tar"))
+
+
+def _renamed(src: Path, dst: Path) -> Path:
+    """``src``'s LoRA with its single_transformer_blocks' tensors named for blocks the tiny model lacks."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({k.replace("single_transformer_blocks", "nonexistent_blocks"): v for k, v in load_file(str(src)).items()},
+              str(dst))
+    return dst
 
 
 @pytest.mark.slow
@@ -283,3 +300,46 @@ def test_a_rows_adapters_parse_the_same_from_any_folder(tmp_path, adapters):
         assert rules.parse({"loras": []}) == {"loras": ()}
         digests.append(row_bytes(PromptRow(0, 1, "a cat", None, {}, None, spellings[0])))
     assert digests[0] == digests[1]
+
+
+def test_a_rows_adapter_matching_no_layer_stops_the_run_before_generation(tmp_path, row_files):
+    """Per-row adapters load through the same check (preloaded before the first batch): the run stops in one line."""
+    _renamed(row_files / "a.safetensors", tmp_path / "odd.safetensors")
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps(dict(prompt="a cat")) + "\n" + json.dumps(dict(prompt="a dog", loras=["odd.safetensors"]))
+                 + "\n")
+    with pytest.raises(UserError, match=r"odd.safetensors: 6 of its 14 tensors match no layer of FluxPipeline's "
+                                        r"transformer \(e.g. 'nonexistent_blocks") as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *ROW_ARGS, f"prompts.path={f}", "prompts.row_settings=[loras]"))
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "run").glob("shards/*.tar"))
+
+
+@pytest.mark.parametrize("value, says", [
+    ("a.safetensors:abc", r"loras: loras\[0\]: 'a.safetensors:abc': scale 'abc' is not a number; write PATH:SCALE, "
+                          r"e.g. a.safetensors:0.8"),
+    ("b.safetensors:0.5;a.safetensors:1,5", r"loras\[1\]: 'a.safetensors:1,5': scale '1,5' is not a number"),
+    ("s3://bucket/a.safetensors:0.8", r"loras\[0\]: s3://bucket/a.safetensors is a URL: LoRA files are read from "
+                                      "local paths"),
+    ("s3://bucket/a.safetensors", r"loras\[0\]: s3://bucket/a.safetensors is a URL"),
+    ("dir:a.safetensors", r"loras\[0\]: .*/dir:a.safetensors does not exist"),  # a colon of the path
+])
+def test_a_rows_text_adapter_with_a_bad_scale_or_a_url_says_so(tmp_path, adapters, value, says):
+    from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    rules = RowRules(names=("loras",), base_dir=str(tmp_path))
+    with pytest.raises(BadSetting, match=says):
+        rules.parse({"loras": value}, text=True)
+
+
+def test_a_path_with_a_colon_of_its_own_still_reads(tmp_path, adapters):
+    from shardgen.dataio.prompts.rowsettings import RowRules
+    from shardgen.models.lora import file_sha256
+
+    (tmp_path / "v:abc").write_bytes(adapters["a"].read_bytes())  # an existing file: not a scale
+    rules = RowRules(names=("loras",), base_dir=str(tmp_path))
+    for value, scale in (("v:abc", 1.0), ("v:abc:0.5", 0.5)):
+        (lo,) = rules.parse({"loras": value}, text=True)["loras"]
+        assert (lo.sha256, lo.scale) == (file_sha256(adapters["a"]), scale)

@@ -192,9 +192,47 @@ def _check_finite(cfg: Any) -> None:
             for i, v in enumerate(node):
                 walk(v, f"{key}[{i}]")
         elif isinstance(node, float) and not math.isfinite(node):
-            raise ConfigError(f"{key}={node}: not a finite number; give a number (e.g. {key}=3.5)")
+            example = _finite_example(key)
+            raise ConfigError(f"{key}={node}: not a finite number; give a number"
+                              + (f" (e.g. {key}={example:g})" if example is not None else ""))
 
     walk(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), "")
+
+
+# A typical value where the schema's default is none or not one to suggest (a key's list indexes written [])
+FINITE_EXAMPLES = {"guidance": 3.5, "model.loras[].scale": 0.8, "model.guidance_2": 3.5}
+
+
+def _finite_example(key: str) -> float | None:
+    """A value to suggest for the number setting ``key``: FINITE_EXAMPLES, else its default in the schema
+    (shardgen/config/schema.py; within the key's range, e.g. model.strength=0.6), else None."""
+    import dataclasses
+    import re
+    import typing
+
+    from shardgen.config.schema import GenerateConfig
+
+    generic = re.sub(r"\[\d+\]", "[]", key)
+    if generic in FINITE_EXAMPLES:
+        return FINITE_EXAMPLES[generic]
+    cls: Any = GenerateConfig
+    parts = generic.split(".")
+    for i, part in enumerate(parts):
+        name = part.removesuffix("[]")
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if name not in fields:
+            return None
+        if i == len(parts) - 1:
+            default = fields[name].default
+            ok = isinstance(default, (int, float)) and not isinstance(default, bool) and math.isfinite(default)
+            return float(default) if ok else None
+        try:
+            cls = typing.get_type_hints(cls)[name]
+        except Exception:
+            return None
+        if part.endswith("[]"):
+            cls = next(iter(typing.get_args(cls)), None)
+    return None
 
 
 def _check_max_memory(max_memory: Any) -> None:

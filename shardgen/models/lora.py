@@ -117,6 +117,9 @@ def resolve(entries: Iterable[Any], where: str, base_dir: Path | None = None) ->
     for i, entry in enumerate(entries or ()):
         at = f"{where}[{i}]"
         path, scale = _entry(entry, at)
+        if "://" in path:  # s3://, https://, ...: not a local file (input images refuse URLs alike)
+            raise LoraError(f"{at}: {path.strip()} is a URL: LoRA files are read from local paths; copy it locally "
+                            "and give its path")
         p = Path(os.path.expanduser(path))
         p = (p if p.is_absolute() else (base_dir or Path.cwd()) / p).absolute()
         out.append(Lora(path=str(p), scale=scale, sha256=checked_sha256(at, p)))
@@ -145,7 +148,12 @@ def _entry(entry: Any, at: str) -> tuple[str, float]:
 def parse_row(value: Any, text: bool, base_dir: Path | None) -> LoraSet:
     """A row's ``loras`` (``prompts.row_settings``): a list of ``{path, scale}`` objects or ``PATH[:SCALE]`` strings
     (jsonl, parquet), or in csv/tsv ``PATH[:SCALE];PATH[:SCALE]``; a relative path is taken from the prompt file's
-    folder; ``[]``: no adapter for this row. LoraError says what is wrong."""
+    folder; ``[]``: no adapter for this row. LoraError says what is wrong.
+
+    In a ``PATH[:SCALE]`` string, the part after the last ``:`` is the scale when it reads as a number. When it does
+    not, it is still taken as a (mistyped) scale, and refused as "not a number", unless the whole string names an
+    existing file or that part looks like a path (has a ``/`` or ends in ``.safetensors``): a path may hold a ``:``
+    of its own (``runs:2024/style.safetensors``); ``style.safetensors:abc`` is a bad scale."""
     if isinstance(value, str):
         value = value.split(";") if text else [value]
     if hasattr(value, "tolist"):  # a parquet list column
@@ -153,16 +161,27 @@ def parse_row(value: Any, text: bool, base_dir: Path | None) -> LoraSet:
     if not isinstance(value, (list, tuple)):
         raise LoraError(f"{value!r} is not a list of adapters: write [{{\"path\": \"style.safetensors\", "
                         "\"scale\": 0.8}] or [\"style.safetensors:0.8\"] (csv/tsv: style.safetensors:0.8;other.safetensors)")
-    value = [_text_entry(v) if isinstance(v, str) else v for v in value if not (isinstance(v, str) and not v.strip())]
+    value = [v for v in value if not (isinstance(v, str) and not v.strip())]
+    value = [_text_entry(v, f"{ROW_FIELD}[{i}]", base_dir) if isinstance(v, str) else v for i, v in enumerate(value)]
     return resolve(value, ROW_FIELD, base_dir)
 
 
-def _text_entry(part: str) -> Any:
-    path, _, scale = part.strip().rpartition(":")
+def _text_entry(part: str, at: str, base_dir: Path | None) -> Any:
+    """``PATH[:SCALE]`` as ``{path, scale}`` (``parse_row`` says how a ``:`` is read)."""
+    part = part.strip()
+    path, _, scale = part.rpartition(":")
+    if not path:
+        return part
     try:
-        return dict(path=path, scale=float(scale)) if path else part.strip()
+        return dict(path=path, scale=float(scale))
     except ValueError:
-        return part.strip()  # a colon of the path itself
+        pass
+    whole = Path(os.path.expanduser(part))
+    whole = whole if whole.is_absolute() else (base_dir or Path.cwd()) / whole
+    if "/" in scale or scale.lower().endswith(".safetensors") or whole.is_file():
+        return part  # a colon of the path itself
+    raise LoraError(f"{at}: {part!r}: scale {scale!r} is not a number; write PATH:SCALE, e.g. "
+                    f"{Path(path).name or 'style.safetensors'}:0.8 (1.0 = as trained)")
 
 
 def check_planned(adapters: dict[str, str]) -> None:
@@ -205,19 +224,72 @@ def _check_pipeline(pipe: Any) -> None:
                         "model.loras (and loras from prompts.row_settings)")
 
 
-def _load(pipe: Any, lora: Lora) -> None:
-    """Load one adapter (not yet active); LoraError when it does not fit the model."""
+def _load(pipe: Any, lora: Lora, where: str = "LoRA") -> None:
+    """Load one adapter (not yet active); LoraError, naming ``where`` (``model.loras[i]``), when it does not fit the
+    model: a tensor of another shape (diffusers raises), or a tensor whose name matches no layer (diffusers only
+    warns, loads the rest, and may give the layers it made for it fresh weights: ``_unloaded``). A refused adapter
+    is deleted from the pipeline again."""
     try:
         with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
             warnings.filterwarnings("ignore", message=".*multiple adapters", category=UserWarning)
             pipe.load_lora_weights(lora.path, adapter_name=lora.adapter_name)
     except Exception as e:
-        raise LoraError(f"LoRA {lora.path} does not fit {type(pipe).__name__}'s model ({type(e).__name__}: "
+        raise LoraError(f"{where}: {lora.path} does not fit {type(pipe).__name__}'s model ({type(e).__name__}: "
                         f"{_first_line(e)}); use an adapter trained for this model") from None
     present = {n for names in pipe.get_list_adapters().values() for n in names}
-    if lora.adapter_name not in present:
-        raise LoraError(f"LoRA {lora.path} matches no layer of {type(pipe).__name__}'s model (its weight names are "
-                        "another model's); use an adapter trained for this model")
+    problem = _unloaded(pipe, lora)
+    if problem is None and lora.adapter_name not in present:
+        problem = (f"matches no layer of {type(pipe).__name__}'s model (its weight names are another model's); use an "
+                   "adapter trained for this model")
+    if problem is not None:
+        if lora.adapter_name in present:
+            try:
+                pipe.delete_adapters(lora.adapter_name)
+            except Exception:  # best effort: the error below stops the job anyway
+                log.debug("could not delete adapter %s", lora.adapter_name, exc_info=True)
+        raise LoraError(f"{where}: {lora.path}: {problem}")
+
+
+_LORA_WEIGHT = (".lora_A.weight", ".lora_B.weight")  # peft's names of a LoRA's two matrices, as diffusers loads them
+
+
+def _unloaded(pipe: Any, lora: Lora) -> str | None:
+    """What of ``lora``'s file did not load into ``pipe`` (None: all of it): its LoRA matrices after diffusers'
+    own key conversion (``lora_state_dict``: kohya, xlabs, ... to peft's names, each prefixed by its component)
+    against those the loaded adapter holds (``get_peft_model_state_dict`` of each LoRA-loadable component). A
+    matrix of the file that no layer holds matches no layer of the model; a layer holding a matrix the file lacks
+    was given made-up weights. Keys in other layouts (alphas, full weights) are left to diffusers."""
+    from peft.utils import get_peft_model_state_dict
+
+    components = [c for c in getattr(pipe, "_lora_loadable_modules", ()) if getattr(pipe, c, None) is not None]
+    loaded: set[str] = set()
+    for c in components:
+        try:
+            keys = get_peft_model_state_dict(getattr(pipe, c), adapter_name=lora.adapter_name)
+        except Exception:  # the component has no such adapter (no key of the file named it)
+            continue
+        loaded.update(f"{c}.{k}" for k in keys if k.endswith(_LORA_WEIGHT))
+    try:
+        converted = pipe.lora_state_dict(lora.path)
+    except Exception:  # load_lora_weights read it: a conversion it did not need here
+        return None
+    if isinstance(converted, tuple):  # (state_dict, network_alphas[, metadata]) in some pipelines
+        converted = converted[0]
+    wanted = {k for k in converted if k.endswith(_LORA_WEIGHT)}
+    bare = {k.split(".", 1)[1] for k in loaded}
+    unmatched = sorted(k for k in wanted if k not in loaded and k not in bare)  # no component prefix: bare keys
+    fresh = sorted(k for k in loaded if k not in wanted and k.split(".", 1)[1] not in wanted)
+    name = type(pipe).__name__
+    if unmatched:
+        comp = next((c for c in components if unmatched[0].startswith(f"{c}.")), None)
+        example = unmatched[0][len(comp) + 1:] if comp else unmatched[0]
+        where = f"{name}'s {comp}" if comp else f"{name}'s model ({', '.join(components)})"
+        return (f"{len(unmatched)} of its {len(converted)} tensors match no layer of {where} (e.g. {example!r}): a "
+                "LoRA for another model? Use an adapter trained for this model")
+    if fresh:
+        return (f"{len(fresh)} LoRA weights of {name}'s model are not in the file (e.g. {fresh[0]!r}: diffusers would "
+                "use made-up ones): a LoRA for another model? Use an adapter trained for this model")
+    return None
 
 
 def _fuse(pipe: Any, scales: dict[str, float]) -> None:
@@ -234,8 +306,8 @@ def fuse_into(pipe: Any, loras: LoraSet) -> None:
     if not loras:
         return
     _check_pipeline(pipe)
-    for lora in loras:
-        _load(pipe, lora)
+    for i, lora in enumerate(loras):
+        _load(pipe, lora, f"model.loras[{i}]")
     _fuse(pipe, {lo.adapter_name: lo.scale for lo in loras})
     pipe.unload_lora_weights()
     log.info("LoRA fused: %s", _names(loras))
