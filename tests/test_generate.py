@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -297,3 +298,12 @@ def test_a_foreign_run_dir_and_a_resume_with_other_settings_are_refused_before_t
         f"run_dir (e.g. run_dir={tmp_path / 'mine' / 'run'})",
         f"{tmp_path / 'run' / 'fingerprint.json'} says {tmp_path / 'run'} was made with other settings; resuming would "
         "mix different samples:", "False"], p.stderr
+
+
+def test_a_rejected_row_is_counted_as_rejected_not_as_generated(tmp_path):
+    (tmp_path / "p.txt").write_text("a cat\n\na dog\n   \na tree\n")
+    result = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={tmp_path / 'p.txt'}",
+                             "prompts.on_bad_row=skip", *FAST))
+    assert (result.ok, result.rejected, result.generated_here) == (3, 2, 3)  # the images/s counts 3 images
+    prom = (tmp_path / "run" / "metrics" / "rank000.prom").read_text()
+    assert re.search(r"^shardgen_generated_samples_total(\{[^}]*\})? 3(\.0)?$", prom, re.M), prom

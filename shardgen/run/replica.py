@@ -322,7 +322,7 @@ class ReplicaWorker:
         generated = [s for s in made.values() if s.status != "rejected"]
         for s in generated:  # the batch's time per generated sample, for the index (not the tar: see Sample.gen_s)
             s.gen_s = elapsed / len(generated)
-        self.generated += len(made)
+        self.generated += len(generated)  # pipeline outputs: a rejected row is recorded, not generated
         self._check_broken(list(made.values()))
         if self.ctx.leader:
             self.annotate(list(made.values()))
