@@ -250,6 +250,7 @@ def test_uploads_failing_past_the_retries_stop_the_run_and_the_next_launch_finis
     cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"output_uri={out}", "prompts.limit=6", "samples_per_shard=2",
                       "lease_s=2", "heartbeat_s=0.5", *FAST)
     monkeypatch.setattr("shardgen.dataio.shards.upload.ShardUploader.check", lambda self: None)  # down after it
+    monkeypatch.setattr("shardgen.dataio.shards.upload.ShardUploader._claim_folder", lambda self: None)  # its marker
     s3.proxy.down()
     with pytest.raises(StorageError, match=f"{out}/: [a-z ]+000000.tar[a-z' ]* failed 2 times"):
         run(cfg)
@@ -529,4 +530,14 @@ def test_a_url_with_a_password_is_refused_before_anything_is_written(tmp_path, k
     cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"{key}=https://me:hunter2@example.org/data/p.txt", *FAST)
     with pytest.raises(ConfigError, match=f"{key}: a URL with a password in it would be written"):
         run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/dir", "/dir/"])
+def test_a_bucket_or_prefix_as_the_prompt_file_is_named_so(s3, bucket, tmp_path, suffix):
+    put(s3, f"s3://{bucket}/dir/p.txt", b"a cat\n")
+    url = f"s3://{bucket}{suffix}"
+    with pytest.raises(UserError, match=rf"^{re.escape(url)}: is a bucket or folder \(a prefix of objects\), not a "
+                                        r"prompt file\. Set prompts.path to the object's full URL"):
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={url}", "prompts.format=txt", *FAST))
     assert not (tmp_path / "run").exists()

@@ -18,6 +18,7 @@ from shardgen.dataio.rundir.layout import RunDirError, open_regular
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded
+from shardgen.dataio.shards.uploaded import missing_uploads
 from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
 from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
@@ -32,7 +33,8 @@ class VerifyReport:
     samples: int = 0
     status: Counter = field(default_factory=Counter)
     defects: list[str] = field(default_factory=list)
-    bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate) or "stats" (rewrite)
+    bad_shards: dict[int, str] = field(default_factory=dict)  # shard -> "tar" (regenerate), "stats" (rewrite) or
+    # "upload" (sound locally, gone from the bucket: its upload record removed, uploaded again)
     unfinished: list[str] = field(default_factory=list)  # a line per shard not committed yet: in progress, not started
     earlier_settings: Counter = field(default_factory=Counter)
     """Samples made with settings the run had before a recorded allow_fingerprint_change: "steps=1" -> count.
@@ -166,8 +168,9 @@ def verify_run(plan: Plan, decode: bool = True) -> VerifyReport:
         fp = None
         rep.defects.append(str(e))
     earlier = earlier_settings(plan.run)
+    gone = missing_uploads(plan.run)  # one listing of the bucket (none without upload records)
     for shard in range(plan.num_shards):
-        _verify_shard(plan, shard, fp, decode, rep, earlier)
+        _verify_shard(plan, shard, fp, decode, rep, earlier, gone)
     _check_stray(plan, rep)
     return rep
 
@@ -200,7 +203,8 @@ def earlier_settings(run) -> dict[str, list]:
 
 
 def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: VerifyReport,
-                  earlier: dict[str, list] | None = None) -> None:
+                  earlier: dict[str, list] | None = None, gone: dict[int, list[str]] | None = None) -> None:
+    """``gone``: shard -> its uploaded objects the bucket no longer holds (``missing_uploads``)."""
     from shardgen.dataio.resume.repair import checked_rows, read_shard_stats
 
     run = plan.run
@@ -213,6 +217,12 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         rep.in_progress += "not started" not in rep.unfinished[-1]
         return
     rep.shards_checked += 1
+    missing = (gone or {}).get(shard)
+    if missing and not os.path.lexists(tar):  # keep_local=false: the bucket held its only copy
+        rep.bad_shards[shard] = "tar"
+        rep.defects.append(f"{name}: {', '.join(missing)} missing from the bucket (deleted since its upload, "
+                           f"{run.shard_uploaded(shard)}): --repair has the shard generated and uploaded again")
+        return
     try:  # keep_local=false: in the bucket, checked against the upload record
         uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None
     except RunDirError as e:  # not the bytes uploaded: --repair has it generated again
@@ -278,6 +288,11 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         if stats_problems:
             rep.defects += stats_problems
             rep.bad_shards.setdefault(shard, "stats")
+    if missing:  # keep_local=true: the local copy stands; the upload is made again from it
+        rep.defects.append(f"{name}: {', '.join(missing)} missing from the bucket (deleted since its upload, "
+                           f"{run.shard_uploaded(shard)}); --repair removes its upload record: the next launch "
+                           "uploads the local copy again")
+        rep.bad_shards.setdefault(shard, "upload")
     rep.status.update(shard_status)
     rep.samples += len(got)
 
@@ -303,6 +318,9 @@ def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
         if what == "tar":  # the samples themselves are wrong: regenerate
             remove_committed(run, shard)
             out.append(f"shard {shard:06d}: removed; the next launch generates it again")
+        elif what == "upload":  # sound locally, gone from the bucket: uploaded again
+            run.shard_uploaded(shard).unlink(missing_ok=True)
+            out.append(f"shard {shard:06d}: its upload record removed; the next launch uploads it again")
         else:
             run.shard_stats(shard).unlink(missing_ok=True)
             out.append(finish_or_discard(run, shard, plan.shard_range(shard), "its stats do not match its tar"))

@@ -15,6 +15,7 @@ naming the URL and the fix.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import os
@@ -56,14 +57,74 @@ SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "
                    "az": "adlfs", "abfs": "adlfs", "http": "aiohttp", "https": "aiohttp"}
 
 
+TIMEOUT_VAR = "SHARDGEN_STORAGE_TIMEOUT_S"  # overrides READ_TIMEOUT_S (and caps CONNECT_TIMEOUT_S)
+CONNECT_TIMEOUT_S = 5.0   # a server that does not accept the connection: given up on after this
+READ_TIMEOUT_S = 10.0     # a server that accepted but does not answer (nor send the next bytes): given up on after this
+
+
+def timeouts() -> tuple[float, float]:
+    """(connect, read) timeouts in seconds of one request, per attempt: READ_TIMEOUT_S, or $SHARDGEN_STORAGE_TIMEOUT_S;
+    the connect timeout is at most the read one. A hung server is thus reported within about
+    RETRIES x (connect + read timeout) + the backoff (about 105 s by default; the first retry logged after 15 s)."""
+    read = READ_TIMEOUT_S
+    if text := os.environ.get(TIMEOUT_VAR, "").strip():
+        try:
+            read = float(text)
+            if not read > 0:
+                raise ValueError
+        except ValueError:
+            raise StorageError(f"{TIMEOUT_VAR}={text}: expected a number of seconds > 0") from None
+    return min(CONNECT_TIMEOUT_S, read), read
+
+
+MIN_RATE = 256 << 10  # bytes/s: a transfer slower than this is taken for a hung one (``call``'s deadline)
+
+
+def call(fs: Any, method: str, *args, size: int = 0, **kwargs) -> Any:
+    """``fs.method(*args, **kwargs)`` given up on (asyncio.TimeoutError, retried by ``retrying``) after the connect
+    and read timeouts, or when longer the time ``size`` bytes take at MIN_RATE: the client's own timeouts leave
+    some waits unbounded (an S3 PUT to a server that accepted the connection and never answers waits forever).
+    Async filesystems (s3fs, gcsfs, http) only: others are called as they are."""
+    from fsspec.asyn import AsyncFileSystem
+
+    if isinstance(fs, AsyncFileSystem):
+        connect, read = timeouts()
+        kwargs["timeout"] = connect + max(read, size / MIN_RATE)
+    return getattr(fs, method)(*args, **kwargs)
+
+
+def storage_options(scheme: str) -> dict:
+    """The options shardgen gives the filesystem of ``scheme``: its own connect/read timeouts (botocore's are 60 s,
+    aiohttp's 5 minutes a request), and for S3 none of the client's silent retries of a timeout (s3fs retries one 5
+    times, botocore up to 5 times more, each waiting the whole timeout): ``retrying`` retries, logging each. botocore
+    keeps its own retry count when the environment sets one (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE)."""
+    connect, read = timeouts()
+    if scheme in ("s3", "s3a"):
+        config: dict = dict(connect_timeout=connect, read_timeout=read)
+        if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+            config["retries"] = {"total_max_attempts": 1}
+        return dict(config_kwargs=config)
+    if scheme in ("http", "https"):
+        try:
+            import aiohttp
+        except ImportError:
+            return {}
+        return dict(client_kwargs=dict(timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect,
+                                                                     sock_read=read)))
+    return {}
+
+
 def filesystem(url: str) -> tuple[Any, str]:
-    """(the fsspec filesystem of ``url``, the path within it); StorageError, one line naming the package to
-    install, when its scheme's package is missing."""
+    """(the fsspec filesystem of ``url``, the path within it, with shardgen's timeouts: ``storage_options``);
+    StorageError, one line naming the package to install, when its scheme's package is missing."""
     import fsspec
 
     scheme = str(url).split("://", 1)[0].lower()
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **storage_options(scheme))
+        if scheme in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own retry loop (silent, 5 by default): ``retrying`` does it, logged
+        return fs, path
     except ImportError:  # e.g. gs:// without gcsfs installed
         package = SCHEME_PACKAGES.get(scheme, f"the fsspec package of {scheme}://")
         raise StorageError(f"{url}: reading {scheme}:// URLs needs {package}, which is not installed: "
@@ -108,8 +169,8 @@ def retrying(what: str, url: str, fn: Callable[[], T], *, attempts: int | None =
                 raise StorageError(f"{url}: {what} failed {attempts} times ({type(e).__name__}: {short(e)}); "
                                    "the storage is unreachable or failing. Re-run once it answers: the run "
                                    "continues where it stopped") from None
-            log.warning("%s: %s failed (%s: %s); retry %d of %d in %.1f s", url, what, type(e).__name__, short(e),
-                        attempt, attempts - 1, delay)
+            log.warning("%s: %s failed (%s: %s); retry %d of %d in %.1f s", url, what, type(e).__name__,
+                        short(e), attempt, attempts - 1, delay)
             time.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF_S)
     raise AssertionError("unreachable")
@@ -117,7 +178,10 @@ def retrying(what: str, url: str, fn: Callable[[], T], *, attempts: int | None =
 
 def short(e: BaseException) -> str:
     """An error's message on one line, bounded (a botocore message can hold a whole response)."""
-    return " ".join(str(e).split())[:200]
+    text = " ".join(str(e).split())[:200]
+    if not text and isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer in time (read timeout {timeouts()[1]:g} s, ${TIMEOUT_VAR})"
+    return text
 
 
 def info(url: str) -> dict:
@@ -126,7 +190,7 @@ def info(url: str) -> dict:
 
     def get() -> dict:
         fs.invalidate_cache(path)
-        return fs.info(path)
+        return call(fs, "info", path)
 
     return retrying("reading the file's metadata", url, get)
 
@@ -173,7 +237,7 @@ class RemoteFile(io.RawIOBase):
             return 0
         lo = self._pos
         data = retrying(f"reading bytes {lo}..{lo + n}", self.url,
-                        lambda: self._fs.cat_file(self._path, start=lo, end=lo + n))
+                        lambda: call(self._fs, "cat_file", self._path, start=lo, end=lo + n, size=n))
         if len(data) > n:  # a web server that ignores Range sends the whole file for each read
             raise StorageError(f"{self.url}: {len(data)} bytes sent for a range of {n}: the server ignores byte "
                                "ranges (Range requests). Serve the file from one that answers them, or copy it to a "

@@ -29,12 +29,29 @@ from typing import Any
 
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
                                            read_json)
-from shardgen.dataio.rundir.remote import StorageError, filesystem, retrying
+from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
+                                           retrying)
 from shardgen.dataio.shards import index as shard_index
-from shardgen.dataio.shards.uploaded import fetch, local_or_fetched, read_record
+from shardgen.dataio.shards.uploaded import fetch, local_or_fetched, missing_uploads, read_record
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.upload")
 MAX_WAITING = 4  # committed shards waiting for their upload before a commit waits (bounds the local disk)
+RUN_MARKER_OBJECT = "_shardgen_run.json"  # at output_uri: which run uploads there (one run per folder)
+
+
+class ForeignPrefixError(UserError):
+    """output_uri holds the marker of another run: its shards would be overwritten by this one's."""
+
+
+def run_id(run: RunDir) -> str | None:
+    """What identifies a run wherever its directory is (moved, copied): the sha256 of its owner record
+    (``.shardgen-run``, written once when the run is created), 16 hex digits; None before it is created."""
+    try:
+        return hashlib.sha256(run.marker_path.read_bytes()).hexdigest()[:16] if not run.marker_path.is_symlink() \
+            else None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
 
 
 @dataclass
@@ -91,18 +108,86 @@ class ShardUploader:
         """Before planning or loading any model: ``uri`` takes a write (a probe object written and removed);
         StorageError naming the URL (no bucket, no permission, no credentials) when not."""
         probe = f"{self._root}/.shardgen-probe-{socket.gethostname()}-{os.getpid()}"
-        retrying("writing a test object", self.uri, lambda: self._fs.pipe_file(probe, b""))
-        retrying("removing the test object", self.uri, lambda: self._fs.rm_file(probe))
+        retrying("writing a test object", self.uri, lambda: call(self._fs, "pipe_file", probe, b""))
+        retrying("removing the test object", self.uri, lambda: call(self._fs, "rm_file", probe))
+        self._check_owner(self._read_marker())  # another run's folder: refused before planning or any weight
+
+    def _marker_url(self) -> str:
+        return self._url(RUN_MARKER_OBJECT)
+
+    def _read_marker(self) -> dict | None:
+        """The run marker at ``uri`` (None: there is none: a new folder, or one written before markers existed)."""
+        path = f"{self._root}/{RUN_MARKER_OBJECT}"
+
+        def get() -> bytes | None:
+            self._fs.invalidate_cache(path)
+            try:
+                return call(self._fs, "cat_file", path)
+            except FileNotFoundError as e:
+                if permanent_reason(e) == PERMANENT_CODES["NoSuchBucket"]:
+                    raise
+                return None
+
+        data = retrying(f"reading {RUN_MARKER_OBJECT}", self.uri, get)
+        if data is None:
+            return None
+        try:
+            marker = json.loads(data)
+        except ValueError:
+            marker = None
+        return marker if isinstance(marker, dict) else {"run_id": None, "run_dir": "(unreadable marker)"}
+
+    def _check_owner(self, marker: dict | None) -> None:
+        """ForeignPrefixError, one line naming the URL and the fix, when ``marker`` names another run than this."""
+        if marker is None or (marker.get("run_id") == run_id(self.run) and marker.get("run_id")):
+            return
+        raise ForeignPrefixError(
+            f"{self.uri}: another run uploads its shards there ({self._marker_url()} names run "
+            f"{marker.get('run_id')} in {marker.get('run_dir')}); two runs at one output_uri overwrite each other's "
+            f"shards. Choose another output_uri (a folder no other run uses) for {self.run.root}, or, if that run's "
+            f"shards there are to be replaced, delete {self._marker_url()} first")
+
+    def _claim_folder(self) -> None:
+        """Write the run marker at ``uri`` unless it is there (a folder of earlier uploads without one is taken as
+        this run's); ForeignPrefixError when it names another run (one that claimed the folder since ``check``)."""
+        mine = run_id(self.run)
+        if mine is None:  # not a run directory made by this version (no owner record): nothing to name it by
+            return
+        marker = self._read_marker()
+        if marker is None:
+            body = json_bytes(dict(run_id=mine, run_dir=str(self.run.root), host=socket.gethostname(),
+                                   time=time.time()))
+            path = f"{self._root}/{RUN_MARKER_OBJECT}"
+            retrying(f"writing {RUN_MARKER_OBJECT}", self.uri, lambda: call(self._fs, "pipe_file", path, body))
+            marker = self._read_marker()  # read back: two new runs writing it at once, the last one wins
+        self._check_owner(marker)
+
+    def forget_missing(self) -> list[int]:
+        """Shards whose upload is recorded but whose objects the bucket no longer holds as uploaded (deleted, or
+        another size), from one listing of ``uri``: their records removed, so that this launch uploads them again
+        from their local copy, or (keep_local=false) generates them again. The shards, each logged."""
+        gone = missing_uploads(self.run, uri=self.uri, resized=True)
+        for shard, urls in sorted(gone.items()):
+            self.run.shard_uploaded(shard).unlink(missing_ok=True)
+            local = os.path.lexists(self.run.shard_stats(shard))
+            log.warning("shard %06d: %s no longer in the bucket as uploaded (deleted or written over); its upload "
+                        "record removed: %s", shard, ", ".join(urls),
+                        "uploaded again from its local copy" if local else "it is generated again")
+        return sorted(gone)
 
     def resume(self) -> int:
         """At a launch: the run uploads where its earlier launches did (RunDirError when not), and the uploads a
-        killed launch left unfinished are finished; how many shards were uploaded."""
+        killed launch left unfinished are finished; the folder is claimed for this run (its marker), and shards
+        recorded as uploaded but gone from the bucket are made again (``forget_missing``); how many shards were
+        uploaded."""
         path = self.run.output_uri_path
         if not create_exclusive(path, json_bytes({"output_uri": self.uri})):
             before = read_json(path).get("output_uri")
             if before != self.uri:
                 raise RunDirError(f"{self.run.root} uploads its shards to {before} ({path}); this launch says "
                                   f"output_uri={self.uri}. Use {before}, or start a new run_dir")
+        self._claim_folder()
+        self.forget_missing()
         return self.upload_pending()
 
     def pending(self) -> list[int]:
@@ -177,7 +262,7 @@ class ShardUploader:
         target = f"{self._root}/{local.name}"
         meta = self._remote_info(local.name)
         if meta is None or not same_object(meta, size, md5):
-            retrying(f"uploading {local.name}", self.uri, lambda: self._fs.put_file(str(local), target))
+            retrying(f"uploading {local.name}", self.uri, lambda: call(self._fs, "put_file", str(local), target, size=size))
             meta = self._remote_info(local.name) or {}
             if not same_object(meta, size, md5, unknown=True):
                 raise StorageError(f"{self._url(local.name)}: {meta.get('size')} bytes on the server after its "
@@ -192,7 +277,7 @@ class ShardUploader:
         def get() -> dict | None:
             self._fs.invalidate_cache(path)
             try:
-                return self._fs.info(path)
+                return call(self._fs, "info", path)
             except FileNotFoundError:
                 return None
 

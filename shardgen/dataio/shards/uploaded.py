@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.rundir.layout import RunDir, RunDirError, read_state, shard_name
-from shardgen.dataio.rundir.remote import filesystem, retrying
+from shardgen.dataio.rundir.remote import PERMANENT_CODES, call, filesystem, permanent_reason, retrying
 
 # what a record must hold to stand in for a shard's local files
 RECORD_FIELDS = {"uri": str, "sha256": str, "tar_bytes": int, "stats": dict, "objects": dict}
@@ -66,7 +66,19 @@ def fetch(run: RunDir, shard: int, suffix: str) -> bytes | None:
     if not isinstance(want, dict):
         raise RunDirError(f"{run.shard_uploaded(shard)} records no {name}; " + REDO.format(record=run.shard_uploaded(shard)))
     fs, root = filesystem(record["uri"])
-    data = retrying(f"reading {name}", url, lambda: fs.cat_file(f"{root.rstrip('/')}/{name}"))
+
+    def get() -> bytes | None:
+        try:
+            return call(fs, "cat_file", f"{root.rstrip('/')}/{name}", size=want.get("size") or 0)
+        except FileNotFoundError as e:
+            if permanent_reason(e) == PERMANENT_CODES["NoSuchBucket"]:
+                raise  # the whole bucket: a wrong endpoint or URL as likely as a loss; StorageError, not a defect
+            return None
+
+    data = retrying(f"reading {name}", url, get)
+    if data is None:
+        raise RunDirError(f"{url}: missing from the bucket (deleted since its upload, {run.shard_uploaded(shard)}); "
+                          + REDO.format(record=run.shard_uploaded(shard)))
     if len(data) != want.get("size") or hashlib.sha256(data).hexdigest() != want.get("sha256"):
         raise RunDirError(f"{url}: {len(data)} bytes that are not the {want.get('size')} bytes uploaded for this run "
                           f"({run.shard_uploaded(shard)}): truncated, or written over by another job; "
@@ -85,3 +97,47 @@ def local_or_fetched(run: RunDir, shard: int, path: Path, suffix: str) -> Any:
 def only_uploaded(run: RunDir, shard: int) -> bool:
     """Whether ``shard`` is committed only by its upload record (no local stats: keep_local=false)."""
     return not os.path.lexists(run.shard_stats(shard)) and os.path.lexists(run.shard_uploaded(shard))
+
+
+def listed_objects(uri: str) -> dict[str, int]:
+    """Name -> size of the objects directly under the folder URL ``uri``, in one listing (paged by the store); {}
+    for a folder with nothing in it. StorageError naming the URL when it cannot be listed, or its bucket is gone
+    (never taken for an empty folder)."""
+    fs, root = filesystem(uri)
+    root = root.rstrip("/")
+
+    def get() -> dict[str, int]:
+        fs.invalidate_cache(root)
+        found = call(fs, "find", root, maxdepth=1, detail=True)
+        if not found and "/" in root:  # an absent bucket lists as empty too
+            bucket = root.split("/", 1)[0]
+            fs.invalidate_cache(bucket)
+            if not call(fs, "exists", bucket):
+                raise FileNotFoundError(f"{bucket}: no such bucket")
+        return {name.rsplit("/", 1)[-1]: int(meta.get("size") or 0) for name, meta in found.items()}
+
+    return retrying("listing the uploaded shards", uri.rstrip("/") + "/", get)
+
+
+def missing_uploads(run: RunDir, uri: str | None = None, resized: bool = False) -> dict[int, list[str]]:
+    """Shard -> the URLs of its recorded objects that the bucket no longer holds (deleted; ``resized``: or holds
+    with another size than recorded), for the shards with an upload record (to ``uri`` when given): the records are
+    read first, then the bucket is listed once per output URI, so an upload recorded meanwhile is never taken for a
+    missing one. StorageError naming the URL when the bucket cannot be listed."""
+    records = {}
+    for shard in sorted(run.listed_shards(run.uploads_dir, ".json")):
+        record = read_record(run, shard)
+        if record is not None and (uri is None or record["uri"].rstrip("/") == uri.rstrip("/")):
+            records[shard] = record
+    listings: dict[str, dict[str, int]] = {}
+    out = {}
+    for shard, record in records.items():
+        where = record["uri"].rstrip("/") + "/"
+        if where not in listings:
+            listings[where] = listed_objects(where)
+        have = listings[where]
+        gone = [where + name for name, want in sorted(record["objects"].items())
+                if name not in have or (resized and isinstance(want, dict) and have[name] != want.get("size"))]
+        if gone:
+            out[shard] = gone
+    return out
