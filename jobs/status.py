@@ -94,9 +94,12 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = tool_parser("python -m jobs.status", __doc__)
-    ap.add_argument("--shards", action="store_true", help="one line per unfinished shard")
-    ap.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
-    ap.add_argument("--prometheus", action="store_true",
+    ap.add_argument("--shards", action="store_true",
+                    help="a line for every claimed shard (running or stalled), not only the first 10; shards nobody "
+                         "has claimed yet are counted, not listed")
+    form = ap.add_mutually_exclusive_group()  # one output format on stdout
+    form.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
+    form.add_argument("--prometheus", action="store_true",
                     help="the run's figures and every rank's counters (metrics/*.prom) in Prometheus' text format")
     return run_tool(ap, argv, status, plan="not a shardgen run directory yet (no plan/plan.json)")
 

@@ -79,3 +79,12 @@ def test_a_tool_whose_reader_closes_the_pipe_stops_quietly():
     p.stdout.close()  # the reader is done
     err = p.stderr.read().decode()
     assert (p.wait(timeout=60), err) == (141, "")
+
+
+def test_status_takes_one_output_format():
+    """``--json`` and ``--prometheus`` both write stdout: asking for both is refused, not answered with one."""
+    from jobs.status import main as status_main
+
+    with pytest.raises(SystemExit) as e:
+        status_main(["somewhere", "--json", "--prometheus"])
+    assert e.value.code == 2
