@@ -23,12 +23,10 @@ from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.resume.repair import committed_shard_problem
 from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io
-from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
-from shardgen.dataio.shards.upload import committed_tar
-from shardgen.tools.runfiles import (REPAIR_HINT, read_events, read_index_columns, read_launches,
-                                     refuse_foreign_out, safe_write)
+from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, read_events, read_index_columns,
+                                     read_launches, refuse_foreign_out, safe_write)
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
@@ -120,30 +118,6 @@ def damaged_shards(plan: Plan) -> dict[int, str]:
     return {shard: why for shard, why in zip(done, problems) if why is not None}
 
 
-def _shard_members(run: RunDir, damaged: dict[int, str]):
-    """(shard, key, members) of every committed shard file in shard order, read one shard at a time as the caller
-    asks (an uploaded one fetched from the bucket). ``runfiles.committed_members`` skips an unreadable file
-    silently; here it is added to ``damaged`` (shard -> why), which the report names."""
-    for shard in sorted(run.listed_shards(run.shards_dir, f".{run.container}")
-                        | run.listed_shards(run.uploads_dir, ".json")):
-        name = run.shard_file(shard).name
-        try:
-            tar = committed_tar(run, shard)
-        except RunDirError as e:  # the bucket's copy is not the bytes uploaded (an unreachable bucket: the caller's)
-            damaged.setdefault(shard, str(e))
-            continue
-        if isinstance(tar, Path) and tar.is_symlink():  # never followed: run files are regular files
-            damaged.setdefault(shard, f"{name} is a symlink")
-            continue
-        try:
-            members = read_shard_members(tar, run.container)
-        except Exception as e:  # tarfile.ReadError, EOFError, ValueError (a member twice), OSError...: not readable
-            damaged.setdefault(shard, f"{name} is unreadable ({type(e).__name__}: {str(e)[:120]})")
-            continue
-        for key, mem in sorted(members.items()):
-            yield shard, key, mem
-
-
 def contact_sheet(plan: Plan, n: int = 24, size: int = 160, damaged: dict[int, str] | None = None) -> str:
     """Thumbnails (inline JPEG) of the first ``n`` images with their keys and prompts; a shard file among those
     read that cannot be, or holds an image that does not decode, is added to ``damaged`` (shard -> why)."""
@@ -151,7 +125,7 @@ def contact_sheet(plan: Plan, n: int = 24, size: int = 160, damaged: dict[int, s
 
     damaged = {} if damaged is None else damaged
     cells = []
-    for shard, key, mem in _shard_members(plan.run, damaged):
+    for shard, key, mem in committed_shard_members(plan.run, damaged):
         if len(cells) >= n:  # (an uploaded shard's tar is fetched from the bucket: no more than needed)
             break
         ext = image_ext(mem)

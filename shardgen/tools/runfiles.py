@@ -253,9 +253,17 @@ def read_members_checked(path: Path, container: str = "tar") -> dict[str, dict[s
 
 
 def committed_members(run: RunDir) -> Iterable[tuple[str, dict[str, bytes]]]:
-    """(key, members) of every readable committed shard file in shard order, local or (keep_local=false, uploaded)
-    read back from the bucket one shard at a time as the caller asks; damaged ones are skipped (jobs.verify names
-    them): for the tools that only show samples (preview, the report's contact sheet)."""
+    """(key, members) of every readable committed shard file in shard order (``committed_shard_members``): for the
+    tools that only show samples (preview, the report's contact sheet)."""
+    for _, key, members in committed_shard_members(run):
+        yield key, members
+
+
+def committed_shard_members(run: RunDir, damaged: dict[int, str] | None = None
+                            ) -> Iterable[tuple[int, str, dict[str, bytes]]]:
+    """(shard, key, members) of every readable committed shard file in shard order, local or (keep_local=false,
+    uploaded) read back from the bucket one shard at a time as the caller asks; a damaged one is skipped (jobs.verify
+    names it), and recorded in ``damaged`` (shard -> why) when the caller keeps one."""
     from shardgen.dataio.shards.container import read_shard_members
     from shardgen.dataio.shards.upload import committed_tar
 
@@ -264,6 +272,9 @@ def committed_members(run: RunDir) -> Iterable[tuple[str, dict[str, bytes]]]:
             tar = committed_tar(run, shard)
             members = (read_members_checked(tar, run.container) if isinstance(tar, Path)
                        else read_shard_members(tar, run.container))
-        except (RunDirError, tarfile.TarError, EOFError, ValueError):
+        except (RunDirError, tarfile.TarError, EOFError, ValueError) as e:
+            if damaged is not None:
+                damaged.setdefault(shard, str(e))
             continue
-        yield from sorted(members.items())
+        for key, mem in sorted(members.items()):
+            yield shard, key, mem

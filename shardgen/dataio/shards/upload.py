@@ -115,9 +115,12 @@ class ShardUploader:
     def _marker_url(self) -> str:
         return self._url(RUN_MARKER_OBJECT)
 
+    def _marker_path(self) -> str:
+        return f"{self._root}/{RUN_MARKER_OBJECT}"
+
     def _read_marker(self) -> dict | None:
-        """The run marker at ``uri`` (None: there is none: a new folder, or one written before markers existed)."""
-        path = f"{self._root}/{RUN_MARKER_OBJECT}"
+        """The run marker at ``uri`` (None: there is none: a new folder, or one of uploads without a marker)."""
+        path = self._marker_path()
 
         def get() -> bytes | None:
             self._fs.invalidate_cache(path)
@@ -151,14 +154,14 @@ class ShardUploader:
         """Write the run marker at ``uri`` unless it is there (a folder of earlier uploads without one is taken as
         this run's); ForeignPrefixError when it names another run (one that claimed the folder since ``check``)."""
         mine = run_id(self.run)
-        if mine is None:  # not a run directory made by this version (no owner record): nothing to name it by
+        if mine is None:  # a run directory without an owner record (.shardgen-run): nothing to name it by
             return
         marker = self._read_marker()
         if marker is None:
             body = json_bytes(dict(run_id=mine, run_dir=str(self.run.root), host=socket.gethostname(),
                                    time=time.time()))
-            path = f"{self._root}/{RUN_MARKER_OBJECT}"
-            retrying(f"writing {RUN_MARKER_OBJECT}", self.uri, lambda: call(self._fs, "pipe_file", path, body))
+            retrying(f"writing {RUN_MARKER_OBJECT}", self.uri,
+                     lambda: call(self._fs, "pipe_file", self._marker_path(), body))
             marker = self._read_marker()  # read back: two new runs writing it at once, the last one wins
         self._check_owner(marker)
 
