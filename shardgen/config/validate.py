@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
+from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -18,7 +18,6 @@ from shardgen.errors import UserError
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
-MAX_SEED = 2**63 - 1  # a prompt row's largest seed too (shardgen/dataio/prompts/read.py): 63 bits, as torch takes
 PARTI_URL = "https://github.com/google-research/parti/blob/main/PartiPrompts.tsv"
 # What to set for each value a config group leaves mandatory (``???`` in its YAML).
 MANDATORY = {

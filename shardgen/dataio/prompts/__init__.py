@@ -15,13 +15,13 @@ from shardgen.dataio import lazy_names
 if TYPE_CHECKING:
     from .plan import Plan, PlannedRow, build_plan, estimate_rows, file_sha256, idle_warning, load_plan, sample_seed
     from .formats import PromptFormat, prompt_format, prompt_formats, register_format
-    from .read import (DEFAULT_SEED_FIELD, MAX_PROMPT_CHARS, PromptSource, check_prompt_source, detect_format,
+    from .read import (DEFAULT_SEED_FIELD, MAX_PROMPT_CHARS, MAX_SEED, PromptSource, check_prompt_source, detect_format,
                        prompt_file_path)
     from .rowsettings import (MAX_SIDE, ROW_SETTINGS, RowRules, Shape, count_shapes, rules_from_cfg, shape_label,
                               shape_legend, unknown_names)
     from .truncation import TruncationCheck, checks_while_planning, planning_windows
 
-__all__ = ["DEFAULT_SEED_FIELD", "MAX_PROMPT_CHARS", "MAX_SIDE", "Plan", "PlannedRow", "PromptFormat", "PromptSource",
+__all__ = ["DEFAULT_SEED_FIELD", "MAX_PROMPT_CHARS", "MAX_SEED", "MAX_SIDE", "Plan", "PlannedRow", "PromptFormat", "PromptSource",
            "ROW_SETTINGS", "RowRules", "Shape", "TruncationCheck", "build_plan", "check_prompt_source", "checks_while_planning", "count_shapes",
            "detect_format", "estimate_rows", "file_sha256", "idle_warning", "load_plan", "planning_windows",
            "prompt_file_path", "prompt_format", "prompt_formats", "register_format", "rules_from_cfg", "sample_seed",

@@ -23,7 +23,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]
 ON_BAD_ROW = ("error", "skip")
 BOM = b"\xef\xbb\xbf"
 DEFAULT_SEED_FIELD = "seed"  # prompts.seed_field's default: a file without this column has no row seeds
-_MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits
+MAX_SEED = 2**63 - 1  # sample_seed() promises seeds that fit 63 bits (a row's seed and the run's seed alike)
 MAX_INT_BITS = 1023  # a row's integers stay within a float's range: every JSON reader can hold them
 _SKIP_HINT = "Fix the row, or set prompts.on_bad_row=skip to record such rows as rejects and go on"
 MAX_PROMPT_CHARS = 100_000  # prompts.max_prompt_chars' default: far beyond any text encoder's window
@@ -331,7 +331,7 @@ def seed_value(value: Any, seed_field: str) -> int | None:
     """A jsonl/parquet seed: null means none; else an int (bool excluded) in [0, 2**63)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEED:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
         raise BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1)")
     return value
 
