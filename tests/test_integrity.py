@@ -820,3 +820,14 @@ def test_verify_says_a_changed_prompt_file_once_and_repair_does_not_send_to_a_re
     finally:
         prompts.write_bytes(original)  # the module's reference run shares the prompt file
     verified_identical(d, want)
+
+
+def test_a_stray_folder_that_is_a_symlink_is_refused_not_written_through(copy, tmp_path):
+    prompts, d, want = copy
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (d / "stray").symlink_to(elsewhere)
+    (d / "shards" / "999999.tar").write_bytes((d / "shards" / "000001.tar").read_bytes())
+    with pytest.raises(RunDirError, match="stray is a symlink; .* never writes through a link"):
+        gen(d, prompts)
+    assert not any(elsewhere.iterdir()) and (d / "shards" / "999999.tar").is_file()

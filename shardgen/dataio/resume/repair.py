@@ -201,13 +201,17 @@ def move_stray_shard_files(run: RunDir, num_shards: int, names: Iterable[str]) -
     """Move the stray shard files among ``names`` out of shards/ into stray/ (kept, not deleted: they may be the
     user's); (name, note) for each moved."""
     out = []
+    folder = run.root / STRAY_DIR
     for name in stray_shard_files(run, num_shards, names):
-        dest = run.root / STRAY_DIR / name
-        dest.parent.mkdir(exist_ok=True)
-        for i in range(1, 1000):
-            if not os.path.lexists(dest):
-                break
-            dest = dest.with_name(f"{name}.{i}")  # an earlier launch moved one of this name: both kept
+        if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
+            raise RunDirError(f"{folder} is {'a symlink' if folder.is_symlink() else 'not a directory'}; shardgen "
+                              f"moves files named like shards the plan lacks (shards/{name}) there, and never writes "
+                              "through a link. Move it away and re-run")
+        folder.mkdir(exist_ok=True)
+        dest, i = folder / name, 0
+        while os.path.lexists(dest):  # an earlier launch moved one of this name: both kept
+            i += 1
+            dest = folder / f"{name}.{i}"
         try:
             os.rename(run.shards_dir / name, dest)
         except FileNotFoundError:  # a concurrent launch moved it first
