@@ -48,30 +48,34 @@ def run(cfg: GenerateConfig):
     return launcher_of(cfg).starter()(cfg)
 
 
-def interrupted_message(run_dir: str, command: str) -> str:
-    """What an interrupted launch tells: resumable once the run exists (its fingerprint written), otherwise that
-    nothing was written (a new run interrupted while planning is removed again)."""
+def interrupted_message(run_dir: str, command: str, how: str = "interrupted") -> str:
+    """What an interrupted launch tells (``how``: "interrupted" for Ctrl-C, "stopped by SIGTERM"): resumable once
+    the run exists (its fingerprint written), otherwise that nothing was written (a new run interrupted while
+    planning is removed again)."""
     from shardgen.dataio.rundir import RunDir
 
     if not RunDir(Path(run_dir).absolute()).fingerprint_path.is_file():
-        return (f"interrupted before {run_dir} held a run: nothing was written. Run the command again to start:\n"
+        return (f"{how} before {run_dir} held a run: nothing was written. Run the command again to start:\n"
                 f"  {command}")
-    return f"interrupted. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
+    return f"{how}. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
+    from shardgen.run.stopping import SIGTERM_EXIT, Terminated, stop_on_sigterm
 
     debug = os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0")  # SHARDGEN_DEBUG=1: tracebacks always
+    stop_on_sigterm()
     try:
         run(cfg)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         log.error("%s", interrupted_message(cfg.run_dir, shlex.join([sys.executable, "-m", "jobs.generate",
-                                                                     *sys.argv[1:]])))
-        sys.exit(130)
+                                                                     *sys.argv[1:]]), how))
+        sys.exit(SIGTERM_EXIT if isinstance(e, Terminated) else 130)
     except Exception as e:
         from shardgen.dataio.rundir.layout import storage_error
 

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -265,6 +266,31 @@ def test_ctrl_c_once_the_plan_is_in_place_keeps_the_run_and_a_rerun_completes_it
     assert interrupted_message(str(d), "CMD").startswith(f"interrupted. {d} is resumable")
     result = run(compose_cfg(*args))
     assert (result.total, result.ok, result.complete) == (4, 4, True)
+
+
+def test_ctrl_c_mid_shard_gives_up_its_claim_so_a_rerun_resumes_it_at_once(tmp_path):
+    """The default lease (120 s): a re-run that had to wait for the interrupted claim to expire would idle at the
+    end of the run for up to two minutes."""
+    from shardgen.run.runner import run_rank
+
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=8", "samples_per_shard=4", "batch_size=2", *FAST)
+    ends = []
+
+    def stop_at_the_second_batch(event, worker):
+        if event == "end":
+            ends.append(event)
+            if len(ends) == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_rank(compose_cfg(*args), on_batch=stop_at_the_second_batch)
+    assert list((d / "work").glob("*.ckpt.json"))  # half a shard made: resumed, not started over
+    assert not [p for p in (d / "claims").rglob("*") if p.is_file()]
+    t0 = time.monotonic()
+    result = run_rank(compose_cfg(*args))
+    assert (result.total, result.ok, result.complete) == (8, 8, True)
+    assert time.monotonic() - t0 < 60
 
 
 def test_a_foreign_run_dir_and_a_resume_with_other_settings_are_refused_before_torch_is_imported(tmp_path):

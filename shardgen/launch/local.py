@@ -34,8 +34,10 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from shardgen.run.runner import run_rank
+    from shardgen.run.stopping import stop_on_sigterm
 
     debug = os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0")
+    stop_on_sigterm()  # the parent, stopped by SIGTERM, ends its ranks with SIGTERM: each drops its batch in flight
     try:
         run_rank(OmegaConf.create(cfg_yaml))
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the parent says how to resume, the ranks stay quiet
@@ -82,8 +84,8 @@ def launch_local(cfg: GenerateConfig) -> None:
     nprocs = cfg.launcher.nprocs
     try:
         args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
-        mp.start_processes(_local_rank_main, args=args, nprocs=nprocs,
-                           start_method="spawn", join=True)
+        ranks = mp.start_processes(_local_rank_main, args=args, nprocs=nprocs, start_method="spawn", join=False)
+        _join_ranks(ranks)
     except mp.ProcessRaisedException as e:
         raise LocalRankError(rank_error_message(str(e))) from None
     except mp.ProcessExitedException as e:
@@ -92,6 +94,25 @@ def launch_local(cfg: GenerateConfig) -> None:
         why = " (it stalled: stall_timeout_s; its log above says where)" if e.exit_code == STALL_EXIT_CODE else ""
         msg = f"a rank exited with code {e.exit_code}{why}; re-run the same command to continue"
         raise LocalRankError(msg) from None
+
+
+def _join_ranks(ranks) -> None:
+    """Wait for the spawned ranks. Interrupted here (SIGTERM to this process alone, or Ctrl-C), each rank still
+    running gets SIGTERM and is waited for: it drops its batch in flight and exits, and the run is left as a
+    Ctrl-C in the terminal leaves it (spawned ranks are not daemons: the interpreter would otherwise wait for them
+    to finish the whole run before exiting)."""
+    try:
+        while not ranks.join():
+            pass
+    except KeyboardInterrupt:
+        for p in ranks.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ranks.processes:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        raise
 
 
 class LocalRankError(UserError, RuntimeError):

@@ -105,8 +105,23 @@ class ReplicaWorker:
     def __enter__(self) -> "ReplicaWorker":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self._release_unfinished()
+
+    def _release_unfinished(self) -> None:
+        """After Ctrl-C or SIGTERM, once close() made every handed-over batch durable and stopped the writer: give
+        up the claims of the shards left unfinished, so that a re-run (or another replica) resumes them from their
+        checkpoints at once instead of waiting ``lease_s`` for the claims to expire. Not when the writer could
+        still be writing (it outlived close's timeout): then the lease keeps the shard ours until it is done."""
+        if self.claimer is None or not self.claimer.held or (self.sink is not None and self.sink.busy):
+            return
+        held = sorted(self.claimer.held)
+        for shard in held:
+            self.claimer.release(shard)
+        log.info("released %d unfinished shard(s) (%s): a re-run resumes them from their checkpoints",
+                 len(held), ", ".join(f"{s:06d}" for s in held[:8]) + (" ..." if len(held) > 8 else ""))
 
     def close(self) -> None:
         """Make every handed-over batch durable (the sink commits and releases its shards), wait for the uploads,

@@ -91,6 +91,11 @@ class ShardSink:
             else:
                 self._pool.shutdown(wait=True)
 
+    @property
+    def busy(self) -> bool:
+        """True while the writer thread may still write (before close, or a writer close left writing)."""
+        return self._thread.is_alive()
+
     def _enqueue(self, item) -> None:
         with self._done:
             self._pending += 1

@@ -1,0 +1,34 @@
+"""A job told to stop (``kill PID``, ``docker stop``, a scheduler other than SLURM: SIGTERM) stops like Ctrl-C:
+the batch in flight is dropped, what was committed stays, and the run is resumable by the same command.
+
+Python's default for SIGTERM ends the process at once with no message and no cleanup; SIGINT raises
+KeyboardInterrupt, which every layer already handles. SIGTERM raises ``Terminated``, a KeyboardInterrupt, so both
+take one path; only the exit status (128 + 15) and the words differ. Jobs under submitit never install it: submitit
+handles SIGTERM and SIGUSR2 there (preemption, time limit, requeue).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process receives SIGTERM."""
+
+
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM while stopping ends the process at once
+    raise Terminated()
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise ``Terminated`` in this process's main thread (no-op elsewhere, or where SIGTERM is
+    ignored on purpose, e.g. by ``nohup``-like wrappers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
