@@ -307,6 +307,25 @@ def test_timeout_requeues_until_the_run_is_done(tmp_path, reference, monkeypatch
     assert 0 <= redone <= 4 * timeouts, f"{redone} samples were redone (more than one batch per timeout)"
 
 
+def test_ctrl_c_while_waiting_stops_the_waiting_and_says_the_jobs_run_on(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from shardgen.launch.slurm import wait_for
+
+    class Waited:
+        job_id = "4242_0"
+
+        def results(self):
+            raise KeyboardInterrupt
+
+    plan = SimpleNamespace(run=RunDir(tmp_path / "run"))
+    with pytest.raises(SystemExit) as stop:
+        wait_for([Waited()], plan)
+    assert stop.value.code == 130
+    said = caplog.text
+    assert "SLURM job(s) 4242_0 keep running" in said and "scancel 4242_0" in said and "jobs.status" in said
+
+
 @pytest.mark.slurm
 @needs_cluster
 def test_used_up_timeout_limit_is_reported_and_the_run_resumable(tmp_path, monkeypatch, capsys):

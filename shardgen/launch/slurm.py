@@ -254,7 +254,22 @@ def _report(cfg: Any, plan, jobs: list, log_dir: Path) -> list:
 
 
 def wait_for(jobs: list, plan) -> None:
-    """Wait for the jobs; report each one's end and the run's state (a used-up timeout limit included)."""
+    """Wait for the jobs; report each one's end and the run's state (a used-up timeout limit included). Ctrl-C or
+    SIGTERM here stops the waiting, not the jobs: it says so, with how to watch and how to stop them (a re-run would
+    submit a second set beside them), and exits 130 / 143."""
+    from shardgen.run.stopping import SIGTERM_EXIT, Terminated
+
+    try:
+        _wait_for(jobs, plan)
+    except KeyboardInterrupt as e:
+        ids = " ".join(str(j.job_id) for j in jobs)
+        log.error("stopped waiting; SLURM job(s) %s keep running for %s. Watch: python -m jobs.status %s; stop them: "
+                  "scancel %s (the run keeps its progress: the same command continues it)", ids, plan.run.root,
+                  plan.run.root, ids)
+        raise SystemExit(SIGTERM_EXIT if isinstance(e, Terminated) else 130) from None
+
+
+def _wait_for(jobs: list, plan) -> None:
     import submitit
 
     for j in jobs:
