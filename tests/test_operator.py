@@ -173,6 +173,17 @@ def test_a_spawned_ranks_user_error_reaches_the_parent_whole():
     assert rank_error_message("Traceback ...\nValueError: boom\n") == "ValueError: boom"
 
 
+def test_a_spawned_rank_killed_by_a_signal_is_named_with_the_likely_cause():
+    from shardgen.launch.local import rank_exit_message
+
+    killed = rank_exit_message(-9, 87, 120.0)
+    assert killed.startswith("a rank was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert "dmesg" in killed and "lease_s=120 s" in killed and "re-run the same command" in killed
+    assert rank_exit_message(-11, 87, 120.0).startswith("a rank was killed by SIGSEGV; re-run")
+    assert "it stalled: stall_timeout_s" in rank_exit_message(87, 87, 120.0)
+    assert rank_exit_message(3, 87, 120.0) == "a rank exited with code 3; re-run the same command to continue"
+
+
 @pytest.mark.slow
 def test_a_run_in_progress_and_then_stopped_as_the_tools_show_it(tmp_path, capsys):
     """Before its first commit: status has a rate and an ETA, preview shows the partial shard's images, verify

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 from typing import TYPE_CHECKING
 
@@ -91,9 +92,7 @@ def launch_local(cfg: GenerateConfig) -> None:
     except mp.ProcessExitedException as e:
         from shardgen.run.watchdog import STALL_EXIT_CODE
 
-        why = " (it stalled: stall_timeout_s; its log above says where)" if e.exit_code == STALL_EXIT_CODE else ""
-        msg = f"a rank exited with code {e.exit_code}{why}; re-run the same command to continue"
-        raise LocalRankError(msg) from None
+        raise LocalRankError(rank_exit_message(e.exit_code, STALL_EXIT_CODE, cfg.lease_s)) from None
 
 
 def _join_ranks(ranks) -> None:
@@ -113,6 +112,24 @@ def _join_ranks(ranks) -> None:
             if p.is_alive():
                 p.kill()
         raise
+
+
+def rank_exit_message(code: int, stall_code: int, lease_s: float) -> str:
+    """Why a spawned rank ended without an error of its own, and what to do: a stall, or the signal that killed
+    it (SIGKILL is most often the kernel's out-of-memory killer)."""
+    if code == stall_code:
+        return (f"a rank exited with code {code} (it stalled: stall_timeout_s; its log above says where); re-run "
+                "the same command to continue")
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = (" (the kernel's out-of-memory killer sends it: `dmesg` or `journalctl -k` says whether it did; fewer "
+               "ranks, smaller batch_size or a smaller size need less memory)") if -code == signal.SIGKILL else ""
+        return (f"a rank was killed by {name}{oom}; re-run the same command to continue (its unfinished shards are "
+                f"taken over once their claims' lease_s={lease_s:g} s has passed)")
+    return f"a rank exited with code {code}; re-run the same command to continue"
 
 
 class LocalRankError(UserError, RuntimeError):
