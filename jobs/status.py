@@ -36,7 +36,7 @@ def _rate_line(st: dict) -> str | None:
     rate = f"{st['rate']:.2f} samples/s over {_fmt_s(st['elapsed_s'])}"
     if st["state"] == "complete":
         return f"  rate     {rate}, up to its finish"
-    if st["state"] == "stopped":
+    if st["state"] in ("stopped", "damaged"):
         return f"  rate     {rate} (until it stopped); no ETA: no live claim, nothing is running. Re-run the " \
                "generate command to continue"
     return f"  rate     {rate} (committed and checkpointed samples); ETA {_fmt_s(st['eta_s'])}"
@@ -59,6 +59,10 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
     if sh["damaged"]:
         print(f"  damaged  {sh['damaged']} shards with unreadable stats: the next launch repairs them "
               f"(or python -m jobs.verify {run_dir} --repair)")
+    if sh.get("lost"):
+        names = ", ".join(f"{x:06d}" for x in st["lost_shards"]) + (" ..." if sh["lost"] > len(st["lost_shards"]) else "")
+        print(f"  lost     {sh['lost']} committed shard(s) whose shard file is gone ({names}): the next launch of the "
+              f"generate command makes them again (python -m jobs.verify {run_dir} says more)")
     if line := _rate_line(st):
         print(line)
     for r in st["replicas"]:
@@ -88,7 +92,8 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
         print(f"  last warning  rank {warn['rank']} at {warn['time']} ({warn['logger']}): {warn['message']}")
     state = {"complete": "COMPLETE", "running": "in progress / resumable",
              "stopped": "stopped (no live claim) / resumable: re-run the generate command",
-             "not started": "not started / resumable"}[st["state"]]
+             "not started": "not started / resumable",
+             "damaged": "DAMAGED: committed shards are lost (above) / resumable: re-run the generate command"}[st["state"]]
     print(f"  state    {state}")
 
 

@@ -618,6 +618,21 @@ def test_status_a_dead_local_holder_is_not_running_and_skew_is_shown(copy, capsy
     assert "1 running, 1 stalled" in out
 
 
+def test_status_names_a_committed_shard_whose_tar_is_gone_and_never_says_complete(copy, capsys):
+    _, d, _ = copy
+    (d / "shards" / "000001.tar").unlink()
+    assert status.main([str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "lost     1 committed shard(s) whose shard file is gone (000001): the next launch" in out
+    assert "state    DAMAGED" in out and "COMPLETE" not in out and "no ETA: no live claim" in out
+    assert status.main([str(d), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["state"], st["shards"]["lost"], st["lost_shards"]) == ("damaged", 1, [1])
+    assert status.main([str(d), "--prometheus"]) == 0
+    out = capsys.readouterr().out
+    assert 'state="lost"} 1.0' in out and "shardgen_run_complete{" in out and "} 0.0" in out.split("shardgen_run_complete{")[1]
+
+
 def test_status_rate_of_a_finished_run_is_measured_up_to_its_finish(copy, capsys):
     _, d, _ = copy
     for s in range(3):  # the run took 80 s and finished an hour ago

@@ -104,14 +104,16 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
     now = time.time() if now is None else now
     led = read_status_ledger(plan, lease_s)  # reads only the stats committed since the last call
-    done, complete = led.done_samples, led.count("done") == plan.num_shards
+    lost = led.done.lost
+    done, complete = led.done_samples, led.count("done") == plan.num_shards and not lost
     live = any(s.state in LIVE for s in led.active)
     t0, end = _span(led, now, live)
     if complete:
         end = led.done.last_finished or end
     elapsed = (end - t0) if t0 is not None and end is not None else None
     rate = done / elapsed if elapsed and elapsed > 0 and done else None
-    state = "complete" if complete else "running" if live else "stopped" if done else "not started"
+    state = ("complete" if complete else "running" if live else "damaged" if lost else "stopped" if done
+             else "not started")
     eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
     totals = led.done.totals
     return dict(
@@ -120,7 +122,8 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         rejected_in_plan=plan.num_rejects,
         shards=dict(total=plan.num_shards, done=led.count("done"), running=led.count("running") + led.count("future"),
                     stalled=led.count("stalled") + led.count("dead"), pending=led.count("pending"),
-                    damaged=led.count("damaged")),
+                    damaged=led.count("damaged"), lost=len(lost)),
+        lost_shards=lost[:20],
         rate=None if rate is None else round(rate, 3), elapsed_s=None if elapsed is None else round(elapsed, 1),
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
@@ -157,7 +160,7 @@ def run_metrics(st: dict, plan: Plan) -> bytes:
               by=("status", {k: res[k] for k in ("ok", "failed", "rejected")})),
         gauge("shardgen_run_truncated_samples", "Samples whose prompt a text encoder cut", res.get("truncated", 0)),
         gauge("shardgen_run_shards", "Shards by state",
-              by=("state", {k: shards[k] for k in ("done", "running", "stalled", "pending", "damaged")})),
+              by=("state", {k: shards[k] for k in ("done", "running", "stalled", "pending", "damaged", "lost")})),
         gauge("shardgen_run_claims", "Claims of unfinished shards (live, stalled or dead holders)",
               len(st["claims"])),
         gauge("shardgen_run_complete", "1 once every shard is committed", int(st["state"] == "complete")),

@@ -121,6 +121,7 @@ class DoneSummary:
 
     shards: int = 0          # committed with readable stats
     damaged: int = 0         # committed, stats unreadable
+    lost: list = field(default_factory=list)  # committed here, but the shard file is gone (and never uploaded)
     samples: int = 0
     totals: Counter = field(default_factory=Counter)            # ok / failed / rejected / truncated
     failures_by_reason: Counter = field(default_factory=Counter)
@@ -159,7 +160,7 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     per shard: 100k of those take seconds to parse), each row valid while its stats file's size and mtime (from
     the listing) are unchanged; a call reads only the stats committed or changed since the last one."""
     run = plan.run
-    names, sig = _stats_listing(run)
+    names, sig, lost = _stats_listing(run)
     names = {s for s in names if s < plan.num_shards}  # (as read_ledger, which walks the plan's shards)
     sig = {s: v for s, v in sig.items() if s < plan.num_shards}
     claims = scan_claims(run) if run.claims_dir.exists() else {}
@@ -187,6 +188,7 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     for s in sorted(shapes):
         summary.shapes.update({k: v for k, v in shapes[s].items() if _int_or_zero(v)})
     summary.damaged = damaged
+    summary.lost = sorted(x for x in lost if x < plan.num_shards)
     now, me = time.time(), owner_record(-1)
     open_shards = sorted((claims.keys() | ckpts_of.keys()) - names)
     active = [_open_shard(run, s, _rows(plan, s), claims, ckpts_of, now, lease_s, me)
@@ -201,30 +203,53 @@ def _dicts_of(items, name: str) -> dict[int, dict]:
     return {s: st[name] for s, st in items if st.get(name) and isinstance(st[name], dict)}
 
 
-def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]]]:
-    """(committed shards, shard -> (size, mtime_ns) of the file its stats are read from), from one listing of
-    shards/ and one of uploads/: a shard's stats file, else its upload record (keep_local=false deletes the local
-    files once uploaded)."""
+def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], set[int]]:
+    """(committed shards, shard -> (size, mtime_ns) of the file its stats are read from, lost shards), from one
+    listing of shards/ and one of uploads/: a shard's stats file, else its upload record (keep_local=false deletes
+    the local files once uploaded). Lost: committed here (stats in shards/) with no shard file beside them and no
+    upload record (deleted by hand, or by a clean-up that took the wrong files): the next launch makes them again."""
     names: set[int] = set()
     sig: dict[int, tuple[int, int]] = {}
-    for directory, suffix in ((run.shards_dir, ".stats.json"), (run.uploads_dir, ".json")):
-        _list_signatures(directory, suffix, names, sig)
-    return names, sig
+    local = _shard_names(run.shards_dir)
+    uploaded = _shard_names(run.uploads_dir)
+    _list_signatures(run.shards_dir, local, ".stats.json", names, sig)
+    _list_signatures(run.uploads_dir, uploaded, ".json", names, sig)
+    def shards(listed: dict[str, list[str]], suffix: str) -> set[int]:
+        return {int(n[:6]) for n in listed.get(suffix, ())}
+
+    lost = shards(local, ".stats.json") - shards(local, "." + run.container) - shards(uploaded, ".json")
+    return names, sig, lost
 
 
-def _list_signatures(directory, suffix: str, names: set[int], sig: dict[int, tuple[int, int]]) -> None:
-    """Add the shards with a file ``NNNNNN<suffix>`` in ``directory`` to ``names``, and its (size, mtime_ns) to
-    ``sig`` unless a shard there has one already.
-
-    ``os.listdir`` and a stat relative to the directory's descriptor: a ``DirEntry`` for each of the 300k names
-    of a 100k-shard run costs a second more, and only the stats files are stat'ed."""
+def _shard_names(directory) -> dict[str, list[str]]:
+    """Suffix (``.stats.json``, ``.tar``, ...) -> the names ``NNNNNN<suffix>`` in ``directory``, from one
+    ``os.listdir`` ({} for a missing directory)."""
+    out: dict[str, list[str]] = {}
     try:
-        listed = [n for n in os.listdir(directory) if n[6:] == suffix and n[:6].isdigit()]
+        listed = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for n in listed:
+        if n[:6].isdigit() and n[6:7] == ".":
+            out.setdefault(n[6:], []).append(n)
+    return out
+
+
+def _list_signatures(directory, listed: dict[str, list[str]], suffix: str, names: set[int],
+                     sig: dict[int, tuple[int, int]]) -> None:
+    """Add the shards with a file ``NNNNNN<suffix>`` in ``directory`` (``listed``: ``_shard_names``) to ``names``,
+    and its (size, mtime_ns) to ``sig`` unless a shard there has one already.
+
+    A stat relative to the directory's descriptor: a ``DirEntry`` for each of the 300k names of a 100k-shard run
+    costs a second more, and only the stats files are stat'ed."""
+    if not listed.get(suffix):
+        return
+    try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except (FileNotFoundError, NotADirectoryError):
         return
     try:
-        for name in listed:
+        for name in listed[suffix]:
             shard = int(name[:6])
             if shard in names:
                 continue
