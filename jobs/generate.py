@@ -81,9 +81,11 @@ def main(cfg: GenerateConfig) -> None:
 
         e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback
+            from parallel.world import echo_of_rank0
             from shardgen.tools.runfiles import escape_terminal
 
-            log.error("%s", escape_terminal(str(e)))  # it may quote the run directory's files: shown, never obeyed
+            if not echo_of_rank0(e):  # under torchrun, rank 0's refusal once, not once per rank
+                log.error("%s", escape_terminal(str(e)))  # it may quote the run directory's files: shown, never obeyed
             sys.exit(2)
         raise
 

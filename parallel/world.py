@@ -101,8 +101,14 @@ def on_rank0_then_share(fn: Callable[[], Any]) -> Any:
             pickle.dumps(err)
         except Exception:
             err = RemoteError(str(err))
+        err.echo_of_rank0 = True  # rank 0 says it; the launcher (torchrun) need not print it once per rank
         raise err
     return shared[1]
+
+
+def echo_of_rank0(e: BaseException) -> bool:
+    """True for an error this rank raised because rank 0 did (``on_rank0_then_share``): rank 0 reports it."""
+    return getattr(e, "echo_of_rank0", False) is True
 
 
 def barrier() -> None:

@@ -173,6 +173,22 @@ def test_a_spawned_ranks_user_error_reaches_the_parent_whole():
     assert rank_error_message("Traceback ...\nValueError: boom\n") == "ValueError: boom"
 
 
+@pytest.mark.slow
+def test_under_torchrun_a_refusal_rank_0_shares_is_printed_once_not_once_per_rank(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    missing = tmp_path / "nowhere.txt"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "jobs.generate",
+                        f"run_dir={tmp_path / 'run'}", f"prompts.path={missing}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0
+    said = p.stdout + p.stderr
+    assert said.count(f"{missing}: the prompt file does not exist") == 1, said[-3000:]
+
+
 def test_a_spawned_rank_killed_by_a_signal_is_named_with_the_likely_cause():
     from shardgen.launch.local import rank_exit_message
 
