@@ -101,6 +101,34 @@ def test_a_second_run_at_the_same_output_uri_is_refused_the_same_run_moved_or_fr
     assert run(moved).complete and "_shardgen_run.json" in names(s3, out)
 
 
+def test_of_two_new_runs_racing_for_one_output_uri_only_the_first_marker_holds(s3, bucket, tmp_path, monkeypatch):
+    """Another run writes its marker between this launch's look (none there) and its write: the exclusive create
+    fails, the read-back names the other run, and this launch is refused; the other run's marker stays."""
+    import json
+
+    from shardgen.dataio.shards.upload import ShardUploader
+
+    out = f"s3://{bucket}/race"
+    theirs = json.dumps({"run_id": "the-other-run", "run_dir": "/elsewhere/run"}).encode()
+    s3.fs().pipe_file(f"{out}/_shardgen_run.json", theirs)
+    looked, create = {"wrote": False}, ShardUploader._create_marker
+    read = ShardUploader._read_marker
+
+    def racing_read(self):  # the marker is not there yet when this launch looks
+        return read(self) if looked["wrote"] else None
+
+    def create_after_the_other(self, body):
+        looked["wrote"] = True
+        return create(self, body)
+
+    monkeypatch.setattr(ShardUploader, "_read_marker", racing_read)
+    monkeypatch.setattr(ShardUploader, "_create_marker", create_after_the_other)
+    cfg = compose_cfg(f"run_dir={tmp_path / 'a'}", f"output_uri={out}", "prompts.limit=2", *FAST)
+    with pytest.raises(UserError, match="the-other-run"):
+        run(cfg)
+    assert s3.fs().cat_file(f"{out}/_shardgen_run.json") == theirs
+
+
 class SilentServer:
     """Accepts TCP connections and never answers (a hung endpoint, a paused proxy)."""
 

@@ -160,10 +160,22 @@ class ShardUploader:
         if marker is None:
             body = json_bytes(dict(run_id=mine, run_dir=str(self.run.root), host=socket.gethostname(),
                                    time=time.time()))
-            retrying(f"writing {RUN_MARKER_OBJECT}", self.uri,
-                     lambda: call(self._fs, "pipe_file", self._marker_path(), body))
-            marker = self._read_marker()  # read back: two new runs writing it at once, the last one wins
+            retrying(f"writing {RUN_MARKER_OBJECT}", self.uri, lambda: self._create_marker(body))
+            marker = self._read_marker()  # read back: whichever run's marker is there now judges this launch
         self._check_owner(marker)
+
+    def _create_marker(self, body: bytes) -> None:
+        """Write the marker unless one is there: an exclusive create where the store has one (S3 and servers like
+        it: If-None-Match, fsspec's mode="create"), so of two new runs racing for one folder only the first
+        passes; a plain write on a store or client without it (then the read-back catches all but a race within
+        the same instant)."""
+        path = self._marker_path()
+        try:
+            call(self._fs, "pipe_file", path, body, mode="create")
+        except FileExistsError:  # another run's marker came first: the read-back names it
+            pass
+        except (TypeError, ValueError, NotImplementedError):  # no exclusive create in this client or store
+            call(self._fs, "pipe_file", path, body)
 
     def forget_missing(self) -> list[int]:
         """Shards whose upload is recorded but whose objects the bucket no longer holds as uploaded (deleted, or
