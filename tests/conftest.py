@@ -90,6 +90,30 @@ def pytest_xdist_make_scheduler(config, log):
     return ClusterScopeScheduling(config, log)
 
 
+# what a rank started by start_ranks imports anyway: torch, diffusers with its FLUX and Wan pipelines, transformers'
+# text encoders, shardgen's runner and strategies (about 15 s of CPU per process on a CI core)
+RANK_PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.pipelines.flux.pipeline_flux",
+                "diffusers.pipelines.wan.pipeline_wan", "transformers", "shardgen.run.runner", "shardgen.models.loader",
+                "parallel.strategies", "parallel.world"]
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes and wait for them (torch.multiprocessing.start_processes:
+    a rank's exception is raised here as ProcessRaisedException).
+
+    The processes are forked from a forkserver that imported RANK_PRELOAD once for this pytest worker, instead of
+    each importing it again as spawned ones do: the suite starts a dozen such ranks. The forkserver is a fresh
+    interpreter that never ran a torch op (no OpenMP threads to break in a fork), so each rank is still a clean
+    process of its own, with its own gloo world. It keeps the environment it started with: ``fn`` sets what a rank
+    needs (RANK, MASTER_PORT, ...) itself."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=True)
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """A txt prompt file."""
     path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")

@@ -16,7 +16,7 @@ from shardgen.dataio.shards.index import committed_samples
 from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.run.replica import BrokenSetupError
 from jobs.generate import run
-from tests.conftest import compose_cfg, write_lines
+from tests.conftest import compose_cfg, start_ranks, write_lines
 from tests.test_generate import shard_images
 
 PROMPTS = ["a cat", "a nan cat", "a dog", "a boom dog", "a bird", "a fish", "a nan fish", "a cow"]
@@ -110,7 +110,7 @@ def test_a_batch_failing_on_one_tp_rank_ends_the_job_and_a_rerun_finishes(tmp_pa
     cfg_yaml = OmegaConf.to_yaml(compose_cfg(*args))
     t0 = time.time()
     with pytest.raises(mp.ProcessRaisedException) as err:
-        mp.start_processes(_tp_rank, args=(cfg_yaml, free_port(), True), nprocs=2, start_method="spawn", join=True)
+        start_ranks(_tp_rank, (cfg_yaml, free_port(), True), nprocs=2)
     message = str(err.value)
     assert "failed on this rank of a 2-rank model-parallel replica" in message
     assert "illegal memory access" in message and "Re-run the same command" in message
@@ -118,7 +118,7 @@ def test_a_batch_failing_on_one_tp_rank_ends_the_job_and_a_rerun_finishes(tmp_pa
     plan = load_plan(RunDir(tmp_path / "run"))
     assert len(plan.run.done_shards()) == 1  # the first batch (shard 0) stayed durable
 
-    mp.start_processes(_tp_rank, args=(cfg_yaml, free_port(), False), nprocs=2, start_method="spawn", join=True)
+    start_ranks(_tp_rank, (cfg_yaml, free_port(), False), nprocs=2)
     rep = verify_run(load_plan(RunDir(tmp_path / "run")))
     assert rep.ok and rep.samples == 8, rep.defects
     assert all(v is not None for v in shard_images(tmp_path / "run").values())  # nothing recorded as failed

@@ -11,7 +11,7 @@ import pytest
 
 from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.memory import weights_per_process
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, start_ranks
 
 
 def test_fsdp_shape_and_weight_share():
@@ -70,14 +70,12 @@ def _fsdp_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_gives_one_process_images_with_half_the_transformer_per_rank(tmp_path):
-    import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     from shardgen.launch.local import free_port
 
     cfg = compose_cfg("strategy=fsdp", "strategy.degree=2", "height=64", "width=64", "steps=2")
-    mp.start_processes(_fsdp_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(_fsdp_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     print(results)
     for res in results:

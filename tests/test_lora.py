@@ -16,7 +16,7 @@ from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.errors import UserError
 from shardgen.models.tiny import save_tiny_lora
 from shardgen.run.runner import prepare_run
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, start_ranks
 from tests.test_generate import shard_images
 from tests.test_parallel_parity import IMAGE_TOL, TRANSFORMER_TOL, _parity_rank
 
@@ -128,14 +128,12 @@ def _renamed(src: Path, dst: Path) -> Path:
 def test_tp2_and_ulysses2_run_the_adapted_model(tmp_path, adapters):
     """Under gloo, with two adapters: tp-2 (fused before sharding) and ulysses-2 give the one-process adapted
     transformer output and images (float64: a split sum differs by ~1e-15; an adapter missing on a rank, by ~1e-2)."""
-    import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     from shardgen.launch.local import free_port
 
     cfg = compose_cfg("height=128", "width=128", "steps=2", loras_arg((adapters["a"], 0.8), (adapters["b"], 0.5)))
-    mp.start_processes(_parity_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(_parity_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in ("tp", "cp_ulysses"):

@@ -25,7 +25,7 @@ import pytest
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import verify_run
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, start_ranks
 from tests.test_generate import shard_images
 
 pytestmark = pytest.mark.slow
@@ -88,14 +88,12 @@ def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
 
 
 def test_tp2_and_ulysses2_match_one_process(tmp_path):
-    import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     from shardgen.launch.local import free_port
 
     cfg = compose_cfg("height=128", "width=128", "steps=2")
-    mp.start_processes(_parity_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(_parity_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         print(f"rank {rank}: {res}")

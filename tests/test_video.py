@@ -23,7 +23,7 @@ from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video
 from shardgen.tools.verify import read_shard_members, verify_run
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, start_ranks
 
 # 32x32, 5 frames (2 latent frames), 2 steps: a batch of 2 videos in well under a second
 FAST = ("model=tiny_video", "height=32", "width=32", "num_frames=5", "steps=2", "batch_size=2", "progress=false")
@@ -227,15 +227,13 @@ def _ulysses_video_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> No
 def test_ulysses2_equals_one_process_on_the_tiny_video_model(tmp_path):
     """float64: the split computation differs from one process only in summation order (~1e-15); any real mistake
     (a wrong shard of the video tokens or of RoPE, a misordered gather) gives differences of 1e-2 and more."""
-    import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     from shardgen.launch.local import free_port
 
     cfg = compose_cfg("model=tiny_video", "strategy=cp_ulysses", "ulysses_degree=2", "steps=2", "launcher=local",
                       "launcher.nprocs=2")
-    mp.start_processes(_ulysses_video_rank, args=(OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(_ulysses_video_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         print(f"rank {rank}: {res}")
