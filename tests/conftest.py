@@ -90,11 +90,19 @@ def pytest_xdist_make_scheduler(config, log):
     return ClusterScopeScheduling(config, log)
 
 
-# what a rank started by start_ranks imports anyway: torch, diffusers with its FLUX and Wan pipelines, transformers'
+# what a rank started by start_ranks imports anyway: torch, diffusers with the tiny models' pipelines, transformers'
 # text encoders, shardgen's runner and strategies (about 15 s of CPU per process on a CI core)
 RANK_PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.pipelines.flux.pipeline_flux",
+                "diffusers.pipelines.flux.pipeline_flux_img2img", "diffusers.pipelines.flux.pipeline_flux_kontext",
                 "diffusers.pipelines.wan.pipeline_wan", "transformers", "shardgen.run.runner", "shardgen.models.loader",
                 "parallel.strategies", "parallel.world"]
+
+
+def _start_from_forkserver(start_processes, fn, args=(), nprocs=1, join=True, daemon=False, start_method=None):
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    return start_processes(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method="forkserver")
 
 
 def start_ranks(fn, args: tuple, nprocs: int) -> None:
@@ -106,12 +114,22 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     interpreter that never ran a torch op (no OpenMP threads to break in a fork), so each rank is still a clean
     process of its own, with its own gloo world. It keeps the environment it started with: ``fn`` sets what a rank
     needs (RANK, MASTER_PORT, ...) itself."""
-    import multiprocessing
+    import torch.multiprocessing as mp
+
+    _start_from_forkserver(mp.start_processes, fn, args, nprocs)
+
+
+@pytest.fixture
+def forked_local_ranks(monkeypatch):
+    """``launcher=local`` run in this process starts its ranks as start_ranks does (forked from the forkserver)
+    instead of spawning them, for tests about what the ranks compute. The spawn itself stays covered by the tests
+    that type ``python -m jobs.generate ... launcher=local`` as a command (tests/test_parallel_parity.py,
+    test_fsdp.py, test_cfg_parallel.py, test_video.py, test_multirank.py)."""
+    import functools
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=True)
+    monkeypatch.setattr(mp, "start_processes", functools.partial(_start_from_forkserver, mp.start_processes))
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
