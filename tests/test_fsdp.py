@@ -92,21 +92,17 @@ JOB = ("height=64", "width=64", "steps=2", "prompts.limit=4", "samples_per_shard
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [("launcher.nprocs=2",), ("cfg_degree=2", "launcher.nprocs=4")],
                          ids=["fsdp2", "cfg2xfsdp2"])
-def test_whole_job_writes_the_one_process_png_bytes(tmp_path, overrides):
-    """`python -m jobs.generate strategy=fsdp strategy.degree=2 launcher=local ...` as typed, alone and under CFG
-    parallel: the same PNG bytes as one process."""
-    import subprocess
-    import sys
-
+def test_whole_job_writes_the_one_process_png_bytes(tmp_path, overrides, forked_local_ranks):
+    """The job with `strategy=fsdp strategy.degree=2 launcher=local`, alone and under CFG parallel: every rank
+    shards the transformer, and the PNG bytes are one process's."""
     from jobs.generate import run
-    from tests.conftest import ROOT
     from tests.test_generate import shard_images
 
     assert run(compose_cfg(f"run_dir={tmp_path / 'one'}", *JOB)).ok == 4
-    cmd = [sys.executable, "-m", "jobs.generate", "strategy=fsdp", "strategy.degree=2", "launcher=local", *overrides,
-           f"run_dir={tmp_path / 'fsdp'}", *JOB]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "fsdp: transformer sharded 2 ways" in p.stderr
+    run(compose_cfg("strategy=fsdp", "strategy.degree=2", "launcher=local", *overrides, f"run_dir={tmp_path / 'fsdp'}",
+                    *JOB))
+    rank_logs = sorted((tmp_path / "fsdp" / "logs").glob("rank*.log"))
+    assert len(rank_logs) == int(overrides[-1].split("=")[1])
+    assert all("fsdp: transformer sharded 2 ways" in log.read_text() for log in rank_logs)
     one, fsdp = shard_images(tmp_path / "one"), shard_images(tmp_path / "fsdp")
     assert sorted(fsdp) == sorted(one) and all(fsdp[k] == one[k] for k in one)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ import pytest
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import verify_run
-from tests.conftest import ROOT, compose_cfg, start_ranks
+from tests.conftest import compose_cfg, start_ranks
 from tests.test_generate import shard_images
 
 pytestmark = pytest.mark.slow
@@ -139,15 +137,15 @@ def _pixels(png: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
                          ids=["tp2", "ulysses2"])
-def test_whole_job_matches_one_rank(tmp_path, one_rank, mixed_prompts, strategy):
-    """`python -m jobs.generate strategy=... launcher=local launcher.nprocs=2` as typed, on a prompt file whose
-    rows set their own size, negative prompt, guidance and true CFG: a complete run that jobs.verify accepts,
-    every image of its row's size, with the one-rank run's pixels."""
+def test_whole_job_matches_one_rank(tmp_path, one_rank, mixed_prompts, strategy, forked_local_ranks):
+    """The job with `strategy=... launcher=local launcher.nprocs=2`, on a prompt file whose rows set their own
+    size, negative prompt, guidance and true CFG: a complete run that jobs.verify accepts, every image of its row's
+    size, with the one-rank run's pixels."""
+    from jobs.generate import run
+
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jobs.generate", *strategy, "launcher=local", "launcher.nprocs=2",
-           f"run_dir={run_dir}", *COMMON, *ROW_ARGS, f"prompts.path={mixed_prompts}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run(compose_cfg(*strategy, "launcher=local", "launcher.nprocs=2", f"run_dir={run_dir}", *COMMON, *ROW_ARGS,
+                    f"prompts.path={mixed_prompts}"))
     rep = verify_run(load_plan(RunDir(run_dir)))  # what jobs.verify checks, in process (each image's size too)
     assert rep.ok, rep.defects
     images = shard_images(run_dir)

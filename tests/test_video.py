@@ -243,14 +243,12 @@ def test_ulysses2_equals_one_process_on_the_tiny_video_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run):
-    """`python -m jobs.generate model=tiny_video strategy=cp_ulysses ulysses_degree=2 launcher=local
-    launcher.nprocs=2` as typed: a run jobs.verify accepts, byte for byte the one-rank run's videos."""
+def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run, forked_local_ranks):
+    """The video job with `strategy=cp_ulysses ulysses_degree=2 launcher=local launcher.nprocs=2`: a run jobs.verify
+    accepts, byte for byte the one-rank run's videos."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jobs.generate", "strategy=cp_ulysses", "ulysses_degree=2", "launcher=local",
-           "launcher.nprocs=2", f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run(compose_cfg("strategy=cp_ulysses", "ulysses_degree=2", "launcher=local", "launcher.nprocs=2",
+                    f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST))
     assert verify_run(load_plan(RunDir(run_dir))).ok
     assert shard_videos(run_dir) == shard_videos(video_run)
 
