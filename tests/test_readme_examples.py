@@ -311,13 +311,27 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def captured_fds():
+    """What capfd captures (stdout and stderr, their file descriptors included; ``readouterr()``), for the
+    module-scoped quick start, which cannot ask for the function-scoped capfd."""
+    from _pytest.capture import FDCapture, MultiCapture
+
+    cap = MultiCapture(in_=None, out=FDCapture(1), err=FDCapture(2))
+    cap.start_capturing()
+    try:
+        yield cap
+    finally:
+        cap.stop_capturing()
+
+
 @pytest.fixture(scope="module")
 def quick_start(tmp_path_factory):
     """The quick start run as shown (the 64 example prompts), in its own directory: the run other sections copy."""
     where = fresh_dir(tmp_path_factory.mktemp("quick-start"))
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, captured_fds() as cap:
         mp.chdir(where)
-        skipped = Example(where, None, mp).section(SECTIONS[QUICK_START])  # one process: output read from its pipes
+        skipped = Example(where, cap, mp).section(SECTIONS[QUICK_START])
     assert (where / "runs" / "default" / "summary.json").is_file()
     return where, skipped
 
