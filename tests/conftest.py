@@ -119,6 +119,17 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     _start_from_forkserver(mp.start_processes, fn, args, nprocs)
 
 
+def start_process(fn, args: tuple):
+    """A started ``multiprocessing.Process`` running ``fn(*args)``, forked from start_ranks' forkserver: a job a test
+    kills (SIGKILL) mid-run without paying a new interpreter's imports. Its environment is the forkserver's."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    p = multiprocessing.get_context("forkserver").Process(target=fn, args=args)
+    p.start()
+    return p
+
+
 @pytest.fixture
 def forked_local_ranks(monkeypatch):
     """``launcher=local`` run in this process starts its ranks as start_ranks does (forked from the forkserver)

@@ -3,6 +3,7 @@ preview, fingerprint and settings checks, and a SIGKILL-ed run resumed to the un
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video
 from shardgen.tools.verify import read_shard_members, verify_run
-from tests.conftest import ROOT, compose_cfg, start_ranks
+from tests.conftest import ROOT, compose_cfg, start_process, start_ranks
 
 # 32x32, 5 frames (2 latent frames), 2 steps: a batch of 2 videos in well under a second
 FAST = ("model=tiny_video", "height=32", "width=32", "num_frames=5", "steps=2", "batch_size=2", "progress=false")
@@ -121,18 +122,28 @@ def _durable(run_dir: Path) -> int:
     return 0 if plan is None else read_ledger(plan).done_samples
 
 
+def _generate_logged(args: tuple[str, ...], log: str) -> None:
+    """The job (jobs.generate.run) in this process, its output appended to ``log``."""
+    import logging
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO)
+    run(compose_cfg(*args))
+
+
 def _kill_job_when(tmp_path: Path, args: tuple[str, ...], ready, landed) -> Path:
-    """Start ``python -m jobs.generate *args`` on a fresh run, SIGKILL its process group once ``ready(run_dir)``;
-    start over (at most 3 times) unless ``landed(run_dir)`` (the job may finish before the kill). The run dir."""
+    """Start the job on a fresh run in a process of its own, SIGKILL it once ``ready(run_dir)``; start over (at most 3
+    times) unless ``landed(run_dir)`` (the job may finish before the kill). The run dir."""
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
-        with open(tmp_path / "log", "ab") as log:
-            p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args, f"run_dir={run_dir}"], cwd=ROOT,
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
-        while p.poll() is None and not ready(run_dir):
+        p = start_process(_generate_logged, ((*args, f"run_dir={run_dir}"), str(tmp_path / "log")))
+        while p.is_alive() and not ready(run_dir):
             time.sleep(0.02)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        with contextlib.suppress(ProcessLookupError):  # it may have finished and been reaped
+            os.kill(p.pid, signal.SIGKILL)
+        p.join()
         if landed(run_dir):
             return run_dir
     pytest.fail("the kill never landed mid-run: " + (tmp_path / "log").read_text()[-2000:])
