@@ -30,7 +30,9 @@ def _error_classes() -> dict[str, type]:
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             module = importlib.import_module(info.name)
             for name, obj in vars(module).items():
+                # a stop request (SIGTERM's Terminated) is a KeyboardInterrupt: no error to classify
                 if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__
+                        and not issubclass(obj, KeyboardInterrupt)
                         and not name.startswith("_") and obj not in (ShardgenError, UserError, JobEndingError)):
                     found[name] = obj
     return found
