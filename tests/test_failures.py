@@ -83,7 +83,11 @@ def _tp_rank(rank: int, cfg_yaml: str, port: int, fail_on_rank1: bool) -> None:
     from omegaconf import OmegaConf
 
     from shardgen.run.runner import run_rank
+    from shardgen.run.stopping import stop_on_sigterm
 
+    # as a launcher=local rank does: when rank 1 fails, the parent ends rank 0 with SIGTERM, and rank 0 still makes
+    # its handed-over batch (shard 0) durable before it exits
+    stop_on_sigterm()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank == 1 and fail_on_rank1:
