@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from shardgen.config.store import register_configs
+from shardgen.launch.local import RANK_IMPORTS
 from tests.s3_server import bucket, s3  # noqa: F401 (fixtures: a real S3-compatible server, a fresh bucket)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,12 +91,11 @@ def pytest_xdist_make_scheduler(config, log):
     return ClusterScopeScheduling(config, log)
 
 
-# what a rank started by start_ranks imports anyway: torch, diffusers with the tiny models' pipelines, transformers'
-# text encoders, shardgen's runner and strategies (about 15 s of CPU per process on a CI core)
-RANK_PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.pipelines.flux.pipeline_flux",
-                "diffusers.pipelines.flux.pipeline_flux_img2img", "diffusers.pipelines.flux.pipeline_flux_kontext",
-                "diffusers.pipelines.wan.pipeline_wan", "transformers", "shardgen.run.runner", "shardgen.models.loader",
-                "parallel.strategies", "parallel.world"]
+# what a rank started by start_ranks imports anyway: what a launcher=local rank imports (the product's forkserver
+# list) and the tiny models' pipelines (about 15 s of CPU per process on a CI core). A launcher=local run in a pytest
+# worker forks its ranks from this same forkserver (one per process), whichever of the two starts it
+RANK_PRELOAD = [*RANK_IMPORTS, "diffusers.pipelines.flux.pipeline_flux", "diffusers.pipelines.flux.pipeline_flux_img2img",
+                "diffusers.pipelines.flux.pipeline_flux_kontext", "diffusers.pipelines.wan.pipeline_wan"]
 
 
 def _start_from_forkserver(start_processes, fn, args=(), nprocs=1, join=True, daemon=False, start_method=None):
@@ -128,19 +128,6 @@ def start_process(fn, args: tuple):
     p = multiprocessing.get_context("forkserver").Process(target=fn, args=args)
     p.start()
     return p
-
-
-@pytest.fixture
-def forked_local_ranks(monkeypatch):
-    """``launcher=local`` run in this process starts its ranks as start_ranks does (forked from the forkserver)
-    instead of spawning them, for tests about what the ranks compute. The spawn itself stays covered by the tests
-    that type ``python -m jobs.generate ... launcher=local`` as a command (tests/test_parallel_parity.py,
-    test_fsdp.py, test_cfg_parallel.py, test_video.py, test_multirank.py)."""
-    import functools
-
-    import torch.multiprocessing as mp
-
-    monkeypatch.setattr(mp, "start_processes", functools.partial(_start_from_forkserver, mp.start_processes))
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

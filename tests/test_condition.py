@@ -383,7 +383,7 @@ def test_mid_sample_checkpoints_are_off_for_image_to_video(tmp_path):
     ("tiny_kontext", "[image]", ("strategy=cp_ulysses", "ulysses_degree=2")),  # the image's tokens split too
     ("tiny_img2img", "[image,strength]", ("strategy=fsdp",)),  # the VAE encodes the image on every rank
 ])
-def test_model_parallel_ranks_make_the_one_rank_bytes(tmp_path, model, names, strategy, forked_local_ranks):
+def test_model_parallel_ranks_make_the_one_rank_bytes(tmp_path, model, names, strategy):
     from tests.conftest import ROOT
 
     args = (f"prompts.path={ROOT / 'examples' / 'images.jsonl'}", f"model={model}", "prompts=jsonl",

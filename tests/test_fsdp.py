@@ -92,7 +92,7 @@ JOB = ("height=64", "width=64", "steps=2", "prompts.limit=4", "samples_per_shard
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [("launcher.nprocs=2",), ("cfg_degree=2", "launcher.nprocs=4")],
                          ids=["fsdp2", "cfg2xfsdp2"])
-def test_whole_job_writes_the_one_process_png_bytes(tmp_path, overrides, forked_local_ranks):
+def test_whole_job_writes_the_one_process_png_bytes(tmp_path, overrides):
     """The job with `strategy=fsdp strategy.degree=2 launcher=local`, alone and under CFG parallel: every rank
     shards the transformer, and the PNG bytes are one process's."""
     from jobs.generate import run

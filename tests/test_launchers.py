@@ -3,7 +3,11 @@ one module (here, this test's) runs a job with nothing else changed."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hydra.core.config_store import ConfigStore
@@ -92,3 +96,54 @@ def test_a_launchers_own_check_runs_before_any_work(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^launcher.nprocs=0: use 1 or more$"):
         validate_config(compose_cfg("launcher=local", "launcher.nprocs=0", f"run_dir={tmp_path}"))
+
+
+def _report_rank(rank: int, out_dir: str, *parent) -> None:
+    """A launcher=local rank in miniature: what it sees of its environment, and a line on its stdout."""
+    from shardgen.launch import local
+
+    local.adopt_parent(parent)  # as _local_rank_main does first
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"probe": os.environ.get("SHARDGEN_PROBE"),
+                                                             "forked": bool(parent),
+                                                             "preloaded": "transformers" in sys.modules}))
+    print(f"rank {rank} says hello", flush=True)
+    assert local.RANK_IMPORTS  # the child found the launcher's module
+
+
+def _start_and_read(tmp_path, n: int) -> tuple[list[dict], str]:
+    """Start ``n`` ranks running _report_rank with this process's stdout sent to a new file: their reports, and
+    what they printed there."""
+    from shardgen.launch.local import _join_ranks, start_ranks
+
+    out = tmp_path / f"launch{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    saved = os.dup(1)
+    try:
+        with open(out / "stdout", "wb") as f:
+            os.dup2(f.fileno(), 1)
+        _join_ranks(start_ranks(_report_rank, (str(out),), n, ["transformers", "tests.test_launchers"]))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)], (out / "stdout").read_text()
+
+
+def test_local_ranks_get_the_environment_and_stdout_of_their_launch_not_of_an_earlier_one(tmp_path, monkeypatch):
+    """Ranks are forked from one forkserver per process, started by the first launch: a later launch in the same
+    process (a notebook, a test, a sweep) hands its ranks its own environment and stdout."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("SHARDGEN_PROBE", value)
+        reports, out = _start_and_read(tmp_path, 2)
+        assert [r["probe"] for r in reports] == [value, value]
+        assert all(r["forked"] and r["preloaded"] for r in reports)  # forked from the server: imports done there
+        assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+
+
+def test_without_a_forkserver_local_ranks_are_spawned(tmp_path, monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
+    monkeypatch.setenv("SHARDGEN_PROBE", "spawned")
+    reports, out = _start_and_read(tmp_path, 2)
+    assert [r["probe"] for r in reports] == ["spawned", "spawned"] and not any(r["forked"] for r in reports)
+    assert "rank 1 says hello" in out, out

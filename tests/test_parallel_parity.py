@@ -137,7 +137,7 @@ def _pixels(png: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
                          ids=["tp2", "ulysses2"])
-def test_whole_job_matches_one_rank(tmp_path, one_rank, mixed_prompts, strategy, forked_local_ranks):
+def test_whole_job_matches_one_rank(tmp_path, one_rank, mixed_prompts, strategy):
     """The job with `strategy=... launcher=local launcher.nprocs=2`, on a prompt file whose rows set their own
     size, negative prompt, guidance and true CFG: a complete run that jobs.verify accepts, every image of its row's
     size, with the one-rank run's pixels."""

@@ -283,7 +283,7 @@ def test_video_rows_with_their_own_frame_counts(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_make_the_same_samples(mixed, tmp_path, forked_local_ranks):
+def test_two_ranks_make_the_same_samples(mixed, tmp_path):
     """launcher=local with 2 gloo ranks (one shard each): the same images and settings as one rank."""
     from jobs.generate import run
 

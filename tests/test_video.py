@@ -254,7 +254,7 @@ def test_ulysses2_equals_one_process_on_the_tiny_video_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run, forked_local_ranks):
+def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run):
     """The video job with `strategy=cp_ulysses ulysses_degree=2 launcher=local launcher.nprocs=2`: a run jobs.verify
     accepts, byte for byte the one-rank run's videos."""
     run_dir = tmp_path / "run"

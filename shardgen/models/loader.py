@@ -122,6 +122,25 @@ def pipeline_class(name: str):
     return cls
 
 
+def pipeline_module(name: str) -> str | None:
+    """The module that defines the diffusers pipeline class called ``name``, found without importing it (through
+    diffusers' lazy packages), or None where diffusers does not say."""
+    import importlib
+    import importlib.util
+
+    module_name = "diffusers"
+    try:
+        # diffusers -> diffusers.pipelines -> diffusers.pipelines.flux -> diffusers.pipelines.flux.pipeline_flux
+        while (spec := importlib.util.find_spec(module_name)) and spec.submodule_search_locations is not None:
+            sub = getattr(importlib.import_module(module_name), "_class_to_module", {}).get(name)
+            if sub is None:
+                return None
+            module_name = f"{module_name}.{sub}"
+    except ImportError:
+        return None
+    return module_name if spec else None
+
+
 def own_components(model_cfg: Any, source: str) -> dict[str, Any]:
     """The components the pipeline's family loads with its own classes (``ModelFamily.own_components``), by name,
     for ``from_pretrained``, which then takes them instead of building the classes ``model_index.json`` names."""

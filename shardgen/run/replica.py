@@ -209,6 +209,8 @@ class ReplicaWorker:
                 self._cursor = (shard + 1) % n
                 work = self._work = self._open(shard, gen)
                 return shard, gen, work.n_done
+            if len(self._done) >= n:  # the probes above found the last shards committed: no poll to sleep through
+                return None
             if self.claimer.held:  # our own last shards are being committed: wait for that, not a poll
                 self.sink.flush()
             else:  # nothing free: the rest is held by live replicas; poll less often the longer it lasts
