@@ -317,6 +317,8 @@ def test_a_rows_adapter_matching_no_layer_stops_the_run_before_generation(tmp_pa
     ("a.safetensors:abc", r"loras: loras\[0\]: 'a.safetensors:abc': scale 'abc' is not a number; write PATH:SCALE, "
                           r"e.g. a.safetensors:0.8"),
     ("b.safetensors:0.5;a.safetensors:1,5", r"loras\[1\]: 'a.safetensors:1,5': scale '1,5' is not a number"),
+    ("a.safetensors:1e300", r"loras\[0\]: scale 1e\+300 is outside -100..100; adapters are used at scales around 1"),
+    ("a.safetensors:-101", r"loras\[0\]: scale -101.0 is outside -100..100"),
     ("s3://bucket/a.safetensors:0.8", r"loras\[0\]: s3://bucket/a.safetensors is a URL: LoRA files are read from "
                                       "local paths"),
     ("s3://bucket/a.safetensors", r"loras\[0\]: s3://bucket/a.safetensors is a URL"),

@@ -73,7 +73,9 @@ def object_storage(request, where: Path) -> None:
 
     fs = request.getfixturevalue("s3").fs()
     for bucket in ("captions", "datasets"):
-        if not fs.exists(bucket):
+        if fs.exists(bucket):  # a server kept from an earlier session (SHARDGEN_TEST_S3_ENDPOINT): emptied, as new
+            fs.rm(fs.find(bucket))
+        else:
             fs.mkdir(bucket)
     lines = (ROOT / "examples" / "prompts.txt").read_text(encoding="utf-8").splitlines()
     sink = pa.BufferOutputStream()

@@ -131,6 +131,10 @@ def resolve(entries: Iterable[Any], where: str, base_dir: Path | None = None) ->
     return tuple(out)
 
 
+# the largest |scale| accepted: far past any adapter's use, short of fused weights that overflow
+MAX_SCALE = 100.0
+
+
 def _entry(entry: Any, at: str) -> tuple[str, float]:
     import math
 
@@ -142,6 +146,9 @@ def _entry(entry: Any, at: str) -> tuple[str, float]:
         raise LoraError(f"{at}: no path; write {{path: FILE.safetensors, scale: 0.8}}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise LoraError(f"{at}: scale {scale!r} is not a number; write e.g. scale: 0.8 (1.0 = as trained)")
+    if abs(scale) > MAX_SCALE:  # fused into bf16 weights, such a scale makes every sample NaN or inf
+        raise LoraError(f"{at}: scale {scale!r} is outside -{MAX_SCALE:g}..{MAX_SCALE:g}; adapters are used at scales "
+                        "around 1 (1.0 = as trained, 0 = off)")
     return path, float(scale)
 
 
