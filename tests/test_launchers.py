@@ -147,3 +147,15 @@ def test_without_a_forkserver_local_ranks_are_spawned(tmp_path, monkeypatch):
     reports, out = _start_and_read(tmp_path, 2)
     assert [r["probe"] for r in reports] == ["spawned", "spawned"] and not any(r["forked"] for r in reports)
     assert "rank 1 says hello" in out, out
+
+
+@pytest.mark.parametrize("device, cuda, forked", [("cpu", True, True), ("auto", False, True), ("auto", True, False),
+                                                  ("cuda", True, False)])
+def test_local_ranks_are_forked_only_on_cpu(monkeypatch, device, cuda, forked):
+    """On a GPU machine the ranks are spawned: a rank forked from a process where CUDA was initialized cannot use it."""
+    import torch
+
+    from shardgen.launch.local import _on_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert _on_cpu(compose_cfg(f"device={device}")) is forked

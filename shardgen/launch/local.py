@@ -122,7 +122,7 @@ def launch_local(cfg: GenerateConfig) -> None:
     nprocs = cfg.launcher.nprocs
     try:
         args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
-        _join_ranks(start_ranks(_local_rank_main, args, nprocs, rank_imports(cfg)))
+        _join_ranks(start_ranks(_local_rank_main, args, nprocs, rank_imports(cfg) if _on_cpu(cfg) else None))
     except mp.ProcessRaisedException as e:
         raise LocalRankError(rank_error_message(str(e))) from None
     except mp.ProcessExitedException as e:
@@ -131,17 +131,26 @@ def launch_local(cfg: GenerateConfig) -> None:
         raise LocalRankError(rank_exit_message(e.exit_code, STALL_EXIT_CODE, cfg.lease_s)) from None
 
 
-def start_ranks(fn, args: tuple, nprocs: int, imports: list[str]):
+def _on_cpu(cfg: GenerateConfig) -> bool:
+    """Whether the ranks run on the CPU. On a GPU machine they are spawned instead of forked: torch refuses CUDA
+    in a process forked from one where CUDA was initialized (which an import may do), and such machines have the
+    cores to import in every rank at once."""
+    import torch
+
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+def start_ranks(fn, args: tuple, nprocs: int, imports: list[str] | None):
     """Start ``fn(rank, *args)`` in ``nprocs`` processes (torch.multiprocessing's ProcessContext, not joined).
 
-    Where the platform has a forkserver, the ranks are forked from it after it has imported ``imports`` once,
-    and ``fn`` receives the environment and standard streams of this process as two more arguments (the
-    forkserver keeps those it started with); elsewhere they are spawned, each importing what it needs."""
+    With ``imports`` and where the platform has a forkserver, the ranks are forked from it after it has imported
+    ``imports`` once, and ``fn`` receives the environment and standard streams of this process as two more
+    arguments (the forkserver keeps those it started with); else they are spawned, each importing what it needs."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if imports is None or "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
     multiprocessing.set_forkserver_preload(imports)  # no effect on a forkserver already running
     return mp.start_processes(fn, args=(*args, dict(os.environ), ParentStdio()), nprocs=nprocs,
