@@ -27,6 +27,7 @@ import os
 
 from shardgen.bench.main import ACCELS
 from shardgen.bench.main import run as run_bench
+from shardgen.cli import run_program
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,4 +85,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main, "jobs.bench")

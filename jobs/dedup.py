@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from shardgen.cli import run_program
 from shardgen.dataio.rundir import RunDir
 from shardgen.dataio.rundir.layout import RunDirError, is_run_dir
 from shardgen.tools import count_arg, near_duplicate_groups, read_index_columns
@@ -50,4 +51,4 @@ def dedup(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.dedup")

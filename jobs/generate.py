@@ -17,6 +17,7 @@ from pathlib import Path
 
 import hydra
 
+from shardgen.cli import run_program
 from shardgen.config.schema import GenerateConfig
 from shardgen.config.store import register_configs
 
@@ -122,4 +123,4 @@ def entry(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    entry()
+    run_program(entry, "jobs.generate")

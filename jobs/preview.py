@@ -14,6 +14,7 @@ from pathlib import Path
 
 from PIL.PngImagePlugin import PngInfo
 
+from shardgen.cli import run_program
 from shardgen.dataio.rundir import RunDir
 from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, preview_png
 from shardgen.errors import UserError
@@ -136,4 +137,4 @@ def preview(args, plan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.preview")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from shardgen.cli import run_program
 from shardgen.tools import check_tool_output, write_report
 from shardgen.tools.entry import run_tool, tool_parser
 from shardgen.tools.report import check_report_out
@@ -48,4 +49,4 @@ def report(args, plan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.report")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from shardgen.cli import run_program
 from shardgen.tools import add_signals, signal_functions
 from shardgen.tools.entry import run_tool, tool_parser
 
@@ -40,4 +41,4 @@ def signals(args, plan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.signals")

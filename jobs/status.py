@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from shardgen.cli import run_program
 from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S
@@ -122,4 +123,4 @@ def status(args, plan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.status")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from shardgen.cli import run_program
 from shardgen.tools import count_arg, repair_run, verify_run
 from shardgen.tools.entry import run_tool, tool_parser
 
@@ -67,4 +68,4 @@ def verify(args, plan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "jobs.verify")

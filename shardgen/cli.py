@@ -3,9 +3,14 @@ program with the same arguments (``shardgen status runs/default`` is ``python -m
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import os
 import runpy
 import sys
+import threading
+from pathlib import Path
+from typing import Callable, NoReturn
 
 COMMANDS = {
     "generate": ("jobs.generate", "generate a run's samples (Hydra overrides: key=value group=option)"),
@@ -46,5 +51,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_program(program: Callable[[], int | None], module: str) -> NoReturn:
+    """``program()`` as this process's program (``python -m MODULE`` or ``shardgen COMMAND``): the process ends
+    with its exit status once the atexit handlers have run and the standard streams are flushed, without the
+    interpreter's teardown (1-3 s of collecting torch's, diffusers' and transformers' modules after the last
+    line). In a process started as something else (``main`` called by a test), this is ``sys.exit(program())``."""
+    if not started_as(module):
+        sys.exit(program())
+    try:
+        code = program()
+    except SystemExit as e:
+        code = e.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1, as the interpreter does
+        print(code, file=sys.stderr)
+        code = 1
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)  # the interpreter's exit waits for such a thread: so does this one
+    atexit._run_exitfuncs()  # logging's flush, weakref finalizers, multiprocessing's clean-up
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
+def started_as(module: str) -> bool:
+    """Whether the interpreter was started to run ``module`` (``python [OPTIONS] -m MODULE`` or ``shardgen
+    COMMAND`` for it)."""
+    argv = getattr(sys, "orig_argv", [])
+    if "-m" in argv:
+        return argv[argv.index("-m") + 1:argv.index("-m") + 2] == [module]
+    command = next((name for name, (mod, _) in COMMANDS.items() if mod == module), None)
+    return len(argv) > 2 and Path(argv[1]).name == "shardgen" and argv[2] == command
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main, "shardgen.cli")
