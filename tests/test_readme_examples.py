@@ -56,7 +56,7 @@ NEEDS = [
     (r"^(?!.*dry_run=true).*\bmodel=(?!tiny)", "needs a GPU and a large model's weights"),
     (r"^python benchmarks/", "a GPU benchmark (H200 figures)"),
     (r"node_exporter", "needs node_exporter"),
-    (r"launcher\.nprocs=4", "4 spawned ranks take 30-80 s on 2 cores; tests/test_cfg_parallel.py runs that path"),
+    (r"launcher\.nprocs=4", "4 ranks take ~25 s on 2 cores; tests/test_cfg_parallel.py runs that path"),
 ]
 # files the README asks the reader to download, made small here
 FETCHED = {
