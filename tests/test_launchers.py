@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from shardgen.config.schema import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
-from tests.conftest import compose_cfg
+from tests.conftest import ROOT, compose_cfg
 
 SMALL = ("height=32", "width=32", "steps=1", "prompts.limit=3", "samples_per_shard=2", "batch_size=2",
          "progress=false")
@@ -159,3 +160,23 @@ def test_local_ranks_are_forked_only_on_cpu(monkeypatch, device, cuda, forked):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert _on_cpu(compose_cfg(f"device={device}")) is forked
+
+
+CLOSED_STDOUT = '''
+import sys
+from shardgen.launch.local import _join_ranks, start_ranks
+from tests.test_launchers import _report_rank
+assert sys.stdout is None  # Python's view of a descriptor closed at start
+_join_ranks(start_ranks(_report_rank, (sys.argv[1],), 2, ["tests.test_launchers"]))
+'''
+
+
+def test_a_launch_with_its_stdout_closed_still_starts_its_ranks(tmp_path):
+    """A job started with stdout closed (``>&-``, some daemons): its ranks start, and what they print goes nowhere
+    (not into a file or pipe that has since taken the descriptor's number)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               SHARDGEN_PROBE="closed")
+    p = subprocess.run(["bash", "-c", 'exec "$0" -c "$1" "$2" >&-', sys.executable, CLOSED_STDOUT, str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["probe"] for r in range(2)] == ["closed", "closed"]

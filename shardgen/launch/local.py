@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import sys
 from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
@@ -43,7 +44,10 @@ class ParentStdio:
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return _ParentStdioFds, (reduction.DupFd(1), reduction.DupFd(2))
+        # a stream Python found closed at start (a job started with >&-) is None: its descriptor may since have
+        # been reused by a file or pipe, which the rank must not write to
+        return _ParentStdioFds, tuple(None if stream is None else reduction.DupFd(fd)
+                                      for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)))
 
 
 class _ParentStdioFds:
@@ -51,9 +55,14 @@ class _ParentStdioFds:
         self.out, self.err = out, err
 
     def install(self) -> None:
-        """Point this process's stdout and stderr at the parent's."""
+        """Point this process's stdout and stderr at the parent's (at the null device where it had none)."""
         for wrapped, fd in ((self.out, 1), (self.err, 2)):
-            os.dup2(wrapped.detach(), fd)
+            if wrapped is not None:
+                os.dup2(wrapped.detach(), fd)
+            else:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def adopt_parent(parent: tuple) -> None:
