@@ -72,7 +72,8 @@ def run_program(program: Callable[[], int | None], module: str) -> NoReturn:
     atexit._run_exitfuncs()  # logging's flush, weakref finalizers, multiprocessing's clean-up
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: closed when the process started
+                stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             pass
     os._exit(code)

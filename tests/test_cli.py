@@ -73,3 +73,14 @@ def test_a_program_run_in_another_process_raises_systemexit_as_before():
     with pytest.raises(SystemExit) as e:
         run_program(lambda: 4, "jobs.status")  # this process is pytest's, not jobs.status's
     assert e.value.code == 4
+
+
+def test_a_tool_run_with_its_stdout_closed_exits_0_and_the_program_exit_flushes_nothing_it_lacks(tmp_path):
+    """``jobs.status RUN >&-`` (a cron line that only wants the exit status): no traceback, status 0 for a run."""
+    from jobs.generate import run
+    from tests.conftest import compose_cfg
+
+    run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts.limit=2", "steps=1", "progress=false"))
+    p = subprocess.run(["bash", "-c", 'exec "$0" -m jobs.status "$1" >&-', sys.executable, str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]

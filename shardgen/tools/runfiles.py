@@ -59,7 +59,8 @@ class _EscapingStream:
 def terminal_safe_output() -> Iterator[None]:
     """Within the block, what is printed on stdout and stderr has its control characters escaped."""
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _EscapingStream(out), _EscapingStream(err)
+    # a stream closed when the process started is None: print() then writes nothing, as it would unwrapped
+    sys.stdout, sys.stderr = (None if s is None else _EscapingStream(s) for s in (out, err))
     try:
         yield
     finally:
