@@ -180,3 +180,16 @@ def test_a_launch_with_its_stdout_closed_still_starts_its_ranks(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text())["probe"] for r in range(2)] == ["closed", "closed"]
+
+
+def test_every_models_pipeline_module_is_found_for_the_ranks_to_import_before_they_start():
+    """The forkserver imports each model's pipeline module before forking the ranks; found through diffusers' lazy
+    packages, so a diffusers that moved its classes would make every local launch slower, not fail: this says so."""
+    from shardgen.models.loader import pipeline_module
+
+    for conf in sorted((ROOT / "conf" / "model").glob("*.yaml")):
+        name = OmegaConf.load(conf).get("pipeline")
+        found = pipeline_module(name)
+        assert found and found.startswith("diffusers.pipelines."), (conf.name, name, found)
+    assert pipeline_module("FluxPipeline") == "diffusers.pipelines.flux.pipeline_flux"
+    assert pipeline_module("NoSuchPipeline") is None

@@ -57,12 +57,9 @@ class _ParentStdioFds:
     def install(self) -> None:
         """Point this process's stdout and stderr at the parent's (at the null device where it had none)."""
         for wrapped, fd in ((self.out, 1), (self.err, 2)):
-            if wrapped is not None:
-                os.dup2(wrapped.detach(), fd)
-            else:
-                null = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(null, fd)
-                os.close(null)
+            received = wrapped.detach() if wrapped is not None else os.open(os.devnull, os.O_WRONLY)
+            os.dup2(received, fd)
+            os.close(received)
 
 
 def adopt_parent(parent: tuple) -> None:
