@@ -1,8 +1,9 @@
 """``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures flash /
-efficient / cudnn once per process at the run's attention shape, checks each against the others, and puts the
-fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
-flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``:
-the choice is a context around each call.
+efficient / cudnn (and FlashAttention-4 where it is installed: ``speed/fa4.py``) once per process at the run's
+attention shape, checks each against the others, and puts the fastest first in SDPA's priority order (inside each
+pipeline call only: ``sdpa_context``). Without it torch picks flash (FA2), which on an H100/H200 is slower than
+cuDNN's fused attention. Nothing is applied by ``prepare``: the choice is a context around each call (FA4, once
+chosen, is the process's flash kernel from then on).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math")
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4")
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
+FA4_MARGIN = 0.95  # and takes FA4 (a just-in-time compile, a process-wide switch) only when 5% faster than the rest
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,13 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math (``sdpa_backend`` in the config)."""
+    """auto | default | flash | efficient | cudnn | math | fa4 (``sdpa_backend`` in the config)."""
 
 
 def _backend(name: str):
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    return {"flash": SDPBackend.FLASH_ATTENTION, "fa4": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
@@ -49,15 +51,26 @@ def chosen_sdpa() -> dict[str, tuple[str, dict]]:
 def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
                  iters: int = 5) -> dict:
     """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout,
-    and its largest deviation from the first kernel that ran (a broken kernel is not chosen)."""
+    and its largest deviation from the first kernel that ran (a broken kernel is not chosen). FA4 (``fa4``) is
+    measured where it can run, and left active only by the caller that chooses it."""
     from torch.nn.attention import sdpa_kernel
+
+    from shardgen.speed import fa4
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
+    was_fa4 = fa4.active()  # chosen for another shape: the flash kernel is FA4 now, torch's own cannot run
+    names = ("cudnn", "efficient") if was_fa4 else ("flash", "cudnn", "efficient")
+    fa4_missing = fa4.unavailable_reason(device)
     res, ref = {}, None
-    for name in ("flash", "cudnn", "efficient"):
+    for name in names + ("fa4",):
+        if name == "fa4" and fa4_missing:
+            res[name] = {"error": fa4_missing}
+            continue
         try:
+            if name == "fa4":
+                fa4.activate()
             with sdpa_kernel([_backend(name)]):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
                 torch.cuda.synchronize(device)
@@ -72,6 +85,9 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
             res[name] = {"ms": start.elapsed_time(end) / iters, "max_abs_diff": err}
         except Exception as e:  # not available for this device/shape/dtype
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        finally:
+            if name == "fa4" and not was_fa4:
+                fa4.restore()
     return res
 
 
@@ -80,14 +96,28 @@ def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
     key = (str(device), dtype, shape[1:])  # chosen once per run: the last, smaller batch keeps the kernel
     if key not in _SDPA_CHOICE:
         timings = measure_sdpa(device, dtype, *shape)
-        ok = {n: t for n, t in timings.items() if "ms" in t and t["max_abs_diff"] < 0.05}
-        best = min(ok, key=lambda n: ok[n]["ms"]) if ok else "default"
-        if best != "flash" and "flash" in ok and ok[best]["ms"] > SDPA_MARGIN * ok["flash"]["ms"]:
-            best = "flash"  # torch's own first choice, unless another kernel is clearly faster
+        best = pick_kernel(timings)
+        if best == "fa4":
+            from shardgen.speed import fa4
+
+            fa4.activate()
         _SDPA_CHOICE[key] = (best, timings)
         log.info("attention kernel for %s: %s (%s)", shape, best,
                  ", ".join(f"{n} {t['ms']:.2f} ms" for n, t in timings.items() if "ms" in t))
     return _SDPA_CHOICE[key]
+
+
+def pick_kernel(timings: dict) -> str:
+    """The kernel ``sdpa=auto`` takes from ``measure_sdpa``'s timings: the fastest that agrees with the others,
+    torch's flash unless another is 5% faster, FA4 only when 5% faster than every other kernel."""
+    ok = {n: t for n, t in timings.items() if "ms" in t and t["max_abs_diff"] < 0.05}
+    fa4_ms = ok.pop("fa4", {}).get("ms")
+    best = min(ok, key=lambda n: ok[n]["ms"]) if ok else "default"
+    if best != "flash" and "flash" in ok and ok[best]["ms"] > SDPA_MARGIN * ok["flash"]["ms"]:
+        best = "flash"  # torch's own first choice, unless another kernel is clearly faster
+    if fa4_ms is not None and (best == "default" or fa4_ms < FA4_MARGIN * ok[best]["ms"]):
+        best = "fa4"
+    return best
 
 
 def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int,
@@ -124,11 +154,20 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
             return contextlib.nullcontext()
     else:
         name = opts.sdpa
-    order = [name] + [n for n in ("flash", "cudnn", "efficient", "math") if n != name]
+    if name == "fa4":
+        from shardgen.speed import fa4
+
+        fa4.activate()  # process-wide: SDPA's flash kernel is FA4 from here on
+    order = [_kernel(name)] + [n for n in ("flash", "cudnn", "efficient", "math") if n != _kernel(name)]
     try:
         return sdpa_kernel([_backend(n) for n in order], set_priority=True)
     except TypeError:  # torch without set_priority: the chosen kernel only (and math as a fallback)
         return sdpa_kernel([_backend(name), _backend("math")])
+
+
+def _kernel(name: str) -> str:
+    """SDPA's kernel name for a choice (FA4 runs as SDPA's flash kernel once active)."""
+    return "flash" if name == "fa4" else name
 
 
 def _uses_native_attention(transformer) -> bool:
@@ -154,6 +193,13 @@ def validate(opts: AccelOptions, device=None) -> None:
     name = pick(SdpaConfig, opts).sdpa
     if name not in SDPA_CHOICES:
         raise AccelError(f"sdpa_backend={name!r}: use one of {list(SDPA_CHOICES)}")
+    if name == "fa4" and device is not None and torch.device(device).type == "cuda":
+        from shardgen.speed import fa4
+
+        why = fa4.unavailable_reason(device)
+        if why:
+            raise AccelError(f"sdpa_backend=fa4: {why}. {fa4.INSTALL}; or use sdpa_backend=auto (measures the "
+                             "kernels this machine has)")
 
 
 register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate))
