@@ -374,3 +374,27 @@ def test_a_run_with_a_garbage_latent_checkpoint_completes_with_the_plain_bytes(t
     assert run(compose_cfg(f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST,
                            "latent_checkpoint_every=2")).complete
     assert shard_videos(run_dir) == shard_videos(video_run)
+
+
+def test_the_attention_kernel_is_chosen_for_the_videos_own_token_count(tmp_path, monkeypatch):
+    """sdpa_backend=auto times the kernels at the shape of a video transformer's self-attention: every latent
+    frame's tokens (a 33-frame 480x832 Wan video has 14,040, not one frame's 1,560 plus the text)."""
+    from shardgen.speed import accel
+
+    shapes, seen = [], []
+
+    def context(pipe, opts, shape):
+        shapes.append(shape)
+        if not seen:  # the tokens the transformer gets: latent (frames, height, width) in its patches
+            pt, ph, pw = pipe.transformer.config.patch_size
+            pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(
+                (kw["hidden_states"].shape[0], kw["hidden_states"].shape[2] // pt * (kw["hidden_states"].shape[3] // ph)
+                 * (kw["hidden_states"].shape[4] // pw))), with_kwargs=True)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(accel, "sdpa_context", context)
+    r = run(compose_cfg(f"run_dir={tmp_path}", *FAST, "prompts.limit=2"))
+    assert r.ok == 2
+    batch, tokens = seen[0]
+    assert (batch, tokens) == (2, 2 * 2 * 2)  # 5 frames -> 2 latent frames of 4x4 latents in 1x2x2 patches
+    assert [(s[0], s[2]) for s in shapes] == [(batch, tokens)]

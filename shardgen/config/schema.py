@@ -363,9 +363,10 @@ class SpeedConfig:
     the stock blocks; false = diffusers' own blocks."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
-    efficient, and FlashAttention-4 where the flash-attn-4 package is installed, measured once at the run's shape;
-    flash unless another is 5% faster, FA4 only when 5% faster than the rest) | default | flash | cudnn |
-    efficient | math | fa4. Exact up to bf16 rounding. shardgen/speed/sdpa.py, shardgen/speed/fa4.py."""
+    efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
+    efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
+    faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
+    shardgen/speed/sdpa.py, shardgen/speed/fa4.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:

@@ -246,7 +246,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     try:
         call = padded(rows, s)
         joined = input_size(s) if s.image_in_sequence and call[0].index in conds else None  # the input's tokens
-        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length, joined)
+        shape = accel.attention_shape(pipe, s.height, s.width, len(call), s.max_sequence_length, joined,
+                                      s.num_frames)
         kw = pipeline_kwargs(pipe, s, [r.prompt for r in call], [r.seed for r in call],
                              [r.settings.get("negative_prompt") for r in call],
                              [conds[r.index].image for r in call] if call[0].index in conds else None)

@@ -3,10 +3,10 @@
 torch (2.11 and later) can route SDPA's flash kernel to FA4 (``torch.nn.attention.activate_flash_attention_impl``):
 its adapter imports a module, calls that module's ``_flash_attn_fwd`` and expects ``(out, lse)`` back, while
 flash-attn-4's own returns more values. This module is the adapter's source: it passes FA4's first two through.
-Once activated, every flash-kernel SDPA call of the process (diffusers' processors, the fused blocks, compiled
-regions alike) runs FA4; ``sdpa_backend=auto`` activates it only where it measured FA4 clearly faster than
-torch's own kernels (``speed/sdpa.py``). On an H200 that is Wan's long videos and SD3.5's 64-wide heads, not the
-FLUX or Qwen-Image shapes (docs/performance.md).
+Once activated (``sdpa_backend=fa4``), every flash-kernel SDPA call of the process (diffusers' processors, the
+fused blocks, compiled regions alike) runs FA4. ``sdpa_backend=auto`` never takes it: on an H200 it is faster
+than cuDNN only at Wan's long videos and SD3.5's 64-wide heads, slower at the FLUX and Qwen-Image shapes, and
+its import and just-in-time kernels cost a short job more than it gains (docs/performance.md).
 """
 
 from __future__ import annotations

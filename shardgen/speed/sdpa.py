@@ -1,9 +1,9 @@
 """``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures flash /
-efficient / cudnn (and FlashAttention-4 where it is installed: ``speed/fa4.py``) once per process at the run's
-attention shape, checks each against the others, and puts the fastest first in SDPA's priority order (inside each
-pipeline call only: ``sdpa_context``). Without it torch picks flash (FA2), which on an H100/H200 is slower than
-cuDNN's fused attention. Nothing is applied by ``prepare``: the choice is a context around each call (FA4, once
-chosen, is the process's flash kernel from then on).
+efficient / cudnn once per process at the run's attention shape, checks each against the others, and puts the
+fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
+flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
+choice is a context around each call. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
+FlashAttention-4 the process's flash kernel and puts it first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ log = logging.getLogger("shardgen.accel")
 
 SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4")
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
-FA4_MARGIN = 0.95  # and takes FA4 (a just-in-time compile, a process-wide switch) only when 5% faster than the rest
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,8 @@ class SdpaConfig:
 def _backend(name: str):
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "fa4": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    return {"flash": SDPBackend.FLASH_ATTENTION, "fa4": SDPBackend.FLASH_ATTENTION,  # FA4 runs as SDPA's flash
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
@@ -51,26 +51,15 @@ def chosen_sdpa() -> dict[str, tuple[str, dict]]:
 def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
                  iters: int = 5) -> dict:
     """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout,
-    and its largest deviation from the first kernel that ran (a broken kernel is not chosen). FA4 (``fa4``) is
-    measured where it can run, and left active only by the caller that chooses it."""
+    and its largest deviation from the first kernel that ran (a broken kernel is not chosen)."""
     from torch.nn.attention import sdpa_kernel
-
-    from shardgen.speed import fa4
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
-    was_fa4 = fa4.active()  # chosen for another shape: the flash kernel is FA4 now, torch's own cannot run
-    names = ("cudnn", "efficient") if was_fa4 else ("flash", "cudnn", "efficient")
-    fa4_missing = fa4.unavailable_reason(device)
     res, ref = {}, None
-    for name in names + ("fa4",):
-        if name == "fa4" and fa4_missing:
-            res[name] = {"error": fa4_missing}
-            continue
+    for name in ("flash", "cudnn", "efficient"):
         try:
-            if name == "fa4":
-                fa4.activate()
             with sdpa_kernel([_backend(name)]):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
                 torch.cuda.synchronize(device)
@@ -85,9 +74,6 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
             res[name] = {"ms": start.elapsed_time(end) / iters, "max_abs_diff": err}
         except Exception as e:  # not available for this device/shape/dtype
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        finally:
-            if name == "fa4" and not was_fa4:
-                fa4.restore()
     return res
 
 
@@ -97,10 +83,6 @@ def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
     if key not in _SDPA_CHOICE:
         timings = measure_sdpa(device, dtype, *shape)
         best = pick_kernel(timings)
-        if best == "fa4":
-            from shardgen.speed import fa4
-
-            fa4.activate()
         _SDPA_CHOICE[key] = (best, timings)
         log.info("attention kernel for %s: %s (%s)", shape, best,
                  ", ".join(f"{n} {t['ms']:.2f} ms" for n, t in timings.items() if "ms" in t))
@@ -109,31 +91,42 @@ def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
 
 def pick_kernel(timings: dict) -> str:
     """The kernel ``sdpa=auto`` takes from ``measure_sdpa``'s timings: the fastest that agrees with the others,
-    torch's flash unless another is 5% faster, FA4 only when 5% faster than every other kernel."""
+    torch's flash unless another is 5% faster."""
     ok = {n: t for n, t in timings.items() if "ms" in t and t["max_abs_diff"] < 0.05}
-    fa4_ms = ok.pop("fa4", {}).get("ms")
     best = min(ok, key=lambda n: ok[n]["ms"]) if ok else "default"
     if best != "flash" and "flash" in ok and ok[best]["ms"] > SDPA_MARGIN * ok["flash"]["ms"]:
         best = "flash"  # torch's own first choice, unless another kernel is clearly faster
-    if fa4_ms is not None and (best == "default" or fa4_ms < FA4_MARGIN * ok[best]["ms"]):
-        best = "fa4"
     return best
 
 
 def attention_shape(pipe, height: int, width: int, batch: int, text_tokens: int,
-                    input_size: tuple[int, int] | None = None) -> tuple[int, int, int, int] | None:
+                    input_size: tuple[int, int] | None = None,
+                    num_frames: int | None = None) -> tuple[int, int, int, int] | None:
     """(batch, heads, tokens, head_dim) of the transformer's joint attention, from its config; ``input_size``: the
     (width, height) of the input image whose latent tokens join the sample's (an edit model's conditioned call: the
-    sample's size for Kontext and FLUX.2, ~1024x1024 for Qwen-Image-Edit)."""
+    sample's size for Kontext and FLUX.2, ~1024x1024 for Qwen-Image-Edit). A video pipeline's (``num_frames``):
+    its self-attention over every latent frame's tokens."""
     tr = getattr(pipe, "transformer", None)
     cfg = getattr(tr, "config", None)
     if cfg is None or "num_attention_heads" not in cfg or "attention_head_dim" not in cfg:
         return None
+    if num_frames is not None and hasattr(pipe, "vae_scale_factor_temporal"):
+        return batch, int(cfg.num_attention_heads), _video_tokens(pipe, cfg, num_frames, height, width), \
+            int(cfg.attention_head_dim)
     factor = getattr(pipe, "vae_scale_factor", 8) * 2  # latents packed in 2x2 patches
     tokens = (height // factor) * (width // factor) + text_tokens
     if input_size is not None:
         tokens += (input_size[1] // factor) * (input_size[0] // factor)
     return batch, int(cfg.num_attention_heads), int(tokens), int(cfg.attention_head_dim)
+
+
+def _video_tokens(pipe, cfg, num_frames: int, height: int, width: int) -> int:
+    """A video transformer's self-attention tokens: latent frames x latent pixels, in its (time, height, width)
+    patches (Wan: 4x temporal, 8x spatial compression, 1x2x2 patches; the text enters by cross-attention)."""
+    pt, ph, pw = tuple(cfg.get("patch_size", None) or (1, 2, 2))
+    spatial = getattr(pipe, "vae_scale_factor_spatial", 8)
+    latent_frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+    return (latent_frames // pt) * (height // spatial // ph) * (width // spatial // pw)
 
 
 def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | None):
