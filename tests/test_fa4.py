@@ -63,6 +63,7 @@ def test_auto_never_switches_fa4_on(sdpa_calls):
 
 def test_fa4_asked_for_where_it_cannot_run_is_a_config_error_saying_what_to_do(monkeypatch):
     monkeypatch.setattr(fa4, "unavailable_reason", lambda device: "flash-attn-4 does not import (ModuleNotFoundError)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(AccelError) as err:
         sdpa.validate(AccelOptions(sdpa="fa4"), "cuda")
     msg = str(err.value)

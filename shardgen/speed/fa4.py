@@ -29,6 +29,8 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     the flash-attention hook, or the package missing."""
     if device is None or torch.device(device).type != "cuda":
         return "FA4 runs on CUDA GPUs only"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
     major, _ = torch.cuda.get_device_capability(torch.device(device))
     if major not in (9, 10):
         return f"FA4 needs compute capability 9.x or 10.x; this GPU is {major}.x"

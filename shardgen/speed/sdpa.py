@@ -182,11 +182,12 @@ def _scan_native_attention(transformer) -> bool:
 
 
 def validate(opts: AccelOptions, device=None) -> None:
-    """AccelError for a kernel name SDPA does not have."""
+    """AccelError for a kernel name SDPA does not have, or FA4 asked for on a GPU where it cannot run (without a
+    visible GPU the device check says so)."""
     name = pick(SdpaConfig, opts).sdpa
     if name not in SDPA_CHOICES:
         raise AccelError(f"sdpa_backend={name!r}: use one of {list(SDPA_CHOICES)}")
-    if name == "fa4" and device is not None and torch.device(device).type == "cuda":
+    if name == "fa4" and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         from shardgen.speed import fa4
 
         why = fa4.unavailable_reason(device)
