@@ -158,6 +158,7 @@ def test_compile_auto_runs_the_first_batch_eagerly_then_compiles_only_when_it_pa
         assert many.settings(s).accel.compile     # 400 x 5 s x 0.26 = 519 s saved > 45 s
     assert "20 samples left here x 5.00 s eager" in caplog.text and "staying eager" in caplog.text
     assert json.loads((tmp_path / "records.json").read_text())["k"]["eager_s"] == 5.0
+    assert "2 eager batches, 5.00 s/sample" in few.summary()  # the rate after the warm-up batch (6.50 s), not 5.75
 
 
 def test_compile_auto_decides_from_records_before_the_first_batch_and_records_what_it_measured(tmp_path):

@@ -412,8 +412,9 @@ class AutoCompile:
         parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
                  f"{'compiled' if self.decided else 'eager'}{' in the background' if self.background is not None and self.decided else ''}"
                  f"{' without kernel tuning' if self.decided and not self.tuned else ''}"]
-        if self._eager:
-            parts.append(f"{len(self._eager)} eager batches, {statistics.median(self._eager):.2f} s/sample")
+        if self._eager:  # the rate after the first batch, which pays the warm-up (cuDNN plans, lazy kernels)
+            steady = self._eager[1:] or self._eager
+            parts.append(f"{len(self._eager)} eager batches, {statistics.median(steady):.2f} s/sample")
         state = self._state() if self.background is not None else None
         if state is not None and state.seconds is not None:
             parts.append(f"compiled in the background in {state.seconds:.1f} s")
