@@ -8,7 +8,8 @@ Exact (outputs change only by bf16 rounding noise):
   (the family's fused forwards: flux_fused.py, flux2_fused.py, qwen_fused.py), ``compile_tuning``, the shared
   inductor cache;
   autocompile.py: ``compile: auto`` decided per process; background.py: compiling on a thread.
-- sdpa.py: ``sdpa_backend``, the kernel behind torch SDPA (``auto``: measured once per process).
+- sdpa.py: ``sdpa_backend``, the kernel behind torch SDPA (``auto``: measured once per process); fa4.py: the
+  adapter that makes FlashAttention-4 SDPA's flash kernel (``sdpa_backend=fa4``).
 - family_hooks.py: the family's own hooks, e.g. Qwen-Image (qwen.py: text-length buckets, real RoPE, unmasked
   prefix attention in prefix_attention.py, ``cfg_batching``).
 
