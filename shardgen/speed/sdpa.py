@@ -22,6 +22,7 @@ log = logging.getLogger("shardgen.accel")
 
 SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4")
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
+MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,13 @@ def chosen_sdpa() -> dict[str, tuple[str, dict]]:
 
 def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
                  iters: int = 5) -> dict:
-    """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout,
-    and its largest deviation from the first kernel that ran (a broken kernel is not chosen)."""
+    """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout (a long video's
+    batch one sample at a time: ``measure_batch``), and its largest deviation from the first kernel that ran, on the
+    first sample's first two heads (a broken kernel is not chosen)."""
     from torch.nn.attention import sdpa_kernel
 
     torch.manual_seed(0)
+    batch = measure_batch(batch, heads, seq, head_dim, torch.tensor([], dtype=dtype).element_size())
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
     res, ref = {}, None
@@ -69,12 +72,20 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
                     torch.nn.functional.scaled_dot_product_attention(q, k, v)
                 end.record()
                 end.synchronize()
-            err = 0.0 if ref is None else float((out.float() - ref).abs().max())
-            ref = out.float() if ref is None else ref
+            sample = out[:1, :2].float()  # not the whole output in float32: GBs at a long video's length
+            err = 0.0 if ref is None else float((sample - ref).abs().max())
+            ref = sample if ref is None else ref
             res[name] = {"ms": start.elapsed_time(end) / iters, "max_abs_diff": err}
         except Exception as e:  # not available for this device/shape/dtype
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return res
+
+
+def measure_batch(batch: int, heads: int, seq: int, head_dim: int, itemsize: int = 2) -> int:
+    """The batch the kernels are timed at: the run's, or 1 where one of q, k, v would be larger than MEASURE_BYTES
+    (a 720p Wan 14B video: 75,600 tokens x 40 heads x 128 = 774 MB a sample), so timing never needs more memory
+    than the run's own attention; at such lengths the fastest kernel for one sample is the fastest for four."""
+    return batch if batch * heads * seq * head_dim * itemsize <= MEASURE_BYTES else 1
 
 
 def choose_sdpa(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> tuple[str, dict]:

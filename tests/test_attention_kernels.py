@@ -1,6 +1,6 @@
-"""The attention kernel choice: what ``sdpa_backend=auto`` takes, FlashAttention-4 by name (``sdpa_backend=fa4``),
-the adapter torch's hook calls, and the error an unusable ``sdpa_backend=fa4`` gives. The kernels themselves run on
-the GPU (tests/test_gpu.py)."""
+"""The attention kernel choice: what ``sdpa_backend=auto`` takes and the memory its timing needs,
+FlashAttention-4 by name (``sdpa_backend=fa4``), the adapter torch's hook calls, and the error an unusable
+``sdpa_backend=fa4`` gives. The kernels themselves run on the GPU (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -126,3 +126,12 @@ def test_activation_goes_through_torchs_hook_and_is_undone(fake_fa4):
     finally:
         fa4.restore()
     assert not fa4.active() and torch.nn.attention.current_flash_attention_impl() is None
+
+
+@pytest.mark.parametrize("shape, batch", [
+    ((4, 24, 4608, 128), 4),   # FLUX.1 at 1024x1024: 113 MB a tensor
+    ((4, 12, 32760, 128), 4),  # Wan 1.3B, 81 frames of 480x832: 403 MB
+    ((4, 40, 75600, 128), 1),  # Wan 14B, 81 frames of 720x1280: 3.1 GB at batch 4, timed one video at a time
+])
+def test_kernels_are_timed_without_more_memory_than_the_runs_own_attention(shape, batch):
+    assert sdpa.measure_batch(*shape) == batch
