@@ -135,3 +135,34 @@ def test_activation_goes_through_torchs_hook_and_is_undone(fake_fa4):
 ])
 def test_kernels_are_timed_without_more_memory_than_the_runs_own_attention(shape, batch):
     assert sdpa.measure_batch(*shape) == batch
+
+
+def test_timing_a_long_attention_runs_one_sample_and_checks_the_kernels_agree(monkeypatch):
+    """measure_sdpa's own path (CUDA events stubbed, so it runs here: torch's CPU flash kernel answers, the CUDA-only
+    kernels say why not): a batch past MEASURE_BYTES is timed at one sample."""
+    import torch.nn.functional as F
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            import time
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(sdpa, "MEASURE_BYTES", 3 * 16 * 8 * 4)  # one sample of (3 heads, 16 tokens, 8) fits
+    shapes, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: shapes.append(tuple(q.shape))
+                        or real(q, k, v, **kw))
+    res = sdpa.measure_sdpa(torch.device("cpu"), torch.float32, 4, 3, 16, 8, iters=2)
+    assert set(shapes) == {(1, 3, 16, 8)}
+    assert res["flash"]["max_abs_diff"] == 0.0 and res["flash"]["ms"] > 0
+    assert "error" in res["cudnn"] and "error" in res["efficient"]
