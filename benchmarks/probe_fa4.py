@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from probe_attention import timed  # benchmarks/: the median of CUDA-event timings after a warm-up
 
 # (batch, heads, tokens, head_dim) of one joint-attention call on the default path (batch 4; Wan: 2 videos)
 SHAPES = {
@@ -36,21 +37,6 @@ SHAPES = {
 }
 KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def timed(fn, iters: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def tflops(shape, ms: float) -> float:
@@ -73,7 +59,7 @@ def probe_shape(name: str, shape, iters: int, fa4_direct, activate) -> dict:
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             err = (o[:1, :2].float() - ref).abs()
-            ms = timed(fn, iters)
+            ms = timed(fn, iters, warm=3)
             out[kernel] = {"ms": round(ms, 3), "tflops": round(tflops(shape, ms), 1), "first_call_s": round(first, 2),
                            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean())}
         except Exception as e:  # a kernel that does not take this shape/device

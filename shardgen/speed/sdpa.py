@@ -57,7 +57,7 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
     from torch.nn.attention import sdpa_kernel
 
     torch.manual_seed(0)
-    batch = measure_batch(batch, heads, seq, head_dim, torch.tensor([], dtype=dtype).element_size())
+    batch = measure_batch(batch, heads, seq, head_dim, dtype.itemsize)
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
     res, ref = {}, None
