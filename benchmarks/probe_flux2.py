@@ -94,14 +94,14 @@ def profile(tr, kw, top=12):
 
 
 def check_kernels(device):
-    from shardgen.speed import flux2_fused as f2
+    from shardgen.speed import flux2_fused as f2, flux_fused
 
     g = torch.Generator(device).manual_seed(2)
     out = {}
     x = torch.randn(4, 4608, 6144, device=device, dtype=torch.bfloat16, generator=g)
     mod = torch.randn(4, 1, 3 * 6144, device=device, dtype=torch.bfloat16, generator=g) * 0.3
     shift, scale, _ = mod.chunk(3, dim=-1)
-    fused, ref = f2.ln_modulate(x, shift, scale, 1e-6), f2.ln_modulate_reference(x, shift, scale, 1e-6)
+    fused, ref = f2.ln_modulate(x, shift, scale, 1e-6), flux_fused.ln_modulate_reference(x, shift, scale, 1e-6)
     out["ln_modulate"] = dict(max_abs=(fused.float() - ref.float()).abs().max().item(),
                               differing=(fused != ref).float().mean().item())
     wide = torch.randn(4, 4608, 3 * 6144 + 2 * 18432, device=device, dtype=torch.bfloat16, generator=g)
@@ -111,7 +111,7 @@ def check_kernels(device):
     out["swiglu"] = dict(max_abs=(fused.float() - ref.float()).abs().max().item(),
                          differing=(fused != ref).float().mean().item())
     for name, fn in (("ln_modulate", lambda: f2.ln_modulate(x, shift, scale, 1e-6)),
-                     ("ln_modulate_eager", lambda: f2.ln_modulate_reference(x, shift, scale, 1e-6)),
+                     ("ln_modulate_eager", lambda: flux_fused.ln_modulate_reference(x, shift, scale, 1e-6)),
                      ("swiglu", lambda: f2.swiglu(view)),
                      ("swiglu_eager", lambda: torch.nn.functional.silu(view[..., :half]) * view[..., half:])):
         for _ in range(3):

@@ -10,7 +10,8 @@ repeated blocks (``shardgen.speed.accel.compile_blocks``), times a batch call wi
 the top kernels of one call of each variant. Results go to ``$OUT/probe_transformer.json``.
 
 Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = shardgen/speed/flux_fused.py's
-block forwards (``cat``: without splitting the single blocks' proj_out; ``nocompile``: not compiled);
+block forwards (``cat``: without splitting the single blocks' proj_out; ``nocompile``: not compiled;
+``plain``: without the eager-only LayerNorm+modulation and residual fusions);
 ``cd`` = inductor's coordinate-descent tuning of its Triton kernels; ``emu`` = inductor's
 ``emulate_precision_casts`` (round fused intermediates to bf16 where eager does). It also checks the
 ``rms_rope`` Triton kernel against eager diffusers.
@@ -213,6 +214,7 @@ def main() -> int:
         if "fused" in tokens:
             from shardgen.speed import flux_fused
 
+            flux_fused.EAGER_DEVICES = () if "plain" in tokens else ("cuda",)
             forwards = flux_fused.enable(tr, split_proj_out="cat" not in tokens)
             for block, fwd in forwards.items():  # as accel.compile_blocks(fused=True), with the split choice
                 block.__dict__["_shardgen_eager_forward"] = block.forward

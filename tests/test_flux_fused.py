@@ -70,6 +70,39 @@ def test_fused_block_forwards_match_the_stock_blocks():
     assert not torch.equal(out, torch.zeros_like(out))
 
 
+def test_the_eager_cuda_block_bodies_compute_the_stock_blocks(monkeypatch):
+    """The bodies the fused blocks run eagerly on CUDA (one-pass LayerNorm + modulation, addcmul residuals, the
+    second proj_out GEMM accumulating into the first's output), here with their torch fallbacks in float64: every
+    modulation tensor and gate goes where diffusers' blocks put it."""
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
+    calls = []
+    for name in ("_double_block_eager", "_single_block_eager"):
+        body = getattr(flux_fused, name)
+        monkeypatch.setattr(flux_fused, name, lambda *a, _body=body, **k: calls.append(_body) or _body(*a, **k))
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    out = run(tr, kw)
+    assert len(calls) == 4  # both bodies ran, in every block
+    assert (out - ref).abs().max() < 1e-12 * ref.abs().max() and not torch.equal(out, ref)
+
+
+def test_the_eager_fusions_stay_out_of_compiled_graphs_and_off_affine_norms(monkeypatch):
+    tr = small_flux()
+    block = tr.transformer_blocks[0]
+    x = torch.zeros(1)
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
+    assert flux_fused._eager_fusable(x, block.norm1, block.norm2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # inductor fuses these passes itself
+    assert not flux_fused._eager_fusable(x, block.norm1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    block.norm2 = torch.nn.LayerNorm(block.norm2.normalized_shape, eps=1e-6)  # with a weight: not ln_modulate's
+    assert not flux_fused._eager_fusable(x, block.norm1, block.norm2)
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cuda",))
+    assert not flux_fused._eager_fusable(x, tr.single_transformer_blocks[0].norm)  # a CPU tensor: stock ops
+
+
 def test_compile_blocks_fused_compiles_the_fused_forwards_and_uncompile_restores(monkeypatch):
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)

@@ -69,7 +69,7 @@ def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     modulation: the norm alone equals torch's but for rare one-step roundings (H200: 2e-6 of the elements), the
     modulated output is within a few bf16 steps of eager's (H200: ~29% of the elements differ, by 1-2 steps: the
     kernel does not reproduce eager's intermediate roundings exactly)."""
-    from shardgen.speed import flux2_fused as f2
+    from shardgen.speed import flux2_fused as f2, flux_fused
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(2, tokens, dim, device="cuda", generator=g).bfloat16()
@@ -77,7 +77,7 @@ def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     normed = torch.nn.functional.layer_norm(x, (dim,), eps=1e-6)
     assert (f2.ln_modulate(x, zero, zero, 1e-6) == normed).float().mean() > 0.999
     shift, scale, _ = (torch.randn(2, 1, 3 * dim, device="cuda", generator=g) * 0.3).bfloat16().chunk(3, dim=-1)
-    out, ref = f2.ln_modulate(x, shift, scale, 1e-6), f2.ln_modulate_reference(x, shift, scale, 1e-6)
+    out, ref = f2.ln_modulate(x, shift, scale, 1e-6), flux_fused.ln_modulate_reference(x, shift, scale, 1e-6)
     bound = 2 ** -5 * (((1 + scale.float()) * normed.float()).abs() + shift.float().abs()) + 2 ** -10
     assert ((out.float() - ref.float()).abs() <= bound).all(), (out.float() - ref.float()).abs().max()
     wide = torch.randn(2, tokens, 3 * dim + 4 * dim, device="cuda", generator=g).bfloat16()
@@ -122,6 +122,73 @@ def test_flux2_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error():
         assert accel.fuse_blocks_eager(tr) == 4
         fused = tr(**bf)[0]
     assert err(fused, ref) <= 1.1 * err(stock, ref) + 1e-3, (err(fused, ref), err(stock, ref))
+
+
+def test_flux_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error():
+    """A FLUX.1 transformer (head_dim 128, two blocks of each kind) with the fused blocks eagerly (one-pass
+    LayerNorm + modulation, addcmul residuals, the split proj_out accumulating in place): its error against a
+    float32 run of diffusers' blocks is the stock bf16 blocks' error, within 10%."""
+    from diffusers import FluxTransformer2DModel
+
+    from shardgen.speed import accel, flux_fused
+
+    torch.manual_seed(0)
+    tr = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
+                                attention_head_dim=128, num_attention_heads=4, joint_attention_dim=256,
+                                pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56)).cuda().eval()
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.normal_(0, 0.02) if p.ndim > 1 else p.normal_(1, 0.1)
+    g = torch.Generator("cuda").manual_seed(1)
+    ar = torch.arange(32, device="cuda", dtype=torch.float32)
+    z = torch.zeros(1, device="cuda")
+    kw = dict(hidden_states=torch.randn(2, 1024, 64, device="cuda", generator=g),
+              encoder_hidden_states=torch.randn(2, 77, 256, device="cuda", generator=g),
+              pooled_projections=torch.randn(2, 64, device="cuda", generator=g),
+              timestep=torch.tensor([0.3, 0.8], device="cuda"), guidance=torch.full((2,), 3.5, device="cuda"),
+              img_ids=torch.stack(torch.meshgrid(z, ar, ar, indexing="ij"), -1).reshape(-1, 3),
+              txt_ids=torch.zeros(77, 3, device="cuda"), return_dict=False)
+    bf = {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and not k.endswith("ids") else v
+          for k, v in kw.items()}
+
+    def err(a, b):
+        return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    bodies = []
+    for name in ("_double_block_eager", "_single_block_eager"):
+        body = getattr(flux_fused, name)
+        setattr(flux_fused, name, lambda *a, _body=body, **k: bodies.append(_body) or _body(*a, **k))
+    try:
+        with torch.no_grad():
+            ref = tr(**kw)[0]
+            tr.bfloat16()
+            stock = tr(**bf)[0]
+            assert accel.fuse_blocks_eager(tr) == 4
+            fused = tr(**bf)[0]
+    finally:
+        for body in set(bodies):
+            setattr(flux_fused, body.__name__, body)
+    assert len(bodies) == 4  # the eager CUDA bodies ran in every block
+    assert err(fused, ref) <= 1.1 * err(stock, ref) + 1e-3, (err(fused, ref), err(stock, ref))
+
+
+def test_sdpa_auto_times_a_long_video_one_sample_at_a_time_within_its_memory():
+    """sdpa_backend=auto at a 720p Wan 14B batch of 4 (75,600 tokens x 40 heads: 3.1 GB a tensor at batch 4) times
+    the kernels on one sample: every kernel measured and agreeing, at a peak of one sample's tensors (the batch's
+    would be four times that)."""
+    from shardgen.speed import sdpa
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    timings = sdpa.measure_sdpa(torch.device("cuda"), torch.bfloat16, 4, 40, 75600, 128, iters=1)
+    peak = torch.cuda.max_memory_allocated() - base
+    measured = {n: t for n, t in timings.items() if "ms" in t}
+    assert {"flash", "cudnn"} <= set(measured), timings
+    assert all(t["max_abs_diff"] < 0.05 for t in measured.values()), timings
+    one_sample = 40 * 75600 * 128 * 2
+    assert peak < 8 * one_sample, (peak / 1e9, timings)  # q, k, v, two outputs and workspaces of one sample
 
 
 def test_compiled_fused_job_stays_within_the_bf16_noise_floor(tmp_path):

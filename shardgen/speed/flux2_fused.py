@@ -32,67 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.flux_fused import (norm_eps, norm_weight, one_eps, processor_problem, restore_processors,
-                                       rms_rope, swap_processors, tl, triton)
+from shardgen.speed.flux_fused import (_triton_ok, gated, ln_modulate, norm_eps, norm_weight, one_eps,
+                                       processor_problem, restore_processors, rms_rope, swap_processors, tl, triton)
 
 log = logging.getLogger("shardgen.flux2_fused")
 
 COMPILED = False
 """Compiled blocks compile diffusers' own forwards: inductor fuses these passes itself."""
-
-
-def _triton_ok(*xs: torch.Tensor) -> bool:
-    return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
-            and all(x.stride(-1) == 1 for x in xs))
-
-
-# --- LayerNorm + modulation --------------------------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, rows_per_batch, dim, stride_x, stride_mod, eps,
-                            BLOCK_D: tl.constexpr):
-        # one program per token row; the modulation row is its batch sample's
-        row = tl.program_id(0).to(tl.int64)
-        b = row // rows_per_batch
-        d = tl.arange(0, BLOCK_D)
-        mask = d < dim
-        x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / dim
-        xc = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
-        dtype = out_ptr.dtype.element_ty
-        # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
-        y = (xc * rstd).to(dtype).to(tl.float32)
-        scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
-        y = ((1.0 + scale).to(dtype).to(tl.float32) * y).to(dtype).to(tl.float32) + shift
-        tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
-
-
-def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """What eager diffusers computes: ``(1 + scale) * LayerNorm(x) + shift`` (no affine LayerNorm)."""
-    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
-
-
-@torch.library.custom_op("shardgen::flux2_ln_modulate", mutates_args=())
-def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
-    dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
-    if not (_triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
-            and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
-        return ln_modulate_reference(x, shift, scale, eps)
-    b, tokens, dim = x.shape
-    out = torch.empty_like(x)
-    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, tokens, dim, x.stride(1), shift.stride(0), eps,
-                                       BLOCK_D=triton.next_power_of_2(dim), num_warps=8)
-    return out
-
-
-@ln_modulate.register_fake
-def _(x, shift, scale, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 # --- SwiGLU --------------------------------------------------------------------------------------------------
@@ -129,13 +75,6 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 @swiglu.register_fake
 def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-
-
-def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + gate * y``: one pass (``addcmul``) on CUDA, eager's two ops elsewhere (their exact bytes)."""
-    if x.is_cuda:
-        return torch.addcmul(x, gate, y)
-    return x + gate * y
 
 
 # --- the attention processors ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Fused FLUX blocks for ``compile=true``: the memory-bound work around the matmuls, done in fewer passes.
+"""Fused FLUX blocks, compiled and eager: the memory-bound work around the matmuls, done in fewer passes.
 
 Under regional compilation, inductor already fuses the FLUX blocks' elementwise chains, but three
 patterns stay expensive on an H100/H200 (measured with ``benchmarks/probe_transformer.py``):
@@ -17,6 +17,11 @@ patterns stay expensive on an H100/H200 (measured with ``benchmarks/probe_transf
   15360-wide activation per block; two GEMMs over the two parts (the weight's column blocks) summed in
   the block's fused residual kernel compute the same product without it (one more bf16 rounding of a
   partial sum: bf16 noise).
+
+Eagerly on CUDA (``compile=false``, a ``compile: auto`` process before or without its switch) the blocks also do
+what inductor's fusion does compiled: each adaLN LayerNorm + modulation in one Triton pass (``ln_modulate``,
+rounding where eager rounds), each gated residual in one ``addcmul``, and the single block's second ``proj_out``
+GEMM accumulating into the first's output. Off CUDA every op is eager diffusers' own.
 
 ``enable(transformer)`` swaps the attention processors and returns the block forwards that
 ``shardgen.speed.accel.compile_blocks`` compiles instead of the blocks' own; ``disable`` restores them. Only
@@ -39,6 +44,8 @@ log = logging.getLogger("shardgen.flux_fused")
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
 COMPILED = True
 """Compiled blocks compile these forwards too (inductor leaves the three patterns above slow)."""
+EAGER_DEVICES = ("cuda",)
+"""Where the eager-only fusions run (elsewhere the stock ops keep eager diffusers' exact bytes)."""
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
     import triton
@@ -134,6 +141,67 @@ def rms_rope_triton(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: to
 def _(xs, weights, cos, sin, eps):
     b, _, heads, dim = xs[0].shape
     return xs[0].new_empty(b, heads, sum(x.shape[1] for x in xs), dim)
+
+
+# --- LayerNorm + modulation, gated residuals (eagerly; FLUX.2 and Qwen-Image use them too) -------------------
+
+def _triton_ok(*xs: torch.Tensor) -> bool:
+    return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
+            and all(x.stride(-1) == 1 for x in xs))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, rows_per_batch, dim, stride_x, stride_mod, eps,
+                            BLOCK_D: tl.constexpr):
+        # one program per token row; the modulation row is its batch sample's
+        row = tl.program_id(0).to(tl.int64)
+        b = row // rows_per_batch
+        d = tl.arange(0, BLOCK_D)
+        mask = d < dim
+        x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / dim
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
+        dtype = out_ptr.dtype.element_ty
+        # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
+        y = (xc * rstd).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        y = ((1.0 + scale).to(dtype).to(tl.float32) * y).to(dtype).to(tl.float32) + shift
+        tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
+
+
+def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """What eager diffusers computes: ``(1 + scale) * LayerNorm(x) + shift`` (no affine LayerNorm)."""
+    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
+
+
+@torch.library.custom_op("shardgen::ln_modulate", mutates_args=())
+def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
+    dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
+    if not (_triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
+            and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
+        return ln_modulate_reference(x, shift, scale, eps)
+    b, tokens, dim = x.shape
+    out = torch.empty_like(x)
+    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, tokens, dim, x.stride(1), shift.stride(0), eps,
+                                       BLOCK_D=triton.next_power_of_2(dim), num_warps=8)
+    return out
+
+
+@ln_modulate.register_fake
+def _(x, shift, scale, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``: one pass (``addcmul``) on CUDA, eager's two ops elsewhere (their exact bytes)."""
+    if x.is_cuda:
+        return torch.addcmul(x, gate, y)
+    return x + gate * y
 
 
 # --- linear + tanh-GELU in the GEMM epilogue -----------------------------------------------------------
@@ -245,6 +313,9 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
                   split: bool):
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    if split and _eager_fusable(hidden_states, self.norm) and type(self.proj_out) is torch.nn.Linear:
+        hidden_states = _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     mlp_hidden_states = _gelu_up(self.proj_mlp, norm_hidden_states)
@@ -266,6 +337,45 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
         # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
         text, image = text.contiguous(), image.contiguous()
     return text, image
+
+
+def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """The single block's body eagerly on CUDA: LayerNorm + modulation in one pass, ``proj_out``'s second GEMM
+    accumulating into the first's output (no sum pass), the gated residual in one ``addcmul``."""
+    normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
+    mlp_hidden_states = _gelu_up(self.proj_mlp, normed)
+    attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    dim, w = attn_output.shape[-1], self.proj_out.weight
+    proj = F.linear(attn_output, w[:, :dim], self.proj_out.bias)
+    proj.view(-1, proj.shape[-1]).addmm_(mlp_hidden_states.reshape(-1, mlp_hidden_states.shape[-1]), w[:, dim:].t())
+    hidden_states = gated(hidden_states, gate[:, None], proj)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
+
+
+def _plain_layer_norm(norm: torch.nn.Module) -> bool:
+    return type(norm) is torch.nn.LayerNorm and not norm.elementwise_affine
+
+
+def _eager_fusable(x: torch.Tensor, *norms: torch.nn.Module) -> bool:
+    """The eager-only fusions apply: a CUDA tensor outside a compiler's trace (compiled, inductor fuses these passes
+    with their neighbours itself, and better), adaLN modules (``AdaLayerNormZero``/``...Single``) without their own
+    embedding, and plain LayerNorms (no weight): ``ln_modulate``'s arithmetic."""
+    if x.device.type not in EAGER_DEVICES or torch.compiler.is_compiling():
+        return False
+    for norm in norms:
+        inner = getattr(norm, "norm", norm)
+        if getattr(norm, "emb", None) is not None or not _plain_layer_norm(inner):
+            return False
+    return True
+
+
+def _ada_norm(norm: torch.nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int):
+    """diffusers' ``AdaLayerNormZero`` (``chunks=6``) or ``AdaLayerNormZeroSingle`` (3) with its LayerNorm and
+    modulation in one pass: (the modulated ``x``, the other modulation tensors)."""
+    mods = norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+    return ln_modulate(x, mods[0][:, None], mods[1][:, None], norm.norm.eps), mods[2:]
 
 
 def _compiled_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -293,7 +403,11 @@ def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                          joint_attention_kwargs=None):
-    """``FluxTransformerBlock.forward`` with both MLPs' GELU in the GEMM epilogue."""
+    """``FluxTransformerBlock.forward`` with both MLPs' GELU in the GEMM epilogue (eagerly on CUDA also the
+    LayerNorm + modulation passes and the gated residuals fused: ``_double_block_eager``)."""
+    if _eager_fusable(hidden_states, self.norm1, self.norm1_context, self.norm2, self.norm2_context):
+        return _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
         encoder_hidden_states, emb=temb)
@@ -310,6 +424,30 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
                                   + c_shift_mlp[:, None])
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff_context,
                                                                                    norm_encoder_hidden_states)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
+    ``addcmul`` (compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
+    normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(self.norm1, hidden_states, temb, 6)
+    c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = _ada_norm(self.norm1_context,
+                                                                             encoder_hidden_states, temb, 6)
+    attention_outputs = self.attn(hidden_states=normed, encoder_hidden_states=c_normed,
+                                  image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    attn_output, context_attn_output = attention_outputs[:2]
+    hidden_states = gated(hidden_states, gate_msa[:, None], attn_output)
+    ff = gelu_feed_forward(self.ff, ln_modulate(hidden_states, shift_mlp[:, None], scale_mlp[:, None],
+                                                self.norm2.eps))
+    hidden_states = gated(hidden_states, gate_mlp[:, None], ff)
+    if len(attention_outputs) == 3:
+        hidden_states = hidden_states + attention_outputs[2]
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa[:, None], context_attn_output)
+    ff = gelu_feed_forward(self.ff_context, ln_modulate(encoder_hidden_states, c_shift_mlp[:, None],
+                                                        c_scale_mlp[:, None], self.norm2_context.eps))
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp[:, None], ff)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states

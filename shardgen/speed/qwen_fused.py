@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardgen.speed.flux2_fused import gated, layer_norm_problem, ln_modulate
-from shardgen.speed.flux_fused import gelu_feed_forward, norm_eps, norm_weight, one_eps, rms_rope
+from shardgen.speed.flux2_fused import layer_norm_problem
+from shardgen.speed.flux_fused import gated, gelu_feed_forward, ln_modulate, norm_eps, norm_weight, one_eps, rms_rope
 
 log = logging.getLogger("shardgen.qwen_fused")
 
