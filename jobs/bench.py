@@ -84,5 +84,11 @@ def main(argv=None) -> dict:
     return run_bench(parse_args(argv))
 
 
+def cli() -> int:
+    """``python -m jobs.bench``: 0 once the figures are printed and bench.json written (a failure raises)."""
+    main()
+    return 0
+
+
 if __name__ == "__main__":
-    run_program(main, "jobs.bench")
+    run_program(cli, "jobs.bench")

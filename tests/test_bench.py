@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -19,17 +22,21 @@ FAST = ("height=32", "width=32", "steps=2", "progress=false", "prompts.limit=6",
 
 
 @pytest.mark.slow  # whole jobs / bench runs
-def test_quick_bench_prints_every_figure(tmp_path, capsys):
-    data = bench_main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
-    out = capsys.readouterr().out
+def test_quick_bench_prints_every_figure_and_exits_0(tmp_path):
+    """``python -m jobs.bench`` as a user runs it: every figure printed, bench.json written, exit status 0."""
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench", "--quick", "--workdir", str(tmp_path / "work"),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
     for needle in ("matmul rate (measured", "FLOPs per image-step", "baseline (diffusers loop)",
                    "shardgen (jobs.generate)", "images/hour", "denoise MFU", "e2e MFU", "speed-up shardgen / baseline",
                    "PSNR shardgen vs baseline", "GPU idle in steady state", "peak memory"):
-        assert needle in out, needle
+        assert needle in proc.stdout, needle
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
     s = data["summary"]
     assert s["baseline_images_per_hour"] > 0 and s["shardgen_images_per_hour"] > 0 and s["speedup"] > 0
     assert s["psnr_first"] > 40  # float64 on a CPU: the same pixels up to the odd rounding
-    assert json.loads((tmp_path / "out" / "bench.json").read_text())["shardgen"]["ok"] == 4
+    assert data["shardgen"]["ok"] == 4
 
 
 def test_quick_video_bench_compares_the_seed_loop_in_videos_per_hour(tmp_path, capsys):
