@@ -357,7 +357,8 @@ class SpeedConfig:
     """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
     flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
-    H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones), and compiled with
+    H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
+    and compiled with
     compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
     (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep
     the stock blocks; false = diffusers' own blocks."""

@@ -14,7 +14,7 @@
   shardgen/speed/flux_fused.py, FLUX.2 flux2_fused.py, Qwen-Image qwen_fused.py): the memory-bound passes between
   the GEMMs (norms, modulation, RoPE, activations, gated residuals) in fewer passes. Without ``compile``
   (``compile=false``, a ``compile: auto`` process that stays eager or has not switched yet) they run eagerly on
-  CUDA (H200, batch 4: FLUX.1-dev 3.95 s/image vs ~5.0 stock eager vs 3.50 compiled; FLUX.2-dev's and
+  CUDA (H200, batch 4: FLUX.1-dev 3.70 s/image vs ~5.0 stock eager vs 3.59 compiled; FLUX.2-dev's and
   Qwen-Image's as fast as their compiled blocks). With ``compile`` a module whose ``COMPILED`` is true (FLUX.1's)
   has its forwards compiled; the others compile diffusers' own. Off CUDA without ``compile`` the stock blocks run
   (CPU runs keep diffusers' exact bytes).
