@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.flux_fused import (_triton_ok, gated, ln_modulate, norm_eps, norm_weight, one_eps,
-                                       processor_problem, restore_processors, rms_rope, swap_processors, tl, triton)
+from shardgen.speed.flux_fused import (gated, ln_modulate, norm_eps, norm_weight, one_eps, processor_problem,
+                                       restore_processors, rms_rope, swap_processors, tl, triton, triton_ok)
 
 log = logging.getLogger("shardgen.flux2_fused")
 
@@ -63,7 +63,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     column slice of a wider tensor). An opaque op, so a compiler keeps the one pass."""
     half = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])  # a view for a column slice of a contiguous tensor
-    if not _triton_ok(x) or rows.data_ptr() != x.data_ptr() or x.shape[-1] % 2:
+    if not triton_ok(x) or rows.data_ptr() != x.data_ptr() or x.shape[-1] % 2:
         return F.silu(x[..., :half]) * x[..., half:]
     out = torch.empty(*x.shape[:-1], half, device=x.device, dtype=x.dtype)
     block = 1024

@@ -145,7 +145,8 @@ def _(xs, weights, cos, sin, eps):
 
 # --- LayerNorm + modulation, gated residuals (eagerly; FLUX.2 and Qwen-Image use them too) -------------------
 
-def _triton_ok(*xs: torch.Tensor) -> bool:
+def triton_ok(*xs: torch.Tensor) -> bool:
+    """Whether the elementwise Triton kernels take these tensors: CUDA, bf16/fp16, unit stride in the last dim."""
     return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
             and all(x.stride(-1) == 1 for x in xs))
 
@@ -182,7 +183,7 @@ def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Ten
 def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
     dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
-    if not (_triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
+    if not (triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
             and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
         return ln_modulate_reference(x, shift, scale, eps)
     b, tokens, dim = x.shape
