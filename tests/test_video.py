@@ -36,6 +36,24 @@ def shard_videos(run_dir: Path) -> dict[str, bytes]:
             for key, mem in read_shard_members(tar).items()}
 
 
+def assert_same_videos(run_dir: Path, reference: Path) -> None:
+    """The two runs' mp4s are byte for byte equal; where not, the message says which samples differ, by how much
+    in decoded pixels, and their prompts and seeds (what a rare mismatch needs to be traced)."""
+    got, want = shard_videos(run_dir), shard_videos(reference)
+    assert sorted(got) == sorted(want)
+    differ = [k for k in sorted(got) if got[k] != want[k]]
+    if differ:
+        meta = {key: json.loads(mem["json"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+                for key, mem in read_shard_members(tar).items()}
+        lines = []
+        for k in differ:
+            a, b = decode_video(got[k])[0].astype(int), decode_video(want[k])[0].astype(int)
+            diff = np.abs(a - b).max() if a.shape == b.shape else f"shapes {a.shape} vs {b.shape}"
+            sample = {n: meta[k].get(n) for n in ("index", "prompt", "seed")}
+            lines.append(f"{k}: {len(got[k])} vs {len(want[k])} bytes, max pixel diff {diff}, {sample}")
+        raise AssertionError("mp4s differ:\n" + "\n".join(lines))
+
+
 @pytest.fixture(scope="module")
 def video_run(tmp_path_factory) -> Path:
     """A finished 6-prompt video run in 2 shards."""
@@ -157,7 +175,7 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, video_
     result = run(compose_cfg(f"run_dir={run_dir}", *args))
     assert result.complete and result.generated_here < 6
     assert verify_run(load_plan(RunDir(run_dir))).ok
-    assert shard_videos(run_dir) == shard_videos(video_run)
+    assert_same_videos(run_dir, video_run)
 
 
 # --- the real Wan architectures (model.weights=dummy) ---------------------------------------------------------
@@ -261,7 +279,7 @@ def test_whole_ulysses2_job_writes_the_one_rank_mp4_bytes(tmp_path, video_run):
     run(compose_cfg("strategy=cp_ulysses", "ulysses_degree=2", "launcher=local", "launcher.nprocs=2",
                     f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST))
     assert verify_run(load_plan(RunDir(run_dir))).ok
-    assert shard_videos(run_dir) == shard_videos(video_run)
+    assert_same_videos(run_dir, video_run)
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -328,7 +346,7 @@ def test_sigkill_between_denoising_steps_resumes_from_the_saved_step(tmp_path, c
     with caplog.at_level("INFO", logger="shardgen.latents"):
         assert run(compose_cfg(f"run_dir={run_dir}", *args)).complete
     assert re.search(r"samples 0..1: resuming from step [1-7] of 8", caplog.text), caplog.text
-    assert shard_videos(run_dir) == shard_videos(tmp_path / "whole")
+    assert_same_videos(run_dir, tmp_path / "whole")
     assert not list((run_dir / "latents").iterdir())  # removed once the batch went to the writer
 
 
@@ -373,7 +391,7 @@ def test_a_run_with_a_garbage_latent_checkpoint_completes_with_the_plain_bytes(t
     (run_dir / "latents" / "0000000000+2.pt").write_bytes(b"\x80garbage")
     assert run(compose_cfg(f"run_dir={run_dir}", "prompts.limit=6", "samples_per_shard=4", *FAST,
                            "latent_checkpoint_every=2")).complete
-    assert shard_videos(run_dir) == shard_videos(video_run)
+    assert_same_videos(run_dir, video_run)
 
 
 def test_the_attention_kernel_is_chosen_for_the_videos_own_token_count(tmp_path, monkeypatch):
