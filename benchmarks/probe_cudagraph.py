@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,19 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def timed(fn, iters: int) -> float:
-    ms = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ms.append(s.elapsed_time(e))
-    return statistics.median(ms)
-
-
 def main() -> int:
+    from probe_attention import timed
     from probe_transformer import build, call, inputs
 
     from shardgen.speed import accel
@@ -51,7 +39,7 @@ def main() -> int:
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "batch": args.batch,
            "fused_blocks": accel.fuse_blocks_eager(tr)}
     ref = call(tr, kw)
-    res["eager_ms"] = round(timed(lambda: call(tr, kw), args.iters), 2)
+    res["eager_ms"] = round(timed(lambda: call(tr, kw), args.iters, warm=0), 2)
     print("eager", res["eager_ms"], flush=True)
     try:
         side = torch.cuda.Stream()
@@ -67,7 +55,7 @@ def main() -> int:
         torch.cuda.synchronize()
         res["replay_equal"] = bool(torch.equal(out, ref))
         res["replay_max_abs_diff"] = float((out.float() - ref.float()).abs().max())
-        res["graph_ms"] = round(timed(graph.replay, args.iters), 2)
+        res["graph_ms"] = round(timed(graph.replay, args.iters, warm=0), 2)
         res["graph_pool_GiB"] = round(torch.cuda.memory_reserved() / 2 ** 30, 1)
     except Exception as e:  # something in the forward that a graph cannot capture (a host sync)
         res["graph_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
