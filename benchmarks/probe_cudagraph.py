@@ -1,12 +1,12 @@
-"""What CUDA graphs would give FLUX.1-dev's fused eager blocks: one batch-4 transformer call eagerly against the
-same call captured once in a CUDA graph and replayed.
+"""What CUDA graphs would give the fused eager blocks: one batch-4 transformer call eagerly against the same call
+captured once in a CUDA graph and replayed.
 
-    python benchmarks/probe_cudagraph.py [--batch 4] [--iters 7]
+    python benchmarks/probe_cudagraph.py [--model flux|flux2] [--batch 4] [--iters 7]
 
-Builds the FLUX.1-dev transformer alone (``probe_transformer.build``: dummy bf16 weights, 1024x1024, 512 text
-tokens), runs its fused eager blocks (``accel.fuse_blocks_eager``), times a call eagerly and as a graph replay
-(CUDA events, median) and checks that the replay's output equals the eager call's. Results go to
-``$OUT/probe_cudagraph.json``.
+Builds the transformer alone (FLUX.1-dev: ``probe_transformer.build``, the whole model; FLUX.2-dev:
+``probe_flux2.build``, 2 double + 8 single blocks; dummy bf16 weights, 1024x1024, 512 text tokens), runs its fused
+eager blocks (``fuse_blocks_eager``), times a call eagerly and as a graph replay (CUDA events, median) and checks
+that the replay's output equals the eager call's. Results go to ``$OUT/probe_cudagraph_<model>.json``.
 """
 
 from __future__ import annotations
@@ -25,19 +25,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> int:
     from probe_attention import timed
-    from probe_transformer import build, call, inputs
+    from probe_transformer import call
 
     from shardgen.speed import accel
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("flux", "flux2"), default="flux")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--iters", type=int, default=7)
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    tr = build(dev, dt)
+    if args.model == "flux":
+        from probe_transformer import build, inputs
+        tr = build(dev, dt)
+    else:
+        from probe_flux2 import build, inputs
+        tr = build(2, 8, dev, dt)
     kw = inputs(args.batch, dev, dt)
-    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "batch": args.batch,
-           "fused_blocks": accel.fuse_blocks_eager(tr)}
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "model": args.model,
+           "batch": args.batch, "fused_blocks": accel.fuse_blocks_eager(tr)}
     ref = call(tr, kw)
     res["eager_ms"] = round(timed(lambda: call(tr, kw), args.iters, warm=0), 2)
     print("eager", res["eager_ms"], flush=True)
@@ -61,7 +67,7 @@ def main() -> int:
         res["graph_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
     print(json.dumps(res), flush=True)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "probe_cudagraph.json").write_text(json.dumps(res, indent=1))
+        Path(os.environ["OUT"], f"probe_cudagraph_{args.model}.json").write_text(json.dumps(res, indent=1))
     return 0
 
 

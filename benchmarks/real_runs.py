@@ -8,6 +8,7 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 1. ``seed``: ``python -m jobs.bench --baseline-only`` on the first ``--seed-n`` prompts: the guide's
    eager loop (one prompt per call, the job's generation arguments, PNG saved): images/hour, steady;
 2. ``eager``: ``python -m jobs.generate ... compile=false``;
+   ``ungraphed``: the same with ``cuda_graphs=false`` (every transformer call launched from Python);
 3. ``cold``: ``python -m jobs.generate ...`` with default settings (``compile: auto``) on a fresh
    ``$SHARDGEN_CACHE`` (its compile cache and compile records empty): a first job on a new node;
 4. ``compiled-cold``: ``compile=true`` on another fresh cache: what compiling on the main thread costs and gives
@@ -107,7 +108,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated ways to leave out: seed,eager,cold,compiled-cold,warm,requeued (default: none)")
+                    help="comma-separated ways to leave out: seed,eager,ungraphed,cold,compiled-cold,warm,requeued "
+                         "(default: none)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (both ways)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -121,7 +123,8 @@ def main() -> None:
     skip = set(filter(None, a.skip.split(",")))
     # way -> (overrides, compile cache): "cold" and "compiled-cold" each start from an empty cache; "warm" reuses
     # the one "compiled-cold" filled (its compiled artifacts and compile records), as a requeued job would
-    ways = {"eager": (["compile=false"], "cache-eager"), "cold": ([], "cache"),
+    ways = {"eager": (["compile=false"], "cache-eager"),
+            "ungraphed": (["compile=false", "cuda_graphs=false"], "cache-ungraphed"), "cold": ([], "cache"),
             "compiled-cold": (["compile=true"], "cache-compiled"), "warm": ([], "cache-compiled"),
             "requeued": ([], "cache-compiled")}
     # this script's own outputs, for the ways this call runs: each way's run dir, and its cache unless it reuses one

@@ -161,6 +161,53 @@ def test_flux_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error(monkeypat
     assert fused <= 1.1 * stock + 1e-3, (fused, stock)
 
 
+def _model_inputs(model: str, batch: int, g: torch.Generator, size: int = 1024, text: int = 512) -> dict:
+    """A transformer call's arguments as the model's pipeline passes them (bf16, ``size`` pixels square)."""
+    side, bf = size // 16, torch.bfloat16
+    ar = torch.arange(side, device="cuda", dtype=torch.float32)
+    z = torch.zeros(1, device="cuda")
+    if model == "flux_dev":
+        return dict(hidden_states=torch.randn(batch, side * side, 64, device="cuda", generator=g).to(bf),
+                    encoder_hidden_states=torch.randn(batch, text, 4096, device="cuda", generator=g).to(bf),
+                    pooled_projections=torch.randn(batch, 768, device="cuda", generator=g).to(bf),
+                    timestep=torch.rand(batch, device="cuda", generator=g).to(bf),
+                    guidance=torch.full((batch,), 3.5, device="cuda"),
+                    img_ids=torch.stack(torch.meshgrid(z, ar, ar, indexing="ij"), -1).reshape(-1, 3),
+                    txt_ids=torch.zeros(text, 3, device="cuda"), joint_attention_kwargs=None, return_dict=False)
+    txt_ids = torch.zeros(text, 4, device="cuda")
+    txt_ids[:, 3] = torch.arange(text, device="cuda")
+    return dict(hidden_states=torch.randn(batch, side * side, 128, device="cuda", generator=g).to(bf),
+                encoder_hidden_states=torch.randn(batch, text, 15360, device="cuda", generator=g).to(bf),
+                timestep=torch.rand(batch, device="cuda", generator=g).to(bf),
+                guidance=torch.full((batch,), 4.0, device="cuda", dtype=bf),
+                img_ids=torch.stack(torch.meshgrid(z, ar, ar, z, indexing="ij"), -1).reshape(-1, 4),
+                txt_ids=txt_ids, joint_attention_kwargs=None, return_dict=False)
+
+
+@pytest.mark.parametrize("model", ["flux_dev", "flux2_dev"])
+def test_replayed_cuda_graphs_give_the_eager_calls_bits(model):
+    """The model's transformer at full width (two double and four single blocks, fused eager blocks, 1024x1024):
+    calls of batch 4 and a short batch of 2, each at new random inputs, return through ``GraphedForward`` (a
+    CUDA graph per shape, captured at its second call) exactly what the same calls return eagerly."""
+    from shardgen.models.dummy import construct_meta, dummy_architecture, materialize_random
+    from shardgen.speed import accel
+    from shardgen.speed.cuda_graphs import GraphedForward
+
+    spec = dummy_architecture(model, {"transformer": {"num_layers": 2, "num_single_layers": 4}})["transformer"]
+    tr = materialize_random(construct_meta(spec), torch.device("cuda"), torch.bfloat16,
+                            generator=torch.Generator("cuda").manual_seed(0)).eval()
+    assert accel.fuse_blocks_eager(tr) == 6
+    g = torch.Generator("cuda").manual_seed(1)
+    calls = [_model_inputs(model, batch, g) for batch in (4, 4, 4, 2, 2, 4, 2)]
+    graphed = GraphedForward(tr.forward)
+    with torch.no_grad():
+        eager = [tr(**kw)[0] for kw in calls]
+        replayed = [graphed(**kw)[0] for kw in calls]
+    assert graphed.counts == {"eager": 2, "captured": 2, "replayed": 5}
+    for i, (a, b) in enumerate(zip(eager, replayed)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+
+
 def test_sdpa_auto_times_a_long_video_one_sample_at_a_time_within_its_memory():
     """sdpa_backend=auto at a 720p Wan 14B batch of 4 (75,600 tokens x 40 heads: 3.1 GB a tensor at batch 4) times
     the kernels on one sample: every kernel measured and agreeing, at a peak of one sample's tensors (the batch's

@@ -6,7 +6,8 @@
 Each model runs the whole job (dummy bf16 weights, small sizes, 2 steps, prompts of 1 to 160 words, the model's own
 CFG settings) these ways, one after the other on one compile cache:
 
-- ``eager``: ``compile=false`` (the reference);
+- ``eager``: ``compile=false`` (the reference; its calls replay CUDA graphs where the family declares them);
+- ``ungraphed``: ``compile=false cuda_graphs=false``: the same bytes as ``eager``;
 - ``floor``: ``compile=false`` with another exact attention kernel: how far bf16 rounding alone moves the pixels;
 - ``compiled``: ``compile=true`` (fills the compile cache);
 - ``auto-eager``, ``auto-main``, ``auto-background``: ``compile: auto`` forced (``SHARDGEN_COMPILE_AUTO``) to stay
@@ -37,6 +38,7 @@ from shardgen.bench.main import bench_prompts
 from shardgen.bench.measure import psnr, shard_images
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.families import family_of
 from shardgen.tools.verify import verify_run
 from shardgen.speed import autocompile as AC
 from tests.conftest import compose_cfg
@@ -61,6 +63,7 @@ COMPILED_GRAPHS = {  # compile=true's graphs: one per block class (SD3.5's last 
 }
 WAYS = {
     "eager": (None, ("compile=false", "sdpa_backend=cudnn")),
+    "ungraphed": (None, ("compile=false", "sdpa_backend=cudnn", "cuda_graphs=false")),
     "floor": (None, ("compile=false", "sdpa_backend=flash")),
     "compiled": (None, ("compile=true", "sdpa_backend=cudnn")),
     "auto-eager": ("eager", ("sdpa_backend=cudnn",)),
@@ -91,8 +94,10 @@ def _run_way(tmp_path, model, force, extra, monkeypatch, caplog, run_dir=None):
     summary = next((m for m in (rec.getMessage() for rec in reversed(caplog.records))
                     if re.match(r"compile=\w+ (eager|compiled)", m)), "")
     errors = [rec.getMessage()[:300] for rec in caplog.records if rec.levelno >= logging.ERROR]
+    cuda_graphs = sum("cuda_graphs: captured" in rec.getMessage() for rec in caplog.records)
     _free_gpu()
-    return r, {"graphs": compiled_graphs() - before, "summary": summary, "errors": errors[:3]}
+    return r, {"graphs": compiled_graphs() - before, "cuda_graphs": cuda_graphs, "summary": summary,
+               "errors": errors[:3]}
 
 
 def _doctor_records_to_compile_before_the_first_batch() -> None:
@@ -135,6 +140,11 @@ def test_every_default_path_makes_every_sample_within_the_noise_floor(tmp_path, 
     assert "eager" in figures["auto-eager"]["summary"] and figures["auto-eager"]["graphs"] == 0
     assert figures["compiled"]["graphs"] == COMPILED_GRAPHS[model], figures["compiled"]
     assert "compiled in the background" in figures["auto-background"]["summary"], figures["auto-background"]
+    # eager calls replay CUDA graphs where the family declares them (a full batch's shape, and a short one at most),
+    # to the bit of the calls they replay
+    declared = family_of(compose_cfg(f"model={model}").model.pipeline).cuda_graphs
+    assert (figures["eager"]["cuda_graphs"] > 0) == declared and figures["ungraphed"]["cuda_graphs"] == 0, figures
+    assert images["ungraphed"] == images["eager"]
 
     floor = {i: psnr(images["floor"][i], images["eager"][i]) for i in images["eager"]}
     worst = {}

@@ -372,6 +372,11 @@ class SpeedConfig:
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
     on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
+    cuda_graphs: bool = True
+    """On CUDA, with the blocks eager and one GPU per replica, the transformer's calls replay CUDA graphs (one per
+    call shape, captured at its second call) instead of launching each kernel from Python: ~2% faster steps for
+    FLUX.1-dev's fused eager blocks on an H200. Exact (the same kernels on the same inputs); families that declare
+    it (FLUX.1, FLUX.2); false = every call eager. shardgen/speed/cuda_graphs.py."""
     first_block_cache: float = 0.0
     """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
     blocks of a step when the first block's output barely changed; decided per batch."""

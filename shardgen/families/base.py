@@ -94,6 +94,10 @@ class ModelFamily:
     """Transformer class name -> the module of its fused block forwards (``applicable``, ``enable``, ``disable``;
     ``COMPILED``: whether compiled blocks use them too), which ``fused_blocks=true`` runs instead of the stock
     forwards (named, not imported: families sit below speed/)."""
+    cuda_graphs: bool = False
+    """Whether the transformer's eager call is the same kernels for every call of one shape (no host decision on
+    values, no host sync), so ``cuda_graphs=true`` may capture and replay it (shardgen/speed/cuda_graphs.py);
+    checked on a GPU (tests/test_gpu.py) before a family declares it."""
     compiled_speedup: float | None = None
     """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
     its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic

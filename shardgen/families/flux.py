@@ -51,6 +51,7 @@ FLUX = register(ModelFamily(
     encode_outputs=("prompt_embeds", "pooled_prompt_embeds", None),
     dummies={"flux_dev": DummyModel("FLUX.1-dev", _FLUX1_DEV)},
     fused_blocks={"FluxTransformer2DModel": "shardgen.speed.flux_fused"},
+    cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # against its fused eager blocks, not the stock ones the generic prior was measured on (H200, FLUX.1-dev,
     # 1024x1024, 28 steps, batch 4: 3.68-3.72 s/sample fused eager, 3.59 compiled; benchmarks/results/h200-s21/): a
     # first job compiles only where the work left pays for the compile time (on a fresh cache, ~380 samples)

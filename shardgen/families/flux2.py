@@ -47,5 +47,6 @@ FLUX2 = register(ModelFamily(
     image_in_sequence=True,
     dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
     fused_blocks={"Flux2Transformer2DModel": "shardgen.speed.flux2_fused"},
+    cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)
     compiled_speedup=1.01))

@@ -8,6 +8,13 @@ from types import ModuleType
 import torch
 
 
+def plain_forward(module: torch.nn.Module) -> bool:
+    """True when ``module.forward`` is its class's own method (diffusers leaves the bound method as an instance
+    attribute after removing its hooks; that counts as plain): no hook or replacement wraps it."""
+    f = module.__dict__.get("forward")
+    return f is None or (getattr(f, "__self__", None) is module and getattr(f, "__func__", None) is type(module).forward)
+
+
 def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks whose class the transformer lists in ``_repeated_blocks`` (FLUX.1: 19 double-stream + 38
     single-stream blocks) or its family declares for it (Stable Diffusion 3's ``JointTransformerBlock``), in module

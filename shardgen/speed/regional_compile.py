@@ -34,7 +34,7 @@ import torch
 
 from shardgen.pick import pick
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
-from shardgen.speed.blocks import fused_blocks, repeated_blocks
+from shardgen.speed.blocks import fused_blocks, plain_forward, repeated_blocks
 from shardgen.speed.techniques import AccelError, AccelOptions
 from shardgen.speed.techniques import Step, Technique, register_technique
 
@@ -114,7 +114,7 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
     inductor_config.coordinate_descent_tuning = tuning
     todo = [b for b in blocks if "_shardgen_eager_forward" not in b.__dict__]
     for block in todo:
-        if not _plain_forward(block):  # a hook wraps forward: compiling it would compile the hook
+        if not plain_forward(block):  # a hook wraps forward: compiling it would compile the hook
             raise AccelError(f"compile=true: {type(block).__name__}.forward is already wrapped (a hook?); "
                              "compile before adding hooks")
     forwards = {}
@@ -141,7 +141,7 @@ def fuse_blocks_eager(transformer: torch.nn.Module) -> int:
     module = fused_blocks(transformer)
     if module is None or _blocks_replaced(transformer):
         return 0  # compiled or fused already
-    if not all(_plain_forward(b) for b in repeated_blocks(transformer)):
+    if not all(plain_forward(b) for b in repeated_blocks(transformer)):
         # a hook wraps the blocks (accelerate's device placement under device_map): replacing forward would drop it
         log.info("fused blocks not used eagerly: a hook wraps the blocks' forward")
         return 0
@@ -184,13 +184,6 @@ def _compiled(target, mode: str):
         return torch.compile(target, fullgraph=True, dynamic=False)
     # autotuned GEMM templates with fused epilogues (minutes of compilation per shape)
     return torch.compile(target, fullgraph=True, dynamic=False, mode=mode)
-
-
-def _plain_forward(block: torch.nn.Module) -> bool:
-    """True when ``block.forward`` is its class's own method (diffusers leaves the bound method as an
-    instance attribute after removing its hooks; that counts as plain)."""
-    f = block.__dict__.get("forward")
-    return f is None or (getattr(f, "__self__", None) is block and getattr(f, "__func__", None) is type(block).forward)
 
 
 def uncompile_blocks(transformer: torch.nn.Module) -> None:

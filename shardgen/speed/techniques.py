@@ -24,7 +24,7 @@ log = logging.getLogger("shardgen.accel")
 
 # imported when the techniques are first listed, in this order (each registers itself with its own order)
 BUILTIN = ("shardgen.speed.fp8", "shardgen.speed.regional_compile", "shardgen.speed.first_block_cache",
-           "shardgen.speed.sdpa", "shardgen.speed.family_hooks")
+           "shardgen.speed.sdpa", "shardgen.speed.family_hooks", "shardgen.speed.cuda_graphs")
 _STATE_ATTR = "_shardgen_accel"
 
 
@@ -48,6 +48,9 @@ class AccelOptions:
     compile_background: bool = False
     """With ``compile``: the blocks run eagerly while their graphs are compiled on a background thread, and
     switch to them between two batches (shardgen/speed/background.py; what ``compile: auto`` does on CUDA)."""
+    cuda_graphs: bool = True
+    """Resolved: the config's ``cuda_graphs`` where a replica is one GPU, else False (shardgen/speed/cuda_graphs.py:
+    where else it applies)."""
 
     @classmethod
     def from_cfg(cls, cfg: Any, one_gpu_per_replica: bool = True) -> "AccelOptions":
@@ -58,7 +61,8 @@ class AccelOptions:
         # config keeps this class's default
         return pick(cls, cfg, compile=resolve_compile(get("compile", "auto"), str(get("device", "auto")),
                                                   one_gpu_per_replica),
-                    sdpa=str(get("sdpa_backend", cls.sdpa)), compile_tuning=resolve_tuning(get("compile_tuning", "auto")))
+                    sdpa=str(get("sdpa_backend", cls.sdpa)), compile_tuning=resolve_tuning(get("compile_tuning", "auto")),
+                    cuda_graphs=bool(get("cuda_graphs", cls.cuda_graphs)) and one_gpu_per_replica)
 
     @property
     def lossy(self) -> dict:
@@ -112,7 +116,8 @@ class Technique:
 
     name: str
     order: int
-    """Where it applies among the others (lower first): fp8 10, compile 20, First-Block-Cache 30, the family's 50."""
+    """Where it applies among the others (lower first): fp8 10, compile 20, First-Block-Cache 30, the family's 50,
+    CUDA graphs 60 (around whatever the others made of the transformer)."""
     apply: Callable[[Step], dict]
     """Bring the transformer to ``step.opts`` for this technique; what was done (shown in the log, the bench)."""
     release: Callable[[Step], dict] = lambda step: {}
