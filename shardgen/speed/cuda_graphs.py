@@ -33,9 +33,9 @@ from shardgen.speed.techniques import Step, Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-MAX_GRAPHS = 4
-"""Shapes captured per transformer (a run's full batches, its short last batch, a few row sizes); others run
-eagerly."""
+MAX_GRAPHS = 3
+"""Shapes captured per transformer (a run's full batches, its short batches, one row size more): each graph holds
+a call's activations for good; other shapes run eagerly."""
 MAX_SEEN = 64
 """Shapes remembered while waiting for their second call; past that, a new shape runs eagerly for good."""
 
@@ -49,14 +49,11 @@ class CudaGraphOptions:
     first_block_cache: float = 0.0
 
 
-class NotGraphable(Exception):
-    """An argument that cannot be part of a graph's shape key (an object other than a tensor, number, string,
-    None, or a list, tuple or dict of them)."""
-
-
 def shape_key(args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
     """``(key, tensors)``: what a graph of this call depends on (the arguments' structure, each tensor's shape,
-    stride, dtype and device, every other argument's value) and the call's tensors in order."""
+    stride, dtype and device, every other argument's value) and the call's tensors in order. ``key`` is None when
+    an argument cannot be part of it (an object other than a tensor, number, string or None, or a list, tuple or
+    dict of them)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     sig, tensors = [], []
     for leaf in leaves:
@@ -66,7 +63,7 @@ def shape_key(args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             sig.append((type(leaf), leaf))
         else:
-            raise NotGraphable(type(leaf).__name__)
+            return None, []
     return (spec, tuple(sig)), tensors
 
 
@@ -109,9 +106,8 @@ class GraphedForward:
     def __call__(self, *args, **kwargs):
         if self.failed is not None or torch.is_grad_enabled():
             return self._eager(args, kwargs)
-        try:
-            key, tensors = shape_key(args, kwargs)
-        except NotGraphable:
+        key, tensors = shape_key(args, kwargs)
+        if key is None:
             return self._eager(args, kwargs)
         entry = self.graphs.get(key)
         if entry is None:

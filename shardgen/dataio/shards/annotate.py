@@ -66,7 +66,8 @@ def run_provenance(cfg: Any, pipe: Any, model_version: str | None, accel: Any, s
                 width=cfg.width, height=cfg.height, max_sequence_length=m.max_sequence_length,
                 shardgen=shardgen_version(), strategy=strategy,
                 accelerations=dict(compile=accel.compile, sdpa=accel.sdpa, first_block_cache=accel.first_block_cache,
-                                   fp8=accel.fp8, fused_blocks=accel.fused_blocks),
+                                   fp8=accel.fp8, fused_blocks=accel.fused_blocks,
+                                   cuda_graphs=accel.cuda_graphs),
                 lossy=bool(accel.lossy))
 
 
