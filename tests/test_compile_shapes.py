@@ -513,7 +513,7 @@ def test_a_family_whose_fused_eager_blocks_match_compiled_ones_stays_eager_on_a_
     flux2 = object.__new__(Flux2Pipeline)
     assert AC.prior_speedup(flux2, fused_blocks=True) == 1.01
     assert AC.prior_speedup(flux2, fused_blocks=False) == AC.PRIOR_SPEEDUP
-    assert AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=True) == 1.04
+    assert AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=True) == 1.02
     assert AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=False) == AC.PRIOR_SPEEDUP
     s = GenSettings(height=1024, width=1024, steps=8, guidance=4.0, true_cfg_scale=1.0, negative_prompt=None,
                     max_sequence_length=512, model="flux2_dev", strategy="dp", batch_size=4, compile_auto=True)
@@ -650,20 +650,20 @@ def test_compile_tuning_auto_is_chosen_only_under_compile_auto(overrides, tuned,
 
 @pytest.mark.parametrize("prompts, compiles, tuned", [
     (96, False, True),    # H200: eager all the way, 362.9 s (compile=true on 24 prompts: 134.3 s against 100.8)
-    (200, False, True),   # compiling costs more than the ~4% it gains back over 192 samples
-    (420, True, False),   # enough work to pay for compiling, not for the kernel tuning
-    (2000, True, True),
+    (420, False, True),   # compiling costs more than the ~2% it gains back over 412 samples
+    (1000, True, True),   # the ~2% is the kernel tuning's: untuned compiled blocks would gain nothing
 ])
 def test_flux1_dev_on_a_fresh_cache_compiles_only_for_a_run_long_enough(tmp_path, prompts, compiles, tuned):
-    """FLUX.1-dev's fused eager blocks run within ~4% of its compiled ones (its family's measured prior): a first job
-    on a fresh cache (eager 3.70 s/sample, the H200's figure) compiles only where the work left pays for it."""
+    """FLUX.1-dev's default eager path (fused blocks, CUDA graphs) runs within ~2% of its compiled blocks (its family's
+    measured prior): a first job on a fresh cache (eager 3.64 s/sample, the H200's figure) compiles only where the
+    work left pays for it."""
     from dataclasses import replace
 
     from diffusers import FluxPipeline
 
     auto = replace(_tuning_auto(tmp_path, left=prompts - 8),
                    prior_speedup=AC.prior_speedup(object.__new__(FluxPipeline), fused_blocks=True))
-    s = _two_eager_batches(auto, eager_s=3.70)
+    s = _two_eager_batches(auto, eager_s=3.64)
     assert (s.accel.compile, s.accel.compile_tuning) == (compiles, tuned), auto.reason
 
 
