@@ -22,7 +22,7 @@ from jobs.generate import run
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video
+from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video, yuv420p
 from shardgen.tools.verify import read_shard_members, verify_run
 from tests.conftest import ROOT, compose_cfg, start_process, start_ranks
 
@@ -165,6 +165,20 @@ def _kill_job_when(tmp_path: Path, args: tuple[str, ...], ready, landed) -> Path
         if landed(run_dir):
             return run_dir
     pytest.fail("the kill never landed mid-run: " + (tmp_path / "log").read_text()[-2000:])
+
+
+def test_frames_reach_the_encoder_as_bt601_yuv_computed_here_and_decode_back():
+    """The RGB -> yuv420p conversion is shardgen's own (BT.601 limited range, 2x2 chroma means): white, black and
+    red have their textbook values, and flat colours come back from the mp4 within 8-bit YUV rounding."""
+    colours = np.array([[255, 255, 255], [0, 0, 0], [255, 0, 0]], dtype=np.uint8)
+    planes = [yuv420p(np.broadcast_to(c, (4, 6, 3))) for c in colours]
+    assert [(p[0, 0], p[4, 0], p[5, 0]) for p in planes] == [(235, 128, 128), (16, 128, 128), (81, 90, 240)]
+    assert planes[0].shape == (6, 6)
+    for c in colours:
+        frames = np.broadcast_to(c, (3, 32, 48, 3)).copy()
+        decoded, info = decode_video(encode_video(frames, 16))
+        assert (info.frames, info.width, info.height) == (3, 48, 32)
+        assert np.abs(decoded.astype(int) - frames).max() <= 2, c  # 8-bit YUV rounds red to 253
 
 
 @pytest.mark.slow

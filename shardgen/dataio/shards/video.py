@@ -7,6 +7,7 @@ size and codec to the image samples' fields. PyAV's wheels ship FFmpeg (libx264 
 The encoder runs single-threaded: x264's output depends on its thread count, and a resumed run on
 another machine must write the same bytes as an uninterrupted one. A video takes minutes to
 generate and a fraction of a second to encode, and the writer pool encodes several at once anyway.
+For the same reason the frames reach the encoder as yuv420p converted here (``yuv420p``), not by libswscale.
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ def video_fingerprint(cfg: Any) -> dict:
             "video_crf": cfg.video_crf, "model.guidance_2": cfg.model.get("guidance_2")}
 
 
+def yuv420p(frame: np.ndarray) -> np.ndarray:
+    """An HxWx3 uint8 RGB frame (H and W even) as PyAV's yuv420p array ((H * 3 / 2) x W: the Y plane, then the U
+    and V planes' rows): BT.601 limited range, the colour FFmpeg assumes for an untagged stream, chroma averaged
+    over 2x2 pixels. Converted here rather than by the encoder's libswscale, whose output for the same frames was
+    seen to vary between encodes in one process (a resumed video then differed from an uninterrupted one)."""
+    h, w = frame.shape[:2]
+    r, g, b = (frame[..., i].astype(np.float64) for i in range(3))
+    y = 16.0 + (65.481 * r + 128.553 * g + 24.966 * b) / 255.0
+    u = 128.0 + (-37.797 * r - 74.203 * g + 112.0 * b) / 255.0
+    v = 128.0 + (112.0 * r - 93.786 * g - 18.214 * b) / 255.0
+    half = lambda c: c.reshape(h // 2, 2, w // 2, 2).mean(axis=(1, 3))  # noqa: E731
+    planes = [np.clip(np.rint(c), 0, 255).astype(np.uint8).ravel() for c in (y, half(u), half(v))]
+    return np.concatenate(planes).reshape(h * 3 // 2, w)
+
+
 def encode_video(frames: np.ndarray, fps: int, codec: str = "libx264", crf: int = 18) -> bytes:
     """Encode FxHxWx3 uint8 frames as mp4 bytes (deterministic: one encoder thread, no timestamps in metadata)."""
     import av
@@ -98,7 +114,7 @@ def encode_video(frames: np.ndarray, fps: int, codec: str = "libx264", crf: int 
         if codec in CRF_CODECS:
             stream.options = {"crf": str(crf)}
         for frame in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(yuv420p(frame), format=PIX_FMT)))
         out.mux(stream.encode(None))  # flush the encoder's delayed frames
     return buf.getvalue()
 
