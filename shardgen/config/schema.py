@@ -374,9 +374,9 @@ class SpeedConfig:
     on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
     cuda_graphs: bool = True
     """On CUDA, with the blocks eager and one GPU per replica, the transformer's calls replay CUDA graphs (one per
-    call shape, captured at its second call) instead of launching each kernel from Python: ~2% faster steps for
-    FLUX.1-dev's fused eager blocks on an H200. Exact (the same kernels on the same inputs); families that declare
-    it (FLUX.1, FLUX.2); false = every call eager. shardgen/speed/cuda_graphs.py."""
+    call shape, captured at its second call) instead of launching each kernel from Python: on an H200 batches 1.1%
+    (FLUX.1-dev) and 0.4% (FLUX.2-dev) faster, ~1.5 s once to capture. Exact (the same kernels on the same inputs);
+    families that declare it (FLUX.1, FLUX.2); false = every call eager. shardgen/speed/cuda_graphs.py."""
     first_block_cache: float = 0.0
     """Opt-in, LOSSY: diffusers First-Block-Cache threshold (e.g. 0.05-0.2); 0 = off. Skips the remaining
     blocks of a step when the first block's output barely changed; decided per batch."""
