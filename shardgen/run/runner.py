@@ -30,7 +30,8 @@ from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.dataio.rundir.layout import storage_error
-from shardgen.run.generation import GenSettings
+from shardgen.run.generation import BatchOutOfMemory, GenSettings
+from shardgen.run.memory import cuda_oom, out_of_memory
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.speed.regional_compile import background_runs_eager_path
@@ -244,6 +245,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         log_to_file_only(rank_log, e)
         if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
             raise full from None
+        if (oom := cuda_oom(e)) is not None:
+            batch = e if isinstance(e, BatchOutOfMemory) else None
+            raise out_of_memory(cfg, oom, batch.during if batch else "loading or preparing the model",
+                                batch.batch if batch else None) from None
         raise
     finally:
         W.shutdown()
