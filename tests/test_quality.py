@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -86,3 +87,81 @@ def test_runs_of_different_prompts_are_refused_in_one_line(runs, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "sample 0000000000 was made with prompt=" in err and "one prompt file" in err
     assert not (runs / "other" / "compare.json").exists()
+
+
+def _corrupt_one_layer(monkeypatch):
+    """fp8 that damages one quantised layer (its scales x-20), as a broken kernel or a bad checkpoint would."""
+    from shardgen.speed import fp8
+
+    real = fp8.enable_fp8
+
+    def damaged(transformer):
+        n = real(transformer)
+        layer = [m for m in transformer.modules() if isinstance(m, fp8.Float8Linear)][-1]  # the last block's output
+        layer.weight_scale.mul_(-20)
+        return n
+
+    monkeypatch.setattr(fp8, "enable_fp8", damaged)
+
+
+def _provenance(run_dir):
+    from tests.test_generate import shard_images  # noqa: F401 (same reader family)
+    from shardgen.tools.verify import read_shard_members
+
+    metas = [json.loads(m["json"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+             for m in read_shard_members(tar).values()]
+    return metas
+
+
+GATE = ("fp8=true", "calibrate_samples=3", "calibrate_min_psnr=40", "calibrate_min_ssim=0.99")
+
+
+def test_the_gate_passes_a_good_setting_and_records_it_without_changing_the_samples(runs, tmp_path):
+    from tests.test_generate import shard_images
+
+    f = runs / "p.txt"
+    run(compose_cfg(f"run_dir={tmp_path / 'gated'}", f"prompts.path={f}", *ARGS, *GATE))
+    assert shard_images(tmp_path / "gated") == shard_images(runs / "fp8")  # calibration commits nothing of its own
+    record = json.loads((tmp_path / "gated" / "calibration.json").read_text())
+    assert record["passed"] and record["samples"] == 3 and record["lossy"] == {"fp8": True}
+    assert record["psnr_db"]["worst"] >= 40 and len(record["per_sample"]) == 3
+    metas = _provenance(tmp_path / "gated")
+    assert len(metas) == 6 and all(m["provenance"]["calibration"]["passed"] for m in metas)
+    assert all(m["lossy"] == {"fp8": True} for m in metas)
+
+
+def test_the_gate_stops_a_damaged_setting_before_any_sample_in_one_line(runs, tmp_path, monkeypatch):
+    from shardgen.quality.gate import CalibrationFailed
+
+    _corrupt_one_layer(monkeypatch)
+    with pytest.raises(CalibrationFailed) as err:
+        run(compose_cfg(f"run_dir={tmp_path / 'bad'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *GATE))
+    message = str(err.value)
+    assert "\n" not in message and "< calibrate_min_psnr=40" in message and "Nothing was made" in message
+    assert "calibrate_fallback=lossless" in message and "fp8" in message
+    assert not list((tmp_path / "bad" / "shards").glob("*.tar"))
+    record = json.loads((tmp_path / "bad" / "calibration.json").read_text())
+    assert not record["passed"] and record["action"] == "stop" and record["psnr_db"]["worst"] < 40
+
+
+def test_the_lossless_fallback_makes_the_lossless_run(runs, tmp_path, monkeypatch):
+    from tests.test_generate import shard_images
+
+    _corrupt_one_layer(monkeypatch)
+    run(compose_cfg(f"run_dir={tmp_path / 'fallback'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *GATE,
+                    "calibrate_fallback=lossless"))
+    assert shard_images(tmp_path / "fallback") == shard_images(runs / "ref")
+    metas = _provenance(tmp_path / "fallback")
+    assert all("lossy" not in m and m["provenance"]["calibration"]["action"] == "lossless" for m in metas)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("calibrate_fallback=retry", "calibrate_fallback='retry': use one of ['stop', 'lossless']"),
+    ("calibrate_min_ssim=2", "calibrate_min_ssim=2: use 0..1"),
+    ("calibrate_min_psnr=30", "set calibrate_samples=N"),
+])
+def test_gate_settings_are_checked_before_any_work(tmp_path, override, message):
+    from shardgen.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, override))

@@ -515,6 +515,11 @@ class RunDir:
         return self.root / "preview.png"
 
     @property
+    def calibration_path(self) -> Path:
+        """The quality gate's figures (``calibrate_samples``, shardgen/quality/gate.py), written by the job."""
+        return self.root / "calibration.json"
+
+    @property
     def compare_path(self) -> Path:
         """``jobs.compare``'s figures against a reference run (shardgen/quality/compare.py)."""
         return self.root / "compare.json"
