@@ -14,7 +14,6 @@ prints one call's top kernels per variant. Results: ``$OUT/probe_flux2.json``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics

@@ -63,7 +63,7 @@ def test_true_cfg_batched_in_one_call_same_pixels(pipe):
     qwen.install_cfg_batching(pipe)
     try:
         batched = _pixels(pipe, PROMPTS, **kw)
-        no_cfg = _pixels(pipe, PROMPTS, true_cfg_scale=1.0)  # no true CFG: plain calls
+        _pixels(pipe, PROMPTS, true_cfg_scale=1.0)  # no true CFG: plain calls (their shapes are checked below)
     finally:
         qwen.remove_cfg_batching(pipe)
         qwen.remove_text_buckets(pipe)

@@ -16,12 +16,12 @@ import torch
 
 from parallel import registry
 from shardgen.bench import measure as M
+from shardgen.config.paths import CONF
 from shardgen.bench.report import DIAGNOSTICS, Report, fmt_flop, say, summary
 from shardgen.bench.ways import baseline_kwargs, fbc_counter, noise_floor, run_baseline, run_shardgen
 from shardgen.dataio.shards import is_video
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 ACCELS = {  # name -> config overrides (the threshold of fbc comes from --fbc-threshold)
     "fbc": lambda a: [f"first_block_cache={a.fbc_threshold}"],
     "fp8": lambda a: ["fp8=true"],
