@@ -82,7 +82,7 @@ def test_a_failed_model_load_leaves_a_run_dir_that_the_fixed_command_completes(t
 
     from jobs.generate import run
     from shardgen.models.loader import ModelLoadError
-    from shardgen.models.tiny import tiny_model_path
+    from shardgen.families.flux.tiny import tiny_model_path
 
     real = FluxPipeline.from_pretrained
 

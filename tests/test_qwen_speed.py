@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardgen.models.dummy import build_dummy_pipeline
-from shardgen.speed import qwen
+from shardgen.families.qwen_image import speed as qwen
 from tests.test_dummy_models import SMALL
 
 PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon, digital art, a dog on the beach"]
