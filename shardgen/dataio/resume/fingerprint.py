@@ -48,7 +48,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "prompts.field": p.field, "prompts.seed_field": p.seed_field, "prompts.on_bad_row": p.on_bad_row,
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
-        "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
+        "first_block_cache": cfg.first_block_cache, "fp8": cfg.fp8,
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
         **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
         **_strength(cfg),  # image-to-image runs only
@@ -68,9 +68,9 @@ def _dataset_fields(cfg: Any) -> dict:
     out = {}
     if cfg.get("signals"):
         out["signals"] = sorted(cfg.signals)
-    if cfg.prompts.get("on_truncation", "warn") != "warn":
+    if cfg.prompts.on_truncation != "warn":
         out["prompts.on_truncation"] = cfg.prompts.on_truncation
-    if cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS) != MAX_PROMPT_CHARS:
+    if cfg.prompts.max_prompt_chars != MAX_PROMPT_CHARS:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)

@@ -101,8 +101,8 @@ class ShardUploader:
     @classmethod
     def from_cfg(cls, cfg: Any, run: RunDir) -> "ShardUploader | None":
         """The run's uploader (None without ``output_uri``)."""
-        uri = cfg.get("output_uri")
-        return cls(run, uri, keep_local=cfg.get("keep_local", True)) if uri else None
+        uri = cfg.output_uri
+        return cls(run, uri, keep_local=cfg.keep_local) if uri else None
 
     def check(self) -> None:
         """Before planning or loading any model: ``uri`` takes a write (a probe object written and removed);
