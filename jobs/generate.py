@@ -79,7 +79,7 @@ def main(cfg: GenerateConfig) -> None:
                                                                      *sys.argv[1:]]), how))
         sys.exit(SIGTERM_EXIT if isinstance(e, Terminated) else 130)
     except Exception as e:
-        from shardgen.dataio.rundir.layout import storage_error
+        from shardgen.dataio.rundir.storage import storage_error
 
         e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback

@@ -6,7 +6,8 @@ import pytest
 
 from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
                                                 diff_fingerprints, fingerprint_changes, read_fingerprint)
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
+from shardgen.dataio.rundir.fileio import atomic_write_json
+from shardgen.dataio.rundir.layout import RunDir
 from tests.conftest import compose_cfg
 
 

@@ -18,8 +18,10 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
-                                           host_name, json_bytes, read_json, read_state)
+from shardgen.dataio.rundir.fileio import (append_line, atomic_write_json, create_exclusive, json_bytes, read_json, read_state)
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.liveness import host_name
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
 from shardgen.models import lora

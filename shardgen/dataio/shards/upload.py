@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
-                                           read_json)
+from shardgen.dataio.rundir.fileio import atomic_write_json, create_exclusive, json_bytes, read_json
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
 from shardgen.dataio.shards import index as shard_index
