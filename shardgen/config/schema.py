@@ -354,8 +354,8 @@ class SpeedConfig:
     once per cache, ~2% faster steps): true | false | auto. auto: tuned under compile=true; under compile=auto a
     process tunes only when the work it has left pays for the tuning's compile time (shardgen/speed/autocompile.py)."""
     fused_blocks: bool = True
-    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
-    flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py,
+    FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
     H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
     and compiled with

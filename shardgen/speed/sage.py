@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 
 import torch
@@ -26,7 +25,9 @@ HEAD_DIMS = (64, 96, 128)
 
 @functools.cache
 def _sageattn():
-    return importlib.import_module("sageattention").sageattn
+    from sageattention import sageattn  # an optional package: imported when first asked for
+
+    return sageattn
 
 
 def unavailable_reason(device: torch.device | str | None) -> str | None:
