@@ -165,3 +165,10 @@ def test_gate_settings_are_checked_before_any_work(tmp_path, override, message):
 
     with pytest.raises(UserError, match=re.escape(message)):
         run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, override))
+
+
+def test_the_fast_profile_turns_on_fp8_with_a_calibration_and_default_is_lossless():
+    fast, plain = compose_cfg("speed=fast"), compose_cfg()
+    assert (fast.fp8, fast.calibrate_samples, fast.compile) == (True, 4, plain.compile)
+    assert (plain.fp8, plain.calibrate_samples, plain.first_block_cache) == (False, 0, 0.0)
+    assert compose_cfg("speed=fast", "fp8=false").fp8 is False  # a key on the command line wins over the profile
