@@ -172,3 +172,22 @@ def test_the_fast_profile_turns_on_fp8_with_a_calibration_and_default_is_lossles
     assert (fast.fp8, fast.calibrate_samples, fast.compile) == (True, 4, plain.compile)
     assert (plain.fp8, plain.calibrate_samples, plain.first_block_cache) == (False, 0, 0.0)
     assert compose_cfg("speed=fast", "fp8=false").fp8 is False  # a key on the command line wins over the profile
+
+
+def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path):
+    import shutil
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.tools.report import build_report
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs / "fp8", run_dir)
+    assert jobs.compare.main([str(run_dir), str(runs / "ref")]) == 0
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "Fidelity against lossless" in page and "jobs.compare" in page
+    worst = json.loads((run_dir / "compare.json").read_text())["psnr_db"]["worst"]
+    assert f"{worst:.2f}" in page
+    (run_dir / "compare.json").write_bytes(b"\x00garbage{")
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "compare.json is unreadable (JSONDecodeError); not shown" in page
