@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,6 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probe_flux2  # noqa: E402 (a sibling script: its inputs, timer and error measure)
+from probe_flux2 import rel_rms, timed  # noqa: E402
 
 PIPELINES = {"flux_dev": "FluxPipeline", "flux2_dev": "Flux2Pipeline"}
 
@@ -32,28 +34,9 @@ def build(model: str, device, dtype):
 
 
 def inputs(model: str, batch: int, device, dtype):
-    import probe_flux2
     import probe_transformer
 
     return (probe_transformer if model == "flux_dev" else probe_flux2).inputs(batch, device, dtype)
-
-
-@torch.no_grad()
-def timed(tr, kw, iters=5):
-    out = tr(**kw)[0]
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = tr(**kw)[0]
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), out
-
-
-def rel_rms(a, ref):
-    return ((a.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
 
 
 def main() -> None:
@@ -69,9 +52,9 @@ def main() -> None:
     for model in a.models.split(","):
         tr = build(model, dev, dt)
         kw = inputs(model, a.batch, dev, dt)
-        ms_bf16, ref = timed(tr, kw)
+        ms_bf16, ref = timed(tr, kw, 5)
         accel.enable_fp8(tr)
-        ms_fp8, out = timed(tr, kw)
+        ms_fp8, out = timed(tr, kw, 5)
         res[model] = {"bf16_ms": round(ms_bf16, 1), "fp8_ms": round(ms_fp8, 1), "x": round(ms_bf16 / ms_fp8, 3),
                       "rel_rms_fp8_vs_bf16": rel_rms(out, ref), "out_rms": ref.float().pow(2).mean().sqrt().item()}
         print(model, res[model], flush=True)
