@@ -221,7 +221,7 @@ class BatchOutOfMemory(JobEndingError, RuntimeError):
     """A batch ran out of GPU memory (``__cause__``: torch's error); ``during`` says which batch, ``batch`` its
     size. The runner turns it into the one-line ``GpuOutOfMemory`` (shardgen/run/memory.py)."""
 
-    def __init__(self, during: str, batch: int):
+    def __init__(self, during: str, batch: int = 0):
         super().__init__(during)
         self.during, self.batch = during, batch
 

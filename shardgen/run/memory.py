@@ -44,10 +44,18 @@ def advice(cfg: Any, batch: int | None = None) -> str:
         out.append(f"batch_size={max(1, batch_size // 2)} (now {batch_size})")
     if not cfg.fp8:
         out.append("fp8=true (float8 transformer weights: about half their memory; lossy, so start a new run_dir)")
-    if cfg.strategy.name != "device_map":
+    if not _spreads_over_gpus(cfg.strategy.name):
         out.append("strategy=device_map (the model spread over several GPUs, encoders offloaded when they do not fit)")
     out.append(f"a smaller height/width (now {cfg.height}x{cfg.width})")
     return "; or ".join(out)
+
+
+def _spreads_over_gpus(strategy: str) -> bool:
+    """Whether the strategy already spreads one model over several GPUs of a process (device_map)."""
+    from parallel import registry
+
+    found = registry.find(strategy)  # None for strategy=auto (resolved elsewhere): the advice names device_map
+    return bool(found is not None and found.spans_gpus_in_one_process)
 
 
 def out_of_memory(cfg: Any, e: BaseException, during: str, batch: int | None = None) -> GpuOutOfMemory:
