@@ -387,6 +387,10 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
               f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+    if result.complete and result.rejected and not result.ok and not result.failed:
+        log.warning("no sample was made: every row was rejected (their reasons: jobs.status %s, or the shards' "
+                    "parquet index). The run holds no sample, so the same command with the fix (e.g. another "
+                    "prompts.field) starts it over with the new settings", plan.run.root)
     if result.truncated and not nothing_to_do:
         log.warning("%d prompt(s) were longer than the text encoders keep: generated from their first tokens and "
                     "flagged \"truncated\": true in their json and index (prompts.on_truncation=skip or error refuses "

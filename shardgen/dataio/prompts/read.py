@@ -357,10 +357,26 @@ def check_columns(path: str, columns: list[str], field: str, hint: str = "", see
                        f"without that column take seeds from the run's seed)")
         return
     fix = "Set prompts.field=<one of them>"
-    close = [c for c in columns if c.lower() == field.lower()]
-    if close:
-        fix += f", e.g. prompts.field={close[0]}"
+    guess = guess_field(columns, field)
+    if guess:
+        fix += f", e.g. prompts.field={guess}"
     raise fail(path, 1, f"no column {field!r} (prompts.field); the columns are {columns}", fix + hint)
+
+
+CAPTION_NAMES = ("prompt", "caption", "text", "prompts", "captions", "description", "alt", "alt_text", "title")
+
+
+def guess_field(names: list[str], field: str, texts: list[str] | None = None) -> str | None:
+    """The column or field most likely to hold the prompts: one named like ``field`` but for case, then one with a
+    common caption name, then the only one of ``texts`` (the fields whose value is a string); None without one."""
+    close = [c for c in names if str(c).lower() == field.lower()]
+    if close:
+        return close[0]
+    for common in CAPTION_NAMES:
+        found = [c for c in names if str(c).lower() == common]
+        if found:
+            return found[0]
+    return texts[0] if texts is not None and len(texts) == 1 else None
 
 
 def check_values(obj: Any) -> None:
@@ -392,7 +408,10 @@ def parse_record(rec: dict, field: str, seed_field: str,
                   rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
     """A jsonl object or parquet row: the prompt, the seed, the rest as extra, the row's settings."""
     if field not in rec:
-        raise BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}")
+        guess = guess_field(list(rec), field, [k for k, v in rec.items() if isinstance(v, str)])
+        other = f": if another field holds the prompt, set prompts.field=<it>" + \
+            (f", e.g. prompts.field={guess}" if guess else "")
+        raise BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}{other}")
     extra = dict(rec)
     prompt = check_prompt(extra.pop(field))
     seed = seed_value(extra.pop(seed_field, None), seed_field)
