@@ -26,17 +26,6 @@ from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S
 
 
 @dataclass(kw_only=True)
-class LoraEntry:
-    """One LoRA adapter of ``model.loras`` (shardgen/models/lora.py)."""
-
-    path: str = MISSING
-    """The adapter's .safetensors file (diffusers, peft or kohya format, as diffusers' load_lora_weights reads
-    them); a relative path is taken from the current directory. Its sha256 joins the run's fingerprint."""
-    scale: float = 1.0
-    """How strongly it is applied: 1.0 = as trained, 0 = not at all."""
-
-
-@dataclass(kw_only=True)
 class ModelConfig:
     """What pipeline to build and how."""
 
@@ -77,9 +66,11 @@ class ModelConfig:
     """Wan 2.2 A14B: guidance scale of the low-noise expert (``guidance_scale_2``); null = ``guidance``."""
     cache_dir: Optional[str] = None
     """Where the embedded tiny model is built and cached (default: $SHARDGEN_CACHE or ~/.cache/shardgen)."""
-    loras: List[LoraEntry] = field(default_factory=list)
-    """LoRA adapters applied to every sample, fused into the weights before any strategy splits them, e.g.
-    'model.loras=[{path: style.safetensors, scale: 0.8}]'. A different file on resume is refused like any
+    loras: List[Any] = field(default_factory=list)
+    """LoRA adapters applied to every sample, fused into the weights before any strategy splits them, each a
+    .safetensors path (relative: from the current directory) at scale 1, a "PATH:SCALE" string, or {path, scale}:
+    'model.loras=[style.safetensors]', 'model.loras=["style.safetensors:0.8"]', 'model.loras=[{path:
+    style.safetensors, scale: 0.8}]' (scale 1.0 = as trained, 0 = off). A different file on resume is refused like any
     other setting; each sample's json lists the adapters it was made with (path, scale, sha256). Rows may name
     their own with prompts.row_settings=[loras]."""
 
