@@ -331,8 +331,12 @@ def seed_value(value: Any, seed_field: str) -> int | None:
     """A jsonl/parquet seed: null means none; else an int (bool excluded) in [0, 2**63)."""
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= 2**53:
+        value = int(value)  # pandas stores an integer column that has a null as float64 (a float holds these exactly)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-        raise BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1)")
+        more = (" (a float holds integers exactly only up to 2**53: store seeds as integers, e.g. pandas' Int64 "
+                "dtype)" if isinstance(value, float) and value.is_integer() else "")
+        raise BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1){more}")
     return value
 
 

@@ -191,8 +191,7 @@ class RowRules:
         return out
 
     def _side(self, name: str, value: Any, text: bool) -> int:
-        if text and isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)
+        value = whole(value, text)
         ok = isinstance(value, int) and not isinstance(value, bool)
         if not ok or value % self.multiple or not self.multiple <= value <= MAX_SIDE:
             got = _shown(value) if ok or text else _kind(value)
@@ -204,8 +203,7 @@ class RowRules:
         if not self.frame_stride:
             raise BadSetting("num_frames: this is an image model: remove num_frames from prompts.row_settings "
                              "(or the row)")
-        if text and isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)
+        value = whole(value, text)
         s = self.frame_stride
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (value - 1) % s:
             raise BadSetting(f"num_frames: {_shown(value)} is not a frame count this model can make: write "
@@ -250,9 +248,22 @@ def _kind(value: Any) -> str:
     return names.get(type(value), repr(value))
 
 
+def whole(value: Any, text: bool = False) -> Any:
+    """``value`` as an int where it is a whole number written another way: a float without a fraction (pandas
+    stores an integer column that has a null as float64, so 64 arrives as 64.0; up to 2**53, where a float still
+    holds every integer), or in csv/tsv text ``64`` or ``64.0``; anything else as it is, for the caller to refuse."""
+    if text and isinstance(value, str):
+        if _INT.fullmatch(value):
+            return int(value)
+        if _NUMBER.fullmatch(value):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    return value
+
+
 def _count(name: str, value: Any, text: bool) -> int:
-    if text and isinstance(value, str) and _INT.fullmatch(value):
-        value = int(value)
+    value = whole(value, text)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
         raise BadSetting(f"{name}: {_shown(value)} is not a number of denoising steps: write a whole number from 1 to "
                          f"{MAX_STEPS}")
