@@ -124,6 +124,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    _check_source(cfg)
     _check_loras(cfg)
     _check_images(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
@@ -165,6 +166,16 @@ def _check_images(cfg: GenerateConfig) -> None:
     strength = cfg.model.get("strength", 0.6)
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
+
+
+def _check_source(cfg: GenerateConfig) -> None:
+    """A model.source written as a local path names a diffusers model directory (hub ids are the loader's)."""
+    from shardgen.models.errors import local_source_problem
+    from shardgen.models.loader import TINY_SOURCES
+
+    if cfg.model.weights == "pretrained" and cfg.model.source not in TINY_SOURCES:
+        problem = local_source_problem(cfg.model.source)
+        _need(problem is None, problem or "")
 
 
 def _check_loras(cfg: GenerateConfig) -> None:
