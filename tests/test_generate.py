@@ -367,3 +367,16 @@ def test_an_unreachable_hub_is_said_with_its_cause_and_no_pointer_to_a_stack_tra
     assert "stacktrace" not in str(e.value)
     assert "(cause: ConnectionError: [Errno -2] Name or service not known)" in str(e.value)
     assert "point model.source at the local directory" in str(e.value)
+
+
+def test_a_repeated_launch_keeps_no_new_config_file_and_a_changed_one_keeps_one(tmp_path, capsys):
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=2", *FAST)
+    run(compose_cfg(*args))
+    run(compose_cfg(*args))
+    assert "nothing to do" in capsys.readouterr().out
+    assert sorted(p.name for p in d.glob("config*.yaml")) == ["config.yaml"]
+    run(compose_cfg(*args, "batch_size=2"))
+    run(compose_cfg(*args, "batch_size=2"))
+    later = sorted(p.name for p in d.glob("config.*.yaml"))
+    assert len(later) == 1 and "batch_size: 2" in (d / later[0]).read_text()

@@ -188,9 +188,18 @@ def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
+    """config.yaml for the first launch; a later launch's config.<time>.yaml only when it differs from the last one
+    kept (a launch repeated as it was, "nothing to do" included, adds no file)."""
     text = OmegaConf.to_yaml(cfg, resolve=True).encode()
-    if not create_exclusive(run.config_path, text):
-        atomic_write_bytes(run.later_config_path(time.time()), text)
+    if create_exclusive(run.config_path, text):
+        return
+    later = sorted(run.root.glob("config.*.yaml"), key=lambda p: p.name)
+    try:
+        if (later[-1] if later else run.config_path).read_bytes() == text:
+            return
+    except OSError:
+        pass  # unreadable: keep this launch's
+    atomic_write_bytes(run.later_config_path(time.time()), text)
 
 
 def share_cpu_threads(world: W.World) -> None:
