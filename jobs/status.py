@@ -64,6 +64,11 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
         names = ", ".join(f"{x:06d}" for x in st["lost_shards"]) + (" ..." if sh["lost"] > len(st["lost_shards"]) else "")
         print(f"  lost     {sh['lost']} committed shard(s) whose shard file is gone ({names}): the next launch of the "
               f"generate command makes them again (python -m jobs.verify {run_dir} says more)")
+    if sh.get("resized"):
+        names = ", ".join(f"{x:06d}" for x in st["resized_shards"]) + (" ..." if sh["resized"] > len(st["resized_shards"]) else "")
+        print(f"  damaged  {sh['resized']} committed shard(s) whose tar is not the size its stats record ({names}): "
+              f"changed after their commit; python -m jobs.verify {run_dir} --repair removes them and the next "
+              "launch of the generate command makes them again")
     if line := _rate_line(st):
         print(line)
     for r in st["replicas"]:

@@ -75,6 +75,17 @@ def test_verify_catches_a_truncated_tar(done_run, capsys):
     assert "shard 000001" in out and "FAILED" in out
 
 
+def test_status_counts_a_tar_cut_after_its_commit_as_damaged_not_done(done_run, capsys):
+    assert status.main([str(done_run)]) == 0  # the stats cached first: the cut is seen all the same
+    tar = done_run / "shards" / "000001.tar"
+    tar.write_bytes(tar.read_bytes()[:1500])
+    status.main([str(done_run)])
+    out = capsys.readouterr().out.split("run ", 2)[-1]
+    assert "2 done, 0 running" in out and "COMPLETE" not in out
+    assert "damaged  1 committed shard(s) whose tar is not the size its stats record (000001)" in out
+    assert f"python -m jobs.verify {done_run} --repair" in out
+
+
 def test_verify_catches_a_missing_and_a_duplicated_sample(done_run, capsys):
     tar = done_run / "shards" / "000000.tar"
     with tarfile.open(tar) as tf:

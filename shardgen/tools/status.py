@@ -104,15 +104,15 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
     now = time.time() if now is None else now
     led = read_status_ledger(plan, lease_s)  # reads only the stats committed since the last call
-    lost = led.done.lost
-    done, complete = led.done_samples, led.count("done") == plan.num_shards and not lost
+    lost, resized = led.done.lost, led.done.resized
+    done, complete = led.done_samples, led.count("done") == plan.num_shards and not lost and not resized
     live = any(s.state in LIVE for s in led.active)
     t0, end = _span(led, now, live)
     if complete:
         end = led.done.last_finished or end
     elapsed = (end - t0) if t0 is not None and end is not None else None
     rate = done / elapsed if elapsed and elapsed > 0 and done else None
-    state = ("complete" if complete else "running" if live else "damaged" if lost else "stopped" if done
+    state = ("complete" if complete else "running" if live else "damaged" if lost or resized else "stopped" if done
              else "not started")
     eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
     totals = led.done.totals
@@ -120,10 +120,10 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         run_dir=str(plan.run.root), state=state, samples_total=plan.num_rows, samples_done=done,
         samples_committed=led.done.samples,
         rejected_in_plan=plan.num_rejects,
-        shards=dict(total=plan.num_shards, done=led.count("done"), running=led.count("running") + led.count("future"),
+        shards=dict(total=plan.num_shards, done=led.count("done") - len(resized), running=led.count("running") + led.count("future"),
                     stalled=led.count("stalled") + led.count("dead"), pending=led.count("pending"),
-                    damaged=led.count("damaged"), lost=len(lost)),
-        lost_shards=lost[:20],
+                    damaged=led.count("damaged"), lost=len(lost), resized=len(resized)),
+        lost_shards=lost[:20], resized_shards=resized[:20],
         rate=None if rate is None else round(rate, 3), elapsed_s=None if elapsed is None else round(elapsed, 1),
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],
