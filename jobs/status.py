@@ -18,6 +18,9 @@ from shardgen.tools import run_metrics, run_status
 from shardgen.tools.entry import run_tool, tool_parser
 
 
+MAX_REPLICA_LINES = 16
+
+
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "?"
@@ -71,9 +74,13 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
               "launch of the generate command makes them again")
     if line := _rate_line(st):
         print(line)
-    for r in st["replicas"]:
+    shown = st["replicas"][:MAX_REPLICA_LINES]  # the most recently active first
+    for r in shown:
         rate = "?" if r["rate"] is None else f"{r['rate']:.2f}"
-        print(f"  replica  {r['replica']}: {r['samples']} samples, {rate} samples/s")
+        launch = f" ({r['launch']})" if r.get("launch") else ""
+        print(f"  replica  {r['replica']}{launch}: {r['samples']} samples, {rate} samples/s")
+    if len(st["replicas"]) > len(shown):
+        print(f"  replica  ... {len(st['replicas']) - len(shown)} more, active earlier (--json lists every one)")
     res = st["results"]
     print(f"  results  {res['ok']} ok, {res['failed']} failed, {res['rejected']} rejected (committed shards)")
     if res.get("truncated"):

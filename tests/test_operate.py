@@ -175,3 +175,23 @@ def test_a_rank_that_commits_nothing_shows_zeros_in_a_file_named_by_its_slurm_jo
               if s.labels.get("status") in (None, "failed")}
     assert values["shardgen_committed_samples_total"] == 1 and values["shardgen_device_seconds_total"] == 5.0
     assert values["shardgen_device_seconds_per_sample"] == 1.0 and values["shardgen_committed_shards_total"] == 1
+
+
+def test_status_tells_the_replicas_of_two_launches_apart(done_run, capsys):
+    """A second launch (another process) on the run has a replica 0 too: each line names its launch."""
+    import os
+    import subprocess
+    import sys
+
+    for name in ("000001.stats.json", "000001.tar", "000001.parquet"):
+        (done_run / "shards" / name).unlink()
+    args = [f"run_dir={done_run}", *ARGS]
+    second = subprocess.run([sys.executable, "-m", "jobs.generate", *args], capture_output=True, text=True,
+                            timeout=300, env=os.environ.copy())
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert status.main([str(done_run)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  replica  0")]
+    assert len(lines) == 2 and len({ln.split(":")[0] for ln in lines}) == 2
+    # the most recent launch first: the subprocess's 5 samples, then this process's 12
+    assert f"pid {os.getpid()})" not in lines[0] and "5 samples" in lines[0]
+    assert f"pid {os.getpid()})" in lines[1] and "12 samples" in lines[1]

@@ -40,11 +40,14 @@ def _span(led: StatusLedger, now: float, live: bool) -> tuple[float | None, floa
 
 
 def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
-    """Per replica: samples committed (commit events) plus in its live shards, and its rate over that span."""
-    acc: dict[str, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
+    """Per replica of each launch (its process: host and pid, SLURM job): samples committed (commit events) plus in
+    its live shards, and its rate over that span; most recently active first. Two launches on one run each have a
+    replica 0: ``launch`` tells them apart."""
+    acc: dict[tuple, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
 
-    def add(replica, samples, first, last):
-        a = acc[str(replica)]
+    def add(who: dict, samples, first, last):
+        key = (str(who.get("replica", "?")), who.get("host"), who.get("pid"), who.get("job"))
+        a = acc[key]
         a["samples"] += samples
         if first is not None:
             a["first"] = first if a["first"] is None else min(a["first"], first)
@@ -53,14 +56,16 @@ def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
 
     for e in read_events(plan.run):  # typed records: a torn or odd line of a log is skipped
         t, wall = _num(e["t"]), _num(e.get("wall_s")) or 0.0
-        add(e["replica"], e["samples"], t - wall, t)
+        add(e, e["samples"], t - wall, t)
     for s in led.active:
         if s.state in LIVE and s.holder is not None:
-            add(s.holder.get("replica", "?"), s.samples, _num(s.started), now)
+            add(s.holder, s.samples, _num(s.started), now)
     out = []
-    for replica, a in sorted(acc.items()):
+    for (replica, host, pid, job), a in sorted(acc.items(), key=lambda kv: -(kv[1]["last"] or 0)):
         span = (a["last"] - a["first"]) if a["first"] is not None and a["last"] is not None else 0
-        out.append(dict(replica=replica, samples=a["samples"], rate=round(a["samples"] / span, 3) if span > 0 else None))
+        launch = " ".join(f"{k} {v}" for k, v in (("on", host), ("pid", pid), ("job", job)) if v not in (None, ""))
+        out.append(dict(replica=replica, launch=launch or None, samples=a["samples"], last=a["last"],
+                        rate=round(a["samples"] / span, 3) if span > 0 else None))
     return out
 
 
