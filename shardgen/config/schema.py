@@ -255,6 +255,11 @@ class GenerationConfig:
     """Guidance scale (default: the model's); a finite number, like every number of the config."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
+    images_per_prompt: int = 1
+    """Samples made of each prompt (diffusers' num_images_per_prompt), 1 to 1000: image k of prompt i is sample
+    i x images_per_prompt + k, with its own key and seed (image 0 the prompt's seed, image k a hash of it and k:
+    the same whatever the batch size or ranks); its json and index record prompt_index and image. A multiple of it
+    is each shard's size (samples_per_shard)."""
     batch_size: int = 4
     """Prompts per pipeline call, per replica."""
     device: str = "auto"

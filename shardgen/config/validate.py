@@ -15,6 +15,8 @@ from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validat
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
+MAX_IMAGES_PER_PROMPT = 1000
+
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
@@ -75,6 +77,12 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"plan_replicas={cfg.plan_replicas}: use 1 or more (the replicas all launches of the run bring), or null "
           "(this launch's)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
+    n = cfg.get("images_per_prompt", 1)
+    _need(1 <= n <= MAX_IMAGES_PER_PROMPT, f"images_per_prompt={n}: use 1 to {MAX_IMAGES_PER_PROMPT}")
+    _need(cfg.samples_per_shard is None or cfg.samples_per_shard % n == 0,
+          f"samples_per_shard={cfg.samples_per_shard}: a shard holds whole prompts, images_per_prompt={n} images "
+          f"each: use a multiple of {n} (e.g. samples_per_shard={max(n, (cfg.samples_per_shard or 0) // n * n)}), "
+          "or leave it unset")
     # the ranges a prompt row's seed and guidance are held to (shardgen/dataio/prompts/read.py, rowsettings.py)
     _need(0 <= cfg.seed <= MAX_SEED, f"seed={cfg.seed} is out of range: write an integer from 0 to 2**63-1")
     _need(cfg.guidance >= 0, f"guidance={cfg.guidance:g} is out of range: write a number from 0 up")

@@ -48,6 +48,8 @@ class DryRun:
     expected_s: float | None
     refused: str | None
     """Why the launch would be refused (a changed fingerprint), or None."""
+    images: int = 1
+    """images_per_prompt: ``prompts`` and ``rejected`` count samples, this many per prompt row."""
     shapes: dict[str, int] | None = None
     """Rows per shape (``WIDTHxHEIGHT[xFRAMES]``, most first) when rows set their own size or frames
     (prompts.row_settings); the expected size adds up each shape's samples. None: every row has the run's shape."""
@@ -89,6 +91,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
+    images = plan.images if plan is not None else cfg.get("images_per_prompt", 1)
     if plan is not None:
         counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
                   read_ledger(plan).done_samples)
@@ -96,16 +99,17 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     else:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
             source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
-            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **sizing)
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, images=images, **sizing)
             # the launch's own planning: prompts are tokenized only where on_truncation makes planning count them
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                             truncation=planning_truncation_check(cfg, source))
+                             truncation=planning_truncation_check(cfg, source), images_per_prompt=images)
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
     check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
-        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): rows - rejected}
+        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): (rows - rejected) // images}
+    shapes = {s: n * images for s, n in shapes.items()}  # rows per shape -> samples per shape
     expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
                                              frames=s.frames or 1) for s, n in shapes.items())
     shape_rows = {s.label: n for s, n in shapes.items()} if len(shapes) > 1 or cfg.prompts.get("row_settings") \
@@ -119,7 +123,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
                   expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
-                  refused=refused, shapes=shape_rows)
+                  refused=refused, shapes=shape_rows, images=images)
 
 
 def _fmt_s(s: float) -> str:
@@ -135,7 +139,9 @@ def describe(d: DryRun) -> str:
                  "not measured yet: a first launch measures it (jobs.status shows the rate and ETA); try "
                  "prompts.limit=N on another run_dir for a quick figure")
     lines = [f"dry run of {d.run_dir}: no model loaded, nothing written",
-             f"  prompts   {d.prompts} ({d.rejected} rejected rows)",
+             f"  prompts   {d.prompts} ({d.rejected} rejected rows)" if d.images == 1 else
+             f"  prompts   {d.prompts // d.images} ({d.rejected // d.images} rejected rows) x {d.images} images = "
+             f"{d.prompts} samples",
              f"  shards    {d.shards} of {d.samples_per_shard} samples"
              + (f"; {d.done_samples} samples already done" if d.done_samples else ""),
              f"  ranks     {d.world_size}: {d.replicas} replica(s) of {d.ranks_per_replica} rank(s), strategy {d.strategy}",

@@ -77,6 +77,14 @@ def sample_seed(run_seed: int, index: int, row_seed: int | None = None) -> int:
     return _splitmix64(key) & 0x7FFFFFFFFFFFFFFF
 
 
+def image_seed(prompt_seed: int, image: int) -> int:
+    """Seed of image ``image`` of a prompt whose first image has ``prompt_seed`` (``sample_seed``): image 0 keeps it
+    (a run of one image per prompt makes the samples it always made), each further one a hash of (seed, image)."""
+    if image == 0:
+        return prompt_seed
+    return _splitmix64(_splitmix64(prompt_seed) ^ image) & 0x7FFFFFFFFFFFFFFF
+
+
 _SHIFTED_SEEDS = 1 << 30  # run seeds below this keep the (run_seed << 34) ^ index layout every run was made with
 
 
@@ -107,6 +115,11 @@ class PlannedRow:
     reject: str | None
     settings: dict = field(default_factory=dict)
     """The generation settings the row sets (``prompts.row_settings``, rowsettings.py); {}: the run's."""
+    prompt_index: int | None = None
+    """With images_per_prompt > 1: the prompt row this sample is an image of (``index`` is the sample's own,
+    prompt_index x images_per_prompt + image); None with one image per prompt (``index`` is the row's)."""
+    image: int | None = None
+    """With images_per_prompt > 1: which image of its prompt, from 0."""
 
     @property
     def key(self) -> str:
@@ -151,6 +164,18 @@ class Plan:
     digests: np.ndarray | None = None   # (first plan's shards, 32): sha256 of each shard's rows (None: older plans)
     prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
     extensions: tuple[Segment, ...] = ()
+    images: int = 1                     # images_per_prompt: num_rows, num_rejects and samples_per_shard count samples,
+    # each prompt row being ``images`` samples (indices row x images + image); plan.json counts rows
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Prompt rows per shard (a shard holds samples_per_shard = rows_per_shard x images samples)."""
+        return self.samples_per_shard // self.images
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompt rows planned (num_rows counts samples)."""
+        return self.num_rows // self.images
 
     def _segment(self, shard: int) -> Segment | None:
         """The extension ``shard`` belongs to (None: the first plan)."""
@@ -161,12 +186,17 @@ class Plan:
         return seg
 
     def shard_range(self, shard: int) -> range:
-        """Row indices of ``shard``."""
+        """Sample indices of ``shard`` (its rows' indices, with one image per prompt)."""
+        rows = self.row_range(shard)
+        return range(rows.start * self.images, rows.stop * self.images)
+
+    def row_range(self, shard: int) -> range:
+        """Prompt row indices of ``shard``."""
         seg = self._segment(shard)
         first_shard, first_row, end = (0, 0, self.meta["num_rows"] if self.meta else self.num_rows) if seg is None \
             else (seg.first_shard, seg.first_row, seg.end_row)
-        start = first_row + (shard - first_shard) * self.samples_per_shard
-        return range(start, min(start + self.samples_per_shard, end))
+        start = first_row + (shard - first_shard) * self.rows_per_shard
+        return range(start, min(start + self.rows_per_shard, end))
 
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
@@ -177,7 +207,7 @@ class Plan:
         seg = self._segment(shard)
         src = PromptSource(**dict(m["source"], path=self.prompt_path or m["source"]["path"]))
         check_unchanged(src.path, (seg.meta if seg else m)["prompt_size"])
-        rng = self.shard_range(shard)
+        rng = self.row_range(shard)
         where = self.run.plan_dir if seg is None else seg.dir
         cut = _truncated(where / "truncated.npy", rng)
         if (seg.digests if seg else self.digests) is None:  # planned before shard digests, or from a remote footer
@@ -188,9 +218,14 @@ class Plan:
             rows = self._checked_rows(src, shard, seg, rng)
         self._check_adapters(rows)
         bad = self.image_rejects if "image" in getattr(self.row_rules, "names", ()) else {}
-        return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
-                           reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index)),
-                           seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
+        n, out = self.images, []
+        for r in rows:
+            reject = r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index))
+            seed = sample_seed(m["run_seed"], r.index, r.seed)
+            out += [PlannedRow(index=r.index * n + k, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
+                               reject=reject, seed=image_seed(seed, k), prompt_index=r.index if n > 1 else None,
+                               image=k if n > 1 else None) for k in range(n)]
+        return out
 
     def _check_adapters(self, rows: list[P.PromptRow]) -> None:
         """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned."""
@@ -331,8 +366,10 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     for ext in extensions:
         kw.update(num_rows=ext.end_row, num_shards=ext.first_shard + ext.meta["num_shards"],
                   num_rejects=kw["num_rejects"] + ext.meta["num_rejects"])
+    n = int(meta.get("images_per_prompt") or 1)  # plan.json counts prompt rows; the Plan counts samples
+    kw.update({k: kw[k] * n for k in ("num_rows", "num_rejects", "samples_per_shard")})
     return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run.plan_dir, meta, len(starts)),
-                prompt_path=str(path), extensions=extensions, **kw)
+                prompt_path=str(path), extensions=extensions, images=n, **kw)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -424,7 +461,8 @@ def _host() -> str:
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,
-               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None) -> Plan:
+               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None,
+               images_per_prompt: int = 1) -> Plan:
     """Scan the prompt file once (validating every row), write the plan atomically, return it.
 
     The plan goes into a temporary directory renamed to ``plan/`` at the end, so a bad row half-way
@@ -432,13 +470,18 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
     other adopts it. Memory stays constant in the number of rows. ``truncation`` finds the prompts
     a text encoder will cut, and warns, refuses or plans them as rejects (prompts.on_truncation).
     ``prompt_sha256``: the file's hash, recorded so that prompts appended later are recognised as such.
+    ``images_per_prompt``: samples per prompt row; ``samples_per_shard`` is a multiple of it (whole rows a shard).
     """
     run.root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(run)
     tmp = new_plan_dir(run)
     try:
         before = file_identity(source.path)
-        counts = plan_rows_into(tmp, source, samples_per_shard, truncation)
+        if samples_per_shard % images_per_prompt:
+            raise ValueError(f"samples_per_shard={samples_per_shard} is no multiple of images_per_prompt="
+                             f"{images_per_prompt}")
+        rows_per_shard = samples_per_shard // images_per_prompt
+        counts = plan_rows_into(tmp, source, rows_per_shard, truncation)
         if file_identity(source.path) != before:
             raise P.fail(source.path, 0, "the prompt file changed while it was being planned",
                          "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
@@ -446,7 +489,8 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             raise P.fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
-            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
+            counts, version=PLAN_VERSION, samples_per_shard=rows_per_shard, prompt_file=source.path,
+            **({"images_per_prompt": images_per_prompt} if images_per_prompt > 1 else {}),
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
             shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),

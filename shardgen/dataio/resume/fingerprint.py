@@ -74,6 +74,8 @@ def _dataset_fields(cfg: Any) -> dict:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)
+    if cfg.get("images_per_prompt", 1) != 1:  # which samples there are (and their keys and seeds)
+        out["images_per_prompt"] = cfg.images_per_prompt
     return out
 
 
@@ -91,7 +93,8 @@ def diff_fingerprints(old: dict, new: dict) -> list[str]:
 
 # fields the plan is made from: a change cannot be applied to a planned run (the plan is fixed once)
 PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.seed_field", "prompts.on_bad_row",
-               "prompts.limit", "prompts.max_prompt_chars", "prompts.row_settings", "samples_per_shard", "seed")
+               "prompts.limit", "prompts.max_prompt_chars", "prompts.row_settings", "samples_per_shard", "seed",
+               "images_per_prompt")
 
 
 def read_fingerprint(run: RunDir) -> dict | None:

@@ -95,7 +95,7 @@ def _rows(plan: Plan, shard: int) -> int:
     """A shard's rows; by arithmetic with one segment (shard_range 100k times costs a second)."""
     if plan.extensions:
         return len(plan.shard_range(shard))
-    per, total = plan.samples_per_shard, (plan.meta["num_rows"] if plan.meta else plan.num_rows)
+    per, total = plan.samples_per_shard, (plan.meta["num_rows"] * plan.images if plan.meta else plan.num_rows)
     return min(per, total - shard * per)
 
 
