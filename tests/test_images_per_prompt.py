@@ -1,0 +1,104 @@
+"""Several images per prompt (``images_per_prompt``): one sample per image, each with its own key and seed, the same
+bytes whatever the batch size, exactly once through a kill."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import verify
+from shardgen.dataio.prompts.plan import image_seed, sample_seed
+from shardgen.tools.verify import read_shard_members
+from shardgen.run.runner import run_rank
+from tests.conftest import compose_cfg
+
+PROMPTS = ["a cat", "a dog", "a red car", "a tree in fog", "a boat", "a cup of tea"]
+ARGS = ("height=32", "width=32", "steps=1", "progress=false", "images_per_prompt=4", "samples_per_shard=8",
+        "lease_s=1", "heartbeat_s=0.25")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ipp") / "p.txt"
+    path.write_text("".join(p + "\n" for p in PROMPTS))
+    return path
+
+
+def gen(run_dir: Path, prompts: Path, *extra: str, **kw):
+    return run_rank(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *ARGS, *extra), **kw)
+
+
+def tars(run_dir: Path) -> dict[str, bytes]:
+    return {t.name: t.read_bytes() for t in sorted((run_dir / "shards").glob("*.tar"))}
+
+
+def samples(run_dir: Path) -> dict[str, dict]:
+    return {k: json.loads(m["json"]) for t in sorted((run_dir / "shards").glob("*.tar"))
+            for k, m in read_shard_members(t).items()}
+
+
+@pytest.fixture(scope="module")
+def batch3(prompts, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("b3") / "run"
+    result = gen(d, prompts, "batch_size=3")
+    assert (result.ok, result.total, result.complete) == (24, 24, True)
+    return d
+
+
+def test_four_images_of_six_prompts_are_24_samples_with_their_own_keys_and_seeds(batch3, capsys):
+    got = samples(batch3)
+    assert len(got) == 24 and sorted(got) == [f"{i:010d}" for i in range(24)]
+    for key, meta in got.items():
+        i, k = divmod(int(key), 4)
+        assert (meta["index"], meta["prompt_index"], meta["image"], meta["prompt"]) == (int(key), i, k, PROMPTS[i])
+        assert meta["seed"] == image_seed(sample_seed(0, i), k)
+    assert len({m["seed"] for m in got.values()}) == 24
+    assert got["0000000000"]["seed"] == sample_seed(0, 0)  # image 0: the seed one image per prompt gives
+    assert verify.main([str(batch3)]) == 0
+    assert "24/24 samples (24 ok)" in capsys.readouterr().out
+
+
+def test_the_index_records_the_prompt_and_the_image(batch3):
+    import pandas as pd
+
+    df = pd.read_parquet(sorted((batch3 / "shards").glob("*.parquet"))).sort_values("index")
+    assert df["prompt_index"].tolist() == [i // 4 for i in range(24)]
+    assert df["image"].tolist() == [i % 4 for i in range(24)]
+
+
+def test_images_are_the_same_bytes_at_batch_1(batch3, prompts, tmp_path):
+    assert gen(tmp_path / "b1", prompts, "batch_size=1").complete
+    assert tars(tmp_path / "b1") == tars(batch3)
+
+
+def test_a_killed_run_resumes_to_every_image_exactly_once(batch3, prompts, tmp_path):
+    ends = []
+
+    def kill_at_the_third_batch(event, worker):
+        if event == "end":
+            ends.append(event)
+            if len(ends) == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen(tmp_path / "k", prompts, "batch_size=3", on_batch=kill_at_the_third_batch)
+    assert len(list((tmp_path / "k" / "shards").glob("*.tar"))) < 3  # stopped part-way
+    time.sleep(1.1)  # our own claim expires (lease_s=1)
+    assert gen(tmp_path / "k", prompts, "batch_size=2").complete
+    assert tars(tmp_path / "k") == tars(batch3)
+    assert verify.main([str(tmp_path / "k")]) == 0
+
+
+def test_shards_hold_whole_prompts_and_another_count_is_another_run(prompts, tmp_path):
+    from shardgen.config.validate import ConfigError
+    from shardgen.dataio.resume.fingerprint import FingerprintMismatch
+
+    with pytest.raises(ConfigError, match=r"samples_per_shard=6: a shard holds whole prompts, images_per_prompt=4 "
+                                          r"images each: use a multiple of 4 \(e.g. samples_per_shard=4\)"):
+        gen(tmp_path / "r", prompts, "samples_per_shard=6")
+    assert gen(tmp_path / "r", prompts, "prompts.limit=2").ok == 8
+    with pytest.raises(FingerprintMismatch, match="images_per_prompt: run has 4, this launch has 2"):
+        gen(tmp_path / "r", prompts, "prompts.limit=2", "images_per_prompt=2")
