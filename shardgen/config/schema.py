@@ -253,6 +253,14 @@ class GenerationConfig:
     """Denoising steps (default: the model's)."""
     guidance: float = II("model.guidance")
     """Guidance scale (default: the model's); a finite number, like every number of the config."""
+    scheduler: Optional[str] = None
+    """The sampler, instead of the model's own: euler (flow-matching Euler), unipc (UniPC), lcm (flow-matching
+    LCM, for few-step distilled models), dpmpp_2m (DPM-Solver++ 2M; Wan only), each in its flow-matching form
+    and built from the model's scheduler config (shardgen/models/schedulers.py); null = the model's own. Recorded
+    in each sample's provenance and the run's fingerprint."""
+    scheduler_shift: Optional[float] = None
+    """The flow shift of the sampler (sigma shift; FLUX.1-dev's 3.0, Wan 720p's 5.0): a number fixes it and turns
+    resolution-dependent dynamic shifting off; null = the model's. In the fingerprint."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
     images_per_prompt: int = 1

@@ -133,6 +133,7 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
     _check_source(cfg)
+    _check_scheduler(cfg)
     _check_loras(cfg)
     _check_images(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
@@ -184,6 +185,16 @@ def _check_source(cfg: GenerateConfig) -> None:
     if cfg.model.weights == "pretrained" and cfg.model.source not in TINY_SOURCES:
         problem = local_source_problem(cfg.model.source)
         _need(problem is None, problem or "")
+
+
+def _check_scheduler(cfg: GenerateConfig) -> None:
+    """scheduler names a sampler that works in the model's pipeline; scheduler_shift is a positive number."""
+    from shardgen.models import schedulers
+
+    try:
+        schedulers.check(cfg.get("scheduler"), cfg.get("scheduler_shift"), cfg.model.pipeline)
+    except ValueError as e:
+        _need(False, str(e))
 
 
 def _check_loras(cfg: GenerateConfig) -> None:

@@ -40,6 +40,7 @@ from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
+from shardgen.models import schedulers
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -241,6 +242,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
+        pipe = schedulers.apply(pipe, cfg.get("scheduler"), cfg.get("scheduler_shift"))
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
         if ctx.leader:

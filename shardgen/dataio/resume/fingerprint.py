@@ -76,6 +76,9 @@ def _dataset_fields(cfg: Any) -> dict:
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)
     if cfg.get("images_per_prompt", 1) != 1:  # which samples there are (and their keys and seeds)
         out["images_per_prompt"] = cfg.images_per_prompt
+    for key in ("scheduler", "scheduler_shift"):  # the sampler, when not the model's own
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
     return out
 
 
