@@ -9,6 +9,7 @@ no honest figure, and the dry run says so instead of guessing.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +49,8 @@ class DryRun:
     expected_s: float | None
     refused: str | None
     """Why the launch would be refused (a changed fingerprint), or None."""
+    rate_source: str = "this run's last measured rate"
+    """Where ``rate`` comes from: this run's launches, or another run's record (shardgen/run/rates.py)."""
     images: int = 1
     """images_per_prompt: ``prompts`` and ``rejected`` count samples, this many per prompt row."""
     shapes: dict[str, int] | None = None
@@ -58,6 +61,12 @@ class DryRun:
 def world_size_of(cfg: GenerateConfig) -> int:
     """The ranks a launch of ``cfg`` would have."""
     return launcher_of(cfg).world_size(cfg.launcher)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def measured_rate(run: RunDir) -> float | None:
@@ -114,7 +123,17 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                                              frames=s.frames or 1) for s, n in shapes.items())
     shape_rows = {s.label: n for s, n in shapes.items()} if len(shapes) > 1 or cfg.prompts.get("row_settings") \
         else None
-    rate = measured_rate(run)
+    rate, rate_source = measured_rate(run), "this run's last measured rate"
+    if rate is None:  # another run's, with the same model, size, steps, device and strategy
+        from shardgen.run import rates
+
+        device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
+        rec = rates.recorded_rate(rates.rate_key(cfg, dims.strategy, dims.replica_size, rates.device_name(device)))
+        if rec is not None:
+            rate = rec["per_replica"] * dims.dp
+            when = time.strftime("%Y-%m-%d", time.localtime(rec.get("time") or 0))
+            rate_source = (f"the rate recorded for this model, size, steps and device ({rec['per_replica']:.2f} "
+                           f"samples/s per replica, {when}, {rec.get('run_dir')}) x {dims.dp} replica(s)")
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
     return DryRun(run_dir=str(run.root), prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
@@ -123,7 +142,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
                   expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
-                  refused=refused, shapes=shape_rows, images=images)
+                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source)
 
 
 def _fmt_s(s: float) -> str:
@@ -134,7 +153,7 @@ def _fmt_s(s: float) -> str:
 def describe(d: DryRun) -> str:
     """The dry run as the lines ``jobs.generate dry_run=true`` prints."""
     left = d.prompts - d.done_samples
-    time_line = (f"~{_fmt_s(d.expected_s)} for the {left} samples left, at this run's last measured rate "
+    time_line = (f"~{_fmt_s(d.expected_s)} for the {left} samples left, at {d.rate_source} "
                  f"({d.rate:.2f} samples/s; it scales with the replicas)" if d.expected_s is not None else
                  "not measured yet: a first launch measures it (jobs.status shows the rate and ETA); try "
                  "prompts.limit=N on another run_dir for a quick figure")

@@ -34,6 +34,7 @@ from shardgen.run.generation import GenSettings
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.speed.regional_compile import background_runs_eager_path
+from shardgen.run import rates
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -252,7 +253,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
             worker.run()
         log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
-        return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+        result = _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+        if result is not None and worker.generated and worker.gen_s > 0:  # for a later dry_run of another run
+            key = rates.rate_key(cfg, dims.strategy, dims.replica_size, rates.device_name(world.device))
+            rates.record_rate(key, worker.generated / worker.gen_s, str(plan.run.root))
+        return result
     except Exception as e:
         log_to_file_only(rank_log, e)
         if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
