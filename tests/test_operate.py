@@ -195,3 +195,35 @@ def test_status_tells_the_replicas_of_two_launches_apart(done_run, capsys):
     # the most recent launch first: the subprocess's 5 samples, then this process's 12
     assert f"pid {os.getpid()})" not in lines[0] and "5 samples" in lines[0]
     assert f"pid {os.getpid()})" in lines[1] and "12 samples" in lines[1]
+
+
+def test_status_watch_shows_the_run_again_until_it_is_complete(done_run, capsys, monkeypatch):
+    """--watch on an unfinished run shows a view, sleeps, shows the next one (the run meanwhile completed by
+    another launch) and stops there with exit 0."""
+    stats = done_run / "shards" / "000001.stats.json"
+    kept = stats.read_bytes()
+    stats.unlink()
+    sleeps = []
+
+    def another_launch_commits_meanwhile(seconds):
+        sleeps.append(seconds)
+        stats.write_bytes(kept)
+
+    monkeypatch.setattr("jobs.status.time.sleep", another_launch_commits_meanwhile)
+    assert status.main([str(done_run), "--watch", "2"]) == 0
+    views = capsys.readouterr().out.split("--- ")[1:]
+    assert sleeps == [2.0] and len(views) == 2
+    assert "2 done" in views[0] and "stopped" in views[0] and "3 done" in views[1] and "COMPLETE" in views[1]
+
+
+def test_status_watch_stops_quietly_on_ctrl_c_and_refuses_a_bad_interval(done_run, capsys, monkeypatch):
+    (done_run / "shards" / "000001.stats.json").unlink()
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("jobs.status.time.sleep", ctrl_c)
+    assert status.main([str(done_run), "--watch"]) == 0
+    assert capsys.readouterr().out.count("--- ") == 1
+    assert status.main([str(done_run), "--watch", "0"]) == 2
+    assert "error: --watch 0: give a number of seconds above 0" in capsys.readouterr().err
