@@ -102,3 +102,48 @@ def test_shards_hold_whole_prompts_and_another_count_is_another_run(prompts, tmp
     assert gen(tmp_path / "r", prompts, "prompts.limit=2").ok == 8
     with pytest.raises(FingerprintMismatch, match="images_per_prompt: run has 4, this launch has 2"):
         gen(tmp_path / "r", prompts, "prompts.limit=2", "images_per_prompt=2")
+
+
+ROWS = ['{"prompt": "a cat", "images_per_prompt": 2}', '{"prompt": "a dog"}',
+        '{"prompt": "a car", "images_per_prompt": 3}', '{"prompt": "a hat", "images_per_prompt": 2.0}',
+        '{"prompt": "a cup", "images_per_prompt": 0}']
+OWN = ("prompts.row_settings=[images_per_prompt]", "images_per_prompt=1", "samples_per_shard=2",
+       "prompts.on_bad_row=skip")
+
+
+@pytest.fixture(scope="module")
+def own_counts(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("own")
+    (d / "p.jsonl").write_text("\n".join(ROWS) + "\n")
+    result = gen(d / "b3", d / "p.jsonl", *OWN, "batch_size=3")
+    assert (result.ok, result.rejected, result.complete) == (8, 1, True)
+    return d / "p.jsonl", d / "b3"
+
+
+def test_a_row_asking_for_two_images_gets_two(own_counts, capsys):
+    _, run_dir = own_counts
+    got = samples(run_dir)
+    assert [(m["prompt_index"], m["image"]) for _, m in sorted(got.items())] == \
+        [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1)]
+    assert got["0000000001"]["seed"] == image_seed(sample_seed(0, 0), 1)
+    assert verify.main([str(run_dir)]) == 0
+    assert "9/9 samples (8 ok, 1 rejected)" in capsys.readouterr().out
+
+
+def test_rows_own_counts_give_the_same_bytes_at_batch_1_and_through_a_kill(own_counts, tmp_path):
+    prompts, run_dir = own_counts
+    assert gen(tmp_path / "b1", prompts, *OWN, "batch_size=1").complete
+    assert tars(tmp_path / "b1") == tars(run_dir)
+    ends = []
+
+    def kill_at_the_third_batch(event, worker):
+        if event == "end":
+            ends.append(event)
+            if len(ends) == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen(tmp_path / "k", prompts, *OWN, "batch_size=1", on_batch=kill_at_the_third_batch)
+    time.sleep(1.1)  # our own claim expires (lease_s=1)
+    assert gen(tmp_path / "k", prompts, *OWN, "batch_size=2").complete
+    assert tars(tmp_path / "k") == tars(run_dir)

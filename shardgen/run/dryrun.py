@@ -51,8 +51,10 @@ class DryRun:
     """Why the launch would be refused (a changed fingerprint), or None."""
     rate_source: str = "this run's last measured rate"
     """Where ``rate`` comes from: this run's launches, or another run's record (shardgen/run/rates.py)."""
+    prompt_rows: int | None = None
+    """Prompt rows planned (``prompts`` counts samples: more with images_per_prompt)."""
     images: int = 1
-    """images_per_prompt: ``prompts`` and ``rejected`` count samples, this many per prompt row."""
+    """images_per_prompt: ``prompts`` counts samples, this many per prompt row (``rejected``: rows)."""
     shapes: dict[str, int] | None = None
     """Rows per shape (``WIDTHxHEIGHT[xFRAMES]``, most first) when rows set their own size or frames
     (prompts.row_settings); the expected size adds up each shape's samples. None: every row has the run's shape."""
@@ -104,6 +106,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     if plan is not None:
         counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
                   read_ledger(plan).done_samples)
+        prompt_rows = plan.num_prompts
         shapes = plan.shapes()
     else:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
@@ -113,11 +116,12 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
                              truncation=planning_truncation_check(cfg, source), images_per_prompt=images)
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
+            prompt_rows = new.num_prompts
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
     check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
-        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): (rows - rejected) // images}
+        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): prompt_rows - rejected}
     shapes = {s: n * images for s, n in shapes.items()}  # rows per shape -> samples per shape
     expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
                                              frames=s.frames or 1) for s, n in shapes.items())
@@ -142,7 +146,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
                   expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
-                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source)
+                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source, prompt_rows=prompt_rows)
 
 
 def _fmt_s(s: float) -> str:
@@ -158,9 +162,9 @@ def describe(d: DryRun) -> str:
                  "not measured yet: a first launch measures it (jobs.status shows the rate and ETA); try "
                  "prompts.limit=N on another run_dir for a quick figure")
     lines = [f"dry run of {d.run_dir}: no model loaded, nothing written",
-             f"  prompts   {d.prompts} ({d.rejected} rejected rows)" if d.images == 1 else
-             f"  prompts   {d.prompts // d.images} ({d.rejected // d.images} rejected rows) x {d.images} images = "
-             f"{d.prompts} samples",
+             f"  prompts   {d.prompts} ({d.rejected} rejected rows)" if d.prompt_rows in (None, d.prompts) else
+             f"  prompts   {d.prompt_rows} ({d.rejected} rejected rows)" + (f" x {d.images} images" if d.images > 1
+                                                                         else "") + f" = {d.prompts} samples",
              f"  shards    {d.shards} of {d.samples_per_shard} samples"
              + (f"; {d.done_samples} samples already done" if d.done_samples else ""),
              f"  ranks     {d.world_size}: {d.replicas} replica(s) of {d.ranks_per_replica} rank(s), strategy {d.strategy}",

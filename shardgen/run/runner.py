@@ -167,7 +167,7 @@ def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: s
                       truncation=planning_truncation_check(cfg, source), prompt_sha256=digest, images_per_prompt=images)
     per = f" x {images} images = {plan.num_rows} samples" if images > 1 else ""
     log.info("planned %d prompts%s (%d rejected rows) into %d shards of %d in %s", plan.num_prompts, per,
-             plan.num_rejects // images, plan.num_shards, plan.samples_per_shard, run.root)
+             plan.num_rejects, plan.num_shards, plan.samples_per_shard, run.root)
     if is_url(source.path):
         log.info("%s: %d bytes read so far by ranged reads (the file has %d; nothing copied to disk)", source.path,
                  bytes_read(source.path), plan.meta["prompt_size"] if plan.meta else -1)
@@ -402,8 +402,9 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
         say_nothing_to_do(plan)
     else:
         unit = "videos" if is_video(cfg) else "images"
-        of = f"{plan.num_rows} prompts" if plan.images == 1 else \
-            f"{plan.num_prompts} prompts x {plan.images} images = {plan.num_rows} samples"
+        of = (f"{plan.num_prompts} prompts = {plan.num_rows} samples (the rows' own images_per_prompt)"
+              if plan.per_row_images else f"{plan.num_rows} prompts" if plan.images == 1 else
+              f"{plan.num_prompts} prompts x {plan.images} images = {plan.num_rows} samples")
         print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of {of}; "
               f"generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))

@@ -32,8 +32,8 @@ import numpy as np
 
 from shardgen.dataio.prompts import read as P
 from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_identity, footer_plan,
-                                              planned_from_footer, range_digests, read_range,
-                                              read_rows_at, rows_digest, scan_rows, truncation_outcome)
+                                              planned_from_footer, range_digests, read_range, read_rows_at,
+                                              row_images, rows_digest, scan_rows, truncation_outcome)
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
@@ -164,8 +164,11 @@ class Plan:
     digests: np.ndarray | None = None   # (first plan's shards, 32): sha256 of each shard's rows (None: older plans)
     prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
     extensions: tuple[Segment, ...] = ()
-    images: int = 1                     # images_per_prompt: num_rows, num_rejects and samples_per_shard count samples,
-    # each prompt row being ``images`` samples (indices row x images + image); plan.json counts rows
+    images: int = 1                     # images_per_prompt: num_rows and samples_per_shard count samples, each
+    # prompt row being ``images`` samples (indices row x images + image); plan.json counts rows. num_rejects: rows
+    sample_starts: np.ndarray | None = None  # rows with their own images_per_prompt: shard k's samples are
+    # sample_starts[k]..sample_starts[k+1]-1, its rows' images in row order (samples.npy of each segment)
+    prompt_rows: int | None = None      # prompt rows planned, where num_rows // images is not it
 
     @property
     def rows_per_shard(self) -> int:
@@ -175,7 +178,12 @@ class Plan:
     @property
     def num_prompts(self) -> int:
         """Prompt rows planned (num_rows counts samples)."""
-        return self.num_rows // self.images
+        return self.prompt_rows if self.prompt_rows is not None else self.num_rows // self.images
+
+    @property
+    def per_row_images(self) -> bool:
+        """Rows set their own images_per_prompt (prompts.row_settings): shards differ in samples."""
+        return self.sample_starts is not None
 
     def _segment(self, shard: int) -> Segment | None:
         """The extension ``shard`` belongs to (None: the first plan)."""
@@ -187,6 +195,8 @@ class Plan:
 
     def shard_range(self, shard: int) -> range:
         """Sample indices of ``shard`` (its rows' indices, with one image per prompt)."""
+        if self.sample_starts is not None:
+            return range(int(self.sample_starts[shard]), int(self.sample_starts[shard + 1]))
         rows = self.row_range(shard)
         return range(rows.start * self.images, rows.stop * self.images)
 
@@ -218,13 +228,14 @@ class Plan:
             rows = self._checked_rows(src, shard, seg, rng)
         self._check_adapters(rows)
         bad = self.image_rejects if "image" in getattr(self.row_rules, "names", ()) else {}
-        n, out = self.images, []
+        several, out, index = self.images > 1 or self.per_row_images, [], self.shard_range(shard).start
         for r in rows:
             reject = r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index))
-            seed = sample_seed(m["run_seed"], r.index, r.seed)
-            out += [PlannedRow(index=r.index * n + k, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
-                               reject=reject, seed=image_seed(seed, k), prompt_index=r.index if n > 1 else None,
-                               image=k if n > 1 else None) for k in range(n)]
+            seed, count = sample_seed(m["run_seed"], r.index, r.seed), row_images(r.settings, self.images)
+            out += [PlannedRow(index=index + k, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
+                               reject=reject, seed=image_seed(seed, k), prompt_index=r.index if several else None,
+                               image=k if several else None) for k in range(count)]
+            index += count
         return out
 
     def _check_adapters(self, rows: list[P.PromptRow]) -> None:
@@ -367,9 +378,19 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         kw.update(num_rows=ext.end_row, num_shards=ext.first_shard + ext.meta["num_shards"],
                   num_rejects=kw["num_rejects"] + ext.meta["num_rejects"])
     n = int(meta.get("images_per_prompt") or 1)  # plan.json counts prompt rows; the Plan counts samples
-    kw.update({k: kw[k] * n for k in ("num_rows", "num_rejects", "samples_per_shard")})
+    prompt_rows, sample_starts = kw["num_rows"], None
+    if meta.get("per_row_images"):  # each segment's samples per shard, in shard order
+        counts = np.concatenate([_load_npy(d / "samples.npy") for d in [run.plan_dir, *(e.dir for e in extensions)]])
+        if counts.shape != (kw["num_shards"],):
+            raise _plan_error(run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
+        sample_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        kw["num_rows"] = int(sample_starts[-1])
+    else:
+        kw["num_rows"] *= n
+    kw["samples_per_shard"] *= n
     return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run.plan_dir, meta, len(starts)),
-                prompt_path=str(path), extensions=extensions, images=n, **kw)
+                prompt_path=str(path), extensions=extensions, images=n, sample_starts=sample_starts,
+                prompt_rows=prompt_rows, **kw)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -481,7 +502,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             raise ValueError(f"samples_per_shard={samples_per_shard} is no multiple of images_per_prompt="
                              f"{images_per_prompt}")
         rows_per_shard = samples_per_shard // images_per_prompt
-        counts = plan_rows_into(tmp, source, rows_per_shard, truncation)
+        counts = plan_rows_into(tmp, source, rows_per_shard, truncation, images=images_per_prompt)
         if file_identity(source.path) != before:
             raise P.fail(source.path, 0, "the prompt file changed while it was being planned",
                          "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
@@ -491,6 +512,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, samples_per_shard=rows_per_shard, prompt_file=source.path,
             **({"images_per_prompt": images_per_prompt} if images_per_prompt > 1 else {}),
+            **({"per_row_images": True} if "samples" in counts else {}),
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
             shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),
@@ -514,7 +536,7 @@ def new_plan_dir(run: RunDir) -> Path:
 
 
 def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, truncation: TruncationCheck | None,
-                   offset: int = 0, first_row: int = 0, head_end: int | None = None) -> dict:
+                   offset: int = 0, first_row: int = 0, head_end: int | None = None, images: int = 1) -> dict:
     """Scan the rows from byte ``offset`` (row ``first_row``; parquet: from the start) into shards of
     ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
     planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
@@ -524,6 +546,8 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
     adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
     image_rejects = {} if source.row_rules and "image" in source.row_rules["names"] else None
+    # rows with their own images_per_prompt: each shard's samples (samples.npy; a shard holds whole rows)
+    samples = [] if source.row_rules and "images_per_prompt" in source.row_rules["names"] else None
     footer = planned_from_footer(source, truncation) and first_row == 0
     if footer:  # a remote parquet file: no row read before the first image
         num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
@@ -532,7 +556,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                                                                 first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
-                                                                     shapes, adapters, image_rejects)
+                                                                     shapes, adapters, image_rejects, samples, images)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -553,6 +577,9 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
         counts["loras"] = adapters
     if image_rejects:
         counts["image_rejects"] = image_rejects
+    if samples is not None:
+        np.save(out / "samples.npy", np.asarray(samples[:len(starts)], dtype=np.int64))
+        counts["samples"] = int(sum(samples[:len(starts)]))
     return counts
 
 

@@ -21,12 +21,14 @@ from typing import Any, Iterable, NamedTuple
 from shardgen.errors import UserError
 
 ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
-                "num_frames", "loras", "image", "strength")
+                "num_frames", "loras", "image", "strength", "images_per_prompt")
 """The names ``prompts.row_settings`` may list."""
 MAX_SIDE = 8192
 """The largest image side a row may ask for, in pixels."""
 MAX_STEPS = 1000
 """The most denoising steps a row may ask for."""
+MAX_IMAGES = 1000
+"""The most images of one prompt (images_per_prompt, the run's or a row's)."""
 MAX_RATIO = 8.0
 """The most elongated ``aspect_ratio`` a row may ask for (8:1 or 1:8)."""
 _RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
@@ -138,6 +140,12 @@ class RowRules:
                 raise BadSetting(f"loras: {e}") from None
         if "num_frames" in raw:
             out["num_frames"] = self._frames(raw["num_frames"], text)
+        if "images_per_prompt" in raw:
+            n = whole(raw["images_per_prompt"], text)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
+                raise BadSetting(f"images_per_prompt: {_shown(raw['images_per_prompt'])} is not a number of images: "
+                                 f"write a whole number from 1 to {MAX_IMAGES}")
+            out["images_per_prompt"] = n
         out.update(self._image(raw, text, out.get("steps", self.steps)))
         if "aspect_ratio" in raw:
             if "width" in raw or "height" in raw:

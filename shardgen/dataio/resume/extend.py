@@ -109,7 +109,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
     tmp = new_plan_dir(run)
     try:
         counts = plan_rows_into(tmp, source, plan.rows_per_shard, truncation, offset=before[0],
-                                first_row=plan.num_prompts, head_end=int(plan.starts[0][0]))  # csv/tsv: the header
+                                first_row=plan.num_prompts, head_end=int(plan.starts[0][0]), images=plan.images)  # csv/tsv: the header
         if sizeof(source.path) != after[0]:
             raise PromptFileChanging(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
                                   "bytes when hashed); re-run once it is written")

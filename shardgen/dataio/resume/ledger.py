@@ -93,7 +93,7 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
 
 def _rows(plan: Plan, shard: int) -> int:
     """A shard's rows; by arithmetic with one segment (shard_range 100k times costs a second)."""
-    if plan.extensions:
+    if plan.extensions or plan.per_row_images:
         return len(plan.shard_range(shard))
     per, total = plan.samples_per_shard, (plan.meta["num_rows"] * plan.images if plan.meta else plan.num_rows)
     return min(per, total - shard * per)
