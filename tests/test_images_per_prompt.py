@@ -14,6 +14,7 @@ from shardgen.dataio.prompts.plan import image_seed, sample_seed
 from shardgen.tools.verify import read_shard_members
 from shardgen.run.runner import run_rank
 from tests.conftest import compose_cfg
+from tests.test_generate import shard_images
 
 PROMPTS = ["a cat", "a dog", "a red car", "a tree in fog", "a boat", "a cup of tea"]
 ARGS = ("height=32", "width=32", "steps=1", "progress=false", "images_per_prompt=4", "samples_per_shard=8",
@@ -147,3 +148,14 @@ def test_rows_own_counts_give_the_same_bytes_at_batch_1_and_through_a_kill(own_c
     time.sleep(1.1)  # our own claim expires (lease_s=1)
     assert gen(tmp_path / "k", prompts, *OWN, "batch_size=2").complete
     assert tars(tmp_path / "k") == tars(run_dir)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_make_the_one_rank_images(batch3, prompts, tmp_path):
+    """tp-2 under gloo: two ranks share each pipeline call of a replica, with one generator per image."""
+    from jobs.generate import run
+
+    run(compose_cfg(f"run_dir={tmp_path / 'tp2'}", f"prompts.path={prompts}", *ARGS, "batch_size=3", "strategy=tp",
+                    "tp_degree=2", "launcher=local", "launcher.nprocs=2"))
+    assert shard_images(tmp_path / "tp2") == shard_images(batch3) and len(shard_images(batch3)) == 24
+    assert {m["strategy"] for m in samples(tmp_path / "tp2").values()} == {"tp"}  # the json says how it was made
