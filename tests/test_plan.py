@@ -344,7 +344,7 @@ def test_a_dry_run_of_a_new_run_estimates_its_time_from_a_rate_recorded_for_its_
     assert run(compose_cfg(f"run_dir={tmp_path / 'first'}", "prompts.limit=8", *size)).ok == 8
     d = dry_run(compose_cfg(*new))
     line = next(ln for ln in describe(d).splitlines() if ln.startswith("  time"))
-    assert d.expected_s > 0 and f"for the 64 samples left, at the rate recorded for this model" in line
+    assert d.expected_s > 0 and "for the 64 samples left, at the rate recorded for this model" in line
     assert str(tmp_path / "first") in line
     two = dry_run(compose_cfg(*new, "launcher=local", "launcher.nprocs=2"))
     assert two.rate == pytest.approx(2 * d.rate) and "x 2 replica(s)" in describe(two)

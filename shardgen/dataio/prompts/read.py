@@ -413,7 +413,7 @@ def parse_record(rec: dict, field: str, seed_field: str,
     """A jsonl object or parquet row: the prompt, the seed, the rest as extra, the row's settings."""
     if field not in rec:
         guess = guess_field(list(rec), field, [k for k, v in rec.items() if isinstance(v, str)])
-        other = f": if another field holds the prompt, set prompts.field=<it>" + \
+        other = ": if another field holds the prompt, set prompts.field=<it>" + \
             (f", e.g. prompts.field={guess}" if guess else "")
         raise BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}{other}")
     extra = dict(rec)
