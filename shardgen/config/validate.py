@@ -134,6 +134,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     _check_max_memory(cfg.strategy.get("max_memory"))
     _check_source(cfg)
     _check_scheduler(cfg)
+    _check_calibration(cfg)
     _check_loras(cfg)
     _check_images(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
@@ -146,6 +147,20 @@ def validate_config(cfg: GenerateConfig) -> None:
         validate_accel(AccelOptions.from_cfg(cfg), device)
     except AccelError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_calibration(cfg: GenerateConfig) -> None:
+    """The quality gate's keys (shardgen/quality/gate.py)."""
+    from shardgen.quality.gate import FALLBACKS
+
+    _need(cfg.calibrate_samples >= 0, f"calibrate_samples={cfg.calibrate_samples}: use 0 (off) or a number of samples")
+    _need(cfg.calibrate_min_psnr >= 0, f"calibrate_min_psnr={cfg.calibrate_min_psnr:g}: use dB >= 0 (0 = no bound)")
+    _need(0 <= cfg.calibrate_min_ssim <= 1, f"calibrate_min_ssim={cfg.calibrate_min_ssim:g}: use 0..1 (0 = no bound)")
+    _need(cfg.calibrate_fallback in FALLBACKS,
+          f"calibrate_fallback={cfg.calibrate_fallback!r}: use one of {list(FALLBACKS)}")
+    bounded = cfg.calibrate_min_psnr > 0 or cfg.calibrate_min_ssim > 0
+    _need(not bounded or cfg.calibrate_samples > 0, "calibrate_min_psnr/calibrate_min_ssim bound the calibration "
+          "samples: set calibrate_samples=N (e.g. 4) too")
 
 
 def _check_images(cfg: GenerateConfig) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.family_hooks import family_speed_hooks
 from shardgen.speed.first_block_cache import disable_cache, enable_first_block_cache
-from shardgen.speed.fp8 import FP8_MAX, Float8Linear, disable_fp8, enable_fp8, fp8_enabled
+from shardgen.speed.fp8 import FP8_MAX, Float8Linear, disable_fp8, enable_fp8, fp8_enabled, make_reversible
 from shardgen.speed.techniques import AccelError, AccelOptions, resolve_compile
 from shardgen.speed.regional_compile import (COMPILE_MODES, compile_blocks, compile_cache_dir, fuse_blocks_eager,
                                              uncompile_blocks)
@@ -35,5 +35,5 @@ from shardgen.speed.techniques import current, prepare, validate
 __all__ = ["AccelError", "AccelOptions", "COMPILE_MODES", "FP8_MAX", "Float8Linear", "SDPA_CHOICES",
            "attention_shape", "choose_sdpa", "chosen_sdpa", "compile_blocks", "compile_cache_dir", "current",
            "disable_cache", "disable_fp8", "enable_first_block_cache", "enable_fp8", "family_speed_hooks",
-           "fp8_enabled", "fuse_blocks_eager", "measure_sdpa", "prepare", "repeated_blocks", "resolve_compile",
-           "sdpa_context", "uncompile_blocks", "validate"]
+           "fp8_enabled", "fuse_blocks_eager", "make_reversible", "measure_sdpa", "prepare", "repeated_blocks",
+           "resolve_compile", "sdpa_context", "uncompile_blocks", "validate"]

@@ -515,9 +515,20 @@ class RunDir:
         return self.root / "preview.png"
 
     @property
+    def calibration_path(self) -> Path:
+        """The quality gate's figures (``calibrate_samples``, shardgen/quality/gate.py), written by the job."""
+        return self.root / "calibration.json"
+
+    @property
+    def compare_path(self) -> Path:
+        """``jobs.compare``'s figures against a reference run (shardgen/quality/compare.py)."""
+        return self.root / "compare.json"
+
+    @property
     def tool_outputs(self) -> tuple[Path, ...]:
-        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``)."""
-        return self.preview_path, self.report_path
+        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``,
+        ``jobs.compare``)."""
+        return self.preview_path, self.report_path, self.compare_path
 
     @property
     def marker_path(self) -> Path:
