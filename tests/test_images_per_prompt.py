@@ -159,3 +159,18 @@ def test_tensor_parallel_ranks_make_the_one_rank_images(batch3, prompts, tmp_pat
                     "tp_degree=2", "launcher=local", "launcher.nprocs=2"))
     assert shard_images(tmp_path / "tp2") == shard_images(batch3) and len(shard_images(batch3)) == 24
     assert {m["strategy"] for m in samples(tmp_path / "tp2").values()} == {"tp"}  # the json says how it was made
+
+
+def test_a_changed_count_of_samples_per_shard_is_refused_naming_its_file(own_counts, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from shardgen.dataio.prompts.plan import PlanError, load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+
+    shutil.copytree(own_counts[1], tmp_path / "run")
+    path = tmp_path / "run" / "plan" / "samples.npy"
+    np.save(path, np.load(path) + 1)
+    with pytest.raises(PlanError, match=r"samples.npy: does not match the checksum in plan.json"):
+        load_plan(RunDir(tmp_path / "run"))

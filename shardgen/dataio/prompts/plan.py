@@ -116,10 +116,11 @@ class PlannedRow:
     settings: dict = field(default_factory=dict)
     """The generation settings the row sets (``prompts.row_settings``, rowsettings.py); {}: the run's."""
     prompt_index: int | None = None
-    """With images_per_prompt > 1: the prompt row this sample is an image of (``index`` is the sample's own,
-    prompt_index x images_per_prompt + image); None with one image per prompt (``index`` is the row's)."""
+    """With images_per_prompt > 1 or rows' own counts: the prompt row this sample is an image of (``index`` is the
+    sample's own: prompt_index x images_per_prompt + image, or its place in row order); None with one image per
+    prompt (``index`` is the row's)."""
     image: int | None = None
-    """With images_per_prompt > 1: which image of its prompt, from 0."""
+    """With images_per_prompt > 1 or rows' own counts: which image of its prompt, from 0."""
 
     @property
     def key(self) -> str:
@@ -380,7 +381,14 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     n = int(meta.get("images_per_prompt") or 1)  # plan.json counts prompt rows; the Plan counts samples
     prompt_rows, sample_starts = kw["num_rows"], None
     if meta.get("per_row_images"):  # each segment's samples per shard, in shard order
-        counts = np.concatenate([_load_npy(d / "samples.npy") for d in [run.plan_dir, *(e.dir for e in extensions)]])
+        parts = []
+        for where, m in [(run.plan_dir, meta), *((e.dir, e.meta) for e in extensions)]:
+            part = _load_npy(where / "samples.npy")
+            if part.ndim != 1 or m.get("samples_sha256") != _digest(part) or (part < 1).any():
+                raise _plan_error(where / "samples.npy", "does not match the checksum in plan.json (changed after "
+                                                         "planning)")
+            parts.append(part)
+        counts = np.concatenate(parts)
         if counts.shape != (kw["num_shards"],):
             raise _plan_error(run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
         sample_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -578,8 +586,9 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     if image_rejects:
         counts["image_rejects"] = image_rejects
     if samples is not None:
-        np.save(out / "samples.npy", np.asarray(samples[:len(starts)], dtype=np.int64))
-        counts["samples"] = int(sum(samples[:len(starts)]))
+        per_shard = np.asarray(samples[:len(starts)], dtype=np.int64)
+        np.save(out / "samples.npy", per_shard)
+        counts.update(samples=int(per_shard.sum()), samples_sha256=_digest(per_shard))
     return counts
 
 
