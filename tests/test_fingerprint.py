@@ -136,23 +136,23 @@ def test_appended_prompts_are_no_change_of_settings_for_a_launch_loading_its_mod
 
 
 def test_following_the_advice_of_a_missing_prompt_field_ends_in_images(tmp_path):
-    """A jsonl whose prompts are under "caption": the error names prompts.field=caption; a launch with
-    prompts.on_bad_row=skip rejects every row and makes no sample, so the same run_dir then takes
-    prompts.field=caption and makes the images."""
+    """A jsonl whose prompts are under "sentence" (no common caption name, so not taken by itself): the error names
+    prompts.field=sentence; a launch with prompts.on_bad_row=skip rejects every row and makes no sample, so the same
+    run_dir then takes prompts.field=sentence and makes the images."""
     from jobs.generate import run
     from shardgen.dataio.prompts.read import PromptFileError
 
-    (tmp_path / "cap.jsonl").write_text('{"caption": "a cat"}\n{"caption": "a dog"}\n')
+    (tmp_path / "cap.jsonl").write_text('{"sentence": "a cat", "n": 1}\n{"sentence": "a dog", "n": 2}\n')
     args = (f"prompts.path={tmp_path / 'cap.jsonl'}", f"run_dir={tmp_path / 'r'}", "height=32", "width=32",
             "steps=1", "progress=false")
-    with pytest.raises(PromptFileError, match=r"set prompts.field=<it>, e.g. prompts.field=caption"):
+    with pytest.raises(PromptFileError, match=r"set prompts.field=<it>, e.g. prompts.field=sentence"):
         run(compose_cfg(*args))
     skipped = run(compose_cfg(*args, "prompts.on_bad_row=skip"))
     assert (skipped.ok, skipped.rejected) == (0, 2)
-    fixed = run(compose_cfg(*args, "prompts.field=caption"))
+    fixed = run(compose_cfg(*args, "prompts.field=sentence"))
     assert (fixed.ok, fixed.rejected, fixed.complete) == (2, 0, True)
     changes = fingerprint_changes(RunDir(tmp_path / "r"))[-1]["changes"]
-    assert changes["prompts.field"] == ["prompt", "caption"]
+    assert changes["prompts.field"] == ["prompt", "sentence"]
 
 
 def test_a_run_with_a_sample_or_an_upload_keeps_its_settings(tmp_path):

@@ -383,6 +383,46 @@ def guess_field(names: list[str], field: str, texts: list[str] | None = None) ->
     return texts[0] if texts is not None and len(texts) == 1 else None
 
 
+def guess_prompt_field(path: str, format: str = "auto", field: str = "prompt") -> str | None:
+    """The field or column holding the prompts when ``field`` is not one of the file's first row (jsonl) or header
+    (csv/tsv, parquet) and exactly one of them has a common caption name (``caption``, ``text``, ...); None
+    otherwise, or when the file cannot be read here (the launch's own checks then name the problem)."""
+    try:
+        names = _first_names(path, detect_format(path, format))
+    except Exception:  # unreadable, not the format it says: left to the checks that name the problem
+        return None
+    if names is None or field in names:
+        return None
+    found = [n for n in names if isinstance(n, str) and n.lower() in CAPTION_NAMES and n != field]
+    return found[0] if len(found) == 1 else None
+
+
+def _first_names(path: str, fmt: str) -> list[str] | None:
+    """The fields of a jsonl file's first row, or a csv/tsv/parquet file's columns (read from its first line or
+    its footer); None for formats without fields."""
+    if fmt == "parquet":
+        from shardgen.dataio.prompts.parquet import parquet_file
+
+        return list(parquet_file(path).schema_arrow.names)
+    if fmt not in ("jsonl", "csv", "tsv"):
+        return None
+    from shardgen.dataio.rundir.remote import open_input
+
+    with open_input(path) as f:
+        line = f.readline(1 << 20)
+        while fmt == "jsonl" and line.strip() == b"" and line:
+            line = f.readline(1 << 20)
+    text = line.removeprefix(BOM).decode("utf-8")
+    if fmt == "jsonl":
+        import json
+
+        obj = json.loads(text)
+        return list(obj) if isinstance(obj, dict) else None
+    import csv
+
+    return next(csv.reader([text.rstrip("\r\n")], delimiter="," if fmt == "csv" else "\t"), None)
+
+
 def check_values(obj: Any) -> None:
     """Every string of the row is valid Unicode (no lone surrogates such as "\\ud800") and nesting stays
     within MAX_DEPTH, so the row can be written as standard UTF-8 JSON later; iterative, never recursing."""
