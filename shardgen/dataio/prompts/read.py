@@ -386,7 +386,10 @@ def guess_field(names: list[str], field: str, texts: list[str] | None = None) ->
 def guess_prompt_field(path: str, format: str = "auto", field: str = "prompt") -> str | None:
     """The field or column holding the prompts when ``field`` is not one of the file's first row (jsonl) or header
     (csv/tsv, parquet) and exactly one of them has a common caption name (``caption``, ``text``, ...); None
-    otherwise, or when the file cannot be read here (the launch's own checks then name the problem)."""
+    otherwise, or when the file cannot be read here (the launch's own checks then name the problem), or is a URL
+    (whose reads are counted and kept to what planning needs)."""
+    if is_url(path):
+        return None
     try:
         names = _first_names(path, detect_format(path, format))
     except Exception:  # unreadable, not the format it says: left to the checks that name the problem
