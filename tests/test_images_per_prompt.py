@@ -174,3 +174,14 @@ def test_a_changed_count_of_samples_per_shard_is_refused_naming_its_file(own_cou
     np.save(path, np.load(path) + 1)
     with pytest.raises(PlanError, match=r"samples.npy: does not match the checksum in plan.json"):
         load_plan(RunDir(tmp_path / "run"))
+
+
+def test_a_dry_run_counts_the_images_and_sizes_the_tars_by_them(prompts, tmp_path):
+    from shardgen.run.dryrun import describe, dry_run
+
+    d = dry_run(compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={prompts}", *ARGS, "dry_run=true"))
+    assert "  prompts   6 (0 rejected rows) x 4 images = 24 samples" in describe(d)
+    assert (d.prompts, d.shards, d.samples_per_shard) == (24, 3, 8)
+    one = dry_run(compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={prompts}", *ARGS, "dry_run=true",
+                              "images_per_prompt=1"))
+    assert d.expected_bytes == pytest.approx(4 * one.expected_bytes)

@@ -122,9 +122,9 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
         shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): prompt_rows - rejected}
-    shapes = {s: n * images for s, n in shapes.items()}  # rows per shape -> samples per shape
-    expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
-                                             frames=s.frames or 1) for s, n in shapes.items())
+    expected = sum(n * images * sample_bytes_estimate(width=s.width, height=s.height,  # rows x images: samples
+                                                      image_format=sizing["image_format"], frames=s.frames or 1)
+                   for s, n in shapes.items())
     shape_rows = {s.label: n for s, n in shapes.items()} if len(shapes) > 1 or cfg.prompts.get("row_settings") \
         else None
     rate, rate_source = measured_rate(run), "this run's last measured rate"
