@@ -7,7 +7,8 @@ One process per way, in this order, on one prompt file of captions of 1 to 200 w
 
 - ``bf16``: ``python -m jobs.generate`` with default settings (lossless);
 - ``fp8``: the same with ``fp8=true``;
-- ``fp8-compiled`` (only with ``--compiled``): ``fp8=true compile=true``.
+- ``fp8-compiled`` (only with ``--compiled``): ``fp8=true compile=true``;
+- ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (8-bit attention), alone and with fp8.
 
 Each way's whole-process wall time (interpreter start, model build, planning, any compilation, the last commit),
 its steady s/sample from the job's compile summary line, and for each lossy way ``jobs.compare`` against ``bf16``:
@@ -30,7 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from real_runs import parse_job, timed  # noqa: E402
 
-WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"]}
+WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"],
+        "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"]}
 
 
 def fidelity(run_dir: Path, reference: Path) -> dict:

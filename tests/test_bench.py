@@ -118,7 +118,9 @@ def test_weights_are_quantised_a_slice_at_a_time_with_per_channel_scales(monkeyp
 
     torch.manual_seed(1)
     w = torch.randn(10, 32) * torch.arange(1, 11).unsqueeze(1)  # rows of very different ranges
+    original = w.clone()
     whole = fp8.quantize_weight(w)
+    assert torch.equal(w, original)  # the layer's own weight is left as it was
     monkeypatch.setattr(fp8, "QUANTIZE_ROWS_AT_ONCE", 3)  # 4 slices, the last one short
     sliced = fp8.quantize_weight(w)
     assert torch.equal(whole[0].float(), sliced[0].float()) and torch.equal(whole[1], sliced[1])

@@ -63,6 +63,23 @@ def test_converting_frees_each_bf16_layer_as_it_goes():
     assert peak - before < 0.25 * 2 ** 30  # never a second whole copy: one layer's temporaries at most
 
 
+@pytest.mark.parametrize("heads, tokens, dim", [(24, 4608, 128), (48, 4608, 128), (24, 4096 + 77, 64)])
+def test_sage_attention_is_close_to_torchs_kernel(heads, tokens, dim):
+    from shardgen.speed import sage
+
+    if sage.unavailable_reason("cuda"):
+        pytest.skip(sage.unavailable_reason("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k, v = (torch.randn(2, heads, tokens, dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    k = k + 3.0  # keys with a common offset: what the smoothing takes out
+    keys = k.clone()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).float()
+    with sage.context():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v).float()
+    assert torch.equal(k, keys)
+    assert ((out - ref).norm() / ref.norm()).item() < 0.05  # INT8 QK, fp16 PV
+
+
 # the worst calibration PSNR each model's fp8 reaches on its dummy (random) weights at 1024x1024 (measured on an
 # H200, docs/performance.md, minus a margin): numerical error compounded by random weights, not image quality
 FP8_FLOOR_DB = {"flux_dev": 28.0, "flux2_dev": 12.0, "qwen_image": 20.0}

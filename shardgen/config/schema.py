@@ -358,8 +358,8 @@ class SpeedConfig:
     once per cache, ~2% faster steps): true | false | auto. auto: tuned under compile=true; under compile=auto a
     process tunes only when the work it has left pays for the tuning's compile time (shardgen/speed/autocompile.py)."""
     fused_blocks: bool = True
-    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
-    flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py,
+    FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
     H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
     and compiled with
@@ -371,7 +371,8 @@ class SpeedConfig:
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
     efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
     faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
-    shardgen/speed/sdpa.py, shardgen/speed/fa4.py."""
+    sage: opt-in, LOSSY 8-bit attention (SageAttention's INT8 QK / fp16 PV Triton kernel: pip install
+    'sageattention>=1.0.6,<2'), in eager calls; the others keep auto's kernel. shardgen/speed/sdpa.py, fa4.py, sage.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:

@@ -23,6 +23,7 @@ from shardgen.quality.metrics import psnr, ssim, summarize
 log = logging.getLogger("shardgen.quality")
 
 FALLBACKS = ("stop", "lossless")
+CONFIG_KEYS = {"sdpa": "sdpa_backend"}  # a lossy option's config key where it differs from its AccelOptions field
 
 
 class CalibrationFailed(UserError, RuntimeError):
@@ -117,7 +118,8 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> 
         return settings, record
     if bounds.calibrate_fallback == "stop":
         err = CalibrationFailed(f"{line}: {'; '.join(missed)}. Nothing was made. Turn the lossy setting off "
-                                f"({', '.join(lossy)}), lower the bound, or set calibrate_fallback=lossless")
+                                f"({', '.join(CONFIG_KEYS.get(k, k) for k in lossy)}), lower the bound, or set "
+                                "calibrate_fallback=lossless")
         err.record = record
         raise err
     log.warning("%s: %s; the run goes on lossless", line, "; ".join(missed))

@@ -79,8 +79,8 @@ class GenSettings:
         # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
-                    compile_auto=(auto := opts.compile and str(cfg.get("compile", "auto")).lower() == "auto"),
-                    tuning_auto=auto and str(cfg.get("compile_tuning", "auto")).lower() == "auto",
+                    compile_auto=(auto := opts.compile and str(cfg.compile).lower() == "auto"),
+                    tuning_auto=auto and str(cfg.compile_tuning).lower() == "auto",
                     latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
                     input_image=fam.input_image, image_per_call=fam.image_per_call,
                     image_in_sequence=fam.image_in_sequence,

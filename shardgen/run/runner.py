@@ -29,7 +29,7 @@ from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_b
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
-from shardgen.dataio.rundir.layout import storage_error
+from shardgen.dataio.rundir.storage import storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
 from shardgen.quality.gate import CalibrationFailed, calibrate

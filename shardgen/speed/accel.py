@@ -5,12 +5,13 @@ speed techniques in one place. Each technique is a module of its own, with its c
 Exact (outputs change only by bf16 rounding noise):
 
 - regional_compile.py: ``compile`` (the repeated blocks compiled one graph per block class), ``fused_blocks``
-  (the family's fused forwards: flux_fused.py, flux2_fused.py, qwen_fused.py), ``compile_tuning``, the shared
+  (the family's fused forwards: shardgen/families/<family>/fused.py, built from fused_kernels.py), ``compile_tuning``, the shared
   inductor cache;
   autocompile.py: ``compile: auto`` decided per process; background.py: compiling on a thread.
 - sdpa.py: ``sdpa_backend``, the kernel behind torch SDPA (``auto``: measured once per process); fa4.py: the
   adapter that makes FlashAttention-4 SDPA's flash kernel (``sdpa_backend=fa4``).
-- family_hooks.py: the family's own hooks, e.g. Qwen-Image (qwen.py: text-length buckets, real RoPE, unmasked
+- family_hooks.py: the family's own hooks, handed down (handdown.py), e.g. Qwen-Image
+  (shardgen/families/qwen_image/speed.py: text-length buckets, real RoPE, unmasked
   prefix attention in prefix_attention.py, ``cfg_batching``).
 
 Opt-in, lossy (off by default, recorded in each sample's json under ``lossy``):

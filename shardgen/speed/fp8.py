@@ -106,8 +106,9 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for a in range(0, w.shape[0], QUANTIZE_ROWS_AT_ONCE):
         part = w[a:a + QUANTIZE_ROWS_AT_ONCE]
         s = part.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # abs/max exact in bf16
-        # one float32 temporary per slice (divided and clamped in place)
-        q[a:a + QUANTIZE_ROWS_AT_ONCE] = part.float().div_(s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # one float32 temporary per slice, divided and clamped in place (a copy even of a float32 weight)
+        temp = part.to(torch.float32, copy=True).div_(s).clamp_(-FP8_MAX, FP8_MAX)
+        q[a:a + QUANTIZE_ROWS_AT_ONCE] = temp.to(torch.float8_e4m3fn)
         scale[a:a + QUANTIZE_ROWS_AT_ONCE] = s
     return q, scale.t().contiguous()
 

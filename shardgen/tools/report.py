@@ -22,7 +22,9 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.resume.repair import committed_shard_problem
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io
+from shardgen.dataio.rundir.fileio import map_io
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
 from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, read_events, read_index_columns,

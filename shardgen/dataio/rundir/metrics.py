@@ -19,7 +19,8 @@ from typing import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_bytes
+from shardgen.dataio.rundir.fileio import atomic_write_bytes
+from shardgen.dataio.rundir.layout import RunDir
 
 log = logging.getLogger("shardgen")
 LABELS = ("run", "rank", "replica", "host", "job")

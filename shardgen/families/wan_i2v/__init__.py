@@ -2,7 +2,7 @@
 image-to-video model (model=tiny_video_i2v). Each video starts from its row's input image
 (prompts.row_settings=[image]).
 
-The text-to-video family's geometry and token rules (shardgen/families/wan.py). The transformer sees the noisy
+The text-to-video family's geometry and token rules (shardgen/families/wan/). The transformer sees the noisy
 latents, the image's latents and a first-frame mask concatenated on the channels (16 + 16 + 4 = 36 in); the pipeline
 conditions a whole call on one image, so rows are batched by input image. The Wan 2.2 dummy is
 Wan-AI/Wan2.2-I2V-A14B-Diffusers: the A14B text-to-video experts with 36 input channels, no CLIP image encoder, the
@@ -13,8 +13,27 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardgen.families.base import ComponentSpec, DummyModel, register
-from shardgen.families.wan import WAN
+from shardgen.families.base import ComponentSpec, DummyModel, TinyModel, register
+from shardgen.families.wan import TINY_VERSION, WAN
+
+
+def tiny_transformer_config() -> dict:
+    """The tiny image-to-video model's transformer config (shardgen/families/wan/tiny.py)."""
+    from shardgen.families.wan.tiny import I2V_TRANSFORMER_CONFIG
+
+    return I2V_TRANSFORMER_CONFIG
+
+
+def tiny_path(cache_dir=None):
+    """The tiny image-to-video model's directory, built on first use (shardgen/families/wan/tiny.py)."""
+    from shardgen.families.wan.tiny import tiny_video_i2v_model_path
+
+    return tiny_video_i2v_model_path(cache_dir)
+
+
+TINY_VIDEO_I2V = TinyModel(source="tiny_video_i2v", version=f"tiny-video-i2v-{TINY_VERSION}",
+                           transformer_class="WanTransformer3DModel", transformer_config=tiny_transformer_config,
+                           path=tiny_path)
 
 
 def _i2v(components: dict[str, ComponentSpec]) -> dict[str, ComponentSpec]:
@@ -48,5 +67,6 @@ def _wan21_i2v(components: dict[str, ComponentSpec]) -> dict[str, ComponentSpec]
 
 WAN_I2V = register(dataclasses.replace(
     WAN, name="Wan image-to-video", pipeline="WanImageToVideoPipeline", input_image="required", image_per_call=True,
+    tiny_models=(TINY_VIDEO_I2V,),
     dummies={"wan22_i2v_a14b": DummyModel("Wan2.2-I2V-A14B", _i2v(WAN.dummies["wan22_t2v_a14b"].components)),
              "wan21_i2v_14b": DummyModel("Wan2.1-I2V-14B-480P", _wan21_i2v(WAN.dummies["wan21_t2v_14b"].components))}))

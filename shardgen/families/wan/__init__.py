@@ -11,7 +11,28 @@ scheduler); the three models share one pipeline class, so they are told apart by
 
 from __future__ import annotations
 
-from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
+from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, TinyModel, register
+
+TINY_VERSION = "v1"  # the tiny video models' cache names and fingerprints; bump when their build changes
+
+
+def tiny_transformer_config() -> dict:
+    """The tiny text-to-video model's transformer config (tiny.py)."""
+    from shardgen.families.wan.tiny import TRANSFORMER_CONFIG
+
+    return TRANSFORMER_CONFIG
+
+
+def tiny_path(cache_dir=None):
+    """The tiny text-to-video model's directory, built on first use (tiny.py)."""
+    from shardgen.families.wan.tiny import tiny_video_model_path
+
+    return tiny_video_model_path(cache_dir)
+
+
+TINY_VIDEO = TinyModel(source="tiny_video", version=f"tiny-video-{TINY_VERSION}",
+                       transformer_class="WanTransformer3DModel", transformer_config=tiny_transformer_config,
+                       path=tiny_path)
 
 _UMT5_XXL = ComponentSpec("transformers", "UMT5EncoderModel", dict(
     vocab_size=256384, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
@@ -43,7 +64,7 @@ _WAN_14B = _transformer(heads=40, ffn=13824, layers=40)
 # model config name -> components; flow_shift 3.0 at 480p and 5.0 at 720p (the diffusers Wan docs),
 # 12.0 for Wan 2.2 A14B (its sample_shift); A14B's second expert takes over below t = 0.875 * 1000
 WAN = register(ModelFamily(
-    name="Wan", pipeline="WanPipeline", text_tokens="", frame_stride=4,
+    name="Wan", pipeline="WanPipeline", text_tokens="", frame_stride=4, tiny_models=(TINY_VIDEO,),
     dummies={
         "wan21_t2v_1_3b": DummyModel("Wan2.1-T2V-1.3B", _wan(_transformer(heads=12, ffn=8960, layers=30), flow_shift=3.0)),
         "wan21_t2v_14b": DummyModel("Wan2.1-T2V-14B", _wan(_WAN_14B, flow_shift=5.0)),

@@ -6,7 +6,7 @@ the same arithmetic with the intermediate roundings eager diffusers makes, in fe
 
 - **LayerNorm + modulation** (``(1 + scale) * LayerNorm(x) + shift``): one Triton pass per token row instead of
   four (the norm, ``1 + scale``, the product, the sum), rounding to bf16 where eager does.
-- **q/k RMSNorm + RoPE + the attention layout**: FLUX.1's ``rms_rope`` kernel (shardgen/speed/flux_fused.py):
+- **q/k RMSNorm + RoPE + the attention layout**: FLUX.1's ``rms_rope`` kernel (shardgen/speed/fused_kernels.py):
   FLUX.2 uses the same norm and the same interleaved real RoPE.
 - **SwiGLU** (``silu(a) * b`` over the two halves of the up-projection): one pass reading the GEMM output in
   place (the single blocks' MLP half is a strided view of the fused QKV+MLP projection).
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.flux_fused import (gated, ln_modulate, norm_eps, norm_weight, one_eps, processor_problem,
-                                       restore_processors, rms_rope, swap_processors, tl, triton, triton_ok)
+from shardgen.speed.fused_kernels import (gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight, one_eps,
+                                         processor_problem, restore_processors, rms_rope, swap_processors, tl,
+                                         triton, triton_ok)
 
 log = logging.getLogger("shardgen.flux2_fused")
 
@@ -211,16 +212,6 @@ _FUSED = tuple(_PROCESSORS.values())
 
 
 # --- switching it on and off ---------------------------------------------------------------------------------
-
-def layer_norm_problem(transformer: torch.nn.Module) -> str | None:
-    """Why ``ln_modulate`` cannot stand for the blocks' LayerNorms (None: it can): norms with weights, or a block's
-    norms with several epsilons."""
-    for block in transformer.modules():
-        norms = [m for m in block.children() if isinstance(m, torch.nn.LayerNorm)]
-        if any(n.elementwise_affine or n.eps != norms[0].eps for n in norms):
-            return f"{type(block).__name__} has LayerNorms with weights or several epsilons"
-    return None
-
 
 def applicable(transformer: torch.nn.Module) -> str | None:
     """None when the fused blocks can replace this transformer's, else why not."""

@@ -1,11 +1,27 @@
 """Qwen-Image (``QwenImagePipeline``): a Qwen2.5-VL text encoder whose text is trimmed to the batch's longest
-prompt (so the text token count varies per batch), true CFG. Its speed hooks live with the speed code (shardgen/speed/qwen.py), named by ``speed_hooks``:
-families sit below speed/ and import nothing from it.
+prompt (so the text token count varies per batch), true CFG.
+
+This folder: the spec (here), the speed hooks (speed.py: text-length buckets, real RoPE, unmasked prefix attention,
+CFG batching) and the fused blocks (fused.py), handed to the speed techniques by reference.
 """
 
 from __future__ import annotations
 
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
+
+
+def speed_hooks(pipe, opts) -> dict:
+    """Qwen-Image's own speed hooks (speed.py's ``prepare_speed``; imports torch, so loaded when first called)."""
+    from shardgen.families.qwen_image.speed import prepare_speed
+
+    return prepare_speed(pipe, opts)
+
+
+def fused_blocks():
+    """The fused Qwen-Image block forwards (fused.py)."""
+    from shardgen.families.qwen_image import fused
+
+    return fused
 
 # --- Qwen-Image (Qwen/Qwen-Image) ------------------------------------------------------------------
 _QWEN_IMAGE = {
@@ -45,7 +61,7 @@ QWEN_IMAGE = register(ModelFamily(
     name="Qwen-Image", pipeline="QwenImagePipeline", text_tokens=None,
     encode_outputs=("prompt_embeds", "prompt_embeds_mask"),
     dummies={"qwen_image": DummyModel("Qwen-Image", _QWEN_IMAGE)},
-    speed_hooks="shardgen.speed.qwen:prepare_speed",
-    fused_blocks={"QwenImageTransformer2DModel": "shardgen.speed.qwen_fused"},
+    speed_hooks=speed_hooks,
+    fused_blocks={"QwenImageTransformer2DModel": fused_blocks},
     # H200, 1024x1024, 8 steps, true CFG, batch 4: the fused eager blocks 2.15 s/image, compiled 2.21
     compiled_speedup=0.97))

@@ -1,12 +1,41 @@
 """FLUX.1 (``FluxPipeline``): FLUX.1-dev, and the embedded tiny model (model=tiny) of the same pipeline.
 
+This folder: the spec (here), the fused blocks (fused.py), the tiny model's builder (tiny.py).
+
 CLIP-L and T5-XXL text encoders; the T5 text is padded to ``model.max_sequence_length`` tokens, which join the
 image tokens in the transformer's joint attention (so context parallelism splits them too).
 """
 
 from __future__ import annotations
 
-from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
+from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, TinyModel, register
+
+TINY_VERSION = "v2"  # the tiny model's cache name and fingerprint; bump when its build changes (v2: a fixed T5 vocabulary)
+
+
+def fused_blocks():
+    """The fused FLUX.1 block forwards (fused.py; imports torch, so loaded when first asked)."""
+    from shardgen.families.flux import fused
+
+    return fused
+
+
+def tiny_transformer_config() -> dict:
+    """The tiny model's transformer config (tiny.py)."""
+    from shardgen.families.flux.tiny import TRANSFORMER_CONFIG
+
+    return TRANSFORMER_CONFIG
+
+
+def tiny_path(cache_dir=None):
+    """The tiny model's directory, built on first use (tiny.py)."""
+    from shardgen.families.flux.tiny import tiny_model_path
+
+    return tiny_model_path(cache_dir)
+
+
+TINY = TinyModel(source="tiny", version=f"tiny-{TINY_VERSION}", transformer_class="FluxTransformer2DModel",
+                 transformer_config=tiny_transformer_config, path=tiny_path)
 
 # google/t5-v1_1-xxl encoder (FLUX.1's text_encoder_2, SD3's text_encoder_3).
 T5_XXL = ComponentSpec("transformers", "T5EncoderModel", dict(
@@ -50,7 +79,8 @@ FLUX = register(ModelFamily(
     name="FLUX.1", pipeline="FluxPipeline", text_tokens="max_sequence_length",
     encode_outputs=("prompt_embeds", "pooled_prompt_embeds", None),
     dummies={"flux_dev": DummyModel("FLUX.1-dev", _FLUX1_DEV)},
-    fused_blocks={"FluxTransformer2DModel": "shardgen.speed.flux_fused"},
+    fused_blocks={"FluxTransformer2DModel": fused_blocks},
+    tiny_models=(TINY,),
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # against its default eager path (fused blocks, calls replayed from CUDA graphs), not the stock blocks the generic
     # prior was measured on (H200, FLUX.1-dev, 1024x1024, 28 steps, batch 4: 3.64 s/sample eager with graphs over

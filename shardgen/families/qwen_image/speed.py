@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
-from shardgen.speed.qwen_fused import fused_qk, fused_qk_applies
+from shardgen.families.qwen_image.fused import fused_qk, fused_qk_applies
 
 log = logging.getLogger("shardgen.qwen")
 
@@ -377,7 +377,7 @@ def enable_prefix_attention(transformer: torch.nn.Module) -> int:
     if not isinstance(transformer, tq.QwenImageTransformer2DModel):
         return 0
     if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
-        return 0  # tensor parallel keeps the stock processors, as it keeps FLUX.1's stock blocks (flux_fused.py)
+        return 0  # tensor parallel keeps the stock processors, as it keeps FLUX.1's stock blocks (shardgen/families/flux/fused.py)
     cls, n = _prefix_processor_class(), 0
     for block in getattr(transformer, "transformer_blocks", []):
         proc = getattr(getattr(block, "attn", None), "processor", None)
@@ -406,7 +406,7 @@ def disable_prefix_attention(transformer: torch.nn.Module) -> None:
             block.attn.processor = stock
 
 
-# --- the families' hook (families/qwen_image.py, qwen_image_edit.py: speed_hooks) -----------------------------------
+# --- the families' hook (families/qwen_image/, qwen_image_edit/: speed_hooks) -----------------------------------
 
 def prepare_speed(pipe, opts) -> dict:
     """Qwen-Image and Qwen-Image-Edit: text buckets when compiled or CFG-batched, batched true CFG (not under

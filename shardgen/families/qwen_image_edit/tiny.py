@@ -1,6 +1,6 @@
 """The embedded edit model: a tiny Qwen-Image-Edit pipeline built offline (``model=tiny_qwen_edit``).
 
-Like ``model=tiny`` (shardgen/models/tiny.py): random weights from a fixed seed, saved with ``save_pretrained`` into
+Like ``model=tiny`` (shardgen/families/flux/tiny.py): random weights from a fixed seed, saved with ``save_pretrained`` into
 ``$SHARDGEN_CACHE`` and always loaded back with ``from_pretrained``. Every component is the real class, only narrow:
 ``QwenImageTransformer2DModel``, ``AutoencoderKLQwenImage`` (8x downscale and 2x2 patches: Qwen-Image's 16 pixels a
 token), a ``Qwen2_5_VLForConditionalGeneration`` text encoder with its vision tower, the Qwen2-VL processor (its
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from shardgen.families.qwen_image_edit import TINY_VERSION as TINY_QWEN_EDIT_VERSION  # the cache's name; bumped there
 from shardgen.models.tiny import cached_build
-from shardgen.models.versions import TINY_QWEN_EDIT_VERSION  # the cache's name; bumped there
 
 TEXT_DIM = 32
 TRANSFORMER_CONFIG = dict(
@@ -30,7 +30,7 @@ TRANSFORMER_CONFIG = dict(
 # no residual blocks in the encoder and 2 channels: its cost is the megapixel input, not the width
 VAE_CONFIG = dict(base_dim=2, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)
-# Qwen2.5-VL's image processing (shardgen/families/qwen_image_edit.py) at most 128x128 pixels: 16 tokens
+# Qwen2.5-VL's image processing (shardgen/families/qwen_image_edit/) at most 128x128 pixels: 16 tokens
 IMAGE_PROCESSOR_CONFIG = dict(min_pixels=3136, max_pixels=128 * 128, patch_size=14, temporal_patch_size=2,
                               merge_size=2, image_mean=[0.48145466, 0.4578275, 0.40821073],
                               image_std=[0.26862954, 0.26130258, 0.27577711])
@@ -93,7 +93,7 @@ def build_tiny_qwen_edit_pipeline(seed: int = 0):
         text_encoder = _text_encoder(tokenizer)
         transformer = _scaled_init(QwenImageTransformer2DModel(**TRANSFORMER_CONFIG), 1.5)
         vae = _scaled_init(AutoencoderKLQwenImage(**VAE_CONFIG), 2.0)
-    # Qwen-Image's scheduler config (shardgen/families/qwen_image.py)
+    # Qwen-Image's scheduler config (shardgen/families/qwen_image/)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
         base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
 
+
+def fused_blocks():
+    """The fused FLUX.2 block forwards (fused.py; imports torch, so loaded when first asked)."""
+    from shardgen.families.flux2 import fused
+
+    return fused
+
 # --- FLUX.2-dev (black-forest-labs/FLUX.2-dev) ---------------------------------------------------
 _FLUX2_DEV = {
     "transformer": ComponentSpec("diffusers", "Flux2Transformer2DModel", dict(
@@ -46,7 +53,7 @@ FLUX2 = register(ModelFamily(
     encode_outputs=("prompt_embeds", None), input_image="optional", image_per_call=True,
     image_in_sequence=True,
     dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
-    fused_blocks={"Flux2Transformer2DModel": "shardgen.speed.flux2_fused"},
+    fused_blocks={"Flux2Transformer2DModel": fused_blocks},
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)
     compiled_speedup=1.01))

@@ -2,7 +2,7 @@
 image (prompts.row_settings=[image]) noised to ``strength``; and the embedded tiny model in that mode
 (model=tiny_img2img).
 
-The same components and token rules as FLUX.1 text-to-image (shardgen/families/flux.py): the pipeline class differs,
+The same components and token rules as FLUX.1 text-to-image (shardgen/families/flux/): the pipeline class differs,
 not the model, so the dummy architecture is FLUX.1-dev's.
 """
 

@@ -1,6 +1,6 @@
 """The embedded video model: a tiny Wan 2.1 text-to-video pipeline built offline (``model=tiny_video``).
 
-Like ``model=tiny`` (shardgen/models/tiny.py): its fixed-vocabulary T5 tokenizer, random weights
+Like ``model=tiny`` (shardgen/families/flux/tiny.py): its fixed-vocabulary T5 tokenizer, random weights
 from a fixed seed, saved with ``save_pretrained`` into ``$SHARDGEN_CACHE`` and always loaded back
 with ``from_pretrained``. Every component is the real Wan class (``WanTransformer3DModel`` with its
 ``_cp_plan``, ``UMT5EncoderModel``, ``AutoencoderKLWan``, the UniPC flow scheduler Wan ships with),
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from shardgen.families.wan import TINY_VERSION as TINY_VIDEO_VERSION  # the cache's name; bumped there
 from shardgen.models.tiny import cached_build, t5_style_tokenizer
-from shardgen.models.versions import TINY_VIDEO_VERSION  # the cache's name; bumped there
 
 TEXT_DIM = 32
 TRANSFORMER_CONFIG = dict(

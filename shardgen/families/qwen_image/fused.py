@@ -3,13 +3,13 @@
 Compiled, inductor fuses Qwen-Image's elementwise chains itself; eagerly (``compile=false``, a ``compile: auto``
 process that stays eager or has not switched yet) each is a string of separate passes over (batch, 4096, 3072)
 activations and the 12288-wide MLP. The fused block forward does the same arithmetic in fewer passes, with the
-kernels of the FLUX blocks (shardgen/speed/flux_fused.py, flux2_fused.py):
+kernels of the FLUX blocks (shardgen/speed/fused_kernels.py):
 
 - **LayerNorm + modulation** (``LayerNorm(x) * (1 + scale) + shift``) in one pass, rounding where eager does;
 - **gated residuals** (``x + gate * y``) in one ``addcmul``;
 - **the MLP's tanh-GELU** in the up-projection's GEMM epilogue;
 - **q/k RMSNorm + RoPE + the attention layout** in one pass per tensor (``fused_qk``, called by Qwen's prefix
-  attention processor, shardgen/speed/qwen.py, while the RoPE frequencies are diffusers' complex ones; compiled
+  attention processor, shardgen/families/qwen_image/speed.py, while the RoPE frequencies are diffusers' complex ones; compiled
   blocks take real frequencies and keep their own path).
 
 Off CUDA every op runs eager diffusers' torch ops. Blocks called with ``modulate_index`` or made with
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardgen.speed.flux2_fused import layer_norm_problem
-from shardgen.speed.flux_fused import gated, gelu_feed_forward, ln_modulate, norm_eps, norm_weight, one_eps, rms_rope
+from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, layer_norm_problem, ln_modulate, norm_eps,
+                                         norm_weight, one_eps, rms_rope)
 
 log = logging.getLogger("shardgen.qwen_fused")
 
@@ -128,7 +128,7 @@ def applicable(transformer: torch.nn.Module) -> str | None:
 
 def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
     """{block: fused forward (bound)}; empty when ``applicable`` says no. The attention processors are Qwen's
-    speed hooks' (shardgen/speed/qwen.py), not touched here."""
+    speed hooks' (shardgen/families/qwen_image/speed.py), not touched here."""
     why = applicable(transformer)
     if why is not None:
         log.info("fused Qwen-Image blocks not used: %s", why)
