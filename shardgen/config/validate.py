@@ -77,7 +77,7 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"plan_replicas={cfg.plan_replicas}: use 1 or more (the replicas all launches of the run bring), or null "
           "(this launch's)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
-    n = cfg.get("images_per_prompt", 1)
+    n = cfg.images_per_prompt
     _need(1 <= n <= MAX_IMAGES_PER_PROMPT, f"images_per_prompt={n}: use 1 to {MAX_IMAGES_PER_PROMPT}")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard % n == 0,
           f"samples_per_shard={cfg.samples_per_shard}: a shard holds whole prompts, images_per_prompt={n} images "
@@ -195,9 +195,9 @@ def _check_images(cfg: GenerateConfig) -> None:
 def _check_source(cfg: GenerateConfig) -> None:
     """A model.source written as a local path names a diffusers model directory (hub ids are the loader's)."""
     from shardgen.models.errors import local_source_problem
-    from shardgen.models.loader import TINY_SOURCES
+    from shardgen.models.loader import is_tiny
 
-    if cfg.model.weights == "pretrained" and cfg.model.source not in TINY_SOURCES:
+    if cfg.model.weights == "pretrained" and not is_tiny(cfg.model):
         problem = local_source_problem(cfg.model.source)
         _need(problem is None, problem or "")
 
@@ -207,7 +207,7 @@ def _check_scheduler(cfg: GenerateConfig) -> None:
     from shardgen.models import schedulers
 
     try:
-        schedulers.check(cfg.get("scheduler"), cfg.get("scheduler_shift"), cfg.model.pipeline)
+        schedulers.check(cfg.scheduler, cfg.scheduler_shift, cfg.model.pipeline)
     except ValueError as e:
         _need(False, str(e))
 

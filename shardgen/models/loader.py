@@ -170,7 +170,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
         pipe = cls.from_pretrained(source, dtype=dtype, revision=model_cfg.revision, use_safetensors=True,
                                    **own, **from_pretrained_kwargs)
     except (OSError, EnvironmentError, ValueError) as e:
-        problem = local_source_problem(source)
+        problem = None if is_tiny(model_cfg) else local_source_problem(source)
         if problem:  # a local path that went away since the launch checked it
             raise ModelLoadError(problem) from e
         hint = "" if os.path.isdir(source) else (

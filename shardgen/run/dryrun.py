@@ -102,7 +102,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
-    images = plan.images if plan is not None else cfg.get("images_per_prompt", 1)
+    images = plan.images if plan is not None else cfg.images_per_prompt
     if plan is not None:
         counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
                   read_ledger(plan).done_samples)

@@ -163,7 +163,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 
 
 def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: str, replicas: int) -> Plan:
-    images = cfg.get("images_per_prompt", 1)
+    images = cfg.images_per_prompt
     per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, images=images, **shard_sizing(cfg, replicas))
     plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
                       truncation=planning_truncation_check(cfg, source), prompt_sha256=digest, images_per_prompt=images)
@@ -245,7 +245,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
-        pipe = schedulers.apply(pipe, cfg.get("scheduler"), cfg.get("scheduler_shift"))
+        pipe = schedulers.apply(pipe, cfg.scheduler, cfg.scheduler_shift)
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
         if ctx.leader:

@@ -76,10 +76,10 @@ def _dataset_fields(cfg: Any) -> dict:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)
-    if cfg.get("images_per_prompt", 1) != 1:  # which samples there are (and their keys and seeds)
+    if cfg.images_per_prompt != 1:  # which samples there are (and their keys and seeds)
         out["images_per_prompt"] = cfg.images_per_prompt
     for key in ("scheduler", "scheduler_shift"):  # the sampler, when not the model's own
-        if cfg.get(key) is not None:
+        if cfg[key] is not None:
             out[key] = cfg[key]
     return out
 
