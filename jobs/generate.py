@@ -32,6 +32,7 @@ def run(cfg: GenerateConfig):
     from shardgen.dataio.resume.fingerprint import refuse_changed_settings
     from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
 
+    _guess_prompt_field(cfg)
     # a run_dir shardgen may not write to, or a resume with other settings, is refused in a moment, before torch loads
     check_run_dir_text(cfg.run_dir)
     run_dir = RunDir(Path(cfg.run_dir).absolute())
@@ -48,6 +49,26 @@ def run(cfg: GenerateConfig):
         print(describe(report))
         return report
     return launcher_of(cfg).starter()(cfg)
+
+
+def _guess_prompt_field(cfg: GenerateConfig) -> None:
+    """``prompts.field`` left at its default on a file without that field: the one common caption column it has
+    (``caption``, ``text``, ...) instead, said in one line; the resolved config, fingerprint and launches use it."""
+    import logging
+
+    from shardgen.config.schema import PromptsConfig
+    from shardgen.dataio.prompts import prompt_file_path
+    from shardgen.dataio.prompts.read import guess_prompt_field
+
+    default = PromptsConfig.field
+    if cfg.prompts.field != default or cfg.prompts.path is None:
+        return
+    path = str(prompt_file_path(cfg.prompts.path))
+    guess = guess_prompt_field(path, cfg.prompts.format, default)
+    if guess is not None:
+        cfg.prompts.field = guess
+        logging.getLogger("shardgen").info("prompts.field=%s: %s has no %r field, and its %r is taken as the prompt "
+                                           "(set prompts.field to choose another)", guess, path, default, guess)
 
 
 def interrupted_message(run_dir: str, command: str, how: str = "interrupted") -> str:

@@ -2,20 +2,25 @@
 rate, what each claim holder is doing, the last error in the rank logs, failures by reason, images per shape
 (width x height [x frames]) when rows set their own size (prompts.row_settings).
 
-    python -m jobs.status RUN_DIR [--shards] [--json | --prometheus]
+    python -m jobs.status RUN_DIR [--shards] [--json | --prometheus] [--watch [SECONDS]]
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from shardgen.cli import run_program
 from shardgen.dataio.prompts import shape_legend
 from shardgen.dataio.resume import run_lease_s
 from shardgen.dataio.rundir import FUTURE_TOLERANCE_S
 from shardgen.tools import run_metrics, run_status
-from shardgen.tools.entry import run_tool, tool_parser
+from shardgen.errors import UserError
+from shardgen.tools.entry import plan_for_tool, run_tool, tool_parser
+
+
+MAX_REPLICA_LINES = 16
 
 
 def _fmt_s(s: float | None) -> str:
@@ -64,11 +69,20 @@ def print_status(st: dict, run_dir: str, all_claims: bool) -> None:
         names = ", ".join(f"{x:06d}" for x in st["lost_shards"]) + (" ..." if sh["lost"] > len(st["lost_shards"]) else "")
         print(f"  lost     {sh['lost']} committed shard(s) whose shard file is gone ({names}): the next launch of the "
               f"generate command makes them again (python -m jobs.verify {run_dir} says more)")
+    if sh.get("resized"):
+        names = ", ".join(f"{x:06d}" for x in st["resized_shards"]) + (" ..." if sh["resized"] > len(st["resized_shards"]) else "")
+        print(f"  damaged  {sh['resized']} committed shard(s) whose tar is not the size its stats record ({names}): "
+              f"changed after their commit; python -m jobs.verify {run_dir} --repair removes them and the next "
+              "launch of the generate command makes them again")
     if line := _rate_line(st):
         print(line)
-    for r in st["replicas"]:
+    shown = st["replicas"][:MAX_REPLICA_LINES]  # the most recently active first
+    for r in shown:
         rate = "?" if r["rate"] is None else f"{r['rate']:.2f}"
-        print(f"  replica  {r['replica']}: {r['samples']} samples, {rate} samples/s")
+        launch = f" ({r['launch']})" if r.get("launch") else ""
+        print(f"  replica  {r['replica']}{launch}: {r['samples']} samples, {rate} samples/s")
+    if len(st["replicas"]) > len(shown):
+        print(f"  replica  ... {len(st['replicas']) - len(shown)} more, active earlier (--json lists every one)")
     res = st["results"]
     print(f"  results  {res['ok']} ok, {res['failed']} failed, {res['rejected']} rejected (committed shards)")
     if res.get("truncated"):
@@ -107,19 +121,55 @@ def main(argv: list[str] | None = None) -> int:
     form.add_argument("--json", action="store_true", help="the status as one JSON object on stdout")
     form.add_argument("--prometheus", action="store_true",
                     help="the run's figures and every rank's counters (metrics/*.prom) in Prometheus' text format")
-    return run_tool(ap, argv, status, plan="not a shardgen run directory yet (no plan/plan.json)")
+    ap.add_argument("--watch", nargs="?", type=float, const=WATCH_S, metavar="SECONDS",
+                    help=f"show the status again every SECONDS (default {WATCH_S:g}) until the run is complete or "
+                         "Ctrl-C; on a terminal each view replaces the last")
+    return run_tool(ap, argv, status, plan="not a shardgen run directory yet (no plan/plan.json)",
+                    check=_check_watch)
+
+
+WATCH_S = 5.0
+
+
+def _check_watch(args) -> None:
+    if args.watch is not None and not args.watch > 0:
+        raise UserError(f"--watch {args.watch:g}: give a number of seconds above 0")
 
 
 def status(args, plan) -> int:
-    """Print the status of ``plan``'s run as asked."""
+    """Print the status of ``plan``'s run as asked; with ``--watch``, again every few seconds until it is complete."""
+    if args.watch is None:
+        show(args, plan)
+        return 0
+    clear = sys.stdout.isatty()
+    try:
+        while True:
+            if clear:
+                sys.stdout.write("\033[H\033[2J")  # the next view replaces this one, as watch(1) does
+            elif args.json or args.prometheus:
+                pass  # one document per view, one after another
+            else:
+                print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            st = show(args, plan)
+            sys.stdout.flush()
+            if st["state"] == "complete":
+                return 0
+            time.sleep(args.watch)
+            plan = plan_for_tool(args.run_dir, "not a shardgen run directory yet (no plan/plan.json)")  # appended rows
+    except KeyboardInterrupt:
+        return 0
+
+
+def show(args, plan) -> dict:
+    """Print the status of ``plan``'s run once, as asked; the status."""
     st = run_status(plan, run_lease_s(plan.run))
     if args.prometheus:
         sys.stdout.write(run_metrics(st, plan).decode())
     elif args.json:
-        print(json.dumps(st, indent=1, sort_keys=True))
+        print(json.dumps(st, sort_keys=True) if args.watch is not None else json.dumps(st, indent=1, sort_keys=True))
     else:
         print_status(st, args.run_dir, args.shards)
-    return 0
+    return st
 
 
 if __name__ == "__main__":

@@ -316,3 +316,15 @@ def test_a_number_that_is_not_finite_is_refused_with_an_example_in_its_range(ove
     with pytest.raises(ConfigError) as e:
         validate_config(compose_cfg(override))
     assert str(e.value) == says
+
+
+def test_help_lists_the_launchers_one_can_choose_and_no_schema_entries():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "jobs.generate", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    groups = out.stdout.split("== Config groups (group=option) ==\n")[1].split("\n\n")[0].splitlines()
+    assert "launcher: local, none, slurm" in groups and "base_" not in out.stdout
+    assert any(line.startswith("strategy: auto, ") for line in groups)

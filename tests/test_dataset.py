@@ -46,8 +46,10 @@ def mixed_run(tmp_path_factory) -> Path:
 def test_tars_hold_only_images_and_webdataset_reads_every_one(mixed_run):
     import webdataset as wds
 
+    from shardgen.tools.loading import shard_paths
+
     # the README's snippet, as written there
-    ds = wds.WebDataset(str(mixed_run / "shards" / "{000000..000002}.tar"), shardshuffle=False).decode("pil")
+    ds = wds.WebDataset(shard_paths(mixed_run), shardshuffle=False).decode("pil")
     seen = {s["__key__"]: (s["png"].size, s["txt"], s["json"]["seed"]) for s in ds}
     assert set(seen) == OK
     assert seen["0000000006"][:2] == ((16, 16), "a bird")
@@ -61,6 +63,61 @@ def test_hugging_face_datasets_loads_a_run_with_failures_and_rejects(mixed_run, 
     assert sorted(ds["__key__"]) == sorted(OK)
     assert all(img.size == (16, 16) for img in ds["png"])
     assert {j["source"] for j in ds["json"]} == {"web", "book"}
+
+
+@pytest.fixture(scope="module")
+def later_fields_run(tmp_path_factory) -> Path:
+    """A run of 8 rows in 4 shards whose first two shards' rows have only a prompt and whose last two add a
+    ``score`` and ``tags``."""
+    tmp = tmp_path_factory.mktemp("later")
+    rows = [{"prompt": f"a plain {i}"} for i in range(4)]
+    rows += [{"prompt": f"a scored {i}", "score": 0.5 + i, "tags": ["x", "y"][: i % 2 + 1]} for i in range(4)]
+    (tmp / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    r = run(compose_cfg(f"run_dir={tmp / 'run'}", f"prompts.path={tmp / 'p.jsonl'}", "height=16", "width=16",
+                        "steps=1", "progress=false", "batch_size=2", "samples_per_shard=2"))
+    assert (r.ok, r.complete) == (8, True)
+    return tmp / "run"
+
+
+def test_datasets_with_the_runs_features_loads_fields_only_later_shards_have(later_fields_run, tmp_path):
+    from datasets import load_dataset
+
+    from shardgen.tools.loading import hf_features, shard_paths
+
+    ds = load_dataset("webdataset", data_files={"train": shard_paths(later_fields_run)}, split="train",
+                      features=hf_features(later_fields_run), cache_dir=str(tmp_path / "hf"))
+    assert len(ds) == 8
+    by_key = {r["__key__"]: r["json"] for r in ds}
+    assert [by_key[f"{i:010d}"]["score"] for i in range(8)] == [None] * 4 + [0.5, 1.5, 2.5, 3.5]
+    assert by_key["0000000005"]["tags"] == ["x", "y"] and by_key["0000000000"]["tags"] is None
+    assert ds[0]["png"].size == (16, 16)
+
+
+def test_webdataset_over_the_runs_shard_paths_reads_every_sample(later_fields_run):
+    import webdataset as wds
+
+    from shardgen.tools.loading import shard_paths
+
+    assert len(shard_paths(later_fields_run)) == 4
+    samples = list(wds.WebDataset(shard_paths(later_fields_run), shardshuffle=False).decode("pil"))
+    assert len(samples) == 8 and samples[-1]["json"]["score"] == 3.5
+
+
+def test_a_video_run_loads_in_datasets_as_mp4_bytes_without_torchcodec(tmp_path):
+    """``datasets.Video`` decodes with torchcodec; ``video="bytes"`` gives each mp4 to decode with PyAV (a
+    dependency of shardgen), so a video run loads with nothing more installed."""
+    from datasets import load_dataset
+
+    from shardgen.dataio.shards.video import decode_video
+    from shardgen.tools.loading import hf_features, shard_paths
+
+    r = run(compose_cfg("model=tiny_video", "height=32", "width=32", "num_frames=5", "steps=1", "progress=false",
+                        "prompts.limit=3", "samples_per_shard=2", f"run_dir={tmp_path / 'v'}"))
+    assert r.ok == 3
+    ds = load_dataset("webdataset", data_files={"train": shard_paths(tmp_path / "v")}, split="train",
+                      features=hf_features(tmp_path / "v", video="bytes"), cache_dir=str(tmp_path / "hf"))
+    assert len(ds) == 3 and ds[2]["json"]["frames"] == 5
+    assert decode_video(ds[2]["mp4"])[0].shape == (5, 32, 32, 3)
 
 
 def test_index_equals_the_tars_and_holds_failures_and_rejects(mixed_run):

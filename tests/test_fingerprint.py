@@ -134,3 +134,42 @@ def test_appended_prompts_are_no_change_of_settings_for_a_launch_loading_its_mod
     atomic_write_json(run.fingerprint_path, fp("steps=2") | {"prompts.sha256": "sha-of-more-prompts"})
     with pytest.raises(FingerprintMismatch, match="changed while this launch loaded its model"):
         check_settings_unchanged(run, before)
+
+
+def test_following_the_advice_of_a_missing_prompt_field_ends_in_images(tmp_path):
+    """A jsonl whose prompts are under "sentence" (no common caption name, so not taken by itself): the error names
+    prompts.field=sentence; a launch with prompts.on_bad_row=skip rejects every row and makes no sample, so the same
+    run_dir then takes prompts.field=sentence and makes the images."""
+    from jobs.generate import run
+    from shardgen.dataio.prompts.read import PromptFileError
+
+    (tmp_path / "cap.jsonl").write_text('{"sentence": "a cat", "n": 1}\n{"sentence": "a dog", "n": 2}\n')
+    args = (f"prompts.path={tmp_path / 'cap.jsonl'}", f"run_dir={tmp_path / 'r'}", "height=32", "width=32",
+            "steps=1", "progress=false")
+    with pytest.raises(PromptFileError, match=r"set prompts.field=<it>, e.g. prompts.field=sentence"):
+        run(compose_cfg(*args))
+    skipped = run(compose_cfg(*args, "prompts.on_bad_row=skip"))
+    assert (skipped.ok, skipped.rejected) == (0, 2)
+    fixed = run(compose_cfg(*args, "prompts.field=sentence"))
+    assert (fixed.ok, fixed.rejected, fixed.complete) == (2, 0, True)
+    changes = fingerprint_changes(RunDir(tmp_path / "r"))[-1]["changes"]
+    assert changes["prompts.field"] == ["prompt", "sentence"]
+
+
+def test_a_run_with_a_sample_or_an_upload_keeps_its_settings(tmp_path):
+    """Rejected rows alone leave a run open to new settings; one made sample, or a shard uploaded and deleted
+    locally (keep_local=false), fixes them."""
+    run = RunDir(tmp_path / "run")
+    check_or_write_fingerprint(run, fp("steps=4"))
+    run.create()
+    atomic_write_json(run.shard_stats(0), {"ok": 0, "failed": 0, "rejected": 4})
+    assert check_or_write_fingerprint(run, fp("steps=5")) is True
+    assert not run.shard_stats(0).exists()  # its rows are read again under the new settings
+    atomic_write_json(run.shard_stats(0), {"ok": 1, "failed": 0, "rejected": 3})
+    with pytest.raises(FingerprintMismatch, match="steps"):
+        check_or_write_fingerprint(run, fp("steps=6"))
+    run.shard_stats(0).unlink()
+    run.uploads_dir.mkdir()
+    run.shard_uploaded(0).write_text("{}")
+    with pytest.raises(FingerprintMismatch, match="steps"):
+        check_or_write_fingerprint(run, fp("steps=6"))

@@ -333,3 +333,50 @@ def test_a_rejected_row_is_counted_as_rejected_not_as_generated(tmp_path):
     assert (result.ok, result.rejected, result.generated_here) == (3, 2, 3)  # the images/s counts 3 images
     prom = (tmp_path / "run" / "metrics" / "rank000.prom").read_text()
     assert re.search(r"^shardgen_generated_samples_total(\{[^}]*\})? 3(\.0)?$", prom, re.M), prom
+
+
+@pytest.mark.parametrize("source, says", [
+    ("{tmp}/models/FLUX", "model.source={tmp}/models/FLUX: no such directory ({tmp} exists, 'models' in it does not)"),
+    ("{tmp}/p.txt", "model.source={tmp}/p.txt: a file, not a model directory"),
+    ("{tmp}", "model.source={tmp}: no model_index.json in this directory"),
+])
+def test_a_local_model_source_that_is_no_model_is_named_as_such(tmp_path, source, says):
+    (tmp_path / "p.txt").write_text("a cat\n")
+    source, says = source.format(tmp=tmp_path), says.format(tmp=tmp_path)
+    with pytest.raises(ValueError) as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", f"model.source={source}", "progress=false"))
+    assert str(e.value).startswith(says) and "hub" not in str(e.value).split(";")[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_hub_is_said_with_its_cause_and_no_pointer_to_a_stack_trace(tmp_path, monkeypatch):
+    from diffusers import FluxPipeline
+
+    from shardgen.models.loader import ModelLoadError
+
+    def offline(source, **kw):
+        try:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        except ConnectionError as cause:
+            raise OSError(f"Cannot load model {source}: an error occurred while trying to fetch metadata from the "
+                          "Hub. Please check out the root cause in the stacktrace above.") from cause
+
+    monkeypatch.setattr(FluxPipeline, "from_pretrained", offline)
+    with pytest.raises(ModelLoadError) as e:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", "model=flux_dev", "prompts.limit=1", "progress=false"))
+    assert "stacktrace" not in str(e.value)
+    assert "(cause: ConnectionError: [Errno -2] Name or service not known)" in str(e.value)
+    assert "point model.source at the local directory" in str(e.value)
+
+
+def test_a_repeated_launch_keeps_no_new_config_file_and_a_changed_one_keeps_one(tmp_path, capsys):
+    d = tmp_path / "run"
+    args = (f"run_dir={d}", "prompts.limit=2", *FAST)
+    run(compose_cfg(*args))
+    run(compose_cfg(*args))
+    assert "nothing to do" in capsys.readouterr().out
+    assert sorted(p.name for p in d.glob("config*.yaml")) == ["config.yaml"]
+    run(compose_cfg(*args, "batch_size=2"))
+    run(compose_cfg(*args, "batch_size=2"))
+    later = sorted(p.name for p in d.glob("config.*.yaml"))
+    assert len(later) == 1 and "batch_size: 2" in (d / later[0]).read_text()

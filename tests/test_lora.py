@@ -343,3 +343,33 @@ def test_a_path_with_a_colon_of_its_own_still_reads(tmp_path, adapters):
     for value, scale in (("v:abc", 1.0), ("v:abc:0.5", 0.5)):
         (lo,) = rules.parse({"loras": value}, text=True)["loras"]
         assert (lo.sha256, lo.scale) == (file_sha256(adapters["a"]), scale)
+
+
+def test_the_list_and_text_forms_of_model_loras_make_the_bytes_of_the_mapping_form(tmp_path, adapters):
+    """'model.loras=[PATH]' is the adapter at scale 1 and '"PATH:0.8"' at 0.8, as per-row adapters are written."""
+    a = adapters["a"]
+    for name, form, mapping in (("plain", f"model.loras=['{a}']", loras_arg((a, 1.0))),
+                                ("text", f"model.loras=['{a}:0.8']", loras_arg((a, 0.8)))):
+        assert run(compose_cfg(f"run_dir={tmp_path / name}", *FAST, form)).ok == 3
+        assert run(compose_cfg(f"run_dir={tmp_path / (name + '-map')}", *FAST, mapping)).ok == 3
+        assert shard_images(tmp_path / name) == shard_images(tmp_path / (name + "-map"))
+    assert {m["loras"][0]["scale"] for m in jsons(tmp_path / "text").values()} == {0.8}
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.loras=style.safetensors", "model.loras takes a list: write 'model.loras=[style.safetensors]'"),
+    ("model.loras=[{path: style.safetensors, scal: 0.8}]", "model.loras[0]: no key 'scal'"),
+    ("model.loras=['style.safetensors:abc']", "model.loras[0]: 'style.safetensors:abc': scale 'abc' is not a number"),
+])
+def test_a_mistyped_model_loras_is_one_line(tmp_path, monkeypatch, override, says):
+    from shardgen.config.overrides import check_overrides
+    from shardgen.models.lora import LoraError
+
+    monkeypatch.chdir(tmp_path)
+    save_tiny_lora(tmp_path / "style.safetensors")
+    problem = check_overrides([override])
+    if problem is None:
+        with pytest.raises(LoraError) as e:
+            run(compose_cfg(override, f"run_dir={tmp_path / 'r'}", "dry_run=true"))
+        problem = str(e.value)
+    assert says in problem and "\n" not in problem

@@ -75,6 +75,17 @@ def test_verify_catches_a_truncated_tar(done_run, capsys):
     assert "shard 000001" in out and "FAILED" in out
 
 
+def test_status_counts_a_tar_cut_after_its_commit_as_damaged_not_done(done_run, capsys):
+    assert status.main([str(done_run)]) == 0  # the stats cached first: the cut is seen all the same
+    tar = done_run / "shards" / "000001.tar"
+    tar.write_bytes(tar.read_bytes()[:1500])
+    status.main([str(done_run)])
+    out = capsys.readouterr().out.split("run ", 2)[-1]
+    assert "2 done, 0 running" in out and "COMPLETE" not in out
+    assert "damaged  1 committed shard(s) whose tar is not the size its stats record (000001)" in out
+    assert f"python -m jobs.verify {done_run} --repair" in out
+
+
 def test_verify_catches_a_missing_and_a_duplicated_sample(done_run, capsys):
     tar = done_run / "shards" / "000000.tar"
     with tarfile.open(tar) as tf:
@@ -164,3 +175,55 @@ def test_a_rank_that_commits_nothing_shows_zeros_in_a_file_named_by_its_slurm_jo
               if s.labels.get("status") in (None, "failed")}
     assert values["shardgen_committed_samples_total"] == 1 and values["shardgen_device_seconds_total"] == 5.0
     assert values["shardgen_device_seconds_per_sample"] == 1.0 and values["shardgen_committed_shards_total"] == 1
+
+
+def test_status_tells_the_replicas_of_two_launches_apart(done_run, capsys):
+    """A second launch (another process) on the run has a replica 0 too: each line names its launch."""
+    import os
+    import subprocess
+    import sys
+
+    for name in ("000001.stats.json", "000001.tar", "000001.parquet"):
+        (done_run / "shards" / name).unlink()
+    args = [f"run_dir={done_run}", *ARGS]
+    second = subprocess.run([sys.executable, "-m", "jobs.generate", *args], capture_output=True, text=True,
+                            timeout=300, env=os.environ.copy())
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert status.main([str(done_run)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  replica  0")]
+    assert len(lines) == 2 and len({ln.split(":")[0] for ln in lines}) == 2
+    # the most recent launch first: the subprocess's 5 samples, then this process's 12
+    assert f"pid {os.getpid()})" not in lines[0] and "5 samples" in lines[0]
+    assert f"pid {os.getpid()})" in lines[1] and "12 samples" in lines[1]
+
+
+def test_status_watch_shows_the_run_again_until_it_is_complete(done_run, capsys, monkeypatch):
+    """--watch on an unfinished run shows a view, sleeps, shows the next one (the run meanwhile completed by
+    another launch) and stops there with exit 0."""
+    stats = done_run / "shards" / "000001.stats.json"
+    kept = stats.read_bytes()
+    stats.unlink()
+    sleeps = []
+
+    def another_launch_commits_meanwhile(seconds):
+        sleeps.append(seconds)
+        stats.write_bytes(kept)
+
+    monkeypatch.setattr("jobs.status.time.sleep", another_launch_commits_meanwhile)
+    assert status.main([str(done_run), "--watch", "2"]) == 0
+    views = capsys.readouterr().out.split("--- ")[1:]
+    assert sleeps == [2.0] and len(views) == 2
+    assert "2 done" in views[0] and "stopped" in views[0] and "3 done" in views[1] and "COMPLETE" in views[1]
+
+
+def test_status_watch_stops_quietly_on_ctrl_c_and_refuses_a_bad_interval(done_run, capsys, monkeypatch):
+    (done_run / "shards" / "000001.stats.json").unlink()
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("jobs.status.time.sleep", ctrl_c)
+    assert status.main([str(done_run), "--watch"]) == 0
+    assert capsys.readouterr().out.count("--- ") == 1
+    assert status.main([str(done_run), "--watch", "0"]) == 2
+    assert "error: --watch 0: give a number of seconds above 0" in capsys.readouterr().err

@@ -327,3 +327,25 @@ def test_a_dry_run_of_a_big_prompt_file_loads_no_tokenizer_and_takes_seconds(tmp
     assert d.prompts == 300_000 and "no model loaded, nothing written" in describe(d)
     assert not (tmp_path / "run").exists() and loaded == []
     assert took < 30, f"{took:.1f} s"  # measured ~1 s on 2 shared cores; tokenizing every row would take minutes
+
+
+def test_a_dry_run_of_a_new_run_estimates_its_time_from_a_rate_recorded_for_its_settings(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Another run with the same model, size, steps, device and strategy left its rate: a dry run of a new run_dir
+    gives a time from it, scaled by the replicas; other settings have none recorded."""
+    from jobs.generate import run
+    from shardgen.run.dryrun import describe, dry_run
+    from tests.conftest import compose_cfg
+
+    monkeypatch.setattr("shardgen.run.rates.rates_path", lambda: tmp_path / "rates.json")  # none recorded yet
+    size = ("height=48", "width=80", "steps=1", "progress=false")
+    new = ("dry_run=true", f"run_dir={tmp_path / 'new'}", *size)
+    assert "time      not measured yet" in describe(dry_run(compose_cfg(*new)))
+    assert run(compose_cfg(f"run_dir={tmp_path / 'first'}", "prompts.limit=8", *size)).ok == 8
+    d = dry_run(compose_cfg(*new))
+    line = next(ln for ln in describe(d).splitlines() if ln.startswith("  time"))
+    assert d.expected_s > 0 and "for the 64 samples left, at the rate recorded for this model" in line
+    assert str(tmp_path / "first") in line
+    two = dry_run(compose_cfg(*new, "launcher=local", "launcher.nprocs=2"))
+    assert two.rate == pytest.approx(2 * d.rate) and "x 2 replica(s)" in describe(two)
+    assert "not measured yet" in describe(dry_run(compose_cfg(*new[:-1], "steps=2")))

@@ -79,3 +79,41 @@ def test_a_prompt_file_given_to_the_default_prompts_is_read_by_its_extension(tmp
     (tmp_path / name).write_text(data)
     cfg = compose_cfg(f"prompts.path={tmp_path / name}")  # prompts.path alone, as a first try types it
     assert [r.prompt for r in read_prompts(cfg.prompts.path, format=cfg.prompts.format)] == ["a cat"]
+
+
+@pytest.mark.parametrize("name, content, guess", [
+    ("cap.jsonl", '{"caption": "a cat", "id": 1}\n{"caption": "a dog", "id": 2}\n', "caption"),
+    ("t.csv", "id,text\n1,a cat\n2,a dog\n", "text"),
+    ("t.tsv", "Caption\tid\na cat\t1\na dog\t2\n", "Caption"),
+])
+def test_a_common_caption_column_is_taken_when_the_file_has_no_prompt_field(tmp_path, caplog, name, content, guess):
+    import logging
+
+    from jobs.generate import run
+    from tests.conftest import compose_cfg
+
+    (tmp_path / name).write_text(content)
+    args = (f"prompts.path={tmp_path / name}", f"run_dir={tmp_path / 'r'}", "height=16", "width=16", "steps=1",
+            "progress=false")
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        result = run(compose_cfg(*args))
+    assert (result.ok, result.rejected) == (2, 0)
+    assert f"prompts.field={guess}: {tmp_path / name} has no 'prompt' field, and its {guess!r} is taken" in caplog.text
+    assert run(compose_cfg(*args)).ok == 2  # the next launch takes the same field: the same run
+
+
+def test_no_caption_column_is_guessed_between_two_or_over_an_explicit_field(tmp_path):
+    from shardgen.dataio.prompts.read import guess_prompt_field
+
+    (tmp_path / "two.jsonl").write_text('{"caption": "a", "text": "b"}\n')
+    (tmp_path / "one.jsonl").write_text('{"prompt": "a", "text": "b"}\n')
+    assert guess_prompt_field(str(tmp_path / "two.jsonl")) is None
+    assert guess_prompt_field(str(tmp_path / "one.jsonl")) is None
+    (tmp_path / "id.jsonl").write_text('{"id": 1, "text": "b"}\n')
+    assert guess_prompt_field(str(tmp_path / "id.jsonl")) == "text"
+    cfg = compose_cfg(f"prompts.path={tmp_path / 'id.jsonl'}", "prompts.field=id")
+    from jobs.generate import _guess_prompt_field
+
+    _guess_prompt_field(cfg)
+    assert cfg.prompts.field == "id"  # a field named on the command line is kept
+    assert guess_prompt_field(str(tmp_path / "missing.jsonl")) is None

@@ -190,4 +190,4 @@ def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path)
     assert f"{worst:.2f}" in page
     (run_dir / "compare.json").write_bytes(b"\x00garbage{")
     page = build_report(load_plan(RunDir(run_dir)))
-    assert "compare.json is unreadable (JSONDecodeError); not shown" in page
+    assert "compare.json is unreadable (" in page and "); not shown" in page

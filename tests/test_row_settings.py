@@ -422,3 +422,25 @@ def test_an_edit_models_rows_are_checked_with_their_input_images_tokens():
                                                   r"\(H/16\)\*\(W/16\) plus their input image's divides by 8"):
         check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(960, 1024): 2}, "cuda")
     check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(768, 1024): 2}, "cuda")  # 3072 + 4144 tokens: fine
+
+
+def test_a_pandas_parquet_with_nullable_integer_columns_plans_and_generates(tmp_path):
+    """pandas stores an integer column that has a null as float64: a row's 32.0 is the whole number 32, a seed's
+    11.0 the seed 11, and a null keeps the run's setting."""
+    import pandas as pd
+
+    df = pd.DataFrame({"prompt": ["a cat", "a dog"], "height": [32, None], "steps": [2, None], "seed": [11, None]})
+    assert str(df["height"].dtype) == "float64"
+    df.to_parquet(tmp_path / "p.parquet")
+    result = run_rank(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={tmp_path / 'p.parquet'}", *ARGS,
+                                  "prompts.row_settings=[height,steps]"))
+    assert (result.ok, result.rejected) == (2, 0)
+    got = samples(tmp_path / "run")
+    assert [(got[i][1]["height"], got[i][1]["steps"]) for i in (0, 1)] == [(32, 2), (48, 1)]
+    assert got[0][1]["seed"] == 11
+
+
+def test_a_fraction_is_still_no_size():
+    rules = RowRules(names=("height",), multiple=16, height=48, width=48)
+    with pytest.raises(Exception, match="32.5 is not an image height"):
+        rules.parse({"height": 32.5})

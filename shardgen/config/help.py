@@ -107,11 +107,19 @@ Re-running the same command continues the run. The composed values: add --cfg jo
 """
 
 
+def groups_text() -> str:
+    """Each config group and its options, one line each (Hydra's own list, $APP_CONFIG_GROUPS, also shows the
+    ConfigStore's launcher schemas, ``base_*``, which are no option to choose)."""
+    from shardgen.config.overrides import CONF, group_options
+
+    return "\n".join(f"{g}: {', '.join(group_options(g))}" for g in sorted(p.name for p in CONF.iterdir() if p.is_dir()))
+
+
 def hydra_help_node() -> dict:
     """The ``hydra/help`` config (Hydra's help template) built from the schema's docstrings."""
-    template = (HEADER + "\n== Config groups (group=option) ==\n$APP_CONFIG_GROUPS\n" + help_text() + "\n")
+    template = (HEADER + "\n== Config groups (group=option) ==\n" + groups_text() + "\n\n" + help_text() + "\n")
     # string.Template (Hydra) reads $NAME: a literal $ is $$; OmegaConf would resolve ${...}: help_text has none
-    template = template.replace("$", "$$").replace("$$APP_CONFIG_GROUPS", "$APP_CONFIG_GROUPS")
+    template = template.replace("$", "$$")
     return {"app_name": "jobs.generate", "header": "", "footer": "", "template": template}
 
 

@@ -92,10 +92,12 @@ def _wrong_type(o: Any, schema: type) -> str | None:
     if optional:
         rest = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = rest[0] if len(rest) == 1 else None
+    value = o.value()
+    if typing.get_origin(hint) in (list, typing.List) and value is not None and not isinstance(value, list):
+        return f"{key} takes a list: write '{key}=[{o.get_value_element_as_str()}]'"
     if hint not in _LEAF_TYPES:
         return None
     node, wanted = _LEAF_TYPES[hint]
-    value = o.value()
     if value is None:
         return None if optional else f"{key} takes {wanted}, not null"
     try:

@@ -26,17 +26,6 @@ from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S
 
 
 @dataclass(kw_only=True)
-class LoraEntry:
-    """One LoRA adapter of ``model.loras`` (shardgen/models/lora.py)."""
-
-    path: str = MISSING
-    """The adapter's .safetensors file (diffusers, peft or kohya format, as diffusers' load_lora_weights reads
-    them); a relative path is taken from the current directory. Its sha256 joins the run's fingerprint."""
-    scale: float = 1.0
-    """How strongly it is applied: 1.0 = as trained, 0 = not at all."""
-
-
-@dataclass(kw_only=True)
 class ModelConfig:
     """What pipeline to build and how."""
 
@@ -77,9 +66,11 @@ class ModelConfig:
     """Wan 2.2 A14B: guidance scale of the low-noise expert (``guidance_scale_2``); null = ``guidance``."""
     cache_dir: Optional[str] = None
     """Where the embedded tiny model is built and cached (default: $SHARDGEN_CACHE or ~/.cache/shardgen)."""
-    loras: List[LoraEntry] = field(default_factory=list)
-    """LoRA adapters applied to every sample, fused into the weights before any strategy splits them, e.g.
-    'model.loras=[{path: style.safetensors, scale: 0.8}]'. A different file on resume is refused like any
+    loras: List[Any] = field(default_factory=list)
+    """LoRA adapters applied to every sample, fused into the weights before any strategy splits them, each a
+    .safetensors path (relative: from the current directory) at scale 1, a "PATH:SCALE" string, or {path, scale}:
+    'model.loras=[style.safetensors]', 'model.loras=["style.safetensors:0.8"]', 'model.loras=[{path:
+    style.safetensors, scale: 0.8}]' (scale 1.0 = as trained, 0 = off). A different file on resume is refused like any
     other setting; each sample's json lists the adapters it was made with (path, scale, sha256). Rows may name
     their own with prompts.row_settings=[loras]."""
 
@@ -211,7 +202,7 @@ class PromptsConfig:
     folder, [] = none; not with strategy=tp or fp8), image (image-to-image, edit and image-to-video models: the
     row's input image, a path from the prompt file's folder or absolute, or parquet image bytes; a missing or
     unreadable one rejects its row; its sha256 in the sample's json and the index), strength (image-to-image: above
-    0, at most 1).
+    0, at most 1), images_per_prompt (1 to 1000 samples of the row instead of the run's images_per_prompt).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
     same size, guidance and adapters are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""
@@ -262,8 +253,21 @@ class GenerationConfig:
     """Denoising steps (default: the model's)."""
     guidance: float = II("model.guidance")
     """Guidance scale (default: the model's); a finite number, like every number of the config."""
+    scheduler: Optional[str] = None
+    """The sampler, instead of the model's own: euler (flow-matching Euler), unipc (UniPC), lcm (flow-matching
+    LCM, for few-step distilled models), dpmpp_2m (DPM-Solver++ 2M; Wan only), each in its flow-matching form
+    and built from the model's scheduler config (shardgen/models/schedulers.py); null = the model's own. Recorded
+    in each sample's provenance and the run's fingerprint."""
+    scheduler_shift: Optional[float] = None
+    """The flow shift of the sampler (sigma shift; FLUX.1-dev's 3.0, Wan 720p's 5.0): a number fixes it and turns
+    resolution-dependent dynamic shifting off; null = the model's. In the fingerprint."""
     seed: int = 0
     """Run seed; a sample's seed is f(seed, prompt index) unless its row has one."""
+    images_per_prompt: int = 1
+    """Samples made of each prompt (diffusers' num_images_per_prompt), 1 to 1000: image k of prompt i is sample
+    i x images_per_prompt + k, with its own key and seed (image 0 the prompt's seed, image k a hash of it and k:
+    the same whatever the batch size or ranks); its json and index record prompt_index and image. A multiple of it
+    is each shard's size (samples_per_shard)."""
     batch_size: int = 4
     """Prompts per pipeline call, per replica."""
     device: str = "auto"

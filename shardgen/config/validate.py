@@ -15,6 +15,8 @@ from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validat
 from shardgen.models.loader import DTYPES
 from shardgen.errors import UserError
 
+MAX_IMAGES_PER_PROMPT = 1000
+
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
 
@@ -75,6 +77,12 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"plan_replicas={cfg.plan_replicas}: use 1 or more (the replicas all launches of the run bring), or null "
           "(this launch's)")
     _need(cfg.steps >= 1, f"steps={cfg.steps}: use 1 or more")
+    n = cfg.images_per_prompt
+    _need(1 <= n <= MAX_IMAGES_PER_PROMPT, f"images_per_prompt={n}: use 1 to {MAX_IMAGES_PER_PROMPT}")
+    _need(cfg.samples_per_shard is None or cfg.samples_per_shard % n == 0,
+          f"samples_per_shard={cfg.samples_per_shard}: a shard holds whole prompts, images_per_prompt={n} images "
+          f"each: use a multiple of {n} (e.g. samples_per_shard={max(n, (cfg.samples_per_shard or 0) // n * n)}), "
+          "or leave it unset")
     # the ranges a prompt row's seed and guidance are held to (shardgen/dataio/prompts/read.py, rowsettings.py)
     _need(0 <= cfg.seed <= MAX_SEED, f"seed={cfg.seed} is out of range: write an integer from 0 to 2**63-1")
     _need(cfg.guidance >= 0, f"guidance={cfg.guidance:g} is out of range: write a number from 0 up")
@@ -124,6 +132,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    _check_source(cfg)
+    _check_scheduler(cfg)
     _check_calibration(cfg)
     _check_loras(cfg)
     _check_images(cfg)
@@ -180,6 +190,26 @@ def _check_images(cfg: GenerateConfig) -> None:
     strength = cfg.model.strength
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
+
+
+def _check_source(cfg: GenerateConfig) -> None:
+    """A model.source written as a local path names a diffusers model directory (hub ids are the loader's)."""
+    from shardgen.models.errors import local_source_problem
+    from shardgen.models.loader import is_tiny
+
+    if cfg.model.weights == "pretrained" and not is_tiny(cfg.model):
+        problem = local_source_problem(cfg.model.source)
+        _need(problem is None, problem or "")
+
+
+def _check_scheduler(cfg: GenerateConfig) -> None:
+    """scheduler names a sampler that works in the model's pipeline; scheduler_shift is a positive number."""
+    from shardgen.models import schedulers
+
+    try:
+        schedulers.check(cfg.scheduler, cfg.scheduler_shift, cfg.model.pipeline)
+    except ValueError as e:
+        _need(False, str(e))
 
 
 def _check_loras(cfg: GenerateConfig) -> None:

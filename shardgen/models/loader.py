@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from shardgen.models.compat import guard_ftfy
-from shardgen.models.errors import ModelLoadError  # noqa: F401 (where callers found it)
+from shardgen.models.errors import ModelLoadError, hub_message, local_source_problem  # ModelLoadError: where callers found it
 from shardgen.models.versions import model_version  # noqa: F401 (where callers found it)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -170,6 +170,9 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
         pipe = cls.from_pretrained(source, dtype=dtype, revision=model_cfg.revision, use_safetensors=True,
                                    **own, **from_pretrained_kwargs)
     except (OSError, EnvironmentError, ValueError) as e:
+        problem = None if is_tiny(model_cfg) else local_source_problem(source)
+        if problem:  # a local path that went away since the launch checked it
+            raise ModelLoadError(problem) from e
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable from here: download the model where one is and point "
             "model.source at the local directory.")
@@ -177,7 +180,8 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
             hint = " A file of the model may be damaged (a copy cut short): copy the model directory again."
         if is_tiny(model_cfg):
             hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
-        raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
+        raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {hub_message(e)}."
+                             f"{hint}") from e
     pipe.set_progress_bar_config(disable=True)
     if device is not None:
         pipe.to(device)

@@ -139,6 +139,10 @@ def _entry(entry: Any, at: str) -> tuple[str, float]:
     import math
 
     if hasattr(entry, "get") and not isinstance(entry, str):
+        unknown = sorted(str(k) for k in entry.keys() if k not in ("path", "scale"))
+        if unknown:
+            raise LoraError(f"{at}: no key {unknown[0]!r}; an adapter has a path and a scale: write "
+                            "{path: FILE.safetensors, scale: 0.8}, or \"FILE.safetensors:0.8\"")
         path, scale = entry.get("path"), entry.get("scale", 1.0)
     else:
         path, scale = entry, 1.0
@@ -205,7 +209,10 @@ def check_planned(adapters: dict[str, str]) -> None:
 
 def run_set(cfg: Any) -> LoraSet:
     """The run's adapters (``model.loras``), checked and hashed."""
-    return resolve(cfg.model.get("loras") or (), "model.loras")
+    where = "model.loras"
+    entries = cfg.model.get("loras") or ()
+    return resolve([_text_entry(e, f"{where}[{i}]", None) if isinstance(e, str) else e
+                    for i, e in enumerate(entries)], where)
 
 
 def per_row(cfg: Any) -> bool:

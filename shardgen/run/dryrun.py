@@ -9,6 +9,7 @@ no honest figure, and the dry run says so instead of guessing.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +49,12 @@ class DryRun:
     expected_s: float | None
     refused: str | None
     """Why the launch would be refused (a changed fingerprint), or None."""
+    rate_source: str = "this run's last measured rate"
+    """Where ``rate`` comes from: this run's launches, or another run's record (shardgen/run/rates.py)."""
+    prompt_rows: int | None = None
+    """Prompt rows planned (``prompts`` counts samples: more with images_per_prompt)."""
+    images: int = 1
+    """images_per_prompt: ``prompts`` counts samples, this many per prompt row (``rejected``: rows)."""
     shapes: dict[str, int] | None = None
     """Rows per shape (``WIDTHxHEIGHT[xFRAMES]``, most first) when rows set their own size or frames
     (prompts.row_settings); the expected size adds up each shape's samples. None: every row has the run's shape."""
@@ -56,6 +63,12 @@ class DryRun:
 def world_size_of(cfg: GenerateConfig) -> int:
     """The ranks a launch of ``cfg`` would have."""
     return launcher_of(cfg).world_size(cfg.launcher)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def measured_rate(run: RunDir) -> float | None:
@@ -89,28 +102,42 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
+    images = plan.images if plan is not None else cfg.images_per_prompt
     if plan is not None:
         counts = (plan.num_rows, plan.num_rejects, plan.num_shards, plan.samples_per_shard,
                   read_ledger(plan).done_samples)
+        prompt_rows = plan.num_prompts
         shapes = plan.shapes()
     else:
         with tempfile.TemporaryDirectory(prefix="shardgen-dry-run-") as tmp:
             source = PromptSource.from_cfg(cfg.prompts, path, rules_from_cfg(cfg))
-            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **sizing)
+            per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, images=images, **sizing)
             # the launch's own planning: prompts are tokenized only where on_truncation makes planning count them
             new = build_plan(RunDir(Path(tmp)), source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                             truncation=planning_truncation_check(cfg, source))
+                             truncation=planning_truncation_check(cfg, source), images_per_prompt=images)
             counts = (new.num_rows, new.num_rejects, new.num_shards, new.samples_per_shard, 0)
+            prompt_rows = new.num_prompts
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
     check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
-        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): rows - rejected}
-    expected = sum(n * sample_bytes_estimate(width=s.width, height=s.height, image_format=sizing["image_format"],
-                                             frames=s.frames or 1) for s, n in shapes.items())
+        shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): prompt_rows - rejected}
+    expected = sum(n * images * sample_bytes_estimate(width=s.width, height=s.height,  # rows x images: samples
+                                                      image_format=sizing["image_format"], frames=s.frames or 1)
+                   for s, n in shapes.items())
     shape_rows = {s.label: n for s, n in shapes.items()} if len(shapes) > 1 or cfg.prompts.get("row_settings") \
         else None
-    rate = measured_rate(run)
+    rate, rate_source = measured_rate(run), "this run's last measured rate"
+    if rate is None:  # another run's, with the same model, size, steps, device and strategy
+        from shardgen.run import rates
+
+        device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
+        rec = rates.recorded_rate(rates.rate_key(cfg, dims.strategy, dims.replica_size, rates.device_name(device)))
+        if rec is not None:
+            rate = rec["per_replica"] * dims.dp
+            when = time.strftime("%Y-%m-%d", time.localtime(rec.get("time") or 0))
+            rate_source = (f"the rate recorded for this model, size, steps and device ({rec['per_replica']:.2f} "
+                           f"samples/s per replica, {when}, {rec.get('run_dir')}) x {dims.dp} replica(s)")
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
     return DryRun(run_dir=str(run.root), prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
@@ -119,7 +146,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
                   expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
-                  refused=refused, shapes=shape_rows)
+                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source, prompt_rows=prompt_rows)
 
 
 def _fmt_s(s: float) -> str:
@@ -130,12 +157,14 @@ def _fmt_s(s: float) -> str:
 def describe(d: DryRun) -> str:
     """The dry run as the lines ``jobs.generate dry_run=true`` prints."""
     left = d.prompts - d.done_samples
-    time_line = (f"~{_fmt_s(d.expected_s)} for the {left} samples left, at this run's last measured rate "
+    time_line = (f"~{_fmt_s(d.expected_s)} for the {left} samples left, at {d.rate_source} "
                  f"({d.rate:.2f} samples/s; it scales with the replicas)" if d.expected_s is not None else
                  "not measured yet: a first launch measures it (jobs.status shows the rate and ETA); try "
                  "prompts.limit=N on another run_dir for a quick figure")
     lines = [f"dry run of {d.run_dir}: no model loaded, nothing written",
-             f"  prompts   {d.prompts} ({d.rejected} rejected rows)",
+             f"  prompts   {d.prompts} ({d.rejected} rejected rows)" if d.prompt_rows in (None, d.prompts) else
+             f"  prompts   {d.prompt_rows} ({d.rejected} rejected rows)" + (f" x {d.images} images" if d.images > 1
+                                                                         else "") + f" = {d.prompts} samples",
              f"  shards    {d.shards} of {d.samples_per_shard} samples"
              + (f"; {d.done_samples} samples already done" if d.done_samples else ""),
              f"  ranks     {d.world_size}: {d.replicas} replica(s) of {d.ranks_per_replica} rank(s), strategy {d.strategy}",

@@ -199,6 +199,8 @@ def _meta(row: PlannedRow, s: GenSettings, cond: condition.Conditioned | None = 
     meta = dict(row.extra)  # input columns first, so our own fields win on a name clash
     meta.update(prompt=row.prompt, index=row.index, line=row.line, seed=row.seed, model=s.model, height=s.height,
                 width=s.width, steps=s.steps, guidance=s.guidance, strategy=s.strategy)
+    if row.image is not None:  # images_per_prompt > 1: which prompt, which of its images
+        meta.update(prompt_index=row.prompt_index, image=row.image)
     if s.true_cfg_scale > 1.0:
         meta["true_cfg_scale"] = s.true_cfg_scale
     if s.guidance_2 is not None:

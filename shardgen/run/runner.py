@@ -36,12 +36,14 @@ from shardgen.quality.gate import CalibrationFailed, calibrate
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.speed.regional_compile import background_runs_eager_path
+from shardgen.run import rates
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
+from shardgen.models import schedulers
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.dims import ParallelDims
@@ -161,11 +163,13 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
 
 
 def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: str, replicas: int) -> Plan:
-    per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, **shard_sizing(cfg, replicas))
+    images = cfg.images_per_prompt
+    per_shard = resolve_samples_per_shard(cfg.samples_per_shard, source, images=images, **shard_sizing(cfg, replicas))
     plan = build_plan(run, source, samples_per_shard=per_shard, run_seed=cfg.seed,
-                      truncation=planning_truncation_check(cfg, source), prompt_sha256=digest)
-    log.info("planned %d prompts (%d rejected rows) into %d shards of %d in %s", plan.num_rows, plan.num_rejects,
-             plan.num_shards, plan.samples_per_shard, run.root)
+                      truncation=planning_truncation_check(cfg, source), prompt_sha256=digest, images_per_prompt=images)
+    per = f" x {images} images = {plan.num_rows} samples" if images > 1 else ""
+    log.info("planned %d prompts%s (%d rejected rows) into %d shards of %d in %s", plan.num_prompts, per,
+             plan.num_rejects, plan.num_shards, plan.samples_per_shard, run.root)
     if is_url(source.path):
         log.info("%s: %d bytes read so far by ranged reads (the file has %d; nothing copied to disk)", source.path,
                  bytes_read(source.path), plan.meta["prompt_size"] if plan.meta else -1)
@@ -190,9 +194,18 @@ def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
+    """config.yaml for the first launch; a later launch's config.<time>.yaml only when it differs from the last one
+    kept (a launch repeated as it was, "nothing to do" included, adds no file)."""
     text = OmegaConf.to_yaml(cfg, resolve=True).encode()
-    if not create_exclusive(run.config_path, text):
-        atomic_write_bytes(run.later_config_path(time.time()), text)
+    if create_exclusive(run.config_path, text):
+        return
+    later = sorted(run.root.glob("config.*.yaml"), key=lambda p: p.name)
+    try:
+        if (later[-1] if later else run.config_path).read_bytes() == text:
+            return
+    except OSError:
+        pass  # unreadable: keep this launch's
+    atomic_write_bytes(run.later_config_path(time.time()), text)
 
 
 def share_cpu_threads(world: W.World) -> None:
@@ -232,6 +245,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
+        pipe = schedulers.apply(pipe, cfg.scheduler, cfg.scheduler_shift)
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
         if ctx.leader:
@@ -241,7 +255,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
             worker.run()
         log_compile_summary(worker)
         generated = _sum_over_ranks(worker.generated if ctx.leader else 0)
-        return _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+        result = _finish(cfg, plan, world, t0, generated=generated, writer_wait_s=worker.sink.wait_s if worker.sink else 0)
+        if result is not None and worker.generated and worker.gen_s > 0:  # for a later dry_run of another run
+            key = rates.rate_key(cfg, dims.strategy, dims.replica_size, rates.device_name(world.device))
+            rates.record_rate(key, worker.generated / worker.gen_s, str(plan.run.root))
+        return result
     except Exception as e:
         log_to_file_only(rank_log, e)
         if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
@@ -413,9 +431,16 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
         say_nothing_to_do(plan)
     else:
         unit = "videos" if is_video(cfg) else "images"
-        print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of "
-              f"{plan.num_rows} prompts; generated {generated} samples this launch in {result.wall_s:.1f} s "
+        of = (f"{plan.num_prompts} prompts = {plan.num_rows} samples (the rows' own images_per_prompt)"
+              if plan.per_row_images else f"{plan.num_rows} prompts" if plan.images == 1 else
+              f"{plan.num_prompts} prompts x {plan.images} images = {plan.num_rows} samples")
+        print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of {of}; "
+              f"generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
+    if result.complete and result.rejected and not result.ok and not result.failed:
+        log.warning("no sample was made: every row was rejected (their reasons: jobs.status %s, or the shards' "
+                    "parquet index). The run holds no sample, so the same command with the fix (e.g. another "
+                    "prompts.field) starts it over with the new settings", plan.run.root)
     if result.truncated and not nothing_to_do:
         log.warning("%d prompt(s) were longer than the text encoders keep: generated from their first tokens and "
                     "flagged \"truncated\": true in their json and index (prompts.on_truncation=skip or error refuses "

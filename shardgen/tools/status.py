@@ -40,11 +40,14 @@ def _span(led: StatusLedger, now: float, live: bool) -> tuple[float | None, floa
 
 
 def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
-    """Per replica: samples committed (commit events) plus in its live shards, and its rate over that span."""
-    acc: dict[str, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
+    """Per replica of each launch (its process: host and pid, SLURM job): samples committed (commit events) plus in
+    its live shards, and its rate over that span; most recently active first. Two launches on one run each have a
+    replica 0: ``launch`` tells them apart."""
+    acc: dict[tuple, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
 
-    def add(replica, samples, first, last):
-        a = acc[str(replica)]
+    def add(who: dict, samples, first, last):
+        key = (str(who.get("replica", "?")), who.get("host"), who.get("pid"), who.get("job"))
+        a = acc[key]
         a["samples"] += samples
         if first is not None:
             a["first"] = first if a["first"] is None else min(a["first"], first)
@@ -53,14 +56,16 @@ def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
 
     for e in read_events(plan.run):  # typed records: a torn or odd line of a log is skipped
         t, wall = _num(e["t"]), _num(e.get("wall_s")) or 0.0
-        add(e["replica"], e["samples"], t - wall, t)
+        add(e, e["samples"], t - wall, t)
     for s in led.active:
         if s.state in LIVE and s.holder is not None:
-            add(s.holder.get("replica", "?"), s.samples, _num(s.started), now)
+            add(s.holder, s.samples, _num(s.started), now)
     out = []
-    for replica, a in sorted(acc.items()):
+    for (replica, host, pid, job), a in sorted(acc.items(), key=lambda kv: -(kv[1]["last"] or 0)):
         span = (a["last"] - a["first"]) if a["first"] is not None and a["last"] is not None else 0
-        out.append(dict(replica=replica, samples=a["samples"], rate=round(a["samples"] / span, 3) if span > 0 else None))
+        launch = " ".join(f"{k} {v}" for k, v in (("on", host), ("pid", pid), ("job", job)) if v not in (None, ""))
+        out.append(dict(replica=replica, launch=launch or None, samples=a["samples"], last=a["last"],
+                        rate=round(a["samples"] / span, 3) if span > 0 else None))
     return out
 
 
@@ -104,15 +109,15 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     """The run's state as JSON-ready data (``python -m jobs.status RUN --json`` prints it)."""
     now = time.time() if now is None else now
     led = read_status_ledger(plan, lease_s)  # reads only the stats committed since the last call
-    lost = led.done.lost
-    done, complete = led.done_samples, led.count("done") == plan.num_shards and not lost
+    lost, resized = led.done.lost, led.done.resized
+    done, complete = led.done_samples, led.count("done") == plan.num_shards and not lost and not resized
     live = any(s.state in LIVE for s in led.active)
     t0, end = _span(led, now, live)
     if complete:
         end = led.done.last_finished or end
     elapsed = (end - t0) if t0 is not None and end is not None else None
     rate = done / elapsed if elapsed and elapsed > 0 and done else None
-    state = ("complete" if complete else "running" if live else "damaged" if lost else "stopped" if done
+    state = ("complete" if complete else "running" if live else "damaged" if lost or resized else "stopped" if done
              else "not started")
     eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
     totals = led.done.totals
@@ -120,10 +125,10 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
         run_dir=str(plan.run.root), state=state, samples_total=plan.num_rows, samples_done=done,
         samples_committed=led.done.samples,
         rejected_in_plan=plan.num_rejects,
-        shards=dict(total=plan.num_shards, done=led.count("done"), running=led.count("running") + led.count("future"),
+        shards=dict(total=plan.num_shards, done=led.count("done") - len(resized), running=led.count("running") + led.count("future"),
                     stalled=led.count("stalled") + led.count("dead"), pending=led.count("pending"),
-                    damaged=led.count("damaged"), lost=len(lost)),
-        lost_shards=lost[:20],
+                    damaged=led.count("damaged"), lost=len(lost), resized=len(resized)),
+        lost_shards=lost[:20], resized_shards=resized[:20],
         rate=None if rate is None else round(rate, 3), elapsed_s=None if elapsed is None else round(elapsed, 1),
         eta_s=None if eta is None else round(eta, 1), replicas=_replica_rates(plan, led, now),
         claims=_claims(led, now), results=dict(ok=totals["ok"], failed=totals["failed"], rejected=totals["rejected"],

@@ -32,8 +32,8 @@ import numpy as np
 
 from shardgen.dataio.prompts import read as P
 from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_identity, footer_plan,
-                                              planned_from_footer, range_digests, read_range,
-                                              read_rows_at, rows_digest, scan_rows, truncation_outcome)
+                                              planned_from_footer, range_digests, read_range, read_rows_at,
+                                              row_images, rows_digest, scan_rows, truncation_outcome)
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
@@ -78,6 +78,14 @@ def sample_seed(run_seed: int, index: int, row_seed: int | None = None) -> int:
     return _splitmix64(key) & 0x7FFFFFFFFFFFFFFF
 
 
+def image_seed(prompt_seed: int, image: int) -> int:
+    """Seed of image ``image`` of a prompt whose first image has ``prompt_seed`` (``sample_seed``): image 0 keeps it
+    (a run of one image per prompt makes the samples it always made), each further one a hash of (seed, image)."""
+    if image == 0:
+        return prompt_seed
+    return _splitmix64(_splitmix64(prompt_seed) ^ image) & 0x7FFFFFFFFFFFFFFF
+
+
 _SHIFTED_SEEDS = 1 << 30  # run seeds below this keep the (run_seed << 34) ^ index layout every run was made with
 
 
@@ -108,6 +116,12 @@ class PlannedRow:
     reject: str | None
     settings: dict = field(default_factory=dict)
     """The generation settings the row sets (``prompts.row_settings``, rowsettings.py); {}: the run's."""
+    prompt_index: int | None = None
+    """With images_per_prompt > 1 or rows' own counts: the prompt row this sample is an image of (``index`` is the
+    sample's own: prompt_index x images_per_prompt + image, or its place in row order); None with one image per
+    prompt (``index`` is the row's)."""
+    image: int | None = None
+    """With images_per_prompt > 1 or rows' own counts: which image of its prompt, from 0."""
 
     @property
     def key(self) -> str:
@@ -152,6 +166,26 @@ class Plan:
     digests: np.ndarray | None = None   # (first plan's shards, 32): sha256 of each shard's rows (None: older plans)
     prompt_path: str | None = None      # where the prompt file is now (a run may move; its content may not)
     extensions: tuple[Segment, ...] = ()
+    images: int = 1                     # images_per_prompt: num_rows and samples_per_shard count samples, each
+    # prompt row being ``images`` samples (indices row x images + image); plan.json counts rows. num_rejects: rows
+    sample_starts: np.ndarray | None = None  # rows with their own images_per_prompt: shard k's samples are
+    # sample_starts[k]..sample_starts[k+1]-1, its rows' images in row order (samples.npy of each segment)
+    prompt_rows: int | None = None      # prompt rows planned, where num_rows // images is not it
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Prompt rows per shard (a shard holds samples_per_shard = rows_per_shard x images samples)."""
+        return self.samples_per_shard // self.images
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompt rows planned (num_rows counts samples)."""
+        return self.prompt_rows if self.prompt_rows is not None else self.num_rows // self.images
+
+    @property
+    def per_row_images(self) -> bool:
+        """Rows set their own images_per_prompt (prompts.row_settings): shards differ in samples."""
+        return self.sample_starts is not None
 
     def _segment(self, shard: int) -> Segment | None:
         """The extension ``shard`` belongs to (None: the first plan)."""
@@ -162,12 +196,19 @@ class Plan:
         return seg
 
     def shard_range(self, shard: int) -> range:
-        """Row indices of ``shard``."""
+        """Sample indices of ``shard`` (its rows' indices, with one image per prompt)."""
+        if self.sample_starts is not None:
+            return range(int(self.sample_starts[shard]), int(self.sample_starts[shard + 1]))
+        rows = self.row_range(shard)
+        return range(rows.start * self.images, rows.stop * self.images)
+
+    def row_range(self, shard: int) -> range:
+        """Prompt row indices of ``shard``."""
         seg = self._segment(shard)
         first_shard, first_row, end = (0, 0, self.meta["num_rows"] if self.meta else self.num_rows) if seg is None \
             else (seg.first_shard, seg.first_row, seg.end_row)
-        start = first_row + (shard - first_shard) * self.samples_per_shard
-        return range(start, min(start + self.samples_per_shard, end))
+        start = first_row + (shard - first_shard) * self.rows_per_shard
+        return range(start, min(start + self.rows_per_shard, end))
 
     def rows(self, shard: int) -> list[PlannedRow]:
         """The rows of ``shard``, in index order, read from the prompt file."""
@@ -178,7 +219,7 @@ class Plan:
         seg = self._segment(shard)
         src = PromptSource(**dict(m["source"], path=self.prompt_path or m["source"]["path"]))
         check_unchanged(src.path, (seg.meta if seg else m)["prompt_size"])
-        rng = self.shard_range(shard)
+        rng = self.row_range(shard)
         where = self.run.plan_dir if seg is None else seg.dir
         cut = _truncated(where / "truncated.npy", rng)
         if (seg.digests if seg else self.digests) is None:  # planned before shard digests, or from a remote footer
@@ -189,9 +230,15 @@ class Plan:
             rows = self._checked_rows(src, shard, seg, rng)
         self._check_adapters(rows)
         bad = self.image_rejects if "image" in getattr(self.row_rules, "names", ()) else {}
-        return [PlannedRow(index=r.index, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
-                           reject=r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index)),
-                           seed=sample_seed(m["run_seed"], r.index, r.seed)) for r in rows]
+        several, out, index = self.images > 1 or self.per_row_images, [], self.shard_range(shard).start
+        for r in rows:
+            reject = r.reject or (TRUNCATED_REJECT if r.index in cut else None) or bad.get(str(r.index))
+            seed, count = sample_seed(m["run_seed"], r.index, r.seed), row_images(r.settings, self.images)
+            out += [PlannedRow(index=index + k, line=r.line, prompt=r.prompt, extra=r.extra, settings=r.settings,
+                               reject=reject, seed=image_seed(seed, k), prompt_index=r.index if several else None,
+                               image=k if several else None) for k in range(count)]
+            index += count
+        return out
 
     def _check_adapters(self, rows: list[P.PromptRow]) -> None:
         """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned."""
@@ -332,8 +379,27 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     for ext in extensions:
         kw.update(num_rows=ext.end_row, num_shards=ext.first_shard + ext.meta["num_shards"],
                   num_rejects=kw["num_rejects"] + ext.meta["num_rejects"])
+    n = int(meta.get("images_per_prompt") or 1)  # plan.json counts prompt rows; the Plan counts samples
+    prompt_rows, sample_starts = kw["num_rows"], None
+    if meta.get("per_row_images"):  # each segment's samples per shard, in shard order
+        parts = []
+        for where, m in [(run.plan_dir, meta), *((e.dir, e.meta) for e in extensions)]:
+            part = _load_npy(where / "samples.npy")
+            if part.ndim != 1 or m.get("samples_sha256") != _digest(part) or (part < 1).any():
+                raise _plan_error(where / "samples.npy", "does not match the checksum in plan.json (changed after "
+                                                         "planning)")
+            parts.append(part)
+        counts = np.concatenate(parts)
+        if counts.shape != (kw["num_shards"],):
+            raise _plan_error(run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
+        sample_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        kw["num_rows"] = int(sample_starts[-1])
+    else:
+        kw["num_rows"] *= n
+    kw["samples_per_shard"] *= n
     return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run.plan_dir, meta, len(starts)),
-                prompt_path=str(path), extensions=extensions, **kw)
+                prompt_path=str(path), extensions=extensions, images=n, sample_starts=sample_starts,
+                prompt_rows=prompt_rows, **kw)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -425,7 +491,8 @@ def _host() -> str:
 
 
 def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run_seed: int,
-               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None) -> Plan:
+               truncation: TruncationCheck | None = None, prompt_sha256: str | None = None,
+               images_per_prompt: int = 1) -> Plan:
     """Scan the prompt file once (validating every row), write the plan atomically, return it.
 
     The plan goes into a temporary directory renamed to ``plan/`` at the end, so a bad row half-way
@@ -433,13 +500,18 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
     other adopts it. Memory stays constant in the number of rows. ``truncation`` finds the prompts
     a text encoder will cut, and warns, refuses or plans them as rejects (prompts.on_truncation).
     ``prompt_sha256``: the file's hash, recorded so that prompts appended later are recognised as such.
+    ``images_per_prompt``: samples per prompt row; ``samples_per_shard`` is a multiple of it (whole rows a shard).
     """
     run.root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(run)
     tmp = new_plan_dir(run)
     try:
         before = file_identity(source.path)
-        counts = plan_rows_into(tmp, source, samples_per_shard, truncation)
+        if samples_per_shard % images_per_prompt:
+            raise ValueError(f"samples_per_shard={samples_per_shard} is no multiple of images_per_prompt="
+                             f"{images_per_prompt}")
+        rows_per_shard = samples_per_shard // images_per_prompt
+        counts = plan_rows_into(tmp, source, rows_per_shard, truncation, images=images_per_prompt)
         if file_identity(source.path) != before:
             raise P.fail(source.path, 0, "the prompt file changed while it was being planned",
                          "Leave it unchanged while a run uses it (appending is fine once it is planned), and re-run")
@@ -447,7 +519,9 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             raise P.fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
-            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
+            counts, version=PLAN_VERSION, samples_per_shard=rows_per_shard, prompt_file=source.path,
+            **({"images_per_prompt": images_per_prompt} if images_per_prompt > 1 else {}),
+            **({"per_row_images": True} if "samples" in counts else {}),
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
             shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),
@@ -471,7 +545,7 @@ def new_plan_dir(run: RunDir) -> Path:
 
 
 def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, truncation: TruncationCheck | None,
-                   offset: int = 0, first_row: int = 0, head_end: int | None = None) -> dict:
+                   offset: int = 0, first_row: int = 0, head_end: int | None = None, images: int = 1) -> dict:
     """Scan the rows from byte ``offset`` (row ``first_row``; parquet: from the start) into shards of
     ``samples_per_shard``: writes ``out/starts.npy``, ``out/digests.npy`` (each shard's sha256, see
     planscan.py) and ``truncated.npy`` when needed; returns the counts for plan.json (num_rows, num_rejects,
@@ -481,6 +555,8 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     shapes = Counter() if source.row_rules else None  # (a txt file has no fields: no row settings)
     adapters = {} if source.row_rules and "loras" in source.row_rules["names"] else None
     image_rejects = {} if source.row_rules and "image" in source.row_rules["names"] else None
+    # rows with their own images_per_prompt: each shard's samples (samples.npy; a shard holds whole rows)
+    samples = [] if source.row_rules and "images_per_prompt" in source.row_rules["names"] else None
     footer = planned_from_footer(source, truncation) and first_row == 0
     if footer:  # a remote parquet file: no row read before the first image
         num_rows, num_rejects, starts, rows_end, digests = footer_plan(source, samples_per_shard)
@@ -489,7 +565,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
                                                                 first_row)
     else:
         num_rows, num_rejects, starts, rows_end, digests = scan_rows(source, samples_per_shard, truncation, first_row,
-                                                                     shapes, adapters, image_rejects)
+                                                                     shapes, adapters, image_rejects, samples, images)
     cut = truncation_outcome(source, truncation)  # even with no rows: with on_truncation=error the scan may stop early
     if cut is not None:
         np.save(out / "truncated.npy", cut)
@@ -510,6 +586,10 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
         counts["loras"] = adapters
     if image_rejects:
         counts["image_rejects"] = image_rejects
+    if samples is not None:
+        per_shard = np.asarray(samples[:len(starts)], dtype=np.int64)
+        np.save(out / "samples.npy", per_shard)
+        counts.update(samples=int(per_shard.sum()), samples_sha256=_digest(per_shard))
     return counts
 
 

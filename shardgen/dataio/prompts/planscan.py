@@ -70,15 +70,16 @@ def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndar
 
 
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
-              shapes: Counter | None = None, adapters: dict | None = None, image_rejects: dict | None = None
-              ) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
+              shapes: Counter | None = None, adapters: dict | None = None, image_rejects: dict | None = None,
+              samples: list | None = None, images: int = 1) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
     """Any format: every row through the reader (those before ``first_row`` planned already); shard starts
     from the rows' lines (parquet: row numbers). (rows, rejects, starts, where the planned rows end: a byte
     offset, parquet a row, the shards' digests: parquet only, of the rows read; text formats: None).
     ``shapes``: counts the valid rows per ``Shape`` (prompts.row_settings' sizes and frames) into it; ``adapters``:
     the LoRA files valid rows name (sha256 -> path) go into it; ``image_rejects``: the rows whose input image file is
     unusable (``image_problem``) go into it (row index -> reason; with prompts.on_bad_row=error the scan stops at the
-    first, naming its file and line)."""
+    first, naming its file and line); ``samples``: each shard's samples are appended to it, its rows' own
+    ``images_per_prompt`` (prompts.row_settings) or ``images``."""
     rules = source.rules
     rows = P.read_prompts(source.path, format=source.format, field=source.field, seed_field=source.seed_field,
                           on_bad_row=source.on_bad_row, max_chars=source.max_chars, rules=source.rules)
@@ -96,6 +97,10 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
                 first_lines.append(row.line)
                 if parquet:
                     hashers.append(hashlib.sha256())
+                if samples is not None:
+                    samples.append(0)
+            if samples is not None:
+                samples[-1] += row_images(row.settings, images)
             if parquet:
                 hashers[-1].update(row_bytes(row))
             if image_rejects is not None and row.reject is None and (bad := image_problem(source, row)):
@@ -121,6 +126,12 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
     offsets = _line_offsets(source.path, np.append(lines, stop_line) if stop_line else lines)
     end = int(offsets[-1]) if stop_line else sizeof(source.path)
     return n, rejects, np.stack([offsets[:len(lines)], lines], axis=1), end, None
+
+
+def row_images(settings: dict, images: int) -> int:
+    """The samples of a row whose own settings are ``settings``: its images_per_prompt, else the run's ``images``
+    (a rejected row's too: each of its samples is recorded as rejected)."""
+    return int(settings.get("images_per_prompt", images))
 
 
 def image_problem(source: PromptSource, row: P.PromptRow) -> str | None:

@@ -331,8 +331,12 @@ def seed_value(value: Any, seed_field: str) -> int | None:
     """A jsonl/parquet seed: null means none; else an int (bool excluded) in [0, 2**63)."""
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= 2**53:
+        value = int(value)  # pandas stores an integer column that has a null as float64 (a float holds these exactly)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-        raise BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1)")
+        more = (" (a float holds integers exactly only up to 2**53: store seeds as integers, e.g. pandas' Int64 "
+                "dtype)" if isinstance(value, float) and value.is_integer() else "")
+        raise BadRow(f"{seed_field}={value!r} is not a seed (an integer from 0 to 2**63-1){more}")
     return value
 
 
@@ -357,10 +361,69 @@ def check_columns(path: str, columns: list[str], field: str, hint: str = "", see
                        f"without that column take seeds from the run's seed)")
         return
     fix = "Set prompts.field=<one of them>"
-    close = [c for c in columns if c.lower() == field.lower()]
-    if close:
-        fix += f", e.g. prompts.field={close[0]}"
+    guess = guess_field(columns, field)
+    if guess:
+        fix += f", e.g. prompts.field={guess}"
     raise fail(path, 1, f"no column {field!r} (prompts.field); the columns are {columns}", fix + hint)
+
+
+CAPTION_NAMES = ("prompt", "caption", "text", "prompts", "captions", "description", "alt", "alt_text", "title")
+
+
+def guess_field(names: list[str], field: str, texts: list[str] | None = None) -> str | None:
+    """The column or field most likely to hold the prompts: one named like ``field`` but for case, then one with a
+    common caption name, then the only one of ``texts`` (the fields whose value is a string); None without one."""
+    close = [c for c in names if str(c).lower() == field.lower()]
+    if close:
+        return close[0]
+    for common in CAPTION_NAMES:
+        found = [c for c in names if str(c).lower() == common]
+        if found:
+            return found[0]
+    return texts[0] if texts is not None and len(texts) == 1 else None
+
+
+def guess_prompt_field(path: str, format: str = "auto", field: str = "prompt") -> str | None:
+    """The field or column holding the prompts when ``field`` is not one of the file's first row (jsonl) or header
+    (csv/tsv, parquet) and exactly one of them has a common caption name (``caption``, ``text``, ...); None
+    otherwise, or when the file cannot be read here (the launch's own checks then name the problem), or is a URL
+    (whose reads are counted and kept to what planning needs)."""
+    if is_url(path):
+        return None
+    try:
+        names = _first_names(path, detect_format(path, format))
+    except Exception:  # unreadable, not the format it says: left to the checks that name the problem
+        return None
+    if names is None or field in names:
+        return None
+    found = [n for n in names if isinstance(n, str) and n.lower() in CAPTION_NAMES and n != field]
+    return found[0] if len(found) == 1 else None
+
+
+def _first_names(path: str, fmt: str) -> list[str] | None:
+    """The fields of a jsonl file's first row, or a csv/tsv/parquet file's columns (read from its first line or
+    its footer); None for formats without fields."""
+    if fmt == "parquet":
+        from shardgen.dataio.prompts.parquet import parquet_file
+
+        return list(parquet_file(path).schema_arrow.names)
+    if fmt not in ("jsonl", "csv", "tsv"):
+        return None
+    from shardgen.dataio.rundir.remote import open_input
+
+    with open_input(path) as f:
+        line = f.readline(1 << 20)
+        while fmt == "jsonl" and line.strip() == b"" and line:
+            line = f.readline(1 << 20)
+    text = line.removeprefix(BOM).decode("utf-8")
+    if fmt == "jsonl":
+        import json
+
+        obj = json.loads(text)
+        return list(obj) if isinstance(obj, dict) else None
+    import csv
+
+    return next(csv.reader([text.rstrip("\r\n")], delimiter="," if fmt == "csv" else "\t"), None)
 
 
 def check_values(obj: Any) -> None:
@@ -392,7 +455,10 @@ def parse_record(rec: dict, field: str, seed_field: str,
                   rules: RowRules | None = None) -> tuple[str, int | None, dict, dict]:
     """A jsonl object or parquet row: the prompt, the seed, the rest as extra, the row's settings."""
     if field not in rec:
-        raise BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}")
+        guess = guess_field(list(rec), field, [k for k, v in rec.items() if isinstance(v, str)])
+        other = ": if another field holds the prompt, set prompts.field=<it>" + \
+            (f", e.g. prompts.field={guess}" if guess else "")
+        raise BadRow(f"no field {field!r} (prompts.field); the fields are {list(rec)}{other}")
     extra = dict(rec)
     prompt = check_prompt(extra.pop(field))
     seed = seed_value(extra.pop(seed_field, None), seed_field)

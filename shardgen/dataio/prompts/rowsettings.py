@@ -21,12 +21,14 @@ from typing import Any, Iterable, NamedTuple
 from shardgen.errors import UserError
 
 ROW_SETTINGS = ("width", "height", "aspect_ratio", "negative_prompt", "guidance", "true_cfg_scale", "steps",
-                "num_frames", "loras", "image", "strength")
+                "num_frames", "loras", "image", "strength", "images_per_prompt")
 """The names ``prompts.row_settings`` may list."""
 MAX_SIDE = 8192
 """The largest image side a row may ask for, in pixels."""
 MAX_STEPS = 1000
 """The most denoising steps a row may ask for."""
+MAX_IMAGES = 1000
+"""The most images of one prompt (images_per_prompt, the run's or a row's)."""
 MAX_RATIO = 8.0
 """The most elongated ``aspect_ratio`` a row may ask for (8:1 or 1:8)."""
 _RATIO = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*[:x/]\s*([0-9]+(?:\.[0-9]+)?)\s*")
@@ -138,6 +140,12 @@ class RowRules:
                 raise BadSetting(f"loras: {e}") from None
         if "num_frames" in raw:
             out["num_frames"] = self._frames(raw["num_frames"], text)
+        if "images_per_prompt" in raw:
+            n = whole(raw["images_per_prompt"], text)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
+                raise BadSetting(f"images_per_prompt: {_shown(raw['images_per_prompt'])} is not a number of images: "
+                                 f"write a whole number from 1 to {MAX_IMAGES}")
+            out["images_per_prompt"] = n
         out.update(self._image(raw, text, out.get("steps", self.steps)))
         if "aspect_ratio" in raw:
             if "width" in raw or "height" in raw:
@@ -191,8 +199,7 @@ class RowRules:
         return out
 
     def _side(self, name: str, value: Any, text: bool) -> int:
-        if text and isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)
+        value = whole(value, text)
         ok = isinstance(value, int) and not isinstance(value, bool)
         if not ok or value % self.multiple or not self.multiple <= value <= MAX_SIDE:
             got = _shown(value) if ok or text else _kind(value)
@@ -204,8 +211,7 @@ class RowRules:
         if not self.frame_stride:
             raise BadSetting("num_frames: this is an image model: remove num_frames from prompts.row_settings "
                              "(or the row)")
-        if text and isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)
+        value = whole(value, text)
         s = self.frame_stride
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (value - 1) % s:
             raise BadSetting(f"num_frames: {_shown(value)} is not a frame count this model can make: write "
@@ -250,9 +256,22 @@ def _kind(value: Any) -> str:
     return names.get(type(value), repr(value))
 
 
+def whole(value: Any, text: bool = False) -> Any:
+    """``value`` as an int where it is a whole number written another way: a float without a fraction (pandas
+    stores an integer column that has a null as float64, so 64 arrives as 64.0; up to 2**53, where a float still
+    holds every integer), or in csv/tsv text ``64`` or ``64.0``; anything else as it is, for the caller to refuse."""
+    if text and isinstance(value, str):
+        if _INT.fullmatch(value):
+            return int(value)
+        if _NUMBER.fullmatch(value):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    return value
+
+
 def _count(name: str, value: Any, text: bool) -> int:
-    if text and isinstance(value, str) and _INT.fullmatch(value):
-        value = int(value)
+    value = whole(value, text)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
         raise BadSetting(f"{name}: {_shown(value)} is not a number of denoising steps: write a whole number from 1 to "
                          f"{MAX_STEPS}")

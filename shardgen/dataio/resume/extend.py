@@ -110,15 +110,15 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
     k = len(plan.extensions) + 1
     tmp = new_plan_dir(run)
     try:
-        counts = plan_rows_into(tmp, source, plan.samples_per_shard, truncation, offset=before[0],
-                                first_row=plan.num_rows, head_end=int(plan.starts[0][0]))  # csv/tsv: the header
+        counts = plan_rows_into(tmp, source, plan.rows_per_shard, truncation, offset=before[0],
+                                first_row=plan.num_prompts, head_end=int(plan.starts[0][0]), images=plan.images)  # csv/tsv: the header
         if sizeof(source.path) != after[0]:
             raise PromptFileChanging(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
                                   "bytes when hashed); re-run once it is written")
         now = time.time()
         atomic_write_json(tmp / "plan.json", dict(
-            counts, version=PLAN_VERSION, extension=k, first_row=plan.num_rows, first_shard=plan.num_shards,
-            samples_per_shard=plan.samples_per_shard, prompt_size_before=before[0], prompt_sha256_before=before[1],
+            counts, version=PLAN_VERSION, extension=k, first_row=plan.num_prompts, first_shard=plan.num_shards,
+            samples_per_shard=plan.rows_per_shard, prompt_size_before=before[0], prompt_sha256_before=before[1],
             prompt_size=after[0], prompt_sha256=after[1], prompt_file=source.path, time=now,
             utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), host=host_name(), pid=os.getpid()))
         target = run.plan_dir / f"ext-{k:06d}"
@@ -130,7 +130,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
         shutil.rmtree(tmp, ignore_errors=True)
     if counts["num_rows"]:
         log.warning("%s grew: rows %d..%d appended to %s are planned as shards %06d..%06d (%s)", run.root,
-                    plan.num_rows, plan.num_rows + counts["num_rows"] - 1, source.path, plan.num_shards,
+                    plan.num_prompts, plan.num_prompts + counts["num_rows"] - 1, source.path, plan.num_shards,
                     plan.num_shards + counts["num_shards"] - 1, Path(target).relative_to(run.root))
     else:
         log.warning("%s: rows appended to %s are past prompts.limit=%s; nothing new to plan (recorded in %s)",

@@ -76,6 +76,11 @@ def _dataset_fields(cfg: Any) -> dict:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)
+    if cfg.images_per_prompt != 1:  # which samples there are (and their keys and seeds)
+        out["images_per_prompt"] = cfg.images_per_prompt
+    for key in ("scheduler", "scheduler_shift"):  # the sampler, when not the model's own
+        if cfg[key] is not None:
+            out[key] = cfg[key]
     return out
 
 
@@ -93,7 +98,8 @@ def diff_fingerprints(old: dict, new: dict) -> list[str]:
 
 # fields the plan is made from: a change cannot be applied to a planned run (the plan is fixed once)
 PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.seed_field", "prompts.on_bad_row",
-               "prompts.limit", "prompts.max_prompt_chars", "prompts.row_settings", "samples_per_shard", "seed")
+               "prompts.limit", "prompts.max_prompt_chars", "prompts.row_settings", "samples_per_shard", "seed",
+               "images_per_prompt")
 
 
 def read_fingerprint(run: RunDir) -> dict | None:
@@ -209,14 +215,41 @@ def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
 
 
 def holds_no_samples(run: RunDir) -> bool:
-    """No sample was generated, started or claimed in ``run``: shards/, work/ and claims/ hold nothing."""
-    for d in (run.shards_dir, run.work_dir, run.claims_dir, run.latents_dir):
+    """No sample was generated, started, claimed or uploaded in ``run``: work/, claims/, latents/ and uploads/ hold
+    nothing, and every shard committed in shards/ holds rejected rows only (its stats say 0 ok, 0 failed), so
+    nothing a setting determines was made yet."""
+    for d in (run.work_dir, run.claims_dir, run.latents_dir, run.uploads_dir):
         try:
             if any(not n.startswith(".") for n in os.listdir(d)):
                 return False
         except (FileNotFoundError, NotADirectoryError):
             pass
-    return True
+    return _rejects_only(run) is not None
+
+
+def _rejects_only(run: RunDir) -> list[str] | None:
+    """The names in shards/ when every shard there is committed with rejected rows only; None otherwise (a shard
+    with a sample, a file without its stats, or stats that do not read)."""
+    try:
+        names = [n for n in os.listdir(run.shards_dir) if not n.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for shard in {n[:6] for n in names}:
+        try:
+            stats = read_json(run.shards_dir / f"{shard}.stats.json")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(stats, dict) or stats.get("ok") != 0 or stats.get("failed") != 0:
+            return None
+    return names
+
+
+def _discard_reject_shards(run: RunDir) -> None:
+    """Remove the committed shards of rejected rows only: made again from the new settings' plan (stats first, so a
+    reader never takes a tar without them as done)."""
+    names = _rejects_only(run) or []
+    for name in sorted(names, key=lambda n: not n.endswith(".stats.json")):
+        (run.shards_dir / name).unlink(missing_ok=True)
 
 
 def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
@@ -226,6 +259,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
             raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
                                       "again with other settings; choose a new run_dir")
         discard_plan(run, "replaced")
+    _discard_reject_shards(run)  # rows rejected under the old settings are read again under the new ones
     changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes=changes, no_samples=True)

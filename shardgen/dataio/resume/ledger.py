@@ -94,9 +94,9 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
 
 def _rows(plan: Plan, shard: int) -> int:
     """A shard's rows; by arithmetic with one segment (shard_range 100k times costs a second)."""
-    if plan.extensions:
+    if plan.extensions or plan.per_row_images:
         return len(plan.shard_range(shard))
-    per, total = plan.samples_per_shard, (plan.meta["num_rows"] if plan.meta else plan.num_rows)
+    per, total = plan.samples_per_shard, (plan.meta["num_rows"] * plan.images if plan.meta else plan.num_rows)
     return min(per, total - shard * per)
 
 
@@ -123,6 +123,7 @@ class DoneSummary:
     shards: int = 0          # committed with readable stats
     damaged: int = 0         # committed, stats unreadable
     lost: list = field(default_factory=list)  # committed here, but the shard file is gone (and never uploaded)
+    resized: list = field(default_factory=list)  # committed, but the shard file is not the size its stats record
     samples: int = 0
     totals: Counter = field(default_factory=Counter)            # ok / failed / rejected / truncated
     failures_by_reason: Counter = field(default_factory=Counter)
@@ -150,7 +151,7 @@ class StatusLedger:
         return base + sum(s.state == state for s in self.active)
 
 
-_COLS = ("shard", "size", "mtime_ns", "count", "ok", "failed", "rejected", "truncated")  # int64 columns
+_COLS = ("shard", "size", "mtime_ns", "count", "ok", "failed", "rejected", "truncated", "tar_bytes")  # int64
 _TIMES = ("started", "finished")  # float64 columns, NaN where the stats have no number
 
 
@@ -161,7 +162,7 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     per shard: 100k of those take seconds to parse), each row valid while its stats file's size and mtime (from
     the listing) are unchanged; a call reads only the stats committed or changed since the last one."""
     run = plan.run
-    names, sig, lost = _stats_listing(run)
+    names, sig, lost, tar_sizes = _stats_listing(run)
     names = {s for s in names if s < plan.num_shards}  # (as read_ledger, which walks the plan's shards)
     sig = {s: v for s, v in sig.items() if s < plan.num_shards}
     claims = scan_claims(run) if run.claims_dir.exists() else {}
@@ -190,6 +191,10 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
         summary.shapes.update({k: v for k, v in shapes[s].items() if _int_or_zero(v)})
     summary.damaged = damaged
     summary.lost = sorted(x for x in lost if x < plan.num_shards)
+    recorded = dict(zip(table["shard"].tolist(), table["tar_bytes"].tolist()))
+    recorded.update({s: _int_or_zero(st.get("tar_bytes")) for s, st in extra.items()})
+    summary.resized = sorted(s for s, size in tar_sizes.items()
+                             if recorded.get(s) and size != recorded[s] and s < plan.num_shards)
     now, me = time.time(), owner_record(-1)
     open_shards = sorted((claims.keys() | ckpts_of.keys()) - names)
     active = [_open_shard(run, s, _rows(plan, s), claims, ckpts_of, now, lease_s, me)
@@ -204,8 +209,9 @@ def _dicts_of(items, name: str) -> dict[int, dict]:
     return {s: st[name] for s, st in items if st.get(name) and isinstance(st[name], dict)}
 
 
-def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], set[int]]:
-    """(committed shards, shard -> (size, mtime_ns) of the file its stats are read from, lost shards), from one
+def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], set[int], dict[int, int]]:
+    """(committed shards, shard -> (size, mtime_ns) of the file its stats are read from, lost shards, shard -> the
+    size of its shard file), from one
     listing of shards/ and one of uploads/: a shard's stats file, else its upload record (keep_local=false deletes
     the local files once uploaded). Lost: committed here (stats in shards/) with no shard file beside them and no
     upload record (deleted by hand, or by a clean-up that took the wrong files): the next launch makes them again."""
@@ -219,7 +225,9 @@ def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], s
         return {int(n[:6]) for n in listed.get(suffix, ())}
 
     lost = shards(local, ".stats.json") - shards(local, "." + run.container) - shards(uploaded, ".json")
-    return names, sig, lost
+    tar_sig: dict[int, tuple[int, int]] = {}
+    _list_signatures(run.shards_dir, local, "." + run.container, set(), tar_sig)
+    return names, sig, lost, {s: v[0] for s, v in tar_sig.items()}
 
 
 def _shard_names(directory) -> dict[str, list[str]]:
@@ -307,7 +315,7 @@ def _int_or_zero(x) -> int:
 
 def _append_rows(table: dict, rows: list[tuple[int, dict]], sig: dict) -> dict:
     add = dict(shard=[s for s, _ in rows], size=[sig[s][0] for s, _ in rows], mtime_ns=[sig[s][1] for s, _ in rows])
-    for k in ("count", "ok", "failed", "rejected", "truncated"):
+    for k in ("count", "ok", "failed", "rejected", "truncated", "tar_bytes"):
         add[k] = [_int_or_zero(st.get(k, 0)) for _, st in rows]
     for k in _TIMES:
         add[k] = [_num_or_nan(st.get(k)) for _, st in rows]

@@ -109,7 +109,9 @@ def record_commit(run: RunDir, replica: int, stats: dict) -> None:
     """Note a committed shard for the report (called on the writer after the stats are written)."""
     _append_line(run.events_path(host_name(), os.getpid()), dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
-        ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s")))
+        ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s"),
+        host=host_name(), pid=os.getpid(), job=os.environ.get("SLURM_JOB_ID")))  # which launch: replicas of
+    # two launches on one run share their numbers
 
 
 def record_launch(run: RunDir, summary: dict) -> None:

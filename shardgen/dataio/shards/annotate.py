@@ -46,14 +46,23 @@ def weights_id(path: str | None) -> str | None:
     return "config-sha256:" + h.hexdigest()[:16]
 
 
-def scheduler_info(pipe: Any) -> dict:
-    """The scheduler's class and the config entries that change its timesteps."""
+def scheduler_info(pipe: Any, chosen: dict | None = None) -> dict:
+    """The scheduler's class and the config entries that change its timesteps; with ``chosen`` (the launch's
+    ``scheduler``/``scheduler_shift``, when either is set) those too, and the entries that set a multistep
+    sampler's update (a run with the model's own sampler records what it always recorded)."""
     sched = getattr(pipe, "scheduler", None)
     if sched is None:
         return {}
     cfg = dict(getattr(sched, "config", {}) or {})
     keep = ("shift", "use_dynamic_shifting", "base_shift", "max_shift", "time_shift_type", "num_train_timesteps")
-    return dict({k: cfg[k] for k in keep if k in cfg}, name=type(sched).__name__)
+    if chosen:
+        keep += ("flow_shift", "prediction_type", "algorithm_type", "solver_order", "use_flow_sigmas")
+    return dict({k: cfg[k] for k in keep if k in cfg}, name=type(sched).__name__, **({"chosen": chosen} if chosen else {}))
+
+
+def _chosen_scheduler(cfg: Any) -> dict | None:
+    chosen = {k: cfg.get(k) for k in ("scheduler", "scheduler_shift") if cfg.get(k) is not None}
+    return chosen or None
 
 
 def run_provenance(cfg: Any, pipe: Any, model_version: str | None, accel: Any, strategy: str) -> dict:
@@ -62,7 +71,7 @@ def run_provenance(cfg: Any, pipe: Any, model_version: str | None, accel: Any, s
     return dict(model=dict(name=m.name, source=m.source, revision=m.revision, version=model_version,
                            pipeline=type(pipe).__name__,
                            weights=weights_id(getattr(getattr(pipe, "config", None), "_name_or_path", None))),
-                dtype=cfg.dtype, scheduler=scheduler_info(pipe), steps=cfg.steps, guidance=cfg.guidance,
+                dtype=cfg.dtype, scheduler=scheduler_info(pipe, _chosen_scheduler(cfg)), steps=cfg.steps, guidance=cfg.guidance,
                 width=cfg.width, height=cfg.height, max_sequence_length=m.max_sequence_length,
                 shardgen=shardgen_version(), strategy=strategy,
                 accelerations=dict(compile=accel.compile, sdpa=accel.sdpa, first_block_cache=accel.first_block_cache,

@@ -46,7 +46,8 @@ def schema():
     """The index's arrow schema (fixed, so every shard's file has the same columns and types)."""
     import pyarrow as pa
 
-    fields = [("shard", pa.int32()), ("key", pa.string()), ("index", pa.int64()), ("line", pa.int64()),
+    fields = [("shard", pa.int32()), ("key", pa.string()), ("index", pa.int64()), ("prompt_index", pa.int64()),
+              ("image", pa.int32()), ("line", pa.int64()),
               ("prompt", pa.string()), ("seed", pa.int64()), ("status", pa.string()), ("error", pa.string()),
               ("width", pa.int32()), ("height", pa.int32()), ("image_format", pa.string()),
               ("image_bytes", pa.int64()), ("image_sha256", pa.string()), ("gen_s", pa.float64()),
@@ -65,7 +66,8 @@ def index_row(shard: int, members: list[tuple[str, bytes]]) -> dict:
     fmt = image_ext(by_ext)
     image = by_ext.get(fmt) if fmt else None
     signals = meta.get("signals") if isinstance(meta.get("signals"), dict) else {}  # only ours (samplejson.py)
-    row = dict(shard=shard, key=key, index=meta.get("index"), line=meta.get("line"), prompt=meta.get("prompt"),
+    row = dict(shard=shard, key=key, index=meta.get("index"), prompt_index=meta.get("prompt_index"),
+               image=meta.get("image"), line=meta.get("line"), prompt=meta.get("prompt"),
                seed=meta.get("seed"), status=meta.get("status", "ok"), error=meta.get("error"),
                width=meta.get("width"), height=meta.get("height"), image_format=fmt,
                image_bytes=len(image) if image is not None else None,

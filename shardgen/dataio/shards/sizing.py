@@ -39,11 +39,15 @@ def choose_samples_per_shard(num_rows: int, *, width: int, height: int, image_fo
     return max(1, n), why
 
 
-def resolve_samples_per_shard(requested: int | None, source: PromptSource, **run) -> int:
-    """``requested`` if set, else the choice of ``choose_samples_per_shard`` (logged with its reasons);
+def resolve_samples_per_shard(requested: int | None, source: PromptSource, images: int = 1, **run) -> int:
+    """``requested`` if set, else the choice of ``choose_samples_per_shard`` (logged with its reasons), for
+    ``images`` samples per prompt row and rounded up to a multiple of it (a shard holds whole prompts);
     ``run``: width, height, image_format, replicas, batch_size."""
     if requested is not None:
         return requested
-    n, why = choose_samples_per_shard(estimate_rows(source), **run)
+    n, why = choose_samples_per_shard(estimate_rows(source) * images, **run)
+    if n % images:
+        n += images - n % images
+        why += f"; a multiple of images_per_prompt ({images})"
     log.info("samples_per_shard=%d (chosen: %s; set samples_per_shard=N to choose)", n, why)
     return n
