@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -153,7 +156,7 @@ BAD = {  # row image -> what its reject says
     "link.png": "link.png is a symbolic link",
     "folder": "folder is a directory",
     "empty.png": "empty.png is empty (0 bytes)",
-    "garbage.png": "garbage.png is not an image PIL can read",
+    "garbage.png": "garbage.png is not a PNG, JPEG or WebP image",
     "cut.png": "cut.png does not decode whole",
     "cut.jpg": "cut.jpg does not decode whole",
     "bomb.png": "bomb.png declares too many pixels",
@@ -208,7 +211,7 @@ def test_parquet_image_bytes(tmp_path):
                           "prompts=parquet", IMAGES, "prompts.on_bad_row=skip"))
     assert (res.ok, res.rejected) == (2, 2)
     index = index_rows(tmp_path / "run")
-    assert "image is empty" in index[1]["error"] and "is not an image PIL can read" in index[2]["error"]
+    assert "image is empty" in index[1]["error"] and "is not a PNG, JPEG or WebP image" in index[2]["error"]
     import hashlib
 
     assert index[0]["input_image_sha256"] == index[3]["input_image_sha256"] == hashlib.sha256(good).hexdigest()
@@ -461,3 +464,39 @@ def test_csv_image_and_strength_columns_an_empty_cell_keeping_the_runs(inputs, t
     assert res.ok == 2
     meta = jsons(tmp_path / "run")
     assert [meta[k]["strength"] for k in sorted(meta)] == [0.9, 0.6] and meta["0000000001"]["note"] == "y"
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n%%EndComments\nnewpath 0 0 moveto 64 64 lineto stroke\n" \
+      b"showpage\n%%EOF\n"
+
+
+def test_a_postscript_image_named_png_runs_no_program_and_rejects_its_row(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    marker = tmp_path / "gs-ran"
+    (fake / "gs").write_text(f"#!/bin/sh\necho \"$@\" >> {marker}\n")
+    (fake / "gs").chmod(0o755)
+    (tmp_path / "vector.png").write_bytes(EPS)
+    png(tmp_path / "good.png", seed=1)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="eps", image="vector.png"), dict(prompt="ok", image="good.png")])
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", f"run_dir={tmp_path / 'run'}", f"prompts.path={rows}",
+                        *FAST, IMAGES], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert not marker.exists(), marker.read_text()
+    assert "1 images, 0 failed, 1 rejected of 2 prompts" in p.stdout + p.stderr
+    why = index_rows(tmp_path / "run")[0]["error"]
+    assert f"image: {tmp_path}/vector.png is not a PNG, JPEG or WebP image" in why and "\n" not in why
+
+
+def test_a_16_bit_grayscale_image_makes_the_sample_of_its_high_bytes(tmp_path):
+    v = np.linspace(0, 65535, 80 * 96).astype(np.uint16).reshape(96, 80)
+    Image.fromarray(v).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")  # saved as 16-bit grayscale
+    Image.fromarray((v >> 8).astype(np.uint8)).save(tmp_path / "high.png")
+    out = []
+    for name in ("deep.png", "high.png"):  # one run each: the same prompt index, so the same seed
+        assert gen(tmp_path / f"run-{name}", write_rows(tmp_path / f"{name}.jsonl", [dict(prompt="g", image=name)])).ok == 1
+        out.append(shard_images(tmp_path / f"run-{name}")["0000000000"])
+    assert out[0] == out[1]

@@ -4,7 +4,7 @@ and image-to-video pipelines, checked in two steps.
 While planning (cheap, no pixel decoded): a path is a regular file (not a link, a directory, a FIFO), neither empty
 nor over ``MAX_IMAGE_BYTES``; encoded bytes (a parquet binary column) likewise. When its row is generated: the bytes
 are read once (``O_NOFOLLOW | O_NONBLOCK``: a file swapped for a link or a FIFO since planning is refused, never
-followed or waited on), hashed, and decoded by PIL with a pixel limit checked before any pixel is decoded (a
+followed or waited on), hashed, and decoded by PIL (PNG, JPEG or WebP only, through shardgen/rasters.py) with a pixel limit checked before any pixel is decoded (a
 decompression bomb) and every pixel loaded (a truncated PNG/JPEG fails here). A row whose image fails is rejected
 with the reason; the rest of the run goes on.
 
@@ -17,7 +17,6 @@ was made from.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import stat
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from shardgen.errors import UserError
+from shardgen.rasters import NotARaster, open_raster, to_rgb
 
 ROW_FIELD = "image"
 """The ``prompts.row_settings`` name of a row's input image."""
@@ -147,14 +147,14 @@ def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tupl
     MAX_IMAGE_PIXELS. ``cover``: the (width, height) the image will be fitted to; a JPEG is then decoded at the
     smallest of libjpeg's 1/2, 1/4, 1/8 scales still covering it (a 12 MP photo for a 1024x1024 sample: about 4x
     faster)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            im = Image.open(io.BytesIO(data))
-        except UnidentifiedImageError:
-            raise BadImage(f"{name} is not an image PIL can read (PNG, JPEG, WebP, ...)") from None
+            im = open_raster(data, name)
+        except NotARaster as e:
+            raise BadImage(str(e)) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise BadImage(f"{name} declares too many pixels ({e}); give an image of at most "
                            f"{MAX_IMAGE_PIXELS} pixels") from None
@@ -170,7 +170,7 @@ def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tupl
                 im.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
             im.load()  # every pixel now: a truncated file fails here, not inside the pipeline
             turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations a quarter turn away
-            return ImageOps.exif_transpose(im).convert("RGB"), ((h, w) if turned else (w, h))
+            return to_rgb(ImageOps.exif_transpose(im)), ((h, w) if turned else (w, h))
         except Exception as e:
             raise BadImage(f"{name} does not decode whole ({type(e).__name__}: {e}); give an intact image") from None
 
