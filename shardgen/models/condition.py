@@ -4,9 +4,9 @@ and image-to-video pipelines, checked in two steps.
 While planning (cheap, no pixel decoded): a path is a regular file (not a link, a directory, a FIFO), neither empty
 nor over ``MAX_IMAGE_BYTES``; encoded bytes (a parquet binary column) likewise. When its row is generated: the bytes
 are read once (``O_NOFOLLOW | O_NONBLOCK``: a file swapped for a link or a FIFO since planning is refused, never
-followed or waited on), hashed, and decoded by PIL (PNG, JPEG or WebP only, through shardgen/rasters.py) with a pixel limit checked before any pixel is decoded (a
-decompression bomb) and every pixel loaded (a truncated PNG/JPEG fails here). A row whose image fails is rejected
-with the reason; the rest of the run goes on.
+followed or waited on), hashed, and decoded by PIL (PNG, JPEG or WebP only, through shardgen/rasters.py) with a
+pixel limit checked before any pixel is decoded (a decompression bomb) and every pixel loaded (a truncated PNG/JPEG
+fails here). A row whose image fails is rejected with the reason; the rest of the run goes on.
 
 The image used is identified by its content: its sha256 goes into the sample's json (``input_image``) and the
 shard index (``input_image_sha256``). The prompt file is in the run's fingerprint, the images are not: a file
