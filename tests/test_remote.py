@@ -541,3 +541,19 @@ def test_a_bucket_or_prefix_as_the_prompt_file_is_named_so(s3, bucket, tmp_path,
                                         r"prompt file\. Set prompts.path to the object's full URL"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={url}", "prompts.format=txt", *FAST))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_presigned_urls_signature_is_written_nowhere_in_the_run(web, tmp_path):
+    folder, url = web
+    (folder / "p.txt").write_text("a cat\na dog\n")
+    secret, key_id = "f00dfacec0ffee5ec2e7", "AKIASHARDGENTEST"
+    signed = (f"{url}/p.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={key_id}%2F20260101%2Fus-east-1%2Fs3"
+              f"&X-Amz-Expires=3600&X-Amz-Signature={secret}")
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path='{signed}'", *FAST)
+    assert run(cfg).ok == 2 and run(cfg).generated_here == 0  # read with the signature, resumed
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert {"config.yaml", "plan.json", "prompt_hash.json", "rank000.log"} <= {p.name for p in written}
+    leaked = [str(p) for p in written if secret.encode() in p.read_bytes() or key_id.encode() in p.read_bytes()]
+    assert leaked == []
+    assert f"{url}/p.txt?X-Amz-Algorithm=REDACTED&X-Amz-Credential=REDACTED" in \
+        (tmp_path / "run/config.yaml").read_text()

@@ -25,7 +25,7 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_u
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
                                     attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
                                     detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
-                                    record_launch)
+                                    record_launch, redact_urls)
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
@@ -188,7 +188,7 @@ def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
 
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
-    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    text = redact_urls(OmegaConf.to_yaml(cfg, resolve=True)).encode()  # a presigned URL's secret stays out
     if not create_exclusive(run.config_path, text):
         atomic_write_bytes(run.later_config_path(time.time()), text)
 

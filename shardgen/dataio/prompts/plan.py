@@ -40,7 +40,7 @@ from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.layout import (PLAN_TEMP_NAME, NotRegularFileError, RunDir, atomic_write_json,
                                            host_name, open_regular, pid_alive, read_json)
-from shardgen.dataio.rundir.remote import identity, is_url, open_input, sizeof
+from shardgen.dataio.rundir.remote import identity, is_url, open_input, public_url, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -446,7 +446,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             raise P.fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
-            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=source.path,
+            counts, version=PLAN_VERSION, samples_per_shard=samples_per_shard, prompt_file=public_url(source.path),
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
             shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),

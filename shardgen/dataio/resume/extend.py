@@ -29,7 +29,7 @@ from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
 from shardgen.dataio.rundir.layout import RunDir, atomic_write_json, host_name
-from shardgen.dataio.rundir.remote import open_input, sizeof
+from shardgen.dataio.rundir.remote import open_input, public_url, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -117,7 +117,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, extension=k, first_row=plan.num_rows, first_shard=plan.num_shards,
             samples_per_shard=plan.samples_per_shard, prompt_size_before=before[0], prompt_sha256_before=before[1],
-            prompt_size=after[0], prompt_sha256=after[1], prompt_file=source.path, time=now,
+            prompt_size=after[0], prompt_sha256=after[1], prompt_file=public_url(source.path), time=now,
             utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), host=host_name(), pid=os.getpid()))
         target = run.plan_dir / f"ext-{k:06d}"
         try:

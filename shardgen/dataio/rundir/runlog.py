@@ -18,8 +18,16 @@ import time
 from pathlib import Path
 
 from shardgen.dataio.rundir.layout import RunDir, append_line, host_name, is_run_dir, open_append, open_regular
+from shardgen.dataio.rundir.remote import redact_urls
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PublicFormatter(logging.Formatter):
+    """Log lines as written into a run: every URL without its credentials or query values (``redact_urls``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_urls(super().format(record))
 
 
 MAX_HELD_LINES = 10_000  # lines kept in memory until the run directory is accepted (the oldest go first)
@@ -70,7 +78,7 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
     returns the handler."""
     path = RunDir.at(run_dir).rank_log_path(rank)
     handler = RankLogHandler(path)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(PublicFormatter(_FORMAT))
     handler.setLevel(logging.INFO)
     logger = logging.getLogger("shardgen")
     logger.addHandler(handler)
