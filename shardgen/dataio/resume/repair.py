@@ -201,7 +201,7 @@ def move_stray_shard_files(run: RunDir, num_shards: int, names: Iterable[str]) -
     """Move the stray shard files among ``names`` out of shards/ into stray/ (kept, not deleted: they may be the
     user's); (name, note) for each moved."""
     out = []
-    folder = run.root / STRAY_DIR
+    folder = run.stray_dir
     for name in stray_shard_files(run, num_shards, names):
         if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
             raise RunDirError(f"{folder} is {'a symlink' if folder.is_symlink() else 'not a directory'}; shardgen "
@@ -294,10 +294,8 @@ def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tu
     blocks its reader); a user's other entries stay. (note, path) for each; ``shards_entries``: the caller's
     listing of shards/ (not listed again)."""
     notes = []
+    run.check_own_dirs()
     for d in (run.shards_dir, run.uploads_dir, run.work_dir, run.claims_dir, run.logs_dir):
-        if d.is_symlink():
-            raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
-                              "directory. Replace it by a directory (make run_dir itself the link instead)")
         if d == run.shards_dir and shards_entries is not None:
             links = [n for n, e in shards_entries.items() if _not_a_file(e) and own_file_name(d.name, n)]
         else:

@@ -52,7 +52,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
 from shardgen.errors import UserError
 
@@ -428,6 +428,11 @@ class RunDir:
         return self.logs_dir / f"events.{host}.{pid}.jsonl"
 
     @property
+    def stray_dir(self) -> Path:
+        """Files named like shards the plan does not have, moved out of shards/ (shardgen/dataio/resume/repair.py)."""
+        return self.root / "stray"
+
+    @property
     def metrics_dir(self) -> Path:
         """Prometheus textfile-collector files, one per writing rank (shardgen/dataio/rundir/metrics.py)."""
         return self.root / "metrics"
@@ -564,7 +569,18 @@ class RunDir:
                 raise RunDirError(f"{d} exists and is not a directory; move it away or choose another run_dir") from None
             except OSError as e:
                 raise RunDirError(f"cannot create {d} ({e.strerror}); choose a writable run_dir") from None
-        for d in (self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
+        self.check_own_dirs()
+
+    @property
+    def own_dirs(self) -> tuple[Path, ...]:
+        """Every directory of the run shardgen writes into (each checked by ``check_own_dirs``)."""
+        return (self.plan_dir, self.shards_dir, self.uploads_dir, self.work_dir, self.claims_dir, self.logs_dir,
+                self.metrics_dir, self.stray_dir)
+
+    def check_own_dirs(self, dirs: Iterable[Path] | None = None) -> None:
+        """RunDirError naming the first of ``dirs`` (default: ``own_dirs``) that is a symlink: shardgen never writes
+        through one (a link to a directory elsewhere would have the run replace files there)."""
+        for d in self.own_dirs if dirs is None else dirs:
             if d.is_symlink():
                 raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                                   f"directory. Replace it by a directory (make run_dir itself the link instead)")

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_bytes
+from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes
 
 log = logging.getLogger("shardgen")
 LABELS = ("run", "rank", "replica", "host", "job")
@@ -81,8 +81,9 @@ class RankMetrics:
         """Rewrite the file (at the start, so a rank that never commits shows its zeros, and at each commit)."""
         try:
             self.run.metrics_dir.mkdir(exist_ok=True)
+            self.run.check_own_dirs([self.run.metrics_dir])  # a link swapped in since the launch's check
             atomic_write_bytes(self.path, exposition(self.families()))
-        except OSError as e:  # the metrics are for watching: a full disk shows in the shards' own writes
+        except (OSError, RunDirError) as e:  # the metrics are for watching: a full disk shows in the shards' own writes
             log.warning("could not write %s (%s); the next commit tries again", self.path, e)
 
     def families(self) -> list[Metric]:

@@ -90,7 +90,8 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
 def log_to_file_only(handler: logging.Handler, error: BaseException) -> None:
     """Write the error that ends a rank into its log file only (the console gets it from the entry point),
     so the run directory keeps why each launch stopped (jobs.status shows the last one)."""
-    if not Path(handler.baseFilename).parent.is_dir():  # a launch refused before the run had logs writes none
+    logs = Path(handler.baseFilename).parent
+    if not logs.is_dir() or logs.is_symlink():  # a launch refused before the run had logs (or for a linked logs/)
         return
     if isinstance(handler, RankLogHandler) and handler.holding:  # stopped before the run directory was accepted
         if not is_run_dir(Path(handler.baseFilename).parent.parent):
