@@ -55,7 +55,12 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
         if o is None:
             return f"{text}: {_bare_token(text, groups)}"
         key = o.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):  # Hydra's own
+            problem = hydra_output_problem(key, o.value())
+            if problem:
+                return f"{text}: {problem}"
+            continue
+        if o.package is not None:
             continue
         if key in groups and not o.is_delete():
             problem = _unknown_options(key, o.value(), group_options(key, conf))
@@ -65,6 +70,29 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
         if problem:
             return f"{text}: {problem}"
     return None
+
+
+# Hydra's own keys a command line may set: none of them writes a file. Its run and sweep folders, .hydra/ and the
+# job's log file are off in conf/generate.yaml (shardgen writes only into run_dir); any other hydra.* key could turn
+# one of them back on (hydra.run.dir=/elsewhere, hydra.output_subdir=.hydra, hydra.job_logging.handlers.file=...).
+HYDRA_FREE = {"hydra.verbose": None, "hydra/help": None, "hydra/hydra_help": None,
+              "hydra/job_logging": {"stdout", "disabled", "none"},
+              "hydra/hydra_logging": {"default", "disabled", "none", "hydra_debug"}}
+HYDRA_AS_CONFIGURED = {"hydra.run.dir": ".", "hydra.output_subdir": None, "hydra.job.chdir": False}
+
+
+def hydra_output_problem(key: str, value: Any) -> str | None:
+    """Why an override of Hydra's own ``key`` is refused (it could make Hydra write outside run_dir); None for the
+    keys of HYDRA_FREE (with an allowed value) and for a key set to what conf/generate.yaml already sets."""
+    if key in HYDRA_FREE and (HYDRA_FREE[key] is None or value in HYDRA_FREE[key]):
+        return None
+    if key in HYDRA_AS_CONFIGURED and value == HYDRA_AS_CONFIGURED[key]:
+        return None
+    allowed = HYDRA_FREE.get(key)
+    if allowed:
+        return f"{key} may be {', '.join(sorted(allowed))} (the others write a log file outside run_dir)"
+    return ("Hydra's own output folders and files are off: shardgen writes only into run_dir (its config, logs and "
+            "shards); leave hydra settings out of the command line and set run_dir=DIR for where the run goes")
 
 
 def _bare_token(text: str, groups: set[str]) -> str:
