@@ -718,11 +718,31 @@ def is_run_dir(root: Path) -> bool:
             or ((root / "shards").is_dir() and (root / "claims").is_dir()))
 
 
+NAME_MAX = 255    # bytes of one path component (Linux, macOS and the usual file systems)
+PATH_MAX = 4096   # bytes of a whole path, its terminating NUL included (Linux)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def check_run_dir_text(text: str) -> None:
-    """RunDirError for a run_dir value that can only be a mistake: empty (it would mean the current directory)."""
-    if not str(text).strip():
+    """RunDirError for a run_dir value that can only be a mistake, before anything reads or writes it: empty (it
+    would mean the current directory), a URL (it would become a local folder named ``s3:``), a NUL byte, or a
+    path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
+    text = str(text)
+    if not text.strip():
         raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
                           "(or an existing run)")
+    if _SCHEME.match(text.strip()):
+        raise RunDirError(f"run_dir={text.strip()[:200]}: a run directory is a local (or shared file system) folder, "
+                          "not a URL; keep run_dir local and set output_uri=" + text.strip()[:200].rstrip("/") +
+                          "/ to send every committed shard to the bucket")
+    if "\0" in text:
+        raise RunDirError("run_dir holds a NUL byte, which no path may; set run_dir=PATH without it")
+    full = os.fsencode(os.path.abspath(os.path.expanduser(text)))
+    long = next((n for n in full.split(b"/") if len(n) > NAME_MAX), None)
+    if long is not None or len(full) >= PATH_MAX:
+        what = (f"a folder name of {len(long)} bytes (at most {NAME_MAX})" if long is not None
+                else f"{len(full)} bytes as an absolute path (at most {PATH_MAX - 1})")
+        raise RunDirError(f"run_dir {text[:60]}... is {what}: no file system takes it; choose a shorter run_dir")
 
 
 def _same_dir(a: Path, b: str) -> bool:
