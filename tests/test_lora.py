@@ -343,3 +343,31 @@ def test_a_path_with_a_colon_of_its_own_still_reads(tmp_path, adapters):
     for value, scale in (("v:abc", 1.0), ("v:abc:0.5", 0.5)):
         (lo,) = rules.parse({"loras": value}, text=True)["loras"]
         assert (lo.sha256, lo.scale) == (file_sha256(adapters["a"]), scale)
+
+
+def test_a_launch_with_other_adapters_cannot_start_over_a_run_another_launch_generates(tmp_path, adapters,
+                                                                                       monkeypatch):
+    """Two launches at once on a new run_dir: the second reads the first's fingerprint while the first is about to
+    generate (no sample yet). It is refused, and every sample is the first launch's."""
+    from shardgen.dataio.resume.fingerprint import check_or_write_fingerprint, read_fingerprint
+    from shardgen.models import lora
+    import shardgen.run.runner as runner
+
+    d = tmp_path / "run"
+    other = lora.fingerprint_fields(lora.run_set(compose_cfg(loras_arg((adapters["b"], 1.0)))))
+    real, seen = runner._make_worker, []
+
+    def another_launch_arrives(*a, **kw):  # the first launch has loaded its model and is about to generate
+        try:
+            check_or_write_fingerprint(RunDir(d), read_fingerprint(RunDir(d)) | other)
+            seen.append("took the run over")
+        except FingerprintMismatch as e:
+            seen.append(str(e).splitlines()[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "_make_worker", another_launch_arrives)
+    assert run(compose_cfg(f"run_dir={d}", *FAST, loras_arg((adapters["a"], 1.0)))).ok == 3
+    assert seen == [f"{d}/fingerprint.json says {d} was made with other settings; resuming would mix different "
+                    "samples:"]
+    assert verify_run(load_plan(RunDir(d))).ok
+    assert not list((d / "work").glob("launch.*"))  # the launch's mark is gone with it

@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      prompt_file_path, rules_from_cfg)
-from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_unchanged, compute_fingerprint,
+from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint,
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
-                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
+                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings,
+                                    start_generating, stop_generating)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
                                     attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
                                     detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
@@ -217,6 +218,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     world = W.init_world(cfg.device, cfg.launcher.backend)
     share_cpu_threads(world)
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
+    started = None
     try:
         dims = parallel_dims(cfg, world.world_size)
         # with the run's settings as accepted, to find a launch that starts the run over while this one loads
@@ -232,8 +234,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         pipe = pipeline if pipeline is not None else apply_strategy(cfg, world, dims)
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
-        if ctx.leader:
-            check_settings_unchanged(plan.run, settings)
+        if ctx.leader:  # from here the run is this launch's settings' (no other launch starts it over)
+            started = start_generating(plan.run, settings)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
                 control.writing(worker.sink):
             worker.run()
@@ -246,6 +248,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
             raise full from None
         raise
     finally:
+        stop_generating(started)
         W.shutdown()
         detach_rank_log(rank_log)
 
