@@ -207,7 +207,7 @@ def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, ad
         run(compose_cfg(*args))
     moved = d.rename(tmp_path / "moved")  # the prompt file and its adapters moved: rows read theirs from there
     args = (*args[:-2], f"prompts.path={moved / 'rows.jsonl'}", args[-1])
-    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
+    with pytest.raises(UserError, match=r"^\S*rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
         run(compose_cfg(*args))
     (moved / "a.safetensors").write_bytes(adapters["a"].read_bytes())
     assert run(compose_cfg(*args)).complete
@@ -371,3 +371,36 @@ def test_a_launch_with_other_adapters_cannot_start_over_a_run_another_launch_gen
                     "samples:"]
     assert verify_run(load_plan(RunDir(d))).ok
     assert not list((d / "work").glob("launch.*"))  # the launch's mark is gone with it
+
+
+def test_a_rows_adapter_rewritten_mid_run_stops_the_run_naming_it_and_no_sample_mixes_two_versions(
+        tmp_path, adapters, monkeypatch):
+    from shardgen.dataio.prompts.plan import Plan
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=["a.safetensors" if i < 2 else "b.safetensors"]))
+                            + "\n" for i in range(4)))
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "samples_per_shard=2", "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={rows}", "prompts.row_settings=[loras]")
+    real = Plan.rows
+
+    def rewritten_before_shard_1(self, shard):
+        if shard == 1:
+            (tmp_path / "b.safetensors").write_bytes(adapters["wide"].read_bytes())
+        return real(self, shard)
+
+    monkeypatch.setattr(Plan, "rows", rewritten_before_shard_1)
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args))
+    assert str(e.value).startswith(f"{rows}:3: loras: {tmp_path / 'b.safetensors'} (sha256 ")
+    assert "is not the file this row named when the run was planned; restore it, or start a new run_dir" in str(e.value)
+    assert "damaged" not in str(e.value) and "plan.json" not in str(e.value)
+    monkeypatch.setattr(Plan, "rows", real)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).defects == []  # shard 0 committed, with a alone
+    (tmp_path / "b.safetensors").write_bytes(adapters["b"].read_bytes())  # restored, as the message says
+    import time
+    time.sleep(2.5)  # the stopped launch's claim expires
+    assert run(compose_cfg(*args)).complete
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok

@@ -27,7 +27,7 @@ from typing import Iterable
 import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
-from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json,
                                            map_io, open_regular, own_file_name, read_state, shard_name)
@@ -128,8 +128,8 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
         raise RunDirError(f"{changed}; {fix}")
     try:
         rows = plan.rows(shard)
-    except PromptFileError:
-        raise  # the prompt file (changed, or gone): its own message names it and the fix
+    except UserError:
+        raise  # the prompt file (changed, or gone), a row's adapter changed: its own message names it and the fix
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise RunDirError(f"{path} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
     if [r.index for r in rows] != list(plan.shard_range(shard)) \
