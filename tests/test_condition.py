@@ -500,3 +500,38 @@ def test_a_16_bit_grayscale_image_makes_the_sample_of_its_high_bytes(tmp_path):
         assert gen(tmp_path / f"run-{name}", write_rows(tmp_path / f"{name}.jsonl", [dict(prompt="g", image=name)])).ok == 1
         out.append(shard_images(tmp_path / f"run-{name}")["0000000000"])
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("how", ["deleted", "a directory"])
+def test_an_image_gone_after_planning_fails_its_row_for_retry_failed_and_the_rest_of_the_shard_completes(tmp_path,
+                                                                                                          how):
+    from shardgen.run.runner import prepare_run
+
+    png(tmp_path / "a.png", seed=0)
+    png(tmp_path / "b.png", seed=1)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="a", image="a.png"), dict(prompt="b", image="b.png")])
+    args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={rows}", *FAST, IMAGES, "samples_per_shard=2")
+    prepare_run(compose_cfg(*args))  # planned while both images were there
+    (tmp_path / "b.png").rename(tmp_path / "b.away")
+    if how == "a directory":
+        (tmp_path / "b.png").mkdir()
+    res = run(compose_cfg(*args))
+    assert (res.ok, res.failed, res.rejected) == (1, 1, 0)
+    why = index_rows(tmp_path / "run")[1]
+    assert why["status"] == "failed" and f"image: {tmp_path}/b.png " in why["error"] and "retry_failed" in why["error"]
+    if how == "a directory":
+        (tmp_path / "b.png").rmdir()
+    (tmp_path / "b.away").rename(tmp_path / "b.png")
+    res = run(compose_cfg(*args, "retry_failed=true"))
+    assert (res.ok, res.failed, res.rejected) == (2, 0, 0)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_an_image_path_with_a_nul_byte_is_a_bad_row(tmp_path):
+    png(tmp_path / "a.png", seed=0)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="a", image="a.png"), dict(prompt="b", image="b\u0000.png")])
+    res = gen(tmp_path / "run", rows, "prompts.on_bad_row=skip")
+    assert (res.ok, res.rejected) == (1, 1)
+    assert "holds a NUL byte, which no file name may" in index_rows(tmp_path / "run")[1]["error"]
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: image: .* holds a NUL byte"):
+        gen(tmp_path / "run2", rows)

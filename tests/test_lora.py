@@ -404,3 +404,26 @@ def test_a_rows_adapter_rewritten_mid_run_stops_the_run_naming_it_and_no_sample_
     time.sleep(2.5)  # the stopped launch's claim expires
     assert run(compose_cfg(*args)).complete
     assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_a_rows_adapter_gone_after_planning_leaves_its_rows_to_make_not_rejected(tmp_path, adapters):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=["a.safetensors" if i < 2 else "b.safetensors"]))
+                            + "\n" for i in range(4)) + json.dumps(dict(prompt="p4", loras=["never.safetensors"])) + "\n")
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "samples_per_shard=2", "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={rows}", "prompts.row_settings=[loras]", "prompts.on_bad_row=skip")
+    prepare_run(compose_cfg(*args))  # planned with every file there but never.safetensors (its row: a reject)
+    (tmp_path / "b.safetensors").rename(tmp_path / "b.away")
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args))
+    assert str(e.value).startswith(f"{rows}:3: loras: loras[0]: {tmp_path / 'b.safetensors'} does not exist")
+    assert str(e.value).endswith("(it was usable when the run was planned); put it back and re-run: its rows are "
+                                 "still to be made")
+    (tmp_path / "b.away").rename(tmp_path / "b.safetensors")
+    import time
+    time.sleep(2.5)  # the stopped launch's claim expires
+    res = run(compose_cfg(*args))
+    assert (res.ok, res.rejected, res.complete) == (4, 1, True)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok

@@ -41,6 +41,12 @@ class BadImage(UserError, ValueError):
     """A row's input image cannot be used; the message says what is wrong and what to give instead."""
 
 
+class ImageGone(BadImage):
+    """A row's input image file that planning accepted cannot be read now (gone, swapped for a directory, a link or a
+    FIFO, unreadable): a reason that may pass, so the row fails (``retry_failed=true`` makes it again) instead of
+    being rejected for good."""
+
+
 class InputImage(NamedTuple):
     """A row's input image: ``ref`` as the row wrote it (a path; ``None`` for encoded bytes in the row itself),
     ``path`` the file it resolves to, ``data`` the encoded bytes of a binary column (``None`` for a file)."""
@@ -101,6 +107,8 @@ def check_file(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         raise BadImage(f"{path} does not exist; give the path of an image file") from None
+    except ValueError:  # a NUL byte
+        raise BadImage(f"{str(path)!r} holds a NUL byte, which no file name may; give the image's path") from None
     except OSError as e:
         raise BadImage(f"{path} cannot be read ({e.strerror or e}); give a readable image file") from None
     if stat.S_ISLNK(st.st_mode):
@@ -127,16 +135,25 @@ def read_bytes(img: InputImage) -> bytes:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(img.path, flags)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        if isinstance(e, ValueError):
+            raise BadImage(f"{img.path!r} holds a NUL byte, which no file name may; give the image's path") from None
         if not os.path.exists(img.path) and not os.path.islink(img.path):
-            raise BadImage(f"{img.path} does not exist (any more); give the path of an image file") from None
-        raise BadImage(f"{img.path} cannot be opened ({e.strerror or e}); give a readable image file "
-                       "(links are not followed)") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BadImage(f"{img.path} is not a regular file; give the path of an image file")
-        data = f.read(MAX_IMAGE_BYTES + 1)
+            raise ImageGone(f"{img.path} does not exist (any more); put the image back and re-run with "
+                            "retry_failed=true") from None
+        raise ImageGone(f"{img.path} cannot be opened ({e.strerror or e}); make it a readable image file (links "
+                        "are not followed) and re-run with retry_failed=true") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # checked on the descriptor: Python's file object raises on a directory
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise ImageGone(f"{img.path} is {what} now; put the image file back and re-run with retry_failed=true")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise ImageGone(f"{img.path} cannot be read ({e.strerror or e}); re-run with retry_failed=true") from None
+    finally:
+        os.close(fd)
     _check_size(img.path, len(data))
     return data
 
