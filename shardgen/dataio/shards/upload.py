@@ -32,7 +32,7 @@ from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_jso
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
 from shardgen.dataio.shards import index as shard_index
-from shardgen.dataio.shards.uploaded import fetch, local_or_fetched, missing_uploads, read_record
+from shardgen.dataio.shards.uploaded import etag_of, fetch, local_or_fetched, missing_uploads, read_record
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.upload")
@@ -181,12 +181,11 @@ class ShardUploader:
         """Shards whose upload is recorded but whose objects the bucket no longer holds as uploaded (deleted, or
         another size), from one listing of ``uri``: their records removed, so that this launch uploads them again
         from their local copy, or (keep_local=false) generates them again. The shards, each logged."""
-        gone = missing_uploads(self.run, uri=self.uri, resized=True)
-        for shard, urls in sorted(gone.items()):
+        gone = missing_uploads(self.run, uri=self.uri)
+        for shard, whys in sorted(gone.items()):
             self.run.shard_uploaded(shard).unlink(missing_ok=True)
             local = os.path.lexists(self.run.shard_stats(shard))
-            log.warning("shard %06d: %s no longer in the bucket as uploaded (deleted or written over); its upload "
-                        "record removed: %s", shard, ", ".join(urls),
+            log.warning("shard %06d: %s; its upload record removed: %s", shard, "; ".join(whys),
                         "uploaded again from its local copy" if local else "it is generated again")
         return sorted(gone)
 
@@ -309,12 +308,6 @@ def file_digests(path: Path) -> tuple[int, str, str]:
             sha.update(block)
             size += len(block)
     return size, md5.hexdigest(), sha.hexdigest()
-
-
-def etag_of(meta: dict) -> str | None:
-    """An object's ETag without its quotes (None when the store gives none)."""
-    tag = meta.get("ETag") or meta.get("etag")
-    return str(tag).strip('"') if tag else None
 
 
 def same_object(meta: dict, size: int, md5: str, unknown: bool = False) -> bool:
