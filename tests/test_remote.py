@@ -557,3 +557,12 @@ def test_a_presigned_urls_signature_is_written_nowhere_in_the_run(web, tmp_path)
     assert leaked == []
     assert f"{url}/p.txt?X-Amz-Algorithm=REDACTED&X-Amz-Credential=REDACTED" in \
         (tmp_path / "run/config.yaml").read_text()
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket//double//slash/", "s3://bucket/a/./b", "s3://bucket/a/../b/"])
+def test_an_output_uri_with_an_empty_or_dot_folder_is_refused_in_one_line_before_anything_is_written(tmp_path, uri):
+    for dry in ("false", "true"):
+        with pytest.raises(ConfigError) as e:
+            run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"output_uri={uri}", f"dry_run={dry}", *FAST))
+        assert str(e.value).startswith(f"output_uri={uri}: an empty, '.' or '..' folder name") and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
