@@ -427,3 +427,23 @@ def test_a_rows_adapter_gone_after_planning_leaves_its_rows_to_make_not_rejected
     res = run(compose_cfg(*args))
     assert (res.ok, res.rejected, res.complete) == (4, 1, True)
     assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_an_adapter_path_with_a_nul_byte_or_a_name_too_long_is_a_bad_row_and_one_line(tmp_path, adapters):
+    from shardgen.dataio.prompts.read import PromptFileError
+
+    (tmp_path / "a.safetensors").write_bytes(adapters["a"].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=[path])) + "\n" for i, path in
+                            enumerate(["a.safetensors", "a\u0000.safetensors", "x" * 300 + ".safetensors"])))
+    args = (*ROW_ARGS, f"prompts.path={rows}", "prompts.row_settings=[loras]")
+    res = run(compose_cfg(f"run_dir={tmp_path / 'skip'}", *args, "prompts.on_bad_row=skip"))
+    assert (res.ok, res.rejected) == (1, 2)
+    with pytest.raises(PromptFileError, match=r"rows.jsonl:2: loras: loras\[0\]: .* holds a NUL byte"):
+        run(compose_cfg(f"run_dir={tmp_path / 'error'}", *args))
+    rows.write_text(rows.read_text().splitlines()[2] + "\n")
+    with pytest.raises(PromptFileError, match=r"rows.jsonl:1: loras: loras\[0\]: .*x{100}.* cannot be read \(File name "
+                                              r"too long\)"):
+        run(compose_cfg(f"run_dir={tmp_path / 'long'}", *args))
+    with pytest.raises(UserError, match=r"model.loras\[0\]: .* cannot be read \(File name too long\)"):
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((tmp_path / ("y" * 300), 1.0))))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
@@ -84,7 +85,7 @@ def checked_sha256(where: str, path: Path) -> str:
     adapter read it once)."""
     try:
         st = path.stat()
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: a NUL byte) check_file names what is wrong
         st = None
     if st is None or (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns) not in _HASHES:
         check_file(where, path)
@@ -93,9 +94,17 @@ def checked_sha256(where: str, path: Path) -> str:
 
 def check_file(where: str, path: Path) -> None:
     """LoraError unless ``path`` is a readable safetensors file with tensors in it (its header read, no weight)."""
-    if not path.exists():
-        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file")
-    if not path.is_file():
+    try:
+        st = os.stat(path)
+    except ValueError:
+        raise LoraError(f"{where}: {str(path)!r} holds a NUL byte, which no file name may; give the path of a LoRA "
+                        ".safetensors file") from None
+    except FileNotFoundError:
+        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file") from None
+    except OSError as e:  # a name over 255 bytes, a path through a file, no permission
+        raise LoraError(f"{where}: {str(path)[:200]} cannot be read ({e.strerror or e}); give the path of a LoRA "
+                        ".safetensors file") from None
+    if not stat.S_ISREG(st.st_mode):
         raise LoraError(f"{where}: {path} is not a file; give the path of a LoRA .safetensors file")
     from safetensors import safe_open
 
