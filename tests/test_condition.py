@@ -535,3 +535,12 @@ def test_an_image_path_with_a_nul_byte_is_a_bad_row(tmp_path):
     assert "holds a NUL byte, which no file name may" in index_rows(tmp_path / "run")[1]["error"]
     with pytest.raises(PromptFileError, match=r"p.jsonl:2: image: .* holds a NUL byte"):
         gen(tmp_path / "run2", rows)
+
+
+def test_a_run_strength_below_one_step_is_refused_before_anything_is_written(tmp_path):
+    png(tmp_path / "a.png", seed=0)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="x", image="a.png")])
+    with pytest.raises(ConfigError, match=r"^model.strength=1e-300 of steps=4 is less than one denoising step, so "
+                                          r"every sample would fail: use model.strength=0.25 or more"):
+        gen(tmp_path / "run", rows, "model.strength=1e-300")
+    assert not (tmp_path / "run").exists()

@@ -341,3 +341,15 @@ def test_a_number_that_is_not_finite_is_refused_with_an_example_in_its_range(ove
     with pytest.raises(ConfigError) as e:
         validate_config(compose_cfg(override))
     assert str(e.value) == says
+
+
+@pytest.mark.parametrize("scale", ["true", "[1]", "'0.8'"])
+def test_a_lora_scale_that_is_no_number_is_one_line_before_hydra(scale):
+    from shardgen.config.overrides import check_overrides
+
+    override = f"model.loras=[{{path: style.safetensors, scale: {scale}}}]"
+    message = check_overrides([override])
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"{override}: model.loras[0].scale takes a number, not ")
+    assert check_overrides(["model.loras=[{path: style.safetensors, scale: 0.8}]"]) is None
+    assert "has no field 'scal' (did you mean scale?)" in check_overrides(["model.loras=[{path: a, scal: 1}]"])

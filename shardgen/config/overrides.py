@@ -66,7 +66,7 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
             problem = _unknown_options(key, o.value(), group_options(key, conf))
         else:
             problem = (_unknown_key(key.split("."), GenerateConfig) or _other_launchers_key(key, chosen)
-                       or _wrong_type(o, GenerateConfig))
+                       or _wrong_type(o, GenerateConfig) or _wrong_entries(o, GenerateConfig))
         if problem:
             return f"{text}: {problem}"
     return None
@@ -132,6 +132,34 @@ def _wrong_type(o: Any, schema: type) -> str | None:
         example = (f" (e.g. {key}={int(value)})" if hint is int and isinstance(value, float) and value.is_integer()
                    else "")
         return f"{key} takes {wanted}{' or null' if optional else ''}{example}"
+    return None
+
+
+def _wrong_entries(o: Any, schema: type) -> str | None:
+    """``KEY[i].FIELD takes ...`` for a list of config entries (``model.loras``: LoraEntry) given an entry that is no
+    mapping, names no field of its entry, or holds a value of another type than its field's: a string, a boolean
+    or a list where a number goes (Hydra would print its merge error in six lines, or take '0.8' as 0.8 where a
+    row's loras refuse it); None otherwise."""
+    if o.is_delete() or o.is_sweep_override():
+        return None
+    key, hint, value = o.key_or_group, _leaf_type(o.key_or_group.split("."), schema), o.value()
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is not list or len(args) != 1 or not dataclasses.is_dataclass(args[0]) \
+            or not isinstance(value, list):
+        return None
+    fields = _field_types(args[0])
+    example = "{" + ", ".join(f"{n}: ..." for n in fields) + "}"
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            return f"{key}[{i}] is {entry!r}: write each entry as {example}"
+        for name, v in entry.items():
+            if name not in fields:
+                return f"{key}[{i}] has no field {name!r}{_did_you_mean(str(name), list(fields))}: write {example}"
+            typ = fields[name]
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return f"{key}[{i}].{name} takes a number, not {v!r} (e.g. {name}: 0.8, unquoted)"
+            if typ is str and not isinstance(v, str):
+                return f"{key}[{i}].{name} takes a string, not {v!r}"
     return None
 
 

@@ -182,6 +182,9 @@ def _check_images(cfg: GenerateConfig) -> None:
     strength = cfg.model.get("strength", 0.6)
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
+    _need(not fam.strength or int(cfg.steps * strength) >= 1,  # as a row's own strength is checked while planning
+          f"model.strength={strength:g} of steps={cfg.steps} is less than one denoising step, so every sample would "
+          f"fail: use model.strength={1 / cfg.steps:g} or more, or more steps")
 
 
 def _check_loras(cfg: GenerateConfig) -> None:
