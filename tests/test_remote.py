@@ -275,14 +275,17 @@ def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucke
     else:
         url = prompts
         s3.proxy.fail_next(1000, ACCESS_DENIED)
-    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}", *FAST)
-    with pytest.raises(UserError) as e:
-        run(cfg)
+    for dry in ("false", "true"):  # the dry run refuses what the launch refuses
+        cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}",
+                          f"dry_run={dry}", *FAST)
+        with pytest.raises(UserError) as e:
+            run(cfg)
+        msg = str(e.value)
+        assert url.rstrip("/") in msg and "\n" not in msg
+        assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
+                "denied": "access denied"}[case] in msg
+        assert not (tmp_path / "run").exists()
     s3.proxy.fail_next(0)
-    msg = str(e.value)
-    assert url.rstrip("/") in msg and "\n" not in msg
-    assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
-            "denied": "access denied"}[case] in msg
 
 
 @dataclass

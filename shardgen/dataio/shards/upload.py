@@ -112,6 +112,12 @@ class ShardUploader:
         retrying("removing the test object", self.uri, lambda: call(self._fs, "rm_file", probe))
         self._check_owner(self._read_marker())  # another run's folder: refused before planning or any weight
 
+    def check_readable(self) -> None:
+        """``check`` without writing (a dry run's): the folder's bucket can be read and no other run uploads there;
+        StorageError (no bucket, no permission, no credentials) or ForeignPrefixError naming the URL when not. Write
+        permission is only known by writing: the launch's ``check`` probes it."""
+        self._check_owner(self._read_marker())
+
     def _marker_url(self) -> str:
         return self._url(RUN_MARKER_OBJECT)
 
