@@ -447,3 +447,47 @@ def test_an_adapter_path_with_a_nul_byte_or_a_name_too_long_is_a_bad_row_and_one
         run(compose_cfg(f"run_dir={tmp_path / 'long'}", *args))
     with pytest.raises(UserError, match=r"model.loras\[0\]: .* cannot be read \(File name too long\)"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((tmp_path / ("y" * 300), 1.0))))
+
+
+def _matmuls_of_switches(pipe, sets) -> list[int]:
+    """The matrix products each ``lora.activate`` of ``sets`` computes (a LoRA's B @ A is one per adapted layer)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardgen.models import lora
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    out = []
+    for s in sets:
+        Count.n = 0
+        with Count():
+            lora.activate(pipe, s)
+        out.append(Count.n)
+    return out
+
+
+def test_switching_between_rows_adapters_costs_the_adapters_that_change_not_all_loaded(tmp_path):
+    """With 2 or 24 adapters loaded, switching from one row's adapter to another's computes the same work: that of
+    the two adapters (undoing one, adding the other), not a fuse of every adapter loaded."""
+    import torch
+
+    from shardgen.models import lora
+    from shardgen.models.loader import load_pipeline
+    from shardgen.models.tiny import save_tiny_lora
+
+    cfg = compose_cfg("prompts.row_settings=[loras]", "prompts=jsonl", "prompts.path=x.jsonl")
+    sets = [lora.resolve([dict(path=str(save_tiny_lora(tmp_path / f"l{i}.safetensors", seed=50 + i, rank=2)),
+                               scale=1.0)], "t") for i in range(24)]
+    work = {}
+    for loaded in (2, 24):
+        pipe = lora.apply(load_pipeline(cfg.model, torch.float32, "cpu"), cfg)
+        lora.preload(pipe, {s[0].sha256: s[0].path for s in sets[:loaded]})
+        work[loaded] = _matmuls_of_switches(pipe, [sets[0], sets[1], sets[0]])
+    assert work[24] == work[2] and 0 < work[2][0] <= 64, work
