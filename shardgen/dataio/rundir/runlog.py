@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import RunDir, append_line, host_name, is_run_dir, open_append, open_regular
+from shardgen.dataio.rundir.layout import (RunDir, append_line, host_name, is_run_dir, open_append,
+                                           read_regular)
 from shardgen.dataio.rundir.remote import redact_urls
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -128,10 +129,9 @@ def read_jsonl(paths) -> list[dict]:
     """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
     out = []
     for path in paths:
-        with open_regular(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
+        for line in read_regular(path).splitlines():  # bounded, never a FIFO or a device
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
     return out
