@@ -98,7 +98,7 @@ def probe_shape(name: str, shape, iters: int, fa4_direct, activate) -> dict:
             record("fa4_compiled", compiled)
         finally:
             fa4.restore()
-    del q, k, v, ref
+    q = k = v = ref = None  # the tensors freed before the cache is emptied (the closures above hold them too)
     torch.cuda.empty_cache()
     return out
 

@@ -1,4 +1,4 @@
-"""What FLUX.2-dev's fused blocks (shardgen/speed/flux2_fused.py) buy, eagerly and compiled, on one GPU.
+"""What FLUX.2-dev's fused blocks (shardgen/families/flux2/fused.py) buy, eagerly and compiled, on one GPU.
 
     python benchmarks/probe_flux2.py [--batch 4] [--double 2] [--single 8] [--compiled] [--profile]
 
@@ -14,7 +14,6 @@ prints one call's top kernels per variant. Results: ``$OUT/probe_flux2.json``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -94,7 +93,8 @@ def profile(tr, kw, top=12):
 
 
 def check_kernels(device):
-    from shardgen.speed import flux2_fused as f2, flux_fused
+    from shardgen.families.flux2 import fused as f2
+    from shardgen.speed import fused_kernels as flux_fused
 
     g = torch.Generator(device).manual_seed(2)
     out = {}
@@ -135,7 +135,8 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    from shardgen.speed import accel, flux2_fused
+    from shardgen.families.flux2 import fused as flux2_fused
+    from shardgen.speed import accel
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -9,7 +9,7 @@ repeated blocks (``shardgen.speed.accel.compile_blocks``), times a batch call wi
 (relative RMS error, and the same for eager batch 4: what batching alone changes). ``--profile`` prints
 the top kernels of one call of each variant. Results go to ``$OUT/probe_transformer.json``.
 
-Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = shardgen/speed/flux_fused.py's
+Variants, ``_``-joined tokens: ``base`` = plain regional compilation; ``fused`` = shardgen/families/flux/fused.py's
 block forwards (``cat``: without splitting the single blocks' proj_out; ``nocompile``: not compiled;
 ``plain``: without the eager-only LayerNorm+modulation and residual fusions);
 ``cd`` = inductor's coordinate-descent tuning of its Triton kernels; ``emu`` = inductor's
@@ -89,7 +89,7 @@ def rel(a, b):
 
 def check_rms_rope(dev, dt):
     """The Triton RMSNorm+RoPE kernel against eager diffusers' ops at FLUX's shapes (batch 1)."""
-    from shardgen.speed import flux_fused
+    from shardgen.speed import fused_kernels
 
     g = torch.Generator(dev).manual_seed(2)
     xt = (torch.randn(1, 512, 24, 128, device=dev, generator=g) * 2).to(dt)
@@ -98,8 +98,8 @@ def check_rms_rope(dev, dt):
     wi = (torch.rand(128, device=dev, generator=g) + 0.5).to(dt)
     ang = torch.rand(4608, 64, device=dev, generator=g) * 6
     cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
-    ref = flux_fused.rms_rope_reference([xt, xi], [wt, wi], cos, sin, 1e-6)
-    out = flux_fused.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
+    ref = fused_kernels.rms_rope_reference([xt, xi], [wt, wi], cos, sin, 1e-6)
+    out = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
     diff = (out.float() - ref.float()).abs()
     return {"identical": float((out == ref).float().mean()), "max_abs": float(diff.max()), "rel": rel(out, ref)}
 
@@ -212,7 +212,7 @@ def main() -> int:
         ic.coordinate_descent_tuning = "cd" in tokens
         ic.emulate_precision_casts = "emu" in tokens
         if "fused" in tokens:
-            from shardgen.speed import flux_fused
+            from shardgen.families.flux import fused as flux_fused
 
             flux_fused.EAGER_DEVICES = () if "plain" in tokens else ("cuda",)
             forwards = flux_fused.enable(tr, split_proj_out="cat" not in tokens)

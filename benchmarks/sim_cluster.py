@@ -35,7 +35,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import threading

@@ -10,7 +10,8 @@ import sys
 
 from shardgen.cli import run_program
 from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.rundir.layout import RunDirError, is_run_dir
+from shardgen.dataio.rundir.layout import is_run_dir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.tools import count_arg, near_duplicate_groups, read_index_columns
 from shardgen.tools.entry import NO_PLAN, run_tool, tool_parser
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import hydra
 
 from shardgen.cli import run_program
+from shardgen.config.paths import CONF
 from shardgen.config.schema import GenerateConfig
 from shardgen.config.store import register_configs
 
@@ -61,7 +62,7 @@ def interrupted_message(run_dir: str, command: str, how: str = "interrupted") ->
     return f"{how}. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="generate")
 def main(cfg: GenerateConfig) -> None:
     from shardgen.errors import is_user_error
     from shardgen.run.stopping import SIGTERM_EXIT, Terminated, stop_on_sigterm
@@ -78,7 +79,7 @@ def main(cfg: GenerateConfig) -> None:
                                                                      *sys.argv[1:]]), how))
         sys.exit(SIGTERM_EXIT if isinstance(e, Terminated) else 130)
     except Exception as e:
-        from shardgen.dataio.rundir.layout import storage_error
+        from shardgen.dataio.rundir.storage import storage_error
 
         e = storage_error(e) or e  # a full disk or a read-only file system is the user's to fix, wherever it hit
         if is_user_error(e) and not debug:  # a message for the user, not a traceback

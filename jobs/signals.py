@@ -8,7 +8,6 @@ The tars are not touched; each index is replaced atomically; a rerun continues a
 
 from __future__ import annotations
 
-import sys
 
 from shardgen.cli import run_program
 from shardgen.tools import add_signals, signal_functions

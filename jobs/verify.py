@@ -6,7 +6,6 @@ in progress is checked as far as it is committed: its other shards are listed as
 
 from __future__ import annotations
 
-import sys
 
 from shardgen.cli import run_program
 from shardgen.tools import count_arg, repair_run, verify_run

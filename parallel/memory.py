@@ -80,7 +80,7 @@ def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> N
     from parallel.dims import ParallelConfigError
     from shardgen.models.loader import torch_dtype
 
-    if not cfg.get("check_memory", True):
+    if not cfg.check_memory:
         return
     try:
         params = component_params(cfg.model)

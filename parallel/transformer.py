@@ -68,21 +68,12 @@ def transformer_info(model_cfg: ModelConfig) -> TransformerInfo:
 
         spec = dummy_architecture(model_cfg.name, pipeline=model_cfg.pipeline)["transformer"]
         return TransformerInfo(spec.cls, dict(spec.config), f"the dummy {model_cfg.pipeline} architecture")
-    if model_cfg.source == "tiny":
-        from shardgen.models.tiny import TRANSFORMER_CONFIG
+    from shardgen.families import tiny_model
 
-        return TransformerInfo("FluxTransformer2DModel", dict(TRANSFORMER_CONFIG), "shardgen.models.tiny.TRANSFORMER_CONFIG")
-    if model_cfg.source in ("tiny_video", "tiny_video_i2v"):
-        from shardgen.models import tiny_video
-
-        name = "TRANSFORMER_CONFIG" if model_cfg.source == "tiny_video" else "I2V_TRANSFORMER_CONFIG"
-        return TransformerInfo("WanTransformer3DModel", dict(getattr(tiny_video, name)),
-                               f"shardgen.models.tiny_video.{name}")
-    if model_cfg.source == "tiny_qwen_edit":
-        from shardgen.models.tiny_qwen_edit import TRANSFORMER_CONFIG as QWEN_EDIT
-
-        return TransformerInfo("QwenImageTransformer2DModel", dict(QWEN_EDIT),
-                               "shardgen.models.tiny_qwen_edit.TRANSFORMER_CONFIG")
+    tiny = tiny_model(model_cfg.source)
+    if tiny is not None:
+        return TransformerInfo(tiny.transformer_class, dict(tiny.transformer_config()),
+                               f"the embedded {model_cfg.source} model's transformer config")
     path = Path(os.path.expanduser(model_cfg.source)) / "transformer" / "config.json"
     if not path.is_file():
         path = _hub_file(model_cfg.source, "transformer/config.json", model_cfg.revision)

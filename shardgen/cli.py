@@ -20,6 +20,7 @@ COMMANDS = {
     "report": ("jobs.report", "one self-contained HTML report of a run"),
     "signals": ("jobs.signals", "add curation signals to a run's committed shards"),
     "dedup": ("jobs.dedup", "near-duplicate groups (needs the phash signal)"),
+    "compare": ("jobs.compare", "PSNR/SSIM of every sample against a reference run of the same plan"),
     "bench": ("jobs.bench", "throughput on one device against the plain diffusers loop"),
 }
 

@@ -36,7 +36,7 @@ def tiny_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("shardgen-cache")
     old = os.environ.get("SHARDGEN_CACHE")
     os.environ["SHARDGEN_CACHE"] = str(cache)
-    from shardgen.models.tiny import tiny_model_path
+    from shardgen.families.flux.tiny import tiny_model_path
 
     tiny_model_path(cache)
     yield cache

@@ -99,16 +99,73 @@ def test_lossy_options_run_and_are_recorded(tmp_path):
     assert metas and all(m["lossy"] == {"first_block_cache": 0.5, "fp8": True} for m in metas)
 
 
-def test_float8_linear_is_close_to_linear_and_reversible():
+def test_float8_linear_is_close_to_linear_and_reversible_only_when_asked():
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
     x = torch.randn(5, 7, 64)
     ref = block(x)
-    q = torch.nn.Sequential(accel.Float8Linear(block[0]), block[1], accel.Float8Linear(block[2]))
+    q = torch.nn.Sequential(accel.Float8Linear(block[0], keep_original=True), block[1], accel.Float8Linear(block[2]))
     out = q(x)
     assert out.shape == ref.shape
     assert (out - ref).norm() / ref.norm() < 0.08  # e4m3: 3 mantissa bits, row-wise scales
-    assert q[0]._original is block[0]
+    assert q[0].restore() is block[0]
+    with pytest.raises(accel.AccelError, match="fp8=false"):
+        q[2].restore()
+
+
+def test_weights_are_quantised_a_slice_at_a_time_with_per_channel_scales(monkeypatch):
+    from shardgen.speed import fp8
+
+    torch.manual_seed(1)
+    w = torch.randn(10, 32) * torch.arange(1, 11).unsqueeze(1)  # rows of very different ranges
+    original = w.clone()
+    whole = fp8.quantize_weight(w)
+    assert torch.equal(w, original)  # the layer's own weight is left as it was
+    monkeypatch.setattr(fp8, "QUANTIZE_ROWS_AT_ONCE", 3)  # 4 slices, the last one short
+    sliced = fp8.quantize_weight(w)
+    assert torch.equal(whole[0].float(), sliced[0].float()) and torch.equal(whole[1], sliced[1])
+    assert whole[1].shape == (1, 10)
+    assert torch.allclose(whole[1][0], w.abs().amax(dim=1) / fp8.FP8_MAX)
+    assert whole[0].float().abs().amax(dim=1).eq(fp8.FP8_MAX).all()  # each row's largest value maps to the top
+
+
+def test_enable_fp8_frees_each_bf16_layer_and_refuses_to_switch_back():
+    import gc
+    import weakref
+
+    from shardgen.speed import fp8
+
+    tr = _two_block_transformer()
+    linears = [weakref.ref(m) for m in tr.modules() if isinstance(m, torch.nn.Linear)]
+    assert fp8.enable_fp8(tr) == len(linears) == 4
+    gc.collect()
+    assert all(ref() is None for ref in linears)  # nothing holds the bf16 layers: their memory is free
+    with pytest.raises(accel.AccelError, match="fp8=false"):
+        fp8.disable_fp8(tr)
+
+    kept = _two_block_transformer()
+    fp8.make_reversible(kept)
+    fp8.enable_fp8(kept)
+    assert fp8.disable_fp8(kept) == 4 and not fp8.fp8_enabled(kept)
+
+
+def _two_block_transformer() -> torch.nn.Module:
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(self.up(x).relu())
+
+    class Toy(torch.nn.Module):
+        _repeated_blocks = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    return Toy()
 
 
 @pytest.mark.parametrize("opts, msg", [

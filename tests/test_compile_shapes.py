@@ -47,7 +47,7 @@ def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monke
     """Text buckets of 128 and 256 tokens, batch 1 and 2: one dynamo graph per block class (dynamo's eager
     backend: the tracing and guards of the real compile, without inductor's code generation)."""
     from shardgen.models.dummy import build_dummy_pipeline
-    from shardgen.speed import accel, techniques
+    from shardgen.speed import accel
     from tests.test_dummy_models import SMALL
 
     real_compile = torch.compile
@@ -283,7 +283,7 @@ def test_blocks_compiled_on_a_background_thread_serve_the_main_thread_without_co
     thread's blocks find those graphs (dynamo's eager backend here: the tracing, guards and cache of the
     real compile, without inductor)."""
     from shardgen.models.dummy import build_dummy_pipeline
-    from shardgen.speed import accel, techniques
+    from shardgen.speed import accel
     from shardgen.speed.background import state_of
     from tests.test_dummy_models import SMALL
 
@@ -344,7 +344,7 @@ def test_compile_auto_warms_a_fresh_cache_on_the_main_thread_then_compiles_in_th
     an eager run: test_a_padded_short_batch_gives_the_bytes_of_an_unpadded_one)."""
     import logging
 
-    from shardgen.speed import accel, techniques
+    from shardgen.speed import techniques
     from shardgen.speed.background import BackgroundCompile
 
     f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(14)])  # batches 4, 4 (eager, timed), 4, 2
@@ -446,7 +446,7 @@ def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh
     forced on a cache that has never compiled: two eager batches, one beside the thread, then compiled batches."""
     import logging
 
-    from shardgen.speed import accel, techniques
+    from shardgen.speed import techniques
 
     f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(22)])  # batches of 4: 2 eager, then compiled by the 4th
     monkeypatch.setenv(AC.FORCE_ENV, "background")

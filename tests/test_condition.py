@@ -125,7 +125,7 @@ def test_strength_is_diffusers_own_near_zero_and_at_one(tmp_path):
     import torch
     from diffusers import FluxImg2ImgPipeline
 
-    from shardgen.models.tiny import tiny_model_path
+    from shardgen.families.flux.tiny import tiny_model_path
     from shardgen.run.generation import to_pixels
 
     Image.new("RGB", (64, 64), (200, 40, 90)).save(tmp_path / "red.png")

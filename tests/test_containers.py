@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from jobs.generate import run
-from shardgen.dataio.rundir.layout import DiskFullError, RunDir, open_fresh, open_regular
+from shardgen.dataio.rundir.fileio import open_fresh, open_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import DiskFullError
 from shardgen.dataio.shards.container import (ContainerError, ShardContainer, ShardScan, get_container,
                                               read_shard_members, register_container, unregister_container)
 from shardgen.dataio.prompts.plan import load_plan

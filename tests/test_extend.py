@@ -207,7 +207,8 @@ def test_an_extension_has_shard_digests_and_an_edit_of_appended_rows_is_refused(
     from shardgen.dataio.prompts.plan import build_plan, file_sha256
     from shardgen.dataio.prompts.read import PromptSource
     from shardgen.dataio.prompts.read import PromptFileError
-    from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
+    from shardgen.dataio.rundir.fileio import atomic_write_json
+    from shardgen.dataio.rundir.layout import RunDir
 
     path = write_lines(tmp_path / f"p.{fmt}", (["prompt"] if fmt == "csv" else []) + [f"thing {i}" for i in range(10)])
     run, src = RunDir(tmp_path / "run"), PromptSource(str(path), fmt)

@@ -7,7 +7,6 @@ import functools
 import json
 
 import pytest
-import torch
 from diffusers import FluxPipeline
 
 from shardgen.dataio.prompts.plan import load_plan

@@ -53,14 +53,14 @@ def test_only_the_qwen_families_have_speed_hooks_and_every_image_family_runs_dev
     from diffusers import QwenImageEditPipeline
 
     from shardgen.families import families
-    from shardgen.speed import qwen
+    from shardgen.families.qwen_image import speed as qwen, speed_hooks
     from shardgen.speed.accel import family_speed_hooks
 
     assert {f.name: f.speed_hooks for f in families() if f.speed_hooks} == {
-        "Qwen-Image": "shardgen.speed.qwen:prepare_speed", "Qwen-Image-Edit": "shardgen.speed.qwen:prepare_speed"}
-    assert family_speed_hooks(qwen_pipeline_class_instance()) is qwen.prepare_speed
+        "Qwen-Image": speed_hooks, "Qwen-Image-Edit": speed_hooks}
+    assert family_speed_hooks(qwen_pipeline_class_instance()) is speed_hooks
     edit = QwenImageEditPipeline.__new__(QwenImageEditPipeline)
-    assert qwen.is_qwen_image(edit) and family_speed_hooks(edit) is qwen.prepare_speed
+    assert qwen.is_qwen_image(edit) and family_speed_hooks(edit) is speed_hooks
     assert {"Flux2Pipeline", "FluxPipeline", "QwenImagePipeline"} <= {
         f.pipeline for f in families() if f.encode_outputs and not f.is_video}
 

@@ -6,7 +6,8 @@ import pytest
 
 from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
                                                 diff_fingerprints, fingerprint_changes, read_fingerprint)
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_json
+from shardgen.dataio.rundir.fileio import atomic_write_json
+from shardgen.dataio.rundir.layout import RunDir
 from tests.conftest import compose_cfg
 
 
@@ -82,7 +83,7 @@ def test_a_failed_model_load_leaves_a_run_dir_that_the_fixed_command_completes(t
 
     from jobs.generate import run
     from shardgen.models.loader import ModelLoadError
-    from shardgen.models.tiny import tiny_model_path
+    from shardgen.families.flux.tiny import tiny_model_path
 
     real = FluxPipeline.from_pretrained
 

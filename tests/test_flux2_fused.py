@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardgen.speed import accel, flux2_fused
+from shardgen.families.flux2 import fused as flux2_fused
+from shardgen.speed import accel
 from shardgen.speed.blocks import fused_blocks
 
 SMALL_FLUX2 = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,

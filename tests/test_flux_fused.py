@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardgen.speed import accel, flux_fused, techniques
+from shardgen.families.flux import fused as flux_fused
+from shardgen.speed import accel, techniques
 from shardgen.run.generation import to_pixels
 
 SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,

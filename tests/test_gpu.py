@@ -46,7 +46,7 @@ def test_flux_dev_dummy_runs_on_one_gpu(tmp_path, strategy):
 def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     """The Triton q/k RMSNorm+RoPE kernel against diffusers' eager ops, in bf16, at FLUX's shapes and at
     token counts that are not multiples of its tile (masked edges)."""
-    from shardgen.speed import flux_fused
+    from shardgen.speed import fused_kernels as flux_fused
 
     g = torch.Generator("cuda").manual_seed(0)
     xs = [(torch.randn(2, n, heads * dim, device="cuda", generator=g) * 2).bfloat16().unflatten(-1, (heads, dim))
@@ -69,7 +69,8 @@ def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     modulation: the norm alone equals torch's but for rare one-step roundings (H200: 2e-6 of the elements), the
     modulated output is within a few bf16 steps of eager's (H200: ~29% of the elements differ, by 1-2 steps: the
     kernel does not reproduce eager's intermediate roundings exactly)."""
-    from shardgen.speed import flux2_fused as f2, flux_fused
+    from shardgen.families.flux2 import fused as f2
+    from shardgen.speed import fused_kernels as flux_fused
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(2, tokens, dim, device="cuda", generator=g).bfloat16()
@@ -137,7 +138,7 @@ def test_flux_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error(monkeypat
     float32 run of diffusers' blocks is the stock bf16 blocks' error, within 10%."""
     from diffusers import FluxTransformer2DModel
 
-    from shardgen.speed import flux_fused
+    from shardgen.families.flux import fused as flux_fused
 
     torch.manual_seed(0)
     tr = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,

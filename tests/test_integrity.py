@@ -27,7 +27,8 @@ from shardgen.dataio.prompts.plan import load_plan, sample_key
 from shardgen.dataio.prompts.read import PromptFileError, read_prompts
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, check_or_write_fingerprint
 from shardgen.dataio.rundir.claims import Claimer, owner_record
-from shardgen.dataio.rundir.layout import DiskFullError, RunDir, RunDirError
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import DiskFullError, RunDirError
 from shardgen.dataio.shards import shardwork
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
 from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
@@ -783,7 +784,7 @@ def verified_identical_after(d: Path, prompts: Path, want: dict) -> None:
 
 def test_a_write_refused_outside_the_tar_writer_is_one_message_too(copy, monkeypatch):
     """An index written by pyarrow in a writer thread (re-raised wrapped) and a read-only run directory at the start."""
-    import shardgen.dataio.rundir.layout as layout
+    import shardgen.dataio.rundir.fileio as fileio
     import shardgen.dataio.shards.index as index
 
     prompts, d, want = copy
@@ -800,7 +801,7 @@ def test_a_write_refused_outside_the_tar_writer_is_one_message_too(copy, monkeyp
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system", str(k.get("dir")))
 
-    monkeypatch.setattr(layout.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(fileio.tempfile, "mkstemp", read_only)
     with pytest.raises(DiskFullError, match=f"cannot write {d}.*Read-only file system"):
         gen(d, prompts)
     monkeypatch.undo()
@@ -808,7 +809,7 @@ def test_a_write_refused_outside_the_tar_writer_is_one_message_too(copy, monkeyp
 
 
 def test_a_library_error_that_names_its_errno_only_in_its_text_is_a_storage_error():
-    from shardgen.dataio.rundir.layout import storage_error
+    from shardgen.dataio.rundir.storage import storage_error
 
     try:
         try:

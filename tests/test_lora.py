@@ -14,7 +14,7 @@ from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.errors import UserError
-from shardgen.models.tiny import save_tiny_lora
+from shardgen.families.flux.tiny import save_tiny_lora
 from shardgen.run.runner import prepare_run
 from tests.conftest import compose_cfg, start_ranks
 from tests.test_generate import shard_images

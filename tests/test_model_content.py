@@ -14,7 +14,9 @@ from jobs.generate import run
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch
 from shardgen.models.content import content_sha256
 from shardgen.models.loader import ModelLoadError
-from shardgen.models.tiny import TINY_VERSION, default_cache_dir, tiny_model_path
+from shardgen.families.flux import TINY_VERSION
+from shardgen.families.flux.tiny import tiny_model_path
+from shardgen.models.tiny import default_cache_dir
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import ARGS, content
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_cfg
 from tests.test_generate import shard_images
 from tests.test_slurm import (COMMON, N, _done, _nodes, _restarts, _state, _task_pids, _two_nodes_reason, _wait,
                               assert_complete_and_identical, prompt_slurm_polls, reference,  # noqa: F401 (fixtures)

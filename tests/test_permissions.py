@@ -15,7 +15,7 @@ import pytest
 
 from jobs import verify
 from jobs.generate import run
-from shardgen.dataio.rundir.layout import DiskFullError, storage_error
+from shardgen.dataio.rundir.storage import DiskFullError, storage_error
 from shardgen.errors import is_user_error
 from shardgen.tools.verify import read_shard_members
 from tests.conftest import compose_cfg

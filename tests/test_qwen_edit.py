@@ -159,7 +159,8 @@ def test_qwen_speed_hooks_keep_the_edit_pipelines_pixels(inputs, pipe):
     in a job, forced here) on the edit pipeline's longer image stream (the input image's latent tokens after the
     sample's) and longer text (its vision tokens): diffusers' pixels. Real-valued RoPE (with compile) too, within a
     level: its float32 rotation rounds apart from torch's complex product on the CPU (~3e-6)."""
-    from shardgen.speed import accel, qwen
+    from shardgen.families.qwen_image import speed as qwen
+    from shardgen.speed import accel
 
     images = [Image.open(inputs / n).convert("RGB").resize((1024, 1024)) for n in ("a.png", "b.png")]
     calls = []

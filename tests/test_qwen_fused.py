@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shardgen.models.dummy import build_dummy_pipeline
-from shardgen.speed import accel, qwen, qwen_fused
+from shardgen.families.qwen_image import fused as qwen_fused, speed as qwen
+from shardgen.speed import accel
 from shardgen.speed.blocks import fused_blocks
 from tests.test_dummy_models import SMALL
 from tests.test_qwen_speed import PROMPTS, _pixels

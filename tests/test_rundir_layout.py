@@ -25,7 +25,7 @@ def test_every_path_is_under_the_run_directory_where_the_docs_say():
 def test_a_host_name_becomes_a_file_name_part(monkeypatch, host, name):
     import socket
 
-    from shardgen.dataio.rundir.layout import host_name
+    from shardgen.dataio.rundir.liveness import host_name
 
     monkeypatch.setattr(socket, "gethostname", lambda: host)
     assert host_name() == name

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from shardgen.dataio.prompts.read import PromptFileError
-from shardgen.dataio.rundir.layout import RUN_MARKER, RunDir, RunDirError
+from shardgen.dataio.rundir.layout import RUN_MARKER, RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from tests.test_integrity import copy, gen, reference  # noqa: F401 (fixtures)
 
 

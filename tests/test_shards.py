@@ -8,7 +8,8 @@ import tarfile
 
 import numpy as np
 
-from shardgen.dataio.rundir.layout import RunDir, read_json
+from shardgen.dataio.rundir.fileio import read_json
+from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, shard_checkpoints
 from shardgen.dataio.shards.tarshard import PartialTar
 

@@ -68,7 +68,7 @@ def _tiny_clip(path: Path) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
-    from shardgen.models.tiny import tiny_model_path
+    from shardgen.families.flux.tiny import tiny_model_path
 
     tok = CLIPTokenizer.from_pretrained(str(tiny_model_path()), subfolder="tokenizer")
     torch.manual_seed(0)

@@ -287,7 +287,7 @@ def one_rank_gloo():
 def tiny_transformer():
     from diffusers import FluxTransformer2DModel
 
-    from shardgen.models.tiny import TRANSFORMER_CONFIG
+    from shardgen.families.flux.tiny import TRANSFORMER_CONFIG
 
     return FluxTransformer2DModel(**TRANSFORMER_CONFIG).eval()
 

@@ -86,7 +86,7 @@ def test_every_tool_on_every_damaged_file(runs, tmp_path, capsys):
 
 def test_tools_on_a_read_only_run_dir_say_so(runs, tmp_path, capsys, monkeypatch):
     """A read-only file system (root ignores chmod, so the failing write is simulated where every tool writes)."""
-    import shardgen.dataio.rundir.layout as rundir
+    import shardgen.dataio.rundir.fileio as rundir
 
     def read_only(*a, **k):  # as the calls fail there: naming the file or directory
         raise OSError(errno.EROFS, "Read-only file system", str(k.get("dir") or a[0]))

@@ -31,7 +31,7 @@ def test_a_damaged_plan_names_its_file_and_the_fix(tool, tmp_path, capsys):
 
 def test_plan_for_tool_raises_a_user_error_instead_of_returning_a_line(tmp_path):
     from shardgen.dataio.resume import plan_for_tool
-    from shardgen.dataio.rundir.layout import RunDirError
+    from shardgen.dataio.rundir.storage import RunDirError
 
     with pytest.raises(RunDirError, match=f"^{tmp_path}: nothing here yet$"):
         plan_for_tool(str(tmp_path), "nothing here yet")

@@ -16,12 +16,12 @@ import torch
 
 from parallel import registry
 from shardgen.bench import measure as M
+from shardgen.config.paths import CONF
 from shardgen.bench.report import DIAGNOSTICS, Report, fmt_flop, say, summary
 from shardgen.bench.ways import baseline_kwargs, fbc_counter, noise_floor, run_baseline, run_shardgen
 from shardgen.dataio.shards import is_video
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 ACCELS = {  # name -> config overrides (the threshold of fbc comes from --fbc-threshold)
     "fbc": lambda a: [f"first_block_cache={a.fbc_threshold}"],
     "fp8": lambda a: ["fp8=true"],
@@ -136,7 +136,7 @@ class Bench:
                "torch": torch.__version__, "python": platform.python_version(), "model": a.model, "weights": a.weights,
                "dtype": cfg.dtype, "size": f"{self.height}x{self.width}", "steps": cfg.steps, "guidance": cfg.guidance,
                "num_frames": cfg.num_frames if is_video(cfg) else None,
-               "true_cfg_scale": cfg.model.get("true_cfg_scale", 1.0), "n": a.n, "batch": a.batch,
+               "true_cfg_scale": cfg.model.true_cfg_scale, "n": a.n, "batch": a.batch,
                "compile": AccelOptions.from_cfg(cfg, registry.get(cfg.strategy.name).one_gpu_per_replica).compile,
                "compile_mode": a.compile_mode, "sdpa_backend": a.sdpa,
                "warmup_run": not a.no_warmup, "argv": sys.argv}
@@ -150,9 +150,12 @@ class Bench:
 
     def build(self):
         from shardgen.models.loader import load_pipeline
+        from shardgen.speed import accel
 
         t0 = time.perf_counter()
         self.pipe = load_pipeline(self.cfg.model, self.dtype, self.device)
+        if any("fp8" in name for name in self.accels):  # the ways after an fp8 one switch it off again
+            accel.make_reversible(self.pipe.transformer)
         M.sync(self.device)
         self.rep.put("build_s", round(time.perf_counter() - t0, 2))
         say(f"pipeline built in {self.rep.data['build_s']:.1f} s ({type(self.pipe).__name__}); weights on device: "
@@ -197,7 +200,7 @@ class Bench:
         if self.base and self.base.get("transformer_calls"):
             flops["calls_per_step"] = round(self.base["transformer_calls"] / (self.base["n"] * self.cfg.steps))
         else:
-            flops["calls_per_step"] = 2 if self.cfg.model.get("true_cfg_scale", 1.0) > 1 else 1
+            flops["calls_per_step"] = 2 if self.cfg.model.true_cfg_scale > 1 else 1
         flops["per_image_step"] = per_step * flops["calls_per_step"] if per_step else None
         self.timer.captured = None
         self.rep.put("flops", flops)

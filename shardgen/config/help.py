@@ -126,7 +126,7 @@ def markdown_reference() -> str:
              "Hydra override: `python -m jobs.generate key=value group=option`.", "", "## Config groups", "",
              "| group | options (conf/GROUP/*.yaml) |", "|---|---|"]
     lines += [f"| `{g}` | {', '.join(f'`{o}`' for o in group_options(g))} |"
-              for g in ("model", "strategy", "launcher", "prompts", "signals")]
+              for g in ("model", "strategy", "launcher", "prompts", "signals", "speed")]
     for heading, rows in help_entries():
         lines += ["", f"## {heading}", "", "| key | default | what it does |", "|---|---|---|"]
         lines += [f"| `{key}` | `{default}` | {doc.replace('|', chr(92) + '|')} |" for key, default, doc in rows]

@@ -6,7 +6,6 @@ plus a YAML in conf/launcher/ naming its config as ``base_<name>`` (or a ConfigS
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,18 +29,36 @@ class Launcher:
     starts. None: the ranks run on this machine, whose devices count."""
     config: type = LauncherConfig
     """The dataclass of ``launcher.*`` for this option: LauncherConfig's fields plus its own."""
-    start: str | Callable[[Any], Any] = "shardgen.run.runner:run_rank"
-    """What runs the job with the composed config: a function, or ``"module:function"`` imported when the job
-    starts (the launch modules sit above this layer)."""
+    start: Callable[[Any], Any] = lambda cfg: run_here(cfg)
+    """What runs the job with the composed config (a function that imports the launch module it calls when the job
+    starts: the launch modules sit above this layer)."""
     check: Callable[[Any], str | None] = lambda launcher_cfg: None
     """A problem with the launcher config in one line (what to set instead), or None; run by validate_config."""
 
     def starter(self) -> Callable[[Any], Any]:
-        """The start function itself (``start`` imported when it is a ``"module:function"`` path)."""
-        if callable(self.start):
-            return self.start
-        module, _, function = self.start.partition(":")
-        return getattr(importlib.import_module(module), function)
+        """The start function itself."""
+        return self.start
+
+
+def run_here(cfg: Any) -> Any:
+    """Run the job's ranks in this process (one, or this one of torchrun's)."""
+    from shardgen.run.runner import run_rank
+
+    return run_rank(cfg)
+
+
+def start_local(cfg: Any) -> Any:
+    """Spawn ``launcher.nprocs`` ranks on this machine and wait for them."""
+    from shardgen.launch.local import start_local as start
+
+    return start(cfg)
+
+
+def submit_slurm(cfg: Any) -> Any:
+    """Submit the job's ranks to SLURM through submitit."""
+    from shardgen.launch.slurm import submit
+
+    return submit(cfg)
 
 
 LAUNCHERS: dict[str, Launcher] = {}
@@ -67,12 +84,12 @@ def _check_local(ln: Any) -> str | None:
 register_launcher(Launcher("none", world_size=lambda ln: int(os.environ.get("WORLD_SIZE", "1"))))
 # launcher.nprocs ranks spawned on this machine
 register_launcher(Launcher("local", world_size=lambda ln: ln.nprocs, local_ranks=lambda world_size: world_size,
-                           config=LocalLauncherConfig, start="shardgen.launch.local:start_local",
+                           config=LocalLauncherConfig, start=start_local,
                            check=_check_local))
 # submitit: launcher.nodes x tasks per node, started later on the cluster's nodes
 register_launcher(Launcher("slurm", world_size=lambda ln: ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1),
                            described_nodes=_slurm_nodes, config=SlurmLauncherConfig,
-                           start="shardgen.launch.slurm:submit"))
+                           start=submit_slurm))
 
 
 def launcher_of(cfg: Any) -> Launcher:

@@ -17,9 +17,9 @@ from typing import Any
 
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
+from shardgen.config.paths import CONF
 from shardgen.config.schema import GenerateConfig
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 HELP = "python -m jobs.generate --help lists every key"
 
 

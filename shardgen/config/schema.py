@@ -8,8 +8,8 @@ This is the one source of every default: the YAML files choose group options and
 an option changes (a model's size, a strategy's own settings), never a default again.
 
 The top-level keys are grouped by what reads them (RunConfig, GenerationConfig, OutputConfig, VideoConfig,
-ParallelDegrees, SpeedConfig, CoordinationConfig: ``GROUPS``); GenerateConfig inherits every group, so the keys
-stay flat on the command line and in the YAML (``compile=false``, ``tp_degree=4``, ``video_crf=20``). A new key is
+ParallelDegrees, SpeedConfig, QualityConfig, CoordinationConfig: ``GROUPS``); GenerateConfig inherits every group,
+so the keys stay flat on the command line and in the YAML (``compile=false``, ``tp_degree=4``, ``video_crf=20``). A new key is
 one field with a docstring in its group (the docstring is its ``--help`` text, under the group's heading).
 """
 
@@ -354,8 +354,8 @@ class SpeedConfig:
     once per cache, ~2% faster steps): true | false | auto. auto: tuned under compile=true; under compile=auto a
     process tunes only when the work it has left pays for the tuning's compile time (shardgen/speed/autocompile.py)."""
     fused_blocks: bool = True
-    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/speed/flux_fused.py, FLUX.2:
-    flux2_fused.py, Qwen-Image: qwen_fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py,
+    FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
     H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
     and compiled with
@@ -367,7 +367,8 @@ class SpeedConfig:
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
     efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
     faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
-    shardgen/speed/sdpa.py, shardgen/speed/fa4.py."""
+    sage: opt-in, LOSSY 8-bit attention (SageAttention's INT8 QK / fp16 PV Triton kernel: pip install
+    'sageattention>=1.0.6,<2'), in eager calls; the others keep auto's kernel. shardgen/speed/sdpa.py, fa4.py, sage.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
@@ -382,7 +383,28 @@ class SpeedConfig:
     blocks of a step when the first block's output barely changed; decided per batch."""
     fp8: bool = False
     """Opt-in, LOSSY: the transformer blocks' linear layers in float8 e4m3 (torch._scaled_mm, row-wise
-    scales); needs compute capability 8.9+ and compile=true to be faster."""
+    scales); needs compute capability 8.9+. Each layer is converted in place (half its weight memory, no bf16 copy
+    kept), eagerly with one Triton pass per activation quantisation. What it costs in fidelity: calibrate_samples
+    below, or jobs.compare against a lossless run. shardgen/speed/fp8.py."""
+
+
+@dataclass(kw_only=True)
+class QualityConfig:
+    """Quality gate: what a LOSSY setting (fp8, first_block_cache) costs, measured before the run is spent.
+
+    shardgen/quality/gate.py; figures against a whole lossless run: python -m jobs.compare."""
+
+    calibrate_samples: int = 0
+    """With a lossy setting on: the run's first N prompts are also made losslessly before the run starts, and
+    the lossy samples compared with them (PSNR, SSIM); the figures go into every sample's provenance and
+    RUN_DIR/calibration.json. 0 = no calibration. Costs 2N samples per replica and launch."""
+    calibrate_min_psnr: float = 0.0
+    """The worst calibration sample's PSNR (dB) must reach this; 0 = no bound."""
+    calibrate_min_ssim: float = 0.0
+    """The worst calibration sample's SSIM must reach this; 0 = no bound."""
+    calibrate_fallback: str = "stop"
+    """Below a bound: stop (the job ends with one line before any sample is made) | lossless (the run goes on
+    with the lossy settings off; with fp8 the bf16 layers are kept on the CPU meanwhile to switch back)."""
 
 
 @dataclass(kw_only=True)
@@ -415,7 +437,8 @@ class NestedConfigs:
 # The top-level keys' groups, in --help's order. GenerateConfig inherits their fields, so the keys stay flat
 # (``tp_degree=4``, ``compile=false``) while each is defined once, in its group; a class reading a group's keys
 # takes them with shardgen/pick.py (``pick(SpeedConfig, cfg)``), never by listing them again.
-GROUPS = (RunConfig, GenerationConfig, OutputConfig, VideoConfig, ParallelDegrees, SpeedConfig, CoordinationConfig)
+GROUPS = (RunConfig, GenerationConfig, OutputConfig, VideoConfig, ParallelDegrees, SpeedConfig, QualityConfig,
+          CoordinationConfig)
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
-from shardgen.dataio.prompts import MAX_PROMPT_CHARS, MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
+from shardgen.dataio.prompts import MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -75,12 +75,12 @@ def validate_config(cfg: GenerateConfig) -> None:
     _check_finite(cfg)
     _need(cfg.image_format in IMAGE_EXTS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_EXTS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
-    _need(cfg.prompts.get("max_prompt_chars", 1) >= 1,
-          f"prompts.max_prompt_chars={cfg.prompts.get('max_prompt_chars')}: use 1 or more")
+    _need(cfg.prompts.max_prompt_chars >= 1,
+          f"prompts.max_prompt_chars={cfg.prompts.max_prompt_chars}: use 1 or more")
     negative = cfg.model.get("negative_prompt")
-    _need(negative is None or len(negative) <= cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS),
+    _need(negative is None or len(negative) <= cfg.prompts.max_prompt_chars,
           f"model.negative_prompt is {len(negative or '')} characters long, over prompts.max_prompt_chars="
-          f"{cfg.prompts.get('max_prompt_chars', MAX_PROMPT_CHARS)}: shorten it")
+          f"{cfg.prompts.max_prompt_chars}: shorten it")
     _need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size}: use 1 or more")
     _need(cfg.samples_per_shard is None or cfg.samples_per_shard >= 1,
           f"samples_per_shard={cfg.samples_per_shard}: use 1 or more, or null (chosen for the run)")
@@ -103,8 +103,8 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.prompts.format in ["auto", *formats],
           f"prompts.format={cfg.prompts.format!r}: use auto or one of {formats}")
     _need(cfg.prompts.on_bad_row in ("error", "skip"), f"prompts.on_bad_row={cfg.prompts.on_bad_row!r}: use error or skip")
-    _need(cfg.prompts.get("on_truncation", "warn") in ("warn", "error", "skip"),
-          f"prompts.on_truncation={cfg.prompts.get('on_truncation')!r}: use warn, error or skip")
+    _need(cfg.prompts.on_truncation in ("warn", "error", "skip"),
+          f"prompts.on_truncation={cfg.prompts.on_truncation!r}: use warn, error or skip")
     bad = unknown_names(cfg.prompts.get("row_settings"))
     _need(not bad, f"prompts.row_settings: {', '.join(map(repr, bad))} cannot be set per row: list only "
                    f"{', '.join(ROW_SETTINGS)} (other columns stay metadata anyway)")
@@ -124,8 +124,8 @@ def validate_config(cfg: GenerateConfig) -> None:
           "ranks: choose one (cfg_batching=false or cfg_degree=1)")
     _need(cfg.writer_threads >= 1, f"writer_threads={cfg.writer_threads}: use 1 or more")
     containers = container_names()
-    _need(cfg.get("shard_container", "tar") in containers,
-          f"shard_container={cfg.get('shard_container')!r}: use one of {containers}")
+    _need(cfg.shard_container in containers,
+          f"shard_container={cfg.shard_container!r}: use one of {containers}")
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
     _need(not cfg.output_uri or not _ambiguous_folder(str(cfg.output_uri)),
@@ -141,6 +141,7 @@ def validate_config(cfg: GenerateConfig) -> None:
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
     _check_max_memory(cfg.strategy.get("max_memory"))
+    _check_calibration(cfg)
     _check_loras(cfg)
     _check_images(cfg)
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
@@ -153,6 +154,20 @@ def validate_config(cfg: GenerateConfig) -> None:
         validate_accel(AccelOptions.from_cfg(cfg), device)
     except AccelError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_calibration(cfg: GenerateConfig) -> None:
+    """The quality gate's keys (shardgen/quality/gate.py)."""
+    from shardgen.quality.gate import FALLBACKS
+
+    _need(cfg.calibrate_samples >= 0, f"calibrate_samples={cfg.calibrate_samples}: use 0 (off) or a number of samples")
+    _need(cfg.calibrate_min_psnr >= 0, f"calibrate_min_psnr={cfg.calibrate_min_psnr:g}: use dB >= 0 (0 = no bound)")
+    _need(0 <= cfg.calibrate_min_ssim <= 1, f"calibrate_min_ssim={cfg.calibrate_min_ssim:g}: use 0..1 (0 = no bound)")
+    _need(cfg.calibrate_fallback in FALLBACKS,
+          f"calibrate_fallback={cfg.calibrate_fallback!r}: use one of {list(FALLBACKS)}")
+    bounded = cfg.calibrate_min_psnr > 0 or cfg.calibrate_min_ssim > 0
+    _need(not bounded or cfg.calibrate_samples > 0, "calibrate_min_psnr/calibrate_min_ssim bound the calibration "
+          "samples: set calibrate_samples=N (e.g. 4) too")
 
 
 def _check_images(cfg: GenerateConfig) -> None:
@@ -174,12 +189,12 @@ def _check_images(cfg: GenerateConfig) -> None:
         from shardgen.dataio.prompts import detect_format
 
         try:
-            fmt = detect_format(str(cfg.prompts.path), cfg.prompts.get("format", "auto"))
+            fmt = detect_format(str(cfg.prompts.path), cfg.prompts.format)
         except UserError:
             fmt = None  # named when the prompt file is read
         _need(fmt != "txt", f"model.pipeline={cfg.model.pipeline} makes each sample from an input image, and a txt "
               "prompt file has no field to name one: use jsonl, csv/tsv or parquet with an image field or column")
-    strength = cfg.model.get("strength", 0.6)
+    strength = cfg.model.strength
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
     _need(not fam.strength or int(cfg.steps * strength) >= 1,  # as a row's own strength is checked while planning

@@ -4,7 +4,12 @@ One spec per family (like torchtitan's ``TrainSpec``), registered by pipeline cl
 most specific ``issubclass`` match (like xDiT's ``@register(FluxPipeline)``): a subclass of a registered
 pipeline gets its parent's family unless it registers its own. Every model-specific rule (tokens the
 transformer sees, latent geometry, prompt encoding for ``device_map``, dummy architectures, video or image,
-speed hooks) is asked of the family; adding a model family is one module here plus its conf/model YAML.
+speed hooks, embedded tiny models) is asked of the family; adding a model family is one folder beside this module
+(``shardgen/families/<family>/``) plus its conf/model YAML.
+
+A family's spec (its folder's ``__init__.py``) names its code by reference, never by a string: its fused blocks,
+speed hooks, own component classes and tiny model builders are functions that import the folder's heavier modules
+when first called, so reading the registry (config checks, the fingerprint) loads no torch.
 
 This module imports no other shardgen module: every layer may ask it.
 """
@@ -12,7 +17,9 @@ This module imports no other shardgen module: every layer may ask it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, NamedTuple
 
 
 class ComponentSpec(NamedTuple):
@@ -21,10 +28,11 @@ class ComponentSpec(NamedTuple):
     ``tokenizer`` names the component passed as its tokenizer, its ``image_processor`` is the dict of an image
     processor: ``cls`` and its kwargs) or "value" (a plain pipeline argument, ``config["value"]``);
     ``config`` is the kwargs of the diffusers class, of the transformers config class ``config_cls``, or of
-    the tokenizer builder."""
+    the tokenizer builder. ``cls`` is a class name of the library, or (a processor of the family's own) a
+    function returning the class."""
 
     library: str
-    cls: str
+    cls: str | Callable[[], type]
     config: dict[str, Any]
     config_cls: str | None = None
 
@@ -36,6 +44,23 @@ class DummyModel:
     title: str
     """The published model's name, for messages (e.g. "FLUX.1-dev")."""
     components: dict[str, ComponentSpec]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """An embedded model built offline from a fixed seed (``model.source=<source>``): a family's real classes, only
+    narrow, saved with ``save_pretrained`` and loaded back through ``from_pretrained``."""
+
+    source: str
+    """The ``model.source`` that names it (conf/model/tiny*.yaml)."""
+    version: str
+    """Pins its weights in the run fingerprint (the source alone does not); bumped with the build."""
+    transformer_class: str
+    """Its transformer's diffusers class, read with ``transformer_config`` before any weight is built."""
+    transformer_config: Callable[[], dict[str, Any]]
+    """Its transformer's config (the parallel degrees are checked against it)."""
+    path: Callable[[Any], Path]
+    """``path(cache_dir)``: its directory in the cache (None: ``$SHARDGEN_CACHE``), built there on first use."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +88,9 @@ class ModelFamily:
     """``model.weights=dummy`` architectures by model config name (conf/model/<name>.yaml's ``name``)."""
     hidden_default: int = 3072
     """Transformer width assumed by ``auto`` when the config does not give it."""
-    speed_hooks: str | None = None
-    """``"module:function"`` of the family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
-    ``shardgen.speed.accel.prepare`` after the generic options (named, not imported: families sit below speed/)."""
+    speed_hooks: Callable[[Any, Any], dict] | None = None
+    """The family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
+    ``shardgen.speed.accel.prepare`` after the generic options (handed down: speed/ imports no family)."""
     input_image: str = ""
     """Whether ``__call__`` takes an input image per sample (``image``; prompts.row_settings=[image]): "" (text
     only), "optional" (edit models: references) or "required" (image-to-image, image-to-video)."""
@@ -84,20 +109,23 @@ class ModelFamily:
     """The pixel area the pipeline resizes an input image to, keeping its aspect ratio (Qwen-Image-Edit: 1024x1024
     whatever the sample's size); 0: the sample's size. Each image is fitted to that size before the call
     (shardgen/models/condition.py: ``area_size``)."""
-    own_components: dict[str, str] = field(default_factory=dict)
-    """Component name -> ``"module:Class"`` that loads it instead of the class the model's ``model_index.json`` names
-    (``Class.from_pretrained(<model>, subfolder=<name>)``): Qwen-Image-Edit's processor without torchvision."""
+    own_components: dict[str, Callable[[], type]] = field(default_factory=dict)
+    """Component name -> a function returning the class that loads it instead of the class the model's
+    ``model_index.json`` names (``Class.from_pretrained(<model>, subfolder=<name>)``): Qwen-Image-Edit's processor
+    without torchvision."""
     repeated_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Transformer class name -> its repeated block classes, for transformers that do not list them in diffusers'
     ``_repeated_blocks`` (what regional compilation and fp8 work on)."""
-    fused_blocks: dict[str, str] = field(default_factory=dict)
-    """Transformer class name -> the module of its fused block forwards (``applicable``, ``enable``, ``disable``;
-    ``COMPILED``: whether compiled blocks use them too), which ``fused_blocks=true`` runs instead of the stock
-    forwards (named, not imported: families sit below speed/)."""
+    fused_blocks: dict[str, Callable[[], ModuleType]] = field(default_factory=dict)
+    """Transformer class name -> a function returning the module of its fused block forwards (``applicable``,
+    ``enable``, ``disable``; ``COMPILED``: whether compiled blocks use them too), which ``fused_blocks=true`` runs
+    instead of the stock forwards (handed down: speed/ imports no family)."""
     cuda_graphs: bool = False
     """Whether the transformer's eager call is the same kernels for every call of one shape (no host decision on
     values, no host sync), so ``cuda_graphs=true`` may capture and replay it (shardgen/speed/cuda_graphs.py);
     checked on a GPU (tests/test_gpu.py) before a family declares it."""
+    tiny_models: tuple[TinyModel, ...] = ()
+    """The embedded tiny models of the family's pipeline (``model=tiny``'s FLUX.1 pipeline ...)."""
     compiled_speedup: float | None = None
     """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
     its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic
@@ -187,10 +215,27 @@ def declared_repeated_blocks(transformer_class: str) -> tuple[str, ...]:
                  if transformer_class in fam.repeated_blocks), ())
 
 
-def declared_fused_blocks(transformer_class: str) -> str | None:
+def declared_fused_blocks(transformer_class: str) -> ModuleType | None:
     """The fused block module a family declares for ``transformer_class`` (None when none does)."""
-    return next((fam.fused_blocks[transformer_class] for fam in _FAMILIES.values()
+    load = next((fam.fused_blocks[transformer_class] for fam in _FAMILIES.values()
                  if transformer_class in fam.fused_blocks), None)
+    return load() if load is not None else None
+
+
+def tiny_model(source: str) -> TinyModel | None:
+    """The embedded tiny model named by ``model.source`` (None: a hub id or a directory), from every family's
+    ``tiny_models``: the one table of them."""
+    return tiny_models().get(source)
+
+
+def tiny_models() -> dict[str, TinyModel]:
+    """Every embedded tiny model by its ``model.source`` (a family derived from another shares its parent's)."""
+    out: dict[str, TinyModel] = {}
+    for fam in _FAMILIES.values():
+        for tiny in fam.tiny_models:
+            if out.setdefault(tiny.source, tiny) is not tiny:
+                raise ValueError(f"two tiny models are named model.source={tiny.source!r}")
+    return out
 
 
 def dummy_models() -> dict[str, tuple[ModelFamily, DummyModel]]:

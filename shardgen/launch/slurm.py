@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from parallel import registry
 from parallel.dims import ParallelConfigError
 from shardgen.dataio.rundir import RunDir
-from shardgen.dataio.rundir.layout import RunDirError, read_regular
+from shardgen.dataio.rundir.fileio import read_regular
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.errors import UserError
 from shardgen.launch.ranks import child_config, setup_rank_logging
 

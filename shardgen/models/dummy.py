@@ -279,14 +279,12 @@ def _build_processor(pipeline: str, name: str, spec: ComponentSpec, built: dict,
     return _class(spec.cls)(**config)
 
 
-def _class(name: str):
-    """A transformers class by name, or ``module:Class`` (shardgen's image-only Qwen2-VL processor)."""
-    import importlib
-
+def _class(name):
+    """A transformers class by name, or the class a family's function returns (Qwen-Image-Edit's image-only
+    Qwen2-VL processor)."""
     import transformers
 
-    module, _, cls = name.rpartition(":")
-    return getattr(importlib.import_module(module) if module else transformers, cls)
+    return name() if callable(name) else getattr(transformers, name)
 
 
 # --- the builder ------------------------------------------------------------------------------------

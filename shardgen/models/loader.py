@@ -26,21 +26,20 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}") from None
 
 
-TINY_SOURCES = {"tiny": "shardgen.models.tiny:tiny_model_path",
-                "tiny_video": "shardgen.models.tiny_video:tiny_video_model_path",
-                "tiny_video_i2v": "shardgen.models.tiny_video:tiny_video_i2v_model_path",
-                "tiny_qwen_edit": "shardgen.models.tiny_qwen_edit:tiny_qwen_edit_model_path"}
-"""The embedded models' ``model.source`` names -> the function building (once) and returning their directory."""
-
-
 def resolve_source(model_cfg: Any) -> str:
-    """The directory or hub id ``from_pretrained`` reads; builds the tiny model on first use."""
-    if model_cfg.source in TINY_SOURCES:
-        import importlib
+    """The directory or hub id ``from_pretrained`` reads; builds an embedded tiny model (``ModelFamily.tiny_models``)
+    on first use."""
+    from shardgen.families import tiny_model
 
-        module, name = TINY_SOURCES[model_cfg.source].split(":")
-        return str(getattr(importlib.import_module(module), name)(model_cfg.cache_dir))
-    return str(model_cfg.source)
+    tiny = tiny_model(model_cfg.source)
+    return str(tiny.path(model_cfg.cache_dir)) if tiny is not None else str(model_cfg.source)
+
+
+def is_tiny(model_cfg: Any) -> bool:
+    """Whether ``model.source`` names an embedded tiny model."""
+    from shardgen.families import tiny_model
+
+    return tiny_model(model_cfg.source) is not None
 
 
 def model_sha256(model_cfg: Any) -> str | None:
@@ -57,7 +56,7 @@ def model_sha256(model_cfg: Any) -> str | None:
         if source is None:
             return None
     check_regular_files(Path(source))  # before anything opens one of them
-    if model_cfg.source in TINY_SOURCES:
+    if is_tiny(model_cfg):
         cache_root = Path(source).parent  # the tiny builds record their hash where they are built
     else:
         cache_root = Path(os.path.expanduser(model_cfg.cache_dir)) if model_cfg.cache_dir else default_cache_dir()
@@ -144,16 +143,10 @@ def pipeline_module(name: str) -> str | None:
 def own_components(model_cfg: Any, source: str) -> dict[str, Any]:
     """The components the pipeline's family loads with its own classes (``ModelFamily.own_components``), by name,
     for ``from_pretrained``, which then takes them instead of building the classes ``model_index.json`` names."""
-    import importlib
-
     from shardgen.families import family_for
 
-    out = {}
-    for name, where in family_for(model_cfg.pipeline).own_components.items():
-        module, _, cls = where.partition(":")
-        out[name] = getattr(importlib.import_module(module), cls).from_pretrained(
-            source, subfolder=name, revision=model_cfg.revision)
-    return out
+    return {name: own_class().from_pretrained(source, subfolder=name, revision=model_cfg.revision)
+            for name, own_class in family_for(model_cfg.pipeline).own_components.items()}
 
 
 def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str | None,
@@ -182,7 +175,7 @@ def load_pipeline(model_cfg: Any, dtype: torch.dtype, device: torch.device | str
             "model.source at the local directory.")
         if os.path.isdir(source):
             hint = " A file of the model may be damaged (a copy cut short): copy the model directory again."
-        if model_cfg.source in TINY_SOURCES:
+        if is_tiny(model_cfg):
             hint = f" The cached build is damaged: delete {source}: it is built again on the next launch."
         raise ModelLoadError(f"cannot load model.source={source!r} with {model_cfg.pipeline}: {e}.{hint}") from e
     pipe.set_progress_bar_config(disable=True)

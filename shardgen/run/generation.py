@@ -15,6 +15,7 @@ from parallel import registry
 from shardgen.dataio.prompts import PlannedRow
 from shardgen.dataio.shards import Sample
 from shardgen.run.latent_ckpt import LatentCheckpoints, latent_checkpoints
+from shardgen.run.memory import cuda_oom
 from shardgen.speed import accel
 from shardgen.speed.accel import AccelOptions
 from shardgen.errors import JobEndingError, ends_job, is_user_error
@@ -78,8 +79,8 @@ class GenSettings:
         # every other field is the key of its name: the run's (height, steps, num_frames, ...), else the model's
         # (true_cfg_scale, max_sequence_length, ...): shardgen/pick.py
         return pick(cls, cfg, cfg.model, model=cfg.model.name, strategy=strategy, accel=opts,
-                    compile_auto=(auto := opts.compile and str(cfg.get("compile", "auto")).lower() == "auto"),
-                    tuning_auto=auto and str(cfg.get("compile_tuning", "auto")).lower() == "auto",
+                    compile_auto=(auto := opts.compile and str(cfg.compile).lower() == "auto"),
+                    tuning_auto=auto and str(cfg.compile_tuning).lower() == "auto",
                     latents=LatentCheckpoints.from_cfg(cfg, strategy), loras=lora.run_set(cfg),
                     input_image=fam.input_image, image_per_call=fam.image_per_call,
                     image_in_sequence=fam.image_in_sequence,
@@ -216,6 +217,15 @@ def _meta(row: PlannedRow, s: GenSettings, cond: condition.Conditioned | None = 
     return meta
 
 
+class BatchOutOfMemory(JobEndingError, RuntimeError):
+    """A batch ran out of GPU memory (``__cause__``: torch's error); ``during`` says which batch, ``batch`` its
+    size. The runner turns it into the one-line ``GpuOutOfMemory`` (shardgen/run/memory.py)."""
+
+    def __init__(self, during: str, batch: int):
+        super().__init__(during)
+        self.during, self.batch = during, batch
+
+
 class ReplicaBatchError(JobEndingError, RuntimeError):
     """A batch failed on one rank of a model-parallel replica: the job must stop (see ``run_pipeline``)."""
 
@@ -259,6 +269,8 @@ def run_pipeline(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_rank
     except Exception as e:
         if ends_job(e) or is_user_error(e):  # e.g. submitit ending a timed-out job, or a setup the user must change
             raise
+        if cuda_oom(e) is not None:  # every batch of these settings would fail alike: the settings must change
+            raise BatchOutOfMemory(f"generating a batch of {len(call)} at {s.height}x{s.width}", len(call)) from e
         if replica_ranks > 1:
             raise ReplicaBatchError(
                 f"a batch of {len(rows)} failed on this rank of a {replica_ranks}-rank model-parallel replica "

@@ -29,7 +29,7 @@ import torch
 from parallel import registry
 from shardgen.config.schema import VideoConfig
 from shardgen.dataio.rundir import RunDir, atomic_write_bytes
-from shardgen.dataio.rundir.layout import open_regular
+from shardgen.dataio.rundir.fileio import open_regular
 from shardgen.dataio.shards import is_video
 from shardgen.pick import pick
 

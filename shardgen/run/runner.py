@@ -30,8 +30,10 @@ from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_b
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
-from shardgen.dataio.rundir.layout import storage_error
-from shardgen.run.generation import GenSettings
+from shardgen.dataio.rundir.storage import storage_error
+from shardgen.run.generation import BatchOutOfMemory, GenSettings
+from shardgen.run.memory import cuda_oom, out_of_memory
+from shardgen.quality.gate import CalibrationFailed, calibrate
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.speed.regional_compile import background_runs_eager_path
@@ -246,6 +248,10 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         log_to_file_only(rank_log, e)
         if (full := storage_error(e)) is not None and full is not e:  # a refused write, maybe from a writer thread
             raise full from None
+        if (oom := cuda_oom(e)) is not None:
+            batch = e if isinstance(e, BatchOutOfMemory) else None
+            raise out_of_memory(cfg, oom, batch.during if batch else "loading or preparing the model",
+                                batch.batch if batch else None) from None
         raise
     finally:
         stop_generating(started)
@@ -307,8 +313,9 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     the claims, the metrics, the uploads and the progress bar."""
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
     settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
+    settings, calibration = _calibrated(cfg, plan, pipe, ctx, settings)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
-    leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy) if ctx.leader else {}
+    leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy, calibration) if ctx.leader else {}
     worker = ReplicaWorker(plan=plan, pipe=pipe, batch_size=cfg.batch_size, ctx=ctx, retry_failed=cfg.retry_failed,
                            settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings),
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall), on_batch=on_batch,
@@ -334,13 +341,35 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
                                                                       settings.accel))
 
 
+def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
+                settings: GenSettings) -> tuple[GenSettings, dict | None]:
+    """The quality gate (``calibrate_samples``, shardgen/quality/gate.py) before the first batch: the settings the
+    run goes on with and the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
+    gate stops the job)."""
+    try:
+        settings, record = calibrate(cfg, plan, pipe, settings, ctx.ranks)
+    except CalibrationFailed as e:
+        _write_calibration(plan, ctx, e.record)
+        raise
+    _write_calibration(plan, ctx, record)
+    return settings, record
+
+
+def _write_calibration(plan: Plan, ctx: ReplicaContext, record: dict | None) -> None:
+    if record is not None and ctx.leader and ctx.index == 0:
+        atomic_write_json(plan.run.calibration_path, record)
+
+
 def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
-                  strategy: str) -> dict:
+                  strategy: str, calibration: dict | None = None) -> dict:
     """What only the replica's leader holds, as ReplicaWorker's fields: the annotator, the writer (sink), the
-    claims, the metrics file, the uploader, and on replica 0 the progress bar."""
+    claims, the metrics file, the uploader, and on replica 0 the progress bar. ``calibration``: the quality gate's
+    figures, which join the samples' provenance (without the per-sample ones)."""
+    provenance = run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy)
+    if calibration is not None:
+        provenance["calibration"] = {k: v for k, v in calibration.items() if k != "per_sample"}
     parts = dict(
-        annotate=SampleAnnotator(run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy),
-                                 text_windows(pipe, cfg.model.max_sequence_length)),
+        annotate=SampleAnnotator(provenance, text_windows(pipe, cfg.model.max_sequence_length)),
         sink=ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads, signals=Signals(cfg.signals),
                        encoder=VideoEncoder.from_cfg(cfg) if is_video(cfg) else None),
         claimer=Claimer(plan.run, owner_record(ctx.index), lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s),

@@ -92,7 +92,7 @@ def prior_speedup(pipe: Any, fused_blocks: bool) -> float:
     """The speed-up compiling is expected to bring ``pipe``'s eager path before a process has recorded one: its
     family's measured ``compiled_speedup`` (over its fused eager blocks, when it has some, only with
     ``fused_blocks`` on), else ``PRIOR_SPEEDUP``."""
-    from shardgen.families import family_of
+    from shardgen.speed.handdown import family_of
 
     family = family_of(pipe)
     if family is not None and family.compiled_speedup and (fused_blocks or not family.fused_blocks):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
+
+from shardgen.speed.handdown import declared_fused_blocks, declared_repeated_blocks
 
 
 def plain_forward(module: torch.nn.Module) -> bool:
@@ -19,16 +20,11 @@ def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks whose class the transformer lists in ``_repeated_blocks`` (FLUX.1: 19 double-stream + 38
     single-stream blocks) or its family declares for it (Stable Diffusion 3's ``JointTransformerBlock``), in module
     order."""
-    from shardgen.families.base import declared_repeated_blocks
-
     names = tuple(getattr(transformer, "_repeated_blocks", None) or declared_repeated_blocks(type(transformer).__name__))
     return [m for m in transformer.modules() if type(m).__name__ in names]
 
 
 def fused_blocks(transformer: torch.nn.Module) -> ModuleType | None:
-    """The module of fused block forwards the transformer's family declares (FLUX.1: shardgen/speed/flux_fused.py,
-    FLUX.2: flux2_fused.py), or None."""
-    from shardgen.families.base import declared_fused_blocks
-
-    path = declared_fused_blocks(type(transformer).__name__)
-    return importlib.import_module(path) if path else None
+    """The module of fused block forwards the transformer's family declares (FLUX.1: shardgen/families/flux/fused.py,
+    FLUX.2: shardgen/families/flux2/fused.py), or None."""
+    return declared_fused_blocks(type(transformer).__name__)

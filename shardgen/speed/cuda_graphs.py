@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from shardgen.families import family_of
 from shardgen.pick import pick
 from shardgen.speed.blocks import plain_forward
+from shardgen.speed.handdown import family_of
 from shardgen.speed.techniques import Step, Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")

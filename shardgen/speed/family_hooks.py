@@ -1,21 +1,17 @@
 """The model family's own speed hooks (``ModelFamily.speed_hooks``, e.g. Qwen-Image's text-length buckets, real
-RoPE and CFG batching in shardgen/speed/qwen.py), applied after the generic techniques."""
+RoPE and CFG batching in shardgen/families/qwen_image/speed.py), applied after the generic techniques; the family
+hands them down (shardgen/speed/handdown.py)."""
 
 from __future__ import annotations
 
-import importlib
-
-from shardgen.families import family_of
+from shardgen.speed.handdown import family_of
 from shardgen.speed.techniques import Step, Technique, register_technique
 
 
 def family_speed_hooks(pipe):
-    """The speed hooks the pipeline's family names (``ModelFamily.speed_hooks``), or None."""
+    """The speed hooks of the pipeline's family (``ModelFamily.speed_hooks``), or None."""
     family = family_of(pipe)
-    if family is None or not family.speed_hooks:
-        return None
-    module, _, name = family.speed_hooks.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return None if family is None else family.speed_hooks
 
 
 def apply(step: Step) -> dict:

@@ -1,10 +1,20 @@
 """``fp8`` (opt-in, lossy): the linear layers of the repeated blocks compute in float8 (e4m3) with
 ``torch._scaled_mm``: weights quantised once per output channel, activations per token at run time (row-wise
-scales), bf16 output. Needs compute capability 8.9+ (Ada, Hopper, Blackwell) for a real speed-up, and
-``compile=true`` (eager, the quantisation kernels cost more than the faster matmul saves). The adaLN modulation
-layers and everything outside the blocks stay in bf16. The bf16 weights are kept, so it can be switched off again
-(memory: +1 byte per block weight). diffusers' ``enable_layerwise_casting(storage_dtype=float8)`` is not offered:
-it only stores weights in float8 and computes in bf16 (saves memory, costs time).
+scales), bf16 output. Needs compute capability 8.9+ (Ada, Hopper, Blackwell) for a real speed-up. The adaLN
+modulation layers and everything outside the blocks stay in bf16. diffusers' ``enable_layerwise_casting
+(storage_dtype=float8)`` is not offered: it only stores weights in float8 and computes in bf16 (saves memory, costs
+time).
+
+Memory: each layer is quantised in place, a slice of rows at a time, and its bf16 weight freed before the next
+(never a whole bf16 copy beside the fp8 one): a model whose bf16 transformer and text encoders fill the GPU still
+fits while it is converted, and ends with half the transformer's block weights. So fp8 cannot be switched off again
+in the same process, unless the transformer was made reversible first (``make_reversible``: the bf16 layers are kept
+on the CPU; the benchmark does this to time several ways on one pipeline).
+
+Speed: eagerly on CUDA, an activation's row-wise quantisation is one Triton pass (``quantize_rows``: the row's
+absolute maximum, then the scaled float8 values, two reads of the row and one write) instead of five torch ops, and
+the bias is added in ``_scaled_mm``'s epilogue; under ``torch.compile`` the torch ops stay (inductor fuses them with
+their neighbours). Off CUDA, or without Triton, the torch ops run.
 """
 
 from __future__ import annotations
@@ -19,6 +29,16 @@ from shardgen.speed.techniques import AccelError, AccelOptions
 from shardgen.speed.techniques import Step, Technique, register_technique
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+QUANTIZE_ROWS_AT_ONCE = 4096
+"""Weight rows quantised per slice: bounds the float32 temporary of the largest layer (FLUX.2's 36864x6144
+feed-forward: 3.6 GiB at once, 100 MiB a slice)."""
+_REVERSIBLE = "_shardgen_fp8_reversible"
+
+try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = tl = None
 
 
 @dataclass(frozen=True)
@@ -29,33 +49,106 @@ class Fp8Config:
     """float8 matmuls in the transformer blocks."""
 
 
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, BLOCK: tl.constexpr,
+                              QMAX: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        q_row = q_ptr + row * cols
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
+            tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < cols)
+
+
+def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 rows, float32 (rows, 1) scales) of a 2-D tensor: each row scaled so its absolute maximum is
+    ``FP8_MAX``. The torch ops; what runs off CUDA and under torch.compile."""
+    scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (x2.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _kernel_ok(x2: torch.Tensor) -> bool:
+    return (triton is not None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling())
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere."""
+    if not _kernel_ok(x2):
+        return quantize_rows_reference(x2)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows, cols = x2.shape
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x2, q, scale, cols, x2.stride(0), BLOCK=min(1024, triton.next_power_of_2(cols)),
+                                       QMAX=FP8_MAX, num_warps=4)
+    return q, scale
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 (1, out) scales) of an (out, in) weight, one scale per output channel, computed
+    ``QUANTIZE_ROWS_AT_ONCE`` rows at a time so the float32 temporary stays small."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((w.shape[0], 1), dtype=torch.float32, device=w.device)
+    for a in range(0, w.shape[0], QUANTIZE_ROWS_AT_ONCE):
+        part = w[a:a + QUANTIZE_ROWS_AT_ONCE]
+        s = part.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # abs/max exact in bf16
+        # one float32 temporary per slice, divided and clamped in place (a copy even of a float32 weight)
+        temp = part.to(torch.float32, copy=True).div_(s).clamp_(-FP8_MAX, FP8_MAX)
+        q[a:a + QUANTIZE_ROWS_AT_ONCE] = temp.to(torch.float8_e4m3fn)
+        scale[a:a + QUANTIZE_ROWS_AT_ONCE] = s
+    return q, scale.t().contiguous()
+
+
 class Float8Linear(torch.nn.Module):
     """``nn.Linear`` computing ``x @ W.T + b`` in float8 e4m3: W quantised per output channel once,
-    x per row (token) on every call, products accumulated in fp32 by ``torch._scaled_mm``."""
+    x per row (token) on every call, products accumulated in fp32 by ``torch._scaled_mm``.
 
-    def __init__(self, linear: torch.nn.Linear):
+    ``keep_original``: keep the bf16 layer (moved to the CPU) so ``disable_fp8`` can put it back; without it the
+    layer's bf16 weight is freed once this module holds its float8 copy."""
+
+    def __init__(self, linear: torch.nn.Linear, keep_original: bool = False):
         super().__init__()
-        w = linear.weight.detach()
-        scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # (out, 1)
-        self.register_buffer("weight_fp8", (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
-        self.register_buffer("weight_scale", scale.t().contiguous())  # (1, out), float32
+        w_fp8, scale = quantize_weight(linear.weight.detach())
+        self.register_buffer("weight_fp8", w_fp8)
+        self.register_buffer("weight_scale", scale)  # (1, out), float32
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        object.__setattr__(self, "_original", linear)  # kept (not a submodule) to switch fp8 off again
+        # kept (not a submodule, so .to() and state_dict leave it alone) to switch fp8 off again
+        object.__setattr__(self, "_original", linear.to("cpu") if keep_original else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        scale_a = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (tokens, 1)
-        xq = (x2.float() / scale_a).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        xq, scale_a = quantize_rows(x.reshape(-1, x.shape[-1]))
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale,
+        bias = self.bias if self.bias is not None and self.bias.dtype == out_dtype and x.is_cuda else None
+        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale, bias=bias,
                                out_dtype=out_dtype)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
-        if self.bias is not None:
+        if self.bias is not None and bias is None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
+
+    def restore(self) -> torch.nn.Linear:
+        """The bf16 layer this replaced, back on this layer's device; AccelError when it was not kept."""
+        if self._original is None:
+            raise AccelError("fp8 cannot be switched off in this process: its bf16 weights were freed when they were "
+                             "quantised. Launch again with fp8=false.")
+        return self._original.to(self.weight_fp8.device)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn row-wise"
@@ -73,13 +166,20 @@ def _fp8_candidates(transformer: torch.nn.Module):
             yield block.get_submodule(parent_name) if parent_name else block, attr, mod
 
 
+def make_reversible(transformer: torch.nn.Module) -> None:
+    """Let ``disable_fp8`` restore this transformer's bf16 layers later: ``enable_fp8`` keeps them on the CPU."""
+    setattr(transformer, _REVERSIBLE, True)
+
+
 def enable_fp8(transformer: torch.nn.Module) -> int:
-    """Replace the block linears by ``Float8Linear``s; how many."""
-    n = 0
-    for parent, attr, lin in list(_fp8_candidates(transformer)):
-        setattr(parent, attr, Float8Linear(lin))
-        n += 1
-    return n
+    """Replace the block linears by ``Float8Linear``s, one at a time, each layer's bf16 weight freed before the next
+    is quantised (kept on the CPU where ``make_reversible`` asked); how many."""
+    keep = bool(getattr(transformer, _REVERSIBLE, False))
+    places = [(parent, attr) for parent, attr, _ in _fp8_candidates(transformer)]  # names only: no layer held here
+    for parent, attr in places:
+        # the parent held the bf16 layer's last reference: its memory goes back to the cache before the next layer
+        setattr(parent, attr, Float8Linear(getattr(parent, attr), keep_original=keep))
+    return len(places)
 
 
 def disable_fp8(transformer: torch.nn.Module) -> int:
@@ -89,7 +189,7 @@ def disable_fp8(transformer: torch.nn.Module) -> int:
         for name, mod in list(block.named_modules()):
             if isinstance(mod, Float8Linear):
                 parent_name, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent_name) if parent_name else block, attr, mod._original)
+                setattr(block.get_submodule(parent_name) if parent_name else block, attr, mod.restore())
                 n += 1
     return n
 

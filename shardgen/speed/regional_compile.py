@@ -11,7 +11,7 @@
   eager (they decide on the host whether to skip the remaining blocks); compiling the ``forward`` underneath
   them keeps the block bodies compiled when a cache is enabled.
 - ``fused_blocks``: the blocks run the fused forwards their family names (``ModelFamily.fused_blocks``: FLUX.1
-  shardgen/speed/flux_fused.py, FLUX.2 flux2_fused.py, Qwen-Image qwen_fused.py): the memory-bound passes between
+  shardgen/families/flux/fused.py, FLUX.2 flux2/fused.py, Qwen-Image qwen_image/fused.py): the memory-bound passes between
   the GEMMs (norms, modulation, RoPE, activations, gated residuals) in fewer passes. Without ``compile``
   (``compile=false``, a ``compile: auto`` process that stays eager or has not switched yet) they run eagerly on
   CUDA (H200, batch 4: FLUX.1-dev 3.70 s/image vs ~5.0 stock eager vs 3.59 compiled; FLUX.2-dev's and

@@ -3,14 +3,15 @@ efficient / cudnn once per process at the run's attention shape, checks each aga
 fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
 flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
 choice is a context around each call. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
-FlashAttention-4 the process's flash kernel and puts it first.
+FlashAttention-4 the process's flash kernel and puts it first. ``sage`` (opt-in, LOSSY: ``speed/sage.py``) sends
+the calls it takes to SageAttention's 8-bit kernel, the others to torch's kernels in ``auto``'s order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +21,7 @@ from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4")
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage")
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
 
@@ -30,7 +31,7 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math | fa4 (``sdpa_backend`` in the config)."""
+    """auto | default | flash | efficient | cudnn | math | fa4 | sage (``sdpa_backend`` in the config)."""
 
 
 def _backend(name: str):
@@ -148,6 +149,13 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
     device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", None)
     if opts.sdpa == "default" or device is None or torch.device(device).type != "cuda":
         return contextlib.nullcontext()
+    if opts.sdpa == "sage":  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
+        from shardgen.speed import sage
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(sage.context())
+        stack.enter_context(sdpa_context(pipe, replace(opts, sdpa="auto"), shape))
+        return stack
     if opts.sdpa == "math":
         name = "math"
     elif opts.sdpa == "auto":
@@ -205,6 +213,12 @@ def validate(opts: AccelOptions, device=None) -> None:
         if why:
             raise AccelError(f"sdpa_backend=fa4: {why}. {fa4.INSTALL}; or use sdpa_backend=auto (measures the "
                              "kernels this machine has)")
+    if name == "sage" and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
+        from shardgen.speed import sage
+
+        if why := sage.unavailable_reason(device):
+            raise AccelError(f"sdpa_backend=sage: {why}. {sage.INSTALL}; or use sdpa_backend=auto (lossless)")
 
 
-register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate))
+register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate,
+                             lossy=lambda opts: {"sdpa": "sage"} if opts.sdpa == "sage" else {}))

@@ -22,7 +22,9 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.resume.repair import committed_shard_problem
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, map_io
+from shardgen.dataio.rundir.fileio import map_io, read_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
 from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, read_events, read_index_columns,
@@ -237,12 +239,41 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
                                                                    "mean gen s (this size)"))),
                 ("Generation time per sample (s)", histogram(rows["gen_s"], "gen_s"))]
     sections += _signal_sections(rows)
+    if fidelity := _fidelity(plan.run):
+        sections.append(("Fidelity against lossless", _table(fidelity, ("measured by", "samples", "PSNR median dB",
+                                                                        "PSNR worst dB", "SSIM median", "SSIM worst",
+                                                                        "verdict"))))
     sections.append(("Contact sheet", sheet))
     body = _damaged_section(plan, damaged) + "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
     title = html.escape(f"shardgen run {plan.run.root.name}")
     page = (f"{REPORT_HEAD}{html.escape(plan.run.root.name)}</title><style>{_CSS}</style></head>"
             f"<body><h1>{title}</h1><p class='path'>{html.escape(str(plan.run.root))}</p>{body}</body></html>")
     return page, damaged
+
+
+FIDELITY_LIMIT = 64 << 20  # calibration.json / compare.json hold a few hundred bytes per sample
+
+
+def _fidelity(run: RunDir) -> list[tuple]:
+    """A row per fidelity record of the run: the quality gate's (calibration.json, written by the job) and
+    jobs.compare's (compare.json); a damaged one is named as such, never read as figures."""
+    out = []
+    for path, what in ((run.calibration_path, "calibration (calibrate_samples)"),
+                       (run.compare_path, "jobs.compare")):
+        if not path.exists() and not path.is_symlink():
+            continue
+        try:
+            rec = json.loads(read_regular(path, limit=FIDELITY_LIMIT))
+            psnr, ssim = rec["psnr_db"], rec["ssim"]
+            if what.startswith("calibration"):
+                verdict = ("passed" if rec["passed"] else f"below a bound: {rec['action']}") + f" ({rec['lossy']})"
+            else:
+                verdict = f"against {rec['reference']}"
+            out.append((what, psnr["n"], _num(psnr["median"], 2), _num(psnr["worst"], 2), _num(ssim["median"], 4),
+                        _num(ssim["worst"], 4), verdict))
+        except (RunDirError, OSError, ValueError, KeyError, TypeError) as e:
+            out.append((what, "", "", "", "", "", f"{path.name} is unreadable ({type(e).__name__}); not shown"))
+    return out
 
 
 def _damaged_section(plan: Plan, damaged: dict[int, str]) -> str:

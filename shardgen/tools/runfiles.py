@@ -22,8 +22,9 @@ import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, open_regular, read_regular,
-                                           storage_error)
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, open_regular, read_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shardgen.dataio.prompts.plan import Plan
-from shardgen.dataio.rundir.layout import RunDirError, open_regular
+from shardgen.dataio.rundir.fileio import open_regular
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.index import index_path, read_parquet_file, write_index
 from shardgen.dataio.shards.upload import committed_tar

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 from shardgen.dataio.prompts.plan import Plan
-from shardgen.dataio.rundir.layout import open_regular
+from shardgen.dataio.rundir.fileio import open_regular
 from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
 from shardgen.dataio.shards.upload import upload_state
 from shardgen.tools.runfiles import read_events

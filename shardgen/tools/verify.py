@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.prompts.plan import Plan, PlannedRow, file_sha256, sample_key
 from shardgen.dataio.prompts.read import PromptFileError
-from shardgen.dataio.rundir.layout import RunDirError, open_regular
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded

@@ -38,8 +38,9 @@ from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.rowsettings import RowRules, Shape, shapes_json
 from shardgen.dataio.prompts.truncation import TruncationCheck
-from shardgen.dataio.rundir.layout import (PLAN_TEMP_NAME, NotRegularFileError, RunDir, atomic_write_json,
-                                           host_name, open_regular, pid_alive, read_json)
+from shardgen.dataio.rundir.fileio import NotRegularFileError, atomic_write_json, open_regular, read_json
+from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir
+from shardgen.dataio.rundir.liveness import host_name, pid_alive
 from shardgen.dataio.rundir.remote import identity, is_url, open_input, public_url, sizeof
 from shardgen.errors import UserError
 

@@ -28,7 +28,9 @@ from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
-from shardgen.dataio.rundir.layout import RunDir, atomic_write_json, host_name
+from shardgen.dataio.rundir.fileio import atomic_write_json
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import open_input, public_url, sizeof
 from shardgen.errors import UserError
 

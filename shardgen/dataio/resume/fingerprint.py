@@ -18,8 +18,10 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, append_line, atomic_write_json, create_exclusive,
-                                           host_name, json_bytes, read_json, read_state)
+from shardgen.dataio.rundir.fileio import (append_line, atomic_write_json, create_exclusive, json_bytes, read_json, read_state)
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.liveness import host_name
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
 from shardgen.models import lora
@@ -48,7 +50,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "prompts.field": p.field, "prompts.seed_field": p.seed_field, "prompts.on_bad_row": p.on_bad_row,
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
-        "first_block_cache": cfg.get("first_block_cache", 0.0), "fp8": cfg.get("fp8", False),
+        "first_block_cache": cfg.first_block_cache, "fp8": cfg.fp8,
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
         **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
         **_strength(cfg),  # image-to-image runs only
@@ -68,9 +70,9 @@ def _dataset_fields(cfg: Any) -> dict:
     out = {}
     if cfg.get("signals"):
         out["signals"] = sorted(cfg.signals)
-    if cfg.prompts.get("on_truncation", "warn") != "warn":
+    if cfg.prompts.on_truncation != "warn":
         out["prompts.on_truncation"] = cfg.prompts.on_truncation
-    if cfg.prompts.get("max_prompt_chars", MAX_PROMPT_CHARS) != MAX_PROMPT_CHARS:
+    if cfg.prompts.max_prompt_chars != MAX_PROMPT_CHARS:
         out["prompts.max_prompt_chars"] = cfg.prompts.max_prompt_chars
     if cfg.prompts.get("row_settings"):  # which columns set pixels (their values: the prompt file's sha256)
         out["prompts.row_settings"] = list(cfg.prompts.row_settings)

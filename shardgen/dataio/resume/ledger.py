@@ -17,8 +17,9 @@ import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, map_io, open_regular,
-                                           read_regular)
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, map_io, open_regular, read_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.shardwork import all_checkpoints, committed_stats
 
 

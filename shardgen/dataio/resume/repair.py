@@ -29,8 +29,9 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_bytes, atomic_write_json,
-                                           map_io, open_regular, own_file_name, read_state, shard_name)
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, map_io, open_regular, read_state
+from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.container import get_container
 from shardgen.dataio.shards.shardwork import committed_stats, shard_stats, stats_from_samples
 from shardgen.dataio.shards.upload import uploaded_elsewhere

@@ -1,6 +1,8 @@
 """The run directory, the floor of dataio: where every file of a run lives and how it is written.
 
-layout.py (``RunDir``: every path of the run directory; atomic and exclusive writes, run_dir checks),
+layout.py (``RunDir``: every path of the run directory, its creation and clean-up; run_dir checks),
+fileio.py (atomic and exclusive writes, reads of regular files only), storage.py (``RunDirError``, ``DiskFullError``:
+what the storage refused, said so the user can fix it), liveness.py (host name, whether a recorded process runs),
 claims.py (a replica's lease on a shard), runlog.py (the run's event and rank logs), metrics.py (Prometheus files),
 slurm_jobs.py (asking SLURM whether a job has ended), remote.py (files at fsspec URLs: ranged reads, retries,
 ``StorageError``). Imports nothing else of dataio.
@@ -13,8 +15,8 @@ from shardgen.dataio import lazy_names
 if TYPE_CHECKING:
     from .claims import Claimer, FUTURE_TOLERANCE_S, HEARTBEAT_S, LEASE_S, owner_record, scan_claims
     from .remote import StorageError, bytes_read, is_url, public_url, redact_urls
-    from .layout import (RunDir, atomic_write_bytes, atomic_write_json, check_run_dir_text, check_run_root,
-                         create_exclusive, first_missing_dir, run_dir_arg)
+    from .fileio import atomic_write_bytes, atomic_write_json, create_exclusive
+    from .layout import RunDir, check_run_dir_text, check_run_root, first_missing_dir, run_dir_arg
     from .metrics import RankMetrics, exposition, read_rank_metrics
     from .runlog import attach_rank_log, detach_rank_log, log_to_file_only, read_jsonl, record_commit, record_launch
 

@@ -24,7 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, host_name, pid_alive, read_regular
+from shardgen.dataio.rundir.fileio import read_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.liveness import host_name, pid_alive
+from shardgen.dataio.rundir.storage import RunDirError
 
 CLAIM_BYTES = 1 << 16  # a claim record is a few hundred bytes
 

@@ -26,10 +26,9 @@ Layout (all names zero-padded shard ids)::
       stray/                    files found in shards/ named like a shard the plan does not have, moved out by
                                 repair (shardgen/dataio/resume/repair.py): loaders of shards/* never read them
 
-Every file other processes may read is written whole: temp file, fsync, atomic rename.
-That holds on NFS and Lustre, where rename within a directory is atomic. Nothing is ever
-written through a symlink: new files are created with O_EXCL (which never follows one) and
-renamed over the old name (which replaces a link, not its target).
+This module builds every path of the run directory (``RunDir``), creates and cleans it up, and checks a run_dir
+before anything is written. How its files are written and read (whole, atomically, never through a symlink) is
+fileio.py's; the errors the storage raises are storage.py's; whether a recorded process still runs is liveness.py's.
 
 Only a shardgen run is ever written into or cleaned up: a run_dir that exists, holds files and is
 neither marked by ``.shardgen-run`` nor laid out like a run of an older version (``fingerprint.json``,
@@ -41,316 +40,27 @@ and ``.plan-damaged~<host>~<pid>~<ns>``, and symlinks at the names of shardgen's
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import re
 import shutil
-import socket
-import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Iterable
 
-from shardgen.errors import UserError
+from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
+from shardgen.dataio.rundir.liveness import host_name, pid_alive
+from shardgen.dataio.rundir.storage import RunDirError
 
 LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
-_TMP_SEP = "~"          # temp names: .<name>~<host>~<pid>~<random>.tmp (the owner can be checked)
 RUN_MARKER = ".shardgen-run"  # the owner record of a run directory
 MARKER_VERSION = 1
-# the only names clean-up may remove: what shardgen's own writers and planners create
-TEMP_FILE_NAME = re.compile(r"\.[^~/]+~[^~/]+~[0-9]+~[A-Za-z0-9_]+\.tmp")
 _OWN_NAMES = {"shards": re.compile(r"[0-9]{6}\.(tar|stats\.json|parquet)"),
               "uploads": re.compile(r"[0-9]{6}\.json"),
               "work": re.compile(r"[0-9]{6}\.g[0-9]+\.(tar|ckpt\.json|index\.jsonl)"),
               "claims": re.compile(r"[0-9]{6}\.g[0-9]+"),
               "logs": re.compile(r"rank[0-9]+\.log|events\.[^/]+\.jsonl")}
 PLAN_TEMP_NAME = re.compile(r"\.plan-[^-/]+-[0-9]+-[A-Za-z0-9_]+|\.plan-damaged~[^~/]+~[0-9]+~[0-9]+")
-
-
-class RunDirError(UserError, RuntimeError):
-    """A run directory (or a file in it) that cannot be used as it is; the message names the file and the fix."""
-
-
-class DiskFullError(UserError, OSError):
-    """The storage refused a write (no space or inodes, quota, file size limit, a read-only file system, a folder or
-    file this user may not write: permission denied or an immutable flag); the message names the path (for a refused
-    permission the folder or file at fault), the free space where it applies, and the fix."""
-
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()
-
-
-def host_name() -> str:
-    """This host's name as it goes into run file names and records (temp files, claims, events): letters, digits,
-    ``.``, ``_`` and ``-`` only, so a name holding ``/``, ``~`` or ``..`` can neither leave the directory nor be
-    mistaken for a separator."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).strip(".") or "host"
-
-
-def _tmp_prefix(name: str) -> str:
-    return f".{name}{_TMP_SEP}{host_name()}{_TMP_SEP}{os.getpid()}{_TMP_SEP}"
-
-
-def temp_path(path: Path) -> Path:
-    """An unused temp name next to ``path`` in shardgen's pattern (``TEMP_FILE_NAME``), for writers that open
-    files by name (pyarrow): nothing exists there, so nothing is written through a link."""
-    import secrets
-
-    path = Path(path)
-    return path.with_name(f"{_tmp_prefix(path.name)}{secrets.token_hex(4)}.tmp")
-
-
-def free_space_text(path: Path) -> str:
-    """'12.3 GB free' on the filesystem of ``path`` (or '? free' where it cannot be measured)."""
-    try:
-        return f"{shutil.disk_usage(path).free / 1e9:.1f} GB free"
-    except OSError:
-        return "? free"
-
-
-# what the storage refused a write for, and what frees it: each a user error, never a traceback
-_STORAGE_FIXES = {errno.ENOSPC: "Free space (or inodes: df -i) or raise the quota",
-                  errno.EDQUOT: "Free space or raise the quota",
-                  errno.EFBIG: "Raise the file size limit (ulimit -f) or lower samples_per_shard",
-                  errno.EROFS: "Remount it writable or choose a run_dir on a writable file system"}
-
-
-_DENIED = (errno.EACCES, errno.EPERM)  # this user may not write there: its permissions, or an immutable flag
-_QUOTED_PATH = re.compile(r"'([^']*/[^']*)'")  # pyarrow names the file only in its text: "... local file '/r/x'. ..."
-
-
-def disk_full(e: BaseException, path: str | os.PathLike | None = None, need: int | None = None) -> DiskFullError | None:
-    """The user-facing error for a write the storage refused (no space or inodes, quota, file size limit, read-only
-    file system, permission denied) while writing ``path`` (default: the error's file name); None for other errors,
-    and for a refused permission that names no file (not a run file's: e.g. signalling another user's process)."""
-    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
-    if code is None and isinstance(e, OSError) and (m := re.search(r"\[errno (\d+)\]", str(e), re.I)):
-        code = int(m.group(1))  # pyarrow's write errors carry the errno in their text only
-    if code in _DENIED and isinstance(e, OSError):
-        path = path or getattr(e, "filename", None) or ((m := _QUOTED_PATH.search(str(e))) and m.group(1))
-        return _permission_denied(path, code) if path else None
-    if code not in _STORAGE_FIXES:
-        return None
-    path = path or getattr(e, "filename", None)
-    want = f"; about {need / 1e6:.1f} MB more were being written" if need else ""
-    free = f"; {free_space_text(Path(path).parent)} there" if path and code in (errno.ENOSPC, errno.EDQUOT) else ""
-    path = path or "a run file"
-    what = "no space left writing" if code in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
-    return DiskFullError(f"{what} {path} ({e.strerror or os.strerror(code)}{free}{want}). {_STORAGE_FIXES[code]}, "
-                         "then re-run the same command: the run resumes where it stopped.")
-
-
-def _permission_denied(path: str | os.PathLike, code: int) -> DiskFullError:
-    """The error for EACCES/EPERM on ``path``, naming what is at fault: a folder above it this user cannot enter, the
-    file itself where it exists and its folder is writable, or else (the usual case: a file being created, a temp
-    file, a rename) the folder it is in."""
-    target = Path(path)
-    where, what = target.parent, "not writable"
-    try:
-        blocked = next((d for d in reversed(target.parents) if d.is_dir() and not os.access(d, os.X_OK)), None)
-        if blocked is not None:
-            where, what = blocked, "not accessible"
-        elif os.path.lexists(target) and os.access(target.parent, os.W_OK | os.X_OK):
-            if not os.access(target, os.W_OK, follow_symlinks=False):
-                where = target
-            elif not os.access(target, os.R_OK, follow_symlinks=False):
-                where, what = target, "not readable"
-    except (OSError, ValueError):
-        pass
-    flag = (" or clear its immutable flag (lsattr -d, chattr -i)" if code == errno.EPERM else "")
-    return DiskFullError(f"{where} is {what} by this user ({os.strerror(code).lower()}); fix its permissions (or run "
-                         f"as its owner){flag} and re-run the same command: the run resumes where it stopped")
-
-
-def storage_error(e: BaseException) -> DiskFullError | None:
-    """``disk_full`` of ``e`` or of an error it was raised from (a writer thread's error, re-raised wrapped)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, DiskFullError):
-            return e
-        if full := disk_full(e):
-            return full
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
-
-    The temp file is created fresh (O_EXCL) and renamed over ``path``: a symlink at ``path`` is
-    replaced, never written through."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError) and (full := disk_full(e, path, len(data))):
-            raise full from None
-        raise
-
-
-def json_bytes(obj: Any) -> bytes:
-    """Standard JSON (no NaN/Infinity), indented, keys sorted: the form of every run-state file."""
-    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode()
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON."""
-    atomic_write_bytes(path, json_bytes(obj))
-
-
-def create_exclusive(path: Path, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` whole, only if nothing (not even a symlink) is there; False if
-    something is. The content is written under a temp name and hard-linked into place, so a reader
-    never sees a partial file and of two racing creators exactly one wins (link is atomic on NFS too)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            return _create_excl_fallback(path, data)  # filesystems without hard links
-        return True
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-
-
-def _create_excl_fallback(path: Path, data: bytes) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return True
-
-
-def open_fresh(path: Path) -> int:
-    """A new empty file at ``path`` opened read-write, never through a symlink: whatever is at
-    ``path`` (a stale file, or a link planted there) is unlinked first; the caller owns the name."""
-    path = Path(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-
-
-class NotRegularFileError(RunDirError, OSError):
-    """A run file that is a FIFO, a device, a socket or a directory: never read (reading a FIFO blocks until
-    someone writes into it). An OSError too, so readers that skip an unreadable file skip it."""
-
-
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
-
-
-def open_regular(path: str | os.PathLike, *, follow: bool = True, buffering: int = -1) -> BinaryIO:
-    """``path`` opened for reading, only if it is a regular file: the one way run files are opened for reading.
-
-    The open never blocks (O_NONBLOCK: a FIFO opens at once and is refused by its type); ``follow=False`` refuses
-    a symlink too (O_NOFOLLOW). NotRegularFileError names the file, what it is and the fix; a missing file raises
-    FileNotFoundError as ``open`` does."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow:
-            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link "
-                                      "(the next launch repairs what it can)") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
-            raise NotRegularFileError(f"{path} is {kind}, not a regular file, so it is not read (a FIFO would block "
-                                      "the reader). Move it away and put the file it should be there (in a run "
-                                      "directory: the next launch repairs what it can)")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=buffering)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-MAX_RUN_FILE_BYTES = 1 << 30
-"""What ``read_regular`` reads of a run file at most unless told otherwise (far above any JSON or log shardgen
-writes; a run file of more is damaged or not shardgen's, and is not read into memory)."""
-
-
-def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int = MAX_RUN_FILE_BYTES) -> bytes:
-    """The bytes of a regular file (``open_regular``: never blocks, never a FIFO or a device); RunDirError when it
-    holds more than ``limit`` bytes (checked before reading, and no more than ``limit`` + 1 bytes are read: a file
-    growing meanwhile is cut, and fails its parse)."""
-    with open_regular(path, follow=follow) as f:
-        if os.fstat(f.fileno()).st_size > limit:
-            raise RunDirError(f"{path} is {os.fstat(f.fileno()).st_size} bytes, more than a file of its kind holds "
-                              f"({limit}); it is damaged or not shardgen's. Move it away")
-        return f.read(limit + 1)
-
-
-def read_json(path: Path) -> Any:
-    """Read a JSON file (a regular file only: ``open_regular``)."""
-    return json.loads(read_regular(path))
-
-
-def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
-    """A run-state JSON file, or RunDirError naming it: missing, a symlink, empty, not JSON (or not
-    standard JSON), or lacking a required key of the required type."""
-    path = Path(path)
-    if path.is_symlink():
-        raise RunDirError(f"{path} is a symlink; run files must be regular files")
-    try:
-        data = read_regular(path, follow=False)
-    except FileNotFoundError:
-        raise RunDirError(f"{path} is missing") from None
-    if not data.strip():
-        raise RunDirError(f"{path} is empty")
-    try:
-        obj = json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise RunDirError(f"{path} is not valid JSON ({e})") from None
-    for key, typ in (required or {}).items():
-        if not isinstance(obj, dict) or not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool) != (typ is bool):
-            raise RunDirError(f"{path} has no valid {key!r} (another version, or damaged)")
-    return obj
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not standard JSON")
 
 
 def shard_name(shard: int) -> str:
@@ -527,9 +237,20 @@ class RunDir:
         return self.root / "preview.png"
 
     @property
+    def calibration_path(self) -> Path:
+        """The quality gate's figures (``calibrate_samples``, shardgen/quality/gate.py), written by the job."""
+        return self.root / "calibration.json"
+
+    @property
+    def compare_path(self) -> Path:
+        """``jobs.compare``'s figures against a reference run (shardgen/quality/compare.py)."""
+        return self.root / "compare.json"
+
+    @property
     def tool_outputs(self) -> tuple[Path, ...]:
-        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``)."""
-        return self.preview_path, self.report_path
+        """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``,
+        ``jobs.compare``)."""
+        return self.preview_path, self.report_path, self.compare_path
 
     @property
     def marker_path(self) -> Path:
@@ -666,40 +387,15 @@ class RunDir:
 
 
 def _leftover(path: Path, name: str, max_age_s: float) -> bool:
-    parts = name.split(_TMP_SEP)
-    if len(parts) == 4 and parts[1] == host_name() and parts[2].isdigit():
-        pid = int(parts[2])
+    owner = temp_owner(name)
+    if owner is not None and owner[0] == host_name():
+        pid = owner[1]
         if pid != os.getpid() and not pid_alive(pid):
             return True
     try:
         return time.time() - path.lstat().st_mtime > max_age_s
     except FileNotFoundError:
         return False
-
-
-IO_THREADS = 16  # concurrent small reads of run files: enough to hide a network filesystem's round trips
-
-
-def map_io(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, run by IO_THREADS threads when there are many: each read of a run file is a
-    round trip to the file server on NFS or Lustre, and 100k of them one after another take minutes."""
-    if len(items) < 64:
-        return [fn(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="shardgen-io") as pool:
-        return list(pool.map(fn, items, chunksize=256))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def own_file_name(directory: str, name: str) -> bool:
@@ -795,29 +491,3 @@ def check_run_root(root: Path) -> bool:
                       f"Choose another run_dir (e.g. run_dir={root / 'run'})")
 
 
-def open_append(path: str | os.PathLike) -> int:
-    """A descriptor appending to the regular file ``path`` (created if missing): never through a symlink and never
-    blocking (opening a FIFO for writing waits for a reader); NotRegularFileError naming anything else there."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise NotRegularFileError(f"{path} is a symlink; run files must be regular files. Delete the link") from None
-        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
-            raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it "
-                                      "away") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotRegularFileError(f"{path} is not a regular file; run files must be regular files. Move it away")
-    os.set_blocking(fd, True)
-    return fd
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append one line to a log-like run file (O_APPEND, never through a symlink, never blocking), durably."""
-    fd = open_append(path)
-    with os.fdopen(fd, "ab") as f:
-        f.write((line.rstrip("\n") + "\n").encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())

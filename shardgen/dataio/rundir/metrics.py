@@ -19,7 +19,9 @@ from typing import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, atomic_write_bytes, read_regular
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, read_regular
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 
 log = logging.getLogger("shardgen")
 LABELS = ("run", "rank", "replica", "host", "job")

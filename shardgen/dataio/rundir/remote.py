@@ -298,6 +298,6 @@ def open_input(path: Any, buffering: int = -1):
     only a regular file, ``open_regular``: a FIFO in its place is refused, not waited on)."""
     if is_url(path):
         return open_remote(str(path))
-    from shardgen.dataio.rundir.layout import open_regular
+    from shardgen.dataio.rundir.fileio import open_regular
 
     return open_regular(path, buffering=buffering)

@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import (RunDir, append_line, host_name, is_run_dir, open_append,
-                                           read_regular)
+from shardgen.dataio.rundir.fileio import append_line, open_append, read_regular
+from shardgen.dataio.rundir.layout import RunDir, is_run_dir
+from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import redact_urls
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

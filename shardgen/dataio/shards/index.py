@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Iterable
 
 from shardgen.dataio.prompts.samplejson import input_fields
-from shardgen.dataio.rundir.layout import RunDir, open_regular, shard_name, temp_path
+from shardgen.dataio.rundir.fileio import open_regular, temp_path
+from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.shards.formats import image_ext
 from shardgen.dataio.shards.uploaded import local_or_fetched, only_uploaded
 from shardgen.errors import UserError

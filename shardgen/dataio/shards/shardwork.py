@@ -14,8 +14,9 @@ from typing import Callable
 from shardgen.dataio.shards import index as shard_index
 from shardgen.dataio.prompts.plan import sample_key
 from shardgen.dataio.prompts.rowsettings import shape_label
-from shardgen.dataio.rundir.layout import (DiskFullError, RunDir, RunDirError, atomic_write_json, open_regular,
-                                           read_state)
+from shardgen.dataio.rundir.fileio import atomic_write_json, open_regular, read_state
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import DiskFullError, RunDirError
 from shardgen.dataio.shards.container import PartialShard, get_container
 from shardgen.dataio.shards.tarshard import fsync_dir
 from shardgen.dataio.shards.uploaded import record_stats

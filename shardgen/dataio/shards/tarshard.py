@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardgen.dataio.rundir.layout import disk_full, open_fresh, open_regular
+from shardgen.dataio.rundir.fileio import open_fresh, open_regular
+from shardgen.dataio.rundir.storage import disk_full
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)

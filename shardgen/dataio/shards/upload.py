@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.layout import (RunDir, RunDirError, atomic_write_json, create_exclusive, json_bytes,
-                                           read_json)
+from shardgen.dataio.rundir.fileio import atomic_write_json, create_exclusive, json_bytes, read_json
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
 from shardgen.dataio.shards import index as shard_index
@@ -101,8 +102,8 @@ class ShardUploader:
     @classmethod
     def from_cfg(cls, cfg: Any, run: RunDir) -> "ShardUploader | None":
         """The run's uploader (None without ``output_uri``)."""
-        uri = cfg.get("output_uri")
-        return cls(run, uri, keep_local=cfg.get("keep_local", True)) if uri else None
+        uri = cfg.output_uri
+        return cls(run, uri, keep_local=cfg.keep_local) if uri else None
 
     def check(self) -> None:
         """Before planning or loading any model: ``uri`` takes a write (a probe object written and removed);

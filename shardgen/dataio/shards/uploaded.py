@@ -16,7 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.layout import RunDir, RunDirError, read_state, shard_name
+from shardgen.dataio.rundir.fileio import read_state
+from shardgen.dataio.rundir.layout import RunDir, shard_name
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import PERMANENT_CODES, call, filesystem, permanent_reason, retrying
 
 # what a record must hold to stand in for a shard's local files

@@ -1,0 +1,93 @@
+"""Lossless against lossy, whole runs as a user launches them, with the fidelity beside each speed.
+
+    python benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --out $OUT/flux_dev
+
+One process per way, in this order, on one prompt file of captions of 1 to 200 words
+(``shardgen.bench.main.bench_prompts``), each on a fresh ``$SHARDGEN_CACHE`` (a first job on a new node):
+
+- ``bf16``: ``python -m jobs.generate`` with default settings (lossless);
+- ``fp8``: the same with ``fp8=true``;
+- ``fp8-compiled`` (only with ``--compiled``): ``fp8=true compile=true``;
+- ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (8-bit attention), alone and with fp8.
+
+Each way's whole-process wall time (interpreter start, model build, planning, any compilation, the last commit),
+its steady s/sample from the job's compile summary line, and for each lossy way ``jobs.compare`` against ``bf16``:
+per-sample PSNR and SSIM, median and worst. On dummy weights these measure numerical error, not image quality.
+Results: ``summary.json`` and one log per process under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from real_runs import parse_job, timed  # noqa: E402
+
+WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"],
+        "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"]}
+
+
+def fidelity(run_dir: Path, reference: Path) -> dict:
+    """jobs.compare's summary of ``run_dir`` against ``reference``."""
+    from shardgen.dataio.rundir import RunDir
+    from shardgen.quality.compare import compare_runs
+
+    try:
+        s = compare_runs(RunDir(run_dir), RunDir(reference)).summary()
+    except Exception as e:  # noqa: BLE001 - a figure missing, the speed figures stay
+        return {"compare_error": f"{type(e).__name__}: {e}"[:300]}
+    return {"psnr_db": s["psnr_db"], "ssim": s["ssim"], "compared": s["compared"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--n", type=int, default=24)
+    ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
+    ap.add_argument("--compiled", action="store_true", help="also fp8=true compile=true")
+    ap.add_argument("--ways", default=None, help="comma-separated ways (default bf16,fp8[,fp8-compiled])")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (every way)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from shardgen.bench.main import bench_prompts
+
+    out = Path(a.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in bench_prompts(a.n)), encoding="utf-8")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    job = [sys.executable, "-m", "jobs.generate", f"model={a.model}", f"model.weights={a.weights}", "prompts=txt",
+           f"prompts.path={prompts}", f"steps={a.steps}", "progress=false", *a.overrides]
+    ways = a.ways.split(",") if a.ways else ["bf16", "fp8"] + (["fp8-compiled"] if a.compiled else [])
+    res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
+    for way in ways:
+        for d in (f"run-{way}", f"cache-{way}"):
+            shutil.rmtree(out / d, ignore_errors=True)
+        wall, rc, log = timed(job + [f"run_dir={out / ('run-' + way)}", *WAYS[way]], out / f"{way}.log",
+                              dict(env, SHARDGEN_CACHE=str(out / f"cache-{way}")))
+        r = dict(parse_job(log), rc=rc, wall_s=round(wall, 1), n=a.n, images_per_hour=round(3600 * a.n / wall))
+        if rc != 0:
+            r["tail"] = log[-1500:]
+        if way != "bf16" and (out / "run-bf16").is_dir():
+            r.update(fidelity(out / f"run-{way}", out / "run-bf16"))
+        res[way] = r
+        (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
+    if res.get("bf16", {}).get("rc") == 0:
+        for way in ways[1:]:
+            if res[way].get("rc") == 0:
+                res[way]["x_bf16_whole"] = round(res["bf16"]["wall_s"] / res[way]["wall_s"], 3)
+    (out / "summary.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "argv"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Fused FLUX blocks, compiled and eager: the memory-bound work around the matmuls, done in fewer passes.
+
+Under regional compilation, inductor already fuses the FLUX blocks' elementwise chains, but three
+patterns stay expensive on an H100/H200 (measured with ``benchmarks/probe_transformer.py``):
+
+- **q/k RMSNorm + RoPE + the attention layout**: inductor emits a looped reduction that reads q and k
+  twice and writes them transposed for SDPA at ~1.4 TB/s. ``rms_rope`` does it in one pass per
+  (tokens x head) tile with a Triton kernel: RMSNorm in fp32, rounded to bf16 where eager rounds
+  (after the weight), RoPE in fp32 on the rounded values, written straight into the (batch, heads,
+  tokens, head_dim) layout that SDPA reads, text and image parts of the joint sequence into one buffer.
+  Its numerics are eager diffusers' (``torch.nn.RMSNorm`` then ``apply_rotary_emb``); off CUDA (or
+  without Triton) the op runs exactly those torch ops.
+- **the MLP up-projection's tanh-GELU**: computed in cuBLASLt's GEMM epilogue
+  (``torch._addmm_activation(use_gelu=True)``) from the fp32 accumulator, instead of a separate pass
+  over the 12288-wide activation.
+- **the single-stream block's ``proj_out(cat([attn, mlp]))``**: the concatenation copies a
+  15360-wide activation per block; two GEMMs over the two parts (the weight's column blocks) summed in
+  the block's fused residual kernel compute the same product without it (one more bf16 rounding of a
+  partial sum: bf16 noise).
+
+Eagerly on CUDA (``compile=false``, a ``compile: auto`` process before or without its switch) the blocks also do
+what inductor's fusion does compiled: each adaLN LayerNorm + modulation in one Triton pass (``ln_modulate``,
+rounding where eager rounds), each gated residual in one ``addcmul``, and the single block's second ``proj_out``
+GEMM accumulating into the first's output. Off CUDA every op is eager diffusers' own.
+
+``enable(transformer)`` swaps the attention processors and returns the block forwards that
+``shardgen.speed.accel.compile_blocks`` compiles instead of the blocks' own; ``disable`` restores them. Only
+plain ``FluxTransformer2DModel`` blocks with diffusers' own ``FluxAttnProcessor``, the native attention
+backend and no context/tensor-parallel config are touched; anything else keeps the stock forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps, norm_weight, one_eps,
+                                         processor_problem, restore_processors, rms_rope, swap_processors)
+
+log = logging.getLogger("shardgen.flux_fused")
+
+COMPILED = True
+"""Compiled blocks compile these forwards too (inductor leaves the three patterns above slow)."""
+EAGER_DEVICES = ("cuda",)
+"""Where the eager-only fusions run (elsewhere the stock ops keep eager diffusers' exact bytes)."""
+
+# --- the attention processor ------------------------------------------------------------------------
+
+class FusedFluxAttnProcessor:
+    """diffusers' ``FluxAttnProcessor`` (no mask, no IP adapter, native SDPA) with q/k RMSNorm + RoPE
+    + layout in one op per tensor (``rms_rope``)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, fallback):
+        self.fallback = fallback  # the processor it replaced: takes any call this one does not handle
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None, **kwargs):
+        if attention_mask is not None or image_rotary_emb is None or kwargs or not one_eps(attn):
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                                 **kwargs)
+        cos, sin = image_rotary_emb
+        heads_dim = (-1, attn.head_dim)
+        q = attn.to_q(hidden_states).unflatten(-1, heads_dim)
+        k = attn.to_k(hidden_states).unflatten(-1, heads_dim)
+        v = attn.to_v(hidden_states).unflatten(-1, heads_dim)
+        qs, ks, vs = [q], [k], [v]
+        wq, wk = [norm_weight(attn.norm_q, q)], [norm_weight(attn.norm_k, k)]
+        joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if joint:  # text tokens first, as diffusers joins them
+            qs.insert(0, attn.add_q_proj(encoder_hidden_states).unflatten(-1, heads_dim))
+            ks.insert(0, attn.add_k_proj(encoder_hidden_states).unflatten(-1, heads_dim))
+            vs.insert(0, attn.add_v_proj(encoder_hidden_states).unflatten(-1, heads_dim))
+            wq.insert(0, norm_weight(attn.norm_added_q, q))
+            wk.insert(0, norm_weight(attn.norm_added_k, k))
+        eps = norm_eps(attn.norm_q, q.dtype)
+        query = rms_rope(qs, wq, cos, sin, eps)
+        key = rms_rope(ks, wk, cos, sin, eps)
+        value = (torch.cat(vs, dim=1) if joint else v).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, key, value)
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text = encoder_hidden_states.shape[1]
+        encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
+        out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+        return out, attn.to_add_out(encoder_out.contiguous())
+
+
+# --- block forwards ------------------------------------------------------------------------------------
+
+def single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                         joint_attention_kwargs=None):
+    """``FluxSingleTransformerBlock.forward`` with the GELU in the GEMM epilogue and ``proj_out`` over
+    the concatenation computed as two GEMMs (no 15360-wide copy)."""
+    return _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                         joint_attention_kwargs, split=True)
+
+
+def single_block_forward_cat(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                             joint_attention_kwargs=None):
+    """As ``single_block_forward`` but ``proj_out`` over the concatenation, as diffusers does it."""
+    return _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                         joint_attention_kwargs, split=False)
+
+
+def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
+                  split: bool):
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    if split and _eager_fusable(hidden_states, self.norm) and type(self.proj_out) is torch.nn.Linear:
+        hidden_states = _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = gelu_up(self.proj_mlp, norm_hidden_states)
+    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                            **(joint_attention_kwargs or {}))
+    if split and type(self.proj_out) is torch.nn.Linear:
+        dim, w = attn_output.shape[-1], self.proj_out.weight
+        proj = F.linear(attn_output, w[:, :dim], self.proj_out.bias) + F.linear(mlp_hidden_states, w[:, dim:])
+    else:
+        proj = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    hidden_states = residual + gate.unsqueeze(1) * proj
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    text, image = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    if torch.compiler.is_compiling():
+        # the first single block gets the double blocks' contiguous outputs, the others these views (batch
+        # stride text + image tokens): dynamo's stride guards made that two graphs of this block, each compiled
+        # from scratch on a fresh cache. Contiguous halves keep one graph; inductor can write them from the
+        # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
+        text, image = text.contiguous(), image.contiguous()
+    return text, image
+
+
+def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """The single block's body eagerly on CUDA: LayerNorm + modulation in one pass, ``proj_out``'s second GEMM
+    accumulating into the first's output (no sum pass), the gated residual in one ``addcmul``."""
+    normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
+    mlp_hidden_states = gelu_up(self.proj_mlp, normed)
+    attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    dim, w = attn_output.shape[-1], self.proj_out.weight
+    proj = F.linear(attn_output, w[:, :dim], self.proj_out.bias)
+    proj.view(-1, proj.shape[-1]).addmm_(mlp_hidden_states.reshape(-1, mlp_hidden_states.shape[-1]), w[:, dim:].t())
+    hidden_states = gated(hidden_states, gate[:, None], proj)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
+
+
+def _plain_layer_norm(norm: torch.nn.Module) -> bool:
+    return type(norm) is torch.nn.LayerNorm and not norm.elementwise_affine
+
+
+def _eager_fusable(x: torch.Tensor, *norms: torch.nn.Module) -> bool:
+    """The eager-only fusions apply: a CUDA tensor outside a compiler's trace (compiled, inductor fuses these passes
+    with their neighbours itself, and better), adaLN modules (``AdaLayerNormZero``/``...Single``) without their own
+    embedding, and plain LayerNorms (no weight): ``ln_modulate``'s arithmetic."""
+    if x.device.type not in EAGER_DEVICES or torch.compiler.is_compiling():
+        return False
+    for norm in norms:
+        inner = getattr(norm, "norm", norm)
+        if getattr(norm, "emb", None) is not None or not _plain_layer_norm(inner):
+            return False
+    return True
+
+
+def _ada_norm(norm: torch.nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int):
+    """diffusers' ``AdaLayerNormZero`` (``chunks=6``) or ``AdaLayerNormZeroSingle`` (3) with its LayerNorm and
+    modulation in one pass: (the modulated ``x``, the other modulation tensors)."""
+    mods = norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+    return ln_modulate(x, mods[0][:, None], mods[1][:, None], norm.norm.eps), mods[2:]
+
+
+def _compiled_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A single block's arguments as the compiled blocks pass them (contiguous halves, above), for a background
+    compilation that captured them from the eager blocks' views (``background.DeferredForward``)."""
+    def contiguous(v):
+        return v.contiguous() if isinstance(v, torch.Tensor) else v
+    return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
+
+
+single_block_forward.compiled_args = _compiled_args
+single_block_forward_cat.compiled_args = _compiled_args
+
+
+def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                         joint_attention_kwargs=None):
+    """``FluxTransformerBlock.forward`` with both MLPs' GELU in the GEMM epilogue (eagerly on CUDA also the
+    LayerNorm + modulation passes and the gated residuals fused: ``_double_block_eager``)."""
+    if _eager_fusable(hidden_states, self.norm1, self.norm1_context, self.norm2, self.norm2_context):
+        return _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb)
+    attention_outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states,
+                                  image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    attn_output, context_attn_output = attention_outputs[:2]
+    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff, norm_hidden_states)
+    if len(attention_outputs) == 3:
+        hidden_states = hidden_states + attention_outputs[2]
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+    norm_encoder_hidden_states = (self.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None])
+                                  + c_shift_mlp[:, None])
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * gelu_feed_forward(self.ff_context,
+                                                                                   norm_encoder_hidden_states)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
+    ``addcmul`` (compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
+    normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(self.norm1, hidden_states, temb, 6)
+    c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = _ada_norm(self.norm1_context,
+                                                                             encoder_hidden_states, temb, 6)
+    attention_outputs = self.attn(hidden_states=normed, encoder_hidden_states=c_normed,
+                                  image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    attn_output, context_attn_output = attention_outputs[:2]
+    hidden_states = gated(hidden_states, gate_msa[:, None], attn_output)
+    ff = gelu_feed_forward(self.ff, ln_modulate(hidden_states, shift_mlp[:, None], scale_mlp[:, None],
+                                                self.norm2.eps))
+    hidden_states = gated(hidden_states, gate_mlp[:, None], ff)
+    if len(attention_outputs) == 3:
+        hidden_states = hidden_states + attention_outputs[2]
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa[:, None], context_attn_output)
+    ff = gelu_feed_forward(self.ff_context, ln_modulate(encoder_hidden_states, c_shift_mlp[:, None],
+                                                        c_scale_mlp[:, None], self.norm2_context.eps))
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp[:, None], ff)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+_FORWARDS = {"FluxSingleTransformerBlock": single_block_forward, "FluxTransformerBlock": double_block_forward}
+
+
+# --- switching it on and off ---------------------------------------------------------------------------
+
+def applicable(transformer: torch.nn.Module) -> str | None:
+    """None when the fused blocks can replace this transformer's, else why not."""
+    if type(transformer).__name__ != "FluxTransformer2DModel":
+        return f"{type(transformer).__name__} is not FluxTransformer2DModel"
+    return processor_problem(transformer, ("FluxAttnProcessor",), (FusedFluxAttnProcessor,))
+
+
+def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[torch.nn.Module, Any]:
+    """Swap in the fused attention processors; {block: fused forward (bound)} for the compiler.
+    Empty (nothing touched) when ``applicable`` says no. ``split_proj_out=False`` keeps the single
+    blocks' concatenation (bit-closer to eager, a little slower)."""
+    why = applicable(transformer)
+    if why is not None:
+        log.info("fused FLUX blocks not used: %s", why)
+        return {}
+    swap_processors(transformer, {"FluxAttnProcessor": FusedFluxAttnProcessor})
+    forwards = {}
+    for mod in transformer.modules():
+        fwd = _FORWARDS.get(type(mod).__name__)
+        if fwd is single_block_forward and not split_proj_out:
+            fwd = single_block_forward_cat
+        if fwd is not None:
+            forwards[mod] = types.MethodType(fwd, mod)
+    return forwards
+
+
+def disable(transformer: torch.nn.Module) -> None:
+    """Put diffusers' own processors back (the compiler restores the forwards)."""
+    restore_processors(transformer)

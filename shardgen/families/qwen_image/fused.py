@@ -1,0 +1,141 @@
+"""Fused Qwen-Image blocks for the eager path: the memory-bound work between the matmuls in fewer passes.
+
+Compiled, inductor fuses Qwen-Image's elementwise chains itself; eagerly (``compile=false``, a ``compile: auto``
+process that stays eager or has not switched yet) each is a string of separate passes over (batch, 4096, 3072)
+activations and the 12288-wide MLP. The fused block forward does the same arithmetic in fewer passes, with the
+kernels of the FLUX blocks (shardgen/speed/fused_kernels.py):
+
+- **LayerNorm + modulation** (``LayerNorm(x) * (1 + scale) + shift``) in one pass, rounding where eager does;
+- **gated residuals** (``x + gate * y``) in one ``addcmul``;
+- **the MLP's tanh-GELU** in the up-projection's GEMM epilogue;
+- **q/k RMSNorm + RoPE + the attention layout** in one pass per tensor (``fused_qk``, called by Qwen's prefix
+  attention processor, shardgen/families/qwen_image/speed.py, while the RoPE frequencies are diffusers' complex ones; compiled
+  blocks take real frequencies and keep their own path).
+
+Off CUDA every op runs eager diffusers' torch ops. Blocks called with ``modulate_index`` or made with
+``zero_cond_t`` (the edit models' per-token modulation) run diffusers' forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, layer_norm_problem, ln_modulate, norm_eps,
+                                         norm_weight, one_eps, rms_rope)
+
+log = logging.getLogger("shardgen.qwen_fused")
+
+COMPILED = False
+"""Compiled blocks compile diffusers' own forwards: inductor fuses these passes itself."""
+
+
+def _mod(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shift, scale, gate) of one modulation, each (batch, 1, dim), as diffusers' ``_modulate`` splits them."""
+    return tuple(p.unsqueeze(1) for p in params.chunk(3, dim=-1))
+
+
+def block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                  image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
+    """``QwenImageTransformerBlock.forward`` with fused LayerNorm+modulation, gated residuals and GELU."""
+    if modulate_index is not None or getattr(self, "zero_cond_t", False):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                                  image_rotary_emb, joint_attention_kwargs, modulate_index)
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+    (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod1), _mod(txt_mod1)
+    eps = self.img_norm1.eps
+    img_attn, txt_attn = self.attn(hidden_states=ln_modulate(hidden_states, shift, scale, eps),
+                                   encoder_hidden_states=ln_modulate(encoder_hidden_states, c_shift, c_scale, eps),
+                                   encoder_hidden_states_mask=encoder_hidden_states_mask,
+                                   image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = gated(hidden_states, gate, img_attn)
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate, txt_attn)
+    (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod2), _mod(txt_mod2)
+    mlp = gelu_feed_forward(self.img_mlp, ln_modulate(hidden_states, shift, scale, eps))
+    hidden_states = gated(hidden_states, gate, mlp)
+    mlp = gelu_feed_forward(self.txt_mlp, ln_modulate(encoder_hidden_states, c_shift, c_scale, eps))
+    encoder_hidden_states = gated(encoder_hidden_states, c_gate, mlp)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+# --- q/k RMSNorm + RoPE ------------------------------------------------------------------------------------
+
+def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen's complex (tokens, head_dim/2) frequencies as FLUX-style interleaved (tokens, head_dim) cos and sin:
+    the rotation of each consecutive channel pair (the complex number Qwen's RoPE multiplies)."""
+    return (freqs.real.float().repeat_interleave(2, dim=-1).contiguous(),
+            freqs.imag.float().repeat_interleave(2, dim=-1).contiguous())
+
+
+def fused_qk_applies(attn, image_rotary_emb, query: torch.Tensor) -> bool:
+    """Whether ``fused_qk`` can stand for the processor's norms and RoPE: CUDA, complex frequencies (the eager
+    path), every q/k norm present with one epsilon."""
+    if not query.is_cuda or image_rotary_emb is None:
+        return False
+    img_freqs, txt_freqs = image_rotary_emb
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    return (isinstance(img_freqs, torch.Tensor) and img_freqs.is_complex() and txt_freqs.is_complex()
+            and all(n is not None for n in norms) and one_eps(attn))
+
+
+_TABLES = WeakIdKeyDictionary()  # image freqs -> (their version, text freqs, the four joint tables)
+
+
+def _joint_tables(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(query cos, query sin) over [text, image] and (key cos, key sin) over [image, text]. Every block of a
+    transformer call gets the same frequency tensors, so the tables are made once per call, not once per block."""
+    hit = _TABLES.get(img_freqs)
+    if hit is None or hit[0] != img_freqs._version or hit[1] is not txt_freqs:
+        (img_cos, img_sin), (txt_cos, txt_sin) = _cos_sin(img_freqs), _cos_sin(txt_freqs)
+        hit = _TABLES[img_freqs] = (img_freqs._version, txt_freqs,
+                                    torch.cat([txt_cos, img_cos]), torch.cat([txt_sin, img_sin]),
+                                    torch.cat([img_cos, txt_cos]), torch.cat([img_sin, txt_sin]))
+    return hit[2:]
+
+
+def fused_qk(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processor's q/k RMSNorm and RoPE in one op per tensor: queries ordered [text, image], keys [image,
+    text] (prefix attention's order), each (batch, heads, tokens, head_dim) contiguous (``fused_qk_applies``
+    first)."""
+    q_cos, q_sin, k_cos, k_sin = _joint_tables(*image_rotary_emb)
+    eps = norm_eps(attn.norm_q, img_q.dtype)
+    query = rms_rope([txt_q, img_q], [norm_weight(attn.norm_added_q, txt_q), norm_weight(attn.norm_q, img_q)],
+                     q_cos, q_sin, eps)
+    key = rms_rope([img_k, txt_k], [norm_weight(attn.norm_k, img_k), norm_weight(attn.norm_added_k, txt_k)],
+                   k_cos, k_sin, eps)
+    return query, key
+
+
+# --- switching it on and off -------------------------------------------------------------------------------
+
+def applicable(transformer: torch.nn.Module) -> str | None:
+    """None when the fused block forwards can replace this transformer's, else why not."""
+    if type(transformer).__name__ != "QwenImageTransformer2DModel":
+        return f"{type(transformer).__name__} is not QwenImageTransformer2DModel"
+    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+        return "its weights are DTensors (tensor parallel)"
+    return layer_norm_problem(transformer)
+
+
+def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
+    """{block: fused forward (bound)}; empty when ``applicable`` says no. The attention processors are Qwen's
+    speed hooks' (shardgen/families/qwen_image/speed.py), not touched here."""
+    why = applicable(transformer)
+    if why is not None:
+        log.info("fused Qwen-Image blocks not used: %s", why)
+        return {}
+    return {mod: types.MethodType(block_forward, mod) for mod in transformer.modules()
+            if type(mod).__name__ == "QwenImageTransformerBlock"}
+
+
+def disable(transformer: torch.nn.Module) -> None:
+    """Nothing to restore here (the caller restores the forwards)."""

@@ -1,0 +1,8 @@
+"""Fidelity: what a lossy setting (``fp8``, ``first_block_cache``) costs against the lossless run of the same plan.
+
+- metrics.py: PSNR and SSIM of two images (or two videos, frame by frame).
+- compare.py: a run against a reference run of the same prompts, seeds and sizes, sample by sample
+  (``python -m jobs.compare``), written into the run as ``quality/compare.json`` for ``jobs.report``.
+- gate.py: the in-job calibration (``quality.calibrate``): the first samples made losslessly and lossily, and the
+  job stopped (or made lossless) before it spends the run when they differ by more than the thresholds.
+"""

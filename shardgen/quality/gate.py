@@ -1,0 +1,135 @@
+"""The in-job quality gate (``calibrate_samples``): before a lossy run spends its GPU hours, its first prompts are
+made losslessly and lossily, compared (PSNR, SSIM), and the run goes on, stops in one line, or goes on losslessly
+(``calibrate_fallback``) as the bounds say. The figures join every sample's provenance and
+``RUN_DIR/calibration.json``.
+
+The lossless samples come first, while the weights are still the lossless ones: fp8 converts the transformer in
+place, so the lossy pass needs no second copy of the model. Every rank of a replica runs the same rows in the same
+order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The calibration
+samples are not committed: the run makes its first prompts again in their shards (2N samples of extra work per
+replica and launch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from shardgen.errors import UserError
+from shardgen.pick import pick
+from shardgen.quality.metrics import psnr, ssim, summarize
+
+log = logging.getLogger("shardgen.quality")
+
+FALLBACKS = ("stop", "lossless")
+CONFIG_KEYS = {"sdpa": "sdpa_backend"}  # a lossy option's config key where it differs from its AccelOptions field
+
+
+class CalibrationFailed(UserError, RuntimeError):
+    """The lossy setting's calibration samples are below a bound and ``calibrate_fallback=stop``; ``record``: the
+    figures (written into the run before the job ends)."""
+
+    record: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The gate's settings (QualityConfig's keys)."""
+
+    calibrate_samples: int = 0
+    calibrate_min_psnr: float = 0.0
+    calibrate_min_ssim: float = 0.0
+    calibrate_fallback: str = "stop"
+
+
+def lossless(accel: Any) -> Any:
+    """``accel`` (AccelOptions) with every lossy option at its default (off)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(accel)}
+    return dataclasses.replace(accel, **{name: defaults[name] for name in accel.lossy})
+
+
+def first_rows(plan: Any, n: int) -> list:
+    """The plan's first ``n`` rows that are made (no rejected row), from shard 0 on."""
+    from shardgen.dataio.resume import checked_rows
+
+    rows = []
+    for shard in range(plan.num_shards):
+        rows += [r for r in checked_rows(plan, shard) if r.reject is None]
+        if len(rows) >= n:
+            break
+    return rows[:n]
+
+
+def _pixels(pipe: Any, settings: Any, rows: list, ranks: int) -> dict[int, Any]:
+    """Row index -> pixels of the rows made with ``settings``, a batch at a time (failed samples left out)."""
+    from shardgen.run.generation import generate_batch
+
+    out = {}
+    for a in range(0, len(rows), settings.batch_size):
+        for smp in generate_batch(pipe, settings, rows[a:a + settings.batch_size], ranks):
+            if smp.pixels is not None:
+                out[smp.index] = smp.pixels
+    return out
+
+
+def verdict(figures: dict, bounds: Bounds) -> list[str]:
+    """The bounds the worst sample misses, as phrases (empty: it passes)."""
+    missed = []
+    if bounds.calibrate_min_psnr and (figures["psnr_db"]["worst"] or 0) < bounds.calibrate_min_psnr:
+        missed.append(f"PSNR {figures['psnr_db']['worst']:.2f} dB < calibrate_min_psnr={bounds.calibrate_min_psnr:g}")
+    if bounds.calibrate_min_ssim and (figures["ssim"]["worst"] or 0) < bounds.calibrate_min_ssim:
+        missed.append(f"SSIM {figures['ssim']['worst']:.4f} < calibrate_min_ssim={bounds.calibrate_min_ssim:g}")
+    if not figures["psnr_db"]["n"]:
+        missed.append("no calibration sample could be made both ways")
+    return missed
+
+
+def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> tuple[Any, dict | None]:
+    """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
+    lossy). CalibrationFailed when a bound is missed and the fallback is ``stop``."""
+    from shardgen.speed import accel as A
+
+    bounds = pick(Bounds, cfg)
+    lossy = settings.accel.lossy
+    if bounds.calibrate_samples <= 0 or not lossy:
+        return settings, None
+    rows = first_rows(plan, bounds.calibrate_samples)
+    exact = dataclasses.replace(settings, accel=lossless(settings.accel))
+    transformer = getattr(pipe, "transformer", None)
+    if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
+        A.make_reversible(transformer)  # to switch back if the gate says so
+    log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
+    reference = _pixels(pipe, exact, rows, ranks)
+    made = _pixels(pipe, settings, rows, ranks)
+    common = sorted(set(reference) & set(made))
+    per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])} for i in common}
+    figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),
+               "ssim": summarize([s["ssim"] for s in per_sample.values()])}
+    missed = verdict(figures, bounds)
+    record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
+                  bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim},
+                  passed=not missed, action="continue" if not missed else bounds.calibrate_fallback)
+    line = (f"calibration of {lossy} over {len(common)} samples against lossless: PSNR median "
+            f"{_db(figures['psnr_db']['median'])} dB, worst {_db(figures['psnr_db']['worst'])} dB; SSIM median "
+            f"{_num(figures['ssim']['median'])}, worst {_num(figures['ssim']['worst'])}")
+    if not missed:
+        log.info("%s: passed", line)
+        return settings, record
+    if bounds.calibrate_fallback == "stop":
+        err = CalibrationFailed(f"{line}: {'; '.join(missed)}. Nothing was made. Turn the lossy setting off "
+                                f"({', '.join(CONFIG_KEYS.get(k, k) for k in lossy)}), lower the bound, or set "
+                                "calibrate_fallback=lossless")
+        err.record = record
+        raise err
+    log.warning("%s: %s; the run goes on lossless", line, "; ".join(missed))
+    A.prepare(pipe, exact.accel)  # fp8 switched back to the bf16 layers kept on the CPU
+    return exact, record
+
+
+def _db(x: float | None) -> str:
+    return "n/a" if x is None else ("inf" if x == float("inf") else f"{x:.2f}")
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

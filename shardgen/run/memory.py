@@ -1,0 +1,57 @@
+"""GPU out-of-memory, wherever it strikes (loading, fp8 conversion, denoising, decoding), as one line that says what
+to change. A CUDA OOM is the user's to fix (a batch, a size, a model too large for one GPU), so it ends the job as a
+``UserError``: printed without a traceback, never retried by a requeue. Samples already committed stay; the same
+command with the change continues the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardgen.errors import UserError
+
+
+class GpuOutOfMemory(UserError, RuntimeError):
+    """The GPU ran out of memory; the message names the settings that need less of it."""
+
+
+def cuda_oom(e: BaseException | None) -> BaseException | None:
+    """The ``torch.OutOfMemoryError`` that ``e`` is or was raised from (a worker thread's error re-raised wrapped),
+    else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def torch_summary(e: BaseException) -> str:
+    """The first sentences of torch's OOM message (how much was asked, how much is free): the rest is allocator
+    advice that does not apply to inference."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0].rstrip(". ")
+
+
+def advice(cfg: Any, batch: int | None = None) -> str:
+    """What to change, in the order a user should try it: a smaller batch, float8 weights, more GPUs, a smaller
+    size."""
+    batch_size = int(batch or cfg.batch_size)
+    out = []
+    if batch_size > 1:
+        out.append(f"batch_size={max(1, batch_size // 2)} (now {batch_size})")
+    if not cfg.fp8:
+        out.append("fp8=true (float8 transformer weights: about half their memory; lossy, so start a new run_dir)")
+    if cfg.strategy.name != "device_map":
+        out.append("strategy=device_map (the model spread over several GPUs, encoders offloaded when they do not fit)")
+    out.append(f"a smaller height/width (now {cfg.height}x{cfg.width})")
+    return "; or ".join(out)
+
+
+def out_of_memory(cfg: Any, e: BaseException, during: str, batch: int | None = None) -> GpuOutOfMemory:
+    """The one-line error for a CUDA OOM ``e`` raised ``during`` (e.g. "generating a batch of 4")."""
+    return GpuOutOfMemory(
+        f"the GPU ran out of memory {during} ({torch_summary(e)}). Set {advice(cfg, batch)}. Samples already made are "
+        f"kept: the same command with the change continues {cfg.run_dir}.")

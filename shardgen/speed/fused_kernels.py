@@ -1,0 +1,287 @@
+"""Fused kernels shared by the model families' fused blocks (shardgen/families/<family>/fused.py): the
+memory-bound work around the matmuls done in fewer passes, and swapping diffusers' attention processors for fused
+ones and back.
+
+- ``rms_rope``: q/k RMSNorm + RoPE written straight into SDPA's (batch, heads, tokens, head_dim) layout, one Triton
+  pass per tile on CUDA, eager diffusers' ops elsewhere (``rms_rope_reference``).
+- ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual as one ``addcmul``.
+- ``linear_gelu_tanh``, ``gelu_feed_forward``: the tanh-GELU computed in cuBLASLt's GEMM epilogue.
+- ``processor_problem``, ``swap_processors``, ``restore_processors``, ``layer_norm_problem``: when the fused
+  processors may stand in for diffusers' own, and the swap itself.
+
+Nothing here knows a model: a family's fused blocks call these with its own modules. The custom ops keep their
+registered names (``shardgen::flux_rms_rope`` ...), which compiled graphs and caches refer to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+_ORIG_PROCESSOR = "_shardgen_orig_processor"
+
+try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = tl = None
+
+
+# --- RMSNorm + RoPE into the attention layout -----------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_in, seq_out, seq_offset, heads,
+                         stride_xb, stride_xs, stride_xh, eps,
+                         BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr):
+        # one program: BLOCK_S tokens x HEADS_PER_PROGRAM heads x D; each token's heads are contiguous
+        # in the GEMM output, so the loads are wide; cos/sin are read once for all of its heads
+        pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        d = tl.arange(0, D)
+        s3, h3, d3 = s[:, None, None], h[None, :, None], d[None, None, :]
+        mask = s3 < seq_in
+        src = x_ptr + b.to(tl.int64) * stride_xb + s3.to(tl.int64) * stride_xs + h3 * stride_xh + d3
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=2) / D + eps)
+        w = tl.load(w_ptr + d).to(tl.float32)
+        # eager rounds RMSNorm's output (weight applied) to the input dtype before RoPE
+        y = (x * rstd[:, :, None] * w[None, None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y_even, y_odd = tl.split(tl.reshape(y, (BLOCK_S, HEADS_PER_PROGRAM, D // 2, 2)))
+        pos = seq_offset + s
+        cs_mask = (s < seq_in)[:, None]
+        cs_off = pos[:, None] * D + d[None, :]
+        c_even, c_odd = tl.split(tl.reshape(tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0), (BLOCK_S, D // 2, 2)))
+        s_even, s_odd = tl.split(tl.reshape(tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0), (BLOCK_S, D // 2, 2)))
+        # x * cos + stack([-x_odd, x_even]) * sin, pair by pair
+        out_even = y_even * c_even[:, None, :] - y_odd * s_even[:, None, :]
+        out_odd = y_odd * c_odd[:, None, :] + y_even * s_odd[:, None, :]
+        out = tl.reshape(tl.join(out_even, out_odd), (BLOCK_S, HEADS_PER_PROGRAM, D))
+        dst = out_ptr + ((b.to(tl.int64) * heads + h3) * seq_out + (seq_offset + s3).to(tl.int64)) * D + d3
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_rope_reference(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """What eager diffusers computes: RMSNorm per part, the parts joined along the sequence, RoPE,
+    then the (batch, heads, tokens, head_dim) layout (a contiguous tensor)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    normed = [F.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights)]
+    joint = torch.cat(normed, dim=1) if len(normed) > 1 else normed[0]
+    return apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2).contiguous()
+
+
+def _kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
+    x0 = xs[0]
+    return (triton is not None and x0.is_cuda and x0.dtype in (torch.bfloat16, torch.float16)
+            and x0.shape[-1] in (64, 128, 256) and cos.dtype == torch.float32 and cos.is_contiguous()
+            and all(x.stride(-1) == 1 and x.dtype == x0.dtype for x in xs))
+
+
+@torch.library.custom_op("shardgen::flux_rms_rope", mutates_args=())
+def rms_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+             eps: float) -> torch.Tensor:
+    """RMSNorm each (batch, tokens_i, heads, head_dim) part with its weight, join the parts along the
+    tokens, apply FLUX's RoPE (``cos``/``sin``: (tokens, head_dim) float32) and return the result as a
+    contiguous (batch, heads, tokens, head_dim) tensor: eager diffusers' numerics, one pass on CUDA."""
+    if not _kernel_ok(xs, cos):
+        return rms_rope_reference(xs, weights, cos, sin, eps)
+    return rms_rope_triton(xs, weights, cos, sin, eps)
+
+
+def rms_rope_triton(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """``rms_rope`` by the Triton kernel (no checks: ``rms_rope`` decides when it applies)."""
+    b, _, heads, dim = xs[0].shape
+    total = sum(x.shape[1] for x in xs)
+    out = torch.empty(b, heads, total, dim, device=xs[0].device, dtype=xs[0].dtype)
+    per_program = math.gcd(heads, 8)  # a power of two that divides the head count
+    offset, block = 0, 8
+    for x, w in zip(xs, weights):
+        seq = x.shape[1]
+        grid = (triton.cdiv(seq, block), heads // per_program, b)
+        _rms_rope_kernel[grid](x, w.contiguous(), cos, sin.contiguous(), out, seq, total, offset, heads,
+                               x.stride(0), x.stride(1), x.stride(2), eps,
+                               BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=dim, num_warps=8)
+        offset += seq
+    return out
+
+
+@rms_rope.register_fake
+def _(xs, weights, cos, sin, eps):
+    b, _, heads, dim = xs[0].shape
+    return xs[0].new_empty(b, heads, sum(x.shape[1] for x in xs), dim)
+
+
+# --- LayerNorm + modulation, gated residuals (eagerly; FLUX.2 and Qwen-Image use them too) -------------------
+
+def triton_ok(*xs: torch.Tensor) -> bool:
+    """Whether the elementwise Triton kernels take these tensors: CUDA, bf16/fp16, unit stride in the last dim."""
+    return (triton is not None and all(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in xs)
+            and all(x.stride(-1) == 1 for x in xs))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, rows_per_batch, dim, stride_x, stride_mod, eps,
+                            BLOCK_D: tl.constexpr):
+        # one program per token row; the modulation row is its batch sample's
+        row = tl.program_id(0).to(tl.int64)
+        b = row // rows_per_batch
+        d = tl.arange(0, BLOCK_D)
+        mask = d < dim
+        x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / dim
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
+        dtype = out_ptr.dtype.element_ty
+        # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
+        y = (xc * rstd).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
+        y = ((1.0 + scale).to(dtype).to(tl.float32) * y).to(dtype).to(tl.float32) + shift
+        tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
+
+
+def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """What eager diffusers computes: ``(1 + scale) * LayerNorm(x) + shift`` (no affine LayerNorm)."""
+    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
+
+
+@torch.library.custom_op("shardgen::ln_modulate", mutates_args=())
+def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
+    dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
+    if not (triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
+            and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
+        return ln_modulate_reference(x, shift, scale, eps)
+    b, tokens, dim = x.shape
+    out = torch.empty_like(x)
+    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, tokens, dim, x.stride(1), shift.stride(0), eps,
+                                       BLOCK_D=triton.next_power_of_2(dim), num_warps=8)
+    return out
+
+
+@ln_modulate.register_fake
+def _(x, shift, scale, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``: one pass (``addcmul``) on CUDA, eager's two ops elsewhere (their exact bytes)."""
+    if x.is_cuda:
+        return torch.addcmul(x, gate, y)
+    return x + gate * y
+
+
+# --- linear + tanh-GELU in the GEMM epilogue -----------------------------------------------------------
+
+@torch.library.custom_op("shardgen::linear_gelu_tanh", mutates_args=())
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(x @ weight.T + bias, approximate="tanh")``; on CUDA in one cuBLASLt call (the GELU
+    applied to the fp32 accumulator). An opaque op, so inductor cannot split it again."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        out = torch._addmm_activation(bias, x2, weight.t(), use_gelu=True)
+    else:
+        out = F.gelu(F.linear(x2, weight, bias), approximate="tanh")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear_gelu_tanh.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def gelu_up(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``gelu(proj(x), approximate="tanh")``, in the GEMM epilogue for a plain ``nn.Linear`` with a bias."""
+    if type(proj) is torch.nn.Linear and proj.bias is not None:
+        return linear_gelu_tanh(x, proj.weight, proj.bias)
+    return F.gelu(proj(x), approximate="tanh")  # e.g. fp8=true's Float8Linear
+
+
+# --- attention helpers ------------------------------------------------------------------------------
+
+
+def norm_eps(norm: torch.nn.Module, dtype: torch.dtype) -> float:
+    """The epsilon an RMSNorm module uses (torch's default, the dtype's eps, when it has none)."""
+    eps = getattr(norm, "eps", None)
+    return float(eps) if eps is not None else float(torch.finfo(dtype).eps)
+
+
+def norm_weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's weight, or ones when it has none (``elementwise_affine=False``)."""
+    w = getattr(norm, "weight", None)
+    return w if w is not None else torch.ones(like.shape[-1], device=like.device, dtype=like.dtype)
+
+
+def one_eps(attn) -> bool:
+    """True when all q/k norms of ``attn`` share one epsilon (``rms_rope`` takes one per tensor)."""
+    norms = [getattr(attn, n, None) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
+    return len({getattr(n, "eps", None) for n in norms if n is not None}) == 1
+
+
+def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue."""
+    first = ff.net[0]
+    if type(first).__name__ == "GELU" and getattr(first, "approximate", None) == "tanh":
+        x = gelu_up(first.proj, x)
+        for layer in ff.net[1:]:
+            x = layer(x)
+        return x
+    return ff(x)
+
+
+# --- swapping attention processors ---------------------------------------------------------------------
+
+def processor_problem(transformer: torch.nn.Module, stock: tuple[str, ...], fused: tuple[type, ...]) -> str | None:
+    """Why the attention processors of ``transformer`` cannot be swapped for fused ones (None: they can): weights
+    that are DTensors (tensor parallel: the sharded linears all-reduce in their own forward, which direct weight
+    use would skip), a processor not among diffusers' ``stock`` ones (nor already one of ``fused``), an attention
+    backend or parallel config, fused QKV projections."""
+    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+        return "its weights are DTensors (tensor parallel)"
+    for name, mod in transformer.named_modules():
+        proc = getattr(mod, "processor", None)
+        if proc is None or isinstance(proc, fused):
+            continue
+        if type(proc).__name__ not in stock:
+            return f"{name} uses {type(proc).__name__}"
+        if proc._attention_backend is not None or proc._parallel_config is not None:
+            return f"{name} has an attention backend or a parallel config (context/tensor parallel)"
+        if getattr(mod, "fused_projections", False):
+            return f"{name} has fused QKV projections"
+    return None
+
+
+def swap_processors(transformer: torch.nn.Module, fused: dict[str, type]) -> None:
+    """Each stock processor named in ``fused`` (class name -> fused class) replaced by its fused one, which keeps
+    it to fall back on; ``restore_processors`` puts them back."""
+    for mod in transformer.modules():
+        proc = getattr(mod, "processor", None)
+        if proc is not None and type(proc).__name__ in fused:
+            mod.__dict__[_ORIG_PROCESSOR] = proc
+            mod.processor = fused[type(proc).__name__](proc)
+
+
+def restore_processors(transformer: torch.nn.Module) -> None:
+    """diffusers' own processors back where ``swap_processors`` replaced them."""
+    for mod in transformer.modules():
+        if _ORIG_PROCESSOR in mod.__dict__:
+            mod.processor = mod.__dict__.pop(_ORIG_PROCESSOR)
+
+
+def layer_norm_problem(transformer: torch.nn.Module) -> str | None:
+    """Why ``ln_modulate`` cannot stand for the blocks' LayerNorms (None: it can): norms with weights, or a block's
+    norms with several epsilons."""
+    for block in transformer.modules():
+        norms = [m for m in block.children() if isinstance(m, torch.nn.LayerNorm)]
+        if any(n.elementwise_affine or n.eps != norms[0].eps for n in norms):
+            return f"{type(block).__name__} has LayerNorms with weights or several epsilons"
+    return None

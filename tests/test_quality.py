@@ -1,0 +1,193 @@
+"""Fidelity figures: PSNR/SSIM equal a reference implementation; jobs.compare compares two runs of one plan sample
+by sample, writes its figures into the run and refuses two different plans."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+import jobs.compare
+from jobs.generate import run
+from shardgen.quality.metrics import psnr, ssim
+from tests.conftest import compose_cfg, write_lines
+
+ARGS = ("height=32", "width=32", "steps=2", "progress=false", "samples_per_shard=4", "batch_size=2")
+
+
+def _pairs():
+    rng = np.random.default_rng(0)
+    smooth = np.kron(rng.integers(0, 256, (8, 8, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # 64x64 blocks
+    noisy = np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8)
+    shifted = np.roll(smooth, 3, axis=1)
+    flat = np.full((40, 56, 3), 128, np.uint8)
+    return [(smooth, noisy), (smooth, shifted), (flat, flat.copy()), (noisy, 255 - noisy),
+            (rng.integers(0, 256, (23, 31, 3)).astype(np.uint8), rng.integers(0, 256, (23, 31, 3)).astype(np.uint8))]
+
+
+@pytest.mark.parametrize("a, b", _pairs())
+def test_psnr_and_ssim_equal_scikit_image(a, b):
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    ref_ssim = structural_similarity(a, b, gaussian_weights=True, sigma=1.5, use_sample_covariance=False,
+                                     data_range=255, channel_axis=-1)
+    assert ssim(a, b) == pytest.approx(ref_ssim, abs=1e-9)
+    if np.array_equal(a, b):
+        assert psnr(a, b) == math.inf
+    else:
+        assert psnr(a, b) == pytest.approx(peak_signal_noise_ratio(a, b, data_range=255), abs=1e-9)
+
+
+def test_a_video_is_the_mean_over_its_frames_and_shapes_must_agree():
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, (3, 16, 16, 3)).astype(np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-9, 10, a.shape), 0, 255).astype(np.uint8)
+    assert ssim(a, b) == pytest.approx(np.mean([ssim(x, y) for x, y in zip(a, b)]))
+    with pytest.raises(ValueError, match="16x16x3 sample with a 16x17x3"):
+        ssim(a[0], np.zeros((16, 17, 3), np.uint8))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A lossless run, the same plan with fp8, the same plan again, and a run of other prompts."""
+    tmp = tmp_path_factory.mktemp("quality")
+    f = write_lines(tmp / "p.txt", [f"a picture of thing {i}" for i in range(6)])
+    other = write_lines(tmp / "q.txt", [f"something else {i}" for i in range(6)])
+    for name, extra in (("ref", ()), ("fp8", ("fp8=true",)), ("again", ()), ("other", ())):
+        run(compose_cfg(f"run_dir={tmp / name}", f"prompts.path={other if name == 'other' else f}", *ARGS, *extra))
+    return tmp
+
+
+def test_compare_gives_per_sample_figures_and_writes_them_into_the_run(runs, capsys):
+    assert jobs.compare.main([str(runs / "fp8"), str(runs / "ref")]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("6 samples compared with ") and "PSNR median" in line and "SSIM median" in line
+    written = json.loads((runs / "fp8" / "compare.json").read_text())
+    assert written["compared"] == 6 and sorted(written["samples"]) == [f"{i:010d}" for i in range(6)]
+    worst = min(s["psnr"] for s in written["samples"].values())
+    assert 10 < worst < math.inf and written["psnr_db"]["worst"] == worst  # fp8 changed pixels, not all of them
+    assert all(0 < s["ssim"] < 1 for s in written["samples"].values())
+
+    assert jobs.compare.main([str(runs / "again"), str(runs / "ref"), "--json"]) == 0  # a lossless rerun: exact
+    exact = json.loads(capsys.readouterr().out)
+    assert exact["psnr_db"]["worst"] == math.inf and exact["ssim"]["worst"] == 1.0
+
+
+def test_a_bound_the_worst_sample_misses_exits_1(runs, capsys):
+    assert jobs.compare.main([str(runs / "fp8"), str(runs / "ref"), "--min-psnr", "200"]) == 1
+    assert "below the bound: worst PSNR" in capsys.readouterr().err
+    assert jobs.compare.main([str(runs / "fp8"), str(runs / "ref"), "--min-psnr", "5", "--min-ssim", "0.01"]) == 0
+
+
+def test_runs_of_different_prompts_are_refused_in_one_line(runs, capsys):
+    assert jobs.compare.main([str(runs / "other"), str(runs / "ref")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "sample 0000000000 was made with prompt=" in err and "one prompt file" in err
+    assert not (runs / "other" / "compare.json").exists()
+
+
+def _corrupt_one_layer(monkeypatch):
+    """fp8 that damages one quantised layer (its scales x-20), as a broken kernel or a bad checkpoint would."""
+    from shardgen.speed import fp8
+
+    real = fp8.enable_fp8
+
+    def damaged(transformer):
+        n = real(transformer)
+        layer = [m for m in transformer.modules() if isinstance(m, fp8.Float8Linear)][-1]  # the last block's output
+        layer.weight_scale.mul_(-20)
+        return n
+
+    monkeypatch.setattr(fp8, "enable_fp8", damaged)
+
+
+def _provenance(run_dir):
+    from tests.test_generate import shard_images  # noqa: F401 (same reader family)
+    from shardgen.tools.verify import read_shard_members
+
+    metas = [json.loads(m["json"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+             for m in read_shard_members(tar).values()]
+    return metas
+
+
+GATE = ("fp8=true", "calibrate_samples=3", "calibrate_min_psnr=40", "calibrate_min_ssim=0.99")
+
+
+def test_the_gate_passes_a_good_setting_and_records_it_without_changing_the_samples(runs, tmp_path):
+    from tests.test_generate import shard_images
+
+    f = runs / "p.txt"
+    run(compose_cfg(f"run_dir={tmp_path / 'gated'}", f"prompts.path={f}", *ARGS, *GATE))
+    assert shard_images(tmp_path / "gated") == shard_images(runs / "fp8")  # calibration commits nothing of its own
+    record = json.loads((tmp_path / "gated" / "calibration.json").read_text())
+    assert record["passed"] and record["samples"] == 3 and record["lossy"] == {"fp8": True}
+    assert record["psnr_db"]["worst"] >= 40 and len(record["per_sample"]) == 3
+    metas = _provenance(tmp_path / "gated")
+    assert len(metas) == 6 and all(m["provenance"]["calibration"]["passed"] for m in metas)
+    assert all(m["lossy"] == {"fp8": True} for m in metas)
+
+
+def test_the_gate_stops_a_damaged_setting_before_any_sample_in_one_line(runs, tmp_path, monkeypatch):
+    from shardgen.quality.gate import CalibrationFailed
+
+    _corrupt_one_layer(monkeypatch)
+    with pytest.raises(CalibrationFailed) as err:
+        run(compose_cfg(f"run_dir={tmp_path / 'bad'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *GATE))
+    message = str(err.value)
+    assert "\n" not in message and "< calibrate_min_psnr=40" in message and "Nothing was made" in message
+    assert "calibrate_fallback=lossless" in message and "fp8" in message
+    assert not list((tmp_path / "bad" / "shards").glob("*.tar"))
+    record = json.loads((tmp_path / "bad" / "calibration.json").read_text())
+    assert not record["passed"] and record["action"] == "stop" and record["psnr_db"]["worst"] < 40
+
+
+def test_the_lossless_fallback_makes_the_lossless_run(runs, tmp_path, monkeypatch):
+    from tests.test_generate import shard_images
+
+    _corrupt_one_layer(monkeypatch)
+    run(compose_cfg(f"run_dir={tmp_path / 'fallback'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *GATE,
+                    "calibrate_fallback=lossless"))
+    assert shard_images(tmp_path / "fallback") == shard_images(runs / "ref")
+    metas = _provenance(tmp_path / "fallback")
+    assert all("lossy" not in m and m["provenance"]["calibration"]["action"] == "lossless" for m in metas)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("calibrate_fallback=retry", "calibrate_fallback='retry': use one of ['stop', 'lossless']"),
+    ("calibrate_min_ssim=2", "calibrate_min_ssim=2: use 0..1"),
+    ("calibrate_min_psnr=30", "set calibrate_samples=N"),
+])
+def test_gate_settings_are_checked_before_any_work(tmp_path, override, message):
+    from shardgen.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, override))
+
+
+def test_the_fast_profile_turns_on_fp8_with_a_calibration_and_default_is_lossless():
+    fast, plain = compose_cfg("speed=fast"), compose_cfg()
+    assert (fast.fp8, fast.calibrate_samples, fast.compile) == (True, 4, plain.compile)
+    assert (plain.fp8, plain.calibrate_samples, plain.first_block_cache) == (False, 0, 0.0)
+    assert compose_cfg("speed=fast", "fp8=false").fp8 is False  # a key on the command line wins over the profile
+
+
+def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path):
+    import shutil
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.tools.report import build_report
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs / "fp8", run_dir)
+    assert jobs.compare.main([str(run_dir), str(runs / "ref")]) == 0
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "Fidelity against lossless" in page and "jobs.compare" in page
+    worst = json.loads((run_dir / "compare.json").read_text())["psnr_db"]["worst"]
+    assert f"{worst:.2f}" in page
+    (run_dir / "compare.json").write_bytes(b"\x00garbage{")
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "compare.json is unreadable (JSONDecodeError); not shown" in page
