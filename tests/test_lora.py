@@ -480,7 +480,7 @@ def test_switching_between_rows_adapters_costs_the_adapters_that_change_not_all_
 
     from shardgen.models import lora
     from shardgen.models.loader import load_pipeline
-    from shardgen.models.tiny import save_tiny_lora
+    from shardgen.families.flux.tiny import save_tiny_lora
 
     cfg = compose_cfg("prompts.row_settings=[loras]", "prompts=jsonl", "prompts.path=x.jsonl")
     sets = [lora.resolve([dict(path=str(save_tiny_lora(tmp_path / f"l{i}.safetensors", seed=50 + i, rank=2)),
