@@ -21,7 +21,6 @@ EXPECTED = {
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "ForeignPrefixError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",
     "BadImage": "user", "ImageGone": "user", "NotARaster": "user", "ContainerError": "user",
-    "PlanMismatch": "user", "CalibrationFailed": "user", "GpuOutOfMemory": "user", "BatchOutOfMemory": "job",
 }
 
 
