@@ -51,10 +51,7 @@ def torch_device():
 
 def sizes_written(run_dir: Path) -> dict:
     """{"HxW": images} over the run's committed shards (decoded: the pixels' own size)."""
-    import io
-
-    from PIL import Image
-
+    from shardgen.rasters import open_raster
     from shardgen.tools import read_shard_members
 
     out: dict = {}
@@ -62,7 +59,7 @@ def sizes_written(run_dir: Path) -> dict:
         for mem in read_shard_members(tar).values():
             img = next((v for k, v in mem.items() if k in ("png", "jpg", "webp")), None)
             if img is not None:
-                w, h = Image.open(io.BytesIO(img)).size
+                w, h = open_raster(img, str(tar)).size
                 out[f"{h}x{w}"] = out.get(f"{h}x{w}", 0) + 1
     return out
 

@@ -126,6 +126,9 @@ def refuse_unknown_overrides(argv: list[str]) -> None:
     except (ImportError, AttributeError, SystemExit):
         return
     problem = check_overrides(list(args.overrides or ()))
+    if getattr(args, "multirun", False):  # Hydra's sweeps write multirun/ folders of their own
+        problem = ("--multirun: one command is one run (Hydra's sweep folders would be written outside run_dir); "
+                   "run the command once per setting, each with its own run_dir")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

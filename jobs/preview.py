@@ -78,6 +78,8 @@ def contact_sheet(items, cols: int, size: int):
     """A grid image: each cell the sample (or its failure) above its wrapped prompt."""
     from PIL import Image, ImageDraw
 
+    from shardgen.rasters import open_raster, to_rgb
+
     text_h = TEXT_H
     rows = max(1, (len(items) + cols - 1) // cols)
     sheet = Image.new("RGB", (cols * size, rows * (size + text_h)), "white")
@@ -85,7 +87,7 @@ def contact_sheet(items, cols: int, size: int):
     for i, (prompt, img, meta) in enumerate(items):
         x, y = (i % cols) * size, (i // cols) * (size + text_h)
         try:
-            sheet.paste(Image.open(io.BytesIO(img)).convert("RGB").resize((size, size)), (x, y))
+            sheet.paste(to_rgb(open_raster(img, "the sample")).resize((size, size)), (x, y))
         except Exception:  # no image (a failure, a reject), or one that does not decode
             draw.rectangle([x, y, x + size - 1, y + size - 1], fill=(60, 0, 0))
             draw.text((x + 4, y + 4), f"{meta.get('status')}: {str(meta.get('error', ''))[:60]}", fill="white")

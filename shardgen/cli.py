@@ -63,6 +63,12 @@ def run_program(program: Callable[[], int | None], module: str) -> NoReturn:
         code = program()
     except SystemExit as e:
         code = e.code
+    except BrokenPipeError:  # the reader stopped reading (`| head`): stop quietly, as Unix tools do
+        code = _output_gone()
+    except OSError as e:
+        if e.filename is not None or not _stdout_fails():
+            raise
+        code = _cannot_write(module, e)
     if code is None:
         code = 0
     elif not isinstance(code, int):  # sys.exit("message"): printed, status 1, as the interpreter does
@@ -75,9 +81,47 @@ def run_program(program: Callable[[], int | None], module: str) -> NoReturn:
         try:
             if stream is not None:  # None: closed when the process started
                 stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+        except BrokenPipeError:  # a closed pipe: nothing more can reach it
+            _output_gone()
+        except OSError as e:  # the last of the output not written (a full disk): said, not lost silently
+            if stream is sys.stdout:
+                code = _cannot_write(module, e) if code == 0 else code
+        except ValueError:  # a closed stream
             pass
     os._exit(code)
+
+
+def _output_gone() -> int:
+    """Standard output's reader is gone: later writes (and the final flush) go nowhere instead of failing; 141, the
+    status of a program killed by SIGPIPE."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
+
+
+def _stdout_fails() -> bool:
+    """Whether writing to standard output fails now (a full disk or device behind it), probed with one newline."""
+    try:
+        os.write(sys.stdout.fileno(), b"\n")
+    except OSError:
+        return True
+    except (ValueError, AttributeError):  # no standard output at all
+        return True
+    return False
+
+
+def _cannot_write(module: str, e: OSError) -> int:
+    """One line on standard error for output that could not be written; status 1."""
+    _output_gone()
+    try:
+        print(f"{module}: cannot write to standard output ({e.strerror or e}); send the output where there is room "
+              "(nothing else failed)", file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    return 1
 
 
 def started_as(module: str) -> bool:

@@ -84,3 +84,26 @@ def test_a_tool_run_with_its_stdout_closed_exits_0_and_the_program_exit_flushes_
     p = subprocess.run(["bash", "-c", 'exec "$0" -m jobs.status "$1" >&-', sys.executable, str(tmp_path / "run")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+
+
+def _help(*cmd: str, stdout) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", *cmd, "--help"], cwd=ROOT, env=env, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_help_into_a_full_device_is_one_line_and_status_1():
+    with open("/dev/full", "w") as full:
+        p = _help("jobs.generate", stdout=full)
+        err = p.communicate(timeout=120)[1]
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert err == ("jobs.generate: cannot write to standard output (No space left on device); send the output where "
+                   "there is room (nothing else failed)\n")
+
+
+@pytest.mark.parametrize("cmd", [("jobs.generate",), ("shardgen.cli", "generate")])
+def test_help_into_a_pipe_whose_reader_stops_ends_quietly(cmd):
+    p = _help(*cmd, stdout=subprocess.PIPE)
+    p.stdout.close()  # `| head -c 0`: the reader is gone before the help is written (Python starts in ~0.1 s)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 141 and err == "", err

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -153,7 +156,7 @@ BAD = {  # row image -> what its reject says
     "link.png": "link.png is a symbolic link",
     "folder": "folder is a directory",
     "empty.png": "empty.png is empty (0 bytes)",
-    "garbage.png": "garbage.png is not an image PIL can read",
+    "garbage.png": "garbage.png is not a PNG, JPEG or WebP image",
     "cut.png": "cut.png does not decode whole",
     "cut.jpg": "cut.jpg does not decode whole",
     "bomb.png": "bomb.png declares too many pixels",
@@ -208,7 +211,7 @@ def test_parquet_image_bytes(tmp_path):
                           "prompts=parquet", IMAGES, "prompts.on_bad_row=skip"))
     assert (res.ok, res.rejected) == (2, 2)
     index = index_rows(tmp_path / "run")
-    assert "image is empty" in index[1]["error"] and "is not an image PIL can read" in index[2]["error"]
+    assert "image is empty" in index[1]["error"] and "is not a PNG, JPEG or WebP image" in index[2]["error"]
     import hashlib
 
     assert index[0]["input_image_sha256"] == index[3]["input_image_sha256"] == hashlib.sha256(good).hexdigest()
@@ -461,3 +464,83 @@ def test_csv_image_and_strength_columns_an_empty_cell_keeping_the_runs(inputs, t
     assert res.ok == 2
     meta = jsons(tmp_path / "run")
     assert [meta[k]["strength"] for k in sorted(meta)] == [0.9, 0.6] and meta["0000000001"]["note"] == "y"
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n%%EndComments\nnewpath 0 0 moveto 64 64 lineto stroke\n" \
+      b"showpage\n%%EOF\n"
+
+
+def test_a_postscript_image_named_png_runs_no_program_and_rejects_its_row(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    marker = tmp_path / "gs-ran"
+    (fake / "gs").write_text(f"#!/bin/sh\necho \"$@\" >> {marker}\n")
+    (fake / "gs").chmod(0o755)
+    (tmp_path / "vector.png").write_bytes(EPS)
+    png(tmp_path / "good.png", seed=1)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="eps", image="vector.png"), dict(prompt="ok", image="good.png")])
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", f"run_dir={tmp_path / 'run'}", f"prompts.path={rows}",
+                        *FAST, IMAGES], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert not marker.exists(), marker.read_text()
+    assert "1 images, 0 failed, 1 rejected of 2 prompts" in p.stdout + p.stderr
+    why = index_rows(tmp_path / "run")[0]["error"]
+    assert f"image: {tmp_path}/vector.png is not a PNG, JPEG or WebP image" in why and "\n" not in why
+
+
+def test_a_16_bit_grayscale_image_makes_the_sample_of_its_high_bytes(tmp_path):
+    v = np.linspace(0, 65535, 80 * 96).astype(np.uint16).reshape(96, 80)
+    Image.fromarray(v).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")  # saved as 16-bit grayscale
+    Image.fromarray((v >> 8).astype(np.uint8)).save(tmp_path / "high.png")
+    out = []
+    for name in ("deep.png", "high.png"):  # one run each: the same prompt index, so the same seed
+        assert gen(tmp_path / f"run-{name}", write_rows(tmp_path / f"{name}.jsonl", [dict(prompt="g", image=name)])).ok == 1
+        out.append(shard_images(tmp_path / f"run-{name}")["0000000000"])
+    assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("how", ["deleted", "a directory"])
+def test_an_image_gone_after_planning_fails_its_row_for_retry_failed_and_the_rest_of_the_shard_completes(tmp_path,
+                                                                                                          how):
+    from shardgen.run.runner import prepare_run
+
+    png(tmp_path / "a.png", seed=0)
+    png(tmp_path / "b.png", seed=1)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="a", image="a.png"), dict(prompt="b", image="b.png")])
+    args = (f"run_dir={tmp_path / 'run'}", f"prompts.path={rows}", *FAST, IMAGES, "samples_per_shard=2")
+    prepare_run(compose_cfg(*args))  # planned while both images were there
+    (tmp_path / "b.png").rename(tmp_path / "b.away")
+    if how == "a directory":
+        (tmp_path / "b.png").mkdir()
+    res = run(compose_cfg(*args))
+    assert (res.ok, res.failed, res.rejected) == (1, 1, 0)
+    why = index_rows(tmp_path / "run")[1]
+    assert why["status"] == "failed" and f"image: {tmp_path}/b.png " in why["error"] and "retry_failed" in why["error"]
+    if how == "a directory":
+        (tmp_path / "b.png").rmdir()
+    (tmp_path / "b.away").rename(tmp_path / "b.png")
+    res = run(compose_cfg(*args, "retry_failed=true"))
+    assert (res.ok, res.failed, res.rejected) == (2, 0, 0)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_an_image_path_with_a_nul_byte_is_a_bad_row(tmp_path):
+    png(tmp_path / "a.png", seed=0)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="a", image="a.png"), dict(prompt="b", image="b\u0000.png")])
+    res = gen(tmp_path / "run", rows, "prompts.on_bad_row=skip")
+    assert (res.ok, res.rejected) == (1, 1)
+    assert "holds a NUL byte, which no file name may" in index_rows(tmp_path / "run")[1]["error"]
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: image: .* holds a NUL byte"):
+        gen(tmp_path / "run2", rows)
+
+
+def test_a_run_strength_below_one_step_is_refused_before_anything_is_written(tmp_path):
+    png(tmp_path / "a.png", seed=0)
+    rows = write_rows(tmp_path / "p.jsonl", [dict(prompt="x", image="a.png")])
+    with pytest.raises(ConfigError, match=r"^model.strength=1e-300 of steps=4 is less than one denoising step, so "
+                                          r"every sample would fail: use model.strength=0.25 or more"):
+        gen(tmp_path / "run", rows, "model.strength=1e-300")
+    assert not (tmp_path / "run").exists()

@@ -176,6 +176,34 @@ def test_known_keys_options_and_free_dicts_pass_the_check():
                             "~model.revision", "prompts.limit=3"]) is None
 
 
+@pytest.mark.parametrize("override", [
+    "hydra.run.dir=/tmp/elsewhere", "hydra.output_subdir=.hydra", "hydra.sweep.dir=/tmp/sweeps", "hydra.job.chdir=true",
+    "hydra/job_logging=default", "+hydra.job_logging.handlers.file.filename=/tmp/x.log", "hydra.mode=MULTIRUN",
+    "hydra.runtime.output_dir=/tmp/out", "hydra=other"])
+def test_hydra_settings_that_could_write_outside_the_run_are_refused_in_one_line(override):
+    from shardgen.config.overrides import check_overrides
+
+    message = check_overrides(["steps=2", override])
+    assert message is not None and message.startswith(f"{override}: ") and "\n" not in message
+
+
+@pytest.mark.parametrize("args", [["hydra.run.dir={out}"], ["hydra.output_subdir={out}"], ["--multirun", "steps=1,2"],
+                                  ["hydra/job_logging=default"]])
+def test_the_command_line_refuses_hydra_output_before_anything_is_written(tmp_path, args):
+    import subprocess
+    import sys
+
+    out = tmp_path / "hydra-out"
+    cmd = [sys.executable, "-m", "jobs.generate", *(a.format(out=out) for a in args), f"run_dir={tmp_path / 'r'}",
+           "height=16", "width=16", "steps=1", "progress=false"]
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == [], "Hydra or the run wrote something"
+
+
 def test_the_command_line_refuses_plus_batchsize_in_one_line_before_hydra(tmp_path):
     import subprocess
     import sys
@@ -328,3 +356,15 @@ def test_help_lists_the_launchers_one_can_choose_and_no_schema_entries():
     groups = out.stdout.split("== Config groups (group=option) ==\n")[1].split("\n\n")[0].splitlines()
     assert "launcher: local, none, slurm" in groups and "base_" not in out.stdout
     assert any(line.startswith("strategy: auto, ") for line in groups)
+
+
+@pytest.mark.parametrize("scale", ["true", "[1]", "'0.8'"])
+def test_a_lora_scale_that_is_no_number_is_one_line_before_hydra(scale):
+    from shardgen.config.overrides import check_overrides
+
+    override = f"model.loras=[{{path: style.safetensors, scale: {scale}}}]"
+    message = check_overrides([override])
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"{override}: model.loras[0].scale takes a number, not ")
+    assert check_overrides(["model.loras=[{path: style.safetensors, scale: 0.8}]"]) is None
+    assert "has no field 'scal' (did you mean scale?)" in check_overrides(["model.loras=[{path: a, scal: 1}]"])

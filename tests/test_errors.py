@@ -20,7 +20,7 @@ EXPECTED = {
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "ForeignPrefixError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",
-    "BadImage": "user", "ContainerError": "user", "LoadError": "user",
+    "BadImage": "user", "ImageGone": "user", "NotARaster": "user", "ContainerError": "user", "LoadError": "user",
     "PlanMismatch": "user", "GpuOutOfMemory": "user", "BatchOutOfMemory": "job", "CalibrationFailed": "user",
 }
 

@@ -207,7 +207,7 @@ def test_a_rows_adapter_changed_under_the_run_is_refused(tmp_path, row_files, ad
         run(compose_cfg(*args))
     moved = d.rename(tmp_path / "moved")  # the prompt file and its adapters moved: rows read theirs from there
     args = (*args[:-2], f"prompts.path={moved / 'rows.jsonl'}", args[-1])
-    with pytest.raises(UserError, match=r"rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
+    with pytest.raises(UserError, match=r"^\S*rows.jsonl:2: loras: .*moved/a.safetensors .* is not the file this row named"):
         run(compose_cfg(*args))
     (moved / "a.safetensors").write_bytes(adapters["a"].read_bytes())
     assert run(compose_cfg(*args)).complete
@@ -358,7 +358,7 @@ def test_the_list_and_text_forms_of_model_loras_make_the_bytes_of_the_mapping_fo
 
 @pytest.mark.parametrize("override, says", [
     ("model.loras=style.safetensors", "model.loras takes a list: write 'model.loras=[style.safetensors]'"),
-    ("model.loras=[{path: style.safetensors, scal: 0.8}]", "model.loras[0]: no key 'scal'"),
+    ("model.loras=[{path: style.safetensors, scal: 0.8}]", "model.loras[0] has no field 'scal' (did you mean scale?)"),
     ("model.loras=['style.safetensors:abc']", "model.loras[0]: 'style.safetensors:abc': scale 'abc' is not a number"),
 ])
 def test_a_mistyped_model_loras_is_one_line(tmp_path, monkeypatch, override, says):
@@ -373,3 +373,151 @@ def test_a_mistyped_model_loras_is_one_line(tmp_path, monkeypatch, override, say
             run(compose_cfg(override, f"run_dir={tmp_path / 'r'}", "dry_run=true"))
         problem = str(e.value)
     assert says in problem and "\n" not in problem
+
+
+def test_a_launch_with_other_adapters_cannot_start_over_a_run_another_launch_generates(tmp_path, adapters,
+                                                                                       monkeypatch):
+    """Two launches at once on a new run_dir: the second reads the first's fingerprint while the first is about to
+    generate (no sample yet). It is refused, and every sample is the first launch's."""
+    from shardgen.dataio.resume.fingerprint import check_or_write_fingerprint, read_fingerprint
+    from shardgen.models import lora
+    import shardgen.run.runner as runner
+
+    d = tmp_path / "run"
+    other = lora.fingerprint_fields(lora.run_set(compose_cfg(loras_arg((adapters["b"], 1.0)))))
+    real, seen = runner._make_worker, []
+
+    def another_launch_arrives(*a, **kw):  # the first launch has loaded its model and is about to generate
+        try:
+            check_or_write_fingerprint(RunDir(d), read_fingerprint(RunDir(d)) | other)
+            seen.append("took the run over")
+        except FingerprintMismatch as e:
+            seen.append(str(e).splitlines()[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "_make_worker", another_launch_arrives)
+    assert run(compose_cfg(f"run_dir={d}", *FAST, loras_arg((adapters["a"], 1.0)))).ok == 3
+    assert seen == [f"{d}/fingerprint.json says {d} was made with other settings; resuming would mix different "
+                    "samples:"]
+    assert verify_run(load_plan(RunDir(d))).ok
+    assert not list((d / "work").glob("launch.*"))  # the launch's mark is gone with it
+
+
+def test_a_rows_adapter_rewritten_mid_run_stops_the_run_naming_it_and_no_sample_mixes_two_versions(
+        tmp_path, adapters, monkeypatch):
+    from shardgen.dataio.prompts.plan import Plan
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=["a.safetensors" if i < 2 else "b.safetensors"]))
+                            + "\n" for i in range(4)))
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "samples_per_shard=2", "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={rows}", "prompts.row_settings=[loras]")
+    real = Plan.rows
+
+    def rewritten_before_shard_1(self, shard):
+        if shard == 1:
+            (tmp_path / "b.safetensors").write_bytes(adapters["wide"].read_bytes())
+        return real(self, shard)
+
+    monkeypatch.setattr(Plan, "rows", rewritten_before_shard_1)
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args))
+    assert str(e.value).startswith(f"{rows}:3: loras: {tmp_path / 'b.safetensors'} (sha256 ")
+    assert "is not the file this row named when the run was planned; restore it, or start a new run_dir" in str(e.value)
+    assert "damaged" not in str(e.value) and "plan.json" not in str(e.value)
+    monkeypatch.setattr(Plan, "rows", real)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).defects == []  # shard 0 committed, with a alone
+    (tmp_path / "b.safetensors").write_bytes(adapters["b"].read_bytes())  # restored, as the message says
+    import time
+    time.sleep(2.5)  # the stopped launch's claim expires
+    assert run(compose_cfg(*args)).complete
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_a_rows_adapter_gone_after_planning_leaves_its_rows_to_make_not_rejected(tmp_path, adapters):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(adapters[name].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=["a.safetensors" if i < 2 else "b.safetensors"]))
+                            + "\n" for i in range(4)) + json.dumps(dict(prompt="p4", loras=["never.safetensors"])) + "\n")
+    args = (f"run_dir={tmp_path / 'run'}", *ROW_ARGS, "samples_per_shard=2", "lease_s=2", "heartbeat_s=0.5",
+            f"prompts.path={rows}", "prompts.row_settings=[loras]", "prompts.on_bad_row=skip")
+    prepare_run(compose_cfg(*args))  # planned with every file there but never.safetensors (its row: a reject)
+    (tmp_path / "b.safetensors").rename(tmp_path / "b.away")
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args))
+    assert str(e.value).startswith(f"{rows}:3: loras: loras[0]: {tmp_path / 'b.safetensors'} does not exist")
+    assert str(e.value).endswith("(it was usable when the run was planned); put it back and re-run: its rows are "
+                                 "still to be made")
+    (tmp_path / "b.away").rename(tmp_path / "b.safetensors")
+    import time
+    time.sleep(2.5)  # the stopped launch's claim expires
+    res = run(compose_cfg(*args))
+    assert (res.ok, res.rejected, res.complete) == (4, 1, True)
+    assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_an_adapter_path_with_a_nul_byte_or_a_name_too_long_is_a_bad_row_and_one_line(tmp_path, adapters):
+    from shardgen.dataio.prompts.read import PromptFileError
+
+    (tmp_path / "a.safetensors").write_bytes(adapters["a"].read_bytes())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=f"p{i}", loras=[path])) + "\n" for i, path in
+                            enumerate(["a.safetensors", "a\u0000.safetensors", "x" * 300 + ".safetensors"])))
+    args = (*ROW_ARGS, f"prompts.path={rows}", "prompts.row_settings=[loras]")
+    res = run(compose_cfg(f"run_dir={tmp_path / 'skip'}", *args, "prompts.on_bad_row=skip"))
+    assert (res.ok, res.rejected) == (1, 2)
+    with pytest.raises(PromptFileError, match=r"rows.jsonl:2: loras: loras\[0\]: .* holds a NUL byte"):
+        run(compose_cfg(f"run_dir={tmp_path / 'error'}", *args))
+    rows.write_text(rows.read_text().splitlines()[2] + "\n")
+    with pytest.raises(PromptFileError, match=r"rows.jsonl:1: loras: loras\[0\]: .*x{100}.* cannot be read \(File name "
+                                              r"too long\)"):
+        run(compose_cfg(f"run_dir={tmp_path / 'long'}", *args))
+    with pytest.raises(UserError, match=r"model.loras\[0\]: .* cannot be read \(File name too long\)"):
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", *FAST, loras_arg((tmp_path / ("y" * 300), 1.0))))
+
+
+def _matmuls_of_switches(pipe, sets) -> list[int]:
+    """The matrix products each ``lora.activate`` of ``sets`` computes (a LoRA's B @ A is one per adapted layer)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardgen.models import lora
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    out = []
+    for s in sets:
+        Count.n = 0
+        with Count():
+            lora.activate(pipe, s)
+        out.append(Count.n)
+    return out
+
+
+def test_switching_between_rows_adapters_costs_the_adapters_that_change_not_all_loaded(tmp_path):
+    """With 2 or 24 adapters loaded, switching from one row's adapter to another's computes the same work: that of
+    the two adapters (undoing one, adding the other), not a fuse of every adapter loaded."""
+    import torch
+
+    from shardgen.models import lora
+    from shardgen.models.loader import load_pipeline
+    from shardgen.families.flux.tiny import save_tiny_lora
+
+    cfg = compose_cfg("prompts.row_settings=[loras]", "prompts=jsonl", "prompts.path=x.jsonl")
+    sets = [lora.resolve([dict(path=str(save_tiny_lora(tmp_path / f"l{i}.safetensors", seed=50 + i, rank=2)),
+                               scale=1.0)], "t") for i in range(24)]
+    work = {}
+    for loaded in (2, 24):
+        pipe = lora.apply(load_pipeline(cfg.model, torch.float32, "cpu"), cfg)
+        lora.preload(pipe, {s[0].sha256: s[0].path for s in sets[:loaded]})
+        work[loaded] = _matmuls_of_switches(pipe, [sets[0], sets[1], sets[0]])
+    assert work[24] == work[2] and 0 < work[2][0] <= 64, work

@@ -141,7 +141,7 @@ def test_a_bad_input_image_rejects_only_its_row_and_the_rest_completes(inputs, t
     index = index_rows(tmp_path / "run")
     assert [index[i]["status"] for i in range(5)] == ["ok", "rejected", "rejected", "rejected", "ok"]
     assert f"rejected: image: {inputs}/missing.png does not exist" in index[1]["error"]
-    assert f"rejected: image: {inputs}/garbage.png is not an image PIL can read" in index[2]["error"]
+    assert f"rejected: image: {inputs}/garbage.png is not a PNG, JPEG or WebP image" in index[2]["error"]
     assert "this model makes each sample from an input image" in index[3]["error"]
     meta = jsons(tmp_path / "run")
     assert meta["0000000004"]["input_image"]["sha256"] == hashlib.sha256((inputs / "wide.png").read_bytes()).hexdigest()

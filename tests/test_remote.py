@@ -185,7 +185,7 @@ def test_an_object_in_the_bucket_that_is_not_the_uploaded_one_is_never_read_as_t
     capsys.readouterr()
     assert jobs.verify.main([str(run_dir)]) == 1
     said = capsys.readouterr().out
-    assert f"shard 000001: {out}/000001.tar: " in said and "not the" in said and "000000:" not in said
+    assert f"shard 000001: {out}/000001.tar written over in the bucket (" in said and "000000:" not in said
     assert jobs.verify.main([str(run_dir), "--repair"]) == 1
     result = run(cfg)
     assert (result.complete, result.generated_here) == (True, 2)
@@ -275,14 +275,17 @@ def test_permanent_faults_are_one_line_naming_the_url_before_any_model(s3, bucke
     else:
         url = prompts
         s3.proxy.fail_next(1000, ACCESS_DENIED)
-    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}", *FAST)
-    with pytest.raises(UserError) as e:
-        run(cfg)
+    for dry in ("false", "true"):  # the dry run refuses what the launch refuses
+        cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={prompts}", f"output_uri={out}",
+                          f"dry_run={dry}", *FAST)
+        with pytest.raises(UserError) as e:
+            run(cfg)
+        msg = str(e.value)
+        assert url.rstrip("/") in msg and "\n" not in msg
+        assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
+                "denied": "access denied"}[case] in msg
+        assert not (tmp_path / "run").exists()
     s3.proxy.fail_next(0)
-    msg = str(e.value)
-    assert url.rstrip("/") in msg and "\n" not in msg
-    assert {"output bucket": "the bucket does not exist", "prompt object": "not found",
-            "denied": "access denied"}[case] in msg
 
 
 @dataclass
@@ -540,4 +543,29 @@ def test_a_bucket_or_prefix_as_the_prompt_file_is_named_so(s3, bucket, tmp_path,
     with pytest.raises(UserError, match=rf"^{re.escape(url)}: is a bucket or folder \(a prefix of objects\), not a "
                                         r"prompt file\. Set prompts.path to the object's full URL"):
         run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={url}", "prompts.format=txt", *FAST))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_presigned_urls_signature_is_written_nowhere_in_the_run(web, tmp_path):
+    folder, url = web
+    (folder / "p.txt").write_text("a cat\na dog\n")
+    secret, key_id = "f00dfacec0ffee5ec2e7", "AKIASHARDGENTEST"
+    signed = (f"{url}/p.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={key_id}%2F20260101%2Fus-east-1%2Fs3"
+              f"&X-Amz-Expires=3600&X-Amz-Signature={secret}")
+    cfg = compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path='{signed}'", *FAST)
+    assert run(cfg).ok == 2 and run(cfg).generated_here == 0  # read with the signature, resumed
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert {"config.yaml", "plan.json", "prompt_hash.json", "rank000.log"} <= {p.name for p in written}
+    leaked = [str(p) for p in written if secret.encode() in p.read_bytes() or key_id.encode() in p.read_bytes()]
+    assert leaked == []
+    assert f"{url}/p.txt?X-Amz-Algorithm=REDACTED&X-Amz-Credential=REDACTED" in \
+        (tmp_path / "run/config.yaml").read_text()
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket//double//slash/", "s3://bucket/a/./b", "s3://bucket/a/../b/"])
+def test_an_output_uri_with_an_empty_or_dot_folder_is_refused_in_one_line_before_anything_is_written(tmp_path, uri):
+    for dry in ("false", "true"):
+        with pytest.raises(ConfigError) as e:
+            run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"output_uri={uri}", f"dry_run={dry}", *FAST))
+        assert str(e.value).startswith(f"output_uri={uri}: an empty, '.' or '..' folder name") and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()

@@ -205,3 +205,20 @@ def test_the_storage_timeout_is_set_on_the_filesystems_and_can_be_overridden(mon
     monkeypatch.delenv("SHARDGEN_STORAGE_TIMEOUT_S")
     http, _ = filesystem("http://127.0.0.1:1/p.txt")
     assert http.client_kwargs["timeout"].sock_read == 10.0
+
+
+def test_keep_local_true_an_object_written_over_at_the_same_size_is_a_defect_and_uploaded_again(s3, bucket, tmp_path,
+                                                                                               capsys):
+    run_dir, out = tmp_path / "run", f"s3://{bucket}/same-size"
+    cfg = compose_cfg(f"run_dir={run_dir}", f"output_uri={out}", "prompts.limit=4", "samples_per_shard=2", *FAST)
+    assert run(cfg).complete
+    good = s3.fs().cat_file(f"{out}/000001.tar")
+    s3.fs().pipe(f"{out}/000001.tar", bytes(len(good)))  # another job's bytes, the same size
+    capsys.readouterr()
+    assert jobs.verify.main([str(run_dir)]) == 1
+    said = capsys.readouterr().out
+    assert f"shard 000001: {out}/000001.tar written over in the bucket (ETag " in said, said
+    result = run(cfg)  # the launch notices it from the listing: the local copy is uploaded again
+    assert (result.complete, result.generated_here) == (True, 0)
+    assert s3.fs().cat_file(f"{out}/000001.tar") == good
+    assert jobs.verify.main([str(run_dir)]) == 0

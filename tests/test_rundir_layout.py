@@ -59,3 +59,31 @@ def test_a_run_dir_starting_with_a_tilde_is_the_home_directorys(tmp_path, monkey
     assert run(compose_cfg("run_dir='~/runs/x'", f"prompts.path={prompts}", *ARGS)).complete
     assert (tmp_path / "home" / "runs" / "x" / "fingerprint.json").is_file() and not (tmp_path / "~").exists()
     assert status.main(["run_dir=~/runs/x"]) == 0
+
+
+def _generate(tmp_path: Path, *args: str):
+    """``python -m jobs.generate ARGS`` in ``tmp_path`` (its current directory): (exit status, stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "jobs.generate", "height=16", "width=16", "steps=1", "progress=false",
+                        f"prompts.path={root / 'examples' / 'prompts.txt'}", *args], cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_url_as_run_dir_is_refused_in_one_line_naming_output_uri_and_no_folder_is_made(tmp_path, dry):
+    rc, err = _generate(tmp_path, "run_dir=s3://bucket/r", f"dry_run={str(dry).lower()}")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "run_dir=s3://bucket/r: a run directory is a local" in err and "output_uri=s3://bucket/r/" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("run_dir", ["x" * 300, "/".join(["d" * 200] * 21)])
+def test_a_run_dir_no_file_system_takes_is_one_line(tmp_path, run_dir):
+    rc, err = _generate(tmp_path, f"run_dir={run_dir}")
+    assert rc == 2 and err.count("\n") == 1 and "no file system takes it; choose a shorter run_dir" in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -281,3 +281,24 @@ def test_signals_on_a_damaged_or_unwritable_run_is_one_line(unsigned, tmp_path, 
     assert signals.main([str(d)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and str(d) in err, err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_status_prometheus_skips_a_metrics_file_that_is_no_small_regular_file(runs, tmp_path, capsys, kind):
+    d = tmp_path / "r"
+    shutil.copytree(runs[0], d, symlinks=True)
+    good = (d / "metrics" / "rank000.prom").read_text()
+    bad = d / "metrics" / "rank001.prom"
+    if kind == "fifo":
+        os.mkfifo(bad)
+    elif kind == "dev-zero":
+        bad.symlink_to("/dev/zero")
+    else:
+        with open(bad, "wb") as f:  # sparse: 4 GiB of zeros that take no disk
+            f.truncate(4 << 30)
+    capsys.readouterr()
+    with _no_hang(f"jobs.status --prometheus with a {kind} in metrics/", seconds=20):
+        rc = status.main([str(d), "--prometheus"])
+    out = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in out.err, out.err
+    assert 'shardgen_committed_samples_total{' in out.out and good.splitlines()[2].split(" ")[0] in out.out

@@ -3,7 +3,6 @@ profiler trace, PSNR, memory, dynamo's compilation count, and the images each wa
 
 from __future__ import annotations
 
-import io
 import math
 import time
 from pathlib import Path
@@ -175,15 +174,14 @@ def psnr_stats(images: dict[int, np.ndarray], ref: dict[int, np.ndarray]) -> dic
 
 def read_outputs(folder: Path, n: int) -> dict[int, np.ndarray]:
     """The baseline loop's ``000000.png`` (or ``.mp4``) ... of ``folder`` as RGB arrays (videos: FxHxWx3), by index."""
-    from PIL import Image
-
     from shardgen.dataio.shards import decode_video
+    from shardgen.rasters import decode_rgb
 
     out = {}
     for i in range(n):
         video = folder / f"{i:06d}.mp4"
         out[i] = decode_video(video.read_bytes())[0] if video.exists() else \
-            np.asarray(Image.open(folder / f"{i:06d}.png").convert("RGB"))
+            decode_rgb((folder / f"{i:06d}.png").read_bytes(), str(folder / f"{i:06d}.png"))
     return out
 
 
@@ -207,16 +205,15 @@ def reset_peak(device: torch.device) -> None:
 
 def shard_images(run_dir: Path) -> dict[int, np.ndarray]:
     """prompt index -> decoded image (a video: its FxHxWx3 frames) of every committed sample of a run."""
-    from PIL import Image
-
     from shardgen.dataio.shards import read_shard_members
+    from shardgen.rasters import decode_rgb
 
     out = {}
     for tar in sorted((run_dir / "shards").glob("*.tar")):
         for key, mem in read_shard_members(tar).items():
             img = next((v for k, v in mem.items() if k in ("png", "jpg", "webp")), None)
             if img is not None:
-                out[int(key)] = np.asarray(Image.open(io.BytesIO(img)).convert("RGB"))
+                out[int(key)] = decode_rgb(img, f"{tar}: {key}")
             elif "mp4" in mem:
                 from shardgen.dataio.shards import decode_video
 

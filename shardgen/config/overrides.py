@@ -55,16 +55,44 @@ def check_overrides(overrides: list[str], conf: Path = CONF) -> str | None:
         if o is None:
             return f"{text}: {_bare_token(text, groups)}"
         key = o.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:  # Hydra's own
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):  # Hydra's own
+            problem = hydra_output_problem(key, o.value())
+            if problem:
+                return f"{text}: {problem}"
+            continue
+        if o.package is not None:
             continue
         if key in groups and not o.is_delete():
             problem = _unknown_options(key, o.value(), group_options(key, conf))
         else:
             problem = (_unknown_key(key.split("."), GenerateConfig) or _other_launchers_key(key, chosen)
-                       or _wrong_type(o, GenerateConfig))
+                       or _wrong_type(o, GenerateConfig) or _wrong_entries(o, GenerateConfig))
         if problem:
             return f"{text}: {problem}"
     return None
+
+
+# Hydra's own keys a command line may set: none of them writes a file. Its run and sweep folders, .hydra/ and the
+# job's log file are off in conf/generate.yaml (shardgen writes only into run_dir); any other hydra.* key could turn
+# one of them back on (hydra.run.dir=/elsewhere, hydra.output_subdir=.hydra, hydra.job_logging.handlers.file=...).
+HYDRA_FREE = {"hydra.verbose": None, "hydra/help": None, "hydra/hydra_help": None,
+              "hydra/job_logging": {"stdout", "disabled", "none"},
+              "hydra/hydra_logging": {"default", "disabled", "none", "hydra_debug"}}
+HYDRA_AS_CONFIGURED = {"hydra.run.dir": ".", "hydra.output_subdir": None, "hydra.job.chdir": False}
+
+
+def hydra_output_problem(key: str, value: Any) -> str | None:
+    """Why an override of Hydra's own ``key`` is refused (it could make Hydra write outside run_dir); None for the
+    keys of HYDRA_FREE (with an allowed value) and for a key set to what conf/generate.yaml already sets."""
+    if key in HYDRA_FREE and (HYDRA_FREE[key] is None or value in HYDRA_FREE[key]):
+        return None
+    if key in HYDRA_AS_CONFIGURED and value == HYDRA_AS_CONFIGURED[key]:
+        return None
+    allowed = HYDRA_FREE.get(key)
+    if allowed:
+        return f"{key} may be {', '.join(sorted(allowed))} (the others write a log file outside run_dir)"
+    return ("Hydra's own output folders and files are off: shardgen writes only into run_dir (its config, logs and "
+            "shards); leave hydra settings out of the command line and set run_dir=DIR for where the run goes")
 
 
 def _bare_token(text: str, groups: set[str]) -> str:
@@ -106,6 +134,41 @@ def _wrong_type(o: Any, schema: type) -> str | None:
         example = (f" (e.g. {key}={int(value)})" if hint is int and isinstance(value, float) and value.is_integer()
                    else "")
         return f"{key} takes {wanted}{' or null' if optional else ''}{example}"
+    return None
+
+
+ENTRY_FIELDS = {"model.loras": {"path": str, "scale": float}}
+"""Lists typed ``List[Any]`` in the schema (they take short forms too, "PATH" and "PATH:SCALE", which the reader
+checks: shardgen/models/lora.py) and the fields of their mapping entries."""
+
+
+def _wrong_entries(o: Any, schema: type) -> str | None:
+    """``KEY[i].FIELD takes ...`` for a list of config entries (``model.loras``: ENTRY_FIELDS) given an entry that is no
+    mapping, names no field of its entry, or holds a value of another type than its field's: a string, a boolean
+    or a list where a number goes (Hydra would print its merge error in six lines, or take '0.8' as 0.8 where a
+    row's loras refuse it); None otherwise."""
+    if o.is_delete() or o.is_sweep_override():
+        return None
+    key, hint, value = o.key_or_group, _leaf_type(o.key_or_group.split("."), schema), o.value()
+    args = typing.get_args(hint)
+    entry_type = args[0] if len(args) == 1 else None
+    fields = ENTRY_FIELDS.get(key) or (_field_types(entry_type) if dataclasses.is_dataclass(entry_type) else None)
+    if typing.get_origin(hint) not in (list, typing.List) or fields is None or not isinstance(value, list):
+        return None
+    example = "{" + ", ".join(f"{n}: ..." for n in fields) + "}"
+    for i, entry in enumerate(value):
+        if key in ENTRY_FIELDS and not isinstance(entry, dict):
+            continue  # a short form: the reader checks it
+        if not isinstance(entry, dict):
+            return f"{key}[{i}] is {entry!r}: write each entry as {example}"
+        for name, v in entry.items():
+            if name not in fields:
+                return f"{key}[{i}] has no field {name!r}{_did_you_mean(str(name), list(fields))}: write {example}"
+            typ = fields[name]
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return f"{key}[{i}].{name} takes a number, not {v!r} (e.g. {name}: 0.8, unquoted)"
+            if typ is str and not isinstance(v, str):
+                return f"{key}[{i}].{name} takes a string, not {v!r}"
     return None
 
 

@@ -201,8 +201,9 @@ class PromptsConfig:
     ["style.safetensors:0.8"], csv/tsv "style.safetensors:0.8;other.safetensors", paths from the prompt file's
     folder, [] = none; not with strategy=tp or fp8), image (image-to-image, edit and image-to-video models: the
     row's input image, a path from the prompt file's folder or absolute, or parquet image bytes; a missing or
-    unreadable one rejects its row; its sha256 in the sample's json and the index), strength (image-to-image: above
-    0, at most 1), images_per_prompt (1 to 1000 samples of the row instead of the run's images_per_prompt).
+    unreadable one rejects its row, one gone after planning fails it for retry_failed=true; its sha256 in the
+    sample's json and the index), strength (image-to-image: above 0, at most 1), images_per_prompt (1 to 1000
+    samples of the row instead of the run's images_per_prompt).
     Checked while planning (a bad value is a bad row: file:line, or a reject with on_bad_row=skip); rows of the
     same size, guidance and adapters are batched together; each sample's json records its settings. Default []: every
     column stays metadata (shardgen/dataio/prompts/rowsettings.py)."""

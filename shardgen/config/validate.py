@@ -41,6 +41,19 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _ambiguous_folder(url: str) -> bool:
+    """Whether the path of ``url`` (after its bucket) has an empty, "." or ".." segment (a trailing "/" aside)."""
+    path = url.split("://", 1)[-1].split("?", 1)[0]
+    return any(part in ("", ".", "..") for part in path.rstrip("/").split("/")[1:])
+
+
+def _plain_folder(url: str) -> str:
+    """``url`` without its empty, "." and ".." segments."""
+    scheme, _, path = url.partition("://")
+    parts = [p for p in path.split("/") if p not in ("", ".", "..")]
+    return f"{scheme}://{'/'.join(parts)}/"
+
+
 def check_mandatory(cfg: GenerateConfig) -> None:
     """ConfigError naming every value the chosen config groups leave unset (``???``), and what to set."""
     from omegaconf import OmegaConf
@@ -123,6 +136,10 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"shard_container={cfg.shard_container!r}: use one of {containers}")
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
+    _need(not cfg.output_uri or not _ambiguous_folder(str(cfg.output_uri)),
+          f"output_uri={cfg.output_uri}: an empty, '.' or '..' folder name (as in //) is a key object stores keep "
+          "and fsspec normalises away, so the shards would be written and read back under different keys; write "
+          f"output_uri={_plain_folder(str(cfg.output_uri))}")
     for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
         _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
               f"{key}: a URL with a password in it would be written into the run directory and its logs; give "
@@ -190,6 +207,9 @@ def _check_images(cfg: GenerateConfig) -> None:
     strength = cfg.model.strength
     _need(not fam.strength or (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0),
           f"model.strength={strength}: use a number above 0 and at most 1 (1 = the input image replaced by noise)")
+    _need(not fam.strength or int(cfg.steps * strength) >= 1,  # as a row's own strength is checked while planning
+          f"model.strength={strength:g} of steps={cfg.steps} is less than one denoising step, so every sample would "
+          f"fail: use model.strength={1 / cfg.steps:g} or more, or more steps")
 
 
 def _check_source(cfg: GenerateConfig) -> None:

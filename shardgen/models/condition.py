@@ -4,9 +4,9 @@ and image-to-video pipelines, checked in two steps.
 While planning (cheap, no pixel decoded): a path is a regular file (not a link, a directory, a FIFO), neither empty
 nor over ``MAX_IMAGE_BYTES``; encoded bytes (a parquet binary column) likewise. When its row is generated: the bytes
 are read once (``O_NOFOLLOW | O_NONBLOCK``: a file swapped for a link or a FIFO since planning is refused, never
-followed or waited on), hashed, and decoded by PIL with a pixel limit checked before any pixel is decoded (a
-decompression bomb) and every pixel loaded (a truncated PNG/JPEG fails here). A row whose image fails is rejected
-with the reason; the rest of the run goes on.
+followed or waited on), hashed, and decoded by PIL (PNG, JPEG or WebP only, through shardgen/rasters.py) with a
+pixel limit checked before any pixel is decoded (a decompression bomb) and every pixel loaded (a truncated PNG/JPEG
+fails here). A row whose image fails is rejected with the reason; the rest of the run goes on.
 
 The image used is identified by its content: its sha256 goes into the sample's json (``input_image``) and the
 shard index (``input_image_sha256``). The prompt file is in the run's fingerprint, the images are not: a file
@@ -17,7 +17,6 @@ was made from.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import stat
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from shardgen.errors import UserError
+from shardgen.rasters import NotARaster, open_raster, to_rgb
 
 ROW_FIELD = "image"
 """The ``prompts.row_settings`` name of a row's input image."""
@@ -39,6 +39,12 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 
 class BadImage(UserError, ValueError):
     """A row's input image cannot be used; the message says what is wrong and what to give instead."""
+
+
+class ImageGone(BadImage):
+    """A row's input image file that planning accepted cannot be read now (gone, swapped for a directory, a link or a
+    FIFO, unreadable): a reason that may pass, so the row fails (``retry_failed=true`` makes it again) instead of
+    being rejected for good."""
 
 
 class InputImage(NamedTuple):
@@ -101,6 +107,8 @@ def check_file(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         raise BadImage(f"{path} does not exist; give the path of an image file") from None
+    except ValueError:  # a NUL byte
+        raise BadImage(f"{str(path)!r} holds a NUL byte, which no file name may; give the image's path") from None
     except OSError as e:
         raise BadImage(f"{path} cannot be read ({e.strerror or e}); give a readable image file") from None
     if stat.S_ISLNK(st.st_mode):
@@ -127,16 +135,25 @@ def read_bytes(img: InputImage) -> bytes:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(img.path, flags)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        if isinstance(e, ValueError):
+            raise BadImage(f"{img.path!r} holds a NUL byte, which no file name may; give the image's path") from None
         if not os.path.exists(img.path) and not os.path.islink(img.path):
-            raise BadImage(f"{img.path} does not exist (any more); give the path of an image file") from None
-        raise BadImage(f"{img.path} cannot be opened ({e.strerror or e}); give a readable image file "
-                       "(links are not followed)") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BadImage(f"{img.path} is not a regular file; give the path of an image file")
-        data = f.read(MAX_IMAGE_BYTES + 1)
+            raise ImageGone(f"{img.path} does not exist (any more); put the image back and re-run with "
+                            "retry_failed=true") from None
+        raise ImageGone(f"{img.path} cannot be opened ({e.strerror or e}); make it a readable image file (links "
+                        "are not followed) and re-run with retry_failed=true") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # checked on the descriptor: Python's file object raises on a directory
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise ImageGone(f"{img.path} is {what} now; put the image file back and re-run with retry_failed=true")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise ImageGone(f"{img.path} cannot be read ({e.strerror or e}); re-run with retry_failed=true") from None
+    finally:
+        os.close(fd)
     _check_size(img.path, len(data))
     return data
 
@@ -147,14 +164,14 @@ def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tupl
     MAX_IMAGE_PIXELS. ``cover``: the (width, height) the image will be fitted to; a JPEG is then decoded at the
     smallest of libjpeg's 1/2, 1/4, 1/8 scales still covering it (a 12 MP photo for a 1024x1024 sample: about 4x
     faster)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            im = Image.open(io.BytesIO(data))
-        except UnidentifiedImageError:
-            raise BadImage(f"{name} is not an image PIL can read (PNG, JPEG, WebP, ...)") from None
+            im = open_raster(data, name)
+        except NotARaster as e:
+            raise BadImage(str(e)) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise BadImage(f"{name} declares too many pixels ({e}); give an image of at most "
                            f"{MAX_IMAGE_PIXELS} pixels") from None
@@ -170,7 +187,7 @@ def decode(data: bytes, name: str, cover: tuple[int, int] | None = None) -> tupl
                 im.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
             im.load()  # every pixel now: a truncated file fails here, not inside the pipeline
             turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations a quarter turn away
-            return ImageOps.exif_transpose(im).convert("RGB"), ((h, w) if turned else (w, h))
+            return to_rgb(ImageOps.exif_transpose(im)), ((h, w) if turned else (w, h))
         except Exception as e:
             raise BadImage(f"{name} does not decode whole ({type(e).__name__}: {e}); give an intact image") from None
 

@@ -16,8 +16,10 @@ leave rounding behind).
 from __future__ import annotations
 
 import hashlib
+import math
 import logging
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
@@ -84,7 +86,7 @@ def checked_sha256(where: str, path: Path) -> str:
     adapter read it once)."""
     try:
         st = path.stat()
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: a NUL byte) check_file names what is wrong
         st = None
     if st is None or (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns) not in _HASHES:
         check_file(where, path)
@@ -93,9 +95,17 @@ def checked_sha256(where: str, path: Path) -> str:
 
 def check_file(where: str, path: Path) -> None:
     """LoraError unless ``path`` is a readable safetensors file with tensors in it (its header read, no weight)."""
-    if not path.exists():
-        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file")
-    if not path.is_file():
+    try:
+        st = os.stat(path)
+    except ValueError:
+        raise LoraError(f"{where}: {str(path)!r} holds a NUL byte, which no file name may; give the path of a LoRA "
+                        ".safetensors file") from None
+    except FileNotFoundError:
+        raise LoraError(f"{where}: {path} does not exist; give the path of a LoRA .safetensors file") from None
+    except OSError as e:  # a name over 255 bytes, a path through a file, no permission
+        raise LoraError(f"{where}: {str(path)[:200]} cannot be read ({e.strerror or e}); give the path of a LoRA "
+                        ".safetensors file") from None
+    if not stat.S_ISREG(st.st_mode):
         raise LoraError(f"{where}: {path} is not a file; give the path of a LoRA .safetensors file")
     from safetensors import safe_open
 
@@ -327,67 +337,101 @@ def fuse_into(pipe: Any, loras: LoraSet) -> None:
     log.info("LoRA fused: %s", _names(loras))
 
 
-class AdapterSets:
-    """Switches a pipeline between adapter sets, batch by batch (rows with their own ``loras``): each set fused
-    into the base weights, which are restored exactly in between.
+class _Factor(NamedTuple):
+    """One adapter's low-rank factors for one layer, as peft held them once loaded: ``base`` the layer's own
+    (unwrapped) module, ``a``/``b`` its LoRA matrices, and what peft's ``get_delta_weight`` scales them by."""
 
-    Every adapter loaded is fused each time, those outside the set at scale 0 (adding exact zeros: the bytes of the
-    set alone), in ``_fuse``'s one order. Every adapted layer then is in the same state whatever the set (the same
-    adapters merged, in the same order), so a compiled transformer's guards hold and switching compiles nothing; only
-    an adapter loaded for the first time changes the layers (``preload`` loads a run's up front)."""
+    base: Any
+    a: Any
+    b: Any
+    alpha: float
+    r: int
+    rslora: bool
+    fan_in_fan_out: bool
+
+
+def _delta(f: _Factor, scale: float) -> Any:
+    """peft's ``Linear.get_delta_weight`` at ``scale`` (``set_scale``'s scaling), operation for operation: the bytes
+    of the weights peft's own merge makes, so a row's set gives the pixels of a run with that set in model.loras."""
+    import torch
+
+    dtype = f.b.dtype
+    cast = f.b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    a, b = (f.a.float(), f.b.float()) if cast else (f.a, f.b)
+    scaling = scale * f.alpha / math.sqrt(f.r) if f.rslora else scale * f.alpha / f.r
+    out = b @ a
+    out = (out.T if f.fan_in_fan_out else out) * scaling
+    return out.to(dtype=dtype) if cast else out
+
+
+class AdapterSets:
+    """Switches a pipeline between adapter sets, batch by batch (rows with their own ``loras``), in time proportional
+    to the adapters that change.
+
+    Each adapter is loaded once through diffusers (its checks: ``_load``), its low-rank factors kept per layer, and
+    unloaded again: the model keeps its own modules, never more peft layers as adapters accumulate. A switch restores
+    the base weights of the layers the old or the new set adapts (a copy kept of each adapted layer) and adds each
+    adapter of the new set as peft's merge does (``_delta``, in ``_fuse``'s one order: by sha256): the same bytes as
+    fusing that set alone. Weights change in place, so a compiled transformer's guards hold and switching compiles
+    nothing."""
 
     def __init__(self, pipe: Any):
         _check_pipeline(pipe)
         self.pipe = pipe
         self.current: LoraSet = ()
-        self._names: list[str] = []  # the adapters loaded, in loading order
-        self._fused = False
-        self._base: dict[int, tuple[Any, dict]] = {}  # id(peft layer) -> (layer, its base tensors on the CPU)
+        self._factors: dict[str, list[_Factor]] = {}  # adapter name -> its factors, one per layer it adapts
+        self._base: dict[int, tuple[Any, Any]] = {}  # id(adapted module) -> (module, its base weight's copy)
 
     def activate(self, loras: LoraSet, load: Iterable[Lora] = ()) -> None:
         """Make ``loras`` the fused set, loading its adapters (and those of ``load``) not loaded yet."""
-        loras = tuple(loras)
-        new = {lo.adapter_name: lo for lo in (*loras, *load) if lo.adapter_name not in self._names}
-        if loras == self.current and not new:
-            return
-        pipe = self.pipe
-        components = list(pipe._lora_loadable_modules)
-        if self._fused:
-            pipe.unfuse_lora(components=components)
-            self._restore()
-            self._fused = False
-        for name, lora in new.items():
-            _load(pipe, lora)
-            self._names.append(name)
-            self._keep_base()
-        if self._names:
-            _fuse(pipe, {n: 0.0 for n in self._names} | {lo.adapter_name: lo.scale for lo in loras})
-            self._fused = True
-        self.current = loras
-
-    def _layers(self) -> Iterable[Any]:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for name in self.pipe._lora_loadable_modules:
-            model = getattr(self.pipe, name, None)
-            if model is not None:
-                yield from (m for m in model.modules() if isinstance(m, BaseTunerLayer))
-
-    def _keep_base(self) -> None:
-        fresh = [layer for layer in self._layers() if id(layer) not in self._base]
-        tensors = [dict(layer.get_base_layer().named_parameters(recurse=False)) for layer in fresh]
-        where = _copy_place([v for t in tensors for v in t.values()])
-        for layer, params in zip(fresh, tensors):
-            self._base[id(layer)] = (layer, {k: _copy_to(v, where) for k, v in params.items()})
-
-    def _restore(self) -> None:
         import torch
 
+        loras = tuple(loras)
+        for lora in {lo.adapter_name: lo for lo in (*loras, *load)}.values():
+            if lora.adapter_name not in self._factors:
+                self._take(lora)
+        if loras == self.current:
+            return
+        touched = {id(f.base): f.base for lo in (*self.current, *loras) for f in self._factors[lo.adapter_name]}
         with torch.no_grad():
-            for layer, tensors in self._base.values():
-                params = dict(layer.get_base_layer().named_parameters(recurse=False))
-                for k, v in tensors.items():
-                    params[k].copy_(v, non_blocking=v.is_pinned())
+            for key in touched:
+                module, weight = self._base[key]
+                module.weight.copy_(weight, non_blocking=weight.is_pinned())
+            scales = {lo.adapter_name: lo.scale for lo in loras}
+            for name in sorted(scales):
+                for f in self._factors[name]:
+                    f.base.weight.data += _delta(f, scales[name])
+        self.current = loras
+
+    def _take(self, lora: Lora) -> None:
+        """Load ``lora`` through diffusers (LoraError when it does not fit), keep its factors and a copy of each
+        layer's base weight not kept yet (never adapted so far: still the base), and unload it again."""
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        pipe, name = self.pipe, lora.adapter_name
+        _load(pipe, lora)
+        factors = []
+        try:
+            for component in pipe._lora_loadable_modules:
+                model = getattr(pipe, component, None)
+                for layer in (m for m in (model.modules() if model is not None else ())
+                              if isinstance(m, BaseTunerLayer) and name in getattr(m, "lora_A", {})):
+                    if type(layer) is not LoraLinear or name in getattr(layer, "lora_variant", {}) \
+                            or getattr(layer, "lora_bias", {}).get(name):
+                        raise LoraError(f"{lora.path}: adapts {type(layer.get_base_layer()).__name__} layers, or with "
+                                        "DoRA or a bias, which rows' own adapters cannot switch; give it in "
+                                        "model.loras instead")
+                    factors.append(_Factor(layer.get_base_layer(), layer.lora_A[name].weight.detach(),
+                                           layer.lora_B[name].weight.detach(), layer.lora_alpha[name], layer.r[name],
+                                           bool(layer.use_rslora.get(name, False)), bool(layer.fan_in_fan_out)))
+        finally:
+            pipe.unload_lora_weights()  # the model's own modules back in place (the factors keep the matrices)
+        fresh = [f.base for f in factors if id(f.base) not in self._base]
+        where = _copy_place([m.weight for m in fresh])
+        for module in fresh:
+            self._base[id(module)] = (module, _copy_to(module.weight, where))
+        self._factors[name] = factors
 
 
 HEADROOM = 8 << 30

@@ -21,7 +21,7 @@ from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prom
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, holds_no_samples, prompt_file_hash,
                                     read_fingerprint, read_ledger)
 from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
-from shardgen.dataio.shards import resolve_samples_per_shard, sample_bytes_estimate
+from shardgen.dataio.shards import ShardUploader, resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_sha256, model_version
 
 if TYPE_CHECKING:
@@ -91,6 +91,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     check_run_root(run.root)  # a run_dir the launch would refuse (not a run, /, home) is refused here too; reads only
     path = prompt_path(cfg)
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
+    if uploader := ShardUploader.from_cfg(cfg, run):
+        uploader.check_readable()  # no bucket, no permission, another run's folder: as the launch refuses, read-only
     old = read_fingerprint(run) if run.fingerprint_path.exists() else None
     refused = None
     if old is not None:

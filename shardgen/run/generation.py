@@ -308,10 +308,9 @@ def generate_batch(pipe: Any, s: GenSettings, rows: list[PlannedRow], replica_ra
             for smp in run_pipeline(pipe, settings_for(s, group[0]), group, replica_ranks, conds)}
     out = []
     for r in rows:
-        reject = r.reject if r.reject is not None else bad.get(r.index)
-        if reject is not None:
-            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s),
-                              status="rejected", failure=f"rejected: {reject}"))
+        status, why = ("rejected", f"rejected: {r.reject}") if r.reject is not None else bad.get(r.index, (None, None))
+        if status is not None:
+            out.append(Sample(key=r.key, index=r.index, prompt=r.prompt, meta=_meta(r, s), status=status, failure=why))
         else:
             out.append(made[r.index])
     return out
@@ -324,21 +323,26 @@ def input_size(s: GenSettings) -> tuple[int, int]:
     return condition.input_size(s.width, s.height, s.input_image_area)
 
 
-def load_images(s: GenSettings, rows: list[PlannedRow]) -> tuple[dict[int, condition.Conditioned], dict[int, str]]:
+def load_images(s: GenSettings, rows: list[PlannedRow]
+                ) -> tuple[dict[int, condition.Conditioned], dict[int, tuple[str, str]]]:
     """The input images of ``rows`` (prompts.row_settings=[image]), each decoded and fitted to its row's size, by row
-    index; and the reason of each row whose image cannot be used (or which has none for a model that needs one):
-    those rows are rejected, the others generated."""
+    index; and (status, reason) of each row whose image cannot be used (or which has none for a model that needs
+    one): rejected, or failed where the file planning accepted is gone or unreadable now; the others generated."""
     conds, bad = {}, {}
     for r in rows:
         image = r.settings.get("image")
         if image is None:
             if s.input_image == "required":
-                bad[r.index] = "image: this model makes each sample from an input image, and the row names none"
+                bad[r.index] = ("rejected", "rejected: image: this model makes each sample from an input image, and "
+                                            "the row names none")
             continue
         try:
             conds[r.index] = condition.load(image, *input_size(settings_for(s, r)))
+        except condition.ImageGone as e:  # accepted when planned: may pass, so a failure retry_failed makes again
+            bad[r.index] = ("failed", f"image: {e}")
+            log.warning("line %d: image: %s; the row fails", r.line, e)
         except condition.BadImage as e:
-            bad[r.index] = f"image: {e}"
+            bad[r.index] = ("rejected", f"rejected: image: {e}")
             log.warning("line %d: image: %s; the row is rejected", r.line, e)
     return conds, bad
 

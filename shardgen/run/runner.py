@@ -19,13 +19,14 @@ from omegaconf import OmegaConf
 from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_plan, check_prompt_source,
                                      checks_while_planning, estimate_rows, idle_warning, load_plan, planning_windows,
                                      prompt_file_path, rules_from_cfg)
-from shardgen.dataio.resume import (check_or_write_fingerprint, check_settings_unchanged, compute_fingerprint,
+from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint,
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
-                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings)
+                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings,
+                                    start_generating, stop_generating)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
                                     attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
                                     detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
-                                    record_launch)
+                                    record_launch, redact_urls)
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
@@ -195,8 +196,8 @@ def shard_sizing(cfg: GenerateConfig, replicas: int) -> dict:
 
 def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     """config.yaml for the first launch; a later launch's config.<time>.yaml only when it differs from the last one
-    kept (a launch repeated as it was, "nothing to do" included, adds no file)."""
-    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    kept (a launch repeated as it was, "nothing to do" included, adds no file). A presigned URL's secret stays out."""
+    text = redact_urls(OmegaConf.to_yaml(cfg, resolve=True)).encode()
     if create_exclusive(run.config_path, text):
         return
     later = sorted(run.root.glob("config.*.yaml"), key=lambda p: p.name)
@@ -232,6 +233,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     world = W.init_world(cfg.device, cfg.launcher.backend)
     share_cpu_threads(world)
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
+    started = None
     try:
         dims = parallel_dims(cfg, world.world_size)
         # with the run's settings as accepted, to find a launch that starts the run over while this one loads
@@ -248,8 +250,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         pipe = schedulers.apply(pipe, cfg.scheduler, cfg.scheduler_shift)
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
-        if ctx.leader:
-            check_settings_unchanged(plan.run, settings)
+        if ctx.leader:  # from here the run is this launch's settings' (no other launch starts it over)
+            started = start_generating(plan.run, settings)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
                 control.writing(worker.sink):
             worker.run()
@@ -270,6 +272,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
                                 batch.batch if batch else None) from None
         raise
     finally:
+        stop_generating(started)
         W.shutdown()
         detach_rank_log(rank_log)
 

@@ -31,7 +31,7 @@ import logging
 import numpy as np
 
 from shardgen.dataio.prompts import read as P
-from shardgen.dataio.prompts.planscan import (check_etag, check_unchanged, file_identity, footer_plan,
+from shardgen.dataio.prompts.planscan import (LORA_REJECTS, check_etag, check_unchanged, file_identity, footer_plan,
                                               planned_from_footer, range_digests, read_range, read_rows_at,
                                               row_images, rows_digest, scan_rows, truncation_outcome)
 from shardgen.dataio.prompts.formats import prompt_format
@@ -41,7 +41,7 @@ from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.fileio import NotRegularFileError, atomic_write_json, open_regular, read_json
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir
 from shardgen.dataio.rundir.liveness import host_name, pid_alive
-from shardgen.dataio.rundir.remote import identity, is_url, open_input, sizeof
+from shardgen.dataio.rundir.remote import identity, is_url, open_input, public_url, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -241,9 +241,19 @@ class Plan:
         return out
 
     def _check_adapters(self, rows: list[P.PromptRow]) -> None:
-        """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned."""
+        """Each row's LoRA files (prompts.row_settings=[loras]) hold what they held when the run was planned, and a
+        row planned with usable adapters still has them: a file gone since (a disk not mounted, a bucket down) is a
+        LoraError that stops the run with the row still to be made, never a reject committed for good."""
         planned = self.adapters() if any(r.settings.get("loras") for r in rows) else {}
+        was_rejected = self.lora_rejects if any(r.reject and r.reject.startswith("loras:") for r in rows) else None
         for r in rows:
+            if was_rejected is not None and r.reject and r.reject.startswith("loras:") \
+                    and str(r.index) not in was_rejected:
+                from shardgen.models.lora import LoraError
+
+                raise LoraError(f"{self.prompt_path or self.meta['source']['path']}:{r.line}: {r.reject} (it was "
+                                "usable when the run was planned); put it back and re-run: its rows are still to "
+                                "be made")
             for lo in r.settings.get("loras", ()):
                 if lo.sha256 not in planned:
                     from shardgen.models.lora import LoraError
@@ -298,6 +308,15 @@ class Plan:
         for m in [self.meta or {}] + [e.meta for e in self.extensions]:
             out.update(m.get("loras") or {})
         return out
+
+    @functools.cached_property
+    def lora_rejects(self) -> dict[str, str] | None:
+        """The rows rejected for their LoRA adapters when planned (row index as a string -> reason), over the plan
+        and its extensions; None for a plan made before they were recorded."""
+        metas = [self.meta or {}] + [e.meta for e in self.extensions]
+        if any("lora_rejects" not in m for m in metas):
+            return None
+        return {k: v for m in metas for k, v in m["lora_rejects"].items()}
 
     @functools.cached_property
     def image_rejects(self) -> dict[str, str]:
@@ -519,7 +538,7 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             raise P.fail(source.path, 0, "the prompt file has no rows (only a header, or only a byte-order mark)",
                          "Add prompts, or point prompts.path at the right file")
         atomic_write_json(tmp / "plan.json", dict(
-            counts, version=PLAN_VERSION, samples_per_shard=rows_per_shard, prompt_file=source.path,
+            counts, version=PLAN_VERSION, samples_per_shard=rows_per_shard, prompt_file=public_url(source.path),
             **({"images_per_prompt": images_per_prompt} if images_per_prompt > 1 else {}),
             **({"per_row_images": True} if "samples" in counts else {}),
             prompt_size=sizeof(source.path), prompt_sha256=prompt_sha256, run_seed=run_seed,
@@ -583,6 +602,7 @@ def plan_rows_into(out: Path, source: PromptSource, samples_per_shard: int, trun
     if shapes is not None:
         counts["shapes"] = shapes_json(shapes)
     if adapters is not None:
+        counts["lora_rejects"] = adapters.pop(LORA_REJECTS, {})
         counts["loras"] = adapters
     if image_rejects:
         counts["image_rejects"] = image_rejects

@@ -69,6 +69,11 @@ def footer_plan(source: PromptSource, per_shard: int) -> tuple[int, int, np.ndar
     return n, 0, np.stack([first, first + 1], axis=1), n, None
 
 
+LORAS = "loras"
+LORA_REJECTS = "rejects"
+"""The key under ``adapters`` (scan_rows) of the rows rejected for their adapters while planning (index -> reason)."""
+
+
 def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | None = None, first_row: int = 0,
               shapes: Counter | None = None, adapters: dict | None = None, image_rejects: dict | None = None,
               samples: list | None = None, images: int = 1) -> tuple[int, int, np.ndarray, int, np.ndarray | None]:
@@ -76,7 +81,8 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
     from the rows' lines (parquet: row numbers). (rows, rejects, starts, where the planned rows end: a byte
     offset, parquet a row, the shards' digests: parquet only, of the rows read; text formats: None).
     ``shapes``: counts the valid rows per ``Shape`` (prompts.row_settings' sizes and frames) into it; ``adapters``:
-    the LoRA files valid rows name (sha256 -> path) go into it; ``image_rejects``: the rows whose input image file is
+    the LoRA files valid rows name (sha256 -> path) go into it, and under LORA_REJECTS the rows rejected for
+    their adapters (row index -> reason); ``image_rejects``: the rows whose input image file is
     unusable (``image_problem``) go into it (row index -> reason; with prompts.on_bad_row=error the scan stops at the
     first, naming its file and line); ``samples``: each shard's samples are appended to it, its rows' own
     ``images_per_prompt`` (prompts.row_settings) or ``images``."""
@@ -111,6 +117,8 @@ def scan_rows(source: PromptSource, per_shard: int, check: TruncationCheck | Non
                 shapes[rules.shape(row.settings)] += 1
             if adapters is not None and row.reject is None:
                 adapters.update((lo.sha256, lo.path) for lo in row.settings.get("loras", ()))
+            elif adapters is not None and row.reject.startswith(f"{LORAS}:"):
+                adapters.setdefault(LORA_REJECTS, {})[str(row.index)] = row.reject  # a file read back later may differ
             if check and row.reject is None and len(row.prompt.encode("utf-8")) > check.min_bytes:
                 check.offer(row.index, row.line, row.prompt)
                 if check.stop:

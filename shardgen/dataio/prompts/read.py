@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 from shardgen.dataio.prompts.formats import prompt_format, prompt_formats
 from shardgen.dataio.prompts.rowsettings import BadSetting, RowRules
 from shardgen.dataio.prompts.samplejson import split_reserved
-from shardgen.dataio.rundir.remote import info, is_url
+from shardgen.dataio.rundir.remote import info, is_url, public_url
 from shardgen.errors import UserError
 from shardgen.pick import pick
 
@@ -91,8 +91,10 @@ class PromptSource:
         return RowRules(**self.row_rules, base_dir=str(Path(self.path).parent)) if self.row_rules else None
 
     def as_json(self) -> dict:
-        """For plan.json; without ``row_rules`` when there are none, so such plans stay as they were."""
-        return {k: v for k, v in self.__dict__.items() if k != "row_rules" or v is not None}
+        """For plan.json; without ``row_rules`` when there are none, so such plans stay as they were; a URL as
+        ``public_url`` writes it (a presigned URL's signature stays out of the run)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "row_rules" or v is not None}
+        return out | ({"path": public_url(out["path"])} if isinstance(out.get("path"), str) else {})
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ def detect_format(path: str, format: str = "auto") -> str:
             return format
         raise fail(path, 0, f"prompts.format={format!r} is not a known format",
                    f"Use prompts.format=auto or one of: {', '.join(formats)}")
-    ext = os.path.splitext(path)[1].lower()
+    name = path.split("?", 1)[0].split("#", 1)[0] if is_url(path) else path  # a URL's query is not its name
+    ext = os.path.splitext(name)[1].lower()
     by_extension = {e: f.name for f in formats.values() for e in f.extensions}
     if ext in by_extension:
         return by_extension[ext]

@@ -31,7 +31,7 @@ from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerp
 from shardgen.dataio.rundir.fileio import atomic_write_json
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name
-from shardgen.dataio.rundir.remote import open_input, sizeof
+from shardgen.dataio.rundir.remote import open_input, public_url, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -119,7 +119,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
         atomic_write_json(tmp / "plan.json", dict(
             counts, version=PLAN_VERSION, extension=k, first_row=plan.num_prompts, first_shard=plan.num_shards,
             samples_per_shard=plan.rows_per_shard, prompt_size_before=before[0], prompt_sha256_before=before[1],
-            prompt_size=after[0], prompt_sha256=after[1], prompt_file=source.path, time=now,
+            prompt_size=after[0], prompt_sha256=after[1], prompt_file=public_url(source.path), time=now,
             utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), host=host_name(), pid=os.getpid()))
         target = run.plan_dir / f"ext-{k:06d}"
         try:

@@ -253,18 +253,26 @@ def _discard_reject_shards(run: RunDir) -> None:
 
 
 def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
-    """Take the new settings for a run without a sample; a changed plan field discards the plan (made again)."""
+    """Take the new settings for a run without a sample; a changed plan field discards the plan (made again).
+
+    A concurrent launch with the old settings may be about to generate: it marks that (``start_generating``: its
+    marker in work/, then the fingerprint read again), while this writes the new fingerprint and then looks for a
+    marker or a sample. Each writes before it reads, so at least one sees the other: that launch refuses (it reads
+    the new fingerprint), or this one puts the old fingerprint back and refuses. Samples of two settings never meet."""
+    if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS) and extension_dirs(run):
+        raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
+                                  "again with other settings; choose a new run_dir")
+    atomic_write_json(run.fingerprint_path, new)
+    if not holds_no_samples(run):  # a launch with the old settings started generating meanwhile
+        atomic_write_json(run.fingerprint_path, old)
+        raise _mismatch(run, old, new, None)
     if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
-        if extension_dirs(run):
-            raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
-                                      "again with other settings; choose a new run_dir")
         discard_plan(run, "replaced")
     _discard_reject_shards(run)  # rows rejected under the old settings are read again under the new ones
     changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes=changes, no_samples=True)
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
-    atomic_write_json(run.fingerprint_path, new)
     run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
     log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
@@ -298,6 +306,34 @@ def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | Non
         raise FingerprintMismatch(f"{run.fingerprint_path} changed while this launch loaded its model: another launch "
                                   f"started {run.root} over with other settings. Launch again with the settings in "
                                   "fingerprint.json, or choose a new run_dir")
+
+
+def start_generating(run: RunDir, before: tuple[dict | None, tuple | None]) -> Path:
+    """Mark that this launch generates with the settings it accepted (``before``, ``run_settings``'s), then refuse
+    as ``check_settings_unchanged`` does if another launch started the run over meanwhile. The marker,
+    ``work/launch.<host>.<pid>``, makes the run hold a sample for ``holds_no_samples`` from now on, so no launch
+    with other settings takes the run over while this one generates (``_restart_unstarted``). Returns the marker,
+    for ``stop_generating``."""
+    marker = run.work_dir / f"launch.{host_name()}.{os.getpid()}"
+    run.work_dir.mkdir(exist_ok=True)
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    os.fsync(fd)
+    os.close(fd)
+    try:
+        check_settings_unchanged(run, before)
+    except BaseException:
+        stop_generating(marker)
+        raise
+    return marker
+
+
+def stop_generating(marker: Path | None) -> None:
+    """Remove ``start_generating``'s marker (the launch's samples, claims and partials speak for it from now)."""
+    if marker is not None:
+        try:
+            marker.unlink()
+        except OSError:
+            pass
 
 
 def _fixed_by_plan(run: RunDir, old: dict, new: dict) -> list[str]:

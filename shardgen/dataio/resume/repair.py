@@ -27,7 +27,7 @@ from typing import Iterable
 import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
-from shardgen.dataio.prompts.read import PromptFileError
+from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, map_io, open_regular, read_state
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
@@ -129,8 +129,8 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
         raise RunDirError(f"{changed}; {fix}")
     try:
         rows = plan.rows(shard)
-    except PromptFileError:
-        raise  # the prompt file (changed, or gone): its own message names it and the fix
+    except UserError:
+        raise  # the prompt file (changed, or gone), a row's adapter changed: its own message names it and the fix
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise RunDirError(f"{path} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
     if [r.index for r in rows] != list(plan.shard_range(shard)) \
@@ -202,7 +202,7 @@ def move_stray_shard_files(run: RunDir, num_shards: int, names: Iterable[str]) -
     """Move the stray shard files among ``names`` out of shards/ into stray/ (kept, not deleted: they may be the
     user's); (name, note) for each moved."""
     out = []
-    folder = run.root / STRAY_DIR
+    folder = run.stray_dir
     for name in stray_shard_files(run, num_shards, names):
         if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
             raise RunDirError(f"{folder} is {'a symlink' if folder.is_symlink() else 'not a directory'}; shardgen "
@@ -295,10 +295,8 @@ def _remove_symlinks(run: RunDir, shards_entries: dict | None = None) -> list[tu
     blocks its reader); a user's other entries stay. (note, path) for each; ``shards_entries``: the caller's
     listing of shards/ (not listed again)."""
     notes = []
+    run.check_own_dirs()
     for d in (run.shards_dir, run.uploads_dir, run.work_dir, run.claims_dir, run.logs_dir):
-        if d.is_symlink():
-            raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
-                              "directory. Replace it by a directory (make run_dir itself the link instead)")
         if d == run.shards_dir and shards_entries is not None:
             links = [n for n, e in shards_entries.items() if _not_a_file(e) and own_file_name(d.name, n)]
         else:

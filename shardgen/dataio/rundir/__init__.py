@@ -14,7 +14,7 @@ from shardgen.dataio import lazy_names
 
 if TYPE_CHECKING:
     from .claims import Claimer, FUTURE_TOLERANCE_S, HEARTBEAT_S, LEASE_S, owner_record, scan_claims
-    from .remote import StorageError, bytes_read, is_url
+    from .remote import StorageError, bytes_read, is_url, public_url, redact_urls
     from .fileio import atomic_write_bytes, atomic_write_json, create_exclusive
     from .layout import RunDir, check_run_dir_text, check_run_root, first_missing_dir, run_dir_arg
     from .metrics import RankMetrics, exposition, read_rank_metrics
@@ -23,6 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["Claimer", "FUTURE_TOLERANCE_S", "HEARTBEAT_S", "LEASE_S", "RankMetrics", "RunDir", "StorageError",
            "atomic_write_bytes", "atomic_write_json", "attach_rank_log", "bytes_read", "check_run_dir_text",
            "check_run_root", "create_exclusive", "detach_rank_log", "exposition", "first_missing_dir", "is_url",
-           "log_to_file_only", "owner_record", "read_jsonl", "read_rank_metrics", "record_commit", "record_launch",
+           "log_to_file_only", "owner_record", "public_url", "redact_urls", "read_jsonl", "read_rank_metrics", "record_commit", "record_launch",
            "run_dir_arg", "scan_claims"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

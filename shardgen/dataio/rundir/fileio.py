@@ -175,13 +175,20 @@ def open_regular(path: str | os.PathLike, *, follow: bool = True, buffering: int
         raise
 
 
-def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int | None = None) -> bytes:
-    """The bytes of a regular file (``open_regular``); RunDirError when it holds more than ``limit`` bytes."""
+MAX_RUN_FILE_BYTES = 1 << 30
+"""What ``read_regular`` reads of a run file at most unless told otherwise (far above any JSON or log shardgen
+writes; a run file of more is damaged or not shardgen's, and is not read into memory)."""
+
+
+def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int = MAX_RUN_FILE_BYTES) -> bytes:
+    """The bytes of a regular file (``open_regular``: never blocks, never a FIFO or a device); RunDirError when it
+    holds more than ``limit`` bytes (checked before reading, and no more than ``limit`` + 1 bytes are read: a file
+    growing meanwhile is cut, and fails its parse)."""
     with open_regular(path, follow=follow) as f:
-        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+        if os.fstat(f.fileno()).st_size > limit:
             raise RunDirError(f"{path} is {os.fstat(f.fileno()).st_size} bytes, more than a file of its kind holds "
                               f"({limit}); it is damaged or not shardgen's. Move it away")
-        return f.read() if limit is None else f.read(limit + 1)
+        return f.read(limit + 1)
 
 
 def read_json(path: Path) -> Any:

@@ -46,6 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
 from shardgen.dataio.rundir.liveness import host_name, pid_alive
@@ -142,6 +143,11 @@ class RunDir:
     def events_path(self, host: str, pid: int) -> Path:
         """The commit events written by process ``pid`` on ``host`` (jobs.report reads them all)."""
         return self.logs_dir / f"events.{host}.{pid}.jsonl"
+
+    @property
+    def stray_dir(self) -> Path:
+        """Files named like shards the plan does not have, moved out of shards/ (shardgen/dataio/resume/repair.py)."""
+        return self.root / "stray"
 
     @property
     def metrics_dir(self) -> Path:
@@ -291,7 +297,18 @@ class RunDir:
                 raise RunDirError(f"{d} exists and is not a directory; move it away or choose another run_dir") from None
             except OSError as e:
                 raise RunDirError(f"cannot create {d} ({e.strerror}); choose a writable run_dir") from None
-        for d in (self.plan_dir, self.shards_dir, self.work_dir, self.claims_dir):
+        self.check_own_dirs()
+
+    @property
+    def own_dirs(self) -> tuple[Path, ...]:
+        """Every directory of the run shardgen writes into (each checked by ``check_own_dirs``)."""
+        return (self.plan_dir, self.shards_dir, self.uploads_dir, self.work_dir, self.claims_dir, self.logs_dir,
+                self.metrics_dir, self.stray_dir)
+
+    def check_own_dirs(self, dirs: Iterable[Path] | None = None) -> None:
+        """RunDirError naming the first of ``dirs`` (default: ``own_dirs``) that is a symlink: shardgen never writes
+        through one (a link to a directory elsewhere would have the run replace files there)."""
+        for d in self.own_dirs if dirs is None else dirs:
             if d.is_symlink():
                 raise RunDirError(f"{d} is a symlink; shardgen writes only into real directories inside a run "
                                   f"directory. Replace it by a directory (make run_dir itself the link instead)")
@@ -404,11 +421,31 @@ def is_run_dir(root: Path) -> bool:
             or ((root / "shards").is_dir() and (root / "claims").is_dir()))
 
 
+NAME_MAX = 255    # bytes of one path component (Linux, macOS and the usual file systems)
+PATH_MAX = 4096   # bytes of a whole path, its terminating NUL included (Linux)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def check_run_dir_text(text: str) -> None:
-    """RunDirError for a run_dir value that can only be a mistake: empty (it would mean the current directory)."""
-    if not str(text).strip():
+    """RunDirError for a run_dir value that can only be a mistake, before anything reads or writes it: empty (it
+    would mean the current directory), a URL (it would become a local folder named ``s3:``), a NUL byte, or a
+    path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
+    text = str(text)
+    if not text.strip():
         raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
                           "(or an existing run)")
+    if _SCHEME.match(text.strip()):
+        raise RunDirError(f"run_dir={text.strip()[:200]}: a run directory is a local (or shared file system) folder, "
+                          "not a URL; keep run_dir local and set output_uri=" + text.strip()[:200].rstrip("/") +
+                          "/ to send every committed shard to the bucket")
+    if "\0" in text:
+        raise RunDirError("run_dir holds a NUL byte, which no path may; set run_dir=PATH without it")
+    full = os.fsencode(os.path.abspath(os.path.expanduser(text)))
+    long = next((n for n in full.split(b"/") if len(n) > NAME_MAX), None)
+    if long is not None or len(full) >= PATH_MAX:
+        what = (f"a folder name of {len(long)} bytes (at most {NAME_MAX})" if long is not None
+                else f"{len(full)} bytes as an absolute path (at most {PATH_MAX - 1})")
+        raise RunDirError(f"run_dir {text[:60]}... is {what}: no file system takes it; choose a shorter run_dir")
 
 
 def _same_dir(a: Path, b: str) -> bool:

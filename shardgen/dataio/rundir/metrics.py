@@ -19,8 +19,9 @@ from typing import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shardgen.dataio.rundir.fileio import atomic_write_bytes
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, read_regular
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 
 log = logging.getLogger("shardgen")
 LABELS = ("run", "rank", "replica", "host", "job")
@@ -82,8 +83,9 @@ class RankMetrics:
         """Rewrite the file (at the start, so a rank that never commits shows its zeros, and at each commit)."""
         try:
             self.run.metrics_dir.mkdir(exist_ok=True)
+            self.run.check_own_dirs([self.run.metrics_dir])  # a link swapped in since the launch's check
             atomic_write_bytes(self.path, exposition(self.families()))
-        except OSError as e:  # the metrics are for watching: a full disk shows in the shards' own writes
+        except (OSError, RunDirError) as e:  # the metrics are for watching: a full disk shows in the shards' own writes
             log.warning("could not write %s (%s); the next commit tries again", self.path, e)
 
     def families(self) -> list[Metric]:
@@ -113,6 +115,9 @@ class RankMetrics:
         return out
 
 
+MAX_PROM_BYTES = 1 << 20  # a rank's file is a few kB; one larger is not shardgen's
+
+
 def read_rank_metrics(run: RunDir) -> list[Metric]:
     """Every rank file of ``run`` (``metrics/*.prom``), families of the same name merged; an unreadable or damaged
     file is skipped (it is rewritten at its rank's next commit)."""
@@ -122,8 +127,9 @@ def read_rank_metrics(run: RunDir) -> list[Metric]:
     paths = sorted(run.metrics_dir.glob("*.prom")) if run.metrics_dir.is_dir() else []
     for path in paths:
         try:
-            families = list(text_string_to_metric_families(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, UnicodeDecodeError):
+            text = read_regular(path, follow=False, limit=MAX_PROM_BYTES).decode("utf-8")
+            families = list(text_string_to_metric_families(text))
+        except (OSError, ValueError, RunDirError):  # a FIFO, a device, a link, too large, damaged: skipped
             continue
         for family in families:
             into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))

@@ -19,6 +19,7 @@ import asyncio
 import io
 import logging
 import os
+import re
 import time
 from collections import Counter
 from typing import Any, Callable, TypeVar
@@ -50,6 +51,33 @@ def is_url(path: Any) -> bool:
     """Whether ``path`` names a file through a filesystem other than the local one (``scheme://...``)."""
     text = str(path)
     return "://" in text and not text.startswith("file://")
+
+
+SECRET_SHOWN = "REDACTED"
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def public_url(url: str) -> str:
+    """``url`` as it may be written down (a run's files, its logs): without a user or password, and with every
+    query value replaced by REDACTED. A presigned URL's query holds its signature and credential (S3's
+    ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``; a SAS ``sig``; ...), a secret like a
+    password; the parameter names stay, so the record still shows what kind of URL it was."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    host, tail = rest[:cut].rpartition("@")[2], rest[cut:]
+    path, q, query = tail.partition("?")
+    if q:
+        query, hash_, frag = query.partition("#")
+        names = [part.partition("=")[0] for part in query.split("&") if part]
+        path += "?" + "&".join(f"{n}={SECRET_SHOWN}" for n in names) + hash_ + frag
+    return f"{scheme}://{host}{path}"
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it as ``public_url`` writes it."""
+    return _URL_IN_TEXT.sub(lambda m: public_url(m.group(0)), text) if "://" in text else text
 
 
 # the package fsspec needs for each scheme (gs:// and hf:// take the same path as s3://, untested here: no server)
@@ -197,11 +225,12 @@ def info(url: str) -> dict:
 
 def identity(url: str) -> dict:
     """What identifies the content of a remote file without reading it: its URL, size, ETag (or checksum, as the
-    store names it) and modification time. Equal identities: the same bytes (an overwrite changes the ETag)."""
+    store names it) and modification time. Equal identities: the same bytes (an overwrite changes the ETag). The URL
+is ``public_url``'s: an identity is written into the run."""
     meta = info(url)
     tag = next((meta[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "checksum", "sha256") if meta.get(k)), None)
     modified = meta.get("LastModified") or meta.get("mtime") or meta.get("updated")
-    return dict(path=url, size=int(meta.get("size") or 0), etag=str(tag) if tag is not None else None,
+    return dict(path=public_url(url), size=int(meta.get("size") or 0), etag=str(tag) if tag is not None else None,
                 modified=str(modified) if modified is not None else None)
 
 

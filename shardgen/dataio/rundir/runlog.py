@@ -17,11 +17,19 @@ import sys
 import time
 from pathlib import Path
 
-from shardgen.dataio.rundir.fileio import append_line, open_append, open_regular
+from shardgen.dataio.rundir.fileio import append_line, open_append, read_regular
 from shardgen.dataio.rundir.layout import RunDir, is_run_dir
 from shardgen.dataio.rundir.liveness import host_name
+from shardgen.dataio.rundir.remote import redact_urls
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PublicFormatter(logging.Formatter):
+    """Log lines as written into a run: every URL without its credentials or query values (``redact_urls``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_urls(super().format(record))
 
 
 MAX_HELD_LINES = 10_000  # lines kept in memory until the run directory is accepted (the oldest go first)
@@ -72,7 +80,7 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
     returns the handler."""
     path = RunDir.at(run_dir).rank_log_path(rank)
     handler = RankLogHandler(path)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(PublicFormatter(_FORMAT))
     handler.setLevel(logging.INFO)
     logger = logging.getLogger("shardgen")
     logger.addHandler(handler)
@@ -84,7 +92,8 @@ def attach_rank_log(run_dir: str | os.PathLike, rank: int) -> RankLogHandler:
 def log_to_file_only(handler: logging.Handler, error: BaseException) -> None:
     """Write the error that ends a rank into its log file only (the console gets it from the entry point),
     so the run directory keeps why each launch stopped (jobs.status shows the last one)."""
-    if not Path(handler.baseFilename).parent.is_dir():  # a launch refused before the run had logs writes none
+    logs = Path(handler.baseFilename).parent
+    if not logs.is_dir() or logs.is_symlink():  # a launch refused before the run had logs (or for a linked logs/)
         return
     if isinstance(handler, RankLogHandler) and handler.holding:  # stopped before the run directory was accepted
         if not is_run_dir(Path(handler.baseFilename).parent.parent):
@@ -123,10 +132,9 @@ def read_jsonl(paths) -> list[dict]:
     """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
     out = []
     for path in paths:
-        with open_regular(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
+        for line in read_regular(path).splitlines():  # bounded, never a FIFO or a device
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
     return out

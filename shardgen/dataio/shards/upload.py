@@ -33,7 +33,7 @@ from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
 from shardgen.dataio.shards import index as shard_index
-from shardgen.dataio.shards.uploaded import fetch, local_or_fetched, missing_uploads, read_record
+from shardgen.dataio.shards.uploaded import etag_of, fetch, local_or_fetched, missing_uploads, read_record
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.upload")
@@ -113,6 +113,12 @@ class ShardUploader:
         retrying("removing the test object", self.uri, lambda: call(self._fs, "rm_file", probe))
         self._check_owner(self._read_marker())  # another run's folder: refused before planning or any weight
 
+    def check_readable(self) -> None:
+        """``check`` without writing (a dry run's): the folder's bucket can be read and no other run uploads there;
+        StorageError (no bucket, no permission, no credentials) or ForeignPrefixError naming the URL when not. Write
+        permission is only known by writing: the launch's ``check`` probes it."""
+        self._check_owner(self._read_marker())
+
     def _marker_url(self) -> str:
         return self._url(RUN_MARKER_OBJECT)
 
@@ -182,12 +188,11 @@ class ShardUploader:
         """Shards whose upload is recorded but whose objects the bucket no longer holds as uploaded (deleted, or
         another size), from one listing of ``uri``: their records removed, so that this launch uploads them again
         from their local copy, or (keep_local=false) generates them again. The shards, each logged."""
-        gone = missing_uploads(self.run, uri=self.uri, resized=True)
-        for shard, urls in sorted(gone.items()):
+        gone = missing_uploads(self.run, uri=self.uri)
+        for shard, whys in sorted(gone.items()):
             self.run.shard_uploaded(shard).unlink(missing_ok=True)
             local = os.path.lexists(self.run.shard_stats(shard))
-            log.warning("shard %06d: %s no longer in the bucket as uploaded (deleted or written over); its upload "
-                        "record removed: %s", shard, ", ".join(urls),
+            log.warning("shard %06d: %s; its upload record removed: %s", shard, "; ".join(whys),
                         "uploaded again from its local copy" if local else "it is generated again")
         return sorted(gone)
 
@@ -310,12 +315,6 @@ def file_digests(path: Path) -> tuple[int, str, str]:
             sha.update(block)
             size += len(block)
     return size, md5.hexdigest(), sha.hexdigest()
-
-
-def etag_of(meta: dict) -> str | None:
-    """An object's ETag without its quotes (None when the store gives none)."""
-    tag = meta.get("ETag") or meta.get("etag")
-    return str(tag).strip('"') if tag else None
 
 
 def same_object(meta: dict, size: int, md5: str, unknown: bool = False) -> bool:

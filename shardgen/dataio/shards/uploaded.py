@@ -101,14 +101,20 @@ def only_uploaded(run: RunDir, shard: int) -> bool:
     return not os.path.lexists(run.shard_stats(shard)) and os.path.lexists(run.shard_uploaded(shard))
 
 
-def listed_objects(uri: str) -> dict[str, int]:
-    """Name -> size of the objects directly under the folder URL ``uri``, in one listing (paged by the store); {}
-    for a folder with nothing in it. StorageError naming the URL when it cannot be listed, or its bucket is gone
-    (never taken for an empty folder)."""
+def etag_of(meta: dict) -> str | None:
+    """An object's ETag without its quotes (None when the store gives none)."""
+    tag = meta.get("ETag") or meta.get("etag")
+    return str(tag).strip('"') if tag else None
+
+
+def listed_objects(uri: str) -> dict[str, tuple[int, str | None]]:
+    """Name -> (size, ETag) of the objects directly under the folder URL ``uri``, in one listing (paged by the
+    store); {} for a folder with nothing in it. StorageError naming the URL when it cannot be listed, or its bucket
+    is gone (never taken for an empty folder)."""
     fs, root = filesystem(uri)
     root = root.rstrip("/")
 
-    def get() -> dict[str, int]:
+    def get() -> dict[str, tuple[int, str | None]]:
         fs.invalidate_cache(root)
         found = call(fs, "find", root, maxdepth=1, detail=True)
         if not found and "/" in root:  # an absent bucket lists as empty too
@@ -116,30 +122,46 @@ def listed_objects(uri: str) -> dict[str, int]:
             fs.invalidate_cache(bucket)
             if not call(fs, "exists", bucket):
                 raise FileNotFoundError(f"{bucket}: no such bucket")
-        return {name.rsplit("/", 1)[-1]: int(meta.get("size") or 0) for name, meta in found.items()}
+        return {name.rsplit("/", 1)[-1]: (int(meta.get("size") or 0), etag_of(meta)) for name, meta in found.items()}
 
     return retrying("listing the uploaded shards", uri.rstrip("/") + "/", get)
 
 
-def missing_uploads(run: RunDir, uri: str | None = None, resized: bool = False) -> dict[int, list[str]]:
-    """Shard -> the URLs of its recorded objects that the bucket no longer holds (deleted; ``resized``: or holds
-    with another size than recorded), for the shards with an upload record (to ``uri`` when given): the records are
-    read first, then the bucket is listed once per output URI, so an upload recorded meanwhile is never taken for a
-    missing one. StorageError naming the URL when the bucket cannot be listed."""
+def missing_uploads(run: RunDir, uri: str | None = None) -> dict[int, list[str]]:
+    """Shard -> what is wrong with each of its recorded objects that the bucket no longer holds as uploaded ("URL
+    missing from the bucket", "URL written over in the bucket (...)": another size, or another ETag than the
+    upload's, as an object rewritten at the same size has), for the shards with an upload record (to ``uri`` when
+    given): the records are read first, then the bucket is listed once per output URI (no object is read), so an
+    upload recorded meanwhile is never taken for a missing one. StorageError naming the URL when the bucket cannot
+    be listed."""
     records = {}
     for shard in sorted(run.listed_shards(run.uploads_dir, ".json")):
         record = read_record(run, shard)
         if record is not None and (uri is None or record["uri"].rstrip("/") == uri.rstrip("/")):
             records[shard] = record
-    listings: dict[str, dict[str, int]] = {}
+    listings: dict[str, dict[str, tuple[int, str | None]]] = {}
     out = {}
     for shard, record in records.items():
         where = record["uri"].rstrip("/") + "/"
         if where not in listings:
             listings[where] = listed_objects(where)
-        have = listings[where]
-        gone = [where + name for name, want in sorted(record["objects"].items())
-                if name not in have or (resized and isinstance(want, dict) and have[name] != want.get("size"))]
+        gone = [why for name, want in sorted(record["objects"].items())
+                if (why := _not_as_uploaded(where + name, listings[where].get(name), want))]
         if gone:
             out[shard] = gone
     return out
+
+
+def _not_as_uploaded(url: str, listed: tuple[int, str | None] | None, want: Any) -> str | None:
+    """Why the object at ``url`` (its listed size and ETag) is not the one a record entry ``want`` says was uploaded;
+    None when it is."""
+    if listed is None:
+        return f"{url} missing from the bucket"
+    if not isinstance(want, dict):
+        return None
+    size, etag = listed
+    if size != want.get("size"):
+        return f"{url} written over in the bucket ({size} bytes, {want.get('size')} uploaded)"
+    if etag and want.get("etag") and etag != want["etag"]:
+        return f"{url} written over in the bucket (ETag {etag}, {want['etag']} when uploaded)"
+    return None
