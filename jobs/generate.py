@@ -60,9 +60,11 @@ def _guess_prompt_field(cfg: GenerateConfig) -> None:
     from shardgen.dataio.prompts import prompt_file_path
     from shardgen.dataio.prompts.read import guess_prompt_field
 
+    from omegaconf import OmegaConf
+
     default = PromptsConfig.field
-    if cfg.prompts.field != default or cfg.prompts.path is None:
-        return
+    if OmegaConf.is_missing(cfg.prompts, "path") or cfg.prompts.path is None or cfg.prompts.field != default:
+        return  # an unset path is validation's to refuse, in one line
     path = str(prompt_file_path(cfg.prompts.path))
     guess = guess_prompt_field(path, cfg.prompts.format, default)
     if guess is not None:

@@ -185,10 +185,15 @@ def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int = M
     holds more than ``limit`` bytes (checked before reading, and no more than ``limit`` + 1 bytes are read: a file
     growing meanwhile is cut, and fails its parse)."""
     with open_regular(path, follow=follow) as f:
-        if os.fstat(f.fileno()).st_size > limit:
-            raise RunDirError(f"{path} is {os.fstat(f.fileno()).st_size} bytes, more than a file of its kind holds "
-                              f"({limit}); it is damaged or not shardgen's. Move it away")
-        return f.read(limit + 1)
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise RunDirError(f"{path} is {size} bytes, more than a file of its kind holds ({limit}); it is damaged "
+                              "or not shardgen's. Move it away")
+        # read(n) allocates n bytes before reading: ask for the file's size (+1 shows a file grown since), not limit
+        data = f.read(size + 1)
+        if len(data) > size:
+            data += f.read(max(0, limit + 1 - len(data)))
+        return data[:limit + 1]
 
 
 def read_json(path: Path) -> Any:
