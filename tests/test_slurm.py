@@ -118,6 +118,8 @@ def handed_over(run_dir: Path) -> int:
     (({"additional_parameters": {"bad key": 1}},), "not a valid sbatch option"),
     (("launcher.nodes=0",), "launcher.nodes=0"),
     (("strategy=tp", "tp_degree=2", "launcher.nodes=2", "launcher.tasks_per_node=3"), "some would span two nodes"),
+    (("prompts=txt", "prompts.path='https://bucket.example/p.txt?X-Amz-Credential=AKIA&X-Amz-Signature=abc123'"),
+     r"https://bucket.example/p.txt\?X-Amz-Credential=REDACTED&X-Amz-Signature=REDACTED carries a secret"),
 ])
 def test_misconfigured_submission_fails_before_sbatch(tmp_path, overrides, needle, monkeypatch):
     import submitit

@@ -72,6 +72,22 @@ def validate_slurm(cfg: Any) -> None:
         if not _SAFE_KEY.match(str(key)):
             raise SlurmConfigError(f"launcher.additional_parameters key {key!r} is not a valid sbatch option name")
         _check_text(f"additional_parameters.{key}", str(value))
+    _check_no_url_secret(cfg)
+
+
+def _check_no_url_secret(cfg: Any) -> None:
+    """A URL holding a secret (a presigned URL's signature, a password) is refused: submitit pickles the job's
+    config into the run's SLURM log folder, where the run's own files keep only the URL's public form."""
+    from omegaconf import OmegaConf
+
+    from shardgen.dataio.rundir.remote import public_url, urls_in
+
+    secret = next((url for url in urls_in(OmegaConf.to_yaml(cfg, resolve=True)) if public_url(url) != url), None)
+    if secret is not None:
+        raise SlurmConfigError(
+            f"{public_url(secret)} carries a secret in its query or user part, and launcher=slurm would write it into "
+            "the run's SLURM log folder (submitit saves the job's config there): give the file by its s3:// (or "
+            "gs://, ...) path with credentials from the environment, or copy it to a path the nodes share")
 
 
 def _check_replicas_fit_nodes(nodes: int, tpn: int, size: int) -> None:

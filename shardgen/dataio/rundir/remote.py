@@ -75,6 +75,11 @@ def public_url(url: str) -> str:
     return f"{scheme}://{host}{path}"
 
 
+def urls_in(text: str) -> list[str]:
+    """Every URL written in ``text``."""
+    return _URL_IN_TEXT.findall(text) if "://" in text else []
+
+
 def redact_urls(text: str) -> str:
     """``text`` with every URL in it as ``public_url`` writes it."""
     return _URL_IN_TEXT.sub(lambda m: public_url(m.group(0)), text) if "://" in text else text
