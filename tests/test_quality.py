@@ -191,3 +191,15 @@ def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path)
     (run_dir / "compare.json").write_bytes(b"\x00garbage{")
     page = build_report(load_plan(RunDir(run_dir)))
     assert "compare.json is unreadable (" in page and "); not shown" in page
+
+
+def test_the_verdict_names_a_calibration_that_made_nothing_and_each_missed_bound():
+    from shardgen.quality.gate import Bounds, verdict
+    from shardgen.quality.metrics import summarize
+
+    bounds = Bounds(calibrate_samples=2, calibrate_min_psnr=30, calibrate_min_ssim=0.9)
+    assert verdict({"psnr_db": summarize([]), "ssim": summarize([])}, bounds) == [
+        "no calibration sample could be made both ways"]
+    missed = verdict({"psnr_db": summarize([40.0, 20.0]), "ssim": summarize([0.95, 0.5])}, bounds)
+    assert missed == ["PSNR 20.00 dB < calibrate_min_psnr=30", "SSIM 0.5000 < calibrate_min_ssim=0.9"]
+    assert verdict({"psnr_db": summarize([float("inf")]), "ssim": summarize([1.0])}, bounds) == []

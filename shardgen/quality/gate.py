@@ -75,13 +75,13 @@ def _pixels(pipe: Any, settings: Any, rows: list, ranks: int) -> dict[int, Any]:
 
 def verdict(figures: dict, bounds: Bounds) -> list[str]:
     """The bounds the worst sample misses, as phrases (empty: it passes)."""
-    missed = []
-    if bounds.calibrate_min_psnr and (figures["psnr_db"]["worst"] or 0) < bounds.calibrate_min_psnr:
-        missed.append(f"PSNR {figures['psnr_db']['worst']:.2f} dB < calibrate_min_psnr={bounds.calibrate_min_psnr:g}")
-    if bounds.calibrate_min_ssim and (figures["ssim"]["worst"] or 0) < bounds.calibrate_min_ssim:
-        missed.append(f"SSIM {figures['ssim']['worst']:.4f} < calibrate_min_ssim={bounds.calibrate_min_ssim:g}")
     if not figures["psnr_db"]["n"]:
-        missed.append("no calibration sample could be made both ways")
+        return ["no calibration sample could be made both ways"]
+    missed = []
+    if bounds.calibrate_min_psnr and figures["psnr_db"]["worst"] < bounds.calibrate_min_psnr:
+        missed.append(f"PSNR {figures['psnr_db']['worst']:.2f} dB < calibrate_min_psnr={bounds.calibrate_min_psnr:g}")
+    if bounds.calibrate_min_ssim and figures["ssim"]["worst"] < bounds.calibrate_min_ssim:
+        missed.append(f"SSIM {figures['ssim']['worst']:.4f} < calibrate_min_ssim={bounds.calibrate_min_ssim:g}")
     return missed
 
 
