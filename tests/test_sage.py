@@ -64,3 +64,25 @@ def test_it_is_lossy_and_the_lossless_settings_turn_it_off():
 def test_a_cpu_run_is_refused_in_one_line():
     with pytest.raises(AccelError, match="sdpa_backend=sage: SageAttention runs on CUDA GPUs only.*sdpa_backend=auto"):
         validate(AccelOptions(sdpa="sage"), "cpu")
+
+
+def test_auto_times_torchs_kernels_before_sage_replaces_sdpa(monkeypatch):
+    """sdpa_backend=sage still puts auto's kernel first for the calls sage does not take; auto's timing must see
+    torch's SDPA, not sage's kernel."""
+    import types
+
+    from shardgen.speed import sdpa
+
+    original, seen = F.scaled_dot_product_attention, []
+
+    def choose(device, dtype, shape):
+        seen.append(F.scaled_dot_product_attention is original)
+        return "cudnn", {}
+
+    monkeypatch.setattr(sdpa, "choose_sdpa", choose)
+    monkeypatch.setattr(sdpa, "_uses_native_attention", lambda transformer: True)
+    pipe = types.SimpleNamespace(_execution_device=torch.device("cuda"),
+                                 transformer=types.SimpleNamespace(dtype=torch.bfloat16))
+    with sdpa.sdpa_context(pipe, AccelOptions(sdpa="sage"), (1, 2, 16, 64)):
+        assert F.scaled_dot_product_attention is not original
+    assert seen == [True] and F.scaled_dot_product_attention is original

@@ -47,33 +47,19 @@ def rate_key(cfg: Any, strategy: str, ranks_per_replica: int, device: str) -> st
     return json.dumps(parts, sort_keys=True)
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def record_rate(key: str, per_replica: float, run_dir: str, path: Path | None = None) -> None:
     """Keep ``per_replica`` samples/s under ``key`` (the latest launch's figure)."""
-    from shardgen.dataio.rundir import atomic_write_bytes
+    from shardgen.speed.autocompile import write_record
 
-    if not (math.isfinite(per_replica) and per_replica > 0):
-        return
-    path = path or rates_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data[key] = dict(per_replica=per_replica, run_dir=run_dir, time=time.time())
-        atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
-    except OSError as e:
-        log.debug("could not record the rate in %s (%s)", path, e)
+    if math.isfinite(per_replica) and per_replica > 0:
+        write_record(path or rates_path(), key, dict(per_replica=per_replica, run_dir=run_dir, time=time.time()))
 
 
 def recorded_rate(key: str, path: Path | None = None) -> dict | None:
     """The record under ``key`` (``per_replica``, ``run_dir``, ``time``), None without a usable one."""
-    rec = _read(path or rates_path()).get(key)
+    from shardgen.speed.autocompile import read_records
+
+    rec = read_records(path or rates_path()).get(key)
     if not isinstance(rec, dict):
         return None
     rate = rec.get("per_replica")

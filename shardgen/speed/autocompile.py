@@ -136,7 +136,7 @@ def write_record(path: Path, key: str, record: dict) -> None:
         data[key] = {**(data.get(key) if isinstance(data.get(key), dict) else {}), **record}
         atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
     except OSError as e:
-        log.warning("could not record compile timings in %s (%s); the next process starts from the priors", path, e)
+        log.warning("could not record timings in %s (%s); the next process starts without them", path, e)
 
 
 def _number(value: Any) -> float | None:

@@ -152,9 +152,11 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
     if opts.sdpa == "sage":  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
         from shardgen.speed import sage
 
+        # auto times torch's kernels here, before sage takes SDPA's place (else it would time sage's kernel)
+        fallback = sdpa_context(pipe, replace(opts, sdpa="auto"), shape)
         stack = contextlib.ExitStack()
+        stack.enter_context(fallback)
         stack.enter_context(sage.context())
-        stack.enter_context(sdpa_context(pipe, replace(opts, sdpa="auto"), shape))
         return stack
     if opts.sdpa == "math":
         name = "math"
