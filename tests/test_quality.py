@@ -203,3 +203,37 @@ def test_the_verdict_names_a_calibration_that_made_nothing_and_each_missed_bound
     missed = verdict({"psnr_db": summarize([40.0, 20.0]), "ssim": summarize([0.95, 0.5])}, bounds)
     assert missed == ["PSNR 20.00 dB < calibrate_min_psnr=30", "SSIM 0.5000 < calibrate_min_ssim=0.9"]
     assert verdict({"psnr_db": summarize([float("inf")]), "ssim": summarize([1.0])}, bounds) == []
+
+
+def _members(seed: int, meta: dict, media: bytes | None = None) -> dict:
+    import io
+
+    from PIL import Image
+
+    if media is None:
+        pixels = np.random.default_rng(seed).integers(0, 256, (16, 16, 3)).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        media = buf.getvalue()
+    return {"json": json.dumps(meta).encode(), "png": media}
+
+
+def test_samples_in_one_run_only_or_not_decodable_are_counted_missing_not_compared():
+    from shardgen.quality.compare import compare_samples
+
+    meta = dict(prompt="p", seed=1, height=16, width=16)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nshowpage\n"
+    run = [("0000000000", _members(0, meta)), ("0000000001", _members(1, meta)), ("0000000003", _members(3, meta, eps))]
+    ref = [("0000000001", _members(1, meta)), ("0000000002", _members(2, meta)), ("0000000003", _members(3, meta))]
+    out = compare_samples(iter(run), iter(ref))
+    assert list(out.samples) == ["0000000001"] and out.samples["0000000001"]["psnr"] == math.inf
+    assert out.missing == 3  # 0 and 2 in one run only; 3 is PostScript, never opened
+
+
+def test_a_stream_out_of_sample_order_is_refused():
+    from shardgen.quality.compare import PlanMismatch, compare_samples
+
+    meta = dict(prompt="p", seed=1, height=16, width=16)
+    run = [("0000000002", _members(0, meta)), ("0000000001", _members(1, meta))]
+    with pytest.raises(PlanMismatch, match="sample 0000000001 comes after 0000000002"):
+        compare_samples(iter(run), iter([]), "run")

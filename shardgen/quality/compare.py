@@ -8,8 +8,8 @@ failed, rejected or has not made yet is counted as missing, not compared.
 
 from __future__ import annotations
 
-import io
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -17,6 +17,8 @@ import numpy as np
 
 from shardgen.errors import UserError
 from shardgen.quality.metrics import psnr, ssim, summarize
+
+log = logging.getLogger("shardgen.quality")
 
 SAME = ("prompt", "seed", "height", "width", "num_frames", "model")
 """What must agree between two samples of one key for their pixels to be comparable."""
@@ -58,19 +60,21 @@ def _db(x: float) -> str:
     return "inf" if x == float("inf") else f"{x:.2f}"
 
 
-def decode(members: dict[str, bytes]) -> np.ndarray | None:
+def decode(key: str, members: dict[str, bytes]) -> np.ndarray | None:
     """The sample's pixels (HxWx3, or FxHxWx3 for a video) as uint8, or None for a sample with no media (failed,
-    rejected)."""
-    from PIL import Image
-
+    rejected) or media that does not decode (counted as missing: ``jobs.verify`` names a damaged shard). Images
+    open only in the raster formats shardgen writes (shardgen/rasters.py)."""
     from shardgen.dataio.shards import decode_video
+    from shardgen.rasters import NotARaster, decode_rgb
 
-    img = next((v for k, v in members.items() if k in ("png", "jpg", "jpeg", "webp")), None)
-    if img is not None:
-        with Image.open(io.BytesIO(img)) as im:
-            return np.asarray(im.convert("RGB"))
-    if "mp4" in members:
-        return decode_video(members["mp4"])[0]
+    img = next(((k, v) for k, v in members.items() if k in ("png", "jpg", "jpeg", "webp")), None)
+    try:
+        if img is not None:
+            return decode_rgb(img[1], f"sample {key}'s {img[0]}")
+        if "mp4" in members:
+            return decode_video(members["mp4"])[0]
+    except (NotARaster, OSError, ValueError) as e:
+        log.warning("sample %s: its media does not decode (%s); not compared", key, e)
     return None
 
 
@@ -82,35 +86,56 @@ def _meta(members: dict[str, bytes]) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def compare_samples(run: Iterable[tuple[str, dict]], reference: dict[str, dict], run_name: str = "run",
+def compare_samples(run: Iterable[tuple[str, dict]], reference: Iterable[tuple[str, dict]], run_name: str = "run",
                     reference_name: str = "reference") -> Comparison:
-    """Compare ``run``'s (key, members) with ``reference``'s {key: members}; PlanMismatch on a key made from another
-    prompt, seed or size."""
+    """Compare two streams of (key, members) in ascending key order (as a run's committed shards give them), one
+    sample of each in memory at a time; PlanMismatch on a key made from another prompt, seed or size."""
     out = Comparison(run_name, reference_name)
-    seen = set()
-    for key, mem in run:
-        seen.add(key)
-        ref = reference.get(key)
-        if ref is None:
-            out.missing += 1
-            continue
-        a, b = _meta(mem), _meta(ref)
-        for k in SAME:
-            if a.get(k) != b.get(k):
-                raise PlanMismatch(f"sample {key} was made with {k}={a.get(k)!r} in {run_name} and {b.get(k)!r} in "
-                                   f"{reference_name}: compare two runs of one prompt file, seed and size")
-        x, y = decode(mem), decode(ref)
-        if x is None or y is None:
-            out.missing += 1
-            continue
-        out.samples[key] = {"psnr": psnr(x, y), "ssim": ssim(x, y)}
-    out.missing += sum(1 for k in reference if k not in seen)
+    a, b = _ascending(run, run_name), _ascending(reference, reference_name)
+    x, y = next(a, None), next(b, None)
+    while x is not None or y is not None:
+        if y is None or (x is not None and x[0] < y[0]):  # only in the run
+            out.missing, x = out.missing + 1, next(a, None)
+        elif x is None or y[0] < x[0]:  # only in the reference
+            out.missing, y = out.missing + 1, next(b, None)
+        else:
+            figures = _compare_one(x[0], x[1], y[1], run_name, reference_name)
+            if figures is None:
+                out.missing += 1
+            else:
+                out.samples[x[0]] = figures
+            x, y = next(a, None), next(b, None)
     return out
 
 
+def _ascending(stream: Iterable[tuple[str, dict]], name: str):
+    """``stream`` as given, checked to be in ascending key order (the merge above relies on it)."""
+    last = None
+    for key, members in stream:
+        if last is not None and key <= last:
+            raise PlanMismatch(f"{name}: sample {key} comes after {last}; its shards are not in sample order "
+                               f"(run python -m jobs.verify {name})")
+        last = key
+        yield key, members
+
+
+def _compare_one(key: str, mem: dict, ref: dict, run_name: str, reference_name: str) -> dict | None:
+    a, b = _meta(mem), _meta(ref)
+    for k in SAME:
+        if a.get(k) != b.get(k):
+            raise PlanMismatch(f"sample {key} was made with {k}={a.get(k)!r} in {run_name} and {b.get(k)!r} in "
+                               f"{reference_name}: compare two runs of one prompt file, seed and size")
+    x, y = decode(key, mem), decode(key, ref)
+    if x is None or y is None:
+        return None
+    try:
+        return {"psnr": psnr(x, y), "ssim": ssim(x, y)}
+    except ValueError as e:  # pixels of other sizes than their json says
+        raise PlanMismatch(f"sample {key}: {e} ({run_name} against {reference_name})") from None
+
+
 def compare_runs(run: Any, reference: Any) -> Comparison:
-    """Compare two runs (``RunDir``s) over every committed sample of both."""
+    """Compare two runs (``RunDir``s) over every committed sample of both, a shard of each read at a time."""
     from shardgen.tools.runfiles import committed_members
 
-    ref = dict(committed_members(reference))
-    return compare_samples(committed_members(run), ref, str(run.root), str(reference.root))
+    return compare_samples(committed_members(run), committed_members(reference), str(run.root), str(reference.root))
