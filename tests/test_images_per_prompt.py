@@ -32,6 +32,19 @@ def gen(run_dir: Path, prompts: Path, *extra: str, **kw):
     return run_rank(compose_cfg(f"run_dir={run_dir}", f"prompts.path={prompts}", *ARGS, *extra), **kw)
 
 
+def interrupted_after(batches: int):
+    """An ``on_batch`` hook that stops the job as Ctrl-C would once ``batches`` batches ended."""
+    ends = []
+
+    def hook(event, worker):
+        if event == "end":
+            ends.append(event)
+            if len(ends) == batches:
+                raise KeyboardInterrupt
+
+    return hook
+
+
 def tars(run_dir: Path) -> dict[str, bytes]:
     return {t.name: t.read_bytes() for t in sorted((run_dir / "shards").glob("*.tar"))}
 
@@ -76,16 +89,8 @@ def test_images_are_the_same_bytes_at_batch_1(batch3, prompts, tmp_path):
 
 
 def test_a_killed_run_resumes_to_every_image_exactly_once(batch3, prompts, tmp_path):
-    ends = []
-
-    def kill_at_the_third_batch(event, worker):
-        if event == "end":
-            ends.append(event)
-            if len(ends) == 3:
-                raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        gen(tmp_path / "k", prompts, "batch_size=3", on_batch=kill_at_the_third_batch)
+        gen(tmp_path / "k", prompts, "batch_size=3", on_batch=interrupted_after(3))
     assert len(list((tmp_path / "k" / "shards").glob("*.tar"))) < 3  # stopped part-way
     time.sleep(1.1)  # our own claim expires (lease_s=1)
     assert gen(tmp_path / "k", prompts, "batch_size=2").complete
@@ -135,16 +140,8 @@ def test_rows_own_counts_give_the_same_bytes_at_batch_1_and_through_a_kill(own_c
     prompts, run_dir = own_counts
     assert gen(tmp_path / "b1", prompts, *OWN, "batch_size=1").complete
     assert tars(tmp_path / "b1") == tars(run_dir)
-    ends = []
-
-    def kill_at_the_third_batch(event, worker):
-        if event == "end":
-            ends.append(event)
-            if len(ends) == 3:
-                raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        gen(tmp_path / "k", prompts, *OWN, "batch_size=1", on_batch=kill_at_the_third_batch)
+        gen(tmp_path / "k", prompts, *OWN, "batch_size=1", on_batch=interrupted_after(3))
     time.sleep(1.1)  # our own claim expires (lease_s=1)
     assert gen(tmp_path / "k", prompts, *OWN, "batch_size=2").complete
     assert tars(tmp_path / "k") == tars(run_dir)
