@@ -17,12 +17,13 @@ def fp(*overrides: str) -> dict:
 
 def test_only_pixel_determining_settings_count():
     base = fp()
-    for free in ("batch_size=2", "launcher=local", "strategy=tp", "tp_degree=2", "writer_threads=4", "lease_s=60",
+    for free in ("batch_size=2", "sdpa_backend=cudnn", "launcher=local", "strategy=tp", "tp_degree=2", "writer_threads=4", "lease_s=60",
                  "progress=false", "run_dir=elsewhere"):
         assert fp(free) == base, free
     for bound, key in (("seed=1", "seed"), ("steps=3", "steps"), ("height=32", "height"),
                        ("image_format=jpg", "image_format"), ("samples_per_shard=7", "samples_per_shard"),
-                       ("model.max_sequence_length=64", "model.max_sequence_length"), ("fp8=true", "fp8")):
+                       ("model.max_sequence_length=64", "model.max_sequence_length"), ("fp8=true", "fp8"),
+                       ("sdpa_backend=sage", "sdpa_backend")):
         assert [d.split(":")[0] for d in diff_fingerprints(base, fp(bound))] == [key], bound
     assert compute_fingerprint(compose_cfg(), "other-sha")["prompts.sha256"] == "other-sha"
 
