@@ -181,3 +181,9 @@ class ParallelDims:
 def divisors(n: int) -> list[int]:
     """The divisors of ``n`` from 2 up (the degrees that could split ``n`` ranks, heads or tokens)."""
     return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def replica_size_of(cfg: GenerateConfig) -> int:
+    """Ranks one replica of ``cfg``'s strategy and degrees takes (``strategy.name`` not auto), before any world
+    exists (a launcher sizing the replicas it starts): the degrees are checked, no world is."""
+    return ParallelDims.from_cfg(cfg, world_size=0).replica_size

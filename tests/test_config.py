@@ -354,7 +354,7 @@ def test_help_lists_the_launchers_one_can_choose_and_no_schema_entries():
                          timeout=120)
     assert out.returncode == 0
     groups = out.stdout.split("== Config groups (group=option) ==\n")[1].split("\n\n")[0].splitlines()
-    assert "launcher: local, none, slurm" in groups and "base_" not in out.stdout
+    assert "launcher: local, none, ray, slurm" in groups and "base_" not in out.stdout
     assert any(line.startswith("strategy: auto, ") for line in groups)
 
 

@@ -45,7 +45,7 @@ def toy_launcher(monkeypatch):
     from shardgen.config import launchers
 
     monkeypatch.setitem(launchers.LAUNCHERS, "toy", launchers.Launcher(
-        "toy", world_size=lambda ln: 1, config=ToyLauncherConfig, start=start_toy))
+        "toy", world_size=lambda cfg: 1, config=ToyLauncherConfig, start=start_toy))
     store = ConfigStore.instance()
     store.store(group="launcher", name="toy", node=ToyLauncherConfig)
     yield

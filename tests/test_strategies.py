@@ -170,7 +170,7 @@ def test_a_launcher_row_alone_decides_how_parallel_sees_its_nodes(monkeypatch, n
     from parallel.strategies import device_facts
     from shardgen.config import launchers
 
-    row = launchers.Launcher("cluster", world_size=lambda ln: 16, described_nodes=lambda cfg: (2, 2, "each node"))
+    row = launchers.Launcher("cluster", world_size=lambda cfg: 16, described_nodes=lambda cfg: (2, 2, "each node"))
     monkeypatch.setitem(launchers.LAUNCHERS, "cluster", row)
     cfg = compose_cfg("strategy=device_map", "strategy.gpus_per_replica=2")
     cfg.launcher.name = "cluster"

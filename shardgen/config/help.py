@@ -23,6 +23,7 @@ NESTED_SECTIONS = (("ModelConfig", "model.", "model.* (chosen by model=OPTION; a
                    ("LauncherConfig", "launcher.", "launcher.* (chosen by launcher=OPTION; every launcher)"),
                    ("LocalLauncherConfig", "launcher.", "launcher.* of launcher=local"),
                    ("SlurmLauncherConfig", "launcher.", "launcher.* of launcher=slurm"),
+                   ("RayLauncherConfig", "launcher.", "launcher.* of launcher=ray"),
                    ("PromptsConfig", "prompts.", "prompts.* (chosen by prompts=OPTION)"))
 NESTED = {"model", "strategy", "launcher", "prompts"}  # NestedConfigs fields that are sections of their own
 WIDTH = 100

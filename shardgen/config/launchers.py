@@ -10,7 +10,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shardgen.config.schema import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
+from shardgen.config.schema import LauncherConfig, LocalLauncherConfig, RayLauncherConfig, SlurmLauncherConfig
+
+
+# set by a launcher that starts its replicas as worlds of their own (launcher=ray): "i/n", this world's replica
+# among the launch's n, so each walks the plan from its own place and counts the work left as its share of n
+REPLICA_SLOT_ENV = "SHARDGEN_REPLICA_SLOT"
+
+
+def replica_slot() -> tuple[int, int]:
+    """(index, count) of this process's world among its launch's (REPLICA_SLOT_ENV), (0, 1) when none is set."""
+    text = os.environ.get(REPLICA_SLOT_ENV, "")
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        return 0, 1
+    return (index, count) if 0 <= index < count else (0, 1)
 
 
 @dataclass(frozen=True)
@@ -20,7 +35,7 @@ class Launcher:
 
     name: str
     world_size: Callable[[Any], int]
-    """The ranks a launch has, from the launcher config (a dry run, the checks before spawning or submitting)."""
+    """The ranks a launch has, from the whole config (a dry run, the checks before spawning or submitting)."""
     local_ranks: Callable[[int], int] = lambda world_size: 1
     """Ranks on this machine given the world size, unless LOCAL_WORLD_SIZE (torchrun) says."""
     described_nodes: Callable[[Any], tuple[int, int, str]] | None = None
@@ -70,6 +85,38 @@ def register_launcher(launcher: Launcher) -> Launcher:
     return launcher
 
 
+def start_ray(cfg: Any) -> Any:
+    """Run the job's replicas as Ray actors and wait for them."""
+    from shardgen.launch.ray_cluster import launch
+
+    return launch(cfg)
+
+
+def _ray_replica_size(cfg: Any) -> int:
+    from shardgen.launch.ray_cluster import ranks_per_replica
+
+    return ranks_per_replica(cfg)
+
+
+def _ray_nodes(cfg: Any) -> tuple[int, int, str] | None:
+    """A replica is packed on one node: the GPUs it asks for are the ones its ranks see."""
+    ranks = _ray_replica_size(cfg)
+    gpus = 0 if cfg.device == "cpu" else int(ranks * cfg.launcher.gpus_per_rank)
+    return gpus, ranks, f"each Ray replica's node (launcher.gpus_per_rank={cfg.launcher.gpus_per_rank:g})"
+
+
+def _check_ray(ln: Any) -> str | None:
+    for key in ("replicas", "max_restarts"):
+        if ln[key] < (1 if key == "replicas" else 0):
+            return f"launcher.{key}={ln[key]}: use {1 if key == 'replicas' else 0} or more"
+    if ln.ranks_per_replica is not None and ln.ranks_per_replica < 1:
+        return f"launcher.ranks_per_replica={ln.ranks_per_replica}: use 1 or more (or null: the strategy's degrees)"
+    if ln.gpus_per_rank < 0 or ln.cpus_per_rank <= 0:
+        return (f"launcher.gpus_per_rank={ln.gpus_per_rank:g} launcher.cpus_per_rank={ln.cpus_per_rank:g}: GPUs 0 or "
+                "more, CPUs more than 0")
+    return None
+
+
 def _slurm_nodes(cfg: Any) -> tuple[int, int, str]:
     ln = cfg.launcher
     gpus = 0 if cfg.device == "cpu" else ln.gpus_per_node
@@ -81,15 +128,17 @@ def _check_local(ln: Any) -> str | None:
 
 
 # this process, or torchrun's ranks when detected
-register_launcher(Launcher("none", world_size=lambda ln: int(os.environ.get("WORLD_SIZE", "1"))))
+register_launcher(Launcher("none", world_size=lambda cfg: int(os.environ.get("WORLD_SIZE", "1"))))
 # launcher.nprocs ranks spawned on this machine
-register_launcher(Launcher("local", world_size=lambda ln: ln.nprocs, local_ranks=lambda world_size: world_size,
+register_launcher(Launcher("local", world_size=lambda cfg: cfg.launcher.nprocs, local_ranks=lambda world_size: world_size,
                            config=LocalLauncherConfig, start=start_local,
                            check=_check_local))
 # submitit: launcher.nodes x tasks per node, started later on the cluster's nodes
-register_launcher(Launcher("slurm", world_size=lambda ln: ln.nodes * (ln.tasks_per_node or ln.gpus_per_node or 1),
-                           described_nodes=_slurm_nodes, config=SlurmLauncherConfig,
-                           start=submit_slurm))
+register_launcher(Launcher("slurm", world_size=lambda cfg: cfg.launcher.nodes * _slurm_nodes(cfg)[1],
+                           described_nodes=_slurm_nodes, config=SlurmLauncherConfig, start=submit_slurm))
+# Ray: launcher.replicas placement groups of ranks_per_replica actors each, on an existing (or a local) cluster
+register_launcher(Launcher("ray", world_size=lambda cfg: cfg.launcher.replicas * _ray_replica_size(cfg),
+                           described_nodes=_ray_nodes, config=RayLauncherConfig, start=start_ray, check=_check_ray))
 
 
 def launcher_of(cfg: Any) -> Launcher:

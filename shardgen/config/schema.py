@@ -102,7 +102,8 @@ class LauncherConfig:
     """Where the ranks come from: what every launcher has (each launcher= option extends it with its own fields)."""
 
     name: str = "none"
-    """none (this process, or torchrun's ranks when detected) | local (spawn nprocs ranks) | slurm (submitit)"""
+    """none (this process, or torchrun's ranks when detected) | local (spawn nprocs ranks) | slurm (submitit) |
+    ray (actors on a Ray cluster)"""
     backend: Optional[str] = None
     """torch.distributed backend; null = nccl on CUDA, gloo on CPU."""
 
@@ -165,6 +166,32 @@ class SlurmLauncherConfig(LauncherConfig):
     """Wait for the jobs and report, instead of returning after submission."""
     log_dir: Optional[str] = None
     """SLURM logs; null = <run_dir>/logs/slurm."""
+
+
+@dataclass(kw_only=True)
+class RayLauncherConfig(LauncherConfig):
+    """launcher=ray: each replica a Ray placement group whose ranks are actors (shardgen/launch/ray_cluster.py)."""
+
+    name: str = "ray"
+    """The launcher's name in LAUNCHERS (shardgen/config/launchers.py)."""
+    address: Optional[str] = None
+    """The Ray cluster to run on (ray.init's address: ``auto``, ``HOST:PORT`` or ``ray://HOST:10001``); null =
+    RAY_ADDRESS, else a one-machine cluster started for this launch (the local debug path)."""
+    replicas: int = 1
+    """Replicas to start: each one its own torch.distributed world of ranks_per_replica actors, packed on one
+    node; the replicas share the run directory's shards through its claims, as SLURM array jobs do."""
+    ranks_per_replica: Optional[int] = None
+    """Ranks (actors) per replica; null = what the strategy's degrees make (tp_degree=2: 2), 1 with strategy=auto."""
+    gpus_per_rank: float = 1.0
+    """GPUs each rank asks Ray for (0 = a CPU rank); device=cpu asks for none whatever this says."""
+    cpus_per_rank: float = 1.0
+    """CPU cores each rank asks Ray for (its torch threads)."""
+    max_restarts: int = 3
+    """A replica whose actor or node is lost is started again (it resumes from the run directory) at most this
+    many times in a launch; 0 = the launch stops at the first loss."""
+    placement_timeout_s: float = 600.0
+    """How long the launch waits for the cluster to place the first replica (an autoscaler adding nodes) before
+    it stops, saying what the cluster has; the replicas after it start whenever they are placed."""
 
 
 @dataclass(kw_only=True)

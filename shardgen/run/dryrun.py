@@ -62,7 +62,7 @@ class DryRun:
 
 def world_size_of(cfg: GenerateConfig) -> int:
     """The ranks a launch of ``cfg`` would have."""
-    return launcher_of(cfg).world_size(cfg.launcher)
+    return launcher_of(cfg).world_size(cfg)
 
 
 def _cuda() -> bool:

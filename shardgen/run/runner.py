@@ -214,7 +214,7 @@ def share_cpu_threads(world: W.World) -> None:
     import torch
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world.device.type == "cpu" and local > 1:
+    if world.device.type == "cpu" and local > 1 and not os.environ.get("OMP_NUM_THREADS"):  # a launcher's count wins
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
@@ -308,9 +308,15 @@ def _has_failures(plan: Plan) -> bool:
 
 
 def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
+    """This rank's replica among the launch's: the world's replicas, placed among the worlds a launcher started
+    side by side (launcher=ray: replica_slot)."""
+    from shardgen.config.launchers import replica_slot
+
     rank = world.rank
-    return ReplicaContext(index=dims.replica_of(rank), count=dims.dp, leader=dims.is_leader(rank),
-                          leader_rank=dims.leader_of(rank), group=dims.replica_group(), ranks=dims.replica_size)
+    slot, slots = replica_slot()
+    return ReplicaContext(index=slot * dims.dp + dims.replica_of(rank), count=slots * dims.dp,
+                          leader=dims.is_leader(rank), leader_rank=dims.leader_of(rank), group=dims.replica_group(),
+                          ranks=dims.replica_size)
 
 
 def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) -> GenSettings:

@@ -133,6 +133,11 @@ class RunDir:
     def slurm_logs_dir(self) -> Path:
         return self.logs_dir / "slurm"
 
+    @property
+    def ray_logs_dir(self) -> Path:
+        """launcher=ray: one log per actor, ``replicaNNN.rankN.log``."""
+        return self.logs_dir / "ray"
+
     def rank_log_path(self, rank: int) -> Path:
         """Global rank ``rank``'s log, appended across launches."""
         return self.logs_dir / f"rank{rank:03d}.log"

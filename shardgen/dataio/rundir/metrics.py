@@ -43,6 +43,13 @@ def exposition(families: Iterable[Metric]) -> bytes:
     return generate_latest(registry)
 
 
+def _world_of_launch() -> str:
+    """Which of a launch's side-by-side worlds this is (launcher=ray: each replica's rank 0 is a rank 0), or ""."""
+    from shardgen.config.launchers import REPLICA_SLOT_ENV, replica_slot
+
+    return f"ray-replica{replica_slot()[0]}" if os.environ.get(REPLICA_SLOT_ENV) else ""
+
+
 @dataclass
 class RankMetrics:
     """One writing rank's counters (a replica's leader); ``commit`` updates them and rewrites its file."""
@@ -52,7 +59,7 @@ class RankMetrics:
     replica: int
     ranks_per_replica: int = 1
     """Devices busy in each batch: device-seconds are the batches' wall seconds times this."""
-    job: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
+    job: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", "") or _world_of_launch())
     started: float = field(default_factory=time.time)
     committed: Counter = field(default_factory=Counter)
     shards: int = 0

@@ -1,0 +1,167 @@
+"""launcher=ray on a real local Ray cluster of two nodes (``ray start --head`` and a second ``ray start`` joining it,
+each with its own CPUs): model-parallel replicas give the one-process bytes, a lost actor and a killed driver are
+resumed to every prompt exactly once, and what cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+from jobs.generate import run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.resume.ledger import read_ledger
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.tools.verify import verify_run
+from tests.conftest import ROOT, compose_cfg
+from tests.test_generate import shard_images
+
+ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (the test extra installs it)")
+
+pytestmark = pytest.mark.slow
+FAST = ("height=32", "width=32", "steps=2", "batch_size=2", "samples_per_shard=4", "progress=false")
+
+
+def _ray(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which("ray") or "ray", *args], capture_output=True, text=True, timeout=180, env=env)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The address of a two-node Ray cluster on this machine (2 CPUs each); stopped afterwards."""
+    if shutil.which("ray") is None:
+        pytest.skip("the ray command is not on PATH")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ("--num-cpus=2", "--object-store-memory=150000000", "--disable-usage-stats")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    head = _ray("start", "--head", f"--port={port}", "--include-dashboard=false", *common, env=env)
+    if head.returncode != 0:
+        pytest.skip(f"ray start failed: {head.stderr[-500:]}")
+    address = f"127.0.0.1:{port}"
+    second = _ray("start", f"--address={address}", *common, env=env)
+    try:
+        assert second.returncode == 0, second.stderr[-2000:]
+        yield address
+    finally:
+        _ray("stop", "--force")
+
+
+def _args(run_dir: Path, *more: str) -> tuple[str, ...]:
+    return (f"run_dir={run_dir}", "device=cpu", *FAST, *more)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, bytes]:
+    """The images of a plain one-process run of 10 prompts (3 shards: the last one short)."""
+    d = tmp_path_factory.mktemp("ray-ref") / "run"
+    assert run(compose_cfg(*_args(d, "prompts.limit=10"))).complete
+    return shard_images(d)
+
+
+def _job(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.generate", *overrides], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=_env())
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
+                         ids=["tp2", "ulysses2"])
+def test_two_model_parallel_replicas_on_two_nodes_give_the_one_process_bytes(tmp_path, cluster, one_process,
+                                                                              strategy):
+    d = tmp_path / "run"
+    p = _job(*_args(d, "prompts.limit=10"), *strategy, "launcher=ray", f"launcher.address={cluster}",
+             "launcher.replicas=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 Ray replica(s) of 2 rank(s)" in p.stdout
+    assert re.search(r"10 images, 0 failed, 0 rejected of 10 samples; generated 10 this launch on 2 Ray replica", p.stdout)
+    images = shard_images(d)
+    assert images == one_process  # byte for byte, every key once
+    logs = sorted(x.name for x in RunDir(d).ray_logs_dir.glob("*.log"))
+    assert logs == ["replica000.rank0.log", "replica000.rank1.log", "replica001.rank0.log", "replica001.rank1.log"]
+    assert "rank 1/2 on cpu (gloo)" in (RunDir(d).ray_logs_dir / "replica001.rank1.log").read_text()
+    assert verify_run(load_plan(RunDir(d))).ok
+
+
+def _durable(run_dir: Path) -> int:
+    plan = load_plan(RunDir(run_dir)) if (run_dir / "plan").is_dir() else None
+    return 0 if plan is None else read_ledger(plan).done_samples
+
+
+def _wait_for(what, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the driver ended first (rc {proc.returncode})")
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_lost_actor_and_a_killed_driver_resume_to_every_prompt_once(tmp_path, cluster):
+    """SIGKILL a replica's leader (its shard's claim holder) mid-run: the driver starts the replica again. Then
+    SIGKILL the driver: Ray ends its actors, and the same command completes the run, its shards taken over."""
+    d, log, n = tmp_path / "run", tmp_path / "driver.log", 40
+    heavier = (f"prompts.limit={n}", "height=64", "width=64", "steps=4")
+    args = (*_args(d, *heavier), "launcher=ray", f"launcher.address={cluster}", "launcher.replicas=2", "lease_s=30",
+            "heartbeat_s=1")
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=ROOT, env=_env())
+    try:
+        _wait_for(lambda: _durable(d) >= 2 and "replica 0: 1 rank(s)" in log.read_text(), 300, driver)
+        leader = int(re.search(r"replica 0: 1 rank\(s\) on node \S+ \(pids (\d+)\)", log.read_text()).group(1))
+        os.kill(leader, signal.SIGKILL)
+        _wait_for(lambda: "replica 0: 1 rank(s)" in log.read_text().partition("replica 0 lost rank 0")[2], 120, driver)
+        assert ", restart 1" in log.read_text()
+        killed_at = _durable(d)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert 2 <= killed_at < n, log.read_text()[-3000:]  # both kills landed mid-run
+    p = _job(*args)
+    assert p.returncode == 0, p.stderr[-3000:] + log.read_text()[-3000:]
+    assert _durable(d) == n
+    tars = sorted(str(t) for t in (d / "shards").glob("*.tar"))
+    keys = [s["__key__"] for s in wds.WebDataset(tars, shardshuffle=False)]
+    assert sorted(keys) == [f"{i:010d}" for i in range(n)]  # every prompt exactly once
+    assert verify_run(load_plan(RunDir(d))).ok
+    assert run(compose_cfg(*_args(tmp_path / "ref", *heavier))).complete
+    assert shard_images(d) == shard_images(tmp_path / "ref")
+
+
+def test_a_cluster_too_small_for_one_replica_is_refused_in_one_line(tmp_path, cluster):
+    p = _job(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", f"launcher.address={cluster}",
+             "launcher.cpus_per_rank=3", timeout=120)
+    assert p.returncode != 0
+    assert "no node of the Ray cluster can hold one replica: it needs 1 rank(s) x (3 CPU) on one node" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_gpu_ranks_on_a_cpu_cluster_say_to_set_device_cpu(tmp_path, cluster):
+    p = _job(f"run_dir={tmp_path / 'run'}", *FAST, "prompts.limit=4", "launcher=ray", f"launcher.address={cluster}",
+             "device=cuda", timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "set device=cpu for CPU ranks" in p.stderr or "device=cuda" in p.stderr, p.stderr[-2000:]
+
+
+def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
+    from shardgen.launch import ray_cluster
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    with pytest.raises(ray_cluster.RayMissingError, match=r"pip install 'shardgen\[ray\]'"):
+        ray_cluster.launch(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray"))
+    assert not (tmp_path / "run").exists()
