@@ -49,7 +49,7 @@ from shardgen.dataio.resume import record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S, Claimer, RunDir, owner_record
 from shardgen.dataio.shards import Sample, ShardSink
 from shardgen.tools import run_status
-from shardgen.run import replica as replica_mod
+from shardgen.run import shardrun, shardwalk
 from shardgen.run.generation import GenSettings
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 
@@ -120,7 +120,7 @@ COUNTER = OpCounter()
 
 
 class _IdleClock:
-    """The replica module's ``time``, but its ``sleep`` (only ``next_shard``'s idle poll sleeps there) marks the
+    """The shard walk's ``time``, but its ``sleep`` (only ``ShardWalk.next``'s idle poll sleeps there) marks the
     calling thread's operations from then on as ``idle``: an idle replica's polls at the tail are counted apart
     from the claims of replicas finding work (``timed`` in ``_replica_group`` sets ``claim`` again)."""
 
@@ -212,7 +212,7 @@ def prefill(run: RunDir, plan, fraction: float, seed: int = 0) -> int:
     claimer = Claimer(run, owner_record(0), heartbeat_s=3600)
     w = ReplicaWorker(plan=plan, pipe=None, settings=SIM_SETTINGS, batch_size=plan.samples_per_shard,
                       ctx=ReplicaContext(0, 1), sink=sink, claimer=claimer)
-    replica_mod.generate_batch = fake_generator(0, 0, random.Random(0))
+    shardrun.generate_batch = fake_generator(0, 0, random.Random(0))
     shard, gen, done = w.next_shard()
     w.process(shard, gen, done)
     w.close()
@@ -242,14 +242,14 @@ def _copy_next_to(path: Path, run: RunDir, s: int) -> Path:
 
 
 def simulate(*args, **kwargs) -> dict:
-    """``_simulate`` with the replica module's generator and clock put back afterwards (a test process goes on to
-    real jobs)."""
-    real, clock = replica_mod.generate_batch, replica_mod.time
-    replica_mod.time = _IdleClock()
+    """``_simulate`` with the shard run's generator and the shard walk's clock put back afterwards (a test process
+    goes on to real jobs)."""
+    real, clock = shardrun.generate_batch, shardwalk.time
+    shardwalk.time = _IdleClock()
     try:
         return _simulate(*args, **kwargs)
     finally:
-        replica_mod.generate_batch, replica_mod.time = real, clock
+        shardrun.generate_batch, shardwalk.time = real, clock
 
 
 def _simulate(root: Path, replicas: int, shards: int, per_shard: int = 1, batch: int = 1, gen_s: float = 0.02,
@@ -421,7 +421,7 @@ def _replica_threads(indices, run, plan, replicas, batch, gen_s, deadline, kill_
     sys.setswitchinterval(0.001)
     stop = threading.Event()
     rng = random.Random(seed)
-    replica_mod.generate_batch = fake_generator(gen_s, kill_prob, rng, jitter)
+    shardrun.generate_batch = fake_generator(gen_s, kill_prob, rng, jitter)
     latencies, first_claims, idle_from, lock = [], [], [], threading.Lock()
     commits, kills, takeovers = Counter(), Counter(), Counter()
     last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]

@@ -114,7 +114,7 @@ def test_an_idle_replica_polls_over_the_shards_left_not_the_whole_plan():
     1,000-replica simulation's tail at load 200-390)."""
     from types import SimpleNamespace
 
-    from shardgen.run.replica import ReplicaWorker
+    from shardgen.run.shardwalk import ShardWalk
 
     class CountingSet(set):
         lookups = 0
@@ -125,12 +125,12 @@ def test_an_idle_replica_polls_over_the_shards_left_not_the_whole_plan():
 
     n = 100_000
     w = SimpleNamespace(_done=CountingSet(range(n - 5)), _todo=[], _todo_of=None)
-    assert ReplicaWorker._not_done(w, n) == list(range(n - 5, n))
+    assert ShardWalk._not_done(w, n) == list(range(n - 5, n))
     assert CountingSet.lookups == n  # the listing's pass over the plan
     w._done.update({n - 5, n - 4})  # two more seen committed (a stat of their done marker)
     CountingSet.lookups = 0
     for _ in range(100):  # polls
-        left = [s for s in ReplicaWorker._not_done(w, n) if s not in w._done]
+        left = [s for s in ShardWalk._not_done(w, n) if s not in w._done]
     assert left == [n - 3, n - 2, n - 1] and CountingSet.lookups <= 100 * 5 + 5
     w._done = CountingSet(range(n - 1))  # a new listing: the plan once more
-    assert ReplicaWorker._not_done(w, n) == [n - 1]
+    assert ShardWalk._not_done(w, n) == [n - 1]

@@ -13,7 +13,7 @@ from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.tools.verify import read_shard_members, verify_run
-from shardgen.run.replica import BrokenSetupError
+from shardgen.run.tally import BrokenSetupError
 from jobs.generate import run
 from tests.conftest import compose_cfg, start_ranks, write_lines
 from tests.test_generate import shard_images

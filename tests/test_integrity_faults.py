@@ -91,10 +91,10 @@ def damage_file(path: Path, op: str, rng: random.Random, decoy: Path) -> None:
 def fast_model(monkeypatch):
     """The model is not under test here: it is loaded once, and each sample is generated once and then
     served from memory, keyed by everything that determines its pixels (so a mixed run would still show)."""
-    import shardgen.run.replica as replica
     import shardgen.run.runner as runner
+    import shardgen.run.shardrun as shardrun
 
-    real_apply, real_generate, pipes, made = runner.apply_strategy, replica.generate_batch, [], {}
+    real_apply, real_generate, pipes, made = runner.apply_strategy, shardrun.generate_batch, [], {}
 
     def apply_once(*args, **kwargs):
         if not pipes:
@@ -112,7 +112,7 @@ def fast_model(monkeypatch):
         return [copy.copy(made[key(r)]) for r in rows]
 
     monkeypatch.setattr(runner, "apply_strategy", apply_once)
-    monkeypatch.setattr(replica, "generate_batch", generate_memo)
+    monkeypatch.setattr(shardrun, "generate_batch", generate_memo)
 
 
 def generate(cfg, run_dir: Path):

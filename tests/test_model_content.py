@@ -16,7 +16,7 @@ from shardgen.models.content import content_sha256
 from shardgen.models.loader import ModelLoadError
 from shardgen.families.flux import TINY_VERSION
 from shardgen.families.flux.tiny import tiny_model_path
-from shardgen.models.tiny import default_cache_dir
+from shardgen.cache import default_cache_dir
 from tests.conftest import compose_cfg, write_lines
 from tests.test_integrity import ARGS, content
 

@@ -63,7 +63,7 @@ def durable_samples(run_dir: Path) -> int:
 
 
 def handed_over(log_text: str) -> int:
-    """Samples the replicas handed to their writers (DEBUG lines of shardgen/run/replica.py)."""
+    """Samples the replicas handed to their writers (DEBUG lines of shardgen/run/shardrun.py)."""
     return sum(int(n) for n in re.findall(r"handed over (\d+) samples", log_text))
 
 

@@ -46,7 +46,7 @@ def model_sha256(model_cfg: Any) -> str | None:
     """The content hash of the weights a launch will read (shardgen/models/content.py), for the fingerprint: the tiny
     models' cache entries and local model directories; None for dummy weights and hub ids (no local bytes)."""
     from shardgen.models.content import content_sha256
-    from shardgen.models.tiny import default_cache_dir
+    from shardgen.cache import default_cache_dir
 
     if model_cfg.weights == "dummy":
         return None

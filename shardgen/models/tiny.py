@@ -1,6 +1,6 @@
-"""What the embedded tiny models are built with: the model cache (``$SHARDGEN_CACHE``), building a pipeline into it
-once (``cached_build``: atomic, safe for ranks building at once, rebuilt when a cached file changed) and the small
-tokenizers trained or fixed here.
+"""What the embedded tiny models are built with: building a pipeline once into the model cache (``cached_build``:
+atomic, safe for ranks building at once, rebuilt when a cached file changed; the cache is ``$SHARDGEN_CACHE``,
+shardgen/cache.py) and the small tokenizers trained or fixed here.
 
 No machine shardgen runs on is assumed to reach a model hub, so each family's tiny model (``model=tiny`` is
 FLUX.1's: shardgen/families/flux/tiny.py) is built here from a fixed seed, saved with ``save_pretrained`` and always
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
+from shardgen.cache import default_cache_dir
 from shardgen.models.content import changed_files, content_sha256
 from shardgen.models.quiet import quiet_libraries
 
@@ -28,13 +28,6 @@ CORPUS = [
     "cinematic film still of a cat sipping a margarita",
     "an astronaut riding a horse on the moon, digital art",
 ]
-
-
-def default_cache_dir() -> Path:
-    """Where built models are cached: ``$SHARDGEN_CACHE`` or ``~/.cache/shardgen`` (also when it is set but empty,
-    which would otherwise mean the current directory). A leading ``~`` is expanded."""
-    value = os.environ.get("SHARDGEN_CACHE", "").strip()
-    return Path(os.path.expanduser(value)) if value else Path.home() / ".cache" / "shardgen"
 
 
 def cached_build(name: str, build, cache_dir: str | os.PathLike | None = None) -> Path:

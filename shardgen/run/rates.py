@@ -12,19 +12,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from shardgen.cache import default_cache_dir
 
 log = logging.getLogger("shardgen")
 
 
 def rates_path() -> Path:
     """``$SHARDGEN_CACHE/rates.json``."""
-    value = os.environ.get("SHARDGEN_CACHE", "").strip()
-    root = Path(os.path.expanduser(value)) if value else Path.home() / ".cache" / "shardgen"
-    return root / "rates.json"
+    return default_cache_dir() / "rates.json"
 
 
 def device_name(device: Any) -> str:

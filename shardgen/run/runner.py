@@ -288,7 +288,7 @@ def log_compile_summary(worker: ReplicaWorker) -> None:
     if worker.autocompile is not None:
         worker.autocompile.finish()
         log.info("%s", worker.autocompile.summary())
-    if worker.settings.accel.compile:
+    if worker.batches.settings.accel.compile:
         cache = compile_cache_counts()
         log.info("compiled graphs in this process: %d%s", compiled_graphs(), f" ({cache})" if cache else "")
 

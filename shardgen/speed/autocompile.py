@@ -65,6 +65,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from shardgen.cache import default_cache_dir
+
 log = logging.getLogger("shardgen.compile")
 
 PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache, kernels tuned (H200: 40-52 s, FLUX.1/2,
@@ -112,8 +114,6 @@ def check_forced_path(value: str | None = None) -> None:
 
 def records_path() -> Path:
     """``$SHARDGEN_CACHE/compile/records.json`` (next to the inductor cache it describes)."""
-    from shardgen.models.tiny import default_cache_dir
-
     return default_cache_dir() / "compile" / "records.json"
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from shardgen.cache import default_cache_dir
 from shardgen.pick import pick
 from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
 from shardgen.speed.blocks import fused_blocks, plain_forward, repeated_blocks
@@ -85,8 +86,6 @@ def compile_cache_dir() -> str:
     import os
 
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        from shardgen.models.tiny import default_cache_dir
-
         path = default_cache_dir() / "inductor"
         path.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
