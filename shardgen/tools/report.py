@@ -251,7 +251,7 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
     return page, damaged
 
 
-FIDELITY_LIMIT = 64 << 20  # calibration.json / compare.json hold a few hundred bytes per sample
+FIDELITY_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
 
 
 def _fidelity(run: RunDir) -> list[tuple]:

@@ -157,8 +157,9 @@ def refuse_foreign_out(out: Path, own: Path, marker: bytes, tool: str) -> None:
                       "to replace it")
 
 
-def safe_write(path: Path, data: bytes, run: RunDir) -> None:
-    """Write a tool's output file whole (temp file + rename: a symlink at ``path`` is replaced, never followed);
+def safe_write(path: Path, data: bytes | Iterable[bytes], run: RunDir) -> None:
+    """Write a tool's output file whole (bytes, or chunks written as they come; temp file + rename: a symlink at
+    ``path`` is replaced, never followed);
     RunDirError naming the path when it is one of ``run``'s own files (``check_tool_output``) or cannot be written
     (a read-only or missing directory, a directory there)."""
     path = Path(path)
