@@ -210,6 +210,18 @@ def read_events(run: RunDir) -> list[dict]:
     return read_records(run.events_paths(), {"t": NUMBER, "replica": (int, str), "samples": int})
 
 
+def launch_of(who: dict) -> tuple:
+    """Which launch a commit event or a claim's holder comes from: (host, pid, SLURM job). Replica numbers start at
+    0 in every launch, so a replica is named by its number and its launch together."""
+    return who.get("host"), who.get("pid"), who.get("job")
+
+
+def launch_label(host: Any, pid: Any, job: Any) -> str | None:
+    """``on HOST pid PID job JOB`` (what is known of it), None when nothing is."""
+    text = " ".join(f"{k} {v}" for k, v in (("on", host), ("pid", pid), ("job", job)) if v not in (None, ""))
+    return text or None
+
+
 def read_launches(run: RunDir) -> list[dict]:
     """Every launch's summary (``launches.jsonl``); fields other than ``ended`` may be absent or odd."""
     return read_records([run.launches_path], {"ended": NUMBER})
