@@ -2,8 +2,8 @@
 # Source on the GPU machine before a benchmark:  source benchmarks/device_env.sh
 # 1. installs the carried wheels (.whl/, see ../shared/GPU.md) into /tmp/site;
 # 2. gives every process a bytecode cache. The device's Python environment is read-only and ships without
-#    .pyc files, so each process there compiles ~3,000 modules from source (~8 s, issue 20's start-up
-#    profile, benchmarks/results/h200-s10/startup/); an installed environment on a user's cluster has them
+#    .pyc files, so each process there compiles ~3,000 modules from source (~8 s of a job's start-up under
+#    cProfile); an installed environment on a user's cluster has them
 #    (pip writes them at install). PYTHONPYCACHEPREFIX sends the caches to /tmp/pyc, filled here once, before
 #    anything is timed, for the seed loop and shardgen alike. SHARDGEN_NO_PYC=1 leaves this step out.
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || return 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One model on one GPU, as measured for docs/performance.md (issue 10):
+# One model on one GPU, the seed loop against shardgen's default path:
 #   bash benchmarks/gpu_bench.sh MODEL STEPS [N] [EXTRA jobs.bench ARGS...]
 # 1. cold: a fresh compile cache; the seed loop (equal work) and its bf16 noise floor, then shardgen's default
 #    path (compile=auto) on N prompts (default 16) from cold: the first batch pays the compilation, the

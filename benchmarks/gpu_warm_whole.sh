@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A whole run with compiled artifacts reused, side by side with the seed loop (issue 10):
+# A whole run with compiled artifacts reused, side by side with the seed loop:
 #   bash benchmarks/gpu_warm_whole.sh MODEL STEPS
 # 1. fill: a process compiles from a fresh cache ($SHARDGEN_CACHE/inductor), one batch, no baseline;
 # 2. warm: a second process (as a requeued job or a second node would): the seed loop on 2 prompts, then

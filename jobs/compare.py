@@ -1,6 +1,7 @@
 """Compare a run with a reference run of the same prompts, seeds and sizes (e.g. fp8=true against the lossless
-default): PSNR and SSIM of every sample both made, their median and worst. The figures are written into the run
-as RUN_DIR/compare.json, which jobs.report shows. With --min-psnr / --min-ssim, exit 1 when the worst sample is
+default): PSNR and SSIM of every sample both made, their median and worst. Written into the run: RUN_DIR/compare.json,
+the summary jobs.report shows (totals, median, mean, worst and low quantiles, the worst samples), and
+RUN_DIR/compare_samples.jsonl, every sample's figures. With --min-psnr / --min-ssim, exit 1 when the worst sample is
 below the bound (a quality gate for scripts).
 
     python -m jobs.compare RUN_DIR REFERENCE_DIR [--json] [--min-psnr DB] [--min-ssim S]
@@ -23,20 +24,23 @@ from shardgen.tools.entry import run_tool, tool_parser
 def main(argv: list[str] | None = None) -> int:
     ap = tool_parser("python -m jobs.compare", __doc__)
     ap.add_argument("reference", type=run_dir_arg, help="the reference run directory (the lossless run)")
-    ap.add_argument("--json", action="store_true", help="print every figure as JSON instead of one line")
+    ap.add_argument("--json", action="store_true", help="print compare.json's summary instead of one line")
     ap.add_argument("--min-psnr", type=float, default=None, help="exit 1 when a sample's PSNR (dB) is below this")
     ap.add_argument("--min-ssim", type=float, default=None, help="exit 1 when a sample's SSIM is below this")
     return run_tool(ap, argv, compare)
 
 
 def compare(args, plan) -> int:
-    """Compare ``plan``'s run with ``args.reference``; write RUN_DIR/compare.json; 0, or 1 below a bound."""
+    """Compare ``plan``'s run with ``args.reference``; write RUN_DIR/compare_samples.jsonl and compare.json; 0, or 1
+    below a bound."""
     from shardgen.quality.compare import compare_runs
 
     reference = plan_for_tool(args.reference)
     result = compare_runs(plan.run, reference.run)
-    safe_write(plan.run.compare_path, (json.dumps(result.to_json(), indent=1) + "\n").encode(), plan.run)
-    print(json.dumps(result.to_json()) if args.json else result.line())
+    summary = result.to_json(plan.run.compare_samples_path.name)
+    safe_write(plan.run.compare_samples_path, result.sample_lines(), plan.run)
+    safe_write(plan.run.compare_path, (json.dumps(summary, indent=1) + "\n").encode(), plan.run)
+    print(json.dumps(summary) if args.json else result.line())
     return 1 if below(result.summary(), args.min_psnr, args.min_ssim, sys.stderr) else 0
 
 

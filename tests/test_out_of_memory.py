@@ -65,6 +65,18 @@ def test_a_batch_out_of_memory_stops_with_advice_and_the_advised_rerun_completes
     assert shard_images(tmp_path / "run") == shard_images(tmp_path / "clean")
 
 
+def test_the_advice_names_the_configured_batch_size_when_a_shard_made_the_batch_smaller(tmp_path, monkeypatch):
+    """batch_size=4 over shards of 3: the batch that runs out holds 3, and the advice halves what the user set."""
+    f = write_lines(tmp_path / "p.txt", PROMPTS)
+    with monkeypatch.context() as m:
+        oom_above(m, max_batch=1)
+        with pytest.raises(GpuOutOfMemory) as err:
+            run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=4", *ARGS))
+    message = str(err.value)
+    assert "generating a batch of 3 at 16x16" in message
+    assert "Set batch_size=2 (now 4; the batch that ran out held 3)" in message and "(now 3)" not in message
+
+
 def test_out_of_memory_while_preparing_the_model_names_the_stage(tmp_path, monkeypatch):
     f = write_lines(tmp_path / "p.txt", PROMPTS[:2])
 

@@ -66,10 +66,12 @@ def test_compare_gives_per_sample_figures_and_writes_them_into_the_run(runs, cap
     line = capsys.readouterr().out
     assert line.startswith("6 samples compared with ") and "PSNR median" in line and "SSIM median" in line
     written = json.loads((runs / "fp8" / "compare.json").read_text())
-    assert written["compared"] == 6 and sorted(written["samples"]) == [f"{i:010d}" for i in range(6)]
-    worst = min(s["psnr"] for s in written["samples"].values())
+    samples = [json.loads(line) for line in (runs / "fp8" / "compare_samples.jsonl").read_text().splitlines()]
+    assert written["compared"] == 6 and [s["key"] for s in samples] == [f"{i:010d}" for i in range(6)]
+    worst = min(s["psnr"] for s in samples)
     assert 10 < worst < math.inf and written["psnr_db"]["worst"] == worst  # fp8 changed pixels, not all of them
-    assert all(0 < s["ssim"] < 1 for s in written["samples"].values())
+    assert all(0 < s["ssim"] < 1 for s in samples)
+    assert written["worst_samples"] == sorted(samples, key=lambda s: (s["psnr"], s["ssim"], s["key"]))
 
     assert jobs.compare.main([str(runs / "again"), str(runs / "ref"), "--json"]) == 0  # a lossless rerun: exact
     exact = json.loads(capsys.readouterr().out)
@@ -191,6 +193,44 @@ def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path)
     (run_dir / "compare.json").write_bytes(b"\x00garbage{")
     page = build_report(load_plan(RunDir(run_dir)))
     assert "compare.json is unreadable (" in page and "); not shown" in page
+
+
+def test_a_compare_of_many_samples_keeps_compare_json_small_and_the_report_shows_it(runs, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """compare.json is a summary of a few kilobytes whatever the number of samples (every sample's figures go to
+    compare_samples.jsonl), so the report's read bound holds for any run: 20,000 samples against a 1 MB bound stand
+    for millions against its 64 MB."""
+    import shutil
+
+    import shardgen.quality.compare as qc
+    import shardgen.tools.report as report
+    import shardgen.tools.runfiles as runfiles
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+
+    n = 20_000
+    rng = np.random.default_rng(0)
+    psnrs, ssims = iter(rng.uniform(30, 60, n).tolist()), iter(rng.uniform(0.9, 1.0, n).tolist())
+    monkeypatch.setattr(runfiles, "committed_members", lambda run: ((f"{i:010d}", {}) for i in range(n)))
+    monkeypatch.setattr(qc, "decode", lambda key, members: np.zeros(1, np.uint8))  # the figures come from above
+    monkeypatch.setattr(qc, "psnr", lambda a, b: next(psnrs))
+    monkeypatch.setattr(qc, "ssim", lambda a, b: next(ssims))
+    monkeypatch.setattr(report, "FIDELITY_LIMIT", 1 << 20)
+    run_dir = tmp_path / "big"
+    shutil.copytree(runs / "fp8", run_dir)
+    assert jobs.compare.main([str(run_dir), str(runs / "ref")]) == 0
+    assert capsys.readouterr().out.startswith(f"{n} samples compared with ")
+
+    assert (run_dir / "compare.json").stat().st_size < 16 << 10
+    summary = json.loads((run_dir / "compare.json").read_text())
+    lines = [json.loads(line) for line in (run_dir / "compare_samples.jsonl").read_text().splitlines()]
+    assert summary["compared"] == len(lines) == n and summary["samples_file"] == "compare_samples.jsonl"
+    worst = min(lines, key=lambda s: s["psnr"])
+    assert summary["worst_samples"][0] == worst and summary["psnr_db"]["worst"] == worst["psnr"]
+    assert len(summary["worst_samples"]) == qc.WORST_SAMPLES
+    assert worst["psnr"] <= summary["psnr_db"]["quantiles"]["0.01"] <= summary["psnr_db"]["median"]
+    page = report.build_report(load_plan(RunDir(run_dir)))
+    assert "Fidelity against lossless" in page and f"{worst['psnr']:.2f}" in page and "unreadable" not in page
 
 
 def test_the_verdict_names_a_calibration_that_made_nothing_and_each_missed_bound():

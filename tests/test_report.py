@@ -108,6 +108,22 @@ def test_rank_logs_and_launches_accumulate(mixed_run, tmp_path):  # noqa: F811
     assert sorted(e["shard"] for e in events) == [0, 1, 2]
 
 
+def test_throughput_has_a_line_per_replica_of_each_launch(mixed_run, tmp_path):  # noqa: F811
+    """Two launches on one run (each with its replica 0) are two lines, told apart by host, pid and SLURM job."""
+    copy = tmp_path / "run"
+    shutil.copytree(mixed_run, copy)
+    for p in (copy / "logs").glob("events.*.jsonl"):
+        p.unlink()
+    for host, pid, job, t0 in (("node1", 11, "77", 1000.0), ("node2", 22, None, 2000.0)):
+        lines = [dict(t=t0 + 10 * i, replica=0, shard=i, samples=3, host=host, pid=pid, job=job) for i in range(2)]
+        (copy / "logs" / f"events.{host}.{pid}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    out = tmp_path / "report.html"
+    assert report_main([str(copy), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.count("<polyline") == 2
+    assert "replica 0 on node1 pid 11 job 77" in page and "replica 0 on node2 pid 22<" in page
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium)")
 def test_report_renders_in_headless_chromium(mixed_run, tmp_path):  # noqa: F811
     out = tmp_path / "report.html"

@@ -404,7 +404,7 @@ class SpeedConfig:
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:
-    on an H200 at batch 4, 1024x1024 it was no faster (1.00x; docs/performance.md)."""
+    on an H200 at batch 4, 1024x1024 it is no faster (1.00x; docs/performance.md)."""
     cuda_graphs: bool = True
     """On CUDA, with the blocks eager and one GPU per replica, the transformer's calls replay CUDA graphs (one per
     call shape, captured at its second call) instead of launching each kernel from Python: on an H200 batches 1.1%

@@ -1,5 +1,7 @@
-"""A run against a reference run of the same plan, sample by sample: PSNR and SSIM of each sample both runs made,
-their median and worst, written into the run as ``compare.json`` (``jobs.report`` shows it).
+"""A run against a reference run of the same plan, sample by sample: PSNR and SSIM of each sample both runs made.
+Written into the run as ``compare.json``, a summary of a few kilobytes whatever the run's size (totals, median, mean,
+worst and low quantiles, the worst samples by PSNR; ``jobs.report`` shows it), and ``compare_samples.jsonl``, every
+sample's figures, one line each.
 
 "The same plan" is checked per sample, not assumed: a sample is compared only when both runs made it from the same
 prompt, seed and size; a key whose prompt or seed differs is a refusal (two different plans), and a sample one run
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -28,22 +31,55 @@ class PlanMismatch(UserError, ValueError):
     """The two runs are not made from one plan: their samples cannot be compared."""
 
 
+WORST_SAMPLES = 32
+"""How many of the lowest-PSNR samples ``compare.json`` names."""
+
+QUANTILES = (0.01, 0.05, 0.1, 0.25)
+"""The low quantiles ``compare.json`` gives of each figure (the tail a lossy setting spoils)."""
+
+
 @dataclass
 class Comparison:
-    """Per-sample figures (key -> {"psnr", "ssim"}) and what could not be compared."""
+    """Per-sample figures, in ascending key order, and what could not be compared."""
 
     run: str
     reference: str
-    samples: dict[str, dict] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+    psnr: array = field(default_factory=lambda: array("d"))
+    ssim: array = field(default_factory=lambda: array("d"))
     missing: int = 0
 
-    def summary(self) -> dict:
-        return {"run": self.run, "reference": self.reference, "compared": len(self.samples), "missing": self.missing,
-                "psnr_db": summarize([s["psnr"] for s in self.samples.values()]),
-                "ssim": summarize([s["ssim"] for s in self.samples.values()])}
+    def add(self, key: str, psnr_db: float, ssim_value: float) -> None:
+        self.keys.append(key)
+        self.psnr.append(psnr_db)
+        self.ssim.append(ssim_value)
 
-    def to_json(self) -> dict:
-        return dict(self.summary(), samples=self.samples)
+    @property
+    def samples(self) -> dict[str, dict]:
+        """key -> {"psnr", "ssim"} of every compared sample."""
+        return {k: {"psnr": p, "ssim": s} for k, p, s in zip(self.keys, self.psnr, self.ssim)}
+
+    def summary(self) -> dict:
+        """Totals and each figure's median, mean, worst and low quantiles; its size does not grow with the run."""
+        return {"run": self.run, "reference": self.reference, "compared": len(self.keys), "missing": self.missing,
+                "psnr_db": _figure(self.psnr), "ssim": _figure(self.ssim)}
+
+    def worst(self, n: int = WORST_SAMPLES) -> list[dict]:
+        """The ``n`` samples of lowest PSNR (then lowest SSIM, then key), worst first."""
+        if not self.keys:
+            return []
+        order = np.lexsort((np.arange(len(self.keys)), np.asarray(self.ssim), np.asarray(self.psnr)))[:n]
+        return [{"key": self.keys[i], "psnr": self.psnr[i], "ssim": self.ssim[i]} for i in order.tolist()]
+
+    def to_json(self, samples_file: str | None = None) -> dict:
+        """``compare.json``: the summary, the worst samples and the name of the file with every sample's figures."""
+        return dict(self.summary(), worst_samples=self.worst(), samples_file=samples_file)
+
+    def sample_lines(self) -> Iterable[bytes]:
+        """``compare_samples.jsonl`` (``RunDir.compare_samples_path``): a JSON object per compared sample, in key
+        order."""
+        for k, p, s in zip(self.keys, self.psnr, self.ssim):
+            yield (json.dumps({"key": k, "psnr": p, "ssim": s}) + "\n").encode()
 
     def line(self) -> str:
         """One line a user reads: median and worst of each figure."""
@@ -54,6 +90,14 @@ class Comparison:
         return (f"{s['compared']} samples compared with {self.reference}: PSNR median {_db(p['median'])} dB, worst "
                 f"{_db(p['worst'])} dB; SSIM median {q['median']:.4f}, worst {q['worst']:.4f}"
                 + (f"; {self.missing} not in both runs" if self.missing else ""))
+
+
+def _figure(values: array) -> dict:
+    out = summarize(values)
+    if values:
+        qs = np.quantile(np.asarray(values), QUANTILES, method="lower")  # a sample's own value (inf: identical)
+        out["quantiles"] = {f"{q:g}": float(v) for q, v in zip(QUANTILES, qs)}
+    return out
 
 
 def _db(x: float) -> str:
@@ -103,7 +147,7 @@ def compare_samples(run: Iterable[tuple[str, dict]], reference: Iterable[tuple[s
             if figures is None:
                 out.missing += 1
             else:
-                out.samples[x[0]] = figures
+                out.add(x[0], *figures)
             x, y = next(a, None), next(b, None)
     return out
 
@@ -119,7 +163,7 @@ def _ascending(stream: Iterable[tuple[str, dict]], name: str):
         yield key, members
 
 
-def _compare_one(key: str, mem: dict, ref: dict, run_name: str, reference_name: str) -> dict | None:
+def _compare_one(key: str, mem: dict, ref: dict, run_name: str, reference_name: str) -> tuple[float, float] | None:
     a, b = _meta(mem), _meta(ref)
     for k in SAME:
         if a.get(k) != b.get(k):
@@ -129,7 +173,7 @@ def _compare_one(key: str, mem: dict, ref: dict, run_name: str, reference_name: 
     if x is None or y is None:
         return None
     try:
-        return {"psnr": psnr(x, y), "ssim": ssim(x, y)}
+        return psnr(x, y), ssim(x, y)
     except ValueError as e:  # pixels of other sizes than their json says
         raise PlanMismatch(f"sample {key}: {e} ({run_name} against {reference_name})") from None
 

@@ -37,11 +37,16 @@ def torch_summary(e: BaseException) -> str:
 
 def advice(cfg: Any, batch: int | None = None) -> str:
     """What to change, in the order a user should try it: a smaller batch, float8 weights, more GPUs, a smaller
-    size."""
-    batch_size = int(batch or cfg.batch_size)
+    size. The batch advice names the configured ``batch_size`` and half of it; ``batch``, the size of the batch that
+    ran out, can be smaller (a shard's last samples), and then it is named too, and halved where half the configured
+    size would not make that batch smaller."""
+    configured = int(cfg.batch_size)
+    failed = int(batch or configured)
     out = []
-    if batch_size > 1:
-        out.append(f"batch_size={max(1, batch_size // 2)} (now {batch_size})")
+    if min(configured, failed) > 1:
+        half = configured // 2 if failed > configured // 2 else failed // 2
+        held = f"; the batch that ran out held {failed}" if failed != configured else ""
+        out.append(f"batch_size={max(1, half)} (now {configured}{held})")
     if not cfg.fp8:
         out.append("fp8=true (float8 transformer weights: about half their memory; lossy, so start a new run_dir)")
     if not _spreads_over_gpus(cfg.strategy.name):

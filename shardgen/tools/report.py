@@ -1,6 +1,6 @@
 """A run's report as one self-contained HTML page (inline SVG charts, inline thumbnails).
 
-Counts, throughput over time per replica (from ``logs/events.*.jsonl``; the shards' stats files
+Counts, throughput over time per replica of each launch (from ``logs/events.*.jsonl``; the shards' stats files
 where a run has none), launches, failures by reason, truncation, signal histograms and a contact
 sheet. Everything comes from the run directory: the plan, the parquet indexes, the stats, the
 tars (only for the thumbnails). A committed shard whose files are not whole is named at the top of the page
@@ -27,8 +27,8 @@ from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
-from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, read_events, read_index_columns,
-                                     read_launches, refuse_foreign_out, safe_write)
+from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, launch_label, launch_of, read_events,
+                                     read_index_columns, read_launches, refuse_foreign_out, safe_write)
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 W, H, PAD = 560, 220, 40
@@ -44,16 +44,19 @@ def _index_rows(plan: Plan) -> dict[str, list]:
 
 
 def _throughput_series(plan: Plan) -> dict[str, list[tuple[float, int]]]:
-    """replica -> [(time, cumulative samples)] of its committed shards."""
+    """A line per replica of each launch ("REPLICA on HOST pid PID job JOB") -> [(time, cumulative samples)] of its
+    committed shards (two launches on one run each have a replica 0); by replica number, then by first commit."""
     events = read_events(plan.run)
     if not events:  # a run from before the events files: the stats have no replica
         events = [dict(t=s["finished"], replica="all", samples=s["count"]) for s in _stats(plan)
                   if isinstance(s.get("finished"), (int, float)) and isinstance(s.get("count"), int)]
-    by_replica: dict[str, list] = defaultdict(list)
+    by_replica: dict[tuple, list] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["t"]):
-        series = by_replica[str(e["replica"])]
+        series = by_replica[(str(e["replica"]), launch_of(e))]
         series.append((e["t"], (series[-1][1] if series else 0) + e["samples"]))
-    return dict(sorted(by_replica.items()))
+    order = sorted(by_replica, key=lambda k: (k[0], by_replica[k][0][0]))
+    return {" ".join(filter(None, (replica, launch_label(*launch)))): by_replica[(replica, launch)]
+            for replica, launch in order}
 
 
 def line_chart(series: dict[str, list[tuple[float, int]]], x_label: str, y_label: str) -> str:
@@ -227,7 +230,8 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
               ("images (ok)", status["ok"]), ("failed", status["failed"]), ("rejected", status["rejected"]),
               ("truncated prompts", sum(bool(t) for t in rows["truncated"])), ("launches", len(launches))]
     sections = [("Counts", _table(counts, ("what", "count"))),
-                ("Throughput over time, per replica", line_chart(_throughput_series(plan), "time", "samples")),
+                ("Throughput over time, per replica of each launch",
+                 line_chart(_throughput_series(plan), "time", "samples")),
                 ("Launches", _table([(i + 1, l.get("world_size"), l.get("generated_here"), _num(l.get("wall_s"), 1),
                                       _num(l.get("images_per_s"), 2), l.get("complete"))
                                      for i, l in enumerate(launches)],
@@ -251,7 +255,7 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
     return page, damaged
 
 
-FIDELITY_LIMIT = 64 << 20  # calibration.json / compare.json hold a few hundred bytes per sample
+FIDELITY_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
 
 
 def _fidelity(run: RunDir) -> list[tuple]:

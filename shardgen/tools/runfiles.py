@@ -157,8 +157,9 @@ def refuse_foreign_out(out: Path, own: Path, marker: bytes, tool: str) -> None:
                       "to replace it")
 
 
-def safe_write(path: Path, data: bytes, run: RunDir) -> None:
-    """Write a tool's output file whole (temp file + rename: a symlink at ``path`` is replaced, never followed);
+def safe_write(path: Path, data: bytes | Iterable[bytes], run: RunDir) -> None:
+    """Write a tool's output file whole (bytes, or chunks written as they come; temp file + rename: a symlink at
+    ``path`` is replaced, never followed);
     RunDirError naming the path when it is one of ``run``'s own files (``check_tool_output``) or cannot be written
     (a read-only or missing directory, a directory there)."""
     path = Path(path)
@@ -207,6 +208,18 @@ def _typed(value: Any, typ: type | tuple) -> bool:
 def read_events(run: RunDir) -> list[dict]:
     """The shard commit events (``logs/events.*.jsonl``) with a time, a replica and a sample count."""
     return read_records(run.events_paths(), {"t": NUMBER, "replica": (int, str), "samples": int})
+
+
+def launch_of(who: dict) -> tuple:
+    """Which launch a commit event or a claim's holder comes from: (host, pid, SLURM job). Replica numbers start at
+    0 in every launch, so a replica is named by its number and its launch together."""
+    return who.get("host"), who.get("pid"), who.get("job")
+
+
+def launch_label(host: Any, pid: Any, job: Any) -> str | None:
+    """``on HOST pid PID job JOB`` (what is known of it), None when nothing is."""
+    text = " ".join(f"{k} {v}" for k, v in (("on", host), ("pid", pid), ("job", job)) if v not in (None, ""))
+    return text or None
 
 
 def read_launches(run: RunDir) -> list[dict]:

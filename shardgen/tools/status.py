@@ -18,7 +18,7 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.fileio import open_regular
 from shardgen.dataio.resume.ledger import StatusLedger, read_status_ledger
 from shardgen.dataio.shards.upload import upload_state
-from shardgen.tools.runfiles import read_events
+from shardgen.tools.runfiles import launch_label, launch_of, read_events
 
 LIVE = ("running", "future")      # a claim whose heartbeat is fresh: its holder is working
 LOG_TAIL_BYTES = 256 * 1024       # the last error is looked for in the end of each rank log
@@ -46,7 +46,7 @@ def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
     acc: dict[tuple, dict] = defaultdict(lambda: dict(samples=0, first=None, last=None))
 
     def add(who: dict, samples, first, last):
-        key = (str(who.get("replica", "?")), who.get("host"), who.get("pid"), who.get("job"))
+        key = (str(who.get("replica", "?")), *launch_of(who))
         a = acc[key]
         a["samples"] += samples
         if first is not None:
@@ -63,8 +63,7 @@ def _replica_rates(plan: Plan, led: StatusLedger, now: float) -> list[dict]:
     out = []
     for (replica, host, pid, job), a in sorted(acc.items(), key=lambda kv: -(kv[1]["last"] or 0)):
         span = (a["last"] - a["first"]) if a["first"] is not None and a["last"] is not None else 0
-        launch = " ".join(f"{k} {v}" for k, v in (("on", host), ("pid", pid), ("job", job)) if v not in (None, ""))
-        out.append(dict(replica=replica, launch=launch or None, samples=a["samples"], last=a["last"],
+        out.append(dict(replica=replica, launch=launch_label(host, pid, job), samples=a["samples"], last=a["last"],
                         rate=round(a["samples"] / span, 3) if span > 0 else None))
     return out
 

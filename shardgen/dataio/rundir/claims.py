@@ -141,10 +141,10 @@ class Claimer:
         """Take the right to commit ``shard``: create its next claim generation ourselves, exclusively, just before
         the commit's renames. A replica taking the shard over creates that same generation, so of a holder alive
         but silent past its lease and the replica that took it over exactly one gets it, however close their
-        commits are (a stat-then-rename check leaves a window where both rename; benchmarks/results/
-        scaling-history.md, "takeover at commit"). True: the shard is ours to commit (the new generation is held, renewed and released like a
-        claim; if we die before the stats are written it expires and the shard is taken over, and the launch's
-        repair finishes or removes what the renames left). False: it was taken over; we must not commit."""
+        commits are (a stat-then-rename check leaves a window where both rename). True: the shard is ours to commit
+        (the new generation is held, renewed and released like a claim; if we die before the stats are written it
+        expires and the shard is taken over, and the launch's repair finishes or removes what the renames left).
+        False: it was taken over; we must not commit."""
         with self._lock:
             gen = self.held.get(shard)
             if gen is None or shard in self.lost:

@@ -18,7 +18,7 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
 from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.storage import RunDirError, disk_full
@@ -53,17 +53,21 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{_tmp_prefix(path.name)}{secrets.token_hex(4)}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
+def atomic_write_bytes(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks of it written as they come) to ``path`` so readers see the old file or the
+    whole new one, never a part.
 
     The temp file is created fresh (O_EXCL) and renamed over ``path``: a symlink at ``path`` is
     replaced, never written through."""
     path = Path(path)
+    chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    written = 0
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are meant to be shared
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                written += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -72,7 +76,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if isinstance(e, OSError) and (full := disk_full(e, path, len(data))):
+        if isinstance(e, OSError) and (full := disk_full(e, path, len(data) if chunks is not data else written)):
             raise full from None
         raise
 

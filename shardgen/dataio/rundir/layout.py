@@ -248,14 +248,19 @@ class RunDir:
 
     @property
     def compare_path(self) -> Path:
-        """``jobs.compare``'s figures against a reference run (shardgen/quality/compare.py)."""
+        """``jobs.compare``'s summary against a reference run (shardgen/quality/compare.py): a few kilobytes."""
         return self.root / "compare.json"
+
+    @property
+    def compare_samples_path(self) -> Path:
+        """``jobs.compare``'s figures of every compared sample, one JSON line each."""
+        return self.root / "compare_samples.jsonl"
 
     @property
     def tool_outputs(self) -> tuple[Path, ...]:
         """The only files inside a run directory that an operator tool writes (``jobs.preview``, ``jobs.report``,
         ``jobs.compare``)."""
-        return self.preview_path, self.report_path, self.compare_path
+        return self.preview_path, self.report_path, self.compare_path, self.compare_samples_path
 
     @property
     def marker_path(self) -> Path:

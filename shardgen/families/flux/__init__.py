@@ -84,6 +84,6 @@ FLUX = register(ModelFamily(
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # against its default eager path (fused blocks, calls replayed from CUDA graphs), not the stock blocks the generic
     # prior was measured on (H200, FLUX.1-dev, 1024x1024, 28 steps, batch 4: 3.64 s/sample eager with graphs over
-    # two batches, 3.68-3.72 without, 3.59 compiled; 3.66 / 3.59; benchmarks/results/h200-s21/, h200-s22/): a first
+    # two batches, 3.68-3.72 without, 3.59 compiled; 3.66 / 3.59; docs/performance.md): a first
     # job compiles only where the work left pays for the compile time
     compiled_speedup=1.02))

@@ -180,7 +180,7 @@ def _cfg_call(forward, kwargs: dict, pair) -> tuple[Any, Any]:
 def mark_text_dynamic(transformer: torch.nn.Module) -> int:
     """Compiled Qwen-Image blocks take the text length as a dynamic dimension (idempotent); how many blocks.
 
-    Each text bucket used to compile a graph of its own (128 / 256 / 512 tokens: 16-25 s each on an H200,
+    Static, each text bucket would compile a graph of its own (128 / 256 / 512 tokens: 16-25 s each on an H200,
     even from a warm cache); marked dynamic on the first call, one graph serves every length. The buckets
     stay: they keep the number of attention shapes (kernel plans) small. Dims of size 1 stay static."""
     n = 0
