@@ -22,6 +22,7 @@ EXPECTED = {
     "LoraError": "user", "BadRow": "user",
     "BadImage": "user", "ImageGone": "user", "NotARaster": "user", "ContainerError": "user", "LoadError": "user",
     "PlanMismatch": "user", "GpuOutOfMemory": "user", "BatchOutOfMemory": "job", "CalibrationFailed": "user",
+    "RayMissingError": "user", "RayClusterError": "user", "RayReplicaLostError": "user", "RayRankError": "user",
 }
 
 
