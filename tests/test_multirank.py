@@ -98,14 +98,20 @@ def test_sigkill_at_random_moments_loses_at_most_a_batch_per_replica(tmp_path, r
 
 
 def test_two_concurrent_jobs_share_one_run(tmp_path, reference):
-    run_dir = tmp_path / "run"
-    jobs = [start_job(run_dir, log=tmp_path / f"log{i}") for i in range(2)]
-    for i, p in enumerate(jobs):
-        assert p.wait(timeout=240) == 0, (tmp_path / f"log{i}").read_text()[-3000:]
-    assert_complete_and_identical(run_dir, reference)
-    worked = [handed_over((tmp_path / f"log{i}").read_text()) for i in range(2)]
-    assert sum(worked) == N_PROMPTS  # no sample was made twice
-    assert all(w > 0 for w in worked), f"one job did all the work: {worked}"
+    """Two jobs started together on one run directory split its samples, none made twice. On a loaded machine one job
+    may finish the run before the other has loaded its model: then the pair is started over on a fresh run (the
+    sharing was not exercised), at most 3 times."""
+    for attempt in range(3):
+        run_dir, logs = tmp_path / f"run{attempt}", [tmp_path / f"log{attempt}-{i}" for i in range(2)]
+        jobs = [start_job(run_dir, log=log) for log in logs]
+        for log, p in zip(logs, jobs):
+            assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+        assert_complete_and_identical(run_dir, reference)
+        worked = [handed_over(log.read_text()) for log in logs]
+        assert sum(worked) == N_PROMPTS  # no sample was made twice
+        if all(w > 0 for w in worked):
+            return
+    pytest.fail(f"in 3 attempts one job did all the work each time: {worked}")
 
 
 def test_run_started_with_two_ranks_resumes_with_three(tmp_path, reference):
