@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shardgen.dataio.resume.fingerprint import (FingerprintMismatch, check_or_write_fingerprint, compute_fingerprint,
@@ -174,3 +176,32 @@ def test_a_run_with_a_sample_or_an_upload_keeps_its_settings(tmp_path):
     run.shard_uploaded(0).write_text("{}")
     with pytest.raises(FingerprintMismatch, match="steps"):
         check_or_write_fingerprint(run, fp("steps=6"))
+
+
+def test_a_launch_killed_before_its_first_sample_leaves_the_run_open_to_new_settings(tmp_path):
+    """A launch SIGKILLed while generating leaves its work/launch.<host>.<pid> marker: once its pid is gone the run
+    (no sample made) takes another launch's settings, as if the marker were not there; a live launch's marker, or
+    one of another host, still holds the run."""
+    import subprocess
+    import sys
+
+    from jobs.generate import run
+    from shardgen.dataio.resume.fingerprint import holds_no_samples
+    from shardgen.dataio.rundir.liveness import host_name
+    from shardgen.run.runner import prepare_run
+
+    args = (f"run_dir={tmp_path / 'r'}", "height=32", "width=32", "progress=false", "prompts.limit=2")
+    prepare_run(compose_cfg(*args, "steps=1"))  # the killed launch's plan and fingerprint
+    r = RunDir(tmp_path / "r")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    r.work_dir.mkdir(parents=True, exist_ok=True)
+    dead = r.work_dir / f"launch.{host_name()}.{int(gone.stdout)}"
+    dead.touch()
+    assert holds_no_samples(r)
+    for held_by in (f"launch.{host_name()}.{os.getppid()}", f"launch.other-host.{int(gone.stdout)}"):
+        (r.work_dir / held_by).touch()
+        assert not holds_no_samples(r), held_by
+        (r.work_dir / held_by).unlink()
+    result = run(compose_cfg(*args, "steps=2"))
+    assert result.complete and result.ok == 2
+    assert read_fingerprint(r)["steps"] == 2

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.fileio import (append_line, atomic_write_json, create_exclusive, json_bytes, read_json, read_state)
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.rundir.liveness import host_name
+from shardgen.dataio.rundir.liveness import host_name, pid_alive
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
@@ -221,11 +222,19 @@ def holds_no_samples(run: RunDir) -> bool:
     nothing a setting determines was made yet."""
     for d in (run.work_dir, run.claims_dir, run.latents_dir, run.uploads_dir):
         try:
-            if any(not n.startswith(".") for n in os.listdir(d)):
+            if any(not n.startswith(".") and not _dead_launch_marker(n) for n in os.listdir(d)):
                 return False
         except (FileNotFoundError, NotADirectoryError):
             pass
     return _rejects_only(run) is not None
+
+
+def _dead_launch_marker(name: str) -> bool:
+    """Whether ``name`` is a ``start_generating`` marker of a launch on this host that is gone (killed before it
+    could remove it: SIGKILL, the OOM killer): it marks no generating launch, and the run may still take new
+    settings. A marker of another host is kept (its pid means nothing here)."""
+    m = re.fullmatch(r"launch\.(.+)\.(\d+)", name)
+    return bool(m) and m.group(1) == host_name() and int(m.group(2)) != os.getpid() and not pid_alive(int(m.group(2)))
 
 
 def _rejects_only(run: RunDir) -> list[str] | None:
