@@ -43,7 +43,7 @@ def cluster(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     common = ("--num-cpus=2", "--object-store-memory=150000000", "--disable-usage-stats")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = _env()
     head = _ray("start", "--head", f"--port={port}", "--include-dashboard=false", *common, env=env)
     if head.returncode != 0:
         pytest.skip(f"ray start failed: {head.stderr[-500:]}")
@@ -74,7 +74,10 @@ def _job(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """This checkout on the path; Ray's token authentication off for this cluster of one machine (a token an earlier
+    local cluster left in ~/.ray would otherwise be asked of the second node and the drivers)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "RAY_AUTH_MODE": "disabled"}
 
 
 @pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
