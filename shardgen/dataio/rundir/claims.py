@@ -108,6 +108,8 @@ class Claimer:
 
     def __post_init__(self):
         if self.store is None:
+            if self.run is None:
+                raise ValueError("a Claimer needs a run directory or a claim store")
             self.store = DirClaims(self.run)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 from typing import Any, Callable, Protocol, TypeVar
 
-from shardgen.dataio.rundir.fileio import read_regular
+from shardgen.dataio.rundir.fileio import create_new, read_regular
 from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import StorageError, filesystem, public_url, retrying, timeouts
@@ -98,16 +98,9 @@ class DirClaims:
         return str(self.run.claims_dir)
 
     def create(self, shard: int, gen: int, data: bytes) -> bool:
-        """O_EXCL: one creator wins, on NFSv3+ and Lustre too; the bytes are on disk before anyone is told."""
-        try:
-            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        """O_EXCL (``create_new``): one creator wins, on NFSv3+ and Lustre too. A reader may see the file before its
+        bytes (``read_claim`` takes an unparsable claim for one being written, alive by its mtime)."""
+        return create_new(self.run.claim(shard, gen), data, 0o644)
 
     def read(self, shard: int, gen: int) -> tuple[bytes | None, float | None]:
         """The file's bytes (a regular file only, never through a link, bounded) and its mtime."""
