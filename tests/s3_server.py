@@ -14,6 +14,7 @@ saying why, where moto's server cannot be started or the given endpoint does not
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,7 +50,8 @@ def free_port() -> int:
 class FaultProxy:
     """TCP proxy to ``target`` (a port of ``host``): ``down()`` drops every connection and refuses new ones until ``up()``;
     ``fail_next(n)``: the next ``n`` connections are answered 503 SlowDown (or ``answer``), counted from 0 in
-    ``served_errors``."""
+    ``served_errors``; ``ignore_conditions()``: requests reach the server without their If-None-Match and If-Match
+    headers, as from a store that ignores them, until ``ignore_conditions(False)``."""
 
     target: int
     host: str = "127.0.0.1"
@@ -59,6 +61,7 @@ class FaultProxy:
     served_errors: int = 0
     refused: int = 0
     answer: bytes = SLOW_DOWN
+    drop_conditions: bool = False
     _conns: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -76,6 +79,10 @@ class FaultProxy:
     def fail_next(self, n: int, answer: bytes = SLOW_DOWN) -> None:
         self.errors_left, self.answer, self.served_errors = n, answer, 0
         self._drop_all()  # pooled connections would bypass the faults
+
+    def ignore_conditions(self, on: bool = True) -> None:
+        self.drop_conditions = on
+        self._drop_all()  # pooled connections keep the way they were made with
 
     def _drop_all(self) -> None:
         with self._lock:
@@ -102,8 +109,9 @@ class FaultProxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+            edit = _without_conditions if self.drop_conditions else None
+            for a, b, e in ((client, upstream, edit), (upstream, client, None)):
+                threading.Thread(target=_pipe, args=(a, b, e), daemon=True).start()
 
     @staticmethod
     def _answer(client: socket.socket, answer: bytes) -> None:
@@ -116,10 +124,18 @@ class FaultProxy:
         _close(client)
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+# a request's header lines come in one read on loopback (the client writes them in one piece)
+_CONDITION_HEADER = re.compile(rb"(?im)^if-(?:none-)?match:[^\r\n]*\r\n")
+
+
+def _without_conditions(data: bytes) -> bytes:
+    return _CONDITION_HEADER.sub(b"", data)
+
+
+def _pipe(src: socket.socket, dst: socket.socket, edit=None) -> None:
     try:
         while data := src.recv(65536):
-            dst.sendall(data)
+            dst.sendall(edit(data) if edit else data)
     except OSError:
         pass
     _close(src)
@@ -239,3 +255,5 @@ def bucket(s3) -> str:
     yield name
     s3.proxy.up()
     s3.proxy.errors_left = 0
+    if s3.proxy.drop_conditions:
+        s3.proxy.ignore_conditions(False)

@@ -1,4 +1,5 @@
-"""Shard claims, alone: O_EXCL generations, the lease, a dead holder, a take-over seen by the loser."""
+"""Shard claims, alone: O_EXCL generations, the lease, a dead holder, a take-over seen by the loser; the tests marked
+``BOTH`` run against claims in a bucket too (tests/test_bucket_claims.py has the rest of those)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,27 @@ def run(tmp_path) -> RunDir:
 
 
 @pytest.fixture
-def claimers(run):
+def claim_store(request, run):
+    """A maker of handles on where the test's claims live: None (the run directory's claims/, Claimer's default)
+    unless the test is parametrized with "bucket" (``BOTH``): a prefix of a fresh bucket of the test S3 server. Each
+    claimer gets a handle of its own, as each replica has."""
+    if getattr(request, "param", "dir") == "dir":
+        return lambda: None
+    from shardgen.dataio.rundir.claimstore import BucketClaims
+
+    url = f"s3://{request.getfixturevalue('bucket')}/run"
+    return lambda: BucketClaims(url)
+
+
+BOTH = pytest.mark.parametrize("claim_store", ["dir", "bucket"], indirect=True)
+
+
+@pytest.fixture
+def claimers(run, claim_store):
     made = []
 
     def make(replica: int, **kw) -> Claimer:
+        kw.setdefault("store", claim_store())
         c = Claimer(run, dict(owner_record(replica), **kw.pop("owner", {})), **kw)
         made.append(c)
         return c
@@ -56,24 +74,27 @@ def test_holder_known_dead(monkeypatch):
     assert holder_known_dead(dict(host="b", pid=5, job="9", restart=0), me)  # another job SLURM says has ended
 
 
-def test_one_claim_per_generation_and_the_lease_holds_it(run, claimers):
+@BOTH
+def test_one_claim_per_generation_and_the_lease_holds_it(run, claimers, claim_store):
     a, b = claimers(0, lease_s=30, heartbeat_s=10), claimers(1, lease_s=30, heartbeat_s=10)
     assert a.try_claim(0, None) == 1
     assert b.try_claim(0, None) is None  # generation 1 exists: O_EXCL
-    assert b.try_claim(0, scan_claims(run).get(0)) is None  # a live, fresh holder
+    assert b.try_claim(0, scan_claims(run, claim_store()).get(0)) is None  # a live, fresh holder
     assert a.still_mine(0)
 
 
-def test_an_expired_claim_is_taken_over_and_the_loser_notices(run, claimers):
+@BOTH
+def test_an_expired_claim_is_taken_over_and_the_loser_notices(run, claimers, claim_store):
     a, b = claimers(0, lease_s=0.5, heartbeat_s=60), claimers(1, lease_s=0.5, heartbeat_s=60)
     assert a.try_claim(3, None) == 1
     time.sleep(0.6)
-    assert b.try_claim(3, scan_claims(run).get(3)) == 2
+    assert b.try_claim(3, scan_claims(run, claim_store()).get(3)) == 2
     assert not a.still_mine(3) and b.still_mine(3)
     b.release(3)
-    assert scan_claims(run) == {}  # older generations go too
+    assert scan_claims(run, claim_store()) == {}  # older generations go too
 
 
+@BOTH
 def test_a_dead_holder_is_taken_over_at_once(run, claimers):
     ghost = claimers(0, lease_s=3600, heartbeat_s=60, owner=dict(pid=dead_pid()))
     assert ghost.try_claim(1, None) == 1

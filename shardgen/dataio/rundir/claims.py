@@ -1,7 +1,8 @@
 """Shard claims: which replica works on which shard, so many jobs can share one run directory.
 
 A claim is a file ``claims/NNNNNN.g<gen>`` created with O_CREAT|O_EXCL (atomic on local disks
-and on NFSv3+/Lustre, unlike flock). Its mtime is the heartbeat. Taking over a shard means
+and on NFSv3+/Lustre, unlike flock), or an object of a bucket created with If-None-Match: * (claimstore.py: where
+claims live). Its mtime (an object's LastModified) is the heartbeat. Taking over a shard means
 creating generation gen+1, which only one contender can do; the holder of a lower generation
 sees it has lost the shard at its next heartbeat and stops writing. A claim is taken over when
 its heartbeat is older than the lease, or at once when its holder is known dead (same host and
@@ -19,17 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir.fileio import read_regular
+from shardgen.dataio.rundir.claimstore import ClaimStore, DirClaims, claim_name
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name, pid_alive
-from shardgen.dataio.rundir.storage import RunDirError
-
-CLAIM_BYTES = 1 << 16  # a claim record is a few hundred bytes
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
 LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
@@ -37,8 +34,6 @@ HEARTBEAT_S = 15.0  # how often a holder renews its claims
 
 log = logging.getLogger("shardgen.claims")
 FUTURE_TOLERANCE_S = 5.0  # heartbeats this far ahead of our clock are reported as clock skew
-
-_CLAIM_RE = re.compile(r"^(\d{6})\.g(\d+)$")
 
 
 def owner_record(replica: int) -> dict:
@@ -78,27 +73,18 @@ def claim_state(record: dict | None, mtime: float | None, now: float, lease_s: f
     return "running" if now - mtime < lease_s else "stalled"
 
 
-def scan_claims(run: RunDir) -> dict[int, int]:
-    """Highest claim generation per shard."""
-    latest: dict[int, int] = {}
-    for name in os.listdir(run.claims_dir):
-        m = _CLAIM_RE.match(name)
-        if m:
-            shard, gen = int(m.group(1)), int(m.group(2))
-            latest[shard] = max(gen, latest.get(shard, 0))
-    return latest
+def scan_claims(run: RunDir | None, store: ClaimStore | None = None) -> dict[int, int]:
+    """Highest claim generation per shard (in ``store``; by default the run directory's claims/)."""
+    return (store or DirClaims(run)).latest()
 
 
-def read_claim(run: RunDir, shard: int, gen: int) -> tuple[dict | None, float | None]:
-    """(record, heartbeat mtime) of a claim; (None, None) if it vanished."""
-    path = run.claim(shard, gen)
-    try:
-        mtime = os.stat(path).st_mtime
-        data = read_regular(path, follow=False, limit=CLAIM_BYTES)
-    except FileNotFoundError:
-        return None, None
-    except RunDirError:  # not a claim shardgen wrote (a FIFO, a link, a huge file): alive only by its mtime
-        return {}, mtime
+def read_claim(run: RunDir | None, shard: int, gen: int,
+               store: ClaimStore | None = None) -> tuple[dict | None, float | None]:
+    """(record, heartbeat mtime) of a claim (in ``store``; by default the run directory's claims/); (None, None) if
+    it vanished."""
+    data, mtime = (store or DirClaims(run)).read(shard, gen)
+    if data is None:  # gone, or not a claim shardgen wrote (a FIFO, a link, a huge file): alive only by its mtime
+        return (None if mtime is None else {}), mtime
     try:
         return json.loads(data), mtime
     except ValueError:
@@ -107,9 +93,10 @@ def read_claim(run: RunDir, shard: int, gen: int) -> tuple[dict | None, float | 
 
 @dataclass
 class Claimer:
-    """Claims shards for one replica and keeps its claims alive from a background thread."""
+    """Claims shards for one replica and keeps its claims alive from a background thread. The claims live in
+    ``store`` (claimstore.py); by default in the run directory's claims/ (``DirClaims``)."""
 
-    run: RunDir
+    run: RunDir | None
     owner: dict
     lease_s: float = LEASE_S
     heartbeat_s: float = HEARTBEAT_S
@@ -117,8 +104,13 @@ class Claimer:
     lost: set[int] = field(default_factory=set)
     own_thread: bool = True  # False: no heartbeat thread; the caller calls beat() every heartbeat_s
     _seen: dict = field(default_factory=dict)  # (shard, gen) -> (heartbeat mtime, our time when it was first seen)
+    store: ClaimStore | None = None
 
     def __post_init__(self):
+        if self.store is None:
+            if self.run is None:
+                raise ValueError("a Claimer needs a run directory or a claim store")
+            self.store = DirClaims(self.run)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -131,7 +123,7 @@ class Claimer:
         if latest_gen is not None and self._alive(shard, latest_gen):
             return None
         gen = (latest_gen or 0) + 1
-        if not self._create(shard, gen, self.owner):
+        if not self.store.create(shard, gen, json.dumps(self.owner).encode()):
             return None
         with self._lock:
             self.held[shard] = gen
@@ -149,7 +141,7 @@ class Claimer:
             gen = self.held.get(shard)
             if gen is None or shard in self.lost:
                 return False
-        if not self._create(shard, gen + 1, dict(self.owner, commit=True)):
+        if not self.store.create(shard, gen + 1, json.dumps(dict(self.owner, commit=True)).encode()):
             with self._lock:
                 self.lost.add(shard)
             return False
@@ -157,23 +149,10 @@ class Claimer:
             self.held[shard] = gen + 1
         return True
 
-    def _create(self, shard: int, gen: int, record: dict) -> bool:
-        """Create claim (shard, gen) with ``record`` in it; False when it exists (O_EXCL: one creator wins, on
-        NFSv3+ and Lustre too)."""
-        try:
-            fd = os.open(self.run.claim(shard, gen), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
-
     def _alive(self, shard: int, gen: int) -> bool:
         """Whether claim (shard, gen) still holds: its heartbeat is recent by its mtime, and it has
         changed within a lease as timed by our own clock (a future or frozen mtime expires too)."""
-        record, mtime = read_claim(self.run, shard, gen)
+        record, mtime = read_claim(self.run, shard, gen, self.store)
         now = time.time()
         state = claim_state(record, mtime, now, self.lease_s, self.owner)
         if state in ("gone", "dead", "stalled"):
@@ -184,9 +163,9 @@ class Claimer:
         seen_mtime, first_seen = self._seen.get((shard, gen), (None, now))
         if seen_mtime != mtime:
             if state == "future" and seen_mtime is None:
-                log.warning("claim %s has a heartbeat %.0f s in the future (clocks of %s and this host disagree); "
-                            "it is taken over if it does not change for lease_s=%s s", self.run.claim(shard, gen),
-                            mtime - now, _who(record), self.lease_s)
+                log.warning("claim %s/%s has a heartbeat %.0f s in the future (clocks of %s and this host "
+                            "disagree); it is taken over if it does not change for lease_s=%s s", self.store.where,
+                            claim_name(shard, gen), mtime - now, _who(record), self.lease_s)
             self._seen[(shard, gen)] = (mtime, now)
             return True
         if now - first_seen < self.lease_s:
@@ -199,7 +178,7 @@ class Claimer:
     def still_mine(self, shard: int) -> bool:
         """False once another replica took the shard over (checked by the heartbeat, and here)."""
         gen = self.held.get(shard)
-        return gen is not None and shard not in self.lost and not self.run.claim(shard, gen + 1).exists()
+        return gen is not None and shard not in self.lost and not self.store.exists(shard, gen + 1)
 
     def release(self, shard: int) -> None:
         """Drop our claim (after commit, or when giving up); older generations go too."""
@@ -209,10 +188,7 @@ class Claimer:
         if gen is None:
             return
         for g in range(gen, 0, -1):
-            try:
-                os.unlink(self.run.claim(shard, g))
-            except FileNotFoundError:
-                pass
+            self.store.remove(shard, g)
 
     def close(self) -> None:
         """Stop the heartbeat thread (claims stay; they expire or are released)."""
@@ -225,18 +201,14 @@ class Claimer:
             self.beat()
 
     def beat(self) -> None:
-        """One heartbeat: renew every claim held (its mtime), and note those another replica took over.
+        """One heartbeat: renew every claim held (its heartbeat time), and note those another replica took over or
+        that are gone.
         The claimer's thread calls it every ``heartbeat_s``; a driver of many claimers (benchmarks/sim_cluster.py
         beats 1,000 simulated replicas from one thread) may call it instead."""
         with self._lock:
             held = dict(self.held)
         for shard, gen in held.items():
-            if self.run.claim(shard, gen + 1).exists():
-                self._lose(shard, gen)
-                continue
-            try:
-                os.utime(self.run.claim(shard, gen), follow_symlinks=False)
-            except FileNotFoundError:
+            if self.store.exists(shard, gen + 1) or not self.store.renew(shard, gen):
                 self._lose(shard, gen)
 
     def _lose(self, shard: int, gen: int) -> None:

@@ -110,7 +110,7 @@ def create_exclusive(path: Path, data: bytes) -> bool:
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
-            return _create_excl_fallback(path, data)  # filesystems without hard links
+            return create_new(path, data)  # filesystems without hard links
         return True
     finally:
         try:
@@ -119,9 +119,12 @@ def create_exclusive(path: Path, data: bytes) -> bool:
             pass
 
 
-def _create_excl_fallback(path: Path, data: bytes) -> bool:
+def create_new(path: str | os.PathLike, data: bytes, mode: int = 0o666) -> bool:
+    """Create ``path`` holding ``data`` (fsynced) with O_EXCL, which never follows a symlink; False if something is
+    there. Of two racing creators exactly one wins (on NFSv3+ and Lustre too), but a reader may see the file before
+    its bytes: ``create_exclusive`` when it must not."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     except FileExistsError:
         return False
     with os.fdopen(fd, "wb") as f:
