@@ -155,3 +155,18 @@ def test_an_idle_replica_polls_over_the_shards_left_not_the_whole_plan():
     assert left == [n - 3, n - 2, n - 1] and CountingSet.lookups <= 100 * 5 + 5
     w._done = CountingSet(range(n - 1))  # a new listing: the plan once more
     assert ShardWalk._not_done(w, n) == [n - 1]
+
+
+def test_a_holder_a_launcher_reported_ended_is_dead_on_any_host(monkeypatch):
+    """launcher=ray starts a replica again with its lost actors named (host, pid, when): their claims are taken over
+    at once even from another node, but not a later process that reuses the pid there."""
+    from shardgen.dataio.rundir.claims import holder_known_dead
+    from shardgen.dataio.rundir.liveness import ENDED_ENV
+
+    me = dict(host="node-a", pid=1, job=None, restart=0)
+    lost = dict(host="node-b", pid=4242, job=None, restart=0, started=1000.0)
+    assert not holder_known_dead(lost, me)
+    monkeypatch.setenv(ENDED_ENV, "node-b:4242:1500.5,garbage,node-c:7:9")
+    assert holder_known_dead(lost, me)
+    assert not holder_known_dead(dict(lost, started=2000.0), me)  # started after the report: another process
+    assert not holder_known_dead(dict(lost, host="node-c"), me)

@@ -12,8 +12,9 @@ before any actor starts. Then it starts every replica and waits:
 
 - an actor or node lost (the actor's process died, its node left the cluster): the replica's other actors are
   killed (their peer is gone: they would wait in a collective until its timeout) and the replica is started again,
-  at most ``max_restarts`` times. Its shard's claim is taken over at once when the dead holder ran on the same host
-  (its pid is gone), else once its lease (``lease_s``) has passed; the shard resumes after its last durable sample.
+  at most ``max_restarts`` times. Its shard's claim is taken over at once: the new ranks are told which processes
+  ended (``ENDED_ENV``: their host, pid and when), whichever node they ran on; the shard resumes after its last
+  durable sample.
 - a rank's user error (a setting that cannot work) stops the launch with that error's message.
 - the driver itself dies: Ray ends the actors it owns, and the same command continues the run.
 
@@ -36,6 +37,7 @@ from omegaconf import OmegaConf
 
 from shardgen.config.launchers import REPLICA_SLOT_ENV
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.liveness import ENDED_ENV, host_name
 from shardgen.errors import UserError, is_user_error
 from shardgen.launch.ranks import child_config, setup_rank_logging
 
@@ -114,7 +116,7 @@ class RankActor:
                 port = s.getsockname()[1]
         ctx = ray.get_runtime_context()
         return dict(ip=ray.util.get_node_ip_address(), node=ctx.get_node_id(), port=port, pid=os.getpid(),
-                    gpus=[str(g) for g in ray.get_gpu_ids()])
+                    host=host_name(), gpus=[str(g) for g in ray.get_gpu_ids()])
 
     def run(self, cfg_yaml: str, env: dict[str, str], log_level: int, log_path: str, tag: str) -> dict | None:
         """Run the rank (``run_rank``) with the torch.distributed environment ``env``; its RunResult as a dict on
@@ -153,9 +155,16 @@ class Replica:
     """The pending ``run`` calls: object ref -> rank."""
     results: list = field(default_factory=list)
     done: bool = False
+    places: list = field(default_factory=list)
+    """What each actor's ``where`` said (host, pid, ...), while it runs."""
+    ended: list = field(default_factory=list)
+    """"host:pid:time" of the actors this replica lost or had killed: its next start takes their claims over at once."""
 
     def stop(self, ray) -> None:
         """Kill its actors and free its placement group (a finished or a lost replica)."""
+        now = time.time()
+        self.ended += [f"{p['host']}:{p['pid']}:{now:.3f}" for p in self.places]
+        self.places = []
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -204,6 +213,7 @@ class RayLaunch:
         except RayActorError as e:  # an actor died (or its node left) before its rank started
             self._lost(r, 0, e)
             return
+        r.places = places
         visible = sorted({g for p in places for g in p["gpus"]}, key=lambda g: (len(g), g))  # one node: STRICT_PACK
         for rank, (actor, p) in enumerate(zip(r.actors, places)):
             env = self._rank_env(r, rank, places[0], visible, p["gpus"])
@@ -221,6 +231,8 @@ class RayLaunch:
         env = dict(RANK=str(rank), WORLD_SIZE=str(self.size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(self.size),
                    MASTER_ADDR=first["ip"], MASTER_PORT=str(first["port"]),
                    **{REPLICA_SLOT_ENV: f"{r.index}/{len(self.replicas)}"})
+        if r.ended:  # its lost actors' claims: taken over at once, not after lease_s (they ran on other nodes too)
+            env[ENDED_ENV] = ",".join(r.ended[-64:])
         if visible:
             env.update(CUDA_VISIBLE_DEVICES=",".join(visible), LOCAL_RANK=str(visible.index(mine[0])))
         else:

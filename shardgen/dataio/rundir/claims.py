@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.rundir.claimstore import ClaimStore, DirClaims, claim_name
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.rundir.liveness import host_name, pid_alive
+from shardgen.dataio.rundir.liveness import host_name, pid_alive, reported_ended
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
 LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
@@ -49,6 +49,8 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
         return False
     pid = record.get("pid")
     if record.get("host") == me["host"] and isinstance(pid, int) and pid != me["pid"] and not pid_alive(pid):
+        return True
+    if reported_ended(record.get("host"), pid, record.get("started")):  # e.g. a Ray actor lost on another node
         return True
     job, restart = record.get("job"), record.get("restart", 0)
     if not isinstance(restart, int):

@@ -24,3 +24,28 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# set by a launcher for the processes it starts after others ended (launcher=ray: a replica started again): the
+# ended ones, "host:pid:time,...", each a process that ran on ``host`` as ``pid`` and was gone at ``time``
+ENDED_ENV = "SHARDGEN_ENDED_PROCESSES"
+
+
+def ended_processes() -> list[tuple[str, int, float]]:
+    """(host, pid, when it was seen gone) of each process a launcher reported ended (ENDED_ENV); entries that do not
+    parse are left out."""
+    out = []
+    for entry in filter(None, os.environ.get(ENDED_ENV, "").split(",")):
+        try:
+            host, pid, when = entry.rsplit(":", 2)
+            out.append((host, int(pid), float(when)))
+        except ValueError:
+            continue
+    return out
+
+
+def reported_ended(host: object, pid: object, started: object) -> bool:
+    """Whether a launcher reported the process (``host``, ``pid``) that started at ``started`` ended: its record was
+    written before the report (a later process reusing the pid is not the one that ended)."""
+    return isinstance(pid, int) and isinstance(started, (int, float)) and any(
+        h == host and p == pid and started <= when for h, p, when in ended_processes())
