@@ -146,6 +146,25 @@ def test_a_lost_actor_and_a_killed_driver_resume_to_every_prompt_once(tmp_path, 
     assert shard_images(d) == shard_images(tmp_path / "ref")
 
 
+def test_sigterm_to_the_driver_ends_its_actors_and_says_how_to_continue(tmp_path, cluster):
+    d, log = tmp_path / "run", tmp_path / "driver.log"
+    args = (*_args(d, "prompts.limit=40", "height=64", "width=64", "steps=4"), "launcher=ray",
+            f"launcher.address={cluster}")
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=ROOT, env=_env())
+    try:
+        _wait_for(lambda: "replica 0: 1 rank(s)" in log.read_text(), 300, driver)
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    text = log.read_text()
+    assert "stopped by SIGTERM" in text and "re-run the same command to continue" in text
+    assert "SIGTERM received" not in text  # Ray's own handler (a stack dump) is not the one that answers
+
+
 def test_a_cluster_too_small_for_one_replica_is_refused_in_one_line(tmp_path, cluster):
     p = _job(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", f"launcher.address={cluster}",
              "launcher.cpus_per_rank=3", timeout=120)

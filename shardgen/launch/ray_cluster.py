@@ -320,6 +320,9 @@ def connect(ray, cfg: Any) -> None:
         raise RayClusterError(f"cannot reach the Ray cluster at {address} ({' '.join(str(e).split())[:200]}); check "
                               "launcher.address / RAY_ADDRESS (ray status on a node prints it), or leave both unset to "
                               "start a cluster on this machine") from None
+    from shardgen.run.stopping import stop_on_sigterm
+
+    stop_on_sigterm()  # ray.init put its own SIGTERM handler (a stack dump) in place of the job's clean stop
 
 
 def check_cluster(ray, cfg: Any) -> None:
@@ -359,6 +362,12 @@ def launch(cfg: Any) -> Any:
         print(f"{root}: {ln.replicas} Ray replica(s) of {ranks_per_replica(cfg)} rank(s); rank logs in "
               f"{plan.run.ray_logs_dir}; watch: python -m jobs.status {root}", flush=True)
         results = RayLaunch(ray, cfg, job_cfg, root).run()
+    except KeyboardInterrupt as e:
+        from shardgen.run.stopping import Terminated, sigterm_received
+
+        if sigterm_received() and not isinstance(e, Terminated):  # Ray's calls re-raise it as a KeyboardInterrupt
+            raise Terminated() from None
+        raise
     finally:
         ray.shutdown()
     if not results:

@@ -19,9 +19,19 @@ class Terminated(KeyboardInterrupt):
     """Raised in the main thread when the process receives SIGTERM."""
 
 
+_RECEIVED = threading.Event()
+
+
 def _raise_terminated(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM while stopping ends the process at once
+    _RECEIVED.set()
     raise Terminated()
+
+
+def sigterm_received() -> bool:
+    """Whether ``stop_on_sigterm``'s handler ran in this process (a library that catches the ``Terminated`` it raised
+    may hand on a plain KeyboardInterrupt instead)."""
+    return _RECEIVED.is_set()
 
 
 def stop_on_sigterm() -> None:
