@@ -23,6 +23,7 @@ EXPECTED = {
     "BadImage": "user", "ImageGone": "user", "NotARaster": "user", "ContainerError": "user", "LoadError": "user",
     "PlanMismatch": "user", "GpuOutOfMemory": "user", "BatchOutOfMemory": "job", "CalibrationFailed": "user",
     "RayMissingError": "user", "RayClusterError": "user", "RayReplicaLostError": "user", "RayRankError": "user",
+    "ConditionalWritesUnsupported": "user",
 }
 
 
