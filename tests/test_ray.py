@@ -187,3 +187,14 @@ def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ray_cluster.RayMissingError, match=r"pip install 'shardgen\[ray\]'"):
         ray_cluster.launch(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("launcher.replicas=0", "launcher.replicas=0: use 1 or more"),
+    ("launcher.max_restarts=-1", "launcher.max_restarts=-1: use 0 (stop at the first loss) or more"),
+    ("launcher.cpus_per_rank=0", "CPUs more than 0"),
+])
+def test_impossible_ray_settings_are_refused_before_anything_starts(tmp_path, override, message):
+    with pytest.raises(Exception, match=re.escape(message)):
+        run(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", override))
+    assert not (tmp_path / "run").exists()

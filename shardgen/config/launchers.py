@@ -106,9 +106,10 @@ def _ray_nodes(cfg: Any) -> tuple[int, int, str] | None:
 
 
 def _check_ray(ln: Any) -> str | None:
-    for key in ("replicas", "max_restarts"):
-        if ln[key] < (1 if key == "replicas" else 0):
-            return f"launcher.{key}={ln[key]}: use {1 if key == 'replicas' else 0} or more"
+    if ln.replicas < 1:
+        return f"launcher.replicas={ln.replicas}: use 1 or more"
+    if ln.max_restarts < 0:
+        return f"launcher.max_restarts={ln.max_restarts}: use 0 (stop at the first loss) or more"
     if ln.ranks_per_replica is not None and ln.ranks_per_replica < 1:
         return f"launcher.ranks_per_replica={ln.ranks_per_replica}: use 1 or more (or null: the strategy's degrees)"
     if ln.gpus_per_rank < 0 or ln.cpus_per_rank <= 0:
