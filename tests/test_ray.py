@@ -177,7 +177,8 @@ def test_gpu_ranks_on_a_cpu_cluster_say_to_set_device_cpu(tmp_path, cluster):
     p = _job(f"run_dir={tmp_path / 'run'}", *FAST, "prompts.limit=4", "launcher=ray", f"launcher.address={cluster}",
              "device=cuda", timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "set device=cpu for CPU ranks" in p.stderr or "device=cuda" in p.stderr, p.stderr[-2000:]
+    assert "no node of the Ray cluster can hold one replica" in p.stderr, p.stderr[-2000:]
+    assert "(set device=cpu for CPU ranks)" in p.stderr, p.stderr[-2000:]
 
 
 def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
@@ -197,4 +198,17 @@ def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
 def test_impossible_ray_settings_are_refused_before_anything_starts(tmp_path, override, message):
     with pytest.raises(Exception, match=re.escape(message)):
         run(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", override))
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_address_nothing_answers_at_is_refused_at_once_and_nothing_is_written(tmp_path):
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    t0 = time.monotonic()
+    p = _job(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", f"launcher.address=127.0.0.1:{port}",
+             timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert f"nothing answers at the Ray cluster address 127.0.0.1:{port}" in p.stderr
+    assert time.monotonic() - t0 < 60  # not ray.init's minutes of retries
     assert not (tmp_path / "run").exists()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,10 +308,30 @@ def _resources(res: dict) -> str:
     return f"{res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU on {sum(1 for k in res if k.startswith('node:') and k != 'node:__internal_head__')} node(s)"
 
 
+def cluster_address(cfg: Any) -> str | None:
+    """``launcher.address``, else RAY_ADDRESS, else None (a cluster started on this machine)."""
+    return cfg.launcher.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """Refuse, in one line and before the run is planned, a ``HOST:PORT`` (or ``ray://HOST:PORT``) nothing answers
+    at: ray.init would retry it for minutes without a word. ``auto`` and None are left to ray.init."""
+    text = (address or "").removeprefix("ray://")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayClusterError(f"nothing answers at the Ray cluster address {address} ({e.strerror or e}); check "
+                              "launcher.address / RAY_ADDRESS (`ray status` on a node prints it), or leave both unset "
+                              "to start a cluster on this machine") from None
+
+
 def connect(ray, cfg: Any) -> None:
     """ray.init on ``launcher.address`` (else RAY_ADDRESS, else a local cluster), the driver's SHARDGEN_* and
     PYTHONPATH handed to every actor; one line when the cluster cannot be reached."""
-    address = cfg.launcher.address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(cfg)
     try:
         ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=True,
                  logging_level=logging.WARNING, configure_logging=True)
@@ -350,6 +369,7 @@ def launch(cfg: Any) -> Any:
     ray = import_ray()
     ln = cfg.launcher
     parallel_dims(cfg, ln.replicas * ranks_per_replica(cfg))  # impossible degrees fail here, before any actor
+    check_reachable(cluster_address(cfg))  # a wrong address fails here, before the plan is written
     plan = prepare_run(cfg, ln.replicas, save_config=False)  # each replica's rank 0 prepares again and records it
     if nothing_to_do(cfg, plan):
         say_nothing_to_do(plan)
@@ -378,5 +398,5 @@ def launch(cfg: Any) -> Any:
     unit = "videos" if is_video(cfg) else "images"
     print(f"{root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of {result.total} samples; "
           f"generated {generated} this launch on {ln.replicas} Ray replica(s) in {result.wall_s:.1f} s"
-          + ("" if result.complete else "; INCOMPLETE, re-run to continue"), file=sys.stdout, flush=True)
+          + ("" if result.complete else "; INCOMPLETE, re-run to continue"), flush=True)
     return result
