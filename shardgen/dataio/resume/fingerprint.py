@@ -21,7 +21,7 @@ from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
 from shardgen.dataio.rundir.fileio import (append_line, atomic_write_json, create_exclusive, json_bytes, read_json, read_state)
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.rundir.liveness import host_name, pid_alive
+from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
@@ -234,7 +234,7 @@ def _dead_launch_marker(name: str) -> bool:
     could remove it: SIGKILL, the OOM killer): it marks no generating launch, and the run may still take new
     settings. A marker of another host is kept (its pid means nothing here)."""
     m = re.fullmatch(r"launch\.(.+)\.(\d+)", name)
-    return bool(m) and m.group(1) == host_name() and int(m.group(2)) != os.getpid() and not pid_alive(int(m.group(2)))
+    return bool(m) and gone_from_this_host(m.group(1), int(m.group(2)))
 
 
 def _rejects_only(run: RunDir) -> list[str] | None:

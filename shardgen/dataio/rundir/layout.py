@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable
 
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
-from shardgen.dataio.rundir.liveness import host_name, pid_alive
+from shardgen.dataio.rundir.liveness import gone_from_this_host
 from shardgen.dataio.rundir.storage import RunDirError
 
 LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
@@ -398,10 +398,8 @@ class RunDir:
 
 def _leftover(path: Path, name: str, max_age_s: float) -> bool:
     owner = temp_owner(name)
-    if owner is not None and owner[0] == host_name():
-        pid = owner[1]
-        if pid != os.getpid() and not pid_alive(pid):
-            return True
+    if owner is not None and gone_from_this_host(*owner):
+        return True
     try:
         return time.time() - path.lstat().st_mtime > max_age_s
     except FileNotFoundError:

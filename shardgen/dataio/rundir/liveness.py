@@ -26,6 +26,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def gone_from_this_host(host: object, pid: object) -> bool:
+    """Whether a process recorded as ``host``/``pid`` ran on this host and has ended (not this process: a record of
+    our own is never a leftover). A record of another host is never known gone here: its pid means nothing here."""
+    return host == host_name() and isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
+
+
 # set by a launcher for the processes it starts after others ended (launcher=ray: a replica started again): the
 # ended ones, "host:pid:time,...", each a process that ran on ``host`` as ``pid`` and was gone at ``time``
 ENDED_ENV = "SHARDGEN_ENDED_PROCESSES"
