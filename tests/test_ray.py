@@ -212,3 +212,18 @@ def test_an_address_nothing_answers_at_is_refused_at_once_and_nothing_is_written
     assert f"nothing answers at the Ray cluster address 127.0.0.1:{port}" in p.stderr
     assert time.monotonic() - t0 < 60  # not ray.init's minutes of retries
     assert not (tmp_path / "run").exists()
+
+
+def test_an_actor_log_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path, cluster):
+    from shardgen.run.runner import prepare_run
+
+    d, outside = tmp_path / "run", tmp_path / "mine.txt"
+    args = (*_args(d, "prompts.limit=4"), "launcher=ray", f"launcher.address={cluster}")
+    prepare_run(compose_cfg(*_args(d, "prompts.limit=4")))
+    outside.write_text("the user's own file\n")
+    RunDir(d).ray_logs_dir.mkdir(parents=True)
+    (RunDir(d).ray_logs_dir / "replica000.rank0.log").symlink_to(outside)
+    p = _job(*args)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "replica000.rank0.log is a symlink; run files must be regular files. Delete the link" in p.stderr
+    assert outside.read_text() == "the user's own file\n"

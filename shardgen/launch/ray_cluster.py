@@ -123,13 +123,16 @@ class RankActor:
         os.environ.update(env)
         logging.getLogger().handlers.clear()  # Ray's worker handler would print each line a second time
         setup_rank_logging(tag, log_level)
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.Formatter(f"[%(asctime)s][{tag}][%(name)s][%(levelname)s] %(message)s"))
-        logging.getLogger().addHandler(handler)
+        from shardgen.dataio.rundir.runlog import RankLogHandler
         from shardgen.run.runner import run_rank
 
+        handler = None
         try:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            handler = RankLogHandler(Path(log_path))  # never written through a symlink or into a FIFO
+            handler.setFormatter(logging.Formatter(f"[%(asctime)s][{tag}][%(name)s][%(levelname)s] %(message)s"))
+            handler.start_writing()  # the driver planned the run: its directory is a run's
+            logging.getLogger().addHandler(handler)
             result = run_rank(OmegaConf.create(cfg_yaml))
         except Exception as e:
             if is_user_error(e) and os.environ.get("SHARDGEN_DEBUG", "") in ("", "0"):
@@ -138,7 +141,8 @@ class RankActor:
             logging.getLogger("shardgen").exception("the rank failed")
             raise
         finally:
-            handler.flush()
+            if handler is not None:
+                handler.flush()
         return None if result is None else dict(result.__dict__)
 
 
