@@ -195,14 +195,20 @@ def test_parallel_configs_and_other_models_keep_the_stock_blocks():
     assert "not FluxTransformer2DModel" in flux_fused.applicable(torch.nn.Linear(2, 2))
 
 
-def test_fp8_linears_fall_back_inside_the_fused_forwards():
+def test_fp8_linears_inside_the_fused_forwards_stay_as_close_to_full_precision():
     tr, kw = small_flux(torch.float32), small_inputs(torch.float32)
+    exact = run(tr, kw)
     accel.enable_fp8(tr)
-    ref = run(tr, kw)
-    for block, fwd in flux_fused.enable(tr).items():
+    stock = run(tr, kw)
+    forwards = flux_fused.enable(tr)
+    for block, fwd in forwards.items():
         block.forward = fwd
-    out = run(tr, kw)
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    fused = run(tr, kw)
+    err = lambda out: float((out - exact).norm() / exact.norm())  # noqa: E731
+    # the single blocks' proj_out takes its two parts quantised apart (no concatenation): other float8 values
+    # than the stock blocks', no further from full precision
+    assert not torch.equal(fused, stock)
+    assert 0 < err(fused) < 0.1 and err(fused) <= 1.25 * err(stock)
 
 
 def test_rms_rope_reference_is_diffusers_norm_then_rope():

@@ -24,6 +24,32 @@ def test_triton_row_quantisation_matches_the_torch_ops(rows, cols):
     assert differ <= rows * cols * 1e-5, f"{differ} float8 values differ"  # a last-bit tie at most
 
 
+@pytest.mark.parametrize("rows, cols", [(4608 * 2, 12288), (77, 12288), (3, 1040)])
+def test_triton_gelu_quantisation_matches_gelu_then_quantise(rows, cols):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    q, s = fp8.quantize_rows(h, gelu=True)
+    q_ref, s_ref = fp8.quantize_rows_reference(torch.nn.functional.gelu(h, approximate="tanh"))
+    assert torch.allclose(s, s_ref, rtol=1e-2)  # a row's maximum one bf16 step apart at most
+    differ = ((q.float() * s) - (q_ref.float() * s_ref)).abs() > 0.07 * (s_ref * fp8.FP8_MAX)
+    assert differ.sum().item() <= rows * cols * 1e-4, f"{differ.sum().item()} values differ by more than a step"
+    rows_in = fp8.gelu_rows(h.reshape(2, rows // 2, cols) if rows % 2 == 0 else h.unsqueeze(0))
+    assert isinstance(rows_in, fp8.Fp8Rows) and torch.equal(rows_in.data.reshape(q.shape).float(), q.float())
+
+
+def test_fused_single_block_output_projection_takes_its_parts_on_the_gpu():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3072 + 12288, 3072, device="cuda", dtype=torch.bfloat16)
+    attn, mlp = (torch.randn(2, 4608, 3072, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(2, 4608, 12288, device="cuda", dtype=torch.bfloat16) * 4)
+    ref = lin(torch.cat([attn, mlp], -1)).float()
+    q = fp8.Float8Linear(lin)
+    out = q.forward_parts([attn, fp8.gelu_rows(mlp)]).float()
+    ref_gelu = lin(torch.cat([attn, torch.nn.functional.gelu(mlp, approximate="tanh")], -1)).float()
+    assert out.shape == ref.shape
+    assert (out - ref_gelu).norm() / ref_gelu.norm() < 0.05
+
+
 def test_eager_float8_linear_matches_the_torch_path_with_bias_fused():
     torch.manual_seed(0)
     lin = torch.nn.Linear(3072, 12288, device="cuda", dtype=torch.bfloat16)

@@ -19,9 +19,11 @@ their neighbours). Off CUDA, or without Triton, the torch ops run.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from shardgen.pick import pick
 from shardgen.speed.blocks import repeated_blocks
@@ -33,6 +35,9 @@ QUANTIZE_ROWS_AT_ONCE = 4096
 """Weight rows quantised per slice: bounds the float32 temporary of the largest layer (FLUX.2's 36864x6144
 feed-forward: 3.6 GiB at once, 100 MiB a slice)."""
 _REVERSIBLE = "_shardgen_fp8_reversible"
+USE_FAST_ACCUM = False
+"""``_scaled_mm``'s ``use_fast_accum``: Hopper's float8 tensor cores accumulate without the periodic promotion to
+float32 (faster, less exact)."""
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
     import triton
@@ -52,8 +57,15 @@ class Fp8Config:
 if triton is not None:
 
     @triton.jit
+    def _gelu_tanh_bf16(v):
+        # torch's tanh-GELU in float32 (its opmath for bf16), rounded to bf16 where eager writes its output
+        inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        return (0.5 * v * (1.0 + tanh)).to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, BLOCK: tl.constexpr,
-                              QMAX: tl.constexpr):
+                              QMAX: tl.constexpr, GELU: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         q_row = q_ptr + row * cols
@@ -61,14 +73,33 @@ if triton is not None:
         for start in range(0, cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            if GELU:
+                v = _gelu_tanh_bf16(v)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
         tl.store(scale_ptr + row, scale)
         for start in range(0, cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            if GELU:
+                v = _gelu_tanh_bf16(v)
             q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
             tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < cols)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An activation already quantised row by row (``quantize_rows``), which a ``Float8Linear`` takes in place of
+    its bf16 input: lets a kernel that makes the input (the MLP's GELU) write float8 directly."""
+
+    data: torch.Tensor
+    """(rows, cols) float8_e4m3fn."""
+    scale: torch.Tensor
+    """(rows, 1) float32."""
+    lead: tuple
+    """The input's leading shape (batch, tokens): the output is ``(*lead, out_features)``."""
+    dtype: torch.dtype
+    """The bf16/fp16 dtype the input had: the output's."""
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +114,11 @@ def _kernel_ok(x2: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere."""
+def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere. ``gelu``: of
+    ``gelu(x2, approximate="tanh")``, computed in the same pass (the GELU's output never written in bf16)."""
     if not _kernel_ok(x2):
-        return quantize_rows_reference(x2)
+        return quantize_rows_reference(F.gelu(x2, approximate="tanh") if gelu else x2)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows, cols = x2.shape
@@ -94,8 +126,54 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
     if rows:
         _quantize_rows_kernel[(rows,)](x2, q, scale, cols, x2.stride(0), BLOCK=min(1024, triton.next_power_of_2(cols)),
-                                       QMAX=FP8_MAX, num_warps=4)
+                                       QMAX=FP8_MAX, GELU=gelu and x2.dtype == torch.bfloat16, num_warps=4)
     return q, scale
+
+
+def gelu_rows(x: torch.Tensor) -> Fp8Rows | torch.Tensor:
+    """``gelu(x, approximate="tanh")`` for a ``Float8Linear`` to take: eagerly on CUDA in bf16, quantised in the same
+    pass (``Fp8Rows``); elsewhere (under a compiler, off CUDA, fp16) the bf16 GELU itself."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not _kernel_ok(x2) or x.dtype != torch.bfloat16:
+        return F.gelu(x, approximate="tanh")
+    data, scale = quantize_rows(x2, gelu=True)
+    return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
+
+
+class _LastQuantized(threading.local):
+    """The last activation an eager ``Float8Linear`` quantised, per thread: the layers that read one input (q, k and
+    v; a single block's MLP and attention) quantise it once. The tensor itself is held, so its identity cannot pass
+    to another, and its version counter tells an in-place change."""
+
+    x: torch.Tensor | None = None
+    version: int = -1
+    rows: tuple | None = None
+
+    def get(self, x: torch.Tensor):
+        if self.x is x and x._version == self.version:
+            return self.rows
+        return None
+
+    def put(self, x: torch.Tensor, rows: tuple) -> None:
+        self.x, self.version, self.rows = x, x._version, rows
+
+    def clear(self) -> None:
+        self.x, self.rows = None, None
+
+
+_LAST = _LastQuantized()
+
+
+def _quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 rows, scales) of ``x``'s rows, the last eager result reused when ``x`` is the same unchanged tensor
+    (under a compiler the ops are traced each time: the graph's common-subexpression pass merges them)."""
+    if torch.compiler.is_compiling():
+        return quantize_rows(x.reshape(-1, x.shape[-1]))
+    hit = _LAST.get(x)
+    if hit is None:
+        hit = quantize_rows(x.reshape(-1, x.shape[-1]))
+        _LAST.put(x, hit)
+    return hit
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,18 +208,48 @@ class Float8Linear(torch.nn.Module):
         # kept (not a submodule, so .to() and state_dict leave it alone) to switch fp8 off again
         object.__setattr__(self, "_original", linear.to("cpu") if keep_original else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        xq, scale_a = quantize_rows(x.reshape(-1, x.shape[-1]))
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        bias = self.bias if self.bias is not None and self.bias.dtype == out_dtype and x.is_cuda else None
-        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale, bias=bias,
-                               out_dtype=out_dtype)
-        if out.dtype != x.dtype:
-            out = out.to(x.dtype)
-        if self.bias is not None and bias is None:
-            out = out + self.bias
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            xq, scale_a, lead, dtype, on_cuda = x.data, x.scale, x.lead, x.dtype, x.data.is_cuda
+        else:
+            (xq, scale_a), lead, dtype, on_cuda = _quantized_input(x), x.shape[:-1], x.dtype, x.is_cuda
+        out = self._mm(xq, scale_a, self.weight_fp8, dtype, on_cuda, with_bias=True)
         return out.reshape(*lead, self.out_features)
+
+    def forward_parts(self, parts: list) -> torch.Tensor:
+        """``self(torch.cat(parts, -1))`` without the concatenation: each part (a tensor or ``Fp8Rows``) is quantised
+        row by row on its own (a scale per part: no coarser than the concatenation's) and multiplied by its block
+        of the weight's columns (the same per-channel weight scales), the products summed in place."""
+        out, start = None, 0
+        for part in parts:
+            rows = part if isinstance(part, Fp8Rows) else None
+            if rows is None:
+                xq, scale_a = _quantized_input(part)
+                lead, dtype, on_cuda = part.shape[:-1], part.dtype, part.is_cuda
+            else:
+                xq, scale_a, lead, dtype, on_cuda = rows.data, rows.scale, rows.lead, rows.dtype, rows.data.is_cuda
+            width = xq.shape[-1]
+            product = self._mm(xq, scale_a, self.weight_fp8[:, start:start + width], dtype, on_cuda,
+                               with_bias=out is None)
+            out = product if out is None else out.add_(product)
+            start += width
+        if start != self.in_features:
+            raise ValueError(f"forward_parts: the parts are {start} wide in all, the layer takes {self.in_features}")
+        return out.reshape(*lead, self.out_features)
+
+    def _mm(self, xq, scale_a, weight_fp8, dtype, on_cuda: bool, with_bias: bool) -> torch.Tensor:
+        """``xq @ weight_fp8.T`` scaled, in ``dtype`` (float32 for a float32 input), plus the bias when asked
+        (in the GEMM's epilogue where ``_scaled_mm`` takes it: on CUDA, in the output's dtype)."""
+        out_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        has_bias = with_bias and self.bias is not None
+        fused = self.bias if has_bias and self.bias.dtype == out_dtype and on_cuda else None
+        out = torch._scaled_mm(xq, weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale, bias=fused,
+                               out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM and on_cuda)
+        if out.dtype != dtype:
+            out = out.to(dtype)
+        if has_bias and fused is None:
+            out = out + self.bias
+        return out
 
     def restore(self) -> torch.nn.Linear:
         """The bf16 layer this replaced, back on this layer's device; AccelError when it was not kept."""

@@ -228,14 +228,23 @@ def one_eps(attn) -> bool:
 
 
 def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue."""
+    """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue; with fp8=true's
+    float8 layers, the GELU and the down-projection's input quantisation in one pass (``fp8.gelu_rows``)."""
+    from shardgen.speed.fp8 import Float8Linear, gelu_rows
+
     first = ff.net[0]
-    if type(first).__name__ == "GELU" and getattr(first, "approximate", None) == "tanh":
+    if type(first).__name__ != "GELU" or getattr(first, "approximate", None) != "tanh":
+        return ff(x)
+    rest = list(ff.net[1:])
+    if (isinstance(first.proj, Float8Linear) and len(rest) >= 2 and isinstance(rest[1], Float8Linear)
+            and isinstance(rest[0], torch.nn.Dropout) and not ff.training):
+        x = rest[1](gelu_rows(first.proj(x)))
+        rest = rest[2:]
+    else:
         x = gelu_up(first.proj, x)
-        for layer in ff.net[1:]:
-            x = layer(x)
-        return x
-    return ff(x)
+    for layer in rest:
+        x = layer(x)
+    return x
 
 
 # --- swapping attention processors ---------------------------------------------------------------------

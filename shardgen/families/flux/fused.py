@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardgen.speed.fp8 import Float8Linear, gelu_rows
 from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps, norm_weight, one_eps,
                                          processor_problem, restore_processors, rms_rope, swap_processors)
 
@@ -114,9 +115,27 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
                   split: bool):
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    if split and _eager_fusable(hidden_states, self.norm) and type(self.proj_out) is torch.nn.Linear:
+    if split and isinstance(self.proj_out, Float8Linear) and isinstance(self.proj_mlp, Float8Linear):
+        hidden_states = _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+    elif split and _eager_fusable(hidden_states, self.norm) and type(self.proj_out) is torch.nn.Linear:
         hidden_states = _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    else:
+        hidden_states = _single_block_stock(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
+                                            split)
+    text, image = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    if torch.compiler.is_compiling():
+        # the first single block gets the double blocks' contiguous outputs, the others these views (batch
+        # stride text + image tokens): dynamo's stride guards made that two graphs of this block, each compiled
+        # from scratch on a fresh cache. Contiguous halves keep one graph; inductor can write them from the
+        # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
+        text, image = text.contiguous(), image.contiguous()
+    return text, image
+
+
+def _single_block_stock(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs, split: bool):
+    """The single block's body as diffusers computes it, with the GELU in the GEMM epilogue and (``split``)
+    ``proj_out`` as two GEMMs over the two parts of its input."""
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     mlp_hidden_states = gelu_up(self.proj_mlp, norm_hidden_states)
@@ -130,14 +149,23 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
     hidden_states = residual + gate.unsqueeze(1) * proj
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    text, image = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    if torch.compiler.is_compiling():
-        # the first single block gets the double blocks' contiguous outputs, the others these views (batch
-        # stride text + image tokens): dynamo's stride guards made that two graphs of this block, each compiled
-        # from scratch on a fresh cache. Contiguous halves keep one graph; inductor can write them from the
-        # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
-        text, image = text.contiguous(), image.contiguous()
-    return text, image
+    return hidden_states
+
+
+def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """The single block's body with fp8=true's float8 layers: the normed input quantised once for the MLP and
+    q/k/v, the GELU written straight into float8, and ``proj_out`` over the two parts without their concatenation
+    (each part quantised with its own row scales); eagerly on CUDA the LayerNorm + modulation in one pass."""
+    if _eager_fusable(hidden_states, self.norm):
+        normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
+    else:
+        normed, gate = self.norm(hidden_states, emb=temb)
+    mlp = gelu_rows(self.proj_mlp(normed))
+    attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = gated(hidden_states, gate[:, None], self.proj_out.forward_parts([attn_output, mlp]))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
 
 
 def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardgen.speed.fp8 import Float8Linear
 from shardgen.speed.fused_kernels import (gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight, one_eps,
                                          processor_problem, restore_processors, rms_rope, swap_processors, tl,
                                          triton, triton_ok)
@@ -133,7 +134,9 @@ class FusedFlux2ParallelSelfAttnProcessor:
         self.fallback = fallback
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None, **kwargs):
-        if not _plain_call(attention_mask, image_rotary_emb, kwargs, attn) or type(attn.to_out) is not torch.nn.Linear:
+        fp8 = isinstance(attn.to_out, Float8Linear)
+        if not _plain_call(attention_mask, image_rotary_emb, kwargs, attn) or not (
+                fp8 or type(attn.to_out) is torch.nn.Linear):
             return self.fallback(attn, hidden_states, attention_mask, image_rotary_emb, **kwargs)
         cos, sin = image_rotary_emb
         proj = attn.to_qkv_mlp_proj(hidden_states)
@@ -145,6 +148,8 @@ class FusedFlux2ParallelSelfAttnProcessor:
         key = rms_rope([k], [norm_weight(attn.norm_k, k)], cos, sin, eps)
         out = _attention(query, key, v)
         mlp = swiglu(proj[..., 3 * inner:])
+        if fp8:  # each part quantised on its own: no concatenation
+            return attn.to_out.forward_parts([out, mlp])
         if not out.is_cuda:  # eager's one GEMM over the concatenation: its exact bytes
             return attn.to_out(torch.cat([out, mlp], dim=-1))
         w = attn.to_out.weight

@@ -1,0 +1,165 @@
+"""Where an fp8 transformer step's time goes on one GPU: the float8 GEMMs against bf16 at the step's shapes, and one
+step of the job's own transformer (``accel.prepare``: the family's fused eager blocks, fp8 layers) split by kernel
+kind.
+
+    python benchmarks/probe_fp8_step.py [--models flux_dev,flux2_dev] [--batch 4] [--compile] [--out probe.json]
+
+GEMMs: ``torch.mm`` in bf16 against ``torch._scaled_mm`` (row-wise scales, with and without ``use_fast_accum``) at
+FLUX.1-dev's 1024x1024 batch-4 shapes, in TFLOP/s, plus the row quantisation of the input. Step: the dummy
+transformer (real widths and depths, random bf16 weights) on one 1024x1024 step (4096 image + 512 text tokens),
+median of 5 calls after two warm-ups, and a profile of one call grouped into fp8 GEMMs, bf16 GEMMs, attention, the
+row quantisation, other Triton kernels and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GEMMS = [  # (name, M, K, N) at batch 4, 1024x1024
+    ("single qkv / mlp-in 3072->3072", 4 * 4608, 3072, 3072),
+    ("single mlp-up 3072->12288", 4 * 4608, 3072, 12288),
+    ("single proj_out 15360->3072", 4 * 4608, 15360, 3072),
+    ("double ff-down 12288->3072", 4 * 4096, 12288, 3072),
+    ("double text qkv 3072->3072", 4 * 512, 3072, 3072),
+]
+
+
+def cuda_ms(fn, iters=10):
+    for _ in range(3):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def gemm_table() -> list[dict]:
+    from shardgen.speed import fp8
+
+    rows = []
+    for name, m, k, n in GEMMS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        xq, sx = fp8.quantize_rows(x)
+        wq, sw = fp8.quantize_weight(w)
+        flop = 2 * m * k * n
+        r = {"gemm": name, "M": m, "K": k, "N": n}
+        r["bf16_ms"] = cuda_ms(lambda: torch.nn.functional.linear(x, w, bias))
+        for fast in (False, True):
+            r[f"fp8{'_fast' if fast else ''}_ms"] = cuda_ms(lambda: torch._scaled_mm(
+                xq, wq.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=fast))
+        r["quantize_ms"] = cuda_ms(lambda: fp8.quantize_rows(x))
+        for key in ("bf16_ms", "fp8_ms", "fp8_fast_ms"):
+            r[key.replace("_ms", "_tflops")] = round(flop / r[key] / 1e9, 1)
+        ref = torch.nn.functional.linear(x, w, bias).float()
+        for fast in (False, True):
+            out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=torch.bfloat16,
+                                   use_fast_accum=fast).float()
+            r[f"rel_rms{'_fast' if fast else ''}"] = round(((out - ref).norm() / ref.norm()).item(), 5)
+        rows.append({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in r.items()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    if "quantize_rows" in low:
+        return "quantize"
+    if any(s in low for s in ("fmha", "flash", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if any(s in low for s in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90")):
+        return "gemm_fp8" if any(s in low for s in ("e4m3", "fp8", "f8")) else "gemm_bf16"
+    if "triton" in low:
+        return "triton_other"
+    return "other"
+
+
+def profile_step(tr, kw) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as p:
+        tr(**kw)
+        torch.cuda.synchronize()
+    events = [e for e in p.key_averages() if e.device_time_total > 0]
+    by_kind: dict[str, float] = {}
+    for e in events:
+        by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + e.device_time_total / 1000
+    top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+    return {"by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [(e.key[:100], e.count, round(e.device_time_total / 1000, 2)) for e in top]}
+
+
+def step_ms(tr, kw, iters=5) -> float:
+    ms = []
+    with torch.no_grad():
+        for _ in range(2):
+            tr(**kw)
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            tr(**kw)
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+def main() -> None:
+    import probe_fp8
+
+    from shardgen.speed import accel, fp8
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="flux_dev,flux2_dev")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--compile", action="store_true", help="also time fp8 with the blocks compiled")
+    ap.add_argument("--no-gemms", action="store_true")
+    ap.add_argument("--out", default="probe_fp8_step.json")
+    a = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if not a.no_gemms:
+        res["gemms"] = gemm_table()
+    dev = torch.device("cuda")
+    for model in a.models.split(","):
+        tr = probe_fp8.build(model, dev, torch.bfloat16)
+        kw = probe_fp8.inputs(model, a.batch, dev, torch.bfloat16)
+        pipe = types.SimpleNamespace(transformer=tr, _execution_device=dev)
+        fp8_opts = accel.AccelOptions(fp8=True, cuda_graphs=False)
+        ways = [("bf16", accel.AccelOptions(cuda_graphs=False)), ("fp8", fp8_opts), ("fp8_fast_accum", fp8_opts)]
+        if a.compile:
+            ways.append(("fp8_compiled", accel.AccelOptions(fp8=True, compile=True, cuda_graphs=False)))
+        out = res[model] = {}
+        ref = None
+        for name, opts in ways:
+            fp8.USE_FAST_ACCUM = name == "fp8_fast_accum"
+            done = accel.prepare(pipe, opts)
+            with torch.no_grad():
+                sample = tr(**kw)[0].float()
+            ref = sample if ref is None else ref
+            out[name] = {"prepared": {k: v for k, v in done.items() if not isinstance(v, (dict, list))},
+                         "ms_per_call": round(step_ms(tr, kw), 2)}
+            out[name]["ms_per_image"] = round(out[name]["ms_per_call"] / a.batch, 2)
+            out[name]["rel_rms_vs_bf16"] = round(((sample - ref).norm() / ref.norm()).item(), 5)
+            out[name].update(profile_step(tr, kw))
+            print(model, name, json.dumps(out[name]), flush=True)
+        del tr, pipe
+        torch.cuda.empty_cache()
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

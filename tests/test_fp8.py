@@ -1,0 +1,87 @@
+"""fp8=true's float8 layers on the CPU (torch's ops; the Triton kernels are checked on a GPU in test_gpu_fp8.py):
+an input read by several layers is quantised once, an input already quantised is taken as it is, and a layer over a
+concatenation is computed from its parts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shardgen.speed import fp8
+
+
+def linears(cols=64, out=32, seed=0, bias=True):
+    """(a float32 nn.Linear, its fp8 layer)."""
+    torch.manual_seed(seed)
+    full = torch.nn.Linear(cols, out, bias=bias)
+    return full, fp8.Float8Linear(copy.deepcopy(full))
+
+
+def layer(cols=64, out=32, seed=0, bias=True):
+    return linears(cols, out, seed, bias)[1]
+
+
+def rel(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def test_layers_reading_one_input_quantise_it_once(monkeypatch):
+    calls = []
+    real = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda x2, gelu=False: calls.append(x2.shape) or real(x2, gelu))
+    q, k, v = layer(seed=1), layer(seed=2), layer(seed=3)
+    x = torch.randn(2, 5, 64)
+    outs = [m(x) for m in (q, k, v)]
+    assert len(calls) == 1
+    fp8._LAST.clear()
+    assert all(torch.equal(a, m(x.clone())) for a, m in zip(outs, (q, k, v)))  # the same as each on its own
+    assert len(calls) == 4
+
+
+def test_an_input_changed_in_place_is_quantised_again():
+    a = layer(seed=1)
+    full, b = linears(seed=2)
+    x = torch.randn(3, 64)
+    a(x)
+    x.mul_(100)  # same tensor, new values
+    assert torch.equal(b(x), b(x.clone()))
+    assert rel(b(x), full(x)) < 0.1
+
+
+def test_a_quantised_input_is_taken_as_it_is():
+    lin = layer()
+    x = torch.randn(2, 7, 64)
+    data, scale = fp8.quantize_rows(x.reshape(-1, 64))
+    rows = fp8.Fp8Rows(data, scale, (2, 7), x.dtype)
+    assert torch.equal(lin(rows), lin(x))
+    assert lin(rows).shape == (2, 7, 32)
+
+
+def test_gelu_rows_off_cuda_is_the_gelu():
+    h = torch.randn(4, 48)
+    assert torch.equal(fp8.gelu_rows(h), torch.nn.functional.gelu(h, approximate="tanh"))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_layer_over_a_concatenation_from_its_parts(bias):
+    full, lin = linears(cols=96, out=40, bias=bias)
+    a, b = torch.randn(2, 6, 32), torch.randn(2, 6, 64) * 50  # parts of very different ranges
+    joined = torch.cat([a, b], dim=-1)
+    out = lin.forward_parts([a, b])
+    assert out.shape == (2, 6, 40)
+    expected = 0
+    for part, start in ((a, 0), (b, 32)):  # each part quantised with its own row scales, its block of columns
+        xq, scale = fp8.quantize_rows_reference(part.reshape(-1, part.shape[-1]))
+        expected = expected + torch._scaled_mm(xq, lin.weight_fp8[:, start:start + part.shape[-1]].t(), scale_a=scale,
+                                               scale_b=lin.weight_scale, out_dtype=torch.float32)
+    if bias:
+        expected = expected + lin.bias
+    assert torch.allclose(out.reshape(-1, 40), expected, rtol=1e-5, atol=1e-5)
+    assert rel(out, full(joined)) < 0.1 and rel(lin(joined), full(joined)) < 0.1
+
+
+def test_parts_that_do_not_fill_the_layer_are_refused():
+    with pytest.raises(ValueError, match="32 wide in all, the layer takes 64"):
+        layer().forward_parts([torch.randn(2, 32)])
