@@ -14,7 +14,11 @@ on the CPU; the benchmark does this to time several ways on one pipeline).
 Speed: eagerly on CUDA, an activation's row-wise quantisation is one Triton pass (``quantize_rows``: the row's
 absolute maximum, then the scaled float8 values, two reads of the row and one write) instead of five torch ops, and
 the bias is added in ``_scaled_mm``'s epilogue; under ``torch.compile`` the torch ops stay (inductor fuses them with
-their neighbours). Off CUDA, or without Triton, the torch ops run.
+their neighbours). Off CUDA, or without Triton, the torch ops run. Three passes are saved where the family's fused
+blocks know the layers are float8: an input read by several layers (q, k and v; a single block's MLP and attention)
+is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-projection's quantisation pass
+(``gelu_rows``: its bf16 output is never written); and a layer over a concatenation (FLUX's single blocks'
+``proj_out``) takes its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
 """
 
 from __future__ import annotations
