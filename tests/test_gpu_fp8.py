@@ -134,3 +134,57 @@ def test_fp8_job_with_its_calibration_on_each_model(tmp_path, model):
     finally:
         gc.collect()
         torch.cuda.empty_cache()
+
+
+# every fp8 path a run can take, per model, against the lossless run of the same prompts (256x256, 2 steps, dummy
+# weights: numerical error, not image quality): the worst sample's PSNR must reach the model's bound
+FP8_PATH_FLOOR_DB = {"flux_dev": 24.0, "flux2_dev": 10.0, "qwen_image": 18.0}
+FP8_WAYS = {
+    "eager": ("fp8=true", "compile=false"),
+    "ungraphed": ("fp8=true", "compile=false", "cuda_graphs=false"),
+    "compiled": ("fp8=true", "compile=true"),
+    "sage": ("fp8=true", "compile=false", "sdpa_backend=sage"),
+}
+
+
+@pytest.fixture(scope="module")
+def lossless_runs(tmp_path_factory):
+    """{model: the lossless run of the matrix's prompts}, each made once."""
+    return {"dir": tmp_path_factory.mktemp("lossless"), "made": set()}
+
+
+@pytest.mark.parametrize("way", list(FP8_WAYS))
+@pytest.mark.parametrize("model", sorted(FP8_PATH_FLOOR_DB))
+def test_every_fp8_path_makes_every_sample_within_its_bound(tmp_path, lossless_runs, model, way):
+    import gc
+
+    from jobs.generate import run
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.quality.compare import compare_runs
+    from shardgen.tools.verify import verify_run
+    from tests.conftest import compose_cfg
+
+    if way == "sage":
+        from shardgen.speed import sage
+
+        if sage.unavailable_reason("cuda"):
+            pytest.skip(sage.unavailable_reason("cuda"))
+    common = (f"model={model}", "model.weights=dummy", "height=256", "width=256", "steps=2", "prompts.limit=6",
+              "batch_size=2", "progress=false")
+    reference = lossless_runs["dir"] / model
+    try:
+        if model not in lossless_runs["made"]:
+            assert run(compose_cfg(f"run_dir={reference}", *common, "compile=false")).ok == 6
+            lossless_runs["made"].add(model)
+        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", *common, *FP8_WAYS[way]))
+        assert (r.ok, r.failed, r.complete) == (6, 0, True)
+        assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+        s = compare_runs(RunDir(tmp_path / "run"), RunDir(reference)).summary()
+        print(model, way, "PSNR median/worst", s["psnr_db"]["median"], s["psnr_db"]["worst"],
+              "SSIM worst", s["ssim"]["worst"])
+        assert s["compared"] == 6 and s["psnr_db"]["worst"] >= FP8_PATH_FLOOR_DB[model]
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
