@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from shardgen.errors import UserError
+from shardgen.errors import ConfigError, UserError
 
 log = logging.getLogger("shardgen.lora")
 
@@ -223,6 +223,15 @@ def run_set(cfg: Any) -> LoraSet:
     entries = cfg.model.get("loras") or ()
     return resolve([_text_entry(e, f"{where}[{i}]", None) if isinstance(e, str) else e
                     for i, e in enumerate(entries)], where)
+
+
+def check_run(cfg: Any) -> None:
+    """The run's adapters exist and are safetensors (their headers read, no weight); fp8 cannot switch per row."""
+    run_set(cfg)
+    # per-row adapters under a strategy that splits the transformer: parallel/strategies.py, which knows strategies
+    if per_row(cfg) and cfg.get("fp8"):
+        raise ConfigError("fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between "
+                          "batches; set fp8=false, or give the run one adapter set in model.loras")
 
 
 def per_row(cfg: Any) -> bool:
