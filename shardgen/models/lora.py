@@ -225,7 +225,7 @@ def run_set(cfg: Any) -> LoraSet:
                     for i, e in enumerate(entries)], where)
 
 
-def check_run(cfg: Any) -> None:
+def check_run_set(cfg: Any) -> None:
     """The run's adapters exist and are safetensors (their headers read, no weight); fp8 cannot switch per row."""
     run_set(cfg)
     # per-row adapters under a strategy that splits the transformer: parallel/strategies.py, which knows strategies

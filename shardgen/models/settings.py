@@ -18,4 +18,4 @@ def check_model_settings(cfg: GenerateConfig) -> None:
     the first that cannot."""
     check_source(cfg.model)
     schedulers.check(cfg.scheduler, cfg.scheduler_shift, cfg.model.pipeline)
-    lora.check_run(cfg)
+    lora.check_run_set(cfg)
