@@ -32,14 +32,6 @@ ROW_FIELD = "loras"
 """The ``prompts.row_settings`` name of a row's own adapters."""
 
 
-def split_per_row(strategy: str) -> str:
-    """Why ``strategy`` (one that splits the transformer's weights over its ranks) cannot take a row's own
-    adapters, and what to use instead."""
-    return (f"prompts.row_settings=[loras] switches adapters between batches, which strategy={strategy} cannot do "
-            "(each rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run "
-            "in model.loras")
-
-
 class LoraError(UserError, ValueError):
     """An adapter that cannot be used as given; the message names it and what to change."""
 

@@ -3,16 +3,13 @@ source with the loader, the sampler with its table, the adapters with their file
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shardgen.models import lora, schedulers
 from shardgen.models.loader import check_source
 
-if TYPE_CHECKING:
-    from shardgen.config.schema import GenerateConfig
 
-
-def check_model_settings(cfg: GenerateConfig) -> None:
+def check_model_settings(cfg: Any) -> None:
     """model.source names a model directory (when written as a path), scheduler and scheduler_shift work in the
     model's pipeline, and the adapters of model.loras can be used; ConfigError (LoraError for an adapter file) for
     the first that cannot."""
