@@ -18,8 +18,8 @@ import torch
 from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims, divisors
 from parallel.registry import Strategy, fail, register
-from parallel.transformer import (HALF_DTYPES, check_backend_name, latent_frames, model_family, sequence_tokens,
-                                  split_image_tokens)
+from parallel.attention import LSE_BACKENDS, backend_name_problem, default_attention_backend
+from parallel.transformer import HALF_DTYPES, latent_frames, model_family, sequence_tokens, split_image_tokens
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
@@ -30,12 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardgen.cp")
 ULYSSES, RING, UNIFIED = "cp_ulysses", "cp_ring", "cp_unified"
-# attention backends (diffusers 0.42 names) whose forward op returns the log-sum-exp ring attention merges with;
-# all of them are CUDA kernels for bf16/fp16 inputs. ("native" and "_native_npu" refuse return_lse=True.)
-LSE_BACKENDS = frozenset({"_native_cudnn", "_native_flash", "flash", "flash_hub", "flash_varlen_hub", "_flash_3_hub",
-                          "_flash_3_varlen_hub", "sage", "sage_hub"})
-
-
 
 class ContextParallel(Strategy):
     """The replica's ``ring x ulysses`` ranks split each sequence; every rank holds the whole pipeline."""
@@ -57,8 +51,11 @@ class ContextParallel(Strategy):
             fail(f"ulysses_degree={dims.ulysses} does not divide the {info.heads} attention heads of {info.cls_name} "
                  f"(from {info.source}); use one of {divisors(info.heads)}, or strategy.ulysses_anything=true")
 
+    def attention_backend(self, dims: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
+        """The configured backend or the device's default, checked against what splitting a sequence needs."""
+        return _check_attention(dims, facts, dtype)
+
     def check_run(self, dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
-        dims.attention_backend = _check_attention(dims, facts, cfg.dtype)
         _check_sequence(dims, cfg, facts)
 
     def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
@@ -130,18 +127,14 @@ def apply(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
     return pipe
 
 
-def default_attention_backend(device_type: str, needs_lse: bool) -> str:
-    """CUDA: cuDNN attention when ring needs the LSE, else native SDPA (faster on one H200, see docs/strategies.md);
-    CPU: native."""
-    return "_native_cudnn" if device_type == "cuda" and needs_lse else "native"
-
-
 def _check_attention(dims: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
     """The attention backend for a CP replica (configured, or the device's default), checked; returns it."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     needs_lse = dims.ring > 1
-    name = check_backend_name(dims.attention_backend or default_attention_backend(facts.type, needs_lse))
+    name = dims.attention_backend or default_attention_backend(facts.type, needs_lse)
+    if problem := backend_name_problem(name):
+        fail(problem)
     cp_ok = sorted(_AttentionBackendRegistry._supports_context_parallel)
     if name not in cp_ok:
         fail(f"strategy.attention_backend={name!r} does not support context parallelism; use one of {cp_ok}")

@@ -14,6 +14,7 @@ import importlib
 import pkgutil
 from typing import Any, Callable, ClassVar
 
+from parallel.attention import backend_name_problem
 from shardgen.errors import UserError
 
 # what the methods take, named for the reader: parallel/dims.py, parallel/world.py and the config schema import
@@ -77,8 +78,16 @@ class Strategy:
     def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn: Callable[[Any], Any]) -> None:
         """The model's transformer (``info_fn(cfg.model)``: its class and config, no weights) can be split so."""
 
+    def attention_backend(self, dims: ParallelDims, facts: Any, dtype: str) -> str | None:
+        """The attention backend this strategy's replicas run with: the configured one, its name checked (None: the
+        model's own)."""
+        if dims.attention_backend and (problem := backend_name_problem(dims.attention_backend)):
+            fail(problem)
+        return dims.attention_backend
+
     def check_run(self, dims: ParallelDims, cfg: GenerateConfig, facts: Any) -> None:
-        """What else the run's settings must satisfy (attention backend, sequence lengths)."""
+        """What else the run's settings must satisfy (sequence lengths); ``attention_backend`` has resolved the
+        backend."""
 
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
         """Bytes of weights one process holds, from the transformer's and the other components' parameters."""

@@ -19,8 +19,8 @@ from parallel import cfg as cfg_parallel
 from parallel import registry
 from parallel.auto import decide
 from parallel.dims import ParallelConfigError, ParallelDims
-from parallel.transformer import (TransformerInfo, check_backend_name, input_image_tokens, model_family,
-                                  split_image_tokens, transformer_info)
+from parallel.transformer import (TransformerInfo, input_image_tokens, model_family, split_image_tokens,
+                                  transformer_info)
 from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
 
@@ -91,7 +91,9 @@ def _check_latent_checkpoints(dims: ParallelDims, cfg: GenerateConfig) -> None:
 def _check_loras(kind: registry.Strategy, cfg: GenerateConfig) -> None:
     """Adapters that change between batches need the whole transformer on every rank."""
     if kind.splits_transformer and lora.per_row(cfg):
-        _fail(lora.split_per_row(kind.name))
+        _fail(f"prompts.row_settings=[loras] switches adapters between batches, which strategy={kind.name} cannot do "
+              "(each rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run "
+              "in model.loras")
 
 
 def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | None, device_type: str | None = None
@@ -131,8 +133,7 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,
     _check_latent_checkpoints(dims, cfg)
     _check_loras(kind, cfg)  # again: auto may have chosen such a strategy
     kind.check_model(dims, cfg, info_fn)
-    if dims.attention_backend and not kind.context_parallel:
-        dims.attention_backend = check_backend_name(dims.attention_backend)
+    dims.attention_backend = kind.attention_backend(dims, facts, cfg.dtype)
     kind.check_run(dims, cfg, facts)
     return dims
 

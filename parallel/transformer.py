@@ -146,14 +146,3 @@ def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, *
         hint = "" if os.path.isdir(source) else (
             " No model hub may be reachable: point model.source at a local directory.")
         raise ModelLoadError(f"cannot load the transformer of model.source={source!r}{purpose}: {e}.{hint}") from e
-
-
-def check_backend_name(name: str) -> str:
-    """``name`` if it is a diffusers attention backend; else ParallelConfigError listing them."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    valid = sorted(b.value for b in AttentionBackendName)
-    if name not in valid:
-        raise ParallelConfigError(f"strategy.attention_backend={name!r} is not a diffusers attention backend; use one "
-                                  f"of {valid}")
-    return name

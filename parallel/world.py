@@ -69,6 +69,13 @@ def init_world(device_pref: str = "auto", backend: str | None = None) -> World:
     return world
 
 
+def share_cpu_threads(world: World) -> None:
+    """Ranks sharing one machine's CPU split its cores (oversubscribed BLAS threads crawl)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world.device.type == "cpu" and local > 1 and not os.environ.get("OMP_NUM_THREADS"):  # a launcher's count wins
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """``obj`` from rank ``src`` (global rank) to every rank of ``group``; a no-op without a process group."""
     if not dist.is_initialized():

@@ -20,6 +20,12 @@ class UserError(ShardgenError):
     """Something the user can fix; the message names what and how. Never retried."""
 
 
+class ConfigError(UserError, ValueError):
+    """A setting that cannot work; the message names the key and what to set instead. Raised by the checks of a
+    composed config (shardgen/config/validate.py) and by those that live beside what they check (a model's
+    source, its scheduler, its adapters)."""
+
+
 class JobEndingError(ShardgenError):
     """The job must stop (not only the current sample); re-running or a requeue may succeed."""
 

@@ -347,7 +347,7 @@ def test_lse_backends_are_context_parallel_backends():
     """The LSE list names real CP-capable backends of this diffusers (a rename would break ring validation)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    from parallel.cp import LSE_BACKENDS
+    from parallel.attention import LSE_BACKENDS
 
     assert LSE_BACKENDS <= set(_AttentionBackendRegistry._supports_context_parallel)
     assert "native" not in LSE_BACKENDS

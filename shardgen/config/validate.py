@@ -13,7 +13,8 @@ from shardgen.dataio.prompts import MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_for
 from shardgen.dataio.rundir import check_run_dir_text, is_url
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
-from shardgen.errors import UserError
+from shardgen.models.settings import check_model_settings
+from shardgen.errors import ConfigError, UserError
 
 MAX_IMAGES_PER_PROMPT = 1000
 
@@ -30,10 +31,6 @@ MANDATORY = {
     "model.source": "model.source=HUB_ID_OR_DIR, the diffusers pipeline to load (safetensors only)",
     "model.name": "model.name=NAME, the model's short name in sample metadata",
 }
-
-
-class ConfigError(UserError, ValueError):
-    """A setting that cannot work; the message names the key and what to set instead."""
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -148,12 +145,10 @@ def validate_config(cfg: GenerateConfig) -> None:
           "too (output_uri=s3://bucket/run/), or keep_local=true")
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
-    _check_max_memory(cfg.strategy.get("max_memory"))
-    _check_source(cfg)
-    _check_scheduler(cfg)
     _check_calibration(cfg)
-    _check_loras(cfg)
     _check_images(cfg)
+    _check_max_memory(cfg.strategy.get("max_memory"))
+    check_model_settings(cfg)  # the model's own: its source, scheduler and adapters
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel
 
@@ -210,37 +205,6 @@ def _check_images(cfg: GenerateConfig) -> None:
     _need(not fam.strength or int(cfg.steps * strength) >= 1,  # as a row's own strength is checked while planning
           f"model.strength={strength:g} of steps={cfg.steps} is less than one denoising step, so every sample would "
           f"fail: use model.strength={1 / cfg.steps:g} or more, or more steps")
-
-
-def _check_source(cfg: GenerateConfig) -> None:
-    """A model.source written as a local path names a diffusers model directory (hub ids are the loader's)."""
-    from shardgen.models.errors import local_source_problem
-    from shardgen.models.loader import is_tiny
-
-    if cfg.model.weights == "pretrained" and not is_tiny(cfg.model):
-        problem = local_source_problem(cfg.model.source)
-        _need(problem is None, problem or "")
-
-
-def _check_scheduler(cfg: GenerateConfig) -> None:
-    """scheduler names a sampler that works in the model's pipeline; scheduler_shift is a positive number."""
-    from shardgen.models import schedulers
-
-    try:
-        schedulers.check(cfg.scheduler, cfg.scheduler_shift, cfg.model.pipeline)
-    except ValueError as e:
-        _need(False, str(e))
-
-
-def _check_loras(cfg: GenerateConfig) -> None:
-    """The adapter files exist and are safetensors (their headers read, no weight); fp8 cannot switch per row."""
-    from shardgen.models import lora
-
-    lora.run_set(cfg)
-    # per-row adapters under a strategy that splits the transformer: parallel/strategies.py, which knows strategies
-    _need(not (lora.per_row(cfg) and cfg.get("fp8")),
-          "fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between batches; set "
-          "fp8=false, or give the run one adapter set in model.loras")
 
 
 def _check_finite(cfg: Any) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shardgen.errors import ConfigError
 from shardgen.models.compat import guard_ftfy
 from shardgen.models.errors import ModelLoadError, hub_message, local_source_problem  # ModelLoadError: where callers found it
 from shardgen.models.versions import model_version  # noqa: F401 (where callers found it)
@@ -40,6 +41,15 @@ def is_tiny(model_cfg: Any) -> bool:
     from shardgen.families import tiny_model
 
     return tiny_model(model_cfg.source) is not None
+
+
+def check_source(model_cfg: Any) -> None:
+    """ConfigError when a pretrained ``model.source`` written as a local path names no diffusers model directory
+    (hub ids are left to loading, which alone may reach a hub)."""
+    if model_cfg.weights == "pretrained" and not is_tiny(model_cfg):
+        problem = local_source_problem(model_cfg.source)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def model_sha256(model_cfg: Any) -> str | None:

@@ -24,20 +24,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from shardgen.errors import UserError
+from shardgen.errors import ConfigError, UserError
 
 log = logging.getLogger("shardgen.lora")
 
 ROW_FIELD = "loras"
 """The ``prompts.row_settings`` name of a row's own adapters."""
-
-
-def split_per_row(strategy: str) -> str:
-    """Why ``strategy`` (one that splits the transformer's weights over its ranks) cannot take a row's own
-    adapters, and what to use instead."""
-    return (f"prompts.row_settings=[loras] switches adapters between batches, which strategy={strategy} cannot do "
-            "(each rank holds a slice of the fused weights); use strategy=dp or cp_ulysses, or one set for the run "
-            "in model.loras")
 
 
 class LoraError(UserError, ValueError):
@@ -223,6 +215,15 @@ def run_set(cfg: Any) -> LoraSet:
     entries = cfg.model.get("loras") or ()
     return resolve([_text_entry(e, f"{where}[{i}]", None) if isinstance(e, str) else e
                     for i, e in enumerate(entries)], where)
+
+
+def check_run_set(cfg: Any) -> None:
+    """The run's adapters exist and are safetensors (their headers read, no weight); fp8 cannot switch per row."""
+    run_set(cfg)
+    # per-row adapters under a strategy that splits the transformer: parallel/strategies.py, which knows strategies
+    if per_row(cfg) and cfg.get("fp8"):
+        raise ConfigError("fp8=true quantizes the weights once, and prompts.row_settings=[loras] changes them between "
+                          "batches; set fp8=false, or give the run one adapter set in model.loras")
 
 
 def per_row(cfg: Any) -> bool:

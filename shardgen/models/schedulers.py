@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardgen.errors import ConfigError
 from shardgen.models.errors import ModelLoadError
 
 
@@ -49,14 +50,14 @@ def fitting(pipeline: str) -> list[str]:
 
 
 def check(name: str | None, shift: float | None, pipeline: str) -> None:
-    """ValueError (one line) for a name not in the table or not for ``pipeline``, or a shift that is no positive
+    """ConfigError (one line) for a name not in the table or not for ``pipeline``, or a shift that is no positive
     number."""
     if name is not None and name not in fitting(pipeline):
         what = "does not work in " + pipeline if name in SCHEDULERS else "is not a scheduler shardgen knows"
-        raise ValueError(f"scheduler={name}: {what}; use one of {', '.join(fitting(pipeline))}, or null for the "
+        raise ConfigError(f"scheduler={name}: {what}; use one of {', '.join(fitting(pipeline))}, or null for the "
                          "model's own")
     if shift is not None and not shift > 0:
-        raise ValueError(f"scheduler_shift={shift}: use a positive number (FLUX.1-dev's is 3.0, Wan 480p's 3.0, "
+        raise ConfigError(f"scheduler_shift={shift}: use a positive number (FLUX.1-dev's is 3.0, Wan 480p's 3.0, "
                          "720p's 5.0), or null for the model's")
 
 

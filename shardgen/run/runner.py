@@ -209,15 +209,6 @@ def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     atomic_write_bytes(run.later_config_path(time.time()), text)
 
 
-def share_cpu_threads(world: W.World) -> None:
-    """Ranks sharing one machine's CPU split its cores (oversubscribed BLAS threads crawl)."""
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world.device.type == "cpu" and local > 1 and not os.environ.get("OMP_NUM_THREADS"):  # a launcher's count wins
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-
 def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipeline: Any = None,
              on_batch: Callable[[str, Any], None] | None = None) -> RunResult | None:
     """The job of one rank (all ranks call this); returns the summary on global rank 0. ``control``: the
@@ -231,7 +222,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     quiet_libraries()
     validate_config(cfg)
     world = W.init_world(cfg.device, cfg.launcher.backend)
-    share_cpu_threads(world)
+    W.share_cpu_threads(world)
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     started = None
     try:
