@@ -76,13 +76,17 @@ class Bucket:
         self._lock = threading.Lock()
         self.requests: Counter = Counter()
 
-    def create_object(self, key: str, data: bytes) -> dict | None:
-        """PutObject with If-None-Match: *: its response, or None when the object exists (a 412) or another
-        create of it is under way (a 409): a lost race. After a retry, a 412 whose object holds ``data`` is our
-        own create whose answer was lost."""
+    def create_object(self, key: str, data: bytes, what: str) -> dict | None:
+        """PutObject with If-None-Match: * (``put_once``): None when the object exists (a 412) or another create of
+        it is under way (a 409): a lost race."""
+        return self.put_once(key, data, f"creating {what}", (REFUSED, CONFLICT), IfNoneMatch="*")
+
+    def put_once(self, key: str, data: bytes, what: str, answers: tuple[str, ...], **condition: str) -> dict | None:
+        """A conditional PutObject, retried on transient errors: its response, or None when the store gave one of
+        ``answers``. A 412 after a retry may be our own write whose answer was lost: the object holding ``data``
+        says it is (its GetObject response is returned)."""
         attempts: list = []
-        resp = self.retried(f"creating {key}", key, attempts=attempts,
-                            fn=lambda: self.put(key, data, (REFUSED, CONFLICT), IfNoneMatch="*"))
+        resp = self.retried(what, key, attempts=attempts, fn=lambda: self.put(key, data, answers, **condition))
         if resp == REFUSED and len(attempts) > 1:
             got = self.retried(f"reading {key}", key, lambda: self.get(key))
             if isinstance(got, dict) and got["Body"] == data:

@@ -162,7 +162,7 @@ class BucketClaims(Bucket):
         """PutObject with If-None-Match: * (``create_object``): a 412 (it exists) or a 409 (a concurrent create of
         it) is a lost race."""
         key = self.key(shard, gen)
-        resp = self.create_object(key, data)
+        resp = self.create_object(key, data, f"claim {key}")
         if resp is None:
             return False
         with self._lock:
