@@ -167,14 +167,13 @@ def test_a_job_killed_mid_extension_leaves_a_run_the_next_launch_extends_once(tm
     _append(prompts, [f"an appended thing {i}" for i in range(40, 60)])
     flag = tmp_path / "stopped"
     # planning: stop once the rows are scanned into the temp dir; renamed: stop instead of the fingerprint update
+    # (extend.py's one json_bytes call makes the new fingerprint's bytes)
     code = (f"import pathlib, time\nimport shardgen.dataio.resume.extend as e\nname, flag = "
-            f"{'plan_rows_into' if where == 'planning' else 'atomic_write_json'!r}, pathlib.Path({str(flag)!r})\n"
+            f"{'plan_rows_into' if where == 'planning' else 'json_bytes'!r}, pathlib.Path({str(flag)!r})\n"
             "real = getattr(e, name)\n"
             "def stop(*a, **kw):\n"
             "    if name == 'plan_rows_into':\n"
             "        real(*a, **kw)\n"
-            "    elif 'fingerprint' not in str(a[0]):\n"
-            "        return real(*a, **kw)\n"
             "    flag.touch()\n"
             "    time.sleep(600)\n"
             "setattr(e, name, stop)\n"

@@ -28,8 +28,8 @@ from shardgen.dataio.prompts.read import PromptFileError, read_prompts
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, check_or_write_fingerprint
 from shardgen.dataio.rundir.claims import Claimer, owner_record
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runfiles import DirFiles
 from shardgen.dataio.rundir.storage import DiskFullError, RunDirError
-from shardgen.dataio.shards import shardwork
 from shardgen.dataio.shards.shardwork import Sample, ShardWork, sample_members
 from shardgen.dataio.shards.tarshard import PartialTar, scan_tar
 from shardgen.tools.verify import read_shard_members, verify_run
@@ -483,7 +483,7 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
     b = Claimer(rd, dict(owner_record(1), host="host-b"), lease_s=60, own_thread=False)
     assert a.try_claim(3, None) == 1
     takeover, b_through, results = threading.Event(), threading.Event(), {}
-    write_json = shardwork.atomic_write_json
+    replace = DirFiles.replace
 
     def a_still_mine() -> bool:
         mine = a.still_mine(3)
@@ -492,11 +492,11 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
             time.sleep(jitter)  # a's take_commit lands before, during or after b's takeover
         return mine
 
-    def paused_before_stats(path, obj):
+    def paused_before_stats(files, path, data):
         if path == rd.shard_stats(3) and threading.current_thread().name == "a" and takeover_at == "stats":
             takeover.set()
             assert b_through.wait(10)
-        write_json(path, obj)
+        replace(files, path, data)
 
     def commit_a(work: ShardWork) -> None:
         try:
@@ -508,7 +508,7 @@ def _racing_commits(rd: RunDir, takeover_at: str, jitter: float, monkeypatch) ->
         return ([Sample(key=sample_key(i), index=i, prompt=f"p{i}", meta=dict(index=i)) for i in range(start, 4)],
                 [f"image {i} by {who}".encode() for i in range(start, 4)])
 
-    monkeypatch.setattr(shardwork, "atomic_write_json", paused_before_stats)
+    monkeypatch.setattr(DirFiles, "replace", paused_before_stats)  # the stats' write
     work_a = ShardWork.open(rd, 3, 1, range(0, 4), still_mine=a_still_mine, take_commit=lambda: a.take_commit(3))
     work_a.write(*samples("a", 0), "png")
     thread_a = threading.Thread(target=commit_a, args=(work_a,), name="a")
@@ -583,10 +583,10 @@ def test_a_kill_between_taking_the_commit_and_writing_its_stats_is_repaired_at_l
                           take_commit=lambda: holder.take_commit(1))
     assert work.n_done == 3
 
-    def killed(path, data):
+    def killed(files, path, data):
         raise SystemExit("killed")
 
-    monkeypatch.setattr("shardgen.dataio.shards.shardwork.atomic_write_json", killed)
+    monkeypatch.setattr("shardgen.dataio.rundir.runfiles.DirFiles.replace", killed)  # the stats' write
     with pytest.raises(SystemExit):
         work.commit()
     monkeypatch.undo()

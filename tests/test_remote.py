@@ -419,7 +419,7 @@ def test_an_upload_killed_before_its_record_is_recorded_next_time_without_sendin
     def killed(*a):
         raise KeyboardInterrupt  # as a kill between the stats upload and the record
 
-    monkeypatch.setattr("shardgen.dataio.shards.upload.atomic_write_json", killed)
+    monkeypatch.setattr("shardgen.dataio.rundir.runfiles.DirFiles.replace", killed)  # the record's write
     with pytest.raises(KeyboardInterrupt):
         uploader.upload(0)
     monkeypatch.undo()

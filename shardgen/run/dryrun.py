@@ -93,7 +93,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     check_prompt_source(str(path), cfg.prompts.format, cfg.prompts.field)
     if uploader := ShardUploader.from_cfg(cfg, run):
         uploader.check_readable()  # no bucket, no permission, another run's folder: as the launch refuses, read-only
-    old = read_fingerprint(run) if run.fingerprint_path.exists() else None
+    old = read_fingerprint(run) if run.files.exists(run.fingerprint_path) else None
     refused = None
     if old is not None:
         digest = prompt_file_hash(run, path, detect_format(str(path), cfg.prompts.format))[0]

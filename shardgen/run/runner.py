@@ -23,13 +23,13 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings,
                                     start_generating, stop_generating)
-from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, atomic_write_json,
-                                    attach_rank_log, bytes_read, check_run_dir_text, check_run_root, create_exclusive,
-                                    detach_rank_log, first_missing_dir, is_url, log_to_file_only, owner_record,
-                                    record_launch, redact_urls)
+from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_json, attach_rank_log, bytes_read,
+                                    check_run_dir_text, check_run_root, detach_rank_log, first_missing_dir, is_url,
+                                    log_to_file_only, owner_record, record_launch, redact_urls)
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
+from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.storage import storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
@@ -198,15 +198,16 @@ def _save_config(run: RunDir, cfg: GenerateConfig) -> None:
     """config.yaml for the first launch; a later launch's config.<time>.yaml only when it differs from the last one
     kept (a launch repeated as it was, "nothing to do" included, adds no file). A presigned URL's secret stays out."""
     text = redact_urls(OmegaConf.to_yaml(cfg, resolve=True)).encode()
-    if create_exclusive(run.config_path, text):
+    if run.files.create(run.config_path, text):
         return
-    later = sorted(run.root.glob("config.*.yaml"), key=lambda p: p.name)
+    later = sorted(n for n in run.files.names(run.root) if n.startswith("config.") and n.endswith(".yaml")
+                   and n != run.config_path.name)
     try:
-        if (later[-1] if later else run.config_path).read_bytes() == text:
+        if run.files.read(run.root / later[-1] if later else run.config_path) == text:
             return
     except OSError:
         pass  # unreadable: keep this launch's
-    atomic_write_bytes(run.later_config_path(time.time()), text)
+    run.files.replace(run.later_config_path(time.time()), text)
 
 
 def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipeline: Any = None,
@@ -425,7 +426,7 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
                        truncated=totals["truncated"])
     summary = dict(result.__dict__, images_per_s=result.images_per_s, shards=plan.num_shards,
                    world_size=world.world_size)
-    atomic_write_json(plan.run.summary_path, summary)
+    plan.run.files.replace(plan.run.summary_path, json_bytes(summary))
     record_launch(plan.run, summary)  # launches.jsonl: every launch's summary
     if nothing_to_do:
         say_nothing_to_do(plan)

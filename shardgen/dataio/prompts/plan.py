@@ -377,10 +377,11 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         return None
     path = run.plan_json_path
     try:
-        meta = read_json(path)
+        data = run.files.read(path)
+        if data is None:
+            raise _plan_error(path, "missing")
+        meta = json.loads(data)
         kw = {k: meta[k] for k in ("num_rows", "samples_per_shard", "num_shards", "num_rejects", "prompt_file")}
-    except FileNotFoundError:
-        raise _plan_error(path, "missing") from None
     except (ValueError, KeyError, TypeError) as e:
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
     if meta.get("version", 1) == 1:
@@ -456,7 +457,7 @@ def discard_plan(run: RunDir, why: str) -> None:
     except FileNotFoundError:
         pass  # another job moved it first
     shutil.rmtree(aside, ignore_errors=True)
-    run.plan_digests_path.unlink(missing_ok=True)
+    run.files.delete(run.plan_digests_path)
 
 
 def extension_dirs(run: RunDir) -> list[Path]:

@@ -28,7 +28,7 @@ from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
-from shardgen.dataio.rundir.fileio import atomic_write_json
+from shardgen.dataio.rundir.fileio import atomic_write_json, json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import open_input, public_url, sizeof
@@ -99,7 +99,7 @@ def extend_if_appended(run: RunDir, fingerprint: dict, source: PromptSource, has
         plan = _plan_extension(run, plan, source, (size, sha), (hashed_size, want), truncation())
     else:
         raise PromptFileChanging(f"{source.path} kept changing while {run.root} was being extended; re-run")
-    atomic_write_json(run.fingerprint_path, fingerprint)
+    run.files.replace(run.fingerprint_path, json_bytes(fingerprint))
     return plan
 
 

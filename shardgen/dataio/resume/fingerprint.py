@@ -19,7 +19,7 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
-from shardgen.dataio.rundir.fileio import (append_line, atomic_write_json, create_exclusive, json_bytes, read_json, read_state)
+from shardgen.dataio.rundir.fileio import append_line, atomic_write_json, json_bytes, read_json
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name
 from shardgen.dataio.rundir.storage import RunDirError
@@ -107,10 +107,10 @@ PLAN_FIELDS = ("prompts.sha256", "prompts.format", "prompts.field", "prompts.see
 def read_fingerprint(run: RunDir) -> dict | None:
     """The run's fingerprint, None if it has none; RunDirError (naming the file and the fix) if it is damaged."""
     path = run.fingerprint_path
-    if not path.exists() and not path.is_symlink():
+    if not run.files.present(path):
         return None
     try:
-        fp = read_state(path, {"model.name": str, "steps": int, "prompts.sha256": str})
+        fp = run.files.state(path, {"model.name": str, "steps": int, "prompts.sha256": str})
     except RunDirError as e:
         raise RunDirError(f"{e}. It says which settings made this run; without it the run cannot be resumed "
                           f"safely. Restore it (e.g. from a backup), or start a new run_dir") from None
@@ -153,13 +153,14 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
                 "settings made it and resuming could mix different samples. Restore fingerprint.json, or start a "
                 f"new run_dir (or delete {run.root} to start over)")
         run.start()  # the owner record first; the skeleton comes once the plan is made
-        if create_exclusive(run.fingerprint_path, json_bytes(fingerprint)):
+        if run.files.create(run.fingerprint_path, json_bytes(fingerprint)):
             return False
         old = read_fingerprint(run)  # another job created it first: the same checks as a resume
         lost_race = True  # that job is starting now, not a launch that stopped before its first sample
     if not diff_fingerprints(old, fingerprint):
         if any(k in fingerprint and k not in old for k in ADDED_FIELDS):  # a run recorded before the field
-            atomic_write_json(run.fingerprint_path, dict(old, **{k: fingerprint[k] for k in ADDED_FIELDS if k in fingerprint}))
+            added = {k: fingerprint[k] for k in ADDED_FIELDS if k in fingerprint}
+            run.files.replace(run.fingerprint_path, json_bytes(dict(old, **added)))
         return True
     if not allow_change and not lost_race and holds_no_samples(run):
         # a launch that failed before its first sample (a model that did not load) leaves nothing to mix with
@@ -197,7 +198,7 @@ def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
     sample, a prompt file changed since it was hashed (an append extends the run), allow_fingerprint_change."""
     from shardgen.models.versions import model_version
 
-    if cfg.allow_fingerprint_change or not run.fingerprint_path.is_file() or holds_no_samples(run):
+    if cfg.allow_fingerprint_change or not run.files.exists(run.fingerprint_path) or holds_no_samples(run):
         return
     try:
         old = read_fingerprint(run)
@@ -272,9 +273,9 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS) and extension_dirs(run):
         raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
                                   "again with other settings; choose a new run_dir")
-    atomic_write_json(run.fingerprint_path, new)
+    run.files.replace(run.fingerprint_path, json_bytes(new))
     if not holds_no_samples(run):  # a launch with the old settings started generating meanwhile
-        atomic_write_json(run.fingerprint_path, old)
+        run.files.replace(run.fingerprint_path, json_bytes(old))
         raise _mismatch(run, old, new, None)
     if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
         discard_plan(run, "replaced")
@@ -283,22 +284,21 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes=changes, no_samples=True)
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
-    run.config_path.unlink(missing_ok=True)  # config.yaml is the first launch's config: this launch's, now
+    run.files.delete(run.config_path)  # config.yaml is the first launch's config: this launch's, now
     log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
-def run_settings(run: RunDir) -> tuple[dict | None, tuple | None]:
+def run_settings(run: RunDir) -> tuple[dict | None, str | None]:
     """What ``check_settings_unchanged`` compares: the fingerprint, and which plan.json file the plan is."""
     try:
-        st = run.plan_json_path.stat()
-        plan = (st.st_ino, st.st_mtime_ns, st.st_size)
+        plan = run.files.version(run.plan_json_path)
     except OSError:
         plan = None
     return read_fingerprint(run), plan
 
 
-def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | None]) -> None:
+def check_settings_unchanged(run: RunDir, before: tuple[dict | None, str | None]) -> None:
     """Refuse to generate when another launch started the run over with other settings since ``before``
     (``run_settings``), e.g. while this one loaded its model: a run without a sample takes new settings. Appended
     prompts change the fingerprint's prompts.sha256 alone and keep plan.json: this launch's plan still holds."""
@@ -318,7 +318,7 @@ def check_settings_unchanged(run: RunDir, before: tuple[dict | None, tuple | Non
                                   "fingerprint.json, or choose a new run_dir")
 
 
-def start_generating(run: RunDir, before: tuple[dict | None, tuple | None]) -> Path:
+def start_generating(run: RunDir, before: tuple[dict | None, str | None]) -> Path:
     """Mark that this launch generates with the settings it accepted (``before``, ``run_settings``'s), then refuse
     as ``check_settings_unchanged`` does if another launch started the run over meanwhile. The marker,
     ``work/launch.<host>.<pid>``, makes the run hold a sample for ``holds_no_samples`` from now on, so no launch
@@ -372,7 +372,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
                   host=host_name(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
     append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
-    atomic_write_json(run.fingerprint_path, new)
+    run.files.replace(run.fingerprint_path, json_bytes(new))
     log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in record["changes"].items()), run.fingerprint_changes_path.name)
 

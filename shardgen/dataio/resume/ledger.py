@@ -17,7 +17,7 @@ import numpy as np
 
 from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.fileio import atomic_write_bytes, map_io, open_regular, read_regular
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.shardwork import all_checkpoints, committed_stats
@@ -365,7 +365,10 @@ def run_lease_s(run: RunDir, default: float = LEASE_S) -> float:
     from omegaconf import OmegaConf
 
     try:
-        text = read_regular(run.config_path, limit=1 << 22).decode("utf-8")
+        data = run.files.read(run.config_path, limit=1 << 22)
+        if data is None:
+            return default
+        text = data.decode("utf-8")
         return float(OmegaConf.create(text).get("lease_s", default))
     except (OSError, ValueError, TypeError, AttributeError, RunDirError, yaml.YAMLError):  # missing or damaged
         return default

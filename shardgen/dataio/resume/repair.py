@@ -29,7 +29,7 @@ import numpy as np
 from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, map_io, open_regular, read_state
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.container import get_container
@@ -90,12 +90,12 @@ def record_plan_digests(plan: Plan) -> None:
     """Record the sha256 and size of every plan file (once, when the plan was made or first seen)."""
     run = plan.run
     try:
-        read_state(run.plan_digests_path)
+        run.files.state(run.plan_digests_path)
         return
     except RunDirError:
         pass  # none yet (or damaged: the plan itself was just checked against it, or made again)
     files = plan_files(run)
-    atomic_write_json(run.plan_digests_path, {p.name: [p.stat().st_size, file_sha256(p)] for p in files})
+    run.files.replace(run.plan_digests_path, json_bytes({p.name: [p.stat().st_size, file_sha256(p)] for p in files}))
 
 
 FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whole; larger ones by size only
@@ -104,7 +104,7 @@ FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whol
 def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None) -> str | None:
     """Why a plan file differs from what was recorded when the plan was made (None: it does not)."""
     try:
-        digests = read_state(plan.run.plan_digests_path)
+        digests = plan.run.files.state(plan.run.plan_digests_path)
     except RunDirError:
         return None  # not recorded (a run from before), or damaged: re-recorded from the current plan
     files = only or plan_files(plan.run)

@@ -17,22 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import uuid
-from collections import Counter
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol
 
 from shardgen.dataio.rundir.fileio import create_new, read_regular
 from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.rundir.liveness import host_name
-from shardgen.dataio.rundir.remote import StorageError, filesystem, public_url, retrying, timeouts
+from shardgen.dataio.rundir.bucket import (CONFLICT, MISSING, NEEDS, NO_SUCH_ETAG, REFUSED, Bucket,
+                                           ConditionalWritesUnsupported, split_url)
+from shardgen.dataio.rundir.remote import StorageError, public_url
 from shardgen.dataio.rundir.storage import RunDirError
 
 CLAIM_BYTES = 1 << 16  # a claim record is a few hundred bytes
 CLAIM_NAME = re.compile(r"^(\d{6})\.g(\d+)$")
 
 log = logging.getLogger("shardgen.claims")
-T = TypeVar("T")
 
 
 def claim_name(shard: int, gen: int) -> str:
@@ -137,58 +136,18 @@ class DirClaims:
         return latest_of(os.listdir(self.run.claims_dir))
 
 
-# What a failed S3 request says about the object when that is an answer, not an error to retry or report
-REFUSED = "refused"          # 412 PreconditionFailed: the object is not as the condition required
-CONFLICT = "conflict"        # 409 ConditionalRequestConflict: a concurrent conditional write of the same key
-MISSING = "missing"          # 404: no such object
-UNSUPPORTED = "unsupported"  # 501 NotImplemented: the store does not know the condition header
-NEEDS = ("shardgen needs conditional writes to coordinate replicas through a bucket (S3, GCS, MinIO and Azure have "
-         "them)")
-NO_SUCH_ETAG = '"00000000000000000000000000000000"'  # an If-Match no object of a probe has
-
-
-def s3_answer(e: BaseException) -> str | None:
-    """REFUSED, CONFLICT, MISSING or UNSUPPORTED when ``e`` (botocore's error, or s3fs's translation of it, which
-    keeps botocore's as its cause) says so of the object; None for any other error."""
-    for err in (e, e.__cause__, e.__context__):
-        response = getattr(err, "response", None)
-        if not isinstance(response, dict):
-            continue
-        code = str((response.get("Error") or {}).get("Code", ""))
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        if code == "NoSuchBucket":  # a 404 too, but about the bucket: an error to report
-            return None
-        for answer, codes, number in ((REFUSED, ("PreconditionFailed", "412"), 412),
-                                      (CONFLICT, ("ConditionalRequestConflict", "409"), 409),
-                                      (MISSING, ("NoSuchKey", "404"), 404),
-                                      (UNSUPPORTED, ("NotImplemented", "501"), 501)):
-            if code in codes or status == number:
-                return answer
-    return None
-
-
-class ConditionalWritesUnsupported(StorageError):
-    """The object store does not honour If-None-Match or If-Match on PutObject: replicas cannot share claims there."""
-
-
-class BucketClaims:
+class BucketClaims(Bucket):
     """Claims as objects ``<prefix>/claims/NNNNNN.g<gen>`` of an S3 bucket (``s3://bucket/prefix``), through s3fs's
     client. Transient errors (timeouts, 5xx, 503 SlowDown) are retried with backoff (``retrying``); a failed
     precondition is an answer and never retried. ``requests`` counts the requests sent, by S3 operation."""
 
-    list_page = 1000  # keys per ListObjectsV2 answer (S3's most)
+    read_limit = CLAIM_BYTES
 
     def __init__(self, url: str):
-        scheme, _, rest = str(url).partition("://")
-        bucket, _, prefix = rest.partition("/")
-        if scheme.lower() not in ("s3", "s3a") or not bucket:
-            raise StorageError(f"{url}: claims in a bucket take an s3://BUCKET/PREFIX URL")
-        self.bucket = bucket
-        self.claims_prefix = f"{prefix.strip('/')}/claims/".lstrip("/")
-        self._fs, _ = filesystem(f"s3://{bucket}")
-        self._lock = threading.Lock()
+        bucket, prefix = split_url(url, "claims in a bucket")
+        super().__init__(bucket)
+        self.claims_prefix = f"{prefix}claims/"
         self._mine: dict[str, tuple[str, bytes]] = {}  # key -> (ETag, bytes) of each claim this store created
-        self.requests: Counter = Counter()
 
     @property
     def where(self) -> str:
@@ -200,15 +159,11 @@ class BucketClaims:
         return self.claims_prefix + claim_name(shard, gen)
 
     def create(self, shard: int, gen: int, data: bytes) -> bool:
-        """PutObject with If-None-Match: *; a 412 (it exists) or a 409 (a concurrent create of it) is a lost race."""
-        key, attempts = self.key(shard, gen), []
-        resp = self.retried(f"creating claim {key}", key, attempts=attempts,
-                            fn=lambda: self.put(key, data, (REFUSED, CONFLICT), IfNoneMatch="*"))
-        if resp == REFUSED and len(attempts) > 1:
-            # an earlier attempt may have created it and only its answer was lost: ours if it holds our bytes
-            got = self.retried(f"reading claim {key}", key, lambda: self.get(key))
-            resp = got if isinstance(got, dict) and got["Body"] == data else REFUSED
-        if not isinstance(resp, dict):
+        """PutObject with If-None-Match: * (``create_object``): a 412 (it exists) or a 409 (a concurrent create of
+        it) is a lost race."""
+        key = self.key(shard, gen)
+        resp = self.create_object(key, data, f"claim {key}")
+        if resp is None:
             return False
         with self._lock:
             self._mine[key] = (resp["ETag"], data)
@@ -254,73 +209,11 @@ class BucketClaims:
 
     def latest(self) -> dict[int, int]:
         """ListObjectsV2 over the claims prefix (a request per ``list_page`` objects)."""
-        names, more = [], {}
-        while True:
-            page = self.retried("listing the claims", self.claims_prefix,
-                                lambda: self.send("list_objects_v2", None, (), Prefix=self.claims_prefix,
-                                                  MaxKeys=self.list_page, **more))
-            names += [obj["Key"][len(self.claims_prefix):] for obj in page.get("Contents", [])]
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return latest_of(names)
-            more = dict(ContinuationToken=token)
-
-    def put(self, key: str, data: bytes, answers: tuple[str, ...], **condition: str) -> dict | str:
-        """One conditional PutObject: the response, or the answer in ``answers`` the store gave;
-        ConditionalWritesUnsupported when the store does not know the condition's header."""
-        resp = self.send("put_object", key, answers + (UNSUPPORTED,), Body=data, **condition)
-        if resp == UNSUPPORTED:
-            header = "If-None-Match" if "IfNoneMatch" in condition else "If-Match"
-            raise ConditionalWritesUnsupported(f"{self.store_name()}: the object store refuses {header} on "
-                                               f"PutObject (501 Not Implemented); {NEEDS}")
-        return resp
-
-    def get(self, key: str) -> dict | str:
-        """One GetObject: the response with its ``Body`` read (None when over CLAIM_BYTES), or MISSING."""
-        return self.send("get_object", key, (MISSING,))
-
-    def send(self, op: str, key: str | None, answers: tuple[str, ...], **kw: Any) -> Any:
-        """One request of S3 operation ``op`` on ``key``: the response, or the answer among ``answers`` the store
-        gave (``s3_answer``); any other error is raised (for ``retrying`` to retry or report)."""
-        from fsspec.asyn import sync
-
-        with self._lock:
-            self.requests[op] += 1
-        if key is not None:
-            kw["Key"] = key
-        try:
-            # bounded like remote.call: the client's own timeouts leave some waits unbounded
-            return sync(self._fs.loop, self._send, op, timeout=sum(timeouts()), **kw)
-        except Exception as e:
-            answer = s3_answer(e)
-            if answer in answers:
-                return answer
-            raise
-
-    async def _send(self, op: str, **kw: Any) -> dict:
-        resp = await self._fs._call_s3(op, Bucket=self.bucket, **kw)
-        if op == "get_object":  # the body is read on the client's loop, at most CLAIM_BYTES + 1 of it
-            async with resp["Body"] as body:
-                small = resp.get("ContentLength", 0) <= CLAIM_BYTES
-                data = await body.read(CLAIM_BYTES + 1) if small else b""
-            resp["Body"] = data if small and len(data) <= CLAIM_BYTES else None
-        return resp
-
-    def retried(self, what: str, key: str, fn: Callable[[], T], attempts: list | None = None) -> T:
-        """``fn()`` retried on transient errors (``retrying``), each attempt appended to ``attempts``; StorageError
-        naming the object on a permanent error or when the retries are used up."""
-        def attempt() -> T:
-            if attempts is not None:
-                attempts.append(1)
-            return fn()
-
-        return retrying(what, f"s3://{self.bucket}/{key}", attempt)
+        return latest_of(self.list_names(self.claims_prefix, "the claims"))
 
     def store_name(self) -> str:
         """The claims' URL, and the endpoint where it is not AWS's own, for messages."""
-        endpoint = getattr(getattr(getattr(self._fs, "s3", None), "meta", None), "endpoint_url", None)
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
-        return self.where + (f" (at {public_url(endpoint)})" if endpoint and "amazonaws.com" not in endpoint else "")
+        return self.where + self.endpoint_note()
 
 
 def probe_conditional_writes(url: str) -> None:

@@ -194,13 +194,18 @@ def read_regular(path: str | os.PathLike, *, follow: bool = True, limit: int = M
     with open_regular(path, follow=follow) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise RunDirError(f"{path} is {size} bytes, more than a file of its kind holds ({limit}); it is damaged "
-                              "or not shardgen's. Move it away")
+            raise too_large(path, size, limit)
         # read(n) allocates n bytes before reading: ask for the file's size (+1 shows a file grown since), not limit
         data = f.read(size + 1)
         if len(data) > size:
             data += f.read(max(0, limit + 1 - len(data)))
         return data[:limit + 1]
+
+
+def too_large(where: str | os.PathLike, size: int, limit: int) -> RunDirError:
+    """The error for a run file of ``size`` bytes where one of its kind holds at most ``limit``."""
+    return RunDirError(f"{where} is {size} bytes, more than a file of its kind holds ({limit}); it is damaged or not "
+                       "shardgen's. Move it away")
 
 
 def read_json(path: Path) -> Any:
@@ -217,16 +222,25 @@ def read_state(path: Path, required: dict[str, type] | None = None) -> Any:
     try:
         data = read_regular(path, follow=False)
     except FileNotFoundError:
-        raise RunDirError(f"{path} is missing") from None
+        data = None
+    return parse_state(path, data, required)
+
+
+def parse_state(where: str | os.PathLike, data: bytes | None, required: dict[str, type] | None = None) -> Any:
+    """The run-state JSON in ``data`` (None: the file is missing), read from ``where`` (a path or a URL, named in
+    the errors): RunDirError when missing, empty, not JSON (or not standard JSON), or lacking a required key of the
+    required type."""
+    if data is None:
+        raise RunDirError(f"{where} is missing")
     if not data.strip():
-        raise RunDirError(f"{path} is empty")
+        raise RunDirError(f"{where} is empty")
     try:
         obj = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
-        raise RunDirError(f"{path} is not valid JSON ({e})") from None
+        raise RunDirError(f"{where} is not valid JSON ({e})") from None
     for key, typ in (required or {}).items():
         if not isinstance(obj, dict) or not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool) != (typ is bool):
-            raise RunDirError(f"{path} has no valid {key!r} (another version, or damaged)")
+            raise RunDirError(f"{where} has no valid {key!r} (another version, or damaged)")
     return obj
 
 

@@ -29,6 +29,8 @@ Layout (all names zero-padded shard ids)::
 This module builds every path of the run directory (``RunDir``), creates and cleans it up, and checks a run_dir
 before anything is written. How its files are written and read (whole, atomically, never through a symlink) is
 fileio.py's; the errors the storage raises are storage.py's; whether a recorded process still runs is liveness.py's.
+The fingerprint, plan record, config, summary and done markers are read and written through ``RunDir.files``
+(runfiles.py): the directory itself, or a bucket when ``store`` names one.
 
 Only a shardgen run is ever written into or cleaned up: a run_dir that exists, holds files and is
 neither marked by ``.shardgen-run`` nor laid out like a run of an older version (``fingerprint.json``,
@@ -46,11 +48,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
 from shardgen.dataio.rundir.liveness import gone_from_this_host
 from shardgen.dataio.rundir.storage import RunDirError
+
+if TYPE_CHECKING:
+    from shardgen.dataio.rundir.runfiles import RunFiles
 
 LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
 RUN_MARKER = ".shardgen-run"  # the owner record of a run directory
@@ -87,12 +92,22 @@ class RunDir:
     container: str = "tar"
     """The shard container (``shard_container``): the extension of the shard files. A plan read back sets the one
     the run was planned with (plan/plan.json)."""
+    store: str = ""
+    """Where the run's small files are kept (``files``): "" for the run directory itself, or ``s3://bucket/prefix``
+    whose objects are named like the files below ``root``."""
 
     @classmethod
     def at(cls, run_dir: str | os.PathLike, container: str = "tar") -> "RunDir":
         """The run directory a config or command line names: ``~`` expanded (a shell leaves ``run_dir=~/x``
         alone), relative paths taken from the current directory."""
         return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute(), container)
+
+    @property
+    def files(self) -> "RunFiles":
+        """The store of the run's fingerprint, plan record, config, summary and done markers (runfiles.py)."""
+        from shardgen.dataio.rundir.runfiles import DIR_FILES, bucket_files
+
+        return bucket_files(self.store, self.root) if self.store else DIR_FILES
 
     @property
     def plan_dir(self) -> Path:
@@ -353,21 +368,17 @@ class RunDir:
     def is_done(self, shard: int) -> bool:
         """Whether ``shard`` is committed: its stats file (the done marker) exists, or its upload record (with
         keep_local=false its local files are deleted once uploaded)."""
-        return self.shard_stats(shard).exists() or self.shard_uploaded(shard).exists()
+        return self.files.exists(self.shard_stats(shard)) or self.files.exists(self.shard_uploaded(shard))
 
     def done_shards(self) -> set[int]:
         """Shards whose stats file (the done marker) exists, or whose upload is recorded (with keep_local=false
         their local files are deleted once uploaded)."""
         return self.listed_shards(self.shards_dir, ".stats.json") | self.listed_shards(self.uploads_dir, ".json")
 
-    @staticmethod
-    def listed_shards(directory: Path, suffix: str) -> set[int]:
-        """Shards with a file ``NNNNNN<suffix>`` in ``directory`` (one listing; none when it does not exist)."""
-        try:
-            names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return set()
-        return {int(n[:6]) for n in names if n[:6].isdigit() and n[6:] == suffix}
+    def listed_shards(self, directory: Path, suffix: str) -> set[int]:
+        """Shards with a file ``NNNNNN<suffix>`` in ``directory`` (one listing of the run's files; none when it does
+        not exist)."""
+        return {int(n[:6]) for n in self.files.names(directory) if n[:6].isdigit() and n[6:] == suffix}
 
     def clean_leftovers(self, max_age_s: float = LEFTOVER_AGE_S, listed: dict[Path, list[str]] | None = None) -> list[Path]:
         """Remove what killed jobs left behind (temp files, temporary plan directories); the removed paths.

@@ -14,7 +14,7 @@ from typing import Callable
 from shardgen.dataio.shards import index as shard_index
 from shardgen.dataio.prompts.plan import sample_key
 from shardgen.dataio.prompts.rowsettings import shape_label
-from shardgen.dataio.rundir.fileio import atomic_write_json, open_regular, read_state
+from shardgen.dataio.rundir.fileio import atomic_write_json, json_bytes, open_regular, read_state
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import DiskFullError, RunDirError
 from shardgen.dataio.shards.container import PartialShard, get_container
@@ -203,7 +203,7 @@ class ShardWork:
         fsync_dir(final.parent)
         stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.file.bytes,
                             sha256=self.file.sha256, started=self.started, shapes=self.shapes)
-        atomic_write_json(self.run.shard_stats(self.shard), stats)
+        self.run.files.replace(self.run.shard_stats(self.shard), json_bytes(stats))
         _remove_older_generations(self.run, self.shard, self.gen + 1)
         return stats
 
@@ -235,9 +235,9 @@ def committed_stats(run: RunDir, shard: int) -> dict:
     """A committed shard's stats (RunDirError naming the file when they are damaged): its stats file, or, once its
     local files were deleted after their upload (keep_local=false), the stats its upload record keeps."""
     try:
-        return read_state(run.shard_stats(shard), STATS_FIELDS)
+        return run.files.state(run.shard_stats(shard), STATS_FIELDS)
     except RunDirError:
-        if os.path.lexists(run.shard_stats(shard)) or not os.path.lexists(run.shard_uploaded(shard)):
+        if run.files.present(run.shard_stats(shard)) or not run.files.present(run.shard_uploaded(shard)):
             raise
         return record_stats(run, shard, STATS_FIELDS)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.fileio import atomic_write_json, create_exclusive, json_bytes, read_json
+from shardgen.dataio.rundir.fileio import create_exclusive, json_bytes, read_json
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
@@ -190,8 +190,8 @@ class ShardUploader:
         from their local copy, or (keep_local=false) generates them again. The shards, each logged."""
         gone = missing_uploads(self.run, uri=self.uri)
         for shard, whys in sorted(gone.items()):
-            self.run.shard_uploaded(shard).unlink(missing_ok=True)
-            local = os.path.lexists(self.run.shard_stats(shard))
+            self.run.files.delete(self.run.shard_uploaded(shard))
+            local = self.run.files.present(self.run.shard_stats(shard))
             log.warning("shard %06d: %s; its upload record removed: %s", shard, "; ".join(whys),
                         "uploaded again from its local copy" if local else "it is generated again")
         return sorted(gone)
@@ -255,9 +255,9 @@ class ShardUploader:
                     return
                 raise
             run.uploads_dir.mkdir(exist_ok=True)
-            atomic_write_json(run.shard_uploaded(shard), dict(
+            run.files.replace(run.shard_uploaded(shard), json_bytes(dict(
                 uri=self.uri, sha256=stats["sha256"], tar_bytes=stats["tar_bytes"], time=time.time(), stats=stats,
-                objects=objects))
+                objects=objects)))
             log.info("shard %06d uploaded to %s", shard, self.uri)
         self._drop_local(shard)
 

@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.fileio import read_state
 from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import PERMANENT_CODES, call, filesystem, permanent_reason, retrying
@@ -30,10 +29,10 @@ def read_record(run: RunDir, shard: int) -> dict | None:
     """The upload record of ``shard``; None when there is none or it is not one of this version (a shard whose
     record is unreadable and has no local stats reads as damaged: ``record_stats``)."""
     path = run.shard_uploaded(shard)
-    if not os.path.lexists(path):
+    if not run.files.present(path):
         return None
     try:
-        return read_state(path, RECORD_FIELDS)
+        return run.files.state(path, RECORD_FIELDS)
     except RunDirError:
         return None
 
@@ -42,7 +41,7 @@ def record_stats(run: RunDir, shard: int, fields: dict[str, type]) -> dict:
     """The stats kept in ``shard``'s upload record (its local stats deleted: keep_local=false); RunDirError naming
     the record when it is missing, damaged or its stats lack one of ``fields``."""
     path = run.shard_uploaded(shard)
-    record = read_state(path, RECORD_FIELDS)
+    record = run.files.state(path, RECORD_FIELDS)
     stats = record["stats"]
     for key, typ in fields.items():
         if not isinstance(stats.get(key), typ) or isinstance(stats.get(key), bool) != (typ is bool):
@@ -98,7 +97,7 @@ def local_or_fetched(run: RunDir, shard: int, path: Path, suffix: str) -> Any:
 
 def only_uploaded(run: RunDir, shard: int) -> bool:
     """Whether ``shard`` is committed only by its upload record (no local stats: keep_local=false)."""
-    return not os.path.lexists(run.shard_stats(shard)) and os.path.lexists(run.shard_uploaded(shard))
+    return not run.files.present(run.shard_stats(shard)) and run.files.present(run.shard_uploaded(shard))
 
 
 def etag_of(meta: dict) -> str | None:

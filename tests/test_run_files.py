@@ -1,0 +1,214 @@
+"""A run's small files through runfiles.RunFiles, in its directory (``DirFiles``) and in a bucket of the test S3
+server (``BucketFiles``, tests/s3_server.py): the fingerprint's first-writer-wins create, replaces conditional on a
+version, the shards' done markers listed after their commits, damaged files read with the errors a run directory
+gives, and transient errors retried."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from shardgen.dataio.resume.fingerprint import FingerprintMismatch, check_or_write_fingerprint, read_fingerprint
+from shardgen.dataio.rundir.fileio import json_bytes
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runfiles import BucketFiles, DirFiles
+from shardgen.dataio.rundir.storage import RunDirError
+from shardgen.dataio.shards.shardwork import committed_stats
+from shardgen.dataio.shards.uploaded import only_uploaded, read_record
+
+
+def by_hand():
+    """A client of the test server that is no store's: what a person editing the bucket would use."""
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+@pytest.fixture
+def url(bucket) -> str:
+    return f"s3://{bucket}/run"
+
+
+@pytest.fixture(params=["dir", "bucket"])
+def run(request, tmp_path) -> RunDir:
+    """A run whose small files are in its directory, or (``bucket``) under a prefix of a fresh bucket."""
+    store = f"s3://{request.getfixturevalue('bucket')}/run" if request.param == "bucket" else ""
+    return RunDir(tmp_path / "run", store=store)
+
+
+def fingerprint(**changed) -> dict:
+    return dict({"model.name": "m", "steps": 4, "prompts.sha256": "ab" * 32, "seed": 0}, **changed)
+
+
+def stats(shard: int) -> dict:
+    return dict(shard=shard, count=2, ok=2, failed=0, rejected=0, truncated=0, failures_by_reason={}, shapes={},
+                failed_samples=[], tar_bytes=10, sha256="cd" * 32, started=0.0, finished=1.0, wall_s=1.0)
+
+
+def test_of_two_launches_racing_to_create_the_fingerprint_exactly_one_wins(run):
+    """Two launches with other seeds create the fingerprint at once: one creates it, the other reads the winner's
+    and is refused as a resume with other settings would be."""
+    barrier, results = threading.Barrier(2), {}
+
+    def launch(seed: int) -> None:
+        barrier.wait()
+        try:
+            results[seed] = check_or_write_fingerprint(run, fingerprint(seed=seed))
+        except FingerprintMismatch as e:
+            results[seed] = e
+
+    threads = [threading.Thread(target=launch, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winner = next(seed for seed, r in results.items() if r is False)
+    loser = 3 - winner
+    assert isinstance(results[loser], FingerprintMismatch)
+    assert f"seed: run has {winner}, this launch has {loser}" in str(results[loser])
+    assert read_fingerprint(run) == fingerprint(seed=winner)
+    assert check_or_write_fingerprint(run, fingerprint(seed=winner)) is True  # a resume
+
+
+def test_of_stores_racing_to_create_each_file_exactly_one_wins(run, url):
+    """Two stores (as two machines would hold) create the same 20 files at once, in opposite orders."""
+    stores = [run.files, BucketFiles(url, run.root) if run.store else DirFiles()]
+    run.root.mkdir()
+    paths, won = [run.root / f"f{i:02d}.json" for i in range(20)], [{}, {}]
+    barrier = threading.Barrier(2)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        for p in paths if i == 0 else paths[::-1]:
+            won[i][p] = stores[i].create(p, f"{i}".encode())
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for p in paths:
+        assert won[0][p] != won[1][p]
+        assert run.files.read(p) == (b"0" if won[0][p] else b"1")
+
+
+def test_a_replace_if_unchanged_is_refused_once_another_writer_replaced_the_file(run):
+    run.root.mkdir()
+    path = run.summary_path
+    assert run.files.replace_if(path, b"1", None) and not run.files.replace_if(path, b"x", None)
+    data, version = run.files.read_versioned(path)
+    assert data == b"1" and version == run.files.version(path)
+    run.files.replace(path, b"22")  # another writer
+    assert not run.files.replace_if(path, b"3", version) and run.files.read(path) == b"22"
+    assert run.files.replace_if(path, b"3", run.files.version(path)) and run.files.read(path) == b"3"
+    run.files.delete(path)
+    run.files.delete(path)  # gone already: no error
+    assert run.files.read_versioned(path) == (None, None) and not run.files.exists(path)
+
+
+def test_done_markers_are_listed_after_their_commits(run):
+    """Stats files and upload records written as a commit and an upload write them: ``done_shards``, ``is_done``,
+    the committed stats and the upload record read back from where they are; in a bucket nothing of them is
+    written to the run directory, and a listing of several pages finds them all."""
+    assert run.done_shards() == set() and not run.is_done(0)
+    if not run.store:
+        run.shards_dir.mkdir(parents=True)
+    for shard in (0, 2, 5):
+        run.files.replace(run.shard_stats(shard), json_bytes(stats(shard)))
+    record = dict(uri="s3://out/", sha256="cd" * 32, tar_bytes=10, time=0.0, stats=stats(7), objects={})
+    run.uploads_dir.mkdir(parents=True)
+    run.files.replace(run.shard_uploaded(7), json_bytes(record))
+    if run.store:
+        run.files.list_page = 2
+    assert run.done_shards() == {0, 2, 5, 7}
+    assert [run.is_done(s) for s in range(8)] == [True, False, True, False, False, True, False, True]
+    assert committed_stats(run, 2) == stats(2) and committed_stats(run, 7) == stats(7)
+    assert only_uploaded(run, 7) and not only_uploaded(run, 2) and read_record(run, 7) == record
+    if run.store:
+        assert not run.shards_dir.exists() and list(run.uploads_dir.iterdir()) == []
+        assert run.files.requests["list_objects_v2"] >= 3
+
+
+DAMAGE = {"empty": b"", "blank": b" \n", "garbage": b"\x00\xffnot json", "not standard JSON": b'{"steps": NaN}',
+          "a required key missing": json_bytes({"model.name": "m", "steps": 4}),
+          "a required key of another type": json_bytes(fingerprint(steps="4"))}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_file_in_a_bucket_is_refused_as_the_same_file_in_a_run_directory(tmp_path, url, damage):
+    """The fingerprint and a shard's stats, damaged alike in a directory and in a bucket: the same error class and
+    message, naming the object's URL where the directory's names its path."""
+    local, remote = RunDir(tmp_path / "a"), RunDir(tmp_path / "b", store=url)
+    local.shards_dir.mkdir(parents=True)
+    hand = by_hand()
+    for run in (local, remote):
+        for path in (run.fingerprint_path, run.shard_stats(3)):
+            if run.store:
+                hand.pipe(run.files.where(path)[len("s3://"):], DAMAGE[damage])
+            else:
+                path.write_bytes(DAMAGE[damage])
+
+    def error(fn) -> RunDirError:
+        with pytest.raises(RunDirError) as e:
+            fn()
+        return e.value
+
+    for read, path in ((read_fingerprint, local.fingerprint_path),
+                       (lambda r: committed_stats(r, 3), local.shard_stats(3))):
+        want, got = error(lambda: read(local)), error(lambda: read(remote))
+        remote_path = remote.root / path.relative_to(local.root)
+        assert type(got) is type(want)
+        assert str(got) == str(want).replace(str(path), remote.files.where(remote_path))
+        assert remote.files.where(remote_path) in str(got) and "\n" not in str(got)
+
+
+def test_a_file_larger_than_its_kind_holds_is_refused_unread(run):
+    run.root.mkdir()
+    run.files.replace(run.config_path, b"x" * 100)
+    with pytest.raises(RunDirError, match=r"is 100 bytes, more than a file of its kind holds \(10\)"):
+        run.files.read(run.config_path, limit=10)
+    assert run.files.read(run.config_path, limit=100) == b"x" * 100
+
+
+def test_slow_down_answers_are_retried_and_every_operation_still_works(s3, url, tmp_path, caplog):
+    """503 SlowDown before each request, more than the S3 client's own attempts (2 in the tests) absorb: each is
+    retried with backoff, logged, and the operation does what it does without them."""
+    run = RunDir(tmp_path / "run", store=url)
+    other = BucketFiles(url, run.root)
+    steps = [lambda: run.files.create(run.fingerprint_path, json_bytes(fingerprint())),
+             lambda: other.create(run.fingerprint_path, b"{}"),
+             lambda: run.files.replace(run.shard_stats(1), json_bytes(stats(1))),
+             lambda: read_fingerprint(run),
+             lambda: run.done_shards(),
+             lambda: run.files.delete(run.shard_stats(1)),
+             lambda: run.is_done(1)]
+    results = []
+    for step in steps:
+        s3.proxy.fail_next(3)
+        results.append(step())
+        assert s3.proxy.served_errors == 3
+    assert results == [True, False, None, fingerprint(), {1}, None, False]
+    assert "retry 1 of" in caplog.text
+
+
+def test_an_unreachable_bucket_is_one_line_naming_the_object(s3, url, tmp_path, monkeypatch):
+    import shardgen.dataio.rundir.remote as remote
+
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    run = RunDir(tmp_path / "run", store=url)
+    s3.proxy.down()
+    with pytest.raises(remote.StorageError) as e:
+        run.files.read(run.summary_path)
+    assert str(e.value).startswith(f"{url}/summary.json: reading run/summary.json failed 2 times")
+    assert "\n" not in str(e.value)
+
+
+def test_summary_and_config_are_written_to_the_bucket_and_nowhere_else(url, tmp_path):
+    run = RunDir(tmp_path / "run", store=url)
+    run.files.replace(run.summary_path, json_bytes(dict(ok=1)))
+    assert run.files.create(run.config_path, b"a: 1\n") and not run.files.create(run.config_path, b"a: 2\n")
+    assert json.loads(run.files.read(run.summary_path)) == dict(ok=1) and run.files.read(run.config_path) == b"a: 1\n"
+    assert sorted(run.files.names(run.root)) == ["config.yaml", "summary.json"] and not run.root.exists()
