@@ -82,7 +82,8 @@ def kind(name: str) -> str:
     if any(s in low for s in ("fmha", "flash", "cudnn", "attention", "sdpa")):
         return "attention"
     if any(s in low for s in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90")):
-        return "gemm_fp8" if any(s in low for s in ("e4m3", "fp8", "f8")) else "gemm_bf16"
+        # cuBLASLt's float8 kernels: "qq" in nvjet's names (both operands quantised), e4m3 in others'
+        return "gemm_fp8" if any(s in low for s in ("e4m3", "fp8", "f8", "qqtst")) else "gemm_bf16"
     if "triton" in low:
         return "triton_other"
     return "other"

@@ -85,3 +85,16 @@ def test_a_layer_over_a_concatenation_from_its_parts(bias):
 def test_parts_that_do_not_fill_the_layer_are_refused():
     with pytest.raises(ValueError, match="32 wide in all, the layer takes 64"):
         layer().forward_parts([torch.randn(2, 32)])
+
+
+def test_the_shared_quantisation_does_not_keep_an_activation_alive():
+    import gc
+    import weakref
+
+    lin = layer()
+    x = torch.randn(4, 64)
+    lin(x)
+    rows = weakref.ref(fp8._LAST.rows[0])
+    del x
+    gc.collect()
+    assert fp8._LAST.rows is None and rows() is None  # the float8 copy went with its activation
