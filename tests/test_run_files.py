@@ -212,3 +212,72 @@ def test_summary_and_config_are_written_to_the_bucket_and_nowhere_else(url, tmp_
     assert run.files.create(run.config_path, b"a: 1\n") and not run.files.create(run.config_path, b"a: 2\n")
     assert json.loads(run.files.read(run.summary_path)) == dict(ok=1) and run.files.read(run.config_path) == b"a: 1\n"
     assert sorted(run.files.names(run.root)) == ["config.yaml", "summary.json"] and not run.root.exists()
+
+
+def plan_in(run: RunDir, tmp_path, rows: int = 7):
+    """The run planned from a txt prompt file of ``rows`` rows, 2 a shard."""
+    from shardgen.dataio.prompts.plan import build_plan
+    from shardgen.dataio.prompts.read import PromptSource
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(rows)))
+    return build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+
+
+def test_a_plan_made_into_a_bucket_reads_back_as_the_same_plan_made_in_a_directory(tmp_path, url):
+    """plan.json, starts.npy and digests.npy are objects of the bucket (no plan/ folder is left locally) and the
+    plan read back from them has the rows a plan made in a run directory has."""
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.resume.repair import load_plan_or_discard, record_plan_digests
+
+    local, remote = RunDir(tmp_path / "a"), RunDir(tmp_path / "b", store=url)
+    want, got = plan_in(local, tmp_path), plan_in(remote, tmp_path)
+    assert sorted(remote.files.names(remote.plan_dir)) == ["digests.npy", "plan.json", "starts.npy"]
+    assert not remote.plan_dir.exists() and sorted(p.name for p in local.plan_dir.iterdir()) == sorted(
+        remote.files.names(remote.plan_dir))
+    assert got.num_shards == want.num_shards == 4
+    assert [r.prompt for s in range(4) for r in got.rows(s)] == [r.prompt for s in range(4) for r in want.rows(s)]
+    record_plan_digests(got)
+    assert set(json.loads(remote.files.read(remote.plan_digests_path))) == {"plan.json", "starts.npy"}
+    assert load_plan_or_discard(remote).num_shards == 4 and load_plan(remote).meta == got.meta
+
+
+def test_of_planners_racing_into_a_bucket_the_first_plan_published_is_every_ones(tmp_path, url, monkeypatch):
+    """A planner that finds plan.json published when its own plan is made writes nothing and adopts it; one whose
+    create of plan.json loses adopts the winner's too."""
+    run = RunDir(tmp_path / "run", store=url)
+    first = plan_in(run, tmp_path)
+    winner = run.files.read(run.plan_json_path)
+    puts = run.files.requests["put_object"]
+    assert plan_in(run, tmp_path, rows=9).num_shards == first.num_shards == 4  # published: adopted, nothing written
+    assert run.files.requests["put_object"] == puts and run.files.read(run.plan_json_path) == winner
+    looks, real = [False], run.files.exists  # its look for a published plan.json came before the winner's create
+    monkeypatch.setattr(run.files, "exists", lambda path: looks.pop() if looks else real(path))
+    assert plan_in(run, tmp_path).num_shards == 4 and run.files.read(run.plan_json_path) == winner and not looks
+
+
+def test_a_plan_discarded_from_a_bucket_is_gone_for_readers_before_its_files_are(tmp_path, url):
+    from shardgen.dataio.prompts.plan import discard_plan, has_plan, load_plan
+
+    run = RunDir(tmp_path / "run", store=url)
+    plan_in(run, tmp_path)
+    deleted = []
+    real = run.files.delete
+    run.files.delete = lambda path: (deleted.append(path.name), real(path))  # type: ignore[method-assign]
+    try:
+        discard_plan(run, "replaced")
+    finally:
+        del run.files.delete
+    assert deleted[0] == "plan.json" and set(deleted) >= {"starts.npy", "digests.npy", "plan_digests.json"}
+    assert not has_plan(run) and load_plan(run) is None and run.files.names(run.plan_dir) == []
+
+
+def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
+    """A planner that died after writing starts.npy but before plan.json: the next launch sees no plan and makes
+    it again over the leftovers."""
+    from shardgen.dataio.prompts.plan import has_plan, load_plan
+
+    run = RunDir(tmp_path / "run", store=url)
+    run.files.replace(run.starts_path, b"left by a killed planner")
+    assert not has_plan(run) and load_plan(run) is None
+    assert plan_in(run, tmp_path).num_shards == 4 and load_plan(run).starts.shape == (4, 2)
