@@ -361,8 +361,8 @@ def last_prompt_path(run: RunDir) -> str | None:
     """Where the last launch found the run's prompt file, its content checked against the fingerprint
     (the path in ``prompt_hash.json``); None when no launch recorded one."""
     try:
-        path = read_json(run.prompt_hash_path).get("path")
-    except (OSError, ValueError, AttributeError):
+        path = json.loads(run.files.read(run.prompt_hash_path)).get("path")
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     return path if isinstance(path, str) else None
 

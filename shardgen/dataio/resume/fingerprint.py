@@ -19,7 +19,7 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
-from shardgen.dataio.rundir.fileio import append_line, atomic_write_json, json_bytes, read_json
+from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name
@@ -284,7 +284,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes=changes, no_samples=True)
-    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.delete(run.config_path)  # config.yaml is the first launch's config: this launch's, now
     log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
@@ -372,7 +372,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
-    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.replace(run.fingerprint_path, json_bytes(new))
     log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in record["changes"].items()), run.fingerprint_changes_path.name)
@@ -380,11 +380,10 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
 
 def fingerprint_changes(run: RunDir) -> list[dict]:
     """The recorded allow_fingerprint_change launches, oldest first (unreadable lines skipped)."""
-    from shardgen.dataio.rundir.runlog import read_jsonl
+    from shardgen.dataio.rundir.runlog import read_run_jsonl
 
-    path = run.fingerprint_changes_path
     try:
-        return read_jsonl([path]) if path.is_file() else []
+        return read_run_jsonl(run, run.fingerprint_changes_path)
     except UnicodeDecodeError:
         return []
 
@@ -417,17 +416,17 @@ def prompt_file_hash(run: RunDir, path: Path | str, fmt: str | None = None) -> t
 def cached_prompt_hash(run: RunDir, identity: dict) -> str | None:
     """The prompt file's hash remembered in the run directory, if the file (``identity``) is unchanged since."""
     try:
-        cached = read_json(run.prompt_hash_path)
+        cached = json.loads(run.files.read(run.prompt_hash_path))
         if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
             return cached["sha256"]
-    except (OSError, ValueError, KeyError, AttributeError):
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         pass  # none yet, or unreadable
     return None
 
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
     """Store the prompt file's hash for the next launch (see ``prompt_file_hash``)."""
-    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest, check=_check(identity, digest)))
+    run.files.replace(run.prompt_hash_path, json_bytes(dict(identity, sha256=digest, check=_check(identity, digest))))
 
 
 def _check(identity: dict, digest: str) -> str:

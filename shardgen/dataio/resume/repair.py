@@ -31,7 +31,7 @@ from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_p
                                          load_plan, sample_key)
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, json_bytes, map_io, open_regular
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.container import get_container
@@ -345,7 +345,7 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
     Cheap: the stats parse and the tar is a regular file of the size they record (jobs.verify also
     checks the tar's sha256 and every sample)."""
     stats_path, tar = run.shard_stats(shard), run.shard_file(shard)
-    has_stats, has_tar = os.path.lexists(stats_path), os.path.lexists(tar)
+    has_stats, has_tar = run.files.present(stats_path), os.path.lexists(tar)
     if not has_stats:
         return "a committed tar without its stats (a kill between the two)" if has_tar else None
     try:
@@ -373,9 +373,9 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
     size = tar.stat().st_size if scan is not None else 0
     if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.closed_end:
         counts, reasons, failed, shapes = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
-        atomic_write_json(run.shard_stats(shard), shard_stats(shard, counts, reasons, failed, tar_bytes=size,
-                                                              sha256=file_sha256(tar), started=tar.stat().st_mtime,
-                                                              shapes=shapes))
+        run.files.replace(run.shard_stats(shard), json_bytes(shard_stats(
+            shard, counts, reasons, failed, tar_bytes=size, sha256=file_sha256(tar), started=tar.stat().st_mtime,
+            shapes=shapes)))
         return f"shard {shard:06d}: {problem}; its tar is whole, so its stats were written from it (not regenerated)"
     remove_committed(run, shard)
     why = scan.problem if scan and scan.problem else "incomplete tar" if scan else \
@@ -386,8 +386,9 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
 def remove_committed(run: RunDir, shard: int) -> None:
     """Remove what commits ``shard`` (stats first: the done marker; its upload record, which stands in for it once
     the local files are deleted, with it), so that it is generated again."""
-    for path in (run.shard_stats(shard), run.shard_uploaded(shard), run.shard_file(shard),
-                 shard_index.index_path(run, shard)):
+    for marker in (run.shard_stats(shard), run.shard_uploaded(shard)):
+        run.files.delete(marker)
+    for path in (run.shard_file(shard), shard_index.index_path(run, shard)):  # local wherever the markers are
         path.unlink(missing_ok=True)
 
 
