@@ -1,7 +1,8 @@
 """A run's small files through runfiles.RunFiles, in its directory (``DirFiles``) and in a bucket of the test S3
 server (``BucketFiles``, tests/s3_server.py): the fingerprint's first-writer-wins create, replaces conditional on a
 version, the shards' done markers listed after their commits, damaged files read with the errors a run directory
-gives, and transient errors retried."""
+gives, transient errors retried; the plan published into a bucket (first planner wins), uploads, repair, the owner
+record, the prompt file's hash and lines appended by racing writers."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 The owner record, the fingerprint and its change log, the plan and its digests, the prompt file's hash, config.yaml,
 summary.json, launches.jsonl, output_uri.json and the shards' done markers are read and written through one
-interface, ``RunFiles``, so a run whose files are objects of a bucket (``s3://bucket/prefix``)
-is coordinated like one in a shared directory. A file is named by its path in the run directory (``RunDir``'s
-paths); a bucket keeps it under the same relative name below its prefix.
+interface, ``RunFiles``, so a run whose files are objects of a bucket (``s3://bucket/prefix``) is coordinated like
+one in a shared directory. A file is named by its path in the run directory (``RunDir``'s paths); a bucket keeps it
+under the same relative name below its prefix.
 
 ``DirFiles`` is fileio.py's functions unchanged: whole-file atomic replaces, exclusive creates (first creator wins),
 never a write through a symlink. ``BucketFiles``: PutObject replaces atomically, ``If-None-Match: *`` creates only
