@@ -397,3 +397,35 @@ def test_an_append_that_keeps_losing_its_race_is_one_line_saying_so(url, tmp_pat
     with pytest.raises(StorageError) as e:
         run.files.append(run.launches_path, "{}")
     assert str(e.value).startswith(f"{url}/launches.jsonl: other writers kept replacing it") and "\n" not in str(e.value)
+
+
+def test_prompts_appended_to_a_run_in_a_bucket_are_planned_as_an_extension_there(tmp_path, url):
+    """The extension's files are the bucket's (published by its plan.json), the plan read back has the appended
+    rows as the directory's does, a second planner of the same extension adopts it, and a discarded plan takes its
+    extensions with it."""
+    from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256, load_plan
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.resume.extend import _plan_extension
+
+    plans = {}
+    for name, store in (("a", ""), ("b", url)):
+        run = RunDir(tmp_path / name, store=store)
+        plan = plan_in(run, tmp_path)
+        path = tmp_path / "prompts.txt"
+        before = (path.stat().st_size, file_sha256(path))
+        with path.open("a") as f:
+            f.write("".join(f"prompt {i}\n" for i in range(7, 12)))
+        after = (path.stat().st_size, file_sha256(path))
+        source = PromptSource(str(path), "txt")
+        plans[name] = _plan_extension(run, plan, source, before, after, None)
+        assert _plan_extension(run, plan, source, before, after, None).num_shards == 7  # a racing job's: adopted
+        path.write_text("".join(f"prompt {i}\n" for i in range(7)))  # as the next run finds it
+    (tmp_path / "prompts.txt").write_text("".join(f"prompt {i}\n" for i in range(12)))  # the rows both read
+    local, remote = plans["a"], plans["b"]
+    run = remote.run
+    assert extension_dirs(run) == [run.plan_dir / "ext-000001"] and not run.plan_dir.exists()
+    assert sorted(run.files.names(run.plan_dir / "ext-000001")) == ["digests.npy", "plan.json", "starts.npy"]
+    assert [r.prompt for s in range(7) for r in remote.rows(s)] == [r.prompt for s in range(7) for r in local.rows(s)]
+    assert load_plan(run).num_shards == 7
+    discard_plan(run, "replaced")
+    assert extension_dirs(run) == [] and run.files.names(run.plan_dir / "ext-000001") == [] and load_plan(run) is None

@@ -477,16 +477,24 @@ def discard_plan(run: RunDir, why: str) -> None:
 
 def _discard_stored_plan(run: RunDir) -> None:
     """Remove a plan kept in a bucket: plan.json first, so that readers see no plan from then on (``has_plan``),
-    then the other files of plan/ and the plan's digests."""
+    then the other files of plan/ and of its extensions, and the plan's digests."""
+    extensions = extension_dirs(run)
     run.files.delete(run.plan_json_path)
-    for name in run.files.names(run.plan_dir):
-        run.files.delete(run.plan_dir / name)
+    for folder in [run.plan_dir, *extensions]:
+        for name in sorted(run.files.names(folder), key=lambda n: n != "plan.json"):
+            run.files.delete(folder / name)
     run.files.delete(run.plan_digests_path)
 
 
 def extension_dirs(run: RunDir) -> list[Path]:
-    """The run's plan extensions (``plan/ext-NNNNNN``), in order."""
-    return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+    """The run's plan extensions (``plan/ext-NNNNNN``), in order. In a bucket, which has no folders to list, those
+    published (their plan.json created) numbered from 1 without a gap, as they are made."""
+    if not run.store:
+        return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+    found: list[Path] = []
+    while run.files.exists(run.plan_dir / f"ext-{len(found) + 1:06d}" / "plan.json"):
+        found.append(run.plan_dir / f"ext-{len(found) + 1:06d}")
+    return found
 
 
 def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Segment]:
@@ -495,7 +503,7 @@ def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Se
         path = d / "plan.json"
         starts = _load_npy(run, d / "starts.npy")
         try:
-            meta = read_json(path)
+            meta = _read_stored_json(run, path) if run.store else read_json(path)
             ok = (d.name == f"ext-{k:06d}" and meta["first_row"] == num_rows and meta["first_shard"] == num_shards
                   and starts.shape == (meta["num_shards"], 2) and meta["starts_sha256"] == _digest(starts))
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
@@ -505,6 +513,14 @@ def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Se
                                     "(or its starts.npy does not match its checksum)")
         num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
         yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(run, d, meta, len(starts)))
+
+
+def _read_stored_json(run: RunDir, path: Path) -> dict:
+    """A plan record from the run's bucket; FileNotFoundError when it is not there."""
+    data = run.files.read(path)
+    if data is None:
+        raise FileNotFoundError(path)
+    return json.loads(data)
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -578,24 +594,33 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
 
 def publish_plan(run: RunDir, tmp: Path) -> None:
     """Put the plan made in ``tmp`` in place; a plan another planner put there first is kept (and loaded by the
-    caller). In the run directory ``tmp`` is renamed to plan/ (the first rename wins). In a bucket, which has no
-    rename, each plan file is written under its key and plan.json last, created only if absent: readers take a plan
-    to exist once plan.json does (``has_plan``), so they never see part of one. Two planners writing the other
-    files at once write the same bytes (the fingerprint fixed the prompt file and the settings, and planning is
-    deterministic); should they differ, plan.json's checksums of them refuse the plan when it is loaded."""
-    if not run.store:
-        try:
-            os.rename(tmp, run.plan_dir)
-        except OSError:
-            if load_plan(run) is None:
-                raise
+    caller). In the run directory ``tmp`` is renamed to plan/ (the first rename wins); in a bucket it is
+    ``publish_stored``."""
+    if run.store:
+        publish_stored(run, tmp, run.plan_dir)
         return
-    if run.files.exists(run.plan_json_path):
-        return  # published meanwhile: nothing of this planner's is written over it
+    try:
+        os.rename(tmp, run.plan_dir)
+    except OSError:
+        if load_plan(run) is None:
+            raise
+
+
+def publish_stored(run: RunDir, tmp: Path, target: Path) -> bool:
+    """Write the plan files made in ``tmp`` into the run's bucket as the folder ``target`` (plan/, or an
+    extension's); False when another planner's plan.json is there first (nothing of this one's written over it).
+
+    A bucket has no rename: each file is written under its key and plan.json last, created only if absent; readers
+    take a plan to exist once its plan.json does (``has_plan``), so they never see part of one. Two planners
+    writing the other files at once write the same bytes (the fingerprint fixed the prompt file and the settings,
+    and planning is deterministic); should they differ, plan.json's checksums of them refuse the plan when loaded."""
+    record = target / "plan.json"
+    if run.files.exists(record):
+        return False
     for p in sorted(tmp.iterdir()):
         if p.name != "plan.json":
-            run.files.replace(run.plan_dir / p.name, p.read_bytes())
-    run.files.create(run.plan_json_path, (tmp / "plan.json").read_bytes())
+            run.files.replace(target / p.name, p.read_bytes())
+    return run.files.create(record, (tmp / "plan.json").read_bytes())
 
 
 def new_plan_dir(run: RunDir) -> Path:
