@@ -79,7 +79,8 @@ def interrupted_message(run_dir: str, command: str, how: str = "interrupted") ->
     planning is removed again)."""
     from shardgen.dataio.rundir import RunDir
 
-    if not RunDir(Path(run_dir).absolute()).fingerprint_path.is_file():
+    run = RunDir(Path(run_dir).absolute())
+    if not run.files.exists(run.fingerprint_path):
         return (f"{how} before {run_dir} held a run: nothing was written. Run the command again to start:\n"
                 f"  {command}")
     return f"{how}. {run_dir} is resumable: re-run the same command to continue where it stopped:\n  {command}"

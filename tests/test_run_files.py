@@ -1,7 +1,8 @@
 """A run's small files through runfiles.RunFiles, in its directory (``DirFiles``) and in a bucket of the test S3
 server (``BucketFiles``, tests/s3_server.py): the fingerprint's first-writer-wins create, replaces conditional on a
 version, the shards' done markers listed after their commits, damaged files read with the errors a run directory
-gives, and transient errors retried."""
+gives, transient errors retried; the plan published into a bucket (first planner wins), uploads, repair, the owner
+record, the prompt file's hash and lines appended by racing writers."""
 
 from __future__ import annotations
 
@@ -212,3 +213,219 @@ def test_summary_and_config_are_written_to_the_bucket_and_nowhere_else(url, tmp_
     assert run.files.create(run.config_path, b"a: 1\n") and not run.files.create(run.config_path, b"a: 2\n")
     assert json.loads(run.files.read(run.summary_path)) == dict(ok=1) and run.files.read(run.config_path) == b"a: 1\n"
     assert sorted(run.files.names(run.root)) == ["config.yaml", "summary.json"] and not run.root.exists()
+
+
+def plan_in(run: RunDir, tmp_path, rows: int = 7):
+    """The run planned from a txt prompt file of ``rows`` rows, 2 a shard."""
+    from shardgen.dataio.prompts.plan import build_plan
+    from shardgen.dataio.prompts.read import PromptSource
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(rows)))
+    return build_plan(run, PromptSource(str(path), "txt"), samples_per_shard=2, run_seed=1)
+
+
+def test_a_plan_made_into_a_bucket_reads_back_as_the_same_plan_made_in_a_directory(tmp_path, url):
+    """plan.json, starts.npy and digests.npy are objects of the bucket (no plan/ folder is left locally) and the
+    plan read back from them has the rows a plan made in a run directory has."""
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.resume.repair import load_plan_or_discard, record_plan_digests
+
+    local, remote = RunDir(tmp_path / "a"), RunDir(tmp_path / "b", store=url)
+    want, got = plan_in(local, tmp_path), plan_in(remote, tmp_path)
+    assert sorted(remote.files.names(remote.plan_dir)) == ["digests.npy", "plan.json", "starts.npy"]
+    assert not remote.plan_dir.exists() and sorted(p.name for p in local.plan_dir.iterdir()) == sorted(
+        remote.files.names(remote.plan_dir))
+    assert got.num_shards == want.num_shards == 4
+    assert [r.prompt for s in range(4) for r in got.rows(s)] == [r.prompt for s in range(4) for r in want.rows(s)]
+    record_plan_digests(got)
+    assert set(json.loads(remote.files.read(remote.plan_digests_path))) == {"plan.json", "starts.npy"}
+    assert load_plan_or_discard(remote).num_shards == 4 and load_plan(remote).meta == got.meta
+
+
+def test_of_planners_racing_into_a_bucket_the_first_plan_published_is_every_ones(tmp_path, url, monkeypatch):
+    """A planner that finds plan.json published when its own plan is made writes nothing and adopts it; one whose
+    create of plan.json loses adopts the winner's too."""
+    run = RunDir(tmp_path / "run", store=url)
+    first = plan_in(run, tmp_path)
+    winner = run.files.read(run.plan_json_path)
+    puts = run.files.requests["put_object"]
+    assert plan_in(run, tmp_path, rows=9).num_shards == first.num_shards == 4  # published: adopted, nothing written
+    assert run.files.requests["put_object"] == puts and run.files.read(run.plan_json_path) == winner
+    looks, real = [False], run.files.exists  # its look for a published plan.json came before the winner's create
+    monkeypatch.setattr(run.files, "exists", lambda path: looks.pop() if looks else real(path))
+    assert plan_in(run, tmp_path).num_shards == 4 and run.files.read(run.plan_json_path) == winner and not looks
+
+
+def test_a_plan_discarded_from_a_bucket_is_gone_for_readers_before_its_files_are(tmp_path, url):
+    from shardgen.dataio.prompts.plan import discard_plan, has_plan, load_plan
+
+    run = RunDir(tmp_path / "run", store=url)
+    plan_in(run, tmp_path)
+    deleted = []
+    real = run.files.delete
+    run.files.delete = lambda path: (deleted.append(path.name), real(path))  # type: ignore[method-assign]
+    try:
+        discard_plan(run, "replaced")
+    finally:
+        del run.files.delete
+    assert deleted[0] == "plan.json" and set(deleted) >= {"starts.npy", "digests.npy", "plan_digests.json"}
+    assert not has_plan(run) and load_plan(run) is None and run.files.names(run.plan_dir) == []
+
+
+def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
+    """A planner that died after writing starts.npy but before plan.json: the next launch sees no plan and makes
+    it again over the leftovers."""
+    from shardgen.dataio.prompts.plan import has_plan, load_plan
+
+    run = RunDir(tmp_path / "run", store=url)
+    run.files.replace(run.starts_path, b"left by a killed planner")
+    assert not has_plan(run) and load_plan(run) is None
+    assert plan_in(run, tmp_path).num_shards == 4 and load_plan(run).starts.shape == (4, 2)
+
+
+def test_uploads_of_a_run_whose_markers_are_in_a_bucket_read_and_write_them_there(s3, bucket, url, tmp_path):
+    """output_uri.json, the stats read to upload a shard and to tell whether it is uploaded, and its upload record
+    are the store's; keep_local=false deletes the local tar and index and the stats from the store, leaving the
+    upload record as the done marker. The shard's files themselves stay local in this version."""
+    import hashlib
+
+    from shardgen.dataio.shards.upload import ShardUploader, upload_state
+
+    run = RunDir(tmp_path / "run", store=url)
+    run.shards_dir.mkdir(parents=True)
+    tar = b"t" * 2048
+    run.shard_file(0).write_bytes(tar)
+    (run.shards_dir / "000000.parquet").write_bytes(b"index")
+    shard_stats = dict(stats(0), tar_bytes=2048, sha256=hashlib.sha256(tar).hexdigest())
+    run.files.replace(run.shard_stats(0), json_bytes(shard_stats))
+    out = f"s3://{bucket}/out"
+    uploader = ShardUploader(run, out, keep_local=False)
+    assert uploader.pending() == [0] and not uploader.uploaded(0)
+    assert uploader.resume() == 1
+    assert json.loads(run.files.read(run.output_uri_path)) == {"output_uri": out + "/"}
+    assert read_record(run, 0)["stats"] == shard_stats and uploader.uploaded(0)
+    assert s3.fs().cat_file(f"{out}/000000.stats.json") == json_bytes(shard_stats)
+    assert not run.files.exists(run.shard_stats(0)) and list(run.shards_dir.iterdir()) == []
+    assert run.done_shards() == {0} and upload_state(run) == dict(uri=out + "/", uploaded=1, committed=1)
+    with pytest.raises(RunDirError, match="uploads its shards to"):
+        ShardUploader(run, f"s3://{bucket}/elsewhere").resume()
+
+
+def test_repair_reads_and_removes_done_markers_in_a_bucket(url, tmp_path):
+    """A committed shard whose tar is gone is found by its stats in the bucket, and removing it removes its markers
+    there (stats first) and its local files."""
+    from shardgen.dataio.resume.repair import committed_shard_problem, remove_committed
+
+    run = RunDir(tmp_path / "run", store=url)
+    run.shards_dir.mkdir(parents=True)
+    assert committed_shard_problem(run, 0) is None  # nothing committed
+    run.files.replace(run.shard_stats(0), json_bytes(stats(0)))
+    assert committed_shard_problem(run, 0) == "000000.tar is missing"
+    run.shard_file(0).write_bytes(b"x" * 10)
+    run.files.replace(run.shard_uploaded(0), b"{}")
+    remove_committed(run, 0)
+    assert run.files.names(run.shards_dir) == run.files.names(run.uploads_dir) == [] and not run.shard_file(0).exists()
+
+
+def test_the_owner_record_in_a_bucket_is_every_machines_and_each_directory_holds_a_copy(url, tmp_path):
+    """Two machines (two directories, one bucket) start the run: the first record created is the run's, each
+    directory holds its bytes, and both name the run alike (its uploads' run id)."""
+    from shardgen.dataio.shards.upload import run_id
+
+    one, two = RunDir(tmp_path / "one", store=url), RunDir(tmp_path / "two", store=url)
+    one.start()
+    record = one.files.read(one.marker_path)
+    assert json.loads(record)["shardgen_run"] == 1
+    two.start()
+    assert one.marker_path.read_bytes() == two.marker_path.read_bytes() == two.files.read(two.marker_path) == record
+    assert run_id(one) == run_id(two) is not None
+    two.undo_start(None)
+    assert not two.files.exists(two.marker_path) and not two.marker_path.exists() and run_id(two) is None
+
+
+def test_the_prompt_files_hash_is_remembered_in_the_runs_store(run):
+    from shardgen.dataio.prompts.plan import last_prompt_path
+    from shardgen.dataio.resume.fingerprint import cached_prompt_hash, remember_prompt_hash
+
+    identity = dict(path="/data/prompts.txt", size=10, mtime_ns=1, ctime_ns=1, inode=2)
+    assert cached_prompt_hash(run, identity) is None and last_prompt_path(run) is None
+    run.root.mkdir()
+    remember_prompt_hash(run, "ab" * 32, identity)
+    assert cached_prompt_hash(run, identity) == "ab" * 32 and last_prompt_path(run) == "/data/prompts.txt"
+    assert cached_prompt_hash(run, dict(identity, size=11)) is None
+    assert run.files.exists(run.prompt_hash_path) and run.prompt_hash_path.exists() != bool(run.store)
+
+
+def test_lines_appended_at_once_by_several_writers_are_all_kept(run, url):
+    """Four writers (in a bucket: four stores, as four machines hold) append 5 lines each at once: every line is
+    there once, whole; the readers of the change log and of the launches read them from the store."""
+    from shardgen.dataio.resume.fingerprint import fingerprint_changes
+    from shardgen.dataio.rundir.runlog import read_run_jsonl, record_launch
+    from shardgen.tools.runfiles import read_launches
+
+    run.root.mkdir()
+    stores = [BucketFiles(url, run.root) if run.store else DirFiles() for _ in range(4)]
+    barrier = threading.Barrier(4)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        for k in range(5):
+            stores[i].append(run.fingerprint_changes_path, json.dumps(dict(writer=i, k=k)))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    got = fingerprint_changes(run)
+    assert sorted((r["writer"], r["k"]) for r in got) == [(i, k) for i in range(4) for k in range(5)]
+    assert [r["k"] for r in got if r["writer"] == 2] == list(range(5))  # each writer's in its order
+    record_launch(run, dict(ok=3))
+    record_launch(run, dict(ok=4))
+    assert [r["ok"] for r in read_launches(run)] == [r["ok"] for r in read_run_jsonl(run, run.launches_path)] == [3, 4]
+    assert run.launches_path.exists() != bool(run.store)
+
+
+def test_an_append_that_keeps_losing_its_race_is_one_line_saying_so(url, tmp_path, monkeypatch):
+    import shardgen.dataio.rundir.runfiles as runfiles
+    from shardgen.dataio.rundir.remote import StorageError
+
+    monkeypatch.setattr(runfiles, "APPEND_TRIES", 3)
+    run = RunDir(tmp_path / "run", store=url)
+    monkeypatch.setattr(run.files, "replace_if", lambda path, data, version: False)  # another writer, every time
+    with pytest.raises(StorageError) as e:
+        run.files.append(run.launches_path, "{}")
+    assert str(e.value).startswith(f"{url}/launches.jsonl: other writers kept replacing it") and "\n" not in str(e.value)
+
+
+def test_prompts_appended_to_a_run_in_a_bucket_are_planned_as_an_extension_there(tmp_path, url):
+    """The extension's files are the bucket's (published by its plan.json), the plan read back has the appended
+    rows as the directory's does, a second planner of the same extension adopts it, and a discarded plan takes its
+    extensions with it."""
+    from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256, load_plan
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.resume.extend import _plan_extension
+
+    plans = {}
+    for name, store in (("a", ""), ("b", url)):
+        run = RunDir(tmp_path / name, store=store)
+        plan = plan_in(run, tmp_path)
+        path = tmp_path / "prompts.txt"
+        before = (path.stat().st_size, file_sha256(path))
+        with path.open("a") as f:
+            f.write("".join(f"prompt {i}\n" for i in range(7, 12)))
+        after = (path.stat().st_size, file_sha256(path))
+        source = PromptSource(str(path), "txt")
+        plans[name] = _plan_extension(run, plan, source, before, after, None)
+        assert _plan_extension(run, plan, source, before, after, None).num_shards == 7  # a racing job's: adopted
+        path.write_text("".join(f"prompt {i}\n" for i in range(7)))  # as the next run finds it
+    (tmp_path / "prompts.txt").write_text("".join(f"prompt {i}\n" for i in range(12)))  # the rows both read
+    local, remote = plans["a"], plans["b"]
+    run = remote.run
+    assert extension_dirs(run) == [run.plan_dir / "ext-000001"] and not run.plan_dir.exists()
+    assert sorted(run.files.names(run.plan_dir / "ext-000001")) == ["digests.npy", "plan.json", "starts.npy"]
+    assert [r.prompt for s in range(7) for r in remote.rows(s)] == [r.prompt for s in range(7) for r in local.rows(s)]
+    assert load_plan(run).num_shards == 7
+    discard_plan(run, "replaced")
+    assert extension_dirs(run) == [] and run.files.names(run.plan_dir / "ext-000001") == [] and load_plan(run) is None

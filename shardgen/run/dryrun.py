@@ -20,7 +20,7 @@ from shardgen.dataio.prompts import (PromptSource, Shape, build_plan, check_prom
                                      rules_from_cfg, shape_legend)
 from shardgen.dataio.resume import (compute_fingerprint, diff_fingerprints, holds_no_samples, prompt_file_hash,
                                     read_fingerprint, read_ledger)
-from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_jsonl
+from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root, read_run_jsonl
 from shardgen.dataio.shards import ShardUploader, resolve_samples_per_shard, sample_bytes_estimate
 from shardgen.models.loader import model_sha256, model_version
 
@@ -73,7 +73,7 @@ def _cuda() -> bool:
 
 def measured_rate(run: RunDir) -> float | None:
     """Samples/s of this run's last launch that generated anything (launches.jsonl)."""
-    launches = read_jsonl([run.launches_path]) if run.launches_path.exists() else []
+    launches = read_run_jsonl(run, run.launches_path)
     rates = [l.get("images_per_s") for l in launches if l.get("generated_here") and l.get("images_per_s")]
     return float(rates[-1]) if rates else None
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -141,8 +140,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     except BaseException:
         # a new run stopped before its plan was in place leaves no half-made directory behind; once plan/ is renamed
         # into place (planning may have read millions of rows) the run is kept, and the same command resumes it
-        if new and not resuming and not os.path.lexists(run.plan_json_path):
-            run.fingerprint_path.unlink(missing_ok=True)
+        if new and not resuming and not run.files.present(run.plan_json_path):
+            run.files.delete(run.fingerprint_path)
             run.undo_start(top)
         raise
     if plan.run.container != run.container:

@@ -184,16 +184,23 @@ def read_records(paths: Iterable[Path], fields: dict[str, type | tuple]) -> list
         if path.is_symlink() or not path.is_file():
             continue
         try:
-            text = read_regular(path, follow=False).decode("utf-8", "replace")
+            data = read_regular(path, follow=False)
         except OSError:
             continue
-        for line in text.splitlines():
-            try:
-                rec = json.loads(line, parse_constant=_no_constant)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(rec, dict) and all(_typed(rec.get(k), t) for k, t in fields.items()):
-                out.append(rec)
+        out += parse_records(data, fields)
+    return out
+
+
+def parse_records(data: bytes, fields: dict[str, type | tuple]) -> list[dict]:
+    """The JSON lines of ``data`` that are objects with ``fields`` of those types (``read_records``)."""
+    out = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict) and all(_typed(rec.get(k), t) for k, t in fields.items()):
+            out.append(rec)
     return out
 
 
@@ -224,7 +231,13 @@ def launch_label(host: Any, pid: Any, job: Any) -> str | None:
 
 def read_launches(run: RunDir) -> list[dict]:
     """Every launch's summary (``launches.jsonl``); fields other than ``ended`` may be absent or odd."""
-    return read_records([run.launches_path], {"ended": NUMBER})
+    fields = {"ended": NUMBER}
+    if not run.store:
+        return read_records([run.launches_path], fields)
+    try:
+        return parse_records(run.files.read(run.launches_path) or b"", fields)
+    except OSError:  # unreadable: history, not state (``read_records``)
+        return []
 
 
 def read_index_columns(run: RunDir, columns: list[str], where: str | None = None) -> dict[str, list]:

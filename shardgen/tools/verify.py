@@ -210,7 +210,7 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     run = plan.run
     tar, stats_path = run.shard_file(shard), run.shard_stats(shard)
     name = f"shard {shard:06d}"
-    if not os.path.lexists(stats_path) and not os.path.lexists(run.shard_uploaded(shard)):  # not committed yet
+    if not run.files.present(stats_path) and not run.files.present(run.shard_uploaded(shard)):  # not committed yet
         rep.unfinished.append(_unfinished_line(plan, shard, os.path.lexists(tar)))
         if os.path.lexists(tar):
             rep.bad_shards[shard] = "stats"
@@ -318,9 +318,9 @@ def repair_run(plan: Plan, report: VerifyReport) -> list[str]:
             remove_committed(run, shard)
             out.append(f"shard {shard:06d}: removed; the next launch generates it again")
         elif what == "upload":  # sound locally, gone from the bucket: uploaded again
-            run.shard_uploaded(shard).unlink(missing_ok=True)
+            run.files.delete(run.shard_uploaded(shard))
             out.append(f"shard {shard:06d}: its upload record removed; the next launch uploads it again")
         else:
-            run.shard_stats(shard).unlink(missing_ok=True)
+            run.files.delete(run.shard_stats(shard))
             out.append(finish_or_discard(run, shard, plan.shard_range(shard), "its stats do not match its tar"))
     return out

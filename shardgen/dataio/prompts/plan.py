@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -221,7 +222,7 @@ class Plan:
         check_unchanged(src.path, (seg.meta if seg else m)["prompt_size"])
         rng = self.row_range(shard)
         where = self.run.plan_dir if seg is None else seg.dir
-        cut = _truncated(where / "truncated.npy", rng)
+        cut = _truncated(self.run, where / "truncated.npy", rng)
         if (seg.digests if seg else self.digests) is None:  # planned before shard digests, or from a remote footer
             check_etag(src.path, m.get("prompt_etag"))
             offset, line = (int(x) for x in (seg or self).starts[shard - (seg.first_shard if seg else 0)])
@@ -342,11 +343,11 @@ class Plan:
         return Counter(dict(out.most_common()))
 
 
-def _truncated(path: Path, rng: range) -> set[int]:
+def _truncated(run: RunDir, path: Path, rng: range) -> set[int]:
     """The row indices in ``rng`` planned as rejects for being truncated (prompts.on_truncation=skip)."""
-    if not path.exists():
+    if not run.files.exists(path):
         return set()
-    cut = _load_npy(path)
+    cut = _load_npy(run, path)
     lo, hi = np.searchsorted(cut, [rng.start, rng.stop])
     return set(cut[lo:hi].tolist())
 
@@ -360,8 +361,8 @@ def last_prompt_path(run: RunDir) -> str | None:
     """Where the last launch found the run's prompt file, its content checked against the fingerprint
     (the path in ``prompt_hash.json``); None when no launch recorded one."""
     try:
-        path = read_json(run.prompt_hash_path).get("path")
-    except (OSError, ValueError, AttributeError):
+        path = json.loads(run.files.read(run.prompt_hash_path)).get("path")
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     return path if isinstance(path, str) else None
 
@@ -373,7 +374,7 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     from ``prompt_path`` (a launch's ``prompts.path``, checked against the fingerprint), else from where the
     last launch found it, else from where it was planned."""
     clean_stale_tmp(run)
-    if not run.plan_dir.exists():
+    if not has_plan(run):
         return None
     path = run.plan_json_path
     try:
@@ -389,7 +390,7 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     # the container the run was planned with (a plan without the key: tar); the tools' RunDir learns it here
     run = dataclasses.replace(run, container=str(meta.get("shard_container") or "tar"))
     starts_path = run.starts_path
-    starts = _load_npy(starts_path)
+    starts = _load_npy(run, starts_path)
     if starts.shape != (kw["num_shards"], 2):
         raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
@@ -404,7 +405,7 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     if meta.get("per_row_images"):  # each segment's samples per shard, in shard order
         parts = []
         for where, m in [(run.plan_dir, meta), *((e.dir, e.meta) for e in extensions)]:
-            part = _load_npy(where / "samples.npy")
+            part = _load_npy(run, where / "samples.npy")
             if part.ndim != 1 or m.get("samples_sha256") != _digest(part) or (part < 1).any():
                 raise _plan_error(where / "samples.npy", "does not match the checksum in plan.json (changed after "
                                                          "planning)")
@@ -417,14 +418,25 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     else:
         kw["num_rows"] *= n
     kw["samples_per_shard"] *= n
-    return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run.plan_dir, meta, len(starts)),
+    return Plan(run=run, meta=meta, starts=starts, digests=_load_digests(run, run.plan_dir, meta, len(starts)),
                 prompt_path=str(path), extensions=extensions, images=n, sample_starts=sample_starts,
                 prompt_rows=prompt_rows, **kw)
 
 
-def _load_npy(path: Path) -> np.ndarray:
-    """A plan array; PlanError naming the file when it is missing or damaged."""
+def has_plan(run: RunDir) -> bool:
+    """Whether the run has a plan to load: in its directory the plan/ folder (plan.json missing from it is damage);
+    in a bucket the published plan.json (plan files without it are a planner's still under way, or a dead one's)."""
+    return run.files.exists(run.plan_json_path) if run.store else run.plan_dir.exists()
+
+
+def _load_npy(run: RunDir, path: Path) -> np.ndarray:
+    """A plan array of ``run`` (from its store); PlanError naming the file when it is missing or damaged."""
+    data = run.files.read(path) if run.store else None  # read outside the try: a bucket's outage is no damage
     try:
+        if run.store:
+            if data is None:
+                raise FileNotFoundError(path)
+            return np.load(io.BytesIO(data), allow_pickle=False)
         with open_regular(path) as f:
             return np.load(f, allow_pickle=False)
     except FileNotFoundError:
@@ -435,13 +447,13 @@ def _load_npy(path: Path) -> np.ndarray:
         raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None:
+def _load_digests(run: RunDir, where: Path, meta: dict, num_shards: int) -> np.ndarray | None:
     """The shard digests of a plan or extension that has them (its plan.json names their checksum; None for
     one planned before digests); PlanError when damaged."""
     if "digests_sha256" not in meta:
         return None
     path = where / "digests.npy"
-    digests = _load_npy(path)
+    digests = _load_npy(run, path)
     if digests.shape != (num_shards, 32) or digests.dtype != np.uint8 \
             or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"] or "rows_end" not in meta:
         raise _plan_error(path, "does not match plan.json (changed after planning)")
@@ -451,6 +463,9 @@ def _load_digests(where: Path, meta: dict, num_shards: int) -> np.ndarray | None
 def discard_plan(run: RunDir, why: str) -> None:
     """Remove the run's plan (moved aside first, so a concurrent reader sees it whole or not at all); ``why`` names
     the moved-aside directory while it is being removed."""
+    if run.store:
+        _discard_stored_plan(run)
+        return
     aside = run.root / f".plan-{why}~{host_name()}~{os.getpid()}~{time.time_ns()}"
     try:
         os.rename(run.plan_dir, aside)
@@ -460,18 +475,35 @@ def discard_plan(run: RunDir, why: str) -> None:
     run.files.delete(run.plan_digests_path)
 
 
+def _discard_stored_plan(run: RunDir) -> None:
+    """Remove a plan kept in a bucket: plan.json first, so that readers see no plan from then on (``has_plan``),
+    then the other files of plan/ and of its extensions, and the plan's digests."""
+    extensions = extension_dirs(run)
+    run.files.delete(run.plan_json_path)
+    for folder in [run.plan_dir, *extensions]:
+        for name in sorted(run.files.names(folder), key=lambda n: n != "plan.json"):
+            run.files.delete(folder / name)
+    run.files.delete(run.plan_digests_path)
+
+
 def extension_dirs(run: RunDir) -> list[Path]:
-    """The run's plan extensions (``plan/ext-NNNNNN``), in order."""
-    return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+    """The run's plan extensions (``plan/ext-NNNNNN``), in order. In a bucket, which has no folders to list, those
+    published (their plan.json created) numbered from 1 without a gap, as they are made."""
+    if not run.store:
+        return sorted(p for p in run.plan_dir.glob("ext-*") if p.name[4:].isdigit())
+    found: list[Path] = []
+    while run.files.exists(run.plan_dir / f"ext-{len(found) + 1:06d}" / "plan.json"):
+        found.append(run.plan_dir / f"ext-{len(found) + 1:06d}")
+    return found
 
 
 def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Segment]:
     """Each extension, checked to follow the rows and shards before it without a gap."""
     for k, d in enumerate(extension_dirs(run), 1):
         path = d / "plan.json"
-        starts = _load_npy(d / "starts.npy")
+        starts = _load_npy(run, d / "starts.npy")
         try:
-            meta = read_json(path)
+            meta = _read_stored_json(run, path) if run.store else read_json(path)
             ok = (d.name == f"ext-{k:06d}" and meta["first_row"] == num_rows and meta["first_shard"] == num_shards
                   and starts.shape == (meta["num_shards"], 2) and meta["starts_sha256"] == _digest(starts))
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
@@ -480,7 +512,15 @@ def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Se
             raise _plan_error(path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
                                     "(or its starts.npy does not match its checksum)")
         num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
-        yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(d, meta, len(starts)))
+        yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(run, d, meta, len(starts)))
+
+
+def _read_stored_json(run: RunDir, path: Path) -> dict:
+    """A plan record from the run's bucket; FileNotFoundError when it is not there."""
+    data = run.files.read(path)
+    if data is None:
+        raise FileNotFoundError(path)
+    return json.loads(data)
 
 
 def _digest(starts: np.ndarray) -> str:
@@ -546,14 +586,41 @@ def build_plan(run: RunDir, source: PromptSource, *, samples_per_shard: int, run
             shard_container=run.container,
             **({"prompt_etag": identity(source.path)["etag"]} if is_url(source.path) else {}),
             source=source.as_json()))
-        try:
-            os.rename(tmp, run.plan_dir)
-        except OSError:
-            if load_plan(run) is None:
-                raise
+        publish_plan(run, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_plan(run, source.path)
+
+
+def publish_plan(run: RunDir, tmp: Path) -> None:
+    """Put the plan made in ``tmp`` in place; a plan another planner put there first is kept (and loaded by the
+    caller). In the run directory ``tmp`` is renamed to plan/ (the first rename wins); in a bucket it is
+    ``publish_stored``."""
+    if run.store:
+        publish_stored(run, tmp, run.plan_dir)
+        return
+    try:
+        os.rename(tmp, run.plan_dir)
+    except OSError:
+        if load_plan(run) is None:
+            raise
+
+
+def publish_stored(run: RunDir, tmp: Path, target: Path) -> bool:
+    """Write the plan files made in ``tmp`` into the run's bucket as the folder ``target`` (plan/, or an
+    extension's); False when another planner's plan.json is there first (nothing of this one's written over it).
+
+    A bucket has no rename: each file is written under its key and plan.json last, created only if absent; readers
+    take a plan to exist once its plan.json does (``has_plan``), so they never see part of one. Two planners
+    writing the other files at once write the same bytes (the fingerprint fixed the prompt file and the settings,
+    and planning is deterministic); should they differ, plan.json's checksums of them refuse the plan when loaded."""
+    record = target / "plan.json"
+    if run.files.exists(record):
+        return False
+    for p in sorted(tmp.iterdir()):
+        if p.name != "plan.json":
+            run.files.replace(target / p.name, p.read_bytes())
+    return run.files.create(record, (tmp / "plan.json").read_bytes())
 
 
 def new_plan_dir(run: RunDir) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardgen.dataio.prompts.plan import (PLAN_VERSION, Plan, PlanError, file_sha256, load_plan, new_plan_dir,
-                                          plan_rows_into)
+                                          plan_rows_into, publish_stored)
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import PromptSource
 from shardgen.dataio.prompts.truncation import TruncationCheck
@@ -103,6 +103,18 @@ def extend_if_appended(run: RunDir, fingerprint: dict, source: PromptSource, has
     return plan
 
 
+def _publish_extension(run: RunDir, tmp: Path, target: Path) -> bool:
+    """Put the extension planned in ``tmp`` at ``target`` (renamed there; in a bucket ``publish_stored``); False
+    when another job's extension is there first."""
+    if run.store:
+        return publish_stored(run, tmp, target)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        return False
+    return True
+
+
 def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple[int, str], after: tuple[int, str],
                     truncation: TruncationCheck | None) -> Plan:
     """Plan the rows after ``before``'s bytes into ``plan/ext-NNNNNN``; the plan as it is afterwards (with
@@ -122,9 +134,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
             prompt_size=after[0], prompt_sha256=after[1], prompt_file=public_url(source.path), time=now,
             utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), host=host_name(), pid=os.getpid()))
         target = run.plan_dir / f"ext-{k:06d}"
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another job extended first: read its extension back and look again
+        if not _publish_extension(run, tmp, target):  # another job extended first: read it back and look again
             return load_plan(run, source.path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,8 +19,9 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
-from shardgen.dataio.rundir.fileio import append_line, atomic_write_json, json_bytes, read_json
+from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
@@ -121,12 +122,16 @@ def _has_run_state(run: RunDir) -> list[str]:
     """What in ``run`` shows that a run already happened there (a plan, shards, partials)."""
     found = []
     for d in (run.plan_dir, run.shards_dir, run.work_dir):
-        try:
-            if any(not n.startswith(".") for n in os.listdir(d)):
-                found.append(d.name + "/")
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        if any(not n.startswith(".") for n in _names(run, d)):
+            found.append(d.name + "/")
     return found
+
+
+def _names(run: RunDir, d: Path) -> list[str]:
+    """The names in the run's folder ``d``: the local ones, and where the run's files are in a bucket also the
+    bucket's (the plan and the done markers; shard files and partials stay local)."""
+    local = DIR_FILES.names(d)
+    return local + run.files.names(d) if run.store and d in (run.plan_dir, run.shards_dir, run.uploads_dir) else local
 
 
 def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: bool = False,
@@ -222,11 +227,8 @@ def holds_no_samples(run: RunDir) -> bool:
     nothing, and every shard committed in shards/ holds rejected rows only (its stats say 0 ok, 0 failed), so
     nothing a setting determines was made yet."""
     for d in (run.work_dir, run.claims_dir, run.latents_dir, run.uploads_dir):
-        try:
-            if any(not n.startswith(".") and not _dead_launch_marker(n) for n in os.listdir(d)):
-                return False
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        if any(not n.startswith(".") and not _dead_launch_marker(n) for n in _names(run, d)):
+            return False
     return _rejects_only(run) is not None
 
 
@@ -241,13 +243,11 @@ def _dead_launch_marker(name: str) -> bool:
 def _rejects_only(run: RunDir) -> list[str] | None:
     """The names in shards/ when every shard there is committed with rejected rows only; None otherwise (a shard
     with a sample, a file without its stats, or stats that do not read)."""
-    try:
-        names = [n for n in os.listdir(run.shards_dir) if not n.startswith(".")]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    names = [n for n in _names(run, run.shards_dir) if not n.startswith(".")]
     for shard in {n[:6] for n in names}:
         try:
-            stats = read_json(run.shards_dir / f"{shard}.stats.json")
+            data = run.files.read(run.shards_dir / f"{shard}.stats.json")
+            stats = json.loads(data) if data is not None else None
         except (OSError, ValueError):
             return None
         if not isinstance(stats, dict) or stats.get("ok") != 0 or stats.get("failed") != 0:
@@ -270,20 +270,21 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     marker in work/, then the fingerprint read again), while this writes the new fingerprint and then looks for a
     marker or a sample. Each writes before it reads, so at least one sees the other: that launch refuses (it reads
     the new fingerprint), or this one puts the old fingerprint back and refuses. Samples of two settings never meet."""
-    if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS) and extension_dirs(run):
+    if run.files.exists(run.plan_json_path) and any(old.get(k) != new.get(k) for k in PLAN_FIELDS) \
+            and extension_dirs(run):
         raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
                                   "again with other settings; choose a new run_dir")
     run.files.replace(run.fingerprint_path, json_bytes(new))
     if not holds_no_samples(run):  # a launch with the old settings started generating meanwhile
         run.files.replace(run.fingerprint_path, json_bytes(old))
         raise _mismatch(run, old, new, None)
-    if run.plan_json_path.exists() and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
+    if run.files.exists(run.plan_json_path) and any(old.get(k) != new.get(k) for k in PLAN_FIELDS):
         discard_plan(run, "replaced")
     _discard_reject_shards(run)  # rows rejected under the old settings are read again under the new ones
     changes = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes=changes, no_samples=True)
-    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.delete(run.config_path)  # config.yaml is the first launch's config: this launch's, now
     log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
@@ -348,7 +349,7 @@ def stop_generating(marker: Path | None) -> None:
 
 def _fixed_by_plan(run: RunDir, old: dict, new: dict) -> list[str]:
     """The differing fields a planned run cannot change (the plan was made from them)."""
-    if not os.path.lexists(run.plan_json_path):
+    if not run.files.present(run.plan_json_path):
         return []
     return [k for k in PLAN_FIELDS if old.get(k) != new.get(k)]
 
@@ -371,7 +372,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
     record = dict(time=time.time(), utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   host=host_name(), changes={k: [old.get(k), new.get(k)]
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
-    append_line(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
+    run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.replace(run.fingerprint_path, json_bytes(new))
     log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.root,
                 ", ".join(f"{k}={v[1]!r}" for k, v in record["changes"].items()), run.fingerprint_changes_path.name)
@@ -379,11 +380,10 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
 
 def fingerprint_changes(run: RunDir) -> list[dict]:
     """The recorded allow_fingerprint_change launches, oldest first (unreadable lines skipped)."""
-    from shardgen.dataio.rundir.runlog import read_jsonl
+    from shardgen.dataio.rundir.runlog import read_run_jsonl
 
-    path = run.fingerprint_changes_path
     try:
-        return read_jsonl([path]) if path.is_file() else []
+        return read_run_jsonl(run, run.fingerprint_changes_path)
     except UnicodeDecodeError:
         return []
 
@@ -416,17 +416,17 @@ def prompt_file_hash(run: RunDir, path: Path | str, fmt: str | None = None) -> t
 def cached_prompt_hash(run: RunDir, identity: dict) -> str | None:
     """The prompt file's hash remembered in the run directory, if the file (``identity``) is unchanged since."""
     try:
-        cached = read_json(run.prompt_hash_path)
+        cached = json.loads(run.files.read(run.prompt_hash_path))
         if {k: cached.get(k) for k in identity} == identity and cached.get("check") == _check(identity, cached["sha256"]):
             return cached["sha256"]
-    except (OSError, ValueError, KeyError, AttributeError):
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         pass  # none yet, or unreadable
     return None
 
 
 def remember_prompt_hash(run: RunDir, digest: str, identity: dict) -> None:
     """Store the prompt file's hash for the next launch (see ``prompt_file_hash``)."""
-    atomic_write_json(run.prompt_hash_path, dict(identity, sha256=digest, check=_check(identity, digest)))
+    run.files.replace(run.prompt_hash_path, json_bytes(dict(identity, sha256=digest, check=_check(identity, digest))))
 
 
 def _check(identity: dict, digest: str) -> str:

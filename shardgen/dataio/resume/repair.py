@@ -16,6 +16,7 @@ Refused: a run without a valid fingerprint, a symlinked fingerprint or plan file
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -26,10 +27,11 @@ from typing import Iterable
 
 import numpy as np
 
-from shardgen.dataio.prompts.plan import Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, load_plan, sample_key
+from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, has_plan,
+                                         load_plan, sample_key)
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
-from shardgen.dataio.rundir.fileio import atomic_write_bytes, atomic_write_json, json_bytes, map_io, open_regular
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.container import get_container
@@ -65,9 +67,9 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan, damage = None, f"{plan_json} is damaged ({e})"
     else:
-        damage = None if plan is not None or not run.plan_dir.exists() else f"{plan_json} is missing"
+        damage = None if plan is not None or not has_plan(run) else f"{plan_json} is missing"
     if plan is not None:
-        missing = [p for p in plan_files(run) if not p.is_file()]
+        missing = [p for p in plan_files(run) if _plan_file_size(run, p) < 0]
         damage = f"{missing[0]} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
             return plan
@@ -95,7 +97,24 @@ def record_plan_digests(plan: Plan) -> None:
     except RunDirError:
         pass  # none yet (or damaged: the plan itself was just checked against it, or made again)
     files = plan_files(run)
-    run.files.replace(run.plan_digests_path, json_bytes({p.name: [p.stat().st_size, file_sha256(p)] for p in files}))
+    run.files.replace(run.plan_digests_path, json_bytes({p.name: [_plan_file_size(run, p), _plan_file_sha256(run, p)]
+                                                         for p in files}))
+
+
+def _plan_file_size(run: RunDir, path: Path) -> int:
+    """The size of a plan file in the run's store; -1 when it is not there (in the directory: not a regular
+    file)."""
+    if not run.store:
+        return path.stat().st_size if path.is_file() else -1
+    data = run.files.read(path)
+    return -1 if data is None else len(data)
+
+
+def _plan_file_sha256(run: RunDir, path: Path) -> str:
+    """The sha256 of a plan file in the run's store (a missing one hashes as empty)."""
+    if not run.store:
+        return file_sha256(path)
+    return hashlib.sha256(run.files.read(path) or b"").hexdigest()
 
 
 FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whole; larger ones by size only
@@ -108,13 +127,13 @@ def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None)
     except RunDirError:
         return None  # not recorded (a run from before), or damaged: re-recorded from the current plan
     files = only or plan_files(plan.run)
-    sizes = {p: p.stat().st_size if p.is_file() else -1 for p in files}
+    sizes = {p: _plan_file_size(plan.run, p) for p in files}
     hash_them = full and sum(sizes.values()) <= FULL_CHECK_BYTES
     for p in files:
         want = digests.get(p.name) if isinstance(digests, dict) else None
         if not isinstance(want, list) or len(want) != 2:
             return f"{p} is not in {plan.run.plan_digests_path.name}"
-        if sizes[p] != want[0] or (hash_them and file_sha256(p) != want[1]):
+        if sizes[p] != want[0] or (hash_them and _plan_file_sha256(plan.run, p) != want[1]):
             return f"{p} was changed after the plan was made"
     return None
 
@@ -326,7 +345,7 @@ def committed_shard_problem(run: RunDir, shard: int) -> str | None:
     Cheap: the stats parse and the tar is a regular file of the size they record (jobs.verify also
     checks the tar's sha256 and every sample)."""
     stats_path, tar = run.shard_stats(shard), run.shard_file(shard)
-    has_stats, has_tar = os.path.lexists(stats_path), os.path.lexists(tar)
+    has_stats, has_tar = run.files.present(stats_path), os.path.lexists(tar)
     if not has_stats:
         return "a committed tar without its stats (a kill between the two)" if has_tar else None
     try:
@@ -354,9 +373,9 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
     size = tar.stat().st_size if scan is not None else 0
     if scan is not None and scan.complete and len(scan.samples) == len(keys) and size == scan.closed_end:
         counts, reasons, failed, shapes = stats_from_samples(shard, [json.loads(r["json"]) for r in rows])
-        atomic_write_json(run.shard_stats(shard), shard_stats(shard, counts, reasons, failed, tar_bytes=size,
-                                                              sha256=file_sha256(tar), started=tar.stat().st_mtime,
-                                                              shapes=shapes))
+        run.files.replace(run.shard_stats(shard), json_bytes(shard_stats(
+            shard, counts, reasons, failed, tar_bytes=size, sha256=file_sha256(tar), started=tar.stat().st_mtime,
+            shapes=shapes)))
         return f"shard {shard:06d}: {problem}; its tar is whole, so its stats were written from it (not regenerated)"
     remove_committed(run, shard)
     why = scan.problem if scan and scan.problem else "incomplete tar" if scan else \
@@ -367,8 +386,9 @@ def finish_or_discard(run: RunDir, shard: int, indices: range, problem: str) -> 
 def remove_committed(run: RunDir, shard: int) -> None:
     """Remove what commits ``shard`` (stats first: the done marker; its upload record, which stands in for it once
     the local files are deleted, with it), so that it is generated again."""
-    for path in (run.shard_stats(shard), run.shard_uploaded(shard), run.shard_file(shard),
-                 shard_index.index_path(run, shard)):
+    for marker in (run.shard_stats(shard), run.shard_uploaded(shard)):
+        run.files.delete(marker)
+    for path in (run.shard_file(shard), shard_index.index_path(run, shard)):  # local wherever the markers are
         path.unlink(missing_ok=True)
 
 

@@ -29,8 +29,9 @@ Layout (all names zero-padded shard ids)::
 This module builds every path of the run directory (``RunDir``), creates and cleans it up, and checks a run_dir
 before anything is written. How its files are written and read (whole, atomically, never through a symlink) is
 fileio.py's; the errors the storage raises are storage.py's; whether a recorded process still runs is liveness.py's.
-The fingerprint, plan record, config, summary and done markers are read and written through ``RunDir.files``
-(runfiles.py): the directory itself, or a bucket when ``store`` names one.
+The owner record, fingerprint, plan, config, summary, logs of launches and fingerprint changes, the prompt file's
+hash, output_uri.json and done markers are read and written through ``RunDir.files`` (runfiles.py): the directory
+itself, or a bucket when ``store`` names one (shard files, partials, claims' and tools' files stay local).
 
 Only a shardgen run is ever written into or cleaned up: a run_dir that exists, holds files and is
 neither marked by ``.shardgen-run`` nor laid out like a run of an older version (``fingerprint.json``,
@@ -104,7 +105,8 @@ class RunDir:
 
     @property
     def files(self) -> "RunFiles":
-        """The store of the run's fingerprint, plan record, config, summary and done markers (runfiles.py)."""
+        """The store of the run's small shared files: owner record, fingerprint, plan, config, summary, logs of
+        launches and changes, prompt hash, output_uri.json and done markers (runfiles.py)."""
         from shardgen.dataio.rundir.runfiles import DIR_FILES, bucket_files
 
         return bucket_files(self.store, self.root) if self.store else DIR_FILES
@@ -284,7 +286,8 @@ class RunDir:
 
     def start(self) -> Path | None:
         """Make the run directory and its owner record (the first write of a new run; RunDirError when the path
-        cannot be a run directory). The topmost directory this call created (None: it existed), for ``undo_start``."""
+        cannot be a run directory). Where the run's files are in a bucket, the record there is the run's and the
+        directory holds a copy of it. The topmost directory this call created (None: it existed), for ``undo_start``."""
         check_run_root(self.root)
         top = first_missing_dir(self.root)
         try:
@@ -293,14 +296,20 @@ class RunDir:
             raise RunDirError(f"cannot create {self.root} ({e.strerror}); choose a writable run_dir") from None
         if self.marker_path.is_symlink():
             self.marker_path.unlink()  # never written through, nor taken for the record
+        record = json_bytes(dict(shardgen_run=MARKER_VERSION, created=time.time()))
+        if self.store:  # the store's record is the run's (upload.run_id); the directory gets a copy of it
+            self.files.create(self.marker_path, record)
+            record = self.files.read(self.marker_path) or record
         if not self.marker_path.is_file():  # a concurrent job may create it first: then this one keeps it
-            create_exclusive(self.marker_path, json_bytes(dict(shardgen_run=MARKER_VERSION, created=time.time())))
+            create_exclusive(self.marker_path, record)
         return top
 
     def undo_start(self, top: Path | None) -> None:
         """Remove the owner record and the directories ``start`` created, when nothing else was put in them
         (a new run refused before it began leaves nothing behind)."""
         self.marker_path.unlink(missing_ok=True)
+        if self.store:
+            self.files.delete(self.marker_path)
         if top is None:
             return
         for d in (self.root, *self.root.parents):

@@ -1,9 +1,10 @@
 """Where a run's small files live: the run directory (``DirFiles``) or a bucket (``BucketFiles``).
 
-The fingerprint, the plan's record and digests, config.yaml, summary.json and the shards' done markers are read and
-written through one interface, ``RunFiles``, so a run whose files are objects of a bucket (``s3://bucket/prefix``)
-is coordinated like one in a shared directory. A file is named by its path in the run directory (``RunDir``'s
-paths); a bucket keeps it under the same relative name below its prefix.
+The owner record, the fingerprint and its change log, the plan and its digests, the prompt file's hash, config.yaml,
+summary.json, launches.jsonl, output_uri.json and the shards' done markers are read and written through one
+interface, ``RunFiles``, so a run whose files are objects of a bucket (``s3://bucket/prefix``) is coordinated like
+one in a shared directory. A file is named by its path in the run directory (``RunDir``'s paths); a bucket keeps it
+under the same relative name below its prefix.
 
 ``DirFiles`` is fileio.py's functions unchanged: whole-file atomic replaces, exclusive creates (first creator wins),
 never a write through a symlink. ``BucketFiles``: PutObject replaces atomically, ``If-None-Match: *`` creates only
@@ -14,13 +15,17 @@ from __future__ import annotations
 
 import functools
 import os
+import random
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from shardgen.dataio.rundir.bucket import CONFLICT, MISSING, REFUSED, Bucket, split_url
-from shardgen.dataio.rundir.fileio import (MAX_RUN_FILE_BYTES, atomic_write_bytes, create_exclusive, parse_state,
-                                           read_regular, read_state, too_large)
-from shardgen.dataio.rundir.remote import public_url
+from shardgen.dataio.rundir.fileio import (MAX_RUN_FILE_BYTES, append_line, atomic_write_bytes, create_exclusive,
+                                           parse_state, read_regular, read_state, too_large)
+from shardgen.dataio.rundir.remote import StorageError, public_url
+
+APPEND_TRIES = 20  # conditional replaces one line's append makes before giving up (writers: one a launch)
 
 
 class RunFiles(Protocol):
@@ -59,6 +64,10 @@ class RunFiles(Protocol):
     def replace_if(self, path: Path, data: bytes, version: str | None) -> bool:
         """``replace`` only while the file is at ``version`` (``read_versioned``'s; None: only while absent);
         False when it changed."""
+        ...
+
+    def append(self, path: Path, line: str) -> None:
+        """Add ``line`` (one JSON record) to the log-like file at ``path`` as its last line (creating it)."""
         ...
 
     def exists(self, path: Path) -> bool:
@@ -127,6 +136,10 @@ class DirFiles:
             return False
         self.replace(path, data)
         return True
+
+    def append(self, path: Path, line: str) -> None:
+        """``append_line``: one O_APPEND write, durably."""
+        append_line(path, line)
 
     def exists(self, path: Path) -> bool:
         """``Path.exists`` (follows a link)."""
@@ -210,6 +223,20 @@ class BucketFiles(Bucket):
             return self.create(path, data)
         key = self.key(path)
         return self.put_once(key, data, f"replacing {key}", (REFUSED, CONFLICT, MISSING), IfMatch=version) is not None
+
+    def append(self, path: Path, line: str) -> None:
+        """GetObject, then PutObject of its bytes and ``line`` with If-Match (If-None-Match: * when absent), again
+        while another writer changed it in between. One object per file, not one per entry: its readers (the run's
+        and a person's) read one file as in a run directory, and these files take a line per launch, so writers
+        rarely race; StorageError when they kept racing past APPEND_TRIES."""
+        data = (line.rstrip("\n") + "\n").encode("utf-8")
+        for attempt in range(APPEND_TRIES):
+            old, version = self.read_versioned(path)
+            if self.replace_if(path, (old or b"") + data, version):
+                return
+            time.sleep(random.uniform(0, 0.05 * (attempt + 1)))  # apart, so racing writers stop colliding
+        raise StorageError(f"{self.where(path)}: other writers kept replacing it while a line was added "
+                           f"({APPEND_TRIES} tries); re-run")
 
     def exists(self, path: Path) -> bool:
         """HeadObject."""

@@ -124,17 +124,29 @@ def record_commit(run: RunDir, replica: int, stats: dict) -> None:
 
 
 def record_launch(run: RunDir, summary: dict) -> None:
-    """Append this launch's summary to ``launches.jsonl``."""
-    _append_line(run.launches_path, dict(summary, ended=time.time()))
+    """Append this launch's summary to ``launches.jsonl`` (in the run's store)."""
+    if not run.store:
+        run.root.mkdir(parents=True, exist_ok=True)
+    run.files.append(run.launches_path, json.dumps(dict(summary, ended=time.time()), sort_keys=True))
 
 
 def read_jsonl(paths) -> list[dict]:
     """The records of JSON-lines files (a torn last line, from a kill, is skipped)."""
+    return [rec for path in paths for rec in parse_jsonl(read_regular(path))]  # bounded, never a FIFO or a device
+
+
+def read_run_jsonl(run: RunDir, path: Path) -> list[dict]:
+    """The records of the run's JSON-lines file at ``path`` (``read_jsonl``), from the run's store; [] when it
+    does not exist."""
+    return parse_jsonl(run.files.read(path) or b"")
+
+
+def parse_jsonl(data: bytes) -> list[dict]:
+    """The records of JSON lines (a torn last line, from a kill, is skipped)."""
     out = []
-    for path in paths:
-        for line in read_regular(path).splitlines():  # bounded, never a FIFO or a device
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
+    for line in data.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
     return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen.dataio.rundir.fileio import create_exclusive, json_bytes, read_json
+from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
@@ -48,6 +48,9 @@ class ForeignPrefixError(UserError):
 def run_id(run: RunDir) -> str | None:
     """What identifies a run wherever its directory is (moved, copied): the sha256 of its owner record
     (``.shardgen-run``, written once when the run is created), 16 hex digits; None before it is created."""
+    if run.store:  # the record every machine sharing the run reads
+        data = run.files.read(run.marker_path)
+        return hashlib.sha256(data).hexdigest()[:16] if data is not None else None
     try:
         return hashlib.sha256(run.marker_path.read_bytes()).hexdigest()[:16] if not run.marker_path.is_symlink() \
             else None
@@ -202,8 +205,8 @@ class ShardUploader:
         recorded as uploaded but gone from the bucket are made again (``forget_missing``); how many shards were
         uploaded."""
         path = self.run.output_uri_path
-        if not create_exclusive(path, json_bytes({"output_uri": self.uri})):
-            before = read_json(path).get("output_uri")
+        if not self.run.files.create(path, json_bytes({"output_uri": self.uri})):
+            before = json.loads(self.run.files.read(path) or b"{}").get("output_uri")
             if before != self.uri:
                 raise RunDirError(f"{self.run.root} uploads its shards to {before} ({path}); this launch says "
                                   f"output_uri={self.uri}. Use {before}, or start a new run_dir")
@@ -221,9 +224,10 @@ class ShardUploader:
         if record is None or record["uri"] != self.uri:
             return False
         try:
-            stats = read_json(self.run.shard_stats(shard))
-        except FileNotFoundError:
-            return True  # only the record is left: uploaded, local files deleted (keep_local=false)
+            data = self.run.files.read(self.run.shard_stats(shard))
+            if data is None:
+                return True  # only the record is left: uploaded, local files deleted (keep_local=false)
+            stats = json.loads(data)
         except (OSError, ValueError):
             return False
         return isinstance(stats, dict) and record["sha256"] == stats.get("sha256")
@@ -246,10 +250,17 @@ class ShardUploader:
         the local files. Nothing is sent when it is recorded already."""
         run = self.run
         if not self.uploaded(shard):
-            locals_ = (run.shard_file(shard), shard_index.index_path(run, shard), run.shard_stats(shard))
+            stats_path = run.shard_stats(shard)
             try:
-                stats = json.loads(run.shard_stats(shard).read_bytes())
-                objects = {local.name: self._send(local) for local in locals_}
+                data = run.files.read(stats_path)
+                if data is None:
+                    raise FileNotFoundError(stats_path)
+                stats = json.loads(data)
+                objects = {local.name: self._send(local) for local in (run.shard_file(shard),
+                                                                       shard_index.index_path(run, shard))}
+                # the stats last (the done marker at output_uri); from the run's bucket when its files are there
+                objects[stats_path.name] = self._send_bytes(stats_path.name, data) if run.store \
+                    else self._send(stats_path)
             except FileNotFoundError:
                 if self.uploaded(shard):  # another process uploaded it and deleted the local copy meanwhile
                     return
@@ -267,8 +278,9 @@ class ShardUploader:
         if self.keep_local or not self.uploaded(shard):
             return
         run = self.run
-        for local in (run.shard_file(shard), shard_index.index_path(run, shard), run.shard_stats(shard)):
+        for local in (run.shard_file(shard), shard_index.index_path(run, shard)):
             local.unlink(missing_ok=True)
+        run.files.delete(run.shard_stats(shard))
 
     def _url(self, name: str) -> str:
         return self.uri + name
@@ -281,12 +293,24 @@ class ShardUploader:
             raise FileNotFoundError(local)
         size, md5, sha = file_digests(local)
         target = f"{self._root}/{local.name}"
-        meta = self._remote_info(local.name)
+        return self._put_confirmed(local.name, (size, md5, sha),
+                                   lambda: call(self._fs, "put_file", str(local), target, size=size))
+
+    def _send_bytes(self, name: str, data: bytes) -> dict:
+        """``_send`` of ``data`` (a run file kept in a bucket, never on local disk) as the object ``name``."""
+        digests = (len(data), hashlib.md5(data, usedforsecurity=False).hexdigest(), hashlib.sha256(data).hexdigest())
+        return self._put_confirmed(name, digests, lambda: call(self._fs, "pipe_file", f"{self._root}/{name}", data))
+
+    def _put_confirmed(self, name: str, digests: tuple[int, str, str], put) -> dict:
+        """``put()`` the object ``name`` of (size, md5, sha256) ``digests`` unless it is there already, then confirm
+        it: its size, ETag and sha256; StorageError when the server holds other bytes after the upload."""
+        size, md5, sha = digests
+        meta = self._remote_info(name)
         if meta is None or not same_object(meta, size, md5):
-            retrying(f"uploading {local.name}", self.uri, lambda: call(self._fs, "put_file", str(local), target, size=size))
-            meta = self._remote_info(local.name) or {}
+            retrying(f"uploading {name}", self.uri, put)
+            meta = self._remote_info(name) or {}
             if not same_object(meta, size, md5, unknown=True):
-                raise StorageError(f"{self._url(local.name)}: {meta.get('size')} bytes on the server after its "
+                raise StorageError(f"{self._url(name)}: {meta.get('size')} bytes on the server after its "
                                    f"upload, other than the {size} sent (another job writing the same key?); check "
                                    "that no other run uses this output_uri, then re-run to upload it again")
         return dict(size=size, etag=etag_of(meta), sha256=sha)
@@ -333,7 +357,7 @@ def upload_state(run: RunDir) -> dict | None:
     """Where the run uploads its shards and how many committed shards have a recorded upload (from one listing of
     shards/ and uploads/); None for a run without output_uri."""
     try:
-        uri = read_json(run.output_uri_path)["output_uri"]
+        uri = json.loads(run.files.read(run.output_uri_path))["output_uri"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     done = run.done_shards()
