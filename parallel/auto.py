@@ -19,13 +19,8 @@ The table (docs/strategies.md has it with its sources); the first row that match
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from parallel.cfg import has_true_cfg
@@ -36,7 +31,7 @@ from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import GiB
 
 if TYPE_CHECKING:
-    from shardgen.config.schema import GenerateConfig, ModelConfig
+    from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.auto")
 USABLE = 0.9            # of a GPU's free memory a plan may fill
@@ -182,45 +177,11 @@ def _choose_cp(x: AutoInputs, room: float, why: list[str]) -> ParallelDims | Non
 
 # --- gathering the inputs (rank 0) ------------------------------------------------------------------------
 
-def _safetensors_params(folder: Path) -> int:
-    """Parameters in a folder's safetensors files, from their headers (no tensor is read)."""
-    total = 0
-    for f in folder.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
-
-
-def _meta_params(spec) -> int:
-    """Parameters of a dummy-architecture component, built on the meta device."""
-    from shardgen.models.dummy import construct_meta
-
-    return sum(p.numel() for p in construct_meta(spec).parameters())
-
-
-def component_params(model_cfg: ModelConfig) -> dict[str, int]:
-    """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
-    if model_cfg.weights == "dummy":
-        from shardgen.models.dummy import dummy_architecture
-
-        return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.name, pipeline=model_cfg.pipeline).items()
-                if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
-    from shardgen.models.loader import resolve_source
-
-    root = Path(os.path.expanduser(resolve_source(model_cfg)))
-    if not (root / "model_index.json").is_file():
-        raise ParallelConfigError(f"strategy=auto needs the model's size; model.source={model_cfg.source!r} is not a "
-                                  "local diffusers directory: download it and point model.source there, or choose a "
-                                  "strategy (e.g. strategy=dp)")
-    return {d.name: n for d in sorted(root.iterdir()) if d.is_dir() and (n := _safetensors_params(d))}
-
-
 def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: SequenceShape) -> AutoInputs:
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
-    from shardgen.models.loader import torch_dtype
+    from shardgen.models.loader import component_params, torch_dtype
 
     nbytes = torch_dtype(cfg.dtype).itemsize
     # what activations are sized from: an edit model's input tokens are in the sequence too
@@ -233,6 +194,10 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: Sequenc
                           half_dtype=cfg.dtype in HALF_DTYPES, has_tp_plan=False, has_cp_plan=False)
     info = transformer_info(cfg.model)
     params = component_params(cfg.model)
+    if params is None:
+        raise ParallelConfigError(f"strategy=auto needs the model's size; model.source={cfg.model.source!r} is not a "
+                                  "local diffusers directory: download it and point model.source there, or choose a "
+                                  "strategy (e.g. strategy=dp)")
     free = torch.cuda.mem_get_info()[0]
     return AutoInputs(
         device_type=facts.type, device_count=facts.count, world_size=world_size, free_bytes=free,

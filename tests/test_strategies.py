@@ -201,7 +201,7 @@ LONG = replace(FLUX_DEV, transformer_bytes=20 * GiB, other_bytes=4 * GiB, hidden
 
 # Wan 2.1 T2V 14B in bf16 at its model card's 720x1280 x 81 frames (21 latent frames x 45 x 80 = 75,600 video
 # tokens; the text enters by cross-attention, so none join the sequence), batch 4: 14.29B transformer parameters,
-# 5.68B UMT5-XXL + 0.13B VAE (parallel.auto.component_params of conf/model/wan21_t2v_14b.yaml, weights=dummy)
+# 5.68B UMT5-XXL + 0.13B VAE (shardgen.models.loader.component_params of conf/model/wan21_t2v_14b.yaml, weights=dummy)
 WAN14B = AutoInputs(
     device_type="cuda", device_count=8, world_size=8, free_bytes=int(139 * GiB), transformer_bytes=int(26.6 * GiB),
     other_bytes=int(10.8 * GiB), image_tokens=75600, text_tokens=0, heads=40, hidden=5120, height=720, width=1280,
