@@ -23,7 +23,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
 from parallel.transformer import HALF_DTYPES, SequenceShape, transformer_info
 from parallel.world import on_rank0_then_share
@@ -181,7 +180,7 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: Sequenc
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
-    from shardgen.models.loader import component_params, torch_dtype
+    from shardgen.models.loader import component_params, has_true_cfg, torch_dtype
 
     nbytes = torch_dtype(cfg.dtype).itemsize
     # what activations are sized from: an edit model's input tokens are in the sequence too

@@ -23,6 +23,7 @@ from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.transformer import SequenceShape, TransformerInfo, sequence_shape, transformer_info
 from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
+from shardgen.models.loader import has_true_cfg
 
 if TYPE_CHECKING:
     from parallel.world import World
@@ -70,7 +71,7 @@ def _check_cfg(r: ParallelDims, cfg: GenerateConfig) -> None:
     if r.cfg == 1:
         return
     m = cfg.model
-    if not cfg_parallel.has_true_cfg(m.pipeline):
+    if not has_true_cfg(m.pipeline):
         _fail(f"cfg_degree={r.cfg}: {m.pipeline} has no true classifier-free guidance (no true_cfg_scale; guidance-"
               "distilled models run the transformer once per step), so there is no second branch to split off; "
               "set cfg_degree=1")
