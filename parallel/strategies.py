@@ -4,9 +4,9 @@ Replicas always split the data; a strategy says how one replica spreads over its
 ``plan_layout`` runs before any weight is read (on every rank, and before sbatch for SLURM): the
 degrees are checked against each other and the world by ``ParallelDims`` itself, then here against
 the devices, the model's transformer (from its config file alone), the attention backend and the
-sequence lengths (each strategy's own checks), each message saying what to change; the ``Layout`` it
-returns checks the rows' own sizes once the plan has counted them. ``apply_strategy`` then builds this
-rank's part of its replica's pipeline with the strategy's ``apply``.
+sequence lengths (each strategy's own checks), each message saying what to change; the
+``ParallelLayout`` it returns checks the rows' own sizes once the plan has counted them.
+``apply_strategy`` then builds this rank's part of its replica's pipeline with the strategy's ``apply``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts, sequen
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """A run's parallel layout, planned once before any weight is read (``plan_layout``): the strategy and degrees,
     the devices they were checked against, and the tokens one sample puts through the transformer."""
 
@@ -129,7 +129,7 @@ class Layout:
             self.dims.kind.check_rows(self.dims, self.sequence, shapes, device_type or self.facts.type)
 
 
-def plan_layout(cfg: GenerateConfig, world_size: int) -> Layout:
+def plan_layout(cfg: GenerateConfig, world_size: int) -> ParallelLayout:
     """The strategy and degrees to run, validated against the world, the devices, the model's config and the run's
     sequence (no weights touched); ``auto`` is resolved to its choice here."""
     name = cfg.strategy.name
@@ -139,7 +139,7 @@ def plan_layout(cfg: GenerateConfig, world_size: int) -> Layout:
     sequence = sequence_shape(cfg)
     dims = (decide(cfg, world_size, facts, sequence) if name == registry.AUTO else
             ParallelDims.from_cfg(cfg, world_size))
-    return Layout(validate(cfg, dims, facts, sequence), facts, sequence)
+    return ParallelLayout(validate(cfg, dims, facts, sequence), facts, sequence)
 
 
 def parallel_dims(cfg: GenerateConfig, world_size: int) -> ParallelDims:
