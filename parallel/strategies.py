@@ -132,10 +132,11 @@ class ParallelLayout:
 def plan_layout(cfg: GenerateConfig, world_size: int) -> ParallelLayout:
     """The strategy and degrees to run, validated against the world, the devices, the model's config and the run's
     sequence (no weights touched); ``auto`` is resolved to its choice here."""
+    # the devices are only read here (Ray's replica size, which derives from the degrees, came with world_size)
+    facts = device_facts(cfg, world_size)
     name = cfg.strategy.name
     if name != registry.AUTO:  # an unknown name is refused with the choices
         _check_loras(registry.get(name), cfg)  # before the degrees: it is the first thing to change
-    facts = device_facts(cfg, world_size)
     sequence = sequence_shape(cfg)
     dims = (decide(cfg, world_size, facts, sequence) if name == registry.AUTO else
             ParallelDims.from_cfg(cfg, world_size))
