@@ -19,24 +19,18 @@ The table (docs/strategies.md has it with its sources); the first row that match
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from parallel.cfg import has_true_cfg
 from parallel.dims import ParallelConfigError, ParallelDims, divisors
-from parallel.transformer import HALF_DTYPES, input_image_tokens, model_family, sequence_tokens, transformer_info
+from parallel.transformer import HALF_DTYPES, SequenceShape, transformer_info
 from parallel.world import on_rank0_then_share
 from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import GiB
 
 if TYPE_CHECKING:
-    from shardgen.config.schema import GenerateConfig, ModelConfig
+    from shardgen.config.schema import GenerateConfig
 
 log = logging.getLogger("shardgen.auto")
 USABLE = 0.9            # of a GPU's free memory a plan may fill
@@ -182,77 +176,47 @@ def _choose_cp(x: AutoInputs, room: float, why: list[str]) -> ParallelDims | Non
 
 # --- gathering the inputs (rank 0) ------------------------------------------------------------------------
 
-def _safetensors_params(folder: Path) -> int:
-    """Parameters in a folder's safetensors files, from their headers (no tensor is read)."""
-    total = 0
-    for f in folder.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
-
-
-def _meta_params(spec) -> int:
-    """Parameters of a dummy-architecture component, built on the meta device."""
-    from shardgen.models.dummy import construct_meta
-
-    return sum(p.numel() for p in construct_meta(spec).parameters())
-
-
-def component_params(model_cfg: ModelConfig) -> dict[str, int]:
-    """Parameters per component (transformer, text encoders, VAE), without reading any weight."""
-    if model_cfg.weights == "dummy":
-        from shardgen.models.dummy import dummy_architecture
-
-        return {n: _meta_params(s) for n, s in dummy_architecture(model_cfg.name, pipeline=model_cfg.pipeline).items()
-                if s.library in ("diffusers", "transformers") and not s.cls.endswith("Scheduler")}
-    from shardgen.models.loader import resolve_source
-
-    root = Path(os.path.expanduser(resolve_source(model_cfg)))
-    if not (root / "model_index.json").is_file():
-        raise ParallelConfigError(f"strategy=auto needs the model's size; model.source={model_cfg.source!r} is not a "
-                                  "local diffusers directory: download it and point model.source there, or choose a "
-                                  "strategy (e.g. strategy=dp)")
-    return {d.name: n for d in sorted(root.iterdir()) if d.is_dir() and (n := _safetensors_params(d))}
-
-
-def gather_inputs(cfg: GenerateConfig, world_size: int, facts) -> AutoInputs:
+def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: SequenceShape) -> AutoInputs:
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
-    from shardgen.models.loader import torch_dtype
+    from shardgen.models.loader import component_params, has_true_cfg, torch_dtype
 
     nbytes = torch_dtype(cfg.dtype).itemsize
-    image, text = sequence_tokens(cfg)
-    image += input_image_tokens(cfg)  # what activations are sized from: the input's tokens are in the sequence too
+    # what activations are sized from: an edit model's input tokens are in the sequence too
+    image, text, family = sequence.with_input, sequence.text, sequence.family
     if facts.type != "cuda":  # the first rule decides: no need to size the model
         return AutoInputs(device_type=facts.type, device_count=0, world_size=world_size, free_bytes=None,
                           transformer_bytes=0, other_bytes=0, image_tokens=image, text_tokens=text, heads=None,
-                          hidden=model_family(cfg).hidden_default, height=cfg.height, width=cfg.width,
+                          hidden=family.hidden_default, height=cfg.height, width=cfg.width,
                           batch_size=cfg.batch_size, dtype_bytes=nbytes,
                           half_dtype=cfg.dtype in HALF_DTYPES, has_tp_plan=False, has_cp_plan=False)
     info = transformer_info(cfg.model)
     params = component_params(cfg.model)
+    if params is None:
+        raise ParallelConfigError(f"strategy=auto needs the model's size; model.source={cfg.model.source!r} is not a "
+                                  "local diffusers directory: download it and point model.source there, or choose a "
+                                  "strategy (e.g. strategy=dp)")
     free = torch.cuda.mem_get_info()[0]
     return AutoInputs(
         device_type=facts.type, device_count=facts.count, world_size=world_size, free_bytes=free,
         transformer_bytes=params.get("transformer", 0) * nbytes,
         other_bytes=sum(n for k, n in params.items() if k != "transformer") * nbytes,
         image_tokens=image, text_tokens=text, heads=info.heads,
-        hidden=info.hidden or model_family(cfg).hidden_default, height=cfg.height, width=cfg.width,
+        hidden=info.hidden or family.hidden_default, height=cfg.height, width=cfg.width,
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
         true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline),
-        can_stage=model_family(cfg).encode_outputs is not None)
+        can_stage=family.encode_outputs is not None)
 
 
-def decide(cfg: GenerateConfig, world_size: int, facts) -> ParallelDims:
+def decide(cfg: GenerateConfig, world_size: int, facts, sequence: SequenceShape) -> ParallelDims:
     """Rank 0 chooses (so every rank applies the same choice) and logs why; every rank gets the choice."""
     if launcher_of(cfg).described_nodes:  # submitting: the nodes measure and choose when the job starts
         return ParallelDims(world_size=world_size, strategy="dp", cfg=cfg.cfg_degree)
 
     def _choose():
-        dims, reasons = choose(gather_inputs(cfg, world_size, facts))
+        dims, reasons = choose(gather_inputs(cfg, world_size, facts, sequence))
         if cfg.cfg_degree > 1 and dims.cfg == 1:  # asked for on the command line: kept on the chosen shape
             reasons.append(f"cfg_degree={cfg.cfg_degree} as asked, on top of the choice")
             dims = dataclasses.replace(dims, cfg=cfg.cfg_degree)

@@ -129,13 +129,3 @@ def enable(transformer: torch.nn.Module, group: Any, cfg_rank: int) -> None:
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     registry.register_hook(_make_hook(group, cfg_rank), HOOK_NAME)
     log.info("cfg parallel: this rank computes the %s branch", "conditional" if cfg_rank == 0 else "unconditional")
-
-
-def has_true_cfg(pipeline_class: str) -> bool:
-    """Whether diffusers' ``pipeline_class`` takes ``true_cfg_scale`` (its transformer runs twice per step)."""
-    import inspect
-
-    import diffusers
-
-    cls = getattr(diffusers, pipeline_class, None)
-    return cls is not None and "true_cfg_scale" in inspect.signature(cls.__call__).parameters

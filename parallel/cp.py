@@ -19,7 +19,7 @@ from parallel.compat import parallel_patches
 from parallel.dims import ParallelDims, divisors
 from parallel.registry import Strategy, fail, register
 from parallel.attention import LSE_BACKENDS, backend_name_problem, default_attention_backend
-from parallel.transformer import HALF_DTYPES, latent_frames, model_family, sequence_tokens, split_image_tokens
+from parallel.transformer import HALF_DTYPES, SequenceShape
 from shardgen.models import lora
 from shardgen.models.loader import load_pipeline, torch_dtype
 
@@ -55,8 +55,11 @@ class ContextParallel(Strategy):
         """The configured backend or the device's default, checked against what splitting a sequence needs."""
         return _check_attention(dims, facts, dtype)
 
-    def check_run(self, dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
-        _check_sequence(dims, cfg, facts)
+    def check_sequence(self, dims: ParallelDims, sequence: SequenceShape, facts: DeviceFacts) -> None:
+        _check_sequence(dims, sequence, facts)
+
+    def check_rows(self, dims: ParallelDims, sequence: SequenceShape, shapes: dict, device_type: str) -> None:
+        _check_rows(dims, sequence, shapes, device_type)
 
     def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:
         return apply(cfg, world, dims)
@@ -157,22 +160,22 @@ def _check_attention(dims: ParallelDims, facts: DeviceFacts, dtype: str) -> str:
     return name
 
 
-def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts) -> None:
+def _check_sequence(dims: ParallelDims, sequence: SequenceShape, facts: DeviceFacts) -> None:
     """Each sequence the transformer splits (image tokens, text tokens) divides by the CP degree, unless an
     anything-variant is on; those split unevenly only on GPUs (gloo cannot all-gather pieces of unequal size)."""
     n = dims.ulysses * dims.ring
-    image, text = sequence_tokens(cfg)
+    image_rule = _image_rule(sequence)
     # an edit model's input image joins the sequence that is split
-    sequences = [("image", tokens, _token_rule("image", cfg)) if tokens == image else
-                 ("image + input image", tokens, f"{_token_rule('image', cfg)} + {_input_rule(cfg, tokens - image)}")
-                 for tokens in split_image_tokens(cfg, image)] + [("text", text, _token_rule("text", cfg))]
+    sequences = [("image", tokens, image_rule) if tokens == sequence.image else
+                 ("image + input image", tokens, f"{image_rule} + {_input_rule(sequence)}")
+                 for tokens in sequence.split] + [("text", sequence.text, "model.max_sequence_length")]
     anything = dims.ulysses_anything or dims.ring_anything
     variant = "strategy.ulysses_anything=true" if dims.ring == 1 else \
         "strategy.ring_anything=true" if dims.ulysses == 1 else None
     fix = f", or {variant}" if variant and facts.type == "cuda" else ""
     for what, tokens, rule in sequences:
         if tokens is None and not anything:
-            fail(f"{cfg.model.pipeline} gives each batch a text length of its own, which a CP degree of {n} need not "
+            fail(f"{sequence.pipeline} gives each batch a text length of its own, which a CP degree of {n} need not "
                   f"divide; set {variant or 'ulysses_degree or ring_degree to 1 and its anything-variant'} (on GPUs)")
         if tokens is None or tokens % n == 0:
             continue
@@ -183,7 +186,7 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
         if anything and tokens < n:
             fail(f"{tokens} {what} tokens cannot be split over {n} ranks; use a smaller CP degree")
         if not anything:
-            family = model_family(cfg)
+            family = sequence.family
             frames = "latent frames x " if family.is_video else ""
             p = family.latent_patch
             hint = {"image": f"num_frames/height/width giving {frames}(H/{p})*(W/{p}) divisible by {n}",
@@ -193,19 +196,39 @@ def _check_sequence(dims: ParallelDims, cfg: GenerateConfig, facts: DeviceFacts)
                   f"{n} (ulysses {dims.ulysses} x ring {dims.ring}); use {hint}{fix}")
 
 
-def _input_rule(cfg: GenerateConfig, tokens: int) -> str:
-    from shardgen.models.condition import input_size
+def _check_rows(dims: ParallelDims, sequence: SequenceShape, shapes: dict, device_type: str) -> None:
+    """``_check_sequence``'s image-token rule for the sizes rows give themselves (``shapes``: Shape -> rows): a row
+    whose tokens the CP degree does not divide would otherwise stop the job inside a collective, half-way through the
+    run. The anything-variants split them unevenly on GPUs (``device_type`` cuda)."""
+    n = dims.ulysses * dims.ring
+    if (dims.ulysses_anything or dims.ring_anything) and device_type == "cuda":
+        return
+    bad = [(shape, rows, tokens) for shape, rows in shapes.items()
+           for tokens in sequence.at(shape.width, shape.height, shape.frames).split if tokens % n]
+    if bad:
+        some = ", ".join(f"{rows} rows at {shape.label} ({tokens} tokens)" for shape, rows, tokens in bad[:3])
+        fail(f"prompts.row_settings: {some}{' ...' if len(bad) > 3 else ''}: their image tokens do not divide by "
+             f"the CP degree {n} (ulysses {dims.ulysses} x ring {dims.ring}); give those rows sizes whose "
+             f"{_size_rule(sequence)} divides by {n}, or use strategy=dp or tp for this prompt file")
 
-    width, height = input_size(cfg.width, cfg.height, model_family(cfg).input_image_area)
-    return f"{tokens} of the input image, fitted to {width}x{height}"
+
+def _image_rule(sequence: SequenceShape) -> str:
+    """How the sample's image tokens are counted."""
+    patch = sequence.family.latent_patch
+    if sequence.family.is_video:
+        return (f"{sequence.latent_frames} latent frames of num_frames={sequence.frames} x {sequence.height}/{patch} x "
+                f"{sequence.width}/{patch}")
+    return f"{sequence.height}/{patch} x {sequence.width}/{patch}"
 
 
-def _token_rule(what: str, cfg: GenerateConfig) -> str:
-    family = model_family(cfg)
-    patch = family.latent_patch
-    if what == "image" and family.is_video:
-        return (f"{latent_frames(cfg)} latent frames of num_frames={cfg.num_frames} x {cfg.height}/{patch} x "
-                f"{cfg.width}/{patch}")
-    if what == "image":
-        return f"{cfg.height}/{patch} x {cfg.width}/{patch}"
-    return "model.max_sequence_length"
+def _input_rule(sequence: SequenceShape) -> str:
+    """How the input image's tokens are counted."""
+    width, height = sequence.input_size
+    return f"{sequence.input_image} of the input image, fitted to {width}x{height}"
+
+
+def _size_rule(sequence: SequenceShape) -> str:
+    """What must divide for a size's tokens to split evenly: ``(H/16)*(W/16)`` and the like."""
+    p = sequence.family.latent_patch
+    return (f"{'latent frames x ' if sequence.family.is_video else ''}(H/{p})*(W/{p})" +
+            (" plus their input image's" if sequence.input_image else ""))

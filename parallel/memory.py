@@ -76,16 +76,17 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
 
 def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> None:
     """Refuse (MemoryCheckError) a model whose weights do not fit where this rank builds them."""
-    from parallel.auto import component_params
-    from parallel.dims import ParallelConfigError
-    from shardgen.models.loader import torch_dtype
+    from shardgen.models.loader import component_params, torch_dtype
 
     if not cfg.check_memory:
         return
     try:
         params = component_params(cfg.model)
-    except (ParallelConfigError, OSError, ValueError) as e:  # a hub id not on disk: nothing to size it from
+    except (OSError, ValueError) as e:  # a safetensors header that does not read
         log.debug("memory check skipped: %s", e)
+        return
+    if params is None:  # a hub id not on disk: nothing to size it from
+        log.debug("memory check skipped: model.source=%r is not a local diffusers directory", cfg.model.source)
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     available, where = available_bytes(device_type, local)

@@ -85,9 +85,13 @@ class Strategy:
             fail(problem)
         return dims.attention_backend
 
-    def check_run(self, dims: ParallelDims, cfg: GenerateConfig, facts: Any) -> None:
-        """What else the run's settings must satisfy (sequence lengths); ``attention_backend`` has resolved the
-        backend."""
+    def check_sequence(self, dims: ParallelDims, sequence: Any, facts: Any) -> None:
+        """The tokens one sample puts through the transformer (``sequence``: parallel/transformer.py's
+        SequenceShape) can be split so; ``attention_backend`` has resolved the backend."""
+
+    def check_rows(self, dims: ParallelDims, sequence: Any, shapes: dict, device_type: str) -> None:
+        """``check_sequence`` for the sizes rows give themselves (``shapes``: Shape -> rows, ``Plan.shapes``;
+        ``sequence.at`` counts each), on ``device_type`` ("cuda" or "cpu")."""
 
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
         """Bytes of weights one process holds, from the transformer's and the other components' parameters."""

@@ -1,11 +1,12 @@
 """Choosing, validating and applying a strategy: each one a ``Strategy`` class in its own module (parallel/registry.py).
 
 Replicas always split the data; a strategy says how one replica spreads over its ranks/devices.
-``parallel_dims`` runs before any weight is read (on every rank, and before sbatch for SLURM): the
+``plan_layout`` runs before any weight is read (on every rank, and before sbatch for SLURM): the
 degrees are checked against each other and the world by ``ParallelDims`` itself, then here against
 the devices, the model's transformer (from its config file alone), the attention backend and the
-sequence lengths (each strategy's own checks), each message saying what to change. ``apply_strategy``
-then builds this rank's part of its replica's pipeline with the strategy's ``apply``.
+sequence lengths (each strategy's own checks), each message saying what to change; the
+``ParallelLayout`` it returns checks the rows' own sizes once the plan has counted them.
+``apply_strategy`` then builds this rank's part of its replica's pipeline with the strategy's ``apply``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from parallel import cfg as cfg_parallel
 from parallel import registry
 from parallel.auto import decide
 from parallel.dims import ParallelConfigError, ParallelDims
-from parallel.transformer import (TransformerInfo, input_image_tokens, model_family, split_image_tokens,
-                                  transformer_info)
+from parallel.transformer import SequenceShape, TransformerInfo, sequence_shape, transformer_info
 from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
+from shardgen.models.loader import has_true_cfg
 
 if TYPE_CHECKING:
     from parallel.world import World
@@ -70,7 +71,7 @@ def _check_cfg(r: ParallelDims, cfg: GenerateConfig) -> None:
     if r.cfg == 1:
         return
     m = cfg.model
-    if not cfg_parallel.has_true_cfg(m.pipeline):
+    if not has_true_cfg(m.pipeline):
         _fail(f"cfg_degree={r.cfg}: {m.pipeline} has no true classifier-free guidance (no true_cfg_scale; guidance-"
               "distilled models run the transformer once per step), so there is no second branch to split off; "
               "set cfg_degree=1")
@@ -96,37 +97,10 @@ def _check_loras(kind: registry.Strategy, cfg: GenerateConfig) -> None:
               "in model.loras")
 
 
-def check_row_shapes(cfg: GenerateConfig, dims: ParallelDims, shapes: dict | None, device_type: str | None = None
-                     ) -> None:
-    """``_check_sequence``'s image-token rule for the shapes rows give themselves (prompts.row_settings), once the
-    plan has counted them (``Plan.shapes``; Shape -> rows), before any weight is read: a row whose tokens the CP
-    degree does not divide would otherwise stop the job inside a collective, half-way through the run.
-    ``device_type``: this rank's ("cuda" or "cpu"; None: from the config, as the launch checks find it)."""
-    n = dims.ulysses * dims.ring
-    if not dims.cp_enabled or not shapes:
-        return
-    device_type = device_type or device_facts(cfg, dims.world_size).type
-    if (dims.ulysses_anything or dims.ring_anything) and device_type == "cuda":  # they split unevenly on GPUs
-        return
-    family = model_family(cfg)
-    p = family.latent_patch
-    bad = [(shape, rows, tokens) for shape, rows in shapes.items()
-           for tokens in split_image_tokens(cfg, family.image_tokens(shape.height, shape.width)
-                                            * family.latent_frames(shape.frames), shape.height, shape.width)
-           if tokens % n]
-    if bad:
-        some = ", ".join(f"{rows} rows at {shape.label} ({tokens} tokens)" for shape, rows, tokens in bad[:3])
-        sizes = (f"{'latent frames x ' if family.is_video else ''}(H/{p})*(W/{p})" +
-                 (" plus their input image's" if input_image_tokens(cfg) else ""))
-        _fail(f"prompts.row_settings: {some}{' ...' if len(bad) > 3 else ''}: their image tokens do not divide by "
-              f"the CP degree {n} (ulysses {dims.ulysses} x ring {dims.ring}); give those rows sizes whose "
-              f"{sizes} divides by {n}, or use strategy=dp or tp for this prompt file")
-
-
-def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,
+def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts, sequence: SequenceShape,
              info_fn: Callable[[Any], TransformerInfo] = transformer_info) -> ParallelDims:
-    """Every check of ``dims`` that needs the devices or the model's config, in order; returns ``dims`` with its
-    attention backend resolved."""
+    """Every check of ``dims`` that needs the devices, the model's config or the run's sequence, in order; returns
+    ``dims`` with its attention backend resolved."""
     kind = dims.kind
     kind.check_devices(dims, facts, cfg)
     _check_cfg(dims, cfg)
@@ -134,19 +108,44 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts,
     _check_loras(kind, cfg)  # again: auto may have chosen such a strategy
     kind.check_model(dims, cfg, info_fn)
     dims.attention_backend = kind.attention_backend(dims, facts, cfg.dtype)
-    kind.check_run(dims, cfg, facts)
+    kind.check_sequence(dims, sequence, facts)
     return dims
 
 
-def parallel_dims(cfg: GenerateConfig, world_size: int) -> ParallelDims:
-    """The strategy and degrees to run, validated against the world, the devices and the model's config
-    (no weights touched); ``auto`` is resolved to its choice here."""
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A run's parallel layout, planned once before any weight is read (``plan_layout``): the strategy and degrees,
+    the devices they were checked against, and the tokens one sample puts through the transformer."""
+
+    dims: ParallelDims
+    facts: DeviceFacts
+    sequence: SequenceShape
+
+    def check_rows(self, shapes: dict | None, device_type: str | None = None) -> None:
+        """The strategy's sequence checks for the sizes rows give themselves (prompts.row_settings), once the plan
+        has counted them (``Plan.shapes``: Shape -> rows), before any weight is read. ``device_type``: this rank's
+        ("cuda" or "cpu"; None: the devices the layout was checked against)."""
+        if shapes:
+            self.dims.kind.check_rows(self.dims, self.sequence, shapes, device_type or self.facts.type)
+
+
+def plan_layout(cfg: GenerateConfig, world_size: int) -> ParallelLayout:
+    """The strategy and degrees to run, validated against the world, the devices, the model's config and the run's
+    sequence (no weights touched); ``auto`` is resolved to its choice here."""
+    # the devices are only read here (Ray's replica size, which derives from the degrees, came with world_size)
+    facts = device_facts(cfg, world_size)
     name = cfg.strategy.name
     if name != registry.AUTO:  # an unknown name is refused with the choices
         _check_loras(registry.get(name), cfg)  # before the degrees: it is the first thing to change
-    facts = device_facts(cfg, world_size)
-    dims = decide(cfg, world_size, facts) if name == registry.AUTO else ParallelDims.from_cfg(cfg, world_size)
-    return validate(cfg, dims, facts)
+    sequence = sequence_shape(cfg)
+    dims = (decide(cfg, world_size, facts, sequence) if name == registry.AUTO else
+            ParallelDims.from_cfg(cfg, world_size))
+    return ParallelLayout(validate(cfg, dims, facts, sequence), facts, sequence)
+
+
+def parallel_dims(cfg: GenerateConfig, world_size: int) -> ParallelDims:
+    """``plan_layout``'s strategy and degrees (a launcher sizing and checking the ranks it starts)."""
+    return plan_layout(cfg, world_size).dims
 
 
 def apply_strategy(cfg: GenerateConfig, world: World, dims: ParallelDims) -> Any:

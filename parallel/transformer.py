@@ -91,42 +91,75 @@ def model_family(cfg: GenerateConfig) -> ModelFamily:
     return family_for(cfg.model.pipeline)
 
 
-def latent_frames(cfg: GenerateConfig) -> int:
-    """Frames the transformer sees (Wan: num_frames = 4k+1 gives k+1; 1 for image models)."""
-    return model_family(cfg).latent_frames(cfg.get("num_frames"))
+@dataclass(frozen=True)
+class SequenceShape:
+    """The tokens one sample puts through the transformer, counted once from the config (``sequence_shape``): what
+    context parallelism splits and ``auto`` sizes activations from, with the sizes their messages show."""
+
+    pipeline: str
+    """The diffusers pipeline class (messages name it)."""
+    family: ModelFamily
+    """Its family: the token, patch and frame rules the counts follow."""
+    width: int
+    height: int
+    frames: int | None
+    """``num_frames`` as configured (video families; ignored by image families)."""
+    image: int
+    """Image or video tokens of the sample (latent frames x patches)."""
+    text: int | None
+    """Text tokens; None when each batch has its own count, 0 when context parallelism does not split them (they
+    only feed cross-attention)."""
+    input_image: int
+    """Tokens a row's input image adds to the sequence (an edit model whose input joins the sample's tokens, in a run
+    whose rows name images, ``ModelFamily.image_in_sequence``); 0: none."""
+    input_size: tuple[int, int]
+    """(width, height) a row's input image is fitted to (shardgen/models/condition.py: ``input_size``)."""
+    inputs_join: bool
+    """The run's rows name input images whose tokens join the sequence (``input_image`` counts them)."""
+
+    @property
+    def latent_frames(self) -> int:
+        """Frames the transformer sees (Wan: num_frames = 4k+1 gives k+1; 1 for image models)."""
+        return self.family.latent_frames(self.frames)
+
+    @property
+    def with_input(self) -> int:
+        """The image-side tokens of a conditioned sample: what its activations are sized from."""
+        return self.image + self.input_image
+
+    @property
+    def split(self) -> list[int]:
+        """The image-side token counts context parallelism splits: the sample's, and with an edit model's input image
+        the joint sequence (that alone when the family requires an input image)."""
+        if not self.input_image:
+            return [self.image]
+        return [self.with_input] if self.family.input_image == "required" else [self.image, self.with_input]
+
+    def at(self, width: int, height: int, frames: int | None) -> SequenceShape:
+        """The same run's sequence for a sample of another size (a row's own, ``prompts.row_settings``)."""
+        return _counted(self.pipeline, self.family, width, height, frames, self.text, self.inputs_join)
 
 
-def sequence_tokens(cfg: GenerateConfig) -> tuple[int, int | None]:
-    """(image or video tokens, text tokens) one prompt puts through the transformer; text None when it varies,
-    0 when context parallelism does not split it (it only feeds cross-attention)."""
-    family = model_family(cfg)
-    image = family.image_tokens(cfg.height, cfg.width) * latent_frames(cfg)
-    key = family.text_tokens
-    return image, (family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None))
-
-
-def input_image_tokens(cfg: GenerateConfig, height: int | None = None, width: int | None = None) -> int:
-    """Latent tokens a row's input image adds to the transformer's sequence for a sample of ``height`` x ``width``
-    (default: the run's): those of the image at the size it is fitted to, for an edit model whose input joins the
-    sample's tokens (``ModelFamily.image_in_sequence``) in a run whose rows name images; else 0."""
-    family = model_family(cfg)
-    if not family.image_in_sequence or "image" not in (cfg.prompts.get("row_settings") or ()):
-        return 0
+def _counted(pipeline: str, family: ModelFamily, width: int, height: int, frames: int | None, text: int | None,
+             inputs_join: bool) -> SequenceShape:
+    """The SequenceShape of a sample of ``width`` x ``height`` (x ``frames``)."""
     from shardgen.models.condition import input_size
 
-    width, height = input_size(width or cfg.width, height or cfg.height, family.input_image_area)
-    return family.image_tokens(height, width)
+    fitted = input_size(width, height, family.input_image_area)
+    return SequenceShape(pipeline=pipeline, family=family, width=width, height=height, frames=frames,
+                         image=family.image_tokens(height, width) * family.latent_frames(frames), text=text,
+                         input_image=family.image_tokens(fitted[1], fitted[0]) if inputs_join else 0,
+                         input_size=fitted, inputs_join=inputs_join)
 
 
-def split_image_tokens(cfg: GenerateConfig, tokens: int, height: int | None = None, width: int | None = None
-                       ) -> list[int]:
-    """The image-side token counts context parallelism splits for samples of ``tokens`` image tokens at ``height``
-    x ``width`` (default: the run's): the sample's, and with an edit model's input image the joint sequence (that
-    alone when the family requires an input image)."""
-    extra = input_image_tokens(cfg, height, width)
-    if not extra:
-        return [tokens]
-    return [tokens + extra] if model_family(cfg).input_image == "required" else [tokens, tokens + extra]
+def sequence_shape(cfg: GenerateConfig) -> SequenceShape:
+    """The run's SequenceShape: its size, its model's text length, and whether its rows' input images join the
+    sequence."""
+    family = model_family(cfg)
+    key = family.text_tokens
+    text = family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None)
+    joins = family.image_in_sequence and "image" in (cfg.prompts.get("row_settings") or ())
+    return _counted(cfg.model.pipeline, family, cfg.width, cfg.height, cfg.get("num_frames"), text, joins)
 
 
 def load_transformer(model_cfg: ModelConfig, dtype: torch.dtype, purpose: str, **from_pretrained: Any):

@@ -42,11 +42,12 @@ def test_lookup_by_name_object_and_most_specific_subclass():
     ("wan21_t2v_14b", (75600, 0), True),   # 81 frames -> 21 x (720/16 x 1280/16)
 ])
 def test_token_rules_and_video_come_from_the_family(model, tokens, video):
-    from parallel.transformer import sequence_tokens
+    from parallel.transformer import sequence_shape
     from shardgen.dataio.shards.video import is_video
 
     cfg = compose_cfg(f"model={model}")
-    assert sequence_tokens(cfg) == tokens and is_video(cfg) is video
+    sequence = sequence_shape(cfg)
+    assert (sequence.image, sequence.text) == tokens and is_video(cfg) is video
 
 
 def test_only_the_qwen_families_have_speed_hooks_and_every_image_family_runs_device_map():

@@ -236,7 +236,7 @@ def test_the_memory_check_counts_the_whole_transformer_a_tp_rank_fuses():
     from parallel.memory import memory_problem
 
     flux = {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
-            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (parallel.auto.component_params)
+            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (shardgen.models.loader.component_params)
     tp4 = ParallelDims(world_size=4, strategy="tp", tp=4)  # the transformer split 4 ways: 14.8 GiB per rank
     plain = compose_cfg("model=flux_dev", "model.weights=dummy")
     assert memory_problem(plain, tp4, flux, 2, 20 << 30, "GPU 0") is None

@@ -256,7 +256,7 @@ def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_wha
 
     cfg = compose_cfg("model=flux_dev", "model.weights=dummy")
     flux = {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
-            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (parallel.auto.component_params)
+            "text_encoder_2": 4_762_310_656}  # FLUX.1-dev's parameters (shardgen.models.loader.component_params)
     dp = ParallelDims(world_size=1, strategy="dp")
     msg = memory_problem(cfg, dp, flux, 2, 16 << 30, "the CPU")
     assert msg.startswith("model=flux_dev (weights=dummy, dtype=bfloat16) needs ~31.4 GiB for its weights in each "

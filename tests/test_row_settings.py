@@ -388,7 +388,8 @@ def test_rows_whose_tokens_a_cp_degree_cannot_split_are_refused_before_any_weigh
     """Ulysses-2 splits each image's tokens over 2 ranks: a row at 48x48 (3x3 = 9 tokens) cannot be split. The
     run's own size passes the launch checks, so the plan's shapes are checked (dry run and launch alike)."""
     from parallel.dims import ParallelConfigError, ParallelDims
-    from parallel.strategies import check_row_shapes
+    from parallel.strategies import DeviceFacts, ParallelLayout
+    from parallel.transformer import sequence_shape
     from shardgen.dataio.prompts import Shape
     from shardgen.run.dryrun import dry_run
 
@@ -399,12 +400,13 @@ def test_rows_whose_tokens_a_cp_degree_cannot_split_are_refused_before_any_weigh
                       "ulysses_degree=2", "launcher=local", "launcher.nprocs=2", "dry_run=true")
     with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 1 rows at 48x48 \(9 tokens\): their"):
         dry_run(cfg)  # 64x32, the run's 64x48 and 32x48 split (8, 12, 6 tokens); 1:1 at 64x48's area is 48x48
-    dims = ParallelDims(world_size=2, strategy="cp_ulysses", ulysses=2)
+    layout = ParallelLayout(ParallelDims(world_size=2, strategy="cp_ulysses", ulysses=2), DeviceFacts("cpu", 0, 2),
+                            sequence_shape(cfg))
     with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 3 rows at 48x48 \(9 tokens\): their "
                                                   r"image tokens do not divide by the CP degree 2 \(ulysses 2 x ring "
                                                   r"1\); give those rows sizes whose \(H/16\)\*\(W/16\) divides by 2"):
-        check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(48, 48): 3}, "cpu")
-    check_row_shapes(cfg, dims, {Shape(64, 64): 5, Shape(32, 48): 3}, "cpu")  # 8 and 6 tokens: fine
+        layout.check_rows({Shape(64, 64): 5, Shape(48, 48): 3})
+    layout.check_rows({Shape(64, 64): 5, Shape(32, 48): 3})  # 8 and 6 tokens: fine
     assert not (tmp_path / "run").exists()
 
 
@@ -412,16 +414,18 @@ def test_an_edit_models_rows_are_checked_with_their_input_images_tokens():
     """Qwen-Image-Edit's input image (fitted to ~1 MP at the row's aspect) joins the sequence Ulysses splits: a row
     at 960x1024 has 3840 tokens of its own, which 8 ranks split, and 4092 of its input, which they do not."""
     from parallel.dims import ParallelConfigError, ParallelDims
-    from parallel.strategies import check_row_shapes
+    from parallel.strategies import DeviceFacts, ParallelLayout
+    from parallel.transformer import sequence_shape
     from shardgen.dataio.prompts import Shape
 
     cfg = compose_cfg("run_dir=/tmp/x", "model=qwen_image_edit", "model.weights=dummy", "prompts=jsonl",
                       "prompts.row_settings=[image,width,height]")
-    dims = ParallelDims(world_size=8, strategy="cp_ulysses", ulysses=8)
+    layout = ParallelLayout(ParallelDims(world_size=8, strategy="cp_ulysses", ulysses=8), DeviceFacts("cuda", 8, 8),
+                            sequence_shape(cfg))
     with pytest.raises(ParallelConfigError, match=r"^prompts.row_settings: 2 rows at 960x1024 \(7932 tokens\): .* "
                                                   r"\(H/16\)\*\(W/16\) plus their input image's divides by 8"):
-        check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(960, 1024): 2}, "cuda")
-    check_row_shapes(cfg, dims, {Shape(1024, 1024): 5, Shape(768, 1024): 2}, "cuda")  # 3072 + 4144 tokens: fine
+        layout.check_rows({Shape(1024, 1024): 5, Shape(960, 1024): 2})
+    layout.check_rows({Shape(1024, 1024): 5, Shape(768, 1024): 2})  # 3072 + 4144 tokens: fine
 
 
 def test_a_pandas_parquet_with_nullable_integer_columns_plans_and_generates(tmp_path):

@@ -27,7 +27,7 @@ SMALL = {
 
 
 def test_sd35_large_has_the_published_sizes_and_token_rules():
-    from parallel.transformer import sequence_tokens
+    from parallel.transformer import sequence_shape
     from shardgen.families import family_of
     from shardgen.models.dummy import construct_meta, dummy_architecture
 
@@ -38,7 +38,8 @@ def test_sd35_large_has_the_published_sizes_and_token_rules():
     assert round(params["text_encoder_3"] / 1e9, 2) == 4.76 and family_of("StableDiffusion3Pipeline").name.startswith(
         "Stable Diffusion 3")
     # 1024/16 squared image tokens; CLIP's 77 + T5's 256 text tokens in the joint attention
-    assert sequence_tokens(compose_cfg("model=sd35_large")) == (4096, 333)
+    sequence = sequence_shape(compose_cfg("model=sd35_large"))
+    assert (sequence.image, sequence.text) == (4096, 333)
 
 
 @pytest.fixture

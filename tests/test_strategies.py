@@ -168,6 +168,7 @@ def test_a_launcher_row_alone_decides_how_parallel_sees_its_nodes(monkeypatch, n
     """parallel/ asks the launcher table (shardgen/config/launchers.py), never a launcher's name: a new row with
     described nodes is checked against them, and strategy=auto waits for those nodes, with parallel/ unchanged."""
     from parallel.strategies import device_facts
+    from parallel.transformer import sequence_shape
     from shardgen.config import launchers
 
     row = launchers.Launcher("cluster", world_size=lambda cfg: 16, described_nodes=lambda cfg: (2, 2, "each node"))
@@ -179,7 +180,7 @@ def test_a_launcher_row_alone_decides_how_parallel_sees_its_nodes(monkeypatch, n
         parallel_dims(cfg, 16)
     auto = compose_cfg("strategy=auto")
     auto.launcher.name = "cluster"
-    assert decide(auto, 16, device_facts(auto, 16)).strategy == "dp"  # chosen on the nodes when the job starts
+    assert decide(auto, 16, device_facts(auto, 16), sequence_shape(auto)).strategy == "dp"  # chosen on the nodes when the job starts
     from shardgen.run.dryrun import world_size_of
 
     assert world_size_of(auto) == 16
@@ -200,7 +201,7 @@ LONG = replace(FLUX_DEV, transformer_bytes=20 * GiB, other_bytes=4 * GiB, hidden
 
 # Wan 2.1 T2V 14B in bf16 at its model card's 720x1280 x 81 frames (21 latent frames x 45 x 80 = 75,600 video
 # tokens; the text enters by cross-attention, so none join the sequence), batch 4: 14.29B transformer parameters,
-# 5.68B UMT5-XXL + 0.13B VAE (parallel.auto.component_params of conf/model/wan21_t2v_14b.yaml, weights=dummy)
+# 5.68B UMT5-XXL + 0.13B VAE (shardgen.models.loader.component_params of conf/model/wan21_t2v_14b.yaml, weights=dummy)
 WAN14B = AutoInputs(
     device_type="cuda", device_count=8, world_size=8, free_bytes=int(139 * GiB), transformer_bytes=int(26.6 * GiB),
     other_bytes=int(10.8 * GiB), image_tokens=75600, text_tokens=0, heads=40, hidden=5120, height=720, width=1280,
@@ -208,19 +209,23 @@ WAN14B = AutoInputs(
 
 
 def test_the_video_token_count_auto_sizes_from_is_frames_times_patches():
-    from parallel.transformer import sequence_tokens
+    from parallel.transformer import sequence_shape
 
-    assert sequence_tokens(compose_cfg("model=wan21_t2v_14b")) == (WAN14B.image_tokens, WAN14B.text_tokens)
+    sequence = sequence_shape(compose_cfg("model=wan21_t2v_14b"))
+    assert (sequence.image, sequence.text) == (WAN14B.image_tokens, WAN14B.text_tokens)
 
 
 def test_an_edit_models_input_image_adds_its_tokens_to_the_sequence_auto_sizes_from():
-    from parallel.transformer import input_image_tokens
+    from parallel.transformer import sequence_shape
+
+    def input_image_tokens(*overrides):
+        return sequence_shape(compose_cfg(*overrides)).input_image
 
     edit = ("prompts.row_settings=[image]", "height=512", "width=1024")
-    assert input_image_tokens(compose_cfg("model=flux_kontext_dev", *edit)) == 32 * 64  # the sample's size
-    assert input_image_tokens(compose_cfg("model=qwen_image_edit", *edit)) == 46 * 90  # ~1 MP: 1440 x 736
-    assert input_image_tokens(compose_cfg("model=flux_kontext_dev", "height=512", "width=1024")) == 0  # no image rows
-    assert input_image_tokens(compose_cfg("model=flux_dev_img2img", *edit)) == 0  # the image starts the latents
+    assert input_image_tokens("model=flux_kontext_dev", *edit) == 32 * 64  # the sample's size
+    assert input_image_tokens("model=qwen_image_edit", *edit) == 46 * 90  # ~1 MP: 1440 x 736
+    assert input_image_tokens("model=flux_kontext_dev", "height=512", "width=1024") == 0  # no image rows
+    assert input_image_tokens("model=flux_dev_img2img", *edit) == 0  # the image starts the latents
 
 
 @pytest.mark.parametrize("inputs,strategy,degrees", [
@@ -255,7 +260,7 @@ def test_auto_says_what_would_make_it_fit():
 
 
 def test_auto_logs_one_line_per_reason_and_applies_its_choice(monkeypatch, caplog, no_weights):
-    monkeypatch.setattr("parallel.auto.gather_inputs", lambda cfg, ws, facts: replace(FLUX_DEV, free_bytes=24 * GiB))
+    monkeypatch.setattr("parallel.auto.gather_inputs", lambda cfg, ws, facts, seq: replace(FLUX_DEV, free_bytes=24 * GiB))
     monkeypatch.setattr(S, "device_facts", lambda cfg, ws: GPUS(8, 8))
     with caplog.at_level(logging.INFO, logger="shardgen.auto"):
         dims = parallel_dims(compose_cfg("strategy=auto"), 8)
@@ -268,7 +273,10 @@ def test_auto_logs_one_line_per_reason_and_applies_its_choice(monkeypatch, caplo
 def test_auto_on_this_cpu_machine_picks_dp(no_weights):
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine")
-    assert decide(compose_cfg("strategy=auto"), 1, S.device_facts(compose_cfg("strategy=auto"), 1)).strategy == "dp"
+    from parallel.transformer import sequence_shape
+
+    cfg = compose_cfg("strategy=auto")
+    assert decide(cfg, 1, S.device_facts(cfg, 1), sequence_shape(cfg)).strategy == "dp"
 
 
 # --- diffusers compatibility patches (CPU) ----------------------------------------------------------------

@@ -73,6 +73,14 @@ def dummy_architecture(model: str, overrides: dict[str, dict] | None = None,
     return {name: spec._replace(config=_merge(spec.config, overrides.get(name, {}))) for name, spec in specs.items()}
 
 
+def dummy_params(model: str, pipeline: str | None = None) -> dict[str, int]:
+    """Parameters per weighted component (the diffusers and transformers modules, no scheduler) of ``model``'s dummy
+    architecture, built on the meta device."""
+    return {name: sum(p.numel() for p in construct_meta(spec).parameters())
+            for name, spec in dummy_architecture(model, pipeline=pipeline).items()
+            if spec.library in ("diffusers", "transformers") and not spec.cls.endswith("Scheduler")}
+
+
 # --- fast random init on the device ---------------------------------------------------------------
 
 def _fp32_names(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:

@@ -4,8 +4,11 @@ pipeline (hub id or local directory, safetensors only), or the real architecture
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import stat
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,40 @@ def resolve_source(model_cfg: Any) -> str:
 
     tiny = tiny_model(model_cfg.source)
     return str(tiny.path(model_cfg.cache_dir)) if tiny is not None else str(model_cfg.source)
+
+
+def component_params(model_cfg: Any) -> dict[str, int] | None:
+    """Parameters per component (transformer, text encoders, VAE), without reading any weight: the dummy
+    architecture's, or those a local diffusers directory's safetensors headers declare; None when ``model.source`` is
+    no local diffusers directory (a hub id: nothing to count without downloading it)."""
+    if model_cfg.weights == "dummy":
+        from shardgen.models.dummy import dummy_params
+
+        return dummy_params(model_cfg.name, pipeline=model_cfg.pipeline)
+    root = Path(os.path.expanduser(resolve_source(model_cfg)))
+    if not (root / "model_index.json").is_file():
+        return None
+    return {d.name: n for d in sorted(root.iterdir()) if d.is_dir() and (n := _safetensors_params(d))}
+
+
+def _safetensors_params(folder: Path) -> int:
+    """Parameters in a folder's safetensors files, from their headers (no tensor is read)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def has_true_cfg(pipeline_class: str) -> bool:
+    """Whether diffusers' ``pipeline_class`` takes ``true_cfg_scale`` (its transformer runs twice per step)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class, None)
+    return cls is not None and "true_cfg_scale" in inspect.signature(cls.__call__).parameters
 
 
 def is_tiny(model_cfg: Any) -> bool:

@@ -80,12 +80,13 @@ def measured_rate(run: RunDir) -> float | None:
 
 def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
-    from parallel.strategies import check_row_shapes, parallel_dims
+    from parallel.strategies import plan_layout
     from shardgen.dataio.shards import VIDEO_EXT, is_video
     from shardgen.run.runner import planning_truncation_check, prompt_path, shard_sizing
 
     world = world_size_of(cfg)
-    dims = parallel_dims(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
+    layout = plan_layout(cfg, world)  # impossible degrees fail as they would at launch; auto logs its choice
+    dims = layout.dims
     check_run_dir_text(cfg.run_dir)
     run = RunDir.at(cfg.run_dir)
     check_run_root(run.root)  # a run_dir the launch would refuse (not a run, /, home) is refused here too; reads only
@@ -121,7 +122,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             prompt_rows = new.num_prompts
             shapes = new.shapes()
     rows, rejected, shards, per_shard, done = counts
-    check_row_shapes(cfg, dims, shapes)  # as the launch would refuse after planning
+    layout.check_rows(shapes)  # as the launch would refuse after planning
     if not shapes:  # every valid row at the run's size and frames
         shapes = {Shape(cfg.width, cfg.height, cfg.num_frames if is_video(cfg) else None): prompt_rows - rejected}
     expected = sum(n * images * sample_bytes_estimate(width=s.width, height=s.height,  # rows x images: samples

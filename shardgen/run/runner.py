@@ -48,7 +48,7 @@ from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exporte
 from parallel import world as W
 from parallel.dims import ParallelDims
 from parallel.memory import check_memory
-from parallel.strategies import apply_strategy, check_row_shapes, parallel_dims
+from parallel.strategies import apply_strategy, plan_layout
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -226,12 +226,13 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     started = None
     try:
-        dims = parallel_dims(cfg, world.world_size)
+        layout = plan_layout(cfg, world.world_size)
+        dims = layout.dims
         # with the run's settings as accepted, to find a launch that starts the run over while this one loads
         plan, settings = W.on_rank0_then_share(lambda: _prepared_with_settings(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
-        check_row_shapes(cfg, dims, plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
+        layout.check_rows(plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
         if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
         dims.build_mesh(world.device.type)
