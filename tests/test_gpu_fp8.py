@@ -86,7 +86,10 @@ def test_converting_frees_each_bf16_layer_as_it_goes():
     torch.cuda.synchronize()
     after, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     assert after < 0.55 * before  # float8 weights: half the bf16 bytes
-    assert peak - before < 0.25 * 2 ** 30  # never a second whole copy: one layer's temporaries at most
+    layer = 8192 * 8192 * 2
+    # never a second whole copy (1 GiB here): one layer's temporaries at most (its float8 copy, a float32 slice, the
+    # slice's absolute values and its float8 rounding: 320 MiB measured on an H200)
+    assert peak - before < 3 * layer
 
 
 @pytest.mark.parametrize("heads, tokens, dim", [(24, 4608, 128), (48, 4608, 128), (24, 4096 + 77, 64)])
