@@ -201,6 +201,14 @@ def _quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hit
 
 
+def _as_rows(x: torch.Tensor | Fp8Rows) -> Fp8Rows:
+    """A layer's input as ``Fp8Rows``: as it is when already quantised, else ``_quantized_input``'s rows."""
+    if isinstance(x, Fp8Rows):
+        return x
+    data, scale = _quantized_input(x)
+    return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 weight, float32 (1, out) scales) of an (out, in) weight, one scale per output channel, computed
     ``QUANTIZE_ROWS_AT_ONCE`` rows at a time so the float32 temporary stays small."""
@@ -234,41 +242,31 @@ class Float8Linear(torch.nn.Module):
         object.__setattr__(self, "_original", linear.to("cpu") if keep_original else None)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        if isinstance(x, Fp8Rows):
-            xq, scale_a, lead, dtype, on_cuda = x.data, x.scale, x.lead, x.dtype, x.data.is_cuda
-        else:
-            (xq, scale_a), lead, dtype, on_cuda = _quantized_input(x), x.shape[:-1], x.dtype, x.is_cuda
-        out = self._mm(xq, scale_a, self.weight_fp8, dtype, on_cuda, with_bias=True)
-        return out.reshape(*lead, self.out_features)
+        rows = _as_rows(x)
+        return self._mm(rows, self.weight_fp8, with_bias=True).reshape(*rows.lead, self.out_features)
 
     def forward_parts(self, parts: list) -> torch.Tensor:
         """``self(torch.cat(parts, -1))`` without the concatenation: each part (a tensor or ``Fp8Rows``) is quantised
         row by row on its own (a scale per part: no coarser than the concatenation's) and multiplied by its block
         of the weight's columns (the same per-channel weight scales), the products summed in place."""
         out, start = None, 0
-        for part in parts:
-            rows = part if isinstance(part, Fp8Rows) else None
-            if rows is None:
-                xq, scale_a = _quantized_input(part)
-                lead, dtype, on_cuda = part.shape[:-1], part.dtype, part.is_cuda
-            else:
-                xq, scale_a, lead, dtype, on_cuda = rows.data, rows.scale, rows.lead, rows.dtype, rows.data.is_cuda
-            width = xq.shape[-1]
-            product = self._mm(xq, scale_a, self.weight_fp8[:, start:start + width], dtype, on_cuda,
-                               with_bias=out is None)
+        for rows in map(_as_rows, parts):
+            width = rows.data.shape[-1]
+            product = self._mm(rows, self.weight_fp8[:, start:start + width], with_bias=out is None)
             out = product if out is None else out.add_(product)
             start += width
         if start != self.in_features:
             raise ValueError(f"forward_parts: the parts are {start} wide in all, the layer takes {self.in_features}")
-        return out.reshape(*lead, self.out_features)
+        return out.reshape(*rows.lead, self.out_features)
 
-    def _mm(self, xq, scale_a, weight_fp8, dtype, on_cuda: bool, with_bias: bool) -> torch.Tensor:
-        """``xq @ weight_fp8.T`` scaled, in ``dtype`` (float32 for a float32 input), plus the bias when asked
-        (in the GEMM's epilogue where ``_scaled_mm`` takes it: on CUDA, in the output's dtype)."""
+    def _mm(self, rows: Fp8Rows, weight_fp8: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        """``rows @ weight_fp8.T`` scaled, in the input's dtype (float32 for a float32 input), plus the bias when
+        asked (in the GEMM's epilogue where ``_scaled_mm`` takes it: on CUDA, in the output's dtype)."""
+        dtype, on_cuda = rows.dtype, rows.data.is_cuda
         out_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         has_bias = with_bias and self.bias is not None
         fused = self.bias if has_bias and self.bias.dtype == out_dtype and on_cuda else None
-        out = torch._scaled_mm(xq, weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale, bias=fused,
+        out = torch._scaled_mm(rows.data, weight_fp8.t(), scale_a=rows.scale, scale_b=self.weight_scale, bias=fused,
                                out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM and on_cuda)
         if out.dtype != dtype:
             out = out.to(dtype)

@@ -20,6 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from shardgen.speed.fp8 import Float8Linear, gelu_rows
+
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none (the torch path runs there)
@@ -230,8 +232,6 @@ def one_eps(attn) -> bool:
 def gelu_feed_forward(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward (GELU(tanh) -> dropout -> Linear) with the GELU in the epilogue; with fp8=true's
     float8 layers, the GELU and the down-projection's input quantisation in one pass (``fp8.gelu_rows``)."""
-    from shardgen.speed.fp8 import Float8Linear, gelu_rows
-
     first = ff.net[0]
     if type(first).__name__ != "GELU" or getattr(first, "approximate", None) != "tanh":
         return ff(x)
