@@ -196,7 +196,9 @@ def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
     ("launcher.cpus_per_rank=0", "CPUs more than 0"),
 ])
 def test_impossible_ray_settings_are_refused_before_anything_starts(tmp_path, override, message):
-    with pytest.raises(Exception, match=re.escape(message)):
+    from shardgen.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
         run(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", override))
     assert not (tmp_path / "run").exists()
 
