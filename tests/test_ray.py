@@ -169,7 +169,8 @@ def test_a_cluster_too_small_for_one_replica_is_refused_in_one_line(tmp_path, cl
     p = _job(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray", f"launcher.address={cluster}",
              "launcher.cpus_per_rank=3", timeout=120)
     assert p.returncode != 0
-    assert "no node of the Ray cluster can hold one replica: it needs 1 rank(s) x (3 CPU) on one node" in p.stderr
+    assert "no node of the Ray cluster can hold one replica: it needs 1 rank(s) x (3 CPU) on one node" in p.stderr, \
+        p.stderr[-2000:]
     assert "Traceback" not in p.stderr
 
 
@@ -188,6 +189,34 @@ def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ray_cluster.RayMissingError, match=r"pip install 'shardgen\[ray\]'"):
         ray_cluster.launch(compose_cfg(*_args(tmp_path / "run", "prompts.limit=4"), "launcher=ray"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cluster_that_misses_a_handshake_is_tried_again_then_refused_in_one_line(tmp_path, caplog):
+    from shardgen.launch import ray_cluster
+
+    class FlakyRay:
+        """ray's init and shutdown as a head busy ending another job answers them: ``fails`` refusals first."""
+
+        def __init__(self, fails: int):
+            self.fails, self.inits, self.shutdowns = fails, 0, 0
+
+        def init(self, **_):
+            self.inits += 1
+            if self.inits <= self.fails:
+                raise ConnectionError("Failed to connect to GCS within 60 seconds")
+
+        def shutdown(self):
+            self.shutdowns += 1
+
+    cfg = compose_cfg(*_args(tmp_path / "run"), "launcher=ray", "launcher.address=10.0.0.1:6379")
+    flaky = FlakyRay(fails=2)
+    ray_cluster.connect(flaky, cfg, pause_s=0)
+    assert (flaky.inits, flaky.shutdowns) == (3, 2)
+    assert "connecting to the Ray cluster at 10.0.0.1:6379 failed (Failed to connect to GCS" in caplog.text
+    with pytest.raises(ray_cluster.RayClusterError) as e:
+        ray_cluster.connect(FlakyRay(fails=3), cfg, pause_s=0)
+    assert str(e.value).startswith("cannot reach the Ray cluster at 10.0.0.1:6379 after 3 tries (Failed to connect "
+                                   "to GCS within 60 seconds); check launcher.address")
 
 
 @pytest.mark.parametrize("override,message", [

@@ -332,17 +332,29 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
                               "to start a cluster on this machine") from None
 
 
-def connect(ray, cfg: Any) -> None:
+CONNECT_ATTEMPTS = 3  # ray.init tries on a cluster that answers: a head busy ending a job can miss one handshake
+
+
+def connect(ray, cfg: Any, attempts: int = CONNECT_ATTEMPTS, pause_s: float = 5.0) -> None:
     """ray.init on ``launcher.address`` (else RAY_ADDRESS, else a local cluster), the driver's SHARDGEN_* and
-    PYTHONPATH handed to every actor; one line when the cluster cannot be reached."""
+    PYTHONPATH handed to every actor; one line when the cluster cannot be reached after ``attempts`` tries."""
     address = cluster_address(cfg)
-    try:
-        ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=True,
-                 logging_level=logging.WARNING, configure_logging=True)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise RayClusterError(f"cannot reach the Ray cluster at {address} ({' '.join(str(e).split())[:200]}); check "
-                              "launcher.address / RAY_ADDRESS (ray status on a node prints it), or leave both unset to "
-                              "start a cluster on this machine") from None
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=True,
+                     logging_level=logging.WARNING, configure_logging=True)
+            break
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            reason = " ".join(str(e).split())
+            ray.shutdown()  # a half-made connection would make the next ray.init refuse to start
+            if attempt == attempts:
+                raise RayClusterError(
+                    f"cannot reach the Ray cluster at {address} after {attempts} tries ({reason[:300]}); check "
+                    "launcher.address / RAY_ADDRESS (ray status on a node prints it), or leave both unset to start "
+                    "a cluster on this machine") from None
+            log.warning("connecting to the Ray cluster at %s failed (%s); trying again in %g s", address,
+                        reason[:300], pause_s)
+            time.sleep(pause_s)
     from shardgen.run.stopping import stop_on_sigterm
 
     stop_on_sigterm()  # ray.init put its own SIGTERM handler (a stack dump) in place of the job's clean stop
