@@ -13,7 +13,6 @@ import logging
 import os
 import shlex
 import sys
-from pathlib import Path
 
 import hydra
 
@@ -35,7 +34,7 @@ def run(cfg: GenerateConfig):
     _guess_prompt_field(cfg)
     # a run_dir shardgen may not write to, or a resume with other settings, is refused in a moment, before torch loads
     check_run_dir_text(cfg.run_dir)
-    run_dir = RunDir(Path(cfg.run_dir).absolute())
+    run_dir = RunDir.at(cfg.run_dir)
     if not check_run_root(run_dir.root) and not cfg.dry_run:  # an existing run (a dry run reports a refusal)
         refuse_changed_settings(cfg, run_dir, prompt_file_path(cfg.prompts.path))
     from shardgen.config.launchers import launcher_of
@@ -79,7 +78,7 @@ def interrupted_message(run_dir: str, command: str, how: str = "interrupted") ->
     planning is removed again)."""
     from shardgen.dataio.rundir import RunDir
 
-    run = RunDir(Path(run_dir).absolute())
+    run = RunDir.at(run_dir)
     if not run.files.exists(run.fingerprint_path):
         return (f"{how} before {run_dir} held a run: nothing was written. Run the command again to start:\n"
                 f"  {command}")

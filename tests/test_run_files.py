@@ -284,30 +284,33 @@ def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
     assert plan_in(run, tmp_path).num_shards == 4 and load_plan(run).starts.shape == (4, 2)
 
 
-def test_uploads_of_a_run_whose_markers_are_in_a_bucket_read_and_write_them_there(s3, bucket, url, tmp_path):
-    """output_uri.json, the stats read to upload a shard and to tell whether it is uploaded, and its upload record
-    are the store's; keep_local=false deletes the local tar and index and the stats from the store, leaving the
-    upload record as the done marker. The shard's files themselves stay local in this version."""
+def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, bucket, url, tmp_path):
+    """A run kept in a bucket commits a shard by uploading it into its own shards/ folder: the stats staged beside
+    the local tar, sent after the tar and index (the done marker), then the upload record; the local files go.
+    A launch finds a shard staged here but committed by another replica meanwhile, and drops its copy unsent."""
     import hashlib
 
-    from shardgen.dataio.shards.upload import ShardUploader, upload_state
+    from shardgen.dataio.shards.upload import ShardUploader, staged_shards, upload_state
 
     run = RunDir(tmp_path / "run", store=url)
     run.shards_dir.mkdir(parents=True)
     tar = b"t" * 2048
-    run.shard_file(0).write_bytes(tar)
-    (run.shards_dir / "000000.parquet").write_bytes(b"index")
     shard_stats = dict(stats(0), tar_bytes=2048, sha256=hashlib.sha256(tar).hexdigest())
-    run.files.replace(run.shard_stats(0), json_bytes(shard_stats))
-    out = f"s3://{bucket}/out"
-    uploader = ShardUploader(run, out, keep_local=False)
-    assert uploader.pending() == [0] and not uploader.uploaded(0)
-    assert uploader.resume() == 1
-    assert json.loads(run.files.read(run.output_uri_path)) == {"output_uri": out + "/"}
+    for shard in (0, 1):
+        run.shard_file(shard).write_bytes(tar)
+        (run.shards_dir / f"{shard:06d}.parquet").write_bytes(b"index")
+        DirFiles().replace(run.shard_stats(shard), json_bytes(shard_stats))
+    uploader = ShardUploader(run, f"{url}/shards/", keep_local=False)
+    assert uploader.commits and uploader.pending() == [0, 1] and not run.is_done(0)
+    uploader.upload(0)
+    assert s3.fs().cat_file(f"{url}/shards/000000.tar") == tar
+    assert s3.fs().cat_file(f"{url}/shards/000000.stats.json") == json_bytes(shard_stats)
     assert read_record(run, 0)["stats"] == shard_stats and uploader.uploaded(0)
-    assert s3.fs().cat_file(f"{out}/000000.stats.json") == json_bytes(shard_stats)
-    assert not run.files.exists(run.shard_stats(0)) and list(run.shards_dir.iterdir()) == []
-    assert run.done_shards() == {0} and upload_state(run) == dict(uri=out + "/", uploaded=1, committed=1)
+    assert run.done_shards() == {0} and staged_shards(run) == {1} and not run.shard_file(0).exists()
+    run.files.replace(run.shard_stats(1), json_bytes(shard_stats))  # shard 1 committed by another replica
+    assert uploader.resume() == 0
+    assert staged_shards(run) == set() and list(run.shards_dir.iterdir()) == []
+    assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=1, committed=2)
     with pytest.raises(RunDirError, match="uploads its shards to"):
         ShardUploader(run, f"s3://{bucket}/elsewhere").resume()
 

@@ -141,7 +141,10 @@ def validate_config(cfg: GenerateConfig) -> None:
         _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
               f"{key}: a URL with a password in it would be written into the run directory and its logs; give "
               "the credentials through the environment or the storage client's config files instead")
-    _need(cfg.keep_local or bool(cfg.output_uri), "keep_local=false deletes local shards once uploaded: set output_uri "
+    _need(not (cfg.output_uri and is_url(cfg.run_dir)),
+          f"run_dir={cfg.run_dir} keeps the run in the bucket, its shards under {str(cfg.run_dir).rstrip('/')}/shards/ "
+          f"already: leave output_uri unset (or keep run_dir local to send the shards to output_uri={cfg.output_uri})")
+    _need(cfg.keep_local or bool(cfg.output_uri) or is_url(cfg.run_dir), "keep_local=false deletes local shards once uploaded: set output_uri "
           "too (output_uri=s3://bucket/run/), or keep_local=true")
     _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
           f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")

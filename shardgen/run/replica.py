@@ -206,7 +206,10 @@ class ReplicaWorker:
 
     def _committed(self, shard: int, stats: dict | None) -> None:
         """The sink's word on the commit of ``shard``: its stats, or None when not committed here (taken over, and
-        the new holder commits it, or committed meanwhile)."""
+        the new holder commits it, or committed meanwhile). For a run kept in a bucket the upload is the commit: it
+        is made here, before the claim is given up."""
+        if stats is not None and self.uploader is not None and self.uploader.commits:
+            self.uploader.upload(shard)
         self.walk.settle(shard, committed_here=stats is not None)
         if stats is None:
             return
@@ -215,5 +218,5 @@ class ReplicaWorker:
             self.metrics.commit(stats, self.generated, self.gen_s)
         log.info("shard %06d committed: %d samples (%d failed, %d rejected)", shard, stats["count"], stats["failed"],
                  stats["rejected"])
-        if self.uploader is not None:
+        if self.uploader is not None and not self.uploader.commits:
             self.uploader.submit(shard)

@@ -24,7 +24,8 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     start_generating, stop_generating)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_json, attach_rank_log, bytes_read,
                                     check_run_dir_text, check_run_root, detach_rank_log, first_missing_dir, is_url,
-                                    log_to_file_only, owner_record, record_launch, redact_urls)
+                                    log_to_file_only, owner_record, probe_conditional_writes, record_launch,
+                                    redact_urls)
 from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
@@ -120,6 +121,8 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     was already in place (an interrupt after planning: the run is kept and resumes)."""
     run = RunDir.at(cfg.run_dir, container=cfg.shard_container)  # a known one: validate_config checked it
     check_run_dir_text(cfg.run_dir)
+    if run.store:  # a bucket that would let two replicas create one claim is refused before anything is planned
+        probe_conditional_writes(run.store)
     new = check_run_root(run.root)
     top = first_missing_dir(run.root)
     path = prompt_path(cfg)
@@ -145,7 +148,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
             run.undo_start(top)
         raise
     if plan.run.container != run.container:
-        raise ContainerError(f"{run.root} was planned with shard_container={plan.run.container}; this launch asks for "
+        raise ContainerError(f"{run.name} was planned with shard_container={plan.run.container}; this launch asks for "
                              f"{run.container}. Set shard_container={plan.run.container} to continue it, or choose "
                              "another run_dir")
     check_planned_adapters(plan.adapters())  # a row's LoRA file changed since planning: refused like model.loras
@@ -169,7 +172,7 @@ def _make_plan(cfg: GenerateConfig, run: RunDir, source: PromptSource, digest: s
                       truncation=planning_truncation_check(cfg, source), prompt_sha256=digest, images_per_prompt=images)
     per = f" x {images} images = {plan.num_rows} samples" if images > 1 else ""
     log.info("planned %d prompts%s (%d rejected rows) into %d shards of %d in %s", plan.num_prompts, per,
-             plan.num_rejects, plan.num_shards, plan.samples_per_shard, run.root)
+             plan.num_rejects, plan.num_shards, plan.samples_per_shard, run.name)
     if is_url(source.path):
         log.info("%s: %d bytes read so far by ranged reads (the file has %d; nothing copied to disk)", source.path,
                  bytes_read(source.path), plan.meta["prompt_size"] if plan.meta else -1)
@@ -231,7 +234,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         # with the run's settings as accepted, to find a launch that starts the run over while this one loads
         plan, settings = W.on_rank0_then_share(lambda: _prepared_with_settings(cfg, dims.dp))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
-        plan = load_plan(RunDir(Path(plan.run.root)), prompt_path(cfg))
+        # a run kept in a bucket: each rank's own scratch folder (rank 0's may be another machine's path)
+        plan = load_plan(RunDir.at(cfg.run_dir) if plan.run.store else RunDir(Path(plan.run.root)), prompt_path(cfg))
         layout.check_rows(plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
         if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
@@ -292,7 +296,7 @@ def nothing_to_do(cfg: GenerateConfig, plan: Plan) -> bool:
 
 def say_nothing_to_do(plan: Plan) -> None:
     """The line a launch of a complete run prints."""
-    print(f"{plan.run.root}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
+    print(f"{plan.run.name}: already complete ({plan.num_rows} samples in {plan.num_shards} shards); nothing to do.")
 
 
 def _has_failures(plan: Plan) -> bool:
@@ -420,7 +424,7 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
     # (stats_cache.npz), not every committed shard's at each job's end (100k reads per job on a 100k-shard run)
     ledger = read_status_ledger(plan, cfg.lease_s)
     totals = ledger.done.totals
-    result = RunResult(run_dir=str(plan.run.root), total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
+    result = RunResult(run_dir=plan.run.name, total=plan.num_rows, ok=totals["ok"], failed=totals["failed"],
                        rejected=totals["rejected"], generated_here=generated, wall_s=time.time() - t0,
                        complete=ledger.count("done") == plan.num_shards, writer_wait_s=writer_wait_s,
                        truncated=totals["truncated"])
@@ -435,7 +439,7 @@ def _finish(cfg: GenerateConfig, plan: Plan, world: W.World, t0: float, *, gener
         of = (f"{plan.num_prompts} prompts = {plan.num_rows} samples (the rows' own images_per_prompt)"
               if plan.per_row_images else f"{plan.num_rows} prompts" if plan.images == 1 else
               f"{plan.num_prompts} prompts x {plan.images} images = {plan.num_rows} samples")
-        print(f"{plan.run.root}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of {of}; "
+        print(f"{plan.run.name}: {result.ok} {unit}, {result.failed} failed, {result.rejected} rejected of {of}; "
               f"generated {generated} samples this launch in {result.wall_s:.1f} s "
               f"({result.images_per_s:.2f} {unit}/s)" + ("" if result.complete else "; INCOMPLETE, re-run to continue"))
     if result.complete and result.rejected and not result.ok and not result.failed:

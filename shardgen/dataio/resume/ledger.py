@@ -71,7 +71,7 @@ def read_ledger(plan: Plan, lease_s: float = LEASE_S, stats_cache: dict | None =
     run = plan.run
     cache = stats_cache if stats_cache is not None else {}
     done = run.done_shards()
-    claims = scan_claims(run) if run.claims_dir.exists() else {}
+    claims = scan_claims(run) if run.store or run.claims_dir.exists() else {}
     ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
     cache.update(_read_stats_parallel(run, sorted(done - cache.keys())))
     now, me = time.time(), owner_record(-1)
@@ -165,7 +165,7 @@ def read_status_ledger(plan: Plan, lease_s: float = LEASE_S) -> StatusLedger:
     names, sig, lost, tar_sizes = _stats_listing(run)
     names = {s for s in names if s < plan.num_shards}  # (as read_ledger, which walks the plan's shards)
     sig = {s: v for s, v in sig.items() if s < plan.num_shards}
-    claims = scan_claims(run) if run.claims_dir.exists() else {}
+    claims = scan_claims(run) if run.store or run.claims_dir.exists() else {}
     ckpts_of = all_checkpoints(run) if run.work_dir.exists() else {}
     table, reasons, shapes = _load_table(run)
     keep = _valid_rows(table, sig)
@@ -215,6 +215,8 @@ def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], s
     listing of shards/ and one of uploads/: a shard's stats file, else its upload record (keep_local=false deletes
     the local files once uploaded). Lost: committed here (stats in shards/) with no shard file beside them and no
     upload record (deleted by hand, or by a clean-up that took the wrong files): the next launch makes them again."""
+    if run.store:
+        return _bucket_stats_listing(run)
     names: set[int] = set()
     sig: dict[int, tuple[int, int]] = {}
     local = _shard_names(run.shards_dir)
@@ -228,6 +230,20 @@ def _stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], s
     tar_sig: dict[int, tuple[int, int]] = {}
     _list_signatures(run.shards_dir, local, "." + run.container, set(), tar_sig)
     return names, sig, lost, {s: v[0] for s, v in tar_sig.items()}
+
+
+def _bucket_stats_listing(run: RunDir) -> tuple[set[int], dict[int, tuple[int, int]], set[int], dict[int, int]]:
+    """``_stats_listing`` of a run kept in a bucket, from one listing of its shards/ and one of its uploads/ (with
+    each object's size and LastModified): none lost, as the uploaded stats come after their tar."""
+    sig: dict[int, tuple[int, int]] = {}
+    tars: dict[int, int] = {}
+    for folder, suffix in ((run.shards_dir, ".stats.json"), (run.uploads_dir, ".json")):
+        for name, signature in run.files.signatures(folder).items():
+            if name[:6].isdigit() and name[6:] == suffix:
+                sig.setdefault(int(name[:6]), signature)
+            elif folder == run.shards_dir and name[:6].isdigit() and name[6:] == "." + run.container:
+                tars[int(name[:6])] = signature[0]
+    return set(sig), sig, set(), tars
 
 
 def _shard_names(directory) -> dict[str, list[str]]:

@@ -179,7 +179,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
         for name, note in move_stray_shard_files(run, max(plan.num_shards, fresh.num_shards if fresh else 0), entries):
             notes.append(note)
             entries.pop(name, None)
-    claims = scan_claims(run) if run.claims_dir.is_dir() else {}
+    claims = scan_claims(run) if run.store or run.claims_dir.is_dir() else {}
     me = owner_record(-1)
     notes += _remove_committed_work(run, claims, lease_s, me)
     # only the shards that have files in shards/ are checked, and of those only the ones whose files changed

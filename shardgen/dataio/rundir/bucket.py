@@ -96,15 +96,19 @@ class Bucket:
     def list_names(self, prefix: str, what: str) -> list[str]:
         """The keys under ``prefix``, without it, from ListObjectsV2 (a request per ``list_page`` objects);
         ``what`` says what is listed, in messages."""
-        names, more = [], {}
+        return [obj["Key"][len(prefix):] for obj in self.list_objects(prefix, what)]
+
+    def list_objects(self, prefix: str, what: str) -> list[dict]:
+        """ListObjectsV2's entries (Key, Size, LastModified, ETag) under ``prefix``, every page of them."""
+        objects, more = [], {}
         while True:
             page = self.retried(f"listing {what}", prefix,
                                 lambda: self.send("list_objects_v2", None, (), Prefix=prefix, MaxKeys=self.list_page,
                                                   **more))
-            names += [obj["Key"][len(prefix):] for obj in page.get("Contents", [])]
+            objects += page.get("Contents", [])
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return names
+                return objects
             more = dict(ContinuationToken=token)
 
     def put(self, key: str, data: bytes, answers: tuple[str, ...], **condition: str) -> dict | str:

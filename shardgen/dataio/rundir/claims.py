@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shardgen.dataio.rundir.claimstore import ClaimStore, DirClaims, claim_name
+from shardgen.dataio.rundir.claimstore import ClaimStore, claim_name
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name, pid_alive, reported_ended
 
@@ -76,15 +76,15 @@ def claim_state(record: dict | None, mtime: float | None, now: float, lease_s: f
 
 
 def scan_claims(run: RunDir | None, store: ClaimStore | None = None) -> dict[int, int]:
-    """Highest claim generation per shard (in ``store``; by default the run directory's claims/)."""
-    return (store or DirClaims(run)).latest()
+    """Highest claim generation per shard (in ``store``; by default the run's own: ``RunDir.claims``)."""
+    return (store or run.claims).latest()
 
 
 def read_claim(run: RunDir | None, shard: int, gen: int,
                store: ClaimStore | None = None) -> tuple[dict | None, float | None]:
-    """(record, heartbeat mtime) of a claim (in ``store``; by default the run directory's claims/); (None, None) if
+    """(record, heartbeat mtime) of a claim (in ``store``; by default the run's own: ``RunDir.claims``); (None, None) if
     it vanished."""
-    data, mtime = (store or DirClaims(run)).read(shard, gen)
+    data, mtime = (store or run.claims).read(shard, gen)
     if data is None:  # gone, or not a claim shardgen wrote (a FIFO, a link, a huge file): alive only by its mtime
         return (None if mtime is None else {}), mtime
     try:
@@ -96,7 +96,7 @@ def read_claim(run: RunDir | None, shard: int, gen: int,
 @dataclass
 class Claimer:
     """Claims shards for one replica and keeps its claims alive from a background thread. The claims live in
-    ``store`` (claimstore.py); by default in the run directory's claims/ (``DirClaims``)."""
+    ``store`` (claimstore.py); by default the run's own (``RunDir.claims``: its claims/ folder, or its bucket's)."""
 
     run: RunDir | None
     owner: dict
@@ -112,7 +112,7 @@ class Claimer:
         if self.store is None:
             if self.run is None:
                 raise ValueError("a Claimer needs a run directory or a claim store")
-            self.store = DirClaims(self.run)
+            self.store = self.run.claims
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None

@@ -14,6 +14,7 @@ honours both conditions, before replicas rely on them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -214,6 +215,13 @@ class BucketClaims(Bucket):
     def store_name(self) -> str:
         """The claims' URL, and the endpoint where it is not AWS's own, for messages."""
         return self.where + self.endpoint_note()
+
+
+@functools.lru_cache(maxsize=16)
+def bucket_claims(url: str) -> BucketClaims:
+    """The claims of the run kept in the bucket ``url`` (one store per run and process: its request counts, its
+    client and the ETags of the claims it created are shared by every claimer of the process)."""
+    return BucketClaims(url)
 
 
 def probe_conditional_writes(url: str) -> None:

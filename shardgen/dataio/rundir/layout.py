@@ -56,6 +56,7 @@ from shardgen.dataio.rundir.liveness import gone_from_this_host
 from shardgen.dataio.rundir.storage import RunDirError
 
 if TYPE_CHECKING:
+    from shardgen.dataio.rundir.claimstore import ClaimStore
     from shardgen.dataio.rundir.runfiles import RunFiles
 
 LEFTOVER_AGE_S = 600.0  # a temp file or plan directory untouched this long belongs to a killed job
@@ -100,8 +101,18 @@ class RunDir:
     @classmethod
     def at(cls, run_dir: str | os.PathLike, container: str = "tar") -> "RunDir":
         """The run directory a config or command line names: ``~`` expanded (a shell leaves ``run_dir=~/x``
-        alone), relative paths taken from the current directory."""
-        return cls(Path(os.path.expanduser(os.fspath(run_dir))).absolute(), container)
+        alone), relative paths taken from the current directory. A bucket URL (``s3://bucket/prefix``) is a run kept
+        in the bucket (``store``), with this machine's scratch folder (``scratch_root``) as its local root."""
+        text = os.fspath(run_dir)
+        if _SCHEME.match(str(text).strip()):
+            url = str(text).strip().rstrip("/")
+            return cls(scratch_root(url), container, store=url)
+        return cls(Path(os.path.expanduser(text)).absolute(), container)
+
+    @property
+    def name(self) -> str:
+        """What the run is called in messages: its bucket URL, else its directory."""
+        return self.store or str(self.root)
 
     @property
     def files(self) -> "RunFiles":
@@ -131,6 +142,14 @@ class RunDir:
     @property
     def claims_dir(self) -> Path:
         return self.root / "claims"
+
+    @property
+    def claims(self) -> "ClaimStore":
+        """Where the run's shard claims live: its claims/ folder, or, for a run kept in a bucket, the objects under
+        ``<store>/claims/`` (claimstore.py)."""
+        from shardgen.dataio.rundir.claimstore import DirClaims, bucket_claims
+
+        return bucket_claims(self.store) if self.store else DirClaims(self)
 
     @property
     def logs_dir(self) -> Path:
@@ -454,18 +473,40 @@ PATH_MAX = 4096   # bytes of a whole path, its terminating NUL included (Linux)
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def scratch_root(url: str) -> Path:
+    """This machine's folder for a run kept in the bucket ``url``: the shard being written, its checkpoints and the
+    launch's logs (``$SHARDGEN_CACHE/runs/<16 hex digits of the URL's sha256>``), shared by the launches of one
+    machine as a run directory is."""
+    import hashlib
+
+    from shardgen.cache import default_cache_dir
+
+    return default_cache_dir() / "runs" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+BUCKET_SCHEMES = ("s3", "s3a")  # the stores whose conditional writes shardgen knows (bucket.py)
+
+
 def check_run_dir_text(text: str) -> None:
     """RunDirError for a run_dir value that can only be a mistake, before anything reads or writes it: empty (it
-    would mean the current directory), a URL (it would become a local folder named ``s3:``), a NUL byte, or a
-    path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
+    would mean the current directory), a URL of a store that cannot hold a run (only s3:// can: it has conditional
+    writes), a NUL byte, or a path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
     text = str(text)
     if not text.strip():
         raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
                           "(or an existing run)")
     if _SCHEME.match(text.strip()):
-        raise RunDirError(f"run_dir={text.strip()[:200]}: a run directory is a local (or shared file system) folder, "
-                          "not a URL; keep run_dir local and set output_uri=" + text.strip()[:200].rstrip("/") +
-                          "/ to send every committed shard to the bucket")
+        scheme, _, rest = text.strip().partition("://")
+        if scheme.lower() not in BUCKET_SCHEMES:
+            raise RunDirError(f"run_dir={text.strip()[:200]}: a run kept in a bucket needs an S3-compatible store "
+                              "(run_dir=s3://BUCKET/PREFIX); for another store keep run_dir local (or on a shared "
+                              "file system) and set output_uri=" + text.strip()[:200].rstrip("/") + "/ to send every "
+                              "committed shard there")
+        if not rest.strip("/").partition("/")[2].strip("/"):
+            raise RunDirError(f"run_dir={text.strip()[:200]}: name a folder in the bucket for the run "
+                              f"(run_dir={scheme}://{rest.strip('/') or 'BUCKET'}/RUN_NAME): the run's files are kept "
+                              "under it")
+        return
     if "\0" in text:
         raise RunDirError("run_dir holds a NUL byte, which no path may; set run_dir=PATH without it")
     full = os.fsencode(os.path.abspath(os.path.expanduser(text)))

@@ -82,6 +82,10 @@ class RunFiles(Protocol):
         """The names of the files directly in ``folder`` ([] when there is none)."""
         ...
 
+    def signatures(self, folder: Path) -> dict[str, tuple[int, int]]:
+        """Name -> (size, modification time in ns) of the files directly in ``folder``, from one listing."""
+        ...
+
     def delete(self, path: Path) -> None:
         """Remove the file, if there."""
         ...
@@ -155,6 +159,15 @@ class DirFiles:
             return os.listdir(folder)
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def signatures(self, folder: Path) -> dict[str, tuple[int, int]]:
+        """os.scandir with each entry's lstat ({} for a missing folder)."""
+        try:
+            with os.scandir(folder) as entries:
+                return {e.name: (st.st_size, st.st_mtime_ns) for e in entries
+                        if e.is_file(follow_symlinks=False) and (st := e.stat(follow_symlinks=False))}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
 
     def delete(self, path: Path) -> None:
         """Unlink (a link itself, never its target)."""
@@ -250,6 +263,13 @@ class BucketFiles(Bucket):
         """ListObjectsV2 under the folder's prefix, without what is in folders below it."""
         prefix = self.key(folder).rstrip("/") + "/" if Path(folder) != self.root else self.prefix
         return [n for n in self.list_names(prefix, prefix) if "/" not in n]
+
+    def signatures(self, folder: Path) -> dict[str, tuple[int, int]]:
+        """Name -> (size, LastModified in ns) of the objects directly in ``folder``, from one listing (what a
+        run directory's stat of each file gives its readers' caches)."""
+        prefix = self.key(folder).rstrip("/") + "/"
+        return {o["Key"][len(prefix):]: (int(o["Size"]), int(o["LastModified"].timestamp() * 1e9))
+                for o in self.list_objects(prefix, prefix) if "/" not in o["Key"][len(prefix):]}
 
     def delete(self, path: Path) -> None:
         """DeleteObject (a missing object is no error)."""

@@ -16,6 +16,7 @@ from shardgen.dataio.prompts.plan import sample_key
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.rundir.fileio import atomic_write_json, json_bytes, open_regular, read_state
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.storage import DiskFullError, RunDirError
 from shardgen.dataio.shards.container import PartialShard, get_container
 from shardgen.dataio.shards.tarshard import fsync_dir
@@ -203,7 +204,8 @@ class ShardWork:
         fsync_dir(final.parent)
         stats = shard_stats(self.shard, self.counts, self.reasons, self.failed, tar_bytes=self.file.bytes,
                             sha256=self.file.sha256, started=self.started, shapes=self.shapes)
-        self.run.files.replace(self.run.shard_stats(self.shard), json_bytes(stats))
+        # beside the tar: a run kept in a bucket has it uploaded with the tar and index before its done marker
+        DIR_FILES.replace(self.run.shard_stats(self.shard), json_bytes(stats))
         _remove_older_generations(self.run, self.shard, self.gen + 1)
         return stats
 

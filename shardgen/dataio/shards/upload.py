@@ -29,6 +29,7 @@ from typing import Any
 
 from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
@@ -104,9 +105,18 @@ class ShardUploader:
 
     @classmethod
     def from_cfg(cls, cfg: Any, run: RunDir) -> "ShardUploader | None":
-        """The run's uploader (None without ``output_uri``)."""
+        """The run's uploader: to ``output_uri``, or, for a run kept in a bucket, to its own ``shards/`` folder
+        there (nothing kept locally); None for a local run without ``output_uri``."""
+        if run.store:
+            return cls(run, f"{run.store}/shards/", keep_local=False)
         uri = cfg.output_uri
         return cls(run, uri, keep_local=cfg.keep_local) if uri else None
+
+    @property
+    def commits(self) -> bool:
+        """Whether an upload is the shard's commit (a run kept in a bucket: its done marker is the uploaded stats),
+        to be made before the shard's claim is given up, not queued."""
+        return bool(self.run.store)
 
     def check(self) -> None:
         """Before planning or loading any model: ``uri`` takes a write (a probe object written and removed);
@@ -194,7 +204,7 @@ class ShardUploader:
         gone = missing_uploads(self.run, uri=self.uri)
         for shard, whys in sorted(gone.items()):
             self.run.files.delete(self.run.shard_uploaded(shard))
-            local = self.run.files.present(self.run.shard_stats(shard))
+            local = DIR_FILES.present(self.run.shard_stats(shard))
             log.warning("shard %06d: %s; its upload record removed: %s", shard, "; ".join(whys),
                         "uploaded again from its local copy" if local else "it is generated again")
         return sorted(gone)
@@ -216,7 +226,7 @@ class ShardUploader:
 
     def pending(self) -> list[int]:
         """Shards with local stats whose upload is not recorded (or recorded for other stats: rewritten since)."""
-        return sorted(s for s in self.run.listed_shards(self.run.shards_dir, ".stats.json") if not self.uploaded(s))
+        return sorted(s for s in staged_shards(self.run) if not self.uploaded(s))
 
     def uploaded(self, shard: int) -> bool:
         """Whether ``shard``'s upload to this uri is recorded, for its local stats when it has them."""
@@ -224,7 +234,7 @@ class ShardUploader:
         if record is None or record["uri"] != self.uri:
             return False
         try:
-            data = self.run.files.read(self.run.shard_stats(shard))
+            data = DIR_FILES.read(self.run.shard_stats(shard))
             if data is None:
                 return True  # only the record is left: uploaded, local files deleted (keep_local=false)
             stats = json.loads(data)
@@ -235,13 +245,21 @@ class ShardUploader:
     def upload_pending(self) -> int:
         """Upload every committed shard not recorded as uploaded; how many were. With keep_local=false, also delete
         the local files of shards uploaded by a launch killed before it deleted them."""
+        if self.commits:
+            # a run kept in a bucket uploads a shard under its claim only: a shard left here unsent lost its claim
+            # with its launch, and is generated again by its next holder (when that is on this machine, over these
+            # files); those committed meanwhile are dropped
+            for shard in staged_shards(self.run):
+                if self.run.is_done(shard) and not self.uploaded(shard):
+                    self._drop_local(shard, force=True)
+            return 0
         todo = self.pending()
         for shard in todo:
             self.upload(shard)
         if todo:
             log.info("uploaded %d committed shard(s) to %s that earlier launches had not", len(todo), self.uri)
         if not self.keep_local:
-            for shard in self.run.listed_shards(self.run.shards_dir, ".stats.json"):
+            for shard in staged_shards(self.run):
                 self._drop_local(shard)
         return len(todo)
 
@@ -252,15 +270,13 @@ class ShardUploader:
         if not self.uploaded(shard):
             stats_path = run.shard_stats(shard)
             try:
-                data = run.files.read(stats_path)
+                data = DIR_FILES.read(stats_path)
                 if data is None:
                     raise FileNotFoundError(stats_path)
                 stats = json.loads(data)
                 objects = {local.name: self._send(local) for local in (run.shard_file(shard),
                                                                        shard_index.index_path(run, shard))}
-                # the stats last (the done marker at output_uri); from the run's bucket when its files are there
-                objects[stats_path.name] = self._send_bytes(stats_path.name, data) if run.store \
-                    else self._send(stats_path)
+                objects[stats_path.name] = self._send(stats_path)  # the stats last: the done marker at output_uri
             except FileNotFoundError:
                 if self.uploaded(shard):  # another process uploaded it and deleted the local copy meanwhile
                     return
@@ -272,15 +288,16 @@ class ShardUploader:
             log.info("shard %06d uploaded to %s", shard, self.uri)
         self._drop_local(shard)
 
-    def _drop_local(self, shard: int) -> None:
+    def _drop_local(self, shard: int, force: bool = False) -> None:
         """keep_local=false: delete an uploaded shard's local tar, index, then stats (the stats last: until then
-        the shard reads as committed locally, and a kill in between leaves it whole)."""
-        if self.keep_local or not self.uploaded(shard):
+        the shard reads as committed locally, and a kill in between leaves it whole). ``force``: whether uploaded
+        or not (a run kept in a bucket, whose copy of the shard was committed by another replica)."""
+        if self.keep_local or not (force or self.uploaded(shard)):
             return
         run = self.run
         for local in (run.shard_file(shard), shard_index.index_path(run, shard)):
             local.unlink(missing_ok=True)
-        run.files.delete(run.shard_stats(shard))
+        DIR_FILES.delete(run.shard_stats(shard))
 
     def _url(self, name: str) -> str:
         return self.uri + name
@@ -295,11 +312,6 @@ class ShardUploader:
         target = f"{self._root}/{local.name}"
         return self._put_confirmed(local.name, (size, md5, sha),
                                    lambda: call(self._fs, "put_file", str(local), target, size=size))
-
-    def _send_bytes(self, name: str, data: bytes) -> dict:
-        """``_send`` of ``data`` (a run file kept in a bucket, never on local disk) as the object ``name``."""
-        digests = (len(data), hashlib.md5(data, usedforsecurity=False).hexdigest(), hashlib.sha256(data).hexdigest())
-        return self._put_confirmed(name, digests, lambda: call(self._fs, "pipe_file", f"{self._root}/{name}", data))
 
     def _put_confirmed(self, name: str, digests: tuple[int, str, str], put) -> dict:
         """``put()`` the object ``name`` of (size, md5, sha256) ``digests`` unless it is there already, then confirm
@@ -351,6 +363,12 @@ def same_object(meta: dict, size: int, md5: str, unknown: bool = False) -> bool:
     if tag and re.fullmatch(r"[0-9a-f]{32}", tag):
         return tag == md5
     return unknown
+
+
+def staged_shards(run: RunDir) -> set[int]:
+    """Shards with stats in the local shards/ folder: committed here (for a run kept in a bucket, not yet uploaded),
+    from one listing of it."""
+    return {int(n[:6]) for n in DIR_FILES.names(run.shards_dir) if n[:6].isdigit() and n[6:] == ".stats.json"}
 
 
 def upload_state(run: RunDir) -> dict | None:

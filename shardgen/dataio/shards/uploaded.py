@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardgen.dataio.rundir.layout import RunDir, shard_name
+from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import PERMANENT_CODES, call, filesystem, permanent_reason, retrying
 
@@ -96,8 +97,9 @@ def local_or_fetched(run: RunDir, shard: int, path: Path, suffix: str) -> Any:
 
 
 def only_uploaded(run: RunDir, shard: int) -> bool:
-    """Whether ``shard`` is committed only by its upload record (no local stats: keep_local=false)."""
-    return not run.files.present(run.shard_stats(shard)) and run.files.present(run.shard_uploaded(shard))
+    """Whether ``shard`` is committed only by its upload record (no local stats: keep_local=false, or a run kept in
+    a bucket)."""
+    return not DIR_FILES.present(run.shard_stats(shard)) and run.files.present(run.shard_uploaded(shard))
 
 
 def etag_of(meta: dict) -> str | None:

@@ -1,0 +1,143 @@
+"""A run kept in a bucket (``run_dir=s3://bucket/prefix``) on the test S3 server (tests/s3_server.py): its plan,
+claims, done markers and shards in the bucket, the machine's scratch folder empty of shards at the end; the bytes of
+a local run; every prompt exactly once under kills of two launches on two "machines" (scratch folders); a store
+without conditional writes, another kind of URL and a bucket without a folder refused in one line."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.generate import run
+from shardgen.dataio.prompts.plan import load_plan
+from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
+from shardgen.tools.verify import read_shard_members, verify_run
+from tests.conftest import ROOT, compose_cfg
+from tests.test_generate import shard_images
+
+FAST = ("height=32", "width=32", "steps=2", "batch_size=2", "samples_per_shard=4", "progress=false")
+
+
+def bucket_objects(fs, url: str) -> list[str]:
+    """Every object under ``url``, relative to it."""
+    root = url.removeprefix("s3://").rstrip("/")
+    return sorted(p[len(root) + 1:] for p in fs.find(root))
+
+
+def bucket_images(run: RunDir) -> dict[str, bytes]:
+    """key -> image bytes over every committed shard of a run kept in a bucket, read from the bucket."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    out = {}
+    for shard in sorted(run.done_shards()):
+        data = fs.cat_file(f"{run.store.removeprefix('s3://')}/shards/{shard:06d}.tar")
+        for key, mem in read_shard_members(io.BytesIO(data)).items():
+            out[key] = next((v for k, v in mem.items() if k in ("png", "jpg", "webp")), None)
+    return out
+
+
+@pytest.fixture
+def url(bucket) -> str:
+    return f"s3://{bucket}/runs/r1"
+
+
+def test_a_run_kept_in_a_bucket_gives_the_bytes_of_a_local_run_and_leaves_no_shard_on_the_machine(
+        tmp_path, url, s3, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=10"))
+    assert (result.ok, result.complete) == (10, True)
+    assert not (tmp_path / "s3:").exists()
+    names = bucket_objects(s3.fs(), url)
+    assert [n for n in names if n.startswith("shards/") and n.endswith(".tar")] == \
+        ["shards/000000.tar", "shards/000001.tar", "shards/000002.tar"]
+    assert {"fingerprint.json", "plan/plan.json", "uploads/000002.json", "shards/000002.stats.json"} <= set(names)
+    assert not [n for n in names if n.startswith("claims/")]  # released at each commit
+    bucket_run = RunDir.at(url)
+    assert bucket_run.store == url and bucket_run.done_shards() == {0, 1, 2}
+    assert not list((bucket_run.root / "shards").glob("*"))  # the scratch folder keeps no committed shard
+    assert verify_run(load_plan(bucket_run)).ok
+    local = tmp_path / "local"
+    assert run(compose_cfg(f"run_dir={local}", *FAST, "prompts.limit=10")).complete
+    assert bucket_images(bucket_run) == shard_images(local)
+    again = run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=10"))
+    assert (again.complete, again.generated_here) == (True, 0)
+
+
+@pytest.mark.parametrize("run_dir,message", [
+    ("gs://bucket/run", "a run kept in a bucket needs an S3-compatible store (run_dir=s3://BUCKET/PREFIX)"),
+    ("s3://bucket", "name a folder in the bucket for the run (run_dir=s3://bucket/RUN_NAME)"),
+])
+def test_a_url_that_cannot_hold_a_run_is_refused_in_one_line(tmp_path, monkeypatch, run_dir, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RunDirError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run(compose_cfg(f"run_dir={run_dir}", *FAST, "prompts.limit=2"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_uri_beside_a_bucket_run_dir_is_refused_in_one_line(url):
+    from shardgen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="keeps the run in the bucket, its shards under .*/shards/ already"):
+        run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=2", "output_uri=s3://elsewhere/x/"))
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_before_planning(url, s3):
+    from shardgen.dataio.rundir.bucket import ConditionalWritesUnsupported
+
+    s3.proxy.ignore_conditions()
+    with pytest.raises(ConditionalWritesUnsupported, match="ignores If-None-Match"):
+        run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=2"))
+    assert bucket_objects(s3.fs(), url) == []  # nothing planned
+
+
+def _launch(url: str, scratch: Path, models: Path, *more: str) -> subprocess.Popen:
+    """A launch on its own "machine": its own scratch folder ($SHARDGEN_CACHE), the session's tiny models."""
+    env = {**os.environ, "SHARDGEN_CACHE": str(scratch),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "jobs.generate", f"run_dir={url}", *FAST, "samples_per_shard=3",
+                             f"model.cache_dir={models}", "lease_s=4", "heartbeat_s=0.5", *more],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt_once(tmp_path, url, s3):
+    n, rng = 20, random.Random(7)
+    models = Path(os.environ["SHARDGEN_CACHE"])
+    machines = [tmp_path / "machine-a", tmp_path / "machine-b"]
+    kills = 0
+    for _ in range(12):
+        launches = [_launch(url, m, models, f"prompts.limit={n}") for m in machines]
+        time.sleep(rng.uniform(4, 12))
+        for p in launches:
+            if p.poll() is None:
+                p.kill()
+                kills += 1
+        for p in launches:
+            p.wait(timeout=60)
+        if all(p.returncode == 0 for p in launches):
+            break
+    final = _launch(url, machines[0], models, f"prompts.limit={n}")
+    assert final.wait(timeout=300) == 0, final.stderr.read()[-3000:]
+    assert kills >= 2
+    bucket_run = RunDir.at(url)
+    plan = load_plan(bucket_run)
+    keys = []
+    for shard in range(plan.num_shards):
+        data = s3.fs().cat_file(f"{url.removeprefix('s3://')}/shards/{shard:06d}.tar")
+        keys += list(read_shard_members(io.BytesIO(data)))
+    assert sorted(keys) == [f"{i:010d}" for i in range(n)]  # every prompt exactly once
+    assert verify_run(plan).ok
+    local = tmp_path / "local"
+    assert run(compose_cfg(f"run_dir={local}", *FAST, "samples_per_shard=3", f"prompts.limit={n}")).complete
+    assert bucket_images(bucket_run) == shard_images(local)
+    for m in machines:
+        assert not list(m.glob("runs/*/shards/*.tar"))
