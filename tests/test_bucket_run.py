@@ -141,3 +141,22 @@ def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt
     assert bucket_images(bucket_run) == shard_images(local)
     for m in machines:
         assert not list(m.glob("runs/*/shards/*.tar"))
+
+
+def test_the_tools_read_a_run_kept_in_a_bucket_from_its_url(tmp_path, url, capsys, monkeypatch):
+    import json
+
+    from jobs.status import main as status
+    from jobs.verify import main as verify
+
+    monkeypatch.chdir(tmp_path)
+    assert run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6")).complete
+    capsys.readouterr()
+    assert status([url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["run_dir"], st["state"], st["shards"]["done"], st["results"]["ok"]) == (url, "complete", 2, 6), st
+    assert status([url, "--prometheus"]) == 0
+    assert f'shardgen_run_prompts{{run="{url}"}} 6.0' in capsys.readouterr().out
+    assert verify([url]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert not (tmp_path / "s3:").exists()

@@ -251,7 +251,7 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
     body = _damaged_section(plan, damaged) + "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
     title = html.escape(f"shardgen run {plan.run.root.name}")
     page = (f"{REPORT_HEAD}{html.escape(plan.run.root.name)}</title><style>{_CSS}</style></head>"
-            f"<body><h1>{title}</h1><p class='path'>{html.escape(str(plan.run.root))}</p>{body}</body></html>")
+            f"<body><h1>{title}</h1><p class='path'>{html.escape(plan.run.name)}</p>{body}</body></html>")
     return page, damaged
 
 
@@ -287,7 +287,7 @@ def _damaged_section(plan: Plan, damaged: dict[int, str]) -> str:
     rows = [(f"shards/{plan.run.shard_file(shard).name}", why) for shard, why in sorted(damaged.items())]
     text = (f"{len(damaged)} committed shard(s) could not be read whole: this report leaves out what of them could "
             f"not be read (their images are missing from the contact sheet). To repair: "
-            + REPAIR_HINT.format(root=plan.run.root))
+            + REPAIR_HINT.format(root=plan.run.name))
     return (f"<div class='damaged'><h2>Damaged shards</h2><p>{html.escape(text)}</p>"
             f"{_table(rows, ('shard file', 'why'))}</div>")
 

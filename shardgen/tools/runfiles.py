@@ -257,7 +257,7 @@ def read_index_columns(run: RunDir, columns: list[str], where: str | None = None
             raise
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError...: all mean a damaged file
             raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
-                              + REPAIR_HINT.format(root=run.root)) from None
+                              + REPAIR_HINT.format(root=run.name)) from None
         cols = {c: table.column(c).to_pylist() for c in columns}
         keep = range(table.num_rows) if where is None else [i for i, v in enumerate(cols[where]) if v is not None]
         for c in columns:

@@ -76,7 +76,7 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
         todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError...; an index of another shape KeyError
         raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
-                          + REPAIR_HINT.format(root=run.root)) from None
+                          + REPAIR_HINT.format(root=run.name)) from None
     if not todo:
         return None  # done already (a rerun after a kill)
     tar = committed_tar(plan.run, shard)  # keep_local=false: read back from the bucket
@@ -85,12 +85,12 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
     for r in todo:
         if (ext := image_ext(members.get(r["key"], {}))) is None:
             raise RunDirError(f"{run.shard_file(shard)} lacks the image of {r['key']!r} that its index "
-                              f"{path.name} lists; " + REPAIR_HINT.format(root=run.root))
+                              f"{path.name} lists; " + REPAIR_HINT.format(root=run.name))
         try:
             pixels = OUTPUT_FORMATS[ext].decode(members[r["key"]][ext])
         except Exception as e:  # PIL's errors for a damaged image vary
             raise RunDirError(f"{run.shard_file(shard)}: the image of {r['key']!r} does not decode "
-                              f"({type(e).__name__}); " + REPAIR_HINT.format(root=run.root)) from None
+                              f"({type(e).__name__}); " + REPAIR_HINT.format(root=run.name)) from None
         for column, f in functions.items():
             if r.get(column) is None:
                 r[column] = f(pixels, r["prompt"])

@@ -121,7 +121,7 @@ def run_status(plan: Plan, lease_s: float, now: float | None = None) -> dict:
     eta = 0.0 if complete else ((plan.num_rows - done) / rate if live and rate else None)
     totals = led.done.totals
     return dict(
-        run_dir=str(plan.run.root), state=state, samples_total=plan.num_rows, samples_done=done,
+        run_dir=plan.run.name, state=state, samples_total=plan.num_rows, samples_done=done,
         samples_committed=led.done.samples,
         rejected_in_plan=plan.num_rejects,
         shards=dict(total=plan.num_shards, done=led.count("done") - len(resized), running=led.count("running") + led.count("future"),

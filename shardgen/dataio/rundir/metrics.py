@@ -96,7 +96,7 @@ class RankMetrics:
             log.warning("could not write %s (%s); the next commit tries again", self.path, e)
 
     def families(self) -> list[Metric]:
-        values = [str(self.run.root), str(self.rank), str(self.replica), socket.gethostname(), self.job]
+        values = [self.run.name, str(self.rank), str(self.replica), socket.gethostname(), self.job]
         device_s = self.gen_s * self.ranks_per_replica
         samples = CounterMetricFamily("shardgen_committed_samples", "Samples in the shards this rank committed, by "
                                       "status", labels=[*LABELS, "status"])
