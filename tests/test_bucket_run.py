@@ -160,3 +160,16 @@ def test_the_tools_read_a_run_kept_in_a_bucket_from_its_url(tmp_path, url, capsy
     assert verify([url]) == 0
     assert "OK" in capsys.readouterr().out
     assert not (tmp_path / "s3:").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
+                         ids=["tp-2", "ulysses-2"])
+def test_model_parallel_replicas_on_a_bucket_run_give_the_bytes_of_one_process(tmp_path, url, strategy, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6", *strategy, "launcher=local", "launcher.nprocs=2"))
+    assert RunDir.at(url).done_shards() == {0, 1}
+    local = tmp_path / "local"
+    assert run(compose_cfg(f"run_dir={local}", *FAST, "prompts.limit=6")).complete
+    assert bucket_images(RunDir.at(url)) == shard_images(local)
+    assert verify_run(load_plan(RunDir.at(url))).ok
