@@ -241,7 +241,8 @@ class RunConfig:
     """Run: the run directory and what this launch does with it."""
 
     run_dir: str = "runs/default"
-    """The run: plan, shards, checkpoints, claims. Re-running the same command continues it."""
+    """The run: plan, shards, checkpoints, claims. Re-running the same command continues it. s3://BUCKET/PREFIX
+    keeps the whole run in the bucket, for machines without a shared file system (docs/scaling.md)."""
     samples_per_shard: Optional[int] = None
     """Samples per shard; null = chosen from the image size and the ranks (a few hundred MB per shard,
     several shards per replica; the choice is logged). Fixed once the run is planned."""
