@@ -31,6 +31,9 @@ def run(cfg: GenerateConfig):
     from shardgen.dataio.resume.fingerprint import refuse_changed_settings
     from shardgen.dataio.rundir import RunDir, check_run_dir_text, check_run_root
 
+    from shardgen.models.quiet import quiet_storage_clients
+
+    quiet_storage_clients()
     _guess_prompt_field(cfg)
     # a run_dir shardgen may not write to, or a resume with other settings, is refused in a moment, before torch loads
     check_run_dir_text(cfg.run_dir)

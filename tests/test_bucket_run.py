@@ -59,7 +59,8 @@ def test_a_run_kept_in_a_bucket_gives_the_bytes_of_a_local_run_and_leaves_no_sha
     names = bucket_objects(s3.fs(), url)
     assert [n for n in names if n.startswith("shards/") and n.endswith(".tar")] == \
         ["shards/000000.tar", "shards/000001.tar", "shards/000002.tar"]
-    assert {"fingerprint.json", "plan/plan.json", "uploads/000002.json", "shards/000002.stats.json"} <= set(names)
+    assert {"fingerprint.json", "plan/plan.json", "uploads/000002.json", "shards/000002.parquet"} <= set(names)
+    assert not [n for n in names if n.endswith(".stats.json")]  # the upload record (uploads/) holds the stats
     assert not [n for n in names if n.startswith("claims/")]  # released at each commit
     bucket_run = RunDir.at(url)
     assert bucket_run.store == url and bucket_run.done_shards() == {0, 1, 2}

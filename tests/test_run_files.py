@@ -286,7 +286,8 @@ def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
 
 def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, bucket, url, tmp_path):
     """A run kept in a bucket commits a shard by uploading it into its own shards/ folder: the stats staged beside
-    the local tar, sent after the tar and index (the done marker), then the upload record; the local files go.
+    the local tar, tar and index sent, then the upload record (holding the stats: the done marker); the local
+    files go.
     A launch finds a shard staged here but committed by another replica meanwhile, and drops its copy unsent."""
     import hashlib
 
@@ -304,13 +305,13 @@ def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, 
     assert uploader.commits and uploader.pending() == [0, 1] and not run.is_done(0)
     uploader.upload(0)
     assert s3.fs().cat_file(f"{url}/shards/000000.tar") == tar
-    assert s3.fs().cat_file(f"{url}/shards/000000.stats.json") == json_bytes(shard_stats)
+    assert not s3.fs().exists(f"{url}/shards/000000.stats.json")  # the upload record is the done marker
     assert read_record(run, 0)["stats"] == shard_stats and uploader.uploaded(0)
     assert run.done_shards() == {0} and staged_shards(run) == {1} and not run.shard_file(0).exists()
-    run.files.replace(run.shard_stats(1), json_bytes(shard_stats))  # shard 1 committed by another replica
+    run.files.replace(run.shard_uploaded(1), json_bytes(read_record(run, 0)))  # shard 1 committed by another replica
     assert uploader.resume() == 0
     assert staged_shards(run) == set() and list(run.shards_dir.iterdir()) == []
-    assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=1, committed=2)
+    assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=2, committed=2)
     with pytest.raises(RunDirError, match="uploads its shards to"):
         ShardUploader(run, f"s3://{bucket}/elsewhere").resume()
 

@@ -75,10 +75,19 @@ def _generate(tmp_path: Path, *args: str):
 
 
 @pytest.mark.parametrize("dry", [False, True])
-def test_a_url_as_run_dir_is_refused_in_one_line_naming_output_uri_and_no_folder_is_made(tmp_path, dry):
-    rc, err = _generate(tmp_path, "run_dir=s3://bucket/r", f"dry_run={str(dry).lower()}")
+def test_a_url_of_a_store_that_cannot_hold_a_run_is_refused_in_one_line_naming_output_uri(tmp_path, dry):
+    rc, err = _generate(tmp_path, "run_dir=gs://bucket/r", f"dry_run={str(dry).lower()}")
     assert rc == 2 and err.count("\n") == 1, err
-    assert "run_dir=s3://bucket/r: a run directory is a local" in err and "output_uri=s3://bucket/r/" in err
+    assert "run_dir=gs://bucket/r: a run kept in a bucket needs an S3-compatible store" in err
+    assert "output_uri=gs://bucket/r/" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_bucket_run_dir_whose_bucket_does_not_exist_is_one_line_and_no_folder_is_made(tmp_path, s3, dry):
+    rc, err = _generate(tmp_path, "run_dir=s3://no-such-bucket/r", f"dry_run={str(dry).lower()}")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "s3://no-such-bucket/r/" in err and "the bucket does not exist" in err
     assert list(tmp_path.iterdir()) == []
 
 

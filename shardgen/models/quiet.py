@@ -12,7 +12,13 @@ def quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    quiet_storage_clients()
+
+
+def quiet_storage_clients() -> None:
+    """The object storage clients (a bucket run_dir, output_uri, a prompts URL) log an INFO line per client created
+    and their own retries, which are shardgen's to report: their warnings and errors only."""
     import logging
 
-    for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # object storage (output_uri, a prompts URL): one
-        logging.getLogger(name).setLevel(logging.WARNING)       # INFO line per client created; retries are ours
+    for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -239,8 +239,8 @@ def probe_conditional_writes(url: str) -> None:
         return ConditionalWritesUnsupported(f"{store.store_name()}: the object store {what}; {NEEDS}")
 
     attempts: list = []
+    first = put("creating a probe object", b"1", (REFUSED, CONFLICT), attempts, IfNoneMatch="*")  # none to delete
     try:
-        first = put("creating a probe object", b"1", (REFUSED, CONFLICT), attempts, IfNoneMatch="*")
         if not isinstance(first, dict) and len(attempts) == 1:  # after a lost answer, a 412 may be our own create
             raise unsupported(f"refused creating a new object with If-None-Match: * ({first})")
         if isinstance(put("creating the probe object again", b"2", (REFUSED, CONFLICT), IfNoneMatch="*"), dict):

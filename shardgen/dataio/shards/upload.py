@@ -114,8 +114,9 @@ class ShardUploader:
 
     @property
     def commits(self) -> bool:
-        """Whether an upload is the shard's commit (a run kept in a bucket: its done marker is the uploaded stats),
-        to be made before the shard's claim is given up, not queued."""
+        """Whether an upload is the shard's commit, to be made before the shard's claim is given up, not queued: a
+        run kept in a bucket, whose done marker is the upload record (written once tar and index are confirmed; it
+        holds the stats, so no stats object is sent beside the tar)."""
         return bool(self.run.store)
 
     def check(self) -> None:
@@ -250,7 +251,7 @@ class ShardUploader:
             # with its launch, and is generated again by its next holder (when that is on this machine, over these
             # files); those committed meanwhile are dropped
             for shard in staged_shards(self.run):
-                if self.run.is_done(shard) and not self.uploaded(shard):
+                if self.run.is_done(shard):
                     self._drop_local(shard, force=True)
             return 0
         todo = self.pending()
@@ -264,8 +265,8 @@ class ShardUploader:
         return len(todo)
 
     def upload(self, shard: int) -> None:
-        """Upload ``shard`` (tar, index, then stats), confirm each object, record it; with keep_local=false delete
-        the local files. Nothing is sent when it is recorded already."""
+        """Upload ``shard`` (tar, index, then stats; for a run kept in a bucket tar and index), confirm each object,
+        record it; with keep_local=false delete the local files. Nothing is sent when it is recorded already."""
         run = self.run
         if not self.uploaded(shard):
             stats_path = run.shard_stats(shard)
@@ -276,7 +277,8 @@ class ShardUploader:
                 stats = json.loads(data)
                 objects = {local.name: self._send(local) for local in (run.shard_file(shard),
                                                                        shard_index.index_path(run, shard))}
-                objects[stats_path.name] = self._send(stats_path)  # the stats last: the done marker at output_uri
+                if not self.commits:  # the stats last: the done marker at output_uri
+                    objects[stats_path.name] = self._send(stats_path)
             except FileNotFoundError:
                 if self.uploaded(shard):  # another process uploaded it and deleted the local copy meanwhile
                     return
