@@ -174,3 +174,79 @@ def test_model_parallel_replicas_on_a_bucket_run_give_the_bytes_of_one_process(t
     assert run(compose_cfg(f"run_dir={local}", *FAST, "prompts.limit=6")).complete
     assert bucket_images(RunDir.at(url)) == shard_images(local)
     assert verify_run(load_plan(RunDir.at(url))).ok
+
+
+def _uploads(s3, url: str) -> int:
+    """Upload records (done shards) in the bucket, read from the server itself (not through the fault proxy)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=f"http://127.0.0.1:{s3.proxy.target}")
+    try:
+        return len(fs.ls(f"{url.removeprefix('s3://')}/uploads", refresh=True))
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_lease_stops_the_launch_in_one_line_and_the_next_one_completes(tmp_path, url, s3):
+    """The store unreachable mid-run for longer than the lease and every request's retries: the launch ends with
+    one line saying to re-run (its heartbeat gives its claims up, no thread dies with a traceback); the next launch
+    on the same machine completes the run, the shard whose upload the outage cut made again, every prompt once."""
+    n = 16
+    models = Path(os.environ["SHARDGEN_CACHE"])
+    launch = _launch(url, tmp_path / "machine", models, f"prompts.limit={n}", "samples_per_shard=2")
+    deadline = time.time() + 240
+    while _uploads(s3, url) < 2 and launch.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert launch.poll() is None, launch.stderr.read()[-3000:]
+    s3.proxy.down()  # for longer than lease_s=4 and the retries of a request (about 16 s)
+    try:
+        rc = launch.wait(timeout=120)
+    finally:
+        s3.proxy.up()
+    err = launch.stderr.read()
+    assert rc != 0 and "Traceback" not in err, err[-3000:]
+    assert "the storage is unreachable or failing. Re-run once it answers" in err, err[-3000:]
+    assert 2 <= _uploads(s3, url) < n // 2
+    final = _launch(url, tmp_path / "machine", models, f"prompts.limit={n}", "samples_per_shard=2")
+    assert final.wait(timeout=300) == 0, final.stderr.read()[-3000:]
+    plan = load_plan(RunDir.at(url))
+    names = bucket_objects(s3.fs(), url)
+    assert [f"shards/{s:06d}.tar" in names for s in range(plan.num_shards)] == [True] * plan.num_shards, names
+    keys = []
+    for shard in range(plan.num_shards):
+        keys += list(read_shard_members(io.BytesIO(s3.fs().cat_file(f"{url.removeprefix('s3://')}/shards/"
+                                                                         f"{shard:06d}.tar"))))
+    assert sorted(keys) == [f"{i:010d}" for i in range(n)]
+    assert verify_run(plan).ok
+
+
+def test_a_run_throttled_throughout_with_slow_down_answers_completes_with_the_same_bytes(tmp_path, url, s3,
+                                                                                        monkeypatch):
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    stop, throttled = threading.Event(), []
+
+    def throttle():  # 503 SlowDown to a new connection twice a second for 4 s: fewer than a request's 6 attempts
+        for _ in range(8):
+            if stop.wait(0.5):
+                return
+            throttled.append(s3.proxy.served_errors)
+            s3.proxy.fail_next(1)
+
+    thread = threading.Thread(target=throttle, daemon=True)
+    s3.proxy.fail_next(3)  # the launch's first requests too
+    thread.start()
+    try:
+        result = run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=10"))
+    finally:
+        stop.set()
+        thread.join()
+        s3.proxy.errors_left = 0
+    assert (result.ok, result.complete) == (10, True)
+    assert sum(throttled) + s3.proxy.served_errors >= 3  # answered SlowDown, and retried
+    local = tmp_path / "local"
+    assert run(compose_cfg(f"run_dir={local}", *FAST, "prompts.limit=10")).complete
+    assert bucket_images(RunDir.at(url)) == shard_images(local)
+    assert verify_run(load_plan(RunDir.at(url))).ok

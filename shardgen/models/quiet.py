@@ -22,3 +22,17 @@ def quiet_storage_clients() -> None:
 
     for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DroppedConnectionNoise) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_DroppedConnectionNoise())
+
+
+class _DroppedConnectionNoise:
+    """Drops asyncio's "Task exception was never retrieved" for a request aiohttp was writing when the storage
+    dropped the connection: a traceback per request in flight, while the request itself fails and is retried
+    (and reported once, in one line, when it keeps failing) by shardgen."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith("Task exception was never retrieved")
+                    and type(exc).__module__.startswith("aiohttp"))

@@ -18,7 +18,7 @@ from typing import Any
 from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
-from shardgen.dataio.rundir.remote import identity as remote_identity, is_url
+from shardgen.dataio.rundir.remote import StorageError, identity as remote_identity, is_url
 from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
@@ -294,6 +294,8 @@ def run_settings(run: RunDir) -> tuple[dict | None, str | None]:
     """What ``check_settings_unchanged`` compares: the fingerprint, and which plan.json file the plan is."""
     try:
         plan = run.files.version(run.plan_json_path)
+    except StorageError:
+        raise  # a store unreachable past its retries: its own line, never taken for a run started over
     except OSError:
         plan = None
     return read_fingerprint(run), plan

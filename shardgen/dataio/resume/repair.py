@@ -187,6 +187,8 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
     # shared filesystem 100k shards checked one after another at every launch of every job would take minutes each
     present = sorted({int(n[:6]) for n in entries if n[:6].isdigit() and n.endswith((f".{run.container}", ".stats.json"))}
                      & set(range(plan.num_shards)))
+    if run.store:  # shards/ here only stages uploads: a shard of a run in a bucket is committed by its upload record
+        present = []  # alone, made under its claim; what a killed upload left is generated again by its next holder
     seen = {s: _files_signature(run, s, entries) for s in present}
     before = _read_checked(run)
     todo = [s for s in present if seen[s] is None or before.get(s) != seen[s]]
@@ -202,7 +204,7 @@ def repair_run_dir(plan: Plan, lease_s: float) -> list[str]:
             continue  # a live holder is rewriting it right now (retry_failed): its commit decides
         notes.append(finish_or_discard(run, shard, plan.shard_range(shard), problem))
     for line in notes:
-        log.warning("%s: %s", run.root, line)
+        log.warning("%s: %s", run.name, line)
     return notes
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from shardgen.dataio.rundir.claimstore import ClaimStore, claim_name
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name, pid_alive, reported_ended
+from shardgen.dataio.rundir.remote import StorageError
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
 LEASE_S = 120.0     # a claim whose heartbeat is older than this is taken over
@@ -106,6 +107,7 @@ class Claimer:
     lost: set[int] = field(default_factory=set)
     own_thread: bool = True  # False: no heartbeat thread; the caller calls beat() every heartbeat_s
     _seen: dict = field(default_factory=dict)  # (shard, gen) -> (heartbeat mtime, our time when it was first seen)
+    _renewed: dict = field(default_factory=dict)  # shard -> our time of its claim's last renewal (or creation)
     store: ClaimStore | None = None
 
     def __post_init__(self):
@@ -129,6 +131,7 @@ class Claimer:
             return None
         with self._lock:
             self.held[shard] = gen
+            self._renewed[shard] = time.monotonic()
         return gen
 
     def take_commit(self, shard: int) -> bool:
@@ -149,6 +152,7 @@ class Claimer:
             return False
         with self._lock:
             self.held[shard] = gen + 1
+            self._renewed[shard] = time.monotonic()
         return True
 
     def _alive(self, shard: int, gen: int) -> bool:
@@ -187,6 +191,7 @@ class Claimer:
         with self._lock:
             gen = self.held.pop(shard, None)
             self.lost.discard(shard)
+            self._renewed.pop(shard, None)
         if gen is None:
             return
         for g in range(gen, 0, -1):
@@ -210,8 +215,29 @@ class Claimer:
         with self._lock:
             held = dict(self.held)
         for shard, gen in held.items():
-            if self.store.exists(shard, gen + 1) or not self.store.renew(shard, gen):
-                self._lose(shard, gen)
+            try:
+                if self.store.exists(shard, gen + 1) or not self.store.renew(shard, gen):
+                    self._lose(shard, gen)
+                    continue
+            except StorageError as e:  # the store unreachable past its retries: the claim may lapse meanwhile
+                self._unrenewed(shard, gen, e)
+                continue
+            with self._lock:
+                self._renewed[shard] = time.monotonic()
+
+    def _unrenewed(self, shard: int, gen: int, error: StorageError) -> None:
+        """A renewal that failed past its retries. The claim still holds until ``lease_s`` after its last renewal;
+        from then on another replica may have taken it over, so it is given up (the replica stops writing the
+        shard, and the store's outage reaches the launch through its next claim or commit)."""
+        with self._lock:
+            last = self._renewed.get(shard, time.monotonic())
+        if time.monotonic() - last < self.lease_s:
+            log.warning("could not renew the claim of shard %06d (%s); it holds for %.0f s more", shard, error,
+                        self.lease_s - (time.monotonic() - last))
+            return
+        log.warning("shard %06d: its claim went unrenewed for lease_s=%s s (%s); leaving the shard to whoever "
+                    "takes it over", shard, self.lease_s, error)
+        self._lose(shard, gen)
 
     def _lose(self, shard: int, gen: int) -> None:
         with self._lock:
