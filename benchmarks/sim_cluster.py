@@ -79,6 +79,7 @@ from shardgen.run.replica import ReplicaContext, ReplicaWorker
 SIM_SETTINGS = GenSettings(height=8, width=8, steps=1, guidance=0.0, true_cfg_scale=1.0, negative_prompt=None,
                            max_sequence_length=77, model="sim", strategy="dp")
 
+HEARTBEAT_WORKERS = 8  # claimers a process beats at a time on a run kept in a bucket (``Heartbeats``)
 OPS = ("stat", "lstat", "listdir", "scandir", "open", "rename", "replace", "unlink", "mkdir", "rmdir", "utime",
        "link", "fsync")
 
@@ -201,10 +202,13 @@ class Heartbeats:
     """One thread beating the claims of every simulated replica (``Claimer.beat``), as each replica's own
     heartbeat thread would: 1,000 threads waking every ``heartbeat_s`` on 2 cores are themselves the load that
     made leases expire. Records how late its passes ran (a pass late by more than the lease would be a spurious
-    takeover: the figures say whether the machine kept up)."""
+    takeover: the figures say whether the machine kept up). ``workers`` > 1: each pass beats that many claimers at a
+    time (a bucket's renewals are round trips of milliseconds each, not a syscall: one after another, a pass over a
+    process's replicas outlasted the heartbeat on a busy server, where each replica's own thread would not)."""
 
-    def __init__(self, heartbeat_s: float):
+    def __init__(self, heartbeat_s: float, workers: int = 1):
         self.heartbeat_s = heartbeat_s
+        self.workers = workers
         self.claimers: dict[int, Claimer] = {}  # by id (a Claimer, a dataclass, is not hashable)
         self.max_gap_s = 0.0  # the longest time between the starts of two passes
         self.renewals = 0  # claims beaten (a claim held during a pass counts once per pass)
@@ -222,15 +226,24 @@ class Heartbeats:
             self.claimers.pop(id(claimer), None)
 
     def _loop(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sim-heartbeat") if self.workers > 1 else None
         last = time.perf_counter()
         while not self._stop.wait(max(0.0, last + self.heartbeat_s - time.perf_counter())):
             now = time.perf_counter()
             self.max_gap_s, last = max(self.max_gap_s, now - last), now
             with self._lock:
                 claimers = list(self.claimers.values())
+            if pool is not None:
+                self.renewals += sum(len(c.held) for c in claimers)
+                list(pool.map(Claimer.beat, claimers))
+                continue
             for c in claimers:
                 self.renewals += len(c.held)
                 c.beat()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def close(self) -> None:
         self._stop.set()
@@ -466,6 +479,9 @@ def _run_replicas(run, plan, replicas, batch, gen_s, seconds, kill_prob, lease_s
                 heartbeat_ops=sum(phases.get("heartbeat", Counter()).values()),
                 heartbeat_max_gap_s=max(p["max_gap_s"] for p in parts), kills=sum(p["kills"] for p in parts),
                 takeovers=sum(p["takeovers"] for p in parts),  # claims of a generation above 1: with no kills, spurious
+                # the claims killed replicas left held: each is taken over once; takeovers beyond them were spurious
+                # (a live holder's lease lapsed)
+                abandoned_claims=sum(p["abandoned"] for p in parts),
                 # the tail: from the first replica finding nothing left to do to the end of the run (its last commit)
                 tail_s=round(max(0.0, end - first_idle), 2) if complete and first_idle < end else None,
                 last_claim_to_end_s=round(max(0.0, end - max(p["last_claim"] for p in parts)), 2) if complete else None,
@@ -571,9 +587,9 @@ def _replica_threads(indices, run, plan, replicas, batch, gen_s, deadline, kill_
     rng = random.Random(seed)
     shardrun.generate_batch = fake_generator(gen_s, kill_prob, rng, jitter)
     latencies, first_claims, idle_from, lock = [], [], [], threading.Lock()
-    commits, kills, takeovers, upload_kills = Counter(), Counter(), Counter(), Counter()
+    commits, kills, takeovers, upload_kills, abandoned = Counter(), Counter(), Counter(), Counter(), Counter()
     last_commit, last_claim, first_idle = [0.0], [0.0], [float("inf")]
-    beats = Heartbeats(heartbeat_s)
+    beats = Heartbeats(heartbeat_s, workers=HEARTBEAT_WORKERS if run.store else 1)
     cpu0 = os.times()
 
     def one(index: int, attempt: int = 0):
@@ -645,6 +661,8 @@ def _replica_threads(indices, run, plan, replicas, batch, gen_s, deadline, kill_
             except RuntimeError:
                 if not dead.is_set():
                     raise
+            with lock:  # the claims it leaves: each one taken over once its lease is out
+                abandoned[index] += len(claimer.held)
         finally:
             beats.remove(claimer)
             claimer.close()
@@ -669,7 +687,8 @@ def _replica_threads(indices, run, plan, replicas, batch, gen_s, deadline, kill_
                 max_gap_s=round(beats.max_gap_s, 3), kills=sum(kills.values()), takeovers=takeovers[True],
                 last_commit=last_commit[0], last_claim=last_claim[0], first_idle=first_idle[0], idle_from=idle_from,
                 cpu_s=cpu.user + cpu.system - cpu0.user - cpu0.system, renewals=beats.renewals,
-                s3=Counter(COUNTER.s3), requests=+requests, upload_kills=sum(upload_kills.values()))
+                s3=Counter(COUNTER.s3), requests=+requests, upload_kills=sum(upload_kills.values()),
+                abandoned=sum(abandoned.values()))
 
 
 def _ms(sorted_s: list[float], q: float) -> float | None:
