@@ -37,7 +37,8 @@ run is read back from the bucket: every shard done, each committed once, each pr
 uploaded indexes, every object as its record says.
 
     AWS_ENDPOINT_URL=http://127.0.0.1:PORT PYTHONPATH=$PWD nice -n 10 python benchmarks/sim_cluster.py \
-        --bucket s3://sim/run1 --replicas 120 --shards 360 --per-shard 2 --procs 4 --kill-prob 0.04 ...
+        --bucket s3://sim/run120 --replicas 120 --shards 300 --per-shard 2 --batch 1 --gen-s 10 --jitter 0.3 \
+        --stagger-s 20 --lease-s 20 --heartbeat-s 5 --procs 4 --kill-prob 0.03 --kill-upload-prob 0.03 --seconds 500
 """
 
 from __future__ import annotations
