@@ -63,3 +63,25 @@ def test_claim_operations_per_shard_do_not_grow_with_the_shards_of_the_run(tmp_p
         assert fig["complete"] and fig["committed_shards"] == 60 and fig["duplicated_samples"] == 0
     small, large = (f["ops_per_shard"]["claim"] for f in figs)
     assert large < 1.5 * small + 3, (small, large)
+
+
+@pytest.mark.slow
+def test_replicas_killed_mid_shard_and_mid_upload_on_a_run_kept_in_a_bucket_commit_every_prompt_once(tmp_path, bucket):
+    """The simulated cluster on a run kept in a bucket (the test S3 server): claims and done markers are objects,
+    each shard committed by its upload and record; replicas killed while generating and between a shard's upload
+    and its record, their shards taken over after the lease: read back from the bucket, every shard is done once and
+    every prompt is in exactly one sample. The S3 requests are counted per shard and per heartbeat."""
+    sim = _sim()
+    fig = sim.simulate(tmp_path / "run", replicas=8, shards=40, per_shard=2, batch=1, gen_s=0.02, seconds=90,
+                       kill_prob=0.08, kill_upload_prob=0.08, lease_s=3.0, heartbeat_s=0.5, seed=5,
+                       store=f"s3://{bucket}/sim")
+    assert fig["exactly_once"] and fig["complete"] and fig["stuck"] == 0, fig
+    assert fig["kills"] > 0  # replicas did die: their shards were taken over once their claims expired
+    assert fig["commits_twice"] == 0 and fig["duplicated_samples"] == 0 and fig["missing_samples"] == 0
+    assert fig["committed_samples"] == 80 and fig["objects_not_as_uploaded"] == 0
+    assert fig["claims_left"] == 0  # every claim released after its commit, a dead holder's by its successor
+    assert fig["s3_per_shard_working"]["put_object"] >= 4  # claim, commit claim, tar, index, record
+    assert 0.5 <= fig["s3_per_heartbeat"]["put_object"] <= 1  # a claim renewed is one conditional PutObject
+    assert 0 < fig["store_requests_total"] < fig["s3_requests_total"]  # the uploads go around the stores' counters
+    run = sim.RunDir.at(f"s3://{bucket}/sim")
+    assert sorted(run.done_shards()) == list(range(40))
