@@ -110,23 +110,30 @@ def test_a_replace_if_unchanged_is_refused_once_another_writer_replaced_the_file
 
 
 def test_done_markers_are_listed_after_their_commits(run):
-    """Stats files and upload records written as a commit and an upload write them: ``done_shards``, ``is_done``,
-    the committed stats and the upload record read back from where they are; in a bucket nothing of them is
-    written to the run directory, and a listing of several pages finds them all."""
+    """Done markers written as a commit and an upload write them (in a run directory stats files and upload
+    records; a run kept in a bucket commits by upload records alone): ``done_shards``, ``is_done``, the committed
+    stats and the upload record read back from where they are; in a bucket nothing of them is written to the run
+    directory, and a listing of several pages finds them all."""
     assert run.done_shards() == set() and not run.is_done(0)
     if not run.store:
         run.shards_dir.mkdir(parents=True)
-    for shard in (0, 2, 5):
-        run.files.replace(run.shard_stats(shard), json_bytes(stats(shard)))
-    record = dict(uri="s3://out/", sha256="cd" * 32, tar_bytes=10, time=0.0, stats=stats(7), objects={})
+
+    def record(shard: int) -> dict:
+        return dict(uri="s3://out/", sha256="cd" * 32, tar_bytes=10, time=0.0, stats=stats(shard), objects={})
+
     run.uploads_dir.mkdir(parents=True)
-    run.files.replace(run.shard_uploaded(7), json_bytes(record))
+    for shard in (0, 2, 5):
+        if run.store:
+            run.files.replace(run.shard_uploaded(shard), json_bytes(record(shard)))
+        else:
+            run.files.replace(run.shard_stats(shard), json_bytes(stats(shard)))
+    run.files.replace(run.shard_uploaded(7), json_bytes(record(7)))
     if run.store:
         run.files.list_page = 2
     assert run.done_shards() == {0, 2, 5, 7}
     assert [run.is_done(s) for s in range(8)] == [True, False, True, False, False, True, False, True]
     assert committed_stats(run, 2) == stats(2) and committed_stats(run, 7) == stats(7)
-    assert only_uploaded(run, 7) and not only_uploaded(run, 2) and read_record(run, 7) == record
+    assert only_uploaded(run, 7) and only_uploaded(run, 2) == bool(run.store) and read_record(run, 7) == record(7)
     if run.store:
         assert not run.shards_dir.exists() and list(run.uploads_dir.iterdir()) == []
         assert run.files.requests["list_objects_v2"] >= 3
@@ -180,10 +187,10 @@ def test_slow_down_answers_are_retried_and_every_operation_still_works(s3, url, 
     other = BucketFiles(url, run.root)
     steps = [lambda: run.files.create(run.fingerprint_path, json_bytes(fingerprint())),
              lambda: other.create(run.fingerprint_path, b"{}"),
-             lambda: run.files.replace(run.shard_stats(1), json_bytes(stats(1))),
+             lambda: run.files.replace(run.shard_uploaded(1), json_bytes(stats(1))),
              lambda: read_fingerprint(run),
              lambda: run.done_shards(),
-             lambda: run.files.delete(run.shard_stats(1)),
+             lambda: run.files.delete(run.shard_uploaded(1)),
              lambda: run.is_done(1)]
     results = []
     for step in steps:

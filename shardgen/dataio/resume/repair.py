@@ -138,12 +138,29 @@ def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None)
     return None
 
 
+STORED_PLAN_CHECK_S = 600.0  # how often a process checks again the plan files of a run kept in a bucket
+_stored_plan_checked: dict[str, float] = {}  # the run's URL -> when this process last checked its plan files
+
+
+def _plan_check_due(run: RunDir) -> bool:
+    """Whether ``checked_rows`` checks the plan files against their digests now: always in a run directory (a
+    stat and a read of local files); for a run kept in a bucket, where each check is about 5 requests, once per
+    STORED_PLAN_CHECK_S per process (its plan files are written once, before its plan.json is published)."""
+    if not run.store:
+        return True
+    now = time.monotonic()
+    if now - _stored_plan_checked.get(run.store, -STORED_PLAN_CHECK_S) < STORED_PLAN_CHECK_S:
+        return False
+    _stored_plan_checked[run.store] = now
+    return True
+
+
 def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
     plan's numbering (RunDirError naming the file and the fix)."""
     path = plan.run.starts_path
     fix = REPLAN_HINT.format(plan_json=plan.run.plan_json_path)
-    changed = _plan_digest_problem(plan, full=True)
+    changed = _plan_digest_problem(plan, full=True) if _plan_check_due(plan.run) else None
     if changed:
         raise RunDirError(f"{changed}; {fix}")
     try:

@@ -396,11 +396,15 @@ class RunDir:
     def is_done(self, shard: int) -> bool:
         """Whether ``shard`` is committed: its stats file (the done marker) exists, or its upload record (with
         keep_local=false its local files are deleted once uploaded)."""
+        if self.store:  # a run kept in a bucket commits by the upload record alone (no stats object is written)
+            return self.files.exists(self.shard_uploaded(shard))
         return self.files.exists(self.shard_stats(shard)) or self.files.exists(self.shard_uploaded(shard))
 
     def done_shards(self) -> set[int]:
         """Shards whose stats file (the done marker) exists, or whose upload is recorded (with keep_local=false
         their local files are deleted once uploaded)."""
+        if self.store:  # one listing of uploads/: a run kept in a bucket commits by the upload record alone
+            return self.listed_shards(self.uploads_dir, ".json")
         return self.listed_shards(self.shards_dir, ".stats.json") | self.listed_shards(self.uploads_dir, ".json")
 
     def listed_shards(self, directory: Path, suffix: str) -> set[int]:
