@@ -153,9 +153,11 @@ def test_the_tools_read_a_run_kept_in_a_bucket_from_its_url(tmp_path, url, capsy
     monkeypatch.chdir(tmp_path)
     assert run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6")).complete
     capsys.readouterr()
+    monkeypatch.setenv("SHARDGEN_CACHE", str(tmp_path / "another-machine"))  # none of the run's scratch files
     assert status([url, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert (st["run_dir"], st["state"], st["shards"]["done"], st["results"]["ok"]) == (url, "complete", 2, 6), st
+    assert [r["samples"] for r in st["replicas"]] == [6] and st["rate"] > 0, st  # the commits' log is the bucket's
     assert status([url, "--prometheus"]) == 0
     assert f'shardgen_run_prompts{{run="{url}"}} 6.0' in capsys.readouterr().out
     assert verify([url]) == 0

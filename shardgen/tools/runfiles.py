@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import functools
 import json
 import os
@@ -213,8 +214,19 @@ def _typed(value: Any, typ: type | tuple) -> bool:
 
 
 def read_events(run: RunDir) -> list[dict]:
-    """The shard commit events (``logs/events.*.jsonl``) with a time, a replica and a sample count."""
-    return read_records(run.events_paths(), {"t": NUMBER, "replica": (int, str), "samples": int})
+    """The shard commit events (``logs/events.*.jsonl``, in the run's store) with a time, a replica and a sample
+    count."""
+    fields = {"t": NUMBER, "replica": (int, str), "samples": int}
+    if not run.store:
+        return read_records(run.events_paths(), fields)
+    records = []
+    for name in sorted(run.files.names(run.logs_dir)):
+        if fnmatch.fnmatch(name, run.EVENTS_GLOB):
+            try:
+                records += parse_records(run.files.read(run.logs_dir / name) or b"", fields)
+            except OSError:  # unreadable: history, not state (``read_records``)
+                continue
+    return records
 
 
 def launch_of(who: dict) -> tuple:

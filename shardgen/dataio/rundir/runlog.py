@@ -115,12 +115,19 @@ def _append_line(path: Path, record: dict) -> None:
 
 
 def record_commit(run: RunDir, replica: int, stats: dict) -> None:
-    """Note a committed shard for the report (called on the writer after the stats are written)."""
-    _append_line(run.events_path(host_name(), os.getpid()), dict(
+    """Note a committed shard for the report and jobs.status's rates (called on the writer after the stats are
+    written): in the run's store, so that a run kept in a bucket shows every machine's commits wherever it is read
+    (there a read and a conditional replace of this process's own file, which no other writer touches)."""
+    record = dict(
         t=stats.get("finished", time.time()), replica=replica, shard=stats["shard"], samples=stats["count"],
         ok=stats["ok"], failed=stats["failed"], rejected=stats["rejected"], wall_s=stats.get("wall_s"),
-        host=host_name(), pid=os.getpid(), job=os.environ.get("SLURM_JOB_ID")))  # which launch: replicas of
-    # two launches on one run share their numbers
+        host=host_name(), pid=os.getpid(), job=os.environ.get("SLURM_JOB_ID"))  # which launch: replicas of two
+    # launches on one run share their numbers
+    path = run.events_path(host_name(), os.getpid())
+    if run.store:
+        run.files.append(path, json.dumps(record, sort_keys=True))
+    else:
+        _append_line(path, record)
 
 
 def record_launch(run: RunDir, summary: dict) -> None:
