@@ -30,7 +30,8 @@ def dedup(args) -> int:
     neither a committed index nor a run."""
     run = RunDir.at(args.run_dir)
     if not run.listed_shards(run.shards_dir, ".parquet") | run.listed_shards(run.uploads_dir, ".json"):
-        if not is_run_dir(run.root):  # absent, a file, some other directory: not a run in progress, so say that
+        # absent, a file, some other directory: not a run in progress, so say that (a bucket's run: its owner record)
+        if not (run.files.exists(run.marker_path) if run.store else is_run_dir(run.root)):
             raise RunDirError(f"{args.run_dir}: {NO_PLAN}")
         print(f"{args.run_dir}: no committed shard index (shards/*.parquet) yet", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from shardgen.dataio.shards import VIDEO_EXT, durable_partial, image_ext, previe
 from shardgen.errors import UserError
 from shardgen.tools import check_tool_output, committed_members, count_arg, read_shard_members, safe_write
 from shardgen.tools.entry import run_tool, tool_parser
-from shardgen.tools.runfiles import refuse_foreign_out
+from shardgen.tools.runfiles import refuse_foreign_out, share_output
 
 SOFTWARE = "shardgen jobs.preview"  # the sheet's PNG Software text
 SHEET_MARK = b"tEXtSoftware\x00" + SOFTWARE.encode()  # that text chunk's bytes, near the start of every sheet
@@ -134,7 +134,7 @@ def preview(args, plan) -> int:
     if out.is_symlink():
         print(f"note: {out} was a symlink; it is replaced by the file (the link's target is left alone)")
     safe_write(out, buf.getvalue(), run)  # a fresh file renamed into place: never written through a link
-    print(f"wrote {out} ({len(items)} samples)")
+    print(f"wrote {share_output(run, out)} ({len(items)} samples)")
     return 0
 
 

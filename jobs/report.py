@@ -14,7 +14,7 @@ from shardgen.cli import run_program
 from shardgen.tools import check_tool_output, write_report
 from shardgen.tools.entry import run_tool, tool_parser
 from shardgen.tools.report import check_report_out
-from shardgen.tools.runfiles import REPAIR_HINT
+from shardgen.tools.runfiles import REPAIR_HINT, share_output
 
 MAX_LINES = 20  # damaged shards named on stderr (the page names them all)
 
@@ -34,7 +34,7 @@ def report(args, plan) -> int:
     if not args.force:
         check_report_out(out, plan.run)  # a user's file given as --out is never replaced unasked
     damaged = write_report(plan, out)
-    print(f"wrote {out}")
+    print(f"wrote {share_output(plan.run, out)}")
     if not damaged:
         return 0
     # a script that only looks at the exit status must notice too: 1, as jobs.verify gives for defects

@@ -102,7 +102,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                                                          model_sha256(cfg.model)))
         # a run without a sample takes the new settings: the launch starts it over
         if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
-            refused = f"{run.root} was made with other settings ({'; '.join(diffs)})"
+            refused = f"{run.name} was made with other settings ({'; '.join(diffs)})"
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
     images = plan.images if plan is not None else cfg.images_per_prompt
@@ -143,7 +143,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                            f"samples/s per replica, {when}, {rec.get('run_dir')}) x {dims.dp} replica(s)")
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
-    return DryRun(run_dir=str(run.root), prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
+    return DryRun(run_dir=run.name, prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
                   done_samples=done, world_size=world, replicas=dims.dp, ranks_per_replica=dims.replica_size,
                   strategy=" ".join(filter(None, (dims.strategy, dims.describe()))),
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "

@@ -249,8 +249,9 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
                                                                         "verdict"))))
     sections.append(("Contact sheet", sheet))
     body = _damaged_section(plan, damaged) + "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
-    title = html.escape(f"shardgen run {plan.run.root.name}")
-    page = (f"{REPORT_HEAD}{html.escape(plan.run.root.name)}</title><style>{_CSS}</style></head>"
+    name = plan.run.name.rstrip("/").rsplit("/", 1)[-1]  # a run kept in a bucket: its URL's last folder
+    title = html.escape(f"shardgen run {name}")
+    page = (f"{REPORT_HEAD}{html.escape(name)}</title><style>{_CSS}</style></head>"
             f"<body><h1>{title}</h1><p class='path'>{html.escape(plan.run.name)}</p>{body}</body></html>")
     return page, damaged
 

@@ -176,6 +176,17 @@ def safe_write(path: Path, data: bytes | Iterable[bytes], run: RunDir) -> None:
                           "directory") from None
 
 
+def share_output(run: RunDir, out: Path) -> str:
+    """Where a tool's output file ``out`` (just written) is, for the tool's "wrote ..." line. For a run kept in a
+    bucket, the run's own output (``RunDir.tool_outputs``, the default --out) is also put in the bucket beside the
+    run's files, so that every machine of the run finds it where one finds it in a run directory:
+    "URL (and on this machine: PATH)"; any other ``out`` is only its path."""
+    if not run.store or _real(out) not in {_real(p) for p in run.tool_outputs}:
+        return str(out)
+    run.files.replace(out, read_regular(out, follow=False))
+    return f"{run.files.where(out)} (and on this machine: {out})"
+
+
 def read_records(paths: Iterable[Path], fields: dict[str, type | tuple]) -> list[dict]:
     """The records of JSON-lines log files that have ``fields`` of those types; other lines (torn by a kill,
     not UTF-8, not an object, other types) and unreadable files are skipped: logs are history, not state."""

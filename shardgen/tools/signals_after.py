@@ -2,10 +2,11 @@
 index, for runs generated without them (``python -m jobs.signals``).
 
 The tars are only read. Each shard's index is rewritten whole (temp file, fsync, atomic rename,
-as at commit) with the signal columns filled for its images, so a kill leaves every index either
-as it was or complete; a shard whose images all have the signals already is skipped, so a rerun
-continues where a killed one stopped. The sample's json (in the tar and the index) keeps what the
-generating launch wrote: the columns are the record of the signals added afterwards.
+as at commit; in a bucket, together with the shard's upload record: uploaded.replace_object) with the signal
+columns filled for its images, so a kill leaves every index either as it was or complete; a shard whose
+images all have the signals already is skipped, so a rerun continues where a killed one stopped. The
+sample's json (in the tar and the index) keeps what the generating launch wrote: the columns are the
+record of the signals added afterwards.
 
 Only signals that read pixels can be added: the watermark changes them (``signals=[watermark]`` at
 generation time).
@@ -21,10 +22,11 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.rundir.fileio import open_regular
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
-from shardgen.dataio.shards.index import index_path, read_parquet_file, write_index
+from shardgen.dataio.shards.index import index_bytes, index_path, read_index_table, read_parquet_file, write_index
 from shardgen.dataio.shards.upload import committed_tar
-from shardgen.dataio.shards.uploaded import only_uploaded
+from shardgen.dataio.shards.uploaded import only_uploaded, replace_object
 from shardgen.dataio.shards.signals import ClipScorer, SignalConfigError, phash
+from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.signals")
 AFTER = ("phash", "clip")
@@ -66,16 +68,21 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
 
     run = plan.run
     path = index_path(run, shard)
-    if only_uploaded(run, shard):
-        raise RunDirError(f"{run.root}: shard {shard:06d} is kept only where it was uploaded (keep_local=false), and "
-                          "jobs.signals rewrites the indexes in run_dir/shards; compute the signals while generating "
-                          "(signals=[...]), or generate with keep_local=true")
+    # a run kept in a bucket (or keep_local=false): the index is its object there, read checked against the shard's
+    # upload record, and rewritten with the record (uploaded.replace_object)
+    in_bucket = only_uploaded(run, shard)
     try:
-        with open_regular(path, follow=False) as f:
-            rows = read_parquet_file(f).to_pylist()
+        if in_bucket:
+            rows = read_index_table(run, shard).to_pylist()
+        else:
+            with open_regular(path, follow=False) as f:
+                rows = read_parquet_file(f).to_pylist()
         todo = [r for r in rows if r["status"] == "ok" and any(r.get(c) is None for c in functions)]
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError...; an index of another shape KeyError
-        raise RunDirError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+        if in_bucket and isinstance(e, UserError):  # the bucket's copy unreachable, or not the bytes uploaded: named
+            raise
+        where = run.files.where(path) if in_bucket else path
+        raise RunDirError(f"{where} is damaged ({type(e).__name__}: {str(e)[:200]}); "
                           + REPAIR_HINT.format(root=run.name)) from None
     if not todo:
         return None  # done already (a rerun after a kill)
@@ -94,5 +101,8 @@ def _add_to_shard(plan: Plan, shard: int, functions: dict[str, Callable]) -> int
         for column, f in functions.items():
             if r.get(column) is None:
                 r[column] = f(pixels, r["prompt"])
-    write_index(path, rows)
+    if in_bucket:
+        replace_object(run, shard, path.suffix, index_bytes(rows))
+    else:
+        write_index(path, rows)
     return len(todo)

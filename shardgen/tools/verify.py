@@ -220,7 +220,8 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
     missing = (gone or {}).get(shard)
     if missing and not os.path.lexists(tar):  # keep_local=false: the bucket held its only copy
         rep.bad_shards[shard] = "tar"
-        rep.defects.append(f"{name}: {'; '.join(missing)} since its upload ({run.shard_uploaded(shard)}): --repair "
+        record = run.files.where(run.shard_uploaded(shard))
+        rep.defects.append(f"{name}: {'; '.join(missing)} since its upload ({record}): --repair "
                            "has the shard generated and uploaded again")
         return
     try:  # keep_local=false: in the bucket, checked against the upload record
@@ -289,7 +290,8 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
             rep.defects += stats_problems
             rep.bad_shards.setdefault(shard, "stats")
     if missing:  # keep_local=true: the local copy stands; the upload is made again from it
-        rep.defects.append(f"{name}: {'; '.join(missing)} since its upload ({run.shard_uploaded(shard)}); --repair "
+        record = run.files.where(run.shard_uploaded(shard))
+        rep.defects.append(f"{name}: {'; '.join(missing)} since its upload ({record}); --repair "
                            "removes its upload record: the next launch uploads the local copy again")
         rep.bad_shards.setdefault(shard, "upload")
     rep.status.update(shard_status)

@@ -626,6 +626,8 @@ def publish_stored(run: RunDir, tmp: Path, target: Path) -> bool:
 def new_plan_dir(run: RunDir) -> Path:
     """A fresh temporary directory for planning in ``run`` (renamed into place when whole; removed by
     ``clean_stale_tmp`` when its planner died)."""
+    # a run kept in a bucket plans in this machine's scratch folder, absent on a machine new to the run
+    run.root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".plan-{_host()}-{os.getpid()}-", dir=run.root))
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the plan is read by every job sharing the run
     return tmp

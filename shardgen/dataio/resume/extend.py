@@ -98,7 +98,7 @@ def extend_if_appended(run: RunDir, fingerprint: dict, source: PromptSource, has
                 "choose a new run_dir")
         plan = _plan_extension(run, plan, source, (size, sha), (hashed_size, want), truncation())
     else:
-        raise PromptFileChanging(f"{source.path} kept changing while {run.root} was being extended; re-run")
+        raise PromptFileChanging(f"{source.path} kept changing while {run.name} was being extended; re-run")
     run.files.replace(run.fingerprint_path, json_bytes(fingerprint))
     return plan
 
@@ -125,7 +125,7 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
         counts = plan_rows_into(tmp, source, plan.rows_per_shard, truncation, offset=before[0],
                                 first_row=plan.num_prompts, head_end=int(plan.starts[0][0]), images=plan.images)  # csv/tsv: the header
         if sizeof(source.path) != after[0]:
-            raise PromptFileChanging(f"{source.path} changed while {run.root} was being extended (it had {after[0]} "
+            raise PromptFileChanging(f"{source.path} changed while {run.name} was being extended (it had {after[0]} "
                                   "bytes when hashed); re-run once it is written")
         now = time.time()
         atomic_write_json(tmp / "plan.json", dict(
@@ -139,10 +139,10 @@ def _plan_extension(run: RunDir, plan: Plan, source: PromptSource, before: tuple
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if counts["num_rows"]:
-        log.warning("%s grew: rows %d..%d appended to %s are planned as shards %06d..%06d (%s)", run.root,
+        log.warning("%s grew: rows %d..%d appended to %s are planned as shards %06d..%06d (%s)", run.name,
                     plan.num_prompts, plan.num_prompts + counts["num_rows"] - 1, source.path, plan.num_shards,
                     plan.num_shards + counts["num_shards"] - 1, Path(target).relative_to(run.root))
     else:
         log.warning("%s: rows appended to %s are past prompts.limit=%s; nothing new to plan (recorded in %s)",
-                    run.root, source.path, source.limit, Path(target).relative_to(run.root))
+                    run.name, source.path, source.limit, Path(target).relative_to(run.root))
     return load_plan(run, source.path)

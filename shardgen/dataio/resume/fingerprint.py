@@ -154,9 +154,9 @@ def check_or_write_fingerprint(run: RunDir, fingerprint: dict, *, allow_change: 
         state = _has_run_state(run)
         if state:
             raise RunDirError(
-                f"{run.root} holds a run ({', '.join(state)}) but no fingerprint.json, so nothing shows which "
+                f"{run.name} holds a run ({', '.join(state)}) but no fingerprint.json, so nothing shows which "
                 "settings made it and resuming could mix different samples. Restore fingerprint.json, or start a "
-                f"new run_dir (or delete {run.root} to start over)")
+                f"new run_dir (or delete {run.name} to start over)")
         run.start()  # the owner record first; the skeleton comes once the plan is made
         if run.files.create(run.fingerprint_path, json_bytes(fingerprint)):
             return False
@@ -184,7 +184,7 @@ def _mismatch(run: RunDir, old: dict, new: dict, prompt_path: str | os.PathLike 
                         f"file by (sha256 {str(old.get('prompts.sha256'))[:16]}..., this file "
                         f"{str(new.get('prompts.sha256'))[:16]}...)")
     fixed = _fixed_by_plan(run, old, new)
-    fixes = f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.root}-2). "
+    fixes = f"\nTo generate with these settings, choose a new run_dir (e.g. run_dir={run.name}-2). "
     if fixed:  # allow_fingerprint_change cannot change what the plan was made from: not offered
         fixes += (f"To continue this run, launch it with its original settings "
                   f"({', '.join(_setting(k, old.get(k)) for k in fixed)}: the run's plan was made from them).")
@@ -193,8 +193,8 @@ def _mismatch(run: RunDir, old: dict, new: dict, prompt_path: str | os.PathLike 
                   "new samples may be mixed in one dataset: allow_fingerprint_change=true (recorded in the run; the "
                   "samples already made stay as they are: jobs.verify notes them, and its --repair keeps them).")
     return FingerprintMismatch(
-        f"{run.fingerprint_path} says {run.root} was made with other settings; resuming would mix different "
-        "samples:\n  " + "\n  ".join(diffs) + fixes)
+        f"{run.files.where(run.fingerprint_path)} says {run.name} was made with other settings; resuming would mix "
+        "different samples:\n  " + "\n  ".join(diffs) + fixes)
 
 
 def refuse_changed_settings(cfg: Any, run: RunDir, prompt_path: Path) -> None:
@@ -272,7 +272,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
     the new fingerprint), or this one puts the old fingerprint back and refuses. Samples of two settings never meet."""
     if run.files.exists(run.plan_json_path) and any(old.get(k) != new.get(k) for k in PLAN_FIELDS) \
             and extension_dirs(run):
-        raise FingerprintMismatch(f"{run.root} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
+        raise FingerprintMismatch(f"{run.name} was extended ({run.plan_dir}/ext-*) and its plan cannot be made "
                                   "again with other settings; choose a new run_dir")
     run.files.replace(run.fingerprint_path, json_bytes(new))
     if not holds_no_samples(run):  # a launch with the old settings started generating meanwhile
@@ -286,7 +286,7 @@ def _restart_unstarted(run: RunDir, old: dict, new: dict) -> None:
                   host=host_name(), changes=changes, no_samples=True)
     run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.delete(run.config_path)  # config.yaml is the first launch's config: this launch's, now
-    log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.root,
+    log.warning("%s holds no sample yet: starting it over with the new settings (%s; recorded in %s)", run.name,
                 ", ".join(f"{k}={v[1]!r}" for k, v in changes.items()), run.fingerprint_changes_path.name)
 
 
@@ -317,7 +317,7 @@ def check_settings_unchanged(run: RunDir, before: tuple[dict | None, str | None]
                 and not diff_fingerprints(but_prompts(old_fp), but_prompts(new_fp)))
     if not extended:
         raise FingerprintMismatch(f"{run.fingerprint_path} changed while this launch loaded its model: another launch "
-                                  f"started {run.root} over with other settings. Launch again with the settings in "
+                                  f"started {run.name} over with other settings. Launch again with the settings in "
                                   "fingerprint.json, or choose a new run_dir")
 
 
@@ -367,7 +367,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
     plan_diffs = _fixed_by_plan(run, old, new)
     if plan_diffs:
         raise FingerprintMismatch(
-            f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.root}: its plan "
+            f"allow_fingerprint_change=true cannot change {', '.join(plan_diffs)} of {run.name}: its plan "
             f"({run.plan_dir / 'plan.json'}) was made from them and is fixed once, so new or changed prompts would "
             "be silently ignored. To extend a run, append the new prompts to its prompt file and change no other "
             "setting in that launch: the appended rows are planned as new shards.")
@@ -376,7 +376,7 @@ def _apply_change(run: RunDir, old: dict, new: dict) -> None:
                                                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
     run.files.append(run.fingerprint_changes_path, json.dumps(record, sort_keys=True, allow_nan=False))
     run.files.replace(run.fingerprint_path, json_bytes(new))
-    log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.root,
+    log.warning("allow_fingerprint_change=true: %s now runs with %s (recorded in %s)", run.name,
                 ", ".join(f"{k}={v[1]!r}" for k, v in record["changes"].items()), run.fingerprint_changes_path.name)
 
 

@@ -173,6 +173,18 @@ def write_index(final: Path, rows: list[dict]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def index_bytes(rows: list[dict]) -> bytes:
+    """``rows`` as the bytes of a parquet index file (what ``write_index`` writes), for an index kept in a bucket."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema()), buf, compression="zstd")
+    return buf.getvalue()
+
+
 def read_index(run: RunDir, shard: int, columns: Iterable[str] | None = None) -> list[dict]:
     """The committed index rows of ``shard`` (empty if it has no index file); read from the bucket when it was
     deleted once uploaded (keep_local=false)."""

@@ -34,7 +34,8 @@ from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.remote import (PERMANENT_CODES, StorageError, call, filesystem, permanent_reason,
                                            retrying)
 from shardgen.dataio.shards import index as shard_index
-from shardgen.dataio.shards.uploaded import etag_of, fetch, local_or_fetched, missing_uploads, read_record
+from shardgen.dataio.shards.uploaded import (etag_of, fetch, local_or_fetched, missing_uploads, read_record,
+                                             uploaded_to)
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.upload")
@@ -218,7 +219,9 @@ class ShardUploader:
         path = self.run.output_uri_path
         if not self.run.files.create(path, json_bytes({"output_uri": self.uri})):
             before = json.loads(self.run.files.read(path) or b"{}").get("output_uri")
-            if before != self.uri:
+            if before != self.uri and self.commits:  # a run kept in a bucket, copied to this prefix: its shards are
+                self.run.files.replace(path, json_bytes({"output_uri": self.uri}))  # here (uploaded.uploaded_to)
+            elif before != self.uri:
                 raise RunDirError(f"{self.run.root} uploads its shards to {before} ({path}); this launch says "
                                   f"output_uri={self.uri}. Use {before}, or start a new run_dir")
         self._claim_folder()
@@ -232,7 +235,7 @@ class ShardUploader:
     def uploaded(self, shard: int) -> bool:
         """Whether ``shard``'s upload to this uri is recorded, for its local stats when it has them."""
         record = read_record(self.run, shard)
-        if record is None or record["uri"] != self.uri:
+        if record is None or uploaded_to(self.run, record) != self.uri:
             return False
         try:
             data = DIR_FILES.read(self.run.shard_stats(shard))
@@ -380,6 +383,8 @@ def upload_state(run: RunDir) -> dict | None:
         uri = json.loads(run.files.read(run.output_uri_path))["output_uri"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if run.store:  # its own shards/ folder where the run is now (a copied prefix's file names the one it came from)
+        uri = f"{run.store}/shards/"
     done = run.done_shards()
     return dict(uri=uri, uploaded=len(run.listed_shards(run.uploads_dir, ".json") & done), committed=len(done))
 

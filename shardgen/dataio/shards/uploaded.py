@@ -6,6 +6,11 @@ written, so the record is the shard's done marker and what readers of the run (s
 resume) use in their place: its stats directly, the tar and index fetched from the bucket. An object there is never
 trusted by its name alone: one truncated, emptied or rewritten by another job at the same key has another size or
 sha256 than the record, and is refused (RunDirError naming it and the fix), never read as the shard.
+
+An object of a committed shard is rewritten in the bucket only by ``replace_object`` (jobs.signals, filling an index's
+columns): the record first names the new bytes beside the old ones (``replacing``), then the object is written, then
+the record keeps only the new ones. Readers accept either while both are named, so a reader meanwhile or a kill
+between the steps never finds the shard "written over" (which would have the next launch generate it again).
 """
 
 from __future__ import annotations
@@ -63,15 +68,18 @@ def fetch(run: RunDir, shard: int, suffix: str) -> bytes | None:
     if record is None:
         return None
     name = shard_name(shard) + suffix
-    want = record["objects"].get(name)
-    url = record["uri"].rstrip("/") + "/" + name
-    if not isinstance(want, dict):
-        raise RunDirError(f"{run.shard_uploaded(shard)} records no {name}; " + REDO.format(record=run.shard_uploaded(shard)))
-    fs, root = filesystem(record["uri"])
+    wants = recorded_entries(record, name)
+    folder = uploaded_to(run, record)
+    url = folder + name
+    where = run.files.where(run.shard_uploaded(shard))
+    if not wants:
+        raise RunDirError(f"{where} records no {name}; " + REDO.format(record=where))
+    want = wants[0]
+    fs, root = filesystem(folder)
 
     def get() -> bytes | None:
         try:
-            return call(fs, "cat_file", f"{root.rstrip('/')}/{name}", size=want.get("size") or 0)
+            return call(fs, "cat_file", f"{root.rstrip('/')}/{name}", size=max(w.get("size") or 0 for w in wants))
         except FileNotFoundError as e:
             if permanent_reason(e) == PERMANENT_CODES["NoSuchBucket"]:
                 raise  # the whole bucket: a wrong endpoint or URL as likely as a loss; StorageError, not a defect
@@ -79,13 +87,60 @@ def fetch(run: RunDir, shard: int, suffix: str) -> bytes | None:
 
     data = retrying(f"reading {name}", url, get)
     if data is None:
-        raise RunDirError(f"{url}: missing from the bucket (deleted since its upload, {run.shard_uploaded(shard)}); "
-                          + REDO.format(record=run.shard_uploaded(shard)))
-    if len(data) != want.get("size") or hashlib.sha256(data).hexdigest() != want.get("sha256"):
+        raise RunDirError(f"{url}: missing from the bucket (deleted since its upload, {where}); "
+                          + REDO.format(record=where))
+    sha = hashlib.sha256(data).hexdigest()
+    if not any(len(data) == w.get("size") and sha == w.get("sha256") for w in wants):
         raise RunDirError(f"{url}: {len(data)} bytes that are not the {want.get('size')} bytes uploaded for this run "
-                          f"({run.shard_uploaded(shard)}): truncated, or written over by another job; "
-                          + REDO.format(record=run.shard_uploaded(shard)))
+                          f"({where}): truncated, or written over by another job; " + REDO.format(record=where))
     return data
+
+
+def recorded_entries(record: dict, name: str) -> list[dict]:
+    """What ``record`` says the object ``name`` may hold (size, ETag, sha256): its uploaded bytes, and while
+    ``replace_object`` rewrites it, the new ones too."""
+    return [w for w in (record["objects"].get(name), (record.get("replacing") or {}).get(name)) if isinstance(w, dict)]
+
+
+def replace_object(run: RunDir, shard: int, suffix: str, data: bytes) -> None:
+    """Rewrite the uploaded object ``suffix`` (".parquet") of the committed ``shard`` with ``data``, and its record
+    with it, so that every reader meanwhile, and after a kill between the steps, finds one of the two named in the
+    record (module docstring). The object must read as recorded (``fetch``) first: RunDirError when not."""
+    from shardgen.dataio.rundir.fileio import json_bytes
+
+    current = fetch(run, shard, suffix)
+    record = read_record(run, shard)
+    if current is None or record is None:
+        raise RunDirError(f"shard {shard:06d} has no upload record; nothing to replace")
+    name = shard_name(shard) + suffix
+    sha = hashlib.sha256(current).hexdigest()
+    now = next(w for w in recorded_entries(record, name) if w.get("sha256") == sha)  # what the bucket holds now
+    path = run.shard_uploaded(shard)
+    record = dict(record, objects=dict(record["objects"], **{name: now}), replacing={name: object_entry(data, None)})
+    run.files.replace(path, json_bytes(record))
+    folder = uploaded_to(run, record)
+    fs, root = filesystem(folder)
+    target = f"{root.rstrip('/')}/{name}"
+    retrying(f"uploading {name}", folder + name, lambda: call(fs, "pipe_file", target, data, size=len(data)))
+
+    def info() -> dict:
+        fs.invalidate_cache(target)
+        return call(fs, "info", target)
+
+    meta = retrying(f"reading {name}'s metadata", folder + name, info)
+    if meta.get("size") != len(data):  # another writer at the same key: the record keeps naming both
+        raise RunDirError(f"{folder + name}: {meta.get('size')} bytes on the server after its upload, other than the "
+                          f"{len(data)} sent (another job writing the same key?); re-run")
+    del record["replacing"]
+    record["objects"][name] = object_entry(data, etag_of(meta))
+    run.files.replace(path, json_bytes(record))
+
+
+def uploaded_to(run: RunDir, record: dict) -> str:
+    """The folder URL (ending in "/") that holds the objects of an upload ``record``: for a run kept in a bucket, its
+    own ``shards/`` folder where the run is now, so that a run whose prefix was copied or moved reads the copies beside
+    its records (the record's URL names the prefix it was made at); else the ``output_uri`` the record names."""
+    return f"{run.store}/shards/" if run.store else record["uri"].rstrip("/") + "/"
 
 
 def local_or_fetched(run: RunDir, shard: int, path: Path, suffix: str) -> Any:
@@ -138,16 +193,19 @@ def missing_uploads(run: RunDir, uri: str | None = None) -> dict[int, list[str]]
     records = {}
     for shard in sorted(run.listed_shards(run.uploads_dir, ".json")):
         record = read_record(run, shard)
-        if record is not None and (uri is None or record["uri"].rstrip("/") == uri.rstrip("/")):
+        if record is not None and (uri is None or uploaded_to(run, record) == uri.rstrip("/") + "/"):
             records[shard] = record
     listings: dict[str, dict[str, tuple[int, str | None]]] = {}
     out = {}
     for shard, record in records.items():
-        where = record["uri"].rstrip("/") + "/"
+        where = uploaded_to(run, record)
         if where not in listings:
             listings[where] = listed_objects(where)
+        new = record.get("replacing") or {}  # the bytes replace_object is writing: as good as the uploaded ones
         gone = [why for name, want in sorted(record["objects"].items())
-                if (why := _not_as_uploaded(where + name, listings[where].get(name), want))]
+                if (why := _not_as_uploaded(where + name, listings[where].get(name), want))
+                and not (isinstance(new.get(name), dict)
+                         and _not_as_uploaded(where + name, listings[where].get(name), new[name]) is None)]
         if gone:
             out[shard] = gone
     return out
@@ -155,7 +213,9 @@ def missing_uploads(run: RunDir, uri: str | None = None) -> dict[int, list[str]]
 
 def _not_as_uploaded(url: str, listed: tuple[int, str | None] | None, want: Any) -> str | None:
     """Why the object at ``url`` (its listed size and ETag) is not the one a record entry ``want`` says was uploaded;
-    None when it is."""
+    None when it is. An ETag of parts (``<md5>-<n>``) is no digest of the bytes: a copy made in parts (``aws s3 sync``
+    of an object over its multipart_threshold) has another one for the same bytes, so only its size is compared here;
+    its sha256 is checked whenever it is read (``fetch``)."""
     if listed is None:
         return f"{url} missing from the bucket"
     if not isinstance(want, dict):
@@ -163,6 +223,6 @@ def _not_as_uploaded(url: str, listed: tuple[int, str | None] | None, want: Any)
     size, etag = listed
     if size != want.get("size"):
         return f"{url} written over in the bucket ({size} bytes, {want.get('size')} uploaded)"
-    if etag and want.get("etag") and etag != want["etag"]:
+    if etag and want.get("etag") and etag != want["etag"] and "-" not in etag:
         return f"{url} written over in the bucket (ETag {etag}, {want['etag']} when uploaded)"
     return None
