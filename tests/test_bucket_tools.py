@@ -314,3 +314,33 @@ def _put_in_parts(s3, url: str, name: str, data: bytes) -> None:
     client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
                                      MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]})
     assert s3.fs().info(url.removeprefix("s3://") + "/" + name)["ETag"].strip('"').endswith("-1")
+
+
+@pytest.mark.parametrize("damage", {"empty": b"", "garbage": b"\x00\xffnot json", "truncated": None})
+def test_a_damaged_upload_record_is_named_by_status_and_verify_and_repaired_to_the_same_bytes(
+        tmp_path, url, s3, capsys, monkeypatch, damage):
+    """A shard's upload record (its done marker) emptied, replaced by garbage or cut short in the bucket: status
+    counts the shard damaged, verify names the object, --repair removes the shard, and the next launch makes it
+    again with the bytes it had; a claim object of garbage beside it does not stop that launch."""
+    from jobs.status import main as status
+    from jobs.verify import main as verify
+
+    monkeypatch.chdir(tmp_path)
+    assert run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=10")).complete
+    fs = s3.fs()
+    images = bucket_images(RunDir.at(url))
+    record = fs.cat_file(_key(url, "uploads/000001.json"))
+    fs.pipe_file(_key(url, "uploads/000001.json"), record[: len(record) // 2] if damage is None else damage)
+    fs.pipe_file(_key(url, "claims/000001.g7"), b"\x00garbage")
+    capsys.readouterr()
+    assert status([url, "--json"]) == 0
+    assert json.loads(_out(capsys))["shards"]["damaged"] == 1
+    assert verify([url]) == 1
+    out = _out(capsys)
+    assert "DEFECT shard 000001" in out and "uploads/000001.json" in out, out
+    assert verify([url, "--repair"]) == 1
+    assert "REPAIRED shard 000001" in _out(capsys)
+    again = run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=10", "lease_s=2", "heartbeat_s=0.5"))
+    assert (again.complete, again.generated_here) == (True, 4)
+    assert bucket_images(RunDir.at(url)) == images
+    assert verify([url]) == 0

@@ -18,7 +18,7 @@ from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.index import committed_samples
 from shardgen.dataio.shards.shardwork import shard_checkpoints
 from shardgen.dataio.shards.upload import fetch_uploaded
-from shardgen.dataio.shards.uploaded import missing_uploads
+from shardgen.dataio.shards.uploaded import damaged_record, missing_uploads
 from shardgen.dataio.shards.formats import MEDIA_EXTS, OUTPUT_FORMATS
 from shardgen.dataio.shards.container import read_shard_members
 from shardgen.dataio.shards.video import VIDEO_EXT, check_video_member
@@ -223,6 +223,10 @@ def _verify_shard(plan: Plan, shard: int, fp: dict | None, decode: bool, rep: Ve
         record = run.files.where(run.shard_uploaded(shard))
         rep.defects.append(f"{name}: {'; '.join(missing)} since its upload ({record}): --repair "
                            "has the shard generated and uploaded again")
+        return
+    if not os.path.lexists(tar) and (damage := damaged_record(run, shard)):  # the only done marker is unreadable
+        rep.bad_shards[shard] = "tar"
+        rep.defects.append(f"{name}: {damage}")
         return
     try:  # keep_local=false: in the bucket, checked against the upload record
         uploaded = fetch_uploaded(run, shard) if not os.path.lexists(tar) else None

@@ -43,6 +43,19 @@ def read_record(run: RunDir, shard: int) -> dict | None:
         return None
 
 
+def damaged_record(run: RunDir, shard: int) -> str | None:
+    """Why ``shard``'s upload record cannot be read (empty, garbage, cut short, another version's), naming it and
+    what repairs it; None when it reads, or there is none."""
+    path = run.shard_uploaded(shard)
+    if not run.files.present(path):
+        return None
+    try:
+        run.files.state(path, RECORD_FIELDS)
+    except RunDirError as e:
+        return f"{e}; --repair has the shard generated again"
+    return None
+
+
 def record_stats(run: RunDir, shard: int, fields: dict[str, type]) -> dict:
     """The stats kept in ``shard``'s upload record (its local stats deleted: keep_local=false); RunDirError naming
     the record when it is missing, damaged or its stats lack one of ``fields``."""
