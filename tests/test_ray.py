@@ -48,8 +48,12 @@ def cluster(tmp_path_factory):
     if head.returncode != 0:
         pytest.skip(f"ray start failed: {head.stderr[-500:]}")
     address = f"127.0.0.1:{port}"
-    second = _ray("start", f"--address={address}", *common, env=env)
     try:
+        for attempt in range(3):  # on a loaded machine the head's GCS may not answer the joining node at first
+            second = _ray("start", f"--address={address}", *common, env=env)
+            if second.returncode == 0:
+                break
+            time.sleep(5)
         assert second.returncode == 0, second.stderr[-2000:]
         yield address
     finally:
