@@ -111,13 +111,13 @@ def _launch(url: str, scratch: Path, models: Path, *more: str) -> subprocess.Pop
 
 @pytest.mark.slow
 def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt_once(tmp_path, url, s3):
-    n, rng = 20, random.Random(7)
+    n, rng = 12, random.Random(7)
     models = Path(os.environ["SHARDGEN_CACHE"])
     machines = [tmp_path / "machine-a", tmp_path / "machine-b"]
     kills = 0
     for _ in range(12):
         launches = [_launch(url, m, models, f"prompts.limit={n}") for m in machines]
-        time.sleep(rng.uniform(4, 12))
+        time.sleep(rng.uniform(4, 9))
         for p in launches:
             if p.poll() is None:
                 p.kill()

@@ -49,8 +49,12 @@ def cluster(tmp_path_factory):
         pytest.skip(f"ray start failed: {head.stderr[-500:]}")
     address = f"127.0.0.1:{port}"
     try:
-        for attempt in range(3):  # on a loaded machine the head's GCS may not answer the joining node at first
-            second = _ray("start", f"--address={address}", *common, env=env)
+        _wait_for_head(address, env)
+        for _ in range(3):  # on a loaded machine the head's GCS may not answer the joining node at first
+            try:
+                second = _ray("start", f"--address={address}", *common, env=env)
+            except subprocess.TimeoutExpired as e:
+                second = subprocess.CompletedProcess(e.cmd, 1, "", f"timed out after {e.timeout} s")
             if second.returncode == 0:
                 break
             time.sleep(5)
@@ -58,6 +62,19 @@ def cluster(tmp_path_factory):
         yield address
     finally:
         _ray("stop", "--force")
+
+
+def _wait_for_head(address: str, env: dict, timeout_s: float = 240) -> None:
+    """Until the head's GCS answers (``ray health-check``): on a loaded machine it comes up minutes after
+    ``ray start --head`` returns, and a node joining before that times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if _ray("health-check", f"--address={address}", env=env).returncode == 0:
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)
 
 
 def _args(run_dir: Path, *more: str) -> tuple[str, ...]:
