@@ -76,11 +76,29 @@ def test_a_run_kept_in_a_bucket_gives_the_bytes_of_a_local_run_and_leaves_no_sha
 @pytest.mark.parametrize("run_dir,message", [
     ("gs://bucket/run", "a run kept in a bucket needs an S3-compatible store (run_dir=s3://BUCKET/PREFIX)"),
     ("s3://bucket", "name a folder in the bucket for the run (run_dir=s3://bucket/RUN_NAME)"),
+    ("s3://bucket/a//b", "an empty, '.' or '..' folder name (as in //) is a key object stores keep and fsspec "
+                         "normalises away, so the run's files would be written and read back under different keys; "
+                         "write run_dir=s3://bucket/a/b"),
 ])
 def test_a_url_that_cannot_hold_a_run_is_refused_in_one_line(tmp_path, monkeypatch, run_dir, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RunDirError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run(compose_cfg(f"run_dir={run_dir}", *FAST, "prompts.limit=2"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("run_dir,message", [
+    ("gs://bucket/r", "a run kept in a bucket needs an S3-compatible store"),
+    ("s3://bucket/./r", "write run_dir=s3://bucket/r"),
+])
+def test_the_tools_refuse_a_url_no_run_can_be_kept_at_as_generate_does(tmp_path, monkeypatch, capsys, run_dir,
+                                                                        message):
+    from jobs.status import main as status
+
+    monkeypatch.chdir(tmp_path)
+    assert status([run_dir]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
 
 

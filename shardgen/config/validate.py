@@ -11,6 +11,7 @@ from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
 from shardgen.dataio.rundir import check_run_dir_text, is_url
+from shardgen.dataio.rundir.remote import ambiguous_folder, plain_folder
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
 from shardgen.models.settings import check_model_settings
@@ -36,19 +37,6 @@ MANDATORY = {
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
-
-
-def _ambiguous_folder(url: str) -> bool:
-    """Whether the path of ``url`` (after its bucket) has an empty, "." or ".." segment (a trailing "/" aside)."""
-    path = url.split("://", 1)[-1].split("?", 1)[0]
-    return any(part in ("", ".", "..") for part in path.rstrip("/").split("/")[1:])
-
-
-def _plain_folder(url: str) -> str:
-    """``url`` without its empty, "." and ".." segments."""
-    scheme, _, path = url.partition("://")
-    parts = [p for p in path.split("/") if p not in ("", ".", "..")]
-    return f"{scheme}://{'/'.join(parts)}/"
 
 
 def check_mandatory(cfg: GenerateConfig) -> None:
@@ -133,10 +121,10 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"shard_container={cfg.shard_container!r}: use one of {containers}")
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
-    _need(not cfg.output_uri or not _ambiguous_folder(str(cfg.output_uri)),
+    _need(not cfg.output_uri or not ambiguous_folder(str(cfg.output_uri)),
           f"output_uri={cfg.output_uri}: an empty, '.' or '..' folder name (as in //) is a key object stores keep "
           "and fsspec normalises away, so the shards would be written and read back under different keys; write "
-          f"output_uri={_plain_folder(str(cfg.output_uri))}")
+          f"output_uri={plain_folder(str(cfg.output_uri))}")
     for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
         _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
               f"{key}: a URL with a password in it would be written into the run directory and its logs; give "

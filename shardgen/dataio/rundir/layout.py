@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
 from shardgen.dataio.rundir.liveness import gone_from_this_host
+from shardgen.dataio.rundir.remote import ambiguous_folder, plain_folder
 from shardgen.dataio.rundir.storage import RunDirError
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class RunDir:
         in the bucket (``store``), with this machine's scratch folder (``scratch_root``) as its local root."""
         text = os.fspath(run_dir)
         if _SCHEME.match(str(text).strip()):
+            check_run_dir_text(str(text))  # a URL no run can be kept at: its one line, wherever it is given
             url = str(text).strip().rstrip("/")
             return cls(scratch_root(url), container, store=url)
         return cls(Path(os.path.expanduser(text)).absolute(), container)
@@ -514,6 +516,10 @@ def check_run_dir_text(text: str) -> None:
             raise RunDirError(f"run_dir={text.strip()[:200]}: name a folder in the bucket for the run "
                               f"(run_dir={scheme}://{rest.strip('/') or 'BUCKET'}/RUN_NAME): the run's files are kept "
                               "under it")
+        if ambiguous_folder(text.strip()):
+            raise RunDirError(f"run_dir={text.strip()[:200]}: an empty, '.' or '..' folder name (as in //) is a key "
+                              "object stores keep and fsspec normalises away, so the run's files would be written "
+                              f"and read back under different keys; write run_dir={plain_folder(text.strip())[:-1]}")
         return
     if "\0" in text:
         raise RunDirError("run_dir holds a NUL byte, which no path may; set run_dir=PATH without it")

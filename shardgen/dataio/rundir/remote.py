@@ -53,6 +53,21 @@ def is_url(path: Any) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def ambiguous_folder(url: str) -> bool:
+    """Whether the path of ``url`` (after its bucket) has an empty, "." or ".." segment (a trailing "/" aside):
+    object stores keep such keys as written while fsspec normalises them, so what is written under them would be
+    read back under other keys."""
+    path = url.split("://", 1)[-1].split("?", 1)[0]
+    return any(part in ("", ".", "..") for part in path.rstrip("/").split("/")[1:])
+
+
+def plain_folder(url: str) -> str:
+    """``url`` without its empty, "." and ".." segments, ending in "/"."""
+    scheme, _, path = url.partition("://")
+    parts = [p for p in path.split("/") if p not in ("", ".", "..")]
+    return f"{scheme}://{'/'.join(parts)}/"
+
+
 SECRET_SHOWN = "REDACTED"
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
