@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable
 
 from shardgen.dataio.prompts.samplejson import input_fields
-from shardgen.dataio.rundir.fileio import atomic_write_bytes, open_regular
+from shardgen.dataio.rundir.fileio import open_regular, temp_path
 from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.shards.formats import image_ext
 from shardgen.dataio.shards.uploaded import local_or_fetched, only_uploaded
@@ -159,13 +159,22 @@ def resumable(run: RunDir, shard: int, checkpoint: dict | None) -> bool:
 
 
 def write_index(final: Path, rows: list[dict]) -> None:
-    """Write ``rows`` as a parquet file at ``final`` (``index_bytes``): temp file, fsync, atomic rename."""
-    atomic_write_bytes(final, index_bytes(rows))
+    """Write ``rows`` as a parquet file at ``final``: temp file, fsync, atomic rename."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = temp_path(final)  # a fresh name (clean-up knows it as shardgen's); pyarrow opens it by name
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def index_bytes(rows: list[dict]) -> bytes:
-    """``rows`` as the bytes of a parquet index file: what ``write_index`` writes, and what replaces an index kept in
-    a bucket."""
+    """``rows`` as the bytes of a parquet index file (what ``write_index`` writes), for an index kept in a bucket."""
     import io
 
     import pyarrow as pa
