@@ -180,7 +180,7 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: Sequenc
     """AutoInputs for this run on these devices (reads config files and safetensors headers only)."""
     import torch
 
-    from shardgen.models.loader import component_params, has_true_cfg, torch_dtype
+    from shardgen.models.loader import component_params, torch_dtype
 
     nbytes = torch_dtype(cfg.dtype).itemsize
     # what activations are sized from: an edit model's input tokens are in the sequence too
@@ -206,7 +206,7 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: Sequenc
         hidden=info.hidden or family.hidden_default, height=cfg.height, width=cfg.width,
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
-        true_cfg=cfg.model.true_cfg_scale > 1 and has_true_cfg(cfg.model.pipeline),
+        true_cfg=cfg.model.true_cfg_scale > 1 and sequence.true_cfg,
         can_stage=family.encode_outputs is not None)
 
 

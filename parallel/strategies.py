@@ -23,7 +23,6 @@ from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.transformer import SequenceShape, TransformerInfo, sequence_shape, transformer_info
 from shardgen.config.launchers import launcher_of
 from shardgen.models import lora
-from shardgen.models.loader import has_true_cfg
 
 if TYPE_CHECKING:
     from parallel.world import World
@@ -66,12 +65,12 @@ def device_facts(cfg: GenerateConfig, world_size: int) -> DeviceFacts:
                        local_ranks=local)
 
 
-def _check_cfg(r: ParallelDims, cfg: GenerateConfig) -> None:
+def _check_cfg(r: ParallelDims, cfg: GenerateConfig, sequence: SequenceShape) -> None:
     """cfg_degree=2 needs a pipeline that runs true CFG (two transformer branches per step), switched on."""
     if r.cfg == 1:
         return
     m = cfg.model
-    if not has_true_cfg(m.pipeline):
+    if not sequence.true_cfg:
         _fail(f"cfg_degree={r.cfg}: {m.pipeline} has no true classifier-free guidance (no true_cfg_scale; guidance-"
               "distilled models run the transformer once per step), so there is no second branch to split off; "
               "set cfg_degree=1")
@@ -103,7 +102,7 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts, sequen
     ``dims`` with its attention backend resolved."""
     kind = dims.kind
     kind.check_devices(dims, facts, cfg)
-    _check_cfg(dims, cfg)
+    _check_cfg(dims, cfg, sequence)
     _check_latent_checkpoints(dims, cfg)
     _check_loras(kind, cfg)  # again: auto may have chosen such a strategy
     kind.check_model(dims, cfg, info_fn)

@@ -74,10 +74,11 @@ def test_invalid_cfg_parallel_is_refused_before_anything_runs(tmp_path, override
 
 def test_guidance_distilled_pipeline_is_refused():
     from parallel.strategies import _check_cfg
+    from parallel.transformer import sequence_shape
 
     cfg = compose_cfg("model=flux2_dev", "cfg_degree=2", "model.true_cfg_scale=4")
     with pytest.raises(ParallelConfigError, match="Flux2Pipeline has no true classifier-free guidance"):
-        _check_cfg(ParallelDims(world_size=2, strategy="dp", cfg=2), cfg)
+        _check_cfg(ParallelDims(world_size=2, strategy="dp", cfg=2), cfg, sequence_shape(cfg))
 
 
 def test_cfg_dimension_composes_on_the_mesh():

@@ -58,7 +58,6 @@ def check_mandatory(cfg: GenerateConfig) -> None:
 def validate_config(cfg: GenerateConfig) -> None:
     """Raise ConfigError for the first impossible setting (first: a mandatory value left unset)."""
     check_mandatory(cfg)
-    check_run_dir_text(cfg.run_dir)
     _check_finite(cfg)
     _need(cfg.image_format in IMAGE_EXTS, f"image_format={cfg.image_format!r}: use one of {list(IMAGE_EXTS)}")
     _need(1 <= cfg.image_quality <= 100, f"image_quality={cfg.image_quality}: use 1..100")
@@ -119,6 +118,13 @@ def validate_config(cfg: GenerateConfig) -> None:
     containers = container_names()
     _need(cfg.shard_container in containers,
           f"shard_container={cfg.shard_container!r}: use one of {containers}")
+    _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
+          f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
+    _check_calibration(cfg)
+    _check_images(cfg)
+    _check_max_memory(cfg.strategy.get("max_memory"))
+    # where the run and its shards are kept: run_dir, output_uri, and the URLs' credentials
+    check_run_dir_text(cfg.run_dir)
     _need(not cfg.output_uri or is_url(cfg.output_uri), f"output_uri={cfg.output_uri!r}: use a URL such as "
           "s3://bucket/run/ (the local copy is run_dir/shards already)")
     _need(not cfg.output_uri or not ambiguous_folder(str(cfg.output_uri)),
@@ -134,11 +140,6 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"already: leave output_uri unset (or keep run_dir local to send the shards to output_uri={cfg.output_uri})")
     _need(cfg.keep_local or bool(cfg.output_uri) or is_url(cfg.run_dir), "keep_local=false deletes local shards once uploaded: set output_uri "
           "too (output_uri=s3://bucket/run/), or keep_local=true")
-    _need(cfg.stall_timeout_s is None or cfg.stall_timeout_s > 0,
-          f"stall_timeout_s={cfg.stall_timeout_s}: use seconds > 0, or null to never time out a batch")
-    _check_calibration(cfg)
-    _check_images(cfg)
-    _check_max_memory(cfg.strategy.get("max_memory"))
     check_model_settings(cfg)  # the model's own: its source, scheduler and adapters
     validate_video_config(cfg)  # num_frames, fps, codec, crf (video models only)
     from shardgen.speed.accel import AccelError, AccelOptions, validate as validate_accel

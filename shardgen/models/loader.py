@@ -63,16 +63,6 @@ def _safetensors_params(folder: Path) -> int:
     return total
 
 
-def has_true_cfg(pipeline_class: str) -> bool:
-    """Whether diffusers' ``pipeline_class`` takes ``true_cfg_scale`` (its transformer runs twice per step)."""
-    import inspect
-
-    import diffusers
-
-    cls = getattr(diffusers, pipeline_class, None)
-    return cls is not None and "true_cfg_scale" in inspect.signature(cls.__call__).parameters
-
-
 def is_tiny(model_cfg: Any) -> bool:
     """Whether ``model.source`` names an embedded tiny model."""
     from shardgen.families import tiny_model
