@@ -35,7 +35,7 @@ def _ray(*args: str, env=None) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def _cluster(tmp_path_factory):
     """The address of a two-node Ray cluster on this machine (2 CPUs each); stopped afterwards."""
     if shutil.which("ray") is None:
         pytest.skip("the ray command is not on PATH")
@@ -64,17 +64,27 @@ def cluster(tmp_path_factory):
         _ray("stop", "--force")
 
 
-def _wait_for_head(address: str, env: dict, timeout_s: float = 240) -> None:
-    """Until the head's GCS answers (``ray health-check``): on a loaded machine it comes up minutes after
-    ``ray start --head`` returns, and a node joining before that times out."""
+@pytest.fixture
+def cluster(_cluster):
+    """The cluster's address once its head answers again: a test's killed driver leaves the head ending its job,
+    and the next driver to connect meanwhile could miss its handshake."""
+    if not _wait_for_head(_cluster, _env()):
+        pytest.fail(f"the Ray head at {_cluster} did not answer ray health-check for 240 s")
+    return _cluster
+
+
+def _wait_for_head(address: str, env: dict, timeout_s: float = 240) -> bool:
+    """Whether the head's GCS answers (``ray health-check``) within ``timeout_s``: on a loaded machine it comes up
+    minutes after ``ray start --head`` returns, and a node joining before that times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             if _ray("health-check", f"--address={address}", env=env).returncode == 0:
-                return
+                return True
         except subprocess.TimeoutExpired:
             pass
         time.sleep(2)
+    return False
 
 
 def _args(run_dir: Path, *more: str) -> tuple[str, ...]:
@@ -90,15 +100,28 @@ def one_process(tmp_path_factory) -> dict[str, bytes]:
 
 
 def _job(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.generate", *overrides], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=_env())
+    """``python -m jobs.generate`` as a user types it; a job still running after ``timeout`` fails the test with
+    the end of what it printed (where it waited)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "jobs.generate", *overrides], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT, env=_env())
+    except subprocess.TimeoutExpired as e:
+        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"the job still ran after {timeout:g} s; the end of its stderr:\n{said[-4000:]}")
+
+
+# Ray's defaults expect an idle machine: a GCS answering in 5 s, a worker process registering in 60 s. The suite's
+# other tests load this one's two cores (a worker imports torch), so the cluster and its drivers wait longer.
+LOADED_MACHINE = {"RAY_gcs_rpc_server_connect_timeout_s": "60", "RAY_gcs_rpc_server_reconnect_timeout_s": "300",
+                  "RAY_worker_register_timeout_seconds": "300"}
 
 
 def _env() -> dict:
     """This checkout on the path; Ray's token authentication off for this cluster of one machine (a token an earlier
-    local cluster left in ~/.ray would otherwise be asked of the second node and the drivers)."""
+    local cluster left in ~/.ray would otherwise be asked of the second node and the drivers); Ray's timeouts for a
+    loaded machine."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "RAY_AUTH_MODE": "disabled"}
+            "RAY_AUTH_MODE": "disabled", **LOADED_MACHINE}
 
 
 @pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
@@ -212,8 +235,10 @@ def test_ray_missing_is_one_line_saying_how_to_install(monkeypatch, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_cluster_that_misses_a_handshake_is_tried_again_then_refused_in_one_line(tmp_path, caplog):
+def test_a_cluster_that_misses_a_handshake_is_tried_again_then_refused_in_one_line(tmp_path, caplog, monkeypatch):
     from shardgen.launch import ray_cluster
+
+    monkeypatch.delenv(ray_cluster.GCS_CONNECT_ENV, raising=False)  # restored (unset) afterwards
 
     class FlakyRay:
         """ray's init and shutdown as a head busy ending another job answers them: ``fails`` refusals first."""
@@ -233,6 +258,10 @@ def test_a_cluster_that_misses_a_handshake_is_tried_again_then_refused_in_one_li
     flaky = FlakyRay(fails=2)
     ray_cluster.connect(flaky, cfg, pause_s=0)
     assert (flaky.inits, flaky.shutdowns) == (3, 2)
+    assert os.environ[ray_cluster.GCS_CONNECT_ENV] == "30"  # a busy head gets 30 s to answer, not Ray's 5
+    monkeypatch.setenv(ray_cluster.GCS_CONNECT_ENV, "7")
+    ray_cluster.connect(FlakyRay(fails=0), cfg, pause_s=0)
+    assert os.environ[ray_cluster.GCS_CONNECT_ENV] == "7"  # the user's own setting is kept
     assert "connecting to the Ray cluster at 10.0.0.1:6379 failed (Failed to connect to GCS" in caplog.text
     with pytest.raises(ray_cluster.RayClusterError) as e:
         ray_cluster.connect(FlakyRay(fails=3), cfg, pause_s=0)

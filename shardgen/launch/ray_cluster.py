@@ -333,12 +333,16 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 
 
 CONNECT_ATTEMPTS = 3  # ray.init tries on a cluster that answers: a head busy ending a job can miss one handshake
+# Ray waits 5 s for the head's GCS by default: a head that answers TCP but is busy (ending a job, on a loaded machine)
+# can miss that, and the launch then failed or waited until killed. A user's own setting of it is kept.
+GCS_CONNECT_ENV, GCS_CONNECT_TIMEOUT_S = "RAY_gcs_rpc_server_connect_timeout_s", "30"
 
 
 def connect(ray, cfg: Any, attempts: int = CONNECT_ATTEMPTS, pause_s: float = 5.0) -> None:
     """ray.init on ``launcher.address`` (else RAY_ADDRESS, else a local cluster), the driver's SHARDGEN_* and
     PYTHONPATH handed to every actor; one line when the cluster cannot be reached after ``attempts`` tries."""
     address = cluster_address(cfg)
+    os.environ.setdefault(GCS_CONNECT_ENV, GCS_CONNECT_TIMEOUT_S)  # read by ray.init's core worker
     for attempt in range(1, attempts + 1):
         try:
             ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=True,
