@@ -1,7 +1,8 @@
 """Compare a run with a reference run of the same prompts, seeds and sizes (e.g. fp8=true against the lossless
 default): PSNR and SSIM of every sample both made, their median and worst. Written into the run: RUN_DIR/compare.json,
 the summary jobs.report shows (totals, median, mean, worst and low quantiles, the worst samples), and
-RUN_DIR/compare_samples.jsonl, every sample's figures. With --min-psnr / --min-ssim, exit 1 when the worst sample is
+RUN_DIR/compare_samples.jsonl, every sample's figures (a run kept in a bucket: beside its files there, and in its
+folder on this machine). With --min-psnr / --min-ssim, exit 1 when the worst sample is
 below the bound (a quality gate for scripts).
 
     python -m jobs.compare RUN_DIR REFERENCE_DIR [--json] [--min-psnr DB] [--min-ssim S]
@@ -18,6 +19,7 @@ from shardgen.cli import run_program
 from shardgen.dataio.resume import plan_for_tool
 from shardgen.dataio.rundir import run_dir_arg
 from shardgen.tools import safe_write
+from shardgen.tools.runfiles import share_output
 from shardgen.tools.entry import run_tool, tool_parser
 
 
@@ -38,9 +40,11 @@ def compare(args, plan) -> int:
     reference = plan_for_tool(args.reference)
     result = compare_runs(plan.run, reference.run)
     summary = result.to_json(plan.run.compare_samples_path.name)
-    safe_write(plan.run.compare_samples_path, result.sample_lines(), plan.run)
-    safe_write(plan.run.compare_path, (json.dumps(summary, indent=1) + "\n").encode(), plan.run)
-    print(json.dumps(summary) if args.json else result.line())
+    run = plan.run
+    safe_write(run.compare_samples_path, result.sample_lines(), run)
+    safe_write(run.compare_path, (json.dumps(summary, indent=1) + "\n").encode(), run)
+    wrote = [f"wrote {share_output(run, path)}" for path in (run.compare_path, run.compare_samples_path)]
+    print(json.dumps(summary) if args.json else "\n".join([result.line(), *wrote]))  # a bucket run's: there too
     return 1 if below(result.summary(), args.min_psnr, args.min_ssim, sys.stderr) else 0
 
 

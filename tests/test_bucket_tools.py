@@ -76,6 +76,38 @@ def test_report_preview_and_dedup_of_a_bucket_run(tmp_path, url, s3, capsys, mon
     assert not (tmp_path / "s3:").exists()
 
 
+def test_compare_of_two_bucket_runs_names_them_by_url_and_any_machine_s_report_shows_it(
+        tmp_path, bucket, s3, capsys, monkeypatch):
+    from jobs.compare import main as compare
+    from jobs.report import main as report
+
+    monkeypatch.chdir(tmp_path)
+    ref, other = f"s3://{bucket}/runs/ref", f"s3://{bucket}/runs/g45"
+    assert run(compose_cfg(f"run_dir={ref}", *FAST, "prompts.limit=6")).complete
+    assert run(compose_cfg(f"run_dir={other}", *FAST, "prompts.limit=6", "guidance=4.5")).complete
+    capsys.readouterr()
+    assert compare([other, ref]) == 0
+    scratch = RunDir.at(other).root
+    line, *wrote = _out(capsys).splitlines()
+    assert line.startswith(f"6 samples compared with {ref}: PSNR median ")  # the reference's URL, not a scratch path
+    assert wrote == [f"wrote {other}/compare.json (and on this machine: {scratch / 'compare.json'})",
+                     f"wrote {other}/compare_samples.jsonl (and on this machine: {scratch / 'compare_samples.jsonl'})"]
+    fs = s3.fs()
+    summary = json.loads(fs.cat_file(_key(other, "compare.json")))
+    assert (summary["run"], summary["reference"], summary["compared"]) == (other, ref, 6)
+    assert len(fs.cat_file(_key(other, "compare_samples.jsonl")).splitlines()) == 6
+
+    monkeypatch.setenv("SHARDGEN_CACHE", str(tmp_path / "another-machine"))  # none of the run's scratch files
+    assert report([other]) == 0
+    page = fs.cat_file(_key(other, "report.html")).decode()
+    assert "jobs.compare" in page and f"against {ref}" in page  # the figures, read from the bucket
+    from jobs.preview import main as preview
+
+    assert preview([other, "--n", "2"]) == 0  # its folder on this machine made for the page, as for the report
+    assert fs.exists(_key(other, "preview.png"))
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_signals_are_added_to_a_bucket_run_as_to_a_local_one_and_a_kill_midway_leaves_it_sound(
         tmp_path, url, s3, capsys, monkeypatch):
     import shardgen.dataio.shards.uploaded as uploaded

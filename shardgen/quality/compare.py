@@ -179,7 +179,8 @@ def _compare_one(key: str, mem: dict, ref: dict, run_name: str, reference_name: 
 
 
 def compare_runs(run: Any, reference: Any) -> Comparison:
-    """Compare two runs (``RunDir``s) over every committed sample of both, a shard of each read at a time."""
+    """Compare two runs (``RunDir``s) over every committed sample of both, a shard of each read at a time; each is
+    named as its messages name it (a bucket run by its URL)."""
     from shardgen.tools.runfiles import committed_members
 
-    return compare_samples(committed_members(run), committed_members(reference), str(run.root), str(reference.root))
+    return compare_samples(committed_members(run), committed_members(reference), run.name, reference.name)

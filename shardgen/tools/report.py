@@ -265,10 +265,11 @@ def _fidelity(run: RunDir) -> list[tuple]:
     out = []
     for path, what in ((run.calibration_path, "calibration (calibrate_samples)"),
                        (run.compare_path, "jobs.compare")):
-        if not path.exists() and not path.is_symlink():
-            continue
         try:
-            rec = json.loads(read_regular(path, limit=FIDELITY_LIMIT))
+            data = _fidelity_record(run, path)
+            if data is None:
+                continue
+            rec = json.loads(data)
             psnr, ssim = rec["psnr_db"], rec["ssim"]
             if what.startswith("calibration"):
                 verdict = ("passed" if rec["passed"] else f"below a bound: {rec['action']}") + f" ({rec['lossy']})"
@@ -279,6 +280,16 @@ def _fidelity(run: RunDir) -> list[tuple]:
         except (RunDirError, OSError, ValueError, KeyError, TypeError) as e:
             out.append((what, "", "", "", "", "", f"{path.name} is unreadable ({type(e).__name__}); not shown"))
     return out
+
+
+def _fidelity_record(run: RunDir, path: Path) -> bytes | None:
+    """A fidelity record's bytes (None: there is none): a bucket run's copy in the bucket (jobs.compare puts its
+    summary there, so any machine's report shows it), else the file in the run's folder on this machine."""
+    if run.store and (data := run.files.read(path, limit=FIDELITY_LIMIT)) is not None:
+        return data
+    if not path.exists() and not path.is_symlink():
+        return None
+    return read_regular(path, limit=FIDELITY_LIMIT)
 
 
 def _damaged_section(plan: Plan, damaged: dict[int, str]) -> str:

@@ -167,6 +167,8 @@ def safe_write(path: Path, data: bytes | Iterable[bytes], run: RunDir) -> None:
     if path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory; give a file name")
     check_tool_output(path, run)
+    if run.store and path.parent == run.root:  # a bucket run's folder on this machine: none yet on a fresh one
+        run.root.mkdir(parents=True, exist_ok=True)
     try:
         atomic_write_bytes(path, data)
     except UserError:
