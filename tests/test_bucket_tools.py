@@ -76,15 +76,15 @@ def test_report_preview_and_dedup_of_a_bucket_run(tmp_path, url, s3, capsys, mon
     assert not (tmp_path / "s3:").exists()
 
 
-def test_compare_of_two_bucket_runs_names_them_by_url_and_any_machine_s_report_shows_it(
+def test_compare_and_calibration_of_bucket_runs_name_them_by_url_and_any_machine_s_report_shows_them(
         tmp_path, bucket, s3, capsys, monkeypatch):
     from jobs.compare import main as compare
     from jobs.report import main as report
 
     monkeypatch.chdir(tmp_path)
-    ref, other = f"s3://{bucket}/runs/ref", f"s3://{bucket}/runs/g45"
+    ref, other = f"s3://{bucket}/runs/ref", f"s3://{bucket}/runs/fp8"
     assert run(compose_cfg(f"run_dir={ref}", *FAST, "prompts.limit=6")).complete
-    assert run(compose_cfg(f"run_dir={other}", *FAST, "prompts.limit=6", "guidance=4.5")).complete
+    assert run(compose_cfg(f"run_dir={other}", *FAST, "prompts.limit=6", "fp8=true", "calibrate_samples=2")).complete
     capsys.readouterr()
     assert compare([other, ref]) == 0
     scratch = RunDir.at(other).root
@@ -101,6 +101,7 @@ def test_compare_of_two_bucket_runs_names_them_by_url_and_any_machine_s_report_s
     assert report([other]) == 0
     page = fs.cat_file(_key(other, "report.html")).decode()
     assert "jobs.compare" in page and f"against {ref}" in page  # the figures, read from the bucket
+    assert "calibration (calibrate_samples)" in page and "passed ({&#x27;fp8&#x27;: True})" in page  # the job's too
     from jobs.preview import main as preview
 
     assert preview([other, "--n", "2"]) == 0  # its folder on this machine made for the page, as for the report

@@ -376,8 +376,12 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
 
 
 def _write_calibration(plan: Plan, ctx: ReplicaContext, record: dict | None) -> None:
+    """RUN_DIR/calibration.json, by replica 0's leader; a bucket run's also in the bucket beside its files, where
+    jobs.report on any machine reads it."""
     if record is not None and ctx.leader and ctx.index == 0:
         atomic_write_json(plan.run.calibration_path, record)
+        if plan.run.store:
+            plan.run.files.replace(plan.run.calibration_path, json_bytes(record))
 
 
 def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
