@@ -17,7 +17,7 @@ One process per line, in this order, on one prompt file of captions of 1 to 200 
 5. ``warm``: default settings again, on the cache ``compiled-cold`` filled: a second job or node on a cache only
    ``compile=true`` jobs have used (no eager speed recorded: the job times two eager batches before deciding);
 6. ``requeued``: default settings once more, on the same cache after ``warm``: a requeued job or the next job of
-   the same run, which finds the eager speed and the background compile time ``warm`` recorded and decides
+   the same run, which finds the eager speed and the compile figures ``warm`` recorded and decides
    before its first batch.
 
 ``--skip`` leaves ways out; a later call with the same ``--out`` runs the rest (e.g. ``warm`` alone, on the cache
@@ -61,12 +61,8 @@ def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, int, str]:
 def parse_job(out: str) -> dict:
     """The job's own figures from its log: compile decision, batch timings, graphs."""
     res = {}
-    if m := re.search(r"compile=auto: (compiling in the background|compiling|staying eager) \((.*)\)", out):
+    if m := re.search(r"compile=auto: (compiling|staying eager) \((.*)\)", out):
         res["decision"], res["reason"] = m.group(1), m.group(2)
-    if m := re.search(r"compiled in the background in ([\d.]+) s", out):
-        res["background_compile_s"] = float(m.group(1))
-    if m := re.search(r"background compilation failed.*", out):
-        res["background_error"] = m.group(0)[:300]
     if m := re.search(r"(\d+) eager batches, ([\d.]+) s/sample", out):
         res["eager_batches"], res["eager_s_per_sample"] = int(m.group(1)), float(m.group(2))
     if m := re.search(r"(\d+) compiled batches, first ([\d.]+) s/sample(?:, steady ([\d.]+) s/sample)?", out):

@@ -77,16 +77,12 @@ def test_qwen_image_compiled_blocks_serve_every_text_length_with_one_graph(monke
         np.testing.assert_allclose(a.astype(int), b.astype(int), atol=1)
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch, background):
+def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatch):
     """FLUX.1's first single block gets the double blocks' outputs, the others the single blocks' (views of one
     buffer when eager): one graph per block class, not a second single-block graph (a whole extra compilation on a
-    fresh cache). Compiled on a background thread too, from the arguments the eager blocks left (views there):
-    the thread traces on what the compiled blocks pass. Dynamo's eager backend: the real tracing and guards.
-    The pixels are the stock blocks'."""
+    fresh cache). Dynamo's eager backend: the real tracing and guards. The pixels are the stock blocks'."""
     from shardgen.models.dummy import build_dummy_pipeline
     from shardgen.speed import accel
-    from shardgen.speed.background import state_of
     from tests.test_dummy_models import SMALL
 
     real_compile = torch.compile
@@ -105,15 +101,8 @@ def test_flux_compiled_fused_blocks_compile_one_graph_per_block_class(monkeypatc
     plain = pixels()
     graphs = AC.compiled_graphs()
     try:
-        done = accel.prepare(pipe, accel.AccelOptions(compile=True, compile_background=background, sdpa="default",
-                                                      fused_blocks=True))
+        done = accel.prepare(pipe, accel.AccelOptions(compile=True, sdpa="default", fused_blocks=True))
         assert done["compiled_blocks"] == 7
-        if background:
-            state = state_of(pipe.transformer)
-            pixels()  # eager, leaving the arguments
-            assert state.start() and state.wait(120) and state.error is None
-            assert AC.compiled_graphs() - graphs == 2, "the thread: one graph for each block class"
-            assert state.switch()
         compiled = pixels()
         assert AC.compiled_graphs() - graphs == 2, "one graph for the double blocks, one for the single blocks"
         pixels()
@@ -180,61 +169,54 @@ def test_compile_auto_decides_from_records_before_the_first_batch_and_records_wh
 @pytest.mark.parametrize("compiled_s, eager_s, left, compiles", [
     (3.61, 3.92, 16, False),  # FLUX.1-dev, 24 prompts (H200): fused eager is nearly as fast; lost 3% compiled
     (3.61, 3.92, 400, True),
-    (2.36, 2.99, 16, False),  # Qwen-Image, 24 prompts: compiling in the background lost 4% to compile=false
-    (2.36, 2.99, 32, True),   # Qwen-Image, 40 prompts: it gained 11%
+    (2.36, 2.99, 16, False),  # Qwen-Image, 24 prompts: 16 x 2.99 x (1 - 2.36/2.99) = 10 s saved < 1.2 x 15 s
+    (2.36, 2.99, 32, True),   # Qwen-Image, 40 prompts: 20 s saved
 ])
-def test_compile_auto_in_the_background_weighs_the_thread_against_the_work_left(tmp_path, compiled_s, eager_s, left,
+def test_compile_auto_on_a_warm_cache_weighs_the_warm_cost_against_the_work_left(tmp_path, compiled_s, eager_s, left,
                                                                                 compiles):
     """A cache a compiled job filled (no eager figure recorded): two eager batches, the second timed, then the work
-    left minus the thread's prior time (45 s), x the gain, minus what the thread slows the eager batches beside it."""
+    left x the gain against the warm cost (its 15 s prior here) x the margin, paid on the main thread."""
     path = tmp_path / "records.json"
     path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": compiled_s}}))
-    auto = AC.AutoCompile("k", remaining=lambda: left, path=path, background=torch.nn.Identity())
+    auto = AC.AutoCompile("k", remaining=lambda: left, path=path)
     for seconds in (4 * eager_s * 1.2, 4 * eager_s):
         assert auto.decided is None
         auto.observe(auto.settings(_S()), 4, seconds)
-    assert auto.decided is compiles
+    assert auto.settings(_S()).accel.compile is compiles and auto.decided is compiles
     assert json.loads(path.read_text())["k"]["eager_s"] == pytest.approx(eager_s)
-    assert "0.2 x 45 s slower eager batches beside it" in auto.reason
+    assert "s saved vs 15 s x 1.2 to compile (warm cache, prior)" in auto.reason
 
 
-@pytest.mark.parametrize("record, left, way", [
-    # FLUX.2-dev, warm cache (H200): its thread took 78 s beside the eager batches, the main thread 11 s
-    ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 36, "main"),
-    ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 8, "eager"),
-    # Qwen-Image: a 17 s thread; no main-thread figure (15 s prior): the background saves more
-    ({"eager_s": 3.19, "compiled_s": 2.2, "compile_background_s": 17.0}, 40, "background"),
+@pytest.mark.parametrize("record, left, compiles, cost", [
+    # FLUX.2-dev, warm cache (H200), with a compile thread's time (compile_background_s), which is not read
+    ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 36, True,
+     "31 s saved vs 11 s x 1.2 to compile (warm cache)"),
+    ({"eager_s": 4.59, "compiled_s": 3.73, "compile_background_s": 78.0, "compile_warm_s": 11.1}, 8, False,
+     "7 s saved vs 11 s x 1.2 to compile (warm cache)"),
+    # Qwen-Image: only a thread's time recorded, no warm cost: the warm prior (15 s)
+    ({"eager_s": 3.19, "compiled_s": 2.2, "compile_background_s": 17.0, "unknown": [1, {"x": None}]}, 40, True,
+     "40 s saved vs 15 s x 1.2 to compile (warm cache, prior)"),
 ])
-def test_compile_auto_compiles_on_the_main_thread_when_the_thread_would_starve(tmp_path, record, left, way):
+def test_records_with_fields_this_version_does_not_read_are_used_and_kept(tmp_path, record, left, compiles, cost):
+    """A records.json with fields the decision does not read (``compile_background_s``, anything else) is read as
+    usual: its eager, compiled and warm figures decide before the first batch, and the other fields stay in the file
+    when the process records what it measured."""
     path = tmp_path / "records.json"
     path.write_text(json.dumps({"k": dict(record, compiled_before=True)}))
-    auto = AC.AutoCompile("k", remaining=lambda: left, path=path, background=torch.nn.Identity())
+    auto = AC.AutoCompile("k", remaining=lambda: left, path=path)
     s = auto.settings(_S())  # decided before the first batch, from the records
-    assert (s.accel.compile, s.accel.compile_background) == {"main": (True, False), "background": (True, True),
-                                                             "eager": (False, False)}[way]
-    assert ("on the main thread" in auto.reason) is (way == "main")
-    if way == "main":  # timed as a main-thread compilation from here: its cost is what the next process reads
+    assert auto.decided is compiles and s.accel.compile is compiles
+    assert cost in auto.reason, auto.reason
+    if compiles:  # timed from here: its cost is what the next process reads
         for seconds in (4 * 3.73 + 11.1, 4 * 3.73):
             auto.observe(s, 4, seconds)
             s = auto.settings(s)
-            assert (s.accel.compile, s.accel.compile_background) == (True, False)
-        assert json.loads(path.read_text())["k"]["compile_warm_s"] == pytest.approx(11.1)
+            assert s.accel.compile
+        kept = json.loads(path.read_text())["k"]
+        assert kept["compile_warm_s"] == pytest.approx(11.1) and kept["compiled_s"] == pytest.approx(3.73)
+        assert {k: kept[k] for k in record if k not in ("compiled_s", "compile_warm_s")} == {
+            k: v for k, v in record.items() if k not in ("compiled_s", "compile_warm_s")}
         assert "compile=auto compiled; 2 compiled batches" in auto.summary()
-
-
-def test_a_first_job_on_a_warm_cache_compiles_on_the_main_thread_without_a_thread_record(tmp_path):
-    """FLUX.2-dev on an H200: the cache a compiled job filled, no eager or thread figure yet. With the
-    30 s thread prior it went to the background (the thread took 60 s: 1.08x the seed loop); the main thread (the
-    next job, 7 s) gave 1.17x. After its two eager batches (4.60 s/sample) with 32 left it now waits for the compile:
-    32 x 4.60 x (1 - 3.72/4.60) - 15 s = 13 s saved, against (147 - 45 s) x 0.19 - 0.2 x 45 s = 10 s."""
-    path = tmp_path / "records.json"
-    path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": 3.72}}))
-    auto = AC.AutoCompile("k", remaining=lambda: 32, path=path, background=torch.nn.Identity())
-    for seconds in (4 * 4.60 * 1.2, 4 * 4.60):
-        auto.observe(auto.settings(_S()), 4, seconds)
-    s = auto.settings(_S())
-    assert auto.decided and (s.accel.compile, s.accel.compile_background) == (True, False)
-    assert "to compile on the main thread (warm cache, prior) = 13 s saved" in auto.reason
 
 
 def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_per_size(tmp_path):
@@ -277,127 +259,43 @@ def test_compile_auto_is_off_on_cpu_and_when_compile_is_set():
     assert not GenSettings.from_cfg(compose_cfg("run_dir=/tmp/x", "compile=true"), "dp").compile_auto  # asked for
 
 
-def test_blocks_compiled_on_a_background_thread_serve_the_main_thread_without_compiling_again(monkeypatch):
-    """compile=auto on CUDA compiles in the background (shardgen/speed/background.py): the first call runs
-    eagerly and leaves each block class's arguments; a thread compiles from them; after ``switch`` the main
-    thread's blocks find those graphs (dynamo's eager backend here: the tracing, guards and cache of the
-    real compile, without inductor)."""
-    from shardgen.models.dummy import build_dummy_pipeline
-    from shardgen.speed import accel
-    from shardgen.speed.background import state_of
-    from tests.test_dummy_models import SMALL
-
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **dict(kw, backend="eager")))
-    torch._dynamo.reset()
-    pipe = build_dummy_pipeline("QwenImagePipeline", "cpu", torch.float32, overrides=SMALL["QwenImagePipeline"])
-
-    def pixels(prompt):
-        out = pipe(prompt=[prompt], num_inference_steps=2, height=32, width=32, output_type="np",
-                   generator=[torch.Generator().manual_seed(0)])
-        return (out.images * 255).round().astype(np.uint8)
-
-    plain = pixels("a cat " * 40)
-    graphs = AC.compiled_graphs()
-    try:
-        accel.prepare(pipe, accel.AccelOptions(compile=True, compile_background=True, sdpa="default",
-                                               fused_blocks=False))
-        state = state_of(pipe.transformer)
-        eager = pixels("a cat " * 40)  # eager, leaving the arguments
-        assert AC.compiled_graphs() == graphs and len(state.captured) == 1 and not state.ready
-        assert not state.switch()  # nothing compiled yet: stays eager
-        assert state.start() and state.wait(120) and state.error is None and state.seconds > 0
-        assert AC.compiled_graphs() - graphs == 1 and not state.captured  # one block class; activations let go
-        assert state.switch() and state.ready
-        compiled = pixels("a dog")  # another text length: the same dynamic-text graph
-        assert AC.compiled_graphs() - graphs == 1  # the main thread compiled nothing
-    finally:
-        accel.prepare(pipe, accel.AccelOptions(sdpa="default"))
-        torch._dynamo.reset()
-    np.testing.assert_array_equal(plain, eager)
-    assert compiled.shape == plain.shape
-
-
-def test_a_failed_background_compilation_leaves_the_blocks_eager(monkeypatch, caplog):
-    from shardgen.speed.background import BackgroundCompile, DeferredForward
-
-    def broken(*a, **k):
-        raise RuntimeError("inductor exploded")
-
-    state = BackgroundCompile()
-    block = torch.nn.Linear(2, 2)
-    fwd = DeferredForward(block, block.forward, broken, state)
-    x = torch.ones(1, 2)
-    assert torch.equal(fwd(x), block(x))  # eager, captured
-    with caplog.at_level("WARNING", logger="shardgen.compile"):
-        assert state.start() and state.wait(10)
-    assert "background compilation failed" in caplog.text and "inductor exploded" in caplog.text
-    assert not state.switch() and torch.equal(fwd(x), block(x))  # still eager, never the broken wrapper
-
-
-def test_compile_auto_warms_a_fresh_cache_on_the_main_thread_then_compiles_in_the_background(tmp_path, monkeypatch,
-                                                                                            caplog):
+def test_compile_auto_warms_a_fresh_cache_on_the_main_thread_and_the_next_job_compiles_from_its_first_batch(
+        tmp_path, monkeypatch, caplog):
     """The job's path on CUDA (made possible on CPU: the CUDA check faked, torch.compile the identity). A fresh
-    cache: the first batch eager and timed, then compiled on the main thread (its cost paid there, recorded).
-    The next job on that cache: the first batch eager, a thread compiles while the job goes on, the batches
-    after the switch run the compiled blocks (padded). Both jobs give the same images (padding's bytes against
+    cache: two batches eager, the second timed, then compiled on the main thread (its cost paid there, recorded).
+    The next job on that cache decides from the records before its first batch: every batch compiled (padded), the
+    warm cost recorded, the fields it does not read kept. Both jobs give the same images (padding's bytes against
     an eager run: test_a_padded_short_batch_gives_the_bytes_of_an_unpadded_one)."""
     import logging
 
     from shardgen.speed import techniques
-    from shardgen.speed.background import BackgroundCompile
 
     f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(14)])  # batches 4, 4 (eager, timed), 4, 2
     monkeypatch.setattr(techniques, "resolve_compile", lambda value, device="auto", strategy="dp": True)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(AC, "PRIOR_COLD_S", 0.0)
-    monkeypatch.setattr(AC, "BACKGROUND_MIN_SAVING_S", 0.0)
     monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
-    real_switch = BackgroundCompile.switch
-    # no race: a started thread is waited for at the next switch point
-    monkeypatch.setattr(BackgroundCompile, "switch", lambda self: (not self.started or self.done.wait(30))
-                        and real_switch(self))
     with caplog.at_level(logging.INFO, logger="shardgen"):
         cold = run(compose_cfg(f"run_dir={tmp_path / 'cold'}", f"prompts.path={f}", "batch_size=4", *FAST))
-    assert re.search(r"compile=auto: compiling \(\d+ samples left here x [\d.]+ s eager", caplog.text)
-    assert "in the background" not in caplog.text
+    assert re.search(r"compile=auto: compiling \(\d+ samples left here x [\d.]+ s eager .*\(cold cache, prior\)\)",
+                     caplog.text), caplog.text[-2000:]
+    assert "compile=auto compiled; 2 eager batches" in caplog.text and "2 compiled batches" in caplog.text
     records = json.loads((tmp_path / "records.json").read_text())
-    for r in records.values():  # on CPU the identity "compile" gains nothing: the figures a GPU would record
-        # a thread that compiles in no time, a main-thread compile that would block for long: the background wins
-        r.update(compiled_s=r["eager_s"] / 1.4, compile_background_s=0.001, compile_warm_s=1000.0)
+    (key, record), = records.items()
+    assert record["compiled_before"] is True and "compile_cold_s" in record and '"model": "tiny"' in key
+    # on CPU the identity "compile" gains nothing: the figures a GPU would record, and a field the decision does not read
+    record.update(compiled_s=record["eager_s"] / 1.4, compile_warm_s=0.001, compile_background_s=0.001)
     (tmp_path / "records.json").write_text(json.dumps(records))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardgen"):
         warm = run(compose_cfg(f"run_dir={tmp_path / 'warm'}", f"prompts.path={f}", "batch_size=4", *FAST))
     assert (cold.ok, warm.ok) == (14, 14)
-    assert re.search(r"compile=auto: compiling in the background \(\(\d+ samples left here x [\d.]+ s eager - "
-                     r"\d+ s to compile in the background, warm cache.* slower eager batches beside it", caplog.text)
-    assert "compiled in the background in" in caplog.text
-    assert "compile=auto compiled in the background; 1 eager batches" in caplog.text and "3 compiled batches" in caplog.text
-    (key, record), = json.loads((tmp_path / "records.json").read_text()).items()
-    assert record["eager_s"] > 0 and record["compiled_s"] > 0 and 0 < record["compile_background_s"] < 1000  # the thread's
-    assert record["compiled_before"] is True and '"model": "tiny"' in key
+    assert re.search(r"compile=auto: compiling \(\d+ samples left here x [\d.]+ s eager x \(1 - 1/1\.40 speed-up\) "
+                     r"= [\d.]+ s saved vs 0 s x 1\.2 to compile \(warm cache\)", caplog.text), caplog.text[-2000:]
+    assert "compile=auto compiled; 4 compiled batches" in caplog.text
+    (key2, record), = json.loads((tmp_path / "records.json").read_text()).items()
+    assert key2 == key and "compile_warm_s" in record and record["compile_background_s"] == 0.001
     assert shard_images(tmp_path / "cold") == shard_images(tmp_path / "warm")
-
-
-def test_a_decision_taken_before_the_first_batch_starts_compiling_at_the_second_step():
-    """With recorded figures compile=auto decides before the first batch: the thread starts inside that batch,
-    when its second denoising step begins (the first one left every argument signature: here block a's first
-    call has other strides than its second, as FLUX.1's first double block has), not after the batch."""
-    from shardgen.speed.background import BackgroundCompile, DeferredForward
-
-    state = BackgroundCompile()
-    a, b = torch.nn.Linear(2, 2), torch.nn.Identity()
-    fa = DeferredForward(a, a.forward, a.forward, state)
-    fa2 = DeferredForward(a, a.forward, a.forward, state)  # a second block of a's class
-    fb = DeferredForward(b, b.forward, b.forward, state)
-    assert not state.start_when_captured() and not state.started  # nothing captured yet
-    x = torch.ones(2, 2)
-    fa(x), fa2(x.t()), fb(x)  # step 1: a with two stride patterns, then b
-    assert not state.started and len(state.captured) == 3
-    fa(x)  # step 2 begins
-    assert state.started and state.wait(10) and state.error is None
-    assert state.switch() and torch.equal(fa(x), a(x))
 
 
 @pytest.mark.slow  # two real inductor compilations on the CPU (~10 s)
@@ -439,27 +337,6 @@ def test_a_forced_compile_path_is_taken_whatever_the_figures_say(tmp_path, monke
 
     with pytest.raises(ConfigError, match="SHARDGEN_COMPILE_AUTO='sometimes': use one of"):
         validate_config(compose_cfg())  # refused with the config, before any weight is read
-
-
-def test_a_forced_background_compile_switches_while_work_is_left_even_on_a_fresh_cache(tmp_path, monkeypatch, caplog):
-    """The job's background path on CUDA (made possible on CPU: the CUDA check faked, torch.compile the identity),
-    forced on a cache that has never compiled: two eager batches, one beside the thread, then compiled batches."""
-    import logging
-
-    from shardgen.speed import techniques
-
-    f = write_lines(tmp_path / "p.txt", [f"prompt {i}" for i in range(22)])  # batches of 4: 2 eager, then compiled by the 4th
-    monkeypatch.setenv(AC.FORCE_ENV, "background")
-    monkeypatch.setattr(techniques, "resolve_compile", lambda value, device="auto", strategy="dp": True)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
-    monkeypatch.setattr(AC, "records_path", lambda: tmp_path / "records.json")
-    with caplog.at_level(logging.INFO, logger="shardgen"):
-        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=4", *FAST))
-    assert (r.ok, r.failed) == (22, 0)
-    assert "compile=auto: compiling in the background (forced by SHARDGEN_COMPILE_AUTO=background" in caplog.text
-    m = re.search(r"compile=auto compiled in the background; ([23]) eager batches, [\d.]+ s/sample; compiled in the "
-                  r"background in [\d.]+ s; ([34]) compiled batches", caplog.text)
-    assert m and int(m[1]) + int(m[2]) == 6, caplog.text[-2000:]  # the third batch: beside the thread or after it
 
 
 def test_every_family_declares_blocks_to_compile_and_an_unknown_transformer_runs_eagerly(caplog):
@@ -526,48 +403,15 @@ def test_a_family_whose_fused_eager_blocks_match_compiled_ones_stays_eager_on_a_
     assert ways == {True: False, False: True}  # 400 x 3.7 x (1 - 1/1.01) = 15 s < 45 s; x 0.26 = 384 s > 45 s
 
 
-def test_a_family_whose_fused_eager_blocks_are_not_compiled_never_runs_stock_blocks_beside_a_background_compile(
-        tmp_path, monkeypatch):
-    """FLUX.2's fused eager blocks are not what its blocks compile: eager batches beside a background compilation
-    would run the stock blocks (H200: 4.5 s/image against the fused 3.7), so on a cache that has compiled before,
-    compile=auto decides on the main thread instead (forcing the background path still takes it); FLUX.1's fused
-    blocks are compiled, so its background path stays."""
-    from shardgen.speed.regional_compile import background_runs_eager_path
-    from shardgen.speed.techniques import AccelOptions
-    from tests.test_flux2_fused import small_flux2
-    from tests.test_flux_fused import small_flux
-
-    opts = AccelOptions()
-    flux2 = small_flux2()
-    assert not background_runs_eager_path(flux2, opts, device="cuda")
-    assert background_runs_eager_path(flux2, opts)  # on the CPU: no fused eager blocks
-    assert background_runs_eager_path(flux2, AccelOptions(fused_blocks=False), device="cuda")
-    assert background_runs_eager_path(small_flux(), opts, device="cuda")
-    path = tmp_path / "records.json"
-    path.write_text(json.dumps({"k": {"compiled_before": True, "compiled_s": 1.0}}))
-    monkeypatch.delenv(AC.FORCE_ENV, raising=False)
-    kw = dict(remaining=lambda: 100, path=path, background=flux2)
-    assert AC.AutoCompile("k", **kw).background is flux2
-    assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is None
-    monkeypatch.setenv(AC.FORCE_ENV, "background")
-    assert AC.AutoCompile("k", **kw, background_eager_ok=False).background is flux2
-
-
-@pytest.mark.parametrize("background_ok", [True, False])
-def test_records_that_make_compiling_pay_at_once_compile_before_the_first_batch_on_either_path(tmp_path, monkeypatch,
-                                                                                               background_ok):
+def test_records_that_make_compiling_pay_at_once_compile_before_the_first_batch(tmp_path, monkeypatch):
     """The GPU matrix's requeued job: records of a long job whose compilation costs next to nothing compile before
-    the first batch, in the background where the model's eager batches may run beside the thread, else on the main
-    thread."""
+    the first batch."""
     monkeypatch.delenv(AC.FORCE_ENV, raising=False)
     path = tmp_path / "records.json"
-    path.write_text(json.dumps({"k": dict(eager_s=100.0, compiled_s=50.0, compile_background_s=0.001,
-                                          compile_warm_s=0.001, compiled_before=True)}))
-    auto = AC.AutoCompile("k", remaining=lambda: 4, path=path, background=torch.nn.Identity(),
-                          background_eager_ok=background_ok)
+    path.write_text(json.dumps({"k": dict(eager_s=100.0, compiled_s=50.0, compile_warm_s=0.001, compiled_before=True)}))
+    auto = AC.AutoCompile("k", remaining=lambda: 4, path=path)
     s = auto.settings(_S())
-    assert auto.decided is True and s.accel.compile
-    assert (auto.background is not None) is background_ok and s.accel.compile_background is background_ok
+    assert auto.decided is True and s.accel.compile and "to compile (warm cache)" in auto.reason
 
 
 def _tuning_auto(tmp_path, left, records=None):

@@ -10,8 +10,8 @@ CFG settings) these ways, one after the other on one compile cache:
 - ``ungraphed``: ``compile=false cuda_graphs=false``: the same bytes as ``eager``;
 - ``floor``: ``compile=false`` with another exact attention kernel: how far bf16 rounding alone moves the pixels;
 - ``compiled``: ``compile=true`` (fills the compile cache);
-- ``auto-eager``, ``auto-main``, ``auto-background``: ``compile: auto`` forced (``SHARDGEN_COMPILE_AUTO``) to stay
-  eager, to switch to compiled blocks on the main thread, or in the background, after its eager batches;
+- ``auto-eager``, ``auto-main``: ``compile: auto`` forced (``SHARDGEN_COMPILE_AUTO``) to stay eager, or to switch to
+  compiled blocks on the main thread, after its eager batches;
 - ``resume``: ``compile: auto`` unforced on a run of ``auto-main`` that lost two shards, with compile records that
   make it decide before its first batch (a requeued job on a filled cache).
 
@@ -45,7 +45,7 @@ from tests.conftest import compose_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PROMPTS = 12  # batches of 2: two eager, one beside a background thread, three after any switch
+PROMPTS = 12  # batches of 2: two eager, four after any switch
 IMAGE = ("model.weights=dummy", "height=256", "width=256")
 MODELS = {  # conf/model/<name>.yaml -> its overrides here
     "flux_dev": IMAGE,
@@ -68,7 +68,6 @@ WAYS = {
     "compiled": (None, ("compile=true", "sdpa_backend=cudnn")),
     "auto-eager": ("eager", ("sdpa_backend=cudnn",)),
     "auto-main": ("main", ("sdpa_backend=cudnn",)),
-    "auto-background": ("background", ("sdpa_backend=cudnn",)),
 }
 
 
@@ -101,15 +100,12 @@ def _run_way(tmp_path, model, force, extra, monkeypatch, caplog, run_dir=None):
 
 
 def _doctor_records_to_compile_before_the_first_batch() -> None:
-    """Records saying: compiling pays at once (a long job's figures), as a requeued job finds them: in the background
-    where the model takes that path (the thread a hair cheaper), else on the main thread (FLUX.2-dev, Qwen-Image:
-    ``regional_compile.background_runs_eager_path``)."""
+    """Records saying: compiling pays at once (a long job's figures), as a requeued job finds them."""
     path = AC.records_path()
     records = AC.read_records(path)
     for rec in records.values():
         if isinstance(rec, dict) and AC._number(rec.get("eager_s")):
-            rec.update(eager_s=100.0, compiled_s=50.0, compile_background_s=0.001, compile_warm_s=0.001,
-                       compiled_before=True)
+            rec.update(eager_s=100.0, compiled_s=50.0, compile_warm_s=0.001, compiled_before=True)
     path.write_text(json.dumps(records))
 
 
@@ -133,13 +129,12 @@ def test_every_default_path_makes_every_sample_within_the_noise_floor(tmp_path, 
     r, figures["resume"] = _run_way(tmp_path, model, None, ("sdpa_backend=cudnn",), monkeypatch, caplog, run_dir=resumed)
     assert (r.ok, r.generated_here, r.failed, r.complete) == (PROMPTS, 4, 0, True), figures["resume"]
     images["resume"] = shard_images(resumed)
-    for way in ("auto-main", "auto-background", "compiled", "resume"):
+    for way in ("auto-main", "compiled", "resume"):
         assert figures[way]["graphs"] > 0 or "compiled" in figures[way]["summary"], (way, figures[way])
         # a way that compiles more graphs than compile=true compiled one for shapes or strides it never runs
         assert figures[way]["graphs"] <= COMPILED_GRAPHS[model], (way, figures[way])
     assert "eager" in figures["auto-eager"]["summary"] and figures["auto-eager"]["graphs"] == 0
     assert figures["compiled"]["graphs"] == COMPILED_GRAPHS[model], figures["compiled"]
-    assert "compiled in the background" in figures["auto-background"]["summary"], figures["auto-background"]
     # eager calls replay CUDA graphs where the family declares them (a full batch's shape, and a short one at most),
     # to the bit of the calls they replay
     declared = family_of(compose_cfg(f"model={model}").model.pipeline).cuda_graphs

@@ -36,7 +36,6 @@ from shardgen.run.memory import cuda_oom, out_of_memory
 from shardgen.quality.gate import CalibrationFailed, calibrate
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
-from shardgen.speed.regional_compile import background_runs_eager_path
 from shardgen.run import rates
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
@@ -349,16 +348,12 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
     it is given to binds it to its own count of the work left (``ReplicaWorker.remaining_here``)."""
     if not (settings.compile_auto or settings.accel.compile) or ctx.ranks != 1:
         return None
-    # compile=auto compiles on a background thread while the first batches run eagerly (speed/background.py)
     shapes = [shape.label for shape in plan.shapes() or ()]  # per-row sizes: the run's shape set
     untuned = replace(settings, accel=replace(settings.accel, compile_tuning=False))
     return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
                        untuned_key=record_key(pipe, untuned, shapes) if settings.tuning_auto else None,
                        prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
-                       decided=None if settings.compile_auto else True,
-                       background=getattr(pipe, "transformer", None) if settings.compile_auto else None,
-                       background_eager_ok=background_runs_eager_path(getattr(pipe, "transformer", None),
-                                                                      settings.accel))
+                       decided=None if settings.compile_auto else True)
 
 
 def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,

@@ -7,7 +7,7 @@ Exact (outputs change only by bf16 rounding noise):
 - regional_compile.py: ``compile`` (the repeated blocks compiled one graph per block class), ``fused_blocks``
   (the family's fused forwards: shardgen/families/<family>/fused.py, built from fused_kernels.py), ``compile_tuning``, the shared
   inductor cache;
-  autocompile.py: ``compile: auto`` decided per process; background.py: compiling on a thread.
+  autocompile.py: ``compile: auto`` decided per process.
 - sdpa.py: ``sdpa_backend``, the kernel behind torch SDPA (``auto``: measured once per process); fa4.py: the
   adapter that makes FlashAttention-4 SDPA's flash kernel (``sdpa_backend=fa4``).
 - family_hooks.py: the family's own hooks, handed down (handdown.py), e.g. Qwen-Image

@@ -1,57 +1,49 @@
 """``compile: auto`` decided per process, from what compiling costs and saves here.
 
-Compiling the transformer's blocks makes each image ~1.35x faster on an H200, but the first compiled
-batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
-prompts left, a requeued job near its end, or a short debug run loses more than it saves. So with
-``compile: auto`` (on CUDA, one GPU per replica) each process decides for itself:
+Compiling the transformer's repeated blocks makes each image faster (H200: ~1.35x over the stock eager blocks; over
+a family's fused, CUDA-graphed eager blocks far less: FLUX.1-dev 1.02x, FLUX.2-dev 1.01x, Qwen-Image none), but the
+first compiled batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
+prompts left, a requeued job near its end, or a short debug run loses more than it saves. So with ``compile: auto``
+(on CUDA, one GPU per replica) each process decides for itself:
 
 - **the estimate**: the samples this process is still expected to make (the run's unfinished shards
   divided among its replicas) x the eager seconds per sample x (1 - 1/speed-up) = the time compiling
-  would save; compile when that exceeds what compiling costs: the cold or the warm cost, warm when this
-  cache has compiled this model and shape before.
+  would save; compile when that exceeds ``MARGIN`` x what compiling costs: the cold or the warm cost, warm when this
+  cache has compiled this model and shape set before.
 - **the figures**: measured on this GPU for this model and shape set by earlier processes and kept in
   ``$SHARDGEN_CACHE/compile/records.json`` (eager and compiled seconds per sample, the cold and warm
   compile costs); where none is recorded yet, the priors below (H200 measurements, benchmarks/results/performance-history.md).
   Without a recorded eager speed the first two batches run eagerly and the second is timed (real work, not a
   probe): the first pays the process's one-time GPU costs (H200: the first batch 10-25% slower than
   the next), and that inflated figure had compiled 24-prompt jobs that then lost 3-4% to ``compile=false``.
-- **the decision is final** for the process (no switching back and forth) and logged with its figures.
+- **the decision is final** for the process (no switching back and forth) and logged with its figures. With
+  recorded figures it is taken before the first batch.
 
-**In the background** (``compile: auto`` on CUDA, once this cache has compiled this model and shape set
-before, for a model whose eager batches there run ``compile=false``'s blocks: not FLUX.2-dev's or Qwen-Image's, whose
-fused eager blocks are not the ones compiled; shardgen/speed/background.py): the blocks are prepared for compiling from the first batch, which runs eagerly and leaves the blocks'
-arguments; after it, the same estimate decides whether to compile, but the cost is not waited for: a
-background thread compiles while the next batches run eagerly, and the blocks switch to the compiled
-graphs between two batches. So it pays whenever the compilation ends while work is left: the work left
-here, minus the time the compilation takes, x (1 - 1/speed-up), minus what the thread slows the eager batches
-beside it (``CONTENTION`` x its time), more than ``BACKGROUND_MIN_SAVING_S``. Its cost figure is then the
-background thread's wall time (``compile_background_s``). The same decision weighs compiling on the main thread
-instead (the work left x the gain - the warm main-thread cost ``compile_warm_s``, more than ``MARGIN`` x that
-cost) and takes it when it saves more: a thread can starve beside eager batches that hold the GIL (H200,
-FLUX.2-dev, warm cache: 78 s in the background, 11 s on the main thread; Qwen-Image's thread: 11-19 s).
-
-Why only from a warm cache (H200, dummy weights, 24-40 prompts, benchmarks/results/performance-history.md): from a warm cache the
-background thread takes 15-37 s and the job gains 9-17% over ``compile=false``; from a fresh one it took
-63-180 s (inductor's code generation and kernel tuning beside the eager batches, which it slowed) and
-FLUX.2-dev lost 39% to ``compile=false``. A fresh cache is warmed on the main thread instead, where the
-estimate above says a job is long enough to pay for it (then every later process compiles in the background).
+**On the main thread**: a process that decides to compile runs its next batch on compiled blocks, and that batch
+waits for the compilation; its cost is that wait (the first compiled batch minus a steady one, per batch), recorded
+as ``compile_cold_s`` or ``compile_warm_s`` for the next process. A fresh cache is compiled, and so warmed for every
+later process on it, only where the estimate says a job is long enough to pay the cold cost. Hiding the wait behind
+eager batches (compiling on a thread beside them) would gain little: the families whose eager blocks are fused run
+them within 1-2% of their compiled blocks (H200, FLUX.1-dev: 3.64 s/image eager, 3.59 compiled), so over 1,000
+FLUX.1-dev samples such a thread would save ~62 s against ~46 s for waiting on a warm cache (a 25 s wait), under
+0.5% of the run; FLUX.2-dev's and Qwen-Image's fused eager blocks are not the ones their blocks compile, so eager
+batches beside a thread would run their slower stock blocks (docs/performance.md).
 
 **Kernel tuning** (``compile_tuning: auto``, the default): inductor's coordinate-descent tuning makes the compiled
 steps ~2% faster and adds ~25-40 s to a fresh cache's compilation, so it pays only over several hundred samples. A
-process compiling on the main thread weighs both variants over the work it has left, each with its own records
-(the key covers the tuning), and takes the one that saves more (``_choose_tuning``); the background path, taken
-only once this cache holds the tuned graphs, stays tuned. ``compile=true`` tunes; ``compile_tuning=true|false``
+process that compiles weighs both variants over the work it has left, each with its own records (the key covers the
+tuning), and takes the one that saves more (``_choose_tuning``). ``compile=true`` tunes; ``compile_tuning=true|false``
 fixes it.
 
-**Forcing a path** (tests, benchmarks): ``SHARDGEN_COMPILE_AUTO=eager|main|background`` in the environment makes a
+**Forcing a path** (tests, benchmarks): ``SHARDGEN_COMPILE_AUTO=eager|main`` in the environment makes a
 ``compile: auto`` process take that path whatever the figures say, after its first ``EAGER_BATCHES`` eager batches:
-stay eager, compile on the main thread, or compile on a background thread (the batch after the one that ran beside
-the thread waits for it, so the switch always happens while work is left). tests/test_gpu_matrix.py walks each.
+stay eager, or compile on the main thread. tests/test_gpu_matrix.py walks both.
 
 The records are advisory: a lost update (two processes writing at once) or a damaged file only means the
-priors are used again; the file is replaced atomically, so a reader never sees half of one. A key covers
-the model, the shapes (size, frames, batch, steps), true CFG, the compile settings, the GPU and the
-torch/diffusers versions: a change in any of them starts from the priors, never from a stale figure.
+priors are used again; the file is replaced atomically, so a reader never sees half of one, and a field this
+module does not read is kept and ignored. A key covers the model, the shapes (size, frames, batch, steps), true
+CFG, the compile settings, the GPU and the torch/diffusers versions: a change in any of them starts from the
+priors, never from a stale figure.
 """
 
 from __future__ import annotations
@@ -74,18 +66,11 @@ PRIOR_COLD_S = 45.0   # first compiled batch minus a steady one, fresh cache, ke
 PRIOR_COLD_UNTUNED_S = 20.0  # the same without the tuning (docs/config.md: the tuning adds ~40 s once per process)
 TUNING_GAIN = 0.02    # tuned compiled steps over untuned ones (H200, FLUX.1-dev: 1.3-2.9%, performance-history.md)
 PRIOR_WARM_S = 15.0   # the same from a warm cache (H200: 6-13 s)
-# a background thread's time from a warm cache (H200: Qwen 11-23 s, FLUX.1 41 s, FLUX.2 60-78 s: the thread starves
-# beside eager batches that hold the GIL, the main thread's 7-11 s does not vary so): with no record, a first job
-# on a warm cache compiles on the main thread wherever that saves time (FLUX.2-dev: a 30 s prior sent
-# it to a 60 s thread, 1.08x the seed loop; the next job, on the main thread, 1.17x)
-PRIOR_BACKGROUND_S = 45.0
-CONTENTION = 0.2      # eager batches beside a compiling thread: this much slower per second of it (H200: 9-24%)
 EAGER_BATCHES = 2     # full eager batches before deciding without a recorded eager speed (the last one is timed)
 PRIOR_SPEEDUP = 1.35  # eager s/sample over compiled s/sample at batch 4 (H200: 1.37 FLUX.1-dev)
 MIN_SPEEDUP = 1.0     # a recorded speed-up below this (compiling did not help here) turns compiling off
-BACKGROUND_MIN_SAVING_S = 5.0  # background compilation: the least expected saving worth its CPU and GPU contention
 FORCE_ENV = "SHARDGEN_COMPILE_AUTO"
-FORCE_PATHS = ("eager", "main", "background")
+FORCE_PATHS = ("eager", "main")
 MARGIN = 1.2          # compile only when the expected saving is this much over the cost: the figures are estimates
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
@@ -182,19 +167,13 @@ class AutoCompile:
     decided: bool | None = None
     """None until decided; True or False from the start for ``compile: true`` (then only timed and recorded)."""
     reason: str = ""
-    background: Any = None
-    """Compile on a background thread (``compile: auto`` on CUDA): the transformer whose blocks are compiled
-    (its ``background.state_of`` appears at the first batch's preparation); None = on the main thread."""
     prior_speedup: float = PRIOR_SPEEDUP
     """The speed-up expected from compiling while none is recorded (``prior_speedup``)."""
     shapes: int = 1
     """Shapes the run's batches take (per-row sizes): without a recorded cost, each compiles its own graphs."""
-    background_eager_ok: bool = True
-    """The eager batches beside a background compilation run ``compile=false``'s path (``regional_compile.
-    background_runs_eager_path``); when not, a natural decision compiles on the main thread, if at all."""
     untuned_key: str | None = None
-    """``compile_tuning: auto``: the records of compiling without kernel tuning. Compiling on the main thread then
-    takes the variant that saves more over the work left (``_choose_tuning``); None: the tuning as configured."""
+    """``compile_tuning: auto``: the records of compiling without kernel tuning. Compiling then takes the variant that
+    saves more over the work left (``_choose_tuning``); None: the tuning as configured."""
     tuned: bool = True
     """Whether the blocks compile with kernel tuning (``compile_tuning``); False once ``_choose_tuning`` drops it."""
     force: str | None = field(default_factory=lambda: os.environ.get(FORCE_ENV) or None)
@@ -202,17 +181,12 @@ class AutoCompile:
     _eager: list[float] = field(default_factory=list)      # seconds per sample of full eager batches
     _compiled: list[float] = field(default_factory=list)   # ... of full compiled batches, first one included
     _record: dict = field(default_factory=dict)
-    _batch_compiled: bool = False   # background: the batch being timed ran the compiled blocks
-    _recorded_cost: bool = False    # background: its compile time is recorded (once)
     _untuned: dict = field(default_factory=dict)  # the records under ``untuned_key``
 
     def __post_init__(self) -> None:
         check_forced_path(self.force)
         records = read_records(self.path)
         self._record, self._untuned = (_as_record(records.get(k)) for k in (self.key, self.untuned_key))
-        fresh = not self._record.get("compiled_before")
-        if self.force == "main" or ((fresh or not self.background_eager_ok) and self.force != "background"):
-            self.background = None  # a fresh cache: compiled on the main thread, if at all (see the module doc)
 
     def _recorded_eager(self) -> float | None:
         """The eager speed recorded by an earlier process (none when forced: the eager batches run first)."""
@@ -220,37 +194,12 @@ class AutoCompile:
 
     def settings(self, s: Any) -> Any:
         """``s`` with ``accel.compile`` set for the next batch (deciding now when the figures allow)."""
-        if self.background is not None:
-            return self._background_settings(s)
         if self.decided is None:
             eager = self._recorded_eager() or (self._eager[-1] if len(self._eager) >= EAGER_BATCHES else None)
             if eager is not None:
                 self._decide(eager)
-        return replace(s, accel=replace(s.accel, compile=bool(self.decided), compile_background=False,
+        return replace(s, accel=replace(s.accel, compile=bool(self.decided),
                                         compile_tuning=s.accel.compile_tuning and self.tuned))
-
-    def _background_settings(self, s: Any) -> Any:
-        if self.decided is False:  # not worth it: compile=false's path from here on
-            self._batch_compiled = False
-            return replace(s, accel=replace(s.accel, compile=False, compile_background=False))
-        state = self._state()
-        if self.decided is None and self._recorded_eager():
-            self._decide(float(self._record["eager_s"]))
-            if self.decided and self.background is not None:  # from the records, before the first batch: the
-                state.start_when_captured()                   # thread starts at its second step
-            return self.settings(s)
-        if self.force and state.started and len(self._eager) > EAGER_BATCHES:
-            state.wait()  # forced: one eager batch ran beside the thread; the switch must not depend on its speed
-        if state is not None and state.switch():
-            log.info("compile=auto: compiled in the background in %.0f s while %d batches ran eagerly; "
-                     "the next batches run compiled", state.seconds, len(self._eager))
-        self._batch_compiled = bool(state is not None and state.ready)
-        return replace(s, accel=replace(s.accel, compile=True, compile_background=True))
-
-    def _state(self):
-        from shardgen.speed.background import state_of
-
-        return state_of(self.background, create=True)
 
     def _cost(self, key: str, prior: float, record: dict | None = None) -> tuple[float, str]:
         """(seconds, note): the compile cost recorded under ``key`` (in ``record``, default this key's), else
@@ -260,10 +209,10 @@ class AutoCompile:
 
     def _choose_tuning(self, eager_s: float, left: int, tuned_speedup: float, tuned_cost: float,
                        compiling: bool = False) -> str:
-        """``compile_tuning: auto``, compiling on the main thread: drop the kernel tuning when compiling without it
-        saves more over the ``left`` samples, and more than nothing unless ``compiling`` anyway (the tuning's ~2%
-        faster steps pay for its compile time only over several hundred samples). Switches this decider to the
-        untuned variant's records and returns the reason's words for it, or "" (tuned, as configured)."""
+        """``compile_tuning: auto``: drop the kernel tuning when compiling without it saves more over the ``left``
+        samples, and more than nothing unless ``compiling`` anyway (the tuning's ~2% faster steps pay for its compile
+        time only over several hundred samples). Switches this decider to the untuned variant's records and returns
+        the reason's words for it, or "" (tuned, as configured)."""
         if self.untuned_key is None:
             return ""
         r = self._untuned
@@ -292,63 +241,28 @@ class AutoCompile:
         compiled = _number(r.get("compiled_s"))
         speedup = eager_s / compiled if compiled else self.prior_speedup
         left = max(0, int(self.remaining()))
-        # compiling on the main thread costs the warm figure where this cache compiled the blocks before
-        main_cost, main_note = (self._cost("compile_warm_s", PRIOR_WARM_S) if warm
-                                else self._cost("compile_cold_s", PRIOR_COLD_S))
+        # the warm cost where this cache compiled the blocks before
+        cost, note = (self._cost("compile_warm_s", PRIOR_WARM_S) if warm
+                      else self._cost("compile_cold_s", PRIOR_COLD_S))
         if self.force:
             self.decided = self.force != "eager"
             self.reason = f"forced by {FORCE_ENV}={self.force}, {eager_s:.2f} s/sample eager"
-            if self.force == "main":  # the path is forced, the tuning still chosen from the figures
-                self.reason += self._choose_tuning(eager_s, left, speedup, main_cost, compiling=True)
-            log.info("compile=auto: %s (%s)", "staying eager" if not self.decided else
-                     "compiling in the background" if self.background is not None else "compiling", self.reason)
-            if self.background is not None and not self.decided:
-                self._state().abandon()
-            return
-        gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
-        cache = "warm" if warm else "cold"
-        figures = f"{left} samples left here x {eager_s:.2f} s eager"
-        speed = f"(1 - 1/{speedup:.2f} speed-up{'' if compiled else ' (prior)'})"
-        if self.background is not None:  # the compile time is spent generating eagerly, not waiting
-            cost, note = self._cost("compile_background_s", PRIOR_BACKGROUND_S)
-            saving = max(0.0, left * eager_s - cost) * gain - CONTENTION * cost
-            main = left * eager_s * gain - main_cost  # warm: the background path is taken on a warm cache only
-            self.reason = (f"({figures} - {cost:.0f} s to compile in the background, {cache} cache{note}) x {speed} "
-                           f"- {CONTENTION} x {cost:.0f} s slower eager batches beside it "
-                           f"= {saving:.0f} s saved vs {BACKGROUND_MIN_SAVING_S:.0f} s worth it")
-            if main > saving and left * eager_s * gain > MARGIN * main_cost:
-                # the thread can starve beside eager batches that hold the GIL (H200, FLUX.2-dev: 78 s in the
-                # background against 11 s on the main thread, both from a warm cache): waiting is cheaper
-                self._state().abandon()
-                self.background, self.decided = None, True
-                self.reason = (f"{figures} x {speed} - {main_cost:.0f} s to compile on the main thread (warm cache"
-                               f"{main_note}) = {main:.0f} s saved, more than in the background: {self.reason}")
-                log.info("compile=auto: compiling (%s)", self.reason)
-                return
-            self.decided = saving > BACKGROUND_MIN_SAVING_S
+            if self.decided:  # the path is forced, the tuning still chosen from the figures
+                self.reason += self._choose_tuning(eager_s, left, speedup, cost, compiling=True)
         else:
+            gain = (1.0 - 1.0 / speedup) if speedup > MIN_SPEEDUP else 0.0
             saving = left * eager_s * gain
-            self.reason = (f"{figures} x {speed} = {saving:.0f} s saved vs {main_cost:.0f} s x {MARGIN} to compile "
-                           f"({cache} cache{main_note})")
-            untuned = self._choose_tuning(eager_s, left, speedup, main_cost)
-            self.decided = bool(untuned) or saving > MARGIN * main_cost
+            self.reason = (f"{left} samples left here x {eager_s:.2f} s eager x (1 - 1/{speedup:.2f} speed-up"
+                           f"{'' if compiled else ' (prior)'}) = {saving:.0f} s saved vs {cost:.0f} s x {MARGIN} to "
+                           f"compile ({'warm' if warm else 'cold'} cache{note})")
+            untuned = self._choose_tuning(eager_s, left, speedup, cost)
+            self.decided = bool(untuned) or saving > MARGIN * cost
             self.reason += untuned
-        log.info("compile=auto: %s (%s)", ("compiling in the background" if self.background is not None else "compiling")
-                 if self.decided else "staying eager", self.reason)
-        if self.background is not None and not self.decided:
-            self._state().abandon()
+        log.info("compile=auto: %s (%s)", "compiling" if self.decided else "staying eager", self.reason)
 
     def finish(self) -> None:
-        """The end of the process's work: record the steady eager speed of a process that stayed eager, wait for a
-        background compilation still running (a thread must not be inside the compiler when the process ends) and
-        record its cost if it ended unused."""
+        """The end of the process's work: record the steady eager speed of a process that stayed eager."""
         self._record_steady_eager()
-        state = self._state() if self.background is not None else None
-        if state is None or not state.started or state.done.is_set():
-            return
-        log.info("compile=auto: waiting for the background compilation to end (the work ended first; not used)")
-        state.wait()
-        self._record_background(state)
 
     def _record_steady_eager(self) -> None:
         """A process that stayed eager leaves the median of its eager batches after the first as ``eager_s``: the
@@ -358,17 +272,9 @@ class AutoCompile:
         if self.decided is False and len(steady) >= EAGER_BATCHES and not self.force:
             write_record(self.path, self.key, {"eager_s": statistics.median(steady)})
 
-    def _record_background(self, state) -> None:
-        if state.seconds is None or self._recorded_cost:
-            return
-        self._recorded_cost = True
-        write_record(self.path, self.key, {"compiled_before": True, "compile_background_s": state.seconds})
-
     def observe(self, s: Any, samples: int, seconds: float) -> None:
         """Time of one batch of ``samples`` real samples made with ``s``. A compiled call is padded to the batch
         size, so it is timed per batch slot; a short eager batch is not timed (its per-sample time is off)."""
-        if self.background is not None:
-            return self._observe_background(s, samples, seconds)
         if seconds <= 0 or samples <= 0 or (samples < s.batch_size and not s.accel.compile):
             return
         per_sample = seconds / max(samples, s.batch_size)
@@ -387,39 +293,14 @@ class AutoCompile:
                 update["eager_s"] = statistics.median(self._eager)
             write_record(self.path, self.key, update)
 
-    def _observe_background(self, s: Any, samples: int, seconds: float) -> None:
-        compiled = self._batch_compiled
-        if seconds > 0 and samples > 0 and (samples >= s.batch_size or s.accel.compile):
-            per_sample = seconds / max(samples, s.batch_size)  # a compiled-path call is padded to the batch size
-            (self._compiled if compiled else self._eager).append(per_sample)
-        state = self._state()
-        if self.decided is None:
-            if len(self._eager) < EAGER_BATCHES:  # not yet a steady figure (or a short batch: none)
-                return
-            # the last of the first eager batches, timed before any compilation ran beside it
-            write_record(self.path, self.key, {"eager_s": self._eager[-1]})
-            self._decide(self._eager[-1])
-            if self.background is None:  # compiling on the main thread instead: observe() times it from here
-                return
-        if self.decided and not state.started and state.captured:
-            state.start()  # after a whole batch (also: a one-step batch, where no second step started it)
-        if compiled and len(self._compiled) == 2:
-            write_record(self.path, self.key, {"compiled_s": statistics.median(self._compiled), "compiled_before": True})
-            self._record_background(state)
-
     def summary(self) -> str:
         """One line for the end of the job: the decision and the batch timings behind it."""
         parts = [f"compile={'auto' if self.reason else str(self.decided).lower()} "
-                 f"{'compiled' if self.decided else 'eager'}{' in the background' if self.background is not None and self.decided else ''}"
+                 f"{'compiled' if self.decided else 'eager'}"
                  f"{' without kernel tuning' if self.decided and not self.tuned else ''}"]
         if self._eager:  # the rate after the first batch, which pays the warm-up (cuDNN plans, lazy kernels)
             steady = self._eager[1:] or self._eager
             parts.append(f"{len(self._eager)} eager batches, {statistics.median(steady):.2f} s/sample")
-        state = self._state() if self.background is not None else None
-        if state is not None and state.seconds is not None:
-            parts.append(f"compiled in the background in {state.seconds:.1f} s")
-        elif state is not None and state.error:
-            parts.append(f"background compilation failed: {state.error[:200]}")
         if self._compiled:
             parts.append(f"{len(self._compiled)} compiled batches, first {self._compiled[0]:.2f} s/sample"
                          + (f", steady {statistics.median(self._compiled[1:]):.2f} s/sample"

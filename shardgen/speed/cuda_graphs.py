@@ -9,10 +9,9 @@ of that shape copies its tensors into the graph's input buffers and replays it. 
 call runs, on the same inputs, so its output is the eager call's to the bit.
 
 Only where the call is the same every time for a shape: the family declares it (``ModelFamily.cuda_graphs``), the
-blocks run eagerly (compiled blocks are inductor's; a background compilation switches them between batches), no
-First-Block-Cache (it decides on the host, per step), nothing wraps the transformer's ``forward`` (accelerate's
-device placement), no per-row LoRA adapters (fusing a set may move the adapted weights), one GPU per replica
-(resolved with the config: ``AccelOptions.from_cfg``). A shape beyond ``MAX_GRAPHS``, an argument that cannot be
+blocks run eagerly (compiled blocks are inductor's), no First-Block-Cache (it decides on the host, per step), nothing
+wraps the transformer's ``forward`` (accelerate's device placement), no per-row LoRA adapters (fusing a set may move
+the adapted weights), one GPU per replica (resolved with the config: ``AccelOptions.from_cfg``). A shape beyond ``MAX_GRAPHS``, an argument that cannot be
 part of a shape, or a capture that fails runs eagerly (the failure is logged once). Each graph keeps its own
 memory pool: about one call's activations (~1 GiB for FLUX.1-dev at batch 4, 1024x1024).
 """

@@ -34,7 +34,6 @@ import torch
 
 from shardgen.cache import default_cache_dir
 from shardgen.pick import pick
-from shardgen.speed.background import STATE_ATTR, BackgroundCompile, DeferredForward
 from shardgen.speed.blocks import fused_blocks, plain_forward, repeated_blocks
 from shardgen.speed.techniques import AccelError, AccelOptions
 from shardgen.speed.techniques import Step, Technique, register_technique
@@ -56,13 +55,11 @@ class CompileConfig:
     """The family's fused block forwards (eager on CUDA; compiled too where the module's ``COMPILED`` says so)."""
     compile_tuning: bool = True
     """Inductor's coordinate-descent tuning (CUDA)."""
-    compile_background: bool = False
-    """Compile on a background thread while the blocks run eagerly."""
 
     @property
     def settings(self) -> tuple:
         """What the compiled blocks depend on (a change means compiling them again)."""
-        return self.compile_mode, self.fused_blocks, self.compile_tuning, self.compile_background
+        return self.compile_mode, self.fused_blocks, self.compile_tuning
 
 
 def _raise_recompile_limits() -> None:
@@ -93,13 +90,11 @@ def compile_cache_dir() -> str:
 
 
 def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: bool = False,
-                   tuning: bool = False, background: bool = False) -> int:
+                   tuning: bool = False) -> int:
     """Compile each repeated block's ``forward`` in place (idempotent); how many blocks. ``mode`` is
     torch.compile's (``default`` passes none: inductor's default mode). ``fused``: blocks compile their
     family's fused forwards where its module's ``COMPILED`` says so (FLUX.1's), else their own. ``tuning``:
-    inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time).
-    ``background``: the blocks stay eager until a background thread has compiled their graphs
-    (shardgen/speed/background.py)."""
+    inductor's coordinate-descent tuning of its Triton kernels (process-wide; more compile time)."""
     blocks = repeated_blocks(transformer)
     if not blocks:
         raise AccelError(f"compile=true: {type(transformer).__name__} declares no _repeated_blocks to compile "
@@ -120,17 +115,9 @@ def compile_blocks(transformer: torch.nn.Module, mode: str = "default", fused: b
     module = fused_blocks(transformer)
     if fused and len(todo) == len(blocks) and module is not None and module.COMPILED:
         forwards = module.enable(transformer)
-    state = None
-    if background and todo:
-        # made earlier when compile=auto decided before the first batch (it starts at the first step)
-        state = transformer.__dict__.setdefault(STATE_ATTR, BackgroundCompile())
     for block in todo:
         block.__dict__["_shardgen_eager_forward"] = block.forward
-        target = forwards.get(block, block.forward)
-        compiled = _compiled(target, mode)
-        if state is not None:
-            compiled = DeferredForward(block, target, compiled, state)
-        block.forward = compiled
+        block.forward = _compiled(forwards.get(block, block.forward), mode)
     return len(blocks)
 
 
@@ -161,21 +148,6 @@ def _fused_eager(opts: CompileConfig, device: Any) -> bool:
     return opts.fused_blocks and not opts.compile and device is not None and torch.device(device).type == "cuda"
 
 
-def background_runs_eager_path(transformer: Any, opts: Any, device: Any = None) -> bool:
-    """Whether the eager batches beside a background compilation run what ``compile=false`` runs: not when the
-    family's fused eager blocks are faster than its stock ones and are not what its blocks compile (their module's
-    ``COMPILED`` is false: FLUX.2, Qwen-Image); until the compiled graphs are ready, those batches would run the
-    stock blocks (``DeferredForward``'s eager forward is the one compiled). ``device``: where the transformer runs
-    (default: its parameters')."""
-    module = fused_blocks(transformer) if transformer is not None else None
-    if module is None or module.COMPILED:
-        return True
-    if device is None:
-        device = getattr(next(transformer.parameters(), None), "device", None)
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    return not (pick(CompileConfig, opts).fused_blocks and on_cuda and module.applicable(transformer) is None)
-
-
 def _compiled(target, mode: str):
     """``target`` wrapped by ``torch.compile`` with the blocks' options (the same options give backend objects
     that compare equal, so every wrapper shares the graphs compiled by any of them)."""
@@ -190,7 +162,6 @@ def uncompile_blocks(transformer: torch.nn.Module) -> None:
     module = fused_blocks(transformer)
     if module is not None:
         module.disable(transformer)
-    transformer.__dict__.pop(STATE_ATTR, None)
     for block in repeated_blocks(transformer):
         if "_shardgen_eager_forward" in block.__dict__:
             block.__dict__.pop("_shardgen_eager_forward")
@@ -221,8 +192,7 @@ def apply(step: Step) -> dict:
     if now.compile and (not was.compile or recompile):
         cuda = step.device is not None and torch.device(step.device).type == "cuda"
         done["compiled_blocks"] = compile_blocks(tr, now.compile_mode, fused=now.fused_blocks,
-                                                 tuning=now.compile_tuning and cuda,
-                                                 background=now.compile_background)
+                                                 tuning=now.compile_tuning and cuda)
     return done
 
 

@@ -45,9 +45,6 @@ class AccelOptions:
     fused_blocks: bool = True
     compile_tuning: bool = True
     cfg_batching: bool = False
-    compile_background: bool = False
-    """With ``compile``: the blocks run eagerly while their graphs are compiled on a background thread, and
-    switch to them between two batches (shardgen/speed/background.py; what ``compile: auto`` does on CUDA)."""
     cuda_graphs: bool = True
     """Resolved: the config's ``cuda_graphs`` where a replica is one GPU, else False (shardgen/speed/cuda_graphs.py:
     where else it applies)."""

@@ -207,18 +207,6 @@ def _ada_norm(norm: torch.nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks
     return ln_modulate(x, mods[0][:, None], mods[1][:, None], norm.norm.eps), mods[2:]
 
 
-def _compiled_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A single block's arguments as the compiled blocks pass them (contiguous halves, above), for a background
-    compilation that captured them from the eager blocks' views (``background.DeferredForward``)."""
-    def contiguous(v):
-        return v.contiguous() if isinstance(v, torch.Tensor) else v
-    return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
-
-
-single_block_forward.compiled_args = _compiled_args
-single_block_forward_cat.compiled_args = _compiled_args
-
-
 def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                          joint_attention_kwargs=None):
     """``FluxTransformerBlock.forward`` with both MLPs' GELU in the GEMM epilogue (eagerly on CUDA also the
