@@ -5,6 +5,7 @@ pretrained weights split over ranks (tp) or GPUs (device_map).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -116,9 +117,13 @@ class SequenceShape:
     """(width, height) a row's input image is fitted to (shardgen/models/condition.py: ``input_size``)."""
     inputs_join: bool
     """The run's rows name input images whose tokens join the sequence (``input_image`` counts them)."""
-    true_cfg: bool
-    """The pipeline runs true classifier-free guidance (it takes ``true_cfg_scale``): with model.true_cfg_scale
-    above 1 every step puts the sample through the transformer twice, the two branches cfg_degree=2 splits."""
+
+    @property
+    def true_cfg(self) -> bool:
+        """The pipeline runs true classifier-free guidance (it takes ``true_cfg_scale``): with model.true_cfg_scale
+        above 1 every step puts the sample through the transformer twice, the two branches cfg_degree=2 splits.
+        Read when asked (it imports the pipeline's module), once per pipeline class."""
+        return has_true_cfg(self.pipeline)
 
     @property
     def latent_frames(self) -> int:
@@ -140,11 +145,11 @@ class SequenceShape:
 
     def at(self, width: int, height: int, frames: int | None) -> SequenceShape:
         """The same run's sequence for a sample of another size (a row's own, ``prompts.row_settings``)."""
-        return _counted(self.pipeline, self.family, width, height, frames, self.text, self.inputs_join, self.true_cfg)
+        return _counted(self.pipeline, self.family, width, height, frames, self.text, self.inputs_join)
 
 
 def _counted(pipeline: str, family: ModelFamily, width: int, height: int, frames: int | None, text: int | None,
-             inputs_join: bool, true_cfg: bool) -> SequenceShape:
+             inputs_join: bool) -> SequenceShape:
     """The SequenceShape of a sample of ``width`` x ``height`` (x ``frames``)."""
     from shardgen.models.condition import input_size
 
@@ -152,25 +157,29 @@ def _counted(pipeline: str, family: ModelFamily, width: int, height: int, frames
     return SequenceShape(pipeline=pipeline, family=family, width=width, height=height, frames=frames,
                          image=family.image_tokens(height, width) * family.latent_frames(frames), text=text,
                          input_image=family.image_tokens(fitted[1], fitted[0]) if inputs_join else 0,
-                         input_size=fitted, inputs_join=inputs_join, true_cfg=true_cfg)
+                         input_size=fitted, inputs_join=inputs_join)
 
 
 def sequence_shape(cfg: GenerateConfig) -> SequenceShape:
-    """The run's SequenceShape: its size, its model's text length, whether its rows' input images join the
-    sequence, and whether its pipeline runs true CFG."""
+    """The run's SequenceShape: its size, its model's text length, and whether its rows' input images join the
+    sequence."""
     family = model_family(cfg)
     key = family.text_tokens
     text = family.text_prefix_tokens + cfg.model[key] if key else (0 if key == "" else None)
     joins = family.image_in_sequence and "image" in (cfg.prompts.get("row_settings") or ())
-    true_cfg = has_true_cfg(cfg.model.pipeline)
-    return _counted(cfg.model.pipeline, family, cfg.width, cfg.height, cfg.get("num_frames"), text, joins, true_cfg)
+    return _counted(cfg.model.pipeline, family, cfg.width, cfg.height, cfg.get("num_frames"), text, joins)
 
 
+@functools.lru_cache(maxsize=None)
 def has_true_cfg(pipeline_class: str) -> bool:
     """Whether diffusers' ``pipeline_class`` takes ``true_cfg_scale`` (its transformer runs twice per step)."""
     import inspect
 
     import diffusers
+
+    from shardgen.models.quiet import quiet_libraries
+
+    quiet_libraries()  # importing a pipeline's module makes transformers warn about optional packages
 
     cls = getattr(diffusers, pipeline_class, None)
     return cls is not None and "true_cfg_scale" in inspect.signature(cls.__call__).parameters
