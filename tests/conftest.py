@@ -56,6 +56,10 @@ CLUSTER_TEST_FILES = ("test_slurm.py", "test_multinode.py")
 GPU_TEST_FILES = ("test_gpu.py",)
 # the README's examples: one worker, so the quick start's run they all copy is made once
 README_TEST_FILES = ("test_readme_examples.py",)
+# the Ray tests share one local two-node cluster (a module fixture) that ends with `ray stop --force`, which stops
+# every Ray process on the machine: spread over two workers, each would start a cluster of its own and the first to
+# finish would stop the other's mid-test; one worker runs them in turn
+RAY_TEST_FILES = ("test_ray.py",)
 
 
 def _test_file(nodeid: str) -> str:
@@ -73,9 +77,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) where it is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with four kinds of scope: all the cluster tests (one worker, in order), all the GPU
-    tests (one worker, in order), all the README example tests (one worker), and each other test alone (any
-    worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
+    """xdist's scope scheduling with five kinds of scope: all the cluster tests (one worker, in order), all the GPU
+    tests (one worker, in order), all the README example tests (one worker), all the Ray tests (one worker, in
+    order), and each other test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
     longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the grouped tests ran on both
     workers)."""
     from xdist.scheduler import LoadScopeScheduling
@@ -86,6 +90,8 @@ def pytest_xdist_make_scheduler(config, log):
                 return "cluster"
             if _test_file(nodeid) in README_TEST_FILES:
                 return "readme"
+            if _test_file(nodeid) in RAY_TEST_FILES:
+                return "ray"
             return "gpu" if _test_file(nodeid) in GPU_TEST_FILES else nodeid
 
     return ClusterScopeScheduling(config, log)

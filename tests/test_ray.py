@@ -42,7 +42,9 @@ def _cluster(tmp_path_factory):
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ("--num-cpus=2", "--object-store-memory=150000000", "--disable-usage-stats")
+    # every address of the cluster on loopback: the drivers reach the head at 127.0.0.1, and the address a node
+    # would otherwise advertise (the machine's first interface) is one more path a loaded CI box can lose
+    common = ("--num-cpus=2", "--object-store-memory=150000000", "--disable-usage-stats", "--node-ip-address=127.0.0.1")
     env = _env()
     head = _ray("start", "--head", f"--port={port}", "--include-dashboard=false", *common, env=env)
     if head.returncode != 0:
