@@ -333,8 +333,8 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 
 
 CONNECT_ATTEMPTS = 3  # ray.init tries on a cluster that answers: a head busy ending a job can miss one handshake
-# Ray waits 5 s for the head's GCS by default: a head that answers TCP but is busy (ending a job, on a loaded machine)
-# can miss that, and the launch then failed or waited until killed. A user's own setting of it is kept.
+# Ray waits 5 s for the head's GCS by default, which a head that answers TCP but is busy (ending a job, on a loaded
+# machine) can miss; tried CONNECT_ATTEMPTS times, that wait is the launch's patience. A user's own setting is kept.
 GCS_CONNECT_ENV, GCS_CONNECT_TIMEOUT_S = "RAY_gcs_rpc_server_connect_timeout_s", "30"
 
 
