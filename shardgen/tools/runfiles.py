@@ -185,8 +185,15 @@ def share_output(run: RunDir, out: Path) -> str:
     "URL (and on this machine: PATH)"; any other ``out`` is only its path."""
     if not run.store or _real(out) not in {_real(p) for p in run.tool_outputs}:
         return str(out)
-    run.files.replace(out, read_regular(out, follow=False))
-    return f"{run.files.where(out)} (and on this machine: {out})"
+    from shardgen.dataio.rundir.remote import call, filesystem, retrying
+
+    url = run.files.where(out)
+    fs, key = filesystem(url)
+    if out.is_symlink() or not out.is_file():  # the tool has just written it whole (safe_write): never a link's target
+        raise RunDirError(f"{out} is not a regular file (replaced since it was written?); run the tool again")
+    size = out.stat().st_size  # streamed from the file: a whole run's compare_samples.jsonl can pass 1 GiB
+    retrying(f"uploading {out.name}", url, lambda: call(fs, "put_file", str(out), key, size=size))
+    return f"{url} (and on this machine: {out})"
 
 
 def read_records(paths: Iterable[Path], fields: dict[str, type | tuple]) -> list[dict]:
