@@ -79,9 +79,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with five kinds of scope: all the cluster tests (one worker, in order), all the GPU
     tests (one worker, in order), all the README example tests (one worker), all the Ray tests (one worker, in
-    order), and each other test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but with pytest 9 it no
-    longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the grouped tests ran on both
-    workers)."""
+    order), and each other test alone (any worker). xdist's own ``--dist loadgroup`` would do it with a marker, but
+    with pytest 9 it no longer groups (it renames ``item._nodeid``, which pytest 9 does not read: measured, the
+    grouped tests ran on both workers)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterScopeScheduling(LoadScopeScheduling):
