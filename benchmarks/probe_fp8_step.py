@@ -14,6 +14,7 @@ row quantisation, other Triton kernels and the rest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -77,6 +78,8 @@ def gemm_table() -> list[dict]:
 
 def kind(name: str) -> str:
     low = name.lower()
+    if "_quantise_rows" in low:
+        return "attention_quantise"
     if "quantize_rows" in low:
         return "quantize"
     if any(s in low for s in ("fmha", "flash", "cudnn", "attention", "sdpa")):
@@ -122,13 +125,15 @@ def step_ms(tr, kw, iters=5) -> float:
 def main() -> None:
     import probe_fp8
 
-    from shardgen.speed import accel, fp8
+    from shardgen.speed import accel, fp8, fp8_attention
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--compile", action="store_true", help="also time fp8 with the blocks compiled")
     ap.add_argument("--no-gemms", action="store_true")
+    ap.add_argument("--ways", default=None, help="comma-separated ways to time (default: all; fp8_attention: fp8 "
+                    "layers and sdpa_backend=fp8)")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -143,19 +148,29 @@ def main() -> None:
         ways = [("bf16", accel.AccelOptions(cuda_graphs=False)), ("fp8", fp8_opts), ("fp8_fast_accum", fp8_opts)]
         if a.compile:
             ways.append(("fp8_compiled", accel.AccelOptions(fp8=True, compile=True, cuda_graphs=False)))
+        ways.append(("fp8_attention", fp8_opts))
+        if a.ways:
+            ways = [w for w in ways if w[0] in a.ways.split(",") or w[0] == "bf16"]
         out = res[model] = {}
         ref = None
         for name, opts in ways:
-            fp8.USE_FAST_ACCUM = name == "fp8_fast_accum"
+            fp8.USE_FAST_ACCUM = name != "fp8"
             done = accel.prepare(pipe, opts)
-            with torch.no_grad():
+
+            def attention(name=name):  # a fresh context per use: sdpa_backend=fp8 for that way
+                return fp8_attention.context() if name == "fp8_attention" else contextlib.nullcontext()
+
+            with torch.no_grad(), attention():
                 sample = tr(**kw)[0].float()
             ref = sample if ref is None else ref
+            with attention():
+                ms = step_ms(tr, kw)
+                profile = profile_step(tr, kw)
             out[name] = {"prepared": {k: v for k, v in done.items() if not isinstance(v, (dict, list))},
-                         "ms_per_call": round(step_ms(tr, kw), 2)}
+                         "ms_per_call": round(ms, 2)}
             out[name]["ms_per_image"] = round(out[name]["ms_per_call"] / a.batch, 2)
             out[name]["rel_rms_vs_bf16"] = round(((sample - ref).norm() / ref.norm()).item(), 5)
-            out[name].update(profile_step(tr, kw))
+            out[name].update(profile)
             print(model, name, json.dumps(out[name]), flush=True)
         del tr, pipe
         torch.cuda.empty_cache()

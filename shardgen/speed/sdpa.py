@@ -3,8 +3,9 @@ efficient / cudnn once per process at the run's attention shape, checks each aga
 fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
 flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
 choice is a context around each call. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
-FlashAttention-4 the process's flash kernel and puts it first. ``sage`` (opt-in, LOSSY: ``speed/sage.py``) sends
-the calls it takes to SageAttention's 8-bit kernel, the others to torch's kernels in ``auto``'s order.
+FlashAttention-4 the process's flash kernel and puts it first. ``sage`` and ``fp8`` (opt-in, LOSSY: ``speed/sage.py``,
+``speed/fp8_attention.py``) send the calls they take to an 8-bit kernel (SageAttention's, or shardgen's own INT8
+``QK^T`` / float8 ``PV``), the others to torch's kernels in ``auto``'s order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage")
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage", "fp8")
+EIGHT_BIT = ("sage", "fp8")  # the lossy kernels: sdpa_backend=NAME is recorded in the fingerprint and provenance
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
 
@@ -31,7 +33,7 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math | fa4 | sage (``sdpa_backend`` in the config)."""
+    """auto | default | flash | efficient | cudnn | math | fa4 | sage | fp8 (``sdpa_backend`` in the config)."""
 
 
 def _backend(name: str):
@@ -149,14 +151,12 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
     device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", None)
     if opts.sdpa == "default" or device is None or torch.device(device).type != "cuda":
         return contextlib.nullcontext()
-    if opts.sdpa == "sage":  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
-        from shardgen.speed import sage
-
-        # auto times torch's kernels here, before sage takes SDPA's place (else it would time sage's kernel)
+    if opts.sdpa in EIGHT_BIT:  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
+        # auto times torch's kernels here, before the 8-bit kernel takes SDPA's place (else it would time that one)
         fallback = sdpa_context(pipe, replace(opts, sdpa="auto"), shape)
         stack = contextlib.ExitStack()
         stack.enter_context(fallback)
-        stack.enter_context(sage.context())
+        stack.enter_context(_eight_bit(opts.sdpa).context())
         return stack
     if opts.sdpa == "math":
         name = "math"
@@ -177,6 +177,17 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
         return sdpa_kernel([_backend(n) for n in order], set_priority=True)
     except TypeError:  # torch without set_priority: the chosen kernel only (and math as a fallback)
         return sdpa_kernel([_backend(name), _backend("math")])
+
+
+def _eight_bit(name: str):
+    """The module of an 8-bit attention kernel (``sage`` or ``fp8``)."""
+    if name == "sage":
+        from shardgen.speed import sage
+
+        return sage
+    from shardgen.speed import fp8_attention
+
+    return fp8_attention
 
 
 def _kernel(name: str) -> str:
@@ -215,12 +226,12 @@ def validate(opts: AccelOptions, device=None) -> None:
         if why:
             raise AccelError(f"sdpa_backend=fa4: {why}. {fa4.INSTALL}; or use sdpa_backend=auto (measures the "
                              "kernels this machine has)")
-    if name == "sage" and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
-        from shardgen.speed import sage
-
-        if why := sage.unavailable_reason(device):
-            raise AccelError(f"sdpa_backend=sage: {why}. {sage.INSTALL}; or use sdpa_backend=auto (lossless)")
+    if name in EIGHT_BIT and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
+        kernel = _eight_bit(name)
+        if why := kernel.unavailable_reason(device):
+            install = f"{kernel.INSTALL}; or" if name == "sage" else "Use"
+            raise AccelError(f"sdpa_backend={name}: {why}. {install} sdpa_backend=auto (lossless)")
 
 
 register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate,
-                             lossy=lambda opts: {"sdpa": "sage"} if opts.sdpa == "sage" else {}))
+                             lossy=lambda opts: {"sdpa": opts.sdpa} if opts.sdpa in EIGHT_BIT else {}))

@@ -53,7 +53,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.first_block_cache, "fp8": cfg.fp8,
-        **({"sdpa_backend": "sage"} if cfg.sdpa_backend == "sage" else {}),  # 8-bit attention; other kernels: exact
+        **({"sdpa_backend": cfg.sdpa_backend} if cfg.sdpa_backend in ("sage", "fp8") else {}),  # 8-bit attention
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
         **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
         **_strength(cfg),  # image-to-image runs only

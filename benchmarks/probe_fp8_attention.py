@@ -1,0 +1,132 @@
+"""shardgen's float8 attention kernel (``sdpa_backend=fp8``) against torch's kernels at each model's attention shape:
+time per call, its tile sizes, and its error.
+
+    python benchmarks/probe_fp8_attention.py [--iters 20] [--tiles] [--out probe_fp8_attention.json]
+
+Per shape (batch 4, 1024x1024 unless named): cuDNN's and flash's bf16 SDPA, SageAttention (when installed), and the
+float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too), whole call
+(quantisation included; the three quantisations alone as ``quantise_ms``), ms and TFLOP/s (4 * B * H * Nq * Nk * D
+/ time).
+Errors (relative RMS over the first sample's first two heads): against exact float32 attention, against cuDNN, and against
+``fp8_attention.reference`` (the same arithmetic in torch ops: the kernel's own error). Random inputs, the keys
+offset by a common vector (what the smoothing removes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # (batch, heads, query tokens, key tokens, head_dim)
+    "flux_dev": (4, 24, 4096 + 512, 4096 + 512, 128),
+    "flux2_dev": (4, 48, 4096 + 512, 4096 + 512, 128),
+    "qwen_image": (4, 24, 4096 + 211, 4096 + 211, 128),  # text of 211 tokens: a tile not full
+    "sd35_large": (4, 38, 4096 + 256, 4096 + 256, 64),
+    "wan_480p_81f": (1, 12, 32760, 32760, 128),
+}
+TILE_GRID = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+             for m, w in ((128, 8), (64, 4), (128, 4)) for n in (64, 128) for s in (2, 3, 4)]
+
+
+def cuda_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    return round(((x - ref).norm() / ref.norm()).item(), 5)
+
+
+def sdpa_with(kernel):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kernel]
+
+    def call(q, k, v):
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return call
+
+
+def measure(name: str, iters: int, tiles: bool) -> dict:
+    """One shape's row: every way's time and errors."""
+    from shardgen.speed import fp8_attention as F
+
+    b, h, nq, nk, d = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for n in (nq, nk, nk))
+    k = k + torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    flop = 4 * b * h * nq * nk * d
+    row: dict = {"shape": [b, h, nq, nk, d], "ways": {}}
+    one = (slice(0, 1), slice(0, 2))  # the errors over the first sample's first two heads (bounded memory)
+    exact = torch.nn.functional.scaled_dot_product_attention(q[one].float(), k[one].float(), v[one].float())
+    cudnn = sdpa_with("cudnn")(q, k, v)
+    ways = {"cudnn": sdpa_with("cudnn"), "flash": sdpa_with("flash")}
+    try:
+        from shardgen.speed import sage
+
+        if sage.unavailable_reason("cuda") is None:
+            ways["sage"] = lambda q, k, v: sage.attention(q, k, v)
+    except ImportError:
+        pass
+    ways["fp8"] = F.attention
+    if tiles:
+        for t in TILE_GRID:
+            tag = "fp8_m{BLOCK_M}_n{BLOCK_N}_w{num_warps}_s{num_stages}".format(**t)
+            ways[tag] = lambda q, k, v, t=t: F.attention(q, k, v, tiles=t)
+    for way, fn in ways.items():
+        try:
+            out = fn(q, k, v)
+            ms = cuda_ms(lambda: fn(q, k, v), iters)
+        except Exception as e:  # noqa: BLE001 - a tile size that does not fit this GPU: recorded, the rest go on
+            row["ways"][way] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(name, way, row["ways"][way], flush=True)
+            continue
+        row["ways"][way] = {"ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1),
+                            "err_vs_exact": rel(out[one], exact), "err_vs_cudnn": rel(out, cudnn)}
+        print(name, way, row["ways"][way], flush=True)
+    emu = F.reference(q[one], k[one], v[one])
+    row["ways"]["fp8"]["err_vs_reference"] = rel(F.attention(q[one], k[one], v[one]), emu)
+    row["ways"]["reference_err_vs_exact"] = rel(emu, exact)
+    row["quantise_ms"] = round(cuda_ms(lambda: (F.quantise(q, scale_mul=0.1), F.quantise(k, smooth=True),
+                                                F.quantise_values(v)), iters), 3)
+    print(name, "fp8 vs its reference", row["ways"]["fp8"]["err_vs_reference"], "reference vs exact",
+          row["ways"]["reference_err_vs_exact"], "quantise ms", row["quantise_ms"], flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiles", action="store_true", help="time every tile size in TILE_GRID")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out", default="probe_fp8_attention.json")
+    a = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for name in a.shapes.split(","):
+        res["shapes"][name] = measure(name, a.iters, a.tiles)
+        torch.cuda.empty_cache()
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""sdpa_backend=fp8: shardgen's own 8-bit attention (INT8 QK^T, float8 PV). On CPU: what its arithmetic costs
+against exact attention (``fp8_attention.reference``, the kernel's arithmetic in torch ops: the GPU tests hold the
+kernel to it), which SDPA calls it takes, that it is recorded as lossy and in the fingerprint, and that a CPU run is
+refused in one line. The kernel itself runs in tests/test_gpu_fp8.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardgen.quality.gate import lossless
+from shardgen.speed import fp8_attention, sdpa
+from shardgen.speed.techniques import AccelError, AccelOptions, validate
+
+
+def _qkv(heads=2, tokens=300, dim=128, key_offset=3.0, peak=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, tokens, dim, generator=g) for _ in range(3))
+    return q * peak, k + key_offset * torch.randn(1, 1, 1, dim, generator=g), v
+
+
+def _rel(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("peak", [1.0, 4.0])  # flat and peaked attention
+def test_the_arithmetic_costs_a_few_percent_of_exact_attention(dim, peak):
+    q, k, v = _qkv(dim=dim, peak=peak)
+    exact = F.scaled_dot_product_attention(q, k, v)
+    err = _rel(fp8_attention.reference(q, k, v), exact)
+    assert 0.005 < err < 0.05, err  # lossy (8-bit products), but within a few percent
+
+
+def test_smoothing_the_keys_keeps_a_large_common_offset_from_spending_their_range():
+    q, k, v = _qkv(key_offset=30.0)
+    exact = F.scaled_dot_product_attention(q, k, v)
+    assert _rel(fp8_attention.reference(q, k, v), exact) < 0.05
+
+    def unsmoothed(q, k, v):  # the same arithmetic without the mean taken out of the keys
+        s = k.abs().amax(-1, keepdim=True) / 127.0
+        k8 = torch.round(k / s).clamp(-127, 127) * s
+        qs = q.abs().amax(-1, keepdim=True) / 127.0
+        return F.scaled_dot_product_attention(torch.round(q / qs) * qs, k8, v)
+
+    assert _rel(unsmoothed(q, k, v), exact) > 0.1  # what the smoothing saves
+
+
+def test_the_probabilities_keep_their_precision_where_they_are_small():
+    """4,600 keys: most probabilities are far below e4m3's smallest normal (2**-6) unless scaled first."""
+    q, k, v = _qkv(tokens=4600, heads=1)
+    exact = F.scaled_dot_product_attention(q, k, v)
+    assert _rel(fp8_attention.reference(q, k, v), exact) < 0.05
+
+
+def test_takes_only_what_the_kernel_can_do():
+    q = torch.randn(1, 2, 4, 128, dtype=torch.bfloat16)
+    assert not fp8_attention.takes(q, q, q)  # not on CUDA
+    if torch.cuda.is_available():
+        c = q.cuda()
+        assert fp8_attention.takes(c, c, c) and not fp8_attention.takes(c, c, c, is_causal=True)
+        assert not fp8_attention.takes(c[..., :96], c[..., :96], c[..., :96])  # head size 96
+        assert not fp8_attention.takes(c, c, c, attn_mask=torch.ones(4, 4, dtype=torch.bool, device="cuda"))
+        assert not fp8_attention.takes(c.float(), c.float(), c.float())
+
+
+def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fp8_attention, "attention", lambda q, k, v, scale=None: calls.append(q.shape) or q)
+    monkeypatch.setattr(fp8_attention, "takes", lambda q, k, v, attn_mask=None, *a: attn_mask is None)
+    original = F.scaled_dot_product_attention
+    q = torch.randn(1, 2, 4, 64)
+    with fp8_attention.context():
+        assert F.scaled_dot_product_attention is not original
+        F.scaled_dot_product_attention(q, q, q)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    assert F.scaled_dot_product_attention is original
+    assert calls == [q.shape]  # the masked call went to torch
+
+
+def test_it_is_lossy_the_lossless_settings_turn_it_off_and_a_relaunch_with_it_is_another_run():
+    from tests.conftest import compose_cfg
+    from shardgen.dataio.resume.fingerprint import compute_fingerprint, diff_fingerprints
+
+    opts = AccelOptions(sdpa="fp8", fp8=True)
+    assert opts.lossy == {"fp8": True, "sdpa": "fp8"}
+    assert lossless(opts).lossy == {} and lossless(opts).sdpa == "auto"
+    for name in sdpa.EIGHT_BIT:
+        base, other = (compute_fingerprint(compose_cfg(*o), "sha") for o in ((), (f"sdpa_backend={name}",)))
+        assert [d.split(":")[0] for d in diff_fingerprints(base, other)] == ["sdpa_backend"], name
+
+
+def test_a_cpu_run_is_refused_in_one_line():
+    with pytest.raises(AccelError) as e:
+        validate(AccelOptions(sdpa="fp8"), "cpu")
+    assert str(e.value) == ("sdpa_backend=fp8: float8 attention runs on CUDA GPUs only. Use sdpa_backend=auto "
+                            "(lossless)")
+
+
+def test_auto_times_torchs_kernels_before_the_8bit_kernel_replaces_sdpa(monkeypatch):
+    original, seen = F.scaled_dot_product_attention, []
+
+    def choose(device, dtype, shape):
+        seen.append(F.scaled_dot_product_attention is original)
+        return "cudnn", {}
+
+    monkeypatch.setattr(sdpa, "choose_sdpa", choose)
+    monkeypatch.setattr(sdpa, "_uses_native_attention", lambda transformer: True)
+    pipe = types.SimpleNamespace(_execution_device=torch.device("cuda"),
+                                 transformer=types.SimpleNamespace(dtype=torch.bfloat16))
+    with sdpa.sdpa_context(pipe, AccelOptions(sdpa="fp8"), (1, 2, 16, 128)):
+        assert F.scaled_dot_product_attention is not original
+    assert seen == [True] and F.scaled_dot_product_attention is original
