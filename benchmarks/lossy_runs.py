@@ -1,6 +1,6 @@
 """Lossless against lossy, whole runs as a user launches them, with the fidelity beside each speed.
 
-    python benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --out $OUT/flux_dev
+    python benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 [--seed-n 8] --out $OUT/flux_dev
 
 One process per way, in this order, on one prompt file of captions of 1 to 200 words
 (``shardgen.bench.main.bench_prompts``), each on a fresh ``$SHARDGEN_CACHE`` (a first job on a new node):
@@ -8,7 +8,9 @@ One process per way, in this order, on one prompt file of captions of 1 to 200 w
 - ``bf16``: ``python -m jobs.generate`` with default settings (lossless);
 - ``fp8``: the same with ``fp8=true``;
 - ``fp8-compiled`` (only with ``--compiled``): ``fp8=true compile=true``;
-- ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (8-bit attention), alone and with fp8.
+- ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (SageAttention), alone and with fp8;
+- ``attention8``, ``fp8-attention8`` (named in ``--ways``): ``sdpa_backend=fp8`` (shardgen's 8-bit attention), alone
+  and with fp8; ``fast``: ``speed=fast``.
 
 Each way's whole-process wall time (interpreter start, model build, planning, any compilation, the last commit),
 its steady s/sample from the job's compile summary line, and for each lossy way ``jobs.compare`` against ``bf16``:
@@ -29,10 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from real_runs import parse_job, timed  # noqa: E402
+from real_runs import parse_job, seed_loop, timed  # noqa: E402
 
 WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"],
-        "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"]}
+        "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"],
+        "attention8": ["sdpa_backend=fp8"], "fp8-attention8": ["fp8=true", "sdpa_backend=fp8"],
+        "fast": ["speed=fast"]}
 
 
 def fidelity(run_dir: Path, reference: Path) -> dict:
@@ -56,6 +60,8 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="also fp8=true compile=true")
     ap.add_argument("--ways", default=None, help="comma-separated ways (default bf16,fp8[,fp8-compiled])")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (every way)")
+    ap.add_argument("--seed-n", type=int, default=0, help="also the seed loop on this many prompts (its steady rate, "
+                    "and its whole process projected to --n): each way's x_seed_whole and steady_x_seed")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from shardgen.bench.main import bench_prompts
@@ -69,6 +75,10 @@ def main() -> None:
            f"prompts.path={prompts}", f"steps={a.steps}", "progress=false", *a.overrides]
     ways = a.ways.split(",") if a.ways else ["bf16", "fp8"] + (["fp8-compiled"] if a.compiled else [])
     res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
+    if a.seed_n:
+        shutil.rmtree(out / "seed", ignore_errors=True)
+        shutil.rmtree(out / "seed-cache", ignore_errors=True)
+        res["seed"] = seed_loop(out, a.model, a.steps, a.seed_n, a.n, env, weights=a.weights, overrides=a.overrides)
     for way in ways:
         for d in (f"run-{way}", f"cache-{way}"):
             shutil.rmtree(out / d, ignore_errors=True)
@@ -81,10 +91,18 @@ def main() -> None:
             r.update(fidelity(out / f"run-{way}", out / "run-bf16"))
         res[way] = r
         (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
-    if res.get("bf16", {}).get("rc") == 0:
-        for way in ways[1:]:
-            if res[way].get("rc") == 0:
-                res[way]["x_bf16_whole"] = round(res["bf16"]["wall_s"] / res[way]["wall_s"], 3)
+    seed = res.get("seed") or {}
+    for way in ways:
+        r = res[way]
+        if r.get("rc") != 0:
+            continue
+        if way != "bf16" and res.get("bf16", {}).get("rc") == 0:
+            r["x_bf16_whole"] = round(res["bf16"]["wall_s"] / r["wall_s"], 3)
+        if seed.get("seed_whole_s"):
+            r["x_seed_whole"] = round(seed["seed_whole_s"] / r["wall_s"], 3)
+        steady = r.get("steady_s_per_sample") or r.get("eager_s_per_sample")
+        if seed.get("images_per_hour") and steady:
+            r["steady_x_seed"] = round(3600 / steady / seed["images_per_hour"], 3)
     (out / "summary.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "argv"}, indent=1))
 

@@ -77,6 +77,25 @@ def parse_job(out: str) -> dict:
     return res
 
 
+def seed_loop(out: Path, model: str, steps: int, seed_n: int, n: int, env: dict, weights: str = "dummy",
+              device: str = "cuda", size: str | None = None, overrides: list[str] = ()) -> dict:
+    """The seed loop (``jobs.bench --baseline-only``: the guide's ``pipe(prompt).images[0].save()`` per prompt) on
+    the first ``seed_n`` prompts, one process on a fresh cache: its whole-process time, steady images/hour, and
+    ``seed_whole_s``, the same process with ``n`` prompts at its steady rate. Its images stay under
+    ``out/seed/work`` (``psnr_vs_seed``)."""
+    seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
+    wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", model, "--steps", str(steps),
+                           "--n", str(seed_n), "--weights", weights, "--baseline-only", "--device", device,
+                           "--out", str(out / "seed"), "--workdir", str(out / "seed" / "work"),
+                           *(["--size", size] if size else []), *sum((["--set", o] for o in overrides), [])],
+                          out / "seed.log", seed_env)
+    base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
+    res = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
+    if base.get("images_per_hour") and base.get("n"):  # the same process with n prompts at its steady rate
+        res["seed_whole_s"] = wall + (n - base["n"]) * 3600 / base["images_per_hour"]
+    return res
+
+
 def psnr_vs_seed(run_dir: Path, seed_dir: Path, n: int) -> dict:
     """PSNR of the job's samples against the seed loop's images of the same prompts and seeds (the first ``n``
     rows): the job's output is the seed loop's up to bf16 noise, whatever ran (eager, compiled, fused)."""
@@ -147,17 +166,8 @@ def main() -> None:
     same = old_res.get("model") == a.model and old_res.get("steps") == a.steps and old_res.get("n") == a.n
     res: dict = {**(old_res if same else {}), "model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
     if "seed" not in skip:
-        seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
-        wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", a.model, "--steps", str(a.steps),
-                               "--n", str(a.seed_n), "--weights", a.weights, "--baseline-only", "--device", a.device, "--out", str(out / "seed"),
-                               "--workdir", str(out / "seed" / "work"),  # keeps the seed loop's images (PSNR below)
-                               *(["--size", a.size] if a.size else []), *sum((["--set", o] for o in a.overrides), [])],
-                              out / "seed.log", seed_env)
-        base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
-        res["seed"] = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
-        if base.get("images_per_hour") and base.get("n"):  # the same process with --n prompts at its steady rate
-            per_image = 3600 / base["images_per_hour"]
-            res["seed"]["seed_whole_s"] = wall + (a.n - base["n"]) * per_image
+        res["seed"] = seed_loop(out, a.model, a.steps, a.seed_n, a.n, env, weights=a.weights, device=a.device,
+                                size=a.size, overrides=a.overrides)
     for way, (extra, cache_name) in ways.items():
         if way in skip:
             continue

@@ -1,5 +1,6 @@
 """fp8 on a CUDA GPU: the Triton row quantisation gives the torch ops' float8 values and scales, the eager layer
-(bias in the GEMM's epilogue) the torch path's output, and converting frees each bf16 layer as it goes."""
+(bias in the GEMM's epilogue) the torch path's output, and converting frees each bf16 layer as it goes; the 8-bit
+attention kernels stay within their bounds; every fp8 path of each model makes every sample within its bound."""
 
 from __future__ import annotations
 
@@ -109,6 +110,38 @@ def test_sage_attention_is_close_to_torchs_kernel(heads, tokens, dim):
     assert ((out - ref).norm() / ref.norm()).item() < 0.05  # INT8 QK, fp16 PV
 
 
+@pytest.mark.parametrize("batch, heads, q_tokens, k_tokens, dim", [
+    (2, 24, 4096 + 512, 4096 + 512, 128),  # FLUX.1-dev's joint attention: whole tiles
+    (1, 3, 4096 + 211, 4096 + 211, 128),  # Qwen-Image's text length: the last tile part-filled
+    (2, 5, 1000, 77, 64),  # cross-attention to 77 text tokens, head size 64
+    (1, 2, 1, 1, 128),  # a single token
+])
+def test_float8_attention_kernel_matches_its_reference(batch, heads, q_tokens, k_tokens, dim):
+    """The kernel against its arithmetic in torch ops (fp8_attention.reference), and both against exact attention;
+    inputs in the processors' (batch, tokens, heads, dim) memory as well as SDPA's."""
+    from shardgen.speed import fp8_attention
+
+    if why := fp8_attention.unavailable_reason("cuda"):
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(q_tokens)
+    q = torch.randn(batch, q_tokens, heads, dim, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, heads, k_tokens, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    k = k + 3.0 * torch.randn(1, 1, 1, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    keys = k.clone()
+    assert fp8_attention.takes(q, k, v)
+    out = fp8_attention.attention(q, k, v)
+    assert torch.equal(k, keys) and out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # the processors' layout: their transpose and flatten copy nothing
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    assert err(out, fp8_attention.reference(q, k, v)) < 0.02
+    assert err(out, exact) < (0.06 if k_tokens > 1 else 0.01)
+    with fp8_attention.context():
+        routed = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(routed, out)
+
+
 # the worst calibration PSNR each model's fp8 reaches on its dummy (random) weights at 1024x1024 (measured on an
 # H200, docs/performance.md, minus a margin): numerical error compounded by random weights, not image quality
 FP8_FLOOR_DB = {"flux_dev": 28.0, "flux2_dev": 12.0, "qwen_image": 20.0}
@@ -147,6 +180,8 @@ FP8_WAYS = {
     "ungraphed": ("fp8=true", "compile=false", "cuda_graphs=false"),
     "compiled": ("fp8=true", "compile=true"),
     "sage": ("fp8=true", "compile=false", "sdpa_backend=sage"),
+    "attention8": ("fp8=true", "compile=false", "sdpa_backend=fp8"),
+    "attention8-compiled": ("fp8=true", "compile=true", "sdpa_backend=fp8"),
 }
 
 

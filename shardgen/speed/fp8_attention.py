@@ -4,8 +4,8 @@ products both run on 8-bit tensor cores (Ada, Hopper and later: compute capabili
 - ``Q K^T`` in INT8: each query and each key row on its own scale (row amax / 127, rounded to nearest), products
   summed in int32. The keys are first smoothed by their mean over the tokens, which softmax does not see and which
   would otherwise spend the keys' range. (float8 e4m3 here would cost ~4x the error: 3 mantissa bits against 7.)
-- ``P V`` in float8 e4m3: each tile's probabilities are written as ``exp2(s - max + 8.8)``, i.e. scaled by ~446 so
-  the largest is near e4m3's largest (small probabilities keep their precision); the values are quantised per
+- ``P V`` in float8 e4m3: each tile's probabilities are written as ``exp2(s - max + log2(448))``, i.e. scaled so the
+  largest is e4m3's largest, 448, exactly (small probabilities keep their precision); the values are quantised per
   channel (amax over the tokens / 448). The scale cancels in the softmax's sum, kept in float32 from the same terms.
 - Accumulation in float32; the output is written straight into (batch, tokens, heads, head_dim) memory and returned
   as SDPA's (batch, heads, tokens, head_dim) view of it, so a processor's ``transpose(1, 2).flatten(2, 3)`` costs
@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - CPU builds
 HEAD_DIMS = (64, 128)
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 LOG2_E = 1.4426950408889634
-LOG2_P_SCALE = 8.8  # log2 of the probabilities' scale (2**8.8 = 445.7): under 448 after exp2's rounding
+# log2 of the probabilities' scale: the largest becomes 448 (exp2's rounding stays within half of e4m3's step there)
+LOG2_P_SCALE = math.log2(FP8_MAX)
 PAD = 128  # the quantised tensors' token count is padded to a multiple of the largest tile, so tiles load unmasked
 # tile sizes per head size (measured on an H200: benchmarks/probe_fp8_attention.py)
 TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
