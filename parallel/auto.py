@@ -67,6 +67,14 @@ class AutoInputs:
     """The pipeline runs true CFG (two transformer branches per step)."""
     can_stage: bool = True
     """strategy=device_map can run the model (its family says how it encodes prompts: ``encode_outputs``)."""
+    fp8_transformer_bytes: int | None = None
+    """fp8=true: the transformer's bytes once its block layers are float8 (``fp8.converted_bytes``); None: fp8 off.
+    It loads in the run's dtype first (``transformer_bytes``), then is converted in place, layer by layer."""
+
+    @property
+    def resident_transformer_bytes(self) -> int:
+        """The transformer's bytes while it generates (float8 layers with fp8=true)."""
+        return self.fp8_transformer_bytes or self.transformer_bytes
 
     def dit_bytes(self, cp_degree: int = 1) -> int:
         """One batch's peak transformer activations (split over the CP degree)."""
@@ -113,14 +121,18 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
                    f"pipeline per rank, {x.world_size} replica(s))")
         return _pick(x, "dp"), why
     budget = x.free_bytes * USABLE
-    weights = x.transformer_bytes + x.other_bytes
+    loading = x.transformer_bytes + x.other_bytes  # fp8 converts the transformer after it loads in the run's dtype
+    weights = x.resident_transformer_bytes + x.other_bytes
     act = x.activation_bytes()
     why.append(f"model: transformer {_gib(x.transformer_bytes)} + text encoders/VAE {_gib(x.other_bytes)} in the run's "
                f"dtype; a batch of {x.batch_size} at {x.height}x{x.width} = {x.image_tokens} image + "
                f"{x.text_tokens or '?'} text tokens needs ~{_gib(act)} of activations")
+    if x.fp8_transformer_bytes:
+        why.append(f"fp8=true: the transformer holds {_gib(x.fp8_transformer_bytes)} once its block layers are float8 "
+                   f"(converted in place after it loads: {_gib(loading)} of weights at the peak of loading)")
     why.append(f"devices: {x.world_size} rank(s), {x.device_count} GPU(s) per node, {_gib(x.free_bytes)} free per GPU "
                f"(plans use {USABLE:.0%}: {_gib(budget)})")
-    if weights + act <= budget:
+    if weights + act <= budget and loading <= budget:
         if x.true_cfg:
             return _choose_cfg(x, budget - weights, why), why
         why.append("the whole pipeline fits one GPU: dp, the fastest for batch generation (no communication, every "
@@ -132,9 +144,9 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
         cp = _choose_cp(x, budget - weights, why)
         if cp is not None:
             return cp, why
-    if x.transformer_bytes + act <= budget and x.can_stage:
-        why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(weights + act)} > "
-                   f"{_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
+    if x.resident_transformer_bytes + act <= budget and x.transformer_bytes <= budget and x.can_stage:
+        why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(max(weights + act, loading))} "
+                   f"> {_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
         return _pick(x, "device_map", gpus_per_replica=1), why
     why.append(f"the transformer alone ({_gib(x.transformer_bytes)} + activations) does not fit one GPU")
     if x.world_size > 1 and x.has_tp_plan:
@@ -207,7 +219,22 @@ def gather_inputs(cfg: GenerateConfig, world_size: int, facts, sequence: Sequenc
         batch_size=cfg.batch_size, dtype_bytes=nbytes, half_dtype=cfg.dtype in HALF_DTYPES,
         has_tp_plan=info.plan("tp") is not None, has_cp_plan=info.plan("cp") is not None,
         true_cfg=cfg.model.true_cfg_scale > 1 and sequence.true_cfg,
-        can_stage=family.encode_outputs is not None)
+        can_stage=family.encode_outputs is not None,
+        fp8_transformer_bytes=_fp8_bytes(info, params.get("transformer", 0), nbytes) if cfg.fp8 else None)
+
+
+def _fp8_bytes(info, params: int, nbytes: int) -> int | None:
+    """The transformer's bytes with fp8=true: its architecture built on the meta device, each block linear that
+    fp8 converts counted at one byte per weight; None when the class cannot be built here (sized as bf16)."""
+    from shardgen.speed.fp8 import converted_bytes
+
+    module = info.meta_module()
+    if module is None:
+        return None
+    counted = sum(p.numel() for p in module.parameters())
+    converted = converted_bytes(module, nbytes)
+    # the checkpoint's own count where it differs from the architecture's (an extra tensor): kept in the dtype
+    return converted + max(0, params - counted) * nbytes
 
 
 def decide(cfg: GenerateConfig, world_size: int, facts, sequence: SequenceShape) -> ParallelDims:

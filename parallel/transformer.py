@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
     from shardgen.config.schema import GenerateConfig, ModelConfig
 
+log = logging.getLogger("shardgen.auto")
 HALF_DTYPES = ("bfloat16", "float16")
 
 
@@ -44,6 +46,21 @@ class TransformerInfo:
         import diffusers
 
         return getattr(diffusers, self.cls_name, None)
+
+    def meta_module(self):
+        """The transformer built from its config with its parameters on the meta device (no memory); None when
+        diffusers has no such class or the config does not build."""
+        from accelerate import init_empty_weights
+
+        cls = self.model_class()
+        if cls is None:
+            return None
+        try:
+            with init_empty_weights(include_buffers=False):
+                return cls.from_config(self.config)
+        except (TypeError, ValueError) as e:  # a config this diffusers version cannot build
+            log.debug("cannot build %s on the meta device: %s", self.cls_name, e)
+            return None
 
     def plan(self, kind: str):
         """The class's ``_tp_plan`` or ``_cp_plan`` (None when it has none)."""

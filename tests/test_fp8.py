@@ -98,3 +98,19 @@ def test_the_shared_quantisation_does_not_keep_an_activation_alive():
     del x
     gc.collect()
     assert fp8._LAST.rows is None and rows() is None  # the float8 copy went with its activation
+
+
+def test_the_bytes_counted_for_the_memory_plan_are_those_a_conversion_leaves():
+    """``converted_bytes`` (what strategy=auto plans with) against the tiny FLUX transformer's parameters after
+    ``enable_fp8`` converted it."""
+    from diffusers import FluxTransformer2DModel
+
+    from shardgen.families.flux.tiny import TRANSFORMER_CONFIG
+
+    transformer = FluxTransformer2DModel(**TRANSFORMER_CONFIG).to(torch.bfloat16)
+    planned = fp8.converted_bytes(transformer, 2)
+    before = sum(p.numel() * p.element_size() for p in transformer.parameters())
+    assert fp8.enable_fp8(transformer) > 0
+    after = sum(t.numel() * t.element_size() for m in transformer.modules()
+                for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
+    assert planned == after < before

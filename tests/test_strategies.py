@@ -419,3 +419,38 @@ def test_device_map_helpers():
     assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 40 * GiB, 1: 40 * GiB}) == \
         {"text_encoder_2": 0, "text_encoder": 1}
     assert memory_caps({}, []) == {}
+
+
+# FLUX.2-dev's dummy architecture in bf16 (component_params): a 32.2B transformer (60.0 GiB; 30.8 GiB with its
+# block layers in float8) beside a 24B text encoder and the VAE (44.9 GiB); a batch of 16 (~24 GiB of activations)
+FLUX2 = replace(FLUX_DEV, transformer_bytes=int(60.0 * GiB), other_bytes=int(44.9 * GiB), heads=48, hidden=6144,
+                world_size=1, device_count=1, batch_size=16)
+
+
+@pytest.mark.parametrize("inputs,strategy", [
+    (replace(FLUX2, batch_size=4), "dp"),                                        # bf16, batch 4: an H200 holds it all
+    (FLUX2, "device_map"),                                                       # bf16, batch 16: encoders offloaded
+    (replace(FLUX2, fp8_transformer_bytes=int(30.8 * GiB)), "dp"),               # fp8: all of it stays on the GPU
+    (replace(FLUX2, fp8_transformer_bytes=int(30.8 * GiB), free_bytes=79 * GiB), "device_map"),  # an 80 GB card
+])
+def test_auto_plans_with_the_float8_transformers_size(inputs, strategy):
+    request, reasons = choose(inputs)
+    assert request.strategy == strategy, reasons
+    assert any("fp8=true: the transformer holds 30.8 GiB" in r for r in reasons) == bool(inputs.fp8_transformer_bytes)
+
+
+def test_auto_with_fp8_still_needs_the_transformer_to_load_in_its_dtype():
+    """fp8 converts the transformer in place after it loads: a card that cannot hold it in bf16 is not planned for
+    as if it were already float8."""
+    with pytest.raises(ParallelConfigError, match="found no way to fit the model"):
+        choose(replace(FLUX2, fp8_transformer_bytes=int(30.8 * GiB), free_bytes=48 * GiB))
+
+
+def test_auto_sizes_fp8_from_the_architecture(no_weights):
+    from parallel.auto import _fp8_bytes
+    from parallel.transformer import transformer_info
+    from shardgen.models.loader import component_params
+
+    model = compose_cfg("model=flux2_dev", "model.weights=dummy", "fp8=true").model
+    params = component_params(model)["transformer"]
+    assert abs(_fp8_bytes(transformer_info(model), params, 2) / GiB - 30.8) < 0.1

@@ -297,6 +297,16 @@ def _fp8_candidates(transformer: torch.nn.Module):
             yield block.get_submodule(parent_name) if parent_name else block, attr, mod
 
 
+def converted_bytes(transformer: torch.nn.Module, dtype_bytes: int) -> int:
+    """The bytes of ``transformer``'s parameters once ``enable_fp8`` converted it: each block linear it converts at
+    one byte per weight plus a float32 scale per output row (its bias unchanged), the rest in ``dtype_bytes``.
+    Counts only: ``transformer`` may be on the meta device."""
+    total = sum(p.numel() for p in transformer.parameters()) * dtype_bytes
+    for _, _, linear in _fp8_candidates(transformer):
+        total -= linear.weight.numel() * (dtype_bytes - 1) - linear.out_features * 4
+    return total
+
+
 def make_reversible(transformer: torch.nn.Module) -> None:
     """Let ``disable_fp8`` restore this transformer's bf16 layers later: ``enable_fp8`` keeps them on the CPU."""
     setattr(transformer, _REVERSIBLE, True)
