@@ -4,12 +4,11 @@ time per call, its tile sizes, and its error.
     python benchmarks/probe_fp8_attention.py [--iters 20] [--tiles] [--out probe_fp8_attention.json]
 
 Per shape (batch 4, 1024x1024 unless named): cuDNN's and flash's bf16 SDPA, SageAttention (when installed), and the
-float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too), whole call
-(quantisation included; the three quantisations alone as ``quantise_ms``), ms and TFLOP/s (4 * B * H * Nq * Nk * D
-/ time).
-Errors (relative RMS over the first sample's first two heads): against exact float32 attention, against cuDNN, and against
-``fp8_attention.reference`` (the same arithmetic in torch ops: the kernel's own error). Random inputs, the keys
-offset by a common vector (what the smoothing removes).
+float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too, on ``--tile-shapes``):
+ms per whole call (quantisation included; the three quantisations alone are ``quantise_ms``) and TFLOP/s
+(4 * B * H * Nq * Nk * D / time). Errors, relative RMS over the first sample's first two heads: against exact
+float32 attention, against cuDNN, and against ``fp8_attention.reference`` (the same arithmetic in torch ops: the
+kernel's own error). Random inputs, the keys offset by a common vector (what the smoothing removes).
 """
 
 from __future__ import annotations
@@ -117,13 +116,14 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--tiles", action="store_true", help="time every tile size in TILE_GRID")
+    ap.add_argument("--tiles", action="store_true", help="time every tile size in TILE_GRID (on --tile-shapes)")
+    ap.add_argument("--tile-shapes", default="flux_dev,sd35_large", help="the shapes --tiles sweeps")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default="probe_fp8_attention.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for name in a.shapes.split(","):
-        res["shapes"][name] = measure(name, a.iters, a.tiles)
+        res["shapes"][name] = measure(name, a.iters, a.tiles and name in a.tile_shapes.split(","))
         torch.cuda.empty_cache()
     Path(a.out).write_text(json.dumps(res, indent=1))
 
