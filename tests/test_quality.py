@@ -277,3 +277,123 @@ def test_a_stream_out_of_sample_order_is_refused():
     run = [("0000000002", _members(0, meta)), ("0000000001", _members(1, meta))]
     with pytest.raises(PlanMismatch, match="sample 0000000001 comes after 0000000002"):
         compare_samples(iter(run), iter([]), "run")
+
+
+@pytest.fixture(scope="module")
+def lpips_weights(tmp_path_factory):
+    from tests.test_lpips import write_weights
+
+    return write_weights(tmp_path_factory.mktemp("lpips"))
+
+
+def _decoded(run_dir) -> dict:
+    """key -> (pixels, prompt) of every sample of a run."""
+    from shardgen.quality.compare import decode
+    from shardgen.tools.verify import read_shard_members
+
+    return {k: (decode(k, m), json.loads(m["json"])["prompt"]) for tar in sorted((run_dir / "shards").glob("*.tar"))
+            for k, m in read_shard_members(tar).items()}
+
+
+def test_compare_with_lpips_gives_each_sample_its_lpips_the_bound_and_the_report(runs, lpips_weights, tmp_path,
+                                                                                 capsys):
+    import shutil
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.quality.lpips import load_lpips
+    from shardgen.tools.report import build_report
+
+    run_dir = tmp_path / "fp8"
+    shutil.copytree(runs / "fp8", run_dir)
+    weights = ["--lpips-backbone", str(lpips_weights[0]), "--lpips-layers", str(lpips_weights[1])]
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    written = json.loads((run_dir / "compare.json").read_text())
+    samples = [json.loads(s) for s in (run_dir / "compare_samples.jsonl").read_text().splitlines()]
+    model, run_px, ref_px = load_lpips(*lpips_weights, device="cpu"), _decoded(run_dir), _decoded(runs / "ref")
+    for s in samples:
+        assert s["lpips"] == pytest.approx(model(run_px[s["key"]][0], ref_px[s["key"]][0]), abs=1e-6)
+    lp = written["lpips"]
+    assert lp["worst"] == max(s["lpips"] for s in samples) > 0 and lp["n"] == 6  # fp8 changed pixels
+    assert lp["median"] == pytest.approx(np.median([s["lpips"] for s in samples]))
+    assert list(lp["quantiles"]) == ["0.75", "0.9", "0.95", "0.99"] and lp["quantiles"]["0.99"] == lp["worst"]
+    assert f"; LPIPS median {lp['median']:.4f}, worst {lp['worst']:.4f}" in line
+    assert all("lpips" in s for s in written["worst_samples"]) and "clip_score" not in written
+    assert (run_dir / "compare.json").stat().st_size < 16 << 10
+
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "LPIPS worst" in page and f"{lp['worst']:.4f}" in page
+
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights, "--max-lpips", str(lp["worst"] / 2)]) == 1
+    assert f"below the bound: worst LPIPS {lp['worst']} > " in capsys.readouterr().err
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights, "--max-lpips", str(lp["worst"])]) == 0
+    capsys.readouterr()
+    assert jobs.compare.main([str(runs / "again"), str(runs / "ref"), *weights, "--json"]) == 0  # a lossless rerun
+    assert json.loads(capsys.readouterr().out)["lpips"]["worst"] == 0.0
+
+
+def test_compare_with_clip_scores_both_runs_against_the_prompts(runs, tmp_path, capsys):
+    import shutil
+
+    from shardgen.dataio.shards.signals import ClipScorer
+    from tests.test_signals import _tiny_clip
+
+    clip = _tiny_clip(tmp_path / "clip")
+    run_dir = tmp_path / "fp8"
+    shutil.copytree(runs / "fp8", run_dir)
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), "--clip", str(clip)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    written = json.loads((run_dir / "compare.json").read_text())
+    samples = [json.loads(s) for s in (run_dir / "compare_samples.jsonl").read_text().splitlines()]
+    scorer, run_px, ref_px = ClipScorer(str(clip)), _decoded(run_dir), _decoded(runs / "ref")
+    for s in samples:
+        pixels, prompt = run_px[s["key"]]
+        assert s["clip_run"] == pytest.approx(scorer(pixels, prompt), abs=1e-3)
+        assert s["clip_reference"] == pytest.approx(scorer(ref_px[s["key"]][0], prompt), abs=1e-3)
+    c = written["clip_score"]
+    assert c["n"] == 6 and c["run"] == pytest.approx(np.mean([s["clip_run"] for s in samples]))
+    assert c["reference"] == pytest.approx(np.mean([s["clip_reference"] for s in samples]))
+    assert c["delta"]["worst"] == pytest.approx(min(s["clip_run"] - s["clip_reference"] for s in samples))
+    assert len({s["clip_reference"] for s in samples}) > 1  # each prompt and image scored, not one figure
+    assert f"; CLIP score {c['run']:.2f} vs {c['reference']:.2f} (reference)" in line and "lpips" not in written
+
+
+@pytest.mark.parametrize("options, needle", [
+    (["--lpips-backbone", "a.pth"], "--lpips-backbone without --lpips-layers: LPIPS needs both files"),
+    (["--lpips-layers", "a.pth"], "--lpips-layers without --lpips-backbone: LPIPS needs both files"),
+    (["--max-lpips", "0.1"], "--max-lpips needs LPIPS: give --lpips-backbone PATH and --lpips-layers PATH"),
+    (["--clip", "/nonexistent/clip"], "--clip /nonexistent/clip: no such directory"),
+    (["--lpips-backbone", "{garbage}", "--lpips-layers", "{layers}"],
+     "--lpips-backbone {garbage}: not a readable torch weights file, or a truncated one (UnpicklingError"),
+    (["--lpips-backbone", "{layers}", "--lpips-layers", "{layers}"],
+     "--lpips-backbone {layers}: has no features.0.weight (found lin0.model.1.weight"),
+    (["--clip", "{clip}"], "--clip '{clip}': cannot load a CLIP model there (Error while deserializing header"),
+])
+def test_weights_that_cannot_be_used_are_refused_in_one_line_before_any_comparison(runs, lpips_weights, tmp_path,
+                                                                                     capsys, options, needle):
+    import shutil
+
+    paths = {"garbage": tmp_path / "garbage.pth", "layers": lpips_weights[1], "clip": tmp_path / "clip"}
+    paths["garbage"].write_bytes(np.random.default_rng(0).bytes(1000))
+    paths["clip"].mkdir()
+    (paths["clip"] / "config.json").write_text("{}")
+    (paths["clip"] / "model.safetensors").write_bytes(b"garbage")  # a damaged weights file
+    run_dir = tmp_path / "fp8"
+    shutil.copytree(runs / "fp8", run_dir, ignore=shutil.ignore_patterns("compare*"))
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), *[o.format(**paths) for o in options]]) == 2
+    err, expected = capsys.readouterr().err.strip(), needle.format(**paths)
+    assert "\n" not in err and expected in err, err
+    assert not (run_dir / "compare.json").exists()
+
+
+def test_lpips_of_images_too_small_for_alexnet_is_refused_in_one_line(lpips_weights):
+    from shardgen.errors import UserError
+    from shardgen.quality.compare import compare_samples
+    from shardgen.quality.lpips import load_lpips
+
+    meta = dict(prompt="p", seed=1, height=16, width=16)
+    run = [("0000000000", _members(0, meta))]
+    with pytest.raises(UserError, match=r"^sample 0000000000: LPIPS needs images of at least 31x31 pixels, not "
+                                        r"16x16; compare this run without LPIPS$"):
+        compare_samples(iter(run), iter(run), lpips=load_lpips(*lpips_weights, device="cpu"))

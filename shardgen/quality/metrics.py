@@ -61,11 +61,12 @@ def _same_shape(a: np.ndarray, b: np.ndarray) -> None:
                          f"{'x'.join(map(str, b.shape))} one")
 
 
-def summarize(values: list[float]) -> dict:
-    """median, mean, worst (min) and n of a figure over samples (PSNR's inf, identical samples, count as 99 dB in
-    the mean so one exact sample does not make it inf)."""
+def summarize(values: list[float], worst=min) -> dict:
+    """median, mean, worst and n of a figure over samples; ``worst`` picks it: ``min`` where lower is worse (PSNR,
+    SSIM), ``max`` where higher is (LPIPS). PSNR's inf, identical samples, counts as 99 dB in the mean so one exact
+    sample does not make it inf."""
     if not values:
         return {"n": 0, "median": None, "mean": None, "worst": None}
     finite = [min(v, 99.0) for v in values]
     return {"n": len(values), "median": float(np.median(values)), "mean": float(np.mean(finite)),
-            "worst": float(min(values))}
+            "worst": float(worst(values))}

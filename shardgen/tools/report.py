@@ -244,9 +244,7 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
                 ("Generation time per sample (s)", histogram(rows["gen_s"], "gen_s"))]
     sections += _signal_sections(rows)
     if fidelity := _fidelity(plan.run):
-        sections.append(("Fidelity against lossless", _table(fidelity, ("measured by", "samples", "PSNR median dB",
-                                                                        "PSNR worst dB", "SSIM median", "SSIM worst",
-                                                                        "verdict"))))
+        sections.append(("Fidelity against lossless", _fidelity_table(fidelity)))
     sections.append(("Contact sheet", sheet))
     body = _damaged_section(plan, damaged) + "".join(f"<h2>{html.escape(t)}</h2>{b}" for t, b in sections)
     name = plan.run.name.rstrip("/").rsplit("/", 1)[-1]  # a run kept in a bucket: its URL's last folder
@@ -259,9 +257,15 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
 FIDELITY_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
 
 
+FIDELITY_HEAD = ("measured by", "samples", "PSNR median dB", "PSNR worst dB", "SSIM median", "SSIM worst")
+PERCEPTUAL_HEAD = ("LPIPS median", "LPIPS worst", "CLIP score run / reference")
+"""The columns of the figures jobs.compare adds when asked (--lpips-*, --clip): shown when a record has them."""
+
+
 def _fidelity(run: RunDir) -> list[tuple]:
-    """A row per fidelity record of the run: the quality gate's (calibration.json, written by the job) and
-    jobs.compare's (compare.json); a damaged one is named as such, never read as figures."""
+    """A row per fidelity record of the run (the columns of FIDELITY_HEAD, PERCEPTUAL_HEAD, then a verdict): the
+    quality gate's (calibration.json, written by the job) and jobs.compare's (compare.json); a damaged one is named
+    as such, never read as figures."""
     out = []
     for path, what in ((run.calibration_path, "calibration (calibrate_samples)"),
                        (run.compare_path, "jobs.compare")):
@@ -276,10 +280,28 @@ def _fidelity(run: RunDir) -> list[tuple]:
             else:
                 verdict = f"against {rec['reference']}"
             out.append((what, psnr["n"], _num(psnr["median"], 2), _num(psnr["worst"], 2), _num(ssim["median"], 4),
-                        _num(ssim["worst"], 4), verdict))
+                        _num(ssim["worst"], 4), *_perceptual(rec), verdict))
         except (RunDirError, OSError, ValueError, KeyError, TypeError) as e:
-            out.append((what, "", "", "", "", "", f"{path.name} is unreadable ({type(e).__name__}); not shown"))
+            out.append((what, *[""] * (len(FIDELITY_HEAD) + len(PERCEPTUAL_HEAD) - 1),
+                        f"{path.name} is unreadable ({type(e).__name__}); not shown"))
     return out
+
+
+def _perceptual(rec: dict) -> tuple[str, str, str]:
+    """A record's LPIPS median and worst and its CLIP scores (run / reference), "" for those it has not."""
+    lpips, clip = rec.get("lpips"), rec.get("clip_score")
+    cells = (_num(lpips["median"], 4), _num(lpips["worst"], 4)) if lpips is not None else ("", "")
+    if clip is None:
+        return (*cells, "")
+    return (*cells, f"{_num(clip['run'], 2)} / {_num(clip['reference'], 2)}")
+
+
+def _fidelity_table(rows: list[tuple]) -> str:
+    """The fidelity rows as a table, the perceptual columns left out when no record has them."""
+    n = len(FIDELITY_HEAD)
+    if all(not any(r[n:n + len(PERCEPTUAL_HEAD)]) for r in rows):
+        return _table([r[:n] + r[n + len(PERCEPTUAL_HEAD):] for r in rows], (*FIDELITY_HEAD, "verdict"))
+    return _table(rows, (*FIDELITY_HEAD, *PERCEPTUAL_HEAD, "verdict"))
 
 
 def _fidelity_record(run: RunDir, path: Path) -> bytes | None:

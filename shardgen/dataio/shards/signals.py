@@ -58,38 +58,45 @@ def decode_watermark(pixels: np.ndarray) -> list[int]:
 
 
 class ClipScorer:
-    """CLIP score of images against prompts with a local transformers CLIPModel (loaded once, lazily)."""
+    """CLIP score of images against prompts with a local transformers CLIPModel (loaded once, lazily).
+    ``setting`` is how the user named the model's directory, for the message when it cannot be loaded."""
 
-    def __init__(self, model: str, device: str = "cpu"):
-        self.path, self.device = model, device
+    def __init__(self, model: str, device: str = "cpu", setting: str = "signals.clip.model="):
+        self.path, self.device, self.setting = model, device, setting
         self._lock = threading.Lock()
         self._model = self._processor = None
 
+    def load(self) -> None:
+        """Load the model now (once): SignalConfigError when the directory holds no loadable CLIP model."""
+        if self._model is None:
+            self._load()
+
     def _load(self) -> None:
+        from safetensors import SafetensorError
         from transformers import CLIPModel, CLIPProcessor
 
         try:
             self._model = CLIPModel.from_pretrained(self.path).to(self.device).eval()
             self._processor = CLIPProcessor.from_pretrained(self.path)
-        except OSError as e:
-            raise SignalConfigError(f"signals.clip.model={self.path!r}: cannot load a CLIP model there ({e}). Point it "
-                                    "at a transformers CLIPModel directory (config, weights, tokenizer, "
-                                    "preprocessor_config.json)") from None
+        except (OSError, SafetensorError) as e:  # SafetensorError: a damaged weights file
+            raise SignalConfigError(f"{self.setting}{self.path!r}: cannot load a CLIP model there "
+                                    f"({' '.join(str(e).split())}). Point it at a transformers CLIPModel directory "
+                                    "(config, weights, tokenizer, preprocessor_config.json)") from None
 
     def __call__(self, pixels: np.ndarray, prompt: str) -> float:
-        """100 * cosine(image embedding, text embedding)."""
+        """100 * cosine(image embedding, text embedding); of a video (FxHxWx3), the mean over its frames."""
         import torch
 
+        frames = list(pixels) if pixels.ndim == 4 else [pixels]
         with self._lock:  # one model shared by the encoder threads
-            if self._model is None:
-                self._load()
-            inputs = self._processor(text=[prompt], images=[pixels], return_tensors="pt", padding=True,
+            self.load()
+            inputs = self._processor(text=[prompt], images=frames, return_tensors="pt", padding=True,
                                      truncation=True).to(self.device)
             with torch.no_grad():
                 out = self._model(**inputs)
             img = torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
             txt = torch.nn.functional.normalize(out.text_embeds.float(), dim=-1)
-            return round(100.0 * float((img * txt).sum()), 4)
+            return round(100.0 * float((img * txt).sum(dim=-1).mean()), 4)
 
 
 class Signals:
