@@ -189,7 +189,7 @@ def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path)
     page = build_report(load_plan(RunDir(run_dir)))
     assert "Fidelity against lossless" in page and "jobs.compare" in page
     worst = json.loads((run_dir / "compare.json").read_text())["psnr_db"]["worst"]
-    assert f"{worst:.2f}" in page
+    assert f"{worst:.2f}" in page and "LPIPS median" not in page  # no perceptual figure asked: no empty columns
     (run_dir / "compare.json").write_bytes(b"\x00garbage{")
     page = build_report(load_plan(RunDir(run_dir)))
     assert "compare.json is unreadable (" in page and "); not shown" in page
@@ -318,12 +318,12 @@ def test_compare_with_lpips_gives_each_sample_its_lpips_the_bound_and_the_report
     assert lp["worst"] == max(s["lpips"] for s in samples) > 0 and lp["n"] == 6  # fp8 changed pixels
     assert lp["median"] == pytest.approx(np.median([s["lpips"] for s in samples]))
     assert list(lp["quantiles"]) == ["0.75", "0.9", "0.95", "0.99"] and lp["quantiles"]["0.99"] == lp["worst"]
-    assert f"; LPIPS median {lp['median']:.4f}, worst {lp['worst']:.4f}" in line
+    assert f"; LPIPS median {lp['median']:.3g}, worst {lp['worst']:.3g}" in line
     assert all("lpips" in s for s in written["worst_samples"]) and "clip_score" not in written
     assert (run_dir / "compare.json").stat().st_size < 16 << 10
 
     page = build_report(load_plan(RunDir(run_dir)))
-    assert "LPIPS worst" in page and f"{lp['worst']:.4f}" in page
+    assert "LPIPS worst" in page and f"<td>{lp['worst']:.3g}</td>" in page
 
     assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights, "--max-lpips", str(lp["worst"] / 2)]) == 1
     assert f"below the bound: worst LPIPS {lp['worst']} > " in capsys.readouterr().err
@@ -356,7 +356,14 @@ def test_compare_with_clip_scores_both_runs_against_the_prompts(runs, tmp_path, 
     assert c["reference"] == pytest.approx(np.mean([s["clip_reference"] for s in samples]))
     assert c["delta"]["worst"] == pytest.approx(min(s["clip_run"] - s["clip_reference"] for s in samples))
     assert len({s["clip_reference"] for s in samples}) > 1  # each prompt and image scored, not one figure
-    assert f"; CLIP score {c['run']:.2f} vs {c['reference']:.2f} (reference)" in line and "lpips" not in written
+    assert f"; CLIP score {c['run']:.1f} vs {c['reference']:.1f} (reference)" in line and "lpips" not in written
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.tools.report import build_report
+
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "CLIP score run / reference" in page and f"<td>{c['run']:.1f} / {c['reference']:.1f}</td>" in page
 
 
 @pytest.mark.parametrize("options, needle", [

@@ -132,10 +132,10 @@ class Comparison:
         text = (f"{s['compared']} samples compared with {self.reference}: PSNR median {_db(p['median'])} dB, worst "
                 f"{_db(p['worst'])} dB; SSIM median {q['median']:.4f}, worst {q['worst']:.4f}")
         if "lpips" in s:
-            text += f"; LPIPS median {s['lpips']['median']:.4f}, worst {s['lpips']['worst']:.4f}"
+            text += f"; LPIPS median {s['lpips']['median']:.3g}, worst {s['lpips']['worst']:.3g}"  # 0 up to ~1
         if s.get("clip_score", {}).get("n"):
             c = s["clip_score"]
-            text += f"; CLIP score {c['run']:.2f} vs {c['reference']:.2f} (reference)"
+            text += f"; CLIP score {c['run']:.1f} vs {c['reference']:.1f} (reference)"
         return text + (f"; {self.missing} not in both runs" if self.missing else "")
 
 

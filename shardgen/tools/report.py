@@ -290,10 +290,10 @@ def _fidelity(run: RunDir) -> list[tuple]:
 def _perceptual(rec: dict) -> tuple[str, str, str]:
     """A record's LPIPS median and worst and its CLIP scores (run / reference), "" for those it has not."""
     lpips, clip = rec.get("lpips"), rec.get("clip_score")
-    cells = (_num(lpips["median"], 4), _num(lpips["worst"], 4)) if lpips is not None else ("", "")
+    cells = (_num(lpips["median"], 3, "g"), _num(lpips["worst"], 3, "g")) if lpips is not None else ("", "")
     if clip is None:
         return (*cells, "")
-    return (*cells, f"{_num(clip['run'], 2)} / {_num(clip['reference'], 2)}")
+    return (*cells, f"{_num(clip['run'], 1)} / {_num(clip['reference'], 1)}")
 
 
 def _fidelity_table(rows: list[tuple]) -> str:
@@ -346,9 +346,10 @@ def write_report(plan: Plan, out: Path) -> dict[int, str]:
     return damaged
 
 
-def _num(value, digits: int) -> str:
-    """A number from the logs, formatted; anything else as "?"."""
-    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
+def _num(value, digits: int, style: str = "f") -> str:
+    """A number from the logs, formatted (``style`` "f": ``digits`` decimals, "g": significant digits); anything
+    else as "?"."""
+    return f"{value:.{digits}{style}}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
 
 
 def _stats(plan: Plan) -> list[dict]:

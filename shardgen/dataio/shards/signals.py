@@ -74,7 +74,10 @@ class ClipScorer:
     def _load(self) -> None:
         from safetensors import SafetensorError
         from transformers import CLIPModel, CLIPProcessor
+        from transformers.utils import logging as hf_logging
 
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a bar per load in a tool's one-line output or the writer's log
         try:
             self._model = CLIPModel.from_pretrained(self.path).to(self.device).eval()
             self._processor = CLIPProcessor.from_pretrained(self.path)
@@ -82,6 +85,9 @@ class ClipScorer:
             raise SignalConfigError(f"{self.setting}{self.path!r}: cannot load a CLIP model there "
                                     f"({' '.join(str(e).split())}). Point it at a transformers CLIPModel directory "
                                     "(config, weights, tokenizer, preprocessor_config.json)") from None
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
 
     def __call__(self, pixels: np.ndarray, prompt: str) -> float:
         """100 * cosine(image embedding, text embedding); of a video (FxHxWx3), the mean over its frames."""
