@@ -185,8 +185,9 @@ def _check(a: np.ndarray, b: np.ndarray) -> None:
 
 class LpipsQueue:
     """Pairs of samples waiting for their LPIPS, computed a batch of frames at a time (frames of one size per
-    batch, ``BATCH_PIXELS`` at most, and no more than that waiting over all sizes): ``add`` a pair under a tag, and take each tag's figure, the mean over its
-    frames, from what ``add`` or ``flush`` return once all its frames are done."""
+    batch, ``BATCH_PIXELS`` at most, and no more than that waiting over all sizes): ``add`` a pair under a tag, and
+    take each tag's figure, the mean over its frames, from what ``add`` or ``flush`` return once all its frames are
+    done."""
 
     def __init__(self, model: Lpips, batch_pixels: int = BATCH_PIXELS):
         self.model, self.batch_pixels = model, batch_pixels
