@@ -114,3 +114,23 @@ def test_auto_times_torchs_kernels_before_the_8bit_kernel_replaces_sdpa(monkeypa
     with sdpa.sdpa_context(pipe, AccelOptions(sdpa="fp8"), (1, 2, 16, 128)):
         assert F.scaled_dot_product_attention is not original
     assert seen == [True] and F.scaled_dot_product_attention is original
+
+
+@pytest.mark.parametrize("kernel_error, refused", [(0.035, False), (0.5, True), (float("nan"), True)])
+def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel_error, refused):
+    """The self-check (run by validate on a CUDA device) compares the kernel with exact attention: here the kernel
+    is the exact answer plus noise of a chosen size, on the CPU."""
+    def noisy(q, k, v, scale=None):
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        noise = torch.randn(exact.shape, generator=torch.Generator().manual_seed(1))
+        return (exact + noise * kernel_error * exact.norm() / noise.norm()).to(q.dtype)
+
+    monkeypatch.setattr(fp8_attention, "attention", noisy)
+    monkeypatch.setattr(fp8_attention, "_CHECKED", {})
+    if refused:
+        with pytest.raises(AccelError, match=r"^sdpa_backend=fp8: the float8 attention kernel's output is "
+                                             r"(\d+\.\d|inf)% off exact attention on cpu .*Use sdpa_backend=auto"):
+            sdpa._check_fp8_kernel("cpu")
+    else:
+        sdpa._check_fp8_kernel("cpu")
+        assert fp8_attention._CHECKED == {("cpu",): pytest.approx(kernel_error, rel=0.1)}

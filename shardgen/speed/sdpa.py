@@ -231,6 +231,22 @@ def validate(opts: AccelOptions, device=None) -> None:
         if why := kernel.unavailable_reason(device):
             install = f"{kernel.INSTALL}; or" if name == "sage" else "Use"
             raise AccelError(f"sdpa_backend={name}: {why}. {install} sdpa_backend=auto (lossless)")
+        if name == "fp8":
+            _check_fp8_kernel(device)
+
+
+def _check_fp8_kernel(device) -> None:
+    """AccelError when the float8 attention kernel is further from exact attention on this GPU than its method
+    allows (``fp8_attention.self_check``)."""
+    from shardgen.speed import fp8_attention
+
+    err = fp8_attention.self_check(device)
+    if err > fp8_attention.SELF_CHECK_BOUND:
+        where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+        raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel's output is {err:.1%} off exact attention "
+                         f"on {where} (its method costs ~3.5%; bound {fp8_attention.SELF_CHECK_BOUND:.0%}): this GPU "
+                         "or Triton version does not run it right. Use sdpa_backend=auto (lossless) or "
+                         "sdpa_backend=sage")
 
 
 register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate,
