@@ -64,7 +64,7 @@ _CHECKED: dict[tuple, float] = {}
 
 def self_check(device: torch.device | str) -> float:
     """The kernel's largest relative error against torch's exact attention over its head sizes, on random inputs
-    with a part-filled tile, on ``device`` (NaN counts as infinite). ``sdpa.validate`` refuses the kernel past
+    with a part-filled tile, on ``device`` (NaN counts as infinite). The sdpa technique refuses the kernel past
     ``SELF_CHECK_BOUND``: a GPU or Triton version that miscompiles it stops the run before any sample, not after.
     Cached per device."""
     key = (str(torch.device(device)),)

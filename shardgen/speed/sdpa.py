@@ -231,13 +231,20 @@ def validate(opts: AccelOptions, device=None) -> None:
         if why := kernel.unavailable_reason(device):
             install = f"{kernel.INSTALL}; or" if name == "sage" else "Use"
             raise AccelError(f"sdpa_backend={name}: {why}. {install} sdpa_backend=auto (lossless)")
-        if name == "fp8":
-            _check_fp8_kernel(device)
 
 
-def _check_fp8_kernel(device) -> None:
-    """AccelError when the float8 attention kernel is further from exact attention on this GPU than its method
-    allows (``fp8_attention.self_check``)."""
+def _apply(step) -> dict:
+    """With sdpa_backend=fp8 on a GPU: its kernel checked on the rank's GPU once per process, when the pipeline is
+    first prepared (outside any sample: a failure ends the job in one line). Nothing else is applied here: the
+    kernel choice is a context around each call (``sdpa_context``)."""
+    if step.opts.sdpa != "fp8" or step.device is None or torch.device(step.device).type != "cuda":
+        return {}
+    return {"fp8_attention_error": round(_check_fp8_kernel(step.device), 4)}
+
+
+def _check_fp8_kernel(device) -> float:
+    """The float8 attention kernel's error on this device against exact attention; AccelError when it is further
+    off than its method allows (``fp8_attention.self_check``)."""
     from shardgen.speed import fp8_attention
 
     err = fp8_attention.self_check(device)
@@ -247,7 +254,8 @@ def _check_fp8_kernel(device) -> None:
                          f"on {where} (its method costs ~3.5%; bound {fp8_attention.SELF_CHECK_BOUND:.0%}): this GPU "
                          "or Triton version does not run it right. Use sdpa_backend=auto (lossless) or "
                          "sdpa_backend=sage")
+    return err
 
 
-register_technique(Technique("sdpa", 40, lambda step: {}, validate=validate,
+register_technique(Technique("sdpa", 40, _apply, validate=validate,
                              lossy=lambda opts: {"sdpa": opts.sdpa} if opts.sdpa in EIGHT_BIT else {}))
