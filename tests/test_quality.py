@@ -404,3 +404,52 @@ def test_lpips_of_images_too_small_for_alexnet_is_refused_in_one_line(lpips_weig
     with pytest.raises(UserError, match=r"^sample 0000000000: LPIPS needs images of at least 31x31 pixels, not "
                                         r"16x16; compare this run without LPIPS$"):
         compare_samples(iter(run), iter(run), lpips=load_lpips(*lpips_weights, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def lpips_files(tmp_path_factory):
+    """Seeded random LPIPS weight files (tests/test_lpips.py): the gate's figures are numerical, not perceptual."""
+    from tests.test_lpips import write_weights
+
+    backbone, layers = write_weights(tmp_path_factory.mktemp("lpips"))
+    return (f"calibrate_lpips_backbone={backbone}", f"calibrate_lpips_layers={layers}")
+
+
+def test_the_gate_measures_lpips_and_stops_a_damaged_setting_on_its_bound(runs, tmp_path, monkeypatch, lpips_files):
+    from shardgen.quality.gate import CalibrationFailed
+
+    gate = ("fp8=true", "calibrate_samples=3", "calibrate_max_lpips=0.01", *lpips_files)
+    run(compose_cfg(f"run_dir={tmp_path / 'good'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *gate))
+    record = json.loads((tmp_path / "good" / "calibration.json").read_text())
+    assert record["passed"] and record["bounds"]["max_lpips"] == 0.01
+    assert 0 < record["lpips"]["worst"] <= 0.01 and all("lpips" in s for s in record["per_sample"].values())
+    _corrupt_one_layer(monkeypatch)
+    with pytest.raises(CalibrationFailed, match=r"; LPIPS median [\d.e-]+, worst [\d.e-]+: LPIPS [\d.e-]+ > "
+                                                r"calibrate_max_lpips=0.01\. Nothing was made"):
+        run(compose_cfg(f"run_dir={tmp_path / 'bad'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *gate))
+    assert not list((tmp_path / "bad" / "shards").glob("*.tar"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("calibrate_max_lpips=0.1",), "calibrate_max_lpips=0.1 needs the LPIPS weight files: set "
+                                   "calibrate_lpips_backbone and calibrate_lpips_layers"),
+    (("calibrate_lpips_backbone=/x.pth",), "LPIPS needs both weight files: set calibrate_lpips_backbone"),
+    (("calibrate_lpips_backbone=/nowhere/alexnet.pth", "calibrate_lpips_layers=/nowhere/alex.pth"),
+     "calibrate_lpips_backbone /nowhere/alexnet.pth"),
+    (("calibrate_max_lpips=-1",), "calibrate_max_lpips=-1: use a number >= 0"),
+])
+def test_the_gates_lpips_settings_are_checked_before_any_work(tmp_path, overrides, message):
+    from shardgen.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, "fp8=true", "calibrate_samples=2", *overrides))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "r").exists()
+
+
+def test_lpips_in_the_gate_needs_samples_alexnet_can_take(tmp_path, lpips_files):
+    from shardgen.errors import UserError
+
+    with pytest.raises(UserError, match="LPIPS needs samples of at least 31x31 pixels .*not 16x32"):
+        run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, "height=16", "fp8=true", "calibrate_samples=2",
+                        *lpips_files))

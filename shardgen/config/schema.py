@@ -437,6 +437,14 @@ class QualityConfig:
     """The worst calibration sample's PSNR (dB) must reach this; 0 = no bound."""
     calibrate_min_ssim: float = 0.0
     """The worst calibration sample's SSIM must reach this; 0 = no bound."""
+    calibrate_max_lpips: float = 0.0
+    """The worst calibration sample's LPIPS must stay at or under this; 0 = no bound. Needs the two LPIPS weight
+    files below (docs/lossy.md: where they come from; nothing is downloaded)."""
+    calibrate_lpips_backbone: Optional[str] = None
+    """torchvision's AlexNet state dict (alexnet-owt-7be5be79.pth), a local file: with calibrate_lpips_layers, the
+    calibration's figures include LPIPS."""
+    calibrate_lpips_layers: Optional[str] = None
+    """The lpips package's weights/v0.1/alex.pth, a local file (with calibrate_lpips_backbone)."""
     calibrate_fallback: str = "stop"
     """Below a bound: stop (the job ends with one line before any sample is made) | lossless (the run goes on
     with the lossy settings off; with fp8 the bf16 layers are kept on the CPU meanwhile to switch back)."""

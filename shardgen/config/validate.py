@@ -162,9 +162,33 @@ def _check_calibration(cfg: GenerateConfig) -> None:
     _need(0 <= cfg.calibrate_min_ssim <= 1, f"calibrate_min_ssim={cfg.calibrate_min_ssim:g}: use 0..1 (0 = no bound)")
     _need(cfg.calibrate_fallback in FALLBACKS,
           f"calibrate_fallback={cfg.calibrate_fallback!r}: use one of {list(FALLBACKS)}")
-    bounded = cfg.calibrate_min_psnr > 0 or cfg.calibrate_min_ssim > 0
-    _need(not bounded or cfg.calibrate_samples > 0, "calibrate_min_psnr/calibrate_min_ssim bound the calibration "
-          "samples: set calibrate_samples=N (e.g. 4) too")
+    bounded = cfg.calibrate_min_psnr > 0 or cfg.calibrate_min_ssim > 0 or cfg.calibrate_max_lpips > 0
+    _need(not bounded or cfg.calibrate_samples > 0, "calibrate_min_psnr/calibrate_min_ssim/calibrate_max_lpips bound "
+          "the calibration samples: set calibrate_samples=N (e.g. 4) too")
+    _check_gate_lpips(cfg)
+
+
+def _check_gate_lpips(cfg: GenerateConfig) -> None:
+    """The gate's LPIPS keys: a bound needs both weight files, one file needs the other, and the files must load
+    (before anything is built: LpipsWeightsError names the key and the file)."""
+    from shardgen.pick import pick
+    from shardgen.quality.gate import Bounds, load_gate_lpips
+
+    _need(cfg.calibrate_max_lpips >= 0, f"calibrate_max_lpips={cfg.calibrate_max_lpips:g}: use a number >= 0 (0 = no "
+          "bound)")
+    backbone, layers = cfg.calibrate_lpips_backbone, cfg.calibrate_lpips_layers
+    _need(bool(backbone) == bool(layers), "LPIPS needs both weight files: set calibrate_lpips_backbone (torchvision's "
+          "AlexNet state dict, alexnet-owt-7be5be79.pth) and calibrate_lpips_layers (the lpips package's "
+          "weights/v0.1/alex.pth)")
+    _need(not cfg.calibrate_max_lpips or backbone, f"calibrate_max_lpips={cfg.calibrate_max_lpips:g} needs the LPIPS "
+          "weight files: set calibrate_lpips_backbone and calibrate_lpips_layers (docs/lossy.md)")
+    from shardgen.quality.lpips import MIN_SIDE
+
+    _need(not backbone or min(cfg.height, cfg.width) >= MIN_SIDE, f"LPIPS needs samples of at least {MIN_SIDE}x"
+          f"{MIN_SIDE} pixels (AlexNet's first layers), not {cfg.height}x{cfg.width}: leave calibrate_lpips_backbone "
+          "and calibrate_lpips_layers unset, or make larger samples")
+    if backbone and cfg.calibrate_samples > 0:
+        load_gate_lpips(pick(Bounds, cfg), device="cpu")
 
 
 def _check_images(cfg: GenerateConfig) -> None:

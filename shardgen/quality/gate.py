@@ -40,7 +40,28 @@ class Bounds:
     calibrate_samples: int = 0
     calibrate_min_psnr: float = 0.0
     calibrate_min_ssim: float = 0.0
+    calibrate_max_lpips: float = 0.0
+    calibrate_lpips_backbone: str | None = None
+    calibrate_lpips_layers: str | None = None
     calibrate_fallback: str = "stop"
+
+    @property
+    def lpips(self) -> bool:
+        """Whether the calibration measures LPIPS (both weight files given)."""
+        return bool(self.calibrate_lpips_backbone and self.calibrate_lpips_layers)
+
+
+LPIPS_OPTIONS = ("calibrate_lpips_backbone", "calibrate_lpips_layers")
+
+
+def load_gate_lpips(bounds: Bounds, device: str | None = None):
+    """The LPIPS model of the gate's weight files (None without them); LpipsWeightsError naming the config key and
+    the file when one cannot be used."""
+    if not bounds.lpips:
+        return None
+    from shardgen.quality.lpips import load_lpips
+
+    return load_lpips(bounds.calibrate_lpips_backbone, bounds.calibrate_lpips_layers, device, options=LPIPS_OPTIONS)
 
 
 def lossless(accel: Any) -> Any:
@@ -82,6 +103,9 @@ def verdict(figures: dict, bounds: Bounds) -> list[str]:
         missed.append(f"PSNR {figures['psnr_db']['worst']:.2f} dB < calibrate_min_psnr={bounds.calibrate_min_psnr:g}")
     if bounds.calibrate_min_ssim and figures["ssim"]["worst"] < bounds.calibrate_min_ssim:
         missed.append(f"SSIM {figures['ssim']['worst']:.4f} < calibrate_min_ssim={bounds.calibrate_min_ssim:g}")
+    lpips = figures.get("lpips")
+    if bounds.calibrate_max_lpips and lpips and lpips["worst"] > bounds.calibrate_max_lpips:
+        missed.append(f"LPIPS {lpips['worst']:.3g} > calibrate_max_lpips={bounds.calibrate_max_lpips:g}")
     return missed
 
 
@@ -106,13 +130,20 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> 
     per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])} for i in common}
     figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),
                "ssim": summarize([s["ssim"] for s in per_sample.values()])}
+    if (model := load_gate_lpips(bounds)) is not None:
+        for i in common:
+            per_sample[str(i)]["lpips"] = model(made[i], reference[i])
+        figures["lpips"] = summarize([s["lpips"] for s in per_sample.values()], worst=max)
     missed = verdict(figures, bounds)
     record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
-                  bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim},
+                  bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim,
+                          **({"max_lpips": bounds.calibrate_max_lpips} if bounds.lpips else {})},
                   passed=not missed, action="continue" if not missed else bounds.calibrate_fallback)
     line = (f"calibration of {lossy} over {len(common)} samples against lossless: PSNR median "
             f"{_db(figures['psnr_db']['median'])} dB, worst {_db(figures['psnr_db']['worst'])} dB; SSIM median "
             f"{_num(figures['ssim']['median'])}, worst {_num(figures['ssim']['worst'])}")
+    if "lpips" in figures:
+        line += f"; LPIPS median {figures['lpips']['median']:.3g}, worst {figures['lpips']['worst']:.3g}"
     if not missed:
         log.info("%s: passed", line)
         return settings, record

@@ -230,19 +230,20 @@ class LpipsQueue:
         return done
 
 
-def load_lpips(backbone: str | Path, layers: str | Path, device: str | None = None) -> Lpips:
+def load_lpips(backbone: str | Path, layers: str | Path, device: str | None = None,
+               options: tuple[str, str] = ("--lpips-backbone", "--lpips-layers")) -> Lpips:
     """LPIPS with the weights of two local files: ``backbone``, torchvision's AlexNet state dict (its
     ``features.*`` tensors; ``classifier.*`` is ignored), ``layers``, lpips's v0.1 ``alex.pth``; on CUDA when there
-    is one. LpipsWeightsError naming the file and what is wrong with it."""
+    is one. LpipsWeightsError naming the file (by its option in ``options``) and what is wrong with it."""
     import torch
 
-    state, where = load_state(backbone, "--lpips-backbone"), f"--lpips-backbone {backbone}"
+    state, where = load_state(backbone, options[0]), f"{options[0]} {backbone}"
     alexnet = "torchvision's AlexNet state dict (alexnet-owt-7be5be79.pth)"
     weights = {}
     for i, (ci, co, k, _, _) in CONVS.items():
         weights[f"features.{i}.weight"] = _take(state, f"features.{i}.weight", (co, ci, k, k), where, alexnet)
         weights[f"features.{i}.bias"] = _take(state, f"features.{i}.bias", (co,), where, alexnet)
-    state, where = load_state(layers, "--lpips-layers"), f"--lpips-layers {layers}"
+    state, where = load_state(layers, options[1]), f"{options[1]} {layers}"
     for n, (_, co, _, _, _) in enumerate(CONVS.values()):
         key = f"lin{n}.model.1.weight"
         weights[key] = _take(state, key, (1, co, 1, 1), where, "lpips's v0.1 alex.pth")
