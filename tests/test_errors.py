@@ -16,7 +16,7 @@ from shardgen.errors import JobEndingError, ShardgenError, UserError, ends_job, 
 EXPECTED = {
     "ConfigError": "user", "PromptFileError": "user", "FingerprintMismatch": "user", "ParallelConfigError": "user",
     "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "SlurmSubmitError": "user", "BrokenSetupError": "user",
-    "RemoteError": "user", "AccelError": "user", "CompatError": "user", "ReplicaBatchError": "job",
+    "RemoteError": "user", "AccelError": "user", "LpipsWeightsError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "ForeignPrefixError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",

@@ -57,6 +57,8 @@ NEEDS = [
     (r"^(?!.*dry_run=true).*\bmodel=(?!tiny)", "needs a GPU and a large model's weights"),
     (r"^python benchmarks/", "a GPU benchmark (H200 figures)"),
     (r"node_exporter", "needs node_exporter"),
+    (r"--lpips-backbone|--clip ", "needs trained LPIPS/CLIP weight files: tests/test_quality.py and test_lpips.py run "
+                                  "these options on random ones"),
     (r"launcher\.nprocs=4", "4 ranks take ~25 s on 2 cores; tests/test_cfg_parallel.py runs that path"),
 ]
 # files the README asks the reader to download, made small here
