@@ -16,8 +16,9 @@ from e4m3's 3-bit mantissa in ``P V`` (``tests/test_fp8_attention.py``'s emulati
 
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call this kernel
 takes (``takes``: CUDA, no mask, no dropout, not causal, head size 64 or 128, fp16/bf16, no GQA) to it, and every
-other call to torch's own kernels. Under ``torch.compile`` the compiled blocks keep torch's kernels (eager calls and
-their CUDA graphs use this one), as with ``sdpa_backend=sage``.
+other call to torch's own kernels. Compiled blocks call it too: under ``torch.compile`` it is the custom operator
+``shardgen::fp8_attention`` (opaque to inductor), so a run that switches to compiled blocks keeps the same
+attention; outside the context a compiled block's guard sees torch's SDPA again and uses its graph without it.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dro
             and q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1]
             and k.shape[-1] == q.shape[-1] and q.dtype in (torch.float16, torch.bfloat16)
             and q.dtype == k.dtype == v.dtype and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v))
-            and not torch.compiler.is_compiling())
+            and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
 if triton is not None:
@@ -225,6 +225,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return out.transpose(1, 2)
 
 
+@torch.library.custom_op("shardgen::fp8_attention", mutates_args=())
+def _operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel as a torch operator, for compiled blocks (inductor does not trace into it); on the CPU the
+    reference arithmetic (``reference``: what tests compile)."""
+    return attention(q, k, v, scale) if q.is_cuda else reference(q, k, v, scale).transpose(1, 2).contiguous() \
+        .transpose(1, 2)
+
+
+@_operator.register_fake
+def _(q, k, v, scale):
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2)  # the kernel's layout: (batch, tokens, heads, dim) memory
+
+
+def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The kernel on a call ``takes``: directly in eager code, as ``shardgen::fp8_attention`` while compiling."""
+    if torch.compiler.is_compiling():
+        return _operator(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    return attention(q, k, v, scale)
+
+
 @contextlib.contextmanager
 def context():
     """Within it, torch SDPA calls the float8 kernel where it takes the call (``takes``), torch's kernels
@@ -234,7 +255,7 @@ def context():
     @functools.wraps(original)
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         if takes(query, key, value, attn_mask, dropout_p, is_causal, kw.get("enable_gqa", False)):
-            return attention(query, key, value, scale)
+            return call(query, key, value, scale)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, **kw)
 
