@@ -237,17 +237,21 @@ def _apply(step) -> dict:
     """With sdpa_backend=fp8 on a GPU: its kernel checked on the rank's GPU once per process, when the pipeline is
     first prepared (outside any sample: a failure ends the job in one line). Nothing else is applied here: the
     kernel choice is a context around each call (``sdpa_context``)."""
+    from shardgen.speed import fp8_attention
+
     if step.opts.sdpa != "fp8" or step.device is None or torch.device(step.device).type != "cuda":
         return {}
-    return {"fp8_attention_error": round(_check_fp8_kernel(step.device), 4)}
+    dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
+    dims = (dim,) if dim in fp8_attention.HEAD_DIMS else fp8_attention.HEAD_DIMS
+    return {"fp8_attention_error": round(_check_fp8_kernel(step.device, dims), 4)}
 
 
-def _check_fp8_kernel(device) -> float:
+def _check_fp8_kernel(device, head_dims: tuple[int, ...] | None = None) -> float:
     """The float8 attention kernel's error on this device against exact attention; AccelError when it is further
     off than its method allows (``fp8_attention.self_check``)."""
     from shardgen.speed import fp8_attention
 
-    err = fp8_attention.self_check(device)
+    err = fp8_attention.self_check(device, head_dims or fp8_attention.HEAD_DIMS)
     if err > fp8_attention.SELF_CHECK_BOUND:
         where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
         raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel's output is {err:.1%} off exact attention "
