@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_attention import timed  # noqa: E402
 
 SHAPES = {  # (batch, heads, query tokens, key tokens, head_dim)
     "flux_dev": (4, 24, 4096 + 512, 4096 + 512, 128),
@@ -32,21 +34,6 @@ SHAPES = {  # (batch, heads, query tokens, key tokens, head_dim)
 }
 TILE_GRID = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
              for m, w in ((128, 8), (64, 4), (128, 4)) for n in (64, 128) for s in (2, 3, 4)]
-
-
-def cuda_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -95,7 +82,7 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
     for way, fn in ways.items():
         try:
             out = fn(q, k, v)
-            ms = cuda_ms(lambda: fn(q, k, v), iters)
+            ms = timed(lambda: fn(q, k, v), iters, warm=3)
         except Exception as e:  # noqa: BLE001 - a tile size that does not fit this GPU: recorded, the rest go on
             row["ways"][way] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(name, way, row["ways"][way], flush=True)
@@ -106,8 +93,8 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
     emu = F.reference(q[one], k[one], v[one])
     row["ways"]["fp8"]["err_vs_reference"] = rel(F.attention(q[one], k[one], v[one]), emu)
     row["ways"]["reference_err_vs_exact"] = rel(emu, exact)
-    row["quantise_ms"] = round(cuda_ms(lambda: (F.quantise(q, scale_mul=0.1), F.quantise(k, smooth=True),
-                                                F.quantise_values(v)), iters), 3)
+    row["quantise_ms"] = round(timed(lambda: (F.quantise(q, scale_mul=0.1), F.quantise(k, smooth=True),
+                                                F.quantise_values(v)), iters, warm=3), 3)
     print(name, "fp8 vs its reference", row["ways"]["fp8"]["err_vs_reference"], "reference vs exact",
           row["ways"]["reference_err_vs_exact"], "quantise ms", row["quantise_ms"], flush=True)
     return row

@@ -5,8 +5,6 @@ refused in one line. The kernel itself runs in tests/test_gpu_fp8.py."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,13 +65,16 @@ def test_takes_only_what_the_kernel_can_do():
         assert not fp8_attention.takes(c.float(), c.float(), c.float())
 
 
-def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch):
+@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch, kernel):
+    """Both 8-bit kernels' contexts (shardgen/speed/sdpa_route.py)."""
+    module = sdpa._eight_bit(kernel)
     calls = []
-    monkeypatch.setattr(fp8_attention, "attention", lambda q, k, v, scale=None: calls.append(q.shape) or q)
-    monkeypatch.setattr(fp8_attention, "takes", lambda q, k, v, attn_mask=None, *a: attn_mask is None)
+    monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: calls.append(q.shape) or q)
+    monkeypatch.setattr(module, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
     original = F.scaled_dot_product_attention
     q = torch.randn(1, 2, 4, 64)
-    with fp8_attention.context():
+    with module.context():
         assert F.scaled_dot_product_attention is not original
         F.scaled_dot_product_attention(q, q, q)
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
@@ -100,22 +101,6 @@ def test_a_cpu_run_is_refused_in_one_line():
                             "(lossless)")
 
 
-def test_auto_times_torchs_kernels_before_the_8bit_kernel_replaces_sdpa(monkeypatch):
-    original, seen = F.scaled_dot_product_attention, []
-
-    def choose(device, dtype, shape):
-        seen.append(F.scaled_dot_product_attention is original)
-        return "cudnn", {}
-
-    monkeypatch.setattr(sdpa, "choose_sdpa", choose)
-    monkeypatch.setattr(sdpa, "_uses_native_attention", lambda transformer: True)
-    pipe = types.SimpleNamespace(_execution_device=torch.device("cuda"),
-                                 transformer=types.SimpleNamespace(dtype=torch.bfloat16))
-    with sdpa.sdpa_context(pipe, AccelOptions(sdpa="fp8"), (1, 2, 16, 128)):
-        assert F.scaled_dot_product_attention is not original
-    assert seen == [True] and F.scaled_dot_product_attention is original
-
-
 @pytest.mark.parametrize("kernel_error, refused", [(0.035, False), (0.5, True), (float("nan"), True)])
 def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel_error, refused):
     """The self-check (run by validate on a CUDA device) compares the kernel with exact attention: here the kernel
@@ -140,7 +125,7 @@ def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context
     """Under torch.compile the kernel is the operator shardgen::fp8_attention (here its CPU body, the reference
     arithmetic): a block compiled inside the context computes what eager calls do, and outside it torch's exact
     attention (the block's guard sees torch's SDPA again)."""
-    monkeypatch.setattr(fp8_attention, "takes", lambda q, k, v, attn_mask=None, *a: attn_mask is None)
+    monkeypatch.setattr(fp8_attention, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
     monkeypatch.setattr(fp8_attention, "attention", lambda q, k, v, scale=None: fp8_attention.reference(q, k, v, scale))
 
     class Block(torch.nn.Module):

@@ -31,20 +31,6 @@ def test_smoothed_keys_give_the_same_attention_and_the_callers_keys_are_untouche
     assert torch.equal(k, keys) and calls == [("HND", False, q.shape)]
 
 
-def test_the_context_routes_what_sage_takes_and_restores_torch(monkeypatch):
-    calls = []
-    monkeypatch.setattr(sage, "_sageattn", lambda: fake_sageattn(calls))
-    monkeypatch.setattr(sage, "takes", lambda q, k, v, attn_mask=None, *a: attn_mask is None)
-    original = F.scaled_dot_product_attention
-    q = torch.randn(1, 2, 4, 64)
-    with sage.context():
-        assert F.scaled_dot_product_attention is not original
-        F.scaled_dot_product_attention(q, q, q)
-        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
-    assert F.scaled_dot_product_attention is original
-    assert len(calls) == 1  # the masked call went to torch
-
-
 def test_takes_only_what_the_kernel_can_do():
     q = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
     assert not sage.takes(q, q, q)  # not on CUDA
@@ -66,9 +52,10 @@ def test_a_cpu_run_is_refused_in_one_line():
         validate(AccelOptions(sdpa="sage"), "cpu")
 
 
-def test_auto_times_torchs_kernels_before_sage_replaces_sdpa(monkeypatch):
-    """sdpa_backend=sage still puts auto's kernel first for the calls sage does not take; auto's timing must see
-    torch's SDPA, not sage's kernel."""
+@pytest.mark.parametrize("kernel", ["sage", "fp8"])
+def test_auto_times_torchs_kernels_before_the_8bit_kernel_replaces_sdpa(monkeypatch, kernel):
+    """sdpa_backend=sage/fp8 still puts auto's kernel first for the calls the 8-bit kernel does not take; auto's
+    timing must see torch's SDPA, not the 8-bit kernel."""
     import types
 
     from shardgen.speed import sdpa
@@ -83,6 +70,6 @@ def test_auto_times_torchs_kernels_before_sage_replaces_sdpa(monkeypatch):
     monkeypatch.setattr(sdpa, "_uses_native_attention", lambda transformer: True)
     pipe = types.SimpleNamespace(_execution_device=torch.device("cuda"),
                                  transformer=types.SimpleNamespace(dtype=torch.bfloat16))
-    with sdpa.sdpa_context(pipe, AccelOptions(sdpa="sage"), (1, 2, 16, 64)):
+    with sdpa.sdpa_context(pipe, AccelOptions(sdpa=kernel), (1, 2, 16, 64)):
         assert F.scaled_dot_product_attention is not original
     assert seen == [True] and F.scaled_dot_product_attention is original

@@ -23,8 +23,6 @@ attention; outside the context a compiled block's guard sees torch's SDPA again 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import torch
@@ -246,24 +244,13 @@ def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None 
     return attention(q, k, v, scale)
 
 
-@contextlib.contextmanager
 def context():
     """Within it, torch SDPA calls the float8 kernel where it takes the call (``takes``), torch's kernels
     elsewhere."""
-    original = torch.nn.functional.scaled_dot_product_attention
+    from shardgen.speed.sdpa_route import routed_sdpa
 
-    @functools.wraps(original)
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        if takes(query, key, value, attn_mask, dropout_p, is_causal, kw.get("enable_gqa", False)):
-            return call(query, key, value, scale)
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    # looked up at each call: a test may replace either
+    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: call(q, k, v, scale))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

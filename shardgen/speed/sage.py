@@ -11,7 +11,6 @@ runs in eager calls and their CUDA graphs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -46,7 +45,7 @@ def unavailable_reason(device: torch.device | str | None) -> str | None:
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
-          is_causal: bool = False, scale=None, enable_gqa: bool = False) -> bool:
+          is_causal: bool = False, enable_gqa: bool = False) -> bool:
     """Whether this SDPA call goes to SageAttention."""
     return (attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa and q.is_cuda
             and q.dim() == 4 and q.shape[-1] in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
@@ -61,20 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> 
     return _sageattn()(*contiguous, tensor_layout="HND", is_causal=False, sm_scale=scale, smooth_k=False)
 
 
-@contextlib.contextmanager
 def context():
     """Within it, torch SDPA calls SageAttention where it takes the call (``takes``), torch's kernels elsewhere."""
-    original = torch.nn.functional.scaled_dot_product_attention
+    from shardgen.speed.sdpa_route import routed_sdpa
 
-    @functools.wraps(original)
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        if takes(query, key, value, attn_mask, dropout_p, is_causal, scale, kw.get("enable_gqa", False)):
-            return attention(query, key, value, scale)
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    # looked up at each call: a test may replace either
+    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale))
