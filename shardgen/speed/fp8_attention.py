@@ -12,7 +12,7 @@ products both run on 8-bit tensor cores (Ada, Hopper and later: compute capabili
   no copy.
 
 On random inputs the output differs from exact attention by ~3.5% (relative RMS): ~1% from INT8 ``Q K^T``, the rest
-from e4m3's 3-bit mantissa in ``P V`` (``tests/test_fp8_attention.py``'s emulation).
+from e4m3's 3-bit mantissa in ``P V`` (``reference``: the same arithmetic in torch ops).
 
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call this kernel
 takes (``takes``: CUDA, no mask, no dropout, not causal, head size 64 or 128, fp16/bf16, no GQA) to it, and every
@@ -39,7 +39,8 @@ LOG2_E = 1.4426950408889634
 # log2 of the probabilities' scale: the largest becomes 448 (exp2's rounding stays within half of e4m3's step there)
 LOG2_P_SCALE = math.log2(FP8_MAX)
 PAD = 128  # the quantised tensors' token count is padded to a multiple of the largest tile, so tiles load unmasked
-# tile sizes per head size (measured on an H200: benchmarks/probe_fp8_attention.py)
+# tile sizes per head size: FlashAttention's usual Hopper tiles, not yet tuned on a GPU (benchmarks/
+# probe_fp8_attention.py --tiles times the others)
 TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
          128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)}
 
@@ -95,10 +96,10 @@ if triton is not None:
     @triton.jit
     def _quantise_rows(X, Y, S, MEAN, sxb, sxh, sxn, heads, n, n_pad, scale_mul,
                        ROWS: tl.constexpr, D: tl.constexpr, SUB_MEAN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-        """One (batch, head) and ROWS tokens of X (strided (B, H, N, D)) into float8 Y, contiguous (B*H, n_pad, D),
-        or (B*H, D, n_pad) with PER_CHANNEL (the values, transposed: the second product's K-major operand).
-        Per-row scales (amax / 448 times ``scale_mul``) into S (B*H, n_pad); PER_CHANNEL reads them from S
-        (B*H, D) instead. Rows past ``n`` are written as zeros (the padding)."""
+        """One (batch, head) and ROWS tokens of X (strided (B, H, N, D)): INT8 rows into Y, contiguous
+        (B*H, n_pad, D), their scales (amax / 127 times ``scale_mul``) into S (B*H, n_pad); or with PER_CHANNEL
+        (the values) float8 into Y as (B*H, D, n_pad), transposed (the second product's K-major operand), on the
+        per-channel scales S (B*H, D) holds. Rows past ``n`` are written as zeros (the padding)."""
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
@@ -204,7 +205,7 @@ def quantise_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
               tiles: dict | None = None) -> torch.Tensor:
-    """Float8 attention of (batch, heads, tokens, head_dim) tensors, as SDPA (no mask, not causal). The result is
+    """8-bit attention of (batch, heads, tokens, head_dim) tensors, as SDPA (no mask, not causal). The result is
     SDPA's (batch, heads, tokens, head_dim) view of (batch, tokens, heads, head_dim) memory. ``tiles`` overrides
     the tile sizes (``TILES``) for a measurement."""
     b, h, n_q, d = q.shape
