@@ -162,3 +162,13 @@ def test_the_two_files_swapped_are_refused(weights):
     backbone, layers = weights
     with pytest.raises(LpipsWeightsError, match=r"has no features\.0\.weight \(found lin0\.model\.1\.weight"):
         load_lpips(layers, backbone)
+
+
+def test_a_weight_file_replaced_since_it_was_read_is_read_again(tmp_path):
+    """The checked weights are kept per process (the job checks the files, then its gate uses them), but a file
+    replaced in between is not taken from that memory."""
+    backbone, layers = write_weights(tmp_path / "w")
+    load_lpips(backbone, layers, "cpu")
+    layers.write_bytes(b"garbage")
+    with pytest.raises(LpipsWeightsError, match="--lpips-layers .*alex.pth: not a readable torch weights file"):
+        load_lpips(backbone, layers, "cpu")

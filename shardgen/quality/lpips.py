@@ -13,6 +13,7 @@ only its ``features.*`` tensors are used) and lpips's ``weights/v0.1/alex.pth`` 
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections import defaultdict
 from pathlib import Path
@@ -237,6 +238,24 @@ def load_lpips(backbone: str | Path, layers: str | Path, device: str | None = No
     is one. LpipsWeightsError naming the file (by its option in ``options``) and what is wrong with it."""
     import torch
 
+    weights = _checked_weights(str(backbone), str(layers), options, _stamp(backbone), _stamp(layers))
+    return Lpips(weights, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _stamp(path: str | Path) -> tuple | None:
+    """A file's identity for the cache below (a file replaced since is read again); None when it cannot be read."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _checked_weights(backbone: str, layers: str, options: tuple[str, str], *stamps) -> dict:
+    """The LPIPS tensors of the two files, checked; read once per process for a file unchanged since (the job
+    checks them before anything is built, then the gate uses them; the AlexNet file is ~230 MB, its classifier
+    unused)."""
     state, where = load_state(backbone, options[0]), f"{options[0]} {backbone}"
     alexnet = "torchvision's AlexNet state dict (alexnet-owt-7be5be79.pth)"
     weights = {}
@@ -247,4 +266,4 @@ def load_lpips(backbone: str | Path, layers: str | Path, device: str | None = No
     for n, (_, co, _, _, _) in enumerate(CONVS.values()):
         key = f"lin{n}.model.1.weight"
         weights[key] = _take(state, key, (1, co, 1, 1), where, "lpips's v0.1 alex.pth")
-    return Lpips(weights, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return weights
