@@ -154,7 +154,7 @@ def main() -> None:
         out = res[model] = {}
         ref = None
         for name, opts in ways:
-            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention")  # the others as first measured
+            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention")  # fp8 and fp8_compiled without: their rows in docs/lossy.md
             done = accel.prepare(pipe, opts)
 
             def attention(name=name):  # a fresh context per use: sdpa_backend=fp8 for that way
