@@ -295,7 +295,9 @@ def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, 
     """A run kept in a bucket commits a shard by uploading it into its own shards/ folder: the stats staged beside
     the local tar, tar and index sent, then the upload record (holding the stats: the done marker); the local
     files go.
-    A launch finds a shard staged here but committed by another replica meanwhile, and drops its copy unsent."""
+    A launch finds a shard staged here but committed by another replica meanwhile, and drops its copy unsent; so
+    too a tar and index a launch killed between their rename and its stats left (shard 2), once shard 2 is committed,
+    and only then."""
     import hashlib
 
     from shardgen.dataio.shards.upload import ShardUploader, staged_shards, upload_state
@@ -316,9 +318,14 @@ def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, 
     assert read_record(run, 0)["stats"] == shard_stats and uploader.uploaded(0)
     assert run.done_shards() == {0} and staged_shards(run) == {1} and not run.shard_file(0).exists()
     run.files.replace(run.shard_uploaded(1), json_bytes(read_record(run, 0)))  # shard 1 committed by another replica
+    run.shard_file(2).write_bytes(tar)  # killed after renaming its tar and index into shards/, before its stats
+    (run.shards_dir / "000002.parquet").write_bytes(b"index")
+    assert uploader.resume() == 0
+    assert sorted(p.name for p in run.shards_dir.iterdir()) == ["000002.parquet", "000002.tar"]  # not committed yet
+    run.files.replace(run.shard_uploaded(2), json_bytes(read_record(run, 0)))  # then committed by another replica
     assert uploader.resume() == 0
     assert staged_shards(run) == set() and list(run.shards_dir.iterdir()) == []
-    assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=2, committed=2)
+    assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=3, committed=3)
 
 
 def test_repair_reads_and_removes_done_markers_in_a_bucket(url, tmp_path):

@@ -250,12 +250,7 @@ class ShardUploader:
         """Upload every committed shard not recorded as uploaded; how many were. With keep_local=false, also delete
         the local files of shards uploaded by a launch killed before it deleted them."""
         if self.commits:
-            # a run kept in a bucket uploads a shard under its claim only: a shard left here unsent lost its claim
-            # with its launch, and is generated again by its next holder (when that is on this machine, over these
-            # files); those committed meanwhile are dropped
-            for shard in staged_shards(self.run):
-                if self.run.is_done(shard):
-                    self._drop_local(shard, force=True)
+            self.drop_committed_elsewhere()
             return 0
         todo = self.pending()
         for shard in todo:
@@ -266,6 +261,17 @@ class ShardUploader:
             for shard in staged_shards(self.run):
                 self._drop_local(shard)
         return len(todo)
+
+    def drop_committed_elsewhere(self) -> list[int]:
+        """A run kept in a bucket: delete this machine's local files of shards the bucket holds as committed; the
+        shards. A shard is uploaded under its claim only, so what a killed launch left here (a tar renamed into
+        shards/ before its stats were written, or committed and not yet sent) lost its claim with the launch and is
+        generated again by its next holder (over these files, when that is on this machine): once another replica
+        has committed it, these files are scratch nobody reads."""
+        dropped = sorted(s for s in local_shards(self.run) if self.run.is_done(s))
+        for shard in dropped:
+            self._drop_local(shard, force=True)
+        return dropped
 
     def upload(self, shard: int) -> None:
         """Upload ``shard`` (tar, index, then stats; for a run kept in a bucket tar and index), confirm each object,
@@ -374,6 +380,11 @@ def staged_shards(run: RunDir) -> set[int]:
     """Shards with stats in the local shards/ folder: committed here (for a run kept in a bucket, not yet uploaded),
     from one listing of it."""
     return {int(n[:6]) for n in DIR_FILES.names(run.shards_dir) if n[:6].isdigit() and n[6:] == ".stats.json"}
+
+
+def local_shards(run: RunDir) -> set[int]:
+    """Shards with any file (tar, index or stats) in the local shards/ folder, from one listing of it."""
+    return {int(n[:6]) for n in DIR_FILES.names(run.shards_dir) if n[:6].isdigit() and n[6:7] == "."}
 
 
 def upload_state(run: RunDir) -> dict | None:
