@@ -121,25 +121,36 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
         assert fp8_attention._CHECKED == {("cpu", d): pytest.approx(kernel_error, rel=0.1) for d in (64, 128)}
 
 
-def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context(monkeypatch):
-    """Under torch.compile the kernel is the operator shardgen::fp8_attention (here its CPU body, the reference
-    arithmetic): a block compiled inside the context computes what eager calls do, and outside it torch's exact
-    attention (the block's guard sees torch's SDPA again)."""
-    monkeypatch.setattr(fp8_attention, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
-    monkeypatch.setattr(fp8_attention, "attention", lambda q, k, v, scale=None: fp8_attention.reference(q, k, v, scale))
+@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context(monkeypatch, kernel):
+    """Under torch.compile each kernel is an operator (shardgen::fp8_attention, shardgen::sage_attention; here
+    both run the float8 kernel's CPU reference arithmetic): a block compiled inside the context computes what eager
+    calls do, and outside it torch's exact attention (the block's guard sees torch's SDPA again)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    module = sdpa._eight_bit(kernel)
+    monkeypatch.setattr(module, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
+    monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: fp8_attention.reference(q, k, v, scale))
 
     class Block(torch.nn.Module):
         def forward(self, x):
             return F.scaled_dot_product_attention(x, x + 1.0, x * 2.0) * 3.0
 
+    graphs = []
+
+    def backend(gm, inputs):  # what dynamo traced, then aot_eager as before
+        graphs.append({str(n.target) for n in gm.graph.nodes})
+        return aot_eager(gm, inputs)
+
     torch._dynamo.reset()
-    block = torch.compile(Block(), backend="aot_eager", fullgraph=True)
+    block = torch.compile(Block(), backend=backend, fullgraph=True)
     x = torch.randn(1, 2, 40, 64, generator=torch.Generator().manual_seed(0))
     exact = Block()(x)
-    with fp8_attention.context():
+    with module.context():
         eager, compiled = Block()(x), block(x)
     assert torch.equal(compiled, eager) and 0.005 < _rel(compiled, exact) < 0.05
+    assert f"shardgen.{kernel}_attention.default" in graphs[0]  # the operator, not its torch ops traced inline
     assert torch.equal(block(x), exact)
-    with fp8_attention.context():
+    with module.context():
         assert torch.equal(block(x), eager)
     torch._dynamo.reset()

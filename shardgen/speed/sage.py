@@ -5,14 +5,16 @@ smoothed by their mean, which softmax does not see) and ``P V`` in fp16 with fp3
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call SageAttention
 takes (CUDA, no mask, no dropout, not causal, head size 64/96/128, fp16/bf16) to it, and every other call to torch's
 own kernels; so diffusers' processors and the fused blocks alike use it without knowing. Under ``torch.compile``
-(compile=true, or compile=auto once it switched) the compiled blocks keep torch's exact kernels: the 8-bit kernel
-runs in eager calls and their CUDA graphs.
+(compile=true, or compile=auto once it switched) the kernel is the operator ``shardgen::sage_attention``, which
+inductor calls rather than traces: compiled blocks use the 8-bit kernel too, and a run's samples, recorded as
+made with it, are.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 
@@ -49,7 +51,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dro
     """Whether this SDPA call goes to SageAttention."""
     return (attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa and q.is_cuda
             and q.dim() == 4 and q.shape[-1] in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16)
-            and q.dtype == k.dtype == v.dtype and q.shape[1] == k.shape[1] and not torch.compiler.is_compiling())
+            and q.dtype == k.dtype == v.dtype and q.shape[1] == k.shape[1])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> torch.Tensor:
@@ -60,9 +62,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> 
     return _sageattn()(*contiguous, tensor_layout="HND", is_causal=False, sm_scale=scale, smooth_k=False)
 
 
+@torch.library.custom_op("shardgen::sage_attention", mutates_args=())
+def _operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SageAttention as a torch operator, for compiled blocks (inductor does not trace into the package's Python);
+    its body is ``attention``, looked up at each call (a CPU test replaces it)."""
+    return attention(q, k, v, scale).contiguous()
+
+
+@_operator.register_fake
+def _(q, k, v, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)  # the package's output: q's shape, contiguous
+
+
+def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """SageAttention on a call ``takes``: directly in eager code, as ``shardgen::sage_attention`` while compiling."""
+    if torch.compiler.is_compiling():
+        return _operator(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    return attention(q, k, v, scale)
+
+
 def context():
     """Within it, torch SDPA calls SageAttention where it takes the call (``takes``), torch's kernels elsewhere."""
     from shardgen.speed.sdpa_route import routed_sdpa
 
     # looked up at each call: a test may replace either
-    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale))
+    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: call(q, k, v, scale))
