@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
+#   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP] [SECONDS]
+# Runs the steps from FIRST_STEP (default 1) while SECONDS (default 560: one call's 600 s less the transfers) last;
+# a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
+# output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
+# the device tool's file limits) and the plan's log is $OUT/plan.log. A later call continues from the step the log
+# says was next.
+#   1 kernel: the float8 attention kernel against its reference and exact attention (tests/test_gpu_fp8.py)
+#   2 tiles:  the kernel's tile sizes at FLUX.1's shape, against cuDNN's bf16 attention
+#   3 step:   one transformer step, fp8 GEMMs with and without the 8-bit attention
+#   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + 8-bit attention; the seed loop on 8 prompts)
+#   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
+set -u
+first=${1:-1} budget=${2:-560}
+deadline=$(( $(date +%s) + budget ))
+out=${OUT:-/tmp/out}
+work=/tmp/lossy
+mkdir -p "$work" "$out"
+log="$out/plan.log"
+
+step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
+  local n=$1 name=$2 needs=$3
+  shift 3
+  [ "$n" -lt "$first" ] && return 0
+  local left=$(( deadline - $(date +%s) ))
+  if [ "$left" -lt "$needs" ]; then
+    echo "== step $n $name: not started ($left s left, needs ~$needs s); next call: FIRST_STEP=$n" | tee -a "$log"
+    exit 0
+  fi
+  mkdir -p "$work/$n-$name"
+  echo "== step $n $name: started $(date -u +%T), $left s left" | tee -a "$log"
+  local t0
+  t0=$(date +%s)
+  timeout "$(( left - 10 ))" "$@" > "$work/$n-$name/output.txt" 2>&1
+  local rc=$?
+  tail -n 25 "$work/$n-$name/output.txt" >> "$log"
+  echo "== step $n $name: rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$log"
+  tar -czf "$out/lossy.tar.gz" -C /tmp lossy
+}
+
+step 1 kernel 90 python3 -m pytest -m gpu -o addopts="" -q -x -k float8_attention_kernel tests/test_gpu_fp8.py
+step 2 tiles 150 python3 benchmarks/probe_fp8_attention.py --tiles --tile-shapes flux_dev --iters 10 \
+  --out "$work/2-tiles/probe_fp8_attention.json"
+step 3 step 150 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
+  --ways fp8_fast_accum,fp8_attention --out "$work/3-step/probe_fp8_step.json"
+step 4 flux_dev 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
+  --ways bf16,fp8,fp8-attention8 --out "$work/4-flux_dev"
+step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
+  --ways bf16,fp8,fp8-attention8 --out "$work/5-qwen_image"
+step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n 8 \
+  --ways bf16,fp8,fp8-attention8 --out "$work/6-flux2_dev"
+step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k every_fp8_path tests/test_gpu_fp8.py
+echo "== plan done $(date -u +%T)" | tee -a "$log"
