@@ -32,8 +32,10 @@ SHAPES = {  # (batch, heads, query tokens, key tokens, head_dim)
     "sd35_large": (4, 38, 4096 + 256, 4096 + 256, 64),
     "wan_480p_81f": (1, 12, 32760, 32760, 128),
 }
+# 128-query tiles on 4 warps are left out: compiled for sm_90 they spill (64-2,904 bytes a thread at head size 128,
+# benchmarks/results/2026-12-05-aot-fp8-attention/NOTES.md)
 TILE_GRID = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-             for m, w in ((128, 8), (64, 4), (128, 4)) for n in (64, 128) for s in (2, 3, 4)]
+             for m, w in ((128, 8), (64, 4)) for n in (64, 128) for s in (2, 3, 4)]
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:

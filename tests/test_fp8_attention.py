@@ -1,9 +1,12 @@
 """sdpa_backend=fp8: shardgen's own 8-bit attention (INT8 QK^T, float8 PV). On CPU: what its arithmetic costs
 against exact attention (``fp8_attention.reference``, the kernel's arithmetic in torch ops: the GPU tests hold the
 kernel to it), which SDPA calls it takes, that it is recorded as lossy and in the fingerprint, and that a CPU run is
-refused in one line. The kernel itself runs in tests/test_gpu_fp8.py."""
+refused in one line; with Triton at hand (no GPU), what it compiles to for Hopper and Ada. The kernel itself runs in
+tests/test_gpu_fp8.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +157,44 @@ def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context
     with module.context():
         assert torch.equal(block(x), eager)
     torch._dynamo.reset()
+
+
+def _triton_path() -> str | None:
+    """Where a Triton with its NVIDIA backend can be imported from: $SHARDGEN_TRITON_PATH (a pip --target folder,
+    kept out of the test environment: CPU torch must not find it) or this environment."""
+    import importlib.util
+    import os
+
+    path = os.environ.get("SHARDGEN_TRITON_PATH")
+    if path:
+        return path if (Path(path) / "triton" / "backends" / "nvidia").is_dir() else None
+    spec = importlib.util.find_spec("triton")
+    return "" if spec and (Path(spec.origin).parent / "backends" / "nvidia").is_dir() else None
+
+
+def test_the_kernel_compiles_to_8bit_tensor_cores_with_pipelined_loads_for_hopper_and_ada(tmp_path):
+    """benchmarks/aot_fp8_attention.py compiles the kernel for sm_90 and sm_89 without a GPU: both products on 8-bit
+    tensor cores (INT8 Q K^T, e4m3 P V), the key/value loop's loads asynchronous (pipelined), no spills on Hopper."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = _triton_path()
+    if path is None:
+        pytest.skip("needs Triton with its NVIDIA backend (no GPU): pip install --target DIR triton, then "
+                    "SHARDGEN_TRITON_PATH=DIR")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(root)])),
+           "TRITON_DEFAULT_FP_FUSION": "1", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "benchmarks/aot_fp8_attention.py", "--arch", "90,89", "--out",
+                           str(tmp_path / "aot.json")], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(r["arch"], r["head_dim"]): r for r in json.loads((tmp_path / "aot.json").read_text())}
+    assert set(rows) == {(a, d) for a in (90, 89) for d in (64, 128)}
+    for (arch, dim), row in rows.items():
+        kinds = " ".join(row["tensor_core"])
+        assert ("wgmma" if arch == 90 else "mma.sync") in kinds and ".s8.s8" in kinds and ".e4m3.e4m3" in kinds, row
+        assert row["async_loads"] >= 6, row  # K, V and the key scales, each in flight over the stages
+        if arch == 90:
+            assert row["spill_bytes"] == 0 and row["shared_bytes"] <= 227 * 1024, row
