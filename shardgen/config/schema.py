@@ -400,9 +400,9 @@ class SpeedConfig:
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
     efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
     faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
-    sage | fp8: opt-in, LOSSY 8-bit attention in eager calls, the calls it cannot take keep auto's kernel: sage is
-    SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2'); fp8 is shardgen's own
-    INT8 QK / float8 PV Triton kernel (compute capability 8.9+, nothing to install; docs/lossy.md).
+    sage | fp8: opt-in, LOSSY 8-bit attention, compiled blocks included; the calls it cannot take keep auto's
+    kernel: sage is SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2'); fp8 is
+    shardgen's own INT8 QK / float8 PV Triton kernel (compute capability 8.9+, nothing to install; docs/lossy.md).
     shardgen/speed/sdpa.py, fa4.py, sage.py, fp8_attention.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
