@@ -296,9 +296,11 @@ def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, 
     the local tar, tar and index sent, then the upload record (holding the stats: the done marker); the local
     files go.
     A launch finds a shard staged here but committed by another replica meanwhile, and drops its copy unsent; so
-    too a tar and index a launch killed between their rename and its stats left (shard 2), once shard 2 is committed,
-    and only then."""
+    too a tar and index a launch killed between their rename and its stats left (shard 2), once shard 2 is committed
+    and no live claim holds it."""
     import hashlib
+
+    from shardgen.dataio.rundir.claims import Claimer, owner_record
 
     from shardgen.dataio.shards.upload import ShardUploader, staged_shards, upload_state
 
@@ -323,6 +325,10 @@ def test_a_shard_of_a_run_kept_in_a_bucket_is_committed_by_its_upload_there(s3, 
     assert uploader.resume() == 0
     assert sorted(p.name for p in run.shards_dir.iterdir()) == ["000002.parquet", "000002.tar"]  # not committed yet
     run.files.replace(run.shard_uploaded(2), json_bytes(read_record(run, 0)))  # then committed by another replica
+    holder = Claimer(run, owner_record(0), lease_s=60, own_thread=False)
+    assert holder.try_claim(2, None) == 1  # claimed again, alive: a launch here rewriting it (retry_failed)
+    assert uploader.resume() == 0 and len(list(run.shards_dir.iterdir())) == 2
+    holder.release(2)
     assert uploader.resume() == 0
     assert staged_shards(run) == set() and list(run.shards_dir.iterdir()) == []
     assert upload_state(run) == dict(uri=f"{url}/shards/", uploaded=3, committed=3)

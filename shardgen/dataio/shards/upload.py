@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardgen.dataio.rundir.claims import LEASE_S, claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
@@ -67,6 +68,7 @@ class ShardUploader:
     run: RunDir
     uri: str
     keep_local: bool = True
+    lease_s: float = LEASE_S  # the run's: how long a silent claim holds its shard (drop_committed_elsewhere)
     _queue: queue.Queue = field(default_factory=lambda: queue.Queue(MAX_WAITING), init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
@@ -109,9 +111,9 @@ class ShardUploader:
         """The run's uploader: to ``output_uri``, or, for a run kept in a bucket, to its own ``shards/`` folder
         there (nothing kept locally); None for a local run without ``output_uri``."""
         if run.store:
-            return cls(run, f"{run.store}/shards/", keep_local=False)
+            return cls(run, f"{run.store}/shards/", keep_local=False, lease_s=cfg.lease_s)
         uri = cfg.output_uri
-        return cls(run, uri, keep_local=cfg.keep_local) if uri else None
+        return cls(run, uri, keep_local=cfg.keep_local, lease_s=cfg.lease_s) if uri else None
 
     @property
     def commits(self) -> bool:
@@ -267,8 +269,14 @@ class ShardUploader:
         shards. A shard is uploaded under its claim only, so what a killed launch left here (a tar renamed into
         shards/ before its stats were written, or committed and not yet sent) lost its claim with the launch and is
         generated again by its next holder (over these files, when that is on this machine): once another replica
-        has committed it, these files are scratch nobody reads."""
-        dropped = sorted(s for s in local_shards(self.run) if self.run.is_done(s))
+        has committed it, these files are scratch nobody reads. A shard whose claim is alive keeps its files: a
+        launch on this machine rewriting it (retry_failed) is between its commit and its upload."""
+        done = sorted(s for s in local_shards(self.run) if self.run.is_done(s))
+        if not done:
+            return []
+        claims, me, now = scan_claims(self.run), owner_record(-1), time.time()
+        dropped = [s for s in done if s not in claims or claim_state(*read_claim(self.run, s, claims[s]), now,
+                                                                     self.lease_s, me) not in ("running", "future")]
         for shard in dropped:
             self._drop_local(shard, force=True)
         return dropped
