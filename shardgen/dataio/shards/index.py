@@ -158,14 +158,19 @@ def resumable(run: RunDir, shard: int, checkpoint: dict | None) -> bool:
         return False
 
 
-def write_index(final: Path, rows: list[dict]) -> None:
-    """Write ``rows`` as a parquet file at ``final``: temp file, fsync, atomic rename."""
+def _write_parquet(rows: list[dict], target) -> None:
+    """``rows`` as an index's parquet (its schema, zstd) into ``target``: a path or a binary file object."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema()), target, compression="zstd")
+
+
+def write_index(final: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as a parquet file at ``final``: temp file, fsync, atomic rename."""
     tmp = temp_path(final)  # a fresh name (clean-up knows it as shardgen's); pyarrow opens it by name
     try:
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp, compression="zstd")
+        _write_parquet(rows, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -177,11 +182,8 @@ def index_bytes(rows: list[dict]) -> bytes:
     """``rows`` as the bytes of a parquet index file (what ``write_index`` writes), for an index kept in a bucket."""
     import io
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema()), buf, compression="zstd")
+    _write_parquet(rows, buf)
     return buf.getvalue()
 
 
