@@ -124,6 +124,21 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
         assert fp8_attention._CHECKED == {("cpu", d): pytest.approx(kernel_error, rel=0.1) for d in (64, 128)}
 
 
+def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch):
+    """Triton's own failure (an older Triton, a driver it does not know) is the run's one-line refusal, naming
+    the Triton version and the lossless way out, not a compiler traceback."""
+    def broken(q, k, v, scale=None):
+        raise RuntimeError("PassManager::run failed\n  ... 40 lines of MLIR ...")
+
+    monkeypatch.setattr(fp8_attention, "attention", broken)
+    monkeypatch.setattr(fp8_attention, "_CHECKED", {})
+    with pytest.raises(AccelError) as e:
+        sdpa._check_fp8_kernel("cpu")
+    assert str(e.value).startswith("sdpa_backend=fp8: the float8 attention kernel does not run on cpu with Triton ")
+    assert str(e.value).endswith("(RuntimeError: PassManager::run failed). Use sdpa_backend=auto (lossless) or "
+                                 "sdpa_backend=sage")
+
+
 @pytest.mark.parametrize("kernel", ["fp8", "sage"])
 def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context(monkeypatch, kernel):
     """Under torch.compile each kernel is an operator (shardgen::fp8_attention, shardgen::sage_attention; here

@@ -251,9 +251,18 @@ def _check_fp8_kernel(device, head_dims: tuple[int, ...] | None = None) -> float
     off than its method allows (``fp8_attention.self_check``)."""
     from shardgen.speed import fp8_attention
 
-    err = fp8_attention.self_check(device, head_dims or fp8_attention.HEAD_DIMS)
+    where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+    try:
+        err = fp8_attention.self_check(device, head_dims or fp8_attention.HEAD_DIMS)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # Triton cannot compile or launch it here (an older Triton, a driver it does not know)
+        triton = getattr(fp8_attention.triton, "__version__", "none")
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel does not run on {where} with Triton "
+                         f"{triton} ({type(e).__name__}: {first}). Use sdpa_backend=auto (lossless) or "
+                         "sdpa_backend=sage") from e
     if err > fp8_attention.SELF_CHECK_BOUND:
-        where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
         raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel's output is {err:.1%} off exact attention "
                          f"on {where} (its method costs ~3.5%; bound {fp8_attention.SELF_CHECK_BOUND:.0%}): this GPU "
                          "or Triton version does not run it right. Use sdpa_backend=auto (lossless) or "
