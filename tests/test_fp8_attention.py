@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.quality.gate import lossless
-from shardgen.speed import fp8_attention, sdpa
+from shardgen.speed import fp8_attention, sdpa, sdpa_route
 from shardgen.speed.techniques import AccelError, AccelOptions, validate
 
 
@@ -104,39 +104,48 @@ def test_a_cpu_run_is_refused_in_one_line():
                             "(lossless)")
 
 
+OTHER = {"fp8": "sage", "sage": "fp8"}
+
+
+@pytest.mark.parametrize("kernel", ["fp8", "sage"])
 @pytest.mark.parametrize("kernel_error, refused", [(0.035, False), (0.5, True), (float("nan"), True)])
-def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel_error, refused):
-    """The self-check (run by validate on a CUDA device) compares the kernel with exact attention: here the kernel
-    is the exact answer plus noise of a chosen size, on the CPU."""
+def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel, kernel_error, refused):
+    """The self-check (run on the rank when the pipeline is first prepared on a CUDA device) compares the kernel with
+    exact attention: here the kernel is the exact answer plus noise of a chosen size, on the CPU."""
     def noisy(q, k, v, scale=None):
         exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         noise = torch.randn(exact.shape, generator=torch.Generator().manual_seed(1))
         return (exact + noise * kernel_error * exact.norm() / noise.norm()).to(q.dtype)
 
-    monkeypatch.setattr(fp8_attention, "attention", noisy)
-    monkeypatch.setattr(fp8_attention, "_CHECKED", {})
+    module = sdpa._eight_bit(kernel)
+    monkeypatch.setattr(module, "attention", noisy)
+    monkeypatch.setattr(sdpa_route, "_CHECKED", {})
     if refused:
-        with pytest.raises(AccelError, match=r"^sdpa_backend=fp8: the float8 attention kernel's output is "
-                                             r"(\d+\.\d|inf)% off exact attention on cpu .*Use sdpa_backend=auto"):
-            sdpa._check_fp8_kernel("cpu")
+        with pytest.raises(AccelError, match=rf"^sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]}'s output is "
+                                             r"(\d+\.\d|inf)% off exact attention on cpu .*Use sdpa_backend=auto "
+                                             rf"\(lossless\) or sdpa_backend={OTHER[kernel]}$"):
+            sdpa._check_kernel(kernel, "cpu")
     else:
-        sdpa._check_fp8_kernel("cpu")
-        assert fp8_attention._CHECKED == {("cpu", d): pytest.approx(kernel_error, rel=0.1) for d in (64, 128)}
+        sdpa._check_kernel(kernel, "cpu")
+        assert sdpa_route._CHECKED == {(kernel, "cpu", d): pytest.approx(kernel_error, rel=0.1)
+                                       for d in module.HEAD_DIMS}
 
 
-def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch):
+@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, kernel):
     """Triton's own failure (an older Triton, a driver it does not know) is the run's one-line refusal, naming
-    the Triton version and the lossless way out, not a compiler traceback."""
+    the Triton version and the ways out, not a compiler traceback."""
     def broken(q, k, v, scale=None):
         raise RuntimeError("PassManager::run failed\n  ... 40 lines of MLIR ...")
 
-    monkeypatch.setattr(fp8_attention, "attention", broken)
-    monkeypatch.setattr(fp8_attention, "_CHECKED", {})
+    monkeypatch.setattr(sdpa._eight_bit(kernel), "attention", broken)
+    monkeypatch.setattr(sdpa_route, "_CHECKED", {})
     with pytest.raises(AccelError) as e:
-        sdpa._check_fp8_kernel("cpu")
-    assert str(e.value).startswith("sdpa_backend=fp8: the float8 attention kernel does not run on cpu with Triton ")
+        sdpa._check_kernel(kernel, "cpu")
+    assert str(e.value).startswith(f"sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]} does not run on cpu with "
+                                   "Triton ")
     assert str(e.value).endswith("(RuntimeError: PassManager::run failed). Use sdpa_backend=auto (lossless) or "
-                                 "sdpa_backend=sage")
+                                 f"sdpa_backend={OTHER[kernel]}")
 
 
 @pytest.mark.parametrize("kernel", ["fp8", "sage"])

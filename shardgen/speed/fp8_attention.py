@@ -58,29 +58,6 @@ def unavailable_reason(device: torch.device | str | None) -> str | None:
     return None
 
 
-SELF_CHECK_BOUND = 0.08  # relative RMS against exact attention on random inputs: the method costs ~0.035
-_CHECKED: dict[tuple, float] = {}
-
-
-def self_check(device: torch.device | str, head_dims: tuple[int, ...] = HEAD_DIMS) -> float:
-    """The kernel's largest relative error against torch's exact attention over ``head_dims`` (those of the run's
-    model: each is a kernel of its own to compile), on random inputs with a part-filled tile, on ``device`` (NaN
-    counts as infinite). The sdpa technique refuses the kernel past ``SELF_CHECK_BOUND``: a GPU or Triton version
-    that miscompiles it stops the run before any sample, not after. Cached per device and head size."""
-    worst = 0.0
-    for dim in head_dims:
-        key = (str(torch.device(device)), dim)
-        if key not in _CHECKED:
-            g = torch.Generator(device=device).manual_seed(0)
-            q, k, v = (torch.randn(1, 2, 300, dim, device=device, generator=g, dtype=torch.bfloat16)
-                       for _ in range(3))
-            exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
-            err = ((attention(q, k, v).float() - exact).norm() / exact.norm()).item()
-            _CHECKED[key] = err if err == err else float("inf")  # NaN: as bad as it gets
-        worst = max(worst, _CHECKED[key])
-    return worst
-
-
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
           is_causal: bool = False, enable_gqa: bool = False) -> bool:
     """Whether this SDPA call goes to the float8 kernel."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -234,39 +235,44 @@ def validate(opts: AccelOptions, device=None) -> None:
 
 
 def _apply(step) -> dict:
-    """With sdpa_backend=fp8 on a GPU: its kernel checked on the rank's GPU once per process, when the pipeline is
-    first prepared (outside any sample: a failure ends the job in one line). Nothing else is applied here: the
-    kernel choice is a context around each call (``sdpa_context``)."""
-    from shardgen.speed import fp8_attention
-
-    if step.opts.sdpa != "fp8" or step.device is None or torch.device(step.device).type != "cuda":
+    """With an 8-bit kernel (sdpa_backend=fp8 or sage) on a GPU: the kernel checked on the rank's GPU once per
+    process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
+    else is applied here: the kernel choice is a context around each call (``sdpa_context``)."""
+    name = step.opts.sdpa
+    if name not in EIGHT_BIT or step.device is None or torch.device(step.device).type != "cuda":
         return {}
+    kernel = _eight_bit(name)
     dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
-    dims = (dim,) if dim in fp8_attention.HEAD_DIMS else fp8_attention.HEAD_DIMS
-    return {"fp8_attention_error": round(_check_fp8_kernel(step.device, dims), 4)}
+    dims = (dim,) if dim in kernel.HEAD_DIMS else kernel.HEAD_DIMS
+    return {f"{name}_attention_error": round(_check_kernel(name, step.device, dims), 4)}
 
 
-def _check_fp8_kernel(device, head_dims: tuple[int, ...] | None = None) -> float:
-    """The float8 attention kernel's error on this device against exact attention; AccelError when it is further
-    off than its method allows (``fp8_attention.self_check``)."""
-    from shardgen.speed import fp8_attention
+KERNEL_NAMES = {"fp8": "the float8 attention kernel", "sage": "SageAttention"}
 
+
+def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -> float:
+    """The 8-bit attention kernel ``name``'s error on this device against exact attention
+    (``sdpa_route.self_check``); AccelError, naming the other ways, when Triton cannot build or launch it here or
+    it is further off than an 8-bit method is."""
+    from shardgen.speed.sdpa_route import SELF_CHECK_BOUND, self_check
+
+    kernel = _eight_bit(name)
     where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+    other = "sage" if name == "fp8" else "fp8"
+    way_out = f"Use sdpa_backend=auto (lossless) or sdpa_backend={other}"
     try:
-        err = fp8_attention.self_check(device, head_dims or fp8_attention.HEAD_DIMS)
+        err = self_check(name, lambda q, k, v: kernel.attention(q, k, v), device, head_dims or kernel.HEAD_DIMS)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # Triton cannot compile or launch it here (an older Triton, a driver it does not know)
-        triton = getattr(fp8_attention.triton, "__version__", "none")
+        triton = getattr(sys.modules.get("triton"), "__version__", "none")
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel does not run on {where} with Triton "
-                         f"{triton} ({type(e).__name__}: {first}). Use sdpa_backend=auto (lossless) or "
-                         "sdpa_backend=sage") from e
-    if err > fp8_attention.SELF_CHECK_BOUND:
-        raise AccelError(f"sdpa_backend=fp8: the float8 attention kernel's output is {err:.1%} off exact attention "
-                         f"on {where} (its method costs ~3.5%; bound {fp8_attention.SELF_CHECK_BOUND:.0%}): this GPU "
-                         "or Triton version does not run it right. Use sdpa_backend=auto (lossless) or "
-                         "sdpa_backend=sage")
+        raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]} does not run on {where} with Triton {triton} "
+                         f"({type(e).__name__}: {first}). {way_out}") from e
+    if err > SELF_CHECK_BOUND:
+        raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]}'s output is {err:.1%} off exact attention on "
+                         f"{where} (an 8-bit method costs a few percent; bound {SELF_CHECK_BOUND:.0%}): this GPU or "
+                         f"Triton version does not run it right. {way_out}")
     return err
 
 

@@ -1,6 +1,7 @@
 """torch SDPA routed, while a pipeline call runs, to an 8-bit attention kernel for the calls it takes (``sage``,
 ``fp8``): diffusers' processors and the families' fused blocks call ``F.scaled_dot_product_attention`` by name, so
-they reach the kernel without knowing; every other call goes to torch's own kernels."""
+they reach the kernel without knowing; every other call goes to torch's own kernels. And the kernels' self-check:
+each is compared with exact attention on the rank's own GPU before any sample (``self_check``)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,28 @@ def routed_sdpa(takes: Callable[..., bool], kernel: Callable[..., torch.Tensor])
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+SELF_CHECK_BOUND = 0.08  # relative RMS against exact attention on random inputs: fp8's method costs ~0.035
+_CHECKED: dict[tuple, float] = {}
+
+
+def self_check(name: str, kernel: Callable[..., torch.Tensor], device: torch.device | str,
+               head_dims: tuple[int, ...]) -> float:
+    """``kernel(q, k, v)``'s largest relative error against torch's exact attention over ``head_dims`` (those of the
+    run's model: each is a kernel of its own to compile), on random inputs with a part-filled tile, on ``device``
+    (NaN counts as infinite). The sdpa technique refuses the kernel past ``SELF_CHECK_BOUND``: a GPU or Triton
+    version that miscompiles it stops the run before any sample, not after. Cached per kernel ``name``, device and
+    head size."""
+    worst = 0.0
+    for dim in head_dims:
+        key = (name, str(torch.device(device)), dim)
+        if key not in _CHECKED:
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, 2, 300, dim, device=device, generator=g, dtype=torch.bfloat16)
+                       for _ in range(3))
+            exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            err = ((kernel(q, k, v).float() - exact).norm() / exact.norm()).item()
+            _CHECKED[key] = err if err == err else float("inf")  # NaN: as bad as it gets
+        worst = max(worst, _CHECKED[key])
+    return worst
