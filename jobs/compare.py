@@ -100,14 +100,17 @@ def load_models(args):
 
 def below(summary: dict, min_psnr: float | None, min_ssim: float | None, err, max_lpips: float | None = None) -> bool:
     """Whether the worst sample is past a bound (said on ``err``); no sample compared is past any bound."""
+    def shown(x, fmt: str) -> str:  # the worst figure as the summary line shows it; none when nothing was compared
+        return "none (no sample compared)" if x is None else format(x, fmt)
+
     bad = []
-    if min_psnr is not None and (summary["psnr_db"]["worst"] is None or summary["psnr_db"]["worst"] < min_psnr):
-        bad.append(f"PSNR {summary['psnr_db']['worst']} dB < {min_psnr}")
-    if min_ssim is not None and (summary["ssim"]["worst"] is None or summary["ssim"]["worst"] < min_ssim):
-        bad.append(f"SSIM {summary['ssim']['worst']} < {min_ssim}")
-    worst_lpips = summary.get("lpips", {}).get("worst")
-    if max_lpips is not None and (worst_lpips is None or worst_lpips > max_lpips):
-        bad.append(f"LPIPS {worst_lpips} > {max_lpips}")
+    psnr, ssim, lpips = (summary.get(k, {}).get("worst") for k in ("psnr_db", "ssim", "lpips"))
+    if min_psnr is not None and (psnr is None or psnr < min_psnr):
+        bad.append(f"PSNR {shown(psnr, '.2f')} dB < {min_psnr:g}")
+    if min_ssim is not None and (ssim is None or ssim < min_ssim):
+        bad.append(f"SSIM {shown(ssim, '.4f')} < {min_ssim:g}")
+    if max_lpips is not None and (lpips is None or lpips > max_lpips):
+        bad.append(f"LPIPS {shown(lpips, '.3g')} > {max_lpips:g}")
     if bad:
         print(f"below the bound: worst {'; '.join(bad)}", file=err)
     return bool(bad)

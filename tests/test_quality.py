@@ -80,7 +80,8 @@ def test_compare_gives_per_sample_figures_and_writes_them_into_the_run(runs, cap
 
 def test_a_bound_the_worst_sample_misses_exits_1(runs, capsys):
     assert jobs.compare.main([str(runs / "fp8"), str(runs / "ref"), "--min-psnr", "200"]) == 1
-    assert "below the bound: worst PSNR" in capsys.readouterr().err
+    worst = json.loads((runs / "fp8" / "compare.json").read_text())["psnr_db"]["worst"]
+    assert capsys.readouterr().err.endswith(f"below the bound: worst PSNR {worst:.2f} dB < 200\n")
     assert jobs.compare.main([str(runs / "fp8"), str(runs / "ref"), "--min-psnr", "5", "--min-ssim", "0.01"]) == 0
 
 
@@ -174,6 +175,26 @@ def test_the_fast_profile_turns_on_fp8_with_a_calibration_and_default_is_lossles
     assert (fast.fp8, fast.calibrate_samples, fast.compile) == (True, 4, plain.compile)
     assert (plain.fp8, plain.calibrate_samples, plain.first_block_cache) == (False, 0, 0.0)
     assert compose_cfg("speed=fast", "fp8=false").fp8 is False  # a key on the command line wins over the profile
+
+
+def test_a_lossy_setting_that_changes_no_pixel_passes_with_an_infinite_psnr_the_report_shows(runs, tmp_path):
+    """first_block_cache (lossy) at a threshold no step ever falls under skips nothing: every calibration sample is
+    identical to its lossless one, PSNR inf (Infinity in calibration.json, as in compare.json)."""
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.tools.report import build_report
+
+    result = run(compose_cfg(f"run_dir={tmp_path / 'cached'}", f"prompts.path={runs / 'p.txt'}", *ARGS,
+                             "first_block_cache=1e-12", "calibrate_samples=2", "calibrate_min_psnr=40"))
+    assert (result.ok, result.complete) == (6, True)
+    text = (tmp_path / "cached" / "calibration.json").read_text()
+    record = json.loads(text)
+    assert record["passed"] and record["psnr_db"]["worst"] == float("inf") and '"worst": Infinity' in text
+    assert record["lossy"] == {"first_block_cache": 1e-12}
+    metas = _provenance(tmp_path / "cached")  # each sample's json: standard JSON, the infinity named
+    assert len(metas) == 6 and all(m["provenance"]["calibration"]["psnr_db"]["worst"] == "inf" for m in metas)
+    page = build_report(load_plan(RunDir(tmp_path / "cached")))
+    assert "calibration (calibrate_samples)" in page and ">inf<" in page
 
 
 def test_the_report_shows_the_figures_and_names_a_damaged_record(runs, tmp_path):
@@ -326,7 +347,7 @@ def test_compare_with_lpips_gives_each_sample_its_lpips_the_bound_and_the_report
     assert "LPIPS worst" in page and f"<td>{lp['worst']:.3g}</td>" in page
 
     assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights, "--max-lpips", str(lp["worst"] / 2)]) == 1
-    assert f"below the bound: worst LPIPS {lp['worst']} > " in capsys.readouterr().err
+    assert f"below the bound: worst LPIPS {lp['worst']:.3g} > " in capsys.readouterr().err
     assert jobs.compare.main([str(run_dir), str(runs / "ref"), *weights, "--max-lpips", str(lp["worst"])]) == 0
     capsys.readouterr()
     assert jobs.compare.main([str(runs / "again"), str(runs / "ref"), *weights, "--json"]) == 0  # a lossless rerun

@@ -13,6 +13,7 @@ replica and launch).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -107,6 +108,23 @@ def verdict(figures: dict, bounds: Bounds) -> list[str]:
     if bounds.calibrate_max_lpips and lpips and lpips["worst"] > bounds.calibrate_max_lpips:
         missed.append(f"LPIPS {lpips['worst']:.3g} > calibrate_max_lpips={bounds.calibrate_max_lpips:g}")
     return missed
+
+
+def record_bytes(record: dict) -> bytes:
+    """The calibration record as calibration.json's bytes: indented, keys sorted, and, as in jobs.compare's
+    compare.json, identical samples' PSNR written as ``Infinity`` (Python's json reads it back as inf)."""
+    return (json.dumps(record, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def provenance_summary(record: dict) -> dict:
+    """The calibration record as each sample's provenance keeps it: without the per-sample figures, and in standard
+    JSON (a sample's json is read by any tool): an infinite PSNR (identical samples) as the string "inf"."""
+    def finite(x):
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        return "inf" if x == float("inf") else x
+
+    return {k: finite(v) for k, v in record.items() if k != "per_sample"}
 
 
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> tuple[Any, dict | None]:

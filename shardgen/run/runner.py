@@ -22,7 +22,7 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
                                     record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings,
                                     start_generating, stop_generating)
-from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_json, attach_rank_log, bytes_read,
+from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, attach_rank_log, bytes_read,
                                     check_run_dir_text, check_run_root, detach_rank_log, first_missing_dir, is_url,
                                     log_to_file_only, owner_record, probe_conditional_writes, record_launch,
                                     redact_urls)
@@ -33,7 +33,7 @@ from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.storage import storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
-from shardgen.quality.gate import CalibrationFailed, calibrate
+from shardgen.quality.gate import CalibrationFailed, calibrate, provenance_summary, record_bytes
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.run import rates
@@ -374,9 +374,10 @@ def _write_calibration(plan: Plan, ctx: ReplicaContext, record: dict | None) -> 
     """RUN_DIR/calibration.json, by replica 0's leader; a bucket run's also in the bucket beside its files, where
     jobs.report on any machine reads it."""
     if record is not None and ctx.leader and ctx.index == 0:
-        atomic_write_json(plan.run.calibration_path, record)
+        data = record_bytes(record)
+        atomic_write_bytes(plan.run.calibration_path, data)
         if plan.run.store:
-            plan.run.files.replace(plan.run.calibration_path, json_bytes(record))
+            plan.run.files.replace(plan.run.calibration_path, data)
 
 
 def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
@@ -386,7 +387,7 @@ def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, se
     figures, which join the samples' provenance (without the per-sample ones)."""
     provenance = run_provenance(cfg, pipe, model_version(cfg.model), settings.accel, strategy)
     if calibration is not None:
-        provenance["calibration"] = {k: v for k, v in calibration.items() if k != "per_sample"}
+        provenance["calibration"] = provenance_summary(calibration)
     parts = dict(
         annotate=SampleAnnotator(provenance, text_windows(pipe, cfg.model.max_sequence_length)),
         sink=ShardSink(cfg.image_format, cfg.image_quality, cfg.writer_threads, signals=Signals(cfg.signals),
