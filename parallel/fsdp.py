@@ -51,6 +51,13 @@ class FullyShard(Strategy):
             fail(f"strategy=fsdp needs strategy.degree >= 2 (got {dims.degree}); e.g. strategy=fsdp strategy.degree=2, "
                  "or strategy=dp")
 
+    def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn) -> None:
+        if cfg.fp8:  # the block linears FSDP gathers are its own parameters, in the run's dtype
+            fail("fp8=true cannot run under strategy=fsdp: FSDP gathers each block's weights in the run's dtype at "
+                 "its forward, so no layer would compute in float8 (while the samples said fp8). Use strategy=tp "
+                 "(each rank quantises its own shard) or strategy=dp (float8 halves the transformer's weights), or "
+                 "fp8=false")
+
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
         return (transformer // dims.degree + others) * dtype_bytes
 

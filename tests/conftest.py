@@ -30,6 +30,19 @@ def compose_cfg(*overrides: str):
         return compose(config_name="generate", overrides=list(overrides))
 
 
+@pytest.fixture(autouse=True)
+def diffusers_attention_backend():
+    """diffusers' ``set_attention_backend`` (strategy.attention_backend) also makes its backend the process's active
+    one, which every model without a backend of its own then uses: a test that sets one would change the arithmetic
+    of the tests after it in the same worker (the fused blocks' bit-identity tests among them). Restored after each
+    test."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
     """Build the tiny model once per test session, in a private cache (also seen by subprocesses)."""

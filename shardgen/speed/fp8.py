@@ -224,6 +224,38 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t().contiguous()
 
 
+@dataclass(frozen=True)
+class TpShard:
+    """A tensor-parallel layer's place in its group (torch's ColwiseParallel / RowwiseParallel, as diffusers'
+    ``_tp_plan`` applies them): ``rowwise`` layers hold a slice of the input features, and their partial products
+    are summed over ``group`` before the (replicated) bias is added; colwise ones hold a slice of the outputs, whose
+    local result is what the stock layer returns."""
+
+    group: object
+    rowwise: bool
+
+
+def _tp_shard(weight: torch.Tensor) -> TpShard | None:
+    """The layout of a tensor-parallel weight (a DTensor sharded over one mesh dimension); None for a plain one.
+    AccelError for any other placement: its float8 copy would compute something else."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(weight, DTensor):
+        return None
+    placements = weight.placements
+    if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim in (0, 1):
+        return TpShard(group=weight.device_mesh.get_group(), rowwise=placements[0].dim == 1)
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    raise AccelError(f"fp8=true: a tensor-parallel weight placed as {placements} is not a column or row shard over "
+                     "one mesh dimension; set fp8=false")
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local part (a plain tensor as it is)."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
 class Float8Linear(torch.nn.Module):
     """``nn.Linear`` computing ``x @ W.T + b`` in float8 e4m3: W quantised per output channel once,
     x per row (token) on every call, products accumulated in fp32 by ``torch._scaled_mm``.
@@ -233,17 +265,37 @@ class Float8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, keep_original: bool = False):
         super().__init__()
-        w_fp8, scale = quantize_weight(linear.weight.detach())
+        # tensor parallel: this rank's shard is quantised, and the layer does what the shard's hooks did (which go
+        # with the replaced layer): a row shard's partial products are summed over its group
+        self.tp = _tp_shard(linear.weight)
+        weight = _local(linear.weight.detach())
+        w_fp8, scale = quantize_weight(weight)
         self.register_buffer("weight_fp8", w_fp8)
         self.register_buffer("weight_scale", scale)  # (1, out), float32
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias if self.tp is None or linear.bias is None else torch.nn.Parameter(
+            _local(linear.bias.detach()), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # kept (not a submodule, so .to() and state_dict leave it alone) to switch fp8 off again
         object.__setattr__(self, "_original", linear.to("cpu") if keep_original else None)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         rows = _as_rows(x)
-        return self._mm(rows, self.weight_fp8, with_bias=True).reshape(*rows.lead, self.out_features)
+        out = self._mm(rows, self.weight_fp8, with_bias=not self._reduces)
+        return self._reduced(out).reshape(*rows.lead, self.out_features)
+
+    @property
+    def _reduces(self) -> bool:
+        """A row shard: its products are partial sums, the bias added once after they are summed."""
+        return self.tp is not None and self.tp.rowwise
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        """A row shard's partial products summed over its tensor-parallel group, then the bias; else ``out``."""
+        if not self._reduces:
+            return out
+        from torch.distributed import _functional_collectives as funcol
+
+        out = funcol.all_reduce(out, "sum", self.tp.group)  # traceable: compiled blocks keep the collective
+        return out if self.bias is None else out + self.bias
 
     def forward_parts(self, parts: list) -> torch.Tensor:
         """``self(torch.cat(parts, -1))`` without the concatenation: each part (a tensor or ``Fp8Rows``) is quantised
@@ -252,12 +304,13 @@ class Float8Linear(torch.nn.Module):
         out, start = None, 0
         for rows in map(_as_rows, parts):
             width = rows.data.shape[-1]
-            product = self._mm(rows, self.weight_fp8[:, start:start + width], with_bias=out is None)
+            first = out is None and not self._reduces
+            product = self._mm(rows, self.weight_fp8[:, start:start + width], with_bias=first)
             out = product if out is None else out.add_(product)
             start += width
         if start != self.in_features:
             raise ValueError(f"forward_parts: the parts are {start} wide in all, the layer takes {self.in_features}")
-        return out.reshape(*rows.lead, self.out_features)
+        return self._reduced(out).reshape(*rows.lead, self.out_features)
 
     def _mm(self, rows: Fp8Rows, weight_fp8: torch.Tensor, with_bias: bool) -> torch.Tensor:
         """``rows @ weight_fp8.T`` scaled, in the input's dtype (float32 for a float32 input), plus the bias when
@@ -282,7 +335,8 @@ class Float8Linear(torch.nn.Module):
         return self._original.to(self.weight_fp8.device)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn row-wise"
+        shard = "" if self.tp is None else (", row shard" if self.tp.rowwise else ", column shard")
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn row-wise{shard}"
 
 
 def _fp8_candidates(transformer: torch.nn.Module):
@@ -333,6 +387,13 @@ def disable_fp8(transformer: torch.nn.Module) -> int:
                 setattr(block.get_submodule(parent_name) if parent_name else block, attr, mod.restore())
                 n += 1
     return n
+
+
+def is_tensor_parallel(transformer: torch.nn.Module) -> bool:
+    """Whether ``transformer`` is a tensor-parallel shard: DTensor weights, or float8 layers made from them (whose
+    weights are local tensors, so a look for DTensors alone would miss it)."""
+    return any(type(p).__name__ == "DTensor" for p in transformer.parameters()) or \
+        any(isinstance(m, Float8Linear) and m.tp is not None for m in transformer.modules())
 
 
 def fp8_enabled(transformer: torch.nn.Module) -> bool:

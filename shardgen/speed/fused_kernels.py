@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.fp8 import Float8Linear, gelu_rows
+from shardgen.speed.fp8 import Float8Linear, gelu_rows, is_tensor_parallel
 
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
 
@@ -254,8 +254,8 @@ def processor_problem(transformer: torch.nn.Module, stock: tuple[str, ...], fuse
     that are DTensors (tensor parallel: the sharded linears all-reduce in their own forward, which direct weight
     use would skip), a processor not among diffusers' ``stock`` ones (nor already one of ``fused``), an attention
     backend or parallel config, fused QKV projections."""
-    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
-        return "its weights are DTensors (tensor parallel)"
+    if is_tensor_parallel(transformer):
+        return "it is sharded for tensor parallelism"
     for name, mod in transformer.named_modules():
         proc = getattr(mod, "processor", None)
         if proc is None or isinstance(proc, fused):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardgen.speed.fp8 import is_tensor_parallel
 from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, layer_norm_problem, ln_modulate, norm_eps,
                                          norm_weight, one_eps, rms_rope)
 
@@ -121,8 +122,8 @@ def applicable(transformer: torch.nn.Module) -> str | None:
     """None when the fused block forwards can replace this transformer's, else why not."""
     if type(transformer).__name__ != "QwenImageTransformer2DModel":
         return f"{type(transformer).__name__} is not QwenImageTransformer2DModel"
-    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
-        return "its weights are DTensors (tensor parallel)"
+    if is_tensor_parallel(transformer):
+        return "it is sharded for tensor parallelism"
     return layer_norm_problem(transformer)
 
 

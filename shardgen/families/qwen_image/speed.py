@@ -34,6 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.blocks import repeated_blocks
+from shardgen.speed.fp8 import is_tensor_parallel
 from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
 from shardgen.families.qwen_image.fused import fused_qk, fused_qk_applies
 
@@ -376,7 +377,7 @@ def enable_prefix_attention(transformer: torch.nn.Module) -> int:
         return 0
     if not isinstance(transformer, tq.QwenImageTransformer2DModel):
         return 0
-    if any(type(p).__name__ == "DTensor" for p in transformer.parameters()):
+    if is_tensor_parallel(transformer):
         return 0  # tensor parallel keeps the stock processors, as it keeps FLUX.1's stock blocks (shardgen/families/flux/fused.py)
     cls, n = _prefix_processor_class(), 0
     for block in getattr(transformer, "transformer_blocks", []):
