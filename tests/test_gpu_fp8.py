@@ -227,3 +227,26 @@ def test_every_fp8_path_makes_every_sample_within_its_bound(tmp_path, lossless_r
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_under_tensor_parallel_makes_what_one_gpu_s_fp8_makes(tmp_path, compiled):
+    """strategy=tp tp_degree=2 fp8=true over NCCL: each rank's float8 shard, a row shard's products summed over the
+    pair; against one GPU's fp8 run of the same prompts (its own float8 rounding of whole rows differs, so a bound,
+    not the bytes)."""
+    from jobs.generate import run
+    from shardgen.quality.compare import compare_runs
+    from shardgen.dataio.rundir.layout import RunDir
+    from tests.conftest import compose_cfg
+
+    common = ("model=flux_dev", "model.weights=dummy", "height=256", "width=256", "steps=2", "prompts.limit=6",
+              "batch_size=2", "progress=false", "fp8=true", f"compile={str(compiled).lower()}")
+    one = tmp_path / "one"
+    assert run(compose_cfg(f"run_dir={one}", *common)).ok == 6
+    r = run(compose_cfg(f"run_dir={tmp_path / 'tp'}", *common, "strategy=tp", "tp_degree=2", "launcher=local",
+                        "launcher.nprocs=2"))
+    assert (r.ok, r.complete) == (6, True)
+    s = compare_runs(RunDir(tmp_path / "tp"), RunDir(one)).summary()
+    print("tp2 fp8 vs one GPU fp8: PSNR median/worst", s["psnr_db"]["median"], s["psnr_db"]["worst"])
+    assert s["compared"] == 6 and s["psnr_db"]["worst"] >= FP8_PATH_FLOOR_DB["flux_dev"]
