@@ -331,8 +331,8 @@ def test_a_dry_run_of_a_big_prompt_file_loads_no_tokenizer_and_takes_seconds(tmp
 
 def test_a_dry_run_of_a_new_run_estimates_its_time_from_a_rate_recorded_for_its_settings(tmp_path, monkeypatch,
                                                                                         capsys):
-    """Another run with the same model, size, steps, device and strategy left its rate: a dry run of a new run_dir
-    gives a time from it, scaled by the replicas; other settings have none recorded."""
+    """Another run with the same model, size, steps, device, strategy and lossy settings left its rate: a dry run of
+    a new run_dir gives a time from it, scaled by the replicas; other settings have none recorded."""
     from jobs.generate import run
     from shardgen.run.dryrun import describe, dry_run
     from tests.conftest import compose_cfg
@@ -349,3 +349,8 @@ def test_a_dry_run_of_a_new_run_estimates_its_time_from_a_rate_recorded_for_its_
     two = dry_run(compose_cfg(*new, "launcher=local", "launcher.nprocs=2"))
     assert two.rate == pytest.approx(2 * d.rate) and "x 2 replica(s)" in describe(two)
     assert "not measured yet" in describe(dry_run(compose_cfg(*new[:-1], "steps=2")))
+    # a lossy setting runs at its own rate: an fp8 run is not estimated at the bf16 run's, nor records over it
+    assert "not measured yet" in describe(dry_run(compose_cfg(*new, "fp8=true")))
+    assert run(compose_cfg(f"run_dir={tmp_path / 'fp8'}", "prompts.limit=8", *size, "fp8=true")).ok == 8
+    assert str(tmp_path / "fp8") in describe(dry_run(compose_cfg(*new, "fp8=true")))
+    assert str(tmp_path / "first") in describe(dry_run(compose_cfg(*new)))

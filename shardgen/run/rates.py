@@ -35,14 +35,18 @@ def device_name(device: Any) -> str:
 
 
 def rate_key(cfg: Any, strategy: str, ranks_per_replica: int, device: str) -> str:
-    """What a rate per replica depends on (not the prompts, the batch size or the run's length)."""
+    """What a rate per replica depends on (not the prompts, the batch size or the run's length): the lossy settings
+    among it (fp8 alone is 1.2-1.4x), so an fp8 run is not estimated at a bf16 run's rate, nor records over it."""
     from shardgen.dataio.shards import is_video
+    from shardgen.speed.accel import AccelOptions  # every technique registered: each says what it makes lossy
 
     m = cfg.model
     frames = cfg.num_frames if is_video(cfg) else None
     parts = dict(model=m.name, weights=m.weights, size=f"{cfg.width}x{cfg.height}", frames=frames, steps=cfg.steps,
                  true_cfg=float(m.get("true_cfg_scale") or 1.0) > 1.0, dtype=cfg.dtype, device=device,
                  strategy=strategy, ranks=ranks_per_replica)
+    if lossy := AccelOptions.from_cfg(cfg).lossy:  # absent when lossless: the keys recorded so far stay valid
+        parts["lossy"] = lossy
     return json.dumps(parts, sort_keys=True)
 
 
