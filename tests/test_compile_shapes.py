@@ -222,6 +222,7 @@ def test_records_with_fields_this_version_does_not_read_are_used_and_kept(tmp_pa
 def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_per_size(tmp_path):
     """prompts.row_settings with three sizes: the records key names the shape set (a single-size run's figures are not
     reused), and without a recorded cost the prior is paid once per size (one graph set each)."""
+    import dataclasses
     from types import SimpleNamespace
 
     from shardgen.run.generation import GenSettings
@@ -232,6 +233,8 @@ def test_a_run_of_several_row_sizes_keeps_its_own_figures_and_expects_a_compile_
     one, mixed = AC.record_key(pipe, s), AC.record_key(pipe, s, ["64x64", "48x80", "80x48"])
     assert one != mixed and '"shapes": ["48x80", "64x64", "80x48"]' in mixed
     assert AC.record_key(pipe, s, ["64x64"]) == one  # one shape is the run's own
+    attention8 = dataclasses.replace(s, accel=dataclasses.replace(s.accel, sdpa="fp8"))
+    assert '"sdpa": "fp8"' in AC.record_key(pipe, attention8) and '"sdpa"' not in one  # 8-bit attention: its own
     auto = AC.AutoCompile("k", remaining=lambda: 40, path=tmp_path / "r.json", shapes=3)
     for seconds in (24.0, 20.0):
         auto.observe(auto.settings(_S()), 4, seconds)

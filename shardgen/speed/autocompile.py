@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardgen.cache import default_cache_dir
+from shardgen.speed.sdpa import EIGHT_BIT
 
 log = logging.getLogger("shardgen.compile")
 
@@ -153,6 +154,8 @@ def record_key(pipe: Any, settings: Any, shapes: list[str] | None = None) -> str
                  gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__)
     if shapes and len(shapes) > 1:
         parts["shapes"] = sorted(shapes)
+    if a.sdpa in EIGHT_BIT:  # an 8-bit attention kernel changes both sides' seconds (absent otherwise: the records
+        parts["sdpa"] = a.sdpa  # made before it stay valid)
     return json.dumps(parts, sort_keys=True)
 
 
