@@ -11,6 +11,8 @@
 #   3 step:   one transformer step, fp8 GEMMs with and without the 8-bit attention
 #   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + 8-bit attention; the seed loop on 8 prompts)
 #   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
+#   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
+#        step (a 96-prompt way takes 3-6 minutes); fidelity comes from steps 4-6 (the same first 24 captions)
 set -u
 first=${1:-1} budget=${2:-560}
 deadline=$(( $(date +%s) + budget ))
@@ -51,4 +53,14 @@ step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --step
 step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-attention8 --out "$work/6-flux2_dev"
 step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k every_fp8_path tests/test_gpu_fp8.py
+step 8 flux_dev-96-fp8 480 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
+  --ways fp8 --out "$work/8-flux_dev-96-fp8"
+step 9 flux_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 \
+  --ways fp8-attention8 --out "$work/9-flux_dev-96-attention8"
+step 10 qwen_image-96 500 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 96 --seed-n 8 \
+  --ways fp8,fp8-attention8 --out "$work/10-qwen_image-96"
+step 11 flux2_dev-96-fp8 480 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 --seed-n 8 \
+  --ways fp8 --out "$work/11-flux2_dev-96-fp8"
+step 12 flux2_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 \
+  --ways fp8-attention8 --out "$work/12-flux2_dev-96-attention8"
 echo "== plan done $(date -u +%T)" | tee -a "$log"
