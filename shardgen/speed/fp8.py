@@ -238,10 +238,10 @@ class TpShard:
 def _tp_shard(weight: torch.Tensor) -> TpShard | None:
     """The layout of a tensor-parallel weight (a DTensor sharded over one mesh dimension); None for a plain one.
     AccelError for any other placement: its float8 copy would compute something else."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(weight, DTensor):
+    if type(weight).__name__ != "DTensor":  # checked by name: torch.distributed may be absent from the build
         return None
+    from torch.distributed.tensor import Replicate, Shard
+
     placements = weight.placements
     if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim in (0, 1):
         return TpShard(group=weight.device_mesh.get_group(), rowwise=placements[0].dim == 1)
