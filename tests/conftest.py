@@ -138,6 +138,26 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     _start_from_forkserver(mp.start_processes, fn, args, nprocs)
 
 
+def rank_environment(rank: int, port: int, world_size: int = 2) -> None:
+    """In a process start_ranks started: the environment a launcher gives rank ``rank`` of ``world_size`` on this
+    machine (the gloo world's rendezvous on ``port``)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def join_gloo_world(rank: int, port: int, world_size: int = 2):
+    """``rank_environment``, one CPU thread, the libraries quiet, then the gloo world (parallel.world.World)."""
+    import torch
+
+    from parallel import world as W
+    from shardgen.run.runner import quiet_libraries
+
+    rank_environment(rank, port, world_size)
+    torch.set_num_threads(1)
+    quiet_libraries()
+    return W.init_world("cpu")
+
+
 def start_process(fn, args: tuple):
     """A started ``multiprocessing.Process`` running ``fn(*args)``, forked from start_ranks' forkserver: a job a test
     kills (SIGKILL) mid-run without paying a new interpreter's imports. Its environment is the forkserver's."""

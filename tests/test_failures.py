@@ -15,7 +15,7 @@ from shardgen.dataio.shards.index import committed_samples
 from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.run.tally import BrokenSetupError
 from jobs.generate import run
-from tests.conftest import compose_cfg, start_ranks, write_lines
+from tests.conftest import compose_cfg, rank_environment, start_ranks, write_lines
 from tests.test_generate import shard_images
 
 PROMPTS = ["a cat", "a nan cat", "a dog", "a boom dog", "a bird", "a fish", "a nan fish", "a cow"]
@@ -77,7 +77,6 @@ def test_everything_failing_stops_the_run(tmp_path, monkeypatch):
 
 def _tp_rank(rank: int, cfg_yaml: str, port: int, fail_on_rank1: bool) -> None:
     """Rank ``rank`` of a 2-rank tp job; with ``fail_on_rank1``, rank 1 alone fails on a batch with a 'boom' prompt."""
-    import os
 
     from omegaconf import OmegaConf
 
@@ -87,8 +86,7 @@ def _tp_rank(rank: int, cfg_yaml: str, port: int, fail_on_rank1: bool) -> None:
     # as a launcher=local rank does: when rank 1 fails, the parent ends rank 0 with SIGTERM, and rank 0 still makes
     # its handed-over batch (shard 0) durable before it exits
     stop_on_sigterm()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_environment(rank, port)
     if rank == 1 and fail_on_rank1:
         faulty(pytest.MonkeyPatch(), poison=("boom",))
     run_rank(OmegaConf.create(cfg_yaml))

@@ -6,13 +6,12 @@ in the run's dtype, so no layer would stay float8 while the samples said fp8).""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from parallel.dims import ParallelConfigError
-from tests.conftest import compose_cfg, start_ranks
+from tests.conftest import compose_cfg, join_gloo_world, start_ranks
 
 
 def _rel(x, ref) -> float:
@@ -22,8 +21,6 @@ def _rel(x, ref) -> float:
 def _tp_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: a column shard then a row shard of a small MLP in float8, against the whole layers in
     float8 and exact; then the tiny FLUX pipeline under strategy=tp with fp8, against one process's fp8 images."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import copy
 
     import torch
@@ -35,13 +32,10 @@ def _tp_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     from shardgen.families.flux import fused
     from shardgen.models.loader import load_pipeline, torch_dtype
     from shardgen.run.generation import GenSettings, pipeline_kwargs
-    from shardgen.run.runner import quiet_libraries
     from shardgen.speed import fp8
 
-    torch.set_num_threads(1)
-    quiet_libraries()
+    world = join_gloo_world(rank, port)
     cfg = OmegaConf.create(cfg_yaml)
-    world = W.init_world("cpu")
     result = {}
     with torch.no_grad():
         torch.manual_seed(0)

@@ -4,14 +4,13 @@ about 1/degree of the transformer's weights on each rank; its degrees checked be
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.memory import weights_per_process
-from tests.conftest import compose_cfg, start_ranks
+from tests.conftest import compose_cfg, join_gloo_world, start_ranks
 
 
 def test_fsdp_shape_and_weight_share():
@@ -36,8 +35,6 @@ def test_fsdp_misconfiguration_says_what_to_change(overrides, needle):
 
 def _fsdp_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: the single-process pipeline, then strategy=fsdp strategy.degree=2 from apply_strategy."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     from omegaconf import OmegaConf
 
@@ -46,12 +43,9 @@ def _fsdp_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     from parallel.strategies import apply_strategy, parallel_dims
     from shardgen.models.loader import load_pipeline, torch_dtype
     from shardgen.run.generation import GenSettings, pipeline_kwargs
-    from shardgen.run.runner import quiet_libraries
 
-    torch.set_num_threads(1)
-    quiet_libraries()
+    world = join_gloo_world(rank, port)
     cfg = OmegaConf.create(cfg_yaml)
-    world = W.init_world("cpu")
     settings = GenSettings.from_cfg(cfg)
     prompts, seeds = ["a cat", "an astronaut riding a horse"], [11, 12]
     with torch.no_grad():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import verify_run
-from tests.conftest import compose_cfg, start_ranks
+from tests.conftest import compose_cfg, join_gloo_world, start_ranks
 from tests.test_generate import shard_images
 
 pytestmark = pytest.mark.slow
@@ -48,23 +47,18 @@ def _transformer_inputs(torch):
 def _parity_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     """One of 2 ranks: the single-process reference (with the config's LoRA adapters, as dp applies them), then
     TP-2 and Ulysses-2 built by the strategies."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     from omegaconf import OmegaConf
 
     from shardgen.run.generation import GenSettings, pipeline_kwargs
-    from shardgen.run.runner import quiet_libraries
     from shardgen.models import lora
     from shardgen.models.loader import load_pipeline, torch_dtype
     from parallel import world as W
     from parallel.dims import ParallelDims
     from parallel.strategies import apply_strategy
 
-    torch.set_num_threads(1)
-    quiet_libraries()
+    world = join_gloo_world(rank, port)
     cfg = OmegaConf.create(cfg_yaml)
-    world = W.init_world("cpu")
     settings = GenSettings.from_cfg(cfg)
     prompts, seeds = ["a cat", "an astronaut riding a horse"], [11, 12]
     with torch.no_grad():

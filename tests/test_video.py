@@ -24,7 +24,7 @@ from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.shards.video import check_video_member, decode_video, encode_video, yuv420p
 from shardgen.tools.verify import read_shard_members, verify_run
-from tests.conftest import ROOT, compose_cfg, start_process, start_ranks
+from tests.conftest import ROOT, compose_cfg, rank_environment, start_process, start_ranks
 
 # 32x32, 5 frames (2 latent frames), 2 steps: a batch of 2 videos in well under a second. Lossless (crf 0): a video
 # decodes to the frames the job made, so runs are compared by those frames (see assert_same_videos)
@@ -241,8 +241,7 @@ def test_wan22_dummy_scaled_down_runs_both_experts_through_the_job_path():
 
 def _ulysses_video_rank(rank: int, cfg_yaml: str, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: the tiny video pipeline alone, then split by strategy=cp_ulysses; the largest difference."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_environment(rank, port)
     import torch
     from omegaconf import OmegaConf
 
