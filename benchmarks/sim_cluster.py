@@ -602,7 +602,7 @@ def _replica_threads(indices, run, plan, replicas, batch, gen_s, deadline, kill_
         sink = ShardSink("png", threads=1)
         # a run kept in a bucket commits as the runner's replicas do: the upload (tar, index, then the record, the
         # done marker) is the commit, made on the writer under the claim (ReplicaWorker._committed)
-        uploader = ShardUploader.from_cfg(None, run) if run.store else None
+        uploader = ShardUploader.committing(run, lease_s) if run.store else None
         dead = threading.Event()  # killed on the writer, between the upload and its record
         if uploader is not None and kill_upload_prob:
             index_suffix = shard_index.index_path(run, 0).suffix

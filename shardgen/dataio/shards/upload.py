@@ -111,9 +111,14 @@ class ShardUploader:
         """The run's uploader: to ``output_uri``, or, for a run kept in a bucket, to its own ``shards/`` folder
         there (nothing kept locally); None for a local run without ``output_uri``."""
         if run.store:
-            return cls(run, f"{run.store}/shards/", keep_local=False, lease_s=cfg.lease_s)
+            return cls.committing(run, cfg.lease_s)
         uri = cfg.output_uri
         return cls(run, uri, keep_local=cfg.keep_local, lease_s=cfg.lease_s) if uri else None
+
+    @classmethod
+    def committing(cls, run: RunDir, lease_s: float) -> "ShardUploader":
+        """The uploader of a run kept in a bucket: into its own ``shards/`` folder there, nothing kept locally."""
+        return cls(run, f"{run.store}/shards/", keep_local=False, lease_s=lease_s)
 
     @property
     def commits(self) -> bool:
