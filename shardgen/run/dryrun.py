@@ -139,8 +139,9 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
         if rec is not None:
             rate = rec["per_replica"] * dims.dp
             when = time.strftime("%Y-%m-%d", time.localtime(rec.get("time") or 0))
-            rate_source = (f"the rate recorded for this model, size, steps, device and settings ({rec['per_replica']:.2f} "
-                           f"samples/s per replica, {when}, {rec.get('run_dir')}) x {dims.dp} replica(s)")
+            rate_source = (f"the rate recorded for this model, size, steps, device and settings "
+                           f"({rec['per_replica']:.2f} samples/s per replica, {when}, {rec.get('run_dir')}) x "
+                           f"{dims.dp} replica(s)")
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
     return DryRun(run_dir=run.name, prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
