@@ -24,3 +24,21 @@ def default_attention_backend(device_type: str, needs_lse: bool) -> str:
     """CUDA: cuDNN attention when ring needs the LSE, else native SDPA (faster on one H200, see docs/strategies.md);
     CPU: native."""
     return "_native_cudnn" if device_type == "cuda" and needs_lse else "native"
+
+
+
+def active_backend():
+    """diffusers' process-wide active attention backend, to put back with ``restore_active_backend``: its
+    ``set_attention_backend`` (``strategy.attention_backend``) makes the model's backend the process's too, which
+    every other model without a backend of its own then uses, so a second job in the same process (a notebook's,
+    ``jobs.bench``'s) would inherit the first one's."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return _AttentionBackendRegistry._active_backend
+
+
+def restore_active_backend(backend) -> None:
+    """Put back what ``active_backend`` returned (the models keep the backends set on them)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(backend)

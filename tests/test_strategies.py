@@ -109,8 +109,13 @@ def test_dp_applies_the_configured_attention_backend(tmp_path):
     pipe = dp.apply(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), dims)
     backends = {m.processor._attention_backend for m in pipe.transformer.modules() if hasattr(m, "processor")}
     assert backends == {AttentionBackendName._NATIVE_MATH}
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)  # dp.apply above made it math
     assert run(compose_cfg("strategy.attention_backend=_native_math", f"run_dir={tmp_path / 'run'}", "height=16",
                            "width=16", "steps=1", "progress=false", "prompts.limit=2")).ok == 2
+    # the job's backend was its own: a next job in this process (a notebook's) starts from the process's default
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
 
 
 def test_transformer_without_a_tp_plan(monkeypatch, no_weights, tmp_path):

@@ -46,6 +46,7 @@ from shardgen.models.lora import check_planned as check_planned_adapters, preloa
 from shardgen.models import schedulers
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
+from parallel.attention import active_backend, restore_active_backend
 from parallel.dims import ParallelDims
 from parallel.memory import check_memory
 from parallel.strategies import apply_strategy, plan_layout
@@ -227,6 +228,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     W.share_cpu_threads(world)
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
     started = None
+    backend = active_backend()  # a strategy's attention backend stays this job's
     try:
         layout = plan_layout(cfg, world.world_size)
         dims = layout.dims
@@ -268,6 +270,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         raise
     finally:
         stop_generating(started)
+        restore_active_backend(backend)
         W.shutdown()
         detach_rank_log(rank_log)
 
