@@ -215,20 +215,14 @@ def _(q, k, v, scale):
     return q.new_empty(b, n, h, d).transpose(1, 2)  # the kernel's layout: (batch, tokens, heads, dim) memory
 
 
-def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """The kernel on a call ``takes``: directly in eager code, as ``shardgen::fp8_attention`` while compiling."""
-    if torch.compiler.is_compiling():
-        return _operator(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
-    return attention(q, k, v, scale)
-
-
 def context():
     """Within it, torch SDPA calls the float8 kernel where it takes the call (``takes``), torch's kernels
     elsewhere."""
     from shardgen.speed.sdpa_route import routed_sdpa
 
     # looked up at each call: a test may replace either
-    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: call(q, k, v, scale))
+    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale),
+                       lambda q, k, v, scale: _operator(q, k, v, scale))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

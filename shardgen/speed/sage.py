@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 
@@ -74,16 +73,10 @@ def _(q, k, v, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)  # the package's output: q's shape, contiguous
 
 
-def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """SageAttention on a call ``takes``: directly in eager code, as ``shardgen::sage_attention`` while compiling."""
-    if torch.compiler.is_compiling():
-        return _operator(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
-    return attention(q, k, v, scale)
-
-
 def context():
     """Within it, torch SDPA calls SageAttention where it takes the call (``takes``), torch's kernels elsewhere."""
     from shardgen.speed.sdpa_route import routed_sdpa
 
     # looked up at each call: a test may replace either
-    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: call(q, k, v, scale))
+    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale),
+                       lambda q, k, v, scale: _operator(q, k, v, scale))

@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Callable
 
 import torch
 
 
 @contextlib.contextmanager
-def routed_sdpa(takes: Callable[..., bool], kernel: Callable[..., torch.Tensor]):
+def routed_sdpa(takes: Callable[..., bool], kernel: Callable[..., torch.Tensor],
+                operator: Callable[..., torch.Tensor]):
     """Within it, an SDPA call ``takes(q, k, v, attn_mask=, dropout_p=, is_causal=, enable_gqa=)`` accepts goes to
-    ``kernel(q, k, v, scale)``; torch's SDPA is back in place after it."""
+    ``kernel(q, k, v, scale)`` in eager code, and while dynamo traces to ``operator(q, k, v, scale)``, the kernel as
+    a custom torch operator with the scale resolved (inductor calls it rather than tracing the kernel's Python, so
+    compiled blocks use the same attention); torch's SDPA is back in place after it."""
     original = torch.nn.functional.scaled_dot_product_attention
 
     @functools.wraps(original)
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         if takes(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                  enable_gqa=kw.get("enable_gqa", False)):
+            if torch.compiler.is_compiling():
+                return operator(query, key, value, 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale))
             return kernel(query, key, value, scale)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, **kw)
