@@ -173,6 +173,7 @@ def _check_gate_lpips(cfg: GenerateConfig) -> None:
     (before anything is built: LpipsWeightsError names the key and the file)."""
     from shardgen.pick import pick
     from shardgen.quality.gate import Bounds, load_gate_lpips
+    from shardgen.quality.lpips import MIN_SIDE
 
     _need(cfg.calibrate_max_lpips >= 0, f"calibrate_max_lpips={cfg.calibrate_max_lpips:g}: use a number >= 0 (0 = no "
           "bound)")
@@ -182,8 +183,6 @@ def _check_gate_lpips(cfg: GenerateConfig) -> None:
           "weights/v0.1/alex.pth)")
     _need(not cfg.calibrate_max_lpips or backbone, f"calibrate_max_lpips={cfg.calibrate_max_lpips:g} needs the LPIPS "
           "weight files: set calibrate_lpips_backbone and calibrate_lpips_layers (docs/lossy.md)")
-    from shardgen.quality.lpips import MIN_SIDE
-
     _need(not backbone or min(cfg.height, cfg.width) >= MIN_SIDE, f"LPIPS needs samples of at least {MIN_SIDE}x"
           f"{MIN_SIDE} pixels (AlexNet's first layers), not {cfg.height}x{cfg.width}: leave calibrate_lpips_backbone "
           "and calibrate_lpips_layers unset, or make larger samples")
