@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
-#   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP] [SECONDS]
-# Runs the steps from FIRST_STEP (default 1) while SECONDS (default 560: one call's 600 s less the transfers) last;
+#   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP|STEP,STEP,...] [SECONDS]
+# Runs the steps from FIRST_STEP (default 1), or only the listed ones in the script's order (e.g. 1,4), while SECONDS
+# (default 560: one call's 600 s less the transfers) last;
 # a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
 # output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
 # the device tool's file limits) and the plan's log is $OUT/plan.log. A later call continues from the step the log
@@ -14,7 +15,8 @@
 #   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
 #        step (a 96-prompt way takes 3-6 minutes); fidelity comes from steps 4-6 (the same first 24 captions)
 set -u
-first=${1:-1} budget=${2:-560}
+first=${1:-1} budget=${2:-560} only=""
+case "$first" in *,*) only=",$first," first=1 ;; esac
 deadline=$(( $(date +%s) + budget ))
 out=${OUT:-/tmp/out}
 work=/tmp/lossy
@@ -25,6 +27,7 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
   local n=$1 name=$2 needs=$3
   shift 3
   [ "$n" -lt "$first" ] && return 0
+  [ -n "$only" ] && [ "${only#*,"$n",}" = "$only" ] && return 0
   local left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt "$needs" ]; then
     echo "== step $n $name: not started ($left s left, needs ~$needs s); next call: FIRST_STEP=$n" | tee -a "$log"
@@ -38,7 +41,9 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
   local rc=$?
   tail -n 25 "$work/$n-$name/output.txt" >> "$log"
   echo "== step $n $name: rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$log"
-  tar -czf "$out/lossy.tar.gz" -C /tmp lossy
+  # the figures and logs only: the runs' tars and compile caches would pass the 16 MiB a returned file may have
+  tar -czf "$out/lossy.tar.gz" --exclude='*.tar' --exclude='cache-*' --exclude=seed-cache --exclude=work \
+    --exclude='*.png' --exclude='*.jpg' -C /tmp lossy
 }
 
 step 1 kernel 90 python3 -m pytest -m gpu -o addopts="" -q -x -k float8_attention_kernel tests/test_gpu_fp8.py
