@@ -59,6 +59,21 @@ def test_a_quantised_input_is_taken_as_it_is():
     assert lin(rows).shape == (2, 7, 32)
 
 
+@pytest.mark.parametrize("tokens", [7, 16, 37])
+def test_the_gemm_gets_whole_sixteens_of_rows_and_the_layer_its_own_rows_back(tokens, monkeypatch):
+    """cuBLASLt's row-wise float8 GEMM refuses row counts that are not a multiple of 16 (a prompt's token count)."""
+    lin = layer()
+    x = torch.randn(2, tokens, 64)
+    data, scale = fp8.quantize_rows(x.reshape(-1, 64))
+    direct = torch._scaled_mm(data, lin.weight_fp8.t(), scale_a=scale, scale_b=lin.weight_scale,
+                              out_dtype=torch.float32) + lin.bias
+    seen, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, *args, **kw: seen.append(a.shape[0]) or real(a, *args, **kw))
+    out = lin(x)
+    assert out.shape == (2, tokens, 32) and seen == [-(-2 * tokens // 16) * 16]
+    assert torch.equal(out, direct.reshape(2, tokens, 32))
+
+
 def test_gelu_rows_off_cuda_is_the_gelu():
     h = torch.randn(4, 48)
     assert torch.equal(fp8.gelu_rows(h), torch.nn.functional.gelu(h, approximate="tanh"))

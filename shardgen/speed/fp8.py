@@ -44,6 +44,8 @@ USE_FAST_ACCUM = True
 """``_scaled_mm``'s ``use_fast_accum``: Hopper's float8 tensor cores accumulate without the periodic promotion to
 float32. Measured on an H200 (benchmarks/probe_fp8_step.py): 7-15% faster GEMMs at FLUX's shapes, one transformer
 call's error against bf16 the same to 0.1% (FLUX.1-dev 0.0997 relative RMS either way, FLUX.2-dev 0.427)."""
+ROW_MULTIPLE = 16
+"""Activation rows of a float8 GEMM are padded to a multiple of this (``_padded_rows``)."""
 ONE_PASS_COLS = 16384
 """Rows up to this wide are quantised from registers (one read of the row); wider rows are read twice."""
 
@@ -209,6 +211,19 @@ def _as_rows(x: torch.Tensor | Fp8Rows) -> Fp8Rows:
     return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
 
 
+def _padded_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, scale) with zero rows (scale 1) appended up to a multiple of ``ROW_MULTIPLE`` rows; as they are when
+    already one. cuBLASLt's row-wise float8 GEMM (torch's CUDA 13 builds on Hopper) refuses other row counts with
+    CUBLAS_STATUS_NOT_SUPPORTED: Qwen-Image's text stream has as many rows as the prompt has tokens."""
+    pad = -data.shape[0] % ROW_MULTIPLE
+    if not pad:
+        return data, scale
+    # through uint8: byte 0 is float8 +0.0, and cat/zeros of float8 are not implemented on every backend
+    zeros = data.new_zeros((pad, data.shape[1]), dtype=torch.uint8)
+    data = torch.cat([data.view(torch.uint8), zeros]).view(data.dtype)
+    return data, torch.cat([scale, scale.new_ones((pad, scale.shape[1]))])
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 weight, float32 (1, out) scales) of an (out, in) weight, one scale per output channel, computed
     ``QUANTIZE_ROWS_AT_ONCE`` rows at a time so the float32 temporary stays small."""
@@ -319,8 +334,11 @@ class Float8Linear(torch.nn.Module):
         out_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         has_bias = with_bias and self.bias is not None
         fused = self.bias if has_bias and self.bias.dtype == out_dtype and on_cuda else None
-        out = torch._scaled_mm(rows.data, weight_fp8.t(), scale_a=rows.scale, scale_b=self.weight_scale, bias=fused,
+        data, scale = _padded_rows(rows.data, rows.scale)
+        out = torch._scaled_mm(data, weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale, bias=fused,
                                out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM and on_cuda)
+        if data is not rows.data:
+            out = out[:rows.data.shape[0]]
         if out.dtype != dtype:
             out = out.to(dtype)
         if has_bias and fused is None:
