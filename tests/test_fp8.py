@@ -74,6 +74,45 @@ def test_the_gemm_gets_whole_sixteens_of_rows_and_the_layer_its_own_rows_back(to
     assert torch.equal(out, direct.reshape(2, tokens, 32))
 
 
+def test_a_shape_the_float8_gemm_refuses_is_computed_from_the_float8_values(monkeypatch, caplog):
+    """cuBLASLt's row-wise float8 kernels do not cover every shape: such a layer says so once and still computes."""
+    lin = layer()
+    x = torch.randn(2, 9, 64)
+    expected = lin(x)
+    calls, real = [], torch._scaled_mm
+
+    def refuses(a, *args, **kw):
+        calls.append(a.shape[0])
+        if a.shape[0] == 32:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(`")
+        return real(a, *args, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    monkeypatch.setattr(fp8, "_REFUSED", set())
+    with caplog.at_level("WARNING", logger="shardgen.accel"):
+        first, second = lin(x), lin(x)
+    assert calls == [32]  # tried once; the second call goes straight to the dequantised product
+    assert rel(first, expected) < 1e-5 and torch.equal(first, second)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8: the float8 GEMM refused 32 rows x 64 -> 32 on this GPU (CUDA error: CUBLAS_STATUS_NOT_SUPPORTED); "
+        "products of this shape are computed from the dequantised float8 values instead (same result, bf16 speed)"]
+    assert lin(torch.randn(4, 8, 64)).shape == (4, 8, 32) and calls == [32]  # 32 rows again: not tried again
+    assert lin(torch.randn(3, 16, 64)).shape == (3, 16, 32) and calls == [32, 48]  # another shape is tried
+
+
+def test_qwen_image_s_modulation_layers_stay_bf16():
+    """Qwen-Image's img_mod/txt_mod (SiLU then Linear, one row per sample) like FLUX's norm1.linear: not converted."""
+    from diffusers import QwenImageTransformer2DModel
+
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(4, 6, 6))
+    assert fp8.enable_fp8(transformer) == 12
+    block = transformer.transformer_blocks[0]
+    assert type(block.img_mod[1]) is torch.nn.Linear and type(block.txt_mod[1]) is torch.nn.Linear
+    assert isinstance(block.attn.to_q, fp8.Float8Linear) and isinstance(block.img_mlp.net[2], fp8.Float8Linear)
+
+
 def test_gelu_rows_off_cuda_is_the_gelu():
     h = torch.randn(4, 48)
     assert torch.equal(fp8.gelu_rows(h), torch.nn.functional.gelu(h, approximate="tanh"))

@@ -23,6 +23,7 @@ is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-proje
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from shardgen.pick import pick
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.techniques import AccelError, AccelOptions
 from shardgen.speed.techniques import Step, Technique, register_technique
+
+log = logging.getLogger("shardgen.accel")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANTIZE_ROWS_AT_ONCE = 4096
@@ -239,6 +242,34 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t().contiguous()
 
 
+_REFUSED: set[tuple] = set()
+"""GEMM shapes (rows, in, out) the float8 GEMM refused in this process (eagerly): computed from dequantised operands."""
+
+
+def _float8_mm(data: torch.Tensor, scale: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_mm`` of float8 rows and an (out, in) float8 weight. A shape the GEMM refuses
+    (CUBLAS_STATUS_NOT_SUPPORTED: cuBLASLt's row-wise float8 kernels do not cover every shape on every CUDA and GPU)
+    is said once and computed in ``out_dtype`` from the dequantised operands: the same products, at bf16 speed,
+    instead of failing every batch."""
+    shape = (data.shape[0], data.shape[1], weight_fp8.shape[0])
+    compiling = torch.compiler.is_compiling()
+    if compiling or shape not in _REFUSED:
+        try:
+            return torch._scaled_mm(data, weight_fp8.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
+                                    out_dtype=out_dtype, use_fast_accum=fast_accum)
+        except RuntimeError as e:
+            if compiling or "NOT_SUPPORTED" not in str(e):
+                raise
+            _REFUSED.add(shape)
+            log.warning("fp8: the float8 GEMM refused %d rows x %d -> %d on this GPU (%s); products of this shape are "
+                        "computed from the dequantised float8 values instead (same result, bf16 speed)",
+                        *shape, str(e).split(" when calling")[0])
+    # float8 values are exact in bf16: the products are the GEMM's, scaled afterwards in float32 as it does
+    out = torch.nn.functional.linear(data.to(out_dtype), weight_fp8.to(out_dtype)).float() * scale * weight_scale
+    return (out if bias is None else out + bias).to(out_dtype)
+
+
 @dataclass(frozen=True)
 class TpShard:
     """A tensor-parallel layer's place in its group (torch's ColwiseParallel / RowwiseParallel, as diffusers'
@@ -335,8 +366,7 @@ class Float8Linear(torch.nn.Module):
         has_bias = with_bias and self.bias is not None
         fused = self.bias if has_bias and self.bias.dtype == out_dtype and on_cuda else None
         data, scale = _padded_rows(rows.data, rows.scale)
-        out = torch._scaled_mm(data, weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale, bias=fused,
-                               out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM and on_cuda)
+        out = _float8_mm(data, scale, weight_fp8, self.weight_scale, fused, out_dtype, USE_FAST_ACCUM and on_cuda)
         if data is not rows.data:
             out = out[:rows.data.shape[0]]
         if out.dtype != dtype:
@@ -357,11 +387,23 @@ class Float8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn row-wise{shard}"
 
 
+def _modulation_linears(block: torch.nn.Module) -> set[str]:
+    """Names of a block's adaLN modulation linears, which stay bf16: FLUX's (inside a ``norm*`` module) and Qwen-Image's
+    (``img_mod``/``txt_mod``: ``SiLU`` then ``Linear``). They take one row per sample (the timestep embedding), where
+    float8 saves nothing, and every activation of the block is scaled by what they make."""
+    names = {name for name, mod in block.named_modules() if isinstance(mod, torch.nn.Linear) and "norm" in name}
+    for name, mod in block.named_modules():
+        if isinstance(mod, torch.nn.Sequential) and len(mod) >= 2 and isinstance(mod[0], torch.nn.SiLU):
+            names.update(f"{name}.{i}" if name else str(i) for i, m in enumerate(mod) if isinstance(m, torch.nn.Linear))
+    return names
+
+
 def _fp8_candidates(transformer: torch.nn.Module):
     """(parent, attribute, linear) for each block linear worth quantising."""
     for block in repeated_blocks(transformer):
+        modulation = _modulation_linears(block)
         for name, mod in block.named_modules():
-            if not isinstance(mod, torch.nn.Linear) or "norm" in name:  # adaLN modulation stays bf16
+            if not isinstance(mod, torch.nn.Linear) or name in modulation:
                 continue
             if mod.in_features % 16 or mod.out_features % 16:  # _scaled_mm's shape rule
                 continue
