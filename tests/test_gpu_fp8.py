@@ -12,6 +12,23 @@ from shardgen.speed import fp8
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def run_job(cfg):
+    """``jobs.generate.run(cfg)``; a job that raises fails the test with its one-line error, its traceback dropped: the
+    frames it holds keep the job's pipeline on the GPU, and the next tests of this process (a model each) would find
+    an 80 GB card full and fail its memory check instead of testing their own path."""
+    import gc
+
+    from jobs.generate import run
+
+    try:
+        return run(cfg)
+    except Exception as e:  # noqa: BLE001 - reported below, without the frames
+        message = f"{type(e).__name__}: {e}"
+    gc.collect()
+    torch.cuda.empty_cache()
+    pytest.fail(message, pytrace=False)
+
+
 @pytest.mark.parametrize("rows, cols", [(1, 64), (4608 * 2, 3072), (77, 15360), (300, 18432), (5, 1040)])
 def test_triton_row_quantisation_matches_the_torch_ops(rows, cols):
     g = torch.Generator(device="cuda").manual_seed(rows + cols)
@@ -168,16 +185,15 @@ def test_fp8_job_with_its_calibration_on_each_model(tmp_path, model):
     import gc
     import json
 
-    from jobs.generate import run
     from shardgen.dataio.prompts.plan import load_plan
     from shardgen.dataio.rundir.layout import RunDir
     from shardgen.tools.verify import verify_run
     from tests.conftest import compose_cfg
 
     try:
-        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "steps=4",
-                            "prompts.limit=6", "batch_size=2", "progress=false", "fp8=true", "calibrate_samples=2",
-                            f"calibrate_min_psnr={FP8_FLOOR_DB[model]}"))
+        r = run_job(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "steps=4",
+                                "prompts.limit=6", "batch_size=2", "progress=false", "fp8=true", "calibrate_samples=2",
+                                f"calibrate_min_psnr={FP8_FLOOR_DB[model]}"))
         assert (r.ok, r.failed, r.complete) == (6, 0, True)
         assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
         record = json.loads((tmp_path / "run" / "calibration.json").read_text())
@@ -213,7 +229,6 @@ def lossless_runs(tmp_path_factory):
 def test_every_fp8_path_makes_every_sample_within_its_bound(tmp_path, lossless_runs, model, way):
     import gc
 
-    from jobs.generate import run
     from shardgen.dataio.prompts.plan import load_plan
     from shardgen.dataio.rundir.layout import RunDir
     from shardgen.quality.compare import compare_runs
@@ -230,9 +245,9 @@ def test_every_fp8_path_makes_every_sample_within_its_bound(tmp_path, lossless_r
     reference = lossless_runs["dir"] / model
     try:
         if model not in lossless_runs["made"]:
-            assert run(compose_cfg(f"run_dir={reference}", *common, "compile=false")).ok == 6
+            assert run_job(compose_cfg(f"run_dir={reference}", *common, "compile=false")).ok == 6
             lossless_runs["made"].add(model)
-        r = run(compose_cfg(f"run_dir={tmp_path / 'run'}", *common, *FP8_WAYS[way]))
+        r = run_job(compose_cfg(f"run_dir={tmp_path / 'run'}", *common, *FP8_WAYS[way]))
         assert (r.ok, r.failed, r.complete) == (6, 0, True)
         assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
         s = compare_runs(RunDir(tmp_path / "run"), RunDir(reference)).summary()
