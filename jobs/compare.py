@@ -70,6 +70,9 @@ def compare(args, plan) -> int:
     from shardgen.quality.compare import compare_runs
 
     reference = plan_for_tool(args.reference)
+    if same_run(plan.run, reference.run):
+        raise UserError(f"{plan.run.name} is compared with itself: every figure would be exact. Give the run made "
+                        "with the lossy setting first and the lossless run of the same prompts second")
     lpips, clip = load_models(args)
     result = compare_runs(plan.run, reference.run, lpips, clip)
     summary = result.to_json(plan.run.compare_samples_path.name)
@@ -79,6 +82,13 @@ def compare(args, plan) -> int:
     wrote = [f"wrote {share_output(run, path)}" for path in (run.compare_path, run.compare_samples_path)]
     print(json.dumps(summary) if args.json else "\n".join([result.line(), *wrote]))  # a bucket run's: there too
     return 1 if below(result.summary(), args.min_psnr, args.min_ssim, sys.stderr, args.max_lpips) else 0
+
+
+def same_run(run, reference) -> bool:
+    """Whether two ``RunDir``s are one run: the same bucket URL, or the same directory (through links too)."""
+    if run.store or reference.store:
+        return run.store == reference.store
+    return run.root.resolve() == reference.root.resolve()
 
 
 def load_models(args):

@@ -279,6 +279,14 @@ def _members(seed: int, meta: dict, media: bytes | None = None) -> dict:
     return {"json": json.dumps(meta).encode(), "png": media}
 
 
+def test_a_run_compared_with_itself_is_refused_in_one_line(runs, tmp_path, capsys):
+    (tmp_path / "link").symlink_to(runs / "fp8")
+    for reference in (runs / "fp8", tmp_path / "link"):
+        assert jobs.compare.main([str(runs / "fp8"), str(reference)]) == 2
+        err = capsys.readouterr().err
+        assert f"{runs / 'fp8'} is compared with itself" in err and "Traceback" not in err
+
+
 def test_samples_in_one_run_only_or_not_decodable_are_counted_missing_not_compared():
     from shardgen.quality.compare import compare_samples
 
