@@ -77,13 +77,13 @@ def test_the_gemm_gets_whole_sixteens_of_rows_and_the_layer_its_own_rows_back(to
 def test_a_shape_the_float8_gemm_refuses_is_computed_from_the_float8_values(monkeypatch, caplog):
     """cuBLASLt's row-wise float8 kernels do not cover every shape: such a layer says so once and still computes."""
     lin = layer()
-    x = torch.randn(2, 9, 64)
-    expected = lin(x)
+    x, x80 = torch.randn(2, 9, 64), torch.randn(5, 16, 64)
+    expected, expected80 = lin(x), lin(x80)
     calls, real = [], torch._scaled_mm
 
     def refuses(a, *args, **kw):
         calls.append(a.shape[0])
-        if a.shape[0] == 32:
+        if a.shape[0] in (32, 80):
             raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(`")
         return real(a, *args, **kw)
 
@@ -95,9 +95,13 @@ def test_a_shape_the_float8_gemm_refuses_is_computed_from_the_float8_values(monk
     assert rel(first, expected) < 1e-5 and torch.equal(first, second)
     assert [r.getMessage() for r in caplog.records] == [
         "fp8: the float8 GEMM refused 32 rows x 64 -> 32 on this GPU (CUDA error: CUBLAS_STATUS_NOT_SUPPORTED); "
-        "products of this shape are computed from the dequantised float8 values instead (same result, bf16 speed)"]
+        "products of the shapes it refuses are computed from the dequantised float8 values instead (same result, "
+        "bf16 speed)"]
     assert lin(torch.randn(4, 8, 64)).shape == (4, 8, 32) and calls == [32]  # 32 rows again: not tried again
     assert lin(torch.randn(3, 16, 64)).shape == (3, 16, 32) and calls == [32, 48]  # another shape is tried
+    with caplog.at_level("WARNING", logger="shardgen.accel"):
+        # 80 rows: refused too, computed, not said again
+        assert rel(lin(x80), expected80) < 1e-5 and calls == [32, 48, 80] and len(caplog.records) == 1
 
 
 def test_qwen_image_s_modulation_layers_stay_bf16():

@@ -261,10 +261,11 @@ def _float8_mm(data: torch.Tensor, scale: torch.Tensor, weight_fp8: torch.Tensor
         except RuntimeError as e:
             if compiling or "NOT_SUPPORTED" not in str(e):
                 raise
+            say = log.debug if _REFUSED else log.warning  # once a process: a prompt's length makes a new shape
             _REFUSED.add(shape)
-            log.warning("fp8: the float8 GEMM refused %d rows x %d -> %d on this GPU (%s); products of this shape are "
-                        "computed from the dequantised float8 values instead (same result, bf16 speed)",
-                        *shape, str(e).split(" when calling")[0])
+            say("fp8: the float8 GEMM refused %d rows x %d -> %d on this GPU (%s); products of the shapes it refuses "
+                "are computed from the dequantised float8 values instead (same result, bf16 speed)",
+                *shape, str(e).split(" when calling")[0])
     # float8 values are exact in bf16: the products are the GEMM's, scaled afterwards in float32 as it does
     out = torch.nn.functional.linear(data.to(out_dtype), weight_fp8.to(out_dtype)).float() * scale * weight_scale
     return (out if bias is None else out + bias).to(out_dtype)
