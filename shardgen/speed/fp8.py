@@ -216,8 +216,8 @@ def _as_rows(x: torch.Tensor | Fp8Rows) -> Fp8Rows:
 
 def _padded_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale) with zero rows (scale 1) appended up to a multiple of ``ROW_MULTIPLE`` rows; as they are when
-    already one. cuBLASLt's row-wise float8 GEMM (torch's CUDA 13 builds on Hopper) refuses other row counts with
-    CUBLAS_STATUS_NOT_SUPPORTED: Qwen-Image's text stream has as many rows as the prompt has tokens."""
+    already one. ``_scaled_mm`` is specified for sizes divisible by 16 (cuBLASLt may answer others with
+    CUBLAS_STATUS_NOT_SUPPORTED), and Qwen-Image's text stream has as many rows as the prompt has tokens."""
     pad = -data.shape[0] % ROW_MULTIPLE
     if not pad:
         return data, scale
@@ -250,21 +250,25 @@ def _float8_mm(data: torch.Tensor, scale: torch.Tensor, weight_fp8: torch.Tensor
                bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """``torch._scaled_mm`` of float8 rows and an (out, in) float8 weight. A shape the GEMM refuses
     (CUBLAS_STATUS_NOT_SUPPORTED: cuBLASLt's row-wise float8 kernels do not cover every shape on every CUDA and GPU)
-    is said once and computed in ``out_dtype`` from the dequantised operands: the same products, at bf16 speed,
-    instead of failing every batch."""
+    is said once and computed in ``out_dtype`` from the dequantised operands (the same float8 values, at bf16
+    speed) instead of failing every batch."""
+    def gemm():
+        return torch._scaled_mm(data, weight_fp8.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+    if torch.compiler.is_compiling():  # traced: no try block in the graph (nothing fails while tracing)
+        return gemm()
     shape = (data.shape[0], data.shape[1], weight_fp8.shape[0])
-    compiling = torch.compiler.is_compiling()
-    if compiling or shape not in _REFUSED:
+    if shape not in _REFUSED:
         try:
-            return torch._scaled_mm(data, weight_fp8.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
-                                    out_dtype=out_dtype, use_fast_accum=fast_accum)
+            return gemm()
         except RuntimeError as e:
-            if compiling or "NOT_SUPPORTED" not in str(e):
+            if "NOT_SUPPORTED" not in str(e):
                 raise
             say = log.debug if _REFUSED else log.warning  # once a process: a prompt's length makes a new shape
             _REFUSED.add(shape)
             say("fp8: the float8 GEMM refused %d rows x %d -> %d on this GPU (%s); products of the shapes it refuses "
-                "are computed from the dequantised float8 values instead (same result, bf16 speed)",
+                "are computed from the dequantised float8 values instead (the same values, at bf16 speed)",
                 *shape, str(e).split(" when calling")[0])
     # float8 values are exact in bf16: the products are the GEMM's, scaled afterwards in float32 as it does
     out = torch.nn.functional.linear(data.to(out_dtype), weight_fp8.to(out_dtype)).float() * scale * weight_scale
@@ -389,13 +393,14 @@ class Float8Linear(torch.nn.Module):
 
 
 def _modulation_linears(block: torch.nn.Module) -> set[str]:
-    """Names of a block's adaLN modulation linears, which stay bf16: FLUX's (inside a ``norm*`` module) and Qwen-Image's
-    (``img_mod``/``txt_mod``: ``SiLU`` then ``Linear``). They take one row per sample (the timestep embedding), where
-    float8 saves nothing, and every activation of the block is scaled by what they make."""
+    """Names of a block's adaLN modulation linears, which stay bf16: FLUX's (inside a ``norm*`` module) and
+    Qwen-Image's (``img_mod``/``txt_mod``: ``SiLU`` then ``Linear``). They take one row per sample (the timestep
+    embedding), where float8 saves nothing, and every activation of the block is scaled by what they make."""
     names = {name for name, mod in block.named_modules() if isinstance(mod, torch.nn.Linear) and "norm" in name}
     for name, mod in block.named_modules():
         if isinstance(mod, torch.nn.Sequential) and len(mod) >= 2 and isinstance(mod[0], torch.nn.SiLU):
-            names.update(f"{name}.{i}" if name else str(i) for i, m in enumerate(mod) if isinstance(m, torch.nn.Linear))
+            names.update(f"{name}.{i}" if name else str(i)
+                         for i, m in enumerate(mod) if isinstance(m, torch.nn.Linear))
     return names
 
 

@@ -39,9 +39,9 @@ LOG2_E = 1.4426950408889634
 # log2 of the probabilities' scale: the largest becomes 448 (exp2's rounding stays within half of e4m3's step there)
 LOG2_P_SCALE = math.log2(FP8_MAX)
 PAD = 128  # the quantised tensors' token count is padded to a multiple of the largest tile, so tiles load unmasked
-# tile sizes per head size (benchmarks/probe_fp8_attention.py --tiles times the others). 128: the fastest of the grid
-# at FLUX.1-dev's shape on an H100 (1.82 ms against 2.08 ms for 128x128 on 8 warps; docs/lossy.md); 64: FlashAttention's
-# usual Hopper tile, not yet timed on a GPU
+# tile sizes per head size (benchmarks/probe_fp8_attention.py --tiles times the others). 128: the fastest of the
+# grid at FLUX.1-dev's shape on an H100 (1.82 ms against 2.08 ms for 128x128 on 8 warps; docs/lossy.md); 64:
+# FlashAttention's usual Hopper tile, not yet timed on a GPU
 TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
          128: dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)}
 
