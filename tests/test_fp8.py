@@ -104,6 +104,15 @@ def test_a_shape_the_float8_gemm_refuses_is_computed_from_the_float8_values(monk
         assert rel(lin(x80), expected80) < 1e-5 and calls == [32, 48, 80] and len(caplog.records) == 1
 
 
+def test_a_float8_layer_compiles_in_one_graph_at_any_token_count():
+    """Compiled blocks trace the layer whole (the padding and the GEMM; no refused-shape try block in the graph)."""
+    lin = layer()
+    x = torch.randn(2, 9, 64)
+    compiled = torch.compile(lin, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x), lin(x))
+    assert compiled(torch.randn(3, 16, 64)).shape == (3, 16, 32)
+
+
 def test_qwen_image_s_modulation_layers_stay_bf16():
     """Qwen-Image's img_mod/txt_mod (SiLU then Linear, one row per sample) like FLUX's norm1.linear: not converted."""
     from diffusers import QwenImageTransformer2DModel
