@@ -15,6 +15,8 @@
 #   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
 #   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
 #        step (a 96-prompt way takes 3-6 minutes); fidelity comes from steps 4-6 (the same first 24 captions)
+# Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
+# an estimate where it has not run whole.
 set -u
 first=${1:-1} budget=${2:-560} only=""
 case "$first" in *,*) only=",$first," first=1 ;; esac
@@ -47,14 +49,14 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
     --exclude='*.png' --exclude='*.jpg' -C /tmp lossy
 }
 
-step 1 kernel 90 python3 -m pytest -m gpu -o addopts="" -q -s \
+step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "float8_attention_kernel or token_count or float8_linear" \
   tests/test_gpu_fp8.py
-step 2 tiles 150 python3 benchmarks/probe_fp8_attention.py --tiles --tile-shapes flux_dev --iters 10 \
+step 2 tiles 60 python3 benchmarks/probe_fp8_attention.py --tiles --tile-shapes flux_dev --iters 10 \
   --out "$work/2-tiles/probe_fp8_attention.json"
-step 3 step 150 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
+step 3 step 60 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
   --ways fp8_fast_accum,fp8_attention --out "$work/3-step/probe_fp8_step.json"
-step 4 flux_dev 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
+step 4 flux_dev 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-attention8 --out "$work/4-flux_dev"
 step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-attention8 --out "$work/5-qwen_image"
@@ -67,7 +69,7 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n $flux2_seed \
   "${flux2_set[@]}" --ways bf16,fp8,fp8-attention8 --out "$work/6-flux2_dev"
 step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k every_fp8_path tests/test_gpu_fp8.py
-step 8 flux_dev-96-fp8 480 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
+step 8 flux_dev-96-fp8 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
   --ways fp8 --out "$work/8-flux_dev-96-fp8"
 step 9 flux_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 \
   --ways fp8-attention8 --out "$work/9-flux_dev-96-attention8"
