@@ -61,7 +61,8 @@ def test_a_quantised_input_is_taken_as_it_is():
 
 @pytest.mark.parametrize("tokens", [7, 16, 37])
 def test_the_gemm_gets_whole_sixteens_of_rows_and_the_layer_its_own_rows_back(tokens, monkeypatch):
-    """cuBLASLt's row-wise float8 GEMM refuses row counts that are not a multiple of 16 (a prompt's token count)."""
+    """``_scaled_mm`` is specified for sizes divisible by 16; a layer's rows are a prompt's token count times the
+    batch."""
     lin = layer()
     x = torch.randn(2, tokens, 64)
     data, scale = fp8.quantize_rows(x.reshape(-1, 64))

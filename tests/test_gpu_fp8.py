@@ -85,7 +85,8 @@ def test_eager_float8_linear_matches_the_torch_path_with_bias_fused():
 
 @pytest.mark.parametrize("tokens", [37, 211, 512])
 def test_a_float8_linear_takes_any_token_count(tokens):
-    """Qwen-Image's text stream has the prompt's token count as rows; cuBLASLt's row-wise GEMM takes only whole 16s."""
+    """Qwen-Image's text stream has the prompt's token count as rows; ``_scaled_mm`` is specified for sizes divisible
+    by 16."""
     torch.manual_seed(tokens)
     lin = torch.nn.Linear(3072, 3072, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(3, tokens, 3072, device="cuda", dtype=torch.bfloat16)
