@@ -146,7 +146,8 @@ def choose(x: AutoInputs) -> tuple[ParallelDims, list[str]]:
             return cp, why
     if x.resident_transformer_bytes + act <= budget and x.transformer_bytes <= budget and x.can_stage:
         why.append(f"the transformer fits one GPU but not with the text encoders ({_gib(max(weights + act, loading))} "
-                   f"> {_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode)")
+                   f"> {_gib(budget)}): device_map on 1 GPU, staged (encode, offload the encoders, denoise, decode; an "
+                   "encoder too large to sit beside the transformer is streamed in layer by layer)")
         return _pick(x, "device_map", gpus_per_replica=1), why
     why.append(f"the transformer alone ({_gib(x.transformer_bytes)} + activations) does not fit one GPU")
     if x.world_size > 1 and x.has_tp_plan:

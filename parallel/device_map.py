@@ -4,6 +4,9 @@ The transformer is loaded with ``device_map="balanced"`` and ``max_memory`` over
 (accelerate splits its blocks and moves activations between them); the VAE goes on the first GPU;
 each text encoder stays resident on a GPU when it fits next to the transformer, and otherwise follows
 the staged flow of diffusers' distributed-inference guide, per batch: encode the prompts, offload the encoders, denoise, decode.
+An offloaded encoder that does not fit beside the transformer even for the encoding (FLUX.2-dev's 24B Mistral beside
+its transformer on an 80 GB card) is streamed instead: diffusers' group offloading moves its layers in one by one,
+on a side stream, while the previous one computes.
 ``StagedPipeline`` does that behind the pipeline's own ``__call__`` contract.
 """
 
@@ -51,7 +54,11 @@ class StagedPipeline:
     device: torch.device
     """Where the encoders run and the pipeline computes (the replica's first GPU)."""
     offloaded: list[str] = field(default_factory=list)
-    """Encoders kept on the CPU and moved to ``device`` for each batch's encoding."""
+    """Encoders kept on the CPU and brought to ``device`` for each batch's encoding: moved whole where they fit beside
+    what the GPU holds then, else streamed layer by layer (decided at the first batch: fp8 shrinks the transformer
+    after the encoders are placed)."""
+    streamed: list[str] = field(default_factory=list)
+    """The offloaded encoders that are streamed (group offloading hooks installed: never moved whole)."""
 
     def __post_init__(self):
         family = family_of(self.pipe)  # encode_prompt's outputs, in order, as the pipeline's __call__ names them
@@ -102,15 +109,59 @@ class StagedPipeline:
 
     @contextlib.contextmanager
     def _encoders_on_device(self) -> Iterator[None]:
-        for name in self.offloaded:
+        if not self._decided:
+            self._stream_what_does_not_fit()
+        moved = [n for n in self.offloaded if n not in self.streamed]
+        for name in moved:
             getattr(self.pipe, name).to(self.device)
         try:
             yield
         finally:
-            for name in self.offloaded:
+            for name in moved:
                 getattr(self.pipe, name).to("cpu")
-            if self.offloaded and self.device.type == "cuda":
+            if moved and self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    _decided = False
+
+    def _stream_what_does_not_fit(self) -> None:
+        """Install streaming on each offloaded encoder too large for what the GPU has free now (once)."""
+        self._decided = True
+        if self.device.type != "cuda" or not self.offloaded:
+            return
+        free = free_bytes(self.device) - torch.cuda.get_device_properties(self.device).total_memory * RESERVE_FRACTION
+        sizes = {n: _module_bytes(getattr(self.pipe, n)) for n in self.offloaded}
+        for name in stream_plan(sizes, int(free)):
+            stream_encoder(getattr(self.pipe, name), self.device)
+            self.streamed.append(name)
+            log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB free): "
+                     "streamed layer by layer for each batch's encoding", name, sizes[name] / GiB, free / GiB)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes free on a GPU to this process: free on the card plus what its caching allocator holds unused."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def stream_plan(sizes: dict[str, int], free: int) -> list[str]:
+    """The encoders to stream (pure): the largest first while the ones left moved whole together exceed ``free``
+    (they are moved in together for a batch's encoding)."""
+    streamed, left = [], dict(sizes)
+    while left and sum(left.values()) > free:
+        largest = max(left, key=left.get)
+        streamed.append(largest)
+        del left[largest]
+    return streamed
+
+
+def stream_encoder(module: torch.nn.Module, device: torch.device) -> None:
+    """diffusers' group offloading at leaf level on a side stream: the weights stay in pinned CPU memory and each
+    layer's are copied in while the previous layer computes."""
+    from diffusers.hooks import apply_group_offloading
+
+    apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
+                           use_stream=True)
 
 
 def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:
@@ -139,8 +190,11 @@ def _module_bytes(module: torch.nn.Module) -> int:
 def _load(cfg: GenerateConfig, gpus: list[int], caps: dict[int, int]) -> Any:
     """The pipeline with its transformer spread over ``gpus``; the other components still on the CPU."""
     dtype = torch_dtype(cfg.dtype)
-    if cfg.model.weights == "dummy":  # validation allows one GPU only: build everything there
-        return load_pipeline(cfg.model, dtype, torch.device("cuda", gpus[0]))
+    if cfg.model.weights == "dummy":  # validation allows one GPU only: built there, the text encoders moved off it
+        from shardgen.models.dummy import build_dummy_pipeline
+
+        return build_dummy_pipeline(cfg.model.name, torch.device("cuda", gpus[0]), dtype, pipeline=cfg.model.pipeline,
+                                    encoders_on_cpu=True)
     transformer = load_transformer(cfg.model, dtype, "", device_map="balanced", max_memory=caps)
     placed = {str(d) for d in (getattr(transformer, "hf_device_map", None) or {}).values()}
     off = sorted(placed - {str(g) for g in gpus})
@@ -228,7 +282,9 @@ class DeviceMap(Strategy):
                  f"strategy=dp, tp or fsdp for this model. device_map runs {stageable()}")
 
     def weights_bytes(self, transformer: int, others: int, dtype_bytes: int, dims: ParallelDims) -> int:
-        return (transformer + others) * dtype_bytes // max(1, dims.gpus_per_replica)
+        # the transformer's share: the text encoders live on the CPU when they do not fit beside it (moved in or
+        # streamed for each batch's encoding), the VAE is within the memory check's headroom
+        return transformer * dtype_bytes // max(1, dims.gpus_per_replica)
 
     def apply(self, cfg: GenerateConfig, world: World, dims: ParallelDims) -> StagedPipeline:
         return apply(cfg, world, dims)

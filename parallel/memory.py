@@ -64,14 +64,14 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
     kind = dims.kind
     split = "" if kind.splits_transformer or kind.spans_gpus_in_one_process else (
         " or split the transformer over several GPUs (strategy=tp tp_degree=N, strategy=device_map)")
+    bigger = "a GPU with more memory" if where.startswith("GPU") else "a device with more memory (device=cuda)"
     if fused_whole:
         split = (" (with model.loras each tp rank fuses the adapters into the whole transformer before sharding it), "
                  "or strategy=device_map")
     return (f"model={cfg.model.name} (weights={cfg.model.weights}, dtype={cfg.dtype}) needs ~{need / GiB:.1f} GiB "
             f"for its weights in each process ({sum(params.values()) / 1e9:.1f}B parameters, strategy "
-            f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use a device with more "
-            f"memory (device=cuda){split}, fewer ranks per machine, a smaller model (model=tiny), or "
-            "check_memory=false to try anyway")
+            f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use {bigger}{split}, fewer "
+            "ranks per machine, a smaller model (model=tiny), or check_memory=false to try anyway")
 
 
 def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> None:

@@ -42,6 +42,27 @@ def test_flux_dev_dummy_runs_on_one_gpu(tmp_path, strategy):
     assert rep.ok, rep.defects
 
 
+def test_device_map_streams_an_encoder_that_does_not_fit_and_makes_the_same_pixels(tmp_path, monkeypatch):
+    """strategy=device_map with no room left to move the text encoders in (the free memory made 0): both are streamed
+    layer by layer for the encoding, and every sample equals the run whose encoders were moved in whole; the dummy
+    build keeps the encoders on the CPU."""
+    import parallel.device_map as device_map
+    from shardgen.quality.compare import compare_runs
+
+    common = (*SMALL, "strategy=device_map", "strategy.gpus_per_replica=1")
+    whole = run(compose_cfg(f"run_dir={tmp_path / 'whole'}", *common))
+    assert (whole.ok, whole.complete) == (4, True)
+    built: list = []
+    real = device_map.StagedPipeline.__post_init__
+    monkeypatch.setattr(device_map.StagedPipeline, "__post_init__", lambda self: (built.append(self), real(self))[1])
+    monkeypatch.setattr(device_map, "free_bytes", lambda device: 0)
+    streamed = run(compose_cfg(f"run_dir={tmp_path / 'streamed'}", *common))
+    assert (streamed.ok, streamed.failed, streamed.complete) == (4, 0, True)
+    assert sorted(built[0].streamed) == ["text_encoder", "text_encoder_2"]
+    s = compare_runs(RunDir(tmp_path / "streamed"), RunDir(tmp_path / "whole")).summary()
+    assert s["compared"] == 4 and s["psnr_db"]["worst"] == float("inf"), s
+
+
 @pytest.mark.parametrize("heads, dim, parts", [(24, 128, (512, 4096)), (6, 64, (7, 93)), (3, 128, (37,))])
 def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     """The Triton q/k RMSNorm+RoPE kernel against diffusers' eager ops, in bf16, at FLUX's shapes and at

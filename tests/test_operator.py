@@ -265,6 +265,11 @@ def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_wha
     assert memory_problem(cfg, dp, flux, 2, 40 << 30, "the CPU") is None
     tp4 = ParallelDims(world_size=4, strategy="tp", tp=4)  # the transformer split 4 ways: 14.8 GiB per rank
     assert memory_problem(cfg, tp4, flux, 2, 20 << 30, "GPU 0") is None
+    # device_map holds the transformer on the GPU; the encoders live on the CPU when they do not fit beside it
+    one_gpu = ParallelDims(world_size=1, strategy="device_map", gpus_per_replica=1)
+    assert memory_problem(cfg, one_gpu, flux, 2, 25 << 30, "GPU 0") is None
+    msg = memory_problem(cfg, one_gpu, flux, 2, 20 << 30, "GPU 0")
+    assert "needs ~22.2 GiB" in msg and "Use a GPU with more memory, fewer ranks" in msg
 
 
 def test_the_memory_check_runs_before_the_model_is_built(tmp_path, monkeypatch):

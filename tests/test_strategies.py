@@ -385,6 +385,7 @@ def test_staged_pipeline_gives_the_pipelines_pixels():
         ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a dog"], [1, 2])).images
         theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2])).images
         assert ours.shape == (2, 3, 32, 32) and torch.equal(ours, theirs)
+    assert staged.streamed == []  # on the CPU the encoders are where they compute: nothing to stream
 
 
 def test_staged_pipeline_passes_the_rows_input_images_and_strength():
@@ -424,6 +425,21 @@ def test_device_map_helpers():
     assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 40 * GiB, 1: 40 * GiB}) == \
         {"text_encoder_2": 0, "text_encoder": 1}
     assert memory_caps({}, []) == {}
+
+
+def test_an_encoder_too_large_to_move_in_beside_the_transformer_is_streamed():
+    """FLUX.2-dev on an 80 GB card: its 24B text encoder (44.7 GiB) cannot be moved in beside the 30.8 GiB fp8
+    transformer to encode, so it is streamed; FLUX.1-dev's two encoders move in whole where they fit together, the
+    largest streamed first where they do not."""
+    from parallel.device_map import stream_plan
+
+    assert stream_plan({"text_encoder": int(44.7 * GiB)}, 36 * GiB) == ["text_encoder"]
+    assert stream_plan({"text_encoder": int(44.7 * GiB)}, 90 * GiB) == []
+    flux = {"text_encoder": GiB // 4, "text_encoder_2": int(9.5 * GiB)}
+    assert stream_plan(flux, 20 * GiB) == []
+    assert stream_plan(flux, 9 * GiB) == ["text_encoder_2"]
+    assert stream_plan(flux, GiB // 8) == ["text_encoder_2", "text_encoder"]
+    assert stream_plan({}, 0) == []
 
 
 # FLUX.2-dev's dummy architecture in bf16 (component_params): a 32.2B transformer (60.0 GiB; 30.8 GiB with its

@@ -26,6 +26,7 @@ import os
 import logging
 import tempfile
 import time
+import zlib
 from pathlib import Path
 import torch
 
@@ -287,6 +288,10 @@ def _build_processor(pipeline: str, name: str, spec: ComponentSpec, built: dict,
     return _class(spec.cls)(**config)
 
 
+def _is_text_encoder(name: str, spec: ComponentSpec) -> bool:
+    return name.startswith("text_encoder") and spec.library not in ("tokenizer", "processor", "value")
+
+
 def _class(name):
     """A transformers class by name, or the class a family's function returns (Qwen-Image-Edit's image-only
     Qwen2-VL processor)."""
@@ -298,7 +303,8 @@ def _class(name):
 # --- the builder ------------------------------------------------------------------------------------
 
 def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dtype, *, tokenizer_dir=None,
-                         overrides: dict[str, dict] | None = None, seed: int = 0, pipeline: str | None = None):
+                         overrides: dict[str, dict] | None = None, seed: int = 0, pipeline: str | None = None,
+                         encoders_on_cpu: bool = False):
     """The real architecture of a known model (``model``: its model config name, e.g. "flux_dev",
     "qwen_image", "wan21_t2v_14b", or the pipeline class of a family with one, e.g. "FluxPipeline") with
     random weights, built directly on ``device`` in ``dtype`` (no CPU init, no hub), for benchmarks: speed
@@ -308,7 +314,9 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
     configs, e.g. to build a scaled-down copy for tests; keep the shapes consistent. ``tokenizer_dir``
     is a pipeline directory whose ``tokenizer*/`` folders hold real tokenizers (default: tiny trained
     ones, valid ids, real ``model_max_length``). The result is in eval mode with the progress bar off;
-    ``pipe.dummy_build_seconds`` holds the build time of each component.
+    ``pipe.dummy_build_seconds`` holds the build time of each component. ``encoders_on_cpu``: the text encoders are
+    built first, each moved to the CPU once built, so ``device`` holds at most one of them beside nothing else (a
+    pipeline larger than the GPU, e.g. FLUX.2-dev's on an 80 GB card under strategy=device_map).
     """
     import diffusers
 
@@ -317,10 +325,11 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    generator = torch.Generator(device=device).manual_seed(seed)
     components, seconds, tok_cache = {}, {}, {}
     order = [n for n in _BUILD_ORDER if n in specs] + [n for n in specs if n not in _BUILD_ORDER]
     order.sort(key=lambda n: specs[n].library == "processor")  # after the tokenizers they take
+    if encoders_on_cpu:
+        order.sort(key=lambda n: not _is_text_encoder(n, specs[n]))
     for name in order:
         spec = specs[name]
         t0 = time.perf_counter()
@@ -333,9 +342,13 @@ def build_dummy_pipeline(model: str, device: str | torch.device, dtype: torch.dt
         elif spec.cls.endswith("Scheduler"):
             components[name] = getattr(diffusers, spec.cls)(**spec.config)
         else:
+            # a generator per component, seeded from its name: the same weights whatever the build order
+            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             module = materialize_random(construct_meta(spec), device, dtype, generator)
             module.eval().requires_grad_(False)
             _synchronize(device)
+            if encoders_on_cpu and _is_text_encoder(name, spec):
+                module.to("cpu")
             components[name] = module
         seconds[name] = time.perf_counter() - t0
         log.info("dummy %s.%s built in %.2f s", pipeline, name, seconds[name])
