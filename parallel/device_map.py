@@ -127,21 +127,24 @@ class StagedPipeline:
     def _stream_what_does_not_fit(self) -> None:
         """Install streaming on each offloaded encoder too large for what the GPU has free now (once)."""
         self._decided = True
-        if self.device.type != "cuda" or not self.offloaded:
+        room = room_to_encode(self.device)
+        if room is None or not self.offloaded:
             return
-        free = free_bytes(self.device) - torch.cuda.get_device_properties(self.device).total_memory * RESERVE_FRACTION
         sizes = {n: _module_bytes(getattr(self.pipe, n)) for n in self.offloaded}
-        for name in stream_plan(sizes, int(free)):
+        for name in stream_plan(sizes, room):
             stream_encoder(getattr(self.pipe, name), self.device)
             self.streamed.append(name)
             log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB free): "
-                     "streamed layer by layer for each batch's encoding", name, sizes[name] / GiB, free / GiB)
+                     "streamed layer by layer for each batch's encoding", name, sizes[name] / GiB, room / GiB)
 
 
-def free_bytes(device: torch.device) -> int:
-    """Bytes free on a GPU to this process: free on the card plus what its caching allocator holds unused."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def room_to_encode(device: torch.device) -> int | None:
+    """Bytes an encoder may take on ``device`` to encode: what is free to this process (free on the card plus what its
+    caching allocator holds unused) less ``RESERVE_FRACTION`` of the card; None off a GPU (no limit)."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free - torch.cuda.get_device_properties(device).total_memory * RESERVE_FRACTION)
 
 
 def stream_plan(sizes: dict[str, int], free: int) -> list[str]:
@@ -156,12 +159,12 @@ def stream_plan(sizes: dict[str, int], free: int) -> list[str]:
 
 
 def stream_encoder(module: torch.nn.Module, device: torch.device) -> None:
-    """diffusers' group offloading at leaf level on a side stream: the weights stay in pinned CPU memory and each
-    layer's are copied in while the previous layer computes."""
+    """diffusers' group offloading at leaf level: the weights stay in CPU memory, each layer's copied in for its
+    forward; on a GPU from pinned memory on a side stream, while the previous layer computes."""
     from diffusers.hooks import apply_group_offloading
 
     apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
-                           use_stream=True)
+                           use_stream=device.type == "cuda")
 
 
 def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:

@@ -388,6 +388,25 @@ def test_staged_pipeline_gives_the_pipelines_pixels():
     assert staged.streamed == []  # on the CPU the encoders are where they compute: nothing to stream
 
 
+def test_streamed_encoders_give_the_same_pixels(monkeypatch):
+    """Encoders streamed layer by layer (diffusers' group offloading hooks, here with no room to encode at all) make
+    the pipeline's own pixels, true CFG included; the hooks stay for the next batch."""
+    import parallel.device_map as device_map
+    from shardgen.models.loader import load_pipeline
+
+    m = SimpleNamespace(pipeline="FluxPipeline", weights="pretrained", source="tiny", revision=None, cache_dir=None)
+    s = GenSettings(height=32, width=32, steps=2, guidance=3.5, true_cfg_scale=2.0, negative_prompt="blurry",
+                    max_sequence_length=32, model="tiny", strategy="device_map")
+    pipe = load_pipeline(m, torch.float64, "cpu")
+    theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2])).images
+    monkeypatch.setattr(device_map, "room_to_encode", lambda device: 0)
+    staged = device_map.StagedPipeline(pipe, torch.device("cpu"), offloaded=["text_encoder", "text_encoder_2"])
+    for _ in range(2):
+        ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a dog"], [1, 2])).images
+        assert torch.equal(ours, theirs)
+    assert sorted(staged.streamed) == ["text_encoder", "text_encoder_2"]
+
+
 def test_staged_pipeline_passes_the_rows_input_images_and_strength():
     """An image-to-image row under device_map is made from its input image (the wrapper passes image and
     strength): the pipeline's own pixels, and not those of another image."""
