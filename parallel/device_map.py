@@ -132,10 +132,12 @@ class StagedPipeline:
             return
         sizes = {n: _module_bytes(getattr(self.pipe, n)) for n in self.offloaded}
         for name in stream_plan(sizes, room):
-            stream_encoder(getattr(self.pipe, name), self.device)
+            pinned = pin_streamed(sizes[name])
+            stream_encoder(getattr(self.pipe, name), self.device, pinned)
             self.streamed.append(name)
             log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB free): "
-                     "streamed layer by layer for each batch's encoding", name, sizes[name] / GiB, room / GiB)
+                     "streamed layer by layer for each batch's encoding%s", name, sizes[name] / GiB, room / GiB,
+                     "" if pinned else " (from pageable memory: the CPU has no room for a pinned copy)")
 
 
 def room_to_encode(device: torch.device) -> int | None:
@@ -158,13 +160,22 @@ def stream_plan(sizes: dict[str, int], free: int) -> list[str]:
     return streamed
 
 
-def stream_encoder(module: torch.nn.Module, device: torch.device) -> None:
+def pin_streamed(nbytes: int) -> bool:
+    """Whether a streamed encoder of ``nbytes`` gets a pinned copy: the copy is made beside the weights (they go once
+    the first batch has run), so this rank's share of the machine's available RAM must hold it once more."""
+    from parallel.memory import HEADROOM, available_bytes, local_ranks
+
+    available, _ = available_bytes("cpu", local_ranks())
+    return available is None or nbytes * HEADROOM <= available
+
+
+def stream_encoder(module: torch.nn.Module, device: torch.device, pinned: bool = True) -> None:
     """diffusers' group offloading at leaf level: the weights stay in CPU memory, each layer's copied in for its
-    forward; on a GPU from pinned memory on a side stream, while the previous layer computes."""
+    forward; on a GPU with ``pinned``, from a pinned copy on a side stream while the previous layer computes."""
     from diffusers.hooks import apply_group_offloading
 
     apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
-                           use_stream=device.type == "cuda")
+                           use_stream=pinned and device.type == "cuda")
 
 
 def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:

@@ -36,6 +36,11 @@ def weights_per_process(params: dict[str, int], dtype_bytes: int, dims: Parallel
     return dims.kind.weights_bytes(transformer, others, dtype_bytes, dims)
 
 
+def local_ranks() -> int:
+    """Ranks of this run on this machine (the launcher's LOCAL_WORLD_SIZE; 1 outside a launcher)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def available_bytes(device_type: str, local_ranks: int) -> tuple[int | None, str]:
     """(bytes free for one process, where); None when unknown. CPU ranks of one machine share its RAM."""
     if device_type == "cuda":
@@ -88,7 +93,6 @@ def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> N
     if params is None:  # a hub id not on disk: nothing to size it from
         log.debug("memory check skipped: model.source=%r is not a local diffusers directory", cfg.model.source)
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    available, where = available_bytes(device_type, local)
+    available, where = available_bytes(device_type, local_ranks())
     if problem := memory_problem(cfg, dims, params, torch_dtype(cfg.dtype).itemsize, available, where):
         raise MemoryCheckError(problem)

@@ -461,6 +461,19 @@ def test_an_encoder_too_large_to_move_in_beside_the_transformer_is_streamed():
     assert stream_plan({}, 0) == []
 
 
+def test_a_streamed_encoder_is_pinned_only_where_the_machine_has_the_ram_for_its_copy(monkeypatch):
+    """The pinned copy sits beside the weights until the first batch: 8 ranks of a node streaming FLUX.2-dev's
+    44.7 GiB encoder would need ~360 GiB more; each rank's share of the RAM decides."""
+    import parallel.memory as memory
+    from parallel.device_map import pin_streamed
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks: (100 * GiB // ranks, "the CPU"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert pin_streamed(int(44.7 * GiB))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not pin_streamed(int(44.7 * GiB)) and pin_streamed(GiB)
+
+
 # FLUX.2-dev's dummy architecture in bf16 (component_params): a 32.2B transformer (60.0 GiB; 30.8 GiB with its
 # block layers in float8) beside a 24B text encoder and the VAE (44.9 GiB); a batch of 16 (~24 GiB of activations)
 FLUX2 = replace(FLUX_DEV, transformer_bytes=int(60.0 * GiB), other_bytes=int(44.9 * GiB), heads=48, hidden=6144,
