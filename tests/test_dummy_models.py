@@ -124,3 +124,16 @@ def test_bf16_build_keeps_buffers_and_ties():
     assert flux.text_encoder_2.shared.weight is flux.text_encoder_2.encoder.embed_tokens.weight
     (position_ids,) = [b for n, b in flux.text_encoder.named_buffers() if n.endswith("position_ids")]
     assert position_ids.tolist() == [list(range(77))]
+
+
+def test_parking_the_text_encoders_builds_the_same_weights():
+    """``encoders_on_cpu`` (device_map's build of a pipeline larger than its GPU) builds the encoders first: each
+    component's weights come from its own seed, so the pipeline is the one built in the usual order, value for value."""
+    usual = build_dummy_pipeline("FluxPipeline", "cpu", torch.float32, overrides=SMALL["FluxPipeline"])
+    parked = build_dummy_pipeline("FluxPipeline", "cpu", torch.float32, overrides=SMALL["FluxPipeline"],
+                                  encoders_on_cpu=True)
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        a, b = getattr(usual, name).state_dict(), getattr(parked, name).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    other = build_dummy_pipeline("FluxPipeline", "cpu", torch.float32, overrides=SMALL["FluxPipeline"], seed=1)
+    assert not torch.equal(other.transformer.proj_out.weight, usual.transformer.proj_out.weight)
