@@ -79,8 +79,31 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
             "ranks per machine, a smaller model (model=tiny), or check_memory=false to try anyway")
 
 
+def offload_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, int], dtype_bytes: int,
+                    gpu_available: int, host_available: int | None, host_where: str) -> str | None:
+    """The message when the text encoders device_map keeps on the CPU (those ``plan_encoders`` finds no room for
+    beside the transformer's share of each GPU) do not fit this rank's share of the machine's RAM (pure); None when
+    they do, or when the strategy keeps everything on its GPUs."""
+    if not dims.kind.spans_gpus_in_one_process or host_available is None:
+        return None
+    from parallel.device_map import plan_encoders
+
+    gpus = range(max(1, dims.gpus_per_replica))
+    share = weights_per_process(params, dtype_bytes, dims)
+    sizes = {k: n * dtype_bytes for k, n in params.items() if k.startswith("text_encoder")}
+    plan = plan_encoders(sizes, dict.fromkeys(gpus, share), dict.fromkeys(gpus, gpu_available))
+    off = sorted(k for k, gpu in plan.items() if gpu is None)
+    need = sum(sizes[k] for k in off)
+    if need * HEADROOM <= host_available:
+        return None
+    return (f"model={cfg.model.name} under strategy={dims.strategy} keeps {', '.join(off)} ({need / GiB:.1f} GiB) on "
+            f"the CPU (no room beside the transformer on its GPU), but {host_where} has {host_available / GiB:.1f} GiB "
+            "available. Use a machine with more RAM, fewer ranks per machine, or check_memory=false to try anyway")
+
+
 def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> None:
-    """Refuse (MemoryCheckError) a model whose weights do not fit where this rank builds them."""
+    """Refuse (MemoryCheckError) a model whose weights do not fit where this rank builds them: its device, and the
+    machine's RAM for the text encoders strategy=device_map keeps on the CPU."""
     from shardgen.models.loader import component_params, torch_dtype
 
     if not cfg.check_memory:
@@ -94,5 +117,10 @@ def check_memory(cfg: GenerateConfig, dims: ParallelDims, device_type: str) -> N
         log.debug("memory check skipped: model.source=%r is not a local diffusers directory", cfg.model.source)
         return
     available, where = available_bytes(device_type, local_ranks())
-    if problem := memory_problem(cfg, dims, params, torch_dtype(cfg.dtype).itemsize, available, where):
+    nbytes = torch_dtype(cfg.dtype).itemsize
+    if problem := memory_problem(cfg, dims, params, nbytes, available, where):
         raise MemoryCheckError(problem)
+    if device_type == "cuda" and available is not None:
+        host, host_where = available_bytes("cpu", local_ranks())
+        if problem := offload_problem(cfg, dims, params, nbytes, available, host, host_where):
+            raise MemoryCheckError(problem)

@@ -272,6 +272,26 @@ def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_wha
     assert "needs ~22.2 GiB" in msg and "Use a GPU with more memory, fewer ranks" in msg
 
 
+
+def test_device_map_refuses_encoders_kept_on_the_cpu_that_the_machine_s_ram_cannot_hold():
+    """FLUX.2-dev under device_map on an 80 GB card: its 24B text encoder (44.7 GiB) has no room beside the 60 GiB
+    transformer, so it lives on the CPU: refused where the rank's share of the RAM is smaller, in one line."""
+    from parallel.dims import ParallelDims
+    from parallel.memory import offload_problem
+
+    cfg = compose_cfg("model=flux2_dev", "model.weights=dummy")
+    flux2 = {"transformer": 32_220_000_000, "text_encoder": 24_010_000_000, "vae": 84_000_000}
+    one_gpu = ParallelDims(world_size=1, strategy="device_map", gpus_per_replica=1)
+    msg = offload_problem(cfg, one_gpu, flux2, 2, 78 << 30, 30 << 30, "the CPU (8 rank(s) sharing its RAM)")
+    assert msg == ("model=flux2_dev under strategy=device_map keeps text_encoder (44.7 GiB) on the CPU (no room beside "
+                   "the transformer on its GPU), but the CPU (8 rank(s) sharing its RAM) has 30.0 GiB available. Use a "
+                   "machine with more RAM, fewer ranks per machine, or check_memory=false to try anyway")
+    assert offload_problem(cfg, one_gpu, flux2, 2, 78 << 30, 120 << 30, "the CPU") is None
+    assert offload_problem(cfg, one_gpu, flux2, 2, 141 << 30, 30 << 30, "the CPU") is None  # it fits an H200
+    dp = ParallelDims(world_size=1, strategy="dp")
+    assert offload_problem(cfg, dp, flux2, 2, 78 << 30, 1 << 30, "the CPU") is None  # dp keeps it all on the GPU
+
+
 def test_the_memory_check_runs_before_the_model_is_built(tmp_path, monkeypatch):
     """run_rank refuses before apply_strategy builds anything (the available memory made tiny here)."""
     import parallel.memory as memory
