@@ -59,6 +59,8 @@ class StagedPipeline:
     after the encoders are placed)."""
     streamed: list[str] = field(default_factory=list)
     """The offloaded encoders that are streamed (group offloading hooks installed: never moved whole)."""
+    _decided: bool = field(default=False, init=False, repr=False)
+    """Whether the first batch has decided which encoders to stream."""
 
     def __post_init__(self):
         family = family_of(self.pipe)  # encode_prompt's outputs, in order, as the pipeline's __call__ names them
@@ -122,8 +124,6 @@ class StagedPipeline:
             if moved and self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    _decided = False
-
     def _stream_what_does_not_fit(self) -> None:
         """Install streaming on each offloaded encoder too large for what the GPU has free now (once)."""
         self._decided = True
@@ -135,7 +135,7 @@ class StagedPipeline:
             pinned = pin_streamed(sizes[name])
             stream_encoder(getattr(self.pipe, name), self.device, pinned)
             self.streamed.append(name)
-            log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB free): "
+            log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB of room): "
                      "streamed layer by layer for each batch's encoding%s", name, sizes[name] / GiB, room / GiB,
                      "" if pinned else " (from pageable memory: the CPU has no room for a pinned copy)")
 
