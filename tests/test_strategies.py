@@ -462,16 +462,20 @@ def test_an_encoder_too_large_to_move_in_beside_the_transformer_is_streamed():
 
 
 def test_a_streamed_encoder_is_pinned_only_where_the_machine_has_the_ram_for_its_copy(monkeypatch):
-    """The pinned copy sits beside the weights until the first batch: 8 ranks of a node streaming FLUX.2-dev's
-    44.7 GiB encoder would need ~360 GiB more; each rank's share of the RAM decides."""
+    """The pinned copy sits beside the weights until the first batch, each tensor's block rounded up to a power of
+    two (torch's caching host allocator): FLUX.2-dev's 44.7 GiB encoder pins 71.1 GiB; 8 ranks of a node would need
+    ~570 GiB more. Each rank's share of the RAM decides."""
     import parallel.memory as memory
-    from parallel.device_map import pin_streamed
+    from parallel.device_map import pin_streamed, pinned_bytes
 
+    layer = torch.nn.Linear(3, 5)  # a 60-byte weight and a 20-byte bias: blocks of 64 and 32 bytes
+    layer.register_buffer("empty", torch.zeros(0))
+    assert pinned_bytes(layer) == 96
     monkeypatch.setattr(memory, "available_bytes", lambda device, ranks: (100 * GiB // ranks, "the CPU"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert pin_streamed(int(44.7 * GiB))
+    assert pin_streamed(int(71.1 * GiB))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert not pin_streamed(int(44.7 * GiB)) and pin_streamed(GiB)
+    assert not pin_streamed(int(71.1 * GiB)) and pin_streamed(GiB)
 
 
 # FLUX.2-dev's dummy architecture in bf16 (component_params): a 32.2B transformer (60.0 GiB; 30.8 GiB with its
