@@ -5,8 +5,7 @@ The transformer is loaded with ``device_map="balanced"`` and ``max_memory`` over
 each text encoder stays resident on a GPU when it fits next to the transformer, and otherwise follows
 the staged flow of diffusers' distributed-inference guide, per batch: encode the prompts, offload the encoders, denoise, decode.
 An offloaded encoder that does not fit beside the transformer even for the encoding (FLUX.2-dev's 24B Mistral beside
-its transformer on an 80 GB card) is streamed instead: diffusers' group offloading moves its layers in one by one,
-on a side stream, while the previous one computes.
+its transformer on an 80 GB card) is streamed instead (``parallel/offload.py``).
 ``StagedPipeline`` does that behind the pipeline's own ``__call__`` contract.
 """
 
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from parallel.offload import pin_streamed, pinned_bytes, room_to_encode, stream_encoder, stream_plan
 from parallel.registry import Strategy, fail, register
 from parallel.transformer import load_transformer, model_family
 from shardgen.config.sizes import GiB, parse_bytes
@@ -127,7 +127,7 @@ class StagedPipeline:
     def _stream_what_does_not_fit(self) -> None:
         """Install streaming on each offloaded encoder too large for what the GPU has free now (once)."""
         self._decided = True
-        room = room_to_encode(self.device)
+        room = room_to_encode(self.device, RESERVE_FRACTION)
         if room is None or not self.offloaded:
             return
         sizes = {n: _module_bytes(getattr(self.pipe, n)) for n in self.offloaded}
@@ -138,53 +138,6 @@ class StagedPipeline:
             log.info("device_map: %s (%.1f GiB) does not fit beside the transformer even to encode (%.1f GiB of room): "
                      "streamed layer by layer for each batch's encoding%s", name, sizes[name] / GiB, room / GiB,
                      "" if pinned else " (from pageable memory: the CPU has no room for a pinned copy)")
-
-
-def room_to_encode(device: torch.device) -> int | None:
-    """Bytes an encoder may take on ``device`` to encode: what is free to this process (free on the card plus what its
-    caching allocator holds unused) less ``RESERVE_FRACTION`` of the card; None off a GPU (no limit)."""
-    if device.type != "cuda":
-        return None
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free - torch.cuda.get_device_properties(device).total_memory * RESERVE_FRACTION)
-
-
-def stream_plan(sizes: dict[str, int], free: int) -> list[str]:
-    """The encoders to stream (pure): the largest first while the ones left moved whole together exceed ``free``
-    (they are moved in together for a batch's encoding)."""
-    streamed, left = [], dict(sizes)
-    while left and sum(left.values()) > free:
-        largest = max(left, key=left.get)
-        streamed.append(largest)
-        del left[largest]
-    return streamed
-
-
-def pinned_bytes(module: torch.nn.Module) -> int:
-    """Host memory a pinned copy of ``module``'s tensors takes: group offloading pins tensor by tensor, and torch's
-    caching host allocator rounds each pinned block up to a power of two (FLUX.2-dev's 44.7 GiB text encoder takes
-    71.1 GiB pinned)."""
-    sizes = [t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())]
-    return sum(1 << (n - 1).bit_length() for n in sizes if n)
-
-
-def pin_streamed(pinned: int) -> bool:
-    """Whether a streamed encoder whose pinned copy takes ``pinned`` bytes (``pinned_bytes``) gets it: the copy is
-    made beside the weights (they go once the first batch has run), so it must fit what this rank's share of the
-    machine's RAM has available now."""
-    from parallel.memory import available_bytes, local_ranks
-
-    available, _ = available_bytes("cpu", local_ranks())
-    return available is None or pinned <= available
-
-
-def stream_encoder(module: torch.nn.Module, device: torch.device, pinned: bool = True) -> None:
-    """diffusers' group offloading at leaf level: the weights stay in CPU memory, each layer's copied in for its
-    forward; on a GPU with ``pinned``, from a pinned copy on a side stream while the previous layer computes."""
-    from diffusers.hooks import apply_group_offloading
-
-    apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
-                           use_stream=pinned and device.type == "cuda")
 
 
 def replica_gpus(local_rank: int, gpus_per_replica: int) -> list[int]:

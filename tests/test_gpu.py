@@ -56,7 +56,7 @@ def test_device_map_streams_an_encoder_that_does_not_fit_and_makes_the_same_pixe
     built: list = []
     real = device_map.StagedPipeline.__post_init__
     monkeypatch.setattr(device_map.StagedPipeline, "__post_init__", lambda self: (built.append(self), real(self))[1])
-    monkeypatch.setattr(device_map, "room_to_encode", lambda device: 0)
+    monkeypatch.setattr(device_map, "room_to_encode", lambda device, reserve: 0)
     streamed = run(compose_cfg(f"run_dir={tmp_path / 'streamed'}", *common))
     assert (streamed.ok, streamed.failed, streamed.complete) == (4, 0, True)
     assert sorted(built[0].streamed) == ["text_encoder", "text_encoder_2"]

@@ -399,7 +399,7 @@ def test_streamed_encoders_give_the_same_pixels(monkeypatch):
                     max_sequence_length=32, model="tiny", strategy="device_map")
     pipe = load_pipeline(m, torch.float64, "cpu")
     theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a dog"], [1, 2])).images
-    monkeypatch.setattr(device_map, "room_to_encode", lambda device: 0)
+    monkeypatch.setattr(device_map, "room_to_encode", lambda device, reserve: 0)
     staged = device_map.StagedPipeline(pipe, torch.device("cpu"), offloaded=["text_encoder", "text_encoder_2"])
     for _ in range(2):
         ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a dog"], [1, 2])).images
@@ -444,38 +444,6 @@ def test_device_map_helpers():
     assert plan_encoders(sizes, {0: 11 * GiB, 1: 11 * GiB}, {0: 40 * GiB, 1: 40 * GiB}) == \
         {"text_encoder_2": 0, "text_encoder": 1}
     assert memory_caps({}, []) == {}
-
-
-def test_an_encoder_too_large_to_move_in_beside_the_transformer_is_streamed():
-    """FLUX.2-dev on an 80 GB card: its 24B text encoder (44.7 GiB) cannot be moved in beside the 30.8 GiB fp8
-    transformer to encode, so it is streamed; FLUX.1-dev's two encoders move in whole where they fit together, the
-    largest streamed first where they do not."""
-    from parallel.device_map import stream_plan
-
-    assert stream_plan({"text_encoder": int(44.7 * GiB)}, 36 * GiB) == ["text_encoder"]
-    assert stream_plan({"text_encoder": int(44.7 * GiB)}, 90 * GiB) == []
-    flux = {"text_encoder": GiB // 4, "text_encoder_2": int(9.5 * GiB)}
-    assert stream_plan(flux, 20 * GiB) == []
-    assert stream_plan(flux, 9 * GiB) == ["text_encoder_2"]
-    assert stream_plan(flux, GiB // 8) == ["text_encoder_2", "text_encoder"]
-    assert stream_plan({}, 0) == []
-
-
-def test_a_streamed_encoder_is_pinned_only_where_the_machine_has_the_ram_for_its_copy(monkeypatch):
-    """The pinned copy sits beside the weights until the first batch, each tensor's block rounded up to a power of
-    two (torch's caching host allocator): FLUX.2-dev's 44.7 GiB encoder pins 71.1 GiB; 8 ranks of a node would need
-    ~570 GiB more. Each rank's share of the RAM decides."""
-    import parallel.memory as memory
-    from parallel.device_map import pin_streamed, pinned_bytes
-
-    layer = torch.nn.Linear(3, 5)  # a 60-byte weight and a 20-byte bias: blocks of 64 and 32 bytes
-    layer.register_buffer("empty", torch.zeros(0))
-    assert pinned_bytes(layer) == 96
-    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks: (100 * GiB // ranks, "the CPU"))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert pin_streamed(int(71.1 * GiB))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert not pin_streamed(int(71.1 * GiB)) and pin_streamed(GiB)
 
 
 # FLUX.2-dev's dummy architecture in bf16 (component_params): a 32.2B transformer (60.0 GiB; 30.8 GiB with its
