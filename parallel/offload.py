@@ -110,8 +110,10 @@ def stream_encoder(module: torch.nn.Module, device: torch.device, pinned: bool =
     side_stream = pinned and device.type == "cuda"
     if side_stream:
         pack(module, pin=True)
-        if not all(t.is_pinned() for t in _tensors(module)):  # group offloading would pin a copy of each again
-            log.warning("device_map: the packed copy of %s is not pinned memory as torch sees it; group offloading "
-                        "pins its tensors one by one instead", type(module).__name__)
+        # group offloading's side stream would pin another copy of each tensor torch does not see as pinned
+        side_stream = all(t.is_pinned() for t in _tensors(module))
+        if not side_stream:
+            log.warning("device_map: the packed copy of %s is not pinned memory as torch sees it: streamed without a "
+                        "side stream", type(module).__name__)
     apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
                            use_stream=side_stream)
