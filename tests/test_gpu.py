@@ -44,8 +44,8 @@ def test_flux_dev_dummy_runs_on_one_gpu(tmp_path, strategy):
 
 def test_device_map_streams_an_encoder_that_does_not_fit_and_makes_the_same_pixels(tmp_path, monkeypatch):
     """strategy=device_map with no room left to move the text encoders in (the free memory made 0): both are streamed
-    layer by layer for the encoding, and every sample equals the run whose encoders were moved in whole; the dummy
-    build keeps the encoders on the CPU."""
+    layer by layer for the encoding from a packed pinned copy, and every sample equals the run whose encoders were
+    moved in whole."""
     import parallel.device_map as device_map
     from shardgen.quality.compare import compare_runs
 
@@ -60,6 +60,10 @@ def test_device_map_streams_an_encoder_that_does_not_fit_and_makes_the_same_pixe
     streamed = run(compose_cfg(f"run_dir={tmp_path / 'streamed'}", *common))
     assert (streamed.ok, streamed.failed, streamed.complete) == (4, 0, True)
     assert sorted(built[0].streamed) == ["text_encoder", "text_encoder_2"]
+    t5 = built[0].pipe.text_encoder_2  # between batches its weights are the packed pinned copy, ~its own size
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in t5.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in t5.parameters()}) <= -(-sum(
+        p.numel() * p.element_size() for p in t5.parameters()) // (1 << 30)) + 1
     s = compare_runs(RunDir(tmp_path / "streamed"), RunDir(tmp_path / "whole")).summary()
     assert s["compared"] == 4 and s["psnr_db"]["worst"] == float("inf"), s
 
