@@ -8,7 +8,7 @@
 # the device tool's file limits) and the plan's log is $OUT/plan.log. A later call continues from the step the log
 # says was next.
 #   1 kernel: the float8 attention kernel against its reference and exact attention, float8 layers at any token
-#            count (tests/test_gpu_fp8.py)
+#            count (tests/test_gpu_fp8.py), device_map's streamed encoders (tests/test_gpu.py)
 #   2 tiles:  the kernel's tile sizes at FLUX.1's shape, against cuDNN's bf16 attention
 #   3 step:   one transformer step, fp8 GEMMs with and without the 8-bit attention
 #   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + 8-bit attention; the seed loop on 8 prompts)
@@ -49,9 +49,9 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
     --exclude='*.png' --exclude='*.jpg' -C /tmp lossy
 }
 
-step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
-  -k "float8_attention_kernel or token_count or float8_linear" \
-  tests/test_gpu_fp8.py
+step 1 kernel 120 python3 -m pytest -m gpu -o addopts="" -q -s \
+  -k "float8_attention_kernel or token_count or float8_linear or streams_an_encoder" \
+  tests/test_gpu_fp8.py tests/test_gpu.py
 step 2 tiles 60 python3 benchmarks/probe_fp8_attention.py --tiles --tile-shapes flux_dev --iters 10 \
   --out "$work/2-tiles/probe_fp8_attention.json"
 step 3 step 60 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
