@@ -70,6 +70,10 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
     split = "" if kind.splits_transformer or kind.spans_gpus_in_one_process else (
         " or split the transformer over several GPUs (strategy=tp tp_degree=N, strategy=device_map)")
     bigger = "a GPU with more memory" if where.startswith("GPU") else "a device with more memory (device=cuda)"
+    transformer = sum(n for k, n in params.items() if k.startswith("transformer")) * dtype_bytes
+    if split and where.startswith("GPU") and transformer * HEADROOM <= available and _stageable(cfg):
+        bigger = (f"strategy=device_map (the transformer alone, {transformer / GiB:.1f} GiB, fits: the text encoders "
+                  "stay in the machine's RAM and come in for each batch's encoding; strategy=auto picks it), " + bigger)
     if fused_whole:
         split = (" (with model.loras each tp rank fuses the adapters into the whole transformer before sharding it), "
                  "or strategy=device_map")
@@ -77,6 +81,14 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
             f"for its weights in each process ({sum(params.values()) / 1e9:.1f}B parameters, strategy "
             f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use {bigger}{split}, fewer "
             "ranks per machine, a smaller model (model=tiny), or check_memory=false to try anyway")
+
+
+def _stageable(cfg: GenerateConfig) -> bool:
+    """Whether strategy=device_map can run the model with its text encoders off the GPU (its family says how it
+    encodes prompts)."""
+    from shardgen.families import family_for
+
+    return family_for(cfg.model.pipeline).encode_outputs is not None
 
 
 def offload_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, int], dtype_bytes: int,

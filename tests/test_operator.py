@@ -270,6 +270,15 @@ def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_wha
     assert memory_problem(cfg, one_gpu, flux, 2, 25 << 30, "GPU 0") is None
     msg = memory_problem(cfg, one_gpu, flux, 2, 20 << 30, "GPU 0")
     assert "needs ~22.2 GiB" in msg and "Use a GPU with more memory, fewer ranks" in msg
+    # FLUX.2-dev under dp on an 80 GB card: its transformer alone fits, so device_map on that one GPU is the advice
+    flux2 = {"transformer": 32_220_000_000, "text_encoder": 24_010_000_000, "vae": 84_000_000}
+    cfg2 = compose_cfg("model=flux2_dev", "model.weights=dummy")
+    msg = memory_problem(cfg2, dp, flux2, 2, 78 << 30, "GPU 0")
+    assert ("has 78.0 GiB available. Use strategy=device_map (the transformer alone, 60.0 GiB, fits: the text encoders "
+            "stay in the machine's RAM and come in for each batch's encoding; strategy=auto picks it), a GPU with more "
+            "memory or split") in msg
+    assert "strategy=device_map (the transformer alone" not in memory_problem(cfg2, dp, flux2, 2, 50 << 30, "GPU 0")
+    assert "strategy=device_map (the transformer alone" not in memory_problem(cfg2, dp, flux2, 2, 78 << 30, "the CPU")
 
 
 
