@@ -15,6 +15,7 @@
 #   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
 #   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
 #        step (a 96-prompt way takes 3-6 minutes); fidelity comes from steps 4-6 (the same first 24 captions)
+#   13 (a card under 120 GB only): FLUX.2-dev's seed loop under enable_model_cpu_offload, on 4 prompts
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -80,4 +81,8 @@ step 11 flux2_dev-96-fp8 480 python3 benchmarks/lossy_runs.py --model flux2_dev 
   "${flux2_set[@]}" --ways fp8 --out "$work/11-flux2_dev-96-fp8"
 step 12 flux2_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 \
   "${flux2_set[@]}" --ways fp8-attention8 --out "$work/12-flux2_dev-96-attention8"
+# on an 80 GB card: the guide's loop as diffusers runs a pipeline larger than the GPU (enable_model_cpu_offload), the
+# seed loop steps 6, 11 and 12 leave out there (their shardgen figures are under strategy=auto)
+[ "${gpu_mib:-0}" -lt 120000 ] && step 13 flux2_dev-seed-offload 300 python3 benchmarks/lossy_runs.py --model flux2_dev \
+  --steps 8 --n 24 --seed-n 4 --seed-offload --ways none --out "$work/13-flux2_dev-seed-offload"
 echo "== plan done $(date -u +%T)" | tee -a "$log"

@@ -58,10 +58,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=24)
     ap.add_argument("--weights", default="dummy", help="model.weights (dummy: random weights, no download)")
     ap.add_argument("--compiled", action="store_true", help="also fp8=true compile=true")
-    ap.add_argument("--ways", default=None, help="comma-separated ways (default bf16,fp8[,fp8-compiled])")
+    ap.add_argument("--ways", default=None, help="comma-separated ways (default bf16,fp8[,fp8-compiled]; none: the "
+                    "seed loop alone)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (every way)")
     ap.add_argument("--seed-n", type=int, default=0, help="also the seed loop on this many prompts (its steady rate, "
                     "and its whole process projected to --n): each way's x_seed_whole and steady_x_seed")
+    ap.add_argument("--seed-offload", action="store_true", help="the seed loop under diffusers' "
+                    "enable_model_cpu_offload (its pipeline in RAM: a GPU it does not fit, FLUX.2-dev on 80 GB)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from shardgen.bench.main import bench_prompts
@@ -73,12 +76,14 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     job = [sys.executable, "-m", "jobs.generate", f"model={a.model}", f"model.weights={a.weights}", "prompts=txt",
            f"prompts.path={prompts}", f"steps={a.steps}", "progress=false", *a.overrides]
-    ways = a.ways.split(",") if a.ways else ["bf16", "fp8"] + (["fp8-compiled"] if a.compiled else [])
+    ways = [w for w in a.ways.split(",") if w != "none"] if a.ways else \
+        ["bf16", "fp8"] + (["fp8-compiled"] if a.compiled else [])
     res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
     if a.seed_n:
         shutil.rmtree(out / "seed", ignore_errors=True)
         shutil.rmtree(out / "seed-cache", ignore_errors=True)
-        res["seed"] = seed_loop(out, a.model, a.steps, a.seed_n, a.n, env, weights=a.weights, overrides=a.overrides)
+        res["seed"] = seed_loop(out, a.model, a.steps, a.seed_n, a.n, env, weights=a.weights, overrides=a.overrides,
+                                offload=a.seed_offload)
     for way in ways:
         for d in (f"run-{way}", f"cache-{way}"):
             shutil.rmtree(out / d, ignore_errors=True)

@@ -78,16 +78,18 @@ def parse_job(out: str) -> dict:
 
 
 def seed_loop(out: Path, model: str, steps: int, seed_n: int, n: int, env: dict, weights: str = "dummy",
-              device: str = "cuda", size: str | None = None, overrides: list[str] = ()) -> dict:
+              device: str = "cuda", size: str | None = None, overrides: list[str] = (), offload: bool = False) -> dict:
     """The seed loop (``jobs.bench --baseline-only``: the guide's ``pipe(prompt).images[0].save()`` per prompt) on
     the first ``seed_n`` prompts, one process on a fresh cache: its whole-process time, steady images/hour, and
     ``seed_whole_s``, the same process with ``n`` prompts at its steady rate. Its images stay under
-    ``out/seed/work`` (``psnr_vs_seed``)."""
+    ``out/seed/work`` (``psnr_vs_seed``). ``offload``: the loop under diffusers' enable_model_cpu_offload (a pipeline
+    larger than the GPU)."""
     seed_env = dict(env, SHARDGEN_CACHE=str(out / "seed-cache"))
     wall, rc, log = timed([sys.executable, "-m", "jobs.bench", "--model", model, "--steps", str(steps),
                            "--n", str(seed_n), "--weights", weights, "--baseline-only", "--device", device,
                            "--out", str(out / "seed"), "--workdir", str(out / "seed" / "work"),
-                           *(["--size", size] if size else []), *sum((["--set", o] for o in overrides), [])],
+                           *(["--size", size] if size else []), *sum((["--set", o] for o in overrides), []),
+                           *(["--baseline-offload"] if offload else [])],
                           out / "seed.log", seed_env)
     base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
     res = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}

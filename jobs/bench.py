@@ -60,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-baseline", action="store_true", help="measure shardgen only (no diffusers loop)")
     ap.add_argument("--baseline-only", action="store_true",
                     help="the seed loop only (its images/hour), no shardgen run: benchmarks/real_runs.py's yardstick")
+    ap.add_argument("--baseline-offload", action="store_true",
+                    help="the baseline with diffusers' enable_model_cpu_offload(): each component moved to the GPU "
+                         "for its own call, the diffusers way to run a pipeline larger than the GPU (FLUX.2-dev on "
+                         "an 80 GB card); with --baseline-only, on a CUDA GPU")
     ap.add_argument("--baseline-n", type=int, default=None, help="baseline on the first N prompts only (default all)")
     ap.add_argument("--noise-floor", type=int, default=0, metavar="N",
                     help="CUDA: rerun the baseline loop on N prompts with another exact SDPA kernel (flash) and give "
@@ -76,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.baseline_offload and not a.baseline_only:
+        ap.error("--baseline-offload measures the diffusers loop alone: add --baseline-only (shardgen's own run places "
+                 "a pipeline larger than the GPU with strategy=device_map or strategy=auto)")
     return a
 
 

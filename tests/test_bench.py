@@ -39,6 +39,21 @@ def test_quick_bench_prints_every_figure_and_exits_0(tmp_path):
     assert data["shardgen"]["ok"] == 4
 
 
+def test_the_offloaded_baseline_is_asked_for_alone_and_on_a_gpu(tmp_path, capsys):
+    """``--baseline-offload`` (diffusers' enable_model_cpu_offload) is the diffusers loop's alone and needs a CUDA
+    GPU: each misuse is one line saying what to change, before anything is built."""
+    from jobs.bench import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--quick", "--baseline-offload"])
+    assert e.value.code == 2 and "--baseline-offload measures the diffusers loop alone: add --baseline-only" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--baseline-offload moves each component to a CUDA GPU for its call; the "
+                                         "device here is cpu: leave --baseline-offload out"):
+        bench_main(["--quick", "--baseline-only", "--baseline-offload", "--workdir", str(tmp_path / "work"),
+                    "--out", str(tmp_path / "out")])
+
+
 def test_quick_video_bench_compares_the_seed_loop_in_videos_per_hour(tmp_path, capsys):
     """A video model: the seed loop's ``pipe(prompt).frames[0]`` encoded with the job's own mp4 encoder against the
     job; the same frames on both sides (float64 on a CPU), so the decoded videos are identical."""

@@ -68,6 +68,22 @@ def test_device_map_streams_an_encoder_that_does_not_fit_and_makes_the_same_pixe
     assert s["compared"] == 4 and s["psnr_db"]["worst"] == float("inf"), s
 
 
+def test_the_offloaded_seed_loop_makes_the_seed_loop_s_images(tmp_path):
+    """``jobs.bench --baseline-offload``: the diffusers loop under enable_model_cpu_offload (the pipeline in RAM, each
+    component moved in for its call) makes the plain loop's images, pixel for pixel."""
+    import numpy as np
+
+    from jobs.bench import main as bench_main
+    from shardgen.bench import measure as M
+
+    common = ["--model", "flux_dev", "--weights", "dummy", "--size", "256", "--steps", "2", "--n", "2",
+              "--baseline-only", "--accel", "none"]
+    for way, extra in (("plain", []), ("offload", ["--baseline-offload"])):
+        bench_main([*common, *extra, "--workdir", str(tmp_path / way), "--out", str(tmp_path / f"out-{way}")])
+    plain, offload = (M.read_outputs(tmp_path / way / "baseline", 2) for way in ("plain", "offload"))
+    assert all(np.array_equal(plain[i], offload[i]) for i in range(2))
+
+
 @pytest.mark.parametrize("heads, dim, parts", [(24, 128, (512, 4096)), (6, 64, (7, 93)), (3, 128, (37,))])
 def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     """The Triton q/k RMSNorm+RoPE kernel against diffusers' eager ops, in bf16, at FLUX's shapes and at

@@ -82,6 +82,25 @@ def first_failure(run_dir: Path) -> str | None:
     return None
 
 
+def offloaded_pipeline(model_cfg, dtype: torch.dtype, device: torch.device):
+    """The pipeline in the machine's RAM under diffusers' ``enable_model_cpu_offload`` (each component moved to
+    ``device`` for its own call, then back): how diffusers runs a pipeline larger than the GPU. Dummy weights are
+    built on the GPU one component at a time, the text encoders first, and moved off it."""
+    from shardgen.models.dummy import build_dummy_pipeline
+    from shardgen.models.loader import load_pipeline
+
+    if device.type != "cuda":
+        raise SystemExit(f"--baseline-offload moves each component to a CUDA GPU for its call; the device here is "
+                         f"{device.type}: leave --baseline-offload out")
+    if model_cfg.weights == "dummy":
+        pipe = build_dummy_pipeline(model_cfg.name, device, dtype, pipeline=model_cfg.pipeline, encoders_on_cpu=True)
+        pipe.to("cpu")
+    else:
+        pipe = load_pipeline(model_cfg, dtype, None)
+    pipe.enable_model_cpu_offload(device=device)
+    return pipe
+
+
 class Bench:
     """One benchmark run: the shared pipeline, its config, the report, and each step as a method."""
 
@@ -153,7 +172,10 @@ class Bench:
         from shardgen.speed import accel
 
         t0 = time.perf_counter()
-        self.pipe = load_pipeline(self.cfg.model, self.dtype, self.device)
+        if getattr(self.args, "baseline_offload", False):
+            self.pipe = offloaded_pipeline(self.cfg.model, self.dtype, self.device)
+        else:
+            self.pipe = load_pipeline(self.cfg.model, self.dtype, self.device)
         if any("fp8" in name for name in self.accels):  # the ways after an fp8 one switch it off again
             accel.make_reversible(self.pipe.transformer)
         M.sync(self.device)
