@@ -301,6 +301,23 @@ def test_device_map_refuses_encoders_kept_on_the_cpu_that_the_machine_s_ram_cann
     assert offload_problem(cfg, dp, flux2, 2, 78 << 30, 1 << 30, "the CPU") is None  # dp keeps it all on the GPU
 
 
+def test_the_memory_check_refuses_a_device_map_job_whose_encoders_the_ram_cannot_hold(monkeypatch):
+    """Through check_memory, as run_rank calls it: FLUX.2-dev's dummy architecture under device_map on an 80 GB GPU,
+    8 ranks sharing 200 GiB of RAM."""
+    import parallel.memory as memory
+    from parallel.dims import ParallelDims
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(memory, "available_bytes", lambda device, n: (
+        (78 << 30, "GPU 0") if device == "cuda" else (200 * 2**30 // n, f"the CPU ({n} rank(s) sharing its RAM)")))
+    cfg = compose_cfg("model=flux2_dev", "model.weights=dummy")
+    with pytest.raises(memory.MemoryCheckError, match=r"keeps text_encoder \(44\.7 GiB\) on the CPU .* but the CPU "
+                                                      r"\(8 rank\(s\) sharing its RAM\) has 25\.0 GiB available"):
+        memory.check_memory(cfg, ParallelDims(world_size=1, strategy="device_map", gpus_per_replica=1), "cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    memory.check_memory(cfg, ParallelDims(world_size=1, strategy="device_map", gpus_per_replica=1), "cuda")
+
+
 def test_the_memory_check_runs_before_the_model_is_built(tmp_path, monkeypatch):
     """run_rank refuses before apply_strategy builds anything (the available memory made tiny here)."""
     import parallel.memory as memory
