@@ -85,7 +85,7 @@ def first_failure(run_dir: Path) -> str | None:
 def offloaded_pipeline(model_cfg, dtype: torch.dtype, device: torch.device):
     """The pipeline in the machine's RAM under diffusers' ``enable_model_cpu_offload`` (each component moved to
     ``device`` for its own call, then back): how diffusers runs a pipeline larger than the GPU. Dummy weights are
-    built on the GPU one component at a time, the text encoders first, and moved off it."""
+    built on the GPU, the text encoders first, each moved off it once built, then the rest moved off too."""
     from shardgen.models.dummy import build_dummy_pipeline
     from shardgen.models.loader import load_pipeline
 
