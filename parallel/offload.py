@@ -16,7 +16,8 @@ import torch
 
 log = logging.getLogger("shardgen.device_map")
 MIN_BLOCK = 1 << 30
-"""Bytes of a pinned block at least (a power of two); a block is as large as the largest tensor, rounded up to one."""
+"""Bytes of a pinned block at least (a power of two); a block is the largest tensor's size rounded up to a power of two
+when that is more."""
 ALIGN = 512
 """Bytes each tensor's place in a block is aligned to."""
 
