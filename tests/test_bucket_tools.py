@@ -294,6 +294,40 @@ def test_shard_paths_of_a_bucket_run_are_read_by_webdataset_and_datasets(tmp_pat
             f"({url}/uploads/000001.json)") in capfd.readouterr().err
 
 
+def test_a_bucket_shard_reaches_its_reader_through_a_file_in_chunks_and_only_as_recorded(tmp_path, url, s3,
+                                                                                        monkeypatch):
+    """``write_shard`` (the ``pipe:`` command's body) copies the tar to its reader in bounded chunks from a temporary
+    file once it is checked, never holding it whole; an object of the recorded size with other bytes writes nothing,
+    and no temporary file stays behind either way."""
+    import io
+
+    from shardgen.dataio.rundir.storage import RunDirError
+    from shardgen.dataio.shards import uploaded
+    from shardgen.tools.loading import write_shard
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(uploaded.tempfile, "tempdir", None)  # TMPDIR read again
+    monkeypatch.setattr(uploaded, "CHUNK", 4096)
+    assert run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=4")).complete
+    tar = s3.fs().cat_file(_key(url, "shards/000000.tar"))
+    writes: list[int] = []
+
+    class Reader(io.BytesIO):
+        def write(self, b):
+            writes.append(len(b))
+            return super().write(b)
+
+    out = Reader()
+    write_shard(url, 0, out)
+    assert out.getvalue() == tar and max(writes) <= 4096 and len(writes) >= len(tar) // 4096
+    s3.fs().pipe_file(_key(url, "shards/000000.tar"), tar[:-1] + bytes([tar[-1] ^ 1]))
+    out = Reader()
+    with pytest.raises(RunDirError, match=f"{len(tar)} bytes that are not the {len(tar)} bytes uploaded"):
+        write_shard(url, 0, out)
+    assert out.getvalue() == b"" and list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_a_bucket_run_copied_to_another_prefix_is_read_verified_and_continued_there(tmp_path, url, s3, capsys,
                                                                                    monkeypatch):
     import webdataset as wds

@@ -61,17 +61,16 @@ def shard_paths(run_dir: str | os.PathLike, reader: str = "webdataset") -> list[
 
 def write_shard(run_url: str, shard: int, out: Any) -> None:
     """Write the committed tar of ``shard`` of the run kept at ``run_url`` to the binary stream ``out``, whole and
-    only once it is checked against the shard's upload record; LoadError when the shard is not committed,
-    RunDirError when the bucket's object is not the one uploaded, StorageError when it cannot be read."""
-    from shardgen.dataio.shards.uploaded import fetch
+    only once it is checked against the shard's upload record (held in a temporary file meanwhile, not in memory);
+    LoadError when the shard is not committed, RunDirError when the bucket's object is not the one uploaded,
+    StorageError when it cannot be read."""
+    from shardgen.dataio.shards.uploaded import fetch_into
 
     run = RunDir.at(run_url)
-    data = fetch(run, shard, run.shard_file(shard).suffix) if run.store else None
-    if data is None:
+    if not (run.store and fetch_into(run, shard, run.shard_file(shard).suffix, out)):
         raise LoadError(f"{run_url}: shard {shard:06d} is not committed in the bucket (no "
                         f"{run.files.where(run.shard_uploaded(shard))}); list the committed ones with "
                         "shardgen.tools.loading.shard_paths")
-    out.write(data)
     out.flush()
 
 

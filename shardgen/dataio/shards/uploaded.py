@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardgen.dataio.rundir.layout import RunDir, shard_name
 from shardgen.dataio.rundir.runfiles import DIR_FILES
@@ -77,36 +79,83 @@ def fetch(run: RunDir, shard: int, suffix: str) -> bytes | None:
     """The bytes of ``shard``'s object ``suffix`` (".tar", ".parquet") from where its upload is recorded; None
     without a record. RunDirError when the object's size or sha256 is not the recorded one (truncated, empty, or
     rewritten by another job at the same key); StorageError when it cannot be read."""
+    found = _recorded_object(run, shard, suffix)
+    if found is None:
+        return None
+    fs, path, url, wants, where = found
+    data = _read_or_missing(f"reading {path.rsplit('/', 1)[-1]}", url, where,
+                            lambda: call(fs, "cat_file", path, size=max(w.get("size") or 0 for w in wants)))
+    _check_recorded(len(data), hashlib.sha256(data).hexdigest(), url, wants, where)
+    return data
+
+
+def fetch_into(run: RunDir, shard: int, suffix: str, out: BinaryIO) -> bool:
+    """``fetch``, written to ``out`` with a bounded memory whatever the object's size: downloaded to a temporary file
+    (``$TMPDIR``), checked against the record, then copied to ``out``; nothing reaches ``out`` unless it is the
+    recorded object. False without a record; RunDirError and StorageError as ``fetch``."""
+    found = _recorded_object(run, shard, suffix)
+    if found is None:
+        return False
+    fs, path, url, wants, where = found
+    with tempfile.NamedTemporaryFile(prefix="shardgen-fetch-", suffix=suffix) as tmp:
+        def get() -> bool:
+            call(fs, "get_file", path, tmp.name, size=max(w.get("size") or 0 for w in wants))
+            return True
+
+        _read_or_missing(f"reading {path.rsplit('/', 1)[-1]}", url, where, get)
+        digest, size = hashlib.sha256(), 0
+        with open(tmp.name, "rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                digest.update(chunk)
+                size += len(chunk)
+        _check_recorded(size, digest.hexdigest(), url, wants, where)
+        with open(tmp.name, "rb") as f:
+            shutil.copyfileobj(f, out, CHUNK)
+    return True
+
+
+CHUNK = 8 << 20
+"""Bytes read at a time when an object is hashed or copied from its temporary file."""
+
+
+def _recorded_object(run: RunDir, shard: int, suffix: str) -> tuple[Any, str, str, list[dict], str] | None:
+    """(filesystem, path in it, URL, what the record says the object may hold, the record's name) of ``shard``'s
+    object ``suffix``; None without a record; RunDirError when the record names no such object."""
     record = read_record(run, shard)
     if record is None:
         return None
     name = shard_name(shard) + suffix
     wants = recorded_entries(record, name)
     folder = uploaded_to(run, record)
-    url = folder + name
     where = run.files.where(run.shard_uploaded(shard))
     if not wants:
         raise RunDirError(f"{where} records no {name}; " + REDO.format(record=where))
-    want = wants[0]
     fs, root = filesystem(folder)
+    return fs, f"{root.rstrip('/')}/{name}", folder + name, wants, where
 
-    def get() -> bytes | None:
+
+def _read_or_missing(what: str, url: str, where: str, read: Any) -> Any:
+    """``read()`` retried (``retrying``); RunDirError naming the record when the object is gone from the bucket."""
+    def get() -> Any:
         try:
-            return call(fs, "cat_file", f"{root.rstrip('/')}/{name}", size=max(w.get("size") or 0 for w in wants))
+            return read()
         except FileNotFoundError as e:
             if permanent_reason(e) == PERMANENT_CODES["NoSuchBucket"]:
                 raise  # the whole bucket: a wrong endpoint or URL as likely as a loss; StorageError, not a defect
             return None
 
-    data = retrying(f"reading {name}", url, get)
-    if data is None:
+    got = retrying(what, url, get)
+    if got is None:
         raise RunDirError(f"{url}: missing from the bucket (deleted since its upload, {where}); "
                           + REDO.format(record=where))
-    sha = hashlib.sha256(data).hexdigest()
-    if not any(len(data) == w.get("size") and sha == w.get("sha256") for w in wants):
-        raise RunDirError(f"{url}: {len(data)} bytes that are not the {want.get('size')} bytes uploaded for this run "
+    return got
+
+
+def _check_recorded(size: int, sha: str, url: str, wants: list[dict], where: str) -> None:
+    """RunDirError unless ``size`` and ``sha`` are those of an object the record names."""
+    if not any(size == w.get("size") and sha == w.get("sha256") for w in wants):
+        raise RunDirError(f"{url}: {size} bytes that are not the {wants[0].get('size')} bytes uploaded for this run "
                           f"({where}): truncated, or written over by another job; " + REDO.format(record=where))
-    return data
 
 
 def recorded_entries(record: dict, name: str) -> list[dict]:
