@@ -196,7 +196,8 @@ def test_fp8_job_with_its_calibration_on_each_model(tmp_path, model):
     try:
         r = run_job(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "steps=4",
                                 "prompts.limit=6", "batch_size=2", "progress=false", "fp8=true", "calibrate_samples=2",
-                                f"calibrate_min_psnr={FP8_FLOOR_DB[model]}", "strategy=auto"))  # FLUX.2-dev fits 80 GB staged
+                                f"calibrate_min_psnr={FP8_FLOOR_DB[model]}",
+                                "strategy=auto"))  # FLUX.2-dev on an 80 GB card: device_map, staged
         assert (r.ok, r.failed, r.complete) == (6, 0, True)
         assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
         record = json.loads((tmp_path / "run" / "calibration.json").read_text())
