@@ -7,15 +7,17 @@
 # output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
 # the device tool's file limits) and the plan's log is $OUT/plan.log. A later call continues from the step the log
 # says was next.
-#   1 kernel: the float8 attention kernel against its reference and exact attention, float8 layers at any token
-#            count (tests/test_gpu_fp8.py), device_map's streamed encoders (tests/test_gpu.py)
-#   2 tiles:  the kernel's tile sizes at FLUX.1's shape, against cuDNN's bf16 attention
+#   1 kernel: the 8-bit attention kernels (shardgen's float8 one, FlashAttention-3's) against their references and
+#            exact attention, float8 layers at any token count (tests/test_gpu_fp8.py)
+#   2 attention: every attention kernel at the FLUX.1, Qwen-Image and FLUX.2 shapes: time and error
 #   3 step:   one transformer step, fp8 GEMMs with and without the 8-bit attention
-#   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + 8-bit attention; the seed loop on 8 prompts)
+#   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + FA3's float8 attention; the seed loop on 8 prompts)
 #   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
 #   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
 #        step (a 96-prompt way takes 3-6 minutes); fidelity comes from steps 4-6 (the same first 24 captions)
 #   13 (a card under 120 GB only): FLUX.2-dev's seed loop under enable_model_cpu_offload, on 4 prompts
+#   14 matrix-fa3: the matrix's FA3 ways alone (step 7 has them among the others)
+#   15 streaming: device_map's streamed text encoder makes the same pixels (tests/test_gpu.py)
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -50,22 +52,21 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
     --exclude='*.png' --exclude='*.jpg' -C /tmp lossy
 }
 
-step 1 kernel 120 python3 -m pytest -m gpu -o addopts="" -q -s \
-  -k "float8_attention_kernel or token_count or float8_linear or streams_an_encoder" \
-  tests/test_gpu_fp8.py tests/test_gpu.py
-step 2 tiles 60 python3 benchmarks/probe_fp8_attention.py --tiles --tile-shapes flux_dev --iters 10 \
-  --out "$work/2-tiles/probe_fp8_attention.json"
+step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
+  -k "float8_attention_kernel or fa3_float8 or token_count or float8_linear" tests/test_gpu_fp8.py
+step 2 attention 60 python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev --iters 10 \
+  --out "$work/2-attention/probe_fp8_attention.json"
 step 3 step 60 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
   --ways fp8_fast_accum,fp8_attention --out "$work/3-step/probe_fp8_step.json"
 step 4 flux_dev 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
-  --ways bf16,fp8,fp8-attention8 --out "$work/4-flux_dev"
+  --ways bf16,fp8,fp8-fa3 --out "$work/4-flux_dev"
 step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
-  --ways bf16,fp8,fp8-attention8 --out "$work/5-qwen_image"
+  --ways bf16,fp8,fp8-fa3 --out "$work/5-qwen_image"
 # FLUX.2-dev's bf16 pipeline (32B transformer, 24B text encoder: ~104 GiB) fits an H200, not an 80 GB card: there
 # every way runs under strategy=auto (device_map on one GPU, the text encoder streamed in for each batch's encoding;
 # a way takes ~80 s to start, then 3.9 s/sample bf16, 2.6 fp8 on an H100), the seed loop, which holds the whole
 # pipeline, is left out, and so is the 8-bit attention way (step 12 has it), so bf16 and fp8 fit one call
-flux2_seed=8 flux2_set=() flux2_ways=bf16,fp8,fp8-attention8
+flux2_seed=8 flux2_set=() flux2_ways=bf16,fp8,fp8-fa3
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 [ "${gpu_mib:-0}" -lt 120000 ] && flux2_seed=0 flux2_set=(--set strategy=auto) flux2_ways=bf16,fp8
 step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n $flux2_seed \
@@ -73,16 +74,19 @@ step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 
 step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k every_fp8_path tests/test_gpu_fp8.py
 step 8 flux_dev-96-fp8 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
   --ways fp8 --out "$work/8-flux_dev-96-fp8"
-step 9 flux_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 \
-  --ways fp8-attention8 --out "$work/9-flux_dev-96-attention8"
+step 9 flux_dev-96-fa3 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
+  --ways fp8-fa3 --out "$work/9-flux_dev-96-fa3"
 step 10 qwen_image-96 500 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 96 --seed-n 8 \
-  --ways fp8,fp8-attention8 --out "$work/10-qwen_image-96"
+  --ways fp8,fp8-fa3 --out "$work/10-qwen_image-96"
 step 11 flux2_dev-96-fp8 480 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 --seed-n $flux2_seed \
   "${flux2_set[@]}" --ways fp8 --out "$work/11-flux2_dev-96-fp8"
-step 12 flux2_dev-96-attention8 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 \
-  "${flux2_set[@]}" --ways fp8-attention8 --out "$work/12-flux2_dev-96-attention8"
+step 12 flux2_dev-96-fa3 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 96 \
+  "${flux2_set[@]}" --ways fp8-fa3 --out "$work/12-flux2_dev-96-fa3"
 # on an 80 GB card: the guide's loop as diffusers runs a pipeline larger than the GPU (enable_model_cpu_offload), the
 # seed loop steps 6, 11 and 12 leave out there (their shardgen figures are under strategy=auto)
 [ "${gpu_mib:-0}" -lt 120000 ] && step 13 flux2_dev-seed-offload 300 python3 benchmarks/lossy_runs.py --model flux2_dev \
   --steps 8 --n 24 --seed-n 4 --seed-offload --ways none --out "$work/13-flux2_dev-seed-offload"
+step 14 matrix-fa3 300 python3 -m pytest -m gpu -o addopts="" -q -s -k "every_fp8_path and fa3" \
+  tests/test_gpu_fp8.py
+step 15 streaming 120 python3 -m pytest -m gpu -o addopts="" -q -s -k streams_an_encoder tests/test_gpu.py
 echo "== plan done $(date -u +%T)" | tee -a "$log"

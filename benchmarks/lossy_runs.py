@@ -10,7 +10,8 @@ One process per way, in this order, on one prompt file of captions of 1 to 200 w
 - ``fp8-compiled`` (only with ``--compiled``): ``fp8=true compile=true``;
 - ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (SageAttention), alone and with fp8;
 - ``attention8``, ``fp8-attention8`` (named in ``--ways``): ``sdpa_backend=fp8`` (shardgen's 8-bit attention), alone
-  and with fp8; ``fast``: ``speed=fast``.
+  and with fp8; ``fa3``, ``fp8-fa3``: ``sdpa_backend=fa3_fp8`` (FlashAttention-3's float8 kernel), alone and with
+  fp8; ``fast``: ``speed=fast``.
 
 Each way's whole-process wall time (interpreter start, model build, planning, any compilation, the last commit),
 its steady s/sample from the job's compile summary line, and for each lossy way ``jobs.compare`` against ``bf16``:
@@ -36,6 +37,7 @@ from real_runs import parse_job, seed_loop, timed  # noqa: E402
 WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"],
         "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"],
         "attention8": ["sdpa_backend=fp8"], "fp8-attention8": ["fp8=true", "sdpa_backend=fp8"],
+        "fa3": ["sdpa_backend=fa3_fp8"], "fp8-fa3": ["fp8=true", "sdpa_backend=fa3_fp8"],
         "fast": ["speed=fast"]}
 
 

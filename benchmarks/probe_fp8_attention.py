@@ -3,8 +3,8 @@ time per call, its tile sizes, and its error.
 
     python benchmarks/probe_fp8_attention.py [--iters 20] [--tiles] [--out probe_fp8_attention.json]
 
-Per shape (batch 4, 1024x1024 unless named): cuDNN's and flash's bf16 SDPA, SageAttention (when installed), and the
-float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too, on ``--tile-shapes``):
+Per shape (batch 4, 1024x1024 unless named): cuDNN's and flash's bf16 SDPA, SageAttention and FlashAttention-3 bf16
+and float8 (``sdpa_backend=fa3_fp8``; each when installed), and the float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too, on ``--tile-shapes``):
 ms per whole call (quantisation included; the three quantisations alone are ``quantise_ms``) and TFLOP/s
 (4 * B * H * Nq * Nk * D / time). Errors, relative RMS over the first sample's first two heads: against exact
 float32 attention, against cuDNN, and against ``fp8_attention.reference`` (the same arithmetic in torch ops: the
@@ -54,6 +54,27 @@ def sdpa_with(kernel):
     return call
 
 
+def _fa3_ways() -> dict:
+    """FlashAttention-3 (the fa3-fwd package, Hopper) where it runs: bf16, and float8 with shardgen's
+    quantisation (sdpa_backend=fa3_fp8; ``fa3_fp8_kernel``: the kernel alone on inputs quantised once)."""
+    from shardgen.speed import fa3_fp8
+
+    if why := fa3_fp8.unavailable_reason("cuda"):
+        print("FA3:", why, flush=True)
+        return {}
+    forward = fa3_fp8._fa3_forward()
+    pre: dict = {}
+
+    def kernel_only(q, k, v):
+        if not pre:
+            pre.update(q=fa3_fp8.quantise(q), k=fa3_fp8.quantise(k, smooth=True), v=fa3_fp8.quantise(v))
+        (q8, qs), (k8, ks), (v8, vs) = pre["q"], pre["k"], pre["v"]
+        return forward(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)[0].transpose(1, 2)
+
+    return {"fa3": lambda q, k, v: forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
+            .transpose(1, 2), "fa3_fp8": fa3_fp8.attention, "fa3_fp8_kernel": kernel_only}
+
+
 def measure(name: str, iters: int, tiles: bool) -> dict:
     """One shape's row: every way's time and errors."""
     from shardgen.speed import fp8_attention as F
@@ -77,6 +98,7 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
     except ImportError:
         pass
     ways["fp8"] = F.attention
+    ways.update(_fa3_ways())
     if tiles:
         for t in TILE_GRID:
             tag = "fp8_m{BLOCK_M}_n{BLOCK_N}_w{num_warps}_s{num_stages}".format(**t)
@@ -92,6 +114,15 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
         row["ways"][way] = {"ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1),
                             "err_vs_exact": rel(out[one], exact), "err_vs_cudnn": rel(out, cudnn)}
         print(name, way, row["ways"][way], flush=True)
+    if "fa3_fp8" in ways:
+        from shardgen.speed import fa3_fp8
+
+        row["ways"]["fa3_fp8"]["err_vs_reference"] = rel(fa3_fp8.attention(q[one], k[one], v[one]),
+                                                         fa3_fp8.reference(q[one], k[one], v[one]))
+        row["fa3_quantise_ms"] = round(timed(lambda: (fa3_fp8.quantise(q), fa3_fp8.quantise(k, smooth=True),
+                                                        fa3_fp8.quantise(v)), iters, warm=3), 3)
+        print(name, "fa3_fp8 vs its reference", row["ways"]["fa3_fp8"]["err_vs_reference"], "quantise ms",
+              row["fa3_quantise_ms"], flush=True)
     emu = F.reference(q[one], k[one], v[one])
     row["ways"]["fp8"]["err_vs_reference"] = rel(F.attention(q[one], k[one], v[one]), emu)
     row["ways"]["reference_err_vs_exact"] = rel(emu, exact)

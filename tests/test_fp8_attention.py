@@ -68,7 +68,7 @@ def test_takes_only_what_the_kernel_can_do():
         assert not fp8_attention.takes(c.float(), c.float(), c.float())
 
 
-@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+@pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch, kernel):
     """Both 8-bit kernels' contexts (shardgen/speed/sdpa_route.py)."""
     module = sdpa._eight_bit(kernel)
@@ -104,10 +104,9 @@ def test_a_cpu_run_is_refused_in_one_line():
                             "(lossless)")
 
 
-OTHER = {"fp8": "sage", "sage": "fp8"}
 
 
-@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+@pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 @pytest.mark.parametrize("kernel_error, refused", [(0.035, False), (0.5, True), (float("nan"), True)])
 def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel, kernel_error, refused):
     """The self-check (run on the rank when the pipeline is first prepared on a CUDA device) compares the kernel with
@@ -123,7 +122,7 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
     if refused:
         with pytest.raises(AccelError, match=rf"^sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]}'s output is "
                                              r"(\d+\.\d|inf)% off exact attention on cpu .*Use sdpa_backend=auto "
-                                             rf"\(lossless\) or sdpa_backend={OTHER[kernel]}$"):
+                                             rf"\(lossless\) or sdpa_backend={sdpa.OTHER_KERNEL[kernel]}$"):
             sdpa._check_kernel(kernel, "cpu")
     else:
         sdpa._check_kernel(kernel, "cpu")
@@ -131,7 +130,7 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
                                        for d in module.HEAD_DIMS}
 
 
-@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+@pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, kernel):
     """Triton's own failure (an older Triton, a driver it does not know) is the run's one-line refusal, naming
     the Triton version and the ways out, not a compiler traceback."""
@@ -145,10 +144,10 @@ def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, k
     assert str(e.value).startswith(f"sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]} does not run on cpu with "
                                    "Triton ")
     assert str(e.value).endswith("(RuntimeError: PassManager::run failed). Use sdpa_backend=auto (lossless) or "
-                                 f"sdpa_backend={OTHER[kernel]}")
+                                 f"sdpa_backend={sdpa.OTHER_KERNEL[kernel]}")
 
 
-@pytest.mark.parametrize("kernel", ["fp8", "sage"])
+@pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context(monkeypatch, kernel):
     """Under torch.compile each kernel is an operator (shardgen::fp8_attention, shardgen::sage_attention; here
     both run the float8 kernel's CPU reference arithmetic): a block compiled inside the context computes what eager

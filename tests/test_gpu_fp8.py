@@ -178,6 +178,44 @@ def test_float8_attention_kernel_matches_its_reference(batch, heads, q_tokens, k
     assert torch.equal(routed, out)
 
 
+@pytest.mark.parametrize("batch, heads, q_tokens, k_tokens, dim", [
+    (2, 24, 4096 + 512, 4096 + 512, 128),  # FLUX.1-dev's joint attention
+    (1, 3, 4096 + 211, 4096 + 211, 128),  # Qwen-Image's text length
+    (2, 5, 1000, 77, 64),  # cross-attention to 77 text tokens, head size 64
+    (1, 2, 1, 1, 128),  # a single token
+])
+def test_fa3_float8_attention_matches_its_reference(batch, heads, q_tokens, k_tokens, dim):
+    """FlashAttention-3's float8 kernel (sdpa_backend=fa3_fp8) on shardgen's quantisation, against the method's
+    arithmetic in torch ops (fa3_fp8.reference) and exact attention; inputs in the processors' memory layout."""
+    from shardgen.speed import fa3_fp8
+
+    if why := fa3_fp8.unavailable_reason("cuda"):
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(q_tokens)
+    q = torch.randn(batch, q_tokens, heads, dim, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, heads, k_tokens, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    k = k + 3.0 * torch.randn(1, 1, 1, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    keys = k.clone()
+    assert fa3_fp8.takes(q, k, v)
+    out = fa3_fp8.attention(q, k, v)
+    assert torch.equal(k, keys) and out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # the processors' layout: their transpose and flatten copy nothing
+    q8, qs = fa3_fp8.quantise(q)  # the Triton quantisation against the torch ops' (the CPU route); Triton's fp32
+    ref8, refs = fa3_fp8.quantise(q.cpu())  # division is within 2 ulp, so a rare value may round the other way
+    assert torch.allclose(qs.cpu(), refs) and (q8.cpu().float() != ref8.float()).float().mean().item() < 1e-3
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    reference = fa3_fp8.reference(q, k, v)
+    print(f"FA3 fp8 vs reference {err(out, reference):.4f}, vs exact {err(out, exact):.4f}, "
+          f"reference vs exact {err(reference, exact):.4f}")
+    assert err(out, reference) < 0.04
+    assert err(out, exact) < (0.07 if k_tokens > 1 else 0.01)
+    with fa3_fp8.context():
+        routed = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(routed, out)
+
+
 # the worst calibration PSNR each model's fp8 reaches on its dummy (random) weights at 1024x1024 (measured on an
 # H200, docs/performance.md, minus a margin): numerical error compounded by random weights, not image quality
 FP8_FLOOR_DB = {"flux_dev": 28.0, "flux2_dev": 12.0, "qwen_image": 20.0}
@@ -219,6 +257,8 @@ FP8_WAYS = {
     "sage-compiled": ("fp8=true", "compile=true", "sdpa_backend=sage"),
     "attention8": ("fp8=true", "compile=false", "sdpa_backend=fp8"),
     "attention8-compiled": ("fp8=true", "compile=true", "sdpa_backend=fp8"),
+    "fa3": ("fp8=true", "compile=false", "sdpa_backend=fa3_fp8"),
+    "fa3-compiled": ("fp8=true", "compile=true", "sdpa_backend=fa3_fp8"),
 }
 
 
@@ -239,11 +279,11 @@ def test_every_fp8_path_makes_every_sample_within_its_bound(tmp_path, lossless_r
     from shardgen.tools.verify import verify_run
     from tests.conftest import compose_cfg
 
-    if way.startswith("sage"):
-        from shardgen.speed import sage
+    if way.startswith(("sage", "fa3")):
+        from shardgen.speed import fa3_fp8, sage
 
-        if sage.unavailable_reason("cuda"):
-            pytest.skip(sage.unavailable_reason("cuda"))
+        if why := (sage if way.startswith("sage") else fa3_fp8).unavailable_reason("cuda"):
+            pytest.skip(why)
     common = (f"model={model}", "model.weights=dummy", "height=256", "width=256", "steps=2", "prompts.limit=6",
               "batch_size=2", "progress=false", "strategy=auto")  # FLUX.2-dev on an 80 GB card: device_map, staged
     reference = lossless_runs["dir"] / model

@@ -52,7 +52,7 @@ def test_a_cpu_run_is_refused_in_one_line():
         validate(AccelOptions(sdpa="sage"), "cpu")
 
 
-@pytest.mark.parametrize("kernel", ["sage", "fp8"])
+@pytest.mark.parametrize("kernel", ["sage", "fp8", "fa3_fp8"])
 def test_auto_times_torchs_kernels_before_the_8bit_kernel_replaces_sdpa(monkeypatch, kernel):
     """sdpa_backend=sage/fp8 still puts auto's kernel first for the calls the 8-bit kernel does not take; auto's
     timing must see torch's SDPA, not the 8-bit kernel."""

@@ -368,6 +368,10 @@ class ParallelDegrees:
     conditional branch and one the unconditional; composes with the other degrees (parallel/cfg.py)."""
 
 
+# sdpa_backend values that are LOSSY 8-bit attention kernels: part of the fingerprint and provenance
+EIGHT_BIT_ATTENTION = ("sage", "fp8", "fa3_fp8")
+
+
 @dataclass(kw_only=True)
 class SpeedConfig:
     """Speed: shardgen/speed/accel.py; the LOSSY options are opt-in.
@@ -400,10 +404,11 @@ class SpeedConfig:
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
     efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
     faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
-    sage | fp8: opt-in, LOSSY 8-bit attention, compiled blocks included; the calls it cannot take keep auto's
-    kernel: sage is SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2'); fp8 is
-    shardgen's own INT8 QK / float8 PV Triton kernel (compute capability 8.9+, nothing to install; docs/lossy.md).
-    shardgen/speed/sdpa.py, fa4.py, sage.py, fp8_attention.py."""
+    sage | fp8 | fa3_fp8: opt-in, LOSSY 8-bit attention, compiled blocks included; the calls it cannot take keep
+    auto's kernel: sage is SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2');
+    fp8 is shardgen's own INT8 QK / float8 PV Triton kernel (compute capability 8.9+, nothing to install); fa3_fp8
+    is FlashAttention-3's float8 kernel (pip install fa3-fwd; H100/H200 only; docs/lossy.md).
+    shardgen/speed/sdpa.py, fa4.py, sage.py, fp8_attention.py, fa3_fp8.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer
     calls of a step run as one call of twice the batch. Exact (same pixels on CPU in float64); off by default:

@@ -3,9 +3,10 @@ efficient / cudnn once per process at the run's attention shape, checks each aga
 fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
 flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
 choice is a context around each call. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
-FlashAttention-4 the process's flash kernel and puts it first. ``sage`` and ``fp8`` (opt-in, LOSSY: ``speed/sage.py``,
-``speed/fp8_attention.py``) send the calls they take to an 8-bit kernel (SageAttention's, or shardgen's own INT8
-``QK^T`` / float8 ``PV``), the others to torch's kernels in ``auto``'s order.
+FlashAttention-4 the process's flash kernel and puts it first. ``sage``, ``fp8`` and ``fa3_fp8`` (opt-in, LOSSY:
+``speed/sage.py``, ``speed/fp8_attention.py``, ``speed/fa3_fp8.py``) send the calls they take to an 8-bit kernel
+(SageAttention's, shardgen's own INT8 ``QK^T`` / float8 ``PV``, or FlashAttention-3's float8 one), the others to
+torch's kernels in ``auto``'s order.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from shardgen.config.schema import EIGHT_BIT_ATTENTION
 from shardgen.pick import pick
 from shardgen.speed.techniques import AccelError, AccelOptions
 from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage", "fp8")
-EIGHT_BIT = ("sage", "fp8")  # the lossy kernels: sdpa_backend=NAME is recorded in the fingerprint and provenance
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage", "fp8", "fa3_fp8")
+EIGHT_BIT = EIGHT_BIT_ATTENTION  # the lossy kernels: sdpa_backend=NAME is in the fingerprint and provenance
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
 
@@ -34,7 +36,7 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math | fa4 | sage | fp8 (``sdpa_backend`` in the config)."""
+    """auto | default | flash | efficient | cudnn | math | fa4 | sage | fp8 | fa3_fp8 (``sdpa_backend``)."""
 
 
 def _backend(name: str):
@@ -181,11 +183,15 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
 
 
 def _eight_bit(name: str):
-    """The module of an 8-bit attention kernel (``sage`` or ``fp8``)."""
+    """The module of an 8-bit attention kernel (``sage``, ``fp8`` or ``fa3_fp8``)."""
     if name == "sage":
         from shardgen.speed import sage
 
         return sage
+    if name == "fa3_fp8":
+        from shardgen.speed import fa3_fp8
+
+        return fa3_fp8
     from shardgen.speed import fp8_attention
 
     return fp8_attention
@@ -230,12 +236,12 @@ def validate(opts: AccelOptions, device=None) -> None:
     if name in EIGHT_BIT and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
         kernel = _eight_bit(name)
         if why := kernel.unavailable_reason(device):
-            install = f"{kernel.INSTALL}; or" if name == "sage" else "Use"
+            install = f"{kernel.INSTALL}; or" if hasattr(kernel, "INSTALL") else "Use"
             raise AccelError(f"sdpa_backend={name}: {why}. {install} sdpa_backend=auto (lossless)")
 
 
 def _apply(step) -> dict:
-    """With an 8-bit kernel (sdpa_backend=fp8 or sage) on a GPU: the kernel checked on the rank's GPU once per
+    """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) on a GPU: the kernel checked on the rank's GPU once per
     process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
     else is applied here: the kernel choice is a context around each call (``sdpa_context``)."""
     name = step.opts.sdpa
@@ -247,7 +253,9 @@ def _apply(step) -> dict:
     return {f"{name}_attention_error": round(_check_kernel(name, step.device, dims), 4)}
 
 
-KERNEL_NAMES = {"fp8": "the float8 attention kernel", "sage": "SageAttention"}
+KERNEL_NAMES = {"fp8": "the float8 attention kernel", "sage": "SageAttention",
+                "fa3_fp8": "FlashAttention-3's float8 kernel"}
+OTHER_KERNEL = {"fp8": "sage", "sage": "fp8", "fa3_fp8": "fp8"}  # the 8-bit way a refusal names beside lossless
 
 
 def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -> float:
@@ -258,7 +266,7 @@ def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -
 
     kernel = _eight_bit(name)
     where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
-    other = "sage" if name == "fp8" else "fp8"
+    other = OTHER_KERNEL[name]
     way_out = f"Use sdpa_backend=auto (lossless) or sdpa_backend={other}"
     try:
         err = self_check(name, lambda q, k, v: kernel.attention(q, k, v), device, head_dims or kernel.HEAD_DIMS)
