@@ -22,6 +22,7 @@ from parallel.auto import decide
 from parallel.dims import ParallelConfigError, ParallelDims
 from parallel.transformer import SequenceShape, TransformerInfo, sequence_shape, transformer_info
 from shardgen.config.launchers import launcher_of
+from shardgen.config.schema import EIGHT_BIT_ATTENTION
 from shardgen.models import lora
 
 if TYPE_CHECKING:
@@ -107,8 +108,26 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts, sequen
     _check_loras(kind, cfg)  # again: auto may have chosen such a strategy
     kind.check_model(dims, cfg, info_fn)
     dims.attention_backend = kind.attention_backend(dims, facts, cfg.dtype)
+    _check_eight_bit_attention(dims, cfg)
     kind.check_sequence(dims, sequence, facts)
     return dims
+
+
+def _check_eight_bit_attention(dims: ParallelDims, cfg: GenerateConfig) -> None:
+    """An 8-bit ``sdpa_backend`` takes the place of torch's SDPA, which the transformer calls only under diffusers'
+    ``native`` attention backend; under another (ring attention's LSE kernel, or one the user named) the run would
+    compute exact attention while its samples say they were made with 8-bit attention."""
+    name = cfg.get("sdpa_backend")
+    if name not in EIGHT_BIT_ATTENTION or dims.attention_backend in (None, "native"):
+        return
+    if dims.ring > 1:  # ring attention merges partial results by their log-sum-exp, which SDPA does not return
+        why = f"ring attention runs through diffusers' {dims.attention_backend} backend"
+        way = "use strategy=cp_ulysses (its attention is torch's SDPA)"
+    else:
+        why = f"strategy.attention_backend={dims.attention_backend} sends attention past it"
+        way = "leave strategy.attention_backend unset"
+    _fail(f"sdpa_backend={name} replaces torch's SDPA, and {why}: the 8-bit kernel would never run. Either {way}, "
+          "or set sdpa_backend=auto")
 
 
 @dataclass(frozen=True)

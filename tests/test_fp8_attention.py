@@ -221,3 +221,22 @@ def test_the_kernel_compiles_to_8bit_tensor_cores_with_pipelined_loads_for_hoppe
         assert row["async_loads"] >= 6, row  # K, V and the key scales, each in flight over the stages
         if arch == 90:
             assert row["spill_bytes"] == 0 and row["shared_bytes"] <= 227 * 1024, row
+
+
+@pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
+def test_a_transformer_whose_attention_bypasses_sdpa_is_refused_not_recorded_as_8bit(kernel):
+    """Under another diffusers attention backend the 8-bit kernel would never be called while the samples said it
+    was: refused when the pipeline is prepared, before any sample (the strategy checks refuse the known cases before
+    any weight is read: tests/test_strategies.py)."""
+    import types
+
+    class Attention(torch.nn.Module):
+        processor = types.SimpleNamespace(_attention_backend="flash")
+
+    transformer = torch.nn.Sequential(Attention())
+    step = types.SimpleNamespace(opts=AccelOptions(sdpa=kernel), device=torch.device("cuda"), transformer=transformer)
+    with pytest.raises(AccelError) as e:
+        sdpa._apply(step)
+    assert str(e.value) == (f"sdpa_backend={kernel} replaces torch's SDPA, and this transformer's attention runs "
+                            "through another diffusers attention backend: the 8-bit kernel would never run. Set "
+                            "sdpa_backend=auto")

@@ -66,6 +66,14 @@ BAD = [  # (overrides, world size, device facts, what the message must say)
     (("strategy=cp_ring", "ring_degree=2", "strategy.attention_backend=native"), 2, GPUS(2, 2), "'native' does not"),
     (("strategy=cp_ring", "ring_degree=2"), 2, GPUS(2, 2),
      "_native_cudnn runs bfloat16/float16 only, and dtype=float64"),
+    (("strategy=cp_ring", "ring_degree=2", "dtype=bfloat16", "sdpa_backend=fp8"), 2, GPUS(2, 2),
+     r"^sdpa_backend=fp8 replaces torch's SDPA, and ring attention runs through diffusers' _native_cudnn backend: the "
+     r"8-bit kernel would never run. Either use strategy=cp_ulysses \(its attention is torch's SDPA\), or set "
+     r"sdpa_backend=auto$"),
+    (("strategy=dp", "strategy.attention_backend=_native_cudnn", "sdpa_backend=fa3_fp8"), 1, GPUS(1),
+     r"^sdpa_backend=fa3_fp8 replaces torch's SDPA, and strategy.attention_backend=_native_cudnn sends attention "
+     r"past it: the 8-bit kernel would never run. Either leave strategy.attention_backend unset, or set "
+     r"sdpa_backend=auto$"),
     (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=bogus"), 2, CPU,
      "not a diffusers attention backend"),
     (("strategy=cp_ulysses", "ulysses_degree=2", "strategy.attention_backend=xformers"), 2, CPU,

@@ -243,10 +243,16 @@ def validate(opts: AccelOptions, device=None) -> None:
 def _apply(step) -> dict:
     """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) on a GPU: the kernel checked on the rank's GPU once per
     process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
-    else is applied here: the kernel choice is a context around each call (``sdpa_context``)."""
+    else is applied here: the kernel choice is a context around each call (``sdpa_context``). A transformer whose
+    attention does not go through torch's SDPA is refused (the strategy's checks refuse the configurations that do
+    so before any weight is read; this is the last line for any other)."""
     name = step.opts.sdpa
     if name not in EIGHT_BIT or step.device is None or torch.device(step.device).type != "cuda":
         return {}
+    if step.transformer is not None and not _uses_native_attention(step.transformer):
+        raise AccelError(f"sdpa_backend={name} replaces torch's SDPA, and this transformer's attention runs through "
+                         "another diffusers attention backend: the 8-bit kernel would never run. Set "
+                         "sdpa_backend=auto")
     kernel = _eight_bit(name)
     dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
     dims = (dim,) if dim in kernel.HEAD_DIMS else kernel.HEAD_DIMS
