@@ -117,7 +117,7 @@ def _check_eight_bit_attention(dims: ParallelDims, cfg: GenerateConfig) -> None:
     """An 8-bit ``sdpa_backend`` takes the place of torch's SDPA, which the transformer calls only under diffusers'
     ``native`` attention backend; under another (ring attention's LSE kernel, or one the user named) the run would
     compute exact attention while its samples say they were made with 8-bit attention."""
-    name = cfg.get("sdpa_backend")
+    name = cfg.sdpa_backend
     if name not in EIGHT_BIT_ATTENTION or dims.attention_backend in (None, "native"):
         return
     if dims.ring > 1:  # ring attention merges partial results by their log-sum-exp, which SDPA does not return

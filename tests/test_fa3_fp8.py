@@ -104,3 +104,37 @@ def test_a_missing_package_is_named_with_its_install_line(monkeypatch):
         sdpa.validate(AccelOptions(sdpa="fa3_fp8"), "cuda:0")
     assert str(e.value) == ("sdpa_backend=fa3_fp8: fa3-fwd does not import (ModuleNotFoundError: No module named "
                             f"'fa3_fwd_interface'). {fa3_fp8.INSTALL}; or sdpa_backend=auto (lossless)")
+
+
+_TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, also while a context routes SDPA
+
+
+def _fa3_as_documented(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, **kw):
+    """FA3's forward as its interface documents it, in torch ops: float8 (batch, tokens, heads, dim) inputs, float32
+    descales (batch, heads), bf16 (batch, tokens, heads, dim) output first (the package itself is Hopper-only)."""
+    assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn and not kw
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    b, _, h, _ = q.shape
+    assert q_descale.shape == k_descale.shape == v_descale.shape == (b, h)
+    deq = [t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))]
+    out = _TORCH_SDPA(*(t.transpose(1, 2) for t in deq), scale=softmax_scale)
+    return out.transpose(1, 2).to(torch.bfloat16), None
+
+
+@pytest.mark.parametrize("scale", [None, 0.05])
+def test_attention_hands_fa3_its_layout_and_scales_and_gives_sdpa_its_view(monkeypatch, scale):
+    """The wiring around the kernel, on CPU: inputs in the processors' (batch, tokens, heads, dim) memory seen as
+    SDPA's (batch, heads, tokens, dim); FA3 gets contiguous float8 and per-head descales; the caller gets SDPA's
+    view of FA3's output (so a processor's transpose and flatten copy nothing), equal to exact attention on the
+    quantised inputs."""
+    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 40, 3, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, 3, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = fa3_fp8.attention(q, k, v, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
+    p_exact = _rel(out, F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale))
+    assert 0.005 < p_exact < 0.06, p_exact  # the quantisation's cost, nothing more
+    monkeypatch.setattr(fa3_fp8, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)  # CPU tensors
+    with fa3_fp8.context():  # the routed call takes the same path
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, scale=scale), out)
