@@ -4,8 +4,9 @@ time per call, its tile sizes, and its error.
     python benchmarks/probe_fp8_attention.py [--iters 20] [--tiles] [--out probe_fp8_attention.json]
 
 Per shape (batch 4, 1024x1024 unless named): cuDNN's and flash's bf16 SDPA, SageAttention and FlashAttention-3 bf16
-and float8 (``sdpa_backend=fa3_fp8``; each when installed), and the float8 kernel with its default tiles (with ``--tiles``, every tile size in ``TILE_GRID`` too, on ``--tile-shapes``):
-ms per whole call (quantisation included; the three quantisations alone are ``quantise_ms``) and TFLOP/s
+and float8 (``sdpa_backend=fa3_fp8``; each when installed), and the float8 kernel with its default tiles (with
+``--tiles``, every tile size in ``TILE_GRID`` too, on ``--tile-shapes``): ms per whole call (quantisation
+included; the three quantisations alone are ``quantise_ms``, FA3's ``fa3_quantise_ms``) and TFLOP/s
 (4 * B * H * Nq * Nk * D / time). Errors, relative RMS over the first sample's first two heads: against exact
 float32 attention, against cuDNN, and against ``fp8_attention.reference`` (the same arithmetic in torch ops: the
 kernel's own error). Random inputs, the keys offset by a common vector (what the smoothing removes).

@@ -1,7 +1,7 @@
 """``sdpa_backend=fa3_fp8`` (opt-in, LOSSY): FlashAttention-3's float8 forward kernel (the ``fa3-fwd`` package: FA3's
 Hopper kernels, forward only, built on torch's stable ABI), both products on float8 tensor cores with the
-warp-specialised pipeline a Triton kernel cannot express; on an H100 or H200 the one 8-bit attention faster than
-cuDNN's bf16 kernel at the FLUX and Qwen-Image shapes (docs/lossy.md).
+warp-specialised pipeline a Triton kernel does not express (on Hopper, shardgen's Triton float8 kernel is slower
+than cuDNN's bf16 attention: docs/lossy.md; this one's speed there is not yet measured).
 
 Its inputs are float8 e4m3 with one scale per (sample, head): here each of Q, K and V is quantised on its amax over
 the head's tokens and channels (amax / 448), the keys first smoothed by their mean over the tokens (softmax does not
@@ -92,14 +92,15 @@ def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch
     """(B, H, N, D) -> float8 e4m3 (B, N, H, D) and its float32 descales (B, H): each head on amax / 448 over its
     tokens and channels; ``smooth`` subtracts the head's mean over the tokens first (the keys)."""
     b, h, n, d = x.shape
-    mean = x.mean(dim=2, dtype=torch.float32) if smooth else None
+    mean = x.mean(dim=2, dtype=torch.float32).contiguous() if smooth else None  # (B, H, D), as the kernel reads it
     if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (no smoothed copy is made)
         lo, hi = torch.aminmax(x, dim=2)
         amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(dim=-1)
     else:
         amax = torch.linalg.vector_norm(x, float("inf"), dim=(2, 3), dtype=torch.float32)
     scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
-    if triton is None or not x.is_cuda or x.stride(-1) != 1 or d not in HEAD_DIMS:  # the CPU reference's route
+    if triton is None or not x.is_cuda or x.stride(-1) != 1 or d & (d - 1):  # torch ops: CPU, or no Triton tile
+        # (a Triton block's width is a power of two: head size 96 takes this route)
         y = ((x.float() - (mean[:, :, None] if smooth else 0)) / scale[:, :, None, None]).to(torch.float8_e4m3fn)
         return y.transpose(1, 2).contiguous(), scale
     y = torch.empty(b, n, h, d, device=x.device, dtype=torch.float8_e4m3fn)

@@ -241,8 +241,8 @@ def validate(opts: AccelOptions, device=None) -> None:
 
 
 def _apply(step) -> dict:
-    """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) on a GPU: the kernel checked on the rank's GPU once per
-    process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
+    """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) on a GPU: the kernel checked on the rank's GPU once
+    per process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
     else is applied here: the kernel choice is a context around each call (``sdpa_context``). A transformer whose
     attention does not go through torch's SDPA is refused (the strategy's checks refuse the configurations that do
     so before any weight is read; this is the last line for any other)."""
