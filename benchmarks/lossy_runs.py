@@ -94,7 +94,7 @@ def main() -> None:
         r = dict(parse_job(log), rc=rc, wall_s=round(wall, 1), n=a.n, images_per_hour=round(3600 * a.n / wall))
         if rc != 0:
             r["tail"] = log[-1500:]
-        if way != "bf16" and (out / "run-bf16").is_dir():
+        if way != "bf16" and res.get("bf16", {}).get("rc") == 0:  # at once: a call cut short keeps it
             r.update(fidelity(out / f"run-{way}", out / "run-bf16"))
         res[way] = r
         (out / "summary.json").write_text(json.dumps(res, indent=1))  # a run cut short keeps what it measured
@@ -103,6 +103,8 @@ def main() -> None:
         r = res[way]
         if r.get("rc") != 0:
             continue
+        if way != "bf16" and res.get("bf16", {}).get("rc") == 0 and "psnr_db" not in r:  # ran before bf16
+            r.update(fidelity(out / f"run-{way}", out / "run-bf16"))
         if way != "bf16" and res.get("bf16", {}).get("rc") == 0:
             r["x_bf16_whole"] = round(res["bf16"]["wall_s"] / r["wall_s"], 3)
         if seed.get("seed_whole_s"):
