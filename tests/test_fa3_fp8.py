@@ -12,16 +12,7 @@ import torch.nn.functional as F
 
 from shardgen.speed import fa3_fp8, sdpa
 from shardgen.speed.techniques import AccelError, AccelOptions, validate
-
-
-def _qkv(heads=2, tokens=300, dim=128, key_offset=3.0, peak=1.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, tokens, dim, generator=g) for _ in range(3))
-    return q * peak, k + key_offset * torch.randn(1, 1, 1, dim, generator=g), v
-
-
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.norm()).item()
+from tests.test_fp8_attention import _qkv, _rel
 
 
 def test_each_head_is_quantised_on_its_own_scale_into_fa3s_layout():

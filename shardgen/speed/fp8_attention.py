@@ -24,8 +24,11 @@ attention; outside the context a compiled block's guard sees torch's SDPA again 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
+
+from shardgen.speed.sdpa_route import kernel_context, plain_attention
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none
     import triton
@@ -59,14 +62,9 @@ def unavailable_reason(device: torch.device | str | None) -> str | None:
     return None
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
-          is_causal: bool = False, enable_gqa: bool = False) -> bool:
-    """Whether this SDPA call goes to the float8 kernel."""
-    return (attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa and q.is_cuda
-            and q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1]
-            and k.shape[-1] == q.shape[-1] and q.dtype in (torch.float16, torch.bfloat16)
-            and q.dtype == k.dtype == v.dtype and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v)))
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call) -> bool:
+    """Whether this SDPA call (its keyword arguments ``call``) goes to the float8 kernel."""
+    return plain_attention(q, k, v, HEAD_DIMS, **call)
 
 
 if triton is not None:
@@ -219,11 +217,7 @@ def _(q, k, v, scale):
 def context():
     """Within it, torch SDPA calls the float8 kernel where it takes the call (``takes``), torch's kernels
     elsewhere."""
-    from shardgen.speed.sdpa_route import routed_sdpa
-
-    # looked up at each call: a test may replace either
-    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale),
-                       lambda q, k, v, scale: _operator(q, k, v, scale))
+    return kernel_context(sys.modules[__name__])
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -75,8 +76,6 @@ def _(q, k, v, scale):
 
 def context():
     """Within it, torch SDPA calls SageAttention where it takes the call (``takes``), torch's kernels elsewhere."""
-    from shardgen.speed.sdpa_route import routed_sdpa
+    from shardgen.speed.sdpa_route import kernel_context
 
-    # looked up at each call: a test may replace either
-    return routed_sdpa(lambda *a, **kw: takes(*a, **kw), lambda q, k, v, scale: attention(q, k, v, scale),
-                       lambda q, k, v, scale: _operator(q, k, v, scale))
+    return kernel_context(sys.modules[__name__])

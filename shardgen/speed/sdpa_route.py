@@ -39,6 +39,26 @@ def routed_sdpa(takes: Callable[..., bool], kernel: Callable[..., torch.Tensor],
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple[int, ...], attn_mask=None,
+                    dropout_p: float = 0.0, is_causal: bool = False, enable_gqa: bool = False) -> bool:
+    """Whether an SDPA call is what the float8 kernels compute: CUDA, no mask, no dropout, not causal, no GQA, 4-D
+    fp16/bf16 tensors of one head size in ``head_dims`` with contiguous rows, queries, keys and values of one batch
+    and head count, keys and values of one length."""
+    return (attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa and q.is_cuda
+            and q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] in head_dims and v.shape[-1] == q.shape[-1]
+            and k.shape[-1] == q.shape[-1] and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dtype == k.dtype == v.dtype and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def kernel_context(module):
+    """``routed_sdpa`` for an 8-bit kernel's module: its ``takes``, ``attention`` and ``_operator``, each looked up
+    at each call (a test may replace any of them)."""
+    return routed_sdpa(lambda *a, **kw: module.takes(*a, **kw),
+                       lambda q, k, v, scale: module.attention(q, k, v, scale),
+                       lambda q, k, v, scale: module._operator(q, k, v, scale))
+
+
 SELF_CHECK_BOUND = 0.08  # relative RMS against exact attention on random inputs: fp8's method costs ~0.035
 _CHECKED: dict[tuple, float] = {}
 
