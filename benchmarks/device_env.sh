@@ -6,7 +6,13 @@
 #    cProfile); an installed environment on a user's cluster has them
 #    (pip writes them at install). PYTHONPYCACHEPREFIX sends the caches to /tmp/pyc, filled here once, before
 #    anything is timed, for the seed loop and shardgen alike. SHARDGEN_NO_PYC=1 leaves this step out.
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || return 1
+# the pure-Python wheels the runs need, then the optional kernels (a platform wheel: fa3-fwd), whose failure to
+# install only leaves their ways refused
+python3 -m pip install -q --no-index --no-deps --target /tmp/site $(ls .whl/*.whl | grep -v -- '-abi3-') || return 1
+for w in .whl/*-abi3-*.whl; do
+  [ -e "$w" ] || continue
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w" || echo "device_env: $w not installed"
+done
 export PYTHONPATH=/tmp/site:$PWD
 if [ -z "${SHARDGEN_NO_PYC:-}" ]; then
   export PYTHONPYCACHEPREFIX=/tmp/pyc
