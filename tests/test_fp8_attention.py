@@ -70,7 +70,7 @@ def test_takes_only_what_the_kernel_can_do():
 
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch, kernel):
-    """Both 8-bit kernels' contexts (shardgen/speed/sdpa_route.py)."""
+    """Each 8-bit kernel's context (shardgen/speed/sdpa_route.py)."""
     module = sdpa._eight_bit(kernel)
     calls = []
     monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: calls.append(q.shape) or q)
@@ -102,8 +102,6 @@ def test_a_cpu_run_is_refused_in_one_line():
         validate(AccelOptions(sdpa="fp8"), "cpu")
     assert str(e.value) == ("sdpa_backend=fp8: float8 attention runs on CUDA GPUs only. Use sdpa_backend=auto "
                             "(lossless)")
-
-
 
 
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
@@ -149,9 +147,10 @@ def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, k
 
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context(monkeypatch, kernel):
-    """Under torch.compile each kernel is an operator (shardgen::fp8_attention, shardgen::sage_attention; here
-    both run the float8 kernel's CPU reference arithmetic): a block compiled inside the context computes what eager
-    calls do, and outside it torch's exact attention (the block's guard sees torch's SDPA again)."""
+    """Under torch.compile each kernel is an operator (shardgen::fp8_attention, shardgen::sage_attention,
+    shardgen::fa3_fp8_attention; here all run the float8 kernel's CPU reference arithmetic): a block compiled inside
+    the context computes what eager calls do, and outside it torch's exact attention (the block's guard sees torch's
+    SDPA again)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     module = sdpa._eight_bit(kernel)
