@@ -129,9 +129,9 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
 
 
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
-def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, kernel):
-    """Triton's own failure (an older Triton, a driver it does not know) is the run's one-line refusal, naming
-    the Triton version and the ways out, not a compiler traceback."""
+def test_a_kernel_that_cannot_build_here_is_refused_in_one_line(monkeypatch, kernel):
+    """The kernel's own failure (an older Triton, a driver it does not know) is the run's one-line refusal, naming
+    the versions of the packages it runs on and the ways out, not a compiler traceback."""
     def broken(q, k, v, scale=None):
         raise RuntimeError("PassManager::run failed\n  ... 40 lines of MLIR ...")
 
@@ -139,8 +139,10 @@ def test_a_kernel_triton_cannot_build_here_is_refused_in_one_line(monkeypatch, k
     monkeypatch.setattr(sdpa_route, "_CHECKED", {})
     with pytest.raises(AccelError) as e:
         sdpa._check_kernel(kernel, "cpu")
+    packages = sdpa._package_versions(kernel)
+    assert packages.startswith({"fp8": "triton ", "sage": "sageattention ", "fa3_fp8": "fa3-fwd "}[kernel])
     assert str(e.value).startswith(f"sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]} does not run on cpu with "
-                                   "Triton ")
+                                   f"{packages} (RuntimeError")
     assert str(e.value).endswith("(RuntimeError: PassManager::run failed). Use sdpa_backend=auto (lossless) or "
                                  f"sdpa_backend={sdpa.OTHER_KERNEL[kernel]}")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -262,12 +261,27 @@ def _apply(step) -> dict:
 KERNEL_NAMES = {"fp8": "the float8 attention kernel", "sage": "SageAttention",
                 "fa3_fp8": "FlashAttention-3's float8 kernel"}
 OTHER_KERNEL = {"fp8": "sage", "sage": "fp8", "fa3_fp8": "fp8"}  # the 8-bit way a refusal names beside lossless
+# the packages each kernel runs on (their versions are named when it does not run): the distribution names
+KERNEL_PACKAGES = {"fp8": ("triton",), "sage": ("sageattention", "triton"), "fa3_fp8": ("fa3-fwd", "triton")}
+
+
+def _package_versions(name: str) -> str:
+    """``"fa3-fwd 0.0.3, triton 3.5.0"``: the installed versions of the packages kernel ``name`` runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(package):
+        try:
+            return f"{package} {version(package)}"
+        except PackageNotFoundError:
+            return f"{package} not installed"
+
+    return ", ".join(one(p) for p in KERNEL_PACKAGES[name])
 
 
 def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -> float:
     """The 8-bit attention kernel ``name``'s error on this device against exact attention
-    (``sdpa_route.self_check``); AccelError, naming the other ways, when Triton cannot build or launch it here or
-    it is further off than an 8-bit method is."""
+    (``sdpa_route.self_check``); AccelError, naming its packages' versions and the other ways, when it cannot be
+    built or launched here (Triton's compiler, FA3's library) or it is further off than an 8-bit method is."""
     from shardgen.speed.sdpa_route import SELF_CHECK_BOUND, self_check
 
     kernel = _eight_bit(name)
@@ -278,11 +292,10 @@ def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -
         err = self_check(name, lambda q, k, v: kernel.attention(q, k, v), device, head_dims or kernel.HEAD_DIMS)
     except torch.OutOfMemoryError:
         raise
-    except Exception as e:  # Triton cannot compile or launch it here (an older Triton, a driver it does not know)
-        triton = getattr(sys.modules.get("triton"), "__version__", "none")
+    except Exception as e:  # it cannot be compiled or launched here (an older Triton, a driver it does not know)
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]} does not run on {where} with Triton {triton} "
-                         f"({type(e).__name__}: {first}). {way_out}") from e
+        raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]} does not run on {where} with "
+                         f"{_package_versions(name)} ({type(e).__name__}: {first}). {way_out}") from e
     if err > SELF_CHECK_BOUND:
         raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]}'s output is {err:.1%} off exact attention on "
                          f"{where} (an 8-bit method costs a few percent; bound {SELF_CHECK_BOUND:.0%}): this GPU or "
