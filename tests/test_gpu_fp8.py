@@ -145,6 +145,9 @@ def test_sage_attention_is_close_to_torchs_kernel(heads, tokens, dim):
 # each 8-bit kernel's bound against exact attention on these inputs: shardgen's float8 kernel does Q K^T in INT8,
 # FA3's in e4m3 (docs/lossy.md)
 KERNEL_VS_EXACT = {"fp8": 0.06, "fa3_fp8": 0.07}
+# with a single key the output is that key's value row, as each kernel stores it: exact for fp8 (a scale per
+# channel fits a lone row), e4m3's rounding (~2.5% on an H100) for fa3_fp8 (one scale per head)
+ONE_KEY_VS_EXACT = {"fp8": 0.01, "fa3_fp8": 0.04}
 
 
 @pytest.mark.parametrize("batch, heads, q_tokens, k_tokens, dim", [
@@ -181,7 +184,7 @@ def test_8bit_attention_kernel_matches_its_reference(kernel, batch, heads, q_tok
     print(f"{kernel} vs reference {err(out, reference):.4f}, vs exact {err(out, exact):.4f}, "
           f"reference vs exact {err(reference, exact):.4f}")
     assert err(out, reference) < 0.04
-    assert err(out, exact) < (KERNEL_VS_EXACT[kernel] if k_tokens > 1 else 0.01)
+    assert err(out, exact) < (KERNEL_VS_EXACT[kernel] if k_tokens > 1 else ONE_KEY_VS_EXACT[kernel])
     with module.context():
         routed = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert torch.equal(routed, out)
