@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -43,7 +44,9 @@ def oom_above(monkeypatch, max_batch: int, after_calls: int = 0):
     return calls
 
 
-def test_a_batch_out_of_memory_stops_with_advice_and_the_advised_rerun_completes(tmp_path, monkeypatch):
+def test_a_batch_out_of_memory_stops_with_advice_and_the_advised_rerun_completes(tmp_path, monkeypatch, caplog):
+    """The stop gives up the claim of the shard it was making: the advised rerun resumes it at once, not after the
+    claim's lease (lease_s) has run out."""
     f = write_lines(tmp_path / "p.txt", PROMPTS)
     clean = run(compose_cfg(f"run_dir={tmp_path / 'clean'}", f"prompts.path={f}", "batch_size=3", *ARGS))
     assert clean.ok == 8
@@ -59,8 +62,12 @@ def test_a_batch_out_of_memory_stops_with_advice_and_the_advised_rerun_completes
     assert calls == [3, 3]  # no one-by-one retry of a batch that cannot fit: every batch would fail alike
     assert len(load_plan(RunDir(tmp_path / "run")).run.done_shards()) == 1  # what was made stays
 
+    assert "released 1 unfinished shard(s) (000001)" in caplog.text
+    caplog.clear()
+    started = time.monotonic()
     again = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=1", *ARGS))
     assert (again.ok, again.failed, again.complete) == (8, 0, True)
+    assert "taking over shard" not in caplog.text and time.monotonic() - started < 60
     assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
     assert shard_images(tmp_path / "run") == shard_images(tmp_path / "clean")
 

@@ -14,6 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable
 
 from parallel.world import broadcast_object
+from shardgen.errors import ShardgenError
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit
@@ -97,12 +98,13 @@ class ReplicaWorker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
-        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, ShardgenError)):
             self._release_unfinished()
 
     def _release_unfinished(self) -> None:
-        """After Ctrl-C or SIGTERM, once close() made every handed-over batch durable and stopped the writer: give
-        up the claims of the shards left unfinished, so that a re-run (or another replica) resumes them from their
+        """After Ctrl-C or SIGTERM, or a stop shardgen makes on purpose (out of GPU memory, a setting that cannot
+        work), once close() made every handed-over batch durable and stopped the writer: give up the claims of the
+        shards left unfinished, so that a re-run (or another replica) resumes them from their
         checkpoints at once instead of waiting ``lease_s`` for the claims to expire. Not when the writer could
         still be writing (it outlived close's timeout): then the lease keeps the shard ours until it is done."""
         if self.claimer is None or not self.claimer.held or (self.sink is not None and self.sink.busy):
