@@ -174,3 +174,34 @@ def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
     r = run(compose_cfg(*args))  # the GPU is fine again
     assert (r.ok, r.complete) == (8, True)
     assert verify_run(load_plan(RunDir(tmp_path / "run"))).ok
+
+
+def test_the_job_s_time_running_out_hands_its_unfinished_shard_to_the_requeue_at_once(tmp_path, monkeypatch, caplog):
+    """submitit's signal that the SLURM job's time is over (UncompletedJobError, raised into the loop by its
+    handler) ends the launch; the requeued launch takes the unfinished shard over at once (its claim given up), not
+    after the claim's lease, and the run ends with the bytes of one that was never stopped."""
+    from submitit.core.utils import UncompletedJobError
+
+    prompts = [f"a small thing number {i}" for i in range(8)]
+    f = write_lines(tmp_path / "p.txt", prompts)
+    args = ("height=16", "width=16", "steps=1", "progress=false", "samples_per_shard=3", "batch_size=3")
+    assert run(compose_cfg(f"run_dir={tmp_path / 'clean'}", f"prompts.path={f}", *args)).ok == 8
+    real, calls = FluxPipeline.__call__, []
+
+    @functools.wraps(real)
+    def time_over_at_the_second_batch(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise UncompletedJobError("the job's time is over")
+        return real(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(FluxPipeline, "__call__", time_over_at_the_second_batch)
+        with pytest.raises(UncompletedJobError):
+            run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *args))
+    assert "released 1 unfinished shard(s) (000001)" in caplog.text
+    caplog.clear()
+    again = run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", *args))
+    assert (again.ok, again.failed, again.complete) == (8, 0, True)
+    assert "taking over shard" not in caplog.text
+    assert shard_images(tmp_path / "run") == shard_images(tmp_path / "clean")

@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable
 
 from parallel.world import broadcast_object
-from shardgen.errors import ShardgenError
+from shardgen.errors import ShardgenError, ends_job
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit
@@ -98,15 +98,16 @@ class ReplicaWorker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
-        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, ShardgenError)):
+        if exc is not None and (isinstance(exc, (KeyboardInterrupt, ShardgenError)) or ends_job(exc)):
             self._release_unfinished()
 
     def _release_unfinished(self) -> None:
-        """After Ctrl-C or SIGTERM, or a stop shardgen makes on purpose (out of GPU memory, a setting that cannot
-        work), once close() made every handed-over batch durable and stopped the writer: give up the claims of the
-        shards left unfinished, so that a re-run (or another replica) resumes them from their
-        checkpoints at once instead of waiting ``lease_s`` for the claims to expire. Not when the writer could
-        still be writing (it outlived close's timeout): then the lease keeps the shard ours until it is done."""
+        """After Ctrl-C or SIGTERM, a stop shardgen makes on purpose (out of GPU memory, a setting that cannot work)
+        or submitit's signal that the job's time is over, once close() made every handed-over batch durable and
+        stopped the writer: give up the claims of the shards left unfinished, so that a re-run, a requeue or another
+        replica resumes them from their checkpoints at once instead of waiting ``lease_s`` for the claims to expire.
+        Not when the writer could still be writing (it outlived close's timeout): then the lease keeps the shard
+        ours until it is done."""
         if self.claimer is None or not self.claimer.held or (self.sink is not None and self.sink.busy):
             return
         self.walk.release_unfinished()
