@@ -115,3 +115,22 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "out of memory" in ln]
     assert len(lines) == 1 and "generating a batch of 2" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_claim_store_that_cannot_be_written_at_the_stop_leaves_the_stop_s_own_message(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """Giving up the claims after the stop is a courtesy to the rerun: a store that refuses it (the outage that
+    may have caused the stop) leaves the claims to expire and the user reads the out-of-memory advice, not the
+    store's error."""
+    from shardgen.run.shardwalk import ShardWalk
+
+    def refuse(self):
+        raise OSError("the store is down")
+
+    f = write_lines(tmp_path / "p.txt", PROMPTS)
+    with monkeypatch.context() as m:
+        oom_above(m, max_batch=1, after_calls=1)
+        m.setattr(ShardWalk, "release_unfinished", refuse)
+        with pytest.raises(GpuOutOfMemory, match="ran out of memory generating a batch of 3"):
+            run(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "batch_size=3", *ARGS))
+    assert "could not give up the unfinished shards' claims (OSError: the store is down)" in caplog.text

@@ -14,11 +14,11 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable
 
 from parallel.world import broadcast_object
-from shardgen.errors import ShardgenError, ends_job
 from shardgen.dataio.prompts import Plan
 from shardgen.dataio.resume import checked_rows
 from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit
 from shardgen.dataio.shards import ShardSink, ShardWork, committed_samples, committed_tar, read_shard_members
+from shardgen.errors import ShardgenError, ends_job
 from shardgen.run.generation import GenSettings
 from shardgen.run.shardrun import ShardGenerator, ShardRun
 from shardgen.run.shardwalk import ShardWalk
@@ -107,10 +107,15 @@ class ReplicaWorker:
         stopped the writer: give up the claims of the shards left unfinished, so that a re-run, a requeue or another
         replica resumes them from their checkpoints at once instead of waiting ``lease_s`` for the claims to expire.
         Not when the writer could still be writing (it outlived close's timeout): then the lease keeps the shard
-        ours until it is done."""
+        ours until it is done. A store that cannot be written now (the outage that stopped the launch) leaves the
+        claims to expire: the stop's own error is what the user sees."""
         if self.claimer is None or not self.claimer.held or (self.sink is not None and self.sink.busy):
             return
-        self.walk.release_unfinished()
+        try:
+            self.walk.release_unfinished()
+        except Exception as e:  # noqa: BLE001 - never replaces the error that ended the launch
+            log.warning("could not give up the unfinished shards' claims (%s: %s); they expire after lease_s",
+                        type(e).__name__, str(e)[:200])
 
     def close(self) -> None:
         """Make every handed-over batch durable (the sink commits and releases its shards), wait for the uploads,
