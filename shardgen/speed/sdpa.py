@@ -299,7 +299,7 @@ def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -
     if err > SELF_CHECK_BOUND:
         raise AccelError(f"sdpa_backend={name}: {KERNEL_NAMES[name]}'s output is {err:.1%} off exact attention on "
                          f"{where} (an 8-bit method costs a few percent; bound {SELF_CHECK_BOUND:.0%}): this GPU or "
-                         f"Triton version does not run it right. {way_out}")
+                         f"{_package_versions(name)} does not run it right. {way_out}")
     return err
 
 
