@@ -240,3 +240,28 @@ def test_attention_with_differing_norm_eps_takes_diffusers_path():
     flux_fused.enable(tr)
     assert torch.equal(run(tr, kw), ref)
     assert not flux_fused.one_eps(tr.transformer_blocks[0].attn) and flux_fused.one_eps(tr.transformer_blocks[1].attn)
+
+
+def test_a_single_block_takes_the_previous_single_block_s_output_without_copying_it(monkeypatch):
+    """The single blocks' input join (``joined``): the halves the previous single block returned are taken as the
+    tensor they are views of (no copy, same values as diffusers' concatenation); any other pair is concatenated."""
+    whole = torch.randn(2, 9, 4, dtype=torch.float64)
+    text, image = whole[:, :3], whole[:, 3:]
+    same = flux_fused.joined(text, image)
+    assert same.data_ptr() == whole.data_ptr() and torch.equal(same, torch.cat([text, image], 1))
+    for t, i in [(text, whole[:, 4:]), (whole[:, 3:], text), (text.clone(), image), (text, image.clone())]:
+        out = flux_fused.joined(t, i)  # not adjacent, swapped, separate tensors: a copy, the same values as cat
+        assert out.data_ptr() != whole.data_ptr() and torch.equal(out, torch.cat([t, i], 1))
+    tr, kw = small_flux(), small_inputs()
+    ref = run(tr, kw)
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    real = flux_fused.joined
+    shared = []  # per single block: whether its input is its text half's own memory
+    monkeypatch.setattr(flux_fused, "joined", lambda t, i: shared.append(real(t, i).data_ptr() == t.data_ptr())
+                        or real(t, i))
+    out = run(tr, kw)
+    assert shared == [False, True]  # the first takes the double blocks' separate outputs: a copy
+    assert (out - ref).abs().max() < 1e-12 * ref.abs().max()
+    monkeypatch.setattr(flux_fused, "joined", lambda t, i: torch.cat([t, i], 1))
+    assert torch.equal(run(tr, kw), out)  # the same values as the concatenation
