@@ -129,3 +129,106 @@ def test_attention_hands_fa3_its_layout_and_scales_and_gives_sdpa_its_view(monke
     monkeypatch.setattr(fa3_fp8, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)  # CPU tensors
     with fa3_fp8.context():  # the routed call takes the same path
         assert torch.equal(F.scaled_dot_product_attention(q, k, v, scale=scale), out)
+
+
+def _parts(seed=5, batch=2, heads=3, dim=64, tokens=(7, 33)):
+    """A fused processor's inputs: q, k and v parts as views of the projections' (batch, tokens, heads * dim)
+    outputs, RMSNorm weights and a RoPE of random angles over the joint sequence."""
+    g = torch.Generator().manual_seed(seed)
+    proj = [(torch.randn(batch, n, 3 * heads * dim, generator=g) * 2 + 0.5).bfloat16() for n in tokens]
+    qs, ks, vs = ([p[..., i * heads * dim:(i + 1) * heads * dim].unflatten(-1, (heads, dim)) for p in proj]
+                  for i in range(3))
+    wq, wk = ([(torch.rand(dim, generator=g) + 0.5).bfloat16() for _ in tokens] for _ in range(2))
+    ang = torch.rand(sum(tokens), dim // 2, generator=g) * 6
+    return qs, ks, vs, wq, wk, ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1)
+
+
+def test_attention_from_the_projections_is_attention_on_rms_rope_s_outputs(monkeypatch):
+    """``rms_rope_attention`` (what a fused processor hands fa3_fp8 instead of q, k and v in SDPA's layout) gives
+    FA3 the float8 inputs ``attention`` gives it from ``rms_rope``'s outputs and the joined values, and returns its
+    output as (batch, tokens, heads, dim): the same values to the bit."""
+    from shardgen.speed.fused_kernels import rms_rope
+
+    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    qs, ks, vs, wq, wk, cos, sin = _parts()
+    out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)
+    assert out.shape == (2, 40, 3, 64) and out.dtype == torch.bfloat16
+    via_sdpa = fa3_fp8.attention(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
+                                 torch.cat(vs, 1).transpose(1, 2))
+    assert torch.equal(out, via_sdpa.transpose(1, 2))
+    # the self-check's pair: the path from the projections against exact attention of the normed, RoPE-d inputs
+    q, k, v = _qkv(dim=64)
+    assert 0.005 < _rel(fa3_fp8.check_parts(q, k, v), fa3_fp8.check_parts_exact(q, k, v)) < 0.065
+
+
+def test_a_fused_processor_hands_the_projections_to_fa3_fp8_and_to_no_other_kernel(monkeypatch):
+    """Within fa3_fp8's context the FLUX blocks' fused processor calls ``rms_rope_attention`` with its parts (the
+    same output as the routed SDPA path, to the bit); outside it, or when the parts are not the kernel's, it calls
+    rms_rope and SDPA."""
+    from shardgen.families.flux import fused as flux_fused
+    from tests.test_flux_fused import run, small_flux, small_inputs
+
+    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)  # CPU tensors
+    tr, kw = small_flux(torch.bfloat16), small_inputs(torch.bfloat16)
+    flux_fused.enable(tr)
+    calls = []
+    real = fa3_fp8.rms_rope_attention
+    monkeypatch.setattr(fa3_fp8, "rms_rope_attention", lambda *a: calls.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(fa3_fp8, "takes_parts", lambda qs, ks, vs, cos: False)
+    with fa3_fp8.context():
+        routed = run(tr, kw)
+    assert calls == []
+    monkeypatch.setattr(fa3_fp8, "takes_parts", lambda qs, ks, vs, cos: True)
+    with fa3_fp8.context():
+        direct = run(tr, kw)
+    assert calls == [2, 2, 1, 1]  # 2 double blocks (text and image parts), 2 single blocks
+    assert torch.equal(direct, routed)
+    calls.clear()
+    run(tr, kw)  # no kernel routed: rms_rope and torch's SDPA
+    assert calls == []
+
+
+_INTERPRETED = '''
+import torch
+from shardgen.speed import fa3_fp8, fused_kernels
+from tests.test_fa3_fp8 import _parts
+fa3_fp8.parts_kernel_ok = lambda xs, cos: True  # CPU tensors, run by Triton's interpreter
+qs, ks, vs, wq, wk, cos, sin = _parts(tokens=(7, 139))
+for xs, ws in ((qs, wq), (ks, wk), (vs, None)):
+    for smooth in (False, True):
+        joint = fused_kernels.rms_rope_triton(xs, ws, cos, sin, 1e-6) if ws else torch.cat(xs, 1).transpose(1, 2)
+        _, scale = fa3_fp8.quantise(joint, smooth)
+        mean = joint.mean(dim=2, dtype=torch.float32).contiguous()
+        old = torch.empty(joint.shape[0], joint.shape[2], joint.shape[1], joint.shape[3], dtype=torch.float8_e4m3fn)
+        fa3_fp8._quantise_heads[((joint.shape[2] + 63) // 64, joint.shape[0] * joint.shape[1])](
+            joint, old, scale, mean, *joint.stride()[:3], joint.shape[1], joint.shape[2], ROWS=64, D=joint.shape[3],
+            SUB_MEAN=smooth)
+        new, new_scale = fa3_fp8.quantise_parts(xs, ws, cos, sin, 1e-6, smooth)
+        assert torch.equal(new_scale, scale), (ws is None, smooth)
+        assert torch.equal(new.view(torch.uint8), old.view(torch.uint8)), (ws is None, smooth)
+print("ok")
+'''
+
+
+def test_the_passes_from_the_projections_write_what_rms_rope_then_the_quantising_pass_write(tmp_path):
+    """``quantise_parts``' two Triton passes, run by Triton's interpreter on the CPU, against the kernels they
+    replace (``rms_rope``'s, then the quantising pass): the same descales and float8 bytes, for q and k (RMSNorm +
+    RoPE, the keys smoothed) and v (as they are), from two parts with a part-filled tile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_fp8_attention import _triton_path
+
+    path = _triton_path()
+    if path is None:
+        pytest.skip("needs Triton (its interpreter runs the kernels on the CPU): pip install --target DIR triton, "
+                    "then SHARDGEN_TRITON_PATH=DIR")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(root)])), "TRITON_INTERPRET": "1",
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardgen.families.flux import fused as flux_fused
-from shardgen.speed import accel, techniques
+from shardgen.speed import accel, fused_kernels, techniques
 from shardgen.run.generation import to_pixels
 
 SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
@@ -219,7 +219,7 @@ def test_rms_rope_reference_is_diffusers_norm_then_rope():
     wt, wi = torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g) + 0.5
     ang = torch.rand(8, 4, generator=g)
     cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
-    out = flux_fused.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
+    out = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
     joint = torch.cat([torch.nn.functional.rms_norm(xt, (8,), wt, 1e-6), torch.nn.functional.rms_norm(xi, (8,), wi, 1e-6)], 1)
     assert out.shape == (2, 4, 8, 8) and out.is_contiguous()
     assert torch.equal(out, apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2))

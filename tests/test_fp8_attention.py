@@ -109,13 +109,15 @@ def test_a_cpu_run_is_refused_in_one_line():
 def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, kernel, kernel_error, refused):
     """The self-check (run on the rank when the pipeline is first prepared on a CUDA device) compares the kernel with
     exact attention: here the kernel is the exact answer plus noise of a chosen size, on the CPU."""
-    def noisy(q, k, v, scale=None):
-        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    def noisy(exact):
         noise = torch.randn(exact.shape, generator=torch.Generator().manual_seed(1))
-        return (exact + noise * kernel_error * exact.norm() / noise.norm()).to(q.dtype)
+        return (exact + noise * kernel_error * exact.norm() / noise.norm()).to(torch.bfloat16)
 
     module = sdpa._eight_bit(kernel)
-    monkeypatch.setattr(module, "attention", noisy)
+    monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: noisy(
+        F.scaled_dot_product_attention(q.float(), k.float(), v.float())))
+    if hasattr(module, "check_parts"):  # its path from the projections is checked the same way
+        monkeypatch.setattr(module, "check_parts", lambda q, k, v: noisy(module.check_parts_exact(q, k, v)))
     monkeypatch.setattr(sdpa_route, "_CHECKED", {})
     if refused:
         with pytest.raises(AccelError, match=rf"^sdpa_backend={kernel}: {sdpa.KERNEL_NAMES[kernel]}'s output is "
@@ -124,8 +126,9 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
             sdpa._check_kernel(kernel, "cpu")
     else:
         sdpa._check_kernel(kernel, "cpu")
-        assert sdpa_route._CHECKED == {(kernel, "cpu", d): pytest.approx(kernel_error, rel=0.1)
-                                       for d in module.HEAD_DIMS}
+        names = (kernel, f"{kernel} from projections") if hasattr(module, "check_parts") else (kernel,)
+        assert sdpa_route._CHECKED == {(n, "cpu", d): pytest.approx(kernel_error, rel=0.1)
+                                       for n in names for d in module.HEAD_DIMS}
 
 
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)

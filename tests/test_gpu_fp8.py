@@ -207,6 +207,38 @@ def test_fa3_triton_quantisation_matches_the_torch_ops():
         assert torch.allclose(s.cpu(), ref_s) and (y.cpu().float() != ref_y.float()).float().mean().item() < 1e-3
 
 
+@pytest.mark.parametrize("heads, parts", [(24, (512, 4096)), (3, (37, 211))])
+def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, parts):
+    """fa3_fp8 straight from a fused processor's projections (``rms_rope_attention``: two Triton passes per tensor)
+    against ``rms_rope`` + the joined values + ``attention``, at FLUX.1-dev's shape and at part-filled tiles: the
+    same descales, float8 values but for rare one-step roundings (the mean's float32 sum order), the same output
+    to FA3's own noise."""
+    from shardgen.speed import fa3_fp8
+    from shardgen.speed.fused_kernels import rms_rope
+
+    if why := fa3_fp8.unavailable_reason("cuda"):
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dim = 128
+    proj = [(torch.randn(2, n, 3 * heads * dim, device="cuda", generator=g) * 2 + 0.5).bfloat16() for n in parts]
+    qs, ks, vs = ([p[..., i * heads * dim:(i + 1) * heads * dim].unflatten(-1, (heads, dim)) for p in proj]
+                  for i in range(3))
+    wq, wk = ([(torch.rand(dim, device="cuda", generator=g) + 0.5).bfloat16() for _ in parts] for _ in range(2))
+    ang = torch.rand(sum(parts), dim // 2, device="cuda", generator=g) * 6
+    cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
+    assert fa3_fp8.takes_parts(qs, ks, vs, cos)
+    for xs, ws, smooth in ((qs, wq, False), (ks, wk, True), (vs, None, False)):
+        y, scale = fa3_fp8.quantise_parts(xs, ws, cos, sin, 1e-6, smooth)
+        joint = rms_rope(xs, ws, cos, sin, 1e-6) if ws else torch.cat(xs, 1).transpose(1, 2)
+        ref_y, ref_scale = fa3_fp8.quantise(joint, smooth)
+        assert torch.allclose(scale, ref_scale, rtol=1e-5)
+        assert (y.float() != ref_y.float()).float().mean().item() < 1e-3
+    out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)
+    ref = fa3_fp8.attention(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
+                            torch.cat(vs, 1).transpose(1, 2)).transpose(1, 2)
+    assert out.shape == ref.shape and ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.01
+
+
 # the worst calibration PSNR each model's fp8 reaches on its dummy (random) weights at 1024x1024 (measured on an
 # H200, docs/performance.md, minus a margin): numerical error compounded by random weights, not image quality
 FP8_FLOOR_DB = {"flux_dev": 28.0, "flux2_dev": 12.0, "qwen_image": 20.0}

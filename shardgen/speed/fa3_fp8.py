@@ -109,6 +109,127 @@ def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch
     return y, scale
 
 
+# --- Q, K and V straight from the projections: RMSNorm + RoPE and the quantisation in two passes --------------------
+
+STATS_TOKENS = 128
+"""Tokens one program of the statistics pass reduces (its partial sums and extremes are then reduced by torch)."""
+
+if triton is not None:
+    from shardgen.speed.fused_kernels import rms_rope_tile
+
+    @triton.jit
+    def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, sum_ptr, lo_ptr, hi_ptr, seq_in, seq_offset, block_offset, blocks,
+                    heads, stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                    HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, CHANNELS: tl.constexpr):
+        """One program: CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (its values as ``rms_rope`` writes
+        them, rounded to the activation dtype; with ROPE false as they are). CHANNELS: each channel's sum, minimum
+        and maximum into SUM/LO/HI (batch, blocks, heads, D); else each head's absolute maximum into HI (batch,
+        blocks, heads)."""
+        pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        total = tl.zeros((HEADS_PER_PROGRAM, D), dtype=tl.float32)
+        lo = tl.full((HEADS_PER_PROGRAM, D), float("inf"), dtype=tl.float32)
+        hi = tl.full((HEADS_PER_PROGRAM, D), float("-inf"), dtype=tl.float32)
+        for c in range(CHUNKS):
+            s = (pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
+            y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb,
+                                    stride_xs, stride_xh, eps, CHUNK, HEADS_PER_PROGRAM, D, ROPE)
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            total += tl.sum(tl.where(mask, y, 0.0), axis=0)
+            lo = tl.minimum(lo, tl.min(tl.where(mask, y, float("inf")), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(mask, y, float("-inf")), axis=0))
+        row = (b.to(tl.int64) * blocks + block_offset + pid_s) * heads + h
+        if CHANNELS:
+            at = row[:, None] * D + tl.arange(0, D)[None, :]
+            tl.store(sum_ptr + at, total)
+            tl.store(lo_ptr + at, lo)
+            tl.store(hi_ptr + at, hi)
+        else:
+            tl.store(hi_ptr + row, tl.max(tl.maximum(-lo, hi), axis=1))
+
+    @triton.jit
+    def _part_fp8(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, y_ptr, seq_in, seq_total, seq_offset, heads,
+                  stride_xb, stride_xs, stride_xh, eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                  D: tl.constexpr, ROPE: tl.constexpr, SUB_MEAN: tl.constexpr):
+        """BLOCK_S tokens x HEADS_PER_PROGRAM heads of a part into float8 Y, (batch, tokens, heads, D) contiguous
+        (FA3's layout) at the part's offset in the joint sequence: ``(value - MEAN[b, h]) / SCALE[b, h]``."""
+        pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs,
+                                stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, ROPE)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        s3, h3, d3 = s[:, None, None], h[None, :, None], tl.arange(0, D)[None, None, :]
+        bh = b.to(tl.int64) * heads + h3
+        if SUB_MEAN:
+            y = y - tl.load(mean_ptr + bh * D + d3)
+        y = (y / tl.load(scale_ptr + bh)).to(tl.float8e4nv)
+        tl.store(y_ptr + ((b.to(tl.int64) * seq_total + seq_offset + s3) * heads + h3) * D + d3, y, mask=mask)
+
+
+def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor | None) -> bool:
+    """Whether the two Triton passes take these parts: CUDA, bf16/fp16 (batch, tokens, heads, D) parts of one batch,
+    head count, dtype and head size (a power of two FA3 has), unit stride in the last dim; float32 contiguous
+    (tokens, D) cos/sin when RoPE is applied."""
+    x0 = xs[0]
+    return (triton is not None and x0.is_cuda and x0.dim() == 4 and x0.dtype in (torch.bfloat16, torch.float16)
+            and x0.shape[-1] in (64, 128, 256)
+            and all(x.dim() == 4 and x.shape[0] == x0.shape[0] and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype
+                    and x.stride(-1) == 1 for x in xs)
+            and (cos is None or (cos.dtype == torch.float32 and cos.is_contiguous()
+                                 and cos.shape == (sum(x.shape[1] for x in xs), x0.shape[-1]))))
+
+
+def quantise_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, eps: float, smooth: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise`` of the joint sequence the parts make (each (batch, tokens_i, heads, D), as the projections give
+    them), each first RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does when ``weights`` are
+    given: float8 (batch, tokens, heads, D) and the (batch, heads) descales. On CUDA two Triton passes over the parts
+    (their statistics, then the float8 values), so neither the bf16 result of ``rms_rope`` nor a concatenation is
+    written; elsewhere ``rms_rope`` (or ``torch.cat``) then ``quantise``."""
+    rope = weights is not None
+    if not parts_kernel_ok(xs, cos if rope else None):
+        if rope:
+            from shardgen.speed.fused_kernels import rms_rope
+
+            joint = rms_rope(xs, weights, cos, sin, eps)
+        else:
+            joint = (torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]).transpose(1, 2)
+        return quantise(joint, smooth)
+    b, _, heads, d = xs[0].shape
+    total = sum(x.shape[1] for x in xs)
+    per_program, chunk = math.gcd(heads, 8), 8
+    starts = [0]
+    for x in xs:
+        starts.append(starts[-1] + triton.cdiv(x.shape[1], STATS_TOKENS))
+    stats = torch.empty(3 if smooth else 1, b, starts[-1], heads, *((d,) if smooth else ()), device=xs[0].device,
+                        dtype=torch.float32)
+    sums, lo, hi = (stats[0], stats[1], stats[2]) if smooth else (stats[0], stats[0], stats[0])
+    offsets = [0]
+    for x in xs:
+        offsets.append(offsets[-1] + x.shape[1])
+    for i, x in enumerate(xs):
+        w, c, s_ = (weights[i].contiguous(), cos, sin.contiguous()) if rope else (x, x, x)  # unread without RoPE
+        _part_stats[(starts[i + 1] - starts[i], heads // per_program, b)](
+            x, w, c, s_, sums, lo, hi, x.shape[1], offsets[i], starts[i], starts[-1], heads, x.stride(0), x.stride(1),
+            x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program, D=d,
+            ROPE=rope, CHANNELS=smooth, num_warps=8)
+    if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (as ``quantise`` finds it)
+        mean = (sums.sum(dim=1) / total).contiguous()
+        amax = torch.maximum(hi.amax(dim=1) - mean, mean - lo.amin(dim=1)).amax(dim=-1)
+    else:
+        mean, amax = None, hi.amax(dim=1)
+    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
+    y = torch.empty(b, total, heads, d, device=xs[0].device, dtype=torch.float8_e4m3fn)
+    for i, x in enumerate(xs):
+        w, c, s_ = (weights[i].contiguous(), cos, sin.contiguous()) if rope else (x, x, x)
+        _part_fp8[(triton.cdiv(x.shape[1], chunk), heads // per_program, b)](
+            x, w, c, s_, mean if smooth else scale, scale, y, x.shape[1], total, offsets[i], heads, x.stride(0),
+            x.stride(1), x.stride(2), eps, BLOCK_S=chunk, HEADS_PER_PROGRAM=per_program, D=d, ROPE=rope,
+            SUB_MEAN=smooth, num_warps=8)
+    return y, scale
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """FA3's float8 attention of (batch, heads, tokens, head_dim) tensors, as SDPA (no mask, not causal): SDPA's
     (batch, heads, tokens, head_dim) view of FA3's (batch, tokens, heads, head_dim) output."""
@@ -131,6 +252,75 @@ def _operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 def _(q, k, v, scale):
     b, h, n, d = q.shape
     return q.new_empty(b, n, h, d).transpose(1, 2)  # FA3's layout: (batch, tokens, heads, dim) memory
+
+
+def takes_parts(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], cos: torch.Tensor) -> bool:
+    """Whether ``rms_rope_attention`` takes these projections (a fused processor's parts; else it calls ``rms_rope``
+    and SDPA): the Triton passes take each of them, one joint length for the three."""
+    return (parts_kernel_ok(qs, cos) and parts_kernel_ok(ks, cos) and parts_kernel_ok(vs, None)
+            and qs[0].shape[0] == ks[0].shape[0] == vs[0].shape[0] and qs[0].shape[2:] == ks[0].shape[2:] == vs[0].shape[2:]
+            and sum(x.shape[1] for x in ks) == sum(x.shape[1] for x in vs) == cos.shape[0])
+
+
+def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
+                       wq: list[torch.Tensor], wk: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                       scale: float | None = None) -> torch.Tensor:
+    """FA3's float8 attention over the joint sequence of the projections' parts (each (batch, tokens_i, heads, D)),
+    q and k RMSNorm-ed (weights ``wq``/``wk``) and RoPE-d as ``fused_kernels.rms_rope`` does: (batch, tokens, heads,
+    D). What ``attention`` computes on ``rms_rope``'s outputs and the concatenated values, without writing either:
+    each of Q, K and V is read twice (``quantise_parts``) and written once, in float8. Under ``torch.compile`` the
+    operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
+    if torch.compiler.is_compiling():
+        return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
+    q8, q_descale = quantise_parts(qs, wq, cos, sin, eps)
+    k8, k_descale = quantise_parts(ks, wk, cos, sin, eps, smooth=True)
+    v8, v_descale = quantise_parts(vs, None, None, None, eps)
+    out = _fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                         softmax_scale=scale)[0]
+    return out.to(qs[0].dtype)
+
+
+@torch.library.custom_op("shardgen::fa3_fp8_rms_rope_attention", mutates_args=())
+def _parts_operator(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], wq: list[torch.Tensor],
+                    wk: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                    scale: float) -> torch.Tensor:
+    """``rms_rope_attention`` as a torch operator, for compiled blocks."""
+    return rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, eps, scale)
+
+
+@_parts_operator.register_fake
+def _(qs, ks, vs, wq, wk, cos, sin, eps, scale):
+    b, _, h, d = qs[0].shape
+    return qs[0].new_empty(b, sum(x.shape[1] for x in qs), h, d)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The self-check's (batch, heads, tokens, D) inputs as two projection parts each, RMSNorm weights and a RoPE of
+    random angles."""
+    g = torch.Generator(device=q.device).manual_seed(1)
+    n, d = q.shape[2], q.shape[3]
+    cut = n // 3
+    parts = [[x.transpose(1, 2)[:, :cut], x.transpose(1, 2)[:, cut:]] for x in (q, k, v)]
+    weights = [[(torch.rand(d, device=q.device, generator=g) + 0.5).to(q.dtype) for _ in range(2)] for _ in range(2)]
+    ang = torch.rand(n, d // 2, device=q.device, generator=g) * 6
+    return parts, weights, ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1)
+
+
+def check_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``rms_rope_attention`` on the self-check's inputs (``sdpa_route.self_check``), in SDPA's layout."""
+    (qs, ks, vs), (wq, wk), cos, sin = _check_inputs(q, k, v)
+    return rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6).transpose(1, 2)
+
+
+def check_parts_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What ``check_parts`` approximates: exact float32 attention of the RMSNorm-ed, RoPE-d inputs."""
+    from shardgen.speed.fused_kernels import rms_rope_reference
+
+    (qs, ks, vs), (wq, wk), cos, sin = _check_inputs(q, k, v)
+    query = rms_rope_reference([x.float() for x in qs], [w.float() for w in wq], cos, sin, 1e-6)
+    key = rms_rope_reference([x.float() for x in ks], [w.float() for w in wk], cos, sin, 1e-6)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, v.float())
 
 
 def context():

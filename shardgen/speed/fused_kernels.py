@@ -3,7 +3,8 @@ memory-bound work around the matmuls done in fewer passes, and swapping diffuser
 ones and back.
 
 - ``rms_rope``: q/k RMSNorm + RoPE written straight into SDPA's (batch, heads, tokens, head_dim) layout, one Triton
-  pass per tile on CUDA, eager diffusers' ops elsewhere (``rms_rope_reference``).
+  pass per tile on CUDA, eager diffusers' ops elsewhere (``rms_rope_reference``). ``rope_attention``: that and SDPA,
+  or the routed 8-bit kernel's own passes from the projections where it has them.
 - ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual as one ``addcmul``.
 - ``linear_gelu_tanh``, ``gelu_feed_forward``: the tanh-GELU computed in cuBLASLt's GEMM epilogue.
 - ``processor_problem``, ``swap_processors``, ``restore_processors``, ``layer_norm_problem``: when the fused
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear, gelu_rows, is_tensor_parallel
+from shardgen.speed.sdpa_route import parts_attention
 
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
 
@@ -36,6 +38,36 @@ except ImportError:  # pragma: no cover - depends on the torch build
 if triton is not None:
 
     @triton.jit
+    def rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs, stride_xh,
+                      eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr,
+                      ROPE: tl.constexpr):
+        """Tokens ``s`` x heads ``h`` x D of one sample ``b`` of x (strided (batch, tokens, heads, D)) in float32,
+        RMSNorm-ed and RoPE-d (``ROPE``; else as they are), and the tile's (tokens, 1, 1) mask of live tokens."""
+        d = tl.arange(0, D)
+        s3, h3, d3 = s[:, None, None], h[None, :, None], d[None, None, :]
+        mask = s3 < seq_in
+        src = x_ptr + b.to(tl.int64) * stride_xb + s3.to(tl.int64) * stride_xs + h3 * stride_xh + d3
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        if ROPE:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=2) / D + eps)
+            w = tl.load(w_ptr + d).to(tl.float32)
+            # eager rounds RMSNorm's output (weight applied) to the input dtype before RoPE
+            y = (x * rstd[:, :, None] * w[None, None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            y_even, y_odd = tl.split(tl.reshape(y, (BLOCK_S, HEADS_PER_PROGRAM, D // 2, 2)))
+            pos = seq_offset + s
+            cs_mask = (s < seq_in)[:, None]
+            cs_off = pos[:, None] * D + d[None, :]
+            c_even, c_odd = tl.split(tl.reshape(tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0),
+                                                (BLOCK_S, D // 2, 2)))
+            s_even, s_odd = tl.split(tl.reshape(tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0),
+                                                (BLOCK_S, D // 2, 2)))
+            # x * cos + stack([-x_odd, x_even]) * sin, pair by pair
+            out_even = y_even * c_even[:, None, :] - y_odd * s_even[:, None, :]
+            out_odd = y_odd * c_odd[:, None, :] + y_even * s_odd[:, None, :]
+            x = tl.reshape(tl.join(out_even, out_odd), (BLOCK_S, HEADS_PER_PROGRAM, D))
+        return x, mask
+
+    @triton.jit
     def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_in, seq_out, seq_offset, heads,
                          stride_xb, stride_xs, stride_xh, eps,
                          BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr):
@@ -44,25 +76,9 @@ if triton is not None:
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        d = tl.arange(0, D)
-        s3, h3, d3 = s[:, None, None], h[None, :, None], d[None, None, :]
-        mask = s3 < seq_in
-        src = x_ptr + b.to(tl.int64) * stride_xb + s3.to(tl.int64) * stride_xs + h3 * stride_xh + d3
-        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=2) / D + eps)
-        w = tl.load(w_ptr + d).to(tl.float32)
-        # eager rounds RMSNorm's output (weight applied) to the input dtype before RoPE
-        y = (x * rstd[:, :, None] * w[None, None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y_even, y_odd = tl.split(tl.reshape(y, (BLOCK_S, HEADS_PER_PROGRAM, D // 2, 2)))
-        pos = seq_offset + s
-        cs_mask = (s < seq_in)[:, None]
-        cs_off = pos[:, None] * D + d[None, :]
-        c_even, c_odd = tl.split(tl.reshape(tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0), (BLOCK_S, D // 2, 2)))
-        s_even, s_odd = tl.split(tl.reshape(tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0), (BLOCK_S, D // 2, 2)))
-        # x * cos + stack([-x_odd, x_even]) * sin, pair by pair
-        out_even = y_even * c_even[:, None, :] - y_odd * s_even[:, None, :]
-        out_odd = y_odd * c_odd[:, None, :] + y_even * s_odd[:, None, :]
-        out = tl.reshape(tl.join(out_even, out_odd), (BLOCK_S, HEADS_PER_PROGRAM, D))
+        out, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs,
+                                  stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, True)
+        s3, h3, d3 = s[:, None, None], h[None, :, None], tl.arange(0, D)[None, None, :]
         dst = out_ptr + ((b.to(tl.int64) * heads + h3) * seq_out + (seq_offset + s3).to(tl.int64)) * D + d3
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -118,6 +134,22 @@ def rms_rope_triton(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: to
 def _(xs, weights, cos, sin, eps):
     b, _, heads, dim = xs[0].shape
     return xs[0].new_empty(b, heads, sum(x.shape[1] for x in xs), dim)
+
+
+def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], wq: list[torch.Tensor],
+                   wk: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """SDPA over the joint sequence of the projections' parts (each (batch, tokens_i, heads, head_dim), text first),
+    q and k by ``rms_rope``: (batch, tokens, heads * head_dim). Where a routed 8-bit kernel takes the parts
+    themselves (``sdpa_route.parts_attention``: fa3_fp8 quantises them in its own passes, so the bf16 q/k and the
+    values' concatenation are never written) it gets them."""
+    direct = parts_attention(qs, ks, vs, cos)
+    if direct is not None:
+        return direct(qs, ks, vs, wq, wk, cos, sin, eps).flatten(2, 3)
+    query = rms_rope(qs, wq, cos, sin, eps)
+    key = rms_rope(ks, wk, cos, sin, eps)
+    value = (torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(query, key, value)
+    return out.transpose(1, 2).flatten(2, 3).to(query.dtype)
 
 
 # --- LayerNorm + modulation, gated residuals (eagerly; FLUX.2 and Qwen-Image use them too) -------------------

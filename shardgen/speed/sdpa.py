@@ -290,6 +290,9 @@ def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -
     way_out = f"Use sdpa_backend=auto (lossless) or sdpa_backend={other}"
     try:
         err = self_check(name, lambda q, k, v: kernel.attention(q, k, v), device, head_dims or kernel.HEAD_DIMS)
+        if hasattr(kernel, "check_parts"):  # its passes straight from the projections (rms_rope_attention)
+            err = max(err, self_check(f"{name} from projections", kernel.check_parts, device,
+                                      head_dims or kernel.HEAD_DIMS, exact=kernel.check_parts_exact))
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # it cannot be compiled or launched here (an older Triton, a driver it does not know)

@@ -51,12 +51,34 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims
             and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
+_ROUTED: list = []
+"""The modules of the 8-bit kernels routed now (``kernel_context``), the innermost last."""
+
+
+@contextlib.contextmanager
 def kernel_context(module):
     """``routed_sdpa`` for an 8-bit kernel's module: its ``takes``, ``attention`` and ``_operator``, each looked up
-    at each call (a test may replace any of them)."""
-    return routed_sdpa(lambda *a, **kw: module.takes(*a, **kw),
-                       lambda q, k, v, scale: module.attention(q, k, v, scale),
-                       lambda q, k, v, scale: module._operator(q, k, v, scale))
+    at each call (a test may replace any of them); and the module is the one ``parts_attention`` asks."""
+    _ROUTED.append(module)
+    try:
+        with routed_sdpa(lambda *a, **kw: module.takes(*a, **kw),
+                         lambda q, k, v, scale: module.attention(q, k, v, scale),
+                         lambda q, k, v, scale: module._operator(q, k, v, scale)):
+            yield
+    finally:
+        _ROUTED.remove(module)
+
+
+def parts_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
+                    cos: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The routed kernel's attention straight from a fused processor's projections (``rms_rope_attention(qs, ks, vs,
+    wq, wk, cos, sin, eps)``: q/k RMSNorm + RoPE in the kernel's own input passes; fa3_fp8 has one) when it takes
+    these, else None: the processor then calls ``rms_rope`` and SDPA."""
+    if not _ROUTED:
+        return None
+    module = _ROUTED[-1]
+    take = getattr(module, "takes_parts", None)
+    return module.rms_rope_attention if take is not None and take(qs, ks, vs, cos) else None
 
 
 SELF_CHECK_BOUND = 0.08  # relative RMS against exact attention on random inputs: fp8's method costs ~0.035
@@ -64,12 +86,12 @@ _CHECKED: dict[tuple, float] = {}
 
 
 def self_check(name: str, kernel: Callable[..., torch.Tensor], device: torch.device | str,
-               head_dims: tuple[int, ...]) -> float:
+               head_dims: tuple[int, ...], exact: Callable[..., torch.Tensor] | None = None) -> float:
     """``kernel(q, k, v)``'s largest relative error against torch's exact attention over ``head_dims`` (those of the
     run's model: each is a kernel of its own to compile), on random inputs with a part-filled tile, on ``device``
     (NaN counts as infinite). The sdpa technique refuses the kernel past ``SELF_CHECK_BOUND``: a GPU or Triton
     version that miscompiles it stops the run before any sample, not after. Cached per kernel ``name``, device and
-    head size."""
+    head size. ``exact(q, k, v)``: what the kernel approximates, when not plain attention of its inputs."""
     worst = 0.0
     for dim in head_dims:
         key = (name, str(torch.device(device)), dim)
@@ -77,8 +99,9 @@ def self_check(name: str, kernel: Callable[..., torch.Tensor], device: torch.dev
             g = torch.Generator(device=device).manual_seed(0)
             q, k, v = (torch.randn(1, 2, 300, dim, device=device, generator=g, dtype=torch.bfloat16)
                        for _ in range(3))
-            exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
-            err = ((kernel(q, k, v).float() - exact).norm() / exact.norm()).item()
+            want = (exact(q, k, v) if exact is not None
+                    else torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()))
+            err = ((kernel(q, k, v).float() - want).norm() / want.norm()).item()
             _CHECKED[key] = err if err == err else float("inf")  # NaN: as bad as it gets
         worst = max(worst, _CHECKED[key])
     return worst

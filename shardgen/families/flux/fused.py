@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear, gelu_rows
 from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps, norm_weight, one_eps,
-                                         processor_problem, restore_processors, rms_rope, swap_processors)
+                                         processor_problem, restore_processors, rope_attention, swap_processors)
 
 log = logging.getLogger("shardgen.flux_fused")
 
@@ -82,12 +82,7 @@ class FusedFluxAttnProcessor:
             vs.insert(0, attn.add_v_proj(encoder_hidden_states).unflatten(-1, heads_dim))
             wq.insert(0, norm_weight(attn.norm_added_q, q))
             wk.insert(0, norm_weight(attn.norm_added_k, k))
-        eps = norm_eps(attn.norm_q, q.dtype)
-        query = rms_rope(qs, wq, cos, sin, eps)
-        key = rms_rope(ks, wk, cos, sin, eps)
-        value = (torch.cat(vs, dim=1) if joint else v).transpose(1, 2)
-        out = F.scaled_dot_product_attention(query, key, value)
-        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        out = rope_attention(qs, ks, vs, wq, wk, cos, sin, norm_eps(attn.norm_q, q.dtype))
         if encoder_hidden_states is None:
             return out
         text = encoder_hidden_states.shape[1]

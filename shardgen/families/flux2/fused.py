@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear
 from shardgen.speed.fused_kernels import (gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight, one_eps,
-                                         processor_problem, restore_processors, rms_rope, swap_processors, tl,
+                                         processor_problem, restore_processors, rope_attention, swap_processors, tl,
                                          triton, triton_ok)
 
 log = logging.getLogger("shardgen.flux2_fused")
@@ -85,12 +85,6 @@ def _plain_call(attention_mask, image_rotary_emb, kwargs, attn) -> bool:
     return attention_mask is None and image_rotary_emb is not None and not kwargs and one_eps(attn)
 
 
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """SDPA on (batch, heads, tokens, dim) q/k and (batch, tokens, heads, dim) v; (batch, tokens, heads*dim)."""
-    out = F.scaled_dot_product_attention(query, key, value.transpose(1, 2))
-    return out.transpose(1, 2).flatten(2, 3).to(query.dtype)
-
-
 class FusedFlux2AttnProcessor:
     """diffusers' ``Flux2AttnProcessor`` (double-stream blocks; no mask, native SDPA) with q/k RMSNorm + RoPE +
     layout in one op per tensor."""
@@ -114,9 +108,8 @@ class FusedFlux2AttnProcessor:
         (q, k, v), (tq, tk, tv) = ([t.unflatten(-1, heads_dim) for t in part] for part in (img, txt))
         eps = norm_eps(attn.norm_q, q.dtype)
         # text tokens first, as diffusers joins them
-        query = rms_rope([tq, q], [norm_weight(attn.norm_added_q, q), norm_weight(attn.norm_q, q)], cos, sin, eps)
-        key = rms_rope([tk, k], [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)], cos, sin, eps)
-        out = _attention(query, key, torch.cat([tv, v], dim=1))
+        out = rope_attention([tq, q], [tk, k], [tv, v], [norm_weight(attn.norm_added_q, q), norm_weight(attn.norm_q, q)],
+                             [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)], cos, sin, eps)
         text = encoder_hidden_states.shape[1]
         encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
         return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(encoder_out.contiguous())
@@ -144,9 +137,7 @@ class FusedFlux2ParallelSelfAttnProcessor:
         heads_dim = (-1, attn.head_dim)
         q, k, v = (proj[..., i * inner:(i + 1) * inner].unflatten(-1, heads_dim) for i in range(3))
         eps = norm_eps(attn.norm_q, q.dtype)
-        query = rms_rope([q], [norm_weight(attn.norm_q, q)], cos, sin, eps)
-        key = rms_rope([k], [norm_weight(attn.norm_k, k)], cos, sin, eps)
-        out = _attention(query, key, v)
+        out = rope_attention([q], [k], [v], [norm_weight(attn.norm_q, q)], [norm_weight(attn.norm_k, k)], cos, sin, eps)
         mlp = swiglu(proj[..., 3 * inner:])
         if fp8:  # each part quantised on its own: no concatenation
             return attn.to_out.forward_parts([out, mlp])
