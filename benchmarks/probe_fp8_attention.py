@@ -76,6 +76,43 @@ def _fa3_ways() -> dict:
             .transpose(1, 2), "fa3_fp8": fa3_fp8.attention, "fa3_fp8_kernel": kernel_only}
 
 
+TEXT_TOKENS = {"flux_dev": 512, "flux2_dev": 512, "qwen_image": 211, "sd35_large": 256}
+
+
+def projection_ways(name: str, iters: int) -> dict:
+    """From a fused processor's projections (text and image parts, (batch, tokens, heads, dim) each, as FLUX's
+    q/k/v linears give them) to the attention output, ms per call: ``rms_rope`` + the joined values + cuDNN (the
+    lossless path) or + ``fa3_fp8.attention``, and ``fa3_fp8.rms_rope_attention`` (the two Triton passes per
+    tensor); and those passes alone (``quantise_parts_ms``)."""
+    from shardgen.speed import fa3_fp8
+    from shardgen.speed.fused_kernels import rms_rope
+
+    b, h, n, _, d = SHAPES[name]
+    if name not in TEXT_TOKENS or fa3_fp8.unavailable_reason("cuda"):
+        return {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cuts = (TEXT_TOKENS[name], n - TEXT_TOKENS[name])
+    qs, ks, vs = ([torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for t in cuts]
+                  for _ in range(3))
+    ks = [k + 0.5 for k in ks]
+    wq, wk = ([torch.rand(d, device="cuda", generator=g).bfloat16() + 0.5 for _ in cuts] for _ in range(2))
+    ang = torch.rand(n, d // 2, device="cuda", generator=g) * 6
+    cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
+
+    def via(attend):
+        return lambda: attend(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
+                              torch.cat(vs, 1).transpose(1, 2))
+
+    ways = {"rope_cudnn": via(sdpa_with("cudnn")), "rope_fa3_fp8": via(fa3_fp8.attention),
+            "fa3_fp8_from_projections": lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6),
+            "quantise_parts": lambda: (fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6),
+                                       fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True),
+                                       fa3_fp8.quantise_parts(vs, None, None, None, 1e-6))}
+    row = {way: round(timed(fn, iters, warm=3), 3) for way, fn in ways.items()}
+    print(name, "from the projections, ms per call", row, flush=True)
+    return row
+
+
 def measure(name: str, iters: int, tiles: bool) -> dict:
     """One shape's row: every way's time and errors."""
     from shardgen.speed import fp8_attention as F
@@ -131,6 +168,7 @@ def measure(name: str, iters: int, tiles: bool) -> dict:
                                                 F.quantise_values(v)), iters, warm=3), 3)
     print(name, "fp8 vs its reference", row["ways"]["fp8"]["err_vs_reference"], "reference vs exact",
           row["ways"]["reference_err_vs_exact"], "quantise ms", row["quantise_ms"], flush=True)
+    row["from_projections_ms"] = projection_ways(name, iters)
     return row
 
 
