@@ -215,20 +215,6 @@ def test_the_passes_from_the_projections_write_what_rms_rope_then_the_quantising
     """``quantise_parts``' two Triton passes, run by Triton's interpreter on the CPU, against the kernels they
     replace (``rms_rope``'s, then the quantising pass): the same descales and float8 bytes, for q and k (RMSNorm +
     RoPE, the keys smoothed) and v (as they are), from two parts with a part-filled tile."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.test_fp8_attention import interpreted
 
-    from tests.test_fp8_attention import _triton_path
-
-    path = _triton_path()
-    if path is None:
-        pytest.skip("needs Triton (its interpreter runs the kernels on the CPU): pip install --target DIR triton, "
-                    "then SHARDGEN_TRITON_PATH=DIR")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(root)])), "TRITON_INTERPRET": "1",
-           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert interpreted(_INTERPRETED, tmp_path) == "ok"

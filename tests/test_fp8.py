@@ -182,3 +182,26 @@ def test_the_bytes_counted_for_the_memory_plan_are_those_a_conversion_leaves():
     after = sum(t.numel() * t.element_size() for m in transformer.modules()
                 for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
     assert planned == after < before
+
+
+_INTERPRETED_ROWS = '''
+import torch
+from shardgen.speed import fp8
+fp8._kernel_ok = lambda x2: True  # CPU tensors, run by Triton's interpreter
+g = torch.Generator().manual_seed(0)
+joint = (torch.randn(2, 37, 96, generator=g) * 3).bfloat16()
+for view in (joint[:, 11:], joint[:, :11], joint[1:, 5:30]):  # the image and text halves, a middle slice
+    for gelu in (False, True):
+        q, s = fp8.quantize_rows(view, gelu=gelu)
+        q_ref, s_ref = fp8.quantize_rows(view.contiguous().reshape(-1, 96), gelu=gelu)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+print("ok")
+'''
+
+
+def test_the_row_quantisation_reads_a_slice_of_an_attention_output_where_it_is(tmp_path):
+    """The Triton row quantisation (run by Triton's interpreter on the CPU) takes a (batch, tokens, cols) view, the
+    text or image half of an attention output, and writes what it writes from that view's contiguous copy."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_ROWS, tmp_path) == "ok"

@@ -186,6 +186,26 @@ def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context
     torch._dynamo.reset()
 
 
+def interpreted(code: str, tmp_path) -> str:
+    """What ``code`` prints, run in a fresh process with Triton's interpreter (Triton kernels on CPU tensors,
+    numpy doing the arithmetic); the test is skipped where no Triton can be imported (``_triton_path``)."""
+    import os
+    import subprocess
+    import sys
+
+    path = _triton_path()
+    if path is None:
+        pytest.skip("needs Triton (its interpreter runs the kernels on the CPU): pip install --target DIR triton, "
+                    "then SHARDGEN_TRITON_PATH=DIR")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(root)])), "TRITON_INTERPRET": "1",
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
 def _triton_path() -> str | None:
     """Where a Triton with its NVIDIA backend can be imported from: $SHARDGEN_TRITON_PATH (a pip --target folder,
     kept out of the test environment: CPU torch must not find it) or this environment."""

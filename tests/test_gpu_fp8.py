@@ -57,6 +57,17 @@ def test_triton_gelu_quantisation_matches_gelu_then_quantise(rows, cols):
     assert isinstance(rows_in, fp8.Fp8Rows) and torch.equal(rows_in.data.reshape(q.shape).float(), q.float())
 
 
+def test_triton_row_quantisation_reads_an_attention_output_s_halves_in_place():
+    """The image and text halves of a joint attention output (strided views) quantised where they are: the bytes of
+    their contiguous copies' quantisation."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    joint = (torch.randn(4, 4608, 3072, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    for view in (joint[:, 512:], joint[:, :512]):
+        q, s = fp8.quantize_rows(view)
+        q_ref, s_ref = fp8.quantize_rows(view.contiguous().reshape(-1, 3072))
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_fused_single_block_output_projection_takes_its_parts_on_the_gpu():
     torch.manual_seed(0)
     lin = torch.nn.Linear(3072 + 12288, 3072, device="cuda", dtype=torch.bfloat16)

@@ -77,10 +77,12 @@ if triton is not None:
         return (0.5 * v * (1.0 + tanh)).to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, BLOCK: tl.constexpr,
-                              QMAX: tl.constexpr, GELU: tl.constexpr, ONE_PASS: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, rows_per_batch, stride_b,
+                              BLOCK: tl.constexpr, QMAX: tl.constexpr, GELU: tl.constexpr, ONE_PASS: tl.constexpr):
+        # row r of the input is row r % rows_per_batch of batch sample r // rows_per_batch (a 3-D strided view,
+        # e.g. the image half of an attention output, is read in place)
         row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * stride_x
+        x_row = x_ptr + (row // rows_per_batch) * stride_b + (row % rows_per_batch) * stride_x
         q_row = q_ptr + row * cols
         if ONE_PASS:  # the whole row in registers: read once
             offs = tl.arange(0, BLOCK)
@@ -139,19 +141,27 @@ def _kernel_ok(x2: torch.Tensor) -> bool:
 
 def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere. ``gelu``: of
-    ``gelu(x2, approximate="tanh")``, computed in the same pass (the GELU's output never written in bf16)."""
+    ``gelu(x2, approximate="tanh")``, computed in the same pass (the GELU's output never written in bf16). ``x2``
+    may also be a (batch, tokens, cols) view, its rows taken in order where they are (no contiguous copy first)."""
     if not _kernel_ok(x2):
+        x2 = x2.reshape(-1, x2.shape[-1])
         return quantize_rows_reference(F.gelu(x2, approximate="tanh") if gelu else x2)
-    if x2.stride(1) != 1:
+    if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows, cols = x2.shape
+    if x2.dim() == 3:
+        per_batch, stride_b, stride_r = x2.shape[1], x2.stride(0), x2.stride(1)
+    else:
+        per_batch, stride_b, stride_r = max(x2.shape[0], 1), 0, x2.stride(0)
+    cols = x2.shape[-1]
+    rows = x2.numel() // cols if cols else 0
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x2.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
     if rows:
         width = triton.next_power_of_2(cols)
         one_pass = width <= ONE_PASS_COLS
-        _quantize_rows_kernel[(rows,)](x2, q, scale, cols, x2.stride(0), BLOCK=width if one_pass else 1024,
-                                       QMAX=FP8_MAX, GELU=gelu and x2.dtype == torch.bfloat16, ONE_PASS=one_pass,
+        _quantize_rows_kernel[(rows,)](x2, q, scale, cols, stride_r, per_batch, stride_b,
+                                       BLOCK=width if one_pass else 1024, QMAX=FP8_MAX,
+                                       GELU=gelu and x2.dtype == torch.bfloat16, ONE_PASS=one_pass,
                                        num_warps=max(4, min(16, width // 1024)) if one_pass else 4)
     return q, scale
 
@@ -201,7 +211,7 @@ def _quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows(x.reshape(-1, x.shape[-1]))
     hit = _LAST.get(x)
     if hit is None:
-        hit = quantize_rows(x.reshape(-1, x.shape[-1]))
+        hit = quantize_rows(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]))
         _LAST.put(x, hit)
     return hit
 

@@ -152,6 +152,12 @@ def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torc
     return out.transpose(1, 2).flatten(2, 3).to(query.dtype)
 
 
+def for_layer(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A slice of an attention output (its text or image tokens: a strided view) as ``layer`` takes it: as it is for
+    fp8=true's ``Float8Linear`` (its quantising pass reads the rows where they are), else a contiguous copy."""
+    return x if isinstance(layer, Float8Linear) else x.contiguous()
+
+
 # --- LayerNorm + modulation, gated residuals (eagerly; FLUX.2 and Qwen-Image use them too) -------------------
 
 def triton_ok(*xs: torch.Tensor) -> bool:

@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear, gelu_rows
-from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps, norm_weight, one_eps,
-                                         processor_problem, restore_processors, rope_attention, swap_processors)
+from shardgen.speed.fused_kernels import (for_layer, gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps,
+                                         norm_weight, one_eps, processor_problem, restore_processors,
+                                         rope_attention, swap_processors)
 
 log = logging.getLogger("shardgen.flux_fused")
 
@@ -87,8 +88,8 @@ class FusedFluxAttnProcessor:
             return out
         text = encoder_hidden_states.shape[1]
         encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
-        out = attn.to_out[1](attn.to_out[0](out.contiguous()))
-        return out, attn.to_add_out(encoder_out.contiguous())
+        out = attn.to_out[1](attn.to_out[0](for_layer(attn.to_out[0], out)))
+        return out, attn.to_add_out(for_layer(attn.to_add_out, encoder_out))
 
 
 # --- block forwards ------------------------------------------------------------------------------------

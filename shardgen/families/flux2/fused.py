@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear
-from shardgen.speed.fused_kernels import (gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight, one_eps,
-                                         processor_problem, restore_processors, rope_attention, swap_processors, tl,
-                                         triton, triton_ok)
+from shardgen.speed.fused_kernels import (for_layer, gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight,
+                                         one_eps, processor_problem, restore_processors, rope_attention,
+                                         swap_processors, tl, triton, triton_ok)
 
 log = logging.getLogger("shardgen.flux2_fused")
 
@@ -112,7 +112,8 @@ class FusedFlux2AttnProcessor:
                              [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)], cos, sin, eps)
         text = encoder_hidden_states.shape[1]
         encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
-        return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(encoder_out.contiguous())
+        return (attn.to_out[1](attn.to_out[0](for_layer(attn.to_out[0], out))),
+                attn.to_add_out(for_layer(attn.to_add_out, encoder_out)))
 
 
 class FusedFlux2ParallelSelfAttnProcessor:

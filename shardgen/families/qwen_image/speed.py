@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.blocks import repeated_blocks
 from shardgen.speed.fp8 import is_tensor_parallel
+from shardgen.speed.fused_kernels import for_layer
 from shardgen.speed.prefix_attention import prefix_attention, prefix_lengths  # noqa: F401 (registers the op)
 from shardgen.families.qwen_image.fused import fused_qk, fused_qk_applies
 
@@ -358,10 +359,10 @@ def _prefix_processor_class():
         @staticmethod
         def _outputs(attn, joint: torch.Tensor, seq_txt: int) -> tuple[torch.Tensor, torch.Tensor]:
             """The image and text streams' output projections of the joint attention output ([text, image])."""
-            img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())
+            img_out = attn.to_out[0](for_layer(attn.to_out[0], joint[:, seq_txt:, :]))
             if len(attn.to_out) > 1:
                 img_out = attn.to_out[1](img_out)  # dropout
-            return img_out, attn.to_add_out(joint[:, :seq_txt, :].contiguous())
+            return img_out, attn.to_add_out(for_layer(attn.to_add_out, joint[:, :seq_txt, :]))
 
     return PrefixAttnProcessor
 
