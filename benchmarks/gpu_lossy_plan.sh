@@ -7,8 +7,9 @@
 # output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
 # the device tool's file limits) and the plan's log is $OUT/plan.log. A later call continues from the step the log
 # says was next.
-#   1 kernel: the 8-bit attention kernels (shardgen's float8 one, FlashAttention-3's) against their references and
-#            exact attention, float8 layers at any token count (tests/test_gpu_fp8.py)
+#   1 kernel: the 8-bit attention kernels (shardgen's float8 one, FlashAttention-3's, also from the projections)
+#            against their references and exact attention, float8 layers at any token count, the row quantisation
+#            of strided views, the RMSNorm + RoPE kernel (tests/test_gpu_fp8.py, tests/test_gpu.py)
 #   2 attention: every attention kernel at the FLUX.1, Qwen-Image and FLUX.2 shapes: time and error
 #   3 step:   one transformer step, fp8 GEMMs with and without the 8-bit attention
 #   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + FA3's float8 attention; the seed loop on 8 prompts)
@@ -53,7 +54,8 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
 }
 
 step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
-  -k "8bit_attention_kernel or fa3_triton or token_count or float8_linear" tests/test_gpu_fp8.py
+  -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
+  or rms_rope_kernel" tests/test_gpu_fp8.py tests/test_gpu.py
 step 2 attention 60 python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev --iters 10 \
   --out "$work/2-attention/probe_fp8_attention.json"
 step 3 step 60 python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
