@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardgen.families.flux2 import fused as flux2_fused
-from shardgen.speed import accel
+from shardgen.speed import accel, fused_kernels
 from shardgen.speed.blocks import fused_blocks
 
 SMALL_FLUX2 = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
@@ -84,7 +84,7 @@ def test_the_fused_ops_torch_paths_are_diffusers_modules():
     mod = torch.randn(2, 1, 120, generator=g, dtype=torch.bfloat16)
     shift, scale, _ = mod.chunk(3, dim=-1)
     norm = torch.nn.LayerNorm(40, elementwise_affine=False, eps=1e-6)
-    assert torch.equal(flux2_fused.ln_modulate(x, shift, scale, 1e-6), (1 + scale) * norm(x) + shift)
+    assert torch.equal(fused_kernels.ln_modulate(x, shift, scale, 1e-6), (1 + scale) * norm(x) + shift)
 
 
 def test_calls_the_fused_processors_do_not_handle_go_to_diffusers():
@@ -120,3 +120,17 @@ def test_compiled_flux2_blocks_compile_diffusers_forwards_and_eager_fusing_is_un
     accel.uncompile_blocks(tr)
     assert not any(type(m.processor).__name__.startswith("Fused") for m in tr.modules() if hasattr(m, "processor"))
     assert all("forward" not in b.__dict__ for b in accel.repeated_blocks(tr))
+
+
+def test_with_fp8_the_norm_pass_hands_the_float8_layers_their_rows(monkeypatch):
+    """FLUX.2's fused blocks with fp8=true: the LayerNorm + modulation passes give q/k/v (through the fused
+    processors), the fused QKV + MLP projection and the feed-forwards their float8 rows; the same bytes as the layers
+    quantising the bf16 output."""
+    from tests.test_flux_fused import _fed_rows
+
+    tr, kw = small_flux2(torch.bfloat16), small_inputs(torch.bfloat16)
+    accel.enable_fp8(tr)
+    _install(tr)
+    rows_out, made, plain_out, plain_made = _fed_rows(monkeypatch, tr, kw, flux2_fused)
+    assert made == 2 * (3 + 3 + 1 + 1) + 2 * 1  # per double block q/k/v twice and two feed-forwards; per single 1
+    assert plain_made == 0 and torch.equal(rows_out, plain_out)

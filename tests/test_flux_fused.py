@@ -265,3 +265,35 @@ def test_a_single_block_takes_the_previous_single_block_s_output_without_copying
     assert (out - ref).abs().max() < 1e-12 * ref.abs().max()
     monkeypatch.setattr(flux_fused, "joined", lambda t, i: torch.cat([t, i], 1))
     assert torch.equal(run(tr, kw), out)  # the same values as the concatenation
+
+
+def _fed_rows(monkeypatch, tr, kw, family):
+    """The transformer's output with the fused blocks' float8 layers and how many of their calls took float8 rows
+    made by the LayerNorm + modulation pass (``ln_modulate_for``); then the same two with that pass writing bf16 for
+    the layers to quantise themselves (``family``: the fused blocks' module)."""
+    from shardgen.speed import fp8, fused_kernels
+
+    fed = []
+    real_forward = fp8.Float8Linear.forward
+    monkeypatch.setattr(fp8.Float8Linear, "forward",
+                        lambda self, x: fed.append(isinstance(x, fp8.Fp8Rows)) or real_forward(self, x))
+    rows_out = run(tr, kw)
+    made = sum(fed)
+    fed.clear()
+    plain = fused_kernels.ln_modulate
+    monkeypatch.setattr(family, "ln_modulate_for", lambda layers, x, shift, scale, eps: plain(x, shift, scale, eps))
+    return rows_out, made, run(tr, kw), sum(fed)
+
+
+def test_with_fp8_the_norm_pass_hands_the_float8_layers_their_rows(monkeypatch):
+    """fp8=true, the eager fused blocks: each adaLN LayerNorm + modulation whose every reader is a float8 layer (q, k
+    and v through the fused processor, the MLP's up-projection) gives them its float8 rows itself; the same bytes as
+    the layers quantising its bf16 output."""
+    tr, kw = small_flux(torch.bfloat16), small_inputs(torch.bfloat16)
+    accel.enable_fp8(tr)
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    rows_out, made, plain_out, plain_made = _fed_rows(monkeypatch, tr, kw, flux_fused)
+    assert made == 2 * (3 + 3 + 1 + 1) + 2 * (1 + 3)  # per double block q/k/v twice and two MLPs; per single 4
+    assert plain_made == 0 and torch.equal(rows_out, plain_out)

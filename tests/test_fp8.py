@@ -195,13 +195,24 @@ for view in (joint[:, 11:], joint[:, :11], joint[1:, 5:30]):  # the image and te
         q, s = fp8.quantize_rows(view, gelu=gelu)
         q_ref, s_ref = fp8.quantize_rows(view.contiguous().reshape(-1, 96), gelu=gelu)
         assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+# the LayerNorm + modulation pass writing float8 rows: the bytes of its bf16 output's row quantisation
+from shardgen.speed import fused_kernels
+fused_kernels.triton_ok = lambda *xs: True
+layer = fp8.Float8Linear(torch.nn.Linear(96, 32).bfloat16())
+x = (torch.randn(2, 37, 96, generator=g) * 2 + 1).bfloat16()
+shift, scale = (torch.randn(2, 1, 96, generator=g).bfloat16() for _ in range(2))
+rows = fused_kernels.ln_modulate_for([layer], x, shift, scale, 1e-6)
+q_ref, s_ref = fp8.quantize_rows(fused_kernels.ln_modulate(x, shift, scale, 1e-6).reshape(-1, 96))
+assert isinstance(rows, fp8.Fp8Rows) and rows.lead == (2, 37) and rows.shape == (2, 37, 96)
+assert torch.equal(rows.scale, s_ref) and torch.equal(rows.data.view(torch.uint8), q_ref.view(torch.uint8))
 print("ok")
 '''
 
 
 def test_the_row_quantisation_reads_a_slice_of_an_attention_output_where_it_is(tmp_path):
     """The Triton row quantisation (run by Triton's interpreter on the CPU) takes a (batch, tokens, cols) view, the
-    text or image half of an attention output, and writes what it writes from that view's contiguous copy."""
+    text or image half of an attention output, and writes what it writes from that view's contiguous copy; the
+    LayerNorm + modulation pass writes the float8 rows the row quantisation makes of its bf16 output."""
     from tests.test_fp8_attention import interpreted
 
     assert interpreted(_INTERPRETED_ROWS, tmp_path) == "ok"

@@ -68,6 +68,22 @@ def test_triton_row_quantisation_reads_an_attention_output_s_halves_in_place():
         assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tokens", [4608, 211])
+def test_the_norm_pass_writes_the_float8_rows_in_place_of_its_bf16_output(tokens):
+    """``ln_modulate_for`` with float8 readers: the LayerNorm + modulation pass quantises its rows itself, the bytes
+    ``quantize_rows`` makes of its bf16 output."""
+    from shardgen.speed import fused_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(4, tokens, 3072, device="cuda", generator=g) * 2 + 1).to(torch.bfloat16)
+    shift, scale = (torch.randn(4, 1, 3072, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    layer = fp8.Float8Linear(torch.nn.Linear(3072, 64, device="cuda", dtype=torch.bfloat16))
+    rows = fused_kernels.ln_modulate_for([layer], x, shift, scale, 1e-6)
+    q_ref, s_ref = fp8.quantize_rows(fused_kernels.ln_modulate(x, shift, scale, 1e-6).reshape(-1, 3072))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (4, tokens, 3072)
+    assert torch.equal(rows.scale, s_ref) and torch.equal(rows.data.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_fused_single_block_output_projection_takes_its_parts_on_the_gpu():
     torch.manual_seed(0)
     lin = torch.nn.Linear(3072 + 12288, 3072, device="cuda", dtype=torch.bfloat16)

@@ -258,7 +258,8 @@ def takes_parts(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.T
     """Whether ``rms_rope_attention`` takes these projections (a fused processor's parts; else it calls ``rms_rope``
     and SDPA): the Triton passes take each of them, one joint length for the three."""
     return (parts_kernel_ok(qs, cos) and parts_kernel_ok(ks, cos) and parts_kernel_ok(vs, None)
-            and qs[0].shape[0] == ks[0].shape[0] == vs[0].shape[0] and qs[0].shape[2:] == ks[0].shape[2:] == vs[0].shape[2:]
+            and qs[0].shape[0] == ks[0].shape[0] == vs[0].shape[0]
+            and qs[0].shape[2:] == ks[0].shape[2:] == vs[0].shape[2:]
             and sum(x.shape[1] for x in ks) == sum(x.shape[1] for x in vs) == cos.shape[0])
 
 

@@ -126,6 +126,11 @@ class Fp8Rows:
     dtype: torch.dtype
     """The bf16/fp16 dtype the input had: the output's."""
 
+    @property
+    def shape(self) -> tuple:
+        """The input's shape, (*lead, cols): what a processor reading the input's size sees."""
+        return (*self.lead, self.data.shape[-1])
+
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 rows, float32 (rows, 1) scales) of a 2-D tensor: each row scaled so its absolute maximum is

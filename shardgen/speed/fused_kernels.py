@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.fp8 import Float8Linear, gelu_rows, is_tensor_parallel
+from shardgen.speed.fp8 import Float8Linear, Fp8Rows, gelu_rows, is_tensor_parallel, quantize_rows
 from shardgen.speed.sdpa_route import parts_attention
 
 _ORIG_PROCESSOR = "_shardgen_orig_processor"
@@ -169,9 +169,10 @@ def triton_ok(*xs: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, rows_per_batch, dim, stride_x, stride_mod, eps,
-                            BLOCK_D: tl.constexpr):
-        # one program per token row; the modulation row is its batch sample's
+    def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, q_scale_ptr, rows_per_batch, dim, stride_x,
+                            stride_mod, eps, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+        # one program per token row; the modulation row is its batch sample's. FP8: the row quantised to float8 on
+        # its absolute maximum (fp8.quantize_rows' arithmetic) into OUT, its scale into Q_SCALE
         row = tl.program_id(0).to(tl.int64)
         b = row // rows_per_batch
         d = tl.arange(0, BLOCK_D)
@@ -180,13 +181,20 @@ if triton is not None:
         mean = tl.sum(x, axis=0) / dim
         xc = tl.where(mask, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty  # the activation dtype (OUT is float8 with FP8)
         # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
         y = (xc * rstd).to(dtype).to(tl.float32)
         scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
         shift = tl.load(shift_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
         y = ((1.0 + scale).to(dtype).to(tl.float32) * y).to(dtype).to(tl.float32) + shift
-        tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
+        if FP8:
+            y = tl.where(mask, y.to(dtype).to(tl.float32), 0.0)
+            q_scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+            tl.store(q_scale_ptr + row, q_scale)
+            q = tl.minimum(tl.maximum(y / q_scale, -448.0), 448.0)
+            tl.store(out_ptr + row * dim + d, q.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
 
 
 def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,14 +211,42 @@ def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: 
         return ln_modulate_reference(x, shift, scale, eps)
     b, tokens, dim = x.shape
     out = torch.empty_like(x)
-    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, tokens, dim, x.stride(1), shift.stride(0), eps,
-                                       BLOCK_D=triton.next_power_of_2(dim), num_warps=8)
+    _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, out, tokens, dim, x.stride(1), shift.stride(0), eps,
+                                       BLOCK_D=triton.next_power_of_2(dim), FP8=False, num_warps=8)
     return out
 
 
 @ln_modulate.register_fake
 def _(x, shift, scale, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                    eps: float) -> torch.Tensor | Fp8Rows:
+    """``ln_modulate`` for ``layers`` (every layer that reads the result) to take: when each is fp8=true's
+    ``Float8Linear`` (and no compiler traces: inductor fuses the passes itself), the result's float8 rows
+    (``fp8.Fp8Rows``: what those layers would quantise it to); eagerly on CUDA from the same pass, its bf16 form
+    never written. Else ``ln_modulate``'s tensor."""
+    if not layers or not all(isinstance(m, Float8Linear) for m in layers) or torch.compiler.is_compiling():
+        return ln_modulate(x, shift, scale, eps)
+    if not (triton_ok(x, shift, scale) and x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16
+            and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2]) and shift.stride(0) == scale.stride(0)):
+        normed = ln_modulate(x, shift, scale, eps)
+        return Fp8Rows(*quantize_rows(normed.reshape(-1, normed.shape[-1])), tuple(normed.shape[:-1]), normed.dtype)
+    b, tokens, dim = x.shape
+    data = torch.empty((b * tokens, dim), dtype=torch.float8_e4m3fn, device=x.device)
+    q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
+    if b * tokens:
+        _ln_modulate_kernel[(b * tokens,)](x, shift, scale, data, q_scale, tokens, dim, x.stride(1), shift.stride(0),
+                                           eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True, num_warps=8)
+    return Fp8Rows(data, q_scale, (b, tokens), x.dtype)
+
+
+def ff_input_layers(ff: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layer that reads a diffusers ``FeedForward``'s input (its activation module's ``proj``), for
+    ``ln_modulate_for``; none when it has another form."""
+    proj = getattr(ff.net[0], "proj", None) if hasattr(ff, "net") else None
+    return [proj] if proj is not None else []
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear, gelu_rows
-from shardgen.speed.fused_kernels import (for_layer, gated, gelu_feed_forward, gelu_up, ln_modulate, norm_eps,
-                                         norm_weight, one_eps, processor_problem, restore_processors,
-                                         rope_attention, swap_processors)
+from shardgen.speed.fused_kernels import (ff_input_layers, for_layer, gated, gelu_feed_forward, gelu_up,
+                                         ln_modulate_for, norm_eps, norm_weight, one_eps, processor_problem,
+                                         restore_processors, rope_attention, swap_processors)
 
 log = logging.getLogger("shardgen.flux_fused")
 
@@ -169,9 +169,12 @@ def _single_block_stock(self, hidden_states, temb, image_rotary_emb, joint_atten
 def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The single block's body with fp8=true's float8 layers: the normed input quantised once for the MLP and
     q/k/v, the GELU written straight into float8, and ``proj_out`` over the two parts without their concatenation
-    (each part quantised with its own row scales); eagerly on CUDA the LayerNorm + modulation in one pass."""
+    (each part quantised with its own row scales); eagerly on CUDA the LayerNorm + modulation in one pass, which
+    writes the float8 rows themselves when the fused processor takes them."""
     if _eager_fusable(hidden_states, self.norm):
-        normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
+        into = ([self.proj_mlp, self.attn.to_q, self.attn.to_k, self.attn.to_v]
+                if _processor_takes_rows(self.attn, image_rotary_emb, joint_attention_kwargs) else [])
+        normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3, into)
     else:
         normed, gate = self.norm(hidden_states, emb=temb)
     mlp = gelu_rows(self.proj_mlp(normed))
@@ -214,11 +217,20 @@ def _eager_fusable(x: torch.Tensor, *norms: torch.nn.Module) -> bool:
     return True
 
 
-def _ada_norm(norm: torch.nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int):
+def _ada_norm(norm: torch.nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int,
+              into: list[torch.nn.Module] = ()):
     """diffusers' ``AdaLayerNormZero`` (``chunks=6``) or ``AdaLayerNormZeroSingle`` (3) with its LayerNorm and
-    modulation in one pass: (the modulated ``x``, the other modulation tensors)."""
+    modulation in one pass: (the modulated ``x``, the other modulation tensors). ``into``: the layers that read
+    it (``ln_modulate_for``: float8 rows when all are float8)."""
     mods = norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
-    return ln_modulate(x, mods[0][:, None], mods[1][:, None], norm.norm.eps), mods[2:]
+    return ln_modulate_for(list(into), x, mods[0][:, None], mods[1][:, None], norm.norm.eps), mods[2:]
+
+
+def _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs) -> bool:
+    """The fused processor will compute this call (not hand it to diffusers' own): it only projects its inputs, so
+    they may come as float8 rows."""
+    return (isinstance(attn.processor, FusedFluxAttnProcessor) and image_rotary_emb is not None
+            and not joint_attention_kwargs and one_eps(attn))
 
 
 def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -252,21 +264,26 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
 def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
     ``addcmul`` (compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
-    normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(self.norm1, hidden_states, temb, 6)
-    c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = _ada_norm(self.norm1_context,
-                                                                             encoder_hidden_states, temb, 6)
+    attn = self.attn
+    rows = _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs)
+    normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(
+        self.norm1, hidden_states, temb, 6, [attn.to_q, attn.to_k, attn.to_v] if rows else [])
+    c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = _ada_norm(
+        self.norm1_context, encoder_hidden_states, temb, 6, [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+        if rows else [])
     attention_outputs = self.attn(hidden_states=normed, encoder_hidden_states=c_normed,
                                   image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     attn_output, context_attn_output = attention_outputs[:2]
     hidden_states = gated(hidden_states, gate_msa[:, None], attn_output)
-    ff = gelu_feed_forward(self.ff, ln_modulate(hidden_states, shift_mlp[:, None], scale_mlp[:, None],
-                                                self.norm2.eps))
+    ff = gelu_feed_forward(self.ff, ln_modulate_for(ff_input_layers(self.ff), hidden_states, shift_mlp[:, None],
+                                                    scale_mlp[:, None], self.norm2.eps))
     hidden_states = gated(hidden_states, gate_mlp[:, None], ff)
     if len(attention_outputs) == 3:
         hidden_states = hidden_states + attention_outputs[2]
     encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa[:, None], context_attn_output)
-    ff = gelu_feed_forward(self.ff_context, ln_modulate(encoder_hidden_states, c_shift_mlp[:, None],
-                                                        c_scale_mlp[:, None], self.norm2_context.eps))
+    ff = gelu_feed_forward(self.ff_context, ln_modulate_for(ff_input_layers(self.ff_context), encoder_hidden_states,
+                                                            c_shift_mlp[:, None], c_scale_mlp[:, None],
+                                                            self.norm2_context.eps))
     encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp[:, None], ff)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear
-from shardgen.speed.fused_kernels import (for_layer, gated, layer_norm_problem, ln_modulate, norm_eps, norm_weight,
+from shardgen.speed.fused_kernels import (for_layer, gated, layer_norm_problem, ln_modulate_for, norm_eps, norm_weight,
                                          one_eps, processor_problem, restore_processors, rope_attention,
                                          swap_processors, tl, triton, triton_ok)
 
@@ -108,8 +108,9 @@ class FusedFlux2AttnProcessor:
         (q, k, v), (tq, tk, tv) = ([t.unflatten(-1, heads_dim) for t in part] for part in (img, txt))
         eps = norm_eps(attn.norm_q, q.dtype)
         # text tokens first, as diffusers joins them
-        out = rope_attention([tq, q], [tk, k], [tv, v], [norm_weight(attn.norm_added_q, q), norm_weight(attn.norm_q, q)],
-                             [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)], cos, sin, eps)
+        wq = [norm_weight(attn.norm_added_q, q), norm_weight(attn.norm_q, q)]
+        wk = [norm_weight(attn.norm_added_k, k), norm_weight(attn.norm_k, k)]
+        out = rope_attention([tq, q], [tk, k], [tv, v], wq, wk, cos, sin, eps)
         text = encoder_hidden_states.shape[1]
         encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
         return (attn.to_out[1](attn.to_out[0](for_layer(attn.to_out[0], out))),
@@ -169,16 +170,22 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_im
     """``Flux2TransformerBlock.forward`` with fused LayerNorm+modulation, SwiGLU and gated residuals."""
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _split_mod(temb_mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _split_mod(temb_mod_txt, 2)
-    eps = self.norm1.eps
-    attn_output, context_attn_output = self.attn(
-        hidden_states=ln_modulate(hidden_states, shift_msa, scale_msa, eps),
-        encoder_hidden_states=ln_modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, eps),
+    eps, attn = self.norm1.eps, self.attn
+    # the fused processor only projects its inputs: they may come as float8 rows (ln_modulate_for)
+    rows = (isinstance(attn.processor, FusedFlux2AttnProcessor)
+            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn))
+    attn_output, context_attn_output = attn(
+        hidden_states=ln_modulate_for([attn.to_q, attn.to_k, attn.to_v] if rows else [], hidden_states, shift_msa,
+                                      scale_msa, eps),
+        encoder_hidden_states=ln_modulate_for([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj] if rows else [],
+                                              encoder_hidden_states, c_shift_msa, c_scale_msa, eps),
         image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     hidden_states = gated(hidden_states, gate_msa, attn_output)
-    ff = _ff(self.ff, ln_modulate(hidden_states, shift_mlp, scale_mlp, eps))
+    ff = _ff(self.ff, ln_modulate_for([self.ff.linear_in], hidden_states, shift_mlp, scale_mlp, eps))
     hidden_states = gated(hidden_states, gate_mlp, ff)
     encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa, context_attn_output)
-    ff = _ff(self.ff_context, ln_modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, eps))
+    ff = _ff(self.ff_context, ln_modulate_for([self.ff_context.linear_in], encoder_hidden_states, c_shift_mlp,
+                                              c_scale_mlp, eps))
     encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp, ff)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -192,8 +199,13 @@ def single_block_forward(self, hidden_states, encoder_hidden_states, temb_mod, i
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     shift, scale, gate = _split_mod(temb_mod, 1)[0]
-    attn_output = self.attn(hidden_states=ln_modulate(hidden_states, shift, scale, self.norm.eps),
-                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    attn = self.attn
+    rows = (isinstance(attn.processor, FusedFlux2ParallelSelfAttnProcessor)
+            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn)
+            and isinstance(attn.to_out, Float8Linear))
+    attn_output = attn(hidden_states=ln_modulate_for([attn.to_qkv_mlp_proj] if rows else [], hidden_states, shift,
+                                                     scale, self.norm.eps),
+                       image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     hidden_states = gated(hidden_states, gate, attn_output)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)

@@ -26,8 +26,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardgen.speed.fp8 import is_tensor_parallel
-from shardgen.speed.fused_kernels import (gated, gelu_feed_forward, layer_norm_problem, ln_modulate, norm_eps,
-                                         norm_weight, one_eps, rms_rope)
+from shardgen.speed.fused_kernels import (ff_input_layers, gated, gelu_feed_forward, layer_norm_problem, ln_modulate,
+                                         ln_modulate_for, norm_eps, norm_weight, one_eps, rms_rope)
 
 log = logging.getLogger("shardgen.qwen_fused")
 
@@ -57,9 +57,11 @@ def block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_sta
     hidden_states = gated(hidden_states, gate, img_attn)
     encoder_hidden_states = gated(encoder_hidden_states, c_gate, txt_attn)
     (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod2), _mod(txt_mod2)
-    mlp = gelu_feed_forward(self.img_mlp, ln_modulate(hidden_states, shift, scale, eps))
+    mlp = gelu_feed_forward(self.img_mlp, ln_modulate_for(ff_input_layers(self.img_mlp), hidden_states, shift, scale,
+                                                          eps))
     hidden_states = gated(hidden_states, gate, mlp)
-    mlp = gelu_feed_forward(self.txt_mlp, ln_modulate(encoder_hidden_states, c_shift, c_scale, eps))
+    mlp = gelu_feed_forward(self.txt_mlp, ln_modulate_for(ff_input_layers(self.txt_mlp), encoder_hidden_states,
+                                                          c_shift, c_scale, eps))
     encoder_hidden_states = gated(encoder_hidden_states, c_gate, mlp)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
