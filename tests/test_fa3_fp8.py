@@ -218,3 +218,32 @@ def test_the_passes_from_the_projections_write_what_rms_rope_then_the_quantising
     from tests.test_fp8_attention import interpreted
 
     assert interpreted(_INTERPRETED, tmp_path) == "ok"
+
+
+def test_compiled_blocks_hand_fa3_fp8_the_projections_as_one_operator(monkeypatch):
+    """Under torch.compile the path from the projections is the operator ``shardgen::fa3_fp8_rms_rope_attention``
+    (inductor does not trace into its Triton passes): a compiled processor body computes what the eager one does."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from shardgen.speed.fused_kernels import rope_attention
+
+    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "takes_parts", lambda qs, ks, vs, cos: True)  # CPU tensors
+    qs, ks, vs, wq, wk, cos, sin = _parts()
+
+    def body(qs, ks, vs):
+        return rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6) * 2.0
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes})
+        return aot_eager(gm, inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(body, backend=backend, fullgraph=True)
+    with fa3_fp8.context():
+        eager, out = body(qs, ks, vs), compiled(qs, ks, vs)
+    assert torch.equal(out, eager) and out.shape == (2, 40, 3 * 64)
+    assert "shardgen.fa3_fp8_rms_rope_attention.default" in graphs[0]
+    torch._dynamo.reset()
