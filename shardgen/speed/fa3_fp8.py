@@ -113,6 +113,8 @@ def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch
 
 STATS_TOKENS = 128
 """Tokens one program of the statistics pass reduces (its partial sums and extremes are then reduced by torch)."""
+STATS_WARPS = 8
+"""Warps per program of the statistics pass."""
 
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
@@ -213,7 +215,7 @@ def quantise_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, c
         _part_stats[(starts[i + 1] - starts[i], heads // per_program, b)](
             x, w, c, s_, sums, lo, hi, x.shape[1], offsets[i], starts[i], starts[-1], heads, x.stride(0), x.stride(1),
             x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program, D=d,
-            ROPE=rope, CHANNELS=smooth, num_warps=8)
+            ROPE=rope, CHANNELS=smooth, num_warps=STATS_WARPS)
     if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (as ``quantise`` finds it)
         mean = (sums.sum(dim=1) / total).contiguous()
         amax = torch.maximum(hi.amax(dim=1) - mean, mean - lo.amin(dim=1)).amax(dim=-1)

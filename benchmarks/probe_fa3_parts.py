@@ -1,0 +1,79 @@
+"""fa3_fp8's passes from the projections (``fa3_fp8.quantise_parts``) at FLUX.1-dev's attention shape, kernel by
+kernel, beside what they replace (``rms_rope`` + ``fa3_fp8.quantise``): ms per call (CUDA events, median).
+
+    python benchmarks/probe_fa3_parts.py [--iters 20] [--out probe_fa3_parts.json]
+
+Rows: each of q (RMSNorm + RoPE), k (the same, smoothed) and v (as it is) through the two passes; the statistics
+pass alone under several tile sizes (``STATS_TOKENS`` tokens a program, ``STATS_WARPS`` warps); the old route; the
+whole attention both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_attention import timed  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="probe_fa3_parts.json")
+    a = ap.parse_args()
+    from shardgen.speed import fa3_fp8
+    from shardgen.speed.fused_kernels import rms_rope
+
+    b, h, d, cuts = 4, 24, 128, (512, 4096)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    proj = [torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, generator=g) for n in cuts]
+    qs, ks, vs = ([p[..., i * h * d:(i + 1) * h * d].unflatten(-1, (h, d)) for p in proj] for i in range(3))
+    wq, wk = ([torch.rand(d, device="cuda", generator=g).bfloat16() + 0.5 for _ in cuts] for _ in range(2))
+    ang = torch.rand(sum(cuts), d // 2, device="cuda", generator=g) * 6
+    cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
+    row: dict = {}
+
+    def t(name, fn):
+        row[name] = round(timed(fn, a.iters, warm=3), 4)
+        print(name, row[name], flush=True)
+
+    t("parts_q", lambda: fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6))
+    t("parts_k", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
+    t("parts_v", lambda: fa3_fp8.quantise_parts(vs, None, None, None, 1e-6))
+    t("old_q", lambda: fa3_fp8.quantise(rms_rope(qs, wq, cos, sin, 1e-6)))
+    t("old_k", lambda: fa3_fp8.quantise(rms_rope(ks, wk, cos, sin, 1e-6), smooth=True))
+    t("old_v", lambda: fa3_fp8.quantise(torch.cat(vs, 1).transpose(1, 2)))
+    t("rms_rope_q", lambda: rms_rope(qs, wq, cos, sin, 1e-6))
+    t("attention_parts", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
+    t("attention_old", lambda: fa3_fp8.attention(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
+                                                 torch.cat(vs, 1).transpose(1, 2)))
+    for tokens in (8, 16, 32, 128):
+        for warps in (2, 4, 8):
+            fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_WARPS = tokens, warps
+            t(f"parts_k_stats{tokens}_w{warps}", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
+            t(f"parts_q_stats{tokens}_w{warps}", lambda: fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6))
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_WARPS = 128, 8
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        print(table)
+        row["profile"] = table
+    except Exception as e:  # noqa: BLE001 - the timings above stand without it
+        print("profile failed", e)
+    Path(a.out).write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()
