@@ -1,11 +1,12 @@
-"""fa3_fp8's passes from the projections (``fa3_fp8.quantise_parts``) at FLUX.1-dev's attention shape, kernel by
-kernel, beside what they replace (``rms_rope`` + ``fa3_fp8.quantise``): ms per call (CUDA events, median).
+"""fa3_fp8 from a fused processor's projections at FLUX.1-dev's attention shape, kernel by kernel, beside what it
+replaces: ms per call (CUDA events, median).
 
     python benchmarks/probe_fa3_parts.py [--iters 20] [--out probe_fa3_parts.json]
 
-Rows: each of q (RMSNorm + RoPE), k (the same, smoothed) and v (as it is) through the two passes; the statistics
-pass alone under several tile sizes (``STATS_TOKENS`` tokens a program, ``STATS_WARPS`` warps); the old route; the
-whole attention both ways.
+Rows: the queries through their one pass (``fa3_fp8.quantise_queries``: RMSNorm + RoPE + float8 on the static
+scale) against ``rms_rope`` + ``fa3_fp8.quantise``; the keys' and values' routes (as ``attention`` takes them); the
+whole attention both ways (``rms_rope_attention`` against ``rms_rope`` twice + the joined values + ``attention``);
+then a CUDA profile of ``rms_rope_attention``.
 """
 
 from __future__ import annotations
@@ -44,25 +45,17 @@ def main() -> None:
         row[name] = round(timed(fn, a.iters, warm=3), 4)
         print(name, row[name], flush=True)
 
-    t("parts_q", lambda: fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6))
-    t("parts_k", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
-    t("parts_v", lambda: fa3_fp8.quantise_parts(vs, None, None, None, 1e-6))
-    t("old_q", lambda: fa3_fp8.quantise(rms_rope(qs, wq, cos, sin, 1e-6)))
-    t("old_k", lambda: fa3_fp8.quantise(rms_rope(ks, wk, cos, sin, 1e-6), smooth=True))
-    t("old_v", lambda: fa3_fp8.quantise(torch.cat(vs, 1).transpose(1, 2)))
-    t("rms_rope_q", lambda: rms_rope(qs, wq, cos, sin, 1e-6))
-    t("attention_parts", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
-    t("attention_old", lambda: fa3_fp8.attention(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
-                                                 torch.cat(vs, 1).transpose(1, 2)))
-    for tokens in (8, 16, 32, 128):
-        for warps in (2, 4, 8):
-            fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_WARPS = tokens, warps
-            t(f"parts_k_stats{tokens}_w{warps}", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
-            t(f"parts_q_stats{tokens}_w{warps}", lambda: fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6))
+    t("queries_one_pass", lambda: fa3_fp8.quantise_queries(qs, wq, cos, sin, 1e-6))
+    t("queries_rms_rope_then_quantise", lambda: fa3_fp8.quantise(rms_rope(qs, wq, cos, sin, 1e-6)))
+    t("keys", lambda: fa3_fp8.quantise(rms_rope(ks, wk, cos, sin, 1e-6), smooth=True))
+    t("values", lambda: fa3_fp8.quantise(torch.cat(vs, 1).transpose(1, 2)))
+    t("rms_rope", lambda: rms_rope(qs, wq, cos, sin, 1e-6))
+    t("attention_from_projections", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
+    t("attention_rms_rope_then_fa3_fp8", lambda: fa3_fp8.attention(
+        rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)))
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_WARPS = 128, 8
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)

@@ -82,8 +82,8 @@ TEXT_TOKENS = {"flux_dev": 512, "flux2_dev": 512, "qwen_image": 211, "sd35_large
 def projection_ways(name: str, iters: int) -> dict:
     """From a fused processor's projections (text and image parts, (batch, tokens, heads, dim) each, as FLUX's
     q/k/v linears give them) to the attention output, ms per call: ``rms_rope`` + the joined values + cuDNN (the
-    lossless path) or + ``fa3_fp8.attention``, and ``fa3_fp8.rms_rope_attention`` (the two Triton passes per
-    tensor); and those passes alone (``quantise_parts_ms``)."""
+    lossless path) or + ``fa3_fp8.attention``, and ``fa3_fp8.rms_rope_attention`` (the queries in one pass on their
+    static scale); and that pass alone (``quantise_queries``)."""
     from shardgen.speed import fa3_fp8
     from shardgen.speed.fused_kernels import rms_rope
 
@@ -105,9 +105,7 @@ def projection_ways(name: str, iters: int) -> dict:
 
     ways = {"rope_cudnn": via(sdpa_with("cudnn")), "rope_fa3_fp8": via(fa3_fp8.attention),
             "fa3_fp8_from_projections": lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6),
-            "quantise_parts": lambda: (fa3_fp8.quantise_parts(qs, wq, cos, sin, 1e-6),
-                                       fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True),
-                                       fa3_fp8.quantise_parts(vs, None, None, None, 1e-6))}
+            "quantise_queries": lambda: fa3_fp8.quantise_queries(qs, wq, cos, sin, 1e-6)}
     row = {way: round(timed(fn, iters, warm=3), 3) for way, fn in ways.items()}
     print(name, "from the projections, ms per call", row, flush=True)
     return row

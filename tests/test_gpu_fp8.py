@@ -241,10 +241,10 @@ def test_fa3_triton_quantisation_matches_the_torch_ops():
 
 @pytest.mark.parametrize("heads, parts", [(24, (512, 4096)), (3, (37, 211))])
 def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, parts):
-    """fa3_fp8 straight from a fused processor's projections (``rms_rope_attention``: two Triton passes per tensor)
-    against ``rms_rope`` + the joined values + ``attention``, at FLUX.1-dev's shape and at part-filled tiles: the
-    same descales, float8 values but for rare one-step roundings (the mean's float32 sum order), the same output
-    to FA3's own noise."""
+    """fa3_fp8 straight from a fused processor's projections (``rms_rope_attention``: the queries RMSNorm-ed, RoPE-d
+    and quantised on their static scale in one Triton pass) at FLUX.1-dev's shape and at part-filled tiles: the
+    queries' float8 values are ``rms_rope``'s output on that scale but for rare one-step roundings, and the output is
+    as far from exact attention as ``attention``'s on the same inputs."""
     from shardgen.speed import fa3_fp8
     from shardgen.speed.fused_kernels import rms_rope
 
@@ -259,16 +259,18 @@ def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, par
     ang = torch.rand(sum(parts), dim // 2, device="cuda", generator=g) * 6
     cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
     assert fa3_fp8.takes_parts(qs, ks, vs, cos)
-    for xs, ws, smooth in ((qs, wq, False), (ks, wk, True), (vs, None, False)):
-        y, scale = fa3_fp8.quantise_parts(xs, ws, cos, sin, 1e-6, smooth)
-        joint = rms_rope(xs, ws, cos, sin, 1e-6) if ws else torch.cat(xs, 1).transpose(1, 2)
-        ref_y, ref_scale = fa3_fp8.quantise(joint, smooth)
-        assert torch.allclose(scale, ref_scale, rtol=1e-5)
-        assert (y.float() != ref_y.float()).float().mean().item() < 1e-3
-    out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)
-    ref = fa3_fp8.attention(rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6),
-                            torch.cat(vs, 1).transpose(1, 2)).transpose(1, 2)
-    assert out.shape == ref.shape and ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.01
+    q8, scale = fa3_fp8.quantise_queries(qs, wq, cos, sin, 1e-6)
+    query = rms_rope(qs, wq, cos, sin, 1e-6)
+    ref = (query.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2)
+    assert q8.shape == ref.shape and (q8.float() != ref.float()).float().mean().item() < 1e-3
+    key, value = rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)
+    out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6).transpose(1, 2)
+    old = fa3_fp8.attention(query, key, value)
+    one = (slice(0, 1), slice(0, 2))  # exact attention over the first sample's first two heads (bounded memory)
+    exact = torch.nn.functional.scaled_dot_product_attention(query[one].float(), key[one].float(), value[one].float())
+    err = lambda x, ref: ((x.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
+    print(f"from the projections vs exact {err(out[one], exact):.4f}, attention vs exact {err(old[one], exact):.4f}")
+    assert err(out[one], exact) < KERNEL_VS_EXACT["fa3_fp8"] and err(out[one], exact) < 1.2 * err(old[one], exact)
 
 
 # the worst calibration PSNR each model's fp8 reaches on its dummy (random) weights at 1024x1024 (measured on an

@@ -8,7 +8,9 @@ Its inputs are float8 e4m3 with one scale per (sample, head): here each of Q, K 
 the head's tokens and channels (amax / 448), the keys first smoothed by their mean over the tokens (softmax does not
 see it; it would spend the keys' range). FA3 rescales the scores and the output by those scales, keeps the
 probabilities in e4m3 for ``P V`` and accumulates in float32. On random inputs the output is ~5% off exact attention
-(relative RMS; ``reference``: the same arithmetic in torch ops).
+(relative RMS; ``reference``: the same arithmetic in torch ops). A fused attention processor (FLUX.1, FLUX.2) hands
+its projections over instead (``sdpa_route.parts_attention`` -> ``rms_rope_attention``): the queries are then
+RMSNorm-ed, RoPE-d and quantised in one pass on a static scale (``query_scale``), never written in bf16.
 
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call the kernel
 takes (``takes``: CUDA, no mask, no dropout, not causal, no GQA, a head size FA3 has) to it, and every other call to
@@ -109,126 +111,77 @@ def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch
     return y, scale
 
 
-# --- Q, K and V straight from the projections: RMSNorm + RoPE and the quantisation in two passes --------------------
+# --- the queries straight from the projections: RMSNorm + RoPE and the quantisation in one pass ----------------------
 
-STATS_TOKENS = 128
-"""Tokens one program of the statistics pass reduces (its partial sums and extremes are then reduced by torch)."""
-STATS_WARPS = 8
-"""Warps per program of the statistics pass."""
+QUERY_BOUND_MARGIN = 1.01
+"""The queries' static scale (``query_scale``) covers their bound times this: bf16's rounding of the norm's output
+(2**-8 relative) and RoPE's float32 rotation can go past the exact bound."""
 
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
 
     @triton.jit
-    def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, sum_ptr, lo_ptr, hi_ptr, seq_in, seq_offset, block_offset, blocks,
-                    heads, stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                    HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, CHANNELS: tl.constexpr):
-        """One program: CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (its values as ``rms_rope`` writes
-        them, rounded to the activation dtype; with ROPE false as they are). CHANNELS: each channel's sum, minimum
-        and maximum into SUM/LO/HI (batch, blocks, heads, D); else each head's absolute maximum into HI (batch,
-        blocks, heads)."""
-        pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        total = tl.zeros((HEADS_PER_PROGRAM, D), dtype=tl.float32)
-        lo = tl.full((HEADS_PER_PROGRAM, D), float("inf"), dtype=tl.float32)
-        hi = tl.full((HEADS_PER_PROGRAM, D), float("-inf"), dtype=tl.float32)
-        for c in range(CHUNKS):
-            s = (pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
-            y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb,
-                                    stride_xs, stride_xh, eps, CHUNK, HEADS_PER_PROGRAM, D, ROPE)
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-            total += tl.sum(tl.where(mask, y, 0.0), axis=0)
-            lo = tl.minimum(lo, tl.min(tl.where(mask, y, float("inf")), axis=0))
-            hi = tl.maximum(hi, tl.max(tl.where(mask, y, float("-inf")), axis=0))
-        row = (b.to(tl.int64) * blocks + block_offset + pid_s) * heads + h
-        if CHANNELS:
-            at = row[:, None] * D + tl.arange(0, D)[None, :]
-            tl.store(sum_ptr + at, total)
-            tl.store(lo_ptr + at, lo)
-            tl.store(hi_ptr + at, hi)
-        else:
-            tl.store(hi_ptr + row, tl.max(tl.maximum(-lo, hi), axis=1))
-
-    @triton.jit
-    def _part_fp8(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, y_ptr, seq_in, seq_total, seq_offset, heads,
-                  stride_xb, stride_xs, stride_xh, eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-                  D: tl.constexpr, ROPE: tl.constexpr, SUB_MEAN: tl.constexpr):
-        """BLOCK_S tokens x HEADS_PER_PROGRAM heads of a part into float8 Y, (batch, tokens, heads, D) contiguous
-        (FA3's layout) at the part's offset in the joint sequence: ``(value - MEAN[b, h]) / SCALE[b, h]``."""
+    def _query_fp8(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, y_ptr, seq_in, seq_total, seq_offset, heads,
+                   stride_xb, stride_xs, stride_xh, eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                   D: tl.constexpr):
+        """BLOCK_S tokens x HEADS_PER_PROGRAM heads of a query part, RMSNorm-ed and RoPE-d as ``rms_rope`` writes
+        them (rounded to the activation dtype), into float8 Y, (batch, tokens, heads, D) contiguous (FA3's layout)
+        at the part's offset in the joint sequence, divided by SCALE[b, h]."""
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs,
-                                stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, ROPE)
+                                stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, True)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         s3, h3, d3 = s[:, None, None], h[None, :, None], tl.arange(0, D)[None, None, :]
         bh = b.to(tl.int64) * heads + h3
-        if SUB_MEAN:
-            y = y - tl.load(mean_ptr + bh * D + d3)
         y = (y / tl.load(scale_ptr + bh)).to(tl.float8e4nv)
         tl.store(y_ptr + ((b.to(tl.int64) * seq_total + seq_offset + s3) * heads + h3) * D + d3, y, mask=mask)
 
 
-def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor | None) -> bool:
-    """Whether the two Triton passes take these parts: CUDA, bf16/fp16 (batch, tokens, heads, D) parts of one batch,
+def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
+    """Whether the Triton pass takes these query parts: CUDA, bf16/fp16 (batch, tokens, heads, D) parts of one batch,
     head count, dtype and head size (a power of two FA3 has), unit stride in the last dim; float32 contiguous
-    (tokens, D) cos/sin when RoPE is applied."""
+    (tokens, D) cos/sin."""
     x0 = xs[0]
     return (triton is not None and x0.is_cuda and x0.dim() == 4 and x0.dtype in (torch.bfloat16, torch.float16)
             and x0.shape[-1] in (64, 128, 256)
             and all(x.dim() == 4 and x.shape[0] == x0.shape[0] and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype
                     and x.stride(-1) == 1 for x in xs)
-            and (cos is None or (cos.dtype == torch.float32 and cos.is_contiguous()
-                                 and cos.shape == (sum(x.shape[1] for x in xs), x0.shape[-1]))))
+            and cos.dtype == torch.float32 and cos.is_contiguous()
+            and cos.shape == (sum(x.shape[1] for x in xs), x0.shape[-1]))
 
 
-def quantise_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor | None,
-                   sin: torch.Tensor | None, eps: float, smooth: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantise`` of the joint sequence the parts make (each (batch, tokens_i, heads, D), as the projections give
-    them), each first RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does when ``weights`` are
-    given: float8 (batch, tokens, heads, D) and the (batch, heads) descales. On CUDA two Triton passes over the parts
-    (their statistics, then the float8 values), so neither the bf16 result of ``rms_rope`` nor a concatenation is
-    written; elsewhere ``rms_rope`` (or ``torch.cat``) then ``quantise``."""
-    rope = weights is not None
-    if not parts_kernel_ok(xs, cos if rope else None):
-        if rope:
-            from shardgen.speed.fused_kernels import rms_rope
+def query_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
+    """The queries' float32 (batch, heads) descales, one static value: after RMSNorm no element of a token's head
+    exceeds sqrt(dim) times the norm's largest weight, and RoPE rotates pairs of elements, keeping each pair's length.
+    So a fixed scale keeps every query in e4m3's range without a pass to find its maximum (float8 keeps its relative
+    precision over the range, so a scale above the largest value costs no precision but at the subnormals)."""
+    bound = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    return (bound * (math.sqrt(dim) * QUERY_BOUND_MARGIN / FP8_MAX)).expand(batch, heads).contiguous()
 
-            joint = rms_rope(xs, weights, cos, sin, eps)
-        else:
-            joint = (torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]).transpose(1, 2)
-        return quantise(joint, smooth)
+
+def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The joint sequence of the query parts (each (batch, tokens_i, heads, D), as the projections give them), each
+    RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does, in float8 (batch, tokens, heads, D) on
+    ``query_scale``'s static scale, and its (batch, heads) descales. On CUDA one Triton pass over the parts (the bf16
+    queries are never written); elsewhere ``rms_rope`` then the same division in torch ops."""
     b, _, heads, d = xs[0].shape
+    scale = query_scale(weights, b, heads, d)
+    if not parts_kernel_ok(xs, cos):
+        from shardgen.speed.fused_kernels import rms_rope
+
+        joint = rms_rope(xs, weights, cos, sin, eps)
+        return (joint.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
     total = sum(x.shape[1] for x in xs)
-    per_program, chunk = math.gcd(heads, 8), 8
-    starts = [0]
-    for x in xs:
-        starts.append(starts[-1] + triton.cdiv(x.shape[1], STATS_TOKENS))
-    stats = torch.empty(3 if smooth else 1, b, starts[-1], heads, *((d,) if smooth else ()), device=xs[0].device,
-                        dtype=torch.float32)
-    sums, lo, hi = (stats[0], stats[1], stats[2]) if smooth else (stats[0], stats[0], stats[0])
-    offsets = [0]
-    for x in xs:
-        offsets.append(offsets[-1] + x.shape[1])
-    for i, x in enumerate(xs):
-        w, c, s_ = (weights[i].contiguous(), cos, sin.contiguous()) if rope else (x, x, x)  # unread without RoPE
-        _part_stats[(starts[i + 1] - starts[i], heads // per_program, b)](
-            x, w, c, s_, sums, lo, hi, x.shape[1], offsets[i], starts[i], starts[-1], heads, x.stride(0), x.stride(1),
-            x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program, D=d,
-            ROPE=rope, CHANNELS=smooth, num_warps=STATS_WARPS)
-    if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (as ``quantise`` finds it)
-        mean = (sums.sum(dim=1) / total).contiguous()
-        amax = torch.maximum(hi.amax(dim=1) - mean, mean - lo.amin(dim=1)).amax(dim=-1)
-    else:
-        mean, amax = None, hi.amax(dim=1)
-    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
     y = torch.empty(b, total, heads, d, device=xs[0].device, dtype=torch.float8_e4m3fn)
-    for i, x in enumerate(xs):
-        w, c, s_ = (weights[i].contiguous(), cos, sin.contiguous()) if rope else (x, x, x)
-        _part_fp8[(triton.cdiv(x.shape[1], chunk), heads // per_program, b)](
-            x, w, c, s_, mean if smooth else scale, scale, y, x.shape[1], total, offsets[i], heads, x.stride(0),
-            x.stride(1), x.stride(2), eps, BLOCK_S=chunk, HEADS_PER_PROGRAM=per_program, D=d, ROPE=rope,
-            SUB_MEAN=smooth, num_warps=8)
+    per_program, block, offset = math.gcd(heads, 8), 8, 0
+    for x, w in zip(xs, weights):
+        _query_fp8[(triton.cdiv(x.shape[1], block), heads // per_program, b)](
+            x, w.contiguous(), cos, sin.contiguous(), scale, y, x.shape[1], total, offset, heads, x.stride(0),
+            x.stride(1), x.stride(2), eps, BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=d, num_warps=8)
+        offset += x.shape[1]
     return y, scale
 
 
@@ -258,10 +211,9 @@ def _(q, k, v, scale):
 
 def takes_parts(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], cos: torch.Tensor) -> bool:
     """Whether ``rms_rope_attention`` takes these projections (a fused processor's parts; else it calls ``rms_rope``
-    and SDPA): the Triton passes take each of them, one joint length for the three."""
-    return (parts_kernel_ok(qs, cos) and parts_kernel_ok(ks, cos) and parts_kernel_ok(vs, None)
-            and qs[0].shape[0] == ks[0].shape[0] == vs[0].shape[0]
-            and qs[0].shape[2:] == ks[0].shape[2:] == vs[0].shape[2:]
+    and SDPA): the Triton pass takes the query parts, and the keys and values are of the same batch, heads and length."""
+    return (parts_kernel_ok(qs, cos) and all(x.dim() == 4 and x.shape[0] == qs[0].shape[0]
+                                             and x.shape[2:] == qs[0].shape[2:] for x in (*ks, *vs))
             and sum(x.shape[1] for x in ks) == sum(x.shape[1] for x in vs) == cos.shape[0])
 
 
@@ -270,15 +222,17 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
                        scale: float | None = None) -> torch.Tensor:
     """FA3's float8 attention over the joint sequence of the projections' parts (each (batch, tokens_i, heads, D)),
     q and k RMSNorm-ed (weights ``wq``/``wk``) and RoPE-d as ``fused_kernels.rms_rope`` does: (batch, tokens, heads,
-    D). What ``attention`` computes on ``rms_rope``'s outputs and the concatenated values, without writing either:
-    each of Q, K and V is read twice (``quantise_parts``) and written once, in float8. Under ``torch.compile`` the
-    operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    D). The queries go straight from their projections to float8 on a static scale (``quantise_queries``: one pass,
+    where ``attention`` writes them in bf16, reads them for their maximum and again to quantise); the keys and values
+    as ``attention`` takes them. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    from shardgen.speed.fused_kernels import rms_rope
+
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
-    q8, q_descale = quantise_parts(qs, wq, cos, sin, eps)
-    k8, k_descale = quantise_parts(ks, wk, cos, sin, eps, smooth=True)
-    v8, v_descale = quantise_parts(vs, None, None, None, eps)
+    q8, q_descale = quantise_queries(qs, wq, cos, sin, eps)
+    k8, k_descale = quantise(rms_rope(ks, wk, cos, sin, eps), smooth=True)
+    v8, v_descale = quantise((torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]).transpose(1, 2))
     out = _fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                          softmax_scale=scale)[0]
     return out.to(qs[0].dtype)
