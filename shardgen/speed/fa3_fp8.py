@@ -1,8 +1,8 @@
 """``sdpa_backend=fa3_fp8`` (opt-in, LOSSY): FlashAttention-3's float8 forward kernel (the ``fa3-fwd`` package: FA3's
 Hopper kernels, forward only, built on torch's stable ABI), both products on float8 tensor cores with the
 warp-specialised pipeline a Triton kernel does not express. On an H100 its kernel is 1.36x cuDNN's bf16 attention at
-FLUX.1-dev's shape, but quantising Q, K and V here takes most of that back: a whole FLUX.1-dev fp8 run is 4% faster
-with it (docs/lossy.md).
+FLUX.1-dev's shape, but quantising Q, K and V takes much of that back: with the queries' own pass (below) a
+FLUX.1-dev fp8 run's steady rate is ~8% faster with it (2.42 s/image on an H200, docs/lossy.md).
 
 Its inputs are float8 e4m3 with one scale per (sample, head): here each of Q, K and V is quantised on its amax over
 the head's tokens and channels (amax / 448), the keys first smoothed by their mean over the tokens (softmax does not
