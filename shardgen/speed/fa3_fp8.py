@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from shardgen.speed.fused_kernels import rms_rope, rms_rope_reference
 from shardgen.speed.sdpa_route import kernel_context, plain_attention
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none
@@ -170,8 +171,6 @@ def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: t
     b, _, heads, d = xs[0].shape
     scale = query_scale(weights, b, heads, d)
     if not parts_kernel_ok(xs, cos):
-        from shardgen.speed.fused_kernels import rms_rope
-
         joint = rms_rope(xs, weights, cos, sin, eps)
         return (joint.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
     total = sum(x.shape[1] for x in xs)
@@ -225,8 +224,6 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     D). The queries go straight from their projections to float8 on a static scale (``quantise_queries``: one pass,
     where ``attention`` writes them in bf16, reads them for their maximum and again to quantise); the keys and values
     as ``attention`` takes them. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
-    from shardgen.speed.fused_kernels import rms_rope
-
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
@@ -272,8 +269,6 @@ def check_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 def check_parts_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """What ``check_parts`` approximates: exact float32 attention of the RMSNorm-ed, RoPE-d inputs."""
-    from shardgen.speed.fused_kernels import rms_rope_reference
-
     (qs, ks, vs), (wq, wk), cos, sin = _check_inputs(q, k, v)
     query = rms_rope_reference([x.float() for x in qs], [w.float() for w in wq], cos, sin, 1e-6)
     key = rms_rope_reference([x.float() for x in ks], [w.float() for w in wk], cos, sin, 1e-6)

@@ -140,8 +140,8 @@ def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torc
                    wk: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """SDPA over the joint sequence of the projections' parts (each (batch, tokens_i, heads, head_dim), text first),
     q and k by ``rms_rope``: (batch, tokens, heads * head_dim). Where a routed 8-bit kernel takes the parts
-    themselves (``sdpa_route.parts_attention``: fa3_fp8 quantises them in its own passes, so the bf16 q/k and the
-    values' concatenation are never written) it gets them."""
+    themselves (``sdpa_route.parts_attention``: fa3_fp8 normalises, rotates and quantises the queries in one pass,
+    never writing them in bf16) it gets them."""
     direct = parts_attention(qs, ks, vs, cos)
     if direct is not None:
         return direct(qs, ks, vs, wq, wk, cos, sin, eps).flatten(2, 3)

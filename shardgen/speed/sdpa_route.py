@@ -72,8 +72,8 @@ def kernel_context(module):
 def parts_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
                     cos: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The routed kernel's attention straight from a fused processor's projections (``rms_rope_attention(qs, ks, vs,
-    wq, wk, cos, sin, eps)``: q/k RMSNorm + RoPE in the kernel's own input passes; fa3_fp8 has one) when it takes
-    these, else None: the processor then calls ``rms_rope`` and SDPA."""
+    wq, wk, cos, sin, eps)``: RMSNorm + RoPE in the kernel's own input pass; fa3_fp8 has one) when it takes these,
+    else None: the processor then calls ``rms_rope`` and SDPA."""
     if not _ROUTED:
         return None
     module = _ROUTED[-1]
