@@ -1,8 +1,10 @@
 """sdpa_backend=fa3_fp8: FlashAttention-3's float8 kernel (the fa3-fwd package, Hopper only). On CPU: its inputs'
 quantisation (one e4m3 scale per sample and head, the keys smoothed), what the method costs against exact attention
 (``fa3_fp8.reference``: the GPU test holds the kernel to it), which SDPA calls it takes, and the one-line refusals
-where it cannot run. The kernel itself runs in tests/test_gpu_fp8.py; the routing, self-check and compiled-operator
-tests shared with the other 8-bit kernels are in tests/test_fp8_attention.py."""
+where it cannot run; the path from a fused processor's projections (the queries in one pass on a static scale), its
+routing and its compiled operator; with Triton installed, the query pass run by Triton's interpreter. The kernel
+itself runs in tests/test_gpu_fp8.py; the routing, self-check and compiled-operator tests shared with the other
+8-bit kernels are in tests/test_fp8_attention.py."""
 
 from __future__ import annotations
 
