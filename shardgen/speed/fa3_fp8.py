@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from shardgen.speed.fused_kernels import rms_rope, rms_rope_reference
+from shardgen.speed.fused_kernels import rms_rope, rms_rope_kernel_ok, rms_rope_reference
 from shardgen.speed.sdpa_route import kernel_context, plain_attention
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none
@@ -145,11 +145,8 @@ def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
     head count, dtype and head size (a power of two FA3 has), unit stride in the last dim; float32 contiguous
     (tokens, D) cos/sin."""
     x0 = xs[0]
-    return (triton is not None and x0.is_cuda and x0.dim() == 4 and x0.dtype in (torch.bfloat16, torch.float16)
-            and x0.shape[-1] in (64, 128, 256)
-            and all(x.dim() == 4 and x.shape[0] == x0.shape[0] and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype
-                    and x.stride(-1) == 1 for x in xs)
-            and cos.dtype == torch.float32 and cos.is_contiguous()
+    return (rms_rope_kernel_ok(xs, cos) and all(x.dim() == 4 and x.shape[0] == x0.shape[0]
+                                                 and x.shape[2:] == x0.shape[2:] for x in xs)
             and cos.shape == (sum(x.shape[1] for x in xs), x0.shape[-1]))
 
 

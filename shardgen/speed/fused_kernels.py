@@ -94,7 +94,8 @@ def rms_rope_reference(xs: list[torch.Tensor], weights: list[torch.Tensor], cos:
     return apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2).contiguous()
 
 
-def _kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
+def rms_rope_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
+    """Whether the Triton kernel (``rms_rope_tile``) takes these (batch, tokens, heads, head_dim) parts and cos."""
     x0 = xs[0]
     return (triton is not None and x0.is_cuda and x0.dtype in (torch.bfloat16, torch.float16)
             and x0.shape[-1] in (64, 128, 256) and cos.dtype == torch.float32 and cos.is_contiguous()
@@ -107,7 +108,7 @@ def rms_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Ten
     """RMSNorm each (batch, tokens_i, heads, head_dim) part with its weight, join the parts along the
     tokens, apply FLUX's RoPE (``cos``/``sin``: (tokens, head_dim) float32) and return the result as a
     contiguous (batch, heads, tokens, head_dim) tensor: eager diffusers' numerics, one pass on CUDA."""
-    if not _kernel_ok(xs, cos):
+    if not rms_rope_kernel_ok(xs, cos):
         return rms_rope_reference(xs, weights, cos, sin, eps)
     return rms_rope_triton(xs, weights, cos, sin, eps)
 
@@ -202,12 +203,18 @@ def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Ten
     return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
 
 
+def _ln_kernel_ok(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``_ln_modulate_kernel`` takes these: contiguous (batch, tokens, dim) ``x``, (batch, 1, dim) modulation
+    rows of one batch stride."""
+    return (triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
+            and shift.stride(0) == scale.stride(0) and x.is_contiguous())
+
+
 @torch.library.custom_op("shardgen::ln_modulate", mutates_args=())
 def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """``(1 + scale) * LayerNorm(x) + shift`` for ``x`` (batch, tokens, dim) and ``shift``/``scale`` (batch, 1,
     dim): one pass on CUDA, eager diffusers' ops elsewhere. An opaque op, so a compiler keeps the one pass."""
-    if not (triton_ok(x, shift, scale) and x.dim() == 3 and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2])
-            and shift.stride(0) == scale.stride(0) and x.is_contiguous()):
+    if not _ln_kernel_ok(x, shift, scale):
         return ln_modulate_reference(x, shift, scale, eps)
     b, tokens, dim = x.shape
     out = torch.empty_like(x)
@@ -229,8 +236,7 @@ def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch
     never written. Else ``ln_modulate``'s tensor."""
     if not layers or not all(isinstance(m, Float8Linear) for m in layers) or torch.compiler.is_compiling():
         return ln_modulate(x, shift, scale, eps)
-    if not (triton_ok(x, shift, scale) and x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16
-            and shift.shape == scale.shape == (x.shape[0], 1, x.shape[2]) and shift.stride(0) == scale.stride(0)):
+    if not (_ln_kernel_ok(x, shift, scale) and x.dtype == torch.bfloat16):
         normed = ln_modulate(x, shift, scale, eps)
         return Fp8Rows(*quantize_rows(normed.reshape(-1, normed.shape[-1])), tuple(normed.shape[:-1]), normed.dtype)
     b, tokens, dim = x.shape
