@@ -4,9 +4,11 @@ replaces: ms per call (CUDA events, median).
     python benchmarks/probe_fa3_parts.py [--iters 20] [--out probe_fa3_parts.json]
 
 Rows: the queries through their one pass (``fa3_fp8.quantise_queries``: RMSNorm + RoPE + float8 on the static
-scale) against ``rms_rope`` + ``fa3_fp8.quantise``; the keys' and values' routes (as ``attention`` takes them); the
-whole attention both ways (``rms_rope_attention`` against ``rms_rope`` twice + the joined values + ``attention``);
-then a CUDA profile of ``rms_rope_attention``.
+scale) against ``rms_rope`` + ``fa3_fp8.quantise``; the keys and values through their two passes
+(``fa3_fp8.quantise_parts``) against the way ``attention`` takes them (``rms_rope`` or the join, then ``quantise``);
+the whole attention both ways (``rms_rope_attention`` against ``rms_rope`` twice + the joined values +
+``attention``). Wall time per call (eager launches included) and, as ``*_gpu_us``, the GPU time of its kernels (what a
+CUDA graph replays); then a CUDA profile of ``rms_rope_attention``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_attention import timed  # noqa: E402
+
+
+def gpu_us(fn, calls: int = 5) -> float:
+    """Microseconds of GPU kernel time per call of ``fn`` (a CUDA profile of ``calls`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return round(sum(e.self_device_time_total for e in prof.key_averages()) / calls, 1)
 
 
 def main() -> None:
@@ -43,12 +56,15 @@ def main() -> None:
 
     def t(name, fn):
         row[name] = round(timed(fn, a.iters, warm=3), 4)
-        print(name, row[name], flush=True)
+        row[f"{name}_gpu_us"] = gpu_us(fn)
+        print(name, row[name], "ms;", row[f"{name}_gpu_us"], "us of kernels", flush=True)
 
     t("queries_one_pass", lambda: fa3_fp8.quantise_queries(qs, wq, cos, sin, 1e-6))
     t("queries_rms_rope_then_quantise", lambda: fa3_fp8.quantise(rms_rope(qs, wq, cos, sin, 1e-6)))
     t("keys", lambda: fa3_fp8.quantise(rms_rope(ks, wk, cos, sin, 1e-6), smooth=True))
+    t("keys_two_passes", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
     t("values", lambda: fa3_fp8.quantise(torch.cat(vs, 1).transpose(1, 2)))
+    t("values_two_passes", lambda: fa3_fp8.quantise_parts(vs, None, cos, sin, 1e-6))
     t("rms_rope", lambda: rms_rope(qs, wq, cos, sin, 1e-6))
     t("attention_from_projections", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
     t("attention_rms_rope_then_fa3_fp8", lambda: fa3_fp8.attention(

@@ -78,6 +78,10 @@ def gemm_table() -> list[dict]:
 
 def kind(name: str) -> str:
     low = name.lower()
+    if any(s in low for s in ("_query_fp8", "_quantise_heads", "_rms_rope", "reduce_kernel", "cat")):
+        return "attention_inputs"  # RoPE, the 8-bit kernels' quantisation, reductions, the values' join
+    if "_ln_modulate" in low:
+        return "norm"
     if "_quantise_rows" in low:
         return "attention_quantise"
     if "quantize_rows" in low:
@@ -102,7 +106,7 @@ def profile_step(tr, kw) -> dict:
     by_kind: dict[str, float] = {}
     for e in events:
         by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + e.device_time_total / 1000
-    top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:30]
     return {"by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top": [(e.key[:100], e.count, round(e.device_time_total / 1000, 2)) for e in top]}
 
@@ -125,7 +129,7 @@ def step_ms(tr, kw, iters=5) -> float:
 def main() -> None:
     import probe_fp8
 
-    from shardgen.speed import accel, fp8, fp8_attention
+    from shardgen.speed import accel, fa3_fp8, fp8, fp8_attention
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
@@ -133,7 +137,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time fp8 with the blocks compiled")
     ap.add_argument("--no-gemms", action="store_true")
     ap.add_argument("--ways", default=None, help="comma-separated ways to time (default: all; fp8_attention: fp8 "
-                    "layers and sdpa_backend=fp8)")
+                    "layers and sdpa_backend=fp8; fp8_fa3: fp8 layers and sdpa_backend=fa3_fp8, where fa3-fwd "
+                    "imports)")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -149,16 +154,19 @@ def main() -> None:
         if a.compile:
             ways.append(("fp8_compiled", accel.AccelOptions(fp8=True, compile=True, cuda_graphs=False)))
         ways.append(("fp8_attention", fp8_opts))
+        if fa3_fp8.unavailable_reason(dev) is None:
+            ways.append(("fp8_fa3", fp8_opts))
         if a.ways:
             ways = [w for w in ways if w[0] in a.ways.split(",") or w[0] == "bf16"]
         out = res[model] = {}
         ref = None
         for name, opts in ways:
-            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention")  # fp8 and fp8_compiled without: their rows in docs/lossy.md
+            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")  # fp8 and fp8_compiled without: their rows in docs/lossy.md
             done = accel.prepare(pipe, opts)
 
-            def attention(name=name):  # a fresh context per use: sdpa_backend=fp8 for that way
-                return fp8_attention.context() if name == "fp8_attention" else contextlib.nullcontext()
+            def attention(name=name):  # a fresh context per use: the way's sdpa_backend
+                contexts = {"fp8_attention": fp8_attention.context, "fp8_fa3": fa3_fp8.context}
+                return contexts.get(name, contextlib.nullcontext)()
 
             with torch.no_grad(), attention():
                 sample = tr(**kw)[0].float()

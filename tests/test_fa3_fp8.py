@@ -246,6 +246,54 @@ def test_the_query_pass_writes_what_rms_rope_then_the_quantising_pass_write(tmp_
     assert interpreted(_INTERPRETED, tmp_path) == "ok"
 
 
+_INTERPRETED_KV = '''
+import torch
+from shardgen.speed import fa3_fp8, fused_kernels
+from tests.test_fa3_fp8 import _parts
+fa3_fp8.parts_kernel_ok = lambda xs, cos: True  # CPU tensors, run by Triton's interpreter
+
+
+def old_way(x, smooth):  # quantise's statistics in torch ops, its float8 in its Triton kernel (as on CUDA)
+    b, h, n, d = x.shape
+    mean = x.mean(dim=2, dtype=torch.float32).contiguous() if smooth else None
+    if smooth:
+        lo, hi = torch.aminmax(x, dim=2)
+        amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(dim=-1)
+    else:
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=(2, 3), dtype=torch.float32)
+    scale = (amax.clamp_min(1e-20) / fa3_fp8.FP8_MAX).contiguous()
+    y = torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn)
+    fa3_fp8._quantise_heads[((n + 63) // 64, b * h)](x, y, scale, mean if smooth else scale, *x.stride()[:3], h, n,
+                                                       ROWS=64, D=d, SUB_MEAN=smooth)
+    return y, scale
+
+
+qs, ks, vs, wq, wk, cos, sin = _parts(tokens=(7, 139))
+old_k, old_k_scale = old_way(fused_kernels.rms_rope_triton(ks, wk, cos, sin, 1e-6), smooth=True)
+new_k, new_k_scale = fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True)
+assert new_k.shape == old_k.shape == (2, 146, 3, 64) and new_k.dtype == torch.float8_e4m3fn
+# the mean is summed in another order: its float32 rounding may move a value across a float8 rounding boundary
+assert ((new_k_scale - old_k_scale).abs() / old_k_scale).max() < 1e-5
+steps = (new_k.view(torch.uint8).int() - old_k.view(torch.uint8).int()).abs()
+assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (steps.max(), (steps > 0).float().mean())
+old_v, old_v_scale = old_way(torch.cat(vs, 1).transpose(1, 2), smooth=False)
+new_v, new_v_scale = fa3_fp8.quantise_parts(vs, None, cos, sin, 1e-6)
+assert torch.equal(new_v_scale, old_v_scale)
+assert torch.equal(new_v.view(torch.uint8), old_v.view(torch.uint8))
+print("ok")
+'''
+
+
+def test_the_key_and_value_passes_write_what_rms_rope_or_the_join_then_quantise_write(tmp_path):
+    """``quantise_parts``' two Triton passes (statistics, then float8), run by Triton's interpreter on the CPU,
+    against what they replace: the values' bytes and scales exactly those of quantising the joined values; the
+    smoothed keys those of quantising ``rms_rope``'s output, but for a float8 step where the mean, summed in another
+    order, rounds differently. Two parts, the second over two statistics blocks, the last part-filled."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_KV, tmp_path) == "ok"
+
+
 def test_compiled_blocks_hand_fa3_fp8_the_projections_as_one_operator(monkeypatch):
     """Under torch.compile the path from the projections is the operator ``shardgen::fa3_fp8_rms_rope_attention``
     (inductor does not trace into its Triton passes): a compiled processor body computes what the eager one does."""

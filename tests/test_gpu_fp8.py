@@ -241,9 +241,10 @@ def test_fa3_triton_quantisation_matches_the_torch_ops():
 @pytest.mark.parametrize("heads, parts", [(24, (512, 4096)), (3, (37, 211))])
 def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, parts):
     """fa3_fp8 straight from a fused processor's projections (``rms_rope_attention``: the queries RMSNorm-ed, RoPE-d
-    and quantised on their static scale in one Triton pass) at FLUX.1-dev's shape and at part-filled tiles: the
-    queries' float8 values are ``rms_rope``'s output on that scale but for rare one-step roundings, and the output is
-    as far from exact attention as ``attention``'s on the same inputs."""
+    and quantised on their static scale in one Triton pass, the keys and values in two, statistics then float8) at
+    FLUX.1-dev's shape and at part-filled tiles: the queries' float8 values are ``rms_rope``'s output on that scale,
+    the keys' and values' what ``quantise`` makes of ``rms_rope``'s output and of the joined values, but for rare
+    one-step roundings; the output is as far from exact attention as ``attention``'s on the same inputs."""
     from shardgen.speed import fa3_fp8
     from shardgen.speed.fused_kernels import rms_rope
 
@@ -263,6 +264,12 @@ def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, par
     ref = (query.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2)
     assert q8.shape == ref.shape and (q8.float() != ref.float()).float().mean().item() < 1e-3
     key, value = rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)
+    for (x8, x_scale), (ref, ref_scale) in [(fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True),
+                                             fa3_fp8.quantise(key, smooth=True)),
+                                            (fa3_fp8.quantise_parts(vs, None, cos, sin, 1e-6),
+                                             fa3_fp8.quantise(value))]:  # the keys' and values' two passes
+        assert x8.shape == ref.shape and torch.allclose(x_scale, ref_scale, rtol=1e-5)
+        assert (x8.float() != ref.float()).float().mean().item() < 1e-3
     out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6).transpose(1, 2)
     old = fa3_fp8.attention(query, key, value)
     one = (slice(0, 1), slice(0, 2))  # exact attention over the first sample's first two heads (bounded memory)

@@ -118,26 +118,67 @@ QUERY_BOUND_MARGIN = 1.01
 """The queries' static scale (``query_scale``) covers their bound times this: bf16's rounding of the norm's output
 (2**-8 relative) and RoPE's float32 rotation can go past the exact bound."""
 
+STATS_TOKENS = 128
+"""Tokens one statistics program reads (``_part_stats``): the partial sums it writes, (batch, tokens / this, heads,
+D) float32, stay small, and the grid has enough programs to fill the GPU."""
+
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
 
     @triton.jit
-    def _query_fp8(x_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr, y_ptr, seq_in, seq_total, seq_offset, heads,
-                   stride_xb, stride_xs, stride_xh, eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-                   D: tl.constexpr):
-        """BLOCK_S tokens x HEADS_PER_PROGRAM heads of a query part, RMSNorm-ed and RoPE-d as ``rms_rope`` writes
-        them (rounded to the activation dtype), into float8 Y, (batch, tokens, heads, D) contiguous (FA3's layout)
-        at the part's offset in the joint sequence, divided by SCALE[b, h]."""
+    def _part_fp8(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, y_ptr, seq_in, seq_total, seq_offset, heads,
+                  stride_xb, stride_xs, stride_xh, eps, BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                  D: tl.constexpr, ROPE: tl.constexpr, SUB_MEAN: tl.constexpr):
+        """BLOCK_S tokens x HEADS_PER_PROGRAM heads of a part (RMSNorm-ed and RoPE-d as ``rms_rope`` writes them,
+        rounded to the activation dtype, with ROPE; else as they are) into float8 Y, (batch, tokens, heads, D)
+        contiguous (FA3's layout) at the part's offset in the joint sequence: ``(value - MEAN[b, h]) / SCALE[b, h]``
+        (MEAN with SUB_MEAN only)."""
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs,
-                                stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, True)
+                                stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, ROPE)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         s3, h3, d3 = s[:, None, None], h[None, :, None], tl.arange(0, D)[None, None, :]
         bh = b.to(tl.int64) * heads + h3
+        if SUB_MEAN:
+            y = y - tl.load(mean_ptr + bh * D + d3)
         y = (y / tl.load(scale_ptr + bh)).to(tl.float8e4nv)
         tl.store(y_ptr + ((b.to(tl.int64) * seq_total + seq_offset + s3) * heads + h3) * D + d3, y, mask=mask)
+
+    @triton.jit
+    def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, sum_ptr, lo_ptr, hi_ptr, seq_in, seq_offset, block_offset, blocks,
+                    heads, stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                    HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, CHANNELS: tl.constexpr):
+        """CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (the values ``_part_fp8`` quantises). CHANNELS:
+        each channel's sum, minimum and maximum over the tokens into SUM/LO/HI (batch, blocks, heads, D); else each
+        head's absolute maximum into HI (batch, blocks, heads). The chunks accumulate element by element and are
+        reduced over the tokens once, at the end: a reduction across the tile's warps per chunk made an earlier
+        version of this pass ten times slower than its reads."""
+        pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        total = tl.zeros((CHUNK, HEADS_PER_PROGRAM, D), dtype=tl.float32)
+        lo = tl.full((CHUNK, HEADS_PER_PROGRAM, D), float("inf"), dtype=tl.float32)
+        hi = tl.full((CHUNK, HEADS_PER_PROGRAM, D), float("-inf"), dtype=tl.float32)
+        for c in range(CHUNKS):
+            s = (pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
+            y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb,
+                                    stride_xs, stride_xh, eps, CHUNK, HEADS_PER_PROGRAM, D, ROPE)
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if CHANNELS:
+                total += tl.where(mask, y, 0.0)
+                lo = tl.minimum(lo, tl.where(mask, y, float("inf")))
+                hi = tl.maximum(hi, tl.where(mask, y, float("-inf")))
+            else:
+                hi = tl.maximum(hi, tl.where(mask, tl.abs(y), float("-inf")))
+        row = (b.to(tl.int64) * blocks + block_offset + pid_s) * heads + h
+        if CHANNELS:
+            at = row[:, None] * D + tl.arange(0, D)[None, :]
+            tl.store(sum_ptr + at, tl.sum(total, axis=0))
+            tl.store(lo_ptr + at, tl.min(lo, axis=0))
+            tl.store(hi_ptr + at, tl.max(hi, axis=0))
+        else:
+            tl.store(hi_ptr + row, tl.max(tl.max(hi, axis=2), axis=0))
 
 
 def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
@@ -170,15 +211,59 @@ def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: t
     if not parts_kernel_ok(xs, cos):
         joint = rms_rope(xs, weights, cos, sin, eps)
         return (joint.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
+    return _write_parts(xs, weights, cos, sin, eps, None, scale), scale
+
+
+def quantise_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float, smooth: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise`` of the joint sequence the parts make (each (batch, tokens_i, heads, D), as the projections give
+    them), each RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does when ``weights`` are given
+    (the keys; none: the values): float8 (batch, tokens, heads, D) and the (batch, heads) descales. On CUDA two Triton
+    passes over the parts, the statistics (``_part_stats``) then the float8 values, so neither ``rms_rope``'s bf16
+    output nor a concatenation is written; elsewhere ``rms_rope`` (or ``torch.cat``) then ``quantise``."""
+    rope = weights is not None
+    if not parts_kernel_ok(xs, cos):
+        joint = rms_rope(xs, weights, cos, sin, eps) if rope else (torch.cat(xs, dim=1) if len(xs) > 1 else xs[0])
+        return quantise(joint if rope else joint.transpose(1, 2), smooth)
+    b, _, heads, d = xs[0].shape
+    total = sum(x.shape[1] for x in xs)
+    blocks = [triton.cdiv(x.shape[1], STATS_TOKENS) for x in xs]
+    stats = torch.empty(3 if smooth else 1, b, sum(blocks), heads, *((d,) if smooth else ()), device=xs[0].device,
+                        dtype=torch.float32)
+    sums, lo, hi = (stats[0], stats[1], stats[2]) if smooth else (stats[0],) * 3
+    per_program, chunk, block_offset, offset = math.gcd(heads, 8), 4, 0, 0
+    for i, x in enumerate(xs):
+        w = weights[i].contiguous() if rope else x  # unread without RoPE
+        _part_stats[(blocks[i], heads // per_program, b)](
+            x, w, cos, sin.contiguous(), sums, lo, hi, x.shape[1], offset, block_offset, sum(blocks), heads,
+            x.stride(0), x.stride(1), x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk,
+            HEADS_PER_PROGRAM=per_program, D=d, ROPE=rope, CHANNELS=smooth, num_warps=4)
+        block_offset, offset = block_offset + blocks[i], offset + x.shape[1]
+    if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (as ``quantise`` finds it)
+        mean = (sums.sum(dim=1) / total).contiguous()
+        amax = torch.maximum(hi.amax(dim=1) - mean, mean - lo.amin(dim=1)).amax(dim=-1)
+    else:
+        mean, amax = None, hi.amax(dim=1)
+    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
+    return _write_parts(xs, weights, cos, sin, eps, mean, scale), scale
+
+
+def _write_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, mean: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """The float8 pass of ``quantise_queries`` and ``quantise_parts`` (``_part_fp8``, a launch per part): the joint
+    (batch, tokens, heads, D) float8 tensor, each part less ``mean`` (batch, heads, D) if given, over ``scale``."""
+    b, _, heads, d = xs[0].shape
     total = sum(x.shape[1] for x in xs)
     y = torch.empty(b, total, heads, d, device=xs[0].device, dtype=torch.float8_e4m3fn)
     per_program, block, offset = math.gcd(heads, 8), 8, 0
-    for x, w in zip(xs, weights):
-        _query_fp8[(triton.cdiv(x.shape[1], block), heads // per_program, b)](
-            x, w.contiguous(), cos, sin.contiguous(), scale, y, x.shape[1], total, offset, heads, x.stride(0),
-            x.stride(1), x.stride(2), eps, BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=d, num_warps=8)
+    for i, x in enumerate(xs):
+        w = weights[i].contiguous() if weights is not None else x  # unread without RoPE
+        _part_fp8[(triton.cdiv(x.shape[1], block), heads // per_program, b)](
+            x, w, cos, sin.contiguous(), scale if mean is None else mean, scale, y, x.shape[1], total, offset, heads,
+            x.stride(0), x.stride(1), x.stride(2), eps, BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=d,
+            ROPE=weights is not None, SUB_MEAN=mean is not None, num_warps=8)
         offset += x.shape[1]
-    return y, scale
+    return y
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -225,8 +310,8 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
     q8, q_descale = quantise_queries(qs, wq, cos, sin, eps)
-    k8, k_descale = quantise(rms_rope(ks, wk, cos, sin, eps), smooth=True)
-    v8, v_descale = quantise((torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]).transpose(1, 2))
+    k8, k_descale = quantise_parts(ks, wk, cos, sin, eps, smooth=True)
+    v8, v_descale = quantise_parts(vs, None, cos, sin, eps)
     out = _fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                          softmax_scale=scale)[0]
     return out.to(qs[0].dtype)
