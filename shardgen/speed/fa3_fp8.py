@@ -10,7 +10,8 @@ see it; it would spend the keys' range). FA3 rescales the scores and the output 
 probabilities in e4m3 for ``P V`` and accumulates in float32. On random inputs the output is ~5% off exact attention
 (relative RMS; ``reference``: the same arithmetic in torch ops). A fused attention processor (FLUX.1, FLUX.2) hands
 its projections over instead (``sdpa_route.parts_attention`` -> ``rms_rope_attention``): the queries are then
-RMSNorm-ed, RoPE-d and quantised in one pass on a static scale (``query_scale``), never written in bf16.
+RMSNorm-ed, RoPE-d and quantised in one pass on a static scale (``query_scale``), never written in bf16; the keys and
+values in two passes each (their statistics, then float8: ``quantise_parts``).
 
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call the kernel
 takes (``takes``: CUDA, no mask, no dropout, not causal, no GQA, a head size FA3 has) to it, and every other call to
@@ -182,9 +183,9 @@ if triton is not None:
 
 
 def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
-    """Whether the Triton pass takes these query parts: CUDA, bf16/fp16 (batch, tokens, heads, D) parts of one batch,
-    head count, dtype and head size (a power of two FA3 has), unit stride in the last dim; float32 contiguous
-    (tokens, D) cos/sin."""
+    """Whether the Triton passes take these parts (queries, keys or values): CUDA, bf16/fp16 (batch, tokens, heads, D)
+    parts of one batch, head count, dtype and head size (a power of two FA3 has), unit stride in the last dim; float32
+    contiguous (tokens, D) cos/sin over their joint length."""
     x0 = xs[0]
     return (rms_rope_kernel_ok(xs, cos) and all(x.dim() == 4 and x.shape[0] == x0.shape[0]
                                                  and x.shape[2:] == x0.shape[2:] for x in xs)
@@ -305,7 +306,8 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     q and k RMSNorm-ed (weights ``wq``/``wk``) and RoPE-d as ``fused_kernels.rms_rope`` does: (batch, tokens, heads,
     D). The queries go straight from their projections to float8 on a static scale (``quantise_queries``: one pass,
     where ``attention`` writes them in bf16, reads them for their maximum and again to quantise); the keys and values
-    as ``attention`` takes them. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    in two passes each (``quantise_parts``: their statistics, then float8), neither the normed keys nor the joined
+    values written in bf16. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
