@@ -5,7 +5,8 @@ replaces: ms per call (CUDA events, median).
 
 Rows: the queries through their one pass (``fa3_fp8.quantise_queries``: RMSNorm + RoPE + float8 on the static
 scale) against ``rms_rope`` + ``fa3_fp8.quantise``; the keys and values through their two passes
-(``fa3_fp8.quantise_parts``) against the way ``attention`` takes them (``rms_rope`` or the join, then ``quantise``);
+(``fa3_fp8.quantise_keys``: the mean, then float8 on a static scale; ``quantise_values``) against the way ``attention``
+takes them (``rms_rope`` or the join, then ``quantise``);
 the whole attention both ways (``rms_rope_attention`` against ``rms_rope`` twice + the joined values +
 ``attention``). Wall time per call (eager launches included) and, as ``*_gpu_us``, the GPU time of its kernels (what a
 CUDA graph replays); then a CUDA profile of ``rms_rope_attention``.
@@ -62,9 +63,9 @@ def main() -> None:
     t("queries_one_pass", lambda: fa3_fp8.quantise_queries(qs, wq, cos, sin, 1e-6))
     t("queries_rms_rope_then_quantise", lambda: fa3_fp8.quantise(rms_rope(qs, wq, cos, sin, 1e-6)))
     t("keys", lambda: fa3_fp8.quantise(rms_rope(ks, wk, cos, sin, 1e-6), smooth=True))
-    t("keys_two_passes", lambda: fa3_fp8.quantise_parts(ks, wk, cos, sin, 1e-6, smooth=True))
+    t("keys_two_passes", lambda: fa3_fp8.quantise_keys(ks, wk, cos, sin, 1e-6))
     t("values", lambda: fa3_fp8.quantise(torch.cat(vs, 1).transpose(1, 2)))
-    t("values_two_passes", lambda: fa3_fp8.quantise_parts(vs, None, cos, sin, 1e-6))
+    t("values_two_passes", lambda: fa3_fp8.quantise_values(vs, cos))
     t("rms_rope", lambda: rms_rope(qs, wq, cos, sin, 1e-6))
     t("attention_from_projections", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
     t("attention_rms_rope_then_fa3_fp8", lambda: fa3_fp8.attention(

@@ -10,8 +10,9 @@ see it; it would spend the keys' range). FA3 rescales the scores and the output 
 probabilities in e4m3 for ``P V`` and accumulates in float32. On random inputs the output is ~5% off exact attention
 (relative RMS; ``reference``: the same arithmetic in torch ops). A fused attention processor (FLUX.1, FLUX.2) hands
 its projections over instead (``sdpa_route.parts_attention`` -> ``rms_rope_attention``): the queries are then
-RMSNorm-ed, RoPE-d and quantised in one pass on a static scale (``query_scale``), never written in bf16; the keys and
-values in two passes each (their statistics, then float8: ``quantise_parts``).
+RMSNorm-ed, RoPE-d and quantised in one pass on a static scale (``query_scale``), never written in bf16; the keys in
+two passes (their mean, then float8 on a static scale: ``key_scale``), the values in two (their largest magnitude,
+then float8).
 
 While a pipeline call runs (``context``), torch's SDPA is replaced by a function that sends each call the kernel
 takes (``takes``: CUDA, no mask, no dropout, not causal, no GQA, a head size FA3 has) to it, and every other call to
@@ -148,38 +149,32 @@ if triton is not None:
         tl.store(y_ptr + ((b.to(tl.int64) * seq_total + seq_offset + s3) * heads + h3) * D + d3, y, mask=mask)
 
     @triton.jit
-    def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, sum_ptr, lo_ptr, hi_ptr, seq_in, seq_offset, block_offset, blocks,
-                    heads, stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                    HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, CHANNELS: tl.constexpr):
-        """CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (the values ``_part_fp8`` quantises). CHANNELS:
-        each channel's sum, minimum and maximum over the tokens into SUM/LO/HI (batch, blocks, heads, D); else each
-        head's absolute maximum into HI (batch, blocks, heads). The chunks accumulate element by element and are
-        reduced over the tokens once, at the end: a reduction across the tile's warps per chunk made an earlier
-        version of this pass ten times slower than its reads."""
+    def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_in, seq_offset, block_offset, blocks, heads,
+                    stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                    HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+        """CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (the values ``_part_fp8`` quantises). With ROPE
+        (the keys) each channel's sum over the tokens into OUT (batch, blocks, heads, D); else (the values) each
+        head's largest magnitude into OUT (batch, blocks, heads). The chunks accumulate element by element and are
+        reduced over the tokens once, at the end (a reduction across the tile's warps per chunk costs ten times the
+        reads); one accumulator, as more spill registers (three made the keys' pass slower than the way it
+        replaced)."""
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        total = tl.zeros((CHUNK, HEADS_PER_PROGRAM, D), dtype=tl.float32)
-        lo = tl.full((CHUNK, HEADS_PER_PROGRAM, D), float("inf"), dtype=tl.float32)
-        hi = tl.full((CHUNK, HEADS_PER_PROGRAM, D), float("-inf"), dtype=tl.float32)
+        acc = tl.zeros((CHUNK, HEADS_PER_PROGRAM, D), dtype=tl.float32)
         for c in range(CHUNKS):
             s = (pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
             y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb,
                                     stride_xs, stride_xh, eps, CHUNK, HEADS_PER_PROGRAM, D, ROPE)
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-            if CHANNELS:
-                total += tl.where(mask, y, 0.0)
-                lo = tl.minimum(lo, tl.where(mask, y, float("inf")))
-                hi = tl.maximum(hi, tl.where(mask, y, float("-inf")))
+            y = tl.where(mask, y.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            if ROPE:
+                acc += y
             else:
-                hi = tl.maximum(hi, tl.where(mask, tl.abs(y), float("-inf")))
+                acc = tl.maximum(acc, tl.abs(y))
         row = (b.to(tl.int64) * blocks + block_offset + pid_s) * heads + h
-        if CHANNELS:
-            at = row[:, None] * D + tl.arange(0, D)[None, :]
-            tl.store(sum_ptr + at, tl.sum(total, axis=0))
-            tl.store(lo_ptr + at, tl.min(lo, axis=0))
-            tl.store(hi_ptr + at, tl.max(hi, axis=0))
+        if ROPE:
+            tl.store(out_ptr + row[:, None] * D + tl.arange(0, D)[None, :], tl.sum(acc, axis=0))
         else:
-            tl.store(hi_ptr + row, tl.max(tl.max(hi, axis=2), axis=0))
+            tl.store(out_ptr + row, tl.max(tl.max(acc, axis=2), axis=0))
 
 
 def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
@@ -192,13 +187,27 @@ def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
             and cos.shape == (sum(x.shape[1] for x in xs), x0.shape[-1]))
 
 
+def _norm_bound(weights: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The largest magnitude an RMSNorm-ed, RoPE-d element can reach (float32, 0-d), times ``QUERY_BOUND_MARGIN``:
+    after RMSNorm no element of a token's head exceeds sqrt(dim) times the norm's largest weight, and RoPE rotates
+    pairs of elements, keeping each pair's length."""
+    bound = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    return bound * (math.sqrt(dim) * QUERY_BOUND_MARGIN)
+
+
 def query_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
-    """The queries' float32 (batch, heads) descales, one static value: after RMSNorm no element of a token's head
-    exceeds sqrt(dim) times the norm's largest weight, and RoPE rotates pairs of elements, keeping each pair's length.
+    """The queries' float32 (batch, heads) descales, one static value: the norm's bound (``_norm_bound``) over 448.
     So a fixed scale keeps every query in e4m3's range without a pass to find its maximum (float8 keeps its relative
     precision over the range, so a scale above the largest value costs no precision but at the subnormals)."""
-    bound = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-    return (bound * (math.sqrt(dim) * QUERY_BOUND_MARGIN / FP8_MAX)).expand(batch, heads).contiguous()
+    return (_norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
+
+
+def key_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
+    """The smoothed keys' float32 (batch, heads) descales, one static value: a key less the keys' mean (itself within
+    the norm's bound) is within twice the bound. On random keys, and on keys sharing a mean up to 100 times their
+    spread, attention with this scale is as far from exact as with each head's own largest magnitude (within 5%
+    of that error: tests/test_fa3_fp8.py), while the keys' statistics pass gathers their sums alone."""
+    return (2.0 * _norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
 
 
 def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -215,43 +224,60 @@ def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: t
     return _write_parts(xs, weights, cos, sin, eps, None, scale), scale
 
 
-def quantise_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor,
-                   eps: float, smooth: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantise`` of the joint sequence the parts make (each (batch, tokens_i, heads, D), as the projections give
-    them), each RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does when ``weights`` are given
-    (the keys; none: the values): float8 (batch, tokens, heads, D) and the (batch, heads) descales. On CUDA two Triton
-    passes over the parts, the statistics (``_part_stats``) then the float8 values, so neither ``rms_rope``'s bf16
-    output nor a concatenation is written; elsewhere ``rms_rope`` (or ``torch.cat``) then ``quantise``."""
-    rope = weights is not None
-    if not parts_kernel_ok(xs, cos):
-        joint = rms_rope(xs, weights, cos, sin, eps) if rope else (torch.cat(xs, dim=1) if len(xs) > 1 else xs[0])
-        return quantise(joint if rope else joint.transpose(1, 2), smooth)
+def quantise_keys(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The joint sequence of the key parts (each (batch, tokens_i, heads, D), as the projections give them), each
+    RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does, less each head's mean over the tokens
+    (softmax does not see it; it would spend the keys' range), in float8 (batch, tokens, heads, D) on ``key_scale``'s
+    static scale, and the (batch, heads) descales. On CUDA two Triton passes over the parts (the channels' sums, then
+    the float8 values: ``rms_rope``'s bf16 output is never written); elsewhere ``rms_rope`` then torch ops."""
     b, _, heads, d = xs[0].shape
+    scale = key_scale(weights, b, heads, d)
+    if not parts_kernel_ok(xs, cos):
+        joint = rms_rope(xs, weights, cos, sin, eps).float()
+        smoothed = joint - joint.mean(dim=2, keepdim=True)
+        return (smoothed / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
     total = sum(x.shape[1] for x in xs)
+    sums = _part_statistics(xs, weights, cos, sin, eps)  # (batch, blocks, heads, D)
+    return _write_parts(xs, weights, cos, sin, eps, (sums.sum(dim=1) / total).contiguous(), scale), scale
+
+
+def quantise_values(xs: list[torch.Tensor], cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise`` of the joint sequence of the value parts (each (batch, tokens_i, heads, D)): float8 (batch,
+    tokens, heads, D) on each head's largest magnitude over 448, and the (batch, heads) descales. On CUDA two Triton
+    passes over the parts (each head's largest magnitude, then the float8 values: no concatenation is written);
+    elsewhere ``torch.cat`` then ``quantise``. ``cos``: the joint sequence's RoPE table, for ``parts_kernel_ok``."""
+    if not parts_kernel_ok(xs, cos):
+        return quantise((torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]).transpose(1, 2))
+    amax = _part_statistics(xs, None, cos, cos, 0.0).amax(dim=1)  # (batch, heads)
+    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
+    return _write_parts(xs, None, cos, cos, 0.0, None, scale), scale
+
+
+def _part_statistics(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor,
+                     sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """``_part_stats`` over the parts, a launch each: with ``weights`` (keys, RMSNorm + RoPE) the channels' sums,
+    (batch, blocks, heads, D); without (values) the heads' largest magnitudes, (batch, blocks, heads); a block is
+    ``STATS_TOKENS`` tokens of a part."""
+    b, _, heads, d = xs[0].shape
+    rope = weights is not None
     blocks = [triton.cdiv(x.shape[1], STATS_TOKENS) for x in xs]
-    stats = torch.empty(3 if smooth else 1, b, sum(blocks), heads, *((d,) if smooth else ()), device=xs[0].device,
-                        dtype=torch.float32)
-    sums, lo, hi = (stats[0], stats[1], stats[2]) if smooth else (stats[0],) * 3
+    out = torch.empty(b, sum(blocks), heads, *((d,) if rope else ()), device=xs[0].device, dtype=torch.float32)
     per_program, chunk, block_offset, offset = math.gcd(heads, 8), 4, 0, 0
     for i, x in enumerate(xs):
         w = weights[i].contiguous() if rope else x  # unread without RoPE
         _part_stats[(blocks[i], heads // per_program, b)](
-            x, w, cos, sin.contiguous(), sums, lo, hi, x.shape[1], offset, block_offset, sum(blocks), heads,
-            x.stride(0), x.stride(1), x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk,
-            HEADS_PER_PROGRAM=per_program, D=d, ROPE=rope, CHANNELS=smooth, num_warps=4)
+            x, w, cos, sin.contiguous(), out, x.shape[1], offset, block_offset, sum(blocks), heads, x.stride(0),
+            x.stride(1), x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program,
+            D=d, ROPE=rope, num_warps=4)
         block_offset, offset = block_offset + blocks[i], offset + x.shape[1]
-    if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (as ``quantise`` finds it)
-        mean = (sums.sum(dim=1) / total).contiguous()
-        amax = torch.maximum(hi.amax(dim=1) - mean, mean - lo.amin(dim=1)).amax(dim=-1)
-    else:
-        mean, amax = None, hi.amax(dim=1)
-    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
-    return _write_parts(xs, weights, cos, sin, eps, mean, scale), scale
+    return out
 
 
 def _write_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, mean: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-    """The float8 pass of ``quantise_queries`` and ``quantise_parts`` (``_part_fp8``, a launch per part): the joint
+    """The float8 pass of ``quantise_queries``, ``quantise_keys`` and ``quantise_values`` (``_part_fp8``, a launch per
+    part): the joint
     (batch, tokens, heads, D) float8 tensor, each part less ``mean`` (batch, heads, D) if given, over ``scale``."""
     b, _, heads, d = xs[0].shape
     total = sum(x.shape[1] for x in xs)
@@ -306,14 +332,14 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     q and k RMSNorm-ed (weights ``wq``/``wk``) and RoPE-d as ``fused_kernels.rms_rope`` does: (batch, tokens, heads,
     D). The queries go straight from their projections to float8 on a static scale (``quantise_queries``: one pass,
     where ``attention`` writes them in bf16, reads them for their maximum and again to quantise); the keys and values
-    in two passes each (``quantise_parts``: their statistics, then float8), neither the normed keys nor the joined
-    values written in bf16. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    in two passes each (``quantise_keys``: their mean, then float8 on a static scale; ``quantise_values``: their
+    largest magnitude, then float8), neither the normed keys nor the joined values written in bf16. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
     q8, q_descale = quantise_queries(qs, wq, cos, sin, eps)
-    k8, k_descale = quantise_parts(ks, wk, cos, sin, eps, smooth=True)
-    v8, v_descale = quantise_parts(vs, None, cos, sin, eps)
+    k8, k_descale = quantise_keys(ks, wk, cos, sin, eps)
+    v8, v_descale = quantise_values(vs, cos)
     out = _fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                          softmax_scale=scale)[0]
     return out.to(qs[0].dtype)
