@@ -9,7 +9,8 @@
 # says was next.
 #   1 kernel: the 8-bit attention kernels (shardgen's float8 one, FlashAttention-3's, also from the projections)
 #            against their references and exact attention, float8 layers at any token count, the row quantisation
-#            of strided views, the RMSNorm + RoPE kernel (tests/test_gpu_fp8.py, tests/test_gpu.py)
+#            of strided views, the RMSNorm + RoPE kernel, the gated residual's kernel (tests/test_gpu_fp8.py,
+#            tests/test_gpu.py)
 #   2 attention: every attention kernel at the FLUX.1, Qwen-Image and FLUX.2 shapes: time and error; fa3_fp8 from the
 #            projections kernel by kernel (wall and GPU time)
 #   3 step:   one FLUX.1-dev transformer step, fp8 GEMMs with and without FA3's float8 attention, by kernel kind
@@ -56,7 +57,7 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
 
 step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
-  or norm_pass or rms_rope_kernel" tests/test_gpu_fp8.py tests/test_gpu.py
+  or norm_pass or rms_rope_kernel or gated_residual" tests/test_gpu_fp8.py tests/test_gpu.py
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
   --out $work/2-attention/probe_fa3_parts.json"

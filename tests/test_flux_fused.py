@@ -297,3 +297,27 @@ def test_with_fp8_the_norm_pass_hands_the_float8_layers_their_rows(monkeypatch):
     rows_out, made, plain_out, plain_made = _fed_rows(monkeypatch, tr, kw, flux_fused)
     assert made == 2 * (3 + 3 + 1 + 1) + 2 * (1 + 3)  # per double block q/k/v twice and two MLPs; per single 4
     assert plain_made == 0 and torch.equal(rows_out, plain_out)
+
+
+_INTERPRETED_GATED = '''
+import torch
+from shardgen.speed import fused_kernels
+g = torch.Generator().manual_seed(0)
+x, y = (torch.randn(3, 37, 100, generator=g).bfloat16() for _ in range(2))
+gate = (torch.randn(3, 6 * 100, generator=g) * 0.3).bfloat16().chunk(6, dim=1)[2][:, None]
+out = fused_kernels.gated_triton(x, gate, y)
+exact = x.float() + gate.float() * y.float()
+# float32 converted once; the interpreter's conversion to bf16 truncates (a GPU's rounds to nearest: tests/test_gpu.py)
+ref = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+assert out.shape == ref.shape and torch.equal(out, ref)
+print("ok")
+'''
+
+
+def test_the_gated_residual_kernel_adds_each_sample_s_gated_rows(tmp_path):
+    """The gated residual's Triton kernel, run by Triton's interpreter on the CPU: each row of x plus its own
+    sample's gate row (a strided row of the modulation output) times y, in float32 rounded once to bf16; three
+    samples of 37 rows of 100 (neither a multiple of its tile)."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_GATED, tmp_path) == "ok"

@@ -103,6 +103,36 @@ def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     assert (out.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("tokens, dim", [(4608, 3072), (37, 6144), (5, 100)])
+def test_the_gated_residual_kernel_makes_addcmul_s_bytes(tokens, dim):
+    """The gated residual's Triton kernel (``fused_kernels.gated``) against torch's ``addcmul`` with the gate
+    broadcast from a strided row of the modulation output, as the blocks call it: x + gate * y in float32 rounded
+    once, so the same bf16 values but for rare one-step roundings (FMA contraction), at FLUX.1's and FLUX.2's widths
+    and at sizes that are not multiples of its tile; and it is timed against addcmul (printed)."""
+    from shardgen.speed import fused_kernels
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x, y = (torch.randn(4, tokens, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    mods = (torch.randn(4, 6 * dim, device="cuda", generator=g) * 0.3).bfloat16()
+    gate = mods.chunk(6, dim=1)[2][:, None]  # (batch, 1, dim), batch stride 6 * dim
+    assert fused_kernels._gated_kernel_ok(x, gate, y)
+    out, ref = fused_kernels.gated(x, gate, y), torch.addcmul(x, gate, y)
+    assert out.shape == ref.shape and (out == ref).float().mean().item() > 0.9999
+    assert ((out.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-30).all()
+    times = {}
+    for name, fn in (("triton", lambda: fused_kernels.gated(x, gate, y)), ("addcmul", lambda: torch.addcmul(x, gate, y))):
+        for _ in range(3):
+            fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            fn()
+        b.record()
+        b.synchronize()
+        times[name] = a.elapsed_time(b) / 20
+    print(f"gated {tokens}x{dim}: triton {times['triton'] * 1e3:.1f} us, addcmul {times['addcmul'] * 1e3:.1f} us")
+
+
 @pytest.mark.parametrize("tokens, dim", [(4608, 6144), (37, 6144), (5, 100)])
 def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     """FLUX.2's LayerNorm+modulation and SwiGLU Triton kernels against diffusers' eager ops in bf16, at FLUX.2-dev's

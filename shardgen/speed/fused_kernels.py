@@ -255,11 +255,52 @@ def ff_input_layers(ff: torch.nn.Module) -> list[torch.nn.Module]:
     return [proj] if proj is not None else []
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gated_kernel(x_ptr, g_ptr, y_ptr, out_ptr, rows, rows_per_batch, cols, stride_gb,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # BLOCK_R rows x BLOCK_C columns of contiguous (batch * tokens, cols) x and y; each row's gate is its batch
+        # sample's (a strided row of the modulation output, read from cache). x + g * y in float32, rounded once, as
+        # addcmul computes it
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        mask = (r < rows) & (c < cols)
+        x = tl.load(x_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + (r // rows_per_batch) * stride_gb + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * cols + c, (x + g * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _gated_kernel_ok(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``_gated_kernel`` takes these: eager (not traced), contiguous (batch, tokens, dim) ``x`` and ``y`` of
+    one shape and dtype, a (batch, 1, dim) gate with unit stride along dim."""
+    return (triton_ok(x, gate, y) and not torch.compiler.is_compiling() and x.dim() == 3 and x.shape == y.shape
+            and x.dtype == y.dtype == gate.dtype and gate.shape == (x.shape[0], 1, x.shape[2])
+            and x.is_contiguous() and y.is_contiguous())
+
+
 def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + gate * y``: one pass (``addcmul``) on CUDA, eager's two ops elsewhere (their exact bytes)."""
-    if x.is_cuda:
+    """``x + gate * y``: one pass on CUDA, eager's two ops elsewhere (their exact bytes). Eagerly on CUDA a Triton
+    kernel that reads each sample's gate row where it lies: torch's ``addcmul`` broadcasts the gate through its
+    strided elementwise kernel, which ran at ~40% of an H200's bandwidth (15.3 ms of a FLUX.1-dev fp8 call at batch
+    4: benchmarks/results/2026-12-06-h200-kv-passes-4fe03a2). Traced, ``addcmul``, which inductor fuses."""
+    if not x.is_cuda:
+        return x + gate * y
+    if not _gated_kernel_ok(x, gate, y):
         return torch.addcmul(x, gate, y)
-    return x + gate * y
+    return gated_triton(x, gate, y)
+
+
+def gated_triton(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``gated`` by the Triton kernel (no checks: ``gated`` decides when it applies)."""
+    b, tokens, dim = x.shape
+    out = torch.empty_like(x)
+    if x.numel():
+        block_r, block_c = 4, min(1024, triton.next_power_of_2(dim))
+        _gated_kernel[(triton.cdiv(b * tokens, block_r), triton.cdiv(dim, block_c))](
+            x, gate, y, out, b * tokens, tokens, dim, gate.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
 
 
 # --- linear + tanh-GELU in the GEMM epilogue -----------------------------------------------------------
