@@ -319,7 +319,8 @@ def _(q, k, v, scale):
 
 def takes_parts(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], cos: torch.Tensor) -> bool:
     """Whether ``rms_rope_attention`` takes these projections (a fused processor's parts; else it calls ``rms_rope``
-    and SDPA): the Triton pass takes the query parts, and the keys and values are of the same batch, heads and length."""
+    and SDPA): the Triton passes take the query parts, and the keys and values are of the same batch, heads and head
+    size (so the passes take them too), one joint length for the two."""
     return (parts_kernel_ok(qs, cos) and all(x.dim() == 4 and x.shape[0] == qs[0].shape[0]
                                              and x.shape[2:] == qs[0].shape[2:] for x in (*ks, *vs))
             and sum(x.shape[1] for x in ks) == sum(x.shape[1] for x in vs) == cos.shape[0])
@@ -333,7 +334,8 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     D). The queries go straight from their projections to float8 on a static scale (``quantise_queries``: one pass,
     where ``attention`` writes them in bf16, reads them for their maximum and again to quantise); the keys and values
     in two passes each (``quantise_keys``: their mean, then float8 on a static scale; ``quantise_values``: their
-    largest magnitude, then float8), neither the normed keys nor the joined values written in bf16. Under ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
+    largest magnitude, then float8), neither the normed keys nor the joined values written in bf16. Under
+    ``torch.compile`` the operator ``shardgen::fa3_fp8_rms_rope_attention``."""
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else scale
     if torch.compiler.is_compiling():
         return _parts_operator(qs, ks, vs, wq, wk, cos, sin, eps, scale)
