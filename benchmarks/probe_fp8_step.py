@@ -161,7 +161,8 @@ def main() -> None:
         out = res[model] = {}
         ref = None
         for name, opts in ways:
-            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")  # fp8 and fp8_compiled without: their rows in docs/lossy.md
+            # fp8 and fp8_compiled without: their rows in docs/lossy.md
+            fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
 
             def attention(name=name):  # a fresh context per use: the way's sdpa_backend
