@@ -20,7 +20,7 @@ patterns stay expensive on an H100/H200 (measured with ``benchmarks/probe_transf
 
 Eagerly on CUDA (``compile=false``, a ``compile: auto`` process before or without its switch) the blocks also do
 what inductor's fusion does compiled: each adaLN LayerNorm + modulation in one Triton pass (``ln_modulate``,
-rounding where eager rounds), each gated residual in one ``addcmul``, and the single block's second ``proj_out``
+rounding where eager rounds), each gated residual in one pass (``gated``), and the single block's second ``proj_out``
 GEMM accumulating into the first's output. Off CUDA every op is eager diffusers' own. Uncompiled, anywhere, a single
 block's input is the previous single block's output as it is (``joined``: the text and image halves it returned are
 views of one tensor) instead of their concatenation, a copy of the whole activation per block.
@@ -187,7 +187,7 @@ def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attenti
 
 def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The single block's body eagerly on CUDA: LayerNorm + modulation in one pass, ``proj_out``'s second GEMM
-    accumulating into the first's output (no sum pass), the gated residual in one ``addcmul``."""
+    accumulating into the first's output (no sum pass), the gated residual in one pass (``gated``)."""
     normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
     mlp_hidden_states = gelu_up(self.proj_mlp, normed)
     attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
@@ -263,7 +263,7 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
 
 def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
-    ``addcmul`` (compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
+    pass (``gated``; compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
     attn = self.attn
     rows = _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs)
     normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(

@@ -13,7 +13,7 @@ the same arithmetic with the intermediate roundings eager diffusers makes, in fe
 - **the single blocks' output projection** over ``cat([attention, mlp])``: two GEMMs over the weight's column
   blocks, the second accumulating into the first's output (``addmm_``), so the 24576-wide concatenation is never
   written (one more bf16 rounding of a partial sum: bf16 noise).
-- **gated residuals** (``x + gate * y``): one ``addcmul`` pass instead of two.
+- **gated residuals** (``x + gate * y``): one pass instead of two (``fused_kernels.gated``).
 
 Off CUDA (or without Triton) every op runs the torch ops eager diffusers runs, so CPU runs keep its exact
 arithmetic. ``enable(transformer)`` swaps the attention processors and returns the block forwards (run eagerly

@@ -6,7 +6,7 @@ activations and the 12288-wide MLP. The fused block forward does the same arithm
 kernels of the FLUX blocks (shardgen/speed/fused_kernels.py):
 
 - **LayerNorm + modulation** (``LayerNorm(x) * (1 + scale) + shift``) in one pass, rounding where eager does;
-- **gated residuals** (``x + gate * y``) in one ``addcmul``;
+- **gated residuals** (``x + gate * y``) in one pass (``fused_kernels.gated``);
 - **the MLP's tanh-GELU** in the up-projection's GEMM epilogue;
 - **q/k RMSNorm + RoPE + the attention layout** in one pass per tensor (``fused_qk``, called by Qwen's prefix
   attention processor, shardgen/families/qwen_image/speed.py, while the RoPE frequencies are diffusers' complex ones; compiled
