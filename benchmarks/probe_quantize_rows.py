@@ -1,0 +1,93 @@
+"""The float8 row quantisation (``fp8.quantize_rows``: each activation row on its own absolute maximum, the MLP's GELU
+optionally computed in the same pass) at the shapes a FLUX.1-dev fp8 call at batch 4 quantises, in the launch
+configurations its kernel has: the whole row in registers (one read) or two passes over it in blocks (two reads,
+the second mostly from L2), and its warps. GPU time per call and the rate in TB/s of bytes moved (bf16 in, float8
+out); the row marked ``*`` is what ``quantize_rows`` launches today.
+
+    python benchmarks/probe_quantize_rows.py [--out probe_quantize_rows.json]
+
+A FLUX.1-dev fp8 call at batch 4 spends ~30 ms in this kernel (152 calls: an H200's profile in
+benchmarks/results/2026-12-06-h200-kv-passes-4fe03a2), ~2.5-3 TB/s against the card's 4.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = [  # (what, rows, cols, gelu)
+    ("attention output -> to_out / a single block's proj_out part", 4 * 4608, 3072, False),
+    ("double block MLP down-projection input (GELU)", 4 * 4096, 12288, True),
+    ("single block MLP part of proj_out (GELU)", 4 * 4608, 12288, True),
+    ("text tokens -> to_add_out", 4 * 512, 3072, False),
+]
+
+
+def gpu_us(fn, calls: int = 20) -> float:
+    """Microseconds of GPU time per call (CUDA events around ``calls`` calls after three warm-ups)."""
+    for _ in range(3):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls * 1e3
+
+
+def configurations(cols: int) -> list[tuple[bool, int, int]]:
+    """(one pass, block, warps) to try for rows of ``cols``: the whole row at 4 to 32 warps, or blocks of 1024 to
+    8192 columns at 4 or 8 warps."""
+    import triton
+
+    width = triton.next_power_of_2(cols)
+    one = [(True, width, w) for w in (4, 8, 16, 32) if width // (32 * w) >= 4]
+    two = [(False, block, w) for block in (1024, 2048, 4096, 8192) if block <= width for w in (4, 8)]
+    return one + two
+
+
+def main() -> None:
+    import triton
+
+    from shardgen.speed import fp8
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="probe_quantize_rows.json")
+    a = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
+    for what, rows, cols, gelu in SHAPES:
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(rows, cols, device="cuda", dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
+        ref_q, ref_s = fp8.quantize_rows(x, gelu=gelu)
+        width = triton.next_power_of_2(cols)
+        today = (width <= fp8.ONE_PASS_COLS, width if width <= fp8.ONE_PASS_COLS else 1024,
+                 max(4, min(16, width // 1024)) if width <= fp8.ONE_PASS_COLS else 4)
+        moved = rows * cols * 3  # bytes: bf16 read once, float8 written
+        shape = {"what": what, "rows": rows, "cols": cols, "gelu": gelu, "ways": []}
+        for one_pass, block, warps in configurations(cols):
+            def launch(one_pass=one_pass, block=block, warps=warps):
+                fp8._quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), rows, 0, BLOCK=block,
+                                                   QMAX=fp8.FP8_MAX, GELU=gelu, ONE_PASS=one_pass, num_warps=warps)
+            launch()
+            same = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+            us = gpu_us(launch)
+            way = {"one_pass": one_pass, "block": block, "warps": warps, "us": round(us, 1),
+                   "tb_per_s": round(moved / us / 1e6, 2), "same_bytes": same, "today": (one_pass, block, warps) == today}
+            shape["ways"].append(way)
+            print(f"{what[:40]:40s} {rows}x{cols} gelu={gelu}: one_pass={one_pass!s:5s} block={block:5d} "
+                  f"warps={warps:2d} {us:8.1f} us {way['tb_per_s']:5.2f} TB/s same={same}{' *' if way['today'] else ''}",
+                  flush=True)
+        res["shapes"].append(shape)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
