@@ -182,9 +182,9 @@ def test_attention_from_the_projections_hands_fa3_queries_and_keys_on_their_stat
 def test_the_keys_static_scale_costs_attention_what_each_heads_own_maximum_costs(offset, turn):
     """The smoothed keys on ``key_scale``'s static scale (twice the norm's bound) against each head's own largest
     magnitude, in the same float8 attention arithmetic: as far from exact attention, within 5%, on random keys and on
-    keys that share a mean up to 100 times their spread (little RoPE turn: the mean survives the rotation), where the
-    static scale sits over 100 times above the smoothed keys' largest value (float8 keeps its relative precision down
-    to the subnormals)."""
+    keys whose projections share a mean up to 50 times their spread (little RoPE turn: the mean survives the
+    rotation), where the static scale sits over 100 times above the smoothed keys' largest value (float8 keeps its
+    relative precision down to the subnormals)."""
     from shardgen.speed.fused_kernels import rms_rope_reference
 
     g = torch.Generator().manual_seed(0)

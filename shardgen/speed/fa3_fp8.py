@@ -204,9 +204,9 @@ def query_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -
 
 def key_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
     """The smoothed keys' float32 (batch, heads) descales, one static value: a key less the keys' mean (itself within
-    the norm's bound) is within twice the bound. On random keys, and on keys sharing a mean up to 100 times their
-    spread, attention with this scale is as far from exact as with each head's own largest magnitude (within 5%
-    of that error: tests/test_fa3_fp8.py), while the keys' statistics pass gathers their sums alone."""
+    the norm's bound) is within twice the bound. On random keys, and on keys whose projections share a mean up to 50
+    times their spread, attention with this scale is as far from exact as with each head's own largest magnitude
+    (within 5% of that error: tests/test_fa3_fp8.py), while the keys' statistics pass gathers their sums alone."""
     return (2.0 * _norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
 
 
@@ -277,8 +277,8 @@ def _part_statistics(xs: list[torch.Tensor], weights: list[torch.Tensor] | None,
 def _write_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, mean: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
     """The float8 pass of ``quantise_queries``, ``quantise_keys`` and ``quantise_values`` (``_part_fp8``, a launch per
-    part): the joint
-    (batch, tokens, heads, D) float8 tensor, each part less ``mean`` (batch, heads, D) if given, over ``scale``."""
+    part): the joint (batch, tokens, heads, D) float8 tensor, each part less ``mean`` (batch, heads, D) if given, over
+    ``scale``."""
     b, _, heads, d = xs[0].shape
     total = sum(x.shape[1] for x in xs)
     y = torch.empty(b, total, heads, d, device=xs[0].device, dtype=torch.float8_e4m3fn)
