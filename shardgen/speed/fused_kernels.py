@@ -5,7 +5,7 @@ ones and back.
 - ``rms_rope``: q/k RMSNorm + RoPE written straight into SDPA's (batch, heads, tokens, head_dim) layout, one Triton
   pass per tile on CUDA, eager diffusers' ops elsewhere (``rms_rope_reference``). ``rope_attention``: that and SDPA,
   or the routed 8-bit kernel's own passes from the projections where it has them.
-- ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual as one ``addcmul``.
+- ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual in one pass.
 - ``linear_gelu_tanh``, ``gelu_feed_forward``: the tanh-GELU computed in cuBLASLt's GEMM epilogue.
 - ``processor_problem``, ``swap_processors``, ``restore_processors``, ``layer_norm_problem``: when the fused
   processors may stand in for diffusers' own, and the swap itself.
@@ -261,8 +261,8 @@ if triton is not None:
     def _gated_kernel(x_ptr, g_ptr, y_ptr, out_ptr, rows, rows_per_batch, cols, stride_gb,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         # BLOCK_R rows x BLOCK_C columns of contiguous (batch * tokens, cols) x and y; each row's gate is its batch
-        # sample's (a strided row of the modulation output, read from cache). x + g * y in float32, rounded once, as
-        # addcmul computes it
+        # sample's (a strided row of the modulation output, read from cache). x + g * y in float32, as addcmul
+        # computes it, rounded to the activation dtype once
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
         mask = (r < rows) & (c < cols)
