@@ -118,7 +118,9 @@ def test_the_gated_residual_kernel_makes_addcmul_s_bytes(tokens, dim):
     assert fused_kernels._gated_kernel_ok(x, gate, y)
     out, ref = fused_kernels.gated(x, gate, y), torch.addcmul(x, gate, y)
     assert out.shape == ref.shape and (out == ref).float().mean().item() > 0.9999
-    assert ((out.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-30).all()
+    # a step of bf16, or where x and gate * y cancel, float32's rounding of the product (FMA or not) scaled up
+    slack = 2 ** -7 * ref.float().abs() + 2 ** -20 * (x.float().abs() + (gate.float() * y.float()).abs())
+    assert ((out.float() - ref.float()).abs() <= slack).all()
     from torch.utils.benchmark import Timer
 
     us = {name: Timer(stmt, globals={"fused_kernels": fused_kernels, "torch": torch, "x": x, "gate": gate, "y": y})
