@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_fp8_step import cuda_ms  # noqa: E402 (a sibling script: CUDA events around repeated calls)
 
 SHAPES = [  # (what, rows, cols, gelu)
     ("attention output -> to_out / a single block's proj_out part", 4 * 4608, 3072, False),
@@ -27,19 +30,6 @@ SHAPES = [  # (what, rows, cols, gelu)
     ("single block MLP part of proj_out (GELU)", 4 * 4608, 12288, True),
     ("text tokens -> to_add_out", 4 * 512, 3072, False),
 ]
-
-
-def gpu_us(fn, calls: int = 20) -> float:
-    """Microseconds of GPU time per call (CUDA events around ``calls`` calls after three warm-ups)."""
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / calls * 1e3
 
 
 def configurations(cols: int) -> list[tuple[bool, int, int]]:
@@ -78,7 +68,7 @@ def main() -> None:
                                                    QMAX=fp8.FP8_MAX, GELU=gelu, ONE_PASS=one_pass, num_warps=warps)
             launch()
             same = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
-            us = gpu_us(launch)
+            us = cuda_ms(launch, iters=20) * 1e3
             way = {"one_pass": one_pass, "block": block, "warps": warps, "us": round(us, 1),
                    "tb_per_s": round(moved / us / 1e6, 2), "same_bytes": same, "today": (one_pass, block, warps) == today}
             shape["ways"].append(way)

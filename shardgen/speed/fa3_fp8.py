@@ -156,8 +156,7 @@ if triton is not None:
         (the keys) each channel's sum over the tokens into OUT (batch, blocks, heads, D); else (the values) each
         head's largest magnitude into OUT (batch, blocks, heads). The chunks accumulate element by element and are
         reduced over the tokens once, at the end (a reduction across the tile's warps per chunk costs ten times the
-        reads); one accumulator, as more spill registers (three made the keys' pass slower than the way it
-        replaced)."""
+        reads); one accumulator, as more spill registers and slow the pass below its reads."""
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         acc = tl.zeros((CHUNK, HEADS_PER_PROGRAM, D), dtype=tl.float32)
