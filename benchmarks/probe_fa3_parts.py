@@ -38,6 +38,28 @@ def gpu_us(fn, calls: int = 5) -> float:
     return round(sum(e.self_device_time_total for e in prof.key_averages()) / calls, 1)
 
 
+def statistics_sweep(ks, wk, vs, cos, sin) -> list[dict]:
+    """The keys' and values' statistics pass (``fa3_fp8._part_statistics``) in each launch configuration: tokens a
+    program reads, tokens a chunk, warps. GPU microseconds a call and TB/s of the parts' bytes (read once)."""
+    from shardgen.speed import fa3_fp8
+
+    saved = fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_CHUNK, fa3_fp8.STATS_WARPS
+    moved = sum(x.numel() * x.element_size() for x in ks)
+    ways = []
+    for tokens, chunk, warps in [(16, 4, 4), (32, 4, 4), (32, 8, 4), (32, 4, 8), (64, 4, 4), (64, 8, 8), (128, 4, 4),
+                                 (128, 16, 8)]:
+        fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_CHUNK, fa3_fp8.STATS_WARPS = tokens, chunk, warps
+        keys = gpu_us(lambda: fa3_fp8._part_statistics(ks, wk, cos, sin, 1e-6))
+        values = gpu_us(lambda: fa3_fp8._part_statistics(vs, None, cos, cos, 0.0))
+        way = {"tokens": tokens, "chunk": chunk, "warps": warps, "keys_us": keys, "values_us": values,
+               "keys_tb_s": round(moved / keys / 1e6, 2), "values_tb_s": round(moved / values / 1e6, 2),
+               "today": (tokens, chunk, warps) == saved}
+        ways.append(way)
+        print("statistics", way, flush=True)
+    fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_CHUNK, fa3_fp8.STATS_WARPS = saved
+    return ways
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
@@ -70,6 +92,7 @@ def main() -> None:
     t("attention_from_projections", lambda: fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6))
     t("attention_rms_rope_then_fa3_fp8", lambda: fa3_fp8.attention(
         rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)))
+    row["statistics"] = statistics_sweep(ks, wk, vs, cos, sin)
     try:
         from torch.profiler import ProfilerActivity, profile
 

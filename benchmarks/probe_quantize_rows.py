@@ -2,7 +2,8 @@
 optionally computed in the same pass) at the shapes a FLUX.1-dev fp8 call at batch 4 quantises, in the launch
 configurations its kernel has: the whole row in registers (one read) or two passes over it in blocks (two reads,
 the second mostly from L2), and its warps. GPU time per call and the rate in TB/s of bytes moved (bf16 in, float8
-out); the row marked ``*`` is what ``quantize_rows`` launches today.
+out); the row marked ``*`` is what ``quantize_rows`` launches today (the GELU's tanh: ``approx`` the
+GPU's tanh.approx.f32, else from exp); then the single blocks' ``proj_out`` input in one pass (``concat_gelu_rows``).
 
     python benchmarks/probe_quantize_rows.py [--out probe_quantize_rows.json]
 
@@ -13,6 +14,7 @@ benchmarks/results/2026-12-06-h200-kv-passes-4fe03a2), ~2.5-3 TB/s against the c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -43,6 +45,47 @@ def configurations(cols: int) -> list[tuple[bool, int, int]]:
     return one + two
 
 
+def _timed(launch, moved: int) -> dict:
+    us = cuda_ms(launch, iters=20) * 1e3
+    return {"us": round(us, 1), "tb_per_s": round(moved / us / 1e6, 2)}
+
+
+def _say(what: str, way: dict) -> None:
+    print(f"{what} {way['us']:8.1f} us {way['tb_per_s']:5.2f} TB/s same={way.get('same_bytes', '-')}"
+          f"{' *' if way.get('today') else ''}", flush=True)
+
+
+def concat_ways() -> list[dict]:
+    """A single block's ``proj_out`` input at batch 4: the attention output and the MLP's GELU quantised into one
+    row each (``concat_gelu_rows``, at 4, 8 and 16 warps), against the two passes ``forward_parts`` makes (and the
+    sum of its two GEMMs' outputs it then needs, not timed here)."""
+    from shardgen.speed import fp8
+
+    rows, cols_a, cols_b = 4 * 4608, 3072, 12288
+    a = torch.randn(rows, cols_a, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, cols_b, device="cuda", dtype=torch.bfloat16) * 3
+    q = torch.empty(rows, cols_a + cols_b, device="cuda", dtype=torch.float8_e4m3fn)
+    scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
+    moved = rows * (cols_a + cols_b) * 3
+    ways = []
+    for warps in (4, 8, 16):
+        def launch(warps=warps):
+            fp8._quantize_concat_kernel[(rows,)](a, b, q, scale, cols_a, cols_b, a.stride(0), b.stride(0),
+                                                 BLOCK_A=4096, BLOCK_B=16384, QMAX=fp8.FP8_MAX,
+                                                 APPROX=fp8.APPROX_TANH, num_warps=warps)
+        way = {"way": f"concat_gelu_rows warps={warps}", **_timed(launch, moved)}
+        ways.append(way)
+        _say(f"{'proj_out input, one pass':40s} {rows}x{cols_a}+{cols_b}: warps={warps:2d}", way)
+
+    def parts():
+        fp8.quantize_rows(a)
+        fp8.quantize_rows(b, gelu=True)
+    way = {"way": "two quantize_rows passes", **_timed(parts, moved)}
+    ways.append(way)
+    _say(f"{'proj_out input, two passes (today)':40s} {rows}x{cols_a}+{cols_b}:", way)
+    return ways
+
+
 def main() -> None:
     import triton
 
@@ -59,23 +102,25 @@ def main() -> None:
         ref_q, ref_s = fp8.quantize_rows(x, gelu=gelu)
         width = triton.next_power_of_2(cols)
         today = (width <= fp8.ONE_PASS_COLS, width if width <= fp8.ONE_PASS_COLS else 1024,
-                 max(4, min(16, width // 1024)) if width <= fp8.ONE_PASS_COLS else 4)
+                 fp8._row_warps(width) if width <= fp8.ONE_PASS_COLS else 4, fp8.APPROX_TANH)
         moved = rows * cols * 3  # bytes: bf16 read once, float8 written
         shape = {"what": what, "rows": rows, "cols": cols, "gelu": gelu, "ways": []}
-        for one_pass, block, warps in configurations(cols):
-            def launch(one_pass=one_pass, block=block, warps=warps):
+        for (one_pass, block, warps), approx in itertools.product(configurations(cols),
+                                                                   (True, False) if gelu else (True,)):
+            def launch(one_pass=one_pass, block=block, warps=warps, approx=approx):
                 fp8._quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), rows, 0, BLOCK=block,
-                                                   QMAX=fp8.FP8_MAX, GELU=gelu, ONE_PASS=one_pass, num_warps=warps)
+                                                   QMAX=fp8.FP8_MAX, GELU=gelu, ONE_PASS=one_pass, APPROX=approx,
+                                                   num_warps=warps)
             launch()
             same = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
-            us = cuda_ms(launch, iters=20) * 1e3
-            way = {"one_pass": one_pass, "block": block, "warps": warps, "us": round(us, 1),
-                   "tb_per_s": round(moved / us / 1e6, 2), "same_bytes": same, "today": (one_pass, block, warps) == today}
+            way = {"one_pass": one_pass, "block": block, "warps": warps, "approx_tanh": approx,
+                   **_timed(launch, moved), "same_bytes": same}
+            way["today"] = (one_pass, block, warps, approx) == today
             shape["ways"].append(way)
-            print(f"{what[:40]:40s} {rows}x{cols} gelu={gelu}: one_pass={one_pass!s:5s} block={block:5d} "
-                  f"warps={warps:2d} {us:8.1f} us {way['tb_per_s']:5.2f} TB/s same={same}{' *' if way['today'] else ''}",
-                  flush=True)
+            _say(f"{what[:40]:40s} {rows}x{cols} gelu={gelu}: one_pass={one_pass!s:5s} block={block:5d} "
+                 f"warps={warps:2d} approx={approx!s:5s}", way)
         res["shapes"].append(shape)
+    res["concat"] = concat_ways()
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -216,3 +216,38 @@ def test_the_row_quantisation_reads_a_slice_of_an_attention_output_where_it_is(t
     from tests.test_fp8_attention import interpreted
 
     assert interpreted(_INTERPRETED_ROWS, tmp_path) == "ok"
+
+
+_INTERPRETED_CONCAT = '''
+import torch
+import torch.nn.functional as F
+from shardgen.speed import fp8
+fp8._kernel_ok = lambda x2: True  # CPU tensors, run by Triton's interpreter
+g = torch.Generator().manual_seed(1)
+attn = (torch.randn(2, 37, 96, generator=g) * 0.5).bfloat16()
+for mlp_range in (0.1, 8.0):  # the attention part's maximum the row's, then the GELU part's
+    mlp = (torch.randn(2, 37, 160, generator=g) * mlp_range).bfloat16()
+    rows = fp8.concat_gelu_rows(attn, mlp)
+    q_ref, s_ref = fp8.quantize_rows_reference(torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1).reshape(-1, 256))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (2, 37, 256) and rows.data.shape == (74, 256)
+    assert torch.equal(rows.scale, s_ref)
+    # the interpreter truncates float32 to bf16 and float8 (a GPU rounds): two e4m3 steps at the top of the range
+    # at most, a few percent of the values
+    off = (rows.data.float() * rows.scale - q_ref.float() * s_ref).abs() / (s_ref * fp8.FP8_MAX)
+    assert off.max() <= 64 / 448 and (rows.data.float() != q_ref.float()).float().mean() < 0.08
+print(fp8.concat_gelu_rows(attn, mlp.float()), fp8.concat_gelu_rows(attn, mlp[:, 1:]))
+'''
+
+
+def test_the_concatenation_s_rows_are_quantised_in_one_pass_with_the_gelu(tmp_path):
+    """``concat_gelu_rows`` (run by Triton's interpreter on the CPU): the float8 rows of the attention output beside
+    the MLP's GELU are those the torch ops make of the concatenation, whichever part holds the row's maximum, and
+    parts it cannot take (float32, another token count) are left to the caller (None)."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_CONCAT, tmp_path) == "None None"
+
+
+def test_the_concatenation_s_rows_are_left_to_the_parts_off_cuda():
+    a, b = torch.randn(1, 4, 8).bfloat16(), torch.randn(1, 4, 16).bfloat16()
+    assert fp8.concat_gelu_rows(a, b) is None

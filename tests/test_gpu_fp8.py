@@ -57,6 +57,26 @@ def test_triton_gelu_quantisation_matches_gelu_then_quantise(rows, cols):
     assert isinstance(rows_in, fp8.Fp8Rows) and torch.equal(rows_in.data.reshape(q.shape).float(), q.float())
 
 
+@pytest.mark.parametrize("tokens, mlp_range", [(4608, 4.0), (211, 0.05)])
+def test_the_single_block_s_proj_out_input_is_quantised_in_one_pass(tokens, mlp_range):
+    """``concat_gelu_rows`` at FLUX.1-dev's widths (whichever part holds a row's maximum) against the torch ops'
+    quantisation of the concatenation; the float8 layer over it against bf16's ``proj_out`` of the concatenation."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    attn = torch.randn(2, tokens, 3072, device="cuda", generator=g).to(torch.bfloat16)
+    mlp = (torch.randn(2, tokens, 12288, device="cuda", generator=g) * mlp_range).to(torch.bfloat16)
+    joined = torch.cat([attn, torch.nn.functional.gelu(mlp, approximate="tanh")], -1)
+    rows = fp8.concat_gelu_rows(attn, mlp)
+    q_ref, s_ref = fp8.quantize_rows_reference(joined.reshape(-1, 15360))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (2, tokens, 15360)
+    assert torch.allclose(rows.scale, s_ref, rtol=1e-2)  # a row's maximum one bf16 step apart at most
+    off = ((rows.data.float() * rows.scale) - (q_ref.float() * s_ref)).abs() > 0.07 * (s_ref * fp8.FP8_MAX)
+    assert off.sum().item() <= q_ref.numel() * 1e-4, f"{off.sum().item()} values differ by more than a step"
+    lin = torch.nn.Linear(15360, 3072, device="cuda", dtype=torch.bfloat16)
+    ref = lin(joined).float()
+    out = fp8.Float8Linear(lin)(rows).float()
+    assert out.shape == ref.shape and ((out - ref).norm() / ref.norm()).item() < 0.05
+
+
 def test_triton_row_quantisation_reads_an_attention_output_s_halves_in_place():
     """The image and text halves of a joint attention output (strided views) quantised where they are: the bytes of
     their contiguous copies' quantisation."""

@@ -120,9 +120,13 @@ QUERY_BOUND_MARGIN = 1.01
 """The queries' static scale (``query_scale``) covers their bound times this: bf16's rounding of the norm's output
 (2**-8 relative) and RoPE's float32 rotation can go past the exact bound."""
 
-STATS_TOKENS = 128
-"""Tokens one statistics program reads (``_part_stats``): the partial sums it writes, (batch, tokens / this, heads,
-D) float32, stay small, and the grid has enough programs to fill the GPU."""
+STATS_TOKENS = 32
+"""Tokens one statistics program reads (``_part_stats``). Its partial sums, (batch, tokens / this, heads, D) float32,
+are ~6% of the keys' bytes at 32; 128 left an H100 a fifth occupied at FLUX.1-dev's shape (432 programs of 4 warps
+for 4 x 4,608 tokens): each program's chunks are read one after another, so the pass ran at ~1 TB/s."""
+STATS_CHUNK = 4
+"""Tokens of a statistics program's chunk (``STATS_TOKENS`` / this chunks, accumulated element by element)."""
+STATS_WARPS = 4
 
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
@@ -262,13 +266,13 @@ def _part_statistics(xs: list[torch.Tensor], weights: list[torch.Tensor] | None,
     rope = weights is not None
     blocks = [triton.cdiv(x.shape[1], STATS_TOKENS) for x in xs]
     out = torch.empty(b, sum(blocks), heads, *((d,) if rope else ()), device=xs[0].device, dtype=torch.float32)
-    per_program, chunk, block_offset, offset = math.gcd(heads, 8), 4, 0, 0
+    per_program, chunk, block_offset, offset = math.gcd(heads, 8), STATS_CHUNK, 0, 0
     for i, x in enumerate(xs):
         w = weights[i].contiguous() if rope else x  # unread without RoPE
         _part_stats[(blocks[i], heads // per_program, b)](
             x, w, cos, sin.contiguous(), out, x.shape[1], offset, block_offset, sum(blocks), heads, x.stride(0),
             x.stride(1), x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program,
-            D=d, ROPE=rope, num_warps=4)
+            D=d, ROPE=rope, num_warps=STATS_WARPS)
         block_offset, offset = block_offset + blocks[i], offset + x.shape[1]
     return out
 

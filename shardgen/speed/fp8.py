@@ -24,6 +24,7 @@ is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-proje
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -67,18 +68,36 @@ class Fp8Config:
     """float8 matmuls in the transformer blocks."""
 
 
+APPROX_TANH = os.environ.get("TRITON_INTERPRET") != "1"
+"""The GELU's tanh is the GPU's one-instruction ``tanh.approx.f32`` (relative error ~2**-11, under the bf16 rounding
+of the GELU's output that follows): with exp and an IEEE division instead, the GELU pass computed for longer than it
+read (H100: 1.7 TB/s against 2.9 for the same pass without the GELU, benchmarks/probe_quantize_rows.py). Triton's
+interpreter (numpy, the CPU tests) runs no PTX: there the tanh comes from exp."""
+
+
 if triton is not None:
 
     @triton.jit
-    def _gelu_tanh_bf16(v):
+    def _gelu_tanh_bf16(v, APPROX: tl.constexpr):
         # torch's tanh-GELU in float32 (its opmath for bf16), rounded to bf16 where eager writes its output
         inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        if APPROX:
+            tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [inner], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
         return (0.5 * v * (1.0 + tanh)).to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
+    def to_fp8(v, inv_scale, QMAX: tl.constexpr):
+        # float8 e4m3 of v / scale, clamped to +-QMAX: a multiplication by the row's reciprocal scale, not a division per value (an IEEE division costs ~10
+        # instructions): the float8 value differs from the division's only where the product lands on a rounding tie
+        return tl.minimum(tl.maximum(v * inv_scale, -QMAX), QMAX).to(tl.float8e4nv)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, rows_per_batch, stride_b,
-                              BLOCK: tl.constexpr, QMAX: tl.constexpr, GELU: tl.constexpr, ONE_PASS: tl.constexpr):
+                              BLOCK: tl.constexpr, QMAX: tl.constexpr, GELU: tl.constexpr, ONE_PASS: tl.constexpr,
+                              APPROX: tl.constexpr):
         # row r of the input is row r % rows_per_batch of batch sample r // rows_per_batch (a 3-D strided view,
         # e.g. the image half of an attention output, is read in place)
         row = tl.program_id(0).to(tl.int64)
@@ -88,28 +107,44 @@ if triton is not None:
             offs = tl.arange(0, BLOCK)
             v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
             if GELU:
-                v = _gelu_tanh_bf16(v)
+                v = _gelu_tanh_bf16(v, APPROX)
             scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / QMAX
             tl.store(scale_ptr + row, scale)
-            q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
-            tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < cols)
+            tl.store(q_row + offs, to_fp8(v, 1.0 / scale, QMAX), mask=offs < cols)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, cols, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
                 if GELU:
-                    v = _gelu_tanh_bf16(v)
+                    v = _gelu_tanh_bf16(v, APPROX)
                 amax = tl.maximum(amax, tl.abs(v))
             scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
             tl.store(scale_ptr + row, scale)
+            inv_scale = 1.0 / scale
             for start in range(0, cols, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
                 if GELU:
-                    v = _gelu_tanh_bf16(v)
-                q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
-                tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < cols)
+                    v = _gelu_tanh_bf16(v, APPROX)
+                tl.store(q_row + offs, to_fp8(v, inv_scale, QMAX), mask=offs < cols)
+
+    @triton.jit
+    def _quantize_concat_kernel(a_ptr, b_ptr, q_ptr, scale_ptr, cols_a, cols_b, stride_a, stride_b,
+                                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, QMAX: tl.constexpr,
+                                APPROX: tl.constexpr):
+        # row r of concat([a, gelu(b)]) on the whole row's absolute maximum: both parts in registers, read once
+        row = tl.program_id(0).to(tl.int64)
+        oa, ob = tl.arange(0, BLOCK_A), tl.arange(0, BLOCK_B)
+        a = tl.load(a_ptr + row * stride_a + oa, mask=oa < cols_a, other=0.0).to(tl.float32)
+        v = _gelu_tanh_bf16(tl.load(b_ptr + row * stride_b + ob, mask=ob < cols_b, other=0.0).to(tl.float32), APPROX)
+        amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(v), axis=0))
+        scale = tl.maximum(amax, 1e-12) / QMAX
+        tl.store(scale_ptr + row, scale)
+        inv_scale = 1.0 / scale
+        q_row = q_ptr + row * (cols_a + cols_b)
+        tl.store(q_row + oa, to_fp8(a, inv_scale, QMAX), mask=oa < cols_a)
+        tl.store(q_row + cols_a + ob, to_fp8(v, inv_scale, QMAX), mask=ob < cols_b)
 
 
 @dataclass(frozen=True)
@@ -144,6 +179,13 @@ def _kernel_ok(x2: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _row_warps(width: int) -> int:
+    """Warps of a program holding a whole row of ``width`` (a power of two) in registers: 4 up to 4096 columns, 8
+    beyond (an H100's sweep, benchmarks/probe_quantize_rows.py: at 16384 columns 16 warps were 8% slower than 8,
+    4 warps 65% slower)."""
+    return 4 if width <= 4096 else 8
+
+
 def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere. ``gelu``: of
     ``gelu(x2, approximate="tanh")``, computed in the same pass (the GELU's output never written in bf16). ``x2``
@@ -167,7 +209,7 @@ def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, t
         _quantize_rows_kernel[(rows,)](x2, q, scale, cols, stride_r, per_batch, stride_b,
                                        BLOCK=width if one_pass else 1024, QMAX=FP8_MAX,
                                        GELU=gelu and x2.dtype == torch.bfloat16, ONE_PASS=one_pass,
-                                       num_warps=max(4, min(16, width // 1024)) if one_pass else 4)
+                                       APPROX=APPROX_TANH, num_warps=_row_warps(width) if one_pass else 4)
     return q, scale
 
 
@@ -179,6 +221,29 @@ def gelu_rows(x: torch.Tensor) -> Fp8Rows | torch.Tensor:
         return F.gelu(x, approximate="tanh")
     data, scale = quantize_rows(x2, gelu=True)
     return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
+
+
+def concat_gelu_rows(a: torch.Tensor, b: torch.Tensor) -> Fp8Rows | None:
+    """The float8 rows of ``cat([a, gelu(b, approximate="tanh")], -1)`` (what a ``Float8Linear`` over the
+    concatenation quantises) in one pass that reads each part once: eagerly on CUDA for bf16 ``a`` and ``b`` of one
+    leading shape whose rows fit in registers; None elsewhere (the caller takes the parts one GEMM each:
+    ``Float8Linear.forward_parts``). The rows share one scale, so the layer runs one GEMM over them and no sum of
+    two products is written and read again (FLUX.1's single blocks' ``proj_out``)."""
+    if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1]):
+        return None
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    width_a, width_b = (triton.next_power_of_2(t.shape[-1]) for t in (a2, b2)) if triton is not None else (0, 0)
+    if not (_kernel_ok(a2) and _kernel_ok(b2) and a2.stride(-1) == b2.stride(-1) == 1
+            and width_a + width_b <= ONE_PASS_COLS + 4096):
+        return None
+    rows, cols_a, cols_b = a2.shape[0], a2.shape[1], b2.shape[1]
+    q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=a.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=a.device)
+    if rows:
+        _quantize_concat_kernel[(rows,)](a2, b2, q, scale, cols_a, cols_b, a2.stride(0), b2.stride(0),
+                                         BLOCK_A=width_a, BLOCK_B=width_b, QMAX=FP8_MAX, APPROX=APPROX_TANH,
+                                         num_warps=_row_warps(width_a + width_b))
+    return Fp8Rows(q, scale, tuple(a.shape[:-1]), a.dtype)
 
 
 class _LastQuantized(threading.local):

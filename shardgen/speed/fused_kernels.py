@@ -168,6 +168,7 @@ def triton_ok(*xs: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from shardgen.speed.fp8 import to_fp8
 
     @triton.jit
     def _ln_modulate_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, q_scale_ptr, rows_per_batch, dim, stride_x,
@@ -192,8 +193,7 @@ if triton is not None:
             y = tl.where(mask, y.to(dtype).to(tl.float32), 0.0)
             q_scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
             tl.store(q_scale_ptr + row, q_scale)
-            q = tl.minimum(tl.maximum(y / q_scale, -448.0), 448.0)
-            tl.store(out_ptr + row * dim + d, q.to(tl.float8e4nv), mask=mask)
+            tl.store(out_ptr + row * dim + d, to_fp8(y, 1.0 / q_scale, 448.0), mask=mask)
         else:
             tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
 
