@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_flux2  # noqa: E402 (a sibling script: its inputs, timer and error measure)
 from probe_flux2 import rel_rms, timed  # noqa: E402
 
-PIPELINES = {"flux_dev": "FluxPipeline", "flux2_dev": "Flux2Pipeline"}
+PIPELINES = {"flux_dev": "FluxPipeline", "flux2_dev": "Flux2Pipeline", "qwen_image": "QwenImagePipeline"}
 
 
 def build(model: str, device, dtype):
@@ -36,7 +36,20 @@ def build(model: str, device, dtype):
 def inputs(model: str, batch: int, device, dtype):
     import probe_transformer
 
+    if model == "qwen_image":
+        return qwen_inputs(batch, device, dtype)
     return (probe_transformer if model == "flux_dev" else probe_flux2).inputs(batch, device, dtype)
+
+
+def qwen_inputs(batch, device, dtype, size=1024, text=96):
+    """One 1024x1024 Qwen-Image step: 4,096 image tokens, a caption of ``text`` tokens (its text encoder's width)."""
+    g = torch.Generator(device).manual_seed(1)
+    return dict(
+        hidden_states=torch.randn(batch, (size // 16) ** 2, 64, device=device, dtype=dtype, generator=g),
+        encoder_hidden_states=torch.randn(batch, text, 3584, device=device, dtype=dtype, generator=g),
+        encoder_hidden_states_mask=torch.ones(batch, text, device=device, dtype=torch.long),
+        timestep=torch.full((batch,), 0.7, device=device, dtype=dtype),
+        img_shapes=[[(1, size // 16, size // 16)]] * batch, return_dict=False)
 
 
 def main() -> None:
