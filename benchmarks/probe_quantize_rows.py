@@ -86,6 +86,28 @@ def concat_ways() -> list[dict]:
     return ways
 
 
+def ln_modulate_ways() -> list[dict]:
+    """The LayerNorm + modulation pass (``fused_kernels.ln_modulate_for``) at a single block's input at batch 4,
+    writing float8 rows (fp8=true) and bf16, at 2 to 16 warps a row (``LN_WARPS``)."""
+    from shardgen.speed import fp8, fused_kernels
+
+    b, tokens, dim = 4, 4608, 3072
+    x = torch.randn(b, tokens, dim, device="cuda", dtype=torch.bfloat16)
+    shift, scale = (torch.randn(b, 1, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    layer = fp8.Float8Linear(torch.nn.Linear(dim, 64, device="cuda", dtype=torch.bfloat16))
+    saved, ways = fused_kernels.LN_WARPS, []
+    for warps in (2, 4, 8, 16):
+        fused_kernels.LN_WARPS = warps
+        for out, moved, fn in (("float8", b * tokens * dim * 3,
+                                lambda: fused_kernels.ln_modulate_for([layer], x, shift, scale, 1e-6)),
+                               ("bf16", b * tokens * dim * 4, lambda: fused_kernels.ln_modulate(x, shift, scale, 1e-6))):
+            way = {"out": out, "warps": warps, **_timed(fn, moved), "today": warps == saved}
+            ways.append(way)
+            _say(f"{'LayerNorm + modulation -> ' + out:40s} {b * tokens}x{dim}: warps={warps:2d}", way)
+    fused_kernels.LN_WARPS = saved
+    return ways
+
+
 def main() -> None:
     import triton
 
@@ -121,6 +143,7 @@ def main() -> None:
                  f"warps={warps:2d} approx={approx!s:5s}", way)
         res["shapes"].append(shape)
     res["concat"] = concat_ways()
+    res["ln_modulate"] = ln_modulate_ways()
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

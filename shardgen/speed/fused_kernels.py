@@ -198,6 +198,10 @@ if triton is not None:
             tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
 
 
+LN_WARPS = 8
+"""Warps of a LayerNorm + modulation program (one token row): benchmarks/probe_quantize_rows.py times the others."""
+
+
 def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """What eager diffusers computes: ``(1 + scale) * LayerNorm(x) + shift`` (no affine LayerNorm)."""
     return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
@@ -219,7 +223,7 @@ def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: 
     b, tokens, dim = x.shape
     out = torch.empty_like(x)
     _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, out, tokens, dim, x.stride(1), shift.stride(0), eps,
-                                       BLOCK_D=triton.next_power_of_2(dim), FP8=False, num_warps=8)
+                                       BLOCK_D=triton.next_power_of_2(dim), FP8=False, num_warps=LN_WARPS)
     return out
 
 
@@ -244,7 +248,7 @@ def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch
     q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
     if b * tokens:
         _ln_modulate_kernel[(b * tokens,)](x, shift, scale, data, q_scale, tokens, dim, x.stride(1), shift.stride(0),
-                                           eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True, num_warps=8)
+                                           eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True, num_warps=LN_WARPS)
     return Fp8Rows(data, q_scale, (b, tokens), x.dtype)
 
 
