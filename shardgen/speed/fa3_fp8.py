@@ -122,11 +122,13 @@ QUERY_BOUND_MARGIN = 1.01
 
 STATS_TOKENS = 32
 """Tokens one statistics program reads (``_part_stats``). Its partial sums, (batch, tokens / this, heads, D) float32,
-are ~6% of the keys' bytes at 32; 128 left an H100 a fifth occupied at FLUX.1-dev's shape (432 programs of 4 warps
-for 4 x 4,608 tokens): each program's chunks are read one after another, so the pass ran at ~1 TB/s."""
+are ~6% of the keys' bytes at 32; 128 left an H100 a fifth occupied at FLUX.1-dev's shape (432 programs for 4 x
+4,608 tokens): each program's chunks are read one after another, so the pass ran at ~1 TB/s."""
 STATS_CHUNK = 4
 """Tokens of a statistics program's chunk (``STATS_TOKENS`` / this chunks, accumulated element by element)."""
-STATS_WARPS = 4
+STATS_WARPS = 8
+"""Warps of a statistics program. An H100's sweep at FLUX.1-dev's shape (benchmarks/probe_fa3_parts.py, 2 x 113 MB
+of keys and values): 32 tokens, chunks of 4, 8 warps 81 / 46 us; 4 warps 82 / 60; 128 tokens, 4 warps 105 / 125."""
 
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile

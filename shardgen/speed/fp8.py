@@ -180,10 +180,10 @@ def _kernel_ok(x2: torch.Tensor) -> bool:
 
 
 def _row_warps(width: int) -> int:
-    """Warps of a program holding a whole row of ``width`` (a power of two) in registers: 4 up to 4096 columns, 8
-    beyond (an H100's sweep, benchmarks/probe_quantize_rows.py: at 16384 columns 16 warps were 8% slower than 8,
-    4 warps 65% slower)."""
-    return 4 if width <= 4096 else 8
+    """Warps of a program holding a whole row of ``width`` columns in registers: 4 up to 4096, 8 up to 16384, 16
+    beyond (an H100's sweep, benchmarks/probe_quantize_rows.py: GELU rows of 16384 took 233 us at 8 warps, 253 at
+    16, 244 at 4; FLUX.1's proj_out rows of 4096 + 16384, 300 us at 16 warps, 339 at 8)."""
+    return 4 if width <= 4096 else 8 if width <= 16384 else 16
 
 
 def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
