@@ -164,6 +164,11 @@ def main() -> None:
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
+            if model == "qwen_image":  # the job's joint attention (fused q/k RMSNorm + RoPE, no key mask): the
+                # family's hook installs it on a QwenImagePipeline, which this bare transformer is not
+                from shardgen.families.qwen_image.speed import enable_prefix_attention
+
+                enable_prefix_attention(tr)
 
             def attention(name=name):  # a fresh context per use: the way's sdpa_backend
                 contexts = {"fp8_attention": fp8_attention.context, "fp8_fa3": fa3_fp8.context}
