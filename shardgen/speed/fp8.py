@@ -17,8 +17,11 @@ the bias is added in ``_scaled_mm``'s epilogue; under ``torch.compile`` the torc
 their neighbours). Off CUDA, or without Triton, the torch ops run. Three passes are saved where the family's fused
 blocks know the layers are float8: an input read by several layers (q, k and v; a single block's MLP and attention)
 is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-projection's quantisation pass
-(``gelu_rows``: its bf16 output is never written); and a layer over a concatenation (FLUX's single blocks'
-``proj_out``) takes its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
+(``gelu_rows``: its bf16 output is never written), its tanh the GPU's one-instruction approximation
+(``APPROX_TANH``); FLUX.1's single blocks' ``proj_out`` takes the attention output beside the MLP's GELU as one
+float8 row each, made in one pass that reads both parts once (``concat_gelu_rows``: one GEMM, no concatenation or
+bf16 GELU written); and a layer over a concatenation that pass does not take (FLUX.2's single blocks, or rows too
+wide for it) takes its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
 """
 
 from __future__ import annotations
