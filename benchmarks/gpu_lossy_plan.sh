@@ -13,8 +13,9 @@
 #            tests/test_gpu.py)
 #   2 attention: every attention kernel at the FLUX.1, Qwen-Image and FLUX.2 shapes: time and error; fa3_fp8 from the
 #            projections kernel by kernel (wall and GPU time)
-#   3 step:   one FLUX.1-dev transformer step, fp8 GEMMs with and without FA3's float8 attention, by kernel kind;
-#            the row quantisation's launch configurations at that step's shapes
+#   3 step:   one FLUX.1-dev transformer step, fp8 GEMMs with and without FA3's float8 attention, by kernel kind,
+#            each also with SDPA's queries and keys tokens-major (fused_kernels.SDPA_TOKENS_MAJOR); the row passes'
+#            launch configurations at that step's shapes
 #   4-6 runs: lossy_runs.py per model (bf16, fp8, fp8 + FA3's float8 attention; the seed loop on 8 prompts)
 #   7 matrix: every fp8 and attention path per model within its fidelity bound (tests/test_gpu_fp8.py)
 #   8-12 96 prompts: the whole-run figures against the seed loop (its steady rate on 8 prompts), one or two ways a
@@ -58,13 +59,15 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
 
 step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
-  or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input" \
+  or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
+  or tokens_major" \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
   --out $work/2-attention/probe_fa3_parts.json"
 step 3 step 220 bash -c "python3 benchmarks/probe_fp8_step.py --models flux_dev --no-gemms \
-  --ways fp8_fast_accum,fp8_fa3 --out $work/3-step/probe_fp8_step.json; python3 benchmarks/probe_quantize_rows.py \
+  --ways fp8_fast_accum,fp8_fa3 --tokens-major --out $work/3-step/probe_fp8_step.json; \
+  python3 benchmarks/probe_quantize_rows.py \
   --out $work/3-step/probe_quantize_rows.json"
 step 4 flux_dev 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-fa3 --out "$work/4-flux_dev"

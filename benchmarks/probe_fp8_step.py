@@ -129,7 +129,7 @@ def step_ms(tr, kw, iters=5) -> float:
 def main() -> None:
     import probe_fp8
 
-    from shardgen.speed import accel, fa3_fp8, fp8, fp8_attention
+    from shardgen.speed import accel, fa3_fp8, fp8, fp8_attention, fused_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--ways", default=None, help="comma-separated ways to time (default: all; fp8_attention: fp8 "
                     "layers and sdpa_backend=fp8; fp8_fa3: fp8 layers and sdpa_backend=fa3_fp8, where fa3-fwd "
                     "imports)")
+    ap.add_argument("--tokens-major", action="store_true", help="also each way with fused_kernels.SDPA_TOKENS_MAJOR "
+                    "(queries and keys handed to SDPA in (batch, tokens, heads, head_dim) memory), named WAY+tokens_major")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -158,9 +160,13 @@ def main() -> None:
             ways.append(("fp8_fa3", fp8_opts))
         if a.ways:
             ways = [w for w in ways if w[0] in a.ways.split(",") or w[0] == "bf16"]
+        if a.tokens_major:
+            ways += [(f"{name}+tokens_major", opts) for name, opts in ways]
         out = res[model] = {}
         ref = None
-        for name, opts in ways:
+        for label, opts in ways:
+            name = label.split("+")[0]
+            fused_kernels.SDPA_TOKENS_MAJOR = label.endswith("+tokens_major")
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
@@ -180,12 +186,12 @@ def main() -> None:
             with attention():
                 ms = step_ms(tr, kw)
                 profile = profile_step(tr, kw)
-            out[name] = {"prepared": {k: v for k, v in done.items() if not isinstance(v, (dict, list))},
-                         "ms_per_call": round(ms, 2)}
-            out[name]["ms_per_image"] = round(out[name]["ms_per_call"] / a.batch, 2)
-            out[name]["rel_rms_vs_bf16"] = round(((sample - ref).norm() / ref.norm()).item(), 5)
-            out[name].update(profile)
-            print(model, name, json.dumps(out[name]), flush=True)
+            row = out[label] = {"prepared": {k: v for k, v in done.items() if not isinstance(v, (dict, list))},
+                                "ms_per_call": round(ms, 2)}
+            row["ms_per_image"] = round(row["ms_per_call"] / a.batch, 2)
+            row["rel_rms_vs_bf16"] = round(((sample - ref).norm() / ref.norm()).item(), 5)
+            row.update(profile)
+            print(model, label, json.dumps(row), flush=True)
         del tr, pipe
         torch.cuda.empty_cache()
     Path(a.out).write_text(json.dumps(res, indent=1))

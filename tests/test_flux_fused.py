@@ -225,6 +225,47 @@ def test_rms_rope_reference_is_diffusers_norm_then_rope():
     assert torch.equal(out, apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2))
 
 
+def test_rms_rope_tokens_major_is_the_same_values_in_diffusers_layout():
+    """``tokens_major``: the same (batch, heads, tokens, head_dim) values, as a view of (batch, tokens, heads,
+    head_dim) memory (what diffusers hands SDPA), through the torch path and the registered operator's fake."""
+    g = torch.Generator().manual_seed(4)
+    xt, xi = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 5, 4, 8, generator=g)
+    wt, wi = torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g) + 0.5
+    ang = torch.rand(8, 4, generator=g)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    heads_major = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
+    tokens_major = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6, True)
+    assert torch.equal(tokens_major, heads_major) and not tokens_major.is_contiguous()
+    assert tokens_major.transpose(1, 2).is_contiguous()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = fused_kernels.rms_rope([mode.from_tensor(x) for x in (xt, xi)], [mode.from_tensor(w) for w in (wt, wi)],
+                                      mode.from_tensor(cos), mode.from_tensor(sin), 1e-6, True)
+    assert fake.shape == tokens_major.shape and fake.stride() == tokens_major.stride()
+
+
+_INTERPRETED_TOKENS_MAJOR = '''
+import torch
+from shardgen.speed import fused_kernels
+from tests.test_fa3_fp8 import _parts
+qs, ks, vs, wq, wk, cos, sin = _parts(tokens=(7, 139))
+heads_major = fused_kernels.rms_rope_triton(qs, wq, cos, sin, 1e-6)
+tokens_major = fused_kernels.rms_rope_triton(qs, wq, cos, sin, 1e-6, tokens_major=True)
+assert heads_major.is_contiguous() and tokens_major.transpose(1, 2).is_contiguous()
+assert torch.equal(tokens_major, heads_major)
+print("ok")
+'''
+
+
+def test_the_rms_rope_kernel_writes_tokens_major_memory_when_asked(tmp_path):
+    """The q/k RMSNorm + RoPE kernel (Triton's interpreter on the CPU) with ``tokens_major``: the values it writes in
+    its own layout, from two parts of 7 and 139 tokens, into (batch, tokens, heads, head_dim) memory."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_TOKENS_MAJOR, tmp_path) == "ok"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_pixels_round_like_diffusers_numpy_to_pil(dtype):
     images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)).to(dtype)

@@ -84,8 +84,9 @@ def test_the_offloaded_seed_loop_makes_the_seed_loop_s_images(tmp_path):
     assert all(np.array_equal(plain[i], offload[i]) for i in range(2))
 
 
+@pytest.mark.parametrize("tokens_major", [False, True])
 @pytest.mark.parametrize("heads, dim, parts", [(24, 128, (512, 4096)), (6, 64, (7, 93)), (3, 128, (37,))])
-def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
+def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts, tokens_major):
     """The Triton q/k RMSNorm+RoPE kernel against diffusers' eager ops, in bf16, at FLUX's shapes and at
     token counts that are not multiples of its tile (masked edges)."""
     from shardgen.speed import fused_kernels as flux_fused
@@ -97,8 +98,8 @@ def test_rms_rope_kernel_matches_eager_diffusers(heads, dim, parts):
     ang = torch.rand(sum(parts), dim // 2, device="cuda", generator=g) * 6
     cos, sin = ang.cos().repeat_interleave(2, -1).contiguous(), ang.sin().repeat_interleave(2, -1).contiguous()
     ref = flux_fused.rms_rope_reference(xs, ws, cos, sin, 1e-6)
-    out = flux_fused.rms_rope(xs, ws, cos, sin, 1e-6)
-    assert out.shape == ref.shape and out.is_contiguous()
+    out = flux_fused.rms_rope(xs, ws, cos, sin, 1e-6, tokens_major)
+    assert out.shape == ref.shape and (out.transpose(1, 2) if tokens_major else out).is_contiguous()
     assert (out == ref).float().mean() > 0.999  # the rest: one bf16 step (fp32 sum order, FMA)
     assert (out.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
 
@@ -228,6 +229,51 @@ def test_flux_fused_blocks_on_cuda_stay_at_the_stock_blocks_bf16_error(monkeypat
     fused, stock = _fused_and_stock_bf16_errors(tr, kw)
     assert len(bodies) == 4  # the eager CUDA bodies ran in every block
     assert fused <= 1.1 * stock + 1e-3, (fused, stock)
+
+
+def test_tokens_major_queries_give_a_tokens_major_attention_output_and_the_same_blocks(monkeypatch):
+    """``fused_kernels.SDPA_TOKENS_MAJOR``: SDPA (cuDNN, as ``sdpa_backend=auto`` picks at FLUX.1's shape) writes its
+    output in the queries' (batch, tokens, heads, head_dim) memory, so the blocks' (batch, tokens, heads * head_dim)
+    view of it is no copy; and a FLUX.1 transformer's fused blocks make the same output either way (to bf16
+    noise: the printed fraction of equal values says whether cuDNN's arithmetic moved with the layout)."""
+    from diffusers import FluxTransformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from shardgen.families.flux import fused as flux_fused
+    from shardgen.speed import fused_kernels
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4608, 24, 128, device="cuda", generator=g).bfloat16().transpose(1, 2)
+               for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous(), out.stride()
+    torch.manual_seed(0)
+    tr = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
+                                attention_head_dim=128, num_attention_heads=4, joint_attention_dim=256,
+                                pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    tr = tr.cuda().to(torch.bfloat16).eval()
+    ar = torch.arange(32, device="cuda", dtype=torch.float32)
+    z = torch.zeros(1, device="cuda")
+    kw = dict(hidden_states=torch.randn(2, 1024, 64, device="cuda", generator=g).bfloat16(),
+              encoder_hidden_states=torch.randn(2, 77, 256, device="cuda", generator=g).bfloat16(),
+              pooled_projections=torch.randn(2, 64, device="cuda", generator=g).bfloat16(),
+              timestep=torch.tensor([0.3, 0.8], device="cuda"), guidance=torch.full((2,), 3.5, device="cuda"),
+              img_ids=torch.stack(torch.meshgrid(z, ar, ar, indexing="ij"), -1).reshape(-1, 3),
+              txt_ids=torch.zeros(77, 3, device="cuda"), return_dict=False)
+    flux_fused.enable(tr)
+    calls = []
+    monkeypatch.setattr(flux_fused, "rope_attention",
+                        lambda *a, _f=flux_fused.rope_attention: calls.append(1) or _f(*a))
+    outs = []
+    with torch.no_grad():
+        for tokens_major in (False, True):
+            monkeypatch.setattr(fused_kernels, "SDPA_TOKENS_MAJOR", tokens_major)
+            outs.append(tr(**kw)[0].float())
+    assert len(calls) == 8  # the fused processor's attention in each of the four blocks, both ways
+    equal = (outs[0] == outs[1]).float().mean().item()
+    print(f"tokens-major attention: {equal:.4f} of the output values equal")
+    assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-2
 
 
 def _model_inputs(model: str, batch: int, g: torch.Generator, size: int = 1024, text: int = 512) -> dict:

@@ -70,7 +70,8 @@ if triton is not None:
     @triton.jit
     def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_in, seq_out, seq_offset, heads,
                          stride_xb, stride_xs, stride_xh, eps,
-                         BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr,
+                         TOKENS_MAJOR: tl.constexpr):
         # one program: BLOCK_S tokens x HEADS_PER_PROGRAM heads x D; each token's heads are contiguous
         # in the GEMM output, so the loads are wide; cos/sin are read once for all of its heads
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -79,19 +80,24 @@ if triton is not None:
         out, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb, stride_xs,
                                   stride_xh, eps, BLOCK_S, HEADS_PER_PROGRAM, D, True)
         s3, h3, d3 = s[:, None, None], h[None, :, None], tl.arange(0, D)[None, None, :]
-        dst = out_ptr + ((b.to(tl.int64) * heads + h3) * seq_out + (seq_offset + s3).to(tl.int64)) * D + d3
+        if TOKENS_MAJOR:  # (batch, tokens, heads, D) memory
+            dst = out_ptr + ((b.to(tl.int64) * seq_out + seq_offset + s3) * heads + h3) * D + d3
+        else:  # (batch, heads, tokens, D) memory
+            dst = out_ptr + ((b.to(tl.int64) * heads + h3) * seq_out + (seq_offset + s3).to(tl.int64)) * D + d3
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_rope_reference(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                       eps: float) -> torch.Tensor:
+                       eps: float, tokens_major: bool = False) -> torch.Tensor:
     """What eager diffusers computes: RMSNorm per part, the parts joined along the sequence, RoPE,
-    then the (batch, heads, tokens, head_dim) layout (a contiguous tensor)."""
+    then the (batch, heads, tokens, head_dim) layout (a contiguous tensor; ``tokens_major``: a view of a contiguous
+    (batch, tokens, heads, head_dim) one, the layout diffusers hands SDPA)."""
     from diffusers.models.embeddings import apply_rotary_emb
 
     normed = [F.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights)]
     joint = torch.cat(normed, dim=1) if len(normed) > 1 else normed[0]
-    return apply_rotary_emb(joint, (cos, sin), sequence_dim=1).transpose(1, 2).contiguous()
+    out = apply_rotary_emb(joint, (cos, sin), sequence_dim=1)
+    return out.contiguous().transpose(1, 2) if tokens_major else out.transpose(1, 2).contiguous()
 
 
 def rms_rope_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
@@ -104,21 +110,23 @@ def rms_rope_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
 
 @torch.library.custom_op("shardgen::flux_rms_rope", mutates_args=())
 def rms_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-             eps: float) -> torch.Tensor:
+             eps: float, tokens_major: bool = False) -> torch.Tensor:
     """RMSNorm each (batch, tokens_i, heads, head_dim) part with its weight, join the parts along the
     tokens, apply FLUX's RoPE (``cos``/``sin``: (tokens, head_dim) float32) and return the result as a
-    contiguous (batch, heads, tokens, head_dim) tensor: eager diffusers' numerics, one pass on CUDA."""
+    contiguous (batch, heads, tokens, head_dim) tensor, or with ``tokens_major`` as that view of a contiguous
+    (batch, tokens, heads, head_dim) one: eager diffusers' numerics, one pass on CUDA."""
     if not rms_rope_kernel_ok(xs, cos):
-        return rms_rope_reference(xs, weights, cos, sin, eps)
-    return rms_rope_triton(xs, weights, cos, sin, eps)
+        return rms_rope_reference(xs, weights, cos, sin, eps, tokens_major)
+    return rms_rope_triton(xs, weights, cos, sin, eps, tokens_major)
 
 
 def rms_rope_triton(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                    eps: float) -> torch.Tensor:
+                    eps: float, tokens_major: bool = False) -> torch.Tensor:
     """``rms_rope`` by the Triton kernel (no checks: ``rms_rope`` decides when it applies)."""
     b, _, heads, dim = xs[0].shape
     total = sum(x.shape[1] for x in xs)
-    out = torch.empty(b, heads, total, dim, device=xs[0].device, dtype=xs[0].dtype)
+    shape = (b, total, heads, dim) if tokens_major else (b, heads, total, dim)
+    out = torch.empty(shape, device=xs[0].device, dtype=xs[0].dtype)
     per_program = math.gcd(heads, 8)  # a power of two that divides the head count
     offset, block = 0, 8
     for x, w in zip(xs, weights):
@@ -126,15 +134,29 @@ def rms_rope_triton(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: to
         grid = (triton.cdiv(seq, block), heads // per_program, b)
         _rms_rope_kernel[grid](x, w.contiguous(), cos, sin.contiguous(), out, seq, total, offset, heads,
                                x.stride(0), x.stride(1), x.stride(2), eps,
-                               BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=dim, num_warps=8)
+                               BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=dim, TOKENS_MAJOR=tokens_major,
+                               num_warps=8)
         offset += seq
-    return out
+    return out.transpose(1, 2) if tokens_major else out
 
 
 @rms_rope.register_fake
-def _(xs, weights, cos, sin, eps):
+def _(xs, weights, cos, sin, eps, tokens_major=False):
     b, _, heads, dim = xs[0].shape
-    return xs[0].new_empty(b, heads, sum(x.shape[1] for x in xs), dim)
+    total = sum(x.shape[1] for x in xs)
+    if tokens_major:
+        return xs[0].new_empty(b, total, heads, dim).transpose(1, 2)
+    return xs[0].new_empty(b, heads, total, dim)
+
+
+SDPA_TOKENS_MAJOR = False
+"""``rope_attention`` (FLUX.1, FLUX.2) and Qwen-Image's ``fused_qk`` hand SDPA queries and keys in (batch, tokens,
+heads, head_dim) memory (as diffusers does, and as their values already are) instead of (batch, heads, tokens,
+head_dim). cuDNN's attention writes its output in the
+queries' layout, so tokens-major queries would make the (batch, tokens, heads * head_dim) output a view, not the
+copy that takes ~11 ms of a FLUX.1-dev fp8 call at batch 4 on an H100 (58 copies at ~1.2 TB/s:
+benchmarks/results/2026-12-06-h100-row-passes-e94320d). Off until a GPU confirms the layout, the speed and the
+pixels (``benchmarks/probe_fp8_step.py --tokens-major``, tests/test_gpu.py)."""
 
 
 def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], wq: list[torch.Tensor],
@@ -146,8 +168,8 @@ def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torc
     direct = parts_attention(qs, ks, vs, cos)
     if direct is not None:
         return direct(qs, ks, vs, wq, wk, cos, sin, eps).flatten(2, 3)
-    query = rms_rope(qs, wq, cos, sin, eps)
-    key = rms_rope(ks, wk, cos, sin, eps)
+    query = rms_rope(qs, wq, cos, sin, eps, SDPA_TOKENS_MAJOR)
+    key = rms_rope(ks, wk, cos, sin, eps, SDPA_TOKENS_MAJOR)
     value = (torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]).transpose(1, 2)
     out = F.scaled_dot_product_attention(query, key, value)
     return out.transpose(1, 2).flatten(2, 3).to(query.dtype)

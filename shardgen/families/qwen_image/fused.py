@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardgen.speed import fused_kernels
 from shardgen.speed.fp8 import is_tensor_parallel
 from shardgen.speed.fused_kernels import (ff_input_layers, gated, gelu_feed_forward, layer_norm_problem, ln_modulate,
                                          ln_modulate_for, norm_eps, norm_weight, one_eps, rms_rope)
@@ -107,14 +108,14 @@ def _joint_tables(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[tor
 
 def fused_qk(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
     """The processor's q/k RMSNorm and RoPE in one op per tensor: queries ordered [text, image], keys [image,
-    text] (prefix attention's order), each (batch, heads, tokens, head_dim) contiguous (``fused_qk_applies``
-    first)."""
+    text] (prefix attention's order), each (batch, heads, tokens, head_dim): contiguous, or a view of (batch, tokens,
+    heads, head_dim) memory with ``fused_kernels.SDPA_TOKENS_MAJOR`` (``fused_qk_applies`` first)."""
     q_cos, q_sin, k_cos, k_sin = _joint_tables(*image_rotary_emb)
-    eps = norm_eps(attn.norm_q, img_q.dtype)
+    eps, tokens_major = norm_eps(attn.norm_q, img_q.dtype), fused_kernels.SDPA_TOKENS_MAJOR
     query = rms_rope([txt_q, img_q], [norm_weight(attn.norm_added_q, txt_q), norm_weight(attn.norm_q, img_q)],
-                     q_cos, q_sin, eps)
+                     q_cos, q_sin, eps, tokens_major)
     key = rms_rope([img_k, txt_k], [norm_weight(attn.norm_k, img_k), norm_weight(attn.norm_added_k, txt_k)],
-                   k_cos, k_sin, eps)
+                   k_cos, k_sin, eps, tokens_major)
     return query, key
 
 
