@@ -211,14 +211,20 @@ def test_fp8_linears_inside_the_fused_forwards_stay_as_close_to_full_precision()
     assert 0 < err(fused) < 0.1 and err(fused) <= 1.25 * err(stock)
 
 
-def test_rms_rope_reference_is_diffusers_norm_then_rope():
-    from diffusers.models.embeddings import apply_rotary_emb
-
-    g = torch.Generator().manual_seed(3)
+def _text_and_image_parts(seed: int):
+    """Two parts of a joint sequence (batch 2: 3 text and 5 image tokens, 4 heads of 8), their norm weights and the
+    joint sequence's RoPE cos/sin."""
+    g = torch.Generator().manual_seed(seed)
     xt, xi = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 5, 4, 8, generator=g)
     wt, wi = torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g) + 0.5
     ang = torch.rand(8, 4, generator=g)
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    return xt, xi, wt, wi, ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+
+
+def test_rms_rope_reference_is_diffusers_norm_then_rope():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    xt, xi, wt, wi, cos, sin = _text_and_image_parts(3)
     out = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
     joint = torch.cat([torch.nn.functional.rms_norm(xt, (8,), wt, 1e-6), torch.nn.functional.rms_norm(xi, (8,), wi, 1e-6)], 1)
     assert out.shape == (2, 4, 8, 8) and out.is_contiguous()
@@ -228,11 +234,7 @@ def test_rms_rope_reference_is_diffusers_norm_then_rope():
 def test_rms_rope_tokens_major_is_the_same_values_in_diffusers_layout():
     """``tokens_major``: the same (batch, heads, tokens, head_dim) values, as a view of (batch, tokens, heads,
     head_dim) memory (what diffusers hands SDPA), through the torch path and the registered operator's fake."""
-    g = torch.Generator().manual_seed(4)
-    xt, xi = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 5, 4, 8, generator=g)
-    wt, wi = torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g) + 0.5
-    ang = torch.rand(8, 4, generator=g)
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    xt, xi, wt, wi, cos, sin = _text_and_image_parts(4)
     heads_major = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6)
     tokens_major = fused_kernels.rms_rope([xt, xi], [wt, wi], cos, sin, 1e-6, True)
     assert torch.equal(tokens_major, heads_major) and not tokens_major.is_contiguous()
