@@ -139,8 +139,9 @@ def main() -> None:
     ap.add_argument("--ways", default=None, help="comma-separated ways to time (default: all; fp8_attention: fp8 "
                     "layers and sdpa_backend=fp8; fp8_fa3: fp8 layers and sdpa_backend=fa3_fp8, where fa3-fwd "
                     "imports)")
-    ap.add_argument("--tokens-major", action="store_true", help="also each way with fused_kernels.SDPA_TOKENS_MAJOR "
-                    "(queries and keys handed to SDPA in (batch, tokens, heads, head_dim) memory), named WAY+tokens_major")
+    ap.add_argument("--tokens-major", action="store_true", help="also each way with fused_kernels."
+                    "SDPA_TOKENS_MAJOR (queries and keys handed to SDPA in (batch, tokens, heads, head_dim) memory), "
+                    "named WAY+tokens_major")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -100,7 +100,8 @@ def ln_modulate_ways() -> list[dict]:
         fused_kernels.LN_WARPS = warps
         for out, moved, fn in (("float8", b * tokens * dim * 3,
                                 lambda: fused_kernels.ln_modulate_for([layer], x, shift, scale, 1e-6)),
-                               ("bf16", b * tokens * dim * 4, lambda: fused_kernels.ln_modulate(x, shift, scale, 1e-6))):
+                               ("bf16", b * tokens * dim * 4,
+                                lambda: fused_kernels.ln_modulate(x, shift, scale, 1e-6))):
             way = {"out": out, "warps": warps, **_timed(fn, moved), "today": warps == saved}
             ways.append(way)
             _say(f"{'LayerNorm + modulation -> ' + out:40s} {b * tokens}x{dim}: warps={warps:2d}", way)

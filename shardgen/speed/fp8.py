@@ -93,8 +93,9 @@ if triton is not None:
 
     @triton.jit
     def to_fp8(v, inv_scale, QMAX: tl.constexpr):
-        # float8 e4m3 of v / scale, clamped to +-QMAX: a multiplication by the row's reciprocal scale, not a division per value (an IEEE division costs ~10
-        # instructions): the float8 value differs from the division's only where the product lands on a rounding tie
+        # float8 e4m3 of v / scale, clamped to +-QMAX, as a multiplication by the row's reciprocal scale rather than
+        # a division per value (an IEEE division costs ~10 instructions): the float8 value differs from the
+        # division's only where the product lands on a rounding tie
         return tl.minimum(tl.maximum(v * inv_scale, -QMAX), QMAX).to(tl.float8e4nv)
 
     @triton.jit
