@@ -60,6 +60,31 @@ def statistics_sweep(ks, wk, vs, cos, sin) -> list[dict]:
     return ways
 
 
+def float8_pass_sweep(qs, wq, vs, cos, sin) -> list[dict]:
+    """The float8 pass (``fa3_fp8._write_parts``) of the queries (RMSNorm + RoPE on their static scale) and of the
+    values (as they are, on a given scale) in each launch configuration: tokens a program, warps. GPU microseconds a
+    call and TB/s (bf16 read once, float8 written)."""
+    from shardgen.speed import fa3_fp8
+
+    saved = fa3_fp8.PARTS_TOKENS, fa3_fp8.PARTS_WARPS
+    b, _, heads, d = qs[0].shape
+    q_scale = fa3_fp8.query_scale(wq, b, heads, d)
+    v_scale = torch.ones(b, heads, device="cuda")
+    moved = sum(x.numel() for x in qs) * 3
+    ways = []
+    for tokens, warps in [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8), (32, 16)]:
+        fa3_fp8.PARTS_TOKENS, fa3_fp8.PARTS_WARPS = tokens, warps
+        queries = gpu_us(lambda: fa3_fp8._write_parts(qs, wq, cos, sin, 1e-6, None, q_scale))
+        values = gpu_us(lambda: fa3_fp8._write_parts(vs, None, cos, cos, 0.0, None, v_scale))
+        way = {"tokens": tokens, "warps": warps, "queries_us": queries, "values_us": values,
+               "queries_tb_s": round(moved / queries / 1e6, 2), "values_tb_s": round(moved / values / 1e6, 2),
+               "today": (tokens, warps) == saved}
+        ways.append(way)
+        print("float8 pass", way, flush=True)
+    fa3_fp8.PARTS_TOKENS, fa3_fp8.PARTS_WARPS = saved
+    return ways
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
@@ -93,6 +118,7 @@ def main() -> None:
     t("attention_rms_rope_then_fa3_fp8", lambda: fa3_fp8.attention(
         rms_rope(qs, wq, cos, sin, 1e-6), rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)))
     row["statistics"] = statistics_sweep(ks, wk, vs, cos, sin)
+    row["float8_pass"] = float8_pass_sweep(qs, wq, vs, cos, sin)
     try:
         from torch.profiler import ProfilerActivity, profile
 

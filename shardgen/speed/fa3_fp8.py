@@ -130,6 +130,12 @@ STATS_WARPS = 8
 """Warps of a statistics program. An H100's sweep at FLUX.1-dev's shape (benchmarks/probe_fa3_parts.py, 2 x 113 MB
 of keys and values): 32 tokens, chunks of 4, 8 warps 81 / 46 us; 4 warps 82 / 60; 128 tokens, 4 warps 105 / 125."""
 
+PARTS_TOKENS = 8
+"""Tokens one float8 program writes (``_part_fp8``, with up to 8 heads of each). Its three passes a layer (queries,
+keys, values) moved ~2.45 TB/s in a FLUX.1-dev fp8 call on an H100; ``benchmarks/probe_fa3_parts.py`` times the
+other launch configurations."""
+PARTS_WARPS = 8
+
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
 
@@ -287,13 +293,13 @@ def _write_parts(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos
     b, _, heads, d = xs[0].shape
     total = sum(x.shape[1] for x in xs)
     y = torch.empty(b, total, heads, d, device=xs[0].device, dtype=torch.float8_e4m3fn)
-    per_program, block, offset = math.gcd(heads, 8), 8, 0
+    per_program, block, offset = math.gcd(heads, 8), PARTS_TOKENS, 0
     for i, x in enumerate(xs):
         w = weights[i].contiguous() if weights is not None else x  # unread without RoPE
         _part_fp8[(triton.cdiv(x.shape[1], block), heads // per_program, b)](
             x, w, cos, sin.contiguous(), scale if mean is None else mean, scale, y, x.shape[1], total, offset, heads,
             x.stride(0), x.stride(1), x.stride(2), eps, BLOCK_S=block, HEADS_PER_PROGRAM=per_program, D=d,
-            ROPE=weights is not None, SUB_MEAN=mean is not None, num_warps=8)
+            ROPE=weights is not None, SUB_MEAN=mean is not None, num_warps=PARTS_WARPS)
         offset += x.shape[1]
     return y
 
