@@ -71,11 +71,11 @@ class Fp8Config:
     """float8 matmuls in the transformer blocks."""
 
 
-APPROX_TANH = os.environ.get("TRITON_INTERPRET") != "1"
+APPROX_TANH = os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
 """The GELU's tanh is the GPU's one-instruction ``tanh.approx.f32`` (relative error ~2**-11, under the bf16 rounding
 of the GELU's output that follows): with exp and an IEEE division instead, the GELU pass computed for longer than it
-read (H100: 1.7 TB/s against 2.9 for the same pass without the GELU, benchmarks/probe_quantize_rows.py). Triton's
-interpreter (numpy, the CPU tests) runs no PTX: there the tanh comes from exp."""
+read (H100: 1.7 TB/s against 2.9 for the same pass without the GELU, benchmarks/probe_quantize_rows.py). The
+instruction is NVIDIA's PTX: Triton's interpreter (numpy, the CPU tests) and ROCm builds take the tanh from exp."""
 
 
 if triton is not None:
