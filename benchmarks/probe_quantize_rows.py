@@ -110,8 +110,6 @@ def ln_modulate_ways() -> list[dict]:
 
 
 def main() -> None:
-    import triton
-
     from shardgen.speed import fp8
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,9 +121,7 @@ def main() -> None:
         q = torch.empty(rows, cols, device="cuda", dtype=torch.float8_e4m3fn)
         scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
         ref_q, ref_s = fp8.quantize_rows(x, gelu=gelu)
-        width = triton.next_power_of_2(cols)
-        today = (width <= fp8.ONE_PASS_COLS, width if width <= fp8.ONE_PASS_COLS else 1024,
-                 fp8._row_warps(width) if width <= fp8.ONE_PASS_COLS else 4, fp8.APPROX_TANH)
+        today = (*fp8.row_launch(cols), fp8.APPROX_TANH)
         moved = rows * cols * 3  # bytes: bf16 read once, float8 written
         shape = {"what": what, "rows": rows, "cols": cols, "gelu": gelu, "ways": []}
         for (one_pass, block, warps), approx in itertools.product(configurations(cols),

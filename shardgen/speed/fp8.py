@@ -190,6 +190,13 @@ def _row_warps(width: int) -> int:
     return 4 if width <= 4096 else 8 if width <= 16384 else 16
 
 
+def row_launch(cols: int) -> tuple[bool, int, int]:
+    """``_quantize_rows_kernel``'s launch for rows of ``cols``: (the whole row in registers, the block it reads,
+    warps). Rows up to ``ONE_PASS_COLS`` wide are read once; wider ones twice, in blocks of 1024 at 4 warps."""
+    width = triton.next_power_of_2(cols)
+    return (True, width, _row_warps(width)) if width <= ONE_PASS_COLS else (False, 1024, 4)
+
+
 def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows_reference`` in one Triton pass on CUDA (eager), the torch ops elsewhere. ``gelu``: of
     ``gelu(x2, approximate="tanh")``, computed in the same pass (the GELU's output never written in bf16). ``x2``
@@ -208,12 +215,10 @@ def quantize_rows(x2: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, t
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x2.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
     if rows:
-        width = triton.next_power_of_2(cols)
-        one_pass = width <= ONE_PASS_COLS
-        _quantize_rows_kernel[(rows,)](x2, q, scale, cols, stride_r, per_batch, stride_b,
-                                       BLOCK=width if one_pass else 1024, QMAX=FP8_MAX,
+        one_pass, block, warps = row_launch(cols)
+        _quantize_rows_kernel[(rows,)](x2, q, scale, cols, stride_r, per_batch, stride_b, BLOCK=block, QMAX=FP8_MAX,
                                        GELU=gelu and x2.dtype == torch.bfloat16, ONE_PASS=one_pass,
-                                       APPROX=APPROX_TANH, num_warps=_row_warps(width) if one_pass else 4)
+                                       APPROX=APPROX_TANH, num_warps=warps)
     return q, scale
 
 
@@ -233,12 +238,12 @@ def concat_gelu_rows(a: torch.Tensor, b: torch.Tensor) -> Fp8Rows | None:
     leading shape whose rows fit in registers; None elsewhere (the caller takes the parts one GEMM each:
     ``Float8Linear.forward_parts``). The rows share one scale, so the layer runs one GEMM over them and no sum of
     two products is written and read again (FLUX.1's single blocks' ``proj_out``)."""
-    if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1]):
-        return None
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    width_a, width_b = (triton.next_power_of_2(t.shape[-1]) for t in (a2, b2)) if triton is not None else (0, 0)
-    if not (_kernel_ok(a2) and _kernel_ok(b2) and a2.stride(-1) == b2.stride(-1) == 1
-            and width_a + width_b <= ONE_PASS_COLS + 4096):
+    if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1] and _kernel_ok(a2)
+            and _kernel_ok(b2) and a2.stride(-1) == b2.stride(-1) == 1):
+        return None
+    width_a, width_b = triton.next_power_of_2(a2.shape[-1]), triton.next_power_of_2(b2.shape[-1])
+    if width_a + width_b > ONE_PASS_COLS + 4096:  # more than the registers hold
         return None
     rows, cols_a, cols_b = a2.shape[0], a2.shape[1], b2.shape[1]
     q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=a.device)

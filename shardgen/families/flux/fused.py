@@ -181,7 +181,7 @@ def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attenti
         normed, gate = self.norm(hidden_states, emb=temb)
     attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     mlp = self.proj_mlp(normed)  # after the attention: its bf16 activation (12288 wide) lives until the next pass only
-    rows = concat_gelu_rows(attn_output, mlp) if isinstance(mlp, torch.Tensor) else None
+    rows = concat_gelu_rows(attn_output, mlp)
     proj = self.proj_out(rows) if rows is not None else self.proj_out.forward_parts([attn_output, gelu_rows(mlp)])
     hidden_states = gated(hidden_states, gate[:, None], proj)
     if hidden_states.dtype == torch.float16:
