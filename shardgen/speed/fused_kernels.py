@@ -221,9 +221,13 @@ if triton is not None:
 
 
 LN_WARPS = 4
-"""Warps of a LayerNorm + modulation program (one token row). An H100 at 18432 rows of 3072 (benchmarks/
-probe_quantize_rows.py): to float8 72.5 us at 4 warps, 75.7 at 2, 82.8 at 8, 116.6 at 16; to bf16 85.6 at 4, 88.1
-at 8."""
+"""Warps of a LayerNorm + modulation program (one token row) for rows up to 4096 wide (FLUX.1, Qwen-Image). An H100
+at 18432 rows of 3072 (benchmarks/probe_quantize_rows.py): to float8 72.5 us at 4 warps, 75.7 at 2, 82.8 at 8, 116.6
+at 16; to bf16 85.6 at 4, 88.1 at 8. Wider rows (FLUX.2's 6144) keep 8, not swept at their width."""
+
+
+def _ln_warps(block_d: int) -> int:
+    return LN_WARPS if block_d <= 4096 else 8
 
 
 def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -247,7 +251,8 @@ def ln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: 
     b, tokens, dim = x.shape
     out = torch.empty_like(x)
     _ln_modulate_kernel[(b * tokens,)](x, shift, scale, out, out, tokens, dim, x.stride(1), shift.stride(0), eps,
-                                       BLOCK_D=triton.next_power_of_2(dim), FP8=False, num_warps=LN_WARPS)
+                                       BLOCK_D=triton.next_power_of_2(dim), FP8=False,
+                                       num_warps=_ln_warps(triton.next_power_of_2(dim)))
     return out
 
 
@@ -272,7 +277,8 @@ def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch
     q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
     if b * tokens:
         _ln_modulate_kernel[(b * tokens,)](x, shift, scale, data, q_scale, tokens, dim, x.stride(1), shift.stride(0),
-                                           eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True, num_warps=LN_WARPS)
+                                           eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True,
+                                           num_warps=_ln_warps(triton.next_power_of_2(dim)))
     return Fp8Rows(data, q_scale, (b, tokens), x.dtype)
 
 
