@@ -140,8 +140,8 @@ def main() -> None:
                     "layers and sdpa_backend=fp8; fp8_fa3: fp8 layers and sdpa_backend=fa3_fp8, where fa3-fwd "
                     "imports)")
     ap.add_argument("--tokens-major", action="store_true", help="also each way with fused_kernels."
-                    "SDPA_TOKENS_MAJOR (queries and keys handed to SDPA in (batch, tokens, heads, head_dim) memory), "
-                    "named WAY+tokens_major")
+                    "SDPA_TOKENS_MAJOR off and on (queries and keys handed to SDPA in (batch, heads, tokens, head_dim) "
+                    "or (batch, tokens, heads, head_dim) memory), named WAY-tokens_major and WAY+tokens_major")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -161,13 +161,15 @@ def main() -> None:
             ways.append(("fp8_fa3", fp8_opts))
         if a.ways:
             ways = [w for w in ways if w[0] in a.ways.split(",") or w[0] == "bf16"]
-        if a.tokens_major:
-            ways += [(f"{name}+tokens_major", opts) for name, opts in ways]
+        # each way with SDPA's queries and keys heads-major, then tokens-major (fp8 cannot be switched off once on:
+        # the bf16 ways come first); fa3_fp8 takes the projections themselves, so SDPA's layout is not its
+        majors = [False, True] if a.tokens_major else [fused_kernels.SDPA_TOKENS_MAJOR]
+        ways = [(name + ({False: "-tokens_major", True: "+tokens_major"}[major] if a.tokens_major else ""), name, opts,
+                 major) for name, opts in ways for major in (majors if name != "fp8_fa3" else majors[-1:])]
         out = res[model] = {}
         ref = None
-        for label, opts in ways:
-            name = label.split("+")[0]
-            fused_kernels.SDPA_TOKENS_MAJOR = label.endswith("+tokens_major")
+        for label, name, opts, major in ways:
+            fused_kernels.SDPA_TOKENS_MAJOR = major
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)

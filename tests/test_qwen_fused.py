@@ -13,7 +13,7 @@ import torch
 
 from shardgen.models.dummy import build_dummy_pipeline
 from shardgen.families.qwen_image import fused as qwen_fused, speed as qwen
-from shardgen.speed import accel
+from shardgen.speed import accel, fused_kernels
 from shardgen.speed.blocks import fused_blocks
 from tests.test_dummy_models import SMALL
 from tests.test_qwen_speed import PROMPTS, _pixels
@@ -56,7 +56,9 @@ def test_fused_qk_is_the_processors_norms_and_rope_in_prefix_attentions_order(pi
     # the stock lines: each norm, then diffusers' complex RoPE; queries [text, image], keys [image, text]
     ref_q = torch.cat([qwen.apply_rope(attn.norm_added_q(txt_q), freqs[1]), qwen.apply_rope(attn.norm_q(img_q), freqs[0])], 1)
     ref_k = torch.cat([qwen.apply_rope(attn.norm_k(img_k), freqs[0]), qwen.apply_rope(attn.norm_added_k(txt_k), freqs[1])], 1)
-    assert query.shape == (2, attn.heads, 21, img_q.shape[-1]) and query.is_contiguous()
+    assert query.shape == (2, attn.heads, 21, img_q.shape[-1])
+    # SDPA's layout: (batch, tokens, heads, head_dim) memory when fused_kernels.SDPA_TOKENS_MAJOR, as diffusers has it
+    assert (query.transpose(1, 2) if fused_kernels.SDPA_TOKENS_MAJOR else query).is_contiguous()
     # every block of a call gets the same frequency tensors: the joint tables are made once for all of them
     assert all(a is b for a, b in zip(qwen_fused._joint_tables(*freqs), qwen_fused._joint_tables(*freqs)))
     torch.testing.assert_close(query, ref_q.transpose(1, 2), rtol=1e-6, atol=1e-6)

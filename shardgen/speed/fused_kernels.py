@@ -149,14 +149,14 @@ def _(xs, weights, cos, sin, eps, tokens_major=False):
     return xs[0].new_empty(b, heads, total, dim)
 
 
-SDPA_TOKENS_MAJOR = False
+SDPA_TOKENS_MAJOR = True
 """``rope_attention`` (FLUX.1, FLUX.2) and Qwen-Image's ``fused_qk`` hand SDPA queries and keys in (batch, tokens,
 heads, head_dim) memory (as diffusers does, and as their values already are) instead of (batch, heads, tokens,
-head_dim). cuDNN's attention writes its output in the queries' layout, so tokens-major queries would make the
-blocks' (batch, tokens, heads * head_dim) view of it free instead of the copy that takes ~11 ms of a FLUX.1-dev
-fp8 call at batch 4 on an H100 (58 copies at ~1.2 TB/s: benchmarks/results/2026-12-06-h100-row-passes-e94320d).
-Off until a GPU confirms the layout, the speed and the pixels (``benchmarks/probe_fp8_step.py --tokens-major``,
-tests/test_gpu.py::test_tokens_major_queries_give_a_tokens_major_attention_output_and_the_same_blocks)."""
+head_dim). cuDNN's attention writes its output in the queries' layout, so the blocks' (batch, tokens, heads *
+head_dim) view of it is free instead of a copy that took ~11 ms of a FLUX.1-dev fp8 call at batch 4 on an H100 (58
+copies at ~1.2 TB/s), and the blocks' output is the same (tests/test_gpu.py::
+test_tokens_major_queries_give_a_tokens_major_attention_output_and_the_same_blocks; the call with and without:
+``benchmarks/probe_fp8_step.py --tokens-major``)."""
 
 
 def rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], wq: list[torch.Tensor],
