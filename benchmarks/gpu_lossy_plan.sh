@@ -60,7 +60,7 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
 step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
   or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
-  or tokens_major" \
+  or tokens_major or swiglu" \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \

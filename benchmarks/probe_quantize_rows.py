@@ -3,9 +3,10 @@ optionally computed in the same pass) at the shapes a FLUX.1-dev fp8 call at bat
 configurations its kernel has: the whole row in registers (one read) or two passes over it in blocks (two reads,
 the second mostly from L2), and its warps. GPU time per call and the rate in TB/s of bytes moved (bf16 in, float8
 out); the row marked ``*`` is what ``quantize_rows`` launches today (the GELU's tanh: ``approx`` the
-GPU's tanh.approx.f32, else from exp); then the single blocks' ``proj_out`` input in one pass (``concat_gelu_rows``).
+GPU's tanh.approx.f32, else from exp); then the rows ``joined_rows`` writes in one pass (the single blocks' output
+projection input of FLUX.1 and FLUX.2, FLUX.2's feed-forward SwiGLU); then the LayerNorm + modulation pass.
 
-    python benchmarks/probe_quantize_rows.py [--out probe_quantize_rows.json]
+    python benchmarks/probe_quantize_rows.py [--only rows,joined,ln] [--out probe_quantize_rows.json]
 
 A FLUX.1-dev fp8 call at batch 4 spends ~30 ms in this kernel (152 calls: an H200's profile in
 benchmarks/results/2026-12-06-h200-kv-passes-4fe03a2), ~2.5-3 TB/s against the card's 4.8.
@@ -55,34 +56,67 @@ def _say(what: str, way: dict) -> None:
           f"{' *' if way.get('today') else ''}", flush=True)
 
 
-def concat_ways() -> list[dict]:
-    """A single block's ``proj_out`` input at batch 4: the attention output and the MLP's GELU quantised into one
-    row each (``concat_gelu_rows``, at 4, 8 and 16 warps), against the two passes ``forward_parts`` makes (and the
-    sum of its two GEMMs' outputs it then needs, not timed here)."""
+JOINED = [  # (what, rows, attention part's columns, the activation part's output columns, activation)
+    ("FLUX.1 single block proj_out input", 4 * 4608, 3072, 12288, "gelu"),
+    ("FLUX.2 single block proj_out input", 4 * 4608, 6144, 18432, "swiglu"),
+    ("FLUX.2 feed-forward down-projection input", 4 * 4096, 0, 18432, "swiglu"),
+]
+
+
+def _joined_before(a: torch.Tensor | None, b: torch.Tensor, act: str):
+    """What the fp8 blocks launched before ``joined_rows`` took these rows: FLUX.1's one power-of-two block a part
+    at 16 warps; FLUX.2's bf16 SwiGLU, then each part's ``quantize_rows``."""
+    from shardgen.families.flux2.fused import swiglu
     from shardgen.speed import fp8
 
-    rows, cols_a, cols_b = 4 * 4608, 3072, 12288
-    a = torch.randn(rows, cols_a, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(rows, cols_b, device="cuda", dtype=torch.bfloat16) * 3
-    q = torch.empty(rows, cols_a + cols_b, device="cuda", dtype=torch.float8_e4m3fn)
-    scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
-    moved = rows * (cols_a + cols_b) * 3
-    ways = []
-    for warps in (4, 8, 16):
-        def launch(warps=warps):
-            fp8._quantize_concat_kernel[(rows,)](a, b, q, scale, cols_a, cols_b, a.stride(0), b.stride(0),
-                                                 BLOCK_A=4096, BLOCK_B=16384, QMAX=fp8.FP8_MAX,
-                                                 APPROX=fp8.APPROX_TANH, num_warps=warps)
-        way = {"way": f"concat_gelu_rows warps={warps}", **_timed(launch, moved)}
-        ways.append(way)
-        _say(f"{'proj_out input, one pass':40s} {rows}x{cols_a}+{cols_b}: warps={warps:2d}", way)
+    if act == "gelu":
+        rows, cols_a, cols_b = b.shape[0], a.shape[1], b.shape[1]
+        q = torch.empty(rows, cols_a + cols_b, device="cuda", dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
+        return lambda: fp8._quantize_parts_kernel[(rows,)](
+            a, b, q, scale, cols_a, cols_b, a.stride(0), b.stride(0), 4096, 0, 16384, 0, ACT=1, QMAX=fp8.FP8_MAX,
+            APPROX=fp8.APPROX_TANH, num_warps=16)
 
     def parts():
-        fp8.quantize_rows(a)
-        fp8.quantize_rows(b, gelu=True)
-    way = {"way": "two quantize_rows passes", **_timed(parts, moved)}
-    ways.append(way)
-    _say(f"{'proj_out input, two passes (today)':40s} {rows}x{cols_a}+{cols_b}:", way)
+        if a is not None:
+            fp8.quantize_rows(a)
+        fp8.quantize_rows(swiglu(b))
+    return parts
+
+
+def joined_ways() -> list[dict]:
+    """The rows ``fp8.joined_rows`` writes at a batch-4 call's shapes (FLUX.1's single blocks' ``proj_out`` input;
+    FLUX.2's, its SwiGLU read from a slice of the fused projection; FLUX.2's feed-forward SwiGLU alone): its launch
+    (the parts' register chunks) at 4 to 32 warps, each checked against the launch ``joined_rows`` makes, and what
+    the fp8 blocks did before it (``_joined_before``; FLUX.2's then also summed two GEMMs' outputs, not timed)."""
+    from shardgen.speed import fp8
+
+    ways = []
+    for what, rows, cols_a, cols_b, act in JOINED:
+        width_b = 2 * cols_b if act == "swiglu" else cols_b
+        wide = torch.randn(rows, 3 * cols_a + width_b, device="cuda", dtype=torch.bfloat16) * 3
+        b = wide[:, 3 * cols_a:]  # FLUX.2's SwiGLU input lies in the fused projection's output
+        a = torch.randn(rows, cols_a, device="cuda", dtype=torch.bfloat16) if cols_a else None
+        ref = fp8.joined_rows(a, b, act)
+        *chunks, today = fp8._joined_launch(cols_a, cols_b)
+        q = torch.empty(rows, cols_a + cols_b, device="cuda", dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
+        moved = rows * (cols_a * 3 + (width_b * 2 + cols_b))  # bf16 read once, float8 written
+        for warps in (4, 8, 16, 32):
+            def launch(warps=warps):
+                fp8._quantize_parts_kernel[(rows,)](a if a is not None else b, b, q, scale, cols_a, cols_b,
+                                                    cols_a if a is None else a.stride(0), b.stride(0), *chunks,
+                                                    ACT=fp8.ACTIVATIONS[act], QMAX=fp8.FP8_MAX,
+                                                    APPROX=fp8.APPROX_TANH, num_warps=warps)
+            launch()
+            same = torch.equal(q.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+            way = {"what": what, "chunks": chunks, "warps": warps, **_timed(launch, moved), "same_bytes": same,
+                   "today": warps == today}
+            ways.append(way)
+            _say(f"{what[:40]:40s} {rows}x{cols_a}+{cols_b} {chunks}: warps={warps:2d}", way)
+        way = {"what": what, "before": True, **_timed(_joined_before(a, b, act), moved)}
+        ways.append(way)
+        _say(f"{what[:40]:40s} {rows}x{cols_a}+{cols_b}: as before", way)
     return ways
 
 
@@ -113,10 +147,13 @@ def main() -> None:
     from shardgen.speed import fp8
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="rows,joined,ln", help="which sweeps: rows (quantize_rows), joined "
+                    "(joined_rows), ln (the LayerNorm + modulation pass)")
     ap.add_argument("--out", default="probe_quantize_rows.json")
     a = ap.parse_args()
+    only = a.only.split(",")
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
-    for what, rows, cols, gelu in SHAPES:
+    for what, rows, cols, gelu in SHAPES if "rows" in only else []:
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(rows, cols, device="cuda", dtype=torch.float8_e4m3fn)
         scale = torch.empty(rows, 1, device="cuda", dtype=torch.float32)
@@ -139,8 +176,10 @@ def main() -> None:
             _say(f"{what[:40]:40s} {rows}x{cols} gelu={gelu}: one_pass={one_pass!s:5s} block={block:5d} "
                  f"warps={warps:2d} approx={approx!s:5s}", way)
         res["shapes"].append(shape)
-    res["concat"] = concat_ways()
-    res["ln_modulate"] = ln_modulate_ways()
+    if "joined" in only:
+        res["joined"] = joined_ways()
+    if "ln" in only:
+        res["ln_modulate"] = ln_modulate_ways()
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

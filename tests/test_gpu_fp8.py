@@ -57,24 +57,52 @@ def test_triton_gelu_quantisation_matches_gelu_then_quantise(rows, cols):
     assert isinstance(rows_in, fp8.Fp8Rows) and torch.equal(rows_in.data.reshape(q.shape).float(), q.float())
 
 
-@pytest.mark.parametrize("tokens, mlp_range", [(4608, 4.0), (211, 0.05)])
-def test_the_single_block_s_proj_out_input_is_quantised_in_one_pass(tokens, mlp_range):
-    """``concat_gelu_rows`` at FLUX.1-dev's widths (whichever part holds a row's maximum) against the torch ops'
-    quantisation of the concatenation; the float8 layer over it against bf16's ``proj_out`` of the concatenation."""
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``Flux2SwiGLU`` in bf16."""
+    half = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+
+@pytest.mark.parametrize("model, tokens, mlp_range", [("flux_dev", 4608, 4.0), ("flux_dev", 211, 0.05),
+                                                      ("flux2_dev", 4608, 4.0), ("flux2_dev", 211, 0.05)])
+def test_the_single_block_s_proj_out_input_is_quantised_in_one_pass(model, tokens, mlp_range):
+    """``joined_rows`` at the single blocks' widths (FLUX.1-dev: attention 3072 beside the GELU of 12288; FLUX.2-dev:
+    6144 beside the SwiGLU of a 36864-wide slice of the fused projection), whichever part holds a row's maximum,
+    against the torch ops' quantisation of the concatenation; the float8 layer over it against bf16's output
+    projection of the concatenation."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    attn = torch.randn(2, tokens, 3072, device="cuda", generator=g).to(torch.bfloat16)
-    mlp = (torch.randn(2, tokens, 12288, device="cuda", generator=g) * mlp_range).to(torch.bfloat16)
-    joined = torch.cat([attn, torch.nn.functional.gelu(mlp, approximate="tanh")], -1)
-    rows = fp8.concat_gelu_rows(attn, mlp)
-    q_ref, s_ref = fp8.quantize_rows_reference(joined.reshape(-1, 15360))
-    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (2, tokens, 15360)
+    dim, hidden = (3072, 12288) if model == "flux_dev" else (6144, 18432)
+    attn = torch.randn(2, tokens, dim, device="cuda", generator=g).to(torch.bfloat16)
+    if model == "flux_dev":
+        mlp = (torch.randn(2, tokens, hidden, device="cuda", generator=g) * mlp_range).to(torch.bfloat16)
+        joined = torch.cat([attn, torch.nn.functional.gelu(mlp, approximate="tanh")], -1)
+        rows = fp8.joined_rows(attn, mlp, "gelu")
+    else:  # the SwiGLU's input read where it lies in the fused q, k, v and MLP projection
+        proj = (torch.randn(2, tokens, 3 * dim + 2 * hidden, device="cuda", generator=g) * mlp_range).to(torch.bfloat16)
+        joined = torch.cat([attn, _swiglu(proj[..., 3 * dim:])], -1)
+        rows = fp8.joined_rows(attn, proj[..., 3 * dim:], "swiglu")
+    q_ref, s_ref = fp8.quantize_rows_reference(joined.reshape(-1, dim + hidden))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (2, tokens, dim + hidden)
     assert torch.allclose(rows.scale, s_ref, rtol=1e-2)  # a row's maximum one bf16 step apart at most
     off = ((rows.data.float() * rows.scale) - (q_ref.float() * s_ref)).abs() > 0.07 * (s_ref * fp8.FP8_MAX)
     assert off.sum().item() <= q_ref.numel() * 1e-4, f"{off.sum().item()} values differ by more than a step"
-    lin = torch.nn.Linear(15360, 3072, device="cuda", dtype=torch.bfloat16)
+    lin = torch.nn.Linear(dim + hidden, dim, device="cuda", dtype=torch.bfloat16)
     ref = lin(joined).float()
     out = fp8.Float8Linear(lin)(rows).float()
     assert out.shape == ref.shape and ((out - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_flux2_s_feed_forward_takes_its_swiglu_as_float8_rows():
+    """FLUX.2-dev's feed-forward down-projection input (the SwiGLU of 36864 columns, 18432 wide: two register
+    chunks) quantised in the SwiGLU's pass: the float8 rows the torch ops make of the bf16 SwiGLU."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    h = (torch.randn(2, 4096, 36864, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    rows = fp8.joined_rows(None, h, "swiglu")
+    q_ref, s_ref = fp8.quantize_rows_reference(_swiglu(h).reshape(-1, 18432))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == (2, 4096, 18432)
+    assert torch.allclose(rows.scale, s_ref, rtol=1e-2)
+    off = ((rows.data.float() * rows.scale) - (q_ref.float() * s_ref)).abs() > 0.07 * (s_ref * fp8.FP8_MAX)
+    assert off.sum().item() <= q_ref.numel() * 1e-4, f"{off.sum().item()} values differ by more than a step"
 
 
 def test_triton_row_quantisation_reads_an_attention_output_s_halves_in_place():

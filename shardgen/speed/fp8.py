@@ -134,21 +134,53 @@ if triton is not None:
                 tl.store(q_row + offs, to_fp8(v, inv_scale, QMAX), mask=offs < cols)
 
     @triton.jit
-    def _quantize_concat_kernel(a_ptr, b_ptr, q_ptr, scale_ptr, cols_a, cols_b, stride_a, stride_b,
-                                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, QMAX: tl.constexpr,
-                                APPROX: tl.constexpr):
-        # row r of concat([a, gelu(b)]) on the whole row's absolute maximum: both parts in registers, read once
+    def _part_chunk(ptr, row_off, start, cols, BLOCK: tl.constexpr, ACT: tl.constexpr, APPROX: tl.constexpr):
+        # columns start..start+BLOCK of one row of a part, its activation applied, in float32: ACT 0 the values,
+        # 1 the tanh-GELU, 2 diffusers' SwiGLU (silu of the row's first ``cols`` columns, rounded to bf16 as eager
+        # rounds it, times the next ``cols``; the product rounded to bf16 where eager writes it)
+        offs = start + tl.arange(0, BLOCK)
+        live = offs < cols
+        v = tl.load(ptr + row_off + offs, mask=live, other=0.0).to(tl.float32)
+        if ACT == 1:
+            v = _gelu_tanh_bf16(v, APPROX)
+        if ACT == 2:
+            g = tl.load(ptr + row_off + cols + offs, mask=live, other=0.0).to(tl.float32)
+            v = ((v / (1.0 + tl.exp(-v))).to(tl.bfloat16).to(tl.float32) * g).to(tl.bfloat16).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _quantize_parts_kernel(a_ptr, b_ptr, q_ptr, scale_ptr, cols_a, cols_b, stride_a, stride_b,
+                               A1: tl.constexpr, A2: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                               ACT: tl.constexpr, QMAX: tl.constexpr, APPROX: tl.constexpr):
+        # row r of concat([a, act(b)]) (no a when A1 is 0) on the whole row's absolute maximum. Each part is held in
+        # registers as one or two power-of-two chunks (A1 [+ A2] covers cols_a, B1 [+ B2] cols_b): read once
         row = tl.program_id(0).to(tl.int64)
-        oa, ob = tl.arange(0, BLOCK_A), tl.arange(0, BLOCK_B)
-        a = tl.load(a_ptr + row * stride_a + oa, mask=oa < cols_a, other=0.0).to(tl.float32)
-        v = _gelu_tanh_bf16(tl.load(b_ptr + row * stride_b + ob, mask=ob < cols_b, other=0.0).to(tl.float32), APPROX)
-        amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(v), axis=0))
+        b1 = _part_chunk(b_ptr, row * stride_b, 0, cols_b, B1, ACT, APPROX)
+        amax = tl.max(tl.abs(b1), axis=0)
+        if B2 > 0:
+            b2 = _part_chunk(b_ptr, row * stride_b, B1, cols_b, B2, ACT, APPROX)
+            amax = tl.maximum(amax, tl.max(tl.abs(b2), axis=0))
+        if A1 > 0:
+            a1 = _part_chunk(a_ptr, row * stride_a, 0, cols_a, A1, 0, APPROX)
+            amax = tl.maximum(amax, tl.max(tl.abs(a1), axis=0))
+        if A2 > 0:
+            a2 = _part_chunk(a_ptr, row * stride_a, A1, cols_a, A2, 0, APPROX)
+            amax = tl.maximum(amax, tl.max(tl.abs(a2), axis=0))
         scale = tl.maximum(amax, 1e-12) / QMAX
         tl.store(scale_ptr + row, scale)
         inv_scale = 1.0 / scale
         q_row = q_ptr + row * (cols_a + cols_b)
-        tl.store(q_row + oa, to_fp8(a, inv_scale, QMAX), mask=oa < cols_a)
-        tl.store(q_row + cols_a + ob, to_fp8(v, inv_scale, QMAX), mask=ob < cols_b)
+        if A1 > 0:
+            oa = tl.arange(0, A1)
+            tl.store(q_row + oa, to_fp8(a1, inv_scale, QMAX), mask=oa < cols_a)
+        if A2 > 0:
+            oa = A1 + tl.arange(0, A2)
+            tl.store(q_row + oa, to_fp8(a2, inv_scale, QMAX), mask=oa < cols_a)
+        ob = tl.arange(0, B1)
+        tl.store(q_row + cols_a + ob, to_fp8(b1, inv_scale, QMAX), mask=ob < cols_b)
+        if B2 > 0:
+            ob = B1 + tl.arange(0, B2)
+            tl.store(q_row + cols_a + ob, to_fp8(b2, inv_scale, QMAX), mask=ob < cols_b)
 
 
 @dataclass(frozen=True)
@@ -232,27 +264,59 @@ def gelu_rows(x: torch.Tensor) -> Fp8Rows | torch.Tensor:
     return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
 
 
-def concat_gelu_rows(a: torch.Tensor, b: torch.Tensor) -> Fp8Rows | None:
-    """The float8 rows of ``cat([a, gelu(b, approximate="tanh")], -1)`` (what a ``Float8Linear`` over the
-    concatenation quantises) in one pass that reads each part once: eagerly on CUDA for bf16 ``a`` and ``b`` of one
-    leading shape whose rows fit in registers; None elsewhere (the caller takes the parts one GEMM each:
-    ``Float8Linear.forward_parts``). The rows share one scale, so the layer runs one GEMM over them and no sum of
-    two products is written and read again (FLUX.1's single blocks' ``proj_out``)."""
-    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1] and _kernel_ok(a2)
-            and _kernel_ok(b2) and a2.stride(-1) == b2.stride(-1) == 1):
+ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2}
+"""``joined_rows``' activations of its second part: tanh-GELU (FLUX.1's MLP), diffusers' SwiGLU (FLUX.2's)."""
+REGISTER_COLS = 24576
+"""The most columns ``joined_rows`` holds in a program's registers (its chunks' power-of-two widths together):
+FLUX.2's single blocks' output projection reads 6144 + 18432."""
+
+
+def register_chunks(cols: int) -> tuple[int, int]:
+    """A row part of ``cols`` columns as at most two power-of-two register blocks (the second 0 when there is
+    none): the largest power of two up to ``cols`` and the rest's (12288 = 8192 + 4096, 18432 = 16384 + 2048), where
+    one block would leave up to half its lanes idle (12288 in 16384, 18432 in 32768)."""
+    if cols <= 0:
+        return 0, 0
+    first = 1 << (cols.bit_length() - 1)
+    rest = cols - first
+    return (first, 0) if not rest else (first, max(16, 1 << (rest - 1).bit_length()))
+
+
+def _joined_launch(cols_a: int, cols_b: int) -> tuple[int, int, int, int, int] | None:
+    """(A1, A2, B1, B2, warps) of ``_quantize_parts_kernel`` for parts ``cols_a`` and ``cols_b`` wide; None when
+    their chunks pass ``REGISTER_COLS``."""
+    (a1, a2), (b1, b2) = register_chunks(cols_a), register_chunks(cols_b)
+    lanes = a1 + a2 + b1 + b2
+    return None if lanes > REGISTER_COLS else (a1, a2, b1, b2, _row_warps(lanes))
+
+
+def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8Rows | None:
+    """The float8 rows of ``cat([a, act(b)], -1)``, ``act`` the ``activation`` (``ACTIVATIONS``; with ``a`` None,
+    of ``act(b)`` alone), in one pass that reads each part once: what a ``Float8Linear`` over them quantises, the
+    activation's bf16 output never written. Eagerly on CUDA for bf16 parts of one leading shape whose chunks fit
+    in registers (``REGISTER_COLS``); None elsewhere (the caller runs the activation in bf16 and the layer takes
+    the parts one GEMM each: ``Float8Linear.forward_parts``). The rows share one scale, so the layer runs one GEMM
+    over them and no sum of two products is written and read again (the single blocks' output projection of FLUX.1
+    and FLUX.2; FLUX.2's feed-forward down-projection takes its SwiGLU this way)."""
+    act = ACTIVATIONS[activation]
+    b2 = b.reshape(-1, b.shape[-1])
+    a2 = a.reshape(-1, a.shape[-1]) if a is not None else b2[:, :0]
+    cols_b = b2.shape[1] // 2 if act == ACTIVATIONS["swiglu"] else b2.shape[1]
+    if not (b.dtype == torch.bfloat16 and _kernel_ok(b2) and b2.stride(-1) == 1 and (a is None or (
+            a.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1] and _kernel_ok(a2) and a2.stride(-1) == 1))):
         return None
-    width_a, width_b = triton.next_power_of_2(a2.shape[-1]), triton.next_power_of_2(b2.shape[-1])
-    if width_a + width_b > ONE_PASS_COLS + 4096:  # more than the registers hold
+    launch = _joined_launch(a2.shape[1], cols_b)
+    if launch is None or (act == ACTIVATIONS["swiglu"] and b2.shape[1] % 2):
         return None
-    rows, cols_a, cols_b = a2.shape[0], a2.shape[1], b2.shape[1]
-    q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=a.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=a.device)
+    rows, cols_a = b2.shape[0], a2.shape[1]
+    q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=b.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=b.device)
     if rows:
-        _quantize_concat_kernel[(rows,)](a2, b2, q, scale, cols_a, cols_b, a2.stride(0), b2.stride(0),
-                                         BLOCK_A=width_a, BLOCK_B=width_b, QMAX=FP8_MAX, APPROX=APPROX_TANH,
-                                         num_warps=_row_warps(width_a + width_b))
-    return Fp8Rows(q, scale, tuple(a.shape[:-1]), a.dtype)
+        *chunks, warps = launch
+        _quantize_parts_kernel[(rows,)](a2 if a is not None else b2, b2, q, scale, cols_a, cols_b,
+                                        a2.stride(0), b2.stride(0), *chunks, ACT=act, QMAX=FP8_MAX,
+                                        APPROX=APPROX_TANH, num_warps=warps)
+    return Fp8Rows(q, scale, tuple(b.shape[:-1]), b.dtype)
 
 
 class _LastQuantized(threading.local):

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.fp8 import Float8Linear, concat_gelu_rows, gelu_rows
+from shardgen.speed.fp8 import Float8Linear, gelu_rows, joined_rows
 from shardgen.speed.fused_kernels import (ff_input_layers, for_layer, gated, gelu_feed_forward, gelu_up,
                                          ln_modulate_for, norm_eps, norm_weight, one_eps, processor_problem,
                                          restore_processors, rope_attention, swap_processors)
@@ -170,7 +170,7 @@ def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attenti
     """The single block's body with fp8=true's float8 layers: the normed input quantised once for the MLP and
     q/k/v; eagerly on CUDA the LayerNorm + modulation in one pass, which writes the float8 rows themselves when the
     fused processor takes them, and ``proj_out``'s input (the attention output beside the MLP's GELU) quantised in
-    one pass that computes the GELU and writes the concatenation's float8 rows (``concat_gelu_rows``: one GEMM, no
+    one pass that computes the GELU and writes the concatenation's float8 rows (``joined_rows``: one GEMM, no
     bf16 GELU or concatenation written). Elsewhere ``proj_out`` takes the two parts one GEMM each, each quantised
     with its own row scales, the GELU written straight into float8."""
     if _eager_fusable(hidden_states, self.norm):
@@ -181,7 +181,7 @@ def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attenti
         normed, gate = self.norm(hidden_states, emb=temb)
     attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     mlp = self.proj_mlp(normed)  # after the attention: its bf16 activation (12288 wide) lives until the next pass only
-    rows = concat_gelu_rows(attn_output, mlp)
+    rows = joined_rows(attn_output, mlp, "gelu")
     proj = self.proj_out(rows) if rows is not None else self.proj_out.forward_parts([attn_output, gelu_rows(mlp)])
     hidden_states = gated(hidden_states, gate[:, None], proj)
     if hidden_states.dtype == torch.float16:

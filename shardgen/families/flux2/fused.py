@@ -14,6 +14,9 @@ the same arithmetic with the intermediate roundings eager diffusers makes, in fe
   blocks, the second accumulating into the first's output (``addmm_``), so the 24576-wide concatenation is never
   written (one more bf16 rounding of a partial sum: bf16 noise).
 - **gated residuals** (``x + gate * y``): one pass instead of two (``fused_kernels.gated``).
+- with ``fp8=true``'s float8 layers, eagerly on CUDA: the SwiGLU computed in the pass that writes the next layer's
+  float8 rows (``fp8.joined_rows``: its bf16 output never written), for the feed-forward's down-projection and for
+  the single blocks' output projection, whose attention part joins the same rows (one GEMM, no sum of two).
 
 Off CUDA (or without Triton) every op runs the torch ops eager diffusers runs, so CPU runs keep its exact
 arithmetic. ``enable(transformer)`` swaps the attention processors and returns the block forwards (run eagerly
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardgen.speed.fp8 import Float8Linear
+from shardgen.speed.fp8 import Float8Linear, joined_rows
 from shardgen.speed.fused_kernels import (for_layer, gated, layer_norm_problem, ln_modulate_for, norm_eps, norm_weight,
                                          one_eps, processor_problem, restore_processors, rope_attention,
                                          swap_processors, tl, triton, triton_ok)
@@ -140,9 +143,11 @@ class FusedFlux2ParallelSelfAttnProcessor:
         q, k, v = (proj[..., i * inner:(i + 1) * inner].unflatten(-1, heads_dim) for i in range(3))
         eps = norm_eps(attn.norm_q, q.dtype)
         out = rope_attention([q], [k], [v], [norm_weight(attn.norm_q, q)], [norm_weight(attn.norm_k, k)], cos, sin, eps)
+        if fp8:  # the SwiGLU computed where the joined float8 rows are written; else each part on its own
+            rows = joined_rows(out, proj[..., 3 * inner:], "swiglu")
+            return attn.to_out(rows) if rows is not None else attn.to_out.forward_parts(
+                [out, swiglu(proj[..., 3 * inner:])])
         mlp = swiglu(proj[..., 3 * inner:])
-        if fp8:  # each part quantised on its own: no concatenation
-            return attn.to_out.forward_parts([out, mlp])
         if not out.is_cuda:  # eager's one GEMM over the concatenation: its exact bytes
             return attn.to_out(torch.cat([out, mlp], dim=-1))
         w = attn.to_out.weight
@@ -161,8 +166,11 @@ def _split_mod(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], 
 
 
 def _ff(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' ``Flux2FeedForward`` with the SwiGLU in one pass."""
-    return ff.linear_out(swiglu(ff.linear_in(x)))
+    """diffusers' ``Flux2FeedForward`` with the SwiGLU in one pass: into a float8 down-projection's rows where that
+    pass can write them (``joined_rows``)."""
+    h = ff.linear_in(x)
+    rows = joined_rows(None, h, "swiglu") if isinstance(ff.linear_out, Float8Linear) else None
+    return ff.linear_out(rows if rows is not None else swiglu(h))
 
 
 def double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
