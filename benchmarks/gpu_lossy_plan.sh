@@ -23,6 +23,9 @@
 #   13 (a card under 120 GB only): FLUX.2-dev's seed loop under enable_model_cpu_offload, on 4 prompts
 #   14 matrix-fa3: the matrix's FA3 ways alone (step 7 has them among the others)
 #   15 streaming: device_map's streamed text encoder makes the same pixels (tests/test_gpu.py)
+#   16 flux2-step: one FLUX.2-dev transformer step by kernel kind (bf16, fp8, fp8 + fa3_fp8); the joined rows'
+#            launches (FLUX.1's and FLUX.2's single blocks, FLUX.2's feed-forward SwiGLU) at their warps
+#   17 matrix-flux2: FLUX.2-dev's fp8 paths in whole jobs (the matrix's FLUX.2-dev rows, eager and fa3)
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -101,4 +104,9 @@ step 12 flux2_dev-96-fa3 420 python3 benchmarks/lossy_runs.py --model flux2_dev 
 step 14 matrix-fa3 300 python3 -m pytest -m gpu -o addopts="" -q -s -k "every_fp8_path and fa3" \
   tests/test_gpu_fp8.py
 step 15 streaming 120 python3 -m pytest -m gpu -o addopts="" -q -s -k streams_an_encoder tests/test_gpu.py
+step 16 flux2-step 200 bash -c "python3 benchmarks/probe_fp8_step.py --models flux2_dev --no-gemms \
+  --ways fp8_fast_accum,fp8_fa3 --out $work/16-flux2-step/probe_fp8_step.json; \
+  python3 benchmarks/probe_quantize_rows.py --only joined --out $work/16-flux2-step/probe_quantize_rows.json"
+step 17 matrix-flux2 400 python3 -m pytest -m gpu -o addopts="" -q -s \
+  -k "every_fp8_path and flux2_dev and (eager or fa3)" tests/test_gpu_fp8.py
 echo "== plan done $(date -u +%T)" | tee -a "$log"
