@@ -243,14 +243,20 @@ def check(rows, joined):
     assert off.max() <= 0.3 and off.mean() < 0.005 and (rows.data.float() != q_ref.float()).float().mean() < 0.12
 
 
-attn = (torch.randn(2, 37, 96, generator=g) * 0.5).bfloat16()  # two register chunks: 64 + 32
-for mlp_range in (0.1, 8.0):  # the attention part's maximum the row's, then the activation's
+attn = (torch.randn(2, 37, 96, generator=g) * 0.5).bfloat16()
+# the attention part's maximum the row's, one power-of-two block a part (128 + 256); then the activation's, past the
+# lanes' limit: two blocks a part (64 + 32 + 128 + 32; a SwiGLU alone 128 + 32)
+for mlp_range, fp8.REGISTER_COLS, alone_limit, chunked in ((0.1, 24576, 24576, False), (8.0, 320, 200, True)):
     mlp = (torch.randn(2, 37, 160, generator=g) * mlp_range).bfloat16()
-    check(fp8.joined_rows(attn, mlp, "gelu"), torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
     # FLUX.2: the SwiGLU's input a column slice of a wider projection, read where it is
-    proj = (torch.randn(2, 37, 96 + 2 * 80, generator=g) * mlp_range).bfloat16()
+    proj = (torch.randn(2, 37, 96 + 2 * 160, generator=g) * mlp_range).bfloat16()
+    assert (fp8._joined_launch(96, 160)[1] > 0) == chunked
+    check(fp8.joined_rows(attn, mlp, "gelu"), torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
     check(fp8.joined_rows(attn, proj[..., 96:], "swiglu"), torch.cat([attn, swiglu(proj[..., 96:])], -1))
+    fp8.REGISTER_COLS = alone_limit
+    assert (fp8._joined_launch(0, 160)[3] > 0) == chunked
     check(fp8.joined_rows(None, proj[..., 96:], "swiglu"), swiglu(proj[..., 96:]))
+fp8.REGISTER_COLS = 24576
 print(fp8.joined_rows(attn, mlp.float(), "gelu"), fp8.joined_rows(attn, mlp[:, 1:], "gelu"),
       fp8.joined_rows(None, proj[..., 97:], "swiglu"))
 '''
@@ -264,6 +270,16 @@ def test_joined_rows_are_quantised_in_one_pass_with_the_activation(tmp_path):
     from tests.test_fp8_attention import interpreted
 
     assert interpreted(_INTERPRETED_JOINED, tmp_path) == "None None None"
+
+
+def test_joined_rows_launch_whole_power_of_two_blocks_while_they_fit_the_registers():
+    """FLUX.1's single blocks: one block a part (4096 + 16384 lanes for 3072 + 12288 columns), as an H100 timed it;
+    FLUX.2's single blocks (6144 + 18432) and feed-forward SwiGLU (18432) past 24576 lanes: two blocks a part."""
+    assert fp8._joined_launch(3072, 12288) == (4096, 0, 16384, 0, 16)
+    assert fp8._joined_launch(6144, 18432) == (4096, 2048, 16384, 2048, 16)
+    assert fp8._joined_launch(0, 18432) == (0, 0, 16384, 2048, 16)
+    assert fp8._joined_launch(3072, 3072) == (4096, 0, 4096, 0, 8)
+    assert fp8._joined_launch(6144, 36864) is None  # more than the registers hold: the parts one GEMM each
 
 
 def test_the_concatenation_s_rows_are_left_to_the_parts_off_cuda():

@@ -267,27 +267,34 @@ def gelu_rows(x: torch.Tensor) -> Fp8Rows | torch.Tensor:
 ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2}
 """``joined_rows``' activations of its second part: tanh-GELU (FLUX.1's MLP), diffusers' SwiGLU (FLUX.2's)."""
 REGISTER_COLS = 24576
-"""The most columns ``joined_rows`` holds in a program's registers (its chunks' power-of-two widths together):
-FLUX.2's single blocks' output projection reads 6144 + 18432."""
+"""The most lanes (columns of its power-of-two register blocks together) a ``joined_rows`` program holds: FLUX.2's
+single blocks' output projection reads 6144 + 18432 in blocks of 4096 + 2048 + 16384 + 2048."""
+
+
+def _pow2(cols: int) -> int:
+    return 1 << (cols - 1).bit_length() if cols > 0 else 0
 
 
 def register_chunks(cols: int) -> tuple[int, int]:
     """A row part of ``cols`` columns as at most two power-of-two register blocks (the second 0 when there is
     none): the largest power of two up to ``cols`` and the rest's (12288 = 8192 + 4096, 18432 = 16384 + 2048), where
-    one block would leave up to half its lanes idle (12288 in 16384, 18432 in 32768)."""
+    one block would leave up to half its lanes idle (18432 in 32768)."""
     if cols <= 0:
         return 0, 0
     first = 1 << (cols.bit_length() - 1)
     rest = cols - first
-    return (first, 0) if not rest else (first, max(16, 1 << (rest - 1).bit_length()))
+    return (first, 0) if not rest else (first, max(16, _pow2(rest)))
 
 
 def _joined_launch(cols_a: int, cols_b: int) -> tuple[int, int, int, int, int] | None:
-    """(A1, A2, B1, B2, warps) of ``_quantize_parts_kernel`` for parts ``cols_a`` and ``cols_b`` wide; None when
-    their chunks pass ``REGISTER_COLS``."""
-    (a1, a2), (b1, b2) = register_chunks(cols_a), register_chunks(cols_b)
-    lanes = a1 + a2 + b1 + b2
-    return None if lanes > REGISTER_COLS else (a1, a2, b1, b2, _row_warps(lanes))
+    """(A1, A2, B1, B2, warps) of ``_quantize_parts_kernel`` for parts ``cols_a`` and ``cols_b`` wide: one
+    power-of-two block a part while they fit ``REGISTER_COLS`` together (FLUX.1's single blocks: 4096 + 16384, the
+    launch an H100 timed at 300 us at 16 warps, benchmarks/probe_quantize_rows.py), else each part in
+    ``register_chunks``; None when even those pass it."""
+    whole = (_pow2(cols_a), 0, _pow2(cols_b), 0)
+    chunks = whole if sum(whole) <= REGISTER_COLS else (*register_chunks(cols_a), *register_chunks(cols_b))
+    lanes = sum(chunks)
+    return None if lanes > REGISTER_COLS else (*chunks, _row_warps(lanes))
 
 
 def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8Rows | None:
