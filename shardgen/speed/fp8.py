@@ -18,10 +18,11 @@ their neighbours). Off CUDA, or without Triton, the torch ops run. Three passes 
 blocks know the layers are float8: an input read by several layers (q, k and v; a single block's MLP and attention)
 is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-projection's quantisation pass
 (``gelu_rows``: its bf16 output is never written), its tanh the GPU's one-instruction approximation
-(``APPROX_TANH``); FLUX.1's single blocks' ``proj_out`` takes the attention output beside the MLP's GELU as one
-float8 row each, made in one pass that reads both parts once (``concat_gelu_rows``: one GEMM, no concatenation or
-bf16 GELU written); and a layer over a concatenation that pass does not take (FLUX.2's single blocks, or rows too
-wide for it) takes its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
+(``APPROX_TANH``); the single blocks' output projection (FLUX.1, FLUX.2) takes the attention output beside the
+MLP's activation (GELU, SwiGLU) as one float8 row each, made in one pass that reads both parts once
+(``joined_rows``: one GEMM, no concatenation or bf16 activation written), and FLUX.2's feed-forward its SwiGLU the
+same way; a layer over a concatenation that pass does not take (rows too wide for its registers, or off CUDA) takes
+its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
 """
 
 from __future__ import annotations
