@@ -1,6 +1,8 @@
 """Lossless against lossy, whole runs as a user launches them, with the fidelity beside each speed.
 
     python benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 [--seed-n 8] --out $OUT/flux_dev
+    python benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --ways fp8 \
+      --seed-from $OUT/flux_dev/summary.json --out $OUT/flux_dev-96    # the same machine's seed loop, not run again
 
 One process per way, in this order, on one prompt file of captions of 1 to 200 words
 (``shardgen.bench.main.bench_prompts``), each on a fresh ``$SHARDGEN_CACHE`` (a first job on a new node):
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from real_runs import parse_job, seed_loop, timed  # noqa: E402
+from real_runs import parse_job, projected_seed, seed_loop, timed  # noqa: E402
 
 WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=true"],
         "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"],
@@ -53,6 +55,22 @@ def fidelity(run_dir: Path, reference: Path) -> dict:
     return {"psnr_db": s["psnr_db"], "ssim": s["ssim"], "compared": s["compared"]}
 
 
+def earlier_seed(summary: Path, model: str, steps: int, n: int) -> dict:
+    """The seed loop's figures in an earlier call's ``summary.json``, projected to ``n`` prompts; SystemExit with what
+    to change when that file holds none of the same model and steps."""
+    try:
+        earlier = json.loads(summary.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--seed-from {summary}: not a readable summary.json ({type(e).__name__}: {e})") from None
+    seed = earlier.get("seed") if isinstance(earlier, dict) else None
+    if not (isinstance(seed, dict) and seed.get("images_per_hour")):
+        raise SystemExit(f"--seed-from {summary}: it has no measured seed loop; run this call with --seed-n 8")
+    if (earlier.get("model"), earlier.get("steps")) != (model, steps):
+        raise SystemExit(f"--seed-from {summary}: its seed loop is {earlier.get('model')} at {earlier.get('steps')} "
+                         f"steps, this call {model} at {steps}")
+    return projected_seed(seed, n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -65,6 +83,9 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra job overrides (every way)")
     ap.add_argument("--seed-n", type=int, default=0, help="also the seed loop on this many prompts (its steady rate, "
                     "and its whole process projected to --n): each way's x_seed_whole and steady_x_seed")
+    ap.add_argument("--seed-from", default=None, metavar="SUMMARY", help="the seed loop of an earlier call's "
+                    "summary.json (on the same machine, for the same model and steps) instead of running it again: its "
+                    "steady rate, its whole process projected to --n")
     ap.add_argument("--seed-offload", action="store_true", help="the seed loop under diffusers' "
                     "enable_model_cpu_offload (its pipeline in RAM: a GPU it does not fit, FLUX.2-dev on 80 GB)")
     ap.add_argument("--out", required=True)
@@ -81,7 +102,9 @@ def main() -> None:
     ways = [w for w in a.ways.split(",") if w != "none"] if a.ways else \
         ["bf16", "fp8"] + (["fp8-compiled"] if a.compiled else [])
     res: dict = {"model": a.model, "steps": a.steps, "n": a.n, "argv": sys.argv}
-    if a.seed_n:
+    if a.seed_from:
+        res["seed"] = dict(earlier_seed(Path(a.seed_from), a.model, a.steps, a.n), source=str(a.seed_from))
+    elif a.seed_n:
         shutil.rmtree(out / "seed", ignore_errors=True)
         shutil.rmtree(out / "seed-cache", ignore_errors=True)
         res["seed"] = seed_loop(out, a.model, a.steps, a.seed_n, a.n, env, weights=a.weights, overrides=a.overrides,

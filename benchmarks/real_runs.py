@@ -92,10 +92,17 @@ def seed_loop(out: Path, model: str, steps: int, seed_n: int, n: int, env: dict,
                            *(["--baseline-offload"] if offload else [])],
                           out / "seed.log", seed_env)
     base = json.loads((out / "seed" / "bench.json").read_text()).get("baseline", {}) if rc == 0 else {}
-    res = {"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"), "n": base.get("n")}
-    if base.get("images_per_hour") and base.get("n"):  # the same process with n prompts at its steady rate
-        res["seed_whole_s"] = wall + (n - base["n"]) * 3600 / base["images_per_hour"]
-    return res
+    return projected_seed({"rc": rc, "process_s": wall, "images_per_hour": base.get("images_per_hour"),
+                           "n": base.get("n")}, n)
+
+
+def projected_seed(seed: dict, n: int) -> dict:
+    """``seed`` (``seed_loop``'s figures, perhaps of another call with another ``n``) with ``seed_whole_s`` for
+    ``n`` prompts: the same process making ``n`` prompts, its own prompts' time plus the rest at its steady rate."""
+    out = {k: v for k, v in seed.items() if k != "seed_whole_s"}
+    if seed.get("images_per_hour") and seed.get("n") and seed.get("process_s"):
+        out["seed_whole_s"] = seed["process_s"] + (n - seed["n"]) * 3600 / seed["images_per_hour"]
+    return out
 
 
 def psnr_vs_seed(run_dir: Path, seed_dir: Path, n: int) -> dict:

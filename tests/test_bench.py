@@ -274,3 +274,35 @@ def test_a_flux_step_counts_the_flops_the_architecture_implies():
     assert (linear + attention) / 1e12 == pytest.approx(74.4, abs=0.1)
     linear, attention = step_flops.step_flops("flux2_dev", 4096, 512)
     assert (linear + attention) / 1e12 == pytest.approx(282.5, abs=0.1)
+
+
+def _lossy_runs():
+    """benchmarks/lossy_runs.py as a module (it puts benchmarks/ on the path for its sibling real_runs.py)."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("lossy_runs", ROOT / "benchmarks" / "lossy_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_earlier_seed_loop_is_projected_to_this_call_s_prompts_or_refused_in_one_line(tmp_path):
+    """benchmarks/lossy_runs.py --seed-from: the seed loop of a 24-prompt call (8 prompts made in 52.8 s at 751.4
+    images/hour) stands for a 96-prompt call as 52.8 s + 88 prompts at its rate; a summary without one, of another
+    model or steps, or unreadable, stops the call with what to do."""
+    import json
+
+    lossy_runs = _lossy_runs()
+    summary = tmp_path / "summary.json"
+    seed = {"rc": 0, "process_s": 52.8, "images_per_hour": 751.4, "n": 8, "seed_whole_s": 129.5}
+    summary.write_text(json.dumps({"model": "flux2_dev", "steps": 8, "n": 24, "seed": seed}))
+    got = lossy_runs.earlier_seed(summary, "flux2_dev", 8, 96)
+    assert got["seed_whole_s"] == pytest.approx(52.8 + 88 * 3600 / 751.4) and got["images_per_hour"] == 751.4
+    for body, model, steps, says in ((json.dumps({"model": "flux2_dev", "steps": 8}), "flux2_dev", 8, "--seed-n 8"),
+                                     (summary.read_text(), "flux_dev", 28, "flux2_dev at 8 steps"),
+                                     ('{"seed": ', "flux2_dev", 8, "not a readable summary.json")):
+        summary.write_text(body)
+        with pytest.raises(SystemExit, match=says):
+            lossy_runs.earlier_seed(summary, model, steps, 96)
