@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from shardgen.bench.main import ACCELS
 from shardgen.bench.main import run as run_bench
@@ -92,8 +93,15 @@ def main(argv=None) -> dict:
 
 
 def cli() -> int:
-    """``python -m jobs.bench``: 0 once the figures are printed and bench.json written (a failure raises)."""
-    main()
+    """``python -m jobs.bench``: 0 once the figures are printed and bench.json written; 2 with one line for what the
+    user can change (a model too large for the device); a bug raises."""
+    from shardgen.errors import UserError
+
+    try:
+        main()
+    except UserError as e:
+        print(f"jobs.bench: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

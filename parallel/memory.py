@@ -77,10 +77,28 @@ def memory_problem(cfg: GenerateConfig, dims: ParallelDims, params: dict[str, in
     if fused_whole:
         split = (" (with model.loras each tp rank fuses the adapters into the whole transformer before sharding it), "
                  "or strategy=device_map")
+    borrowed = _borrowed_architecture(cfg)
+    smaller = (f"model.weights=pretrained (weights=dummy gives model={cfg.model.name} {borrowed}'s whole architecture, "
+               "with random weights)" if borrowed else "a smaller model (model=tiny)")
     return (f"model={cfg.model.name} (weights={cfg.model.weights}, dtype={cfg.dtype}) needs ~{need / GiB:.1f} GiB "
             f"for its weights in each process ({sum(params.values()) / 1e9:.1f}B parameters, strategy "
             f"{dims.strategy}), but {where} has {available / GiB:.1f} GiB available. Use {bigger}{split}, fewer "
-            "ranks per machine, a smaller model (model=tiny), or check_memory=false to try anyway")
+            f"ranks per machine, {smaller}, or check_memory=false to try anyway")
+
+
+def _borrowed_architecture(cfg: GenerateConfig) -> str | None:
+    """The name of the architecture ``weights=dummy`` builds for a model that has none of its own (model=tiny: its
+    family's, FLUX.1-dev's); None for every other run."""
+    if cfg.model.get("weights") != "dummy":
+        return None
+    from shardgen.models.dummy import dummy_models, find_dummy
+
+    if cfg.model.name in dummy_models():
+        return None
+    try:
+        return find_dummy(cfg.model.name, cfg.model.get("pipeline"))[1].title
+    except ValueError:
+        return None
 
 
 def _stageable(cfg: GenerateConfig) -> bool:

@@ -306,3 +306,29 @@ def test_an_earlier_seed_loop_is_projected_to_this_call_s_prompts_or_refused_in_
         summary.write_text(body)
         with pytest.raises(SystemExit, match=says):
             lossy_runs.earlier_seed(summary, model, steps, 96)
+
+
+def test_a_model_too_large_for_the_device_is_one_line_before_the_bench_builds_it(tmp_path):
+    """``jobs.bench --model tiny --weights dummy`` on the CPU: FLUX.1-dev's architecture in float64 (~126 GiB) is
+    refused by the job's own memory check, in one line, exit 2, instead of the kernel killing the process half-way
+    through building it."""
+    from parallel.memory import GiB, available_bytes
+
+    available, _ = available_bytes("cpu", 1)
+    if available is None or available > 120 * GiB:
+        pytest.skip("needs a machine with less than 120 GiB of RAM available (the model must not fit)")
+    import resource
+
+    def capped():  # were the check gone, the build fails on this cap, not by the kernel's out-of-memory killer
+        resource.setrlimit(resource.RLIMIT_AS, (16 * GiB, 16 * GiB))
+
+    done = subprocess.run([sys.executable, "-m", "jobs.bench", "--model", "tiny", "--weights", "dummy", "--device",
+                           "cpu", "--steps", "1", "--n", "4", "--skip-baseline", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          preexec_fn=capped)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("jobs.bench: model=tiny (weights=dummy, dtype=float64) needs ~125.7 GiB")
+    assert "model.weights=pretrained" in lines[-1] and "Traceback" not in done.stderr
+    # what the report holds so far (the environment, the matmul rate), no pipeline built
+    assert "build_s" not in json.loads((tmp_path / "bench.json").read_text())

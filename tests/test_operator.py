@@ -279,6 +279,12 @@ def test_a_model_too_big_for_the_memory_is_refused_before_it_is_built_saying_wha
             "memory or split") in msg
     assert "strategy=device_map (the transformer alone" not in memory_problem(cfg2, dp, flux2, 2, 50 << 30, "GPU 0")
     assert "strategy=device_map (the transformer alone" not in memory_problem(cfg2, dp, flux2, 2, 78 << 30, "the CPU")
+    assert "a smaller model (model=tiny)" in memory_problem(cfg2, dp, flux2, 2, 50 << 30, "GPU 0")
+    # model=tiny with weights=dummy is FLUX.1-dev's architecture (random weights): the way back is its own weights
+    tiny = compose_cfg("model=tiny", "model.weights=dummy")
+    msg = memory_problem(tiny, dp, flux, 8, 16 << 30, "the CPU")
+    assert ("model.weights=pretrained (weights=dummy gives model=tiny FLUX.1-dev's whole architecture, with random "
+            "weights)") in msg and "model=tiny)" not in msg
 
 
 

@@ -175,6 +175,12 @@ class Bench:
         if getattr(self.args, "baseline_offload", False):
             self.pipe = offloaded_pipeline(self.cfg.model, self.dtype, self.device)
         else:
+            # the job's own check: a model too large for the device is a message before any weight, not the kernel's
+            # out-of-memory kill half-way through building it (the bench's pipeline is one process's, all on one device)
+            from parallel.dims import ParallelDims
+            from parallel.memory import check_memory
+
+            check_memory(self.cfg, ParallelDims(world_size=1), self.device.type)
             self.pipe = load_pipeline(self.cfg.model, self.dtype, self.device)
         if any("fp8" in name for name in self.accels):  # the ways after an fp8 one switch it off again
             accel.make_reversible(self.pipe.transformer)
