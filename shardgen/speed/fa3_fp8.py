@@ -135,6 +135,7 @@ PARTS_TOKENS = 8
 keys, values) moved ~2.45 TB/s in a FLUX.1-dev fp8 call on an H100; ``benchmarks/probe_fa3_parts.py`` times the
 other launch configurations."""
 PARTS_WARPS = 8
+"""Warps of a float8 program (``_part_fp8``); swept beside ``PARTS_TOKENS`` by ``benchmarks/probe_fa3_parts.py``."""
 
 if triton is not None:
     from shardgen.speed.fused_kernels import rms_rope_tile
