@@ -126,6 +126,9 @@ def test_float8_linear_is_close_to_linear_and_reversible_only_when_asked():
     assert q[0].restore() is block[0]
     with pytest.raises(accel.AccelError, match="fp8=false"):
         q[2].restore()
+    # the kept layer goes where it is sent (on a GPU: to the CPU) without taking the float8 layer's bias with it
+    block[0].to(torch.float16)
+    assert q[0].bias.dtype == torch.float32 and torch.equal(q(x), out)
 
 
 def test_weights_are_quantised_a_slice_at_a_time_with_per_channel_scales(monkeypatch):

@@ -484,8 +484,10 @@ class Float8Linear(torch.nn.Module):
         w_fp8, scale = quantize_weight(weight)
         self.register_buffer("weight_fp8", w_fp8)
         self.register_buffer("weight_scale", scale)  # (1, out), float32
-        self.bias = linear.bias if self.tp is None or linear.bias is None else torch.nn.Parameter(
-            _local(linear.bias.detach()), requires_grad=False)
+        # a Parameter of its own over the same memory: moving the kept bf16 layer to the CPU below moves the
+        # Parameters it holds, and a shared bias would leave this layer's on the CPU beside its GPU weight
+        self.bias = None if linear.bias is None else torch.nn.Parameter(_local(linear.bias.detach()),
+                                                                        requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # kept (not a submodule, so .to() and state_dict leave it alone) to switch fp8 off again
         object.__setattr__(self, "_original", linear.to("cpu") if keep_original else None)
