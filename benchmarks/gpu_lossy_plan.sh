@@ -29,7 +29,8 @@
 #   18 batch-cycle: where a FLUX.1-dev fp8 + fa3_fp8 batch's time goes beyond its 28 transformer calls (text
 #            encoders, VAE decode, the host): jobs.bench's torch.profiler trace of one batch cycle (eager, as
 #            compile=auto runs a short fp8 job)
-#   19 outside: each model's VAE decode (as built and channels-last) and text encoders alone, timed at batch 4
+#   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
+#            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -115,5 +116,5 @@ step 17 matrix-flux2 400 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "every_fp8_path and flux2_dev and (eager or fa3)" tests/test_gpu_fp8.py
 step 18 batch-cycle 240 python3 -m jobs.bench --model flux_dev --steps 28 --n 16 --skip-baseline --no-warmup \
   --no-compile --set fp8=true --set sdpa_backend=fa3_fp8 --profile-batch 2 --out "$work/18-batch-cycle"
-step 19 outside 200 python3 benchmarks/probe_outside.py --out "$work/19-outside/probe_outside.json"
+step 19 outside 300 python3 benchmarks/probe_outside.py --out "$work/19-outside/probe_outside.json"
 echo "== plan done $(date -u +%T)" | tee -a "$log"
