@@ -116,5 +116,6 @@ step 17 matrix-flux2 400 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "every_fp8_path and flux2_dev and (eager or fa3)" tests/test_gpu_fp8.py
 step 18 batch-cycle 240 python3 -m jobs.bench --model flux_dev --steps 28 --n 16 --skip-baseline --no-warmup \
   --no-compile --set fp8=true --set sdpa_backend=fa3_fp8 --profile-batch 2 --out "$work/18-batch-cycle"
-step 19 outside 300 python3 benchmarks/probe_outside.py --out "$work/19-outside/probe_outside.json"
+step 19 outside 300 bash -c "python3 benchmarks/probe_text_encoders.py --out $work/19-outside/probe_text_encoders.json; \
+  OUT=$work/19-outside python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --compiled"
 echo "== plan done $(date -u +%T)" | tee -a "$log"

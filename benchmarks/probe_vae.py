@@ -1,4 +1,5 @@
-"""Time each model's VAE decode at its default size, eager against cuDNN autotuning and channels-last layouts.
+"""Time each model's VAE decode at its default size, eager against cuDNN autotuning, channels-last layouts and a
+compiled decode.
 
     python benchmarks/probe_vae.py [--models flux_dev,flux2_dev,qwen_image,sd35_large] [--batch 4] [--iters 5]
 
@@ -6,7 +7,8 @@ Builds the VAE alone (``shardgen.models.dummy``: the real architecture, random b
 1024x1024 latents per variant and prints ms per image and the largest difference to the eager decode. Variants:
 ``eager`` (as the pipelines decode), ``benchmark`` (``torch.backends.cudnn.benchmark``), ``channels_last`` (the
 module and its input in channels-last: ``channels_last_3d`` for a video VAE), ``both``. Results go to
-``$OUT/probe_vae.json``.
+``$OUT/probe_vae.json``. ``--compiled`` adds ``compiled`` (``torch.compile`` of ``vae.decode``, default mode, contiguous
+layout; the seconds its first call takes beyond a timed one as ``first_call_extra_s``: the compilation).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,14 +43,14 @@ def latents(vae: torch.nn.Module, batch: int, size: int, device: torch.device, d
     return torch.randn(*shape, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(1))
 
 
-def time_decode(vae, z, iters: int) -> tuple[float, torch.Tensor]:
+def time_decode(decode, z, iters: int) -> tuple[float, torch.Tensor]:
     with torch.no_grad():
-        out = vae.decode(z, return_dict=False)[0]
+        out = decode(z, return_dict=False)[0]
         times = []
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            vae.decode(z, return_dict=False)[0]
+            decode(z, return_dict=False)[0]
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -60,6 +63,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true", help="also a compiled decode (first call: the compilation)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "batch": args.batch, "models": {}}
@@ -68,25 +72,29 @@ def main() -> int:
         z = latents(vae, args.batch, args.size, dev, dt)
         layout = torch.channels_last_3d if z.dim() == 5 else torch.channels_last
         rows, ref = {}, None
-        for name in ("eager", "benchmark", "channels_last", "both"):
+        for name in ("eager", "benchmark", "channels_last", "both") + (("compiled",) if args.compiled else ()):
             torch.backends.cudnn.benchmark = name in ("benchmark", "both")
             last = name in ("channels_last", "both")
+            decode = torch.compile(vae.decode) if name == "compiled" else vae.decode
             try:  # a video VAE's 2-D convs (rank-4 weights) take no channels_last_3d: an error row
                 vae.to(memory_format=layout if last else torch.contiguous_format)
                 zz = z.contiguous(memory_format=layout) if last else z.contiguous()
-                ms, out = time_decode(vae, zz, args.iters)
+                t0 = time.perf_counter()
+                ms, out = time_decode(decode, zz, args.iters)
+                first_s = time.perf_counter() - t0 - ms * (args.iters + 1) / 1000
             except Exception as e:
                 rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 vae.to(memory_format=torch.contiguous_format)
                 continue
             out = out.float()
             ref = out if ref is None else ref
-            rows[name] = {"ms_per_image": round(ms / args.batch, 2), "finite": bool(out.isfinite().all()),
+            rows[name] = {"ms_per_image": round(ms / args.batch, 2), "first_call_extra_s": round(first_s, 2),
+                          "finite": bool(out.isfinite().all()),
                           "max_abs_diff": float(torch.nan_to_num(out - ref).abs().max())}
             print(model, name, json.dumps(rows[name]), flush=True)
         torch.backends.cudnn.benchmark = False
         res["models"][model] = rows
-        del vae, z, ref
+        del vae, z, ref, decode
         gc.collect()
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
