@@ -335,3 +335,17 @@ def test_a_model_too_large_for_the_device_is_one_line_before_the_bench_builds_it
     assert "model.weights=pretrained" in lines[-1] and "Traceback" not in done.stderr
     # what the report holds so far (the environment, the matmul rate), no pipeline built
     assert "build_s" not in json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_a_lossy_set_is_said_and_the_opt_in_run_it_repeats_is_left_out(tmp_path):
+    """``--set fp8=true`` makes the measured run itself lossy: the bench records it, and its ``fp8`` opt-in run (the
+    same settings again, compared with itself) is left out while ``fbc`` stays."""
+    from jobs.bench import parse_args
+    from shardgen.bench.main import Bench
+
+    b = Bench(parse_args(["--quick", "--set", "fp8=true", "--accel", "fp8,fbc", "--workdir", str(tmp_path),
+                          "--out", str(tmp_path / "out")]))
+    assert b.lossy == {"fp8": True} and b.accels == ["fbc"] and b.repeats == ["fp8"]
+    assert b.env()["lossy"] == {"fp8": True}
+    exact = Bench(parse_args(["--quick", "--accel", "fp8", "--workdir", str(tmp_path / "2"), "--out", str(tmp_path)]))
+    assert exact.lossy == {} and exact.accels == ["fp8"]

@@ -106,7 +106,8 @@ def summary(args, env, peak, flops, base, warm, sg, acc, unit: str = "image") ->
             say(f"{kind} {name}: failed: {r['error'][:200]}")
             continue
         extra = r.get("extra") or {}
-        say(f"{kind} {name}: {r['speedup_vs_exact']:.2f}x the exact shardgen run, PSNR vs exact "
+        main = "the lossy main" if env.get("lossy") else "the exact"
+        say(f"{kind} {name}: {r['speedup_vs_exact']:.2f}x {main} shardgen run, PSNR vs it "
             f"{_fmt_db(r['psnr_vs_exact']['mean'])} dB mean / {_fmt_db(r['psnr_vs_exact']['min'])} min"
             + (f", vs baseline {_fmt_db(r['psnr_vs_baseline'])} dB mean" if "psnr_vs_baseline" in r else "")
             + (f", skipped {100 * extra['skipped_fraction']:.0f}% of steps (relative change of the first block's "
