@@ -68,6 +68,8 @@ class StagedPipeline:
             raise ModelLoadError(f"strategy=device_map does not know how {type(self.pipe).__name__} encodes prompts; "
                                  f"supported: {stageable()}")
         self._outputs = family.encode_outputs
+        if family.encode_hooks is not None:  # exact, and what is streamed in for the encoding shrinks with it
+            family.encode_hooks(self.pipe)
         self._call_params = set(inspect.signature(self.pipe.__call__).parameters)
         encode = inspect.signature(self.pipe.encode_prompt).parameters
         self._encode_params = set(encode)

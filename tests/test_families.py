@@ -50,17 +50,16 @@ def test_token_rules_and_video_come_from_the_family(model, tokens, video):
     assert (sequence.image, sequence.text) == tokens and is_video(cfg) is video
 
 
-def test_the_qwen_and_flux2_families_have_speed_hooks_and_every_image_family_runs_device_map():
-    from diffusers import Flux2Pipeline, QwenImageEditPipeline
+def test_only_the_qwen_families_have_speed_hooks_and_every_image_family_runs_device_map():
+    from diffusers import QwenImageEditPipeline
 
-    from shardgen.families import families
-    from shardgen.families import flux2
+    from shardgen.families import families, flux2
     from shardgen.families.qwen_image import speed as qwen, speed_hooks
     from shardgen.speed.accel import family_speed_hooks
 
     assert {f.name: f.speed_hooks for f in families() if f.speed_hooks} == {
-        "Qwen-Image": speed_hooks, "Qwen-Image-Edit": speed_hooks, "FLUX.2": flux2.speed_hooks}
-    assert family_speed_hooks(Flux2Pipeline.__new__(Flux2Pipeline)) is flux2.speed_hooks
+        "Qwen-Image": speed_hooks, "Qwen-Image-Edit": speed_hooks}
+    assert {f.name: f.encode_hooks for f in families() if f.encode_hooks} == {"FLUX.2": flux2.encode_hooks}
     assert family_speed_hooks(qwen_pipeline_class_instance()) is speed_hooks
     edit = QwenImageEditPipeline.__new__(QwenImageEditPipeline)
     assert qwen.is_qwen_image(edit) and family_speed_hooks(edit) is speed_hooks

@@ -51,3 +51,25 @@ def test_an_index_from_the_end_keeps_the_encoder_whole():
     with encoder_cut(pipe.text_encoder, (4, 8)) as enc:
         assert len(enc.model.language_model.layers) == 8
     assert len(pipe.text_encoder.model.language_model.layers) == 12
+
+
+def test_device_map_streams_only_the_layers_the_pipeline_reads_and_makes_the_same_pixels(monkeypatch):
+    """strategy=device_map with FLUX.2's encoder streamed layer by layer (no room to move it in whole): the staged
+    pipeline encodes with the cut, so layers 31-34 are neither run nor streamed in, and the pixels are the plain
+    pipeline's."""
+    import parallel.device_map as device_map
+    from shardgen.run.generation import GenSettings, pipeline_kwargs
+
+    pipe = _pipe(34)
+    s = GenSettings(height=64, width=64, steps=2, guidance=4.0, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=32, model="flux2_dev", strategy="device_map")
+    theirs = pipe(**pipeline_kwargs(pipe, s, ["a cat", "a lighthouse at dusk"], [1, 2])).images
+    ran = []
+    for i, layer in enumerate(pipe.text_encoder.model.language_model.layers):
+        layer.register_forward_hook(lambda m, a, out, i=i: ran.append(i))
+    monkeypatch.setattr(device_map, "room_to_encode", lambda device, reserve: 0)
+    staged = device_map.StagedPipeline(pipe, torch.device("cpu"), offloaded=["text_encoder"])
+    for _ in range(2):
+        ours = staged(**pipeline_kwargs(staged, s, ["a cat", "a lighthouse at dusk"], [1, 2])).images
+        assert torch.equal(ours, theirs)
+    assert staged.streamed == ["text_encoder"] and ran == list(range(30)) * 2

@@ -91,6 +91,10 @@ class ModelFamily:
     speed_hooks: Callable[[Any, Any], dict] | None = None
     """The family's own speed hooks, ``(pipe, AccelOptions) -> what was done``, applied by
     ``shardgen.speed.accel.prepare`` after the generic options (handed down: speed/ imports no family)."""
+    encode_hooks: Callable[[Any], dict] | None = None
+    """Exact hooks on how the pipeline encodes prompts, ``pipe -> what was done`` (idempotent; the same embeddings to
+    the bit, less work: FLUX.2's text encoder run only as deep as the pipeline reads it), installed wherever a
+    replica encodes: ``accel.prepare`` on a whole pipeline, device_map's ``StagedPipeline`` on the one it wraps."""
     input_image: str = ""
     """Whether ``__call__`` takes an input image per sample (``image``; prompts.row_settings=[image]): "" (text
     only), "optional" (edit models: references) or "required" (image-to-image, image-to-video)."""

@@ -1,6 +1,7 @@
 """The model family's own speed hooks (``ModelFamily.speed_hooks``, e.g. Qwen-Image's text-length buckets, real
-RoPE and CFG batching in shardgen/families/qwen_image/speed.py), applied after the generic techniques; the family
-hands them down (shardgen/speed/handdown.py)."""
+RoPE and CFG batching in shardgen/families/qwen_image/speed.py) and its exact encoding hooks (``encode_hooks``, e.g.
+FLUX.2's encoder cut in shardgen/families/flux2/speed.py), applied after the generic techniques; the family hands
+them down (shardgen/speed/handdown.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ def family_speed_hooks(pipe):
 
 
 def apply(step: Step) -> dict:
-    """Run the family's hooks with the asked options; what they did."""
+    """Run the family's hooks with the asked options (its exact encoding hooks first: on whatever the options); what
+    they did."""
+    family = family_of(step.pipe)
+    done = {} if family is None or family.encode_hooks is None else dict(family.encode_hooks(step.pipe))
     hook = family_speed_hooks(step.pipe)
-    return {} if hook is None else dict(hook(step.pipe, step.opts))
+    return done if hook is None else {**done, **hook(step.pipe, step.opts)}
 
 
 register_technique(Technique("family_hooks", 50, apply))

@@ -9,11 +9,11 @@ from __future__ import annotations
 from shardgen.families.base import ComponentSpec, DummyModel, ModelFamily, register
 
 
-def speed_hooks(pipe, opts) -> dict:
-    """FLUX.2's own speed hook (speed.py: the text encoder run only as deep as the pipeline reads it)."""
-    from shardgen.families.flux2.speed import prepare_speed
+def encode_hooks(pipe) -> dict:
+    """FLUX.2's encoding hook (speed.py: the text encoder run only as deep as the pipeline reads it)."""
+    from shardgen.families.flux2.speed import install_encoder_cut
 
-    return prepare_speed(pipe, opts)
+    return {"flux2_encoder_cut": install_encoder_cut(pipe)}
 
 
 def fused_blocks():
@@ -61,7 +61,7 @@ FLUX2 = register(ModelFamily(
     image_in_sequence=True,
     dummies={"flux2_dev": DummyModel("FLUX.2-dev", _FLUX2_DEV)},
     fused_blocks={"Flux2Transformer2DModel": fused_blocks},
-    speed_hooks=speed_hooks,
+    encode_hooks=encode_hooks,
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)
     compiled_speedup=1.01))

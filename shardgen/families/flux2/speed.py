@@ -1,4 +1,5 @@
-"""FLUX.2's own speed hook: the Mistral text encoder run only as deep as the pipeline reads it.
+"""FLUX.2's encoding hook (``ModelFamily.encode_hooks``): the Mistral text encoder run only as deep as the pipeline
+reads it.
 
 ``Flux2Pipeline`` encodes a prompt with Mistral-Small-3 and keeps the hidden states after layers 10, 20 and 30
 (``text_encoder_out_layers``); the encoder's forward still runs all 40 layers, the final norm and the language-model
@@ -73,7 +74,3 @@ def install_encoder_cut(pipe: Any) -> bool:
     pipe._get_mistral_3_small_prompt_embeds = embeds
     return True
 
-
-def prepare_speed(pipe: Any, opts: Any) -> dict:
-    """The family's hooks for ``accel.prepare`` (exact: on whatever the options)."""
-    return {"flux2_encoder_cut": install_encoder_cut(pipe)}
