@@ -15,39 +15,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PIPELINES = {"flux_dev": "FluxPipeline", "flux2_dev": "Flux2Pipeline", "qwen_image": "QwenImagePipeline"}
+from probe_attention import timed as _timed  # noqa: E402 (a sibling script: median CUDA-event milliseconds)
+
 TEXT = {"flux_dev": [("text_encoder", 77), ("text_encoder_2", 512)], "flux2_dev": [("text_encoder", 512)],
         "qwen_image": [("text_encoder", 128)]}
 
 
 def timed(fn, iters=5) -> float:
-    """Median milliseconds of ``fn()`` after two warm-ups."""
-    ms = []
+    """Median milliseconds of ``fn()`` after two warm-ups, without autograd."""
     with torch.no_grad():
-        for _ in range(2):
-            fn()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
-    return round(statistics.median(ms), 2)
+        return round(_timed(fn, iters=iters), 2)
 
 
 def component(model: str, name: str, dev, dtype):
     from shardgen.models.dummy import construct_meta, dummy_architecture, materialize_random
 
-    spec = dummy_architecture(PIPELINES[model])[name]
+    spec = dummy_architecture(model)[name]
     g = torch.Generator(dev).manual_seed(0)
     return materialize_random(construct_meta(spec), dev, dtype, generator=g).eval()
 
