@@ -19,9 +19,10 @@ def apply(step: Step) -> dict:
     """Run the family's hooks with the asked options (its exact encoding hooks first: on whatever the options); what
     they did."""
     family = family_of(step.pipe)
-    done = {} if family is None or family.encode_hooks is None else dict(family.encode_hooks(step.pipe))
-    hook = family_speed_hooks(step.pipe)
-    return done if hook is None else {**done, **hook(step.pipe, step.opts)}
+    if family is None:
+        return {}
+    done = {} if family.encode_hooks is None else dict(family.encode_hooks(step.pipe))
+    return done if family.speed_hooks is None else {**done, **family.speed_hooks(step.pipe, step.opts)}
 
 
 register_technique(Technique("family_hooks", 50, apply))
