@@ -343,7 +343,7 @@ def test_a_lossy_set_is_said_and_the_opt_in_run_it_repeats_is_left_out(tmp_path)
     from jobs.bench import parse_args
     from shardgen.bench.main import Bench
 
-    b = Bench(parse_args(["--quick", "--set", "fp8=true", "--accel", "fp8,fbc", "--workdir", str(tmp_path),
+    b = Bench(parse_args(["--quick", "--set", "fp8=True", "--accel", "fp8,fbc", "--workdir", str(tmp_path),
                           "--out", str(tmp_path / "out")]))
     assert b.lossy == {"fp8": True} and b.accels == ["fbc"] and b.repeats == ["fp8"]
     assert b.env()["lossy"] == {"fp8": True}

@@ -140,7 +140,8 @@ class Bench:
         # --set fp8=true (or an 8-bit attention kernel) makes the measured run lossy: said as such, and an opt-in run
         # that would only repeat it is left out
         self.lossy = AccelOptions.from_cfg(self.cfg).lossy
-        self.repeats = [a for a in self.accels if set(ACCELS[a](args)) <= set(args.overrides)]
+        self.repeats = [a for a in self.accels if a not in DIAGNOSTICS and self.lossy
+                        and AccelOptions.from_cfg(compose(self.common + ACCELS[a](args))).lossy == self.lossy]
         self.accels = [a for a in self.accels if a not in self.repeats]
         self.dtype = torch_dtype(self.cfg.dtype)
         self.unit = "video" if is_video(self.cfg) else "image"  # the figures' keys say images either way
