@@ -48,7 +48,7 @@ def toy_technique():
 
 def test_the_registry_lists_the_built_in_techniques_in_applying_order():
     assert [t.name for t in techniques()] == ["fp8", "compile", "first_block_cache", "sdpa", "family_hooks",
-                                                     "cuda_graphs"]
+                                                     "fused_decode", "cuda_graphs"]
 
 
 def test_a_technique_registered_in_one_module_changes_the_jobs_images_and_is_recorded(toy_technique, tmp_path):

@@ -10,6 +10,7 @@ Exact (outputs change only by bf16 rounding noise):
   autocompile.py: ``compile: auto`` decided per process.
 - sdpa.py: ``sdpa_backend``, the kernel behind torch SDPA (``auto``: measured once per process); fa4.py: the
   adapter that makes FlashAttention-4 SDPA's flash kernel (``sdpa_backend=fa4``).
+- fused_decode.py: ``fused_decode``, the VAE decoder channels-last with its GroupNorm + SiLU pairs fused.
 - family_hooks.py: the family's own hooks, handed down (handdown.py), e.g. Qwen-Image
   (shardgen/families/qwen_image/speed.py: text-length buckets, real RoPE, unmasked
   prefix attention in prefix_attention.py, ``cfg_batching``).

@@ -24,7 +24,8 @@ log = logging.getLogger("shardgen.accel")
 
 # imported when the techniques are first listed, in this order (each registers itself with its own order)
 BUILTIN = ("shardgen.speed.fp8", "shardgen.speed.regional_compile", "shardgen.speed.first_block_cache",
-           "shardgen.speed.sdpa", "shardgen.speed.family_hooks", "shardgen.speed.cuda_graphs")
+           "shardgen.speed.sdpa", "shardgen.speed.family_hooks", "shardgen.speed.fused_decode",
+           "shardgen.speed.cuda_graphs")
 _STATE_ATTR = "_shardgen_accel"
 
 
@@ -43,6 +44,7 @@ class AccelOptions:
     fp8: bool = False
     compile_mode: str = "default"
     fused_blocks: bool = True
+    fused_decode: bool = True
     compile_tuning: bool = True
     cfg_batching: bool = False
     cuda_graphs: bool = True
@@ -114,7 +116,7 @@ class Technique:
     name: str
     order: int
     """Where it applies among the others (lower first): fp8 10, compile 20, First-Block-Cache 30, the family's 50,
-    CUDA graphs 60 (around whatever the others made of the transformer)."""
+    the VAE decoder's 55, CUDA graphs 60 (around whatever the others made of the transformer)."""
     apply: Callable[[Step], dict]
     """Bring the transformer to ``step.opts`` for this technique; what was done (shown in the log, the bench)."""
     release: Callable[[Step], dict] = lambda step: {}

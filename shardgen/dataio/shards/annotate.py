@@ -76,6 +76,7 @@ def run_provenance(cfg: Any, pipe: Any, model_version: str | None, accel: Any, s
                 shardgen=shardgen_version(), strategy=strategy,
                 accelerations=dict(compile=accel.compile, sdpa=accel.sdpa, first_block_cache=accel.first_block_cache,
                                    fp8=accel.fp8, fused_blocks=accel.fused_blocks,
+                                   fused_decode=accel.fused_decode,
                                    cuda_graphs=accel.cuda_graphs),
                 lossy=bool(accel.lossy))
 
