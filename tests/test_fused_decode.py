@@ -116,3 +116,33 @@ def test_a_norm_the_kernel_cannot_take_runs_torch_ops_on_the_same_weights():
     assert not fused_decode.kernel_takes(x, norm)
     with torch.no_grad():
         assert torch.equal(wrapped(x), torch.nn.functional.silu(norm(x)))
+
+
+def test_a_causal_video_vae_decodes_a_frame_with_2d_convolutions_and_the_same_images():
+    """Qwen-Image's VAE (an image: one latent frame) and Wan's (a video: its first frame without a cache, the later
+    ones with one): every causal 3-D convolution routed, the decoded images those of the 3-D convolutions to float32
+    rounding, and uninstall gives back the very same bytes."""
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+
+    shape = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=[False, True])
+    torch.manual_seed(0)
+    for cls, frames in ((AutoencoderKLQwenImage, 1), (AutoencoderKLWan, 3)):
+        vae = cls(**shape).eval()
+        z = torch.randn(2, 4, frames, 8, 6, generator=torch.Generator().manual_seed(1))
+        calls = []
+        with torch.no_grad():
+            want = vae.decode(z).sample
+            assert fused_decode.install(vae) == len(fused_decode.causal_convs(vae)) > 10
+            original = torch.nn.functional.conv3d
+            torch.nn.functional.conv3d = lambda *a, **k: calls.append(1) or original(*a, **k)
+            try:
+                got = vae.decode(z).sample
+            finally:
+                torch.nn.functional.conv3d = original
+            assert fused_decode.uninstall(vae)
+            back = vae.decode(z).sample
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-5, cls.__name__
+        assert torch.equal(back, want)
+        # an image runs no 3-D convolution at all; a video's later frames (cached) still do
+        assert (len(calls) == 0) == (frames == 1), (cls.__name__, len(calls))

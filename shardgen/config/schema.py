@@ -400,10 +400,10 @@ class SpeedConfig:
     (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep
     the stock blocks; false = diffusers' own blocks."""
     fused_decode: bool = True
-    """On CUDA, the VAE's image decoder (FLUX.1, FLUX.2, SD3) runs channels-last with each GroupNorm and its SiLU in
-    two Triton passes: on an H100 a 1024x1024 decode takes ~40 ms an image instead of 86. Exact up to bf16 rounding;
-    video VAEs (Wan, Qwen-Image) and CPU runs keep the stock decoder; false = diffusers' own.
-    shardgen/speed/fused_decode.py."""
+    """On CUDA, the VAE's decode in fewer passes: the image decoder of FLUX.1, FLUX.2 and SD3 channels-last with each
+    GroupNorm and its SiLU in two Triton passes; the causal video VAEs (Qwen-Image, Wan) decode a frame without a
+    cache (an image, a video's first frame) with 2-D convolutions instead of zero-padded 3-D ones. Exact up to bf16
+    rounding; CPU runs keep the stock decoder; false = diffusers' own. shardgen/speed/fused_decode.py."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
     efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |

@@ -1,5 +1,5 @@
 """``fused_decode`` (on by default): on CUDA, the VAE's image decoder runs channels-last with each GroupNorm and the
-SiLU after it in two Triton passes.
+SiLU after it in two Triton passes; a causal video VAE decodes a single frame with 2-D convolutions.
 
 Decoding a batch is ~4% of a FLUX.1-dev or FLUX.2-dev fp8 batch (86 ms an image on an H100 at 1024x1024), and most
 of it is not the convolutions: cuDNN converts every NCHW bf16 activation to channels-last and back around each
@@ -11,9 +11,16 @@ of squares), and one pass that normalises, scales, shifts and applies the SiLU. 
 reads the normalised value before it is rounded to bf16, as a compiled decoder does).
 
 Where it applies: diffusers' ``vae.Decoder`` (AutoencoderKL: FLUX.1, SD3; AutoencoderKLFlux2: FLUX.2), whose
-ResnetBlock2D pairs a GroupNorm with a SiLU and whose attention has a GroupNorm of its own. Video VAEs (Wan,
-Qwen-Image) keep their decoders. Off the GPU, and for a layout or channel count the kernel does not take, each norm
-runs torch's own ops on the same modules' weights. ``fused_decode=false`` restores the decoder as it was.
+ResnetBlock2D pairs a GroupNorm with a SiLU and whose attention has a GroupNorm of its own. Off the GPU, and for a
+layout or channel count the kernel does not take, each norm runs torch's own ops on the same modules' weights.
+
+The causal video VAEs (Qwen-Image's, Wan's) decode an image, or a video's first latent frame, as one frame with
+nothing cached: each causal 3-D convolution pads it with zero frames in front, so of its temporal taps only the last
+meets the frame. There each such convolution runs as a 2-D one with that tap (``one_frame_forward``): a third of the
+multiply-adds of a 3x3x3 kernel, on cuDNN's 2-D kernels; the skipped products are exact zeros, so only the order of
+the sums changes. Frames with a cache (a video's later ones) keep the 3-D convolution.
+
+``fused_decode=false`` restores the decoder as it was.
 """
 
 from __future__ import annotations
@@ -173,6 +180,42 @@ def _swaps(decoder: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.n
     return swaps
 
 
+def one_frame_forward(conv: torch.nn.Conv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """A diffusers causal 3-D convolution (``_padding``: (w, w, h, h, time in front, 0), applied before the
+    convolution) of ``x``: for one frame with nothing cached and a front padding that leaves exactly one output
+    frame, the 2-D convolution with the kernel's last temporal tap; otherwise the module's own forward."""
+    pad = conv._padding
+    if x.shape[2] != 1 or cache_x is not None or pad[4] != conv.kernel_size[0] - 1 or conv.stride[0] != 1 \
+            or conv.dilation[0] != 1 or pad[5] != 0 or pad[0] != pad[1] or pad[2] != pad[3]:
+        return type(conv).forward(conv, x, cache_x)
+    out = F.conv2d(x[:, :, 0], conv.weight[:, :, -1], conv.bias, stride=conv.stride[1:], padding=(pad[2], pad[0]),
+                   dilation=conv.dilation[1:])
+    return out.unsqueeze(2)
+
+
+def causal_convs(vae: torch.nn.Module | None) -> list[torch.nn.Conv3d]:
+    """The causal 3-D convolutions a decode runs (``vae``'s decoder and its ``post_quant_conv``; Qwen-Image's and
+    Wan's VAEs: a ``_padding`` attribute and a ``forward(x, cache_x=None)``), [] for any other VAE."""
+    decoder = getattr(vae, "decoder", None)
+    if decoder is None:
+        return []
+    modules = [*decoder.modules(), getattr(vae, "post_quant_conv", None)]
+    return [m for m in modules if isinstance(m, torch.nn.Conv3d) and type(m).__name__.endswith("CausalConv3d")
+            and len(getattr(m, "_padding", ())) == 6]
+
+
+def _install_one_frame(vae: torch.nn.Module) -> int:
+    """Route each causal convolution's one-frame calls to ``one_frame_forward``; how many there are."""
+    import types
+
+    convs = causal_convs(vae)
+    for conv in convs:
+        conv.forward = types.MethodType(one_frame_forward, conv)
+    if convs:
+        setattr(vae.decoder, _ORIGINAL, ("one_frame", convs))
+    return len(convs)
+
+
 def _channels_last_in(module, args, kwargs):
     """The decoder's input latents channels-last (the layout its weights now have)."""
     sample = args[0] if args else kwargs["sample"]
@@ -186,12 +229,15 @@ def _contiguous_out(module, args, output):
 
 
 def install(vae: torch.nn.Module) -> int:
-    """Fuse ``vae``'s decoder in place (idempotent); the number of GroupNorms fused (0: not a decoder it takes)."""
+    """Fuse ``vae``'s decoder in place (idempotent); the number of GroupNorms fused, or of causal convolutions
+    routed to ``one_frame_forward`` (0: not a decoder it takes)."""
     decoder = fusable_decoder(vae)
+    state = getattr(getattr(vae, "decoder", None), _ORIGINAL, None)
+    if state is not None:
+        return len(state[1]) if state[0] == "one_frame" else sum(isinstance(m, FusedGroupNorm)
+                                                               for m in decoder.modules())
     if decoder is None:
-        return 0
-    if getattr(decoder, _ORIGINAL, None) is not None:
-        return sum(isinstance(m, FusedGroupNorm) for m in decoder.modules())
+        return _install_one_frame(vae)
     swaps = _swaps(decoder)
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
     for owner, name, replacement in swaps:
@@ -199,23 +245,28 @@ def install(vae: torch.nn.Module) -> int:
     decoder.to(memory_format=torch.channels_last)
     hooks = [decoder.register_forward_pre_hook(_channels_last_in, with_kwargs=True),
              decoder.register_forward_hook(_contiguous_out)]
-    setattr(decoder, _ORIGINAL, (originals, hooks))
+    setattr(decoder, _ORIGINAL, ("norms", (originals, hooks)))
     return sum(isinstance(r, FusedGroupNorm) for _, _, r in swaps)
 
 
 def uninstall(vae: torch.nn.Module) -> bool:
     """Put ``vae``'s decoder back as it was; whether it had been fused."""
-    decoder = fusable_decoder(vae)
-    state = getattr(decoder, _ORIGINAL, None) if decoder is not None else None
+    decoder = getattr(vae, "decoder", None)
+    state = getattr(decoder, _ORIGINAL, None)
     if state is None:
         return False
-    originals, hooks = state
+    setattr(decoder, _ORIGINAL, None)
+    kind, parts = state
+    if kind == "one_frame":
+        for conv in parts:
+            del conv.forward
+        return True
+    originals, hooks = parts
     for owner, name, original in originals:
         setattr(owner, name, original)
     for hook in hooks:
         hook.remove()
     decoder.to(memory_format=torch.contiguous_format)
-    setattr(decoder, _ORIGINAL, None)
     return True
 
 
