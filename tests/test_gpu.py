@@ -497,20 +497,20 @@ def test_fa4_through_the_whole_job_eager_and_compiled_stays_within_the_kernel_no
 
 
 
-@pytest.mark.parametrize("model", ["flux_dev", "flux2_dev"])
-def test_the_fused_decoder_makes_the_eager_decoder_s_images_faster(model):
+@pytest.mark.parametrize("model,speedup", [("flux_dev", 1.3), ("flux2_dev", 1.3), ("qwen_image", 1.1)])
+def test_the_fused_decoder_makes_the_eager_decoder_s_images_faster(model, speedup):
     """fused_decode on the real decoders (random bf16 weights, batch 2 at 1024x1024): the 8-bit images within bf16
-    noise of the stock decoder's (PSNR >= 40 dB each), in the usual layout, and the decode at least 1.3x faster
-    (H100: 86 -> ~40 ms an image; benchmarks/probe_vae.py)."""
+    noise of the stock decoder's (PSNR >= 40 dB each), in the usual layout, and the decode faster (FLUX's norms
+    fused channels-last, Qwen-Image's frame with 2-D convolutions; benchmarks/probe_vae.py)."""
     from benchmarks.probe_vae import build_vae, latents, psnr_8bit, time_decode
     from shardgen.speed import fused_decode
 
     vae = build_vae(model, torch.device("cuda"), torch.bfloat16)
     z = latents(vae, 2, 1024, torch.device("cuda"), torch.bfloat16)
     eager_ms, want = time_decode(vae.decode, z, 3)
-    assert fused_decode.install(vae) > 20
+    assert fused_decode.install(vae) > 20  # GroupNorms or causal convolutions
     fused_ms, got = time_decode(vae.decode, z, 3)
     assert got.is_contiguous() and got.shape == want.shape
     assert psnr_8bit(got.float(), want.float()) >= 40.0
-    assert fused_ms * 1.3 <= eager_ms, (fused_ms, eager_ms)
+    assert fused_ms * speedup <= eager_ms, (fused_ms, eager_ms)
     assert fused_decode.uninstall(vae)
