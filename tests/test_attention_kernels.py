@@ -166,3 +166,46 @@ def test_timing_a_long_attention_runs_one_sample_and_checks_the_kernels_agree(mo
     assert set(shapes) == {(1, 3, 16, 8)}
     assert res["flash"]["max_abs_diff"] == 0.0 and res["flash"]["ms"] > 0
     assert "error" in res["cudnn"] and "error" in res["efficient"]
+
+
+def test_auto_takes_flashattention_3_where_it_is_the_fastest_and_agrees():
+    assert sdpa.pick_kernel(timings(flash=3.09, cudnn=1.568, efficient=5.97, fa3=1.463)) == "fa3"  # H100, FLUX.1
+    assert sdpa.pick_kernel(timings(flash=3.09, cudnn=1.568, efficient=5.97, fa3=1.60)) == "cudnn"
+    broken = timings(flash=3.09, cudnn=1.568, efficient=5.97, fa3=1.0)
+    broken["fa3"]["max_abs_diff"] = 0.5
+    assert sdpa.pick_kernel(broken) == "cudnn"
+
+
+@pytest.mark.parametrize("asked", ["auto", "fa3"])
+def test_fa3_chosen_or_asked_for_takes_the_calls_it_can_and_torch_s_fastest_takes_the_rest(sdpa_calls, monkeypatch,
+                                                                                          asked):
+    """Under auto's choice of FA3 (or sdpa_backend=fa3), a plain SDPA call goes to FA3's kernel and a masked one to
+    torch's kernels with the fastest of them (cuDNN here) first; after the pipeline call SDPA is torch's again."""
+    from shardgen.speed import fa3
+
+    measured = timings(flash=3.09, cudnn=1.568, efficient=5.97, fa3=1.463)
+    monkeypatch.setattr(sdpa, "choose_sdpa", lambda device, dtype, shape: (sdpa.pick_kernel(measured), measured))
+    seen = []
+    monkeypatch.setattr(fa3, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)  # CPU tensors
+    monkeypatch.setattr(fa3, "attention", lambda q, k, v, scale=None: seen.append("fa3") or q * 0)
+    original = torch.nn.functional.scaled_dot_product_attention
+    pipe = types.SimpleNamespace(_execution_device=torch.device("cuda"), transformer=types.SimpleNamespace(dtype=None))
+    q = torch.randn(1, 2, 8, 64)
+    with sdpa.sdpa_context(pipe, AccelOptions(sdpa=asked), (1, 2, 8, 64)):
+        assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, q, q), q * 0)
+        masked = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=bool))
+    assert seen == ["fa3"] and torch.allclose(masked, original(q, q, q))
+    assert sdpa_calls == [["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]]
+    assert torch.nn.functional.scaled_dot_product_attention is original
+
+
+def test_fa3_asked_for_where_it_cannot_run_is_a_config_error_saying_what_to_do(monkeypatch):
+    from shardgen.speed import fa3
+
+    monkeypatch.setattr(fa3, "unavailable_reason", lambda device: "fa3-fwd does not import (ModuleNotFoundError)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(AccelError) as err:
+        sdpa.validate(AccelOptions(sdpa="fa3"), "cuda")
+    assert str(err.value) == ("sdpa_backend=fa3: fa3-fwd does not import (ModuleNotFoundError). pip install fa3-fwd "
+                              "(FlashAttention-3's forward kernels for Hopper, built for CUDA 13 and torch>=2.10); or "
+                              "use sdpa_backend=auto (measures the kernels this machine has)")

@@ -514,3 +514,24 @@ def test_the_fused_decoder_makes_the_eager_decoder_s_images_faster(model, speedu
     assert psnr_8bit(got.float(), want.float()) >= 40.0
     assert fused_ms * speedup <= eager_ms, (fused_ms, eager_ms)
     assert fused_decode.uninstall(vae)
+
+
+@pytest.mark.parametrize("heads,tokens,dim", [(24, 4608, 128), (48, 4608, 128), (38, 4429, 64), (2, 300, 96)])
+def test_fa3_matches_cudnn_attention_on_every_head_size(heads, tokens, dim):
+    """FlashAttention-3's bf16 kernel (``sdpa_backend=fa3``, a candidate of auto where fa3-fwd is installed) against
+    cuDNN's on tokens-major inputs, as the processors hand them: within bf16 rounding of each other, in SDPA's
+    layout. Skipped where fa3-fwd is not installed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from shardgen.speed import fa3
+
+    if why := fa3.unavailable_reason("cuda"):
+        pytest.skip(why)
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, tokens, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    got = fa3.attention(q, k, v)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.01

@@ -406,8 +406,9 @@ class SpeedConfig:
     rounding; CPU runs keep the stock decoder; false = diffusers' own. shardgen/speed/fused_decode.py."""
     sdpa_backend: str = "auto"
     """Kernel behind diffusers' default attention (torch SDPA) on CUDA: auto (the fastest of flash / cudnn /
-    efficient, measured once at the run's shape; flash unless another is 5% faster) | default | flash | cudnn |
-    efficient | math | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
+    efficient, and of FlashAttention-3's bf16 kernel where fa3-fwd is installed, measured once at the run's shape;
+    flash unless another is 5% faster) | default | flash | cudnn | efficient | math | fa3 (FlashAttention-3's bf16
+    kernel: pip install fa3-fwd; H100/H200 only; 7-15% faster than cuDNN at FLUX's and Qwen-Image's shapes) | fa4 (FlashAttention-4: needs pip install flash-attn-4, torch>=2.11 and an H100/H200/B200;
     faster than cuDNN for long videos and 64-wide heads, see docs/performance.md). Exact up to bf16 rounding.
     sage | fp8 | fa3_fp8: opt-in, LOSSY 8-bit attention, compiled blocks included; the calls it cannot take keep
     auto's kernel: sage is SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2');

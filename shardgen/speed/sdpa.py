@@ -1,8 +1,9 @@
 """``sdpa``: the kernel behind diffusers' default attention backend (torch SDPA). ``auto`` measures flash /
-efficient / cudnn once per process at the run's attention shape, checks each against the others, and puts the
-fastest first in SDPA's priority order (inside each pipeline call only: ``sdpa_context``). Without it torch picks
+efficient / cudnn (and FlashAttention-3's bf16 kernel where ``fa3-fwd`` is installed: ``speed/fa3.py``) once per
+process at the run's attention shape, checks each against the others, and puts the fastest first in SDPA's priority
+order, or routes the calls FA3 takes to it (inside each pipeline call only: ``sdpa_context``). Without it torch picks
 flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
-choice is a context around each call. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
+choice is a context around each call. ``fa3`` asks for FA3's kernel by name. ``fa4`` (asked for by name, never by ``auto``: ``speed/fa4.py``) makes
 FlashAttention-4 the process's flash kernel and puts it first. ``sage``, ``fp8`` and ``fa3_fp8`` (opt-in, LOSSY:
 ``speed/sage.py``, ``speed/fp8_attention.py``, ``speed/fa3_fp8.py``) send the calls they take to an 8-bit kernel
 (SageAttention's, shardgen's own INT8 ``QK^T`` / float8 ``PV``, or FlashAttention-3's float8 one), the others to
@@ -24,7 +25,8 @@ from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa4", "sage", "fp8", "fa3_fp8")
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa3", "fa4", "sage", "fp8", "fa3_fp8")
+TORCH_KERNELS = ("flash", "cudnn", "efficient")  # what auto times always; fa3 too where it runs
 EIGHT_BIT = EIGHT_BIT_ATTENTION  # the lossy kernels: sdpa_backend=NAME is in the fingerprint and provenance
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
@@ -35,7 +37,7 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math | fa4 | sage | fp8 | fa3_fp8 (``sdpa_backend``)."""
+    """auto | default | flash | efficient | cudnn | math | fa3 | fa4 | sage | fp8 | fa3_fp8 (``sdpa_backend``)."""
 
 
 def _backend(name: str):
@@ -58,7 +60,7 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
                  iters: int = 5) -> dict:
     """ms per call of each fused SDPA kernel on (batch, heads, seq, head_dim) in diffusers' layout (a long video's
     batch one sample at a time: ``measure_batch``), and its largest deviation from the first kernel that ran, on the
-    first sample's first two heads (a broken kernel is not chosen)."""
+    first sample's first two heads (a broken kernel is not chosen); FA3's (``fa3``) where it runs here."""
     from torch.nn.attention import sdpa_kernel
 
     torch.manual_seed(0)
@@ -66,15 +68,17 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
     res, ref = {}, None
-    for name in ("flash", "cudnn", "efficient"):
+    kernels = TORCH_KERNELS + (("fa3",) if _fa3_runs(device) else ())
+    for name in kernels:
         try:
-            with sdpa_kernel([_backend(name)]):
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            with contextlib.nullcontext() if name == "fa3" else sdpa_kernel([_backend(name)]):
+                call = _fa3_call if name == "fa3" else torch.nn.functional.scaled_dot_product_attention
+                out = call(q, k, v)
                 torch.cuda.synchronize(device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(iters):
-                    torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                    call(q, k, v)
                 end.record()
                 end.synchronize()
             sample = out[:1, :2].float()  # not the whole output in float32: GBs at a long video's length
@@ -84,6 +88,19 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
         except Exception as e:  # not available for this device/shape/dtype
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return res
+
+
+def _fa3_runs(device: torch.device) -> bool:
+    """Whether FlashAttention-3's kernel runs on ``device`` (fa3-fwd installed, a Hopper GPU)."""
+    from shardgen.speed import fa3
+
+    return fa3.unavailable_reason(device) is None
+
+
+def _fa3_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from shardgen.speed import fa3
+
+    return fa3.attention(q, k, v)
 
 
 def measure_batch(batch: int, heads: int, seq: int, head_dim: int, itemsize: int = 2) -> int:
@@ -148,28 +165,48 @@ def _video_tokens(pipe, cfg, num_frames: int, height: int, width: int) -> int:
 def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | None):
     """A context for one pipeline call that puts the chosen SDPA kernel first (a no-op off CUDA, with
     ``sdpa=default``, or when the transformer uses another diffusers attention backend)."""
-    from torch.nn.attention import sdpa_kernel
-
     device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", None)
     if opts.sdpa == "default" or device is None or torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     if opts.sdpa in EIGHT_BIT:  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
         # auto times torch's kernels here, before the 8-bit kernel takes SDPA's place (else it would time that one)
-        fallback = sdpa_context(pipe, replace(opts, sdpa="auto"), shape)
-        stack = contextlib.ExitStack()
-        stack.enter_context(fallback)
-        stack.enter_context(_eight_bit(opts.sdpa).context())
-        return stack
+        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _eight_bit(opts.sdpa).context())
+    if opts.sdpa == "fa3":  # FA3 where it takes the call; auto's choice elsewhere
+        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _fa3_context())
     if opts.sdpa == "math":
         name = "math"
     elif opts.sdpa == "auto":
         if shape is None or not _uses_native_attention(pipe.transformer):
             return contextlib.nullcontext()
-        name, _ = choose_sdpa(torch.device(device), pipe.transformer.dtype, shape)
-        if name == "default":
-            return contextlib.nullcontext()
+        name, timings = choose_sdpa(torch.device(device), pipe.transformer.dtype, shape)
+        if name == "fa3":  # torch's fastest for the calls FA3 does not take (a mask, another head size)
+            rest = pick_kernel({n: t for n, t in timings.items() if n != "fa3"})
+            return _stacked(_torch_order(rest), _fa3_context())
     else:
         name = opts.sdpa
+    return _torch_order(name)
+
+
+def _stacked(*contexts):
+    """The contexts entered in order (the last innermost), as one."""
+    stack = contextlib.ExitStack()
+    for context in contexts:
+        stack.enter_context(context)
+    return stack
+
+
+def _fa3_context():
+    from shardgen.speed import fa3
+
+    return fa3.context()
+
+
+def _torch_order(name: str):
+    """SDPA's priority order with torch's kernel ``name`` first (``default``: torch's own order, nothing set)."""
+    from torch.nn.attention import sdpa_kernel
+
+    if name == "default":
+        return contextlib.nullcontext()
     if name == "fa4":
         from shardgen.speed import fa4
 
@@ -225,12 +262,14 @@ def validate(opts: AccelOptions, device=None) -> None:
     name = pick(SdpaConfig, opts).sdpa
     if name not in SDPA_CHOICES:
         raise AccelError(f"sdpa_backend={name!r}: use one of {list(SDPA_CHOICES)}")
-    if name == "fa4" and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        from shardgen.speed import fa4
+    if name in ("fa3", "fa4") and device is not None and torch.device(device).type == "cuda" \
+            and torch.cuda.is_available():
+        import importlib
 
-        why = fa4.unavailable_reason(device)
+        kernel = importlib.import_module(f"shardgen.speed.{name}")
+        why = kernel.unavailable_reason(device)
         if why:
-            raise AccelError(f"sdpa_backend=fa4: {why}. {fa4.INSTALL}; or use sdpa_backend=auto (measures the "
+            raise AccelError(f"sdpa_backend={name}: {why}. {kernel.INSTALL}; or use sdpa_backend=auto (measures the "
                              "kernels this machine has)")
     if name in EIGHT_BIT and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
         kernel = _eight_bit(name)
@@ -240,13 +279,18 @@ def validate(opts: AccelOptions, device=None) -> None:
 
 
 def _apply(step) -> dict:
-    """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) on a GPU: the kernel checked on the rank's GPU once
+    """With an 8-bit kernel (sdpa_backend=fp8, fa3_fp8 or sage) or FA3's bf16 one (fa3) on a GPU: the kernel checked
+    on the rank's GPU once
     per process, when the pipeline is first prepared (outside any sample: a failure ends the job in one line). Nothing
     else is applied here: the kernel choice is a context around each call (``sdpa_context``). A transformer whose
     attention does not go through torch's SDPA is refused (the strategy's checks refuse the configurations that do
     so before any weight is read; this is the last line for any other)."""
     name = step.opts.sdpa
-    if name not in EIGHT_BIT or step.device is None or torch.device(step.device).type != "cuda":
+    if step.device is None or torch.device(step.device).type != "cuda":
+        return {}
+    if name == "fa3":
+        return {"fa3_attention_error": round(_check_lossless(step), 4)}
+    if name not in EIGHT_BIT:
         return {}
     if step.transformer is not None and not _uses_native_attention(step.transformer):
         raise AccelError(f"sdpa_backend={name} replaces torch's SDPA, and this transformer's attention runs through "
@@ -256,6 +300,24 @@ def _apply(step) -> dict:
     dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
     dims = (dim,) if dim in kernel.HEAD_DIMS else kernel.HEAD_DIMS
     return {f"{name}_attention_error": round(_check_kernel(name, step.device, dims), 4)}
+
+
+FA3_BOUND = 0.02  # relative RMS against exact float32 attention: bf16 kernels are ~0.3% off it
+
+
+def _check_lossless(step) -> float:
+    """FA3's bf16 kernel (``sdpa_backend=fa3``) against exact attention on the rank's GPU, before any sample:
+    AccelError where a build or GPU runs it wrong."""
+    from shardgen.speed import fa3
+    from shardgen.speed.sdpa_route import self_check
+
+    dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
+    err = self_check("fa3", lambda q, k, v: fa3.attention(q, k, v), step.device,
+                     (dim,) if dim in fa3.HEAD_DIMS else fa3.HEAD_DIMS)
+    if err > FA3_BOUND:
+        raise AccelError(f"sdpa_backend=fa3: FlashAttention-3's output is {err:.1%} off exact attention on this GPU "
+                         f"(a bf16 kernel is ~0.3% off): fa3-fwd does not run right here. Use sdpa_backend=auto")
+    return err
 
 
 KERNEL_NAMES = {"fp8": "the float8 attention kernel", "sage": "SageAttention",
