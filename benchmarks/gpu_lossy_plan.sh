@@ -29,7 +29,8 @@
 #   18 batch-cycle: where a FLUX.1-dev fp8 + fa3_fp8 batch's time goes beyond its 28 transformer calls (text
 #            encoders, VAE decode, the host): jobs.bench's torch.profiler trace of one batch cycle (eager, as
 #            compile=auto runs a short fp8 job)
-#   20 decode (runs after step 1): fused_decode's GPU test and its decode against the stock one (probe_vae.py)
+#   20 decode (runs after step 1): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
+#            against cuDNN (tests/test_gpu.py)
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
@@ -71,7 +72,7 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
   or tokens_major or swiglu" \
   tests/test_gpu_fp8.py tests/test_gpu.py
-step 20 decode 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k fused_decoder tests/test_gpu.py; \
+step 20 decode 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
