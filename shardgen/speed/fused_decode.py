@@ -132,18 +132,17 @@ def group_norm_silu(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> to
     return out.movedim(-1, 1)
 
 
-class FusedGroupNorm(torch.nn.Module):
-    """A GroupNorm (and the SiLU after it, ``silu``) in the fused kernel where it takes the input, else torch's ops;
-    it holds the original module, whose parameters it uses."""
+class FusedGroupNorm(torch.nn.GroupNorm):
+    """A GroupNorm (and the SiLU after it, ``silu``) in the fused kernel where it takes the input, else torch's ops.
+    ``install`` turns the decoder's own GroupNorms into this class in place: the same parameters under the same
+    names (a state dict, a weight fingerprint or a LoRA loader sees nothing changed)."""
 
-    def __init__(self, norm: torch.nn.GroupNorm, silu: bool):
-        super().__init__()
-        self.norm, self.silu = norm, silu
+    silu: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernel_takes(x, self.norm):
-            return group_norm_silu(x, self.norm, self.silu)
-        y = self.norm(x)
+        if kernel_takes(x, self):
+            return group_norm_silu(x, self, self.silu)
+        y = super().forward(x)
         return F.silu(y) if self.silu else y
 
 
@@ -157,27 +156,29 @@ def fusable_decoder(vae: torch.nn.Module | None) -> torch.nn.Module | None:
     return decoder if isinstance(decoder, Decoder) else None
 
 
-def _swaps(decoder: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """(owner, attribute, replacement) for each GroupNorm of the decoder: a ResnetBlock2D's norms with its SiLU
-    (the block's shared ``nonlinearity`` then an identity), the decoder's last norm with ``conv_act``, the
-    attention's norm alone."""
+def _plain_norm(module) -> bool:
+    return type(module) is torch.nn.GroupNorm
+
+
+def _fusions(decoder: torch.nn.Module) -> tuple[list[tuple[torch.nn.GroupNorm, bool]], list[tuple[torch.nn.Module, str]]]:
+    """(each GroupNorm of the decoder with whether the SiLU after it joins it, each SiLU that then becomes an
+    identity as (owner, attribute)): a ResnetBlock2D's two norms with its shared ``nonlinearity``, the decoder's last
+    norm with ``conv_act``, the attention's norm alone."""
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
 
-    swaps = []
+    norms, silus = [], []
     for module in decoder.modules():
         if isinstance(module, ResnetBlock2D) and isinstance(module.nonlinearity, torch.nn.SiLU) \
-                and module.time_emb_proj is None and isinstance(module.norm1, torch.nn.GroupNorm) \
-                and isinstance(module.norm2, torch.nn.GroupNorm):
-            swaps += [(module, "norm1", FusedGroupNorm(module.norm1, True)),
-                      (module, "norm2", FusedGroupNorm(module.norm2, True)),
-                      (module, "nonlinearity", torch.nn.Identity())]
-        elif isinstance(module, Attention) and isinstance(module.group_norm, torch.nn.GroupNorm):
-            swaps.append((module, "group_norm", FusedGroupNorm(module.group_norm, False)))
-    if isinstance(decoder.conv_norm_out, torch.nn.GroupNorm) and isinstance(decoder.conv_act, torch.nn.SiLU):
-        swaps += [(decoder, "conv_norm_out", FusedGroupNorm(decoder.conv_norm_out, True)),
-                  (decoder, "conv_act", torch.nn.Identity())]
-    return swaps
+                and module.time_emb_proj is None and _plain_norm(module.norm1) and _plain_norm(module.norm2):
+            norms += [(module.norm1, True), (module.norm2, True)]
+            silus.append((module, "nonlinearity"))
+        elif isinstance(module, Attention) and _plain_norm(module.group_norm):
+            norms.append((module.group_norm, False))
+    if _plain_norm(decoder.conv_norm_out) and isinstance(decoder.conv_act, torch.nn.SiLU):
+        norms.append((decoder.conv_norm_out, True))
+        silus.append((decoder, "conv_act"))
+    return norms, silus
 
 
 def one_frame_forward(conv: torch.nn.Conv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,19 +235,20 @@ def install(vae: torch.nn.Module) -> int:
     decoder = fusable_decoder(vae)
     state = getattr(getattr(vae, "decoder", None), _ORIGINAL, None)
     if state is not None:
-        return len(state[1]) if state[0] == "one_frame" else sum(isinstance(m, FusedGroupNorm)
-                                                               for m in decoder.modules())
+        return len(state[1]) if state[0] == "one_frame" else len(state[1][0])
     if decoder is None:
         return _install_one_frame(vae)
-    swaps = _swaps(decoder)
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
-    for owner, name, replacement in swaps:
-        setattr(owner, name, replacement)
+    norms, silus = _fusions(decoder)
+    for norm, silu in norms:
+        norm.__class__, norm.silu = FusedGroupNorm, silu
+    originals = [(owner, name, getattr(owner, name)) for owner, name in silus]
+    for owner, name in silus:
+        setattr(owner, name, torch.nn.Identity())
     decoder.to(memory_format=torch.channels_last)
     hooks = [decoder.register_forward_pre_hook(_channels_last_in, with_kwargs=True),
              decoder.register_forward_hook(_contiguous_out)]
-    setattr(decoder, _ORIGINAL, ("norms", (originals, hooks)))
-    return sum(isinstance(r, FusedGroupNorm) for _, _, r in swaps)
+    setattr(decoder, _ORIGINAL, ("norms", ([norm for norm, _ in norms], originals, hooks)))
+    return len(norms)
 
 
 def uninstall(vae: torch.nn.Module) -> bool:
@@ -261,7 +263,10 @@ def uninstall(vae: torch.nn.Module) -> bool:
         for conv in parts:
             del conv.forward
         return True
-    originals, hooks = parts
+    norms, originals, hooks = parts
+    for norm in norms:
+        norm.__class__ = torch.nn.GroupNorm
+        del norm.silu
     for owner, name, original in originals:
         setattr(owner, name, original)
     for hook in hooks:
