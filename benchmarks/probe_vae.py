@@ -9,8 +9,8 @@ Builds the VAE alone (``shardgen.models.dummy``: the real architecture, random b
 module and its input in channels-last: ``channels_last_3d`` for a video VAE), ``both``. Results go to
 ``$OUT/probe_vae.json``. ``fused``: ``fused_decode`` as the job installs it (shardgen/speed/fused_decode.py: the
 decoder channels-last, its GroupNorm + SiLU pairs in Triton), with the PSNR of its images against the eager ones
-(8-bit pixels, as the job writes them); ``--variants`` picks the rows. ``--compiled`` adds ``compiled`` (``torch.compile`` of ``vae.decode``, default mode, contiguous
-layout; the seconds its first call takes beyond a timed one as ``first_call_extra_s``: the compilation).
+(8-bit pixels, as the job writes them); ``--variants`` picks the rows. ``--compiled`` adds ``compiled``
+(``torch.compile`` of ``vae.decode``, default mode, contiguous layout; the seconds its first call takes beyond a timed one as ``first_call_extra_s``: the compilation).
 """
 
 from __future__ import annotations

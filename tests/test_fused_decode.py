@@ -40,7 +40,8 @@ for channels, groups, shape, offset, dtype, silu in [
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5); norm.bias.uniform_(-0.5, 0.5)
     x = (torch.randn(shape) * 0.05 + offset).to(dtype)
-    x = x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x.transpose(1, 2).contiguous().transpose(1, 2)
+    last = torch.channels_last
+    x = x.contiguous(memory_format=last) if x.dim() == 4 else x.transpose(1, 2).contiguous().transpose(1, 2)
     norm = norm.to(dtype)
     with torch.no_grad():
         want = F.group_norm(x.double(), groups, norm.weight.double(), norm.bias.double(), norm.eps)

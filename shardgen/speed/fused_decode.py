@@ -160,7 +160,8 @@ def _plain_norm(module) -> bool:
     return type(module) is torch.nn.GroupNorm
 
 
-def _fusions(decoder: torch.nn.Module) -> tuple[list[tuple[torch.nn.GroupNorm, bool]], list[tuple[torch.nn.Module, str]]]:
+def _fusions(decoder: torch.nn.Module) -> tuple[list[tuple[torch.nn.GroupNorm, bool]],
+                                                list[tuple[torch.nn.Module, str]]]:
     """(each GroupNorm of the decoder with whether the SiLU after it joins it, each SiLU that then becomes an
     identity as (owner, attribute)): a ResnetBlock2D's two norms with its shared ``nonlinearity``, the decoder's last
     norm with ``conv_act``, the attention's norm alone."""
