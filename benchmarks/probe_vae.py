@@ -10,7 +10,8 @@ module and its input in channels-last: ``channels_last_3d`` for a video VAE), ``
 ``$OUT/probe_vae.json``. ``fused``: ``fused_decode`` as the job installs it (shardgen/speed/fused_decode.py: the
 decoder channels-last, its GroupNorm + SiLU pairs in Triton), with the PSNR of its images against the eager ones
 (8-bit pixels, as the job writes them); ``--variants`` picks the rows. ``--compiled`` adds ``compiled``
-(``torch.compile`` of ``vae.decode``, default mode, contiguous layout; the seconds its first call takes beyond a timed one as ``first_call_extra_s``: the compilation).
+(``torch.compile`` of ``vae.decode``, default mode, contiguous layout; the seconds its first call takes beyond a
+timed one as ``first_call_extra_s``: the compilation).
 """
 
 from __future__ import annotations
