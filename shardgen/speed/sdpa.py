@@ -5,9 +5,9 @@ order, or routes the calls FA3 takes to it (inside each pipeline call only: ``sd
 flash (FA2), which on an H100/H200 is slower than cuDNN's fused attention. Nothing is applied by ``prepare``: the
 choice is a context around each call. ``fa3`` asks for FA3's kernel by name. ``fa4`` (asked for by name, never by
 ``auto``: ``speed/fa4.py``) makes FlashAttention-4 the process's flash kernel and puts it first. ``sage``, ``fp8``
-and ``fa3_fp8`` (opt-in, LOSSY: ``speed/sage.py``, ``speed/fp8_attention.py``, ``speed/fa3_fp8.py``) send the calls they take to an 8-bit kernel
-(SageAttention's, shardgen's own INT8 ``QK^T`` / float8 ``PV``, or FlashAttention-3's float8 one), the others to
-torch's kernels in ``auto``'s order.
+and ``fa3_fp8`` (opt-in, LOSSY: ``speed/sage.py``, ``speed/fp8_attention.py``, ``speed/fa3_fp8.py``) send the
+calls they take to an 8-bit kernel (SageAttention's, shardgen's own INT8 ``QK^T`` / float8 ``PV``, or
+FlashAttention-3's float8 one), the others to the kernels ``auto`` chose.
 """
 
 from __future__ import annotations
