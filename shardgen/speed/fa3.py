@@ -20,7 +20,7 @@ import sys
 import torch
 
 from shardgen.speed.fa3_fp8 import HEAD_DIMS, INSTALL, _fa3_forward, unavailable_reason  # noqa: F401 (re-exported)
-from shardgen.speed.sdpa_route import kernel_context, plain_attention
+from shardgen.speed.sdpa_route import kernel_context, plain_attention, tokens_major_operator
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call) -> bool:
@@ -36,18 +36,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return out.transpose(1, 2)
 
 
-@torch.library.custom_op("shardgen::fa3_attention", mutates_args=())
-def _operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel as a torch operator, for compiled blocks (inductor does not trace into it); its body is
-    ``attention``, looked up at each call (a CPU test replaces it)."""
-    return attention(q, k, v, scale).transpose(1, 2).contiguous().transpose(1, 2)
-
-
-@_operator.register_fake
-def _(q, k, v, scale):
-    b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2)  # FA3's layout: (batch, tokens, heads, dim) memory
-
+_operator = tokens_major_operator("fa3_attention", __name__)  # compiled blocks call this
 
 def context():
     """Within it, torch SDPA calls FA3's kernel where it takes the call (``takes``), torch's kernels elsewhere."""

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from shardgen.speed.fused_kernels import rms_rope, rms_rope_kernel_ok, rms_rope_reference
-from shardgen.speed.sdpa_route import kernel_context, plain_attention
+from shardgen.speed.sdpa_route import kernel_context, plain_attention, tokens_major_operator
 
 try:  # Triton ships with CUDA builds of torch; CPU builds have none
     import triton
@@ -316,18 +316,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return out.to(q.dtype).transpose(1, 2)
 
 
-@torch.library.custom_op("shardgen::fa3_fp8_attention", mutates_args=())
-def _operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel as a torch operator, for compiled blocks (inductor does not trace into it); its body is
-    ``attention``, looked up at each call (a CPU test replaces it)."""
-    return attention(q, k, v, scale).transpose(1, 2).contiguous().transpose(1, 2)
-
-
-@_operator.register_fake
-def _(q, k, v, scale):
-    b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2)  # FA3's layout: (batch, tokens, heads, dim) memory
-
+_operator = tokens_major_operator("fa3_fp8_attention", __name__)  # compiled blocks call this
 
 def takes_parts(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], cos: torch.Tensor) -> bool:
     """Whether ``rms_rope_attention`` takes these projections (a fused processor's parts; else it calls ``rms_rope``

@@ -51,6 +51,24 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims
             and k.shape[2] == v.shape[2] and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
+def tokens_major_operator(name: str, module: str):
+    """The torch operator ``shardgen::NAME(q, k, v, scale)`` for compiled blocks (inductor does not trace into it):
+    ``sys.modules[module].attention`` (looked up at each call: a CPU test replaces it), its output in a kernel's
+    (batch, tokens, heads, dim) memory seen as SDPA's (batch, heads, tokens, dim)."""
+    import sys
+
+    @torch.library.custom_op(f"shardgen::{name}", mutates_args=())
+    def operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return sys.modules[module].attention(q, k, v, scale).transpose(1, 2).contiguous().transpose(1, 2)
+
+    @operator.register_fake
+    def _(q, k, v, scale):
+        b, h, n, d = q.shape
+        return q.new_empty(b, n, h, d).transpose(1, 2)
+
+    return operator
+
+
 _ROUTED: list = []
 """The modules of the 8-bit kernels routed now (``kernel_context``), the innermost last."""
 
