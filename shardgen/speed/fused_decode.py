@@ -211,10 +211,12 @@ def _install_one_frame(vae: torch.nn.Module) -> int:
     import types
 
     convs = causal_convs(vae)
+    if not convs:
+        return 0
     for conv in convs:
         conv.forward = types.MethodType(one_frame_forward, conv)
-    if convs:
-        setattr(vae.decoder, _ORIGINAL, ("one_frame", convs))
+    # cuDNN may hand a 2-D convolution's output back channels-last: the frames leave in the usual layout
+    setattr(vae.decoder, _ORIGINAL, ("one_frame", (convs, vae.decoder.register_forward_hook(_contiguous_out))))
     return len(convs)
 
 
@@ -236,7 +238,7 @@ def install(vae: torch.nn.Module) -> int:
     decoder = fusable_decoder(vae)
     state = getattr(getattr(vae, "decoder", None), _ORIGINAL, None)
     if state is not None:
-        return len(state[1]) if state[0] == "one_frame" else len(state[1][0])
+        return len(state[1][0])
     if decoder is None:
         return _install_one_frame(vae)
     norms, silus = _fusions(decoder)
@@ -261,8 +263,10 @@ def uninstall(vae: torch.nn.Module) -> bool:
     setattr(decoder, _ORIGINAL, None)
     kind, parts = state
     if kind == "one_frame":
-        for conv in parts:
+        convs, hook = parts
+        for conv in convs:
             del conv.forward
+        hook.remove()
         return True
     norms, originals, hooks = parts
     for norm in norms:
