@@ -63,7 +63,7 @@ def _fa3_ways() -> dict:
     if why := fa3_fp8.unavailable_reason("cuda"):
         print("FA3:", why, flush=True)
         return {}
-    forward = fa3_fp8._fa3_forward()
+    forward = fa3_fp8.fa3_forward()
     pre: dict = {}
 
     def kernel_only(q, k, v):

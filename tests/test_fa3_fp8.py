@@ -92,7 +92,7 @@ def test_a_missing_package_is_named_with_its_install_line(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fa3_fp8, "_fa3_forward", absent)
+    monkeypatch.setattr(fa3_fp8, "fa3_forward", absent)
     with pytest.raises(AccelError) as e:
         sdpa.validate(AccelOptions(sdpa="fa3_fp8"), "cuda:0")
     assert str(e.value) == ("sdpa_backend=fa3_fp8: fa3-fwd does not import (ModuleNotFoundError: No module named "
@@ -120,7 +120,7 @@ def test_attention_hands_fa3_its_layout_and_scales_and_gives_sdpa_its_view(monke
     SDPA's (batch, heads, tokens, dim); FA3 gets contiguous float8 and per-head descales; the caller gets SDPA's
     view of FA3's output (so a processor's transpose and flatten copy nothing), equal to exact attention on the
     quantised inputs."""
-    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "fa3_forward", lambda: _fa3_as_documented)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 40, 3, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(2, 3, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -152,7 +152,7 @@ def test_attention_from_the_projections_hands_fa3_queries_and_keys_on_their_stat
     comes back as (batch, tokens, heads, dim), a few percent from exact attention like ``attention``'s."""
     from shardgen.speed.fused_kernels import rms_rope
 
-    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "fa3_forward", lambda: _fa3_as_documented)
     qs, ks, vs, wq, wk, cos, sin = _parts()
     out = fa3_fp8.rms_rope_attention(qs, ks, vs, wq, wk, cos, sin, 1e-6)
     assert out.shape == (2, 40, 3, 64) and out.dtype == torch.bfloat16
@@ -233,7 +233,7 @@ def test_a_fused_processor_hands_the_projections_to_fa3_fp8_and_to_no_other_kern
     from shardgen.families.flux import fused as flux_fused
     from tests.test_flux_fused import run, small_flux, small_inputs
 
-    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "fa3_forward", lambda: _fa3_as_documented)
     monkeypatch.setattr(fa3_fp8, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)  # CPU tensors
     tr, kw = small_flux(torch.bfloat16), small_inputs(torch.bfloat16)
     flux_fused.enable(tr)
@@ -336,7 +336,7 @@ def test_compiled_blocks_hand_fa3_fp8_the_projections_as_one_operator(monkeypatc
 
     from shardgen.speed.fused_kernels import rope_attention
 
-    monkeypatch.setattr(fa3_fp8, "_fa3_forward", lambda: _fa3_as_documented)
+    monkeypatch.setattr(fa3_fp8, "fa3_forward", lambda: _fa3_as_documented)
     monkeypatch.setattr(fa3_fp8, "takes_parts", lambda qs, ks, vs, cos: True)  # CPU tensors
     qs, ks, vs, wq, wk, cos, sin = _parts()
 

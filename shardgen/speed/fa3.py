@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from shardgen.speed.fa3_fp8 import HEAD_DIMS, INSTALL, _fa3_forward, unavailable_reason  # noqa: F401 (re-exported)
+from shardgen.speed.fa3_fp8 import HEAD_DIMS, INSTALL, fa3_forward, unavailable_reason  # noqa: F401 (re-exported)
 from shardgen.speed.sdpa_route import kernel_context, plain_attention, tokens_major_operator
 
 
@@ -32,7 +32,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     """FA3's attention of (batch, heads, tokens, head_dim) tensors, as SDPA (no mask, not causal): SDPA's view of
     FA3's (batch, tokens, heads, head_dim) output."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = _fa3_forward()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)[0]
+    out = fa3_forward()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)[0]
     return out.transpose(1, 2)
 
 

@@ -43,7 +43,9 @@ FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 
 @functools.cache
-def _fa3_forward():
+def fa3_forward():
+    """FA3's forward function (``fa3_fwd_interface._flash_attn_forward``: bf16/fp16 or float8 inputs), imported
+    when first asked for; ImportError where fa3-fwd is not installed."""
     import fa3_fwd_interface  # an optional package: imported when first asked for
 
     return fa3_fwd_interface._flash_attn_forward
@@ -60,7 +62,7 @@ def unavailable_reason(device: torch.device | str | None) -> str | None:
     if (major, minor) != (9, 0):
         return f"FlashAttention-3 is built for Hopper GPUs (compute capability 9.0); this GPU is {major}.{minor}"
     try:
-        _fa3_forward()
+        fa3_forward()
     except Exception as e:  # not installed, or built for another CUDA
         return f"fa3-fwd does not import ({type(e).__name__}: {str(e)[:120]})"
     return None
@@ -312,7 +314,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     q8, qs = quantise(q)
     k8, ks = quantise(k, smooth=True)
     v8, vs = quantise(v)
-    out = _fa3_forward()(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, softmax_scale=scale)[0]
+    out = fa3_forward()(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, softmax_scale=scale)[0]
     return out.to(q.dtype).transpose(1, 2)
 
 
@@ -343,7 +345,7 @@ def rms_rope_attention(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
     q8, q_descale = quantise_queries(qs, wq, cos, sin, eps)
     k8, k_descale = quantise_keys(ks, wk, cos, sin, eps)
     v8, v_descale = quantise_values(vs, cos)
-    out = _fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+    out = fa3_forward()(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                          softmax_scale=scale)[0]
     return out.to(qs[0].dtype)
 

@@ -264,9 +264,9 @@ def validate(opts: AccelOptions, device=None) -> None:
         raise AccelError(f"sdpa_backend={name!r}: use one of {list(SDPA_CHOICES)}")
     if name in ("fa3", "fa4") and device is not None and torch.device(device).type == "cuda" \
             and torch.cuda.is_available():
-        import importlib
+        from shardgen.speed import fa3, fa4
 
-        kernel = importlib.import_module(f"shardgen.speed.{name}")
+        kernel = {"fa3": fa3, "fa4": fa4}[name]
         why = kernel.unavailable_reason(device)
         if why:
             raise AccelError(f"sdpa_backend={name}: {why}. {kernel.INSTALL}; or use sdpa_backend=auto (measures the "
