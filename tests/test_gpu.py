@@ -535,3 +535,26 @@ def test_fa3_matches_cudnn_attention_on_every_head_size(heads, tokens, dim):
     got = fa3.attention(q, k, v)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.01
+
+
+def test_fa3_and_the_fused_decode_through_the_whole_job_stay_within_the_kernel_noise_floor(tmp_path):
+    """sdpa_backend=fa3 (eager and compile=true) and fused_decode (on by default) against cuDNN and the stock
+    decoder: FLUX.1's pixels move no more than flash vs cuDNN moves them. Skipped where fa3-fwd is not installed."""
+    from shardgen.bench.measure import psnr, shard_images
+    from shardgen.speed import fa3
+
+    if why := fa3.unavailable_reason("cuda"):
+        pytest.skip(why)
+    stock = ("compile=false", "fused_decode=false")
+    runs = {"cudnn": (*stock, "sdpa_backend=cudnn"), "flash": (*stock, "sdpa_backend=flash"),
+            "fa3": (*stock, "sdpa_backend=fa3"), "fa3_compiled": ("compile=true", "sdpa_backend=fa3"),
+            "fused_decode": ("compile=false", "sdpa_backend=cudnn")}
+    for name, extra in runs.items():
+        r = run(compose_cfg(f"run_dir={tmp_path / name}", *SMALL, "strategy=dp", *extra))
+        assert (r.ok, r.failed) == (4, 0), name
+    cudnn, flash, fa3_eager, fa3_compiled, decoded = (shard_images(tmp_path / name) for name in runs)
+    for i in cudnn:
+        floor = min(psnr(flash[i], cudnn[i]), 60.0) - 3
+        assert psnr(fa3_eager[i], cudnn[i]) >= floor, i
+        assert psnr(fa3_compiled[i], cudnn[i]) >= floor - 3, i  # compiled rounding on top of the kernel's
+        assert psnr(decoded[i], cudnn[i]) >= 40.0, i
