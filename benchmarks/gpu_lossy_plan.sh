@@ -72,7 +72,7 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
   or tokens_major or swiglu" \
   tests/test_gpu_fp8.py tests/test_gpu.py
-step 20 decode 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches' tests/test_gpu.py; \
+step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
