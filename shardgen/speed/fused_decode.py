@@ -118,8 +118,8 @@ def group_norm_silu(x: torch.Tensor, norm: torch.nn.GroupNorm, silu: bool) -> to
     m2s = torch.empty_like(means)
     _group_stats_kernel[(blocks, samples)](rows, means, m2s, pixels, C=channels, G=groups, BLOCK_P=block_p)
     # Chan's merge of the blocks' (count, mean, m2): exact whatever the activations' offset
-    first = torch.arange(blocks, device=x.device, dtype=torch.float32) * block_p
-    counts = ((pixels - first).clamp(max=block_p) * (channels // groups))[None, :, None]
+    first = torch.arange(blocks, device=x.device) * block_p  # in int64: float32 counts stop being exact at 2^24
+    counts = ((pixels - first).clamp(max=block_p) * (channels // groups)).float()[None, :, None]
     total = pixels * (channels // groups)
     mean = (means * counts).sum(1) / total
     m2 = m2s.sum(1) + (counts * (means - mean[:, None]) ** 2).sum(1)
