@@ -68,11 +68,11 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
     q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).permute(0, 2, 1, 3)
                for _ in range(3))
     res, ref = {}, None
-    kernels = TORCH_KERNELS + (("fa3",) if _fa3_runs(device) else ())
+    kernels = TORCH_KERNELS + (("fa3",) if _fa3().unavailable_reason(device) is None else ())
     for name in kernels:
         try:
             with contextlib.nullcontext() if name == "fa3" else sdpa_kernel([_backend(name)]):
-                call = _fa3_call if name == "fa3" else torch.nn.functional.scaled_dot_product_attention
+                call = _fa3().attention if name == "fa3" else torch.nn.functional.scaled_dot_product_attention
                 out = call(q, k, v)
                 torch.cuda.synchronize(device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,17 +90,11 @@ def measure_sdpa(device: torch.device, dtype: torch.dtype, batch: int, heads: in
     return res
 
 
-def _fa3_runs(device: torch.device) -> bool:
-    """Whether FlashAttention-3's kernel runs on ``device`` (fa3-fwd installed, a Hopper GPU)."""
+def _fa3():
+    """The module of FlashAttention-3's bf16 kernel (imported when first used, as the 8-bit kernels' are)."""
     from shardgen.speed import fa3
 
-    return fa3.unavailable_reason(device) is None
-
-
-def _fa3_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from shardgen.speed import fa3
-
-    return fa3.attention(q, k, v)
+    return fa3
 
 
 def measure_batch(batch: int, heads: int, seq: int, head_dim: int, itemsize: int = 2) -> int:
@@ -172,7 +166,7 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
         # auto times torch's kernels here, before the 8-bit kernel takes SDPA's place (else it would time that one)
         return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _eight_bit(opts.sdpa).context())
     if opts.sdpa == "fa3":  # FA3 where it takes the call; auto's choice elsewhere
-        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _fa3_context())
+        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _fa3().context())
     if opts.sdpa == "math":
         name = "math"
     elif opts.sdpa == "auto":
@@ -181,7 +175,7 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
         name, timings = choose_sdpa(torch.device(device), pipe.transformer.dtype, shape)
         if name == "fa3":  # torch's fastest for the calls FA3 does not take (a mask, another head size)
             rest = pick_kernel({n: t for n, t in timings.items() if n != "fa3"})
-            return _stacked(_torch_order(rest), _fa3_context())
+            return _stacked(_torch_order(rest), _fa3().context())
     else:
         name = opts.sdpa
     return _torch_order(name)
@@ -193,12 +187,6 @@ def _stacked(*contexts):
     for context in contexts:
         stack.enter_context(context)
     return stack
-
-
-def _fa3_context():
-    from shardgen.speed import fa3
-
-    return fa3.context()
 
 
 def _torch_order(name: str):
