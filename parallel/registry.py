@@ -73,7 +73,8 @@ class Strategy:
         """Enough devices of the right kind: one per rank of a node by default."""
         if facts.type == "cuda" and facts.local_ranks > facts.count:
             fail(f"{facts.local_ranks} ranks per node need one GPU each, but {facts.where} has {facts.count}; launch "
-                 f"at most {facts.count} ranks per node")
+                 f"at most {facts.count} ranks per node, or lower the degrees (one replica takes {dims.replica_size}; "
+                 "a model larger than one GPU: strategy=device_map)")
 
     def check_model(self, dims: ParallelDims, cfg: GenerateConfig, info_fn: Callable[[Any], Any]) -> None:
         """The model's transformer (``info_fn(cfg.model)``: its class and config, no weights) can be split so."""

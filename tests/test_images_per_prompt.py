@@ -148,12 +148,15 @@ def test_rows_own_counts_give_the_same_bytes_at_batch_1_and_through_a_kill(own_c
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_make_the_one_rank_images(batch3, prompts, tmp_path):
-    """tp-2 under gloo: two ranks share each pipeline call of a replica, with one generator per image."""
+def test_tensor_parallel_ranks_make_the_one_rank_images(batch3, prompts, tmp_path, caplog):
+    """tp-2 under gloo: two ranks share each pipeline call of a replica, with one generator per image. Typed as
+    ``strategy=tp tp_degree=2`` alone: the job starts the replica's two ranks itself (as launcher=local would)."""
     from jobs.generate import run
 
-    run(compose_cfg(f"run_dir={tmp_path / 'tp2'}", f"prompts.path={prompts}", *ARGS, "batch_size=3", "strategy=tp",
-                    "tp_degree=2", "launcher=local", "launcher.nprocs=2"))
+    with caplog.at_level("INFO", logger="shardgen"):
+        run(compose_cfg(f"run_dir={tmp_path / 'tp2'}", f"prompts.path={prompts}", *ARGS, "batch_size=3",
+                        "strategy=tp", "tp_degree=2"))
+    assert "one replica of tp 2 takes 2 ranks: starting them on this machine" in caplog.text
     assert shard_images(tmp_path / "tp2") == shard_images(batch3) and len(shard_images(batch3)) == 24
     assert {m["strategy"] for m in samples(tmp_path / "tp2").values()} == {"tp"}  # the json says how it was made
 

@@ -60,6 +60,9 @@ NEEDS = [
     (r"--lpips-backbone|--clip ", "needs trained LPIPS/CLIP weight files: tests/test_quality.py and test_lpips.py run "
                                   "these options on random ones"),
     (r"launcher\.nprocs=4", "4 ranks take ~25 s on 2 cores; tests/test_cfg_parallel.py runs that path"),
+    (r"^python -m jobs\.generate strategy=tp tp_degree=4 run_dir", "4 ranks take ~25 s on 2 cores; "
+                                                                   "tests/test_images_per_prompt.py runs a plain "
+                                                                   "strategy=tp tp_degree=2"),
 ]
 # files the README asks the reader to download, made small here
 FETCHED = {

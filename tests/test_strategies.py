@@ -145,9 +145,32 @@ def test_whole_job_stops_before_run_dir_and_weights(no_weights, tmp_path):
     """Through the real entry point, on this machine: nothing written, no weight read."""
     with pytest.raises(ParallelConfigError, match="no CUDA GPU" if not torch.cuda.is_available() else "needs 2 GPUs"):
         run(compose_cfg("strategy=device_map", f"run_dir={tmp_path / 'run'}", "progress=false"))
-    with pytest.raises(ParallelConfigError, match="do not divide the world of 1"):
+    with pytest.raises(ParallelConfigError, match="tp_degree=3 does not divide the 4 attention heads"):
+        run(compose_cfg("strategy=tp", "tp_degree=3", f"run_dir={tmp_path / 'run'}", "progress=false"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plain_command_whose_replica_takes_more_gpus_than_the_machine_has_stops_in_one_line(no_weights, tmp_path,
+                                                                                             monkeypatch):
+    """`python -m jobs.generate strategy=tp tp_degree=2` starts its two ranks itself, one GPU each: on a machine
+    with one GPU it says so (and what to change) before anything is written or spawned."""
+    from jobs.generate import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ParallelConfigError, match=r"^2 ranks per node need one GPU each, but this machine has 1; "
+                                                  r"launch at most 1 ranks per node, or lower the degrees \(one "
+                                                  r"replica takes 2; a model larger than one GPU: strategy=device_map"):
         run(compose_cfg("strategy=tp", "tp_degree=2", f"run_dir={tmp_path / 'run'}", "progress=false"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_of_a_plain_command_counts_the_ranks_it_would_start(tmp_path):
+    from shardgen.run.dryrun import describe, dry_run
+
+    report = dry_run(compose_cfg("strategy=tp", "tp_degree=2", f"run_dir={tmp_path / 'run'}", "dry_run=true"))
+    assert (report.world_size, report.replicas, report.ranks_per_replica) == (2, 1, 2)
+    assert "ranks     2: 1 replica(s) of 2 rank(s), strategy tp" in describe(report)
 
 
 @pytest.mark.parametrize("overrides,world,expect", [

@@ -69,6 +69,29 @@ def start_local(cfg: Any) -> Any:
     return start(cfg)
 
 
+def typed_ranks(cfg: Any) -> int:
+    """The ranks ``launcher=none`` runs: torchrun's (WORLD_SIZE) when it started this process, else one replica of
+    the strategy's degrees (``strategy=tp tp_degree=4``: 4), which ``start_here`` starts on this machine, so the
+    command works as typed; one for strategy=auto, which chooses within this process's devices."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if cfg.strategy.name == "auto":
+        return 1
+    from parallel.dims import replica_size_of  # checks the degrees themselves (a ParallelConfigError in one line)
+
+    return replica_size_of(cfg)
+
+
+def start_here(cfg: Any) -> Any:
+    """``launcher=none``: this process (or this one of torchrun's), or, where one replica takes several ranks and
+    nothing started them, those ranks spawned on this machine as ``launcher=local`` would."""
+    from shardgen.launch.local import launch_local, launched_by_torchrun
+
+    if launched_by_torchrun() or (nprocs := typed_ranks(cfg)) == 1:
+        return run_here(cfg)
+    return launch_local(cfg, nprocs, said=True)
+
+
 def submit_slurm(cfg: Any) -> Any:
     """Submit the job's ranks to SLURM through submitit."""
     from shardgen.launch.slurm import submit
@@ -128,8 +151,8 @@ def _check_local(ln: Any) -> str | None:
     return None if ln.nprocs >= 1 else f"launcher.nprocs={ln.nprocs}: use 1 or more"
 
 
-# this process, or torchrun's ranks when detected
-register_launcher(Launcher("none", world_size=lambda cfg: int(os.environ.get("WORLD_SIZE", "1"))))
+# this process, torchrun's ranks when detected, or one replica's ranks started here (strategy=tp tp_degree=4)
+register_launcher(Launcher("none", world_size=typed_ranks, local_ranks=lambda world_size: world_size, start=start_here))
 # launcher.nprocs ranks spawned on this machine
 register_launcher(Launcher("local", world_size=lambda cfg: cfg.launcher.nprocs, local_ranks=lambda world_size: world_size,
                            config=LocalLauncherConfig, start=start_local,

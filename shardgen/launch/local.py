@@ -111,21 +111,27 @@ def start_local(cfg: GenerateConfig) -> None:
     return launch_local(cfg)
 
 
-def launch_local(cfg: GenerateConfig) -> None:
-    """Start ``launcher.nprocs`` ranks on this machine running the same code (the debug mode). What can be
-    refused (degrees, the prompt file, a changed fingerprint) is refused here, once, before any rank starts,
-    and a complete run starts none."""
+def launch_local(cfg: GenerateConfig, nprocs: int | None = None, said: bool = False) -> None:
+    """Start ``nprocs`` (default ``launcher.nprocs``) ranks on this machine running the same code (the debug mode).
+    What can be refused (degrees, the prompt file, a changed fingerprint) is refused here, once, before any rank
+    starts, and a complete run starts none. ``said``: log that they are started here (a plain command whose strategy
+    takes several ranks)."""
     import torch.multiprocessing as mp
 
     from parallel.strategies import parallel_dims
     from shardgen.run.runner import nothing_to_do, prepare_run, say_nothing_to_do
 
-    dims = parallel_dims(cfg, cfg.launcher.nprocs)  # impossible degrees fail here, before any rank is spawned
+    nprocs = nprocs or cfg.launcher.nprocs
+    dims = parallel_dims(cfg, nprocs)  # impossible degrees fail here, before any rank is spawned
     plan = prepare_run(cfg, dims.dp, save_config=False)  # rank 0 prepares again (cheap) and records the config
     if nothing_to_do(cfg, plan):
         say_nothing_to_do(plan)
         return
-    nprocs = cfg.launcher.nprocs
+    if said:
+        shape = " x ".join(f"{name} {degree}" for name, degree in dims.replica_dims())
+        logging.getLogger("shardgen").info(
+            "one replica of %s takes %d ranks: starting them on this machine (as launcher=local launcher.nprocs=%d; "
+            "a multiple of %d there runs that many replicas)", shape, nprocs, nprocs, nprocs)
     try:
         args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
         _join_ranks(start_ranks(_local_rank_main, args, nprocs, rank_imports(cfg) if _on_cpu(cfg) else None))
