@@ -118,6 +118,13 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_planning(url,
     assert bucket_objects(s3.fs(), url) == []  # nothing planned
 
 
+def _shards_in(s3, url: str) -> list[str]:
+    """The shard tars committed to the bucket run so far (a fresh listing)."""
+    fs = s3.fs()
+    fs.invalidate_cache()
+    return fs.glob(f"{url.removeprefix('s3://')}/shards/*.tar")
+
+
 def _launch(url: str, scratch: Path, models: Path, *more: str) -> subprocess.Popen:
     """A launch on its own "machine": its own scratch folder ($SHARDGEN_CACHE), the session's tiny models."""
     env = {**os.environ, "SHARDGEN_CACHE": str(scratch),
@@ -133,9 +140,14 @@ def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt
     models = Path(os.environ["SHARDGEN_CACHE"])
     machines = [tmp_path / "machine-a", tmp_path / "machine-b"]
     kills = 0
-    for _ in range(12):
+    for _ in range(3):  # each round killed mid-run: once a shard more is in the bucket, within a second after it
+        before = len(_shards_in(s3, url))
         launches = [_launch(url, m, models, f"prompts.limit={n}") for m in machines]
-        time.sleep(rng.uniform(4, 9))
+        deadline = time.monotonic() + 60
+        while (len(_shards_in(s3, url)) == before and time.monotonic() < deadline
+               and any(p.poll() is None for p in launches)):
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0, 1))
         for p in launches:
             if p.poll() is None:
                 p.kill()

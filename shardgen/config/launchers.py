@@ -77,9 +77,12 @@ def typed_ranks(cfg: Any) -> int:
         return int(os.environ["WORLD_SIZE"])
     if cfg.strategy.name == "auto":
         return 1
-    from parallel.dims import replica_size_of  # checks the degrees themselves (a ParallelConfigError in one line)
+    from parallel.dims import ParallelConfigError, replica_size_of
 
-    return replica_size_of(cfg)
+    try:
+        return replica_size_of(cfg)
+    except ParallelConfigError:  # impossible degrees: refused by the checks, in their order, as on any launcher
+        return 1
 
 
 def start_here(cfg: Any) -> Any:
