@@ -102,8 +102,8 @@ class LauncherConfig:
     """Where the ranks come from: what every launcher has (each launcher= option extends it with its own fields)."""
 
     name: str = "none"
-    """none (this process, or torchrun's ranks when detected) | local (spawn nprocs ranks) | slurm (submitit) |
-    ray (actors on a Ray cluster)"""
+    """none (this process; torchrun's ranks when detected; a strategy whose replica takes N ranks: those N spawned
+    here) | local (spawn nprocs ranks) | slurm (submitit) | ray (actors on a Ray cluster)"""
     backend: Optional[str] = None
     """torch.distributed backend; null = nccl on CUDA, gloo on CPU."""
 
