@@ -130,8 +130,8 @@ def launch_local(cfg: GenerateConfig, nprocs: int | None = None, said: bool = Fa
     if said:
         shape = " x ".join(f"{name} {degree}" for name, degree in dims.replica_dims())
         logging.getLogger("shardgen").info(
-            "one replica of %s takes %d ranks: starting them on this machine (as launcher=local launcher.nprocs=%d; "
-            "a multiple of %d there runs that many replicas)", shape, nprocs, nprocs, nprocs)
+            "one replica of %s takes %d ranks: starting them on this machine (as launcher=local launcher.nprocs=%d "
+            "does; launcher.nprocs=%d would run 2 replicas)", shape, nprocs, nprocs, 2 * nprocs)
     try:
         args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
         _join_ranks(start_ranks(_local_rank_main, args, nprocs, rank_imports(cfg) if _on_cpu(cfg) else None))
