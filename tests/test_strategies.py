@@ -165,6 +165,19 @@ def test_a_plain_command_whose_replica_takes_more_gpus_than_the_machine_has_stop
     assert not (tmp_path / "run").exists()
 
 
+def test_a_plain_command_in_each_task_of_an_srun_step_is_refused_before_it_starts_ranks(tmp_path, monkeypatch):
+    """`srun -n 2 python -m jobs.generate strategy=tp tp_degree=2`: srun sets SLURM_STEP_NUM_TASKS (verified on
+    scripts/slurm_cluster.sh's cluster; a batch script has none) but not RANK/WORLD_SIZE, so each task would start two
+    ranks of its own on the same GPUs: refused in one line naming what to use, nothing written."""
+    from shardgen.errors import ConfigError
+
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(ConfigError, match=r"^one replica of strategy=tp takes 2 ranks, and this process is one of 2 "
+                                          r"tasks of an srun step .* Submit with launcher=slurm"):
+        run(compose_cfg("strategy=tp", "tp_degree=2", f"run_dir={tmp_path / 'run'}", "progress=false"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_dry_run_of_a_plain_command_counts_the_ranks_it_would_start(tmp_path):
     from shardgen.run.dryrun import describe, dry_run
 

@@ -88,10 +88,17 @@ def typed_ranks(cfg: Any) -> int:
 def start_here(cfg: Any) -> Any:
     """``launcher=none``: this process (or this one of torchrun's), or, where one replica takes several ranks and
     nothing started them, those ranks spawned on this machine as ``launcher=local`` would."""
+    from shardgen.errors import ConfigError
     from shardgen.launch.local import launch_local, launched_by_torchrun
 
     if launched_by_torchrun() or (nprocs := typed_ranks(cfg)) == 1:
         return run_here(cfg)
+    if (tasks := int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)) > 1:  # set inside an srun step, not a batch script
+        raise ConfigError(
+            f"one replica of strategy={cfg.strategy.name} takes {nprocs} ranks, and this process is one of {tasks} "
+            "tasks of an srun step without torch.distributed's variables (RANK, WORLD_SIZE): each task would start "
+            f"{nprocs} ranks of its own on the same GPUs. Submit with launcher=slurm (one task a rank), run the "
+            "command once (srun -n 1, or in the batch script), or start torchrun in each task")
     return launch_local(cfg, nprocs, said=True)
 
 
