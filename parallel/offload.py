@@ -92,12 +92,29 @@ def pack(module: torch.nn.Module, pin: bool = True) -> int:
     return sum(blocks)
 
 
+def release_cached_pinned() -> None:
+    """Return to the system the pinned blocks torch's host caching allocator holds unused: a streamed encoder of an
+    earlier job in this process (the GPU tests, one job after another) goes back to that cache when collected, not to
+    the system, and the RAM it keeps would read as taken. A no-op without CUDA or where this torch has no such call."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        try:
+            empty()
+        except RuntimeError as e:  # an allocator this torch cannot empty: the RAM check below counts it as taken
+            log.debug("the pinned host cache was not emptied: %s", e)
+
+
 def pin_streamed(pinned: int) -> bool:
     """Whether a streamed encoder whose pinned copy takes ``pinned`` bytes (``pinned_bytes``) gets it: it must fit
     what this rank's share of the machine's RAM has available now (the weights it replaces may be a file's pages,
-    which free nothing)."""
+    which free nothing), once the pinned blocks this process keeps unused are returned (``release_cached_pinned``)."""
     from parallel.memory import available_bytes, local_ranks
 
+    release_cached_pinned()
     available, _ = available_bytes("cpu", local_ranks())
     return available is None or pinned <= available
 

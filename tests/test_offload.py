@@ -69,3 +69,18 @@ def test_a_streamed_encoder_is_pinned_only_where_the_machine_has_the_ram_for_its
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     assert pin_streamed(46 * GiB) is pinned
     assert pin_streamed(GiB)
+
+
+def test_the_pinned_blocks_an_earlier_job_left_in_the_host_cache_are_returned_before_the_ram_is_read(monkeypatch):
+    """A second job in one process (the GPU matrix) would read the RAM of the first job's packed encoder, cached by
+    torch's pinned-memory allocator, as taken, and stream from pageable memory: the cache is emptied first."""
+    import parallel.offload as offload
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("emptied"), raising=False)
+    monkeypatch.setattr(memory, "available_bytes", lambda device, n: (calls.append("read"), (100 * GiB, "the CPU"))[1])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert offload.pin_streamed(46 * GiB)
+    assert calls == ["emptied", "read"]
