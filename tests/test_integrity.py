@@ -735,6 +735,57 @@ def test_sigterm_mid_run_says_it_is_resumable_and_leaves_no_rank_writing(tmp_pat
     assert sorted(os.listdir(r / "shards")) == made and len(made) < 3 * 100
 
 
+def _processes_with(tag: str) -> list[int]:
+    """The processes whose environment holds ``tag`` (a launch, its forkserver and its ranks)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if tag.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the ranks")
+def test_a_launcher_killed_outright_takes_its_ranks_with_it_and_they_give_up_their_claims(tmp_path):
+    """`kill -9` of a typed `strategy=tp tp_degree=2` launch (its ranks spawned here): the launcher cannot pass a
+    signal on, so each rank notices it is gone, drops its batch and gives up its claims; nothing writes on."""
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import ROOT
+
+    tag = f"SHARDGEN_TEST_TAG_{uuid.uuid4().hex}"
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(2000)])
+    r = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", f"run_dir={r}", f"prompts.path={prompts}", "height=16",
+                          "width=16", "steps=1", "progress=false", "samples_per_shard=20", "batch_size=2", "strategy=tp",
+                          "tp_degree=2"], cwd=ROOT, env={**os.environ, tag: "1"}, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list((r / "shards").glob("*.tar")) if (r / "shards").is_dir() else True:  # killed while it works
+        assert time.time() - t0 < 120 and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    t1 = time.time()
+    while _processes_with(tag) and time.time() - t1 < 30:
+        time.sleep(0.1)
+    left = _processes_with(tag)
+    for pid in left:  # not to leave them running past a failure
+        os.kill(pid, signal.SIGKILL)
+    assert not left  # every rank (and the forkserver) ended, within seconds
+    err = p.stderr.read()  # whole once every process holding the pipe has ended
+    assert "the launching process" in err and "is gone: this rank stops" in err
+    assert not [c for c in (r / "claims").rglob("*") if c.is_file()]  # a re-run takes the unfinished shards at once
+    made = sorted(os.listdir(r / "shards"))
+    time.sleep(1)
+    assert sorted(os.listdir(r / "shards")) == made
+
+
 class _Refusing(io.RawIOBase):
     """A file whose writes the storage refuses with ``code``."""
 

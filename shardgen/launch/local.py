@@ -9,6 +9,8 @@ import re
 import signal
 import socket
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
@@ -72,7 +74,44 @@ def adopt_parent(parent: tuple) -> None:
         stdio.install()
 
 
-def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log_level: int, *parent) -> None:
+LAUNCHER_POLL_S = 1.0
+"""How often a spawned rank checks that the process that launched it is still there (``watch_launcher``)."""
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: no such process, or a zombie (ended, not yet reaped by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # someone else's process now holds the number: ours is gone
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): the signal test above is all there is
+
+
+def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Thread:
+    """In a spawned rank: a daemon thread that ends this rank with SIGTERM once the process that launched it is gone.
+    A launcher killed with SIGKILL cannot pass a signal on, and its ranks (children of the forkserver, not of it)
+    would otherwise go on writing the run unwatched; so each drops its batch in flight and gives up its claims, as
+    after Ctrl-C, and the same command resumes the run."""
+    def watch() -> None:
+        while not process_gone(pid):
+            time.sleep(poll_s)
+        logging.getLogger("shardgen").warning("the launching process (pid %d) is gone: this rank stops; re-run the "
+                                              "same command to continue", pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="shardgen-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log_level: int, launcher: int,
+                     *parent) -> None:
     adopt_parent(parent)
     setup_rank_logging(local_rank, log_level)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
@@ -82,6 +121,7 @@ def _local_rank_main(local_rank: int, cfg_yaml: str, nprocs: int, port: int, log
 
     debug = os.environ.get("SHARDGEN_DEBUG", "") not in ("", "0")
     stop_on_sigterm()  # the parent, stopped by SIGTERM, ends its ranks with SIGTERM: each drops its batch in flight
+    watch_launcher(launcher)  # the parent killed outright (SIGKILL) ends them too
     try:
         run_rank(OmegaConf.create(cfg_yaml))
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the parent says how to resume, the ranks stay quiet
@@ -133,7 +173,7 @@ def launch_local(cfg: GenerateConfig, nprocs: int | None = None, said: bool = Fa
             "one replica of %s takes %d ranks: starting them on this machine (as launcher=local launcher.nprocs=%d "
             "does; launcher.nprocs=%d would run 2 replicas)", shape, nprocs, nprocs, 2 * nprocs)
     try:
-        args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel())
+        args = (child_config(cfg), nprocs, free_port(), logging.getLogger("shardgen").getEffectiveLevel(), os.getpid())
         _join_ranks(start_ranks(_local_rank_main, args, nprocs, rank_imports(cfg) if _on_cpu(cfg) else None))
     except mp.ProcessRaisedException as e:
         raise LocalRankError(rank_error_message(str(e))) from None
