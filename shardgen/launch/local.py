@@ -95,9 +95,9 @@ def process_gone(pid: int) -> bool:
 
 def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Thread:
     """In a spawned rank: a daemon thread that ends this rank with SIGTERM once the process that launched it is gone.
-    A launcher killed with SIGKILL cannot pass a signal on, and its ranks (children of the forkserver, not of it)
-    would otherwise go on writing the run unwatched; so each drops its batch in flight and gives up its claims, as
-    after Ctrl-C, and the same command resumes the run."""
+    A launcher killed with SIGKILL cannot pass a signal on, and its ranks (the forkserver's children on CPU, its own
+    on GPUs: either way nothing ends them with it) would otherwise go on writing the run unwatched; so each drops its
+    batch in flight and gives up its claims, as after Ctrl-C, and the same command resumes the run."""
     def watch() -> None:
         while not process_gone(pid):
             time.sleep(poll_s)
