@@ -178,6 +178,18 @@ def test_a_plain_command_in_each_task_of_an_srun_step_is_refused_before_it_start
     assert not (tmp_path / "run").exists()
 
 
+def test_ranks_spawned_by_a_plain_command_are_all_local_and_another_launchers_are_counted_as_before(monkeypatch):
+    """The devices checked for launcher=none: a plain command's spawned ranks all share this machine; a world some
+    other launcher set up (WORLD_SIZE without LOCAL_WORLD_SIZE, perhaps over several nodes) counts one rank here."""
+    from parallel.strategies import device_facts
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert device_facts(compose_cfg("strategy=tp", "tp_degree=2"), 2).local_ranks == 2
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert device_facts(compose_cfg("strategy=tp", "tp_degree=2"), 16).local_ranks == 1
+
+
 def test_a_dry_run_of_a_plain_command_counts_the_ranks_it_would_start(tmp_path):
     from shardgen.run.dryrun import describe, dry_run
 

@@ -85,6 +85,12 @@ def typed_ranks(cfg: Any) -> int:
         return 1
 
 
+def _typed_local_ranks(world_size: int) -> int:
+    """Ranks on this machine: all of them where ``start_here`` spawns them; one where some other launcher set
+    WORLD_SIZE without LOCAL_WORLD_SIZE (its ranks may span nodes; torchrun and submitit set both)."""
+    return 1 if "WORLD_SIZE" in os.environ else world_size
+
+
 def start_here(cfg: Any) -> Any:
     """``launcher=none``: this process (or this one of torchrun's), or, where one replica takes several ranks and
     nothing started them, those ranks spawned on this machine as ``launcher=local`` would."""
@@ -162,7 +168,7 @@ def _check_local(ln: Any) -> str | None:
 
 
 # this process, torchrun's ranks when detected, or one replica's ranks started here (strategy=tp tp_degree=4)
-register_launcher(Launcher("none", world_size=typed_ranks, local_ranks=lambda world_size: world_size, start=start_here))
+register_launcher(Launcher("none", world_size=typed_ranks, local_ranks=_typed_local_ranks, start=start_here))
 # launcher.nprocs ranks spawned on this machine
 register_launcher(Launcher("local", world_size=lambda cfg: cfg.launcher.nprocs, local_ranks=lambda world_size: world_size,
                            config=LocalLauncherConfig, start=start_local,
