@@ -32,6 +32,8 @@
 #            compile=auto runs a short fp8 job)
 #   20 decode (runs after step 1): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
 #            against cuDNN (tests/test_gpu.py)
+#   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
+#            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
@@ -84,6 +86,8 @@ step 3 step 220 bash -c "python3 benchmarks/probe_fp8_step.py --models flux_dev 
   --out $work/3-step/probe_quantize_rows.json"
 step 4 flux_dev 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-fa3 --out "$work/4-flux_dev"
+step 21 flux_dev-compiled 460 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
+  --ways bf16,fp8-fa3,fp8-fa3-compiled --out "$work/21-flux_dev-compiled"
 step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-fa3 --out "$work/5-qwen_image"
 # FLUX.2-dev's bf16 pipeline (32B transformer, 24B text encoder: ~104 GiB) fits an H200, not an 80 GB card: there

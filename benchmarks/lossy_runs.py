@@ -13,7 +13,7 @@ One process per way, in this order, on one prompt file of captions of 1 to 200 w
 - ``sage``, ``fp8-sage`` (named in ``--ways``): ``sdpa_backend=sage`` (SageAttention), alone and with fp8;
 - ``attention8``, ``fp8-attention8`` (named in ``--ways``): ``sdpa_backend=fp8`` (shardgen's 8-bit attention), alone
   and with fp8; ``fa3``, ``fp8-fa3``: ``sdpa_backend=fa3_fp8`` (FlashAttention-3's float8 kernel), alone and with
-  fp8; ``fast``: ``speed=fast``.
+  fp8; ``fp8-fa3-compiled``: ``fp8=true sdpa_backend=fa3_fp8 compile=true``; ``fast``: ``speed=fast``.
 
 Each way's whole-process wall time (interpreter start, model build, planning, any compilation, the last commit),
 its steady s/sample from the job's compile summary line, and for each lossy way ``jobs.compare`` against ``bf16``:
@@ -40,6 +40,7 @@ WAYS = {"bf16": [], "fp8": ["fp8=true"], "fp8-compiled": ["fp8=true", "compile=t
         "sage": ["sdpa_backend=sage"], "fp8-sage": ["fp8=true", "sdpa_backend=sage"],
         "attention8": ["sdpa_backend=fp8"], "fp8-attention8": ["fp8=true", "sdpa_backend=fp8"],
         "fa3": ["sdpa_backend=fa3_fp8"], "fp8-fa3": ["fp8=true", "sdpa_backend=fa3_fp8"],
+        "fp8-fa3-compiled": ["fp8=true", "sdpa_backend=fa3_fp8", "compile=true"],
         "fast": ["speed=fast"]}
 
 
