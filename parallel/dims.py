@@ -187,3 +187,9 @@ def replica_size_of(cfg: GenerateConfig) -> int:
     """Ranks one replica of ``cfg``'s strategy and degrees takes (``strategy.name`` not auto), before any world
     exists (a launcher sizing the replicas it starts): the degrees are checked, no world is."""
     return ParallelDims.from_cfg(cfg, world_size=0).replica_size
+
+
+def launched_replica_size(cfg: GenerateConfig) -> int:
+    """Ranks a launcher starts for one replica of ``cfg``: ``replica_size_of``, or one for strategy=auto, which then
+    chooses within that rank's devices. ParallelConfigError for impossible degrees."""
+    return 1 if cfg.strategy.name == "auto" else replica_size_of(cfg)

@@ -75,12 +75,10 @@ def typed_ranks(cfg: Any) -> int:
     command works as typed; one for strategy=auto, which chooses within this process's devices."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    if cfg.strategy.name == "auto":
-        return 1
-    from parallel.dims import ParallelConfigError, replica_size_of
+    from parallel.dims import ParallelConfigError, launched_replica_size
 
     try:
-        return replica_size_of(cfg)
+        return launched_replica_size(cfg)
     except ParallelConfigError:  # impossible degrees: refused by the checks, in their order, as on any launcher
         return 1
 

@@ -79,11 +79,9 @@ def ranks_per_replica(cfg: Any) -> int:
     for strategy=auto, which then chooses within that rank's devices)."""
     if cfg.launcher.ranks_per_replica:
         return int(cfg.launcher.ranks_per_replica)
-    if cfg.strategy.name == "auto":
-        return 1
-    from parallel.dims import replica_size_of
+    from parallel.dims import launched_replica_size
 
-    return replica_size_of(cfg)
+    return launched_replica_size(cfg)
 
 
 def gpus_per_rank(cfg: Any) -> float:
