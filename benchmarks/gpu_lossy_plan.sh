@@ -34,6 +34,8 @@
 #            against cuDNN (tests/test_gpu.py)
 #   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
 #            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
+#   22 gemms (runs after step 21): the float8 GEMMs at FLUX.1-dev's shapes, row-wise against tensor-wise scales,
+#            beside bf16
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
@@ -88,6 +90,7 @@ step 4 flux_dev 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28
   --ways bf16,fp8,fp8-fa3 --out "$work/4-flux_dev"
 step 21 flux_dev-compiled 460 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
   --ways bf16,fp8-fa3,fp8-fa3-compiled --out "$work/21-flux_dev-compiled"
+step 22 gemms 60 python3 benchmarks/probe_fp8_step.py --models none --out "$work/22-gemms/probe_fp8_step.json"
 step 5 qwen_image 360 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
   --ways bf16,fp8,fp8-fa3 --out "$work/5-qwen_image"
 # FLUX.2-dev's bf16 pipeline (32B transformer, 24B text encoder: ~104 GiB) fits an H200, not an 80 GB card: there
