@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
 #   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP|STEP,STEP,...] [SECONDS]
-# Runs the steps from FIRST_STEP (default 1), or only the listed ones in the script's order (e.g. 1,4), while SECONDS
+# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 20 runs after 1, 21 and 22
+# after 4), or only the listed ones in this file's order (e.g. 1,4; one step alone: 7,7), while SECONDS
 # (default 560: one call's 600 s less the transfers) last;
 # a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
 # output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
@@ -41,7 +42,7 @@
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
-first=${1:-1} budget=${2:-560} only=""
+first=${1:-1} budget=${2:-560} only="" started=0
 case "$first" in *,*) only=",$first," first=1 ;; esac
 deadline=$(( $(date +%s) + budget ))
 out=${OUT:-/tmp/out}
@@ -52,8 +53,12 @@ log="$out/plan.log"
 step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
   local n=$1 name=$2 needs=$3
   shift 3
-  [ "$n" -lt "$first" ] && return 0
-  [ -n "$only" ] && [ "${only#*,"$n",}" = "$only" ] && return 0
+  if [ -n "$only" ]; then
+    [ "${only#*,"$n",}" = "$only" ] && return 0
+  elif [ "$started" = 0 ]; then  # FIRST_STEP and every step after it in this file's order (20 follows 1)
+    [ "$n" != "$first" ] && return 0
+    started=1
+  fi
   local left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt "$needs" ]; then
     echo "== step $n $name: not started ($left s left, needs ~$needs s); next call: FIRST_STEP=$n" | tee -a "$log"
