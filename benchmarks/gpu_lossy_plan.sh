@@ -61,7 +61,9 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
   fi
   local left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt "$needs" ]; then
-    echo "== step $n $name: not started ($left s left, needs ~$needs s); next call: FIRST_STEP=$n" | tee -a "$log"
+    local next="FIRST_STEP=$n"
+    [ -n "$only" ] && next="the listed steps from $n on"
+    echo "== step $n $name: not started ($left s left, needs ~$needs s); next call: $next" | tee -a "$log"
     exit 0
   fi
   mkdir -p "$work/$n-$name"
