@@ -406,6 +406,32 @@ def test_a_family_whose_fused_eager_blocks_match_compiled_ones_stays_eager_on_a_
     assert ways == {True: False, False: True}  # 400 x 3.7 x (1 - 1/1.01) = 15 s < 45 s; x 0.26 = 384 s > 45 s
 
 
+def test_a_long_fp8_run_stays_eager_where_compiled_blocks_are_slower_than_the_fused_ones(tmp_path):
+    """With fp8=true FLUX.1's fused eager blocks write float8 rows that its compiled blocks do not (H100: 2.24 s per
+    sample eager, 2.47 compiled): without a record, a run of 100,000 samples stays eager, where the bf16 prior
+    (1.02x) would compile it; fp8 on stock eager blocks keeps the generic prior."""
+    from dataclasses import replace
+
+    from diffusers import FluxPipeline, QwenImagePipeline
+
+    from shardgen.run.generation import GenSettings
+
+    flux = object.__new__(FluxPipeline)
+    assert AC.prior_speedup(flux, fused_blocks=True, fp8=True) == 0.91
+    assert AC.prior_speedup(flux, fused_blocks=False, fp8=True) == AC.PRIOR_SPEEDUP
+    assert AC.prior_speedup(object.__new__(QwenImagePipeline), fused_blocks=True, fp8=True) == 0.97  # none for fp8
+    s = GenSettings(height=1024, width=1024, steps=28, guidance=3.5, true_cfg_scale=1.0, negative_prompt=None,
+                    max_sequence_length=512, model="flux_dev", strategy="dp", batch_size=4, compile_auto=True)
+    ways = {}
+    for fp8 in (True, False):
+        auto = replace(_auto(tmp_path / str(fp8), left=100_000),
+                       prior_speedup=AC.prior_speedup(flux, fused_blocks=True, fp8=fp8))
+        for seconds in (9.4, 8.96):  # 2.24 s per sample eager
+            auto.observe(auto.settings(s), 4, seconds)
+        ways[fp8] = auto.settings(s).accel.compile
+    assert ways == {True: False, False: True}  # 100,000 x 2.24 x (1 - 1/1.02) = 4,392 s > 54 s
+
+
 def test_records_that_make_compiling_pay_at_once_compile_before_the_first_batch(tmp_path, monkeypatch):
     """The GPU matrix's requeued job: records of a long job whose compilation costs next to nothing compile before
     the first batch."""

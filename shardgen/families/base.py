@@ -134,6 +134,9 @@ class ModelFamily:
     """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
     its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic
     prior (shardgen/speed/autocompile.py)."""
+    compiled_speedup_fp8: float | None = None
+    """The same with ``fp8=true``: the fused eager blocks then write float8 rows straight from their LayerNorm, GELU
+    and joined passes, which compiled blocks do not, so compiling may lose; None: ``compiled_speedup``."""
 
     @property
     def is_video(self) -> bool:

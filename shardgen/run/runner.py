@@ -355,7 +355,7 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
     untuned = replace(settings, accel=replace(settings.accel, compile_tuning=False))
     return AutoCompile(record_key(pipe, settings, shapes), remaining=lambda: 0, shapes=max(1, len(shapes)),
                        untuned_key=record_key(pipe, untuned, shapes) if settings.tuning_auto else None,
-                       prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks),
+                       prior_speedup=prior_speedup(pipe, settings.accel.fused_blocks, settings.accel.fp8),
                        decided=None if settings.compile_auto else True)
 
 

@@ -1,7 +1,8 @@
 """``compile: auto`` decided per process, from what compiling costs and saves here.
 
 Compiling the transformer's repeated blocks makes each image faster (H200: ~1.35x over the stock eager blocks; over
-a family's fused, CUDA-graphed eager blocks far less: FLUX.1-dev 1.02x, FLUX.2-dev 1.01x, Qwen-Image none), but the
+a family's fused, CUDA-graphed eager blocks far less: FLUX.1-dev 1.02x, FLUX.2-dev 1.01x, Qwen-Image none; with
+fp8=true the fused eager blocks are the faster ones: FLUX.1-dev 0.91x, FLUX.2-dev 0.98x), but the
 first compiled batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
 prompts left, a requeued job near its end, or a short debug run loses more than it saves. So with ``compile: auto``
 (on CUDA, one GPU per replica) each process decides for itself:
@@ -76,16 +77,19 @@ MARGIN = 1.2          # compile only when the expected saving is this much over 
 # (H200, Qwen-Image, 24 prompts, warm cache: 17 s saved vs 15 s prior cost -> compiled, and lost 5% to eager)
 
 
-def prior_speedup(pipe: Any, fused_blocks: bool) -> float:
+def prior_speedup(pipe: Any, fused_blocks: bool, fp8: bool = False) -> float:
     """The speed-up compiling is expected to bring ``pipe``'s eager path before a process has recorded one: its
     family's measured ``compiled_speedup`` (over its fused eager blocks, when it has some, only with
-    ``fused_blocks`` on), else ``PRIOR_SPEEDUP``."""
+    ``fused_blocks`` on; with ``fp8``, its ``compiled_speedup_fp8`` where measured), else ``PRIOR_SPEEDUP``. Below
+    ``MIN_SPEEDUP`` a process without records of its own stays eager however long its run."""
     from shardgen.speed.handdown import family_of
 
     family = family_of(pipe)
-    if family is not None and family.compiled_speedup and (fused_blocks or not family.fused_blocks):
-        return family.compiled_speedup
-    return PRIOR_SPEEDUP
+    if family is None or not (fused_blocks or not family.fused_blocks):
+        return PRIOR_SPEEDUP
+    if fp8 and family.compiled_speedup_fp8:
+        return family.compiled_speedup_fp8
+    return family.compiled_speedup or PRIOR_SPEEDUP
 
 
 def check_forced_path(value: str | None = None) -> None:

@@ -64,4 +64,7 @@ FLUX2 = register(ModelFamily(
     encode_hooks=encode_hooks,
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
     # H200, 1024x1024, batch 4: the fused eager blocks 324 ms a step, compiled 321 (benchmarks/probe_flux2.py)
-    compiled_speedup=1.01))
+    compiled_speedup=1.01,
+    # fp8=true (H200, one step at batch 4): eager 280.0 ms an image, compiled 284.9
+    # (benchmarks/results/2026-12-05-h200-fp8-step-cfb2240), before the eager blocks' joined float8 rows
+    compiled_speedup_fp8=0.98))
