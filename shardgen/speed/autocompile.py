@@ -2,7 +2,7 @@
 
 Compiling the transformer's repeated blocks makes each image faster (H200: ~1.35x over the stock eager blocks; over
 a family's fused, CUDA-graphed eager blocks far less: FLUX.1-dev 1.02x, FLUX.2-dev 1.01x, Qwen-Image none; with
-fp8=true the fused eager blocks are the faster ones: FLUX.1-dev 0.91x, FLUX.2-dev 0.98x), but the
+fp8=true the fused eager blocks are the faster ones: FLUX.1-dev 0.91x with fa3_fp8, FLUX.2-dev 0.98x), but the
 first compiled batch pays 40-65 s (a fresh compile cache) or 6-25 s (a warm one) before that. A job with a few dozen
 prompts left, a requeued job near its end, or a short debug run loses more than it saves. So with ``compile: auto``
 (on CUDA, one GPU per replica) each process decides for itself:
