@@ -369,6 +369,35 @@ def test_an_unreachable_hub_is_said_with_its_cause_and_no_pointer_to_a_stack_tra
     assert "point model.source at the local directory" in str(e.value)
 
 
+def test_a_hub_model_missing_from_the_cache_under_hf_hub_offline_is_refused_before_planning(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 (an offline cluster) and a hub id that is not in the Hugging Face cache: a ConfigError (one
+    line, exit 2) naming the cache and what to do, before the prompts are planned and before any weight is read;
+    the same id in the cache (a snapshot its ref names) passes that check and is left to loading."""
+    from huggingface_hub import constants
+
+    from shardgen.errors import ConfigError
+    from shardgen.models.loader import check_source
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    d = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run(compose_cfg(f"run_dir={d}", "model=flux_dev", "prompts.limit=1", "progress=false"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model.source=black-forest-labs/FLUX.1-dev: not in the Hugging Face "
+                                              f"cache ({cache})"), msg
+    assert "hf download black-forest-labs/FLUX.1-dev" in msg
+    assert not (d / "plan").exists()
+    repo = cache / "models--black-forest-labs--FLUX.1-dev"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    check_source(compose_cfg("model=flux_dev").model)  # cached: no refusal
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    check_source(compose_cfg("model=flux_dev", "model.source=someone/not-cached").model)  # online: left to loading
+
+
 def test_a_repeated_launch_keeps_no_new_config_file_and_a_changed_one_keeps_one(tmp_path, capsys):
     d = tmp_path / "run"
     args = (f"run_dir={d}", "prompts.limit=2", *FAST)

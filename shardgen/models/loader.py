@@ -71,12 +71,30 @@ def is_tiny(model_cfg: Any) -> bool:
 
 
 def check_source(model_cfg: Any) -> None:
-    """ConfigError when a pretrained ``model.source`` written as a local path names no diffusers model directory
-    (hub ids are left to loading, which alone may reach a hub)."""
+    """ConfigError when a pretrained ``model.source`` written as a local path names no diffusers model directory,
+    or names a hub id that is not in the Hugging Face cache while ``HF_HUB_OFFLINE`` forbids downloading it (other
+    hub ids are left to loading, which alone may reach a hub)."""
     if model_cfg.weights == "pretrained" and not is_tiny(model_cfg):
-        problem = local_source_problem(model_cfg.source)
+        problem = local_source_problem(model_cfg.source) or _offline_problem(model_cfg)
         if problem is not None:
             raise ConfigError(problem)
+
+
+def _offline_problem(model_cfg: Any) -> str | None:
+    """Why a hub id cannot load under ``HF_HUB_OFFLINE`` (not in the cache), found without reaching any hub; None
+    when online, cached, or a local directory."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    source = str(model_cfg.source)
+    if not constants.HF_HUB_OFFLINE or os.path.isdir(os.path.expanduser(source)):
+        return None
+    if _hub_snapshot(source, model_cfg.revision) is not None:
+        return None
+    return (f"model.source={source}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE "
+            f"forbids downloading it; download it where a hub is reachable (hf download {source}) into that "
+            "cache, or point model.source at a local copy of the model directory")
 
 
 def model_sha256(model_cfg: Any) -> str | None:
