@@ -74,6 +74,26 @@ def test_holder_known_dead(monkeypatch):
     assert holder_known_dead(dict(host="b", pid=5, job="9", restart=0), me)  # another job SLURM says has ended
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc to tell a zombie from a process")
+def test_a_holder_that_ended_but_is_not_yet_reaped_is_known_dead():
+    """A claimant (or a launcher) whose process has exited while its parent has not reaped it yet is a zombie: it
+    still answers kill(pid, 0), but it holds nothing any more."""
+    from shardgen.dataio.rundir.liveness import pid_alive
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 30
+        while pid_alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(p.pid)
+        assert holder_known_dead(dict(host=owner_record(0)["host"], pid=p.pid, job=None, restart=0),
+                                 dict(host=owner_record(0)["host"], pid=os.getpid(), job=None, restart=0))
+        os.kill(p.pid, 0)  # the zombie still answers the signal test
+    finally:
+        p.wait()
+    assert pid_alive(os.getpid())
+
+
 @BOTH
 def test_one_claim_per_generation_and_the_lease_holds_it(run, claimers, claim_store):
     a, b = claimers(0, lease_s=30, heartbeat_s=10), claimers(1, lease_s=30, heartbeat_s=10)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
+from shardgen.dataio.rundir.liveness import pid_alive
 from shardgen.errors import UserError, is_user_error
 from shardgen.launch.ranks import child_config, setup_rank_logging
 
@@ -78,28 +79,13 @@ LAUNCHER_POLL_S = 1.0
 """How often a spawned rank checks that the process that launched it is still there (``watch_launcher``)."""
 
 
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended: no such process, or a zombie (ended, not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # someone else's process now holds the number: ours is gone
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False  # no /proc (not Linux): the signal test above is all there is
-
-
 def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Thread:
     """In a spawned rank: a daemon thread that ends this rank with SIGTERM once the process that launched it is gone.
     A launcher killed with SIGKILL cannot pass a signal on, and its ranks (the forkserver's children on CPU, its own
     on GPUs: either way nothing ends them with it) would otherwise go on writing the run unwatched; so each drops its
     batch in flight and gives up its claims, as after Ctrl-C, and the same command resumes the run."""
     def watch() -> None:
-        while not process_gone(pid):
+        while pid_alive(pid):
             time.sleep(poll_s)
         logging.getLogger("shardgen").warning("the launching process (pid %d) is gone: this rank stops; re-run the "
                                               "same command to continue", pid)

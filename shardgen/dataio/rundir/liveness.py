@@ -16,14 +16,19 @@ def host_name() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
+    """Whether process ``pid`` runs on this host: it exists (another user's counts) and is no zombie (ended, not yet
+    reaped by its parent: what it held is a leftover)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): the signal test above is all there is
 
 
 def gone_from_this_host(host: object, pid: object) -> bool:
