@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
 #   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP|STEP,STEP,...] [SECONDS]
-# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 20 runs after 1, 21 and 22
-# after 4), or only the listed ones in this file's order (e.g. 1,4; one step alone: 7,7), while SECONDS
+# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 20 and 23 run after 1,
+# 21 and 22 after 4), or only the listed ones in this file's order (e.g. 1,4; one step alone: 7,7), while SECONDS
 # (default 560: one call's 600 s less the transfers) last;
 # a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
 # output goes to /tmp/lossy/<step>; after each step /tmp/lossy is packed into $OUT/lossy.tar.gz (one file back, within
@@ -37,6 +37,9 @@
 #            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
 #   22 gemms (runs after step 21): the float8 GEMMs at FLUX.1-dev's shapes, row-wise against tensor-wise scales,
 #            beside bf16
+#   23 fa3-keys (runs after step 20): fa3_fp8's passes from the projections against rms_rope then quantise on the
+#            GPU (tests/test_gpu_fp8.py), and timed kernel by kernel, the keys' mean from a sample of their tokens
+#            beside the mean of all (probe_fa3_parts.py)
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
@@ -86,6 +89,8 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
+step 23 fa3-keys 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fa3_attention_from or fa3_triton' \
+  tests/test_gpu_fp8.py; python3 benchmarks/probe_fa3_parts.py --iters 10 --out $work/23-fa3-keys/probe_fa3_parts.json"
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
   --out $work/2-attention/probe_fa3_parts.json"

@@ -40,7 +40,8 @@ def gpu_us(fn, calls: int = 5) -> float:
 
 def statistics_sweep(ks, wk, vs, cos, sin) -> list[dict]:
     """The keys' and values' statistics pass (``fa3_fp8._part_statistics``) in each launch configuration: tokens a
-    program reads, tokens a chunk, warps. GPU microseconds a call and TB/s of the parts' bytes (read once)."""
+    program reads, tokens a chunk, warps. GPU microseconds a call and TB/s of the parts' bytes (read once); the keys
+    also as ``quantise_keys`` reads them for their mean (each ``key_mean_every``-th token: ``keys_sampled_us``)."""
     from shardgen.speed import fa3_fp8
 
     saved = fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_CHUNK, fa3_fp8.STATS_WARPS
@@ -50,8 +51,11 @@ def statistics_sweep(ks, wk, vs, cos, sin) -> list[dict]:
                                  (128, 16, 8)]:
         fa3_fp8.STATS_TOKENS, fa3_fp8.STATS_CHUNK, fa3_fp8.STATS_WARPS = tokens, chunk, warps
         keys = gpu_us(lambda: fa3_fp8._part_statistics(ks, wk, cos, sin, 1e-6))
+        every = fa3_fp8.key_mean_every(sum(x.shape[1] for x in ks))
+        sampled = gpu_us(lambda: fa3_fp8._part_statistics(ks, wk, cos, sin, 1e-6, every))
         values = gpu_us(lambda: fa3_fp8._part_statistics(vs, None, cos, cos, 0.0))
-        way = {"tokens": tokens, "chunk": chunk, "warps": warps, "keys_us": keys, "values_us": values,
+        way = {"tokens": tokens, "chunk": chunk, "warps": warps, "keys_us": keys, "keys_sampled_us": sampled,
+               "every": every, "values_us": values,
                "keys_tb_s": round(moved / keys / 1e6, 2), "values_tb_s": round(moved / values / 1e6, 2),
                "today": (tokens, chunk, warps) == saved}
         ways.append(way)

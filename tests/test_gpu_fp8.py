@@ -291,7 +291,8 @@ def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, par
     """fa3_fp8 straight from a fused processor's projections (``rms_rope_attention``: the queries RMSNorm-ed, RoPE-d
     and quantised on their static scale in one Triton pass, the keys and values in two, statistics then float8) at
     FLUX.1-dev's shape and at part-filled tiles: the queries' float8 values are ``rms_rope``'s output on that scale,
-    the keys' its output less its mean on theirs, the values' what ``quantise`` makes of the joined values, but for
+    the keys' its output less its mean (over each 9th token of each part at FLUX.1-dev's shape) on theirs, the
+    values' what ``quantise`` makes of the joined values, but for
     rare one-step roundings; the output is as far from exact attention as ``attention``'s on the same inputs."""
     from shardgen.speed import fa3_fp8
     from shardgen.speed.fused_kernels import rms_rope
@@ -313,7 +314,8 @@ def test_fa3_attention_from_the_projections_matches_rms_rope_then_fa3(heads, par
     assert q8.shape == ref.shape and (q8.float() != ref.float()).float().mean().item() < 1e-3
     key, value = rms_rope(ks, wk, cos, sin, 1e-6), torch.cat(vs, 1).transpose(1, 2)
     k8, k_scale = fa3_fp8.quantise_keys(ks, wk, cos, sin, 1e-6)  # the keys' two passes: mean, then float8
-    smoothed = key.float() - key.float().mean(dim=2, keepdim=True)
+    read = fa3_fp8.key_mean_tokens(list(parts), fa3_fp8.key_mean_every(sum(parts))).cuda()  # the mean's tokens
+    smoothed = key.float() - key.float().index_select(2, read).mean(dim=2, keepdim=True)
     k_ref = (smoothed / k_scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2)
     v8, v_scale = fa3_fp8.quantise_values(vs, cos)  # the values' two passes: largest magnitude, then float8
     v_ref, v_ref_scale = fa3_fp8.quantise(value)

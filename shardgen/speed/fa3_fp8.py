@@ -132,6 +132,13 @@ STATS_WARPS = 8
 """Warps of a statistics program. An H100's sweep at FLUX.1-dev's shape (benchmarks/probe_fa3_parts.py, 2 x 113 MB
 of keys and values): 32 tokens, chunks of 4, 8 warps 81 / 46 us; 4 warps 82 / 60; 128 tokens, 4 warps 105 / 125."""
 
+KEY_MEAN_TOKENS = 512
+"""The keys' mean (what smoothing subtracts) is taken over each ``key_mean_every``-th token of each part, at least
+this many tokens in all: an estimate within ~1/sqrt(512) of the keys' spread of their mean, which is all smoothing
+needs (softmax does not see the subtracted vector, whatever it is, and ``key_scale`` covers the keys less any vector
+within the norm's bound). At FLUX.1-dev's 4,608 tokens the statistics pass reads a ninth of the keys instead of all
+of them (their RMSNorm and RoPE are that pass's work)."""
+
 PARTS_TOKENS = 8
 """Tokens one float8 program writes (``_part_fp8``, with up to 8 heads of each). Its three passes a layer (queries,
 keys, values) moved ~2.45 TB/s in a FLUX.1-dev fp8 call on an H100; ``benchmarks/probe_fa3_parts.py`` times the
@@ -165,18 +172,19 @@ if triton is not None:
 
     @triton.jit
     def _part_stats(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_in, seq_offset, block_offset, blocks, heads,
-                    stride_xb, stride_xs, stride_xh, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                    stride_xb, stride_xs, stride_xh, eps, every, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                     HEADS_PER_PROGRAM: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-        """CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (the values ``_part_fp8`` quantises). With ROPE
-        (the keys) each channel's sum over the tokens into OUT (batch, blocks, heads, D); else (the values) each
-        head's largest magnitude into OUT (batch, blocks, heads). The chunks accumulate element by element and are
-        reduced over the tokens once, at the end (a reduction across the tile's warps per chunk costs ten times the
-        reads); one accumulator, as more spill registers and slow the pass below its reads."""
+        """CHUNKS x CHUNK tokens x HEADS_PER_PROGRAM heads of a part (the values ``_part_fp8`` quantises), each
+        ``every``-th token of it. With ROPE (the keys) each channel's sum over those tokens into OUT (batch, blocks,
+        heads, D); else (the values, every=1) each head's largest magnitude into OUT (batch, blocks, heads). The
+        chunks accumulate element by element and are reduced over the tokens once, at the end (a reduction across
+        the tile's warps per chunk costs ten times the reads); one accumulator, as more spill registers and slow the
+        pass below its reads."""
         pid_s, pid_h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         h = pid_h * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         acc = tl.zeros((CHUNK, HEADS_PER_PROGRAM, D), dtype=tl.float32)
         for c in range(CHUNKS):
-            s = (pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
+            s = ((pid_s * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)) * every
             y, mask = rms_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, b, s, h, seq_in, seq_offset, stride_xb,
                                     stride_xs, stride_xh, eps, CHUNK, HEADS_PER_PROGRAM, D, ROPE)
             y = tl.where(mask, y.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
@@ -243,17 +251,34 @@ def quantise_keys(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torc
     """The joint sequence of the key parts (each (batch, tokens_i, heads, D), as the projections give them), each
     RMSNorm-ed with its weight and RoPE-d as ``fused_kernels.rms_rope`` does, less each head's mean over the tokens
     (softmax does not see it; it would spend the keys' range), in float8 (batch, tokens, heads, D) on ``key_scale``'s
-    static scale, and the (batch, heads) descales. On CUDA two Triton passes over the parts (the channels' sums, then
-    the float8 values: ``rms_rope``'s bf16 output is never written); elsewhere ``rms_rope`` then torch ops."""
+    static scale, and the (batch, heads) descales; the mean is over each ``key_mean_every``-th token of each part
+    (``KEY_MEAN_TOKENS``). On CUDA two Triton passes over the parts (those tokens' channel sums, then the float8
+    values: ``rms_rope``'s bf16 output is never written); elsewhere ``rms_rope`` then torch ops."""
     b, _, heads, d = xs[0].shape
     scale = key_scale(weights, b, heads, d)
+    lengths = [x.shape[1] for x in xs]
+    every = key_mean_every(sum(lengths))
     if not parts_kernel_ok(xs, cos):
         joint = rms_rope(xs, weights, cos, sin, eps).float()
-        smoothed = joint - joint.mean(dim=2, keepdim=True)
+        index = key_mean_tokens(lengths, every).to(joint.device)
+        smoothed = joint - joint.index_select(2, index).mean(dim=2, keepdim=True)
         return (smoothed / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
-    total = sum(x.shape[1] for x in xs)
-    sums = _part_statistics(xs, weights, cos, sin, eps)  # (batch, blocks, heads, D)
-    return _write_parts(xs, weights, cos, sin, eps, (sums.sum(dim=1) / total).contiguous(), scale), scale
+    sums = _part_statistics(xs, weights, cos, sin, eps, every)  # (batch, blocks, heads, D)
+    read = sum(-(-n // every) for n in lengths)
+    return _write_parts(xs, weights, cos, sin, eps, (sums.sum(dim=1) / read).contiguous(), scale), scale
+
+
+def key_mean_every(tokens: int) -> int:
+    """Each how many tokens of a part the keys' mean reads: 1 up to ``KEY_MEAN_TOKENS`` x 2 tokens, then so that
+    at least ``KEY_MEAN_TOKENS`` are read."""
+    return max(1, tokens // KEY_MEAN_TOKENS)
+
+
+def key_mean_tokens(lengths: list[int], every: int) -> torch.Tensor:
+    """The joint sequence's positions the keys' mean reads: each ``every``-th token of each part (lengths
+    ``lengths``, in order), from the part's first."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return torch.cat([torch.arange(start, start + n, every) for start, n in zip(starts, lengths)])
 
 
 def quantise_values(xs: list[torch.Tensor], cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,20 +294,22 @@ def quantise_values(xs: list[torch.Tensor], cos: torch.Tensor) -> tuple[torch.Te
 
 
 def _part_statistics(xs: list[torch.Tensor], weights: list[torch.Tensor] | None, cos: torch.Tensor,
-                     sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """``_part_stats`` over the parts, a launch each: with ``weights`` (keys, RMSNorm + RoPE) the channels' sums,
-    (batch, blocks, heads, D); without (values) the heads' largest magnitudes, (batch, blocks, heads); a block is
-    ``STATS_TOKENS`` tokens of a part."""
+                     sin: torch.Tensor, eps: float, every: int = 1) -> torch.Tensor:
+    """``_part_stats`` over the parts, a launch each: with ``weights`` (keys, RMSNorm + RoPE) the channels' sums over
+    each ``every``-th token of a part, (batch, blocks, heads, D); without (values) the heads' largest magnitudes,
+    (batch, blocks, heads). A block is ``STATS_TOKENS`` of the tokens read, or fewer when only some are read (as
+    many programs as reading them all would launch, each shorter: fewer would leave the GPU part idle)."""
     b, _, heads, d = xs[0].shape
     rope = weights is not None
-    blocks = [triton.cdiv(x.shape[1], STATS_TOKENS) for x in xs]
+    chunks = max(1, (STATS_TOKENS // STATS_CHUNK) // every)
+    blocks = [triton.cdiv(triton.cdiv(x.shape[1], every), STATS_CHUNK * chunks) for x in xs]
     out = torch.empty(b, sum(blocks), heads, *((d,) if rope else ()), device=xs[0].device, dtype=torch.float32)
-    per_program, chunk, block_offset, offset = math.gcd(heads, 8), STATS_CHUNK, 0, 0
+    per_program, block_offset, offset = math.gcd(heads, 8), 0, 0
     for i, x in enumerate(xs):
         w = weights[i].contiguous() if rope else x  # unread without RoPE
         _part_stats[(blocks[i], heads // per_program, b)](
             x, w, cos, sin.contiguous(), out, x.shape[1], offset, block_offset, sum(blocks), heads, x.stride(0),
-            x.stride(1), x.stride(2), eps, CHUNK=chunk, CHUNKS=STATS_TOKENS // chunk, HEADS_PER_PROGRAM=per_program,
+            x.stride(1), x.stride(2), eps, every, CHUNK=STATS_CHUNK, CHUNKS=chunks, HEADS_PER_PROGRAM=per_program,
             D=d, ROPE=rope, num_warps=STATS_WARPS)
         block_offset, offset = block_offset + blocks[i], offset + x.shape[1]
     return out
