@@ -30,12 +30,18 @@ def test_each_head_is_quantised_on_its_own_scale_into_fa3s_layout():
     assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + s[:, :, None, None] * 2.0 ** -9).all()
 
 
-def test_the_keys_scale_is_the_smoothed_keys_amax_without_a_smoothed_copy():
-    k = _qkv(key_offset=30.0)[1]
+@pytest.mark.parametrize("tokens, every", [(None, 1), (2100, 4)])
+def test_the_keys_scale_is_the_smoothed_keys_amax_without_a_smoothed_copy(tokens, every):
+    """The keys less their mean (over each ``every``-th token where they are many) on the smoothed keys' largest
+    magnitude, found from each channel's extremes."""
+    k = _qkv(key_offset=30.0)[1] if tokens is None else torch.randn(1, 2, tokens, 64) + 30.0
     y, s = fa3_fp8.quantise(k, smooth=True)
-    smoothed = k - k.mean(dim=2, keepdim=True)
+    smoothed = k - k[:, :, ::every].mean(dim=2, keepdim=True)
+    assert fa3_fp8.key_mean_every(k.shape[2]) == every
     assert torch.allclose(s, smoothed.abs().amax(dim=(2, 3)) / 448.0, rtol=1e-5)
     assert y.float().abs().max().item() == 448.0  # the range is used to its top
+    back = y.float().transpose(1, 2) * s[:, :, None, None]
+    assert ((back - smoothed).abs() <= smoothed.abs() * 2.0 ** -4 + s[:, :, None, None] * 2.0 ** -9).all()
 
 
 @pytest.mark.parametrize("dim", [64, 128])

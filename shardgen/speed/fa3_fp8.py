@@ -96,9 +96,11 @@ if triton is not None:
 
 def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, N, D) -> float8 e4m3 (B, N, H, D) and its float32 descales (B, H): each head on amax / 448 over its
-    tokens and channels; ``smooth`` subtracts the head's mean over the tokens first (the keys)."""
+    tokens and channels; ``smooth`` subtracts the head's mean over the tokens first (the keys: over each
+    ``key_mean_every``-th token)."""
     b, h, n, d = x.shape
-    mean = x.mean(dim=2, dtype=torch.float32).contiguous() if smooth else None  # (B, H, D), as the kernel reads it
+    every = key_mean_every(n)
+    mean = x[:, :, ::every].mean(dim=2, dtype=torch.float32).contiguous() if smooth else None  # (B, H, D)
     if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (no smoothed copy is made)
         lo, hi = torch.aminmax(x, dim=2)
         amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(dim=-1)
