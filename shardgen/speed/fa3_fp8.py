@@ -23,6 +23,7 @@ inductor), so compiled blocks use it too.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 
@@ -99,8 +100,7 @@ def quantise(x: torch.Tensor, smooth: bool = False) -> tuple[torch.Tensor, torch
     tokens and channels; ``smooth`` subtracts the head's mean over the tokens first (the keys: over each
     ``key_mean_every``-th token)."""
     b, h, n, d = x.shape
-    every = key_mean_every(n)
-    mean = x[:, :, ::every].mean(dim=2, dtype=torch.float32).contiguous() if smooth else None  # (B, H, D)
+    mean = x[:, :, ::key_mean_every(n)].mean(dim=2, dtype=torch.float32).contiguous() if smooth else None  # (B, H, D)
     if smooth:  # the smoothed head's amax, exactly, from each channel's extremes (no smoothed copy is made)
         lo, hi = torch.aminmax(x, dim=2)
         amax = torch.maximum(hi.float() - mean, mean - lo.float()).amax(dim=-1)
@@ -279,7 +279,7 @@ def key_mean_every(tokens: int) -> int:
 def key_mean_tokens(lengths: list[int], every: int) -> torch.Tensor:
     """The joint sequence's positions the keys' mean reads: each ``every``-th token of each part (lengths
     ``lengths``, in order), from the part's first."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = itertools.accumulate(lengths, initial=0)
     return torch.cat([torch.arange(start, start + n, every) for start, n in zip(starts, lengths)])
 
 
@@ -299,8 +299,9 @@ def _part_statistics(xs: list[torch.Tensor], weights: list[torch.Tensor] | None,
                      sin: torch.Tensor, eps: float, every: int = 1) -> torch.Tensor:
     """``_part_stats`` over the parts, a launch each: with ``weights`` (keys, RMSNorm + RoPE) the channels' sums over
     each ``every``-th token of a part, (batch, blocks, heads, D); without (values) the heads' largest magnitudes,
-    (batch, blocks, heads). A block is ``STATS_TOKENS`` of the tokens read, or fewer when only some are read (as
-    many programs as reading them all would launch, each shorter: fewer would leave the GPU part idle)."""
+    (batch, blocks, heads). A block is ``STATS_TOKENS`` of the tokens read, or fewer when only some are read, so a
+    sampled pass still launches about as many programs as a full one (each shorter): fewer would leave the GPU part
+    idle."""
     b, _, heads, d = xs[0].shape
     rope = weights is not None
     chunks = max(1, (STATS_TOKENS // STATS_CHUNK) // every)
