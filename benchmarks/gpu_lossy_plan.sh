@@ -39,7 +39,8 @@
 #            beside bf16
 #   23 fa3-keys (runs after step 20): fa3_fp8's passes from the projections against rms_rope then quantise on the
 #            GPU (tests/test_gpu_fp8.py), and timed kernel by kernel, the keys' mean from a sample of their tokens
-#            beside the mean of all (probe_fa3_parts.py)
+#            beside the mean of all (probe_fa3_parts.py); a gated residual and the next norm in one pass against the
+#            two passes (tests/test_gpu.py)
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
@@ -89,8 +90,8 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
-step 23 fa3-keys 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fa3_attention_from or fa3_triton' \
-  tests/test_gpu_fp8.py; python3 benchmarks/probe_fa3_parts.py --iters 10 --out $work/23-fa3-keys/probe_fa3_parts.json"
+step 23 fa3-keys 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s \
+  -k 'fa3_attention_from or fa3_triton or next_norm_in_one_pass' tests/test_gpu_fp8.py tests/test_gpu.py; python3 benchmarks/probe_fa3_parts.py --iters 10 --out $work/23-fa3-keys/probe_fa3_parts.json"
 step 2 attention 150 bash -c "python3 benchmarks/probe_fp8_attention.py --shapes flux_dev,qwen_image,flux2_dev \
   --iters 10 --out $work/2-attention/probe_fp8_attention.json; python3 benchmarks/probe_fa3_parts.py --iters 10 \
   --out $work/2-attention/probe_fa3_parts.json"

@@ -312,8 +312,8 @@ def test_a_single_block_takes_the_previous_single_block_s_output_without_copying
 
 def _fed_rows(monkeypatch, tr, kw, family):
     """The transformer's output with the fused blocks' float8 layers and how many of their calls took float8 rows
-    made by the LayerNorm + modulation pass (``ln_modulate_for``); then the same two with that pass writing bf16 for
-    the layers to quantise themselves (``family``: the fused blocks' module)."""
+    made by the LayerNorm + modulation pass (``ln_modulate_for``, ``gated_ln_modulate_for``); then the same two with
+    that pass writing bf16 for the layers to quantise themselves (``family``: the fused blocks' module)."""
     from shardgen.speed import fp8, fused_kernels
 
     fed = []
@@ -325,6 +325,12 @@ def _fed_rows(monkeypatch, tr, kw, family):
     fed.clear()
     plain = fused_kernels.ln_modulate
     monkeypatch.setattr(family, "ln_modulate_for", lambda layers, x, shift, scale, eps: plain(x, shift, scale, eps))
+    if hasattr(family, "gated_ln_modulate_for"):
+        def two_passes(layers, x, gate, y, shift, scale, eps):
+            h = fused_kernels.gated(x, gate, y)
+            return h, plain(h, shift, scale, eps)
+
+        monkeypatch.setattr(family, "gated_ln_modulate_for", two_passes)
     return rows_out, made, run(tr, kw), sum(fed)
 
 
@@ -340,6 +346,47 @@ def test_with_fp8_the_norm_pass_hands_the_float8_layers_their_rows(monkeypatch):
     rows_out, made, plain_out, plain_made = _fed_rows(monkeypatch, tr, kw, flux_fused)
     assert made == 2 * (3 + 3 + 1 + 1) + 2 * (1 + 3)  # per double block q/k/v twice and two MLPs; per single 4
     assert plain_made == 0 and torch.equal(rows_out, plain_out)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_each_block_hands_the_next_its_first_norm_and_the_output_stays_the_same(monkeypatch, fp8):
+    """Eagerly on CUDA (here the torch fallbacks, bf16) a block's last gated residual and the next block's adaLN norm
+    of it come from one pass, and the next block takes that norm instead of computing it: the second double and the
+    second single block take it (the first single block follows a double one: it computes its own), and the output
+    is the same bytes as without the hand-over. A hook between two blocks that returns new tensors, or a wrapped
+    next block, leaves the next block computing its norm itself, with the same output."""
+    tr, kw = small_flux(torch.bfloat16), small_inputs(torch.bfloat16)
+    if fp8:
+        accel.enable_fp8(tr)
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
+    for block, fwd in flux_fused.enable(tr).items():
+        block.forward = fwd
+    taken, real_take = [], flux_fused._take_over
+    monkeypatch.setattr(flux_fused, "_take_over", lambda *a: _record(taken, real_take, *a))
+    out = run(tr, kw)
+    assert taken == [False, True, False, True]
+    assert not any(flux_fused._HANDOVER in b.__dict__ for b in tr.modules())  # nothing outlives the call
+    monkeypatch.setattr(flux_fused, "_successor", lambda *a: None)
+    taken.clear()
+    assert torch.equal(run(tr, kw), out) and taken == [False] * 4
+    monkeypatch.undo()
+    monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
+    monkeypatch.setattr(flux_fused, "_take_over", lambda *a: _record(taken, real_take, *a))
+    taken.clear()
+    hook = tr.transformer_blocks[0].register_forward_hook(lambda m, args, kwargs, out: tuple(t.clone() for t in out),
+                                                          with_kwargs=True)
+    assert torch.equal(run(tr, kw), out) and taken == [False, False, False, True]
+    hook.remove()
+    single = tr.single_transformer_blocks[1]
+    single.forward = lambda *a, **k: flux_fused.single_block_forward(single, *a, **k)  # wrapped: not a taker
+    taken.clear()
+    assert torch.equal(run(tr, kw), out) and taken == [False, True, False, False]
+
+
+def _record(taken: list, take, *args):
+    got = take(*args)
+    taken.append(got is not None)
+    return got
 
 
 _INTERPRETED_GATED = '''
@@ -364,3 +411,36 @@ def test_the_gated_residual_kernel_adds_each_sample_s_gated_rows(tmp_path):
     from tests.test_fp8_attention import interpreted
 
     assert interpreted(_INTERPRETED_GATED, tmp_path) == "ok"
+
+
+_INTERPRETED_GATED_LN = '''
+import torch
+from shardgen.speed import fp8, fused_kernels
+fused_kernels.triton_ok = lambda *xs: True  # CPU tensors, run by Triton's interpreter
+g = torch.Generator().manual_seed(2)
+x, y = (torch.randn(3, 37, 100, generator=g).bfloat16() for _ in range(2))
+mods = (torch.randn(3, 6 * 100, generator=g) * 0.3).bfloat16().chunk(6, dim=1)
+gate, shift, scale = (m[:, None] for m in mods[2:5])
+layer = fp8.Float8Linear(torch.nn.Linear(100, 8).bfloat16())
+for layers in ([], [layer]):
+    h, normed = fused_kernels.gated_ln_modulate_for(layers, x, gate, y, shift, scale, 1e-6)
+    h_ref = fused_kernels.gated_triton(x, gate, y)
+    ref = fused_kernels.ln_modulate_for(layers, h_ref, shift, scale, 1e-6)
+    assert torch.equal(h, h_ref)
+    if layers:
+        assert isinstance(normed, fp8.Fp8Rows) and normed.shape == (3, 37, 100)
+        assert torch.equal(normed.scale, ref.scale)
+        assert torch.equal(normed.data.view(torch.uint8), ref.data.view(torch.uint8))
+    else:
+        assert normed.shape == (3, 37, 100) and torch.equal(normed, ref)
+print("ok")
+'''
+
+
+def test_the_gated_residual_and_the_next_norm_in_one_pass_write_what_the_two_passes_write(tmp_path):
+    """``gated_ln_modulate_for``'s Triton kernel, run by Triton's interpreter on the CPU: the residual it writes is the
+    gated kernel's, and the LayerNorm + modulation of it (bf16, or float8 rows for float8 readers) the norm kernel's,
+    byte for byte; three samples of 37 rows of 100 (no power of two)."""
+    from tests.test_fp8_attention import interpreted
+
+    assert interpreted(_INTERPRETED_GATED_LN, tmp_path) == "ok"

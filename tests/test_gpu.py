@@ -130,6 +130,40 @@ def test_the_gated_residual_kernel_makes_addcmul_s_bytes(tokens, dim):
     print(f"gated 4x{tokens}x{dim}: triton {us['triton']:.1f} us, addcmul {us['addcmul']:.1f} us")
 
 
+@pytest.mark.parametrize("tokens, dim", [(4608, 3072), (211, 3072), (37, 6144)])
+def test_the_gated_residual_and_the_next_norm_in_one_pass_match_the_two_passes(tokens, dim):
+    """``gated_ln_modulate_for`` (a block's gated residual and the next adaLN LayerNorm + modulation in one pass)
+    against ``gated`` then ``ln_modulate_for``, as the FLUX blocks called them: the residual the same bf16 values,
+    the norm's bf16 values and float8 rows the same but for rare one-step roundings (the row sums' order); and timed
+    against the two passes (printed: the one-pass kernel saves the norm's read of the residual stream)."""
+    from shardgen.speed import fp8, fused_kernels
+
+    g = torch.Generator("cuda").manual_seed(4)
+    x, y = (torch.randn(4, tokens, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    mods = (torch.randn(4, 6 * dim, device="cuda", generator=g) * 0.3).bfloat16().chunk(6, dim=1)
+    gate, shift, scale = (m[:, None] for m in mods[2:5])
+    layer = fp8.Float8Linear(torch.nn.Linear(dim, 64, device="cuda", dtype=torch.bfloat16))
+    for layers in ([], [layer]):
+        h, normed = fused_kernels.gated_ln_modulate_for(layers, x, gate, y, shift, scale, 1e-6)
+        h_ref = fused_kernels.gated(x, gate, y)
+        ref = fused_kernels.ln_modulate_for(layers, h_ref, shift, scale, 1e-6)
+        assert (h == h_ref).float().mean().item() > 0.9999
+        if layers:
+            assert isinstance(normed, fp8.Fp8Rows) and normed.shape == (4, tokens, dim)
+            assert (normed.scale == ref.scale).float().mean().item() > 0.999
+            assert (normed.data.float() != ref.data.float()).float().mean().item() < 1e-3
+        else:
+            assert normed.shape == ref.shape and (normed == ref).float().mean().item() > 0.999
+    from torch.utils.benchmark import Timer
+
+    env = {"k": fused_kernels, "x": x, "gate": gate, "y": y, "shift": shift, "scale": scale, "layer": layer}
+    us = {name: Timer(stmt, globals=env).blocked_autorange(min_run_time=0.2).median * 1e6 for name, stmt in (
+        ("one pass", "k.gated_ln_modulate_for([layer], x, gate, y, shift, scale, 1e-6)"),
+        ("two passes", "k.ln_modulate_for([layer], k.gated(x, gate, y), shift, scale, 1e-6)"))}
+    print(f"gated + norm to float8 rows, 4x{tokens}x{dim}: one pass {us['one pass']:.1f} us, "
+          f"two passes {us['two passes']:.1f} us")
+
+
 @pytest.mark.parametrize("tokens, dim", [(4608, 6144), (37, 6144), (5, 100)])
 def test_flux2_fused_kernels_match_eager_diffusers(tokens, dim):
     """FLUX.2's LayerNorm+modulation and SwiGLU Triton kernels against diffusers' eager ops in bf16, at FLUX.2-dev's

@@ -5,7 +5,8 @@ ones and back.
 - ``rms_rope``: q/k RMSNorm + RoPE written straight into SDPA's (batch, heads, tokens, head_dim) layout, one Triton
   pass per tile on CUDA, eager diffusers' ops elsewhere (``rms_rope_reference``). ``rope_attention``: that and SDPA,
   or the routed 8-bit kernel's own passes from the projections where it has them.
-- ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual in one pass.
+- ``ln_modulate``, ``gated``: adaLN's LayerNorm + modulation in one pass, a gated residual in one pass;
+  ``gated_ln_modulate_for``: a gated residual and the LayerNorm + modulation of its result in one pass.
 - ``linear_gelu_tanh``, ``gelu_feed_forward``: the tanh-GELU computed in cuBLASLt's GEMM epilogue.
 - ``processor_problem``, ``swap_processors``, ``restore_processors``, ``layer_norm_problem``: when the fused
   processors may stand in for diffusers' own, and the swap itself.
@@ -198,14 +199,20 @@ if triton is not None:
         # one program per token row; the modulation row is its batch sample's. FP8: the row quantised to float8 on
         # its absolute maximum (fp8.quantize_rows' arithmetic) into OUT, its scale into Q_SCALE
         row = tl.program_id(0).to(tl.int64)
-        b = row // rows_per_batch
         d = tl.arange(0, BLOCK_D)
         mask = d < dim
         x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+        _ln_modulate_row(x, x_ptr, row, row // rows_per_batch, d, mask, shift_ptr, scale_ptr, out_ptr, q_scale_ptr,
+                         dim, stride_mod, eps, FP8)
+
+    @triton.jit
+    def _ln_modulate_row(x, dtype_ptr, row, b, d, mask, shift_ptr, scale_ptr, out_ptr, q_scale_ptr, dim, stride_mod,
+                         eps, FP8: tl.constexpr):
+        # the LayerNorm + modulation of one row X (float32 values of the activation dtype, DTYPE_PTR's), stored
         mean = tl.sum(x, axis=0) / dim
         xc = tl.where(mask, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / dim + eps)
-        dtype = x_ptr.dtype.element_ty  # the activation dtype (OUT is float8 with FP8)
+        dtype = dtype_ptr.dtype.element_ty  # the activation dtype (OUT is float8 with FP8)
         # eager rounds the norm, 1 + scale and the product to the activation dtype before the next op
         y = (xc * rstd).to(dtype).to(tl.float32)
         scale = tl.load(scale_ptr + b * stride_mod + d, mask=mask, other=0.0).to(tl.float32)
@@ -218,6 +225,24 @@ if triton is not None:
             tl.store(out_ptr + row * dim + d, to_fp8(y, 1.0 / q_scale, 448.0), mask=mask)
         else:
             tl.store(out_ptr + row * dim + d, y.to(dtype), mask=mask)
+
+    @triton.jit
+    def _gated_ln_modulate_kernel(x_ptr, g_ptr, y_ptr, h_ptr, shift_ptr, scale_ptr, out_ptr, q_scale_ptr,
+                                  rows_per_batch, dim, stride_gb, stride_mod, eps, BLOCK_D: tl.constexpr,
+                                  FP8: tl.constexpr):
+        # one program per token row of contiguous x and y: the gated residual (``_gated_kernel``'s arithmetic) into
+        # H, then the LayerNorm + modulation of the row just written, from registers (``_ln_modulate_kernel``'s)
+        row = tl.program_id(0).to(tl.int64)
+        b = row // rows_per_batch
+        d = tl.arange(0, BLOCK_D)
+        mask = d < dim
+        x = tl.load(x_ptr + row * dim + d, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * dim + d, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b * stride_gb + d, mask=mask, other=0.0).to(tl.float32)
+        h = (x + g * y).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * dim + d, h, mask=mask)
+        _ln_modulate_row(tl.where(mask, h.to(tl.float32), 0.0), h_ptr, row, b, d, mask, shift_ptr, scale_ptr,
+                         out_ptr, q_scale_ptr, dim, stride_mod, eps, FP8)
 
 
 LN_WARPS = 4
@@ -280,6 +305,32 @@ def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch
                                            eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True,
                                            num_warps=_ln_warps(triton.next_power_of_2(dim)))
     return Fp8Rows(data, q_scale, (b, tokens), x.dtype)
+
+
+def gated_ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
+                          shift: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor,
+                                                                                     torch.Tensor | Fp8Rows]:
+    """``h = gated(x, gate, y)`` and ``ln_modulate_for(layers, h, shift, scale, eps)``: (h, the modulated norm of h).
+    Eagerly on CUDA (bf16, the two kernels' conditions) one pass per token row computes both: the LayerNorm reads
+    the residual it has just written from registers, not from memory again (a residual stream's read, ~1/4 of the
+    two passes' traffic), with the same arithmetic as the two kernels. Elsewhere the two calls."""
+    fp8 = bool(layers) and all(isinstance(m, Float8Linear) for m in layers)
+    if not (x.dtype == torch.bfloat16 and _gated_kernel_ok(x, gate, y) and _ln_kernel_ok(x, shift, scale)):
+        h = gated(x, gate, y)
+        return h, ln_modulate_for(layers, h, shift, scale, eps)
+    b, tokens, dim = x.shape
+    h = torch.empty_like(x)
+    if fp8:
+        out = torch.empty((b * tokens, dim), dtype=torch.float8_e4m3fn, device=x.device)
+        q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
+    else:
+        out = q_scale = torch.empty_like(x)
+    if b * tokens:
+        block_d = triton.next_power_of_2(dim)
+        _gated_ln_modulate_kernel[(b * tokens,)](x, gate, y, h, shift, scale, out, q_scale, tokens, dim,
+                                                 gate.stride(0), shift.stride(0), eps, BLOCK_D=block_d, FP8=fp8,
+                                                 num_warps=_ln_warps(block_d))
+    return h, (Fp8Rows(out, q_scale, (b, tokens), x.dtype) if fp8 else out)
 
 
 def ff_input_layers(ff: torch.nn.Module) -> list[torch.nn.Module]:

@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from shardgen.speed.fp8 import Float8Linear, gelu_rows, joined_rows
-from shardgen.speed.fused_kernels import (ff_input_layers, for_layer, gated, gelu_feed_forward, gelu_up,
-                                         ln_modulate_for, norm_eps, norm_weight, one_eps, processor_problem,
+from shardgen.speed.fused_kernels import (ff_input_layers, for_layer, gated, gated_ln_modulate_for, gelu_feed_forward,
+                                         gelu_up, ln_modulate_for, norm_eps, norm_weight, one_eps, processor_problem,
                                          restore_processors, rope_attention, swap_processors)
 
 log = logging.getLogger("shardgen.flux_fused")
@@ -112,12 +115,16 @@ def single_block_forward_cat(self, hidden_states, encoder_hidden_states, temb, i
 def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
                   split: bool):
     text_seq_len = encoder_hidden_states.shape[1]
+    call = (temb, image_rotary_emb, joint_attention_kwargs)
+    pre = _take_over(self, (encoder_hidden_states, hidden_states), call)
     hidden_states = joined(encoder_hidden_states, hidden_states)
+    nxt = None
     if split and isinstance(self.proj_out, Float8Linear) and isinstance(self.proj_mlp, Float8Linear):
-        hidden_states = _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        hidden_states, nxt = _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
+                                               pre)
     elif split and _eager_fusable(hidden_states, self.norm) and type(self.proj_out) is torch.nn.Linear:
-        hidden_states = _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
-        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+        hidden_states, nxt = _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
+                                                 pre)
     else:
         hidden_states = _single_block_stock(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs,
                                             split)
@@ -128,6 +135,8 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
         # from scratch on a fresh cache. Contiguous halves keep one graph; inductor can write them from the
         # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
         text, image = text.contiguous(), image.contiguous()
+    elif nxt is not None:
+        _hand_over(nxt[0], (text, image), call, nxt[1])
     return text, image
 
 
@@ -166,42 +175,47 @@ def _single_block_stock(self, hidden_states, temb, image_rotary_emb, joint_atten
     return hidden_states
 
 
-def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs, pre=None):
     """The single block's body with fp8=true's float8 layers: the normed input quantised once for the MLP and
     q/k/v; eagerly on CUDA the LayerNorm + modulation in one pass, which writes the float8 rows themselves when the
     fused processor takes them, and ``proj_out``'s input (the attention output beside the MLP's GELU) quantised in
     one pass that computes the GELU and writes the concatenation's float8 rows (``joined_rows``: one GEMM, no
     bf16 GELU or concatenation written). Elsewhere ``proj_out`` takes the two parts one GEMM each, each quantised
-    with its own row scales, the GELU written straight into float8."""
-    if _eager_fusable(hidden_states, self.norm):
-        into = ([self.proj_mlp, self.attn.to_q, self.attn.to_k, self.attn.to_v]
-                if _processor_takes_rows(self.attn, image_rotary_emb, joint_attention_kwargs) else [])
-        normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3, into)
+    with its own row scales, the GELU written straight into float8. ``pre``: this block's normed input, handed over
+    by the block before (``_take_over``). (the block's output, what it hands the next block or None)."""
+    if pre is not None:
+        normed, (gate,) = pre[0]
+    elif _eager_fusable(hidden_states, self.norm):
+        normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3,
+                                    _single_norm_readers(self, image_rotary_emb, joint_attention_kwargs) or [])
     else:
         normed, gate = self.norm(hidden_states, emb=temb)
     attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     mlp = self.proj_mlp(normed)  # after the attention: its bf16 activation (12288 wide) lives until the next pass only
     rows = joined_rows(attn_output, mlp, "gelu")
     proj = self.proj_out(rows) if rows is not None else self.proj_out.forward_parts([attn_output, gelu_rows(mlp)])
-    hidden_states = gated(hidden_states, gate[:, None], proj)
+    hidden_states, nxt = _last_residual(self, hidden_states, gate[:, None], proj,
+                                        (temb, image_rotary_emb, joint_attention_kwargs))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    return hidden_states
+    return hidden_states, nxt
 
 
-def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+def _single_block_eager(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs, pre=None):
     """The single block's body eagerly on CUDA: LayerNorm + modulation in one pass, ``proj_out``'s second GEMM
-    accumulating into the first's output (no sum pass), the gated residual in one pass (``gated``)."""
-    normed, (gate,) = _ada_norm(self.norm, hidden_states, temb, 3)
+    accumulating into the first's output (no sum pass), the gated residual in one pass (``gated``), or with the
+    next block's LayerNorm + modulation (``_last_residual``). (the block's output, what it hands the next block)."""
+    normed, (gate,) = pre[0] if pre is not None else _ada_norm(self.norm, hidden_states, temb, 3)
     mlp_hidden_states = gelu_up(self.proj_mlp, normed)
     attn_output = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     dim, w = attn_output.shape[-1], self.proj_out.weight
     proj = F.linear(attn_output, w[:, :dim], self.proj_out.bias)
     proj.view(-1, proj.shape[-1]).addmm_(mlp_hidden_states.reshape(-1, mlp_hidden_states.shape[-1]), w[:, dim:].t())
-    hidden_states = gated(hidden_states, gate[:, None], proj)
+    hidden_states, nxt = _last_residual(self, hidden_states, gate[:, None], proj,
+                                        (temb, image_rotary_emb, joint_attention_kwargs))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    return hidden_states
+    return hidden_states, nxt
 
 
 def _plain_layer_norm(norm: torch.nn.Module) -> bool:
@@ -267,34 +281,145 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
 
 def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
-    pass (``gated``; compiled, inductor fuses the same passes: ``double_block_forward``'s torch ops)."""
-    attn = self.attn
-    rows = _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs)
-    normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = _ada_norm(
-        self.norm1, hidden_states, temb, 6, [attn.to_q, attn.to_k, attn.to_v] if rows else [])
-    c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = _ada_norm(
-        self.norm1_context, encoder_hidden_states, temb, 6, [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
-        if rows else [])
+    pass with the LayerNorm + modulation that reads it (``gated_ln_modulate_for``: the MLPs' norms here, the next
+    block's first norms at the end: ``_take_over``); compiled, inductor fuses the same passes
+    (``double_block_forward``'s torch ops)."""
+    call = (temb, image_rotary_emb, joint_attention_kwargs)
+    pre = _take_over(self, (encoder_hidden_states, hidden_states), call)
+    if pre is None:
+        into, c_into = _double_norm1_readers(self, image_rotary_emb, joint_attention_kwargs)
+        pre = (_ada_norm(self.norm1, hidden_states, temb, 6, into),
+               _ada_norm(self.norm1_context, encoder_hidden_states, temb, 6, c_into))
+    (normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp)), (c_normed, (c_gate_msa, c_shift_mlp, c_scale_mlp,
+                                                                      c_gate_mlp)) = pre
     attention_outputs = self.attn(hidden_states=normed, encoder_hidden_states=c_normed,
                                   image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
     attn_output, context_attn_output = attention_outputs[:2]
-    hidden_states = gated(hidden_states, gate_msa[:, None], attn_output)
-    ff = gelu_feed_forward(self.ff, ln_modulate_for(ff_input_layers(self.ff), hidden_states, shift_mlp[:, None],
-                                                    scale_mlp[:, None], self.norm2.eps))
-    hidden_states = gated(hidden_states, gate_mlp[:, None], ff)
-    if len(attention_outputs) == 3:
-        hidden_states = hidden_states + attention_outputs[2]
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa[:, None], context_attn_output)
-    ff = gelu_feed_forward(self.ff_context, ln_modulate_for(ff_input_layers(self.ff_context), encoder_hidden_states,
-                                                            c_shift_mlp[:, None], c_scale_mlp[:, None],
-                                                            self.norm2_context.eps))
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp[:, None], ff)
+    hidden_states, normed = gated_ln_modulate_for(ff_input_layers(self.ff), hidden_states, gate_msa[:, None],
+                                                  attn_output, shift_mlp[:, None], scale_mlp[:, None], self.norm2.eps)
+    ff = gelu_feed_forward(self.ff, normed)
+    nxt = _successor(self, hidden_states, call) if len(attention_outputs) == 2 else None
+    if nxt is None:
+        hidden_states = gated(hidden_states, gate_mlp[:, None], ff)
+        if len(attention_outputs) == 3:
+            hidden_states = hidden_states + attention_outputs[2]
+    else:
+        into, c_into = _double_norm1_readers(nxt, image_rotary_emb, joint_attention_kwargs)
+        hidden_states, handed = _gated_ada_norm(nxt.norm1, hidden_states, gate_mlp[:, None], ff, temb, 6, into)
+    encoder_hidden_states, c_normed = gated_ln_modulate_for(
+        ff_input_layers(self.ff_context), encoder_hidden_states, c_gate_msa[:, None], context_attn_output,
+        c_shift_mlp[:, None], c_scale_mlp[:, None], self.norm2_context.eps)
+    ff = gelu_feed_forward(self.ff_context, c_normed)
+    if nxt is None:
+        encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp[:, None], ff)
+    else:
+        encoder_hidden_states, c_handed = _gated_ada_norm(nxt.norm1_context, encoder_hidden_states,
+                                                          c_gate_mlp[:, None], ff, temb, 6, c_into)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if nxt is not None:
+        _hand_over(nxt, (encoder_hidden_states, hidden_states), call, (handed, c_handed))
     return encoder_hidden_states, hidden_states
 
 
+def _double_norm1_readers(block, image_rotary_emb, joint_attention_kwargs) -> tuple[list, list]:
+    """The layers reading a double block's first two norms (``ln_modulate_for``'s ``layers``): q, k and v of the
+    image and the text stream when the fused processor projects them (float8 rows for float8 layers), else none."""
+    attn = block.attn
+    if not _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs):
+        return [], []
+    return [attn.to_q, attn.to_k, attn.to_v], [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+
+
+def _single_norm_readers(block, image_rotary_emb, joint_attention_kwargs) -> list | None:
+    """The layers reading a single block's norm in its eager bodies (``_single_block_fp8``: the MLP's up-projection
+    and q, k, v when the fused processor projects them; ``_single_block_eager``: none), or None when the block runs
+    neither (diffusers' own ops: ``_single_block_stock``)."""
+    if isinstance(block.proj_out, Float8Linear) and isinstance(block.proj_mlp, Float8Linear):
+        attn = block.attn
+        return ([block.proj_mlp, attn.to_q, attn.to_k, attn.to_v]
+                if _processor_takes_rows(attn, image_rotary_emb, joint_attention_kwargs) else [])
+    return [] if type(block.proj_out) is torch.nn.Linear else None
+
+
+# --- a block's last residual and the next block's first norm, in one pass ----------------------------------------
+# Each block ends with a gated residual, and the next block starts with the adaLN LayerNorm + modulation of it: done
+# as two passes, the norm reads back the residual stream the residual has just written. Eagerly on CUDA a block
+# computes both for its successor (same kind, same forward, same call) and hands the norm over, keyed by the very
+# tensors it returns: diffusers' loop passes them on as they are, and anything between the two blocks that makes new
+# ones (a ControlNet's residual) leaves the successor computing its norm itself.
+
+_NEXT = "_shardgen_next_block"
+_HANDOVER = "_shardgen_handover"
+
+
+@dataclass
+class _Handover:
+    """What a block computed for its successor: ``_ada_norm``'s result per residual stream, for these inputs."""
+
+    keys: tuple
+    """The tensors the block returned (compared by identity)."""
+    call: tuple
+    """(temb, image_rotary_emb, joint_attention_kwargs) of its call (compared by identity)."""
+    normed: tuple
+    """``_ada_norm``'s (normed, other modulation tensors) per stream, in the successor's order."""
+
+
+def _successor(block: torch.nn.Module, x: torch.Tensor, call: tuple) -> torch.nn.Module | None:
+    """The block after ``block`` when it will take its first norms from ``block`` (``_take_over``): linked by
+    ``enable``, running the fused forward of the same kind eagerly on CUDA in bf16 (fp16 clips between the residual
+    and the norm), through a body that computes that norm with ``_ada_norm``; else None."""
+    if x.device.type not in EAGER_DEVICES or torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
+        return None
+    ref = block.__dict__.get(_NEXT)
+    nxt = ref() if ref is not None else None
+    if nxt is None:
+        return None
+    forward = nxt.__dict__.get("forward")
+    if getattr(forward, "__self__", None) is not nxt or getattr(forward, "__func__", None) not in _TAKERS:
+        return None
+    if type(nxt).__name__ == "FluxTransformerBlock":
+        return nxt if _eager_fusable(x, nxt.norm1, nxt.norm1_context, nxt.norm2, nxt.norm2_context) else None
+    return nxt if _eager_fusable(x, nxt.norm) and _single_norm_readers(nxt, *call[1:]) is not None else None
+
+
+def _gated_ada_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, temb: torch.Tensor,
+                    chunks: int, into: list[torch.nn.Module]):
+    """(``gated(x, gate, y)``, ``_ada_norm(norm, <that>, temb, chunks, into)``) from one pass over the rows."""
+    mods = norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+    h, normed = gated_ln_modulate_for(list(into), x, gate, y, mods[0][:, None], mods[1][:, None], norm.norm.eps)
+    return h, (normed, mods[2:])
+
+
+def _last_residual(block: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, call: tuple):
+    """A single block's last gated residual ``x + gate * y``: (it, None), or with the next single block's norm of it
+    in one pass (``_successor``): (it, (that block, its ``_ada_norm`` result))."""
+    nxt = _successor(block, x, call)
+    if nxt is None:
+        return gated(x, gate, y), None
+    h, normed = _gated_ada_norm(nxt.norm, x, gate, y, call[0], 3, _single_norm_readers(nxt, *call[1:]))
+    return h, (nxt, (normed,))
+
+
+def _hand_over(nxt: torch.nn.Module, keys: tuple, call: tuple, normed: tuple) -> None:
+    nxt.__dict__[_HANDOVER] = _Handover(keys, call, normed)
+
+
+def _take_over(block: torch.nn.Module, inputs: tuple, call: tuple) -> tuple | None:
+    """The first norms the block before computed for this call of ``block`` (``_hand_over``), or None: it is
+    removed either way, so nothing outlives the call that could use it."""
+    if torch.compiler.is_compiling():  # before touching the module's dict: a compiled block never hands over
+        return None
+    handover = block.__dict__.pop(_HANDOVER, None)
+    if handover is None:
+        return None
+    same = all(a is b for a, b in zip(handover.keys + handover.call, inputs + call, strict=True))
+    return handover.normed if same else None
+
+
 _FORWARDS = {"FluxSingleTransformerBlock": single_block_forward, "FluxTransformerBlock": double_block_forward}
+_TAKERS = (single_block_forward, double_block_forward)
+"""The forwards that take their first norm from the block before (``single_block_forward_cat`` runs diffusers' ops)."""
 
 
 # --- switching it on and off ---------------------------------------------------------------------------
@@ -322,9 +447,21 @@ def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[to
             fwd = single_block_forward_cat
         if fwd is not None:
             forwards[mod] = types.MethodType(fwd, mod)
+    for blocks in _block_lists(transformer):
+        for block, nxt in pairwise(blocks):  # a weak link: a module attribute would register nxt as a submodule
+            block.__dict__[_NEXT] = weakref.ref(nxt)
     return forwards
 
 
 def disable(transformer: torch.nn.Module) -> None:
-    """Put diffusers' own processors back (the compiler restores the forwards)."""
+    """Put diffusers' own processors back (the compiler restores the forwards) and unlink the blocks."""
     restore_processors(transformer)
+    for blocks in _block_lists(transformer):
+        for block in blocks:
+            block.__dict__.pop(_NEXT, None)
+            block.__dict__.pop(_HANDOVER, None)
+
+
+def _block_lists(transformer: torch.nn.Module) -> list:
+    """The transformer's double and single blocks, each list in the order its forward runs them."""
+    return [list(getattr(transformer, name, None) or []) for name in ("transformer_blocks", "single_transformer_blocks")]
