@@ -134,3 +134,35 @@ def test_with_fp8_the_norm_pass_hands_the_float8_layers_their_rows(monkeypatch):
     rows_out, made, plain_out, plain_made = _fed_rows(monkeypatch, tr, kw, flux2_fused)
     assert made == 2 * (3 + 3 + 1 + 1) + 2 * 1  # per double block q/k/v twice and two feed-forwards; per single 1
     assert plain_made == 0 and torch.equal(rows_out, plain_out)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_each_flux2_block_hands_the_next_its_first_norm_and_the_output_stays_the_same(monkeypatch, fp8):
+    """In bf16 a FLUX.2 block's last gated residual and the next block's norm of it come from one pass, and the next
+    block takes that norm: the second double and the second single block take it (the first single block follows
+    the join of the two streams), with the same output bytes as diffusers' blocks and as without the hand-over, and
+    nothing left on the blocks after the call. With attention arguments (the reference-image KV cache) none is made."""
+    from shardgen.speed import block_chain
+    from tests.test_flux_fused import _record
+
+    tr, kw = small_flux2(torch.bfloat16), small_inputs(torch.bfloat16)
+    if fp8:
+        accel.enable_fp8(tr)
+    ref = run(tr, kw)
+    _install(tr)
+    taken, real_take = [], block_chain.take_over
+    monkeypatch.setattr(block_chain, "take_over", lambda *a: _record(taken, real_take, *a))
+    out = run(tr, kw)
+    assert taken == [False, True, False, True]
+    assert not any(block_chain._HANDOVER in b.__dict__ for b in tr.modules())
+    if not fp8:
+        assert torch.equal(out, ref)
+    first, second = tr.transformer_blocks
+    x = kw["hidden_states"]
+    assert flux2_fused._successor(first, x, None) is second
+    assert flux2_fused._successor(first, x, {"kv_cache": None}) is None and flux2_fused._successor(second, x, None) is None
+    monkeypatch.setattr(flux2_fused, "_successor", lambda *a: None)
+    taken.clear()
+    assert torch.equal(run(tr, kw), out) and taken == [False] * 4
+    flux2_fused.disable(tr)
+    assert not any(block_chain._NEXT in b.__dict__ for b in tr.modules())

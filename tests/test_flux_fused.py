@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardgen.families.flux import fused as flux_fused
-from shardgen.speed import accel, fused_kernels, techniques
+from shardgen.speed import accel, block_chain, fused_kernels, techniques
 from shardgen.run.generation import to_pixels
 
 SMALL_FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
@@ -361,17 +361,17 @@ def test_each_block_hands_the_next_its_first_norm_and_the_output_stays_the_same(
     monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
     for block, fwd in flux_fused.enable(tr).items():
         block.forward = fwd
-    taken, real_take = [], flux_fused._take_over
-    monkeypatch.setattr(flux_fused, "_take_over", lambda *a: _record(taken, real_take, *a))
+    taken, real_take = [], block_chain.take_over
+    monkeypatch.setattr(block_chain, "take_over", lambda *a: _record(taken, real_take, *a))
     out = run(tr, kw)
     assert taken == [False, True, False, True]
-    assert not any(flux_fused._HANDOVER in b.__dict__ for b in tr.modules())  # nothing outlives the call
+    assert not any(block_chain._HANDOVER in b.__dict__ for b in tr.modules())  # nothing outlives the call
     monkeypatch.setattr(flux_fused, "_successor", lambda *a: None)
     taken.clear()
     assert torch.equal(run(tr, kw), out) and taken == [False] * 4
     monkeypatch.undo()
     monkeypatch.setattr(flux_fused, "EAGER_DEVICES", ("cpu",))
-    monkeypatch.setattr(flux_fused, "_take_over", lambda *a: _record(taken, real_take, *a))
+    monkeypatch.setattr(block_chain, "take_over", lambda *a: _record(taken, real_take, *a))
     taken.clear()
     hook = tr.transformer_blocks[0].register_forward_hook(lambda m, args, kwargs, out: tuple(t.clone() for t in out),
                                                           with_kwargs=True)

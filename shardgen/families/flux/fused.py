@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import logging
 import types
-import weakref
-from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from shardgen.speed import block_chain
 from shardgen.speed.fp8 import Float8Linear, gelu_rows, joined_rows
 from shardgen.speed.fused_kernels import (ff_input_layers, for_layer, gated, gated_ln_modulate_for, gelu_feed_forward,
                                          gelu_up, ln_modulate_for, norm_eps, norm_weight, one_eps, processor_problem,
@@ -116,7 +114,7 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
                   split: bool):
     text_seq_len = encoder_hidden_states.shape[1]
     call = (temb, image_rotary_emb, joint_attention_kwargs)
-    pre = _take_over(self, (encoder_hidden_states, hidden_states), call)
+    pre = block_chain.take_over(self, (encoder_hidden_states, hidden_states), call)
     hidden_states = joined(encoder_hidden_states, hidden_states)
     nxt = None
     if split and isinstance(self.proj_out, Float8Linear) and isinstance(self.proj_mlp, Float8Linear):
@@ -136,7 +134,7 @@ def _single_block(self, hidden_states, encoder_hidden_states, temb, image_rotary
         # residual's kernel. Eagerly the views stay (a copy there would cost a pass over the activations each).
         text, image = text.contiguous(), image.contiguous()
     elif nxt is not None:
-        _hand_over(nxt[0], (text, image), call, nxt[1])
+        block_chain.hand_over(nxt[0], (text, image), call, nxt[1])
     return text, image
 
 
@@ -182,7 +180,7 @@ def _single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attenti
     one pass that computes the GELU and writes the concatenation's float8 rows (``joined_rows``: one GEMM, no
     bf16 GELU or concatenation written). Elsewhere ``proj_out`` takes the two parts one GEMM each, each quantised
     with its own row scales, the GELU written straight into float8. ``pre``: this block's normed input, handed over
-    by the block before (``_take_over``). (the block's output, what it hands the next block or None)."""
+    by the block before (``block_chain.take_over``). (the block's output, what it hands the next block or None)."""
     if pre is not None:
         normed, (gate,) = pre[0]
     elif _eager_fusable(hidden_states, self.norm):
@@ -282,10 +280,10 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
 def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
     """The double block's body eagerly on CUDA: each LayerNorm + modulation in one pass, each gated residual in one
     pass with the LayerNorm + modulation that reads it (``gated_ln_modulate_for``: the MLPs' norms here, the next
-    block's first norms at the end: ``_take_over``); compiled, inductor fuses the same passes
+    block's first norms at the end: ``block_chain``); compiled, inductor fuses the same passes
     (``double_block_forward``'s torch ops)."""
     call = (temb, image_rotary_emb, joint_attention_kwargs)
-    pre = _take_over(self, (encoder_hidden_states, hidden_states), call)
+    pre = block_chain.take_over(self, (encoder_hidden_states, hidden_states), call)
     if pre is None:
         into, c_into = _double_norm1_readers(self, image_rotary_emb, joint_attention_kwargs)
         pre = (_ada_norm(self.norm1, hidden_states, temb, 6, into),
@@ -318,7 +316,7 @@ def _double_block_eager(self, hidden_states, encoder_hidden_states, temb, image_
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     if nxt is not None:
-        _hand_over(nxt, (encoder_hidden_states, hidden_states), call, (handed, c_handed))
+        block_chain.hand_over(nxt, (encoder_hidden_states, hidden_states), call, (handed, c_handed))
     return encoder_hidden_states, hidden_states
 
 
@@ -342,41 +340,16 @@ def _single_norm_readers(block, image_rotary_emb, joint_attention_kwargs) -> lis
     return [] if type(block.proj_out) is torch.nn.Linear else None
 
 
-# --- a block's last residual and the next block's first norm, in one pass ----------------------------------------
-# Each block ends with a gated residual, and the next block starts with the adaLN LayerNorm + modulation of it: done
-# as two passes, the norm reads back the residual stream the residual has just written. Eagerly on CUDA a block
-# computes both for its successor (same kind, same forward, same call) and hands the norm over, keyed by the very
-# tensors it returns: diffusers' loop passes them on as they are, and anything between the two blocks that makes new
-# ones (a ControlNet's residual) leaves the successor computing its norm itself.
-
-_NEXT = "_shardgen_next_block"
-_HANDOVER = "_shardgen_handover"
-
-
-@dataclass
-class _Handover:
-    """What a block computed for its successor: ``_ada_norm``'s result per residual stream, for these inputs."""
-
-    keys: tuple
-    """The tensors the block returned (compared by identity)."""
-    call: tuple
-    """(temb, image_rotary_emb, joint_attention_kwargs) of its call (compared by identity)."""
-    normed: tuple
-    """``_ada_norm``'s (normed, other modulation tensors) per stream, in the successor's order."""
-
+# --- a block's last residual and the next block's first norm, in one pass (shardgen/speed/block_chain.py) -----------
 
 def _successor(block: torch.nn.Module, x: torch.Tensor, call: tuple) -> torch.nn.Module | None:
-    """The block after ``block`` when it will take its first norms from ``block`` (``_take_over``): linked by
-    ``enable``, running the fused forward of the same kind eagerly on CUDA in bf16 (fp16 clips between the residual
-    and the norm), through a body that computes that norm with ``_ada_norm``; else None."""
+    """The block after ``block`` when it will take its first norms from ``block`` (``block_chain``): the fused
+    forward of the same kind, eagerly on CUDA in bf16 (fp16 clips between the residual and the norm), through a body
+    that computes that norm with ``_ada_norm``; else None."""
     if x.device.type not in EAGER_DEVICES or torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
         return None
-    ref = block.__dict__.get(_NEXT)
-    nxt = ref() if ref is not None else None
+    nxt = block_chain.successor(block, _TAKERS)
     if nxt is None:
-        return None
-    forward = nxt.__dict__.get("forward")
-    if getattr(forward, "__self__", None) is not nxt or getattr(forward, "__func__", None) not in _TAKERS:
         return None
     if type(nxt).__name__ == "FluxTransformerBlock":
         return nxt if _eager_fusable(x, nxt.norm1, nxt.norm1_context, nxt.norm2, nxt.norm2_context) else None
@@ -399,22 +372,6 @@ def _last_residual(block: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor, 
         return gated(x, gate, y), None
     h, normed = _gated_ada_norm(nxt.norm, x, gate, y, call[0], 3, _single_norm_readers(nxt, *call[1:]))
     return h, (nxt, (normed,))
-
-
-def _hand_over(nxt: torch.nn.Module, keys: tuple, call: tuple, normed: tuple) -> None:
-    nxt.__dict__[_HANDOVER] = _Handover(keys, call, normed)
-
-
-def _take_over(block: torch.nn.Module, inputs: tuple, call: tuple) -> tuple | None:
-    """The first norms the block before computed for this call of ``block`` (``_hand_over``), or None: it is
-    removed either way, so nothing outlives the call that could use it."""
-    if torch.compiler.is_compiling():  # before touching the module's dict: a compiled block never hands over
-        return None
-    handover = block.__dict__.pop(_HANDOVER, None)
-    if handover is None:
-        return None
-    same = all(a is b for a, b in zip(handover.keys + handover.call, inputs + call, strict=True))
-    return handover.normed if same else None
 
 
 _FORWARDS = {"FluxSingleTransformerBlock": single_block_forward, "FluxTransformerBlock": double_block_forward}
@@ -447,21 +404,16 @@ def enable(transformer: torch.nn.Module, split_proj_out: bool = True) -> dict[to
             fwd = single_block_forward_cat
         if fwd is not None:
             forwards[mod] = types.MethodType(fwd, mod)
-    for blocks in _block_lists(transformer):
-        for block, nxt in pairwise(blocks):  # a weak link: a module attribute would register nxt as a submodule
-            block.__dict__[_NEXT] = weakref.ref(nxt)
+    block_chain.link(_block_lists(transformer))
     return forwards
 
 
 def disable(transformer: torch.nn.Module) -> None:
     """Put diffusers' own processors back (the compiler restores the forwards) and unlink the blocks."""
     restore_processors(transformer)
-    for blocks in _block_lists(transformer):
-        for block in blocks:
-            block.__dict__.pop(_NEXT, None)
-            block.__dict__.pop(_HANDOVER, None)
+    block_chain.unlink(_block_lists(transformer))
 
 
 def _block_lists(transformer: torch.nn.Module) -> list:
     """The transformer's double and single blocks, each list in the order its forward runs them."""
-    return [list(getattr(transformer, name, None) or []) for name in ("transformer_blocks", "single_transformer_blocks")]
+    return [getattr(transformer, name, None) or [] for name in ("transformer_blocks", "single_transformer_blocks")]

@@ -13,7 +13,9 @@ the same arithmetic with the intermediate roundings eager diffusers makes, in fe
 - **the single blocks' output projection** over ``cat([attention, mlp])``: two GEMMs over the weight's column
   blocks, the second accumulating into the first's output (``addmm_``), so the 24576-wide concatenation is never
   written (one more bf16 rounding of a partial sum: bf16 noise).
-- **gated residuals** (``x + gate * y``): one pass instead of two (``fused_kernels.gated``).
+- **gated residuals** (``x + gate * y``): one pass instead of two (``fused_kernels.gated``), and in bf16 the same
+  pass computes the LayerNorm + modulation that reads the result (``fused_kernels.gated_ln_modulate_for``): the MLPs'
+  norms, and the next block's first norms, handed to it (``shardgen/speed/block_chain.py``).
 - with ``fp8=true``'s float8 layers, eagerly on CUDA: the SwiGLU computed in the pass that writes the next layer's
   float8 rows (``fp8.joined_rows``: its bf16 output never written), for the feed-forward's down-projection and for
   the single blocks' output projection, whose attention part joins the same rows (one GEMM, no sum of two).
@@ -35,9 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardgen.speed import block_chain
 from shardgen.speed.fp8 import Float8Linear, joined_rows
-from shardgen.speed.fused_kernels import (for_layer, gated, layer_norm_problem, ln_modulate_for, norm_eps, norm_weight,
-                                         one_eps, processor_problem, restore_processors, rope_attention,
+from shardgen.speed.fused_kernels import (for_layer, gated, gated_ln_modulate_for, layer_norm_problem, ln_modulate_for,
+                                         norm_eps, norm_weight, one_eps, processor_problem, restore_processors, rope_attention,
                                          swap_processors, tl, triton, triton_ok)
 
 log = logging.getLogger("shardgen.flux2_fused")
@@ -175,57 +178,109 @@ def _ff(ff: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
                          image_rotary_emb=None, joint_attention_kwargs=None):
-    """``Flux2TransformerBlock.forward`` with fused LayerNorm+modulation, SwiGLU and gated residuals."""
+    """``Flux2TransformerBlock.forward`` with fused LayerNorm+modulation, SwiGLU and gated residuals; each gated
+    residual in one pass with the norm that reads it (the MLPs' norms, and the next block's first norms, which it
+    hands over: ``shardgen/speed/block_chain.py``)."""
+    call = (temb_mod_img, temb_mod_txt, image_rotary_emb, joint_attention_kwargs)
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _split_mod(temb_mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _split_mod(temb_mod_txt, 2)
     eps, attn = self.norm1.eps, self.attn
-    # the fused processor only projects its inputs: they may come as float8 rows (ln_modulate_for)
-    rows = (isinstance(attn.processor, FusedFlux2AttnProcessor)
-            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn))
-    attn_output, context_attn_output = attn(
-        hidden_states=ln_modulate_for([attn.to_q, attn.to_k, attn.to_v] if rows else [], hidden_states, shift_msa,
-                                      scale_msa, eps),
-        encoder_hidden_states=ln_modulate_for([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj] if rows else [],
-                                              encoder_hidden_states, c_shift_msa, c_scale_msa, eps),
-        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    hidden_states = gated(hidden_states, gate_msa, attn_output)
-    ff = _ff(self.ff, ln_modulate_for([self.ff.linear_in], hidden_states, shift_mlp, scale_mlp, eps))
-    hidden_states = gated(hidden_states, gate_mlp, ff)
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate_msa, context_attn_output)
-    ff = _ff(self.ff_context, ln_modulate_for([self.ff_context.linear_in], encoder_hidden_states, c_shift_mlp,
-                                              c_scale_mlp, eps))
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate_mlp, ff)
+    pre = block_chain.take_over(self, (encoder_hidden_states, hidden_states), call)
+    if pre is None:
+        into, c_into = _double_norm_readers(self, image_rotary_emb, joint_attention_kwargs)
+        pre = (ln_modulate_for(into, hidden_states, shift_msa, scale_msa, eps),
+               ln_modulate_for(c_into, encoder_hidden_states, c_shift_msa, c_scale_msa, eps))
+    attn_output, context_attn_output = attn(hidden_states=pre[0], encoder_hidden_states=pre[1],
+                                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states, normed = gated_ln_modulate_for([self.ff.linear_in], hidden_states, gate_msa, attn_output,
+                                                  shift_mlp, scale_mlp, eps)
+    ff = _ff(self.ff, normed)
+    nxt = _successor(self, hidden_states, joint_attention_kwargs)
+    into, c_into = ([], []) if nxt is None else _double_norm_readers(nxt, image_rotary_emb, joint_attention_kwargs)
+    hidden_states, handed = _last_residual(nxt, into, hidden_states, gate_mlp, ff, shift_msa, scale_msa)
+    encoder_hidden_states, normed = gated_ln_modulate_for([self.ff_context.linear_in], encoder_hidden_states,
+                                                          c_gate_msa, context_attn_output, c_shift_mlp, c_scale_mlp,
+                                                          eps)
+    ff = _ff(self.ff_context, normed)
+    encoder_hidden_states, c_handed = _last_residual(nxt, c_into, encoder_hidden_states, c_gate_mlp, ff, c_shift_msa,
+                                                     c_scale_msa)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if nxt is not None:
+        block_chain.hand_over(nxt, (encoder_hidden_states, hidden_states), call, (handed, c_handed))
     return encoder_hidden_states, hidden_states
 
 
 def single_block_forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
                          joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
-    """``Flux2SingleTransformerBlock.forward`` with fused LayerNorm+modulation and gated residual."""
+    """``Flux2SingleTransformerBlock.forward`` with fused LayerNorm+modulation and gated residual; the residual in
+    one pass with the next single block's norm of it, which it hands over (``shardgen/speed/block_chain.py``)."""
+    call = (temb_mod, image_rotary_emb, joint_attention_kwargs)
+    pre = block_chain.take_over(self, (hidden_states, encoder_hidden_states), call)
     if encoder_hidden_states is not None:
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     shift, scale, gate = _split_mod(temb_mod, 1)[0]
-    attn = self.attn
-    rows = (isinstance(attn.processor, FusedFlux2ParallelSelfAttnProcessor)
-            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn)
-            and isinstance(attn.to_out, Float8Linear))
-    attn_output = attn(hidden_states=ln_modulate_for([attn.to_qkv_mlp_proj] if rows else [], hidden_states, shift,
-                                                     scale, self.norm.eps),
-                       image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    hidden_states = gated(hidden_states, gate, attn_output)
+    if pre is None:
+        pre = ln_modulate_for(_single_norm_readers(self, image_rotary_emb, joint_attention_kwargs), hidden_states,
+                              shift, scale, self.norm.eps)
+    attn_output = self.attn(hidden_states=pre, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    nxt = None if split_hidden_states else _successor(self, hidden_states, joint_attention_kwargs)
+    into = _single_norm_readers(nxt, image_rotary_emb, joint_attention_kwargs) if nxt is not None else []
+    hidden_states, handed = _last_residual(nxt, into, hidden_states, gate, attn_output, shift, scale)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    if nxt is not None:
+        block_chain.hand_over(nxt, (hidden_states, None), call, handed)
     return hidden_states
+
+
+def _double_norm_readers(block, image_rotary_emb, joint_attention_kwargs) -> tuple[list, list]:
+    """The layers reading a double block's first norms: q, k, v of the image and text streams when the fused
+    processor projects them (it only projects its inputs: they may come as float8 rows), else none."""
+    attn = block.attn
+    if not (isinstance(attn.processor, FusedFlux2AttnProcessor)
+            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn)):
+        return [], []
+    return [attn.to_q, attn.to_k, attn.to_v], [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+
+
+def _single_norm_readers(block, image_rotary_emb, joint_attention_kwargs) -> list:
+    """The layer reading a single block's norm when the fused processor computes its call with float8 layers (the
+    joint QKV + MLP projection), else none."""
+    attn = block.attn
+    rows = (isinstance(attn.processor, FusedFlux2ParallelSelfAttnProcessor)
+            and _plain_call(None, image_rotary_emb, joint_attention_kwargs or {}, attn)
+            and isinstance(attn.to_out, Float8Linear))
+    return [attn.to_qkv_mlp_proj] if rows else []
+
+
+def _successor(block: torch.nn.Module, x: torch.Tensor, joint_attention_kwargs) -> torch.nn.Module | None:
+    """The next block of the same kind when it will take its first norms from this one (``block_chain``): bf16 (fp16
+    clips between the residual and the norm), eager, and no attention arguments (FLUX.2's reference-image KV cache
+    changes them from block to block)."""
+    if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or joint_attention_kwargs:
+        return None
+    return block_chain.successor(block, _TAKERS)
+
+
+def _last_residual(nxt, into: list, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, shift: torch.Tensor,
+                   scale: torch.Tensor):
+    """``gated(x, gate, y)`` and None, or for a successor ``nxt`` with its first norm of the result in the same pass
+    (FLUX.2's blocks share their modulation: ``shift`` and ``scale`` are the next block's too)."""
+    if nxt is None:
+        return gated(x, gate, y), None
+    eps = nxt.norm1.eps if hasattr(nxt, "norm1") else nxt.norm.eps
+    return gated_ln_modulate_for(into, x, gate, y, shift, scale, eps)
 
 
 _FORWARDS = {"Flux2SingleTransformerBlock": single_block_forward, "Flux2TransformerBlock": double_block_forward}
 _PROCESSORS = {"Flux2AttnProcessor": FusedFlux2AttnProcessor,
                "Flux2ParallelSelfAttnProcessor": FusedFlux2ParallelSelfAttnProcessor}
 _FUSED = tuple(_PROCESSORS.values())
+_TAKERS = (single_block_forward, double_block_forward)
 
 
 # --- switching it on and off ---------------------------------------------------------------------------------
@@ -245,10 +300,17 @@ def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
         log.info("fused FLUX.2 blocks not used: %s", why)
         return {}
     swap_processors(transformer, _PROCESSORS)
+    block_chain.link(_chains(transformer))
     return {mod: types.MethodType(_FORWARDS[type(mod).__name__], mod) for mod in transformer.modules()
             if type(mod).__name__ in _FORWARDS}
 
 
 def disable(transformer: torch.nn.Module) -> None:
-    """Put diffusers' own processors back (the caller restores the forwards)."""
+    """Put diffusers' own processors back (the caller restores the forwards) and unlink the blocks."""
     restore_processors(transformer)
+    block_chain.unlink(_chains(transformer))
+
+
+def _chains(transformer: torch.nn.Module) -> list:
+    """The double and the single blocks, each in the order the transformer's forward runs them."""
+    return [transformer.transformer_blocks, transformer.single_transformer_blocks]
