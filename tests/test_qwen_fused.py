@@ -88,3 +88,32 @@ def test_prefix_attention_with_the_fused_qk_keeps_qwen_pixels(pipe, monkeypatch)
         qwen.remove_text_buckets(pipe)
     assert len(calls) == 2 * 2 * len(pipe.transformer.transformer_blocks)
     assert np.abs(plain.astype(int) - fused.astype(int)).max() <= 1
+
+
+def test_each_qwen_block_hands_the_next_its_first_norms_and_the_pixels_stay_the_same(monkeypatch):
+    """In bf16 a Qwen-Image block's last gated residuals and the next block's first norms of them come from one pass
+    per stream, and every block after the first takes those norms: the same output bytes as diffusers' blocks, as
+    without the hand-over, and nothing left on the blocks after the call or after the blocks come off."""
+    from shardgen.speed import block_chain
+    from tests.test_flux_fused import _record
+
+    overrides = {**SMALL["QwenImagePipeline"]}
+    overrides["transformer"] = {**overrides["transformer"], "num_layers": 3}
+    bf16 = build_dummy_pipeline("QwenImagePipeline", "cpu", torch.bfloat16, overrides=overrides)
+    tr = bf16.transformer
+    plain = _pixels(bf16, PROMPTS)
+    taken, real_take = [], block_chain.take_over
+    monkeypatch.setattr(block_chain, "take_over", lambda *a: _record(taken, real_take, *a))
+    try:
+        accel.fuse_blocks_eager(tr)
+        fused = _pixels(bf16, PROMPTS)
+        calls = taken.count(False)  # one per transformer call: its first block
+        assert calls >= 1 and taken == ([False] + [True] * (len(tr.transformer_blocks) - 1)) * calls
+        assert not any(block_chain._HANDOVER in b.__dict__ for b in tr.transformer_blocks)
+        monkeypatch.setattr(qwen_fused, "_successor", lambda *a: None)
+        alone = _pixels(bf16, PROMPTS)
+    finally:
+        accel.uncompile_blocks(tr)
+    assert not any(block_chain._NEXT in b.__dict__ for b in tr.transformer_blocks)
+    np.testing.assert_array_equal(plain, fused)
+    np.testing.assert_array_equal(fused, alone)

@@ -6,7 +6,9 @@ activations and the 12288-wide MLP. The fused block forward does the same arithm
 kernels of the FLUX blocks (shardgen/speed/fused_kernels.py):
 
 - **LayerNorm + modulation** (``LayerNorm(x) * (1 + scale) + shift``) in one pass, rounding where eager does;
-- **gated residuals** (``x + gate * y``) in one pass (``fused_kernels.gated``);
+- **gated residuals** (``x + gate * y``) in one pass (``fused_kernels.gated``), and in bf16 the same pass computes
+  the LayerNorm + modulation that reads the result: the MLP's norm, and the next block's first norms, handed to it
+  (``shardgen/speed/block_chain.py``);
 - **the MLP's tanh-GELU** in the up-projection's GEMM epilogue;
 - **q/k RMSNorm + RoPE + the attention layout** in one pass per tensor (``fused_qk``, called by Qwen's prefix
   attention processor, shardgen/families/qwen_image/speed.py, while the RoPE frequencies are diffusers' complex ones; compiled
@@ -25,10 +27,10 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardgen.speed import fused_kernels
+from shardgen.speed import block_chain, fused_kernels
 from shardgen.speed.fp8 import is_tensor_parallel
-from shardgen.speed.fused_kernels import (ff_input_layers, gated, gelu_feed_forward, layer_norm_problem, ln_modulate,
-                                         ln_modulate_for, norm_eps, norm_weight, one_eps, rms_rope)
+from shardgen.speed.fused_kernels import (ff_input_layers, gated, gated_ln_modulate_for, gelu_feed_forward,
+                                         layer_norm_problem, ln_modulate, norm_eps, norm_weight, one_eps, rms_rope)
 
 log = logging.getLogger("shardgen.qwen_fused")
 
@@ -43,32 +45,64 @@ def _mod(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                   image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
-    """``QwenImageTransformerBlock.forward`` with fused LayerNorm+modulation, gated residuals and GELU."""
+    """``QwenImageTransformerBlock.forward`` with fused LayerNorm+modulation, gated residuals and GELU; in bf16 each
+    gated residual in one pass with the norm that reads it: the MLP's, and the next block's first norms, which it
+    hands over (``shardgen/speed/block_chain.py``)."""
     if modulate_index is not None or getattr(self, "zero_cond_t", False):
         return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                                   image_rotary_emb, joint_attention_kwargs, modulate_index)
-    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
-    (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod1), _mod(txt_mod1)
+    call = (encoder_hidden_states_mask, temb, image_rotary_emb, joint_attention_kwargs)
     eps = self.img_norm1.eps
-    img_attn, txt_attn = self.attn(hidden_states=ln_modulate(hidden_states, shift, scale, eps),
-                                   encoder_hidden_states=ln_modulate(encoder_hidden_states, c_shift, c_scale, eps),
+    pre = block_chain.take_over(self, (encoder_hidden_states, hidden_states), call)
+    if pre is None:
+        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+        (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod1), _mod(txt_mod1)
+        pre = ((ln_modulate(hidden_states, shift, scale, eps), gate, img_mod2),
+               (ln_modulate(encoder_hidden_states, c_shift, c_scale, eps), c_gate, txt_mod2))
+    (normed, gate, img_mod2), (c_normed, c_gate, txt_mod2) = pre
+    img_attn, txt_attn = self.attn(hidden_states=normed, encoder_hidden_states=c_normed,
                                    encoder_hidden_states_mask=encoder_hidden_states_mask,
                                    image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    hidden_states = gated(hidden_states, gate, img_attn)
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate, txt_attn)
-    (shift, scale, gate), (c_shift, c_scale, c_gate) = _mod(img_mod2), _mod(txt_mod2)
-    mlp = gelu_feed_forward(self.img_mlp, ln_modulate_for(ff_input_layers(self.img_mlp), hidden_states, shift, scale,
-                                                          eps))
-    hidden_states = gated(hidden_states, gate, mlp)
-    mlp = gelu_feed_forward(self.txt_mlp, ln_modulate_for(ff_input_layers(self.txt_mlp), encoder_hidden_states,
-                                                          c_shift, c_scale, eps))
-    encoder_hidden_states = gated(encoder_hidden_states, c_gate, mlp)
+    nxt = _successor(self, hidden_states)
+    hidden_states, handed = _stream_end(hidden_states, img_attn, gate, img_mod2, self.img_mlp, eps, temb,
+                                        None if nxt is None else (nxt.img_mod, nxt.img_norm1.eps))
+    encoder_hidden_states, c_handed = _stream_end(encoder_hidden_states, txt_attn, c_gate, txt_mod2, self.txt_mlp, eps,
+                                                  temb, None if nxt is None else (nxt.txt_mod, nxt.img_norm1.eps))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
+    if nxt is not None:
+        block_chain.hand_over(nxt, (encoder_hidden_states, hidden_states), call, (handed, c_handed))
     return encoder_hidden_states, hidden_states
+
+
+def _stream_end(x: torch.Tensor, attn_out: torch.Tensor, gate: torch.Tensor, mod2: torch.Tensor,
+                mlp_module: torch.nn.Module, eps: float, temb: torch.Tensor, next_mod: tuple | None):
+    """One stream's second half: the attention's gated residual in one pass with the MLP's norm, the MLP, and its
+    gated residual: (the stream, None); with ``next_mod`` (the next block's modulation layer of this stream and its
+    norms' eps) the last residual in one pass with the next block's first norm: (the stream, (that norm, its gate,
+    its second modulation)), what ``block_forward`` takes over."""
+    shift, scale, gate2 = _mod(mod2)
+    x, normed = gated_ln_modulate_for(ff_input_layers(mlp_module), x, gate, attn_out, shift, scale, eps)
+    mlp = gelu_feed_forward(mlp_module, normed)
+    if next_mod is None:
+        return gated(x, gate2, mlp), None
+    layer, next_eps = next_mod
+    mod1, next_mod2 = layer(temb).chunk(2, dim=-1)
+    shift, scale, next_gate = _mod(mod1)
+    x, normed = gated_ln_modulate_for([], x, gate2, mlp, shift, scale, next_eps)
+    return x, (normed, next_gate, next_mod2)
+
+
+def _successor(block: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module | None:
+    """The next block when it will take its first norms from this one (``block_chain``): bf16 (fp16 clips between the
+    residual and the norm), eager, and a block of the modulation this forward computes (not the edit models')."""
+    if torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
+        return None
+    nxt = block_chain.successor(block, (block_forward,))
+    return None if nxt is None or getattr(nxt, "zero_cond_t", False) else nxt
 
 
 # --- q/k RMSNorm + RoPE ------------------------------------------------------------------------------------
@@ -137,9 +171,11 @@ def enable(transformer: torch.nn.Module) -> dict[torch.nn.Module, Any]:
     if why is not None:
         log.info("fused Qwen-Image blocks not used: %s", why)
         return {}
+    block_chain.link([transformer.transformer_blocks])
     return {mod: types.MethodType(block_forward, mod) for mod in transformer.modules()
             if type(mod).__name__ == "QwenImageTransformerBlock"}
 
 
 def disable(transformer: torch.nn.Module) -> None:
-    """Nothing to restore here (the caller restores the forwards)."""
+    """Unlink the blocks (the caller restores the forwards)."""
+    block_chain.unlink([transformer.transformer_blocks])
