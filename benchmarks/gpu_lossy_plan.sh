@@ -43,6 +43,9 @@
 #            two passes (tests/test_gpu.py)
 #   19 outside: each model's VAE decode (as built, cuDNN autotuned, channels-last, compiled) and text encoders
 #            alone, timed at batch 4
+#   24 chain: the fused blocks' GPU tests (FLUX.1's and FLUX.2's against the stock blocks' bf16 error, CUDA graphs'
+#            replays, the gated residual + norm kernel), and one transformer call per model with and without the
+#            block chain and the sampled keys' mean (probe_fp8_step.py --before), in one process
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -146,4 +149,8 @@ step 18 batch-cycle 240 python3 -m jobs.bench --model flux_dev --steps 28 --n 16
   --no-compile --set fp8=true --set sdpa_backend=fa3_fp8 --profile-batch 2 --out "$work/18-batch-cycle"
 step 19 outside 300 bash -c "python3 benchmarks/probe_text_encoders.py --out $work/19-outside/probe_text_encoders.json; \
   OUT=$work/19-outside python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --compiled"
+step 24 chain 240 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s \
+  -k 'stay_at_the_stock or replayed_cuda_graphs or next_norm_in_one_pass' tests/test_gpu.py; \
+  python3 benchmarks/probe_fp8_step.py --models flux_dev,qwen_image,flux2_dev --no-gemms --ways fp8_fast_accum,fp8_fa3 \
+  --before --out $work/24-chain/probe_fp8_step.json"
 echo "== plan done $(date -u +%T)" | tee -a "$log"

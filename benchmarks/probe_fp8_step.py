@@ -134,7 +134,9 @@ def step_ms(tr, kw, iters=5) -> float:
 def main() -> None:
     import probe_fp8
 
-    from shardgen.speed import accel, fa3_fp8, fp8, fp8_attention, fused_kernels
+    from shardgen.speed import accel, block_chain, fa3_fp8, fp8, fp8_attention, fused_kernels
+
+    chain_successor, key_mean_tokens = block_chain.successor, fa3_fp8.KEY_MEAN_TOKENS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
@@ -147,6 +149,9 @@ def main() -> None:
     ap.add_argument("--tokens-major", action="store_true", help="also each way with fused_kernels."
                     "SDPA_TOKENS_MAJOR off and on (queries and keys handed to SDPA in (batch, heads, tokens, head_dim) "
                     "or (batch, tokens, heads, head_dim) memory), named WAY-tokens_major and WAY+tokens_major")
+    ap.add_argument("--before", action="store_true", help="also each way as the blocks ran before the block chain "
+                    "and the sampled keys' mean (block_chain.successor and fa3_fp8.KEY_MEAN_TOKENS switched off), "
+                    "named WAY-before: the two changes' gain on one card, in one process")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -171,10 +176,15 @@ def main() -> None:
         majors = [False, True] if a.tokens_major else [fused_kernels.SDPA_TOKENS_MAJOR]
         ways = [(name + ({False: "-tokens_major", True: "+tokens_major"}[major] if a.tokens_major else ""), name, opts,
                  major) for name, opts in ways for major in (majors if name != "fp8_fa3" else majors[-1:])]
+        ways = [(label + suffix, name, opts, major) for label, name, opts, major in ways
+                for suffix in (("-before", "") if a.before else ("",))]
         out = res[model] = {}
         ref = None
         for label, name, opts, major in ways:
             fused_kernels.SDPA_TOKENS_MAJOR = major
+            before = label.endswith("-before")
+            block_chain.successor = (lambda *args: None) if before else chain_successor
+            fa3_fp8.KEY_MEAN_TOKENS = 1 << 40 if before else key_mean_tokens
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
