@@ -45,7 +45,8 @@
 #            alone, timed at batch 4
 #   24 chain: the fused blocks' GPU tests (FLUX.1's and FLUX.2's against the stock blocks' bf16 error, CUDA graphs'
 #            replays, the gated residual + norm kernel), and one transformer call per model with and without the
-#            block chain and the sampled keys' mean (probe_fp8_step.py --before), in one process
+#            block chain and the sampled keys' mean (probe_fp8_step.py --before), FLUX.2-dev in a process of its own
+#            (after the other two, an 80 GB card has no room left for its 32B transformer)
 # Each step's SECONDS is what it took on an H100 (benchmarks/results/2026-12-05-h100-lossy-8f38c80) plus a margin, or
 # an estimate where it has not run whole.
 set -u
@@ -151,6 +152,8 @@ step 19 outside 300 bash -c "python3 benchmarks/probe_text_encoders.py --out $wo
   OUT=$work/19-outside python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --compiled"
 step 24 chain 240 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s \
   -k 'stay_at_the_stock or replayed_cuda_graphs or next_norm_in_one_pass' tests/test_gpu.py; \
-  python3 benchmarks/probe_fp8_step.py --models flux_dev,qwen_image,flux2_dev --no-gemms --ways fp8_fast_accum,fp8_fa3 \
-  --before --out $work/24-chain/probe_fp8_step.json"
+  python3 benchmarks/probe_fp8_step.py --models flux_dev,qwen_image --no-gemms --ways fp8_fast_accum,fp8_fa3 \
+  --before --out $work/24-chain/probe_fp8_step.json; \
+  python3 benchmarks/probe_fp8_step.py --models flux2_dev --no-gemms --ways fp8_fast_accum,fp8_fa3 --before \
+  --out $work/24-chain/probe_fp8_step_flux2.json"
 echo "== plan done $(date -u +%T)" | tee -a "$log"
