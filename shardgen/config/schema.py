@@ -393,7 +393,9 @@ class SpeedConfig:
     fused_blocks: bool = True
     """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py,
     FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
-    each, GELU in the GEMM epilogue, gated residuals in one pass. Eagerly on CUDA (compile=false included; on an
+    each, GELU in the GEMM epilogue, gated residuals in one pass (in bf16 together with the LayerNorm+modulation that
+    reads them, the next block's first one included: shardgen/speed/block_chain.py). Eagerly on CUDA (compile=false
+    included; on an
     H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
     and compiled with
     compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
