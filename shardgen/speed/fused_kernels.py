@@ -292,19 +292,32 @@ def ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, shift: torch
     ``Float8Linear`` (and no compiler traces: inductor fuses the passes itself), the result's float8 rows
     (``fp8.Fp8Rows``: what those layers would quantise it to); eagerly on CUDA from the same pass, its bf16 form
     never written. Else ``ln_modulate``'s tensor."""
-    if not layers or not all(isinstance(m, Float8Linear) for m in layers) or torch.compiler.is_compiling():
+    if not _float8_readers(layers) or torch.compiler.is_compiling():
         return ln_modulate(x, shift, scale, eps)
     if not (_ln_kernel_ok(x, shift, scale) and x.dtype == torch.bfloat16):
         normed = ln_modulate(x, shift, scale, eps)
         return Fp8Rows(*quantize_rows(normed.reshape(-1, normed.shape[-1])), tuple(normed.shape[:-1]), normed.dtype)
     b, tokens, dim = x.shape
-    data = torch.empty((b * tokens, dim), dtype=torch.float8_e4m3fn, device=x.device)
-    q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
+    data, q_scale = _float8_rows_like(x)
     if b * tokens:
         _ln_modulate_kernel[(b * tokens,)](x, shift, scale, data, q_scale, tokens, dim, x.stride(1), shift.stride(0),
                                            eps, BLOCK_D=triton.next_power_of_2(dim), FP8=True,
                                            num_warps=_ln_warps(triton.next_power_of_2(dim)))
     return Fp8Rows(data, q_scale, (b, tokens), x.dtype)
+
+
+def _float8_readers(layers: list[torch.nn.Module]) -> bool:
+    """Every layer reading a norm's output is fp8=true's ``Float8Linear`` (none: False): the norm may write its
+    float8 rows instead of its bf16 output."""
+    return bool(layers) and all(isinstance(m, Float8Linear) for m in layers)
+
+
+def _float8_rows_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty float8 rows of (batch, tokens, dim) ``x`` flattened to (batch * tokens, dim), and their (rows, 1)
+    float32 scales: what the norm kernels write with FP8."""
+    rows = x.shape[0] * x.shape[1]
+    return (torch.empty((rows, x.shape[2]), dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=x.device))
 
 
 def gated_ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
@@ -314,17 +327,13 @@ def gated_ln_modulate_for(layers: list[torch.nn.Module], x: torch.Tensor, gate: 
     Eagerly on CUDA (bf16, the two kernels' conditions) one pass per token row computes both: the LayerNorm reads
     the residual it has just written from registers, not from memory again (a residual stream's read, ~1/4 of the
     two passes' traffic), with the same arithmetic as the two kernels. Elsewhere the two calls."""
-    fp8 = bool(layers) and all(isinstance(m, Float8Linear) for m in layers)
     if not (x.dtype == torch.bfloat16 and _gated_kernel_ok(x, gate, y) and _ln_kernel_ok(x, shift, scale)):
         h = gated(x, gate, y)
         return h, ln_modulate_for(layers, h, shift, scale, eps)
+    fp8 = _float8_readers(layers)
     b, tokens, dim = x.shape
     h = torch.empty_like(x)
-    if fp8:
-        out = torch.empty((b * tokens, dim), dtype=torch.float8_e4m3fn, device=x.device)
-        q_scale = torch.empty((b * tokens, 1), dtype=torch.float32, device=x.device)
-    else:
-        out = q_scale = torch.empty_like(x)
+    out, q_scale = _float8_rows_like(x) if fp8 else (torch.empty_like(x),) * 2
     if b * tokens:
         block_d = triton.next_power_of_2(dim)
         _gated_ln_modulate_kernel[(b * tokens,)](x, gate, y, h, shift, scale, out, q_scale, tokens, dim,
