@@ -205,3 +205,24 @@ def test_the_job_s_time_running_out_hands_its_unfinished_shard_to_the_requeue_at
     assert (again.ok, again.failed, again.complete) == (8, 0, True)
     assert "taking over shard" not in caplog.text
     assert shard_images(tmp_path / "run") == shard_images(tmp_path / "clean")
+
+
+def test_a_rank_whose_launcher_is_gone_counts_as_stopping(monkeypatch):
+    """``stopping``: a rank whose launching process has ended is being stopped, so an error a peer's exit raises in
+    it (a collective's "connection reset") gives up its claims like the stop itself; while the launcher lives it is
+    a failure like any other."""
+    import os
+    import subprocess
+    import sys
+
+    from shardgen.run import stopping
+
+    monkeypatch.setattr(stopping, "_LAUNCHER", [])
+    monkeypatch.setattr(stopping, "sigterm_received", lambda: False)
+    assert not stopping.stopping()
+    stopping.note_launcher(os.getpid())
+    assert not stopping.stopping()
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stopping.note_launcher(ended.pid)
+    assert stopping.stopping()

@@ -91,6 +91,9 @@ def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Threa
                                               "same command to continue", pid)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    from shardgen.run.stopping import note_launcher
+
+    note_launcher(pid)
     thread = threading.Thread(target=watch, name="shardgen-launcher-watch", daemon=True)
     thread.start()
     return thread

@@ -22,6 +22,7 @@ from shardgen.errors import ShardgenError, ends_job
 from shardgen.run.generation import GenSettings
 from shardgen.run.shardrun import ShardGenerator, ShardRun
 from shardgen.run.shardwalk import ShardWalk
+from shardgen.run.stopping import stopping
 from shardgen.run.tally import BatchTally
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.speed.autocompile import AutoCompile
@@ -98,13 +99,13 @@ class ReplicaWorker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
-        if exc is not None and (isinstance(exc, (KeyboardInterrupt, ShardgenError)) or ends_job(exc)):
+        if exc is not None and (isinstance(exc, (KeyboardInterrupt, ShardgenError)) or ends_job(exc) or stopping()):
             self._release_unfinished()
 
     def _release_unfinished(self) -> None:
-        """After Ctrl-C or SIGTERM, a stop shardgen makes on purpose (out of GPU memory, a setting that cannot work)
-        or submitit's signal that the job's time is over, once close() made every handed-over batch durable and
-        stopped the writer: give up the claims of the shards left unfinished, so that a re-run, a requeue or another
+        """After Ctrl-C or SIGTERM (or any error while this process is being stopped: ``stopping``), a stop shardgen
+        makes on purpose (out of GPU memory, a setting that cannot work) or submitit's signal that the job's time is
+        over, once close() made every handed-over batch durable and stopped the writer: give up the claims of the shards left unfinished, so that a re-run, a requeue or another
         replica resumes them from their checkpoints at once instead of waiting ``lease_s`` for the claims to expire.
         Not when the writer could still be writing (it outlived close's timeout): then the lease keeps the shard
         ours until it is done. A store that cannot be written now (the outage that stopped the launch) leaves the

@@ -12,6 +12,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from shardgen.dataio.rundir.liveness import pid_alive
+
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
@@ -42,3 +44,19 @@ def stop_on_sigterm() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         return
     signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+_LAUNCHER: list[int] = []
+
+
+def note_launcher(pid: int) -> None:
+    """Record the process that launched this rank (``launch/local.py``'s spawned ranks), for ``stopping``."""
+    _LAUNCHER[:] = [pid]
+
+
+def stopping() -> bool:
+    """Whether this process is being stopped rather than failing: SIGTERM received, or the process that launched it
+    is gone. A rank of a tensor- or context-parallel replica whose peer stopped first sees the peer's exit as an
+    error in a collective (gloo's "Connection reset by peer") before its own launcher watch fires; that error is the
+    stop, and the rank gives up its claims as the stop would."""
+    return sigterm_received() or any(not pid_alive(pid) for pid in _LAUNCHER)
