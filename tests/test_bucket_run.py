@@ -125,13 +125,31 @@ def _shards_in(s3, url: str) -> list[str]:
     return fs.glob(f"{url.removeprefix('s3://')}/shards/*.tar")
 
 
-def _launch(url: str, scratch: Path, models: Path, *more: str) -> subprocess.Popen:
-    """A launch on its own "machine": its own scratch folder ($SHARDGEN_CACHE), the session's tiny models."""
-    env = {**os.environ, "SHARDGEN_CACHE": str(scratch),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def _launch(url: str, scratch: Path, models: Path, *more: str, hook: Path | None = None) -> subprocess.Popen:
+    """A launch on its own "machine": its own scratch folder ($SHARDGEN_CACHE), the session's tiny models; ``hook``
+    a folder put first on its PYTHONPATH (a sitecustomize)."""
+    path = [str(hook) if hook else None, str(ROOT), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "SHARDGEN_CACHE": str(scratch), "PYTHONPATH": os.pathsep.join(filter(None, path))}
     return subprocess.Popen([sys.executable, "-m", "jobs.generate", f"run_dir={url}", *FAST, "samples_per_shard=3",
                              f"model.cache_dir={models}", "lease_s=4", "heartbeat_s=0.5", *more],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _paced(tmp_path: Path, seconds: float) -> Path:
+    """A sitecustomize folder that makes every batch of the tiny pipeline take ``seconds`` more, so that a shard
+    takes longer than the kill below waits after a commit: the tiny model alone finishes a launch's remaining shards
+    within a fraction of a second of its first, and a loaded machine then let every launch finish before the kill."""
+    hook = tmp_path / "paced"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import functools, time, diffusers\n"
+        "_call = diffusers.FluxPipeline.__call__\n"
+        "@functools.wraps(_call)\n"  # the job reads the pipeline's signature for the arguments it passes
+        "def call(self, *a, **k):\n"
+        f"    time.sleep({seconds})\n"
+        "    return _call(self, *a, **k)\n"
+        "diffusers.FluxPipeline.__call__ = call\n")
+    return hook
 
 
 @pytest.mark.slow
@@ -139,22 +157,24 @@ def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt
     n, rng = 12, random.Random(7)
     models = Path(os.environ["SHARDGEN_CACHE"])
     machines = [tmp_path / "machine-a", tmp_path / "machine-b"]
+    hook = _paced(tmp_path, 0.5)  # a shard of 3 in batches of 2: 1 s or more
     kills = 0
-    for _ in range(3):  # each round killed mid-run: once a shard more is in the bucket, within a second after it
+    for _ in range(3):  # each round killed mid-run: once a shard more is in the bucket, within half a second after it
         before = len(_shards_in(s3, url))
-        launches = [_launch(url, m, models, f"prompts.limit={n}") for m in machines]
+        launches = [_launch(url, m, models, f"prompts.limit={n}", hook=hook) for m in machines]
         deadline = time.monotonic() + 60
         while (len(_shards_in(s3, url)) == before and time.monotonic() < deadline
                and any(p.poll() is None for p in launches)):
-            time.sleep(0.2)
-        time.sleep(rng.uniform(0, 1))
-        for p in launches:
-            if p.poll() is None:
-                p.kill()
-                kills += 1
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0, 0.5))
+        killed = [p for p in launches if p.poll() is None]
+        for p in killed:
+            p.kill()
         for p in launches:
             p.wait(timeout=60)
-        if all(p.returncode == 0 for p in launches):
+            assert p in killed or p.returncode == 0, p.stderr.read()[-3000:]  # a launch that failed by itself
+        kills += len(killed)
+        if not killed:
             break
     for m in machines:  # each machine's next launch: the first finishes the run, the second has nothing to do
         final = _launch(url, m, models, f"prompts.limit={n}")
