@@ -280,6 +280,82 @@ def test_a_plan_discarded_from_a_bucket_is_gone_for_readers_before_its_files_are
     assert not has_plan(run) and load_plan(run) is None and run.files.names(run.plan_dir) == []
 
 
+def test_a_plan_published_just_after_a_launch_looked_for_one_is_adopted_not_discarded(run, tmp_path, monkeypatch):
+    """Two launches on a fresh run: one looks for a plan just before the other publishes its own. It plans too and
+    adopts the published plan; the plan the other launch already works from stays in place, its digests whole (it
+    was taken for a missing plan.json and discarded: both launches then stopped on "plan.json was changed after the
+    plan was made")."""
+    import shardgen.dataio.resume.repair as repair
+
+    first = plan_in(run, tmp_path)
+    published = run.files.read(run.plan_json_path)
+    repair.record_plan_digests(first)
+    looks = [None]  # this launch's look came before the other's publish
+    monkeypatch.setattr(repair, "load_plan", lambda *a: looks.pop() if looks else repair.load_plan(*a))
+    assert repair.load_plan_or_discard(run) is None and not looks
+    monkeypatch.undo()
+    assert run.files.read(run.plan_json_path) == published and plan_in(run, tmp_path).num_shards == 4
+    monkeypatch.setattr(repair, "_stored_plan_checked", {})
+    assert [r.index for r in repair.checked_rows(first, 1)] == [2, 3]
+    assert repair.load_plan_or_discard(run).meta == first.meta
+
+
+def test_no_digests_are_recorded_while_a_plan_file_is_missing_and_a_record_of_a_missing_file_is_made_again(
+        run, tmp_path, monkeypatch):
+    """record_plan_digests while a concurrent launch has removed plan.json (discarding a damaged plan) records
+    nothing; a record of a missing plan.json (what that race left) is not held against the plan, and is made again."""
+    import hashlib
+
+    import shardgen.dataio.resume.repair as repair
+
+    plan = plan_in(run, tmp_path)
+    published = run.files.read(run.plan_json_path)
+    run.files.delete(run.plan_json_path)
+    repair.record_plan_digests(plan)
+    assert run.files.read(run.plan_digests_path) is None
+    run.files.replace(run.plan_json_path, published)
+    starts = run.files.read(run.starts_path)
+    run.files.replace(run.plan_digests_path, json_bytes({
+        "plan.json": [-1, hashlib.sha256(b"").hexdigest()],
+        "starts.npy": [len(starts), hashlib.sha256(starts).hexdigest()]}))
+    monkeypatch.setattr(repair, "_stored_plan_checked", {})
+    assert [r.index for r in repair.checked_rows(plan, 0)] == [0, 1]
+    repair.record_plan_digests(plan)
+    assert json.loads(run.files.read(run.plan_digests_path))["plan.json"] == [
+        len(published), hashlib.sha256(published).hexdigest()]
+
+
+def test_a_plan_changed_in_a_bucket_is_refused_naming_the_object_to_delete(tmp_path, url, monkeypatch):
+    import shardgen.dataio.resume.repair as repair
+
+    run = RunDir(tmp_path / "run", store=url)
+    plan = plan_in(run, tmp_path)
+    repair.record_plan_digests(plan)
+    run.files.replace(run.plan_json_path, run.files.read(run.plan_json_path) + b" ")
+    monkeypatch.setattr(repair, "_stored_plan_checked", {})
+    with pytest.raises(RunDirError) as e:
+        repair.checked_rows(plan, 0)
+    assert str(e.value) == (f"{url}/plan/plan.json was changed after the plan was made; delete {url}/plan/plan.json "
+                            "and re-run: the plan is made again from the prompt file, identically")
+
+
+def test_a_store_failing_while_the_plan_is_loaded_is_no_damage(s3, tmp_path, url, monkeypatch):
+    """Answers that fail past the retries while the plan is read end the launch in one line; the plan stays in the
+    bucket (the store answering again a moment later, it was taken for damage and deleted)."""
+    import shardgen.dataio.rundir.remote as remote
+    from shardgen.dataio.resume.repair import load_plan_or_discard
+
+    run = RunDir(tmp_path / "run", store=url)
+    plan_in(run, tmp_path)
+    published = run.files.read(run.plan_json_path)
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    s3.proxy.fail_next(4)  # the first request's two attempts (two connections each: the client retries a 503 once)
+    with pytest.raises(remote.StorageError, match="failed 2 times"):
+        load_plan_or_discard(run)
+    assert run.files.read(run.plan_json_path) == published and load_plan_or_discard(run).num_shards == 4
+
+
 def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
     """A planner that died after writing starts.npy but before plan.json: the next launch sees no plan and makes
     it again over the leftovers."""

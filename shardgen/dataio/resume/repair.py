@@ -27,12 +27,13 @@ from typing import Iterable
 
 import numpy as np
 
-from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256, has_plan,
+from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256,
                                          load_plan, sample_key)
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
+from shardgen.dataio.rundir.remote import StorageError
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.container import get_container
 from shardgen.dataio.shards.shardwork import committed_stats, shard_stats, stats_from_samples
@@ -59,27 +60,31 @@ def _refuse_symlinks(directory: Path, what: str) -> None:
 def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan | None:
     """The run's plan if it is whole; None (after moving a damaged one out of the way) when it must be
     made again. Call only after the fingerprint matched: then planning again gives the same plan.
-    ``prompt_path``: where the launch found the prompt file (its content checked by the fingerprint)."""
+    ``prompt_path``: where the launch found the prompt file (its content checked by the fingerprint).
+
+    No plan yet is no damage, even when a concurrent launch publishes one just after this look: this launch then
+    plans, finds that plan in place and adopts it (``publish_plan``); discarding it would pull it from under the
+    launch that made it. An unreachable store is no damage either (its StorageError is raised)."""
     _refuse_symlinks(run.plan_dir, "plan")
-    plan_json = run.plan_json_path
     try:
         plan = load_plan(run, prompt_path)
+    except StorageError:
+        raise
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        plan, damage = None, f"{plan_json} is damaged ({e})"
+        plan, damage = None, f"{run.files.where(run.plan_json_path)} is damaged ({e})"
     else:
-        damage = None if plan is not None or not has_plan(run) else f"{plan_json} is missing"
-    if plan is not None:
-        missing = [p for p in plan_files(run) if _plan_file_size(run, p) < 0]
-        damage = f"{missing[0]} is missing" if missing else _plan_digest_problem(plan, full=True)
+        if plan is None:
+            return None
+        missing = [p for p in plan_files(run) if _plan_file_digest(run, p, with_sha256=False) is None]
+        damage = f"{run.files.where(missing[0])} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
             return plan
-    if damage and extension_dirs(run):
+    if extension_dirs(run):
         raise RunDirError(f"{damage}, and {run.root} was extended with appended prompts ({run.plan_dir}/ext-*): "
                           "planning again would not cut the rows into the same shards. Restore plan/ from a "
                           "backup, or start a new run_dir")
-    if damage:
-        log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
-        discard_plan(run, "damaged")
+    log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
+    discard_plan(run, "damaged")
     return None
 
 
@@ -89,32 +94,40 @@ def plan_files(run: RunDir) -> list[Path]:
 
 
 def record_plan_digests(plan: Plan) -> None:
-    """Record the sha256 and size of every plan file (once, when the plan was made or first seen)."""
+    """Record the sha256 and size of every plan file (once, when the plan was made or first seen). Nothing is
+    recorded while a plan file is missing (a concurrent launch discarding a damaged plan): the launch that plans
+    again records it."""
     run = plan.run
-    try:
-        run.files.state(run.plan_digests_path)
+    if _recorded_digests(run) is not None:
         return
+    digests = {p.name: _plan_file_digest(run, p) for p in plan_files(run)}
+    if None in digests.values():
+        return
+    run.files.replace(run.plan_digests_path, json_bytes({name: list(d) for name, d in digests.items()}))
+
+
+def _recorded_digests(run: RunDir) -> dict | None:
+    """plan_digests.json: {plan file name: [size, sha256]}; None when there is none, or none to trust (damaged, or
+    recording a missing file: re-recorded from the current plan)."""
+    try:
+        digests = run.files.state(run.plan_digests_path)
     except RunDirError:
-        pass  # none yet (or damaged: the plan itself was just checked against it, or made again)
-    files = plan_files(run)
-    run.files.replace(run.plan_digests_path, json_bytes({p.name: [_plan_file_size(run, p), _plan_file_sha256(run, p)]
-                                                         for p in files}))
+        return None
+    if not isinstance(digests, dict) or not all(
+            isinstance(d, list) and len(d) == 2 and isinstance(d[0], int) and d[0] >= 0 for d in digests.values()):
+        return None
+    return digests
 
 
-def _plan_file_size(run: RunDir, path: Path) -> int:
-    """The size of a plan file in the run's store; -1 when it is not there (in the directory: not a regular
-    file)."""
+def _plan_file_digest(run: RunDir, path: Path, with_sha256: bool = True) -> tuple[int, str | None] | None:
+    """(size, sha256) of a plan file, read once from the run's store (in the directory the sha256 only when
+    ``with_sha256``: a stat gives the size); None when it is not there (in the directory: not a regular file)."""
     if not run.store:
-        return path.stat().st_size if path.is_file() else -1
+        if not path.is_file():
+            return None
+        return path.stat().st_size, file_sha256(path) if with_sha256 else None
     data = run.files.read(path)
-    return -1 if data is None else len(data)
-
-
-def _plan_file_sha256(run: RunDir, path: Path) -> str:
-    """The sha256 of a plan file in the run's store (a missing one hashes as empty)."""
-    if not run.store:
-        return file_sha256(path)
-    return hashlib.sha256(run.files.read(path) or b"").hexdigest()
+    return None if data is None else (len(data), hashlib.sha256(data).hexdigest())
 
 
 FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whole; larger ones by size only
@@ -122,19 +135,20 @@ FULL_CHECK_BYTES = 256 << 20  # at launch, plans up to this size are hashed whol
 
 def _plan_digest_problem(plan: Plan, full: bool, only: list[Path] | None = None) -> str | None:
     """Why a plan file differs from what was recorded when the plan was made (None: it does not)."""
-    try:
-        digests = plan.run.files.state(plan.run.plan_digests_path)
-    except RunDirError:
+    run = plan.run
+    digests = _recorded_digests(run)
+    if digests is None:
         return None  # not recorded (a run from before), or damaged: re-recorded from the current plan
-    files = only or plan_files(plan.run)
-    sizes = {p: _plan_file_size(plan.run, p) for p in files}
-    hash_them = full and sum(sizes.values()) <= FULL_CHECK_BYTES
+    files = only or plan_files(run)
+    found = {p: _plan_file_digest(run, p, with_sha256=False) for p in files}
+    hash_them = full and sum(f[0] for f in found.values() if f) <= FULL_CHECK_BYTES
     for p in files:
-        want = digests.get(p.name) if isinstance(digests, dict) else None
-        if not isinstance(want, list) or len(want) != 2:
-            return f"{p} is not in {plan.run.plan_digests_path.name}"
-        if sizes[p] != want[0] or (hash_them and _plan_file_sha256(plan.run, p) != want[1]):
-            return f"{p} was changed after the plan was made"
+        want = digests.get(p.name)
+        if want is None:
+            return f"{run.files.where(p)} is not in {run.plan_digests_path.name}"
+        have = found[p]
+        if have is None or have[0] != want[0] or (hash_them and (have[1] or file_sha256(p)) != want[1]):
+            return f"{run.files.where(p)} was changed after the plan was made"
     return None
 
 
@@ -159,7 +173,7 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
     plan's numbering (RunDirError naming the file and the fix)."""
     path = plan.run.starts_path
-    fix = REPLAN_HINT.format(plan_json=plan.run.plan_json_path)
+    fix = REPLAN_HINT.format(plan_json=plan.run.files.where(plan.run.plan_json_path))
     changed = _plan_digest_problem(plan, full=True) if _plan_check_due(plan.run) else None
     if changed:
         raise RunDirError(f"{changed}; {fix}")
