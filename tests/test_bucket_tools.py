@@ -230,6 +230,43 @@ def test_prompts_appended_to_a_bucket_runs_prompt_file_become_new_shards(tmp_pat
     assert verify([url]) == 0
 
 
+def test_an_extended_bucket_run_whose_store_fails_while_its_plan_is_read_is_told_so_not_to_start_over(
+        tmp_path, url, monkeypatch):
+    """The extension's plan.json unreadable past the store's retries is an outage (one line: re-run once it
+    answers), not damage ("restore plan/ from a backup, or start a new run_dir"); the plan stays whole."""
+    from shardgen.dataio.resume.repair import load_plan_or_discard
+    from shardgen.dataio.rundir.remote import StorageError
+    from shardgen.dataio.rundir.runfiles import BucketFiles
+    from shardgen.dataio.rundir.storage import RunDirError
+
+    monkeypatch.chdir(tmp_path)
+    prompts = write_lines(tmp_path / "p.txt", [f"a thing {i}" for i in range(4)])
+    assert run(compose_cfg(f"run_dir={url}", f"prompts.path={prompts}", *FAST)).complete
+    with open(prompts, "a", encoding="utf-8") as f:
+        f.write("an appended thing\n")
+    assert run(compose_cfg(f"run_dir={url}", f"prompts.path={prompts}", *FAST)).ok == 5
+    real = BucketFiles.read
+
+    def failing(self, path, *a, **kw):
+        if path.parent.name == "ext-000001" and path.name == "plan.json":
+            raise StorageError(f"{self.where(path)}: reading failed 7 times; the storage is unreachable or failing")
+        return real(self, path, *a, **kw)
+
+    monkeypatch.setattr(BucketFiles, "read", failing)
+    with pytest.raises(StorageError, match="the storage is unreachable"):
+        load_plan_or_discard(RunDir.at(url))
+    monkeypatch.setattr(BucketFiles, "read", real)
+    assert load_plan_or_discard(RunDir.at(url)).num_rows == 5
+    bucket_run = RunDir.at(url)  # damaged for real: named by its URL, never by the machine's scratch folder
+    bucket_run.files.replace(bucket_run.plan_dir / "ext-000001" / "plan.json", b"{garbage")
+    with pytest.raises(RunDirError) as e:
+        load_plan_or_discard(bucket_run)
+    ext = f"{url}/plan/ext-000001"
+    assert str(e.value).startswith(f"{url}/plan/plan.json is damaged ({ext}/plan.json: unreadable (JSONDecodeError")
+    assert str(bucket_run.root) not in str(e.value), str(e.value)
+    assert f"{url} was extended with appended prompts ({url}/plan/ext-*)" in str(e.value)
+
+
 def test_verify_repair_of_a_tar_deleted_from_the_bucket_has_it_made_again_and_loses_nothing_else(
         tmp_path, url, s3, capsys, monkeypatch):
     from jobs.status import main as status

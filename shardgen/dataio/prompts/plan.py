@@ -42,7 +42,7 @@ from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.rundir.fileio import NotRegularFileError, atomic_write_json, open_regular, read_json
 from shardgen.dataio.rundir.layout import PLAN_TEMP_NAME, RunDir
 from shardgen.dataio.rundir.liveness import host_name, pid_alive
-from shardgen.dataio.rundir.remote import identity, is_url, open_input, public_url, sizeof
+from shardgen.dataio.rundir.remote import StorageError, identity, is_url, open_input, public_url, sizeof
 from shardgen.errors import UserError
 
 log = logging.getLogger("shardgen.plan")
@@ -352,9 +352,12 @@ def _truncated(run: RunDir, path: Path, rng: range) -> set[int]:
     return set(cut[lo:hi].tolist())
 
 
-def _plan_error(path: Path, what: str) -> PlanError:
-    return PlanError(f"{path}: {what}. The plan is derived from the prompt file, which the run's fingerprint checks: "
-                     f"delete {path.parent} and re-run the same command to rebuild it (committed shards stay valid).")
+def _plan_error(run: RunDir, path: Path, what: str) -> PlanError:
+    """A damaged plan file of ``run``, named where it is (a bucket's object by its URL), and how to rebuild it."""
+    folder = f"every object under {run.files.where(path.parent)}/" if run.store else str(path.parent)
+    return PlanError(f"{run.files.where(path)}: {what}. The plan is derived from the prompt file, which the run's "
+                     f"fingerprint checks: delete {folder} and re-run the same command to rebuild it (committed shards "
+                     "stay valid).")
 
 
 def last_prompt_path(run: RunDir) -> str | None:
@@ -380,11 +383,11 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     try:
         data = run.files.read(path)
         if data is None:
-            raise _plan_error(path, "missing")
+            raise _plan_error(run, path, "missing")
         meta = json.loads(data)
         kw = {k: meta[k] for k in ("num_rows", "samples_per_shard", "num_shards", "num_rejects", "prompt_file")}
     except (ValueError, KeyError, TypeError) as e:
-        raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+        raise _plan_error(run, path, f"unreadable ({type(e).__name__}: {e})") from None
     if meta.get("version", 1) == 1:
         return Plan(run=run, **kw)
     # the container the run was planned with (a plan without the key: tar); the tools' RunDir learns it here
@@ -392,9 +395,9 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
     starts_path = run.starts_path
     starts = _load_npy(run, starts_path)
     if starts.shape != (kw["num_shards"], 2):
-        raise _plan_error(starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
+        raise _plan_error(run, starts_path, f"has shape {starts.shape}, plan.json says {kw['num_shards']} shards")
     if meta.get("starts_sha256") not in (None, _digest(starts)):
-        raise _plan_error(starts_path, "does not match the checksum in plan.json (changed after planning)")
+        raise _plan_error(run, starts_path, "does not match the checksum in plan.json (changed after planning)")
     path = prompt_path or last_prompt_path(run) or meta["source"]["path"]
     extensions = tuple(_load_extensions(run, kw["num_rows"], kw["num_shards"]))
     for ext in extensions:
@@ -407,12 +410,12 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         for where, m in [(run.plan_dir, meta), *((e.dir, e.meta) for e in extensions)]:
             part = _load_npy(run, where / "samples.npy")
             if part.ndim != 1 or m.get("samples_sha256") != _digest(part) or (part < 1).any():
-                raise _plan_error(where / "samples.npy", "does not match the checksum in plan.json (changed after "
+                raise _plan_error(run, where / "samples.npy", "does not match the checksum in plan.json (changed after "
                                                          "planning)")
             parts.append(part)
         counts = np.concatenate(parts)
         if counts.shape != (kw["num_shards"],):
-            raise _plan_error(run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
+            raise _plan_error(run, run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
         sample_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         kw["num_rows"] = int(sample_starts[-1])
     else:
@@ -440,11 +443,11 @@ def _load_npy(run: RunDir, path: Path) -> np.ndarray:
         with open_regular(path) as f:
             return np.load(f, allow_pickle=False)
     except FileNotFoundError:
-        raise _plan_error(path, "missing") from None
+        raise _plan_error(run, path, "missing") from None
     except NotRegularFileError:
-        raise _plan_error(path, "not a regular file") from None
+        raise _plan_error(run, path, "not a regular file") from None
     except Exception as e:  # numpy raises ValueError, EOFError, even SyntaxError (a garbled header) for damage
-        raise _plan_error(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        raise _plan_error(run, path, f"unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _load_digests(run: RunDir, where: Path, meta: dict, num_shards: int) -> np.ndarray | None:
@@ -456,7 +459,7 @@ def _load_digests(run: RunDir, where: Path, meta: dict, num_shards: int) -> np.n
     digests = _load_npy(run, path)
     if digests.shape != (num_shards, 32) or digests.dtype != np.uint8 \
             or hashlib.sha256(digests.tobytes()).hexdigest() != meta["digests_sha256"] or "rows_end" not in meta:
-        raise _plan_error(path, "does not match plan.json (changed after planning)")
+        raise _plan_error(run, path, "does not match plan.json (changed after planning)")
     return digests
 
 
@@ -506,10 +509,12 @@ def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Se
             meta = _read_stored_json(run, path) if run.store else read_json(path)
             ok = (d.name == f"ext-{k:06d}" and meta["first_row"] == num_rows and meta["first_shard"] == num_shards
                   and starts.shape == (meta["num_shards"], 2) and meta["starts_sha256"] == _digest(starts))
+        except StorageError:
+            raise  # a bucket's outage is no damage
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-            raise _plan_error(path, f"unreadable ({type(e).__name__}: {e})") from None
+            raise _plan_error(run, path, f"unreadable ({type(e).__name__}: {e})") from None
         if not ok:
-            raise _plan_error(path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
+            raise _plan_error(run, path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
                                     "(or its starts.npy does not match its checksum)")
         num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
         yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(run, d, meta, len(starts)))

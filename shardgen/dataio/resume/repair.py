@@ -80,7 +80,8 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
         if damage is None:
             return plan
     if extension_dirs(run):
-        raise RunDirError(f"{damage}, and {run.root} was extended with appended prompts ({run.plan_dir}/ext-*): "
+        raise RunDirError(f"{damage}, and {run.name} was extended with appended prompts "
+                          f"({run.files.where(run.plan_dir)}/ext-*): "
                           "planning again would not cut the rows into the same shards. Restore plan/ from a "
                           "backup, or start a new run_dir")
     log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
