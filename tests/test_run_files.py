@@ -356,6 +356,26 @@ def test_a_store_failing_while_the_plan_is_loaded_is_no_damage(s3, tmp_path, url
     assert run.files.read(run.plan_json_path) == published and load_plan_or_discard(run).num_shards == 4
 
 
+def test_the_tools_tell_a_failing_store_from_a_damaged_bucket_plan(s3, tmp_path, url, monkeypatch):
+    """status, verify and preview (``load_plan_checked``): 503s past the retries are the store's one line; a garbled
+    plan.json is named by its URL."""
+    import shardgen.dataio.rundir.remote as remote
+    from shardgen.dataio.prompts.plan import PlanError
+    from shardgen.dataio.resume.repair import load_plan_checked
+
+    run = RunDir(tmp_path / "run", store=url)
+    plan_in(run, tmp_path)
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    s3.proxy.fail_next(4)
+    with pytest.raises(remote.StorageError, match="failed 2 times"):
+        load_plan_checked(run)
+    run.files.replace(run.plan_json_path, b"{garbage")
+    with pytest.raises(PlanError, match=f"^{url}/plan/plan.json: unreadable \\(JSONDecodeError.* delete every object "
+                                        f"under {url}/plan/ and re-run the same command"):
+        load_plan_checked(run)
+
+
 def test_plan_files_without_a_published_plan_json_are_no_plan(tmp_path, url):
     """A planner that died after writing starts.npy but before plan.json: the next launch sees no plan and makes
     it again over the leftovers."""

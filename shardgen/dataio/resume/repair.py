@@ -173,7 +173,7 @@ def _plan_check_due(run: RunDir) -> bool:
 def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
     plan's numbering (RunDirError naming the file and the fix)."""
-    path = plan.run.starts_path
+    path = plan.run.files.where(plan.run.starts_path)
     fix = REPLAN_HINT.format(plan_json=plan.run.files.where(plan.run.plan_json_path))
     changed = _plan_digest_problem(plan, full=True) if _plan_check_due(plan.run) else None
     if changed:
@@ -443,8 +443,10 @@ def load_plan_checked(run: RunDir) -> Plan | None:
     _refuse_symlinks(run.plan_dir, "plan")
     try:
         return load_plan(run)
+    except StorageError:
+        raise  # an outage: its own line, never "damaged"
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        plan_json = run.plan_json_path
+        plan_json = run.files.where(run.plan_json_path)
         raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
                           "it plans again from the prompt file, identically") from None
 
