@@ -410,12 +410,13 @@ def load_plan(run: RunDir, prompt_path: str | os.PathLike | None = None) -> Plan
         for where, m in [(run.plan_dir, meta), *((e.dir, e.meta) for e in extensions)]:
             part = _load_npy(run, where / "samples.npy")
             if part.ndim != 1 or m.get("samples_sha256") != _digest(part) or (part < 1).any():
-                raise _plan_error(run, where / "samples.npy", "does not match the checksum in plan.json (changed after "
-                                                         "planning)")
+                raise _plan_error(run, where / "samples.npy", "does not match the checksum in plan.json (changed "
+                                                              "after planning)")
             parts.append(part)
         counts = np.concatenate(parts)
         if counts.shape != (kw["num_shards"],):
-            raise _plan_error(run, run.plan_dir / "samples.npy", f"has {counts.shape} shards, the plan {kw['num_shards']}")
+            raise _plan_error(run, run.plan_dir / "samples.npy",
+                              f"has {counts.shape} shards, the plan {kw['num_shards']}")
         sample_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         kw["num_rows"] = int(sample_starts[-1])
     else:
@@ -514,8 +515,8 @@ def _load_extensions(run: RunDir, num_rows: int, num_shards: int) -> Iterator[Se
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
             raise _plan_error(run, path, f"unreadable ({type(e).__name__}: {e})") from None
         if not ok:
-            raise _plan_error(run, path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} before it "
-                                    "(or its starts.npy does not match its checksum)")
+            raise _plan_error(run, path, f"does not follow rows 0..{num_rows - 1} and shards 0..{num_shards - 1} "
+                                         "before it (or its starts.npy does not match its checksum)")
         num_rows, num_shards = meta["first_row"] + meta["num_rows"], num_shards + meta["num_shards"]
         yield Segment(dir=d, meta=meta, starts=starts, digests=_load_digests(run, d, meta, len(starts)))
 
