@@ -138,7 +138,7 @@ def _launch(url: str, scratch: Path, models: Path, *more: str, hook: Path | None
 def _paced(tmp_path: Path, seconds: float) -> Path:
     """A sitecustomize folder that makes every batch of the tiny pipeline take ``seconds`` more, so that a shard
     takes longer than the kill below waits after a commit: the tiny model alone finishes a launch's remaining shards
-    within a fraction of a second of its first, and a loaded machine then let every launch finish before the kill."""
+    within a fraction of a second of its first, so on a loaded machine every launch could finish before the kill."""
     hook = tmp_path / "paced"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(

@@ -282,9 +282,9 @@ def test_a_plan_discarded_from_a_bucket_is_gone_for_readers_before_its_files_are
 
 def test_a_plan_published_just_after_a_launch_looked_for_one_is_adopted_not_discarded(run, tmp_path, monkeypatch):
     """Two launches on a fresh run: one looks for a plan just before the other publishes its own. It plans too and
-    adopts the published plan; the plan the other launch already works from stays in place, its digests whole (it
-    was taken for a missing plan.json and discarded: both launches then stopped on "plan.json was changed after the
-    plan was made")."""
+    adopts the published plan; the plan the other launch already works from stays in place, its digests whole. Taking
+    it for a missing plan.json would pull it from under that launch, and both would stop on "plan.json was changed
+    after the plan was made"."""
     import shardgen.dataio.resume.repair as repair
 
     first = plan_in(run, tmp_path)
@@ -341,7 +341,7 @@ def test_a_plan_changed_in_a_bucket_is_refused_naming_the_object_to_delete(tmp_p
 
 def test_a_store_failing_while_the_plan_is_loaded_is_no_damage(s3, tmp_path, url, monkeypatch):
     """Answers that fail past the retries while the plan is read end the launch in one line; the plan stays in the
-    bucket (the store answering again a moment later, it was taken for damage and deleted)."""
+    bucket, where taking the outage for damage would delete it once the store answers again."""
     import shardgen.dataio.rundir.remote as remote
     from shardgen.dataio.resume.repair import load_plan_or_discard
 

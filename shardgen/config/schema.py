@@ -395,8 +395,7 @@ class SpeedConfig:
     FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass (in bf16 together with the LayerNorm+modulation that
     reads them, the next block's first one included: shardgen/speed/block_chain.py). Eagerly on CUDA (compile=false
-    included; on an
-    H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
+    included; on an H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
     and compiled with
     compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
     (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep

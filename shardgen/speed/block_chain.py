@@ -1,7 +1,7 @@
 """A block's end and the next block's start in one pass: the chain of a transformer's repeated blocks.
 
-Each FLUX.1, FLUX.2 and Qwen-Image block ends with a gated residual (``x + gate * y``) and the next block starts with the adaLN LayerNorm +
-modulation of it. As two passes, the norm reads back the residual stream the residual has just written. Eagerly on
+Each FLUX.1, FLUX.2 and Qwen-Image block ends with a gated residual (``x + gate * y``) and the next block starts
+with the adaLN LayerNorm + modulation of it. As two passes, the norm reads back the residual stream the residual has just written. Eagerly on
 CUDA a family's fused blocks compute both in one pass (``fused_kernels.gated_ln_modulate_for``) for their successor
 and hand the norm over, keyed by the very tensors the block returns: diffusers' loop passes them on as they are, and
 anything between two blocks that makes new ones (a ControlNet's residual, a hook) leaves the successor computing its
