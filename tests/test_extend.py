@@ -226,3 +226,34 @@ def test_an_extension_has_shard_digests_and_an_edit_of_appended_rows_is_refused(
     assert [r.prompt for r in plan.rows(3)] == [f"new thing {i}" for i in range(4)]  # other shards untouched
     with pytest.raises(PromptFileError, match="changed since the run was planned.*shard 000004"):
         plan.rows(4)
+
+
+def test_a_damaged_extension_of_a_run_directory_gets_one_fix_and_keeps_its_plan(tmp_path):
+    """A damaged file of an extended run's plan: the error names that file and one fix (restore plan/, or a new
+    run_dir), not also a rebuild by deleting the extension; nothing of the plan is moved or deleted."""
+    from shardgen.dataio.resume.extend import extend_if_appended
+    from shardgen.dataio.resume.repair import load_plan_or_discard
+    from shardgen.dataio.prompts.plan import build_plan, file_sha256
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.rundir.fileio import atomic_write_json
+    from shardgen.dataio.rundir.layout import RunDir, RunDirError
+
+    path = write_lines(tmp_path / "p.txt", [f"thing {i}" for i in range(10)])
+    run, src = RunDir(tmp_path / "run"), PromptSource(str(path), "txt")
+    run.root.mkdir()
+    build_plan(run, src, samples_per_shard=4, run_seed=0, prompt_sha256=file_sha256(path))
+    atomic_write_json(run.fingerprint_path, {"model.name": "tiny", "steps": 1, "prompts.sha256": file_sha256(path)})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("new thing\n")
+    extend_if_appended(run, {"model.name": "tiny", "steps": 1, "prompts.sha256": file_sha256(path)}, src,
+                       path.stat().st_size, lambda: None)
+    starts = run.plan_dir / "ext-000001" / "starts.npy"
+    starts.write_bytes(b"garbage")
+    before = sorted(p.relative_to(run.root) for p in run.plan_dir.rglob("*"))
+    with pytest.raises(RunDirError) as e:
+        load_plan_or_discard(run, str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{starts}: unreadable ("), msg
+    assert "was extended with appended prompts" in msg and msg.endswith("or start a new run_dir")
+    assert "re-run the same command to rebuild it" not in msg
+    assert sorted(p.relative_to(run.root) for p in run.plan_dir.rglob("*")) == before

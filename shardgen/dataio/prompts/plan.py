@@ -102,7 +102,12 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20, size: int | None 
 
 
 class PlanError(UserError, RuntimeError):
-    """The run's plan is missing a file or unreadable; the message names the file and the fix."""
+    """The run's plan is missing a file or unreadable; the message names the file and the fix. ``fault``: the
+    damage alone (the file and what is wrong), for a caller whose fix differs (an extended run's)."""
+
+    def __init__(self, message: str, fault: str | None = None):
+        super().__init__(message)
+        self.fault = fault or message
 
 
 @dataclass(frozen=True)
@@ -355,9 +360,9 @@ def _truncated(run: RunDir, path: Path, rng: range) -> set[int]:
 def _plan_error(run: RunDir, path: Path, what: str) -> PlanError:
     """A damaged plan file of ``run``, named where it is (a bucket's object by its URL), and how to rebuild it."""
     folder = f"every object under {run.files.where(path.parent)}/" if run.store else str(path.parent)
-    return PlanError(f"{run.files.where(path)}: {what}. The plan is derived from the prompt file, which the run's "
-                     f"fingerprint checks: delete {folder} and re-run the same command to rebuild it (committed shards "
-                     "stay valid).")
+    fault = f"{run.files.where(path)}: {what}"
+    return PlanError(f"{fault}. The plan is derived from the prompt file, which the run's fingerprint checks: delete "
+                     f"{folder} and re-run the same command to rebuild it (committed shards stay valid).", fault)
 
 
 def last_prompt_path(run: RunDir) -> str | None:

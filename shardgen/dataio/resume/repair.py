@@ -72,6 +72,7 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
         raise
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan, damage = None, f"{run.files.where(run.plan_json_path)} is damaged ({e})"
+        fault = getattr(e, "fault", damage)
     else:
         if plan is None:
             return None
@@ -79,8 +80,9 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
         damage = f"{run.files.where(missing[0])} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
             return plan
-    if extension_dirs(run):
-        raise RunDirError(f"{damage}, and {run.name} was extended with appended prompts "
+        fault = damage
+    if extension_dirs(run):  # the fault alone: a PlanError's own fix (delete the folder, re-run) would not hold here
+        raise RunDirError(f"{fault}, and {run.name} was extended with appended prompts "
                           f"({run.files.where(run.plan_dir)}/ext-*): "
                           "planning again would not cut the rows into the same shards. Restore plan/ from a "
                           "backup, or start a new run_dir")
