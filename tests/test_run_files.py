@@ -300,6 +300,23 @@ def test_a_plan_published_just_after_a_launch_looked_for_one_is_adopted_not_disc
     assert repair.load_plan_or_discard(run).meta == first.meta
 
 
+def test_a_damaged_plan_is_made_again_with_a_warning_naming_the_file_and_no_fix_to_apply(run, tmp_path, caplog):
+    """A damaged starts.npy of a run that was not extended: the launch plans again by itself, and its warning names the
+    damaged file (a bucket's by URL) without the plan error's own advice (delete the folder, re-run), which the launch
+    has already carried out."""
+    import logging
+
+    import shardgen.dataio.resume.repair as repair
+
+    repair.record_plan_digests(plan_in(run, tmp_path))
+    run.files.replace(run.starts_path, b"garbage")
+    with caplog.at_level(logging.WARNING):
+        assert repair.load_plan_or_discard(run) is None
+    assert f"{run.files.where(run.starts_path)}: unreadable (" in caplog.text
+    assert "planning again from the prompt file" in caplog.text and "delete" not in caplog.text
+    assert plan_in(run, tmp_path).num_shards == 4
+
+
 def test_no_digests_are_recorded_while_a_plan_file_is_missing_and_a_record_of_a_missing_file_is_made_again(
         run, tmp_path, monkeypatch):
     """record_plan_digests while a concurrent launch has removed plan.json (discarding a damaged plan) records

@@ -71,8 +71,8 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
     except StorageError:
         raise
     except (PlanError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        plan, damage = None, f"{run.files.where(run.plan_json_path)} is damaged ({e})"
-        fault = getattr(e, "fault", damage)
+        # a PlanError's fault alone, without its fix (delete the folder, re-run): this function repairs, or refuses
+        plan, damage = None, getattr(e, "fault", None) or f"{run.files.where(run.plan_json_path)} is damaged ({e})"
     else:
         if plan is None:
             return None
@@ -80,9 +80,8 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
         damage = f"{run.files.where(missing[0])} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
             return plan
-        fault = damage
-    if extension_dirs(run):  # the fault alone: a PlanError's own fix (delete the folder, re-run) would not hold here
-        raise RunDirError(f"{fault}, and {run.name} was extended with appended prompts "
+    if extension_dirs(run):
+        raise RunDirError(f"{damage}, and {run.name} was extended with appended prompts "
                           f"({run.files.where(run.plan_dir)}/ext-*): "
                           "planning again would not cut the rows into the same shards. Restore plan/ from a "
                           "backup, or start a new run_dir")
