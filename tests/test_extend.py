@@ -257,3 +257,39 @@ def test_a_damaged_extension_of_a_run_directory_gets_one_fix_and_keeps_its_plan(
     assert "was extended with appended prompts" in msg and msg.endswith("or start a new run_dir")
     assert "re-run the same command to rebuild it" not in msg
     assert sorted(p.relative_to(run.root) for p in run.plan_dir.rglob("*")) == before
+
+
+def test_an_extension_deleted_from_a_run_stops_the_launch_and_the_tools_and_loses_nothing(tmp_path, capsys):
+    """A grown run whose plan/ext-000001 is deleted: the launch refuses in one line naming it (before, it finished the
+    run as complete without the appended prompts and moved their shards to stray/), jobs.status and jobs.verify say
+    the same, every committed shard stays; the extension restored, the run goes on and takes the next append."""
+    import jobs.status
+    from shardgen.dataio.rundir.storage import RunDirError
+
+    run_dir, prompts = tmp_path / "run", write_lines(tmp_path / "p.txt", [f"thing {i}" for i in range(10)])
+    assert _gen(run_dir, prompts, "samples_per_shard=4").complete
+    _append(prompts, [f"new thing {i}" for i in range(6)])
+    assert _gen(run_dir, prompts, "samples_per_shard=4").ok == 16
+    committed, ext = _committed(run_dir, range(5)), run_dir / "plan" / "ext-000001"
+    backup = tmp_path / "ext-backup"
+    shutil.copytree(ext, backup)
+    (ext / "starts.npy").write_bytes(b"garbage")  # damaged: the tools give the one fix an extended run has
+    capsys.readouterr()
+    assert jobs.status.main([str(run_dir)]) != 0
+    err = capsys.readouterr().err
+    assert f"{ext / 'starts.npy'}: unreadable (" in err and "re-run the same command" not in err
+    assert err.rstrip().endswith("Restore plan/ from a backup, or start a new run_dir"), err
+    shutil.rmtree(ext)
+    missing = f"the extension that planned the appended rows ({ext}) is missing"
+    with pytest.raises(RunDirError, match="Restore plan/ from a backup, or start a new run_dir") as e:
+        _gen(run_dir, prompts, "samples_per_shard=4")
+    assert missing in str(e.value)
+    capsys.readouterr()
+    assert jobs.status.main([str(run_dir)]) != 0 and missing in capsys.readouterr().err
+    assert jobs.verify.main([str(run_dir)]) != 0 and missing in capsys.readouterr().err
+    assert _committed(run_dir, range(5)) == committed and not (run_dir / "stray").exists()
+    shutil.move(backup, ext)
+    _append(prompts, ["one more thing"])
+    r = _gen(run_dir, prompts, "samples_per_shard=4")
+    assert (r.complete, r.ok, r.generated_here) == (True, 17, 1)
+    assert _committed(run_dir, range(5)) == committed

@@ -534,6 +534,51 @@ def test_an_append_that_keeps_losing_its_race_is_one_line_saying_so(url, tmp_pat
     assert str(e.value).startswith(f"{url}/launches.jsonl: other writers kept replacing it") and "\n" not in str(e.value)
 
 
+def test_a_plan_whose_extension_was_deleted_is_refused_until_it_is_restored(run, tmp_path):
+    """An extended run whose extension is deleted (as an old error message advised for a damaged one): the plan
+    of the first rows alone is whole, and a launch would finish the run without the appended rows, moving their
+    committed shards to stray/. The launch's plan check, its check of a file appended again and the read-only tools
+    refuse it instead, naming the missing extension; restored, it is the whole plan again."""
+    import shutil
+
+    from shardgen.dataio.prompts.plan import build_plan, file_sha256, load_plan
+    from shardgen.dataio.prompts.read import PromptSource
+    from shardgen.dataio.resume.extend import _plan_extension, extend_if_appended
+    from shardgen.dataio.resume.repair import load_plan_checked, load_plan_or_discard, record_plan_digests
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(7)))
+    source, before = PromptSource(str(path), "txt"), (path.stat().st_size, file_sha256(path))
+    record_plan_digests(build_plan(run, source, samples_per_shard=2, run_seed=1, prompt_sha256=before[1]))
+    with path.open("a") as f:
+        f.write("".join(f"prompt {i}\n" for i in range(7, 12)))
+    after = (path.stat().st_size, file_sha256(path))
+    _plan_extension(run, load_plan(run), source, before, after, None)
+    run.files.replace(run.fingerprint_path, json_bytes(fingerprint(**{"prompts.sha256": after[1]})))
+    assert load_plan_or_discard(run).num_shards == 7
+    ext = run.plan_dir / "ext-000001"
+    saved = {name: run.files.read(ext / name) for name in ("starts.npy", "digests.npy", "plan.json")}
+    for name in reversed(saved):  # plan.json first: a bucket's extension is published by it
+        run.files.delete(ext / name)
+    shutil.rmtree(ext, ignore_errors=True)
+    missing = f"the extension that planned the appended rows ({run.files.where(ext)}) is missing"
+    for load in (load_plan_or_discard, load_plan_checked):
+        with pytest.raises(RunDirError, match="Restore plan/ from a backup, or start a new run_dir") as e:
+            load(run)
+        assert missing in str(e.value) and "covers only the file's first 63 bytes (shards 0..3)" in str(e.value)
+    with path.open("a") as f:  # appended again: extending from the first rows would plan the lost ones again
+        f.write("prompt 12\n")
+    with pytest.raises(RunDirError, match="is missing"):
+        extend_if_appended(run, fingerprint(**{"prompts.sha256": file_sha256(path)}), source, path.stat().st_size,
+                           lambda: None)
+    assert load_plan(run).num_shards == 4 and not run.files.exists(ext / "plan.json")  # nothing planned again
+    if not run.store:
+        ext.mkdir()
+    for name, data in saved.items():
+        run.files.replace(ext / name, data)
+    assert load_plan_or_discard(run, str(path)).num_shards == 7
+
+
 def test_prompts_appended_to_a_run_in_a_bucket_are_planned_as_an_extension_there(tmp_path, url):
     """The extension's files are the bucket's (published by its plan.json), the plan read back has the appended
     rows as the directory's does, a second planner of the same extension adopts it, and a discarded plan takes its

@@ -301,6 +301,29 @@ class Plan:
         return m["prompt_size"], m.get("prompt_sha256")
 
     @property
+    def planned_hashes(self) -> list[str | None]:
+        """The prompt file's SHA-256 as the plan and then each extension planned it (None where not recorded): the
+        run's fingerprint names one of them, the last unless a launch stopped between an extension and its
+        fingerprint update."""
+        return [m.get("prompt_sha256") for m in [self.meta or {}] + [e.meta for e in self.extensions]]
+
+    def lost_extension(self, prompts_sha256: str | None) -> str | None:
+        """Why this plan lacks rows that the run's fingerprint (its ``prompts.sha256``) says were planned: an
+        extension of appended prompts deleted or lost, which planning again would not cut into the shards already
+        committed from it. None when the plan covers them (or a plan too old to say)."""
+        hashes = self.planned_hashes
+        if prompts_sha256 is None or None in hashes or prompts_sha256 in hashes:
+            return None
+        size, _ = self.covered
+        where = self.run.files.where
+        return (f"{where(self.run.fingerprint_path)} names the run's prompt file with rows appended after planning "
+                f"(sha256 {prompts_sha256[:16]}...), and the plan covers only the file's first {size} bytes (shards "
+                f"0..{self.num_shards - 1}): the extension that planned the appended rows "
+                f"({where(self.run.plan_dir)}/ext-{len(self.extensions) + 1:06d}) is missing. Restore "
+                "plan/ from a backup, or start a new run_dir: planning those rows again would not cut them into the "
+                "shards already committed from them")
+
+    @property
     def row_rules(self) -> RowRules | None:
         """The rules the run's rows were read with (prompts.row_settings; None: none): ``count_shapes(plan.row_rules,
         plan.rows(shard))`` is a shard's shape set, ``row_rules.shape(row.settings)`` one row's shape."""
@@ -358,11 +381,20 @@ def _truncated(run: RunDir, path: Path, rng: range) -> set[int]:
 
 
 def _plan_error(run: RunDir, path: Path, what: str) -> PlanError:
-    """A damaged plan file of ``run``, named where it is (a bucket's object by its URL), and how to rebuild it."""
-    folder = f"every object under {run.files.where(path.parent)}/" if run.store else str(path.parent)
+    """A damaged plan file of ``run``, named where it is (a bucket's object by its URL), and how to rebuild it (an
+    extended run's plan cannot be: ``extended_plan_fix``)."""
     fault = f"{run.files.where(path)}: {what}"
+    if extension_dirs(run):
+        return PlanError(f"{fault}, and {extended_plan_fix(run)}", fault)
+    folder = f"every object under {run.files.where(path.parent)}/" if run.store else str(path.parent)
     return PlanError(f"{fault}. The plan is derived from the prompt file, which the run's fingerprint checks: delete "
                      f"{folder} and re-run the same command to rebuild it (committed shards stay valid).", fault)
+
+
+def extended_plan_fix(run: RunDir) -> str:
+    """Why a damaged plan of a run extended with appended prompts is not made again, and what to do instead."""
+    return (f"{run.name} was extended with appended prompts ({run.files.where(run.plan_dir)}/ext-*): planning again "
+            "would not cut the rows into the same shards. Restore plan/ from a backup, or start a new run_dir")
 
 
 def last_prompt_path(run: RunDir) -> str | None:

@@ -30,6 +30,7 @@ from shardgen.dataio.prompts.truncation import TruncationCheck
 from shardgen.dataio.resume.fingerprint import FingerprintMismatch, diff_fingerprints, read_fingerprint
 from shardgen.dataio.rundir.fileio import atomic_write_json, json_bytes
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import open_input, public_url, sizeof
 from shardgen.errors import UserError
@@ -84,6 +85,8 @@ def extend_if_appended(run: RunDir, fingerprint: dict, source: PromptSource, has
         return None  # a damaged plan: the fingerprint check refuses, naming the file
     if plan is None or plan.starts is None:
         return None
+    if problem := plan.lost_extension(old["prompts.sha256"]):  # extending past it would plan its rows again
+        raise RunDirError(problem)
     want = fingerprint["prompts.sha256"]
     for _ in range(RACE_RETRIES):
         size, sha = plan.covered

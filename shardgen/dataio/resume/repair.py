@@ -27,8 +27,8 @@ from typing import Iterable
 
 import numpy as np
 
-from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extension_dirs, file_sha256,
-                                         load_plan, sample_key)
+from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extended_plan_fix, extension_dirs,
+                                         file_sha256, load_plan, sample_key)
 from shardgen.errors import UserError
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
@@ -79,15 +79,23 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
         missing = [p for p in plan_files(run) if _plan_file_digest(run, p, with_sha256=False) is None]
         damage = f"{run.files.where(missing[0])} is missing" if missing else _plan_digest_problem(plan, full=True)
         if damage is None:
+            _refuse_a_lost_extension(plan)
             return plan
     if extension_dirs(run):
-        raise RunDirError(f"{damage}, and {run.name} was extended with appended prompts "
-                          f"({run.files.where(run.plan_dir)}/ext-*): "
-                          "planning again would not cut the rows into the same shards. Restore plan/ from a "
-                          "backup, or start a new run_dir")
+        raise RunDirError(f"{damage}, and {extended_plan_fix(run)}")
     log.warning("%s; planning again from the prompt file (the fingerprint guarantees the same plan)", damage)
     discard_plan(run, "damaged")
     return None
+
+
+def _refuse_a_lost_extension(plan: Plan) -> None:
+    """RunDirError when the plan lacks an extension the run's fingerprint says was made (``Plan.lost_extension``):
+    a whole plan of the first rows would otherwise finish the run without the appended ones."""
+    from shardgen.dataio.resume.fingerprint import read_fingerprint
+
+    fingerprint = read_fingerprint(plan.run) or {}
+    if problem := plan.lost_extension(fingerprint.get("prompts.sha256")):
+        raise RunDirError(problem)
 
 
 def plan_files(run: RunDir) -> list[Path]:
@@ -440,16 +448,19 @@ def _committed_rows(run: RunDir, shard: int, indices: range) -> list[dict] | Non
 
 def load_plan_checked(run: RunDir) -> Plan | None:
     """The run's plan for the read-only tools (status, verify, preview): None if there is none;
-    RunDirError naming the file and the fix if it is damaged (they never re-plan)."""
+    RunDirError naming the file and the fix if it is damaged or lacks an extension (they never re-plan)."""
     _refuse_symlinks(run.plan_dir, "plan")
     try:
-        return load_plan(run)
+        plan = load_plan(run)
     except StorageError:
         raise  # an outage: its own line, never "damaged"
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan_json = run.files.where(run.plan_json_path)
         raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
                           "it plans again from the prompt file, identically") from None
+    if plan is not None:
+        _refuse_a_lost_extension(plan)
+    return plan
 
 
 def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no plan/plan.json)") -> Plan:
