@@ -534,17 +534,13 @@ def test_an_append_that_keeps_losing_its_race_is_one_line_saying_so(url, tmp_pat
     assert str(e.value).startswith(f"{url}/launches.jsonl: other writers kept replacing it") and "\n" not in str(e.value)
 
 
-def test_a_plan_whose_extension_was_deleted_is_refused_until_it_is_restored(run, tmp_path):
-    """An extended run whose extension is deleted (as an old error message advised for a damaged one): the plan
-    of the first rows alone is whole, and a launch would finish the run without the appended rows, moving their
-    committed shards to stray/. The launch's plan check, its check of a file appended again and the read-only tools
-    refuse it instead, naming the missing extension; restored, it is the whole plan again."""
-    import shutil
-
+def extended_plan_in(run: RunDir, tmp_path):
+    """The run planned from 7 rows (2 a shard: shards 0..3), then 5 rows appended and planned as its extension
+    (shards 4..6), its fingerprint updated: (the prompt file's path, its PromptSource)."""
     from shardgen.dataio.prompts.plan import build_plan, file_sha256, load_plan
     from shardgen.dataio.prompts.read import PromptSource
-    from shardgen.dataio.resume.extend import _plan_extension, extend_if_appended
-    from shardgen.dataio.resume.repair import load_plan_checked, load_plan_or_discard, record_plan_digests
+    from shardgen.dataio.resume.extend import _plan_extension
+    from shardgen.dataio.resume.repair import load_plan_or_discard, record_plan_digests
 
     path = tmp_path / "prompts.txt"
     path.write_text("".join(f"prompt {i}\n" for i in range(7)))
@@ -556,6 +552,39 @@ def test_a_plan_whose_extension_was_deleted_is_refused_until_it_is_restored(run,
     _plan_extension(run, load_plan(run), source, before, after, None)
     run.files.replace(run.fingerprint_path, json_bytes(fingerprint(**{"prompts.sha256": after[1]})))
     assert load_plan_or_discard(run).num_shards == 7
+    return path, source
+
+
+def test_a_changed_plan_file_of_an_extended_run_is_refused_with_its_one_fix(run, tmp_path, monkeypatch):
+    """A plan file changed while an extended run generates: the shard's rows are refused with the extended run's
+    fix (restore plan/), not "delete plan.json and re-run", which would lose its plan for good."""
+    import shardgen.dataio.resume.repair as repair
+    from shardgen.dataio.prompts.plan import load_plan
+
+    extended_plan_in(run, tmp_path)
+    plan = load_plan(run)
+    data = bytearray(run.files.read(run.starts_path))
+    data[-1] ^= 1  # the same size: a sha256 check finds it
+    run.files.replace(run.starts_path, bytes(data))
+    monkeypatch.setattr(repair, "_stored_plan_checked", {})
+    with pytest.raises(RunDirError) as e:
+        repair.checked_rows(plan, 0)
+    assert str(e.value).startswith(f"{run.files.where(run.starts_path)} was changed after the plan was made; ")
+    assert str(e.value).endswith("Restore plan/ from a backup, or start a new run_dir") and "delete" not in str(e.value)
+
+
+def test_a_plan_whose_extension_was_deleted_is_refused_until_it_is_restored(run, tmp_path):
+    """An extended run whose extension is deleted (as an old error message advised for a damaged one): the plan
+    of the first rows alone is whole, and a launch would finish the run without the appended rows, moving their
+    committed shards to stray/. The launch's plan check, its check of a file appended again and the read-only tools
+    refuse it instead, naming the missing extension; restored, it is the whole plan again."""
+    import shutil
+
+    from shardgen.dataio.prompts.plan import file_sha256, load_plan
+    from shardgen.dataio.resume.extend import extend_if_appended
+    from shardgen.dataio.resume.repair import load_plan_checked, load_plan_or_discard
+
+    path, source = extended_plan_in(run, tmp_path)
     ext = run.plan_dir / "ext-000001"
     saved = {name: run.files.read(ext / name) for name in ("starts.npy", "digests.npy", "plan.json")}
     for name in reversed(saved):  # plan.json first: a bucket's extension is published by it

@@ -183,7 +183,9 @@ def checked_rows(plan: Plan, shard: int) -> list[PlannedRow]:
     """The plan's rows of ``shard``, checked against the digest recorded when the plan was made and the
     plan's numbering (RunDirError naming the file and the fix)."""
     path = plan.run.files.where(plan.run.starts_path)
-    fix = REPLAN_HINT.format(plan_json=plan.run.files.where(plan.run.plan_json_path))
+    # an extended run's plan cannot be made again from the grown file: deleting plan.json would only lose it
+    fix = extended_plan_fix(plan.run) if plan.extensions else \
+        REPLAN_HINT.format(plan_json=plan.run.files.where(plan.run.plan_json_path))
     changed = _plan_digest_problem(plan, full=True) if _plan_check_due(plan.run) else None
     if changed:
         raise RunDirError(f"{changed}; {fix}")
