@@ -293,3 +293,21 @@ def test_an_extension_deleted_from_a_run_stops_the_launch_and_the_tools_and_lose
     r = _gen(run_dir, prompts, "samples_per_shard=4")
     assert (r.complete, r.ok, r.generated_here) == (True, 17, 1)
     assert _committed(run_dir, range(5)) == committed
+
+
+def test_the_tools_give_an_extended_run_whose_plan_json_cannot_be_read_the_extended_runs_fix(tmp_path, capsys):
+    """plan.json unreadable as a file (a directory in its place) in a grown run: jobs.status says to restore plan/,
+    not to re-run the generate command (which refuses to plan a grown run again)."""
+    import jobs.status
+
+    run_dir, prompts = tmp_path / "run", write_lines(tmp_path / "p.txt", [f"thing {i}" for i in range(6)])
+    assert _gen(run_dir, prompts, "samples_per_shard=4").complete
+    _append(prompts, ["new thing"])
+    assert _gen(run_dir, prompts, "samples_per_shard=4").ok == 7
+    (run_dir / "plan" / "plan.json").unlink()
+    (run_dir / "plan" / "plan.json").mkdir()
+    capsys.readouterr()
+    assert jobs.status.main([str(run_dir)]) != 0
+    err = capsys.readouterr().err
+    assert f"{run_dir / 'plan' / 'plan.json'} is damaged (" in err and "re-run the generate command" not in err
+    assert err.rstrip().endswith("Restore plan/ from a backup, or start a new run_dir"), err

@@ -458,8 +458,9 @@ def load_plan_checked(run: RunDir) -> Plan | None:
         raise  # an outage: its own line, never "damaged"
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         plan_json = run.files.where(run.plan_json_path)
-        raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); re-run the generate command: "
-                          "it plans again from the prompt file, identically") from None
+        fix = extended_plan_fix(run) if extension_dirs(run) else \
+            "re-run the generate command: it plans again from the prompt file, identically"
+        raise RunDirError(f"{plan_json} is damaged ({e.__class__.__name__}: {e}); {fix}") from None
     if plan is not None:
         _refuse_a_lost_extension(plan)
     return plan
