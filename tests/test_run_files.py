@@ -48,10 +48,23 @@ def stats(shard: int) -> dict:
                 failed_samples=[], tar_bytes=10, sha256="cd" * 32, started=0.0, finished=1.0, wall_s=1.0)
 
 
-def test_of_two_launches_racing_to_create_the_fingerprint_exactly_one_wins(run):
+def test_of_two_launches_racing_to_create_the_fingerprint_exactly_one_wins(run, monkeypatch):
     """Two launches with other seeds create the fingerprint at once: one creates it, the other reads the winner's
-    and is refused as a resume with other settings would be."""
-    barrier, results = threading.Barrier(2), {}
+    and is refused as a resume with other settings would be. Both look for a fingerprint before either creates
+    one (a launch that looks once it exists finds a run without samples, which takes its settings instead)."""
+    import shardgen.dataio.resume.fingerprint as fp
+
+    barrier, looked, results = threading.Barrier(2), threading.Barrier(2), {}
+    first_look, seen = fp.read_fingerprint, set()
+
+    def look_then_wait(r):
+        found = first_look(r)
+        if threading.get_ident() not in seen:  # each launch's first look: both find none
+            seen.add(threading.get_ident())
+            looked.wait(30)
+        return found
+
+    monkeypatch.setattr(fp, "read_fingerprint", look_then_wait)
 
     def launch(seed: int) -> None:
         barrier.wait()
@@ -65,6 +78,7 @@ def test_of_two_launches_racing_to_create_the_fingerprint_exactly_one_wins(run):
         t.start()
     for t in threads:
         t.join(60)
+    monkeypatch.undo()
     winner = next(seed for seed, r in results.items() if r is False)
     loser = 3 - winner
     assert isinstance(results[loser], FingerprintMismatch)
