@@ -30,6 +30,7 @@ import numpy as np
 from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_plan, extended_plan_fix, extension_dirs,
                                          file_sha256, load_plan, sample_key)
 from shardgen.errors import UserError
+from shardgen.dataio.resume.fingerprint import read_fingerprint
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
@@ -91,9 +92,10 @@ def load_plan_or_discard(run: RunDir, prompt_path: str | os.PathLike | None = No
 def _refuse_a_lost_extension(plan: Plan) -> None:
     """RunDirError when the plan lacks an extension the run's fingerprint says was made (``Plan.lost_extension``):
     a whole plan of the first rows would otherwise finish the run without the appended ones."""
-    from shardgen.dataio.resume.fingerprint import read_fingerprint
-
-    fingerprint = read_fingerprint(plan.run) or {}
+    try:
+        fingerprint = read_fingerprint(plan.run) or {}
+    except RunDirError:
+        return  # damaged: the launch's fingerprint check names it first; a read-only tool still shows the run
     if problem := plan.lost_extension(fingerprint.get("prompts.sha256")):
         raise RunDirError(problem)
 
