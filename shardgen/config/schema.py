@@ -391,15 +391,14 @@ class SpeedConfig:
     once per cache, ~2% faster steps): true | false | auto. auto: tuned under compile=true; under compile=auto a
     process tunes only when the work it has left pays for the tuning's compile time (shardgen/speed/autocompile.py)."""
     fused_blocks: bool = True
-    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py,
-    FLUX.2: flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
+    """The transformer's blocks run its family's fused forwards (FLUX.1: shardgen/families/flux/fused.py, FLUX.2:
+    flux2/fused.py, Qwen-Image: qwen_image/fused.py): LayerNorm+modulation, q/k RMSNorm+RoPE, SwiGLU in one Triton pass
     each, GELU in the GEMM epilogue, gated residuals in one pass (in bf16 together with the LayerNorm+modulation that
     reads them, the next block's first one included: shardgen/speed/block_chain.py). Eagerly on CUDA (compile=false
-    included; on an H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones, FLUX.1-dev's within 4%),
-    and compiled with
-    compile=true for FLUX.1. Qwen-Image's joint attention runs without its key-padding mask on CUDA
-    (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs and CPU runs keep
-    the stock blocks; false = diffusers' own blocks."""
+    included; on an H200 FLUX.2-dev's and Qwen-Image's eager blocks then run as fast as their compiled ones,
+    FLUX.1-dev's within 4%), and compiled with compile=true for FLUX.1. Qwen-Image's joint attention runs without its
+    key-padding mask on CUDA (shardgen/speed/prefix_attention.py). Exact up to bf16 rounding; other models, tp/cp runs
+    and CPU runs keep the stock blocks; false = diffusers' own blocks."""
     fused_decode: bool = True
     """On CUDA, the VAE's decode in fewer passes: the image decoder of FLUX.1, FLUX.2 and SD3 channels-last with each
     GroupNorm and its SiLU in two Triton passes; the causal video VAEs (Qwen-Image, Wan) decode a frame without a

@@ -106,10 +106,11 @@ class ReplicaWorker:
         """After Ctrl-C or SIGTERM (or any error while this process is being stopped: ``stopping``), a stop shardgen
         makes on purpose (out of GPU memory, a setting that cannot work) or submitit's signal that the job's time is
         over, once close() made every handed-over batch durable and stopped the writer: give up the claims of the
-        shards left unfinished, so that a re-run, a requeue or another replica resumes them from their checkpoints
-        at once instead of waiting ``lease_s`` for the claims to expire. Not when the writer could still be writing (it outlived close's timeout): then the lease keeps the shard
-        ours until it is done. A store that cannot be written now (the outage that stopped the launch) leaves the
-        claims to expire: the stop's own error is what the user sees."""
+        shards left unfinished, so that a re-run, a requeue or another replica resumes them from their checkpoints at
+        once instead of waiting ``lease_s`` for the claims to expire. Not when the writer could still be writing (it
+        outlived close's timeout): then the lease keeps the shard ours until it is done. A store that cannot be
+        written now (the outage that stopped the launch) leaves the claims to expire: the stop's own error is what
+        the user sees."""
         if self.claimer is None or not self.claimer.held or (self.sink is not None and self.sink.busy):
             return
         try:

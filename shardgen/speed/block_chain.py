@@ -1,11 +1,12 @@
 """A block's end and the next block's start in one pass: the chain of a transformer's repeated blocks.
 
-Each FLUX.1, FLUX.2 and Qwen-Image block ends with a gated residual (``x + gate * y``) and the next block starts
-with the adaLN LayerNorm + modulation of it. As two passes, the norm reads back the residual stream the residual has just written. Eagerly on
-CUDA a family's fused blocks compute both in one pass (``fused_kernels.gated_ln_modulate_for``) for their successor
-and hand the norm over, keyed by the very tensors the block returns: diffusers' loop passes them on as they are, and
-anything between two blocks that makes new ones (a ControlNet's residual, a hook) leaves the successor computing its
-norm itself. A hand-over is removed when the successor is called, used or not, so nothing outlives that call.
+Each FLUX.1, FLUX.2 and Qwen-Image block ends with a gated residual (``x + gate * y``) and the next block starts with
+the adaLN LayerNorm + modulation of it. As two passes, the norm reads back the residual stream the residual has just
+written. Eagerly on CUDA a family's fused blocks compute both in one pass (``fused_kernels.gated_ln_modulate_for``) for
+their successor and hand the norm over, keyed by the very tensors the block returns: diffusers' loop passes them on as
+they are, and anything between two blocks that makes new ones (a ControlNet's residual, a hook) leaves the successor
+computing its norm itself. A hand-over is removed when the successor is called, used or not, so nothing outlives that
+call.
 
 ``link`` records each block's successor when a family's fused forwards are enabled (``unlink`` when disabled);
 ``successor`` says whether it will take a hand-over; ``hand_over`` and ``take_over`` pass it.
