@@ -260,9 +260,10 @@ def test_a_damaged_extension_of_a_run_directory_gets_one_fix_and_keeps_its_plan(
 
 
 def test_an_extension_deleted_from_a_run_stops_the_launch_and_the_tools_and_loses_nothing(tmp_path, capsys):
-    """A grown run whose plan/ext-000001 is deleted: the launch refuses in one line naming it (before, it finished the
-    run as complete without the appended prompts and moved their shards to stray/), jobs.status and jobs.verify say
-    the same, every committed shard stays; the extension restored, the run goes on and takes the next append."""
+    """A grown run whose plan/ext-000001 is deleted: the first rows' plan alone is whole, and taken as the run's plan
+    it would finish the run as complete without the appended prompts and move their shards to stray/. The launch
+    refuses in one line naming the extension, jobs.status and jobs.verify say the same, every committed shard stays;
+    the extension restored, the run goes on and takes the next append."""
     import jobs.status
     from shardgen.dataio.rundir.storage import RunDirError
 

@@ -588,8 +588,8 @@ def test_a_changed_plan_file_of_an_extended_run_is_refused_with_its_one_fix(run,
 
 
 def test_a_plan_whose_extension_was_deleted_is_refused_until_it_is_restored(run, tmp_path):
-    """An extended run whose extension is deleted (as an old error message advised for a damaged one): the plan
-    of the first rows alone is whole, and a launch would finish the run without the appended rows, moving their
+    """An extended run whose extension is deleted (by hand, or lost with a partial backup): the plan of the first
+    rows alone is whole, and a launch would finish the run without the appended rows, moving their
     committed shards to stray/. The launch's plan check, its check of a file appended again and the read-only tools
     refuse it instead, naming the missing extension; restored, it is the whole plan again."""
     import shutil
