@@ -232,6 +232,36 @@ def test_the_queries_static_scale_holds_a_query_whose_magnitude_sits_in_one_elem
     assert (back - normed).norm() / normed.norm() < 0.05
 
 
+def test_the_static_scales_are_worked_out_once_per_norm_weights_and_again_when_they_change(monkeypatch):
+    """The queries' and keys' static descales depend on the norm weights alone: a layer's every call after the first
+    reuses them (no kernels), another batch shape or an in-place change to a weight works them out again, and a freed
+    weight leaves nothing behind; weights made under inference mode (no version counter) are worked out each call."""
+    import gc
+
+    made = []
+    bound = fa3_fp8._norm_bound
+    monkeypatch.setattr(fa3_fp8, "_STATIC_SCALES", {})
+    monkeypatch.setattr(fa3_fp8, "_norm_bound", lambda w, d: made.append(d) or bound(w, d))
+    w = [torch.full((64,), 0.5), torch.linspace(0.5, 1.0, 64)]
+    first = fa3_fp8.query_scale(w, 2, 3, 64)
+    assert torch.equal(first, (bound(w, 64) / 448.0).expand(2, 3)) and first.is_contiguous()
+    assert fa3_fp8.query_scale(w, 2, 3, 64) is first and len(made) == 1
+    keys = fa3_fp8.key_scale(w, 2, 3, 64)
+    assert torch.equal(keys, 2.0 * first) and fa3_fp8.key_scale(w, 2, 3, 64) is keys and len(made) == 2
+    assert fa3_fp8.query_scale(w, 4, 3, 64).shape == (4, 3) and len(made) == 3
+    w[1].mul_(4.0)
+    assert torch.allclose(fa3_fp8.query_scale(w, 2, 3, 64), (bound(w, 64) / 448.0).expand(2, 3)) and len(made) == 4
+    assert fa3_fp8.query_scale(w, 2, 3, 64).max() > 3.0 * first.max()
+    del w
+    gc.collect()
+    assert fa3_fp8._STATIC_SCALES == {}
+    with torch.inference_mode():
+        frozen = [torch.rand(64) + 0.5]
+        for _ in range(2):
+            assert torch.equal(fa3_fp8.query_scale(frozen, 1, 2, 64), (bound(frozen, 64) / 448.0).expand(1, 2))
+    assert len(made) == 4 + 2 and fa3_fp8._STATIC_SCALES == {}
+
+
 def test_a_fused_processor_hands_the_projections_to_fa3_fp8_and_to_no_other_kernel(monkeypatch):
     """Within fa3_fp8's context the FLUX blocks' fused processor calls ``rms_rope_attention`` with its parts (the
     queries on their static scale: within float8's rounding of the routed SDPA path); outside it, or when the parts

@@ -26,6 +26,7 @@ import functools
 import itertools
 import math
 import sys
+import weakref
 
 import torch
 
@@ -219,19 +220,48 @@ def _norm_bound(weights: list[torch.Tensor], dim: int) -> torch.Tensor:
     return bound * (math.sqrt(dim) * QUERY_BOUND_MARGIN)
 
 
+_STATIC_SCALES: dict[tuple, tuple[tuple[weakref.ref, ...], torch.Tensor]] = {}
+"""``_static_descales``' results: key -> (weak references to the norm weights it was made from, the descales)."""
+
+
+def _static_descales(weights: list[torch.Tensor], batch: int, heads: int, dim: int, factor: float) -> torch.Tensor:
+    """``factor`` x the norm's bound (``_norm_bound``) / 448 as float32 (batch, heads) descales, made once per set of
+    norm weights (and their version: an in-place change makes them again) and batch shape, then reused: they depend
+    on the weights alone, and working them out took ~20 tiny kernels a layer, every call (~1,300 in a FLUX.1-dev
+    call, each a launch in its CUDA graph). The entry is keyed by the weights' identity and checked against weak
+    references to them (a freed weight's id may be reused); it is dropped when a weight is freed. Not kept while a
+    CUDA graph is being captured: the capture's tensors are only filled when it replays."""
+    try:
+        key = (tuple((id(w), w._version) for w in weights), batch, heads, dim, factor)
+    except RuntimeError:  # an inference-mode tensor has no version counter: nothing tells a change, so no reuse
+        key = None
+    hit = _STATIC_SCALES.get(key)
+    if hit is not None and all(ref() is w for ref, w in zip(hit[0], weights)):
+        return hit[1]
+    descales = (factor * _norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
+    if key is not None and not (descales.is_cuda and torch.cuda.is_current_stream_capturing()):
+        def drop(_ref, key=key):
+            _STATIC_SCALES.pop(key, None)
+
+        _STATIC_SCALES[key] = (tuple(weakref.ref(w, drop) for w in weights), descales)
+    return descales
+
+
 def query_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
     """The queries' float32 (batch, heads) descales, one static value: the norm's bound (``_norm_bound``) over 448.
     So a fixed scale keeps every query in e4m3's range without a pass to find its maximum (float8 keeps its relative
-    precision over the range, so a scale above the largest value costs no precision but at the subnormals)."""
-    return (_norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
+    precision over the range, so a scale above the largest value costs no precision but at the subnormals). Made
+    once per norm weights and batch shape (``_static_descales``); the caller must not write into it."""
+    return _static_descales(weights, batch, heads, dim, 1.0)
 
 
 def key_scale(weights: list[torch.Tensor], batch: int, heads: int, dim: int) -> torch.Tensor:
     """The smoothed keys' float32 (batch, heads) descales, one static value: a key less the keys' mean (itself within
     the norm's bound) is within twice the bound. On random keys, and on keys whose projections share a mean up to 50
     times their spread, attention with this scale is as far from exact as with each head's own largest magnitude
-    (within 5% of that error: tests/test_fa3_fp8.py), while the keys' statistics pass gathers their sums alone."""
-    return (2.0 * _norm_bound(weights, dim) / FP8_MAX).expand(batch, heads).contiguous()
+    (within 5% of that error: tests/test_fa3_fp8.py), while the keys' statistics pass gathers their sums alone. Made
+    once per norm weights and batch shape, as ``query_scale``."""
+    return _static_descales(weights, batch, heads, dim, 2.0)
 
 
 def quantise_queries(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
