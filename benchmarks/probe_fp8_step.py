@@ -131,12 +131,38 @@ def step_ms(tr, kw, iters=5) -> float:
     return statistics.median(ms)
 
 
+def graphed_ms(tr, kw, iters=5) -> float:
+    """One call replayed from a CUDA graph (what the job's cuda_graphs does after a shape's first two calls), median
+    of ``iters`` replays: eager launch costs gone, each kernel's launch inside the graph kept."""
+    with torch.no_grad():
+        for _ in range(2):
+            tr(**kw)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tr(**kw)
+        ms = []
+        for _ in range(iters + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(ms[1:])
+
+
 def main() -> None:
     import probe_fp8
 
     from shardgen.speed import accel, block_chain, fa3_fp8, fp8, fp8_attention, fused_kernels
 
     chain_successor, key_mean_tokens = block_chain.successor, fa3_fp8.KEY_MEAN_TOKENS
+    kept_descales = fa3_fp8._static_descales
+
+    def _descales_each_call(weights, batch, heads, dim, factor):
+        return (factor * fa3_fp8._norm_bound(weights, dim) / fa3_fp8.FP8_MAX).expand(batch, heads).contiguous()
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
@@ -152,6 +178,11 @@ def main() -> None:
     ap.add_argument("--before", action="store_true", help="also each way as the blocks ran before the block chain "
                     "and the sampled keys' mean (block_chain.successor and fa3_fp8.KEY_MEAN_TOKENS switched off), "
                     "named WAY-before: the two changes' gain on one card, in one process")
+    ap.add_argument("--scales-each-call", action="store_true", help="also each way with fa3_fp8's static query "
+                    "and key descales worked out on every call instead of kept (fa3_fp8._STATIC_SCALES bypassed), "
+                    "named WAY-scales_each_call: what keeping them saves, in one process")
+    ap.add_argument("--graphs", action="store_true", help="also time each way's call replayed from a CUDA graph "
+                    "(ms_per_call_graphed), as the job runs it")
     ap.add_argument("--out", default="probe_fp8_step.json")
     a = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -178,6 +209,8 @@ def main() -> None:
                  major) for name, opts in ways for major in (majors if name != "fp8_fa3" else majors[-1:])]
         ways = [(label + suffix, name, opts, major) for label, name, opts, major in ways
                 for suffix in (("-before", "") if a.before else ("",))]
+        ways = [(label + suffix, name, opts, major) for label, name, opts, major in ways
+                for suffix in (("-scales_each_call", "") if a.scales_each_call and name == "fp8_fa3" else ("",))]
         out = res[model] = {}
         ref = None
         for label, name, opts, major in ways:
@@ -185,6 +218,8 @@ def main() -> None:
             before = label.endswith("-before")
             block_chain.successor = (lambda *args: None) if before else chain_successor
             fa3_fp8.KEY_MEAN_TOKENS = 1 << 40 if before else key_mean_tokens
+            fa3_fp8._static_descales = (_descales_each_call if label.endswith("-scales_each_call")
+                                        else kept_descales)
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
@@ -206,6 +241,9 @@ def main() -> None:
                 profile = profile_step(tr, kw)
             row = out[label] = {"prepared": {k: v for k, v in done.items() if not isinstance(v, (dict, list))},
                                 "ms_per_call": round(ms, 2)}
+            if a.graphs:
+                with attention():
+                    row["ms_per_call_graphed"] = round(graphed_ms(tr, kw), 2)
             row["ms_per_image"] = round(row["ms_per_call"] / a.batch, 2)
             row["rel_rms_vs_bf16"] = round(((sample - ref).norm() / ref.norm()).item(), 5)
             row.update(profile)
