@@ -87,7 +87,8 @@ def _joined_before(a: torch.Tensor | None, b: torch.Tensor, act: str):
 def joined_ways() -> list[dict]:
     """The rows ``fp8.joined_rows`` writes at a batch-4 call's shapes (FLUX.1's single blocks' ``proj_out`` input;
     FLUX.2's, its SwiGLU read from a slice of the fused projection; FLUX.2's feed-forward SwiGLU alone): its launch
-    (the parts' register chunks) at 4 to 32 warps, each checked against the launch ``joined_rows`` makes, and what
+    (the parts' register chunks) at 4 to 32 warps, and ``_quantize_parts_chunked_kernel`` (the row read twice, in
+    chunks of 1024 to 4096 columns, at 2 to 8 warps), each checked against the launch ``joined_rows`` makes, and what
     the fp8 blocks did before it (``_joined_before``; FLUX.2's then also summed two GEMMs' outputs, not timed)."""
     from shardgen.speed import fp8
 
@@ -114,6 +115,17 @@ def joined_ways() -> list[dict]:
                    "today": warps == today}
             ways.append(way)
             _say(f"{what[:40]:40s} {rows}x{cols_a}+{cols_b} {chunks}: warps={warps:2d}", way)
+        for chunk, warps in itertools.product((1024, 2048, 4096), (2, 4, 8)):
+            def chunked(chunk=chunk, warps=warps):
+                fp8._quantize_parts_chunked_kernel[(rows,)](
+                    a if a is not None else b, b, q, scale, cols_a if a is None else a.stride(0), b.stride(0),
+                    COLS_A=cols_a, COLS_B=cols_b, CHUNK=chunk, ACT=fp8.ACTIVATIONS[act], QMAX=fp8.FP8_MAX,
+                    APPROX=fp8.APPROX_TANH, num_warps=warps)
+            chunked()
+            same = torch.equal(q.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+            way = {"what": what, "chunk": chunk, "warps": warps, **_timed(chunked, moved), "same_bytes": same}
+            ways.append(way)
+            _say(f"{what[:40]:40s} {rows}x{cols_a}+{cols_b} read twice, chunks of {chunk}: warps={warps:2d}", way)
         way = {"what": what, "before": True, **_timed(_joined_before(a, b, act), moved)}
         ways.append(way)
         _say(f"{what[:40]:40s} {rows}x{cols_a}+{cols_b}: as before", way)

@@ -184,6 +184,35 @@ if triton is not None:
             tl.store(q_row + cols_a + ob, to_fp8(b2, inv_scale, QMAX), mask=ob < cols_b)
 
 
+    @triton.jit
+    def _quantize_parts_chunked_kernel(a_ptr, b_ptr, q_ptr, scale_ptr, stride_a, stride_b, COLS_A: tl.constexpr,
+                                       COLS_B: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
+                                       QMAX: tl.constexpr, APPROX: tl.constexpr):
+        # ``_quantize_parts_kernel``'s row (the same bytes) read twice in chunks of CHUNK columns: the absolute
+        # maximum, then the float8 values, the second read mostly from L2. A program holds one chunk, not the row,
+        # so several rows' loads are in flight on an SM where the whole-row program fills its registers alone. The
+        # widths are compile-time constants (a model has a few): the loops' bounds, which Triton's interpreter
+        # (the CPU tests) takes only so
+        row = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, COLS_A, CHUNK):
+            amax = tl.maximum(amax, tl.abs(_part_chunk(a_ptr, row * stride_a, start, COLS_A, CHUNK, 0, APPROX)))
+        for start in range(0, COLS_B, CHUNK):
+            amax = tl.maximum(amax, tl.abs(_part_chunk(b_ptr, row * stride_b, start, COLS_B, CHUNK, ACT, APPROX)))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
+        tl.store(scale_ptr + row, scale)
+        inv_scale = 1.0 / scale
+        q_row = q_ptr + row * (COLS_A + COLS_B)
+        for start in range(0, COLS_A, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            v = _part_chunk(a_ptr, row * stride_a, start, COLS_A, CHUNK, 0, APPROX)
+            tl.store(q_row + offs, to_fp8(v, inv_scale, QMAX), mask=offs < COLS_A)
+        for start in range(0, COLS_B, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            v = _part_chunk(b_ptr, row * stride_b, start, COLS_B, CHUNK, ACT, APPROX)
+            tl.store(q_row + COLS_A + offs, to_fp8(v, inv_scale, QMAX), mask=offs < COLS_B)
+
+
 @dataclass(frozen=True)
 class Fp8Rows:
     """An activation already quantised row by row (``quantize_rows``), which a ``Float8Linear`` takes in place of
