@@ -257,19 +257,33 @@ for mlp_range, fp8.REGISTER_COLS, alone_limit, chunked in ((0.1, 24576, 24576, F
     assert (fp8._joined_launch(0, 160)[3] > 0) == chunked
     check(fp8.joined_rows(None, proj[..., 96:], "swiglu"), swiglu(proj[..., 96:]))
 fp8.REGISTER_COLS = 24576
+# the row read twice in chunks (READ_TWICE_CHUNK): the same bytes as the row held whole, also where the chunks do
+# not divide a part; and a row past the registers' lanes is then taken, not left to the caller
+once = [fp8.joined_rows(attn, mlp, "gelu"), fp8.joined_rows(attn, proj[..., 96:], "swiglu"),
+        fp8.joined_rows(None, proj[..., 96:], "swiglu")]
+fp8.READ_TWICE_CHUNK = 64
+twice = [fp8.joined_rows(attn, mlp, "gelu"), fp8.joined_rows(attn, proj[..., 96:], "swiglu"),
+         fp8.joined_rows(None, proj[..., 96:], "swiglu")]
+for x, y in zip(once, twice):
+    assert torch.equal(x.data.view(torch.uint8), y.data.view(torch.uint8)) and torch.equal(x.scale, y.scale)
+fp8.REGISTER_COLS = 64
+check(fp8.joined_rows(attn, mlp, "gelu"), torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
 print(fp8.joined_rows(attn, mlp.float(), "gelu"), fp8.joined_rows(attn, mlp[:, 1:], "gelu"),
-      fp8.joined_rows(None, proj[..., 97:], "swiglu"))
+      fp8.joined_rows(None, proj[..., 97:], "swiglu"), end=" ")
+fp8.READ_TWICE_CHUNK = 0
+print(fp8.joined_rows(attn, mlp, "gelu"))
 '''
 
 
 def test_joined_rows_are_quantised_in_one_pass_with_the_activation(tmp_path):
     """``joined_rows`` (run by Triton's interpreter on the CPU): the float8 rows of the attention output beside
     the MLP's GELU (FLUX.1) or SwiGLU (FLUX.2), and of a SwiGLU alone, are those the torch ops make of the
-    concatenation, whichever part holds the row's maximum; parts it cannot take (float32, another token count, an
-    odd SwiGLU input) are left to the caller (None)."""
+    concatenation, whichever part holds the row's maximum, whether the row is held whole or read twice in chunks;
+    parts it cannot take (float32, another token count, an odd SwiGLU input; a row past the registers when it is
+    held whole) are left to the caller (None)."""
     from tests.test_fp8_attention import interpreted
 
-    assert interpreted(_INTERPRETED_JOINED, tmp_path) == "None None None"
+    assert interpreted(_INTERPRETED_JOINED, tmp_path) == "None None None None"
 
 
 def test_joined_rows_launch_whole_power_of_two_blocks_while_they_fit_the_registers():

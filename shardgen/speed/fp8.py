@@ -301,6 +301,15 @@ REGISTER_COLS = 24576
 single blocks' output projection reads 6144 + 18432 in blocks of 4096 + 2048 + 16384 + 2048."""
 
 
+READ_TWICE_CHUNK = 0
+"""Columns of a chunk when ``joined_rows`` reads each row twice (``_quantize_parts_chunked_kernel``: the maximum,
+then the float8 values, the second read mostly from L2); 0: the whole row held in registers and read once
+(``_quantize_parts_kernel``; a row past ``REGISTER_COLS`` is then left to the caller: ``joined_rows`` gives None).
+Which is faster depends on the card (``benchmarks/probe_quantize_rows.py --only joined`` sweeps both)."""
+READ_TWICE_WARPS = 4
+"""Warps of a program of ``_quantize_parts_chunked_kernel``."""
+
+
 def _pow2(cols: int) -> int:
     return 1 << (cols - 1).bit_length() if cols > 0 else 0
 
@@ -342,17 +351,21 @@ def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8
     if not (b.dtype == torch.bfloat16 and _kernel_ok(b2) and b2.stride(-1) == 1 and (a is None or (
             a.dtype == torch.bfloat16 and a.shape[:-1] == b.shape[:-1] and _kernel_ok(a2) and a2.stride(-1) == 1))):
         return None
-    launch = _joined_launch(a2.shape[1], cols_b)
-    if launch is None or (act == ACTIVATIONS["swiglu"] and b2.shape[1] % 2):
-        return None
     rows, cols_a = b2.shape[0], a2.shape[1]
+    launch = _joined_launch(cols_a, cols_b)
+    if (launch is None and not READ_TWICE_CHUNK) or (act == ACTIVATIONS["swiglu"] and b2.shape[1] % 2):
+        return None
     q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=b.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=b.device)
-    if rows:
+    first = a2 if a is not None else b2
+    if rows and not READ_TWICE_CHUNK:
         *chunks, warps = launch
-        _quantize_parts_kernel[(rows,)](a2 if a is not None else b2, b2, q, scale, cols_a, cols_b,
-                                        a2.stride(0), b2.stride(0), *chunks, ACT=act, QMAX=FP8_MAX,
-                                        APPROX=APPROX_TANH, num_warps=warps)
+        _quantize_parts_kernel[(rows,)](first, b2, q, scale, cols_a, cols_b, a2.stride(0), b2.stride(0), *chunks,
+                                        ACT=act, QMAX=FP8_MAX, APPROX=APPROX_TANH, num_warps=warps)
+    elif rows:
+        _quantize_parts_chunked_kernel[(rows,)](first, b2, q, scale, a2.stride(0), b2.stride(0), COLS_A=cols_a,
+                                                COLS_B=cols_b, CHUNK=READ_TWICE_CHUNK, ACT=act,
+                                                QMAX=FP8_MAX, APPROX=APPROX_TANH, num_warps=READ_TWICE_WARPS)
     return Fp8Rows(q, scale, tuple(b.shape[:-1]), b.dtype)
 
 
