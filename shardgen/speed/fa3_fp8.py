@@ -201,6 +201,47 @@ if triton is not None:
         else:
             tl.store(out_ptr + row, tl.max(tl.max(acc, axis=2), axis=0))
 
+    @triton.jit
+    def _stats_total(part_ptr, out_ptr, heads, divisor, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                     SUM: tl.constexpr, QMAX: tl.constexpr):
+        """One (batch, head) of ``_part_stats``' partials (batch, BLOCKS, heads[, D]) in one program: with SUM the
+        channels' sums over the blocks / ``divisor`` into OUT (batch, heads, D) (the keys' mean); else the largest
+        magnitude over the blocks as a float8 descale, max(it, 1e-20) / QMAX, into OUT (batch, heads); both divisions
+        rounded as torch's (``div_rn``: Triton's ``/`` may be an approximate division). BLOCKS is a
+        compile-time constant (a model has a few token counts): the loop's bound, which Triton's interpreter takes
+        only so."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        i = tl.arange(0, CHUNK)
+        if SUM:
+            d = tl.arange(0, D)
+            acc = tl.zeros((CHUNK, D), dtype=tl.float32)
+            for start in range(0, BLOCKS, CHUNK):
+                rows = start + i
+                acc += tl.load(part_ptr + ((b * BLOCKS + rows[:, None]) * heads + h) * D + d[None, :],
+                               mask=(rows < BLOCKS)[:, None], other=0.0)
+            tl.store(out_ptr + bh * D + d, tl.math.div_rn(tl.sum(acc, axis=0), divisor))
+        else:
+            acc = tl.zeros((CHUNK,), dtype=tl.float32)
+            for start in range(0, BLOCKS, CHUNK):
+                rows = start + i
+                acc = tl.maximum(acc, tl.load(part_ptr + (b * BLOCKS + rows) * heads + h, mask=rows < BLOCKS,
+                                              other=0.0))
+            tl.store(out_ptr + bh, tl.math.div_rn(tl.maximum(tl.max(acc, axis=0), 1e-20), QMAX))
+
+
+def _totals(partials: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """``_part_statistics``' partials over their blocks in one launch (``_stats_total``), where torch's reduction,
+    division and clamp took two to three kernels a layer: the keys' (batch, blocks, heads, D) channel sums as their
+    mean (batch, heads, D) over ``divisor`` tokens; the values' (batch, blocks, heads) largest magnitudes as their
+    float8 descales (batch, heads)."""
+    b, blocks, heads = partials.shape[:3]
+    sums = partials.dim() == 4
+    out = partials.new_empty(b, heads, *partials.shape[3:])
+    _stats_total[(b * heads,)](partials, out, heads, float(divisor), BLOCKS=blocks, CHUNK=16 if sums else 128,
+                               D=partials.shape[3] if sums else 1, SUM=sums, QMAX=FP8_MAX, num_warps=4)
+    return out
+
 
 def parts_kernel_ok(xs: list[torch.Tensor], cos: torch.Tensor) -> bool:
     """Whether the Triton passes take these parts (queries, keys or values): CUDA, bf16/fp16 (batch, tokens, heads, D)
@@ -297,7 +338,7 @@ def quantise_keys(xs: list[torch.Tensor], weights: list[torch.Tensor], cos: torc
         return (smoothed / scale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous(), scale
     sums = _part_statistics(xs, weights, cos, sin, eps, every)  # (batch, blocks, heads, D)
     read = sum(-(-n // every) for n in lengths)
-    return _write_parts(xs, weights, cos, sin, eps, (sums.sum(dim=1) / read).contiguous(), scale), scale
+    return _write_parts(xs, weights, cos, sin, eps, _totals(sums, read), scale), scale
 
 
 def key_mean_every(tokens: int) -> int:
@@ -320,8 +361,7 @@ def quantise_values(xs: list[torch.Tensor], cos: torch.Tensor) -> tuple[torch.Te
     elsewhere ``torch.cat`` then ``quantise``. ``cos``: the joint sequence's RoPE table, for ``parts_kernel_ok``."""
     if not parts_kernel_ok(xs, cos):
         return quantise((torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]).transpose(1, 2))
-    amax = _part_statistics(xs, None, cos, cos, 0.0).amax(dim=1)  # (batch, heads)
-    scale = (amax.clamp_min(1e-20) / FP8_MAX).contiguous()
+    scale = _totals(_part_statistics(xs, None, cos, cos, 0.0))  # (batch, heads): amax / 448
     return _write_parts(xs, None, cos, cos, 0.0, None, scale), scale
 
 
