@@ -234,8 +234,9 @@ def test_the_queries_static_scale_holds_a_query_whose_magnitude_sits_in_one_elem
 
 def test_the_static_scales_are_worked_out_once_per_norm_weights_and_again_when_they_change(monkeypatch):
     """The queries' and keys' static descales depend on the norm weights alone: a layer's every call after the first
-    reuses them (no kernels), another batch shape or an in-place change to a weight works them out again, and a freed
-    weight leaves nothing behind; weights made under inference mode (no version counter) are worked out each call."""
+    reuses them (no kernels), another batch shape, an in-place change to a weight or a cast of it works them out
+    again, and a freed weight leaves nothing behind; weights made under inference mode (no version counter) are
+    worked out each call."""
     import gc
 
     made = []
@@ -252,6 +253,8 @@ def test_the_static_scales_are_worked_out_once_per_norm_weights_and_again_when_t
     w[1].mul_(4.0)
     assert torch.allclose(fa3_fp8.query_scale(w, 2, 3, 64), (bound(w, 64) / 448.0).expand(2, 3)) and len(made) == 4
     assert fa3_fp8.query_scale(w, 2, 3, 64).max() > 3.0 * first.max()
+    w[1].data = w[1].data.to(torch.float64) * 2.0  # a cast in place of the data (module.to): no version bump
+    assert torch.allclose(fa3_fp8.query_scale(w, 2, 3, 64), (bound(w, 64) / 448.0).expand(2, 3)) and len(made) == 5
     del w
     gc.collect()
     assert fa3_fp8._STATIC_SCALES == {}
@@ -259,7 +262,7 @@ def test_the_static_scales_are_worked_out_once_per_norm_weights_and_again_when_t
         frozen = [torch.rand(64) + 0.5]
         for _ in range(2):
             assert torch.equal(fa3_fp8.query_scale(frozen, 1, 2, 64), (bound(frozen, 64) / 448.0).expand(1, 2))
-    assert len(made) == 4 + 2 and fa3_fp8._STATIC_SCALES == {}
+    assert len(made) == 5 + 2 and fa3_fp8._STATIC_SCALES == {}
 
 
 def test_a_fused_processor_hands_the_projections_to_fa3_fp8_and_to_no_other_kernel(monkeypatch):
