@@ -357,6 +357,11 @@ old_v, old_v_scale = old_way(torch.cat(vs, 1).transpose(1, 2))
 new_v, new_v_scale = fa3_fp8.quantise_values(vs, cos)
 assert torch.equal(new_v_scale, old_v_scale)
 assert torch.equal(new_v.view(torch.uint8), old_v.view(torch.uint8))
+# SDPA's q or v (Qwen-Image's processors): quantise's two passes, from a tokens-major view and from heads-major memory
+fa3_fp8._heads_kernel_ok = lambda x: True
+for x in (torch.cat(vs, 1).transpose(1, 2), torch.randn(2, 3, 146, 64).bfloat16()):
+    (y, s), (old_y, old_s) = fa3_fp8.quantise(x), old_way(x)
+    assert torch.equal(s, old_s) and torch.equal(y.view(torch.uint8), old_y.view(torch.uint8))
 print("ok")
 '''
 
@@ -364,7 +369,8 @@ print("ok")
 @pytest.mark.parametrize("mean_tokens, every", [(512, 1), (16, 9)])
 def test_the_key_and_value_passes_write_what_rms_rope_or_the_join_then_quantise_write(tmp_path, mean_tokens, every):
     """The keys' and values' two Triton passes each (statistics, then float8), run by Triton's interpreter on the
-    CPU, against what they replace: the values' bytes and scales exactly those of quantising the joined values; the
+    CPU, against what they replace: the values' bytes and scales exactly those of quantising the joined values (and
+    ``quantise``'s of SDPA's queries or values, from either memory layout); the
     keys those of ``rms_rope``'s output less its mean on the same static scale, but for a float8 step where the mean,
     summed in another order, rounds differently; the mean over every token of a short sequence, and over each
     9th token of each part where the sequence is long for ``KEY_MEAN_TOKENS``. Two parts, the second over two
