@@ -159,10 +159,16 @@ def main() -> None:
     from shardgen.speed import accel, block_chain, fa3_fp8, fp8, fp8_attention, fused_kernels
 
     chain_successor, key_mean_tokens = block_chain.successor, fa3_fp8.KEY_MEAN_TOKENS
-    kept_descales = fa3_fp8._static_descales
+    kept_descales, triton_totals, heads_kernel_ok = (fa3_fp8._static_descales, fa3_fp8._totals,
+                                                     fa3_fp8._heads_kernel_ok)
 
     def _descales_each_call(weights, batch, heads, dim, factor):
         return (factor * fa3_fp8._norm_bound(weights, dim) / fa3_fp8.FP8_MAX).expand(batch, heads).contiguous()
+
+    def _totals_in_torch(partials, divisor=1):
+        if partials.dim() == 4:
+            return (partials.sum(dim=1) / divisor).contiguous()
+        return (partials.amax(dim=1).clamp_min(1e-20) / fa3_fp8.FP8_MAX).contiguous()
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux_dev,flux2_dev")
@@ -178,9 +184,10 @@ def main() -> None:
     ap.add_argument("--before", action="store_true", help="also each way as the blocks ran before the block chain "
                     "and the sampled keys' mean (block_chain.successor and fa3_fp8.KEY_MEAN_TOKENS switched off), "
                     "named WAY-before: the two changes' gain on one card, in one process")
-    ap.add_argument("--scales-each-call", action="store_true", help="also each way with fa3_fp8's static query "
-                    "and key descales worked out on every call instead of kept (fa3_fp8._STATIC_SCALES bypassed), "
-                    "named WAY-scales_each_call: what keeping them saves, in one process")
+    ap.add_argument("--fa3-before", action="store_true", help="also each fa3_fp8 way with its input passes as "
+                    "they ran before: the static query and key descales worked out on every call (not kept), the "
+                    "statistics' totals in torch ops, SDPA's queries and values through torch's maximum; named "
+                    "WAY-fa3_before: what the three save, in one process")
     ap.add_argument("--graphs", action="store_true", help="also time each way's call replayed from a CUDA graph "
                     "(ms_per_call_graphed), as the job runs it")
     ap.add_argument("--out", default="probe_fp8_step.json")
@@ -210,7 +217,7 @@ def main() -> None:
         ways = [(label + suffix, name, opts, major) for label, name, opts, major in ways
                 for suffix in (("-before", "") if a.before else ("",))]
         ways = [(label + suffix, name, opts, major) for label, name, opts, major in ways
-                for suffix in (("-scales_each_call", "") if a.scales_each_call and name == "fp8_fa3" else ("",))]
+                for suffix in (("-fa3_before", "") if a.fa3_before and name == "fp8_fa3" else ("",))]
         out = res[model] = {}
         ref = None
         for label, name, opts, major in ways:
@@ -218,8 +225,10 @@ def main() -> None:
             before = label.endswith("-before")
             block_chain.successor = (lambda *args: None) if before else chain_successor
             fa3_fp8.KEY_MEAN_TOKENS = 1 << 40 if before else key_mean_tokens
-            fa3_fp8._static_descales = (_descales_each_call if label.endswith("-scales_each_call")
-                                        else kept_descales)
+            fa3_before = label.endswith("-fa3_before")
+            fa3_fp8._static_descales = _descales_each_call if fa3_before else kept_descales
+            fa3_fp8._totals = _totals_in_torch if fa3_before else triton_totals
+            fa3_fp8._heads_kernel_ok = (lambda x: False) if fa3_before else heads_kernel_ok
             # fp8 and fp8_compiled without: their rows in docs/lossy.md
             fp8.USE_FAST_ACCUM = name in ("fp8_fast_accum", "fp8_attention", "fp8_fa3")
             done = accel.prepare(pipe, opts)
