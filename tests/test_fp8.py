@@ -223,6 +223,7 @@ import torch
 import torch.nn.functional as F
 from shardgen.speed import fp8
 fp8._kernel_ok = lambda x2: True  # CPU tensors, run by Triton's interpreter
+fp8.READ_TWICE_ROW_BYTES = 0  # each row held whole in registers first
 g = torch.Generator().manual_seed(1)
 
 
@@ -257,11 +258,11 @@ for mlp_range, fp8.REGISTER_COLS, alone_limit, chunked in ((0.1, 24576, 24576, F
     assert (fp8._joined_launch(0, 160)[3] > 0) == chunked
     check(fp8.joined_rows(None, proj[..., 96:], "swiglu"), swiglu(proj[..., 96:]))
 fp8.REGISTER_COLS = 24576
-# the row read twice in chunks (READ_TWICE_CHUNK): the same bytes as the row held whole, also where the chunks do
+# the row read twice in chunks (READ_TWICE_ROW_BYTES): the same bytes as the row held whole, also where the chunks do
 # not divide a part; and a row past the registers' lanes is then taken, not left to the caller
 once = [fp8.joined_rows(attn, mlp, "gelu"), fp8.joined_rows(attn, proj[..., 96:], "swiglu"),
         fp8.joined_rows(None, proj[..., 96:], "swiglu")]
-fp8.READ_TWICE_CHUNK = 64
+fp8.READ_TWICE_ROW_BYTES, fp8.READ_TWICE_CHUNK = 1 << 20, 64
 twice = [fp8.joined_rows(attn, mlp, "gelu"), fp8.joined_rows(attn, proj[..., 96:], "swiglu"),
          fp8.joined_rows(None, proj[..., 96:], "swiglu")]
 for x, y in zip(once, twice):
@@ -270,7 +271,7 @@ fp8.REGISTER_COLS = 64
 check(fp8.joined_rows(attn, mlp, "gelu"), torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
 print(fp8.joined_rows(attn, mlp.float(), "gelu"), fp8.joined_rows(attn, mlp[:, 1:], "gelu"),
       fp8.joined_rows(None, proj[..., 97:], "swiglu"), end=" ")
-fp8.READ_TWICE_CHUNK = 0
+fp8.READ_TWICE_ROW_BYTES = 0
 print(fp8.joined_rows(attn, mlp, "gelu"))
 '''
 
@@ -299,3 +300,29 @@ def test_joined_rows_launch_whole_power_of_two_blocks_while_they_fit_the_registe
 def test_the_concatenation_s_rows_are_left_to_the_parts_off_cuda():
     a, b = torch.randn(1, 4, 8).bfloat16(), torch.randn(1, 4, 16).bfloat16()
     assert fp8.joined_rows(a, b, "gelu") is None and fp8.joined_rows(None, b, "swiglu") is None
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records which one ``joined_rows`` launched, and its warps."""
+
+    def __init__(self, name: str, seen: list):
+        self.name, self.seen = name, seen
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.append((self.name, kwargs["num_warps"]))
+
+
+def test_a_flux1_single_block_row_is_read_twice_and_flux2_s_wider_rows_are_held_whole(monkeypatch):
+    """FLUX.1's single blocks' rows (3072 + 12288 columns, 30 KB of bf16) are read twice in chunks, the faster pass
+    for them on an H100; FLUX.2's (6144 + a SwiGLU of 36864, 84 KB) and its feed-forward SwiGLU (72 KB) are held
+    whole, where reading twice was a half slower."""
+    seen: list = []
+    monkeypatch.setattr(fp8, "_kernel_ok", lambda x2: True)
+    monkeypatch.setattr(fp8, "_quantize_parts_kernel", _Launches("whole", seen), raising=False)
+    monkeypatch.setattr(fp8, "_quantize_parts_chunked_kernel", _Launches("twice", seen), raising=False)
+    bf16 = {"dtype": torch.bfloat16}
+    assert fp8.joined_rows(torch.zeros(1, 2, 3072, **bf16), torch.zeros(1, 2, 12288, **bf16), "gelu").shape == (
+        1, 2, 15360)
+    fp8.joined_rows(torch.zeros(1, 2, 6144, **bf16), torch.zeros(1, 2, 36864, **bf16), "swiglu")
+    fp8.joined_rows(None, torch.zeros(1, 2, 36864, **bf16), "swiglu")
+    assert seen == [("twice", 8), ("whole", 16), ("whole", 16)]

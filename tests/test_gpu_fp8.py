@@ -94,14 +94,17 @@ def test_the_single_block_s_proj_out_input_is_quantised_in_one_pass(model, token
 
 @pytest.mark.parametrize("chunk, warps", [(1024, 4), (2048, 8), (4096, 2)])
 def test_the_joined_rows_read_twice_in_chunks_are_the_bytes_of_the_row_held_whole(monkeypatch, chunk, warps):
-    """``fp8.READ_TWICE_CHUNK`` (each row read twice, in chunks) at FLUX.1-dev's and FLUX.2-dev's single-block and
-    feed-forward widths: the same float8 bytes and scales as the row held whole in registers."""
+    """Each row read twice, in chunks (``fp8.READ_TWICE_ROW_BYTES``; FLUX.1-dev's single blocks by default) at
+    FLUX.1-dev's and FLUX.2-dev's single-block and feed-forward widths: the same float8 bytes and scales as the row
+    held whole in registers."""
     g = torch.Generator(device="cuda").manual_seed(chunk)
     attn1, mlp = (torch.randn(2, 300, n, device="cuda", generator=g).to(torch.bfloat16) for n in (3072, 12288))
     attn2 = torch.randn(2, 300, 6144, device="cuda", generator=g).to(torch.bfloat16)
     proj = (torch.randn(2, 300, 3 * 6144 + 2 * 18432, device="cuda", generator=g) * 3).to(torch.bfloat16)
     cases = [(attn1, mlp, "gelu"), (attn2, proj[..., 3 * 6144:], "swiglu"), (None, proj[..., 3 * 6144:], "swiglu")]
+    monkeypatch.setattr(fp8, "READ_TWICE_ROW_BYTES", 0)
     whole = [fp8.joined_rows(*case) for case in cases]
+    monkeypatch.setattr(fp8, "READ_TWICE_ROW_BYTES", 1 << 20)
     monkeypatch.setattr(fp8, "READ_TWICE_CHUNK", chunk)
     monkeypatch.setattr(fp8, "READ_TWICE_WARPS", warps)
     for case, once in zip(cases, whole):

@@ -301,12 +301,17 @@ REGISTER_COLS = 24576
 single blocks' output projection reads 6144 + 18432 in blocks of 4096 + 2048 + 16384 + 2048."""
 
 
-READ_TWICE_CHUNK = 0
-"""Columns of a chunk when ``joined_rows`` reads each row twice (``_quantize_parts_chunked_kernel``: the maximum,
-then the float8 values, the second read mostly from L2); 0: the whole row held in registers and read once
-(``_quantize_parts_kernel``; a row past ``REGISTER_COLS`` is then left to the caller: ``joined_rows`` gives None).
-Which is faster depends on the card (``benchmarks/probe_quantize_rows.py --only joined`` sweeps both)."""
-READ_TWICE_WARPS = 4
+READ_TWICE_ROW_BYTES = 32768
+"""``joined_rows`` reads a row twice in chunks (``_quantize_parts_chunked_kernel``: the maximum, then the float8
+values, the second read from L2) when the row's bf16 input, both parts, is at most this many bytes; wider rows are
+held whole in registers and read once (``_quantize_parts_kernel``, up to ``REGISTER_COLS``; past that the caller
+takes the parts). An H100's sweep (``benchmarks/probe_quantize_rows.py --only joined``, batch 4): FLUX.1's single
+blocks' 30 KB rows 311.7 us read twice against 343.5 us held whole (the whole row fills an SM's registers, so few
+rows' loads are in flight); FLUX.2's 86 KB rows 1170 against 782 us (their second read misses L2). 0: always whole."""
+READ_TWICE_CHUNK = 4096
+"""Columns a program of ``_quantize_parts_chunked_kernel`` holds at once (the sweep's fastest with ``READ_TWICE_WARPS``
+at FLUX.1's widths)."""
+READ_TWICE_WARPS = 8
 """Warps of a program of ``_quantize_parts_chunked_kernel``."""
 
 
@@ -338,10 +343,12 @@ def _joined_launch(cols_a: int, cols_b: int) -> tuple[int, int, int, int, int] |
 
 def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8Rows | None:
     """The float8 rows of ``cat([a, act(b)], -1)``, ``act`` the ``activation`` (``ACTIVATIONS``; with ``a`` None,
-    of ``act(b)`` alone), in one pass that reads each part once: what a ``Float8Linear`` over them quantises, the
-    activation's bf16 output never written. Eagerly on CUDA for bf16 parts of one leading shape whose chunks fit
-    in registers (``REGISTER_COLS``); None elsewhere (the caller runs the activation in bf16 and the layer takes
-    the parts one GEMM each: ``Float8Linear.forward_parts``). The rows share one scale, so the layer runs one GEMM
+    of ``act(b)`` alone), in one pass over the parts: what a ``Float8Linear`` over them quantises, the activation's
+    bf16 output never written. A row of up to ``READ_TWICE_ROW_BYTES`` is read twice in chunks, a wider one held
+    whole in registers and read once. Eagerly on CUDA for bf16 parts of one leading shape, a row held whole only
+    where its chunks fit the registers (``REGISTER_COLS``); None elsewhere (the caller runs the activation in bf16
+    and the layer takes the parts one GEMM each: ``Float8Linear.forward_parts``). The rows share one scale, so the
+    layer runs one GEMM
     over them and no sum of two products is written and read again (the single blocks' output projection of FLUX.1
     and FLUX.2; FLUX.2's feed-forward down-projection takes its SwiGLU this way)."""
     act = ACTIVATIONS[activation]
@@ -353,12 +360,13 @@ def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8
         return None
     rows, cols_a = b2.shape[0], a2.shape[1]
     launch = _joined_launch(cols_a, cols_b)
-    if (launch is None and not READ_TWICE_CHUNK) or (act == ACTIVATIONS["swiglu"] and b2.shape[1] % 2):
+    twice = (cols_a + b2.shape[1]) * b2.element_size() <= READ_TWICE_ROW_BYTES
+    if (launch is None and not twice) or (act == ACTIVATIONS["swiglu"] and b2.shape[1] % 2):
         return None
     q = torch.empty((rows, cols_a + cols_b), dtype=torch.float8_e4m3fn, device=b.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=b.device)
     first = a2 if a is not None else b2
-    if rows and not READ_TWICE_CHUNK:
+    if rows and not twice:
         *chunks, warps = launch
         _quantize_parts_kernel[(rows,)](first, b2, q, scale, cols_a, cols_b, a2.stride(0), b2.stride(0), *chunks,
                                         ACT=act, QMAX=FP8_MAX, APPROX=APPROX_TANH, num_warps=warps)
