@@ -283,11 +283,10 @@ _STATIC_SCALES: dict[tuple, tuple[tuple[weakref.ref, ...], torch.Tensor]] = {}
 def _static_descales(weights: list[torch.Tensor], batch: int, heads: int, dim: int, factor: float) -> torch.Tensor:
     """``factor`` x the norm's bound (``_norm_bound``) / 448 as float32 (batch, heads) descales, made once per set of
     norm weights (and their version, dtype and device: an in-place change or a move makes them again) and batch
-    shape, then reused: they depend
-    on the weights alone, and working them out took ~20 tiny kernels a layer, every call (~1,300 in a FLUX.1-dev
-    call, each a launch in its CUDA graph). The entry is keyed by the weights' identity and checked against weak
-    references to them (a freed weight's id may be reused); it is dropped when a weight is freed. Not kept while a
-    CUDA graph is being captured: the capture's tensors are only filled when it replays."""
+    shape, then reused: they depend on the weights alone, and working them out took ~20 tiny kernels a layer, every
+    call (~1,300 in a FLUX.1-dev call, each a launch in its CUDA graph). The entry is keyed by the weights' identity
+    and checked against weak references to them (a freed weight's id may be reused); it is dropped when a weight is
+    freed. Not kept while a CUDA graph is being captured: the capture's tensors are only filled when it replays."""
     try:
         key = (tuple((id(w), w._version, w.dtype, w.device) for w in weights), batch, heads, dim, factor)
     except RuntimeError:  # an inference-mode tensor has no version counter: nothing tells a change, so no reuse

@@ -19,9 +19,9 @@ blocks know the layers are float8: an input read by several layers (q, k and v; 
 is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-projection's quantisation pass
 (``gelu_rows``: its bf16 output is never written), its tanh the GPU's one-instruction approximation
 (``APPROX_TANH``); the single blocks' output projection (FLUX.1, FLUX.2) takes the attention output beside the
-MLP's activation (GELU, SwiGLU) as one float8 row each, made in one pass that reads both parts once
-(``joined_rows``: one GEMM, no concatenation or bf16 activation written), and FLUX.2's feed-forward its SwiGLU the
-same way; a layer over a concatenation that pass does not take (rows too wide for its registers, or off CUDA) takes
+MLP's activation (GELU, SwiGLU) as one float8 row each, made in one pass over both parts (``joined_rows``: one
+GEMM, no concatenation or bf16 activation written; FLUX.1's narrower rows read twice, the second time from L2,
+FLUX.2's held in registers and read once), and FLUX.2's feed-forward its SwiGLU the same way; a layer over a concatenation that pass does not take (rows too wide for its registers, or off CUDA) takes
 its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
 """
 
@@ -348,9 +348,8 @@ def joined_rows(a: torch.Tensor | None, b: torch.Tensor, activation: str) -> Fp8
     whole in registers and read once. Eagerly on CUDA for bf16 parts of one leading shape, a row held whole only
     where its chunks fit the registers (``REGISTER_COLS``); None elsewhere (the caller runs the activation in bf16
     and the layer takes the parts one GEMM each: ``Float8Linear.forward_parts``). The rows share one scale, so the
-    layer runs one GEMM
-    over them and no sum of two products is written and read again (the single blocks' output projection of FLUX.1
-    and FLUX.2; FLUX.2's feed-forward down-projection takes its SwiGLU this way)."""
+    layer runs one GEMM over them and no sum of two products is written and read again (the single blocks' output
+    projection of FLUX.1 and FLUX.2; FLUX.2's feed-forward down-projection takes its SwiGLU this way)."""
     act = ACTIVATIONS[activation]
     b2 = b.reshape(-1, b.shape[-1])
     a2 = a.reshape(-1, a.shape[-1]) if a is not None else b2[:, :0]
