@@ -21,8 +21,9 @@ is quantised once (``_LAST``); the MLP's tanh-GELU is computed in the down-proje
 (``APPROX_TANH``); the single blocks' output projection (FLUX.1, FLUX.2) takes the attention output beside the
 MLP's activation (GELU, SwiGLU) as one float8 row each, made in one pass over both parts (``joined_rows``: one
 GEMM, no concatenation or bf16 activation written; FLUX.1's narrower rows read twice, the second time from L2,
-FLUX.2's held in registers and read once), and FLUX.2's feed-forward its SwiGLU the same way; a layer over a concatenation that pass does not take (rows too wide for its registers, or off CUDA) takes
-its parts one GEMM each (``Float8Linear.forward_parts``) instead of copying them together.
+FLUX.2's held in registers and read once), and FLUX.2's feed-forward its SwiGLU the same way; a layer over a
+concatenation that pass does not take (rows too wide for its registers, or off CUDA) takes its parts one GEMM each
+(``Float8Linear.forward_parts``) instead of copying them together.
 """
 
 from __future__ import annotations
