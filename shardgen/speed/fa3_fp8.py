@@ -217,30 +217,30 @@ if triton is not None:
             tl.store(out_ptr + row, tl.max(tl.max(acc, axis=2), axis=0))
 
     @triton.jit
-    def _stats_total(part_ptr, out_ptr, heads, divisor, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                     SUM: tl.constexpr, QMAX: tl.constexpr):
-        """One (batch, head) of ``_part_stats``' partials (batch, BLOCKS, heads[, D]) in one program: with SUM the
+    def _stats_total(part_ptr, out_ptr, heads, blocks, divisor, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+                     D: tl.constexpr, SUM: tl.constexpr, QMAX: tl.constexpr):
+        """One (batch, head) of ``_part_stats``' partials (batch, blocks, heads[, D]) in one program: with SUM the
         channels' sums over the blocks / ``divisor`` into OUT (batch, heads, D) (the keys' mean); else the largest
         magnitude over the blocks as a float8 descale, max(it, 1e-20) / QMAX, into OUT (batch, heads); both divisions
-        rounded as torch's (``div_rn``: Triton's ``/`` may be an approximate division). BLOCKS is a
-        compile-time constant (a model has a few token counts): the loop's bound, which Triton's interpreter takes
-        only so."""
+        rounded as torch's (``div_rn``: Triton's ``/`` may be an approximate division). The loop runs to SPAN, the
+        power of two at or above ``blocks``: a compile-time bound, which Triton's interpreter (the CPU tests) needs,
+        shared by every token count up to it (a sequence whose text length varies batch to batch compiles once)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // heads, bh % heads
         i = tl.arange(0, CHUNK)
         if SUM:
             d = tl.arange(0, D)
             acc = tl.zeros((CHUNK, D), dtype=tl.float32)
-            for start in range(0, BLOCKS, CHUNK):
+            for start in range(0, SPAN, CHUNK):
                 rows = start + i
-                acc += tl.load(part_ptr + ((b * BLOCKS + rows[:, None]) * heads + h) * D + d[None, :],
-                               mask=(rows < BLOCKS)[:, None], other=0.0)
+                acc += tl.load(part_ptr + ((b * blocks + rows[:, None]) * heads + h) * D + d[None, :],
+                               mask=(rows < blocks)[:, None], other=0.0)
             tl.store(out_ptr + bh * D + d, tl.math.div_rn(tl.sum(acc, axis=0), divisor))
         else:
             acc = tl.zeros((CHUNK,), dtype=tl.float32)
-            for start in range(0, BLOCKS, CHUNK):
+            for start in range(0, SPAN, CHUNK):
                 rows = start + i
-                acc = tl.maximum(acc, tl.load(part_ptr + (b * BLOCKS + rows) * heads + h, mask=rows < BLOCKS,
+                acc = tl.maximum(acc, tl.load(part_ptr + (b * blocks + rows) * heads + h, mask=rows < blocks,
                                               other=0.0))
             tl.store(out_ptr + bh, tl.math.div_rn(tl.maximum(tl.max(acc, axis=0), 1e-20), QMAX))
 
@@ -253,7 +253,9 @@ def _totals(partials: torch.Tensor, divisor: int = 1) -> torch.Tensor:
     b, blocks, heads = partials.shape[:3]
     sums = partials.dim() == 4
     out = partials.new_empty(b, heads, *partials.shape[3:])
-    _stats_total[(b * heads,)](partials, out, heads, float(divisor), BLOCKS=blocks, CHUNK=16 if sums else 128,
+    chunk = 16 if sums else 128
+    _stats_total[(b * heads,)](partials, out, heads, blocks, float(divisor),
+                               SPAN=max(chunk, triton.next_power_of_2(blocks)), CHUNK=chunk,
                                D=partials.shape[3] if sums else 1, SUM=sums, QMAX=FP8_MAX, num_warps=4)
     return out
 
