@@ -2,13 +2,15 @@
 step of the job's own transformer (``accel.prepare``: the family's fused eager blocks, fp8 layers) split by kernel
 kind.
 
-    python benchmarks/probe_fp8_step.py [--models flux_dev,flux2_dev] [--batch 4] [--compile] [--out probe.json]
+    python benchmarks/probe_fp8_step.py [--models flux_dev,flux2_dev] [--batch 4] [--compile] [--graphs] \
+        [--fa3-before] [--out probe.json]
 
 GEMMs: ``torch.mm`` in bf16 against ``torch._scaled_mm`` (row-wise scales, with and without ``use_fast_accum``) at
 FLUX.1-dev's 1024x1024 batch-4 shapes, in TFLOP/s, plus the row quantisation of the input. Step: the dummy
 transformer (real widths and depths, random bf16 weights) on one 1024x1024 step (4096 image + 512 text tokens),
-median of 5 calls after two warm-ups, and a profile of one call grouped into fp8 GEMMs, bf16 GEMMs, attention, the
-row quantisation, other Triton kernels and the rest.
+median of 5 calls after two warm-ups (with ``--graphs`` also replayed from a CUDA graph, as the job runs them), and a
+profile of one call grouped into fp8 GEMMs, bf16 GEMMs, attention, the row quantisation, other Triton kernels and
+the rest.
 """
 
 from __future__ import annotations
