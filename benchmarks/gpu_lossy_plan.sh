@@ -90,7 +90,7 @@ step() {  # step NUMBER NAME SECONDS_IT_NEEDS COMMAND...
 step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
   or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
-  or tokens_major or swiglu" \
+  or tokens_major or swiglu or read_twice" \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
