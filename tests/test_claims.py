@@ -121,6 +121,49 @@ def test_a_dead_holder_is_taken_over_at_once(run, claimers):
     assert claimers(1, lease_s=3600, heartbeat_s=60).try_claim(1, 1) == 2
 
 
+PROC = pytest.mark.skipif(not os.path.exists("/proc/self/stat") or not os.path.exists("/proc/self/ns/pid"),
+                          reason="needs /proc to tell one process from another given the same pid")
+
+
+def earlier(identity: str) -> str:
+    """The identity of a process that had the same pid in the same boot and pid namespace, but started earlier."""
+    boot, namespace, start = identity.split(":")
+    return f"{boot}:{namespace}:{int(start) - 1}"
+
+
+@PROC
+@BOTH
+def test_a_claim_of_an_earlier_process_that_had_this_very_pid_is_taken_over_at_once(run, claimers):
+    """A job run again in a fresh container numbers its processes from 1 again: its process may have the pid the
+    killed one had, on a host of the same name. That claim is not this process's, and its holder is gone."""
+    me = owner_record(0)
+    ghost = claimers(0, lease_s=3600, heartbeat_s=60, owner=dict(proc=earlier(me["proc"])))
+    assert ghost.try_claim(1, None) == 1
+    assert claimers(1, lease_s=3600, heartbeat_s=60).try_claim(1, 1) == 2
+
+
+@PROC
+def test_a_pid_another_process_has_now_is_not_the_holder_s():
+    from shardgen.dataio.rundir.liveness import pid_alive, process_identity
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        now = process_identity(p.pid)
+        me = owner_record(0)
+        holder = dict(host=me["host"], pid=p.pid, job=None, restart=0)
+        assert pid_alive(p.pid, now) and not holder_known_dead(dict(holder, proc=now), me)
+        assert not pid_alive(p.pid, earlier(now))  # the pid was reused since the claim was written
+        assert holder_known_dead(dict(holder, proc=earlier(now)), me)
+        other_boot = "0" * 32 + now[now.index(":"):]
+        assert holder_known_dead(dict(holder, proc=other_boot), me)  # recorded before this host rebooted
+        boot, namespace, start = now.split(":")
+        # a container sharing the host's name but not its pid numbers: the pid says nothing here, the lease decides
+        assert not holder_known_dead(dict(holder, pid=dead_pid(), proc=f"{boot}:{int(namespace) + 1}:{start}"), me)
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_the_heartbeat_keeps_a_claim_alive(run, claimers):
     a = claimers(0, lease_s=1.0, heartbeat_s=0.2)
     assert a.try_claim(0, None) == 1

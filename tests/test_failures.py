@@ -226,3 +226,11 @@ def test_a_rank_whose_launcher_is_gone_counts_as_stopping(monkeypatch):
     ended.wait()
     stopping.note_launcher(ended.pid)
     assert stopping.stopping()
+    from shardgen.dataio.rundir.liveness import process_identity
+
+    if identity := process_identity(os.getpid()):  # the launcher's pid given to another process since: gone too
+        boot, namespace, start = identity.split(":")
+        stopping.note_launcher(os.getpid(), f"{boot}:{namespace}:{int(start) - 1}")
+        assert stopping.stopping()
+        stopping.note_launcher(os.getpid(), identity)
+        assert not stopping.stopping()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from shardgen.dataio.rundir.liveness import pid_alive
+from shardgen.dataio.rundir.liveness import pid_alive, process_identity
 from shardgen.errors import UserError, is_user_error
 from shardgen.launch.ranks import child_config, setup_rank_logging
 
@@ -84,8 +84,10 @@ def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Threa
     A launcher killed with SIGKILL cannot pass a signal on, and its ranks (the forkserver's children on CPU, its own
     on GPUs: either way nothing ends them with it) would otherwise go on writing the run unwatched; so each drops its
     batch in flight and gives up its claims, as after Ctrl-C, and the same command resumes the run."""
+    launcher = process_identity(pid)  # the launcher itself, not a later process given its pid
+
     def watch() -> None:
-        while pid_alive(pid):
+        while pid_alive(pid, launcher):
             time.sleep(poll_s)
         logging.getLogger("shardgen").warning("the launching process (pid %d) is gone: this rank stops; re-run the "
                                               "same command to continue", pid)
@@ -93,7 +95,7 @@ def watch_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> threading.Threa
 
     from shardgen.run.stopping import note_launcher
 
-    note_launcher(pid)
+    note_launcher(pid, launcher)
     thread = threading.Thread(target=watch, name="shardgen-launcher-watch", daemon=True)
     thread.start()
     return thread

@@ -46,12 +46,13 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-_LAUNCHER: list[int] = []
+_LAUNCHER: list[tuple[int, str | None]] = []
 
 
-def note_launcher(pid: int) -> None:
-    """Record the process that launched this rank (``launch/local.py``'s spawned ranks), for ``stopping``."""
-    _LAUNCHER[:] = [pid]
+def note_launcher(pid: int, identity: str | None = None) -> None:
+    """Record the process that launched this rank (``launch/local.py``'s spawned ranks; ``identity``: its
+    ``liveness.process_identity``), for ``stopping``."""
+    _LAUNCHER[:] = [(pid, identity)]
 
 
 def stopping() -> bool:
@@ -59,4 +60,4 @@ def stopping() -> bool:
     is gone. A rank of a tensor- or context-parallel replica whose peer stopped first sees the peer's exit as an
     error in a collective (gloo's "Connection reset by peer") before its own launcher watch fires; that error is the
     stop, and the rank gives up its claims as the stop would."""
-    return sigterm_received() or any(not pid_alive(pid) for pid in _LAUNCHER)
+    return sigterm_received() or any(not pid_alive(pid, identity) for pid, identity in _LAUNCHER)

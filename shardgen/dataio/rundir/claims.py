@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.rundir.claimstore import ClaimStore, claim_name
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.rundir.liveness import host_name, pid_alive, reported_ended
+from shardgen.dataio.rundir.liveness import host_name, pid_alive, process_identity, reported_ended, same_pid_numbers
 from shardgen.dataio.rundir.remote import StorageError
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
@@ -38,20 +38,21 @@ FUTURE_TOLERANCE_S = 5.0  # heartbeats this far ahead of our clock are reported 
 
 
 def owner_record(replica: int) -> dict:
-    """Who is claiming: enough for others to tell whether we are dead."""
+    """Who is claiming: enough for others to tell whether we are dead (``proc``: this process's identity on its
+    host, where /proc tells it, so a later process given the same pid is not taken for it)."""
+    proc = process_identity(os.getpid())
     return dict(host=host_name(), pid=os.getpid(), replica=replica,
                 job=os.environ.get("SLURM_JOB_ID"), restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                started=time.time())
+                started=time.time(), **({"proc": proc} if proc else {}))
 
 
 def holder_known_dead(record: dict | None, me: dict) -> bool:
     """True when the claim's holder cannot be alive (so waiting for its lease is pointless)."""
     if not isinstance(record, dict) or not record:
         return False
-    pid = record.get("pid")
-    if record.get("host") == me["host"] and isinstance(pid, int) and pid != me["pid"] and not pid_alive(pid):
+    if _gone_here(record, me):
         return True
-    if reported_ended(record.get("host"), pid, record.get("started")):  # e.g. a Ray actor lost on another node
+    if reported_ended(record.get("host"), record.get("pid"), record.get("started")):  # e.g. a Ray actor lost on another node
         return True
     job, restart = record.get("job"), record.get("restart", 0)
     if not isinstance(restart, int):
@@ -63,6 +64,20 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
 
         return slurm_attempt_ended(str(job), restart)
     return False
+
+
+def _gone_here(record: dict, me: dict) -> bool:
+    """Whether the record's holder ran on this host and is gone: its pid ended, or another process has it now (the
+    record's ``proc`` differs: a pid reused, even this process's own pid in a container run again). A record
+    without ``proc`` (written where /proc was not readable) is ours when it has our pid; one of another pid namespace
+    (a container sharing this host name) is judged by its lease alone."""
+    pid, proc = record.get("pid"), record.get("proc")
+    if record.get("host") != me["host"] or not isinstance(pid, int):
+        return False
+    if isinstance(proc, str):
+        ours = pid == me["pid"] and proc == me.get("proc")
+        return same_pid_numbers(proc) and not ours and not pid_alive(pid, proc)
+    return pid != me["pid"] and not pid_alive(pid)
 
 
 def claim_state(record: dict | None, mtime: float | None, now: float, lease_s: float, me: dict) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -15,20 +16,75 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).strip(".") or "host"
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, identity: str | None = None) -> bool:
     """Whether process ``pid`` runs on this host: it exists (another user's counts) and is no zombie (ended, not yet
-    reaped by its parent: what it held is a leftover)."""
+    reaped by its parent: what it held is a leftover). With ``identity`` (``process_identity`` of the process that
+    was recorded), also that the process now at ``pid`` is that one: pids are reused, soonest in a container, where
+    each run's processes count from 1 again."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's: it exists; /proc still tells its state and start
+    fields = _proc_stat(pid)
+    if fields is None:
+        return True  # no /proc (not Linux), or it ended just now: the signal test above is all there is
+    if fields[0] in ("Z", "X"):
+        return False
+    now = _identity_of(fields)
+    return identity is None or now is None or now == identity
+
+
+def process_identity(pid: int) -> str | None:
+    """``"BOOT:NAMESPACE:START"``: the boot this host is in, the pid namespace the number ``pid`` is read in (this
+    process's: containers sharing a host name may each have their own) and the clock tick the process started at,
+    which no other process of that boot shares; so a record of it tells a reused pid from the process itself. None
+    without /proc."""
+    fields = _proc_stat(pid)
+    return None if fields is None else _identity_of(fields)
+
+
+def same_pid_numbers(identity: str) -> bool:
+    """Whether a process recorded with ``identity`` numbered its pids as this process does: the same boot's same pid
+    namespace. Of a process of another boot that is moot (it is gone); of another namespace its pid means nothing
+    here, so it cannot be judged gone by its pid."""
+    boot, _, rest = identity.partition(":")
+    return boot != _boot_id() or rest.partition(":")[0] == _pid_namespace()
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True  # no /proc (not Linux): the signal test above is all there is
+        return None
+
+
+def _identity_of(fields: list[str]) -> str | None:
+    boot, namespace = _boot_id(), _pid_namespace()
+    # field 22 of stat, the start time in clock ticks since boot, is the 20th after the command name
+    return None if not boot or not namespace or len(fields) < 20 else f"{boot}:{namespace}:{fields[19]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str | None:
+    """This boot's random id, None where the kernel has none to read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace(":", "") or None
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """The inode number of this process's pid namespace (``/proc/self/ns/pid``), None where it cannot be read. Not
+    cached: a forked child may be in another one."""
+    try:
+        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or None
+    except OSError:
+        return None
 
 
 def gone_from_this_host(host: object, pid: object) -> bool:
