@@ -178,6 +178,31 @@ def test_a_run_with_a_sample_or_an_upload_keeps_its_settings(tmp_path):
         check_or_write_fingerprint(run, fp("steps=6"))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="needs /proc to tell one process from another")
+def test_a_marker_of_an_earlier_process_that_had_this_very_pid_does_not_hold_the_run(tmp_path):
+    """A job run again in a fresh container numbers its processes from 1 again: its process may have the pid the
+    killed launch had. The marker holds the launch's process identity, so it is known gone; this process's own
+    marker, and a marker that is not a plain file (a FIFO: read without waiting), hold the run as before."""
+    from shardgen.dataio.resume.fingerprint import holds_no_samples, run_settings, start_generating, stop_generating
+    from shardgen.dataio.rundir.liveness import host_name, process_identity
+    from shardgen.run.runner import prepare_run
+
+    prepare_run(compose_cfg(f"run_dir={tmp_path / 'r'}", "height=32", "width=32", "prompts.limit=2", "steps=1"))
+    r = RunDir(tmp_path / "r")
+    r.work_dir.mkdir(parents=True, exist_ok=True)
+    marker = r.work_dir / f"launch.{host_name()}.{os.getpid()}"
+    boot, namespace, start = process_identity(os.getpid()).split(":")
+    marker.write_text(f"{boot}:{namespace}:{int(start) - 1}")
+    assert holds_no_samples(r)
+    marker.unlink()
+    mine = start_generating(r, run_settings(r))
+    assert mine == marker and marker.read_text() == process_identity(os.getpid())
+    assert not holds_no_samples(r)
+    stop_generating(mine)
+    os.mkfifo(r.work_dir / f"launch.{host_name()}.{os.getppid()}")
+    assert not holds_no_samples(r)  # judged by its name alone: the parent process lives
+
+
 def test_a_launch_killed_before_its_first_sample_leaves_the_run_open_to_new_settings(tmp_path):
     """A launch SIGKILLed while generating leaves its work/launch.<host>.<pid> marker: once its pid is gone the run
     (no sample made) takes another launch's settings, as if the marker were not there; a live launch's marker, or

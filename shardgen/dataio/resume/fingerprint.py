@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from shardgen.dataio.rundir.remote import StorageError, identity as remote_ident
 from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
-from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name
+from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name, process_identity
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.video import video_fingerprint
 from shardgen.errors import UserError
@@ -228,17 +229,39 @@ def holds_no_samples(run: RunDir) -> bool:
     nothing, and every shard committed in shards/ holds rejected rows only (its stats say 0 ok, 0 failed), so
     nothing a setting determines was made yet."""
     for d in (run.work_dir, run.claims_dir, run.latents_dir, run.uploads_dir):
-        if any(not n.startswith(".") and not _dead_launch_marker(n) for n in _names(run, d)):
+        if any(not n.startswith(".") and not (d == run.work_dir and _dead_launch_marker(d / n))
+               for n in _names(run, d)):
             return False
     return _rejects_only(run) is not None
 
 
-def _dead_launch_marker(name: str) -> bool:
-    """Whether ``name`` is a ``start_generating`` marker of a launch on this host that is gone (killed before it
+def _dead_launch_marker(path: Path) -> bool:
+    """Whether ``path`` is a ``start_generating`` marker of a launch on this host that is gone (killed before it
     could remove it: SIGKILL, the OOM killer): it marks no generating launch, and the run may still take new
-    settings. A marker of another host is kept (its pid means nothing here)."""
-    m = re.fullmatch(r"launch\.(.+)\.(\d+)", name)
-    return bool(m) and gone_from_this_host(m.group(1), int(m.group(2)))
+    settings. A marker of another host is kept (its pid means nothing here). The marker holds its launch's
+    ``process_identity``, so a later process given the same pid (a container run again) does not keep it alive."""
+    m = re.fullmatch(r"launch\.(.+)\.(\d+)", path.name)
+    if not m:
+        return False
+    return gone_from_this_host(m.group(1), int(m.group(2)), _marker_identity(path))
+
+
+def _marker_identity(path: Path) -> str | None:
+    """What a launch marker holds (its launch's ``process_identity``); None for an empty one (written where /proc
+    was not readable), one gone meanwhile, and anything but a plain file (a link or FIFO put there is not opened
+    through, nor waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, 200).decode("ascii", "replace").strip() or None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _rejects_only(run: RunDir) -> list[str] | None:
@@ -330,9 +353,12 @@ def start_generating(run: RunDir, before: tuple[dict | None, str | None]) -> Pat
     for ``stop_generating``."""
     marker = run.work_dir / f"launch.{host_name()}.{os.getpid()}"
     run.work_dir.mkdir(exist_ok=True)
-    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    os.fsync(fd)
-    os.close(fd)
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, (process_identity(os.getpid()) or "").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     try:
         check_settings_unchanged(run, before)
     except BaseException:

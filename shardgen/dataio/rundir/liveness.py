@@ -87,10 +87,17 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def gone_from_this_host(host: object, pid: object) -> bool:
+def gone_from_this_host(host: object, pid: object, identity: str | None = None) -> bool:
     """Whether a process recorded as ``host``/``pid`` ran on this host and has ended (not this process: a record of
-    our own is never a leftover). A record of another host is never known gone here: its pid means nothing here."""
-    return host == host_name() and isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
+    our own is never a leftover). A record of another host is never known gone here: its pid means nothing here.
+    With ``identity`` (``process_identity`` when it was recorded): also when another process has the pid now, this
+    one included (a container run again), and never for a process of another pid namespace."""
+    if host != host_name() or not isinstance(pid, int):
+        return False
+    if not identity:
+        return pid != os.getpid() and not pid_alive(pid)
+    ours = pid == os.getpid() and identity == process_identity(pid)
+    return same_pid_numbers(identity) and not ours and not pid_alive(pid, identity)
 
 
 # set by a launcher for the processes it starts after others ended (launcher=ray: a replica started again): the
