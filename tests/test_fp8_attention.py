@@ -71,7 +71,7 @@ def test_takes_only_what_the_kernel_can_do():
 @pytest.mark.parametrize("kernel", sdpa.EIGHT_BIT)
 def test_the_context_routes_what_the_kernel_takes_and_restores_torch(monkeypatch, kernel):
     """Each 8-bit kernel's context (shardgen/speed/sdpa_route.py)."""
-    module = sdpa._eight_bit(kernel)
+    module = sdpa.eight_bit_kernel(kernel)
     calls = []
     monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: calls.append(q.shape) or q)
     monkeypatch.setattr(module, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
@@ -113,7 +113,7 @@ def test_a_kernel_this_gpu_runs_wrong_is_refused_before_any_sample(monkeypatch, 
         noise = torch.randn(exact.shape, generator=torch.Generator().manual_seed(1))
         return (exact + noise * kernel_error * exact.norm() / noise.norm()).to(torch.bfloat16)
 
-    module = sdpa._eight_bit(kernel)
+    module = sdpa.eight_bit_kernel(kernel)
     monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: noisy(
         F.scaled_dot_product_attention(q.float(), k.float(), v.float())))
     if hasattr(module, "check_parts"):  # its path from the projections is checked the same way
@@ -138,7 +138,7 @@ def test_a_kernel_that_cannot_build_here_is_refused_in_one_line(monkeypatch, ker
     def broken(q, k, v, scale=None):
         raise RuntimeError("PassManager::run failed\n  ... 40 lines of MLIR ...")
 
-    monkeypatch.setattr(sdpa._eight_bit(kernel), "attention", broken)
+    monkeypatch.setattr(sdpa.eight_bit_kernel(kernel), "attention", broken)
     monkeypatch.setattr(sdpa_route, "_CHECKED", {})
     with pytest.raises(AccelError) as e:
         sdpa._check_kernel(kernel, "cpu")
@@ -158,7 +158,7 @@ def test_compiled_blocks_keep_the_8bit_attention_and_lose_it_outside_the_context
     SDPA again)."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    module = sdpa._eight_bit(kernel)
+    module = sdpa.eight_bit_kernel(kernel)
     monkeypatch.setattr(module, "takes", lambda q, k, v, attn_mask=None, **kw: attn_mask is None)
     monkeypatch.setattr(module, "attention", lambda q, k, v, scale=None: fp8_attention.reference(q, k, v, scale))
 

@@ -263,7 +263,7 @@ def test_8bit_attention_kernel_matches_its_reference(kernel, batch, heads, q_tok
     memory as well as SDPA's."""
     from shardgen.speed import sdpa
 
-    module = sdpa._eight_bit(kernel)
+    module = sdpa.eight_bit_kernel(kernel)
     if why := module.unavailable_reason("cuda"):
         pytest.skip(why)
     g = torch.Generator(device="cuda").manual_seed(q_tokens)
@@ -377,6 +377,32 @@ def test_fp8_job_with_its_calibration_on_each_model(tmp_path, model):
         record = json.loads((tmp_path / "run" / "calibration.json").read_text())
         assert record["passed"] and record["lossy"] == {"fp8": True}
         print(model, "calibration PSNR worst", record["psnr_db"]["worst"], "SSIM worst", record["ssim"]["worst"])
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("model", sorted(FP8_FLOOR_DB))
+def test_speed_fast_takes_the_8bit_attention_that_pays_on_each_model(tmp_path, model):
+    """``speed=fast``: fp8, and FA3's float8 attention where it pays (FLUX.1, FLUX.2) and this GPU runs it, pinned in
+    attention.json; Qwen-Image keeps lossless attention. The calibration holds the model's bound."""
+    import gc
+    import json
+
+    from shardgen.speed import fa3_fp8
+    from tests.conftest import compose_cfg
+
+    kernel = "fa3_fp8" if model != "qwen_image" and fa3_fp8.unavailable_reason(torch.device("cuda")) is None \
+        else "auto"
+    try:
+        r = run_job(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "steps=4",
+                                "prompts.limit=6", "batch_size=2", "progress=false", "speed=fast",
+                                "calibrate_samples=2", f"calibrate_min_psnr={FP8_FLOOR_DB[model]}", "strategy=auto"))
+        assert (r.ok, r.failed, r.complete) == (6, 0, True)
+        assert json.loads((tmp_path / "run" / "attention.json").read_text())["sdpa_backend"] == kernel
+        record = json.loads((tmp_path / "run" / "calibration.json").read_text())
+        assert record["passed"] and record["lossy"] == {"fp8": True, **({"sdpa": kernel} if kernel != "auto" else {})}
+        print(model, "speed=fast attention", kernel, "calibration PSNR worst", record["psnr_db"]["worst"])
     finally:
         gc.collect()
         torch.cuda.empty_cache()

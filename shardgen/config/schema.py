@@ -370,6 +370,8 @@ class ParallelDegrees:
 
 # sdpa_backend values that are LOSSY 8-bit attention kernels: part of the fingerprint and provenance
 EIGHT_BIT_ATTENTION = ("sage", "fp8", "fa3_fp8")
+# and the value that asks for one of them where it pays (shardgen/run/auto_8bit.py): part of the fingerprint as asked
+LOSSY_SDPA_BACKENDS = EIGHT_BIT_ATTENTION + ("auto_8bit",)
 
 
 @dataclass(kw_only=True)
@@ -413,7 +415,9 @@ class SpeedConfig:
     sage | fp8 | fa3_fp8: opt-in, LOSSY 8-bit attention, compiled blocks included; the calls it cannot take keep
     auto's kernel: sage is SageAttention's INT8 QK / fp16 PV Triton kernel (pip install 'sageattention>=1.0.6,<2');
     fp8 is shardgen's own INT8 QK / float8 PV Triton kernel (compute capability 8.9+, nothing to install); fa3_fp8
-    is FlashAttention-3's float8 kernel (pip install fa3-fwd; H100/H200 only; docs/lossy.md).
+    is FlashAttention-3's float8 kernel (pip install fa3-fwd; H100/H200 only; docs/lossy.md). auto_8bit (LOSSY,
+    speed=fast's): the 8-bit kernel measured faster for the model (fa3_fp8 for FLUX.1 and FLUX.2) where this GPU
+    runs it, else auto; chosen at the run's first launch and kept for the run (RUN_DIR/attention.json).
     shardgen/speed/sdpa.py, fa4.py, sage.py, fp8_attention.py, fa3_fp8.py."""
     cfg_batching: bool = False
     """Models with true CFG (Qwen-Image, true_cfg_scale > 1): the conditional and unconditional transformer

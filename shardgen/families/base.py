@@ -130,6 +130,10 @@ class ModelFamily:
     checked on a GPU (tests/test_gpu.py) before a family declares it."""
     tiny_models: tuple[TinyModel, ...] = ()
     """The embedded tiny models of the family's pipeline (``model=tiny``'s FLUX.1 pipeline ...)."""
+    eight_bit_attention: str | None = None
+    """The 8-bit attention kernel (``sdpa_backend`` name) measured faster than lossless attention for the family's
+    models, which ``sdpa_backend=auto_8bit`` (``speed=fast``) takes where the GPU runs it (shardgen/run/auto_8bit.py);
+    None: none was, and auto_8bit keeps lossless attention."""
     compiled_speedup: float | None = None
     """Measured seconds per sample of the family's default eager path (its fused blocks where it has them) over
     its compiled blocks', which ``compile=auto`` expects before a process has recorded its own; None: the generic

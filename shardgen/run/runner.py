@@ -36,7 +36,7 @@ from shardgen.run.memory import cuda_oom, out_of_memory
 from shardgen.quality.gate import CalibrationFailed, calibrate, provenance_summary, record_bytes
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
-from shardgen.run import rates
+from shardgen.run import auto_8bit, rates
 from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
@@ -233,13 +233,17 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         layout = plan_layout(cfg, world.world_size)
         dims = layout.dims
         # with the run's settings as accepted, to find a launch that starts the run over while this one loads
-        plan, settings = W.on_rank0_then_share(lambda: _prepared_with_settings(cfg, dims.dp))
+        plan, settings, attention = W.on_rank0_then_share(
+            lambda: _prepared_with_settings(cfg, dims.dp, world.device, dims.attention_backend))
         rank_log.start_writing()  # the run directory is accepted: the lines held so far go into the file
         # a run kept in a bucket: each rank's own scratch folder (rank 0's may be another machine's path)
         plan = load_plan(RunDir.at(cfg.run_dir) if plan.run.store else RunDir(Path(plan.run.root)), prompt_path(cfg))
         layout.check_rows(plan.shapes(), world.device.type)  # the rows' own sizes, before any weight
         if nothing_to_do(cfg, plan):
             return _finish(cfg, plan, world, t0, generated=0, nothing_to_do=True)
+        if attention is not None:  # sdpa_backend=auto_8bit: the run's kernel, which this rank's GPU must run
+            auto_8bit.check_runs_here(plan.run, attention, world.device)
+            cfg = auto_8bit.with_choice(cfg, attention)
         dims.build_mesh(world.device.type)
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
@@ -275,9 +279,18 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         detach_rank_log(rank_log)
 
 
-def _prepared_with_settings(cfg: GenerateConfig, replicas: int) -> tuple[Plan, tuple]:
+def _prepared_with_settings(cfg: GenerateConfig, replicas: int, device: Any,
+                            attention_backend: str | None) -> tuple[Plan, tuple, auto_8bit.Choice | None]:
+    """``prepare_run``, the run's settings as accepted, and with ``sdpa_backend=auto_8bit`` the run's attention
+    kernel (pinned at its first launch; global rank 0's)."""
     plan = prepare_run(cfg, replicas)
-    return plan, run_settings(plan.run)
+    settings = run_settings(plan.run)
+    if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
+        return plan, settings, None
+    choice = auto_8bit.pin(plan.run, cfg.model.pipeline, device, attention_backend)
+    log.info("sdpa_backend=auto_8bit: %s runs %s (%s; chosen on %s, %s)", plan.run.name, choice.sdpa_backend,
+             choice.why, choice.gpu, plan.run.files.where(plan.run.attention_path))
+    return plan, settings, choice
 
 
 def log_compile_summary(worker: ReplicaWorker) -> None:

@@ -25,9 +25,11 @@ from shardgen.speed.techniques import Technique, register_technique
 
 log = logging.getLogger("shardgen.accel")
 
-SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa3", "fa4", "sage", "fp8", "fa3_fp8")
+SDPA_CHOICES = ("auto", "default", "flash", "efficient", "cudnn", "math", "fa3", "fa4", "sage", "fp8", "fa3_fp8",
+                "auto_8bit")
 TORCH_KERNELS = ("flash", "cudnn", "efficient")  # what auto times always; fa3 too where it runs
 EIGHT_BIT = EIGHT_BIT_ATTENTION  # the lossy kernels: sdpa_backend=NAME is in the fingerprint and provenance
+AUTO_8BIT = "auto_8bit"  # one of them where it pays, else auto: chosen per run (shardgen/run/auto_8bit.py)
 SDPA_MARGIN = 0.95  # sdpa=auto leaves torch's flash kernel only for one at least 5% faster (stable choice)
 MEASURE_BYTES = 1 << 30  # the largest q (or k, v) sdpa=auto times the kernels on: measure_batch
 
@@ -37,7 +39,8 @@ class SdpaConfig:
     """The option this technique reads."""
 
     sdpa: str = "auto"
-    """auto | default | flash | efficient | cudnn | math | fa3 | fa4 | sage | fp8 | fa3_fp8 (``sdpa_backend``)."""
+    """auto | default | flash | efficient | cudnn | math | fa3 | fa4 | sage | fp8 | fa3_fp8 | auto_8bit
+    (``sdpa_backend``; a run resolves auto_8bit to one of the others: shardgen/run/auto_8bit.py)."""
 
 
 def _backend(name: str):
@@ -160,11 +163,13 @@ def sdpa_context(pipe, opts: AccelOptions, shape: tuple[int, int, int, int] | No
     """A context for one pipeline call that puts the chosen SDPA kernel first (a no-op off CUDA, with
     ``sdpa=default``, or when the transformer uses another diffusers attention backend)."""
     device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", None)
+    if opts.sdpa == AUTO_8BIT:  # not resolved by a run (shardgen/run/auto_8bit.py): lossless until it is
+        opts = replace(opts, sdpa="auto")
     if opts.sdpa == "default" or device is None or torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     if opts.sdpa in EIGHT_BIT:  # 8-bit attention where it takes the call; torch's kernels, auto's choice, elsewhere
         # auto times torch's kernels here, before the 8-bit kernel takes SDPA's place (else it would time that one)
-        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _eight_bit(opts.sdpa).context())
+        return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), eight_bit_kernel(opts.sdpa).context())
     if opts.sdpa == "fa3":  # FA3 where it takes the call; auto's choice elsewhere
         return _stacked(sdpa_context(pipe, replace(opts, sdpa="auto"), shape), _fa3().context())
     if opts.sdpa == "math":
@@ -206,8 +211,9 @@ def _torch_order(name: str):
         return sdpa_kernel([_backend(name), _backend("math")])
 
 
-def _eight_bit(name: str):
-    """The module of an 8-bit attention kernel (``sage``, ``fp8`` or ``fa3_fp8``)."""
+def eight_bit_kernel(name: str):
+    """The module of an 8-bit attention kernel (``sage``, ``fp8`` or ``fa3_fp8``): its ``unavailable_reason``,
+    ``context``, ``HEAD_DIMS``."""
     if name == "sage":
         from shardgen.speed import sage
 
@@ -260,7 +266,7 @@ def validate(opts: AccelOptions, device=None) -> None:
             raise AccelError(f"sdpa_backend={name}: {why}. {kernel.INSTALL}; or use sdpa_backend=auto (measures the "
                              "kernels this machine has)")
     if name in EIGHT_BIT and device is not None and (torch.device(device).type != "cuda" or torch.cuda.is_available()):
-        kernel = _eight_bit(name)
+        kernel = eight_bit_kernel(name)
         if why := kernel.unavailable_reason(device):
             install = f"{kernel.INSTALL}; or" if hasattr(kernel, "INSTALL") else "Use"
             raise AccelError(f"sdpa_backend={name}: {why}. {install} sdpa_backend=auto (lossless)")
@@ -284,7 +290,7 @@ def _apply(step) -> dict:
         raise AccelError(f"sdpa_backend={name} replaces torch's SDPA, and this transformer's attention runs through "
                          "another diffusers attention backend: the 8-bit kernel would never run. Set "
                          "sdpa_backend=auto")
-    kernel = _eight_bit(name)
+    kernel = eight_bit_kernel(name)
     dim = getattr(getattr(step.transformer, "config", None), "attention_head_dim", None)
     dims = (dim,) if dim in kernel.HEAD_DIMS else kernel.HEAD_DIMS
     return {f"{name}_attention_error": round(_check_kernel(name, step.device, dims), 4)}
@@ -334,7 +340,7 @@ def _check_kernel(name: str, device, head_dims: tuple[int, ...] | None = None) -
     built or launched here (Triton's compiler, FA3's library) or it is further off than an 8-bit method is."""
     from shardgen.speed.sdpa_route import SELF_CHECK_BOUND, self_check
 
-    kernel = _eight_bit(name)
+    kernel = eight_bit_kernel(name)
     where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
     other = OTHER_KERNEL[name]
     way_out = f"Use sdpa_backend=auto (lossless) or sdpa_backend={other}"

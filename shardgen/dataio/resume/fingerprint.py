@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardgen.config.schema import EIGHT_BIT_ATTENTION
+from shardgen.config.schema import LOSSY_SDPA_BACKENDS
 from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha256
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
@@ -55,7 +55,7 @@ def compute_fingerprint(cfg: Any, prompt_sha256: str, model_version: str | None 
         "prompts.limit": p.limit,
         # the opt-in lossy accelerations change pixels beyond rounding
         "first_block_cache": cfg.first_block_cache, "fp8": cfg.fp8,
-        **({"sdpa_backend": cfg.sdpa_backend} if cfg.sdpa_backend in EIGHT_BIT_ATTENTION else {}),
+        **({"sdpa_backend": cfg.sdpa_backend} if cfg.sdpa_backend in LOSSY_SDPA_BACKENDS else {}),
         **video_fingerprint(cfg),  # frames, fps, codec, crf (video runs only)
         **lora.fingerprint_fields(lora.run_set(cfg)),  # the adapters' sha256 and scales (runs with adapters only)
         **_strength(cfg),  # image-to-image runs only

@@ -7,6 +7,7 @@ Layout (all names zero-padded shard ids)::
       config.yaml               resolved config of the first launch (later launches: config.<time>.yaml)
       fingerprint.json          what determines the pixels; a resume with other values is refused
       fingerprint_changes.jsonl every accepted allow_fingerprint_change=true: when, by whom, what changed
+      attention.json            sdpa_backend=auto_8bit: the attention kernel chosen at the first launch, kept
       plan/plan.json            prompt file, row count, shard size, shard count (fixed once)
       plan/starts.npy           where each shard's rows start in the prompt file (older plans: plan/000000.jsonl)
       plan/digests.npy          sha256 of each shard's rows, checked when they are read
@@ -282,6 +283,12 @@ class RunDir:
     @property
     def preview_path(self) -> Path:
         return self.root / "preview.png"
+
+    @property
+    def attention_path(self) -> Path:
+        """The attention kernel ``sdpa_backend=auto_8bit`` chose for the run, kept for it
+        (shardgen/run/auto_8bit.py)."""
+        return self.root / "attention.json"
 
     @property
     def calibration_path(self) -> Path:

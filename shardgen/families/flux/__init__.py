@@ -82,6 +82,9 @@ FLUX = register(ModelFamily(
     fused_blocks={"FluxTransformer2DModel": fused_blocks},
     tiny_models=(TINY,),
     cuda_graphs=True,  # the fused eager call replays bit-equal (tests/test_gpu.py)
+    # fp8=true on an H100, 24 prompts: 2.17 s/sample with fa3_fp8, 2.30 without, 2 dB less PSNR on dummy weights
+    # (benchmarks/results/2026-12-07-h100-96-prompts-e87ddcc)
+    eight_bit_attention="fa3_fp8",
     # against its default eager path (fused blocks, calls replayed from CUDA graphs), not the stock blocks the generic
     # prior was measured on (H200, FLUX.1-dev, 1024x1024, 28 steps, batch 4: 3.64 s/sample eager with graphs over
     # two batches, 3.68-3.72 without, 3.59 compiled; 3.66 / 3.59; docs/performance.md): a first

@@ -1,0 +1,125 @@
+"""``sdpa_backend=auto_8bit`` (``speed=fast``'s attention): the 8-bit kernel measured faster for the model where the
+GPU runs it, else lossless attention; chosen once per run and kept in RUN_DIR/attention.json
+(shardgen/run/auto_8bit.py). The GPU side (FLUX.1-dev taking fa3_fp8 on Hopper) is tests/test_gpu_fp8.py's."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+
+from shardgen.run import auto_8bit
+from tests.conftest import compose_cfg
+
+FAST = ("height=16", "width=16", "steps=1", "progress=false")
+
+
+def test_speed_fast_asks_for_the_8bit_attention_that_pays():
+    cfg = compose_cfg("speed=fast")
+    assert (cfg.fp8, cfg.sdpa_backend, cfg.calibrate_samples) == (True, "auto_8bit", 4)
+
+
+def test_the_kernel_is_the_family_s_where_the_gpu_runs_it(monkeypatch):
+    from shardgen.speed import fa3_fp8
+
+    on_cpu = auto_8bit.choose("FluxPipeline", "cpu")
+    assert on_cpu.sdpa_backend == "auto" and "CUDA" in on_cpu.why
+    monkeypatch.setattr(fa3_fp8, "unavailable_reason", lambda device: None)  # a Hopper GPU with fa3-fwd
+    assert auto_8bit.choose("FluxPipeline", "cpu").sdpa_backend == "fa3_fp8"
+    assert auto_8bit.choose("Flux2Pipeline", "cpu").sdpa_backend == "fa3_fp8"
+    qwen = auto_8bit.choose("QwenImagePipeline", "cpu")  # fa3_fp8 is no faster there: lossless attention
+    assert qwen.sdpa_backend == "auto" and "Qwen-Image" in qwen.why
+    ring = auto_8bit.choose("FluxPipeline", "cpu", attention_backend="_native_cudnn")
+    assert ring.sdpa_backend == "auto" and "_native_cudnn" in ring.why
+
+
+def _pixels(run_dir) -> dict[str, bytes]:
+    out = {}
+    for tar in sorted((run_dir / "shards").glob("*.tar")):
+        with tarfile.open(tar) as t:
+            out.update({m.name: t.extractfile(m).read() for m in t.getmembers() if m.name.endswith(".png")})
+    return out
+
+
+def test_a_run_without_the_kernel_keeps_lossless_attention_and_says_so(tmp_path):
+    """On a CPU (or a GPU fa3_fp8 does not run on) auto_8bit makes the pixels sdpa_backend=auto makes; the choice
+    and why are in attention.json, and the run's fingerprint keeps what was asked."""
+    from jobs.generate import run
+
+    run(compose_cfg(f"run_dir={tmp_path / 'lossless'}", "prompts.limit=3", *FAST))
+    result = run(compose_cfg(f"run_dir={tmp_path / 'auto8'}", "prompts.limit=3", "sdpa_backend=auto_8bit", *FAST))
+    assert result.complete and result.ok == 3
+    assert _pixels(tmp_path / "auto8") == _pixels(tmp_path / "lossless") and len(_pixels(tmp_path / "auto8")) == 3
+    pinned = json.loads((tmp_path / "auto8" / "attention.json").read_text())
+    assert pinned["sdpa_backend"] == "auto" and pinned["asked"] == "auto_8bit" and "CUDA" in pinned["why"]
+    assert json.loads((tmp_path / "auto8" / "fingerprint.json").read_text())["sdpa_backend"] == "auto_8bit"
+
+
+def _interrupted_run(run_dir) -> tuple:
+    """A run of 4 prompts with auto_8bit, stopped after its first batch (a sample made, the run unfinished)."""
+    from shardgen.run.runner import run_rank
+
+    args = (f"run_dir={run_dir}", "prompts.limit=4", "samples_per_shard=2", "batch_size=1",
+            "sdpa_backend=auto_8bit", *FAST)
+
+    def stop(event, worker):
+        if event == "end":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_rank(compose_cfg(*args), on_batch=stop)
+    return args
+
+
+def test_a_run_pinned_to_a_kernel_this_gpu_lacks_is_refused_before_any_weight_and_keeps_its_samples(tmp_path):
+    """The first launch ran on a Hopper GPU and chose fa3_fp8; a later one here cannot run it: one line, naming the
+    kernel, the GPU it was chosen on and what to do, and nothing of the run is lost."""
+    from jobs.generate import run
+    from shardgen.errors import UserError
+
+    d = tmp_path / "run"
+    args = _interrupted_run(d)
+    made = sorted(p.name for p in (d / "work").iterdir())
+    assert any(n.endswith(".ckpt.json") for n in made)
+    pin = auto_8bit.Choice("fa3_fp8", "measured faster", "NVIDIA H100 80GB HBM3", "gpu-node-7")
+    (d / "attention.json").write_bytes(pin.record())
+    with pytest.raises(UserError) as e:
+        run(compose_cfg(*args))
+    message = str(e.value)
+    assert "fa3_fp8" in message and "NVIDIA H100 80GB HBM3" in message and "start a new run_dir" in message
+    assert "\n" not in message
+    assert sorted(p.name for p in (d / "work").iterdir()) == made  # the partial shard and its checkpoint stay
+    assert json.loads((d / "attention.json").read_text())["sdpa_backend"] == "fa3_fp8"  # the run's, still
+
+
+def test_the_choice_is_kept_once_the_run_holds_a_sample_and_made_again_while_it_holds_none(tmp_path, monkeypatch):
+    """A later launch on a GPU that runs fa3_fp8 keeps a run begun with lossless attention lossless (its samples
+    would otherwise mix the two); a run that made nothing yet takes this launch's choice."""
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.speed import fa3_fp8
+
+    d = tmp_path / "run"
+    _interrupted_run(d)
+    run = RunDir(d)
+    assert auto_8bit.read_pin(run).sdpa_backend == "auto"
+    monkeypatch.setattr(fa3_fp8, "unavailable_reason", lambda device: None)
+    assert auto_8bit.pin(run, "FluxPipeline", "cpu").sdpa_backend == "auto"  # it holds a sample
+    fresh = RunDir(tmp_path / "fresh")
+    fresh.create()
+    fresh.attention_path.write_bytes(auto_8bit.Choice("auto", "no CUDA", "cpu").record())
+    assert auto_8bit.pin(fresh, "FluxPipeline", "cpu").sdpa_backend == "fa3_fp8"
+    assert auto_8bit.read_pin(fresh).sdpa_backend == "fa3_fp8"
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", '{"sdpa_backend": 3}', '{"sdpa_backend": "warp_drive", "why": "",'
+                                  ' "gpu": ""}'])
+def test_a_damaged_attention_json_is_named_not_guessed(tmp_path, text):
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.dataio.rundir.storage import RunDirError
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.attention_path.write_text(text)
+    with pytest.raises(RunDirError, match="attention.json"):
+        auto_8bit.read_pin(run)
