@@ -123,3 +123,17 @@ def test_a_damaged_attention_json_is_named_not_guessed(tmp_path, text):
     run.attention_path.write_text(text)
     with pytest.raises(RunDirError, match="attention.json"):
         auto_8bit.read_pin(run)
+
+
+def test_a_run_kept_in_a_bucket_keeps_its_choice_in_the_bucket(tmp_path, bucket, s3, monkeypatch):
+    """run_dir=s3://...: attention.json is an object beside the fingerprint (created once, with If-None-Match), so
+    launches on other machines read the same choice."""
+    from jobs.generate import run
+    from shardgen.dataio.rundir.layout import RunDir
+
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/runs/a8"
+    assert run(compose_cfg(f"run_dir={url}", "prompts.limit=2", "sdpa_backend=auto_8bit", *FAST)).complete
+    pinned = json.loads(s3.fs().cat_file(f"{bucket}/runs/a8/attention.json"))
+    assert pinned["sdpa_backend"] == "auto"
+    assert auto_8bit.read_pin(RunDir.at(url)) == auto_8bit.Choice("auto", pinned["why"], pinned["gpu"], pinned["host"])
