@@ -108,12 +108,12 @@ def validate(cfg: GenerateConfig, dims: ParallelDims, facts: DeviceFacts, sequen
     _check_loras(kind, cfg)  # again: auto may have chosen such a strategy
     kind.check_model(dims, cfg, info_fn)
     dims.attention_backend = kind.attention_backend(dims, facts, cfg.dtype)
-    _check_eight_bit_attention(dims, cfg)
+    check_eight_bit_attention(dims, cfg)
     kind.check_sequence(dims, sequence, facts)
     return dims
 
 
-def _check_eight_bit_attention(dims: ParallelDims, cfg: GenerateConfig) -> None:
+def check_eight_bit_attention(dims: ParallelDims, cfg: GenerateConfig) -> None:
     """An 8-bit ``sdpa_backend`` takes the place of torch's SDPA, which the transformer calls only under diffusers'
     ``native`` attention backend; under another (ring attention's LSE kernel, or one the user named) the run would
     compute exact attention while its samples say they were made with 8-bit attention."""

@@ -49,7 +49,7 @@ from parallel import world as W
 from parallel.attention import active_backend, restore_active_backend
 from parallel.dims import ParallelDims
 from parallel.memory import check_memory
-from parallel.strategies import apply_strategy, plan_layout
+from parallel.strategies import apply_strategy, check_eight_bit_attention, plan_layout
 
 if TYPE_CHECKING:
     from shardgen.config.schema import GenerateConfig
@@ -244,6 +244,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         if attention is not None:  # sdpa_backend=auto_8bit: the run's kernel, which this rank's GPU must run
             auto_8bit.check_runs_here(plan.run, attention, world.device)
             cfg = auto_8bit.with_choice(cfg, attention)
+            check_eight_bit_attention(dims, cfg)  # and this launch's strategy must send attention through SDPA
         dims.build_mesh(world.device.type)
         if pipeline is None:
             check_memory(cfg, dims, world.device.type)  # "can't allocate memory" half-way is no message
