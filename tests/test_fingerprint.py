@@ -230,3 +230,4 @@ def test_a_launch_killed_before_its_first_sample_leaves_the_run_open_to_new_sett
     result = run(compose_cfg(*args, "steps=2"))
     assert result.complete and result.ok == 2
     assert read_fingerprint(r)["steps"] == 2
+    assert not dead.exists()  # the launch that generated removed the gone launch's marker: work/ keeps nothing

@@ -20,8 +20,8 @@ from shardgen.dataio.prompts import (Plan, PromptSource, TruncationCheck, build_
                                      prompt_file_path, rules_from_cfg)
 from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerprint,
                                     extend_if_appended, load_plan_or_discard, prompt_file_hash, read_status_ledger,
-                                    record_plan_digests, remember_prompt_hash, repair_run_dir, run_settings,
-                                    start_generating, stop_generating)
+                                    record_plan_digests, remember_prompt_hash, remove_dead_launch_markers,
+                                    repair_run_dir, run_settings, start_generating, stop_generating)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, attach_rank_log, bytes_read,
                                     check_run_dir_text, check_run_root, detach_rank_log, first_missing_dir, is_url,
                                     log_to_file_only, owner_record, probe_conditional_writes, record_launch,
@@ -157,6 +157,7 @@ def prepare_run(cfg: GenerateConfig, replicas: int = 1, *, save_config: bool = T
     run.create()
     record_plan_digests(plan)
     repair_run_dir(plan, cfg.lease_s)
+    remove_dead_launch_markers(run)
     if uploader:
         uploader.resume()  # the uploads a killed launch left unfinished
     remember_prompt_hash(run, digest, identity)

@@ -367,6 +367,18 @@ def start_generating(run: RunDir, before: tuple[dict | None, str | None]) -> Pat
     return marker
 
 
+def remove_dead_launch_markers(run: RunDir) -> None:
+    """Remove the ``start_generating`` markers of launches on this host that are gone (SIGKILLed while generating):
+    they mark nothing, and a finished run keeps no leftover in work/ (each launch's ``prepare_run`` calls this)."""
+    for name in DIR_FILES.names(run.work_dir):
+        path = run.work_dir / name
+        if _dead_launch_marker(path):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
 def stop_generating(marker: Path | None) -> None:
     """Remove ``start_generating``'s marker (the launch's samples, claims and partials speak for it from now)."""
     if marker is not None:
