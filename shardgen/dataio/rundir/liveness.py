@@ -38,9 +38,9 @@ def pid_alive(pid: int, identity: str | None = None) -> bool:
 
 def process_identity(pid: int) -> str | None:
     """``"BOOT:NAMESPACE:START"``: the boot this host is in, the pid namespace the number ``pid`` is read in (this
-    process's: containers sharing a host name may each have their own) and the clock tick the process started at,
-    which no other process of that boot shares; so a record of it tells a reused pid from the process itself. None
-    without /proc."""
+    process's: containers sharing a host name may each have their own) and the clock tick the process started at;
+    a pid is reused only after its process ended, so a later process at that pid started at a later tick, and a
+    record of it tells a reused pid from the process itself. None without /proc."""
     fields = _proc_stat(pid)
     return None if fields is None else _identity_of(fields)
 
