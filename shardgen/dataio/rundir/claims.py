@@ -52,7 +52,8 @@ def holder_known_dead(record: dict | None, me: dict) -> bool:
         return False
     if _gone_here(record, me):
         return True
-    if reported_ended(record.get("host"), record.get("pid"), record.get("started")):  # e.g. a Ray actor lost on another node
+    # e.g. a Ray actor lost on another node
+    if reported_ended(record.get("host"), record.get("pid"), record.get("started")):
         return True
     job, restart = record.get("job"), record.get("restart", 0)
     if not isinstance(restart, int):
