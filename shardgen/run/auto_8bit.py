@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any
 
+from shardgen.config.schema import EIGHT_BIT_ATTENTION
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.storage import RunDirError
@@ -79,10 +80,10 @@ def read_pin(run: RunDir) -> Choice | None:
     if not run.files.present(run.attention_path):
         return None
     state = run.files.state(run.attention_path, {"sdpa_backend": str})
-    if state["sdpa_backend"] not in ("auto", *_kernels()):
+    if state["sdpa_backend"] not in ("auto", *EIGHT_BIT_ATTENTION):
         raise RunDirError(f"{run.files.where(run.attention_path)} pins sdpa_backend={state['sdpa_backend']!r}, which "
-                          f"is none of auto, {', '.join(_kernels())}: it was not written by shardgen. Restore it, or "
-                          "start a new run_dir")
+                          f"is none of auto, {', '.join(EIGHT_BIT_ATTENTION)}: it was not written by shardgen. "
+                          "Restore it, or start a new run_dir")
     return Choice(state["sdpa_backend"], *(str(state.get(k, "")) for k in ("why", "gpu", "host")))
 
 
@@ -107,12 +108,6 @@ def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None =
     return pinned
 
 
-def _kernels() -> tuple[str, ...]:
-    from shardgen.config.schema import EIGHT_BIT_ATTENTION
-
-    return EIGHT_BIT_ATTENTION
-
-
 def with_choice(cfg: Any, choice: Choice) -> Any:
     """``cfg`` with ``sdpa_backend`` the chosen kernel (a copy: the launch's config stays as asked)."""
     out = copy.deepcopy(cfg)
@@ -126,7 +121,7 @@ def check_runs_here(run: RunDir, choice: Choice, device: Any) -> None:
 
     from shardgen.speed.sdpa import eight_bit_kernel
 
-    if choice.sdpa_backend not in _kernels():
+    if choice.sdpa_backend not in EIGHT_BIT_ATTENTION:
         return
     why = eight_bit_kernel(choice.sdpa_backend).unavailable_reason(torch.device(device))
     if why:

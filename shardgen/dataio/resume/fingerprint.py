@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import StorageError, identity as remote_identity, is_url
-from shardgen.dataio.rundir.fileio import json_bytes
+from shardgen.dataio.rundir.fileio import json_bytes, read_regular
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name, process_identity
@@ -251,17 +250,9 @@ def _marker_identity(path: Path) -> str | None:
     was not readable), one gone meanwhile, and anything but a plain file (a link or FIFO put there is not opened
     through, nor waited on)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        return read_regular(path, follow=False, limit=200).decode("ascii", "replace").strip() or None
+    except (OSError, RunDirError):  # gone, a link, a FIFO, or more than an identity: judged by its name alone
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, 200).decode("ascii", "replace").strip() or None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _rejects_only(run: RunDir) -> list[str] | None:
