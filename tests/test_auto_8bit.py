@@ -137,3 +137,27 @@ def test_a_run_kept_in_a_bucket_keeps_its_choice_in_the_bucket(tmp_path, bucket,
     pinned = json.loads(s3.fs().cat_file(f"{bucket}/runs/a8/attention.json"))
     assert pinned["sdpa_backend"] == "auto"
     assert auto_8bit.read_pin(RunDir.at(url)) == auto_8bit.Choice("auto", pinned["why"], pinned["gpu"], pinned["host"])
+
+
+def test_a_dry_run_estimates_speed_fast_at_the_rate_of_the_kernel_it_will_take(tmp_path, monkeypatch):
+    """Rates are recorded under the attention that ran: a dry run of an auto_8bit run that will take fa3_fp8 is
+    estimated at fa3_fp8's rate, not fp8 alone's; a run pinned to lossless attention at fp8 alone's."""
+    from shardgen.run import rates
+    from shardgen.run.dryrun import describe, dry_run
+    from shardgen.speed import fa3_fp8
+
+    monkeypatch.setattr(rates, "rates_path", lambda: tmp_path / "rates.json")
+    pinned = tmp_path / "pinned"
+    _interrupted_run(pinned)  # begun here, with lossless attention, and holding a sample: it keeps lossless
+    new = ("dry_run=true", "fp8=true", *FAST)
+    fp8_alone = compose_cfg(*new, f"run_dir={tmp_path / 'a'}")
+    with_fa3 = compose_cfg(*new, f"run_dir={tmp_path / 'b'}", "sdpa_backend=fa3_fp8")
+    for cfg, rate, name in ((fp8_alone, 1.0, "fp8-run"), (with_fa3, 2.0, "fa3-run")):
+        rates.record_rate(rates.rate_key(cfg, "dp", 1, "cpu"), rate, name)
+    asked = (*new, "sdpa_backend=auto_8bit")
+    assert dry_run(compose_cfg(*asked, f"run_dir={tmp_path / 'new'}")).rate == 1.0  # no fa3_fp8 here: lossless
+    monkeypatch.setattr(fa3_fp8, "unavailable_reason", lambda device: None)  # a Hopper GPU with fa3-fwd
+    d = dry_run(compose_cfg(*asked, f"run_dir={tmp_path / 'new'}"))
+    assert d.rate == 2.0 and "fa3-run" in describe(d)
+    d = dry_run(compose_cfg(*asked, f"run_dir={pinned}"))
+    assert d.rate == 1.0 and "fp8-run" in describe(d)

@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardgen.config.launchers import launcher_of
 from shardgen.config.sizes import format_bytes
@@ -78,6 +78,20 @@ def measured_rate(run: RunDir) -> float | None:
     return float(rates[-1]) if rates else None
 
 
+def attention_resolved(cfg: GenerateConfig, run: RunDir, device: Any, attention_backend: str | None) -> Any:
+    """``cfg`` with ``sdpa_backend=auto_8bit`` resolved as a launch would: the run's pinned kernel once it holds a
+    sample, else the one this device chooses. Rates are recorded under the kernel that ran, so an unresolved
+    auto_8bit would find fp8-alone rates for a run that will take 8-bit attention."""
+    from shardgen.run import auto_8bit
+
+    if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
+        return cfg
+    pinned = auto_8bit.read_pin(run)
+    if pinned is None or holds_no_samples(run):  # the launch chooses again while the run holds no sample
+        pinned = auto_8bit.choose(cfg.model.pipeline, device, attention_backend)
+    return auto_8bit.with_choice(cfg, pinned)
+
+
 def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
     from parallel.strategies import plan_layout
@@ -135,7 +149,9 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
         from shardgen.run import rates
 
         device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
-        rec = rates.recorded_rate(rates.rate_key(cfg, dims.strategy, dims.replica_size, rates.device_name(device)))
+        rate_cfg = attention_resolved(cfg, run, device, dims.attention_backend)
+        rec = rates.recorded_rate(rates.rate_key(rate_cfg, dims.strategy, dims.replica_size,
+                                                 rates.device_name(device)))
         if rec is not None:
             rate = rec["per_replica"] * dims.dp
             when = time.strftime("%Y-%m-%d", time.localtime(rec.get("time") or 0))
