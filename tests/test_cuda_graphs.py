@@ -179,3 +179,16 @@ def test_a_job_with_graphed_calls_writes_the_bytes_of_one_without(tmp_path, monk
     assert len(plain) == 5 and graphed == plain
     # batch 1: eager, capture + replay, replay; batch 2: 3 replays; the short batch: eager, capture + replay, replay
     assert [g.replays for g in RunAgain.made] == [5, 2]
+
+
+def test_a_host_tensor_beside_device_ones_is_keyed_by_its_values():
+    """Per-sample lengths held on the host are baked into a graph's kernel launches: a call with other lengths is
+    another graph, not a replay of the first one's."""
+    device = torch.empty(2, 4, device="meta")  # any device other than the host's
+    one, _ = shape_key((device,), {"lengths": torch.tensor([3, 4])})
+    other, _ = shape_key((device,), {"lengths": torch.tensor([4, 4])})
+    assert one is not None and other is not None and one != other
+    assert shape_key((device,), {"lengths": torch.tensor([3, 4])})[0] == one
+    assert shape_key((device,), {"lengths": torch.arange(65)}) == (None, [])  # too many to key: eager
+    # on the host alone (the CPU tests' graphs) a tensor is keyed by its shape
+    assert shape_key((torch.ones(2),), {})[0] == shape_key((torch.zeros(2),), {})[0]

@@ -37,6 +37,9 @@ MAX_GRAPHS = 3
 a call's activations for good; other shapes run eagerly."""
 MAX_SEEN = 64
 """Shapes remembered while waiting for their second call; past that, a new shape runs eagerly for good."""
+HOST_VALUES = 64
+"""The most values a host tensor argument of a device call may hold to be part of a graph's key (a batch's
+per-sample lengths); a larger one runs eagerly."""
 
 
 @dataclass(frozen=True)
@@ -50,15 +53,21 @@ class CudaGraphOptions:
 
 def shape_key(args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
     """``(key, tensors)``: what a graph of this call depends on (the arguments' structure, each tensor's shape,
-    stride, dtype and device, every other argument's value) and the call's tensors in order. ``key`` is None when
-    an argument cannot be part of it (an object other than a tensor, number, string or None, or a list, tuple or
-    dict of them)."""
+    stride, dtype and device, every other argument's value) and the call's tensors in order. A host tensor beside
+    device ones (per-sample lengths a kernel launch reads on the host) is keyed by its values too: a graph bakes
+    them in. ``key`` is None when an argument cannot be part of it (an object other than a tensor, number, string
+    or None, or a list, tuple or dict of them; a host tensor of more than HOST_VALUES values)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
+    on_device = any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in leaves)
     sig, tensors = [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             sig.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device))
+            if on_device and leaf.device.type == "cpu":
+                if leaf.numel() > HOST_VALUES:
+                    return None, []
+                sig.append(tuple(leaf.flatten().tolist()))
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             sig.append((type(leaf), leaf))
         else:
