@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
 #   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP|STEP,STEP,...] [SECONDS]
-# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 20 and 23 run after 1,
+# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 25, 20 and 23 run after 1,
 # 21 and 22 after 4), or only the listed ones in this file's order (e.g. 1,4; one step alone: 7,7), while SECONDS
 # (default 560: one call's 600 s less the transfers) last;
 # a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
@@ -31,7 +31,10 @@
 #   18 batch-cycle: where a FLUX.1-dev fp8 + fa3_fp8 batch's time goes beyond its 28 transformer calls (text
 #            encoders, VAE decode, the host): jobs.bench's torch.profiler trace of one batch cycle (eager, as
 #            compile=auto runs a short fp8 job)
-#   20 decode (runs after step 1): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
+#   25 speed-fast (runs after step 1): speed=fast per model, the attention it pins (fa3_fp8 for FLUX.1 and FLUX.2 on
+#            Hopper with fa3-fwd, lossless for Qwen-Image) and its calibration within the model's bound; CUDA graphs'
+#            replays equal to the eager calls (tests/test_gpu_fp8.py, tests/test_gpu.py)
+#   20 decode (runs after step 25): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
 #            against cuDNN (tests/test_gpu.py)
 #   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
 #            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
@@ -91,6 +94,8 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   -k "8bit_attention_kernel or fa3_triton or fa3_attention_from or token_count or float8_linear or in_place \
   or norm_pass or rms_rope_kernel or gated_residual or row_quantisation or gelu_quantisation or proj_out_input \
   or tokens_major or swiglu or read_twice" \
+  tests/test_gpu_fp8.py tests/test_gpu.py
+step 25 speed-fast 420 python3 -m pytest -m gpu -o addopts="" -q -s -rs -k "speed_fast or replayed_cuda_graphs" \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
