@@ -161,3 +161,28 @@ def test_a_dry_run_estimates_speed_fast_at_the_rate_of_the_kernel_it_will_take(t
     assert d.rate == 2.0 and "fa3-run" in describe(d)
     d = dry_run(compose_cfg(*asked, f"run_dir={pinned}"))
     assert d.rate == 1.0 and "fp8-run" in describe(d)
+
+
+def test_a_launch_whose_choice_another_launch_replaced_while_it_loaded_generates_nothing(tmp_path, monkeypatch):
+    """Two first launches of one run on different GPU kinds: this one chose lossless attention, and while it loaded
+    its model (the run holding no sample) the other pinned fa3_fp8. This one stops in one line before its first
+    batch, so the run's samples never mix the two kernels; a launch again takes the run's pin."""
+    from jobs.generate import run
+    from shardgen.run import runner
+
+    d = tmp_path / "run"
+    other = auto_8bit.Choice("fa3_fp8", "measured faster", "NVIDIA H100 80GB HBM3", "gpu-node-7")
+    loaded = runner.preload_adapters
+
+    def load_while_another_launch_chooses(pipe, adapters):
+        (d / "attention.json").write_bytes(other.record())
+        return loaded(pipe, adapters)
+
+    monkeypatch.setattr(runner, "preload_adapters", load_while_another_launch_chooses)
+    with pytest.raises(auto_8bit.AttentionChoiceChanged) as e:
+        run(compose_cfg(f"run_dir={d}", "prompts.limit=3", "sdpa_backend=auto_8bit", *FAST))
+    message = str(e.value)
+    assert "chose auto" in message and "pinned fa3_fp8" in message and "NVIDIA H100 80GB HBM3" in message
+    assert "\n" not in message
+    assert not list((d / "shards").glob("*.tar")) and [p.name for p in (d / "work").iterdir()] == []
+    assert auto_8bit.read_pin(auto_8bit.RunDir(d)).sdpa_backend == "fa3_fp8"  # the other launch's, kept

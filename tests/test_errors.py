@@ -18,6 +18,7 @@ EXPECTED = {
     "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "SlurmSubmitError": "user", "BrokenSetupError": "user",
     "RemoteError": "user", "AccelError": "user", "LpipsWeightsError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "PinnedKernelUnavailable": "user",
+    "AttentionChoiceChanged": "user",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "ForeignPrefixError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",

@@ -4,7 +4,8 @@ once per run, by global rank 0 of the first launch that gets this far, and pinne
 every later launch, requeue and replica of the run uses it, so a run's samples never mix 8-bit and lossless
 attention. A launch on a machine that cannot run the pinned kernel is refused in one line before any weight is
 read. While the run holds no sample, a launch decides again (a first launch on a machine without the kernel does
-not bind the run).
+not bind the run); a launch whose choice was replaced so while it loaded its model stops before its first batch
+(``check_unchanged``).
 
 Which kernel pays is the family's measurement (``ModelFamily.eight_bit_attention``): FlashAttention-3's float8
 kernel for FLUX.1 and FLUX.2 on Hopper (docs/lossy.md); none for the others (on Qwen-Image it is no faster).
@@ -32,6 +33,10 @@ AUTO_8BIT = "auto_8bit"
 
 class PinnedKernelUnavailable(UserError, RuntimeError):
     """The run's pinned 8-bit attention kernel cannot run on this launch's GPU."""
+
+
+class AttentionChoiceChanged(UserError, RuntimeError):
+    """Another launch chose the run's attention again while this one loaded its model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,3 +135,17 @@ def check_runs_here(run: RunDir, choice: Choice, device: Any) -> None:
             f"launch on {choice.gpu or 'another GPU'} ({run.files.where(run.attention_path)}), and it cannot run here: "
             f"{why}. Continue the run where it runs (a Hopper GPU with fa3-fwd installed for fa3_fp8), or start a "
             "new run_dir")
+
+
+def check_unchanged(run: RunDir, choice: Choice) -> None:
+    """AttentionChoiceChanged when the run's pin is no longer ``choice``: while this launch loaded its model (the run
+    holding no sample yet), another launch on another kind of GPU chose again. Called once this launch's
+    ``start_generating`` marker is written: from then on no launch chooses again, so the run's samples share one
+    kernel."""
+    pinned = read_pin(run)
+    if pinned is None or pinned.sdpa_backend != choice.sdpa_backend:
+        now = pinned.sdpa_backend if pinned is not None else "nothing"
+        raise AttentionChoiceChanged(
+            f"sdpa_backend=auto_8bit: {run.files.where(run.attention_path)} changed while this launch loaded its "
+            f"model: it chose {choice.sdpa_backend}, and another launch (on {pinned.gpu if pinned else 'another GPU'})"
+            f" has since pinned {now} for {run.name}. Launch again: this launch then takes the run's pin")

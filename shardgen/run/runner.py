@@ -255,6 +255,8 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         ctx = _replica_context(world, dims)
         if ctx.leader:  # from here the run is this launch's settings' (no other launch starts it over)
             started = start_generating(plan.run, settings)
+            if attention is not None:
+                auto_8bit.check_unchanged(plan.run, attention)
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
                 control.writing(worker.sink):
             worker.run()
