@@ -233,3 +233,32 @@ def test_a_holder_a_launcher_reported_ended_is_dead_on_any_host(monkeypatch):
     assert holder_known_dead(lost, me)
     assert not holder_known_dead(dict(lost, started=2000.0), me)  # started after the report: another process
     assert not holder_known_dead(dict(lost, host="node-c"), me)
+
+
+@PROC
+@pytest.mark.parametrize("pid", [2**63, 99_999_999_999, 0, -1, True])
+def test_a_claim_naming_a_pid_no_process_can_have_is_a_gone_holder_not_a_traceback(pid):
+    """A damaged record's pid (past a C int, 0 and below, which ``kill`` takes for process groups): no process of
+    this host holds it, so its claim is taken over, and no launch ends in OverflowError."""
+    from shardgen.dataio.rundir.liveness import pid_alive
+
+    me = owner_record(0)
+    assert not pid_alive(pid)
+    assert holder_known_dead(dict(host=me["host"], pid=pid, job=None, restart=0), me) is (pid is not True)
+
+
+@PROC
+@pytest.mark.parametrize("damage", [lambda i: i[:3], lambda i: "garbage", lambda i: i.replace(":", ";"), lambda i: ""])
+def test_a_live_holder_whose_recorded_identity_is_damaged_is_judged_by_its_pid(damage):
+    """A ``proc`` that is no process identity (cut, garbage) tells nothing: the holder is the live process at its
+    pid, not one of another boot."""
+    from shardgen.dataio.rundir.liveness import process_identity
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        me = owner_record(0)
+        holder = dict(host=me["host"], pid=p.pid, job=None, restart=0, proc=damage(process_identity(p.pid)))
+        assert not holder_known_dead(holder, me)
+    finally:
+        p.kill()
+        p.wait()

@@ -16,11 +16,20 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).strip(".") or "host"
 
 
+PID_MAX = 2**22  # the kernel's largest pid_max (/proc/sys/kernel/pid_max: 4194304 on 64-bit)
+
+IDENTITY = re.compile(r"[0-9A-Za-z-]+:\d+:\d+")
+"""``process_identity``'s form; a record that is not in it (cut short, damaged) is judged by its pid alone."""
+
+
 def pid_alive(pid: int, identity: str | None = None) -> bool:
     """Whether process ``pid`` runs on this host: it exists (another user's counts) and is no zombie (ended, not yet
     reaped by its parent: what it held is a leftover). With ``identity`` (``process_identity`` of the process that
     was recorded), also that the process now at ``pid`` is that one: pids are reused, soonest in a container, where
-    each run's processes count from 1 again."""
+    each run's processes count from 1 again. A number no process can have (0 and below name process groups to
+    ``kill``; past the kernel's pid limit) is no process."""
+    if isinstance(pid, bool) or not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -33,7 +42,12 @@ def pid_alive(pid: int, identity: str | None = None) -> bool:
     if fields[0] in ("Z", "X"):
         return False
     now = _identity_of(fields)
-    return identity is None or now is None or now == identity
+    return not well_formed(identity) or now is None or now == identity
+
+
+def well_formed(identity: object) -> bool:
+    """Whether ``identity`` is a ``process_identity`` (a damaged or cut record is not, and tells nothing)."""
+    return isinstance(identity, str) and IDENTITY.fullmatch(identity) is not None
 
 
 def process_identity(pid: int) -> str | None:
@@ -92,9 +106,9 @@ def gone_from_this_host(host: object, pid: object, identity: str | None = None) 
     our own is never a leftover). A record of another host is never known gone here: its pid means nothing here.
     With ``identity`` (``process_identity`` when it was recorded): also when another process has the pid now, this
     one included (a container run again), and never for a process of another pid namespace."""
-    if host != host_name() or not isinstance(pid, int):
+    if host != host_name() or not isinstance(pid, int) or isinstance(pid, bool):
         return False
-    if not identity:
+    if not well_formed(identity):  # none recorded (an older record, no /proc), or damaged: the pid alone
         return pid != os.getpid() and not pid_alive(pid)
     ours = pid == os.getpid() and identity == process_identity(pid)
     return same_pid_numbers(identity) and not ours and not pid_alive(pid, identity)
