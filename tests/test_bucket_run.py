@@ -303,3 +303,25 @@ def test_a_run_throttled_throughout_with_slow_down_answers_completes_with_the_sa
     assert run(compose_cfg(f"run_dir={local}", *FAST, "prompts.limit=10")).complete
     assert bucket_images(RunDir.at(url)) == shard_images(local)
     assert verify_run(load_plan(RunDir.at(url))).ok
+
+
+def test_a_bucket_run_whose_first_launch_stopped_before_any_sample_takes_new_settings(tmp_path, url, s3,
+                                                                                       monkeypatch):
+    """As a local run does: the first launch stopped while loading its model (the folder's owner record already
+    written), so the fixed command with other settings runs the same run_dir instead of being refused."""
+    from shardgen.run import runner
+
+    monkeypatch.chdir(tmp_path)
+    real = runner.apply_strategy
+
+    def fails_to_load(*args, **kwargs):
+        raise OSError("the model's folder is not mounted on this node")
+
+    monkeypatch.setattr(runner, "apply_strategy", fails_to_load)
+    with pytest.raises(OSError, match="not mounted"):
+        run(compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=4"))
+    assert "shards/_shardgen_run.json" in bucket_objects(s3.fs(), url)
+    monkeypatch.setattr(runner, "apply_strategy", real)
+    other_steps = tuple(a for a in FAST if not a.startswith("steps=")) + ("steps=1",)
+    result = run(compose_cfg(f"run_dir={url}", *other_steps, "prompts.limit=4"))
+    assert (result.ok, result.complete) == (4, True)

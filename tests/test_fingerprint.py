@@ -231,3 +231,55 @@ def test_a_launch_killed_before_its_first_sample_leaves_the_run_open_to_new_sett
     assert result.complete and result.ok == 2
     assert read_fingerprint(r)["steps"] == 2
     assert not dead.exists()  # the launch that generated removed the gone launch's marker: work/ keeps nothing
+
+
+@pytest.mark.parametrize("what", ["fifo", "link", "directory"])
+def test_whatever_sits_at_this_launch_s_marker_name_neither_hangs_it_nor_ends_it_in_a_traceback(tmp_path, what):
+    """A FIFO there (opened for writing it would block until someone reads), a link (never written through) are
+    replaced by the marker; a directory is a one-line error naming it."""
+    import threading
+
+    from shardgen.dataio.resume.fingerprint import run_settings, start_generating, stop_generating
+    from shardgen.dataio.rundir.liveness import host_name, process_identity
+    from shardgen.dataio.rundir.storage import RunDirError
+
+    r = RunDir(tmp_path / "r")
+    r.create()
+    r.work_dir.mkdir(exist_ok=True)
+    marker = r.work_dir / f"launch.{host_name()}.{os.getpid()}"
+    target = tmp_path / "elsewhere"
+    {"fifo": lambda: os.mkfifo(marker), "link": lambda: marker.symlink_to(target),
+     "directory": lambda: marker.mkdir()}[what]()
+    out = []
+    t = threading.Thread(target=lambda: out.append(_outcome(start_generating, r, run_settings(r))), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # let the thread go
+        os.close(os.open(marker, os.O_RDONLY | os.O_NONBLOCK))
+        pytest.fail("start_generating waits on the FIFO at its marker's name")
+    if what == "directory":
+        assert isinstance(out[0], RunDirError) and str(marker) in str(out[0]) and "\n" not in str(out[0])
+        return
+    assert out[0] == marker and marker.is_file() and not marker.is_symlink() and not target.exists()
+    assert marker.read_text() == process_identity(os.getpid())
+    stop_generating(out[0])
+
+
+def test_a_marker_naming_a_pid_no_process_can_have_is_a_dead_launch_not_a_traceback(tmp_path):
+    from shardgen.dataio.resume.fingerprint import holds_no_samples, remove_dead_launch_markers
+    from shardgen.dataio.rundir.liveness import host_name
+
+    r = RunDir(tmp_path / "r")
+    r.create()
+    r.work_dir.mkdir(exist_ok=True)
+    (r.work_dir / f"launch.{host_name()}.99999999999").write_bytes(b"")
+    assert holds_no_samples(r)
+    remove_dead_launch_markers(r)
+    assert list(r.work_dir.iterdir()) == []
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # the test looks at what came out
+        return e

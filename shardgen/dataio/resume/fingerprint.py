@@ -20,7 +20,7 @@ from shardgen.dataio.prompts.plan import discard_plan, extension_dirs, file_sha2
 from shardgen.dataio.prompts.formats import prompt_format
 from shardgen.dataio.prompts.read import MAX_PROMPT_CHARS, detect_format
 from shardgen.dataio.rundir.remote import StorageError, identity as remote_identity, is_url
-from shardgen.dataio.rundir.fileio import json_bytes, read_regular
+from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, read_regular
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.runfiles import DIR_FILES
 from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name, process_identity
@@ -258,7 +258,8 @@ def _marker_identity(path: Path) -> str | None:
 def _rejects_only(run: RunDir) -> list[str] | None:
     """The names in shards/ when every shard there is committed with rejected rows only; None otherwise (a shard
     with a sample, a file without its stats, or stats that do not read)."""
-    names = [n for n in _names(run, run.shards_dir) if not n.startswith(".")]
+    # a bucket run's shards/ also holds the folder's owner record (RUN_MARKER_OBJECT), which is no shard
+    names = [n for n in _names(run, run.shards_dir) if not n.startswith((".", "_"))]
     for shard in {n[:6] for n in names}:
         try:
             data = run.files.read(run.shards_dir / f"{shard}.stats.json")
@@ -344,12 +345,13 @@ def start_generating(run: RunDir, before: tuple[dict | None, str | None]) -> Pat
     for ``stop_generating``."""
     marker = run.work_dir / f"launch.{host_name()}.{os.getpid()}"
     run.work_dir.mkdir(exist_ok=True)
-    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        os.write(fd, (process_identity(os.getpid()) or "").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    try:  # whole or not at all (a reader never judges a half-written identity), and over a FIFO or link at the name
+        atomic_write_bytes(marker, (process_identity(os.getpid()) or "").encode())
+    except (UserError, StorageError):
+        raise
+    except OSError as e:
+        raise RunDirError(f"{marker}: cannot mark this launch as generating ({e.strerror or e}): this launch's own "
+                          "marker name holds something else (a directory?). Remove it, then launch again") from None
     try:
         check_settings_unchanged(run, before)
     except BaseException:
