@@ -186,3 +186,62 @@ def test_a_launch_whose_choice_another_launch_replaced_while_it_loaded_generates
     assert "\n" not in message
     assert not list((d / "shards").glob("*.tar")) and [p.name for p in (d / "work").iterdir()] == []
     assert auto_8bit.read_pin(auto_8bit.RunDir(d)).sdpa_backend == "fa3_fp8"  # the other launch's, kept
+
+
+def test_a_launch_choosing_again_as_another_starts_generating_takes_the_other_s_kernel(tmp_path, monkeypatch):
+    """Launch A pinned fa3_fp8 and is loading its model; launch B, on a GPU without it, chooses again (the run holds
+    no sample). While B probes its GPU, A marks itself generating and finds its pin unchanged. B, writing its own
+    choice, then finds A generating: it puts A's pin back and takes it, so the run's samples share A's kernel."""
+    from shardgen.dataio.resume.fingerprint import run_settings, start_generating, stop_generating
+    from shardgen.dataio.rundir.layout import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    a = auto_8bit.Choice("fa3_fp8", "measured faster", "NVIDIA H100 80GB HBM3", "gpu-node-7")
+    run.attention_path.write_bytes(a.record())
+    choose, markers = auto_8bit.choose, []
+
+    def a_starts_generating_while_b_probes_its_gpu(*args, **kwargs):
+        markers.append(start_generating(run, run_settings(run)))
+        auto_8bit.check_unchanged(run, a)
+        return choose(*args, **kwargs)  # no CUDA here: auto
+
+    monkeypatch.setattr(auto_8bit, "choose", a_starts_generating_while_b_probes_its_gpu)
+    try:
+        assert auto_8bit.pin(run, "FluxPipeline", "cpu").sdpa_backend == "fa3_fp8"
+        assert auto_8bit.read_pin(run).sdpa_backend == "fa3_fp8"
+    finally:
+        stop_generating(markers[0] if markers else None)
+
+
+def test_a_run_holding_samples_without_its_pin_is_refused_not_switched(tmp_path, monkeypatch):
+    """attention.json deleted (or not copied with the run) from a run with lossless samples: a resume on a Hopper GPU
+    must not go on with fa3_fp8 silently. It is refused naming the file, and allow_fingerprint_change=true pins the
+    resume's choice for the samples left."""
+    from jobs.generate import run
+    from shardgen.dataio.rundir.storage import RunDirError
+    from shardgen.speed import fa3_fp8
+
+    d = tmp_path / "run"
+    args = _interrupted_run(d)
+    (d / "attention.json").unlink()
+    made = sorted(p.name for p in (d / "work").iterdir())
+    monkeypatch.setattr(fa3_fp8, "unavailable_reason", lambda device: None)  # the resume runs on a Hopper GPU
+    with pytest.raises(RunDirError) as e:
+        run(compose_cfg(*args))
+    assert "attention.json is missing" in str(e.value) and "allow_fingerprint_change=true" in str(e.value)
+    assert sorted(p.name for p in (d / "work").iterdir()) == made and not (d / "attention.json").exists()
+    assert "attention.json is missing" in run(compose_cfg(*args, "dry_run=true")).refused
+
+
+def test_a_dry_run_says_a_launch_here_would_be_refused_for_the_run_s_pinned_kernel(tmp_path):
+    from jobs.generate import run
+
+    d = tmp_path / "run"
+    args = _interrupted_run(d)
+    (d / "attention.json").write_bytes(auto_8bit.Choice("fa3_fp8", "measured faster", "NVIDIA H100 80GB HBM3",
+                                                        "gpu-node-7").record())
+    refused = run(compose_cfg(*args, "dry_run=true", "device=cpu")).refused
+    assert "makes its samples with fa3_fp8" in refused and "NVIDIA H100 80GB HBM3" in refused
+    # device=auto on a host without a GPU (a login node) cannot judge the GPU the launch will get
+    assert run(compose_cfg(*args, "dry_run=true")).refused is None

@@ -92,9 +92,12 @@ def read_pin(run: RunDir) -> Choice | None:
     return Choice(state["sdpa_backend"], *(str(state.get(k, "")) for k in ("why", "gpu", "host")))
 
 
-def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None = None) -> Choice:
+def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None = None,
+        allow_change: bool = False) -> Choice:
     """The run's choice: the pinned one, or this rank's, pinned now (exclusively: of two launches pinning at once,
-    both take the first's). While the run holds no sample, this rank's choice replaces a different pinned one."""
+    both take the first's). While the run holds no sample, this rank's choice replaces a different pinned one.
+    A run holding samples without a pin is refused (which attention made them is not known), unless
+    ``allow_change`` (``allow_fingerprint_change``: the user lets this launch's settings take the run over)."""
     from shardgen.dataio.resume import holds_no_samples
 
     pinned = read_pin(run)
@@ -102,15 +105,30 @@ def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None =
         return pinned
     mine = choose(pipeline, device, attention_backend)
     if pinned is None:
+        if not allow_change and not holds_no_samples(run):
+            raise missing_pin(run)
         if run.files.create(run.attention_path, mine.record()):
             return mine
         return read_pin(run) or mine
     if pinned.sdpa_backend != mine.sdpa_backend:
         run.files.replace(run.attention_path, mine.record())
+        # a launch that marked itself generating in the meantime took the old pin: put it back, and take it too
+        if not holds_no_samples(run):
+            run.files.replace(run.attention_path, pinned.record())
+            return read_pin(run) or pinned
         log.info("sdpa_backend=auto_8bit: %s holds no sample yet, so this launch chooses again: %s (was %s)",
                  run.name, mine.sdpa_backend, pinned.sdpa_backend)
         return mine
     return pinned
+
+
+def missing_pin(run: RunDir) -> RunDirError:
+    """The error of a run that holds samples and no pin."""
+    return RunDirError(
+        f"{run.files.where(run.attention_path)} is missing, and {run.name} holds samples: which attention made them "
+        "is not known (each sample's json names it under lossy.sdpa). Restore the file, launch with "
+        "allow_fingerprint_change=true to pin this launch's choice for the samples still to make, or start a new "
+        "run_dir")
 
 
 def with_choice(cfg: Any, choice: Choice) -> Any:

@@ -78,18 +78,28 @@ def measured_rate(run: RunDir) -> float | None:
     return float(rates[-1]) if rates else None
 
 
-def attention_resolved(cfg: GenerateConfig, run: RunDir, device: Any, attention_backend: str | None) -> Any:
+def attention_resolved(cfg: GenerateConfig, run: RunDir, device: Any, attention_backend: str | None,
+                       judge_device: bool = True) -> tuple[Any, str | None]:
     """``cfg`` with ``sdpa_backend=auto_8bit`` resolved as a launch would: the run's pinned kernel once it holds a
-    sample, else the one this device chooses. Rates are recorded under the kernel that ran, so an unresolved
-    auto_8bit would find fp8-alone rates for a run that will take 8-bit attention."""
+    sample, else the one this device chooses; and why the launch would be refused for it (the pinned kernel does
+    not run on ``device``, when ``judge_device``; the run holds samples and no pin). Rates are recorded under the
+    kernel that ran, so an unresolved auto_8bit would find fp8-alone rates for a run that will take 8-bit
+    attention."""
     from shardgen.run import auto_8bit
 
     if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
-        return cfg
+        return cfg, None
     pinned = auto_8bit.read_pin(run)
     if pinned is None or holds_no_samples(run):  # the launch chooses again while the run holds no sample
-        pinned = auto_8bit.choose(cfg.model.pipeline, device, attention_backend)
-    return auto_8bit.with_choice(cfg, pinned)
+        choice = auto_8bit.choose(cfg.model.pipeline, device, attention_backend)
+        missing = pinned is None and not cfg.allow_fingerprint_change and not holds_no_samples(run)
+        return auto_8bit.with_choice(cfg, choice), str(auto_8bit.missing_pin(run)) if missing else None
+    try:
+        if judge_device:
+            auto_8bit.check_runs_here(run, pinned, device)
+    except auto_8bit.PinnedKernelUnavailable as e:
+        return auto_8bit.with_choice(cfg, pinned), str(e)
+    return auto_8bit.with_choice(cfg, pinned), None
 
 
 def dry_run(cfg: GenerateConfig) -> DryRun:
@@ -117,6 +127,11 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
         # a run without a sample takes the new settings: the launch starts it over
         if diffs and not cfg.allow_fingerprint_change and not holds_no_samples(run):
             refused = f"{run.name} was made with other settings ({'; '.join(diffs)})"
+    # a host without a GPU (a login node) cannot judge the GPU the launch will get
+    device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
+    rate_cfg, attention_refused = attention_resolved(cfg, run, device, dims.attention_backend,
+                                                     judge_device=cfg.device != "auto" or device != "cpu")
+    refused = refused or attention_refused
     plan = load_plan(run)
     sizing = shard_sizing(cfg, dims.dp)
     images = plan.images if plan is not None else cfg.images_per_prompt
@@ -148,8 +163,6 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     if rate is None:  # another run's, with the same model, size, steps, device and strategy
         from shardgen.run import rates
 
-        device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
-        rate_cfg = attention_resolved(cfg, run, device, dims.attention_backend)
         rec = rates.recorded_rate(rates.rate_key(rate_cfg, dims.strategy, dims.replica_size,
                                                  rates.device_name(device)))
         if rec is not None:

@@ -291,7 +291,7 @@ def _prepared_with_settings(cfg: GenerateConfig, replicas: int, device: Any,
     settings = run_settings(plan.run)
     if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
         return plan, settings, None
-    choice = auto_8bit.pin(plan.run, cfg.model.pipeline, device, attention_backend)
+    choice = auto_8bit.pin(plan.run, cfg.model.pipeline, device, attention_backend, cfg.allow_fingerprint_change)
     log.info("sdpa_backend=auto_8bit: %s runs %s (%s; chosen on %s, %s)", plan.run.name, choice.sdpa_backend,
              choice.why, choice.gpu, plan.run.files.where(plan.run.attention_path))
     return plan, settings, choice
