@@ -245,3 +245,21 @@ def test_a_dry_run_says_a_launch_here_would_be_refused_for_the_run_s_pinned_kern
     assert "makes its samples with fa3_fp8" in refused and "NVIDIA H100 80GB HBM3" in refused
     # device=auto on a host without a GPU (a login node) cannot judge the GPU the launch will get
     assert run(compose_cfg(*args, "dry_run=true")).refused is None
+
+
+def test_a_pin_s_control_characters_reach_the_log_as_escapes_not_as_terminal_commands(tmp_path, caplog):
+    """attention.json is a run file, someone else's input on shared storage: its why, quoted in a launch's log
+    line, is shown with its escape sequences written out, on the console and in the rank log."""
+    import logging
+
+    from jobs.generate import run
+
+    d = tmp_path / "run"
+    args = _interrupted_run(d)
+    (d / "attention.json").write_bytes(auto_8bit.Choice("auto", "\x1b]0;owned\x07\x1b[2J", "cpu").record())
+    with caplog.at_level(logging.INFO, logger="shardgen"):
+        assert run(compose_cfg(*args)).complete
+    line = [r.getMessage() for r in caplog.records if "sdpa_backend=auto_8bit" in r.getMessage()][-1]  # the resume's
+    assert "\\x1b]0;owned\\x07\\x1b[2J" in line and "\x1b" not in line
+    rank_log = (d / "logs" / "rank000.log").read_text()
+    assert "\\x1b]0;owned" in rank_log and "\x1b" not in rank_log

@@ -23,7 +23,8 @@ from shardgen.dataio.resume import (check_or_write_fingerprint, compute_fingerpr
                                     record_plan_digests, remember_prompt_hash, remove_dead_launch_markers,
                                     repair_run_dir, run_settings, start_generating, stop_generating)
 from shardgen.dataio.rundir import (Claimer, RankMetrics, RunDir, atomic_write_bytes, attach_rank_log, bytes_read,
-                                    check_run_dir_text, check_run_root, detach_rank_log, first_missing_dir, is_url,
+                                    check_run_dir_text, check_run_root, detach_rank_log, escape_log_lines,
+                                    first_missing_dir, is_url,
                                     log_to_file_only, owner_record, probe_conditional_writes, record_launch,
                                     redact_urls)
 from shardgen.dataio.shards.container import ContainerError
@@ -228,6 +229,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
     world = W.init_world(cfg.device, cfg.launcher.backend)
     W.share_cpu_threads(world)
     rank_log = attach_rank_log(cfg.run_dir, world.rank)  # logs/rank<R>.log, appended across launches
+    escape_log_lines()  # lines quote run files: a terminal is shown their control characters, never obeys them
     started = None
     backend = active_backend()  # a strategy's attention backend stays this job's
     try:

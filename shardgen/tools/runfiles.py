@@ -16,7 +16,6 @@ import fnmatch
 import functools
 import json
 import os
-import re
 import stat
 import sys
 import tarfile
@@ -25,22 +24,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, open_regular, read_regular
 from shardgen.dataio.rundir.layout import RunDir
+from shardgen.dataio.rundir.runlog import escape_terminal
 from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.errors import UserError
 
 REPAIR_HINT = "python -m jobs.verify {root} --repair, then re-run the generate command"
 NUMBER = (int, float)
-
-
-# control characters (C0 but newline and tab, DEL, C1) and the bidirectional overrides that reorder a line on screen
-_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def escape_terminal(text: str) -> str:
-    """``text`` with every control character shown as an escape (``\\x1b``): a run directory on shared storage is
-    someone else's input, and an escape sequence from a log line or a claim would retitle or clear the terminal."""
-    return _TERMINAL_UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                                else f"\\u{ord(m.group()):04x}", text)
 
 
 class _EscapingStream:

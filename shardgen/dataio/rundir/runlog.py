@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,37 @@ from shardgen.dataio.rundir.liveness import host_name
 from shardgen.dataio.rundir.remote import redact_urls
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+# control characters (C0 but newline and tab, DEL, C1) and the bidirectional overrides that reorder a line on screen
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_terminal(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``): a run directory on shared storage is
+    someone else's input, and an escape sequence from a log line or a claim would retitle or clear the terminal."""
+    return _TERMINAL_UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                else f"\\u{ord(m.group()):04x}", text)
+
+
+class EscapeControl(logging.Filter):
+    """A handler's filter that shows a line's control characters as escapes (``escape_terminal``): a launch's lines
+    quote run files (a claim's holder, attention.json's why), and a terminal would obey an escape sequence in them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        safe = escape_terminal(text)
+        if safe != text:
+            record.msg, record.args = safe, None
+        return True
+
+
+def escape_log_lines() -> None:
+    """Put ``EscapeControl`` on every handler of the root and "shardgen" loggers (the console's, the rank log's)."""
+    for logger in (logging.getLogger(), logging.getLogger("shardgen")):
+        for handler in logger.handlers:
+            if not any(isinstance(f, EscapeControl) for f in handler.filters):
+                handler.addFilter(EscapeControl())
 
 
 class PublicFormatter(logging.Formatter):
