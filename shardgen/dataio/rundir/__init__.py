@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BucketClaims", "BucketFiles", "ClaimStore", "Claimer", "DirClaims", "DirFiles", "FUTURE_TOLERANCE_S", "HEARTBEAT_S", "LEASE_S",
            "RankMetrics", "RunDir", "StorageError", "atomic_write_bytes", "atomic_write_json", "attach_rank_log",
-           "bytes_read", "check_run_dir_text", "check_run_root", "create_exclusive", "detach_rank_log", "escape_log_lines", "exposition",
+           "bytes_read", "check_run_dir_text", "check_run_root", "create_exclusive", "detach_rank_log",
+           "escape_log_lines", "exposition",
            "first_missing_dir", "is_url", "log_to_file_only", "owner_record", "public_url", "redact_urls",
            "read_jsonl", "read_rank_metrics", "read_run_jsonl", "record_commit", "record_launch", "probe_conditional_writes", "RunFiles",
            "run_dir_arg", "scan_claims"]
