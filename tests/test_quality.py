@@ -482,3 +482,53 @@ def test_lpips_in_the_gate_needs_samples_alexnet_can_take(tmp_path, lpips_files)
     with pytest.raises(UserError, match="LPIPS needs samples of at least 31x31 pixels .*not 16x32"):
         run(compose_cfg(f"run_dir={tmp_path / 'r'}", *ARGS, "height=16", "fp8=true", "calibrate_samples=2",
                         *lpips_files))
+
+
+def test_the_gate_does_not_pass_a_setting_that_fails_samples_the_lossless_pass_made(runs, tmp_path, monkeypatch):
+    """A sample the lossy pass makes non-finite has no pixels to compare: it is a miss, not a sample left out."""
+    from shardgen.quality import gate
+
+    made = gate._pixels
+
+    def lossy_fails_all_but_one(pipe, settings, rows, ranks):
+        out = made(pipe, settings, rows, ranks)
+        return {i: out[i] for i in sorted(out)[:1]} if settings.accel.lossy else out
+
+    monkeypatch.setattr(gate, "_pixels", lossy_fails_all_but_one)
+    with pytest.raises(gate.CalibrationFailed) as err:
+        run(compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={runs / 'p.txt'}", *ARGS, "fp8=true",
+                        "calibrate_samples=3", "calibrate_min_psnr=1"))
+    assert "2 of the 3 samples made losslessly failed with {'fp8': True}" in str(err.value)
+    record = json.loads((tmp_path / "r" / "calibration.json").read_text())
+    assert not record["passed"] and record["failed_lossy"] == ["1", "2"]
+
+
+def test_a_calibration_json_that_is_a_directory_is_named_before_the_calibration(runs, tmp_path, monkeypatch):
+    from shardgen.dataio.rundir.storage import RunDirError
+    from shardgen.quality import gate
+
+    args = (f"run_dir={tmp_path / 'r'}", f"prompts.path={runs / 'p.txt'}", *ARGS, "fp8=true", "calibrate_samples=1")
+    with pytest.raises(gate.CalibrationFailed):  # the record written, no sample made
+        run(compose_cfg(*args, "calibrate_min_psnr=200"))
+    (tmp_path / "r" / "calibration.json").unlink()
+    (tmp_path / "r" / "calibration.json").mkdir()
+    monkeypatch.setattr(gate, "_pixels", lambda *a: pytest.fail("calibrated before naming the directory"))
+    with pytest.raises(RunDirError, match="calibration.json is a directory"):
+        run(compose_cfg(*args))
+
+
+@pytest.mark.parametrize("record", [b"[" * 200_000, json.dumps(
+    {"psnr_db": {"n": 3, "median": 40.0, "worst": 30.0}, "ssim": {"n": 3, "median": 0.99, "worst": 0.98},
+     "passed": "false", "action": "stop", "lossy": {"fp8": True}}).encode()])
+def test_the_report_names_a_calibration_record_too_deep_or_with_a_passed_that_is_no_verdict(runs, tmp_path, record):
+    import shutil
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.dataio.rundir.layout import RunDir
+    from shardgen.tools.report import build_report
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs / "fp8", run_dir)
+    (run_dir / "calibration.json").write_bytes(record)
+    page = build_report(load_plan(RunDir(run_dir)))
+    assert "calibration.json is unreadable (" in page and "passed (" not in page

@@ -153,7 +153,11 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> 
             per_sample[str(i)]["lpips"] = model(made[i], reference[i])
         figures["lpips"] = summarize([s["lpips"] for s in per_sample.values()], worst=max)
     missed = verdict(figures, bounds)
+    # a sample the lossless pass made and the lossy one failed (non-finite pixels) is the worst miss there is
+    if failed := sorted(set(reference) - set(made)):
+        missed.insert(0, f"{len(failed)} of the {len(reference)} samples made losslessly failed with {lossy}")
     record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
+                  **({"failed_lossy": [str(i) for i in failed]} if failed else {}),
                   bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim,
                           **({"max_lpips": bounds.calibrate_max_lpips} if bounds.lpips else {})},
                   passed=not missed, action="continue" if not missed else bounds.calibrate_fallback)

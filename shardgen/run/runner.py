@@ -31,7 +31,7 @@ from shardgen.dataio.shards.container import ContainerError
 from shardgen.dataio.shards import (SampleAnnotator, ShardSink, ShardUploader, Signals, VIDEO_EXT, VideoEncoder,
                                     is_video, resolve_samples_per_shard, run_provenance, text_windows)
 from shardgen.dataio.rundir.fileio import json_bytes
-from shardgen.dataio.rundir.storage import storage_error
+from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
 from shardgen.quality.gate import CalibrationFailed, calibrate, provenance_summary, record_bytes
@@ -383,6 +383,10 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
     """The quality gate (``calibrate_samples``, shardgen/quality/gate.py) before the first batch: the settings the
     run goes on with and the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
     gate stops the job)."""
+    path = plan.run.calibration_path
+    if cfg.calibrate_samples > 0 and path.is_dir() and not path.is_symlink():  # before the 2N samples, not after
+        raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
+                          "move it away, then launch again")
     try:
         settings, record = calibrate(cfg, plan, pipe, settings, ctx.ranks)
     except CalibrationFailed as e:

@@ -276,12 +276,14 @@ def _fidelity(run: RunDir) -> list[tuple]:
             rec = json.loads(data)
             psnr, ssim = rec["psnr_db"], rec["ssim"]
             if what.startswith("calibration"):
+                if not isinstance(rec["passed"], bool):  # "false" is truthy: no verdict is read from it
+                    raise TypeError("passed is not true or false")
                 verdict = ("passed" if rec["passed"] else f"below a bound: {rec['action']}") + f" ({rec['lossy']})"
             else:
                 verdict = f"against {rec['reference']}"
             out.append((what, psnr["n"], _num(psnr["median"], 2), _num(psnr["worst"], 2), _num(ssim["median"], 4),
                         _num(ssim["worst"], 4), *_perceptual(rec), verdict))
-        except (RunDirError, OSError, ValueError, KeyError, TypeError) as e:
+        except (RunDirError, OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # nested past the parser
             out.append((what, *[""] * (len(FIDELITY_HEAD) + len(PERCEPTUAL_HEAD) - 1),
                         f"{path.name} is unreadable ({type(e).__name__}); not shown"))
     return out
