@@ -121,6 +121,8 @@ def below(summary: dict, min_psnr: float | None, min_ssim: float | None, err, ma
         bad.append(f"SSIM {shown(ssim, '.4f')} < {min_ssim:g}")
     if max_lpips is not None and (lpips is None or lpips > max_lpips):
         bad.append(f"LPIPS {shown(lpips, '.3g')} > {max_lpips:g}")
+    if (damaged := summary.get("damaged_shards")) and (min_psnr, min_ssim, max_lpips) != (None, None, None):
+        bad.append(f"damaged shards were not compared ({'; '.join(f'{n}: {len(s)}' for n, s in damaged.items())})")
     if bad:
         print(f"below the bound: worst {'; '.join(bad)}", file=err)
     return bool(bad)

@@ -232,7 +232,8 @@ def test_a_compare_of_many_samples_keeps_compare_json_small_and_the_report_shows
     n = 20_000
     rng = np.random.default_rng(0)
     psnrs, ssims = iter(rng.uniform(30, 60, n).tolist()), iter(rng.uniform(0.9, 1.0, n).tolist())
-    monkeypatch.setattr(runfiles, "committed_members", lambda run: ((f"{i:010d}", {}) for i in range(n)))
+    monkeypatch.setattr(runfiles, "committed_shard_members",
+                        lambda run, damaged=None: ((i // 100, f"{i:010d}", {}) for i in range(n)))
     monkeypatch.setattr(qc, "decode", lambda key, members: np.zeros(1, np.uint8))  # the figures come from above
     monkeypatch.setattr(qc, "psnr", lambda a, b: next(psnrs))
     monkeypatch.setattr(qc, "ssim", lambda a, b: next(ssims))
@@ -532,3 +533,18 @@ def test_the_report_names_a_calibration_record_too_deep_or_with_a_passed_that_is
     (run_dir / "calibration.json").write_bytes(record)
     page = build_report(load_plan(RunDir(run_dir)))
     assert "calibration.json is unreadable (" in page and "passed (" not in page
+
+
+def test_a_damaged_shard_is_named_by_compare_and_fails_its_bound_not_passed_over(runs, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs / "fp8", run_dir)
+    tar = run_dir / "shards" / "000000.tar"
+    tar.write_bytes(tar.read_bytes()[:tar.stat().st_size // 2])
+    assert jobs.compare.main([str(run_dir), str(runs / "ref"), "--min-psnr", "1"]) == 1
+    out = capsys.readouterr()
+    assert f"damaged shards not read in {run_dir}: 000000 (jobs.verify {run_dir} names them)" in out.out
+    assert "below the bound: worst damaged shards were not compared" in out.err
+    assert json.loads((run_dir / "compare.json").read_text())["damaged_shards"] == {str(run_dir): ["000000"]}
+    assert jobs.compare.main([str(run_dir), str(runs / "ref")]) == 0  # no bound asked: the figures, and the names

@@ -59,6 +59,7 @@ class Comparison:
     psnr: array = field(default_factory=lambda: array("d"))
     ssim: array = field(default_factory=lambda: array("d"))
     missing: int = 0
+    damaged: dict[str, list[str]] = field(default_factory=dict)  # run name -> its shards that could not be read
     lpips: array | None = None
     clip_run: array | None = None
     clip_reference: array | None = None
@@ -100,6 +101,8 @@ class Comparison:
         """Totals and each figure's median, mean, worst and tail quantiles; its size does not grow with the run."""
         out = {"run": self.run, "reference": self.reference, "compared": len(self.keys), "missing": self.missing,
                "psnr_db": _figure(self.psnr), "ssim": _figure(self.ssim)}
+        if self.damaged:
+            out["damaged_shards"] = self.damaged
         if self.lpips is not None:
             out["lpips"] = _figure(self.lpips, higher_is_worse=True)
         if self.clip_run is not None:
@@ -126,8 +129,11 @@ class Comparison:
     def line(self) -> str:
         """One line a user reads: median and worst of each figure."""
         s = self.summary()
+        damaged = "".join(f"; damaged shards not read in {name}: {', '.join(shards)} (jobs.verify {name} names them)"
+                          for name, shards in self.damaged.items())
         if not s["compared"]:
-            return f"no sample in common with {self.reference} ({self.missing} missing in one run or the other)"
+            return (f"no sample in common with {self.reference} ({self.missing} missing in one run or the other)"
+                    + damaged)
         p, q = s["psnr_db"], s["ssim"]
         text = (f"{s['compared']} samples compared with {self.reference}: PSNR median {_db(p['median'])} dB, worst "
                 f"{_db(p['worst'])} dB; SSIM median {q['median']:.4f}, worst {q['worst']:.4f}")
@@ -136,7 +142,7 @@ class Comparison:
         if s.get("clip_score", {}).get("n"):
             c = s["clip_score"]
             text += f"; CLIP score {c['run']:.1f} vs {c['reference']:.1f} (reference)"
-        return text + (f"; {self.missing} not in both runs" if self.missing else "")
+        return text + (f"; {self.missing} not in both runs" if self.missing else "") + damaged
 
 
 def _figure(values: array, higher_is_worse: bool = False) -> dict:
@@ -269,6 +275,10 @@ def _measure(out: Comparison, key: str, x: np.ndarray, y: np.ndarray, prompt: st
 def compare_runs(run: Any, reference: Any, lpips: Lpips | None = None, clip: ClipScorer | None = None) -> Comparison:
     """Compare two runs (``RunDir``s) over every committed sample of both, a shard of each read at a time; each is
     named as its messages name it (a bucket run by its URL). ``lpips``, ``clip``: those figures too."""
-    from shardgen.tools.runfiles import committed_members
+    from shardgen.tools.runfiles import committed_shard_members
 
-    return compare_samples(committed_members(run), committed_members(reference), run.name, reference.name, lpips, clip)
+    damaged: tuple[dict, dict] = ({}, {})  # filled as the shards are read: a damaged one is named, not passed over
+    members = [((key, mem) for _, key, mem in committed_shard_members(r, d)) for r, d in zip((run, reference), damaged)]
+    out = compare_samples(*members, run.name, reference.name, lpips, clip)
+    out.damaged = {r.name: [f"{shard:06d}" for shard in sorted(d)] for r, d in zip((run, reference), damaged) if d}
+    return out
