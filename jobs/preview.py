@@ -47,8 +47,13 @@ def collect(run: RunDir, n: int, num_shards: int = 0) -> list[tuple[str, bytes |
     out = []
     for key, mem in _members(run, num_shards):
         img = mem[image_ext(mem)] if image_ext(mem) else None
-        if VIDEO_EXT in mem:  # a video: its first and middle frames side by side
-            img = preview_png(mem[VIDEO_EXT])
+        if VIDEO_EXT in mem:  # a video: four of its frames in a grid
+            try:
+                img = preview_png(mem[VIDEO_EXT])
+            except (ValueError, OSError) as e:  # damaged: a cell without a picture, as a failed sample's
+                print(f"jobs.preview: sample {key}: its video does not decode ({e}); shown without a picture",
+                      file=sys.stderr)
+                img = None
         out.append((mem.get("txt", b"").decode("utf-8", "replace"), img, _meta(mem.get("json"))))
         if len(out) == n:
             return out

@@ -436,3 +436,35 @@ def test_the_attention_kernel_is_chosen_for_the_videos_own_token_count(tmp_path,
     batch, tokens = seen[0]
     assert (batch, tokens) == (2, 2 * 2 * 2)  # 5 frames -> 2 latent frames of 4x4 latents in 1x2x2 patches
     assert [(s[0], s[2]) for s in shapes] == [(batch, tokens)]
+
+
+def _audio_only_mp4() -> bytes:
+    """A valid mp4 whose one stream is audio: a sample's mp4 member a user could have swapped in."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as f:
+        stream = f.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            f.mux(packet)
+    return buf.getvalue()
+
+
+def test_an_mp4_without_a_video_stream_does_not_decode_for_verify_compare_and_preview(monkeypatch, capsys):
+    """Not an IndexError from deep inside the tools: verify names the sample, compare counts it missing, preview
+    shows its cell without a picture."""
+    from jobs import preview
+    from shardgen.quality.compare import decode
+
+    data = _audio_only_mp4()
+    with pytest.raises(ValueError, match="no video stream"):
+        decode_video(data)
+    assert check_video_member("k", data, {"frames": 4}) == ["k: video does not decode (the file holds no video stream)"]
+    assert decode("k", {"mp4": data}) is None
+    monkeypatch.setattr(preview, "_members", lambda run, n: iter([("k", {"mp4": data, "txt": b"a prompt"})]))
+    assert preview.collect(None, 1) == [("a prompt", None, {})]
+    assert "sample k: its video does not decode (the file holds no video stream)" in capsys.readouterr().err

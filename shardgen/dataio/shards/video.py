@@ -135,15 +135,20 @@ class VideoInfo:
 
 
 def decode_video(data: bytes) -> tuple[np.ndarray, VideoInfo]:
-    """(FxHxWx3 uint8 frames, info) of mp4 bytes; raises on a stream that does not decode."""
+    """(FxHxWx3 uint8 frames, info) of mp4 bytes; raises on a stream that does not decode (ValueError for a file
+    without a video stream or without a frame: nothing to show or compare)."""
     import av
 
     with av.open(io.BytesIO(data), mode="r") as f:
+        if not f.streams.video:
+            raise ValueError("the file holds no video stream")
         stream = f.streams.video[0]
         frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(stream)]
         info = VideoInfo(frames=len(frames), fps=float(stream.average_rate or 0), width=stream.codec_context.width,
                          height=stream.codec_context.height, codec=stream.codec_context.name)
-    return np.stack(frames) if frames else np.zeros((0, info.height, info.width, 3), np.uint8), info
+    if not frames:
+        raise ValueError("its video stream holds no frame")
+    return np.stack(frames), info
 
 
 @dataclass(frozen=True)
