@@ -384,7 +384,8 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
     run goes on with and the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
     gate stops the job)."""
     path = plan.run.calibration_path
-    if cfg.calibrate_samples > 0 and path.is_dir() and not path.is_symlink():  # before the 2N samples, not after
+    # named before the 2N calibration samples, not after them
+    if cfg.calibrate_samples > 0 and settings.accel.lossy and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
     try:
