@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 from shardgen.dataio.rundir.claimstore import ClaimStore, claim_name
 from shardgen.dataio.rundir.layout import RunDir
-from shardgen.dataio.rundir.liveness import (host_name, pid_alive, process_identity, reported_ended, same_pid_numbers,
-                                             well_formed)
+from shardgen.dataio.rundir.liveness import gone_from_this_host, host_name, process_identity, reported_ended
 from shardgen.dataio.rundir.remote import StorageError
 
 # The defaults of the config keys lease_s and heartbeat_s (shardgen/config/schema.py takes them from here)
@@ -73,13 +72,8 @@ def _gone_here(record: dict, me: dict) -> bool:
     record's ``proc`` differs: a pid reused, even this process's own pid in a container run again). A record
     without ``proc`` (written where /proc was not readable) is ours when it has our pid; one of another pid namespace
     (a container sharing this host name) is judged by its lease alone."""
-    pid, proc = record.get("pid"), record.get("proc")
-    if record.get("host") != me["host"] or not isinstance(pid, int) or isinstance(pid, bool):
-        return False
-    if well_formed(proc):  # a damaged one tells nothing: the pid alone
-        ours = pid == me["pid"] and proc == me.get("proc")
-        return same_pid_numbers(proc) and not ours and not pid_alive(pid, proc)
-    return pid != me["pid"] and not pid_alive(pid)
+    return gone_from_this_host(record.get("host"), record.get("pid"), record.get("proc"),
+                               me=(me["host"], me["pid"], me.get("proc")))
 
 
 def claim_state(record: dict | None, mtime: float | None, now: float, lease_s: float, me: dict) -> str:

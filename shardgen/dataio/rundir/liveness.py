@@ -101,16 +101,19 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def gone_from_this_host(host: object, pid: object, identity: str | None = None) -> bool:
+def gone_from_this_host(host: object, pid: object, identity: object = None,
+                        me: tuple[str, int, str | None] | None = None) -> bool:
     """Whether a process recorded as ``host``/``pid`` ran on this host and has ended (not this process: a record of
     our own is never a leftover). A record of another host is never known gone here: its pid means nothing here.
     With ``identity`` (``process_identity`` when it was recorded): also when another process has the pid now, this
-    one included (a container run again), and never for a process of another pid namespace."""
-    if host != host_name() or not isinstance(pid, int) or isinstance(pid, bool):
+    one included (a container run again), and never for a process of another pid namespace. ``me``: (host, pid,
+    identity) of this process as its own records give them (a claim's ``owner_record``); by default read here."""
+    my_host, my_pid, my_identity = me or (host_name(), os.getpid(), None)
+    if host != my_host or not isinstance(pid, int) or isinstance(pid, bool):
         return False
     if not well_formed(identity):  # none recorded (an older record, no /proc), or damaged: the pid alone
-        return pid != os.getpid() and not pid_alive(pid)
-    ours = pid == os.getpid() and identity == process_identity(pid)
+        return pid != my_pid and not pid_alive(pid)
+    ours = pid == my_pid and identity == (my_identity if me else process_identity(pid))
     return same_pid_numbers(identity) and not ours and not pid_alive(pid, identity)
 
 
