@@ -89,10 +89,10 @@ def attention_resolved(cfg: GenerateConfig, run: RunDir, device: Any, attention_
 
     if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
         return cfg, None
-    pinned = auto_8bit.read_pin(run)
-    if pinned is None or holds_no_samples(run):  # the launch chooses again while the run holds no sample
+    pinned, empty = auto_8bit.read_pin(run), holds_no_samples(run)
+    if pinned is None or empty:  # the launch chooses again while the run holds no sample
         choice = auto_8bit.choose(cfg.model.pipeline, device, attention_backend)
-        missing = pinned is None and not cfg.allow_fingerprint_change and not holds_no_samples(run)
+        missing = pinned is None and not cfg.allow_fingerprint_change and not empty
         return auto_8bit.with_choice(cfg, choice), str(auto_8bit.missing_pin(run)) if missing else None
     try:
         if judge_device:
