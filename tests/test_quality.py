@@ -158,6 +158,35 @@ def test_the_lossless_fallback_makes_the_lossless_run(runs, tmp_path, monkeypatc
     assert all("lossy" not in m and m["provenance"]["calibration"]["action"] == "lossless" for m in metas)
 
 
+@pytest.mark.parametrize("compile_auto, starts_eager, lossy_compiled", [
+    (True, True, False),    # compile=auto on one GPU: the run's first batches are eager, and so is the lossy pass
+    (True, False, True),    # a model-parallel replica compiles from the start
+    (False, False, True),   # compile=true
+])
+def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one_as_the_run_starts(
+        monkeypatch, compile_auto, starts_eager, lossy_compiled):
+    import dataclasses
+
+    from shardgen.quality import gate
+    from shardgen.run.generation import GenSettings
+
+    cfg = compose_cfg(*ARGS, "fp8=true", "calibrate_samples=2")
+    settings = GenSettings.from_cfg(cfg, "dp")
+    settings = dataclasses.replace(settings, compile_auto=compile_auto,
+                                   accel=dataclasses.replace(settings.accel, compile=True))
+    passes = []
+
+    def pixels(pipe, s, rows, ranks):
+        passes.append((s.accel.fp8, s.accel.compile))
+        return {0: np.zeros((16, 16, 3), np.uint8), 1: np.full((16, 16, 3), 9, np.uint8)}
+
+    monkeypatch.setattr(gate, "_pixels", pixels)
+    monkeypatch.setattr(gate, "first_rows", lambda plan, n: [object()] * n)
+    went_on, record = gate.calibrate(cfg, None, object(), settings, 1, starts_eager=starts_eager)
+    assert passes == [(False, False), (True, lossy_compiled)]
+    assert went_on == settings and record["passed"]  # the run's own settings go on: its decider sets compile
+
+
 @pytest.mark.parametrize("override, message", [
     ("calibrate_fallback=retry", "calibrate_fallback='retry': use one of ['stop', 'lossless']"),
     ("calibrate_min_ssim=2", "calibrate_min_ssim=2: use 0..1"),

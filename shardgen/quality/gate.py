@@ -83,6 +83,11 @@ def first_rows(plan: Any, n: int) -> list:
     return rows[:n]
 
 
+def _eager(settings: Any) -> Any:
+    """``settings`` with the transformer's blocks not compiled."""
+    return dataclasses.replace(settings, accel=dataclasses.replace(settings.accel, compile=False))
+
+
 def _pixels(pipe: Any, settings: Any, rows: list, ranks: int) -> dict[int, Any]:
     """Row index -> pixels of the rows made with ``settings``, a batch at a time (failed samples left out)."""
     from shardgen.run.generation import generate_batch
@@ -127,9 +132,13 @@ def provenance_summary(record: dict) -> dict:
     return {k: finite(v) for k, v in record.items() if k != "per_sample"}
 
 
-def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> tuple[Any, dict | None]:
+def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
+              starts_eager: bool = False) -> tuple[Any, dict | None]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
-    lossy). CalibrationFailed when a bound is missed and the fallback is ``stop``."""
+    lossy). CalibrationFailed when a bound is missed and the fallback is ``stop``. ``starts_eager``: the run's
+    first batches run eagerly whatever ``settings.accel.compile`` says (``compile: auto`` decides after them), and
+    so does the lossy pass. The lossless pass, made only to compare against, is always eager: compiling the
+    lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples can win back."""
     from shardgen.speed import accel as A
 
     bounds = pick(Bounds, cfg)
@@ -142,8 +151,8 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1) -> 
     if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
         A.make_reversible(transformer)  # to switch back if the gate says so
     log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
-    reference = _pixels(pipe, exact, rows, ranks)
-    made = _pixels(pipe, settings, rows, ranks)
+    reference = _pixels(pipe, _eager(exact), rows, ranks)
+    made = _pixels(pipe, _eager(settings) if starts_eager else settings, rows, ranks)
     common = sorted(set(reference) & set(made))
     per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])} for i in common}
     figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),

@@ -364,6 +364,12 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     return worker
 
 
+def _decided_per_batch(settings: GenSettings, ctx: ReplicaContext) -> bool:
+    """``compile: auto``'s decider runs here (a one-rank replica: model-parallel ranks would have to agree), so the
+    first batches run eagerly."""
+    return settings.compile_auto and ctx.ranks == 1
+
+
 def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -> AutoCompile | None:
     """compile=auto's decider on a one-rank replica (model-parallel ranks would have to agree), also for
     compile=true, which is timed and recorded (the figures a later auto process uses); None otherwise. The worker
@@ -389,7 +395,8 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
     try:
-        settings, record = calibrate(cfg, plan, pipe, settings, ctx.ranks)
+        settings, record = calibrate(cfg, plan, pipe, settings, ctx.ranks,
+                                     starts_eager=_decided_per_batch(settings, ctx))
     except CalibrationFailed as e:
         _write_calibration(plan, ctx, e.record)
         raise
