@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Source on the GPU machine before a benchmark:  source benchmarks/device_env.sh
-# 1. installs the carried wheels (.whl/, see ../shared/GPU.md) into /tmp/site;
+# 1. installs the carried wheels (.whl/: bash benchmarks/device_wheels.sh here first) into /tmp/site;
 # 2. gives every process a bytecode cache. The device's Python environment is read-only and ships without
 #    .pyc files, so each process there compiles ~3,000 modules from source (~8 s of a job's start-up under
 #    cProfile); an installed environment on a user's cluster has them
