@@ -124,13 +124,32 @@ def test_the_gate_passes_a_good_setting_and_records_it_without_changing_the_samp
 
     f = runs / "p.txt"
     run(compose_cfg(f"run_dir={tmp_path / 'gated'}", f"prompts.path={f}", *ARGS, *GATE))
-    assert shard_images(tmp_path / "gated") == shard_images(runs / "fp8")  # calibration commits nothing of its own
+    assert shard_images(tmp_path / "gated") == shard_images(runs / "fp8")  # the gate changes no pixel
     record = json.loads((tmp_path / "gated" / "calibration.json").read_text())
     assert record["passed"] and record["samples"] == 3 and record["lossy"] == {"fp8": True}
     assert record["psnr_db"]["worst"] >= 40 and len(record["per_sample"]) == 3
     metas = _provenance(tmp_path / "gated")
     assert len(metas) == 6 and all(m["provenance"]["calibration"]["passed"] for m in metas)
     assert all(m["lossy"] == {"fp8": True} for m in metas)
+
+
+def test_the_run_commits_the_calibration_s_lossy_samples_instead_of_making_them_again(runs, tmp_path, monkeypatch):
+    from shardgen.run import generation, shardrun
+    from tests.test_generate import shard_images
+
+    def counting(real, rows_made):
+        return lambda pipe, s, rows, *a: rows_made.extend(r.index for r in rows) or real(pipe, s, rows, *a)
+
+    made_by_the_run, calibrated = [], []
+    monkeypatch.setattr(shardrun, "generate_batch", counting(shardrun.generate_batch, made_by_the_run))
+    monkeypatch.setattr(generation, "generate_batch", counting(generation.generate_batch, calibrated))
+    out = tmp_path / "gated"
+    summary = run(compose_cfg(f"run_dir={out}", f"prompts.path={runs / 'p.txt'}", *ARGS, "fp8=true",
+                              "calibrate_samples=4", "calibrate_min_psnr=40"))
+    assert calibrated == [0, 1, 2, 3] * 2  # lossless, then lossy
+    assert made_by_the_run == [4, 5]  # the first shard's rows came from the calibration
+    assert shard_images(out) == shard_images(runs / "fp8")  # the same pixels as a run without the gate
+    assert (summary.ok, summary.generated_here) == (6, 6) and all(m["lossy"] == {"fp8": True} for m in _provenance(out))
 
 
 def test_the_gate_stops_a_damaged_setting_before_any_sample_in_one_line(runs, tmp_path, monkeypatch):
@@ -167,6 +186,7 @@ def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one
         monkeypatch, compile_auto, starts_eager, lossy_compiled):
     import dataclasses
 
+    from shardgen.dataio.shards import Sample
     from shardgen.quality import gate
     from shardgen.run.generation import GenSettings
 
@@ -176,13 +196,14 @@ def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one
                                    accel=dataclasses.replace(settings.accel, compile=True))
     passes = []
 
-    def pixels(pipe, s, rows, ranks):
+    def batches(pipe, s, rows, ranks):
         passes.append((s.accel.fp8, s.accel.compile))
-        return {0: np.zeros((16, 16, 3), np.uint8), 1: np.full((16, 16, 3), 9, np.uint8)}
+        pixels = np.zeros((16, 16, 3), np.uint8)
+        return [((0, 1), [Sample("0", 0, "a", {}, pixels), Sample("1", 1, "b", {}, pixels + 9)], 1.0)]
 
-    monkeypatch.setattr(gate, "_pixels", pixels)
+    monkeypatch.setattr(gate, "_batches", batches)
     monkeypatch.setattr(gate, "first_rows", lambda plan, n: [object()] * n)
-    went_on, record = gate.calibrate(cfg, None, object(), settings, 1, starts_eager=starts_eager)
+    went_on, record, _ = gate.calibrate(cfg, None, object(), settings, 1, starts_eager=starts_eager)
     assert passes == [(False, False), (True, lossy_compiled)]
     assert went_on == settings and record["passed"]  # the run's own settings go on: its decider sets compile
 
@@ -518,13 +539,15 @@ def test_the_gate_does_not_pass_a_setting_that_fails_samples_the_lossless_pass_m
     """A sample the lossy pass makes non-finite has no pixels to compare: it is a miss, not a sample left out."""
     from shardgen.quality import gate
 
-    made = gate._pixels
+    made = gate._batches
 
     def lossy_fails_all_but_one(pipe, settings, rows, ranks):
         out = made(pipe, settings, rows, ranks)
-        return {i: out[i] for i in sorted(out)[:1]} if settings.accel.lossy else out
+        for smp in [smp for _, samples, _ in out for smp in samples][1:] if settings.accel.lossy else []:
+            smp.pixels, smp.status, smp.failure = None, "failed", "non-finite pixels"
+        return out
 
-    monkeypatch.setattr(gate, "_pixels", lossy_fails_all_but_one)
+    monkeypatch.setattr(gate, "_batches", lossy_fails_all_but_one)
     with pytest.raises(gate.CalibrationFailed) as err:
         run(compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={runs / 'p.txt'}", *ARGS, "fp8=true",
                         "calibrate_samples=3", "calibrate_min_psnr=1"))
@@ -542,7 +565,7 @@ def test_a_calibration_json_that_is_a_directory_is_named_before_the_calibration(
         run(compose_cfg(*args, "calibrate_min_psnr=200"))
     (tmp_path / "r" / "calibration.json").unlink()
     (tmp_path / "r" / "calibration.json").mkdir()
-    monkeypatch.setattr(gate, "_pixels", lambda *a: pytest.fail("calibrated before naming the directory"))
+    monkeypatch.setattr(gate, "_batches", lambda *a: pytest.fail("calibrated before naming the directory"))
     with pytest.raises(RunDirError, match="calibration.json is a directory"):
         run(compose_cfg(*args))
 

@@ -447,7 +447,8 @@ class QualityConfig:
     calibrate_samples: int = 0
     """With a lossy setting on: the run's first N prompts are also made losslessly before the run starts, and
     the lossy samples compared with them (PSNR, SSIM); the figures go into every sample's provenance and
-    RUN_DIR/calibration.json. 0 = no calibration. Costs 2N samples per replica and launch."""
+    RUN_DIR/calibration.json. 0 = no calibration. Costs 2N samples per replica and launch, N on the one-GPU replica
+    that takes the first shard (it commits the lossy ones)."""
     calibrate_min_psnr: float = 0.0
     """The worst calibration sample's PSNR (dB) must reach this; 0 = no bound."""
     calibrate_min_ssim: float = 0.0

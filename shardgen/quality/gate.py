@@ -5,9 +5,10 @@ made losslessly and lossily, compared (PSNR, SSIM), and the run goes on, stops i
 
 The lossless samples come first, while the weights are still the lossless ones: fp8 converts the transformer in
 place, so the lossy pass needs no second copy of the model. Every rank of a replica runs the same rows in the same
-order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The calibration
-samples are not committed: the run makes its first prompts again in their shards (2N samples of extra work per
-replica and launch).
+order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The lossless
+samples are not committed; the lossy ones are the run's own when it goes on with their settings, and a one-rank
+replica whose first batches are those rows commits them instead of making them again (N samples of extra work per
+replica and launch, 2N where they are not taken).
 """
 
 from __future__ import annotations
@@ -88,16 +89,25 @@ def _eager(settings: Any) -> Any:
     return dataclasses.replace(settings, accel=dataclasses.replace(settings.accel, compile=False))
 
 
-def _pixels(pipe: Any, settings: Any, rows: list, ranks: int) -> dict[int, Any]:
-    """Row index -> pixels of the rows made with ``settings``, a batch at a time (failed samples left out)."""
+def _batches(pipe: Any, settings: Any, rows: list, ranks: int) -> list[tuple[tuple, list, float]]:
+    """The rows made with ``settings`` a batch at a time: (the batch's row indices, its samples, the seconds it
+    took) each."""
+    import time
+
     from shardgen.run.generation import generate_batch
 
-    out = {}
+    out = []
     for a in range(0, len(rows), settings.batch_size):
-        for smp in generate_batch(pipe, settings, rows[a:a + settings.batch_size], ranks):
-            if smp.pixels is not None:
-                out[smp.index] = smp.pixels
+        t0 = time.perf_counter()
+        batch = rows[a:a + settings.batch_size]
+        samples = generate_batch(pipe, settings, batch, ranks)
+        out.append((tuple(r.index for r in batch), samples, time.perf_counter() - t0))
     return out
+
+
+def _pixels(batches: list[tuple[tuple, list, float]]) -> dict[int, Any]:
+    """Row index -> pixels of the samples made (failed samples left out)."""
+    return {smp.index: smp.pixels for _, samples, _ in batches for smp in samples if smp.pixels is not None}
 
 
 def verdict(figures: dict, bounds: Bounds) -> list[str]:
@@ -133,26 +143,30 @@ def provenance_summary(record: dict) -> dict:
 
 
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
-              starts_eager: bool = False) -> tuple[Any, dict | None]:
+              starts_eager: bool = False) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
-    lossy). CalibrationFailed when a bound is missed and the fallback is ``stop``. ``starts_eager``: the run's
+    lossy, the lossy samples as ``MadeAhead`` when the run goes on with them, else None). CalibrationFailed when a
+    bound is missed and the fallback is ``stop``. ``starts_eager``: the run's
     first batches run eagerly whatever ``settings.accel.compile`` says (``compile: auto`` decides after them), and
     so does the lossy pass. The lossless pass, made only to compare against, is always eager: compiling the
     lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples can win back."""
+    from shardgen.run.shardrun import MadeAhead
     from shardgen.speed import accel as A
 
     bounds = pick(Bounds, cfg)
     lossy = settings.accel.lossy
     if bounds.calibrate_samples <= 0 or not lossy:
-        return settings, None
+        return settings, None, None
     rows = first_rows(plan, bounds.calibrate_samples)
     exact = dataclasses.replace(settings, accel=lossless(settings.accel))
     transformer = getattr(pipe, "transformer", None)
     if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
         A.make_reversible(transformer)  # to switch back if the gate says so
     log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
-    reference = _pixels(pipe, _eager(exact), rows, ranks)
-    made = _pixels(pipe, _eager(settings) if starts_eager else settings, rows, ranks)
+    reference = _pixels(_batches(pipe, _eager(exact), rows, ranks))
+    lossy_settings = _eager(settings) if starts_eager else settings
+    lossy_batches = _batches(pipe, lossy_settings, rows, ranks)
+    made = _pixels(lossy_batches)
     common = sorted(set(reference) & set(made))
     per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])} for i in common}
     figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),
@@ -177,7 +191,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
         line += f"; LPIPS median {figures['lpips']['median']:.3g}, worst {figures['lpips']['worst']:.3g}"
     if not missed:
         log.info("%s: passed", line)
-        return settings, record
+        return settings, record, MadeAhead(lossy_settings, {key: (smps, secs) for key, smps, secs in lossy_batches})
     if bounds.calibrate_fallback == "stop":
         err = CalibrationFailed(f"{line}: {'; '.join(missed)}. Nothing was made. Turn the lossy setting off "
                                 f"({', '.join(CONFIG_KEYS.get(k, k) for k in lossy)}), lower the bound, or set "
@@ -186,7 +200,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
         raise err
     log.warning("%s: %s; the run goes on lossless", line, "; ".join(missed))
     A.prepare(pipe, exact.accel)  # fp8 switched back to the bf16 layers kept on the CPU
-    return exact, record
+    return exact, record, None
 
 
 def _db(x: float | None) -> str:

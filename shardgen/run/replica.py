@@ -20,7 +20,7 @@ from shardgen.dataio.rundir import Claimer, RankMetrics, record_commit
 from shardgen.dataio.shards import ShardSink, ShardWork, committed_samples, committed_tar, read_shard_members
 from shardgen.errors import ShardgenError, ends_job
 from shardgen.run.generation import GenSettings
-from shardgen.run.shardrun import ShardGenerator, ShardRun
+from shardgen.run.shardrun import MadeAhead, ShardGenerator, ShardRun
 from shardgen.run.shardwalk import ShardWalk
 from shardgen.run.stopping import stopping
 from shardgen.run.tally import BatchTally
@@ -67,6 +67,7 @@ class ReplicaWorker:
     annotate: Callable[[list], None] = lambda samples: None  # leader: provenance, token counts (dataio/shards/annotate.py)
     autocompile: AutoCompile | None = None  # compile=auto on a one-rank replica: decided batch by batch by ``batches``
     metrics: RankMetrics | None = None     # leader: the Prometheus file (metrics/), rewritten at each commit
+    made_ahead: MadeAhead | None = None    # the quality gate's lossy samples, taken by the batch of their rows
     tally: BatchTally = field(default_factory=BatchTally, init=False)  # what the batches made
     walk: ShardWalk = field(init=False)          # which shard next (the leader claims)
     batches: ShardGenerator = field(init=False)  # generates each shard, batch by batch
@@ -79,7 +80,7 @@ class ReplicaWorker:
         self.batches = ShardGenerator(self.pipe, settings, self.batch_size, self.ctx.ranks, self.ctx.leader, self.sink,
                                       annotate=self.annotate, on_samples=self.on_samples, on_batch=self._batch_event,
                                       keep_going=self._keep_going, autocompile=self.autocompile,
-                                      watchdog=self.watchdog, tally=self.tally)
+                                      watchdog=self.watchdog, tally=self.tally, made_ahead=self.made_ahead)
         if self.autocompile is not None:  # compile=auto decides from this worker's work left, and sets its settings
             self.autocompile.remaining = self.remaining_here
             self.batches.settings = self.autocompile.settings(self.batches.settings)

@@ -42,6 +42,7 @@ from shardgen.run.progress import Progress
 from shardgen.run.replica import ReplicaContext, ReplicaWorker
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
+from shardgen.run.shardrun import MadeAhead
 from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
 from shardgen.models import schedulers
@@ -354,13 +355,13 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     the claims, the metrics, the uploads and the progress bar."""
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
     settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
-    settings, calibration = _calibrated(cfg, plan, pipe, ctx, settings)
+    settings, calibration, made_ahead = _calibrated(cfg, plan, pipe, ctx, settings)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
     leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy, calibration) if ctx.leader else {}
     worker = ReplicaWorker(plan=plan, pipe=pipe, batch_size=cfg.batch_size, ctx=ctx, retry_failed=cfg.retry_failed,
                            settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings),
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall), on_batch=on_batch,
-                           **leader)
+                           made_ahead=made_ahead, **leader)
     return worker
 
 
@@ -385,23 +386,24 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
 
 
 def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
-                settings: GenSettings) -> tuple[GenSettings, dict | None]:
+                settings: GenSettings) -> tuple[GenSettings, dict | None, MadeAhead | None]:
     """The quality gate (``calibrate_samples``, shardgen/quality/gate.py) before the first batch: the settings the
-    run goes on with and the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
-    gate stops the job)."""
+    run goes on with, the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
+    gate stops the job), and the lossy samples the run may take as its own (a one-rank replica's: the ranks of a
+    model-parallel one would all have to take the same batch the same way)."""
     path = plan.run.calibration_path
     # named before the 2N calibration samples, not after them
     if cfg.calibrate_samples > 0 and settings.accel.lossy and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
     try:
-        settings, record = calibrate(cfg, plan, pipe, settings, ctx.ranks,
-                                     starts_eager=_decided_per_batch(settings, ctx))
+        settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks,
+                                                 starts_eager=_decided_per_batch(settings, ctx))
     except CalibrationFailed as e:
         _write_calibration(plan, ctx, e.record)
         raise
     _write_calibration(plan, ctx, record)
-    return settings, record
+    return settings, record, made_ahead if ctx.ranks == 1 else None
 
 
 def _write_calibration(plan: Plan, ctx: ReplicaContext, record: dict | None) -> None:

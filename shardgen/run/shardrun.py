@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from shardgen.dataio.shards import Sample, ShardSink, ShardWork
@@ -58,6 +58,32 @@ class ShardRun:
 
 
 @dataclass
+class MadeAhead:
+    """Batches made before the run's first one with the settings the run goes on with (the quality gate's lossy
+    pass over the plan's first rows, shardgen/quality/gate.py), which the run's batch of the same rows takes instead
+    of making them again: their samples are the run's own."""
+
+    settings: GenSettings
+    batches: dict = field(default_factory=dict)  # the rows' indices -> (the samples, the seconds they took)
+
+    def take(self, settings: GenSettings, rows: list) -> tuple[list, float] | None:
+        """(samples, seconds) made ahead for exactly ``rows`` with settings making the same pixels as ``settings``
+        and none failed; None: the batch is made now."""
+        key = tuple(r.index for r in rows)
+        if key not in self.batches or _as_made(settings) != _as_made(self.settings):
+            self.batches.clear()  # the run went another way: the samples held are no longer wanted
+            return None
+        samples, seconds = self.batches.pop(key)
+        return (samples, seconds) if all(smp.status == "ok" for smp in samples) else None
+
+
+def _as_made(s: GenSettings) -> GenSettings:
+    """``s`` as far as it decides a batch's pixels: the kernels' tuning counts only where the blocks are compiled
+    (compile=auto's decider sets it apart from the run's settings)."""
+    return s if s.accel.compile else replace(s, accel=replace(s.accel, compile_tuning=False))
+
+
+@dataclass
 class ShardGenerator:
     """Generates the rows of the shards a replica works on, batch by batch; the leader hands the samples to the sink.
 
@@ -77,6 +103,7 @@ class ShardGenerator:
     autocompile: AutoCompile | None = None  # compile=auto on a one-rank replica: decided here, batch by batch
     watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None))  # times each batch
     tally: BatchTally = field(default_factory=BatchTally)  # counts what the batches made
+    made_ahead: MadeAhead | None = None    # the calibration's lossy batches (one-rank replicas)
     # rows of the current shard made when its latest batch started, which compile=auto's count of the work left
     # takes off (set before each batch compile=auto decides for)
     done_in_shard: int = field(default=0, init=False)
@@ -119,14 +146,20 @@ class ShardGenerator:
             self._images = ImagePrefetch(bool(self.settings.input_image))
         images = self._images.take(todo)
         self._images.ahead(self.settings, run.todo([run.rows[p] for p in following]))
-        made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ranks, images)
-                                           if todo else [])}
+        ahead = self.made_ahead.take(self.settings, todo) if self.made_ahead is not None and todo else None
+        if ahead is None:
+            made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ranks, images)
+                                               if todo else [])}
+            gen_s, earlier_s = time.perf_counter() - t_gen, 0.0
+        else:  # made before the run started: timed then
+            made, gen_s = {smp.index: smp for smp in ahead[0]}, ahead[1]
+            earlier_s = gen_s
         if self.autocompile and todo:
-            self.autocompile.observe(self.settings, sum(r.reject is None for r in todo), time.perf_counter() - t_gen)
+            self.autocompile.observe(self.settings, sum(r.reject is None for r in todo), gen_s)
         self.on_batch("end")
         samples = [made.get(r.index) or Sample.carried(r.key, run.carried[r.key]) for r in batch] if self.leader \
             else list(made.values())
-        self.tally.count(list(made.values()), time.perf_counter() - t0)
+        self.tally.count(list(made.values()), time.perf_counter() - t0 + earlier_s)
         if self.leader:
             self.annotate(list(made.values()))
             ready = run.in_order(positions, samples)
