@@ -91,30 +91,44 @@ class RemoteError(UserError, RuntimeError):
 
 def on_rank0_then_share(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on global rank 0 and hand its result, or its error, to every rank."""
+    return _one_then_share(fn, 0, None)
+
+
+def on_leader_then_share(fn: Callable[[], Any], leader: int, group: Any) -> Any:
+    """Run ``fn`` on a replica's leader (global rank ``leader``) and hand its result, or its error, to every rank
+    of ``group`` (the replica's), so that a leader's refusal stops its peers with the same message instead of
+    leaving them in a collective it never joins. ``group`` None: a one-rank replica, whose leader runs ``fn``
+    alone."""
+    return fn() if group is None else _one_then_share(fn, leader, group)
+
+
+def _one_then_share(fn: Callable[[], Any], src: int, group: Any) -> Any:
+    """``fn``'s result or error on global rank ``src``, shared with every rank of ``group`` (None: all)."""
     result: Any = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == src:
         try:
             result = ("ok", fn())
-        except Exception as e:  # shared, then raised everywhere (rank 0 re-raises the original)
+        except Exception as e:  # shared, then raised everywhere (the source re-raises the original)
             if not dist.is_initialized():
                 raise
             result = ("error", e)
-    shared = broadcast_object(result)
+    shared = broadcast_object(result, src, group)
     if shared[0] == "error":
-        if dist.get_rank() == 0:
+        if dist.get_rank() == src:
             raise shared[1]
         err = shared[1]
         try:
             pickle.dumps(err)
         except Exception:
             err = RemoteError(str(err))
-        err.echo_of_rank0 = True  # rank 0 says it; the launcher (torchrun) need not print it once per rank
+        err.echo_of_rank0 = True  # the source says it; the launcher (torchrun) need not print it once per rank
         raise err
     return shared[1]
 
 
 def echo_of_rank0(e: BaseException) -> bool:
-    """True for an error this rank raised because rank 0 did (``on_rank0_then_share``): rank 0 reports it."""
+    """True for an error this rank raised because rank 0 or its replica's leader did (``on_rank0_then_share``,
+    ``on_leader_then_share``): that rank reports it."""
     return getattr(e, "echo_of_rank0", False) is True
 
 

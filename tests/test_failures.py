@@ -234,3 +234,46 @@ def test_a_rank_whose_launcher_is_gone_counts_as_stopping(monkeypatch):
         assert stopping.stopping()
         stopping.note_launcher(os.getpid(), identity)
         assert not stopping.stopping()
+
+
+def _refusing_leader_rank(rank: int, cfg_yaml: str, port: int, out: str) -> None:
+    """Rank ``rank`` of a 2-rank tp job whose leader (rank 0) refuses to start generating; writes what it raised."""
+    from omegaconf import OmegaConf
+
+    from shardgen.dataio.rundir.storage import RunDirError
+    from shardgen.run import runner
+
+    rank_environment(rank, port)
+
+    def refuse(run, before):
+        raise RunDirError(f"{run.work_dir}/launch.x: cannot mark this launch as generating")
+
+    if rank == 0:
+        pytest.MonkeyPatch().setattr(runner, "start_generating", refuse)
+    try:
+        runner.run_rank(OmegaConf.create(cfg_yaml))
+        said = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - what the rank stops with is the finding
+        from parallel.world import echo_of_rank0
+
+        said = {"raised": type(e).__name__, "message": str(e), "echo": echo_of_rank0(e)}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(said, f)
+
+
+def test_a_replica_leader_s_refusal_stops_its_other_ranks_with_its_message(tmp_path):
+    """A tp replica's leader alone marks the run as generating; when it refuses, its peer stops with the same error
+    (printed once: the leader says it) instead of a gloo traceback from the first batch's collective."""
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+
+    f = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
+    cfg_yaml = OmegaConf.to_yaml(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "height=16",
+                                             "width=16", "steps=1", "progress=false", "strategy=tp", "tp_degree=2"))
+    start_ranks(_refusing_leader_rank, (cfg_yaml, free_port(), str(tmp_path)), nprocs=2)
+    leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert leader == {"raised": "RunDirError", "message": f"{tmp_path / 'run' / 'work'}/launch.x: cannot mark this "
+                      "launch as generating", "echo": False}
+    assert peer == dict(leader, echo=True)
+    assert not list((tmp_path / "run" / "shards").glob("*.tar"))

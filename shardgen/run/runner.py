@@ -256,10 +256,11 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         pipe = schedulers.apply(pipe, cfg.scheduler, cfg.scheduler_shift)
         preload_adapters(pipe, plan.adapters())  # rows' own LoRAs (prompts.row_settings=[loras]), before any batch
         ctx = _replica_context(world, dims)
-        if ctx.leader:  # from here the run is this launch's settings' (no other launch starts it over)
-            started = start_generating(plan.run, settings)
-            if attention is not None:
-                auto_8bit.check_unchanged(plan.run, attention)
+        # from here the run is this launch's settings' (no other launch starts it over); a leader's refusal stops
+        # its replica's other ranks with its message, not in the first batch's collective it never joins
+        marker = W.on_leader_then_share(lambda: _start_generating(plan.run, settings, attention), ctx.leader_rank,
+                                        ctx.group)
+        started = marker if ctx.leader else None
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
                 control.writing(worker.sink):
             worker.run()
@@ -284,6 +285,19 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         restore_active_backend(backend)
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def _start_generating(run: RunDir, settings: tuple, attention: auto_8bit.Choice | None) -> Path:
+    """The replica leader's step into generating: its ``start_generating`` marker, then with
+    ``sdpa_backend=auto_8bit`` the check that the run's kernel is still the one this launch took."""
+    marker = start_generating(run, settings)
+    if attention is not None:
+        try:
+            auto_8bit.check_unchanged(run, attention)
+        except BaseException:
+            stop_generating(marker)
+            raise
+    return marker
 
 
 def _prepared_with_settings(cfg: GenerateConfig, replicas: int, device: Any,
