@@ -34,7 +34,10 @@
 #   25 speed-fast (runs after step 1): speed=fast per model, the attention it pins (fa3_fp8 for FLUX.1 and FLUX.2 on
 #            Hopper with fa3-fwd, lossless for Qwen-Image) and its calibration within the model's bound; CUDA graphs'
 #            replays equal to the eager calls (tests/test_gpu_fp8.py, tests/test_gpu.py)
-#   20 decode (runs after step 25): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
+#   26-28 fast (26, 27 run after step 25; 28 after step 7): speed=fast as a whole run of 24 prompts beside the bf16
+#            default and the seed loop, FLUX.1-dev (26), Qwen-Image (27), FLUX.2-dev (28; under strategy=auto on an
+#            80 GB card, without the seed loop): its calibration's cost included, fidelity against bf16
+#   20 decode (runs after step 27): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
 #            against cuDNN (tests/test_gpu.py)
 #   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
 #            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
@@ -97,6 +100,10 @@ step 1 kernel 60 python3 -m pytest -m gpu -o addopts="" -q -s \
   tests/test_gpu_fp8.py tests/test_gpu.py
 step 25 speed-fast 420 python3 -m pytest -m gpu -o addopts="" -q -s -rs -k "speed_fast or replayed_cuda_graphs" \
   tests/test_gpu_fp8.py tests/test_gpu.py
+step 26 fast-flux_dev 360 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 --seed-n 8 \
+  --ways bf16,fast --out "$work/26-fast-flux_dev"
+step 27 fast-qwen_image 260 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
+  --ways bf16,fast --out "$work/27-fast-qwen_image"
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
 step 23 fa3-keys 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s \
@@ -128,6 +135,8 @@ step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 
 # encoder under device_map), and all nine pass one call's 600 s
 step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k "every_fp8_path and not flux2_dev" \
   tests/test_gpu_fp8.py
+step 28 fast-flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n $flux2_seed \
+  "${flux2_set[@]}" --ways bf16,fast --out "$work/28-fast-flux2_dev"
 step 8 flux_dev-96-fp8 400 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
   --ways fp8 --out "$work/8-flux_dev-96-fp8"
 step 9 flux_dev-96-fa3 420 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 96 --seed-n 8 \
