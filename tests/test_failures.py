@@ -236,8 +236,9 @@ def test_a_rank_whose_launcher_is_gone_counts_as_stopping(monkeypatch):
         assert not stopping.stopping()
 
 
-def _refusing_leader_rank(rank: int, cfg_yaml: str, port: int, out: str) -> None:
-    """Rank ``rank`` of a 2-rank tp job whose leader (rank 0) refuses to start generating; writes what it raised."""
+def _refusing_leader_rank(rank: int, cfg_yaml: str, port: int, out: str, step: str) -> None:
+    """Rank ``rank`` of a 2-rank tp job whose leader (rank 0) refuses at ``step`` (a function of
+    shardgen/run/runner.py only the leader runs); writes what the rank raised."""
     from omegaconf import OmegaConf
 
     from shardgen.dataio.rundir.storage import RunDirError
@@ -245,11 +246,11 @@ def _refusing_leader_rank(rank: int, cfg_yaml: str, port: int, out: str) -> None
 
     rank_environment(rank, port)
 
-    def refuse(run, before):
-        raise RunDirError(f"{run.work_dir}/launch.x: cannot mark this launch as generating")
+    def refuse(*args, **kwargs):
+        raise RunDirError(f"{step}: refused on the leader")
 
     if rank == 0:
-        pytest.MonkeyPatch().setattr(runner, "start_generating", refuse)
+        pytest.MonkeyPatch().setattr(runner, step, refuse)
     try:
         runner.run_rank(OmegaConf.create(cfg_yaml))
         said = {"raised": None}
@@ -261,19 +262,21 @@ def _refusing_leader_rank(rank: int, cfg_yaml: str, port: int, out: str) -> None
         json.dump(said, f)
 
 
-def test_a_replica_leader_s_refusal_stops_its_other_ranks_with_its_message(tmp_path):
-    """A tp replica's leader alone marks the run as generating; when it refuses, its peer stops with the same error
-    (printed once: the leader says it) instead of a gloo traceback from the first batch's collective."""
+@pytest.mark.parametrize("step", ["start_generating", "_leader_parts", "_write_calibration"])
+def test_a_replica_leader_s_refusal_stops_its_other_ranks_with_its_message(tmp_path, step):
+    """A tp replica's leader alone marks the run as generating, opens the writer and the claims, and writes the
+    calibration record; when one of these refuses, its peer stops with the same error (printed once: the leader says
+    it) instead of a gloo traceback from the first batch's collective."""
     from omegaconf import OmegaConf
 
     from shardgen.launch.local import free_port
 
     f = write_lines(tmp_path / "p.txt", ["a cat", "a dog"])
     cfg_yaml = OmegaConf.to_yaml(compose_cfg(f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "height=16",
-                                             "width=16", "steps=1", "progress=false", "strategy=tp", "tp_degree=2"))
-    start_ranks(_refusing_leader_rank, (cfg_yaml, free_port(), str(tmp_path)), nprocs=2)
+                                             "width=16", "steps=1", "progress=false", "strategy=tp", "tp_degree=2",
+                                             "fp8=true", "calibrate_samples=1"))
+    start_ranks(_refusing_leader_rank, (cfg_yaml, free_port(), str(tmp_path), step), nprocs=2)
     leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert leader == {"raised": "RunDirError", "message": f"{tmp_path / 'run' / 'work'}/launch.x: cannot mark this "
-                      "launch as generating", "echo": False}
+    assert leader == {"raised": "RunDirError", "message": f"{step}: refused on the leader", "echo": False}
     assert peer == dict(leader, echo=True)
     assert not list((tmp_path / "run" / "shards").glob("*.tar"))

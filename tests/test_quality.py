@@ -177,13 +177,9 @@ def test_the_lossless_fallback_makes_the_lossless_run(runs, tmp_path, monkeypatc
     assert all("lossy" not in m and m["provenance"]["calibration"]["action"] == "lossless" for m in metas)
 
 
-@pytest.mark.parametrize("compile_auto, starts_eager, lossy_compiled", [
-    (True, True, False),    # compile=auto on one GPU: the run's first batches are eager, and so is the lossy pass
-    (True, False, True),    # a model-parallel replica compiles from the start
-    (False, False, True),   # compile=true
-])
-def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one_as_the_run_starts(
-        monkeypatch, compile_auto, starts_eager, lossy_compiled):
+@pytest.mark.parametrize("first_compiled", [False, True])  # compile=auto's first batches eager; compile=true
+def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one_as_the_first_batch(
+        monkeypatch, first_compiled):
     import dataclasses
 
     from shardgen.dataio.shards import Sample
@@ -192,20 +188,49 @@ def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one
 
     cfg = compose_cfg(*ARGS, "fp8=true", "calibrate_samples=2")
     settings = GenSettings.from_cfg(cfg, "dp")
-    settings = dataclasses.replace(settings, compile_auto=compile_auto,
-                                   accel=dataclasses.replace(settings.accel, compile=True))
+    settings = dataclasses.replace(settings, compile_auto=True, accel=dataclasses.replace(settings.accel, compile=True),
+                                   latents="mid-sample checkpoints")
+    first = dataclasses.replace(settings, accel=dataclasses.replace(settings.accel, compile=first_compiled))
     passes = []
 
     def batches(pipe, s, rows, ranks):
+        assert s.latents is None  # a checkpoint named by its rows alone would pass from one pass to the other
         passes.append((s.accel.fp8, s.accel.compile))
         pixels = np.zeros((16, 16, 3), np.uint8)
         return [((0, 1), [Sample("0", 0, "a", {}, pixels), Sample("1", 1, "b", {}, pixels + 9)], 1.0)]
 
     monkeypatch.setattr(gate, "_batches", batches)
     monkeypatch.setattr(gate, "first_rows", lambda plan, n: [object()] * n)
-    went_on, record, _ = gate.calibrate(cfg, None, object(), settings, 1, starts_eager=starts_eager)
-    assert passes == [(False, False), (True, lossy_compiled)]
+    went_on, record, made = gate.calibrate(cfg, None, object(), settings, 1, first_batch=first)
+    assert passes == [(False, False), (True, first_compiled)]
     assert went_on == settings and record["passed"]  # the run's own settings go on: its decider sets compile
+    assert made.settings == dataclasses.replace(first, latents=None) and list(made.batches) == [(0, 1)]
+
+
+@pytest.mark.parametrize("records, first_compiled", [
+    ({}, False),  # nothing measured yet: eager until the first batches show what compiling saves
+    ({"eager_s": 3.0, "compiled_s": 1.5, "compiled_before": True, "compile_warm_s": 5.0}, True),  # pays at once
+    ({"eager_s": 3.0, "compiled_s": 2.9, "compiled_before": True, "compile_warm_s": 60.0}, False),  # never pays
+])
+def test_the_first_batch_settings_are_compile_auto_s_choice_for_the_work_left(tmp_path, monkeypatch, records,
+                                                                             first_compiled):
+    """What the quality gate's lossy pass runs with: the decider's choice as the worker then keeps it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from shardgen.run import runner
+    from shardgen.run.generation import GenSettings
+    from shardgen.speed import autocompile
+
+    settings = GenSettings.from_cfg(compose_cfg(*ARGS, "fp8=true"), "dp")
+    settings = dataclasses.replace(settings, compile_auto=True, accel=dataclasses.replace(settings.accel, compile=True))
+    plan = SimpleNamespace(num_shards=30, samples_per_shard=8, run=SimpleNamespace(done_shards=lambda: {0, 1}))
+    auto = autocompile.AutoCompile("key", remaining=lambda: 0, path=tmp_path / "records.json", force=None)
+    auto._record = records
+    first = runner._first_batch_settings(auto, plan, SimpleNamespace(count=2), settings)
+    assert first.accel.compile is first_compiled and auto.remaining() == 28 * 8 // 2
+    assert auto.settings(settings) == first  # the worker's first batch: the same choice, made once
+    assert runner._first_batch_settings(None, plan, SimpleNamespace(count=2), settings) is settings
 
 
 @pytest.mark.parametrize("override, message", [

@@ -143,13 +143,14 @@ def provenance_summary(record: dict) -> dict:
 
 
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
-              starts_eager: bool = False) -> tuple[Any, dict | None, Any]:
+              first_batch: Any = None) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
     lossy, the lossy samples as ``MadeAhead`` when the run goes on with them, else None). CalibrationFailed when a
-    bound is missed and the fallback is ``stop``. ``starts_eager``: the run's
-    first batches run eagerly whatever ``settings.accel.compile`` says (``compile: auto`` decides after them), and
-    so does the lossy pass. The lossless pass, made only to compare against, is always eager: compiling the
-    lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples can win back."""
+    bound is missed and the fallback is ``stop``. ``first_batch``: the settings the
+    run's first batch takes (``compile: auto``'s choice: often eager whatever ``settings.accel.compile`` says), which
+    the lossy pass runs with; None: ``settings``. The lossless pass, made only to compare against, is always eager:
+    compiling the lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples win
+    back."""
     from shardgen.run.shardrun import MadeAhead
     from shardgen.speed import accel as A
 
@@ -163,8 +164,10 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
     if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
         A.make_reversible(transformer)  # to switch back if the gate says so
     log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
-    reference = _pixels(_batches(pipe, _eager(exact), rows, ranks))
-    lossy_settings = _eager(settings) if starts_eager else settings
+    # neither pass resumes from, nor leaves, mid-sample latent checkpoints: they are named by rows alone, so one of
+    # a pass stopped half-way would feed the other pass's samples
+    reference = _pixels(_batches(pipe, dataclasses.replace(_eager(exact), latents=None), rows, ranks))
+    lossy_settings = dataclasses.replace(settings if first_batch is None else first_batch, latents=None)
     lossy_batches = _batches(pipe, lossy_settings, rows, ranks)
     made = _pixels(lossy_batches)
     common = sorted(set(reference) & set(made))

@@ -42,6 +42,11 @@ class ReplicaContext:
     ranks: int = 1            # ranks in this replica (tp/cp degree)
 
 
+def expected_here(plan: Plan, shards_left: int, replicas: int) -> int:
+    """Samples one of ``replicas`` replicas is expected to make of ``shards_left`` unfinished shards."""
+    return shards_left * plan.samples_per_shard // max(1, replicas)
+
+
 @dataclass
 class ReplicaWorker:
     """Works through the run's shards until none is left for anyone.
@@ -166,8 +171,7 @@ class ReplicaWorker:
 
     def remaining_here(self) -> int:
         """Samples this replica is still expected to make: the unfinished shards' share of one replica."""
-        left = self.walk.shards_left()
-        return max(0, left * self.plan.samples_per_shard // max(1, self.ctx.count) - self.batches.done_in_shard)
+        return max(0, expected_here(self.plan, self.walk.shards_left(), self.ctx.count) - self.batches.done_in_shard)
 
     def _share(self, obj):
         """The leader's ``obj``, on every rank of the replica."""

@@ -39,7 +39,7 @@ from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compi
                                        record_key)
 from shardgen.run import auto_8bit, rates
 from shardgen.run.progress import Progress
-from shardgen.run.replica import ReplicaContext, ReplicaWorker
+from shardgen.run.replica import ReplicaContext, ReplicaWorker, expected_here
 from shardgen.config.validate import validate_config
 from shardgen.run.watchdog import StallWatchdog
 from shardgen.run.shardrun import MadeAhead
@@ -258,9 +258,7 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         ctx = _replica_context(world, dims)
         # from here the run is this launch's settings' (no other launch starts it over); a leader's refusal stops
         # its replica's other ranks with its message, not in the first batch's collective it never joins
-        marker = W.on_leader_then_share(lambda: _start_generating(plan.run, settings, attention), ctx.leader_rank,
-                                        ctx.group)
-        started = marker if ctx.leader else None
+        started = _on_leader(ctx, lambda: _start_generating(plan.run, settings, attention))
         with _make_worker(cfg, plan, pipe, ctx, dims.strategy, control, on_batch) as worker, \
                 control.writing(worker.sink):
             worker.run()
@@ -285,6 +283,15 @@ def run_rank(cfg: GenerateConfig, *, control: RankControl | None = None, pipelin
         restore_active_backend(backend)
         W.shutdown()
         detach_rank_log(rank_log)
+
+
+def _on_leader(ctx: ReplicaContext, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the replica's leader (None on its other ranks), and its error raised on every rank of the
+    replica (``on_leader_then_share``): a leader that stops here never leaves its peers waiting in a collective it
+    does not join (a gloo traceback, or a hang under NCCL), and its message is printed once."""
+    made = []
+    W.on_leader_then_share(lambda: made.append(fn()), ctx.leader_rank, ctx.group)
+    return made[0] if made else None
 
 
 def _start_generating(run: RunDir, settings: tuple, attention: auto_8bit.Choice | None) -> Path:
@@ -369,20 +376,30 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     the claims, the metrics, the uploads and the progress bar."""
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
     settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
-    settings, calibration, made_ahead = _calibrated(cfg, plan, pipe, ctx, settings)
+    autocompile = _autocompile(plan, pipe, ctx, settings)
+    first = _first_batch_settings(autocompile, plan, ctx, settings)
+    calibrated, calibration, made_ahead = _calibrated(cfg, plan, pipe, ctx, settings, first)
+    if calibrated is not settings:  # the gate fell back to lossless: compile=auto decides for those settings
+        settings, autocompile = calibrated, _autocompile(plan, pipe, ctx, calibrated)
     on_stall = [lambda what: control.drain_writers(30), *control.on_stall]
-    leader = _leader_parts(cfg, plan, pipe, ctx, settings, strategy, calibration) if ctx.leader else {}
+    leader = _on_leader(ctx, lambda: _leader_parts(cfg, plan, pipe, ctx, settings, strategy, calibration)) or {}
     worker = ReplicaWorker(plan=plan, pipe=pipe, batch_size=cfg.batch_size, ctx=ctx, retry_failed=cfg.retry_failed,
-                           settings=settings, autocompile=_autocompile(plan, pipe, ctx, settings),
+                           settings=settings, autocompile=autocompile,
                            watchdog=StallWatchdog(cfg.stall_timeout_s, on_stall=on_stall), on_batch=on_batch,
                            made_ahead=made_ahead, **leader)
     return worker
 
 
-def _decided_per_batch(settings: GenSettings, ctx: ReplicaContext) -> bool:
-    """``compile: auto``'s decider runs here (a one-rank replica: model-parallel ranks would have to agree), so the
-    first batches run eagerly."""
-    return settings.compile_auto and ctx.ranks == 1
+def _first_batch_settings(autocompile: AutoCompile | None, plan: Plan, ctx: ReplicaContext,
+                          settings: GenSettings) -> GenSettings:
+    """The settings the replica's first batch takes: with compile=auto, its decider's choice for the work this
+    replica is expected to do (made now when an earlier process's figures allow, else eager until its batches
+    show), the choice the worker then keeps."""
+    if autocompile is None:
+        return settings
+    shards_left = plan.num_shards - len(plan.run.done_shards())
+    autocompile.remaining = lambda: expected_here(plan, shards_left, ctx.count)
+    return autocompile.settings(settings)
 
 
 def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -> AutoCompile | None:
@@ -399,24 +416,25 @@ def _autocompile(plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings) -
                        decided=None if settings.compile_auto else True)
 
 
-def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext,
-                settings: GenSettings) -> tuple[GenSettings, dict | None, MadeAhead | None]:
-    """The quality gate (``calibrate_samples``, shardgen/quality/gate.py) before the first batch: the settings the
-    run goes on with, the figures, which replica 0's leader writes to RUN_DIR/calibration.json (also when the
-    gate stops the job), and the lossy samples the run may take as its own (a one-rank replica's: the ranks of a
-    model-parallel one would all have to take the same batch the same way)."""
+def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
+                first: GenSettings) -> tuple[GenSettings, dict | None, MadeAhead | None]:
+    """The quality gate (``calibrate_samples``, shardgen/quality/gate.py) before the first batch, its lossy pass
+    with ``first``, the first batch's settings: the settings the run goes on with, the figures, which replica 0's
+    leader writes to RUN_DIR/calibration.json (also when the gate stops the job), and the lossy samples the run may
+    take as its own (a one-rank replica's: the ranks of a model-parallel one would all have to take the same batch
+    the same way)."""
     path = plan.run.calibration_path
     # named before the 2N calibration samples, not after them
     if cfg.calibrate_samples > 0 and settings.accel.lossy and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
     try:
-        settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks,
-                                                 starts_eager=_decided_per_batch(settings, ctx))
+        settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks, first_batch=first)
     except CalibrationFailed as e:
-        _write_calibration(plan, ctx, e.record)
+        failed = e.record
+        _on_leader(ctx, lambda: _write_calibration(plan, ctx, failed))
         raise
-    _write_calibration(plan, ctx, record)
+    _on_leader(ctx, lambda: _write_calibration(plan, ctx, record))
     return settings, record, made_ahead if ctx.ranks == 1 else None
 
 

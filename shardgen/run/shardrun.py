@@ -78,8 +78,9 @@ class MadeAhead:
 
 
 def _as_made(s: GenSettings) -> GenSettings:
-    """``s`` as far as it decides a batch's pixels: the kernels' tuning counts only where the blocks are compiled
-    (compile=auto's decider sets it apart from the run's settings)."""
+    """``s`` as far as it decides a batch's pixels: not its mid-sample checkpoints (the calibration makes none), and
+    the kernels' tuning only where the blocks are compiled (compile=auto's decider sets it apart from the run's)."""
+    s = replace(s, latents=None)
     return s if s.accel.compile else replace(s, accel=replace(s.accel, compile_tuning=False))
 
 
@@ -137,16 +138,17 @@ class ShardGenerator:
         batch = [run.rows[p] for p in positions]
         t0 = time.perf_counter()
         todo = run.todo(batch)
-        self.on_batch("start")
         if self.autocompile and todo:
             self.done_in_shard = run.made
             self.settings = self.autocompile.settings(self.settings)
+        ahead = self.made_ahead.take(self.settings, todo) if self.made_ahead is not None and todo else None
+        if ahead is None:  # a batch taken as made ahead has no pipeline call to hook
+            self.on_batch("start")
         t_gen = time.perf_counter()
         if self._images is None:
             self._images = ImagePrefetch(bool(self.settings.input_image))
         images = self._images.take(todo)
         self._images.ahead(self.settings, run.todo([run.rows[p] for p in following]))
-        ahead = self.made_ahead.take(self.settings, todo) if self.made_ahead is not None and todo else None
         if ahead is None:
             made = {smp.index: smp for smp in (generate_batch(self.pipe, self.settings, todo, self.ranks, images)
                                                if todo else [])}
@@ -156,7 +158,8 @@ class ShardGenerator:
             earlier_s = gen_s
         if self.autocompile and todo:
             self.autocompile.observe(self.settings, sum(r.reject is None for r in todo), gen_s)
-        self.on_batch("end")
+        if ahead is None:
+            self.on_batch("end")
         samples = [made.get(r.index) or Sample.carried(r.key, run.carried[r.key]) for r in batch] if self.leader \
             else list(made.values())
         self.tally.count(list(made.values()), time.perf_counter() - t0 + earlier_s)
