@@ -142,6 +142,11 @@ def provenance_summary(record: dict) -> dict:
     return {k: finite(v) for k, v in record.items() if k != "per_sample"}
 
 
+def calibrates(cfg: Any, settings: Any) -> bool:
+    """Whether a run of ``cfg`` with ``settings`` calibrates: samples asked for, and a lossy setting on."""
+    return pick(Bounds, cfg).calibrate_samples > 0 and bool(settings.accel.lossy)
+
+
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
               first_batch: Any = None) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
@@ -156,7 +161,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
 
     bounds = pick(Bounds, cfg)
     lossy = settings.accel.lossy
-    if bounds.calibrate_samples <= 0 or not lossy:
+    if not calibrates(cfg, settings):
         return settings, None, None
     rows = first_rows(plan, bounds.calibrate_samples)
     exact = dataclasses.replace(settings, accel=lossless(settings.accel))

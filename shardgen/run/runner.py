@@ -34,7 +34,7 @@ from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
-from shardgen.quality.gate import CalibrationFailed, calibrate, provenance_summary, record_bytes
+from shardgen.quality.gate import CalibrationFailed, calibrate, calibrates, provenance_summary, record_bytes
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.run import auto_8bit, rates
@@ -377,7 +377,8 @@ def _make_worker(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, str
     # samples record the strategy that ran (strategy=auto resolves to one), and compile=auto follows it
     settings = _without_auto_compile_where_nothing_compiles(GenSettings.from_cfg(cfg, strategy), pipe)
     autocompile = _autocompile(plan, pipe, ctx, settings)
-    first = _first_batch_settings(autocompile, plan, ctx, settings)
+    # the quality gate's lossy pass runs as the first batch will
+    first = _first_batch_settings(autocompile, plan, ctx, settings) if calibrates(cfg, settings) else settings
     calibrated, calibration, made_ahead = _calibrated(cfg, plan, pipe, ctx, settings, first)
     if calibrated is not settings:  # the gate fell back to lossless: compile=auto decides for those settings
         settings, autocompile = calibrated, _autocompile(plan, pipe, ctx, calibrated)
@@ -425,7 +426,7 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     the same way)."""
     path = plan.run.calibration_path
     # named before the 2N calibration samples, not after them
-    if cfg.calibrate_samples > 0 and settings.accel.lossy and path.is_dir() and not path.is_symlink():
+    if calibrates(cfg, settings) and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
     try:
