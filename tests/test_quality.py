@@ -225,8 +225,9 @@ def test_the_first_batch_settings_are_compile_auto_s_choice_for_the_work_left(tm
     settings = GenSettings.from_cfg(compose_cfg(*ARGS, "fp8=true"), "dp")
     settings = dataclasses.replace(settings, compile_auto=True, accel=dataclasses.replace(settings.accel, compile=True))
     plan = SimpleNamespace(num_shards=30, samples_per_shard=8, run=SimpleNamespace(done_shards=lambda: {0, 1}))
+    if records:  # an earlier process's figures for these settings
+        autocompile.write_record(tmp_path / "records.json", "key", records)
     auto = autocompile.AutoCompile("key", remaining=lambda: 0, path=tmp_path / "records.json", force=None)
-    auto._record = records
     first = runner._first_batch_settings(auto, plan, SimpleNamespace(count=2), settings)
     assert first.accel.compile is first_compiled and auto.remaining() == 28 * 8 // 2
     assert auto.settings(settings) == first  # the worker's first batch: the same choice, made once
