@@ -383,17 +383,26 @@ def test_fp8_job_with_its_calibration_on_each_model(tmp_path, model):
 
 
 @pytest.mark.parametrize("model", sorted(FP8_FLOOR_DB))
-def test_speed_fast_takes_the_8bit_attention_that_pays_on_each_model(tmp_path, model):
+def test_speed_fast_takes_the_8bit_attention_that_pays_on_each_model(tmp_path, model, monkeypatch):
     """``speed=fast``: fp8, and FA3's float8 attention where it pays (FLUX.1, FLUX.2) and this GPU runs it, pinned in
-    attention.json; Qwen-Image keeps lossless attention. The calibration holds the model's bound."""
+    attention.json; Qwen-Image keeps lossless attention. The calibration holds the model's bound, and the run commits
+    its lossy samples (the first batch's rows) instead of making them again."""
     import gc
     import json
 
+    from shardgen.run import shardrun
     from shardgen.speed import fa3_fp8
     from tests.conftest import compose_cfg
 
     kernel = "fa3_fp8" if model != "qwen_image" and fa3_fp8.unavailable_reason(torch.device("cuda")) is None \
         else "auto"
+    made_by_the_run, real = [], shardrun.generate_batch
+
+    def counted(pipe, s, rows, *args):
+        made_by_the_run.extend(r.index for r in rows)
+        return real(pipe, s, rows, *args)
+
+    monkeypatch.setattr(shardrun, "generate_batch", counted)
     try:
         r = run_job(compose_cfg(f"run_dir={tmp_path / 'run'}", f"model={model}", "model.weights=dummy", "steps=4",
                                 "prompts.limit=6", "batch_size=2", "progress=false", "speed=fast",
@@ -402,6 +411,7 @@ def test_speed_fast_takes_the_8bit_attention_that_pays_on_each_model(tmp_path, m
         assert json.loads((tmp_path / "run" / "attention.json").read_text())["sdpa_backend"] == kernel
         record = json.loads((tmp_path / "run" / "calibration.json").read_text())
         assert record["passed"] and record["lossy"] == {"fp8": True, **({"sdpa": kernel} if kernel != "auto" else {})}
+        assert sorted(made_by_the_run) == [2, 3, 4, 5]  # rows 0 and 1: the calibration's lossy batch
         print(model, "speed=fast attention", kernel, "calibration PSNR worst", record["psnr_db"]["worst"])
     finally:
         gc.collect()
