@@ -133,7 +133,7 @@ step 6 flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 
   "${flux2_set[@]}" --ways $flux2_ways --out "$work/6-flux2_dev"
 # FLUX.2-dev's rows are step 17's: on an 80 GB card each of its ways is ~95 s (a fresh 32B transformer and 24B
 # encoder under device_map), and all nine pass one call's 600 s
-step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -k "every_fp8_path and not flux2_dev" \
+step 7 matrix 500 python3 -m pytest -m gpu -o addopts="" -q -s -rs -k "every_fp8_path and not flux2_dev" \
   tests/test_gpu_fp8.py
 step 28 fast-flux2_dev 420 python3 benchmarks/lossy_runs.py --model flux2_dev --steps 8 --n 24 --seed-n $flux2_seed \
   "${flux2_set[@]}" --ways bf16,fast --out "$work/28-fast-flux2_dev"
