@@ -7,8 +7,8 @@ The lossless samples come first, while the weights are still the lossless ones: 
 place, so the lossy pass needs no second copy of the model. Every rank of a replica runs the same rows in the same
 order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The lossless
 samples are not committed; the lossy ones are the run's own when it goes on with their settings, and a one-rank
-replica whose first batches are those rows commits them instead of making them again (N samples of extra work per
-replica and launch, 2N where they are not taken).
+replica whose first batches are those rows commits them instead of making them again (2N samples of extra work per
+replica and launch, N on the replica that takes them).
 """
 
 from __future__ import annotations
