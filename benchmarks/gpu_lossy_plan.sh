@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lossy measurements (docs/lossy.md) in as few device calls as time allows, in order of what decides most:
 #   source benchmarks/device_env.sh; bash benchmarks/gpu_lossy_plan.sh [FIRST_STEP|STEP,STEP,...] [SECONDS]
-# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 25, 20 and 23 run after 1,
+# Runs FIRST_STEP (default 1) and the steps after it in this file's order (not by number: 25-27, 20 and 23 run after 1,
 # 21 and 22 after 4), or only the listed ones in this file's order (e.g. 1,4; one step alone: 7,7), while SECONDS
 # (default 560: one call's 600 s less the transfers) last;
 # a step that cannot finish in what is left is not started, one running at the deadline is stopped. Each step's
@@ -37,8 +37,8 @@
 #   26-28 fast (26, 27 run after step 25; 28 after step 7): speed=fast as a whole run of 24 prompts beside the bf16
 #            default and the seed loop, FLUX.1-dev (26), Qwen-Image (27), FLUX.2-dev (28; under strategy=auto on an
 #            80 GB card, without the seed loop): its calibration's cost included, fidelity against bf16
-#   20 decode (runs after step 27): fused_decode's GPU test and its decode against the stock one (probe_vae.py); FA3 bf16
-#            against cuDNN (tests/test_gpu.py)
+#   20 decode (runs after step 27): fused_decode's GPU test and its decode against the stock one (probe_vae.py);
+#            FA3 bf16 against cuDNN (tests/test_gpu.py)
 #   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
 #            bf16 and the seed loop, 24 prompts: the compiled blocks' steady rate
 #   22 gemms (runs after step 21): the float8 GEMMs at FLUX.1-dev's shapes, row-wise against tensor-wise scales,
