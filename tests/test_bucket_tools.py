@@ -102,11 +102,27 @@ def test_compare_and_calibration_of_bucket_runs_name_them_by_url_and_any_machine
     page = fs.cat_file(_key(other, "report.html")).decode()
     assert "jobs.compare" in page and f"against {ref}" in page  # the figures, read from the bucket
     assert "calibration (calibrate_samples)" in page and "passed ({&#x27;fp8&#x27;: True})" in page  # the job's too
+    assert _earlier_verdict(other)["passed"]  # a launch on another machine takes the job's verdict from the bucket
     from jobs.preview import main as preview
 
     assert preview([other, "--n", "2"]) == 0  # its folder on this machine made for the page, as for the report
     assert fs.exists(_key(other, "preview.png"))
     assert not (tmp_path / "s3:").exists()
+
+
+def _earlier_verdict(url: str) -> dict | None:
+    """The calibration a relaunch of the bucket run ``url`` (fp8, calibrate_samples=2) on this machine would take."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardgen.dataio.prompts.plan import load_plan
+    from shardgen.quality.gate import earlier_verdict
+    from shardgen.run.generation import GenSettings
+
+    cfg = compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6", "fp8=true", "calibrate_samples=2")
+    pipe = SimpleNamespace(device=torch.device("cpu"))
+    return earlier_verdict(cfg, load_plan(RunDir.at(url)), pipe, GenSettings.from_cfg(cfg, "dp"))
 
 
 def test_signals_are_added_to_a_bucket_run_as_to_a_local_one_and_a_kill_midway_leaves_it_sound(

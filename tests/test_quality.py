@@ -152,6 +152,96 @@ def test_the_run_commits_the_calibration_s_lossy_samples_instead_of_making_them_
     assert (summary.ok, summary.generated_here) == (6, 6) and all(m["lossy"] == {"fp8": True} for m in _provenance(out))
 
 
+RELAUNCH = ("fp8=true", "calibrate_samples=4", "calibrate_min_psnr=40")
+
+
+@pytest.fixture(scope="module")
+def cut_gated_run(runs):
+    """A gated fp8 run of p.txt stopped as its second shard starts: the calibration passed, shard 0 committed."""
+    from shardgen.run.runner import run_rank
+
+    def stop(event, worker):
+        if event == "start":
+            raise KeyboardInterrupt
+
+    d = runs / "cut-gated"
+    with pytest.raises(KeyboardInterrupt):
+        run_rank(compose_cfg(f"run_dir={d}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH), on_batch=stop)
+    assert json.loads((d / "calibration.json").read_text())["passed"]
+    return d
+
+
+def _relaunch(runs, cut, to, monkeypatch, *extra) -> tuple[list, list]:
+    """``cut`` copied to ``to`` and launched again: (the rows the calibration made, the rows the run made)."""
+    import shutil
+
+    from shardgen.run import generation, shardrun
+    from tests.test_generate import shard_images
+
+    def counting(real, rows_made):
+        return lambda pipe, s, rows, *a: rows_made.extend(r.index for r in rows) or real(pipe, s, rows, *a)
+
+    if not to.exists():
+        shutil.copytree(cut, to, symlinks=True)
+    calibrated, made = [], []
+    monkeypatch.setattr(shardrun, "generate_batch", counting(shardrun.generate_batch, made))
+    monkeypatch.setattr(generation, "generate_batch", counting(generation.generate_batch, calibrated))
+    summary = run(compose_cfg(f"run_dir={to}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH, *extra))
+    assert summary.ok == 6 and shard_images(to) == shard_images(runs / "fp8")
+    assert all(m["provenance"]["calibration"]["passed"] for m in _provenance(to))
+    return calibrated, made
+
+
+def test_a_relaunch_takes_the_earlier_launch_s_passed_calibration_instead_of_making_it_again(
+        runs, cut_gated_run, tmp_path, monkeypatch, caplog):
+    record = (cut_gated_run / "calibration.json").read_bytes()
+    with caplog.at_level("INFO", logger="shardgen.quality"):
+        calibrated, made = _relaunch(runs, cut_gated_run, tmp_path / "r", monkeypatch)
+    assert (calibrated, made) == ([], [4, 5])
+    assert "the earlier launch's passed (PSNR worst" in caplog.text and "not made again" in caplog.text
+    assert (tmp_path / "r" / "calibration.json").read_bytes() == record
+
+
+def _edit_record(**made_for):
+    def edit(path):
+        record = json.loads(path.read_text())
+        record["made_for"].update(made_for)
+        path.write_text(json.dumps(record))
+    return edit
+
+
+def _symlinked(path):
+    (path.parent.parent / "elsewhere.json").write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(path.parent.parent / "elsewhere.json")
+
+
+@pytest.mark.parametrize("damage, extra, warned", [
+    (_edit_record(device="NVIDIA B200"), (), ""),  # another GPU model's kernels
+    (_edit_record(versions={"torch": "0.1"}), (), ""),  # other kernels' versions
+    (lambda path: None, ("calibrate_min_psnr=41",), ""),  # another bound
+    (lambda path: path.write_text(path.read_text().replace('"passed": true', '"passed": false')), (), ""),
+    (lambda path: path.write_bytes(path.read_bytes()[:100]), (), "cannot be read"),  # truncated
+    (lambda path: path.write_bytes(b""), (), "cannot be read"),
+    (lambda path: path.write_text('{"passed": true}'), (), "is not a calibration record"),  # no figures: no verdict
+    (_symlinked, (), "symlink"),
+], ids=["other-gpu", "other-versions", "other-bound", "not-passed", "truncated", "empty", "no-figures", "symlink"])
+def test_a_relaunch_calibrates_again_where_the_earlier_verdict_does_not_hold_or_cannot_be_read(
+        runs, cut_gated_run, tmp_path, monkeypatch, caplog, damage, extra, warned):
+    import shutil
+
+    to = tmp_path / "r"
+    shutil.copytree(cut_gated_run, to)
+    damage(to / "calibration.json")
+    with caplog.at_level("INFO", logger="shardgen.quality"):
+        calibrated, made = _relaunch(runs, cut_gated_run, to, monkeypatch, *extra)
+    assert calibrated == [0, 1, 2, 3] * 2 and made == [4, 5]  # shard 0 was committed: the lossy four are not taken
+    assert warned in caplog.text and "calibrating again" in caplog.text
+    record = json.loads((to / "calibration.json").read_text())
+    assert record["passed"] and record["made_for"]["rows"] == [0, 1, 2, 3]
+    assert not (to / "calibration.json").is_symlink()
+
+
 def test_the_gate_stops_a_damaged_setting_before_any_sample_in_one_line(runs, tmp_path, monkeypatch):
     from shardgen.quality.gate import CalibrationFailed
 
@@ -201,6 +291,7 @@ def test_the_calibration_never_compiles_its_lossless_pass_and_runs_the_lossy_one
 
     monkeypatch.setattr(gate, "_batches", batches)
     monkeypatch.setattr(gate, "first_rows", lambda plan, n: [object()] * n)
+    monkeypatch.setattr(gate, "made_for", lambda *a: {})
     went_on, record, made = gate.calibrate(cfg, None, object(), settings, 1, first_batch=first)
     assert passes == [(False, False), (True, first_compiled)]
     assert went_on == settings and record["passed"]  # the run's own settings go on: its decider sets compile

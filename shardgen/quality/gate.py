@@ -8,11 +8,14 @@ place, so the lossy pass needs no second copy of the model. Every rank of a repl
 order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The lossless
 samples are not committed; the lossy ones are the run's own when it goes on with their settings, and a one-rank
 replica whose first batches are those rows commits them instead of making them again (2N samples of extra work per
-replica and launch, N on the replica that takes them).
+replica, N on the replica that takes them). A later launch of the run (a requeue, a resume) for which the passed
+verdict still holds (``made_for``: the same settings, rows, bounds, GPU model and kernel versions) takes it from
+calibration.json instead of calibrating again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -142,20 +145,106 @@ def provenance_summary(record: dict) -> dict:
     return {k: finite(v) for k, v in record.items() if k != "per_sample"}
 
 
+RECORD_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
+MADE_WITH = ("torch", "diffusers", "fa3-fwd", "sageattention")  # the packages whose kernels a verdict depends on
+
+
+def read_fidelity_record(run: Any, path: Any, limit: int = RECORD_LIMIT, follow: bool = True) -> bytes | None:
+    """A fidelity record's bytes (None: there is none): a bucket run's copy in the bucket (the gate and jobs.compare
+    put theirs there, so any machine reads them), else the file in the run's folder on this machine (a regular file
+    only; ``follow=False``: not through a symlink). OSError or RunDirError when it cannot be read."""
+    from shardgen.dataio.rundir.fileio import read_regular
+
+    if run.store and (data := run.files.read(path, limit=limit)) is not None:
+        return data
+    if not path.exists() and not path.is_symlink():
+        return None
+    return read_regular(path, limit=limit, follow=follow)
+
+
+def made_for(plan: Any, pipe: Any, rows: list, bounds: Bounds) -> dict:
+    """What a calibration's verdict holds for: the run's pixel settings (a hash of its fingerprint: model, weights,
+    sizes, steps, the lossy settings), the rows compared, the gate's bounds and weight files, and the GPU model and
+    package versions that made the samples. A later launch for which all of them are the same takes the verdict
+    (``earlier_verdict``)."""
+    import hashlib
+    from importlib import metadata
+
+    from shardgen.dataio.resume.fingerprint import read_fingerprint
+
+    fingerprint = json.dumps(read_fingerprint(plan.run), sort_keys=True, default=str).encode()
+    versions = {}
+    for name in MADE_WITH:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    gate = {k: v for k, v in dataclasses.asdict(bounds).items() if k != "calibrate_fallback"}
+    return {"run": hashlib.sha256(fingerprint).hexdigest(), "rows": [r.index for r in rows], "gate": gate,
+            "device": _device_name(pipe), "versions": versions}
+
+
+def _device_name(pipe: Any) -> str:
+    """The GPU model the pipeline runs on ("NVIDIA H100 80GB HBM3"), else its device type ("cpu")."""
+    import torch
+
+    device = getattr(pipe, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(getattr(device, "type", device))
+
+
+def earlier_verdict(cfg: Any, plan: Any, pipe: Any, settings: Any) -> dict | None:
+    """The calibration record an earlier launch of this run left in RUN_DIR/calibration.json, when it passed and
+    holds for this launch (the same lossy settings and ``made_for``): a requeued or resumed launch takes it instead
+    of calibrating again. None when there is none, it did not pass, it was made for something else (another GPU
+    model, other versions or bounds), or it cannot be read: the launch then calibrates and writes its own."""
+    if not calibrates(cfg, settings):
+        return None
+    path = plan.run.calibration_path
+    try:
+        data = read_fidelity_record(plan.run, path, follow=False)  # a link is not this run's verdict
+        record = None if data is None else json.loads(data)
+    except (OSError, UserError, ValueError, RecursionError) as e:
+        log.warning("calibration: %s cannot be read (%s); calibrating again", path, e)
+        return None
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("passed"), bool) or not _figures(record):
+        log.warning("calibration: %s is not a calibration record; calibrating again", path)
+        return None
+    if not record["passed"]:
+        log.info("calibration: the earlier launch's did not pass; calibrating again")
+        return None
+    bounds = pick(Bounds, cfg)
+    now = made_for(plan, pipe, first_rows(plan, bounds.calibrate_samples), bounds)
+    if record.get("lossy") != json.loads(json.dumps(settings.accel.lossy)) or record.get("made_for") != now:
+        log.info("calibration: %s was made for other settings, rows, bounds, GPU or versions; calibrating again", path)
+        return None
+    return record
+
+
+def _figures(record: dict) -> bool:
+    """Whether ``record`` has the worst PSNR and SSIM as numbers (a record that lacks them is no verdict)."""
+    try:
+        return all(isinstance(record[k]["worst"], (int, float)) for k in ("psnr_db", "ssim"))
+    except (KeyError, TypeError):
+        return False
+
+
 def calibrates(cfg: Any, settings: Any) -> bool:
     """Whether a run of ``cfg`` with ``settings`` calibrates: samples asked for, and a lossy setting on."""
     return pick(Bounds, cfg).calibrate_samples > 0 and bool(settings.accel.lossy)
 
 
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
-              first_batch: Any = None) -> tuple[Any, dict | None, Any]:
+              first_batch: Any = None, earlier: dict | None = None) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
     lossy, the lossy samples as ``MadeAhead`` when the run goes on with them, else None). CalibrationFailed when a
     bound is missed and the fallback is ``stop``. ``first_batch``: the settings the
     run's first batch takes (``compile: auto``'s choice: often eager whatever ``settings.accel.compile`` says), which
     the lossy pass runs with; None: ``settings``. The lossless pass, made only to compare against, is always eager:
     compiling the lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples win
-    back."""
+    back. ``earlier``: an earlier launch's passed record that holds for this one (``earlier_verdict``), which the
+    run goes on with, nothing made."""
     from shardgen.run.shardrun import MadeAhead
     from shardgen.speed import accel as A
 
@@ -163,6 +252,11 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
     lossy = settings.accel.lossy
     if not calibrates(cfg, settings):
         return settings, None, None
+    if earlier is not None:
+        log.info("calibration of %s: the earlier launch's passed (PSNR worst %s dB, SSIM worst %s on %s); not made "
+                 "again (remove RUN_DIR/calibration.json to calibrate again)", lossy,
+                 _db(earlier["psnr_db"]["worst"]), _num(earlier["ssim"]["worst"]), earlier["made_for"]["device"])
+        return settings, earlier, None
     rows = first_rows(plan, bounds.calibrate_samples)
     exact = dataclasses.replace(settings, accel=lossless(settings.accel))
     transformer = getattr(pipe, "transformer", None)
@@ -188,6 +282,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
     if failed := sorted(set(reference) - set(made)):
         missed.insert(0, f"{len(failed)} of the {len(reference)} samples made losslessly failed with {lossy}")
     record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
+                  made_for=made_for(plan, pipe, rows, bounds),
                   **({"failed_lossy": [str(i) for i in failed]} if failed else {}),
                   bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim,
                           **({"max_lpips": bounds.calibrate_max_lpips} if bounds.lpips else {})},

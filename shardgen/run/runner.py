@@ -34,7 +34,8 @@ from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
-from shardgen.quality.gate import CalibrationFailed, calibrate, calibrates, provenance_summary, record_bytes
+from shardgen.quality.gate import (CalibrationFailed, calibrate, calibrates, earlier_verdict, provenance_summary,
+                                   record_bytes)
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.run import auto_8bit, rates
@@ -429,13 +430,17 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     if calibrates(cfg, settings) and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
+    # the leader reads it for all its ranks: two reads around another job's write would make them part ways
+    earlier = W.on_leader_then_share(lambda: earlier_verdict(cfg, plan, pipe, settings), ctx.leader_rank, ctx.group)
     try:
-        settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks, first_batch=first)
+        settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks, first_batch=first,
+                                                 earlier=earlier)
     except CalibrationFailed as e:
         failed = e.record
         _on_leader(ctx, lambda: _write_calibration(plan, ctx, failed))
         raise
-    _on_leader(ctx, lambda: _write_calibration(plan, ctx, record))
+    if earlier is None:
+        _on_leader(ctx, lambda: _write_calibration(plan, ctx, record))
     return settings, record, made_ahead if ctx.ranks == 1 else None
 
 

@@ -22,11 +22,12 @@ from shardgen.dataio.prompts.plan import Plan
 from shardgen.dataio.prompts.rowsettings import shape_label
 from shardgen.dataio.resume.ledger import read_ledger, read_status_ledger
 from shardgen.dataio.resume.repair import committed_shard_problem
-from shardgen.dataio.rundir.fileio import map_io, read_regular
+from shardgen.dataio.rundir.fileio import map_io
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.dataio.shards.formats import OUTPUT_FORMATS, image_ext
 from shardgen.dataio.shards.shardwork import committed_stats
+from shardgen.quality.gate import RECORD_LIMIT, read_fidelity_record
 from shardgen.tools.runfiles import (REPAIR_HINT, committed_shard_members, launch_label, launch_of, read_events,
                                      read_index_columns, read_launches, refuse_foreign_out, safe_write)
 
@@ -254,7 +255,7 @@ def report_page(plan: Plan) -> tuple[str, dict[int, str]]:
     return page, damaged
 
 
-FIDELITY_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
+FIDELITY_LIMIT = RECORD_LIMIT
 
 
 FIDELITY_HEAD = ("measured by", "samples", "PSNR median dB", "PSNR worst dB", "SSIM median", "SSIM worst")
@@ -270,7 +271,7 @@ def _fidelity(run: RunDir) -> list[tuple]:
     for path, what in ((run.calibration_path, "calibration (calibrate_samples)"),
                        (run.compare_path, "jobs.compare")):
         try:
-            data = _fidelity_record(run, path)
+            data = read_fidelity_record(run, path, FIDELITY_LIMIT)
             if data is None:
                 continue
             rec = json.loads(data)
@@ -304,16 +305,6 @@ def _fidelity_table(rows: list[tuple]) -> str:
     if all(not any(r[n:n + len(PERCEPTUAL_HEAD)]) for r in rows):
         return _table([r[:n] + r[n + len(PERCEPTUAL_HEAD):] for r in rows], (*FIDELITY_HEAD, "verdict"))
     return _table(rows, (*FIDELITY_HEAD, *PERCEPTUAL_HEAD, "verdict"))
-
-
-def _fidelity_record(run: RunDir, path: Path) -> bytes | None:
-    """A fidelity record's bytes (None: there is none): a bucket run's copy in the bucket (jobs.compare puts its
-    summary there, so any machine's report shows it), else the file in the run's folder on this machine."""
-    if run.store and (data := run.files.read(path, limit=FIDELITY_LIMIT)) is not None:
-        return data
-    if not path.exists() and not path.is_symlink():
-        return None
-    return read_regular(path, limit=FIDELITY_LIMIT)
 
 
 def _damaged_section(plan: Plan, damaged: dict[int, str]) -> str:
