@@ -202,6 +202,23 @@ def test_a_relaunch_takes_the_earlier_launch_s_passed_calibration_instead_of_mak
     assert (tmp_path / "r" / "calibration.json").read_bytes() == record
 
 
+def test_a_dry_run_says_whether_the_launch_calibrates_or_takes_the_earlier_verdict(runs, cut_gated_run, tmp_path):
+    from shardgen.run.dryrun import describe, dry_run
+
+    def quality(run_dir, *extra):
+        args = (f"run_dir={run_dir}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH, *extra, "dry_run=true")
+        return [line for line in describe(dry_run(compose_cfg(*args))).splitlines() if line.startswith("  quality")]
+
+    make = ("4 samples made losslessly and with {'fp8': True} before the run, per replica; bounds PSNR >= 40 dB; "
+            "below one: stop")
+    assert quality(tmp_path / "new") == [f"  quality   {make}"]
+    worst = json.loads((cut_gated_run / "calibration.json").read_text())["psnr_db"]["worst"]
+    assert quality(cut_gated_run) == [f"  quality   the earlier launch's calibration passed (PSNR worst {worst:.2f} dB "
+                                      "on cpu): a launch on that GPU model with the same bounds and package versions "
+                                      f"takes it; otherwise {make}"]
+    assert quality(tmp_path / "lossless", "fp8=false") == []  # nothing lossy: nothing to calibrate
+
+
 def _edit_record(**made_for):
     def edit(path):
         record = json.loads(path.read_text())

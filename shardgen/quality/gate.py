@@ -230,6 +230,31 @@ def _figures(record: dict) -> bool:
         return False
 
 
+def preview(cfg: Any, run: Any, settings: Any) -> str | None:
+    """What the gate would do at a launch, as ``dry_run=true`` says it (None: no calibration asked, or nothing
+    lossy): calibrate, or take the earlier launch's passed verdict where it holds. Reads only."""
+    if not calibrates(cfg, settings):
+        return None
+    bounds, lossy = pick(Bounds, cfg), settings.accel.lossy
+    limits = [f"PSNR >= {bounds.calibrate_min_psnr:g} dB" if bounds.calibrate_min_psnr else "",
+              f"SSIM >= {bounds.calibrate_min_ssim:g}" if bounds.calibrate_min_ssim else "",
+              f"LPIPS <= {bounds.calibrate_max_lpips:g}" if bounds.calibrate_max_lpips else ""]
+    limits = ", ".join(filter(None, limits)) or "none (the figures are recorded)"
+    make = (f"{bounds.calibrate_samples} samples made losslessly and with {lossy} before the run, per replica; "
+            f"bounds {limits}; below one: {bounds.calibrate_fallback}")
+    try:
+        data = read_fidelity_record(run, run.calibration_path, follow=False)
+        record = None if data is None else json.loads(data)
+    except (OSError, UserError, ValueError, RecursionError):
+        return make
+    if not isinstance(record, dict) or record.get("passed") is not True or not _figures(record) \
+            or record.get("lossy") != json.loads(json.dumps(lossy)) or not isinstance(record.get("made_for"), dict):
+        return make
+    return (f"the earlier launch's calibration passed (PSNR worst {_db(record['psnr_db']['worst'])} dB on "
+            f"{record['made_for'].get('device')}): a launch on that GPU model with the same bounds and package "
+            f"versions takes it; otherwise {make}")
+
+
 def calibrates(cfg: Any, settings: Any) -> bool:
     """Whether a run of ``cfg`` with ``settings`` calibrates: samples asked for, and a lossy setting on."""
     return pick(Bounds, cfg).calibrate_samples > 0 and bool(settings.accel.lossy)

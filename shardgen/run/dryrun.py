@@ -58,6 +58,8 @@ class DryRun:
     shapes: dict[str, int] | None = None
     """Rows per shape (``WIDTHxHEIGHT[xFRAMES]``, most first) when rows set their own size or frames
     (prompts.row_settings); the expected size adds up each shape's samples. None: every row has the run's shape."""
+    calibration: str | None = None
+    """What the quality gate would do (``calibrate_samples`` with a lossy setting; gate.preview), or None."""
 
 
 def world_size_of(cfg: GenerateConfig) -> int:
@@ -106,6 +108,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
     """Plan ``cfg``'s launch without loading a model or writing to its run directory."""
     from parallel.strategies import plan_layout
     from shardgen.dataio.shards import VIDEO_EXT, is_video
+    from shardgen.quality.gate import preview
+    from shardgen.run.generation import GenSettings
     from shardgen.run.runner import planning_truncation_check, prompt_path, shard_sizing
 
     world = world_size_of(cfg)
@@ -171,6 +175,7 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
             rate_source = (f"the rate recorded for this model, size, steps, device and settings "
                            f"({rec['per_replica']:.2f} samples/s per replica, {when}, {rec.get('run_dir')}) x "
                            f"{dims.dp} replica(s)")
+    calibration = preview(rate_cfg, run, GenSettings.from_cfg(rate_cfg, dims.strategy))
     what = f"{cfg.width}x{cfg.height} " + (f"{VIDEO_EXT} of {cfg.num_frames} frames" if is_video(cfg)
                                            else cfg.image_format)
     return DryRun(run_dir=run.name, prompts=rows, rejected=rejected, shards=shards, samples_per_shard=per_shard,
@@ -179,7 +184,8 @@ def dry_run(cfg: GenerateConfig) -> DryRun:
                   sample=f"{what}, {cfg.steps} steps, batch {cfg.batch_size}, model {cfg.model.name} "
                          f"({cfg.model.weights} weights, {cfg.dtype})",
                   expected_bytes=expected, rate=rate, expected_s=(rows - done) / rate if rate else None,
-                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source, prompt_rows=prompt_rows)
+                  refused=refused, shapes=shape_rows, images=images, rate_source=rate_source, prompt_rows=prompt_rows,
+                  calibration=calibration)
 
 
 def _fmt_s(s: float) -> str:
@@ -208,6 +214,8 @@ def describe(d: DryRun) -> str:
     lines += [f"  size      ~{format_bytes(d.expected_bytes)} of tars (estimated from the sample size"
               + (" of each shape)" if d.shapes else ")"),
               f"  time      {time_line}"]
+    if d.calibration:
+        lines.append(f"  quality   {d.calibration}")
     if d.refused:
         lines.append(f"  REFUSED   this launch would be refused: {d.refused}")
     return "\n".join(lines)
