@@ -117,12 +117,14 @@ def _earlier_verdict(url: str) -> dict | None:
     import torch
 
     from shardgen.dataio.prompts.plan import load_plan
-    from shardgen.quality.gate import earlier_verdict
+    from shardgen.pick import pick
+    from shardgen.quality.gate import Bounds, earlier_verdict, made_for
     from shardgen.run.generation import GenSettings
 
     cfg = compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6", "fp8=true", "calibrate_samples=2")
-    pipe = SimpleNamespace(device=torch.device("cpu"))
-    return earlier_verdict(cfg, load_plan(RunDir.at(url)), pipe, GenSettings.from_cfg(cfg, "dp"))
+    plan, settings = load_plan(RunDir.at(url)), GenSettings.from_cfg(cfg, "dp")
+    now = made_for(plan, SimpleNamespace(device=torch.device("cpu")), settings, 1, pick(Bounds, cfg))
+    return earlier_verdict(cfg, plan, settings, now)
 
 
 def test_signals_are_added_to_a_bucket_run_as_to_a_local_one_and_a_kill_midway_leaves_it_sound(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,6 +201,27 @@ def test_a_relaunch_takes_the_earlier_launch_s_passed_calibration_instead_of_mak
     assert (calibrated, made) == ([], [4, 5])
     assert "the earlier launch's passed (PSNR worst" in caplog.text and "not made again" in caplog.text
     assert (tmp_path / "r" / "calibration.json").read_bytes() == record
+    assert all("made_for" not in m["provenance"]["calibration"] for m in _provenance(tmp_path / "r"))  # no paths
+
+
+def test_a_change_to_shardgen_s_own_code_is_a_change_of_what_made_the_samples(tmp_path, monkeypatch):
+    import shutil
+
+    import parallel
+    import shardgen
+    from shardgen.quality import gate
+
+    for package in (shardgen, parallel):  # copies of the sources, one of which the test changes
+        copy = tmp_path / package.__name__
+        shutil.copytree(Path(package.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        monkeypatch.setattr(package, "__file__", str(copy / "__init__.py"))
+    gate._sources_sha256.cache_clear()
+    before = gate._sources_sha256()
+    gate._sources_sha256.cache_clear()
+    kernel = tmp_path / "shardgen" / "speed" / "fp8.py"
+    kernel.write_text(kernel.read_text() + "\n# a change\n")
+    assert gate._sources_sha256() != before
+    gate._sources_sha256.cache_clear()
 
 
 def test_a_dry_run_says_whether_the_launch_calibrates_or_takes_the_earlier_verdict(runs, cut_gated_run, tmp_path):
@@ -236,13 +258,14 @@ def _symlinked(path):
 @pytest.mark.parametrize("damage, extra, warned", [
     (_edit_record(device="NVIDIA B200"), (), ""),  # another GPU model's kernels
     (_edit_record(versions={"torch": "0.1"}), (), ""),  # other kernels' versions
+    (_edit_record(strategy="tp", ranks=2), (), ""),  # each rank quantised its own shard of every layer
     (lambda path: None, ("calibrate_min_psnr=41",), ""),  # another bound
     (lambda path: path.write_text(path.read_text().replace('"passed": true', '"passed": false')), (), ""),
     (lambda path: path.write_bytes(path.read_bytes()[:100]), (), "cannot be read"),  # truncated
     (lambda path: path.write_bytes(b""), (), "cannot be read"),
     (lambda path: path.write_text('{"passed": true}'), (), "is not a calibration record"),  # no figures: no verdict
     (_symlinked, (), "symlink"),
-], ids=["other-gpu", "other-versions", "other-bound", "not-passed", "truncated", "empty", "no-figures", "symlink"])
+], ids=["other-gpu", "other-versions", "other-strategy", "other-bound", "not-passed", "truncated", "empty", "no-figures", "symlink"])
 def test_a_relaunch_calibrates_again_where_the_earlier_verdict_does_not_hold_or_cannot_be_read(
         runs, cut_gated_run, tmp_path, monkeypatch, caplog, damage, extra, warned):
     import shutil

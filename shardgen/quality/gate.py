@@ -9,7 +9,7 @@ order (model-parallel ranks compute together) and reaches the same verdict from 
 samples are not committed; the lossy ones are the run's own when it goes on with their settings, and a one-rank
 replica whose first batches are those rows commits them instead of making them again (2N samples of extra work per
 replica, N on the replica that takes them). A later launch of the run (a requeue, a resume) for which the passed
-verdict still holds (``made_for``: the same settings, rows, bounds, GPU model and kernel versions) takes it from
+verdict still holds (``made_for``: the same settings, rows, strategy, bounds, GPU model and code) takes it from
 calibration.json instead of calibrating again.
 """
 
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from shardgen.errors import UserError
@@ -142,11 +144,11 @@ def provenance_summary(record: dict) -> dict:
             return {k: finite(v) for k, v in x.items()}
         return "inf" if x == float("inf") else x
 
-    return {k: finite(v) for k, v in record.items() if k != "per_sample"}
+    return {k: finite(v) for k, v in record.items() if k not in ("per_sample", "made_for")}
 
 
 RECORD_LIMIT = 64 << 20  # calibration.json and compare.json are summaries of a few kilobytes whatever the run
-MADE_WITH = ("torch", "diffusers", "fa3-fwd", "sageattention")  # the packages whose kernels a verdict depends on
+MADE_WITH = ("torch", "triton", "diffusers", "fa3-fwd", "sageattention")  # whose kernels make the samples
 
 
 def read_fidelity_record(run: Any, path: Any, limit: int = RECORD_LIMIT, follow: bool = True) -> bytes | None:
@@ -162,11 +164,12 @@ def read_fidelity_record(run: Any, path: Any, limit: int = RECORD_LIMIT, follow:
     return read_regular(path, limit=limit, follow=follow)
 
 
-def made_for(plan: Any, pipe: Any, rows: list, bounds: Bounds) -> dict:
+def made_for(plan: Any, pipe: Any, settings: Any, ranks: int, bounds: Bounds) -> dict:
     """What a calibration's verdict holds for: the run's pixel settings (a hash of its fingerprint: model, weights,
-    sizes, steps, the lossy settings), the rows compared, the gate's bounds and weight files, and the GPU model and
-    package versions that made the samples. A later launch for which all of them are the same takes the verdict
-    (``earlier_verdict``)."""
+    sizes, steps, the lossy settings), the rows compared, the strategy and the replica's ranks (a tp rank quantises
+    its own shard of each layer), the gate's bounds and weight files, the GPU model, and the code that made the
+    samples (the kernels' package versions, a hash of shardgen's own sources). A later launch for which all of them
+    are the same takes the verdict (``earlier_verdict``)."""
     import hashlib
     from importlib import metadata
 
@@ -178,8 +181,27 @@ def made_for(plan: Any, pipe: Any, rows: list, bounds: Bounds) -> dict:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
     gate = {k: v for k, v in dataclasses.asdict(bounds).items() if k != "calibrate_fallback"}
+    rows = first_rows(plan, bounds.calibrate_samples)
     return {"run": hashlib.sha256(fingerprint).hexdigest(), "rows": [r.index for r in rows], "gate": gate,
-            "device": _device_name(pipe), "versions": versions}
+            "strategy": settings.strategy, "ranks": ranks, "device": _device_name(pipe),
+            "versions": versions | {"shardgen": _sources_sha256()}}
+
+
+@functools.cache
+def _sources_sha256() -> str:
+    """A hash of shardgen's and its parallel package's Python sources (its kernels and blocks are among them): a
+    code change between launches is a change of what made the samples, whatever the package version says."""
+    import hashlib
+
+    import parallel
+    import shardgen
+
+    digest = hashlib.sha256()
+    for package in (shardgen, parallel):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _device_name(pipe: Any) -> str:
@@ -192,11 +214,12 @@ def _device_name(pipe: Any) -> str:
     return str(getattr(device, "type", device))
 
 
-def earlier_verdict(cfg: Any, plan: Any, pipe: Any, settings: Any) -> dict | None:
+def earlier_verdict(cfg: Any, plan: Any, settings: Any, now: dict | None) -> dict | None:
     """The calibration record an earlier launch of this run left in RUN_DIR/calibration.json, when it passed and
-    holds for this launch (the same lossy settings and ``made_for``): a requeued or resumed launch takes it instead
-    of calibrating again. None when there is none, it did not pass, it was made for something else (another GPU
-    model, other versions or bounds), or it cannot be read: the launch then calibrates and writes its own."""
+    holds for this launch (the same lossy settings, and ``now``, this launch's ``made_for``): a requeued or resumed
+    launch takes it instead of calibrating again. None when there is none, it did not pass, it was made for
+    something else (another GPU model, other code or bounds), or it cannot be read: the launch then calibrates and
+    writes its own."""
     if not calibrates(cfg, settings):
         return None
     path = plan.run.calibration_path
@@ -214,10 +237,8 @@ def earlier_verdict(cfg: Any, plan: Any, pipe: Any, settings: Any) -> dict | Non
     if not record["passed"]:
         log.info("calibration: the earlier launch's did not pass; calibrating again")
         return None
-    bounds = pick(Bounds, cfg)
-    now = made_for(plan, pipe, first_rows(plan, bounds.calibrate_samples), bounds)
     if record.get("lossy") != json.loads(json.dumps(settings.accel.lossy)) or record.get("made_for") != now:
-        log.info("calibration: %s was made for other settings, rows, bounds, GPU or versions; calibrating again", path)
+        log.info("calibration: %s was made for other settings, rows, bounds, GPU or code; calibrating again", path)
         return None
     return record
 
@@ -260,8 +281,8 @@ def calibrates(cfg: Any, settings: Any) -> bool:
     return pick(Bounds, cfg).calibrate_samples > 0 and bool(settings.accel.lossy)
 
 
-def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
-              first_batch: Any = None, earlier: dict | None = None) -> tuple[Any, dict | None, Any]:
+def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, first_batch: Any = None,
+              earlier: dict | None = None, now: dict | None = None) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
     lossy, the lossy samples as ``MadeAhead`` when the run goes on with them, else None). CalibrationFailed when a
     bound is missed and the fallback is ``stop``. ``first_batch``: the settings the
@@ -269,7 +290,8 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
     the lossy pass runs with; None: ``settings``. The lossless pass, made only to compare against, is always eager:
     compiling the lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples win
     back. ``earlier``: an earlier launch's passed record that holds for this one (``earlier_verdict``), which the
-    run goes on with, nothing made."""
+    run goes on with, nothing made. ``now``: this launch's ``made_for``, which a new record keeps (None: worked out
+    here)."""
     from shardgen.run.shardrun import MadeAhead
     from shardgen.speed import accel as A
 
@@ -307,7 +329,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1,
     if failed := sorted(set(reference) - set(made)):
         missed.insert(0, f"{len(failed)} of the {len(reference)} samples made losslessly failed with {lossy}")
     record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
-                  made_for=made_for(plan, pipe, rows, bounds),
+                  made_for=now if now is not None else made_for(plan, pipe, settings, ranks, bounds),
                   **({"failed_lossy": [str(i) for i in failed]} if failed else {}),
                   bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim,
                           **({"max_lpips": bounds.calibrate_max_lpips} if bounds.lpips else {})},

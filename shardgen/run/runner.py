@@ -34,8 +34,8 @@ from shardgen.dataio.rundir.fileio import json_bytes
 from shardgen.dataio.rundir.storage import RunDirError, storage_error
 from shardgen.run.generation import BatchOutOfMemory, GenSettings
 from shardgen.run.memory import cuda_oom, out_of_memory
-from shardgen.quality.gate import (CalibrationFailed, calibrate, calibrates, earlier_verdict, provenance_summary,
-                                   record_bytes)
+from shardgen.quality.gate import (Bounds, CalibrationFailed, calibrate, calibrates, earlier_verdict, made_for,
+                                   provenance_summary, record_bytes)
 from shardgen.speed.autocompile import (AutoCompile, compile_cache_counts, compiled_graphs, prior_speedup,
                                        record_key)
 from shardgen.run import auto_8bit, rates
@@ -47,6 +47,7 @@ from shardgen.run.shardrun import MadeAhead
 from shardgen.models.loader import model_sha256, model_version
 from shardgen.models.lora import check_planned as check_planned_adapters, preload as preload_adapters
 from shardgen.models import schedulers
+from shardgen.pick import pick
 from shardgen.models.quiet import quiet_libraries  # noqa: F401 (also re-exported to tests and bench)
 from parallel import world as W
 from parallel.attention import active_backend, restore_active_backend
@@ -430,11 +431,15 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     if calibrates(cfg, settings) and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
-    # the leader reads it for all its ranks: two reads around another job's write would make them part ways
-    earlier = W.on_leader_then_share(lambda: earlier_verdict(cfg, plan, pipe, settings), ctx.leader_rank, ctx.group)
+    def on_leader() -> tuple[dict | None, dict | None]:
+        now = made_for(plan, pipe, settings, ctx.ranks, pick(Bounds, cfg)) if calibrates(cfg, settings) else None
+        return now, earlier_verdict(cfg, plan, settings, now)
+
+    # the leader reads the run's files for all its ranks: two reads around another job's write would part them
+    now, earlier = W.on_leader_then_share(on_leader, ctx.leader_rank, ctx.group)
     try:
         settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks, first_batch=first,
-                                                 earlier=earlier)
+                                                 earlier=earlier, now=now)
     except CalibrationFailed as e:
         failed = e.record
         _on_leader(ctx, lambda: _write_calibration(plan, ctx, failed))
