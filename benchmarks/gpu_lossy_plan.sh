@@ -37,6 +37,8 @@
 #   26-28 fast (26, 27 run after step 25; 28 after step 7): speed=fast as a whole run of 24 prompts beside the bf16
 #            default and the seed loop, FLUX.1-dev (26), Qwen-Image (27), FLUX.2-dev (28; under strategy=auto on an
 #            80 GB card, without the seed loop): its calibration's cost included, fidelity against bf16
+#   29-30 fast-noseed (run after step 27): steps 26 and 27 without the seed loop (its ~2 minutes of building a
+#            dummy model), for a call that must fit both: speed=fast against the bf16 default, whole and steady
 #   20 decode (runs after step 27): fused_decode's GPU test and its decode against the stock one (probe_vae.py);
 #            FA3 bf16 against cuDNN (tests/test_gpu.py)
 #   21 flux_dev-compiled (runs after step 4): FLUX.1-dev's fp8 + fa3_fp8 eager and compiled (compile=true) beside
@@ -104,6 +106,10 @@ step 26 fast-flux_dev 360 python3 benchmarks/lossy_runs.py --model flux_dev --st
   --ways bf16,fast --out "$work/26-fast-flux_dev"
 step 27 fast-qwen_image 260 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 --seed-n 8 \
   --ways bf16,fast --out "$work/27-fast-qwen_image"
+step 29 fast-flux_dev-noseed 240 python3 benchmarks/lossy_runs.py --model flux_dev --steps 28 --n 24 \
+  --ways bf16,fast --out "$work/29-fast-flux_dev"
+step 30 fast-qwen_image-noseed 150 python3 benchmarks/lossy_runs.py --model qwen_image --steps 8 --n 24 \
+  --ways bf16,fast --out "$work/30-fast-qwen_image"
 step 20 decode 200 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s -k 'fused_decoder or fa3_matches or fa3_and_the_fused' tests/test_gpu.py; \
   OUT=$work/20-decode python3 benchmarks/probe_vae.py --models flux_dev,flux2_dev,qwen_image --variants eager,fused"
 step 23 fa3-keys 120 bash -c "python3 -m pytest -m gpu -o addopts='' -q -s \
