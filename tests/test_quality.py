@@ -276,7 +276,9 @@ def test_a_relaunch_calibrates_again_where_the_earlier_verdict_does_not_hold_or_
     with caplog.at_level("INFO", logger="shardgen.quality"):
         calibrated, made = _relaunch(runs, cut_gated_run, to, monkeypatch, *extra)
     assert calibrated == [0, 1, 2, 3] * 2 and made == [4, 5]  # shard 0 was committed: the lossy four are not taken
-    assert warned in caplog.text and "calibrating again" in caplog.text
+    assert "calibrating again" in caplog.text
+    if warned:  # a damaged record is a warning; a verdict that does not hold here is news, not a fault
+        assert [r for r in caplog.records if r.levelname == "WARNING" and warned in r.getMessage()]
     record = json.loads((to / "calibration.json").read_text())
     assert record["passed"] and record["made_for"]["rows"] == [0, 1, 2, 3]
     assert not (to / "calibration.json").is_symlink()

@@ -219,28 +219,36 @@ def earlier_verdict(cfg: Any, plan: Any, settings: Any, now: dict | None) -> dic
     holds for this launch (the same lossy settings, and ``now``, this launch's ``made_for``): a requeued or resumed
     launch takes it instead of calibrating again. None when there is none, it did not pass, it was made for
     something else (another GPU model, other code or bounds), or it cannot be read: the launch then calibrates and
-    writes its own."""
+    writes its own (the log says why)."""
     if not calibrates(cfg, settings):
         return None
-    path = plan.run.calibration_path
+    record, why, damaged = _passed_record(plan.run, settings.accel.lossy)
+    if record is not None and record.get("made_for") != now:
+        record, why = None, f"{plan.run.calibration_path} was made for other settings, rows, bounds, GPU or code"
+    if why:
+        log.log(logging.WARNING if damaged else logging.INFO, "calibration: %s; calibrating again", why)
+    return record
+
+
+def _passed_record(run: Any, lossy: dict) -> tuple[dict | None, str | None, bool]:
+    """(the run's calibration record, None, False) when it passed with ``lossy``; else (None, why it is not taken,
+    whether the file is damaged); (None, None, False) where the run has none."""
+    path = run.calibration_path
     try:
-        data = read_fidelity_record(plan.run, path, follow=False)  # a link is not this run's verdict
+        data = read_fidelity_record(run, path, follow=False)  # a link is not this run's verdict
         record = None if data is None else json.loads(data)
     except (OSError, UserError, ValueError, RecursionError) as e:
-        log.warning("calibration: %s cannot be read (%s); calibrating again", path, e)
-        return None
+        return None, f"{path} cannot be read ({e})", True
     if record is None:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("passed"), bool) or not _figures(record):
-        log.warning("calibration: %s is not a calibration record; calibrating again", path)
-        return None
+        return None, None, False
+    if not isinstance(record, dict) or not isinstance(record.get("passed"), bool) or not _figures(record) \
+            or not isinstance(record.get("made_for"), dict):
+        return None, f"{path} is not a calibration record", True
     if not record["passed"]:
-        log.info("calibration: the earlier launch's did not pass; calibrating again")
-        return None
-    if record.get("lossy") != json.loads(json.dumps(settings.accel.lossy)) or record.get("made_for") != now:
-        log.info("calibration: %s was made for other settings, rows, bounds, GPU or code; calibrating again", path)
-        return None
-    return record
+        return None, "the earlier launch's did not pass", False
+    if record.get("lossy") != json.loads(json.dumps(lossy)):
+        return None, f"{path} is of other lossy settings ({record.get('lossy')})", False
+    return record, None, False
 
 
 def _figures(record: dict) -> bool:
@@ -263,13 +271,8 @@ def preview(cfg: Any, run: Any, settings: Any) -> str | None:
     limits = ", ".join(filter(None, limits)) or "none (the figures are recorded)"
     make = (f"{bounds.calibrate_samples} samples made losslessly and with {lossy} before the run, per replica; "
             f"bounds {limits}; below one: {bounds.calibrate_fallback}")
-    try:
-        data = read_fidelity_record(run, run.calibration_path, follow=False)
-        record = None if data is None else json.loads(data)
-    except (OSError, UserError, ValueError, RecursionError):
-        return make
-    if not isinstance(record, dict) or record.get("passed") is not True or not _figures(record) \
-            or record.get("lossy") != json.loads(json.dumps(lossy)) or not isinstance(record.get("made_for"), dict):
+    record, _, _ = _passed_record(run, lossy)
+    if record is None:
         return make
     return (f"the earlier launch's calibration passed (PSNR worst {_db(record['psnr_db']['worst'])} dB on "
             f"{record['made_for'].get('device')}): a launch on that GPU model with the same bounds and package "
