@@ -431,7 +431,8 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     if calibrates(cfg, settings) and path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
-    def on_leader() -> tuple[dict | None, dict | None]:
+
+    def on_leader() -> tuple[dict | None, dict | None]:  # this launch's made_for, and the earlier verdict it finds
         now = made_for(plan, pipe, settings, ctx.ranks, pick(Bounds, cfg)) if calibrates(cfg, settings) else None
         return now, earlier_verdict(cfg, plan, settings, now)
 
