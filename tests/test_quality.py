@@ -265,7 +265,8 @@ def _symlinked(path):
     (lambda path: path.write_bytes(b""), (), "cannot be read"),
     (lambda path: path.write_text('{"passed": true}'), (), "is not a calibration record"),  # no figures: no verdict
     (_symlinked, (), "symlink"),
-], ids=["other-gpu", "other-versions", "other-strategy", "other-bound", "not-passed", "truncated", "empty", "no-figures", "symlink"])
+], ids=["other-gpu", "other-versions", "other-strategy", "other-bound", "not-passed", "truncated", "empty",
+        "no-figures", "symlink"])
 def test_a_relaunch_calibrates_again_where_the_earlier_verdict_does_not_hold_or_cannot_be_read(
         runs, cut_gated_run, tmp_path, monkeypatch, caplog, damage, extra, warned):
     import shutil
