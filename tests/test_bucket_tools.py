@@ -124,7 +124,7 @@ def _earlier_verdict(url: str) -> dict | None:
     cfg = compose_cfg(f"run_dir={url}", *FAST, "prompts.limit=6", "fp8=true", "calibrate_samples=2")
     plan, settings = load_plan(RunDir.at(url)), GenSettings.from_cfg(cfg, "dp")
     now = made_for(plan, SimpleNamespace(device=torch.device("cpu")), settings, 1, pick(Bounds, cfg))
-    return earlier_verdict(cfg, plan, settings, now)
+    return earlier_verdict(plan, settings, now)
 
 
 def test_signals_are_added_to_a_bucket_run_as_to_a_local_one_and_a_kill_midway_leaves_it_sound(

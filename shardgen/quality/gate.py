@@ -214,14 +214,12 @@ def _device_name(pipe: Any) -> str:
     return str(getattr(device, "type", device))
 
 
-def earlier_verdict(cfg: Any, plan: Any, settings: Any, now: dict | None) -> dict | None:
+def earlier_verdict(plan: Any, settings: Any, now: dict) -> dict | None:
     """The calibration record an earlier launch of this run left in RUN_DIR/calibration.json, when it passed and
     holds for this launch (the same lossy settings, and ``now``, this launch's ``made_for``): a requeued or resumed
     launch takes it instead of calibrating again. None when there is none, it did not pass, it was made for
     something else (another GPU model, other code or bounds), or it cannot be read: the launch then calibrates and
     writes its own (the log says why)."""
-    if not calibrates(cfg, settings):
-        return None
     record, why, damaged = _passed_record(plan.run, settings.accel.lossy)
     if record is not None and record.get("made_for") != now:
         record, why = None, f"{plan.run.calibration_path} was made for other settings, rows, bounds, GPU or code"

@@ -426,15 +426,17 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     leader writes to RUN_DIR/calibration.json (also when the gate stops the job), and the lossy samples the run may
     take as its own (a one-rank replica's: the ranks of a model-parallel one would all have to take the same batch
     the same way)."""
+    if not calibrates(cfg, settings):
+        return settings, None, None
     path = plan.run.calibration_path
     # named before the 2N calibration samples, not after them
-    if calibrates(cfg, settings) and path.is_dir() and not path.is_symlink():
+    if path.is_dir() and not path.is_symlink():
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
 
-    def on_leader() -> tuple[dict | None, dict | None]:  # this launch's made_for, and the earlier verdict it finds
-        now = made_for(plan, pipe, settings, ctx.ranks, pick(Bounds, cfg)) if calibrates(cfg, settings) else None
-        return now, earlier_verdict(cfg, plan, settings, now)
+    def on_leader() -> tuple[dict, dict | None]:  # this launch's made_for, and the earlier verdict it finds
+        now = made_for(plan, pipe, settings, ctx.ranks, pick(Bounds, cfg))
+        return now, earlier_verdict(plan, settings, now)
 
     # the leader reads the run's files for all its ranks: two reads around another job's write would part them
     now, earlier = W.on_leader_then_share(on_leader, ctx.leader_rank, ctx.group)
