@@ -169,6 +169,85 @@ def start_process(fn, args: tuple):
     return p
 
 
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hooks: list[str]) -> None:
+    """In a process start_module started: ``python -m MODULE ARGS`` as a new interpreter would run it, with ``env``
+    as its whole environment, its stdout and stderr appended to ``log``, each folder of ``hooks`` put first on its
+    path and its ``sitecustomize.py`` run first (as ``site`` runs it in a new interpreter), and the atexit
+    handlers run at the end (multiprocessing leaves through os._exit, which skips them)."""
+    import atexit
+    import runpy
+    import sys
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    for hook in reversed(hooks):
+        sys.path.insert(0, hook)
+        runpy.run_path(str(Path(hook) / "sitecustomize.py"), run_name="sitecustomize")
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()
+
+
+class Forked:
+    """A command start_module started, as ``subprocess.Popen`` shows one: ``pid``, ``poll``, ``wait``, ``kill``,
+    ``send_signal``, ``returncode`` (minus the signal's number when a signal ended it), and ``output``, what it
+    printed."""
+
+    def __init__(self, process, log: Path, args: list[str]):
+        self.process, self.log, self.args = process, log, args
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_module(module: str, args: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT,
+                 hooks: list[Path] = ()) -> Forked:
+    """``python -m MODULE ARGS`` (stdout and stderr into ``log``) forked from start_ranks' forkserver instead of a
+    new interpreter: the same command line, environment (``env``, by default this process's) and exit status, less
+    the new interpreter's imports (about 10 s of CPU on a CI core). For the tests that start a job again and again,
+    or kill it: what only a new interpreter shows (the import graph, the wheel, torchrun) keeps subprocess."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    env = dict(os.environ if env is None else env)
+    p = multiprocessing.get_context("forkserver").Process(
+        target=_run_module, args=(module, list(args), env, str(cwd), str(log), [str(h) for h in hooks]))
+    p.start()
+    return Forked(p, Path(log), [module, *args])
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """A txt prompt file."""
     path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")

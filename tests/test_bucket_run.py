@@ -8,8 +8,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.dataio.rundir.storage import RunDirError
 from shardgen.tools.verify import read_shard_members, verify_run
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import Forked, compose_cfg, start_module
 from tests.test_generate import shard_images
 
 FAST = ("height=32", "width=32", "steps=2", "batch_size=2", "samples_per_shard=4", "progress=false")
@@ -125,14 +123,15 @@ def _shards_in(s3, url: str) -> list[str]:
     return fs.glob(f"{url.removeprefix('s3://')}/shards/*.tar")
 
 
-def _launch(url: str, scratch: Path, models: Path, *more: str, hook: Path | None = None) -> subprocess.Popen:
+def _launch(url: str, scratch: Path, models: Path, *more: str, hook: Path | None = None) -> Forked:
     """A launch on its own "machine": its own scratch folder ($SHARDGEN_CACHE), the session's tiny models; ``hook``
-    a folder put first on its PYTHONPATH (a sitecustomize)."""
-    path = [str(hook) if hook else None, str(ROOT), os.environ.get("PYTHONPATH")]
-    env = {**os.environ, "SHARDGEN_CACHE": str(scratch), "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    return subprocess.Popen([sys.executable, "-m", "jobs.generate", f"run_dir={url}", *FAST, "samples_per_shard=3",
-                             f"model.cache_dir={models}", "lease_s=4", "heartbeat_s=0.5", *more],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    a folder put first on its path (a sitecustomize); what it prints goes to a log beside the scratch folder."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    logs = sorted(scratch.parent.glob(f"{scratch.name}-launch-*.log"))
+    return start_module("jobs.generate", [f"run_dir={url}", *FAST, "samples_per_shard=3", f"model.cache_dir={models}",
+                                          "lease_s=4", "heartbeat_s=0.5", *more],
+                        scratch.parent / f"{scratch.name}-launch-{len(logs)}.log",
+                        env={**os.environ, "SHARDGEN_CACHE": str(scratch)}, hooks=[hook] if hook else [])
 
 
 def _paced(tmp_path: Path, seconds: float) -> Path:
@@ -172,13 +171,13 @@ def test_two_launches_killed_again_and_again_on_one_bucket_run_make_every_prompt
             p.kill()
         for p in launches:
             p.wait(timeout=60)
-            assert p in killed or p.returncode == 0, p.stderr.read()[-3000:]  # a launch that failed by itself
+            assert p in killed or p.returncode == 0, p.output[-3000:]  # a launch that failed by itself
         kills += len(killed)
         if not killed:
             break
     for m in machines:  # each machine's next launch: the first finishes the run, the second has nothing to do
         final = _launch(url, m, models, f"prompts.limit={n}")
-        assert final.wait(timeout=300) == 0, final.stderr.read()[-3000:]
+        assert final.wait(timeout=300) == 0, final.output[-3000:]
     assert kills >= 2
     bucket_run = RunDir.at(url)
     plan = load_plan(bucket_run)
@@ -251,18 +250,18 @@ def test_an_outage_longer_than_the_lease_stops_the_launch_in_one_line_and_the_ne
     deadline = time.time() + 240
     while _uploads(s3, url) < 2 and launch.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert launch.poll() is None, launch.stderr.read()[-3000:]
+    assert launch.poll() is None, launch.output[-3000:]
     s3.proxy.down()  # for longer than lease_s=4 and the retries of a request (about 16 s)
     try:
         rc = launch.wait(timeout=120)
     finally:
         s3.proxy.up()
-    err = launch.stderr.read()
+    err = launch.output
     assert rc != 0 and "Traceback" not in err, err[-3000:]
     assert "the storage is unreachable or failing. Re-run once it answers" in err, err[-3000:]
     assert 2 <= _uploads(s3, url) < n // 2
     final = _launch(url, tmp_path / "machine", models, f"prompts.limit={n}", "samples_per_shard=2")
-    assert final.wait(timeout=300) == 0, final.stderr.read()[-3000:]
+    assert final.wait(timeout=300) == 0, final.output[-3000:]
     plan = load_plan(RunDir.at(url))
     names = bucket_objects(s3.fs(), url)
     assert [f"shards/{s:06d}.tar" in names for s in range(plan.num_shards)] == [True] * plan.num_shards, names

@@ -341,28 +341,26 @@ class BucketWatch:
 @pytest.mark.slow
 def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_the_bucket(s3, bucket, tmp_path,
                                                                                           monkeypatch):
-    """The real ``python -m jobs.generate``, prompts in the bucket, shards to it with keep_local=false, SIGKILLed
+    """``python -m jobs.generate``, prompts in the bucket, shards to it with keep_local=false, SIGKILLed
     inside an upload three times (tests/upload_hook: after a tar is sent, before the stats are, after the stats
     and before the record), then resumed: every prompt exactly once in the bucket, every tar ever listed there
     whole and final, nothing of the shards left on the local disk."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import fsspec
     import webdataset as wds
     from webdataset.gopen import gopen_schemes
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, start_module
 
     n = 12
     put(s3, f"s3://{bucket}/p.txt", "".join(f"prompt {i}\n" for i in range(n)).encode())
     run_dir, out = tmp_path / "run", f"s3://{bucket}/out"
-    cmd = [sys.executable, "-m", "jobs.generate", f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt",
-           f"output_uri={out}", "keep_local=false", "samples_per_shard=2", *FAST]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'upload_hook'}")
+    args = [f"run_dir={run_dir}", f"prompts.path=s3://{bucket}/p.txt", f"output_uri={out}", "keep_local=false",
+            "samples_per_shard=2", *FAST]
+    hook = ROOT / "tests" / "upload_hook"
     watch = BucketWatch(s3, out)
     # where each launch is killed, and what the bucket then holds and lacks (a shard half-sent each time)
     stops = [("after:000001.tar", {"000000.stats.json", "000001.tar"}, {"000001.stats.json"}),
@@ -372,9 +370,8 @@ def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_
         for i, (stop, present, absent) in enumerate(stops):
             flag = tmp_path / f"stopped-{i}"
             log = tmp_path / f"launch-{i}.log"
-            with open(log, "wb") as f:
-                p = subprocess.Popen(cmd, cwd=ROOT, env={**env, "SHARDGEN_TEST_UPLOAD_STOP": f"{stop}:{flag}"},
-                                     stdout=f, stderr=subprocess.STDOUT)
+            p = start_module("jobs.generate", args, log, hooks=[hook],
+                             env={**os.environ, "SHARDGEN_TEST_UPLOAD_STOP": f"{stop}:{flag}"})
             try:
                 deadline = time.time() + 180
                 while not flag.exists():
@@ -390,8 +387,8 @@ def test_sigkilled_during_uploads_three_times_then_resumed_every_prompt_once_in_
             names = {x.rsplit("/", 1)[-1] for x in s3.fs().ls(out, refresh=True)}
             assert present <= names and not absent & names, (stop, sorted(names))
         assert not (run_dir / "uploads" / "000002.json").exists()  # killed between its stats and its record
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+        done = start_module("jobs.generate", args, tmp_path / "launch-last.log")
+        assert done.wait(timeout=300) == 0, done.output[-2000:]
     finally:
         watch.close()
     assert not watch.unreadable, watch.unreadable
