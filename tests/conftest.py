@@ -169,7 +169,8 @@ def start_process(fn, args: tuple):
     return p
 
 
-def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hooks: list[str]) -> None:
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hooks: list[str],
+                new_session: bool) -> None:
     """In a process start_module started: ``python -m MODULE ARGS`` as a new interpreter would run it, with ``env``
     as its whole environment, its stdout and stderr appended to ``log``, each folder of ``hooks`` put first on its
     path and its ``sitecustomize.py`` run first (as ``site`` runs it in a new interpreter), and the atexit
@@ -178,6 +179,8 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hoo
     import runpy
     import sys
 
+    if new_session:
+        os.setsid()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -233,17 +236,20 @@ class Forked:
 
 
 def start_module(module: str, args: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT,
-                 hooks: list[Path] = ()) -> Forked:
+                 hooks: list[Path] = (), new_session: bool = False) -> Forked:
     """``python -m MODULE ARGS`` (stdout and stderr into ``log``) forked from start_ranks' forkserver instead of a
     new interpreter: the same command line, environment (``env``, by default this process's) and exit status, less
-    the new interpreter's imports (about 10 s of CPU on a CI core). For the tests that start a job again and again,
-    or kill it: what only a new interpreter shows (the import graph, the wheel, torchrun) keeps subprocess."""
+    the new interpreter's imports (about 10 s of CPU on a CI core). ``new_session``: as Popen's
+    ``start_new_session``, a process group of its own that ``os.killpg(pid, ...)`` ends whole. For the tests that
+    start a job again and again, or kill it: what only a new interpreter shows (the import graph, the wheel,
+    torchrun) keeps subprocess."""
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     env = dict(os.environ if env is None else env)
+    Path(log).touch()  # there at once, as a log the caller opened for Popen: a test reads it while the job starts
     p = multiprocessing.get_context("forkserver").Process(
-        target=_run_module, args=(module, list(args), env, str(cwd), str(log), [str(h) for h in hooks]))
+        target=_run_module, args=(module, list(args), env, str(cwd), str(log), [str(h) for h in hooks], new_session))
     p.start()
     return Forked(p, Path(log), [module, *args])
 

@@ -15,7 +15,7 @@ import torch
 from shardgen.speed import accel
 from jobs.bench import main as bench_main
 from jobs.generate import run
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, start_module
 from tests.test_generate import shard_images
 
 FAST = ("height=32", "width=32", "steps=2", "progress=false", "prompts.limit=6", "batch_size=4")
@@ -24,14 +24,13 @@ FAST = ("height=32", "width=32", "steps=2", "progress=false", "prompts.limit=6",
 @pytest.mark.slow  # whole jobs / bench runs
 def test_quick_bench_prints_every_figure_and_exits_0(tmp_path):
     """``python -m jobs.bench`` as a user runs it: every figure printed, bench.json written, exit status 0."""
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench", "--quick", "--workdir", str(tmp_path / "work"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = start_module("jobs.bench", ["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                        tmp_path / "bench.log")
+    assert proc.wait(timeout=600) == 0, proc.output[-2000:]
     for needle in ("matmul rate (measured", "FLOPs per image-step", "baseline (diffusers loop)",
                    "shardgen (jobs.generate)", "images/hour", "denoise MFU", "e2e MFU", "speed-up shardgen / baseline",
                    "PSNR shardgen vs baseline", "GPU idle in steady state", "peak memory"):
-        assert needle in proc.stdout, needle
+        assert needle in proc.output, needle
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     s = data["summary"]
     assert s["baseline_images_per_hour"] > 0 and s["shardgen_images_per_hour"] > 0 and s["speedup"] > 0

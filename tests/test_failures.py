@@ -15,7 +15,7 @@ from shardgen.dataio.shards.index import committed_samples
 from shardgen.tools.verify import read_shard_members, verify_run
 from shardgen.run.tally import BrokenSetupError
 from jobs.generate import run
-from tests.conftest import compose_cfg, rank_environment, start_ranks, write_lines
+from tests.conftest import compose_cfg, rank_environment, start_module, start_ranks, write_lines
 from tests.test_generate import shard_images
 
 PROMPTS = ["a cat", "a nan cat", "a dog", "a boom dog", "a bird", "a fish", "a nan fish", "a cow"]
@@ -149,13 +149,10 @@ def test_the_watchdog_times_work_in_progress_only():
 def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
     """A batch that never returns (a hung GPU) must not hold the job until its time limit: after
     stall_timeout_s the rank says where it hung and exits; what was durable stays, and a rerun completes."""
-    import subprocess
-    import sys
     import time
 
     from shardgen.dataio.resume.ledger import read_ledger
     from shardgen.run.watchdog import STALL_EXIT_CODE
-    from tests.conftest import ROOT
 
     prompts = ["a cat", "a dog", "a bird", "a fish", "a cow", "a hang glider", "a horse", "a frog"]
     f = write_lines(tmp_path / "p.txt", prompts)
@@ -163,13 +160,12 @@ def test_a_hung_batch_ends_the_job_and_a_rerun_finishes(tmp_path):
             "batch_size=4", "samples_per_shard=4"]
     t0 = time.time()
     # 10 s: far above a real 16x16 batch even on a loaded 2-core machine (3 s was seen to trip on the first batch)
-    p = subprocess.run([sys.executable, "-m", "tests.hanging_job", *args, "stall_timeout_s=10"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == STALL_EXIT_CODE, p.stderr[-3000:]
+    p = start_module("tests.hanging_job", [*args, "stall_timeout_s=10"], tmp_path / "hanging.log")
+    assert p.wait(timeout=120) == STALL_EXIT_CODE, p.output[-3000:]
     assert time.time() - t0 < 90
-    assert "stalled: shard 000001, batch from row 0 made no progress for" in p.stderr
-    assert "re-run the same command to continue" in p.stderr
-    assert "in _call" in p.stderr  # the stack dump shows where it hung
+    assert "stalled: shard 000001, batch from row 0 made no progress for" in p.output
+    assert "re-run the same command to continue" in p.output
+    assert "in _call" in p.output  # the stack dump shows where it hung
     assert read_ledger(load_plan(RunDir(tmp_path / "run"))).done_samples == 4  # shard 0 stayed durable
     r = run(compose_cfg(*args))  # the GPU is fine again
     assert (r.ok, r.complete) == (8, True)

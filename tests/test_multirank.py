@@ -7,8 +7,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import verify_run
 from jobs.generate import run
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import Forked, compose_cfg, start_module
 from tests.test_generate import shard_images
 
 pytestmark = pytest.mark.slow
@@ -36,13 +34,10 @@ def reference(tmp_path_factory) -> dict[str, bytes]:
     return shard_images(d)
 
 
-def start_job(run_dir: Path, *overrides: str, log: Path) -> subprocess.Popen:
+def start_job(run_dir: Path, *overrides: str, log: Path) -> Forked:
     """``python -m jobs.generate`` as its own process group (so the whole job can be killed)."""
-    args = [sys.executable, "-m", "jobs.generate", f"run_dir={run_dir}", "progress=false", *COMMON, *overrides,
-            "hydra.verbose=shardgen"]
-    with open(log, "ab") as f:
-        return subprocess.Popen(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ))
+    args = [f"run_dir={run_dir}", "progress=false", *COMMON, *overrides, "hydra.verbose=shardgen"]
+    return start_module("jobs.generate", args, log, new_session=True)
 
 
 def finish_job(run_dir: Path, *overrides: str, log: Path, timeout: float = 240) -> None:

@@ -180,15 +180,13 @@ def test_a_rank_that_commits_nothing_shows_zeros_in_a_file_named_by_its_slurm_jo
 def test_status_tells_the_replicas_of_two_launches_apart(done_run, capsys):
     """A second launch (another process) on the run has a replica 0 too: each line names its launch."""
     import os
-    import subprocess
-    import sys
+
+    from tests.conftest import start_module
 
     for name in ("000001.stats.json", "000001.tar", "000001.parquet"):
         (done_run / "shards" / name).unlink()
-    args = [f"run_dir={done_run}", *ARGS]
-    second = subprocess.run([sys.executable, "-m", "jobs.generate", *args], capture_output=True, text=True,
-                            timeout=300, env=os.environ.copy())
-    assert second.returncode == 0, second.stderr[-2000:]
+    second = start_module("jobs.generate", [f"run_dir={done_run}", *ARGS], done_run.parent / "second-launch.log")
+    assert second.wait(timeout=300) == 0, second.output[-2000:]
     assert status.main([str(done_run)]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  replica  0")]
     assert len(lines) == 2 and len({ln.split(":")[0] for ln in lines}) == 2

@@ -4,8 +4,6 @@ made stay, and the same command with the change completes the run with the bytes
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,7 @@ from shardgen.dataio.rundir.layout import RunDir
 from shardgen.run.memory import GpuOutOfMemory
 from shardgen.speed import fp8
 from shardgen.tools.verify import verify_run
-from tests.conftest import compose_cfg, write_lines
+from tests.conftest import compose_cfg, start_module, write_lines
 from tests.test_generate import shard_images
 
 PROMPTS = [f"a small thing number {i}" for i in range(8)]
@@ -106,15 +104,12 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
         "def call(self, *a, **k):\n"
         f"    raise torch.OutOfMemoryError({TORCH_OOM!r})\n"
         "diffusers.FluxPipeline.__call__ = call\n")
-    import os
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "jobs.generate", f"run_dir={tmp_path / 'run'}", f"prompts.path={f}",
-                           "prompts=txt", *ARGS], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "out of memory" in ln]
-    assert len(lines) == 1 and "generating a batch of 2" in lines[0], proc.stderr[-2000:]
+    proc = start_module("jobs.generate", [f"run_dir={tmp_path / 'run'}", f"prompts.path={f}", "prompts=txt", *ARGS],
+                        tmp_path / "launch.log", hooks=[hook])
+    assert proc.wait(timeout=300) == 2, proc.output[-2000:]
+    assert "Traceback" not in proc.output
+    lines = [ln for ln in proc.output.splitlines() if "out of memory" in ln]
+    assert len(lines) == 1 and "generating a batch of 2" in lines[0], proc.output[-2000:]
 
 
 def test_a_claim_store_that_cannot_be_written_at_the_stop_leaves_the_stop_s_own_message(tmp_path, monkeypatch,
