@@ -126,16 +126,27 @@ def _env() -> dict:
             "RAY_AUTH_MODE": "disabled", **LOADED_MACHINE}
 
 
-@pytest.mark.parametrize("strategy", [("strategy=tp", "tp_degree=2"), ("strategy=cp_ulysses", "ulysses_degree=2")],
-                         ids=["tp2", "ulysses2"])
-def test_two_model_parallel_replicas_on_two_nodes_give_the_one_process_bytes(tmp_path, cluster, one_process,
-                                                                              strategy):
+@pytest.mark.parametrize("strategy,ranks", [
+    (("strategy=tp", "tp_degree=2"), 2), (("strategy=cp_ulysses", "ulysses_degree=2"), 2),
+    (("strategy=cp_ring", "ring_degree=2", "cfg_degree=2"), 4), (("strategy=auto",), 1),
+    (("strategy=tp", "launcher.ranks_per_replica=3"), 3)], ids=["tp2", "ulysses2", "ring2xcfg2", "auto", "set"])
+def test_a_replica_asks_ray_for_one_actor_per_rank_its_strategy_makes(strategy, ranks):
+    """The actors of a replica (its placement group's bundles): the product of the strategy's degrees, whatever the
+    strategy; the end-to-end run below takes tp as the model-parallel case (the launcher does nothing else per
+    strategy: the ranks' groups are the strategy's own, tested under gloo in tests/test_parallel_parity.py)."""
+    from shardgen.launch.ray_cluster import ranks_per_replica
+
+    assert ranks_per_replica(compose_cfg("launcher=ray", *strategy)) == ranks
+
+
+def test_two_model_parallel_replicas_on_two_nodes_give_the_one_process_bytes(tmp_path, cluster, one_process):
     d = tmp_path / "run"
-    p = _job(*_args(d, "prompts.limit=10"), *strategy, "launcher=ray", f"launcher.address={cluster}",
+    p = _job(*_args(d, "prompts.limit=10"), "strategy=tp", "tp_degree=2", "launcher=ray", f"launcher.address={cluster}",
              "launcher.replicas=2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 Ray replica(s) of 2 rank(s)" in p.stdout
-    assert re.search(r"10 images, 0 failed, 0 rejected of 10 samples; generated 10 this launch on 2 Ray replica", p.stdout)
+    assert re.search(r"10 images, 0 failed, 0 rejected of 10 samples; generated 10 this launch on 2 Ray replica",
+                     p.stdout)
     images = shard_images(d)
     assert images == one_process  # byte for byte, every key once
     logs = sorted(x.name for x in RunDir(d).ray_logs_dir.glob("*.log"))
