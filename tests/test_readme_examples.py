@@ -207,6 +207,13 @@ def assert_shown(cmd: Command, out: str | tuple[str, ...], where: Path) -> None:
             pos[i] = at + len(frag)
 
 
+def _shell_operators(text: str) -> bool:
+    """Whether the command line has a pipe, redirection or list operator outside its quotes."""
+    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lex.whitespace_split, lex.commenters = True, ""
+    return any(set(token) <= set("|&;<>()") for token in lex)
+
+
 class Example:
     """Runs one section's commands and snippets in its own directory."""
 
@@ -226,6 +233,8 @@ class Example:
             text += "".join(f" {x}" for x in NO_OUTPUT_EXTRA if x.split("=")[0] + "=" not in text)
         if self.capfd and argv[:3] == ["python", "-m", "jobs.generate"] and not re.search(r"[|;&<>]", text):
             return self.generate(shlex.split(text, comments=True)[3:])
+        if self.capfd and argv[:2] == ["python", "-c"] and len(argv) == 3 and not _shell_operators(text):
+            return self.python_c(argv[2])
         p = subprocess.run(["bash", "-c", text], cwd=self.where, env=self.env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=600)
         return p.returncode, p.stdout
@@ -246,6 +255,22 @@ class Example:
             m.setenv("HYDRA_MAIN_MODULE", "__main__")  # conf/ found next to jobs/generate.py, as when run with -m
             try:
                 generate.entry(args)
+                rc = 0
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+        got = self.capfd.readouterr()
+        return rc, (got.out, got.err)
+
+    def python_c(self, code: str) -> tuple[int, tuple[str, str]]:
+        """``python -c CODE`` in this process, in the example's directory (a new interpreter costs seconds of
+        imports: the README's ``python -c`` lines import the library)."""
+        self.capfd.readouterr()
+        with self.monkeypatch.context() as m:
+            for k, v in self.env.items():
+                if os.environ.get(k) != v:
+                    m.setenv(k, v)
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
                 rc = 0
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 1
