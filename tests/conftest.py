@@ -113,8 +113,9 @@ def pytest_xdist_make_scheduler(config, log):
 # what a rank started by start_ranks imports anyway: what a launcher=local rank imports (the product's forkserver
 # list) and the tiny models' pipelines (about 15 s of CPU per process on a CI core). A launcher=local run in a pytest
 # worker forks its ranks from this same forkserver (one per process), whichever of the two starts it
-RANK_PRELOAD = [*RANK_IMPORTS, "diffusers.pipelines.flux.pipeline_flux", "diffusers.pipelines.flux.pipeline_flux_img2img",
-                "diffusers.pipelines.flux.pipeline_flux_kontext", "diffusers.pipelines.wan.pipeline_wan"]
+RANK_PRELOAD = [*RANK_IMPORTS, "diffusers.pipelines.flux.pipeline_flux",
+                "diffusers.pipelines.flux.pipeline_flux_img2img", "diffusers.pipelines.flux.pipeline_flux_kontext",
+                "diffusers.pipelines.wan.pipeline_wan"]
 
 
 def _start_from_forkserver(start_processes, fn, args=(), nprocs=1, join=True, daemon=False, start_method=None):

@@ -53,7 +53,8 @@ NEEDS = [
     (r"^python -m pytest", "the test suite itself"),
     (r"^torchrun|slurm_cluster\.sh| torchrun ", "needs torchrun over several GPUs or nodes"),
     (r"launcher=slurm", "needs a SLURM cluster"),
-    (r"launcher=ray", "needs a Ray cluster with room for the replicas: tests/test_ray.py runs launcher=ray on a two-node one"),
+    (r"launcher=ray", "needs a Ray cluster with room for the replicas: tests/test_ray.py runs launcher=ray on a "
+                      "two-node one"),
     (r"^(?!.*dry_run=true).*\bmodel=(?!tiny)", "needs a GPU and a large model's weights"),
     (r"^python benchmarks/", "a GPU benchmark (H200 figures)"),
     (r"node_exporter", "needs node_exporter"),
