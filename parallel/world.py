@@ -111,24 +111,58 @@ def _one_then_share(fn: Callable[[], Any], src: int, group: Any) -> Any:
         except Exception as e:  # shared, then raised everywhere (the source re-raises the original)
             if not dist.is_initialized():
                 raise
-            result = ("error", e)
+            result = ("error", _shareable(e))
+            error = e
     shared = broadcast_object(result, src, group)
     if shared[0] == "error":
         if dist.get_rank() == src:
-            raise shared[1]
-        err = shared[1]
-        try:
-            pickle.dumps(err)
-        except Exception:
-            err = RemoteError(str(err))
-        err.echo_of_rank0 = True  # the source says it; the launcher (torchrun) need not print it once per rank
-        raise err
+            raise error
+        _raise_echo(shared[1])
     return shared[1]
 
 
+def on_every_rank_then_gather(fn: Callable[[], Any]) -> list[Any]:
+    """``fn``'s result on every rank of the world, gathered on every rank (a list in global rank order): work the
+    ranks split, whose results they all need. Where ``fn`` raised on any rank, every rank raises (the first such
+    rank's error; that rank its own), so that none goes on alone or waits in a later collective for one that
+    stopped."""
+    try:
+        mine = ("ok", fn())
+    except Exception as e:
+        if not dist.is_initialized():
+            raise
+        mine, error = ("error", _shareable(e)), e
+    if not dist.is_initialized():
+        return [mine[1]]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for src, (status, value) in enumerate(everyone):
+        if status == "error":
+            if src == dist.get_rank():
+                raise error
+            _raise_echo(value)
+    return [value for _, value in everyone]
+
+
+def _shareable(e: Exception) -> Exception:
+    """``e``, or where it cannot be pickled to another rank, a RemoteError with its message."""
+    try:
+        pickle.dumps(e)
+    except Exception:
+        return RemoteError(str(e))
+    return e
+
+
+def _raise_echo(err: Exception) -> None:
+    """Raise another rank's error here, marked as its echo: the rank it came from says it, and the launcher
+    (torchrun) need not print it once per rank."""
+    err.echo_of_rank0 = True
+    raise err
+
+
 def echo_of_rank0(e: BaseException) -> bool:
-    """True for an error this rank raised because rank 0 or its replica's leader did (``on_rank0_then_share``,
-    ``on_leader_then_share``): that rank reports it."""
+    """True for an error this rank raised because rank 0, its replica's leader or another rank did
+    (``on_rank0_then_share``, ``on_leader_then_share``, ``on_every_rank_then_gather``): that rank reports it."""
     return getattr(e, "echo_of_rank0", False) is True
 
 

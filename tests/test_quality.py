@@ -204,6 +204,64 @@ def test_a_relaunch_takes_the_earlier_launch_s_passed_calibration_instead_of_mak
     assert all("made_for" not in m["provenance"]["calibration"] for m in _provenance(tmp_path / "r"))  # no paths
 
 
+def _gated_rank(rank: int, cfg_yaml: str, port: int, out: str, damaged: bool) -> None:
+    """A rank of a two-replica dp job (gloo): the rows its calibration made, and those its run made, go to
+    OUT/rank{rank}.json."""
+    from omegaconf import OmegaConf
+
+    from shardgen.run import generation, shardrun
+    from shardgen.run.runner import run_rank
+    from tests.conftest import rank_environment
+
+    def counting(real, rows_made):
+        return lambda pipe, s, rows, *a: rows_made.extend(r.index for r in rows) or real(pipe, s, rows, *a)
+
+    rank_environment(rank, port)
+    mp, calibrated, made = pytest.MonkeyPatch(), [], []
+    mp.setattr(shardrun, "generate_batch", counting(shardrun.generate_batch, made))
+    mp.setattr(generation, "generate_batch", counting(generation.generate_batch, calibrated))
+    if damaged:
+        _corrupt_one_layer(mp)
+    try:
+        run_rank(OmegaConf.create(cfg_yaml))
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps([calibrated, made]))
+
+
+@pytest.mark.slow
+def test_the_replicas_of_a_job_split_the_calibration_and_judge_all_of_its_rows_alike(runs, cut_gated_run, tmp_path):
+    """Two dp replicas: each makes every other row of the four both ways (2 + 2 samples, not 4 + 4), and the record
+    holds the figures of all four rows, those a one-process launch measured; a damaged setting stops both replicas
+    with the gate's line."""
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+    from tests.conftest import start_ranks
+
+    def launch(run_dir, damaged):
+        cfg = compose_cfg(f"run_dir={run_dir}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH)
+        start_ranks(_gated_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path), damaged), nprocs=2)
+        return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    (calibrated0, made0), (calibrated1, made1) = launch(tmp_path / "r", damaged=False)
+    assert (calibrated0, calibrated1) == ([0, 2, 0, 2], [1, 3, 1, 3])  # lossless, then lossy: its share of the rows
+    assert sorted(made0 + made1) == [0, 1, 2, 3, 4, 5]  # the run: every row once (no share is a batch of the run)
+    record = json.loads((tmp_path / "r" / "calibration.json").read_text())
+    alone = json.loads((cut_gated_run / "calibration.json").read_text())  # the same rows, one process
+    assert record["passed"] and record["per_sample"] == alone["per_sample"] and len(record["per_sample"]) == 4
+    assert (record["psnr_db"], record["ssim"]) == (alone["psnr_db"], alone["ssim"])
+
+    with pytest.raises(mp.ProcessRaisedException) as stopped:
+        launch(tmp_path / "damaged", damaged=True)
+    assert "calibration of {'fp8': True} over 4 samples against lossless" in str(stopped.value)
+    assert "Nothing was made" in str(stopped.value)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[[0, 2, 0, 2], []],
+                                                                                        [[1, 3, 1, 3], []]]
+    assert not json.loads((tmp_path / "damaged" / "calibration.json").read_text())["passed"]
+    assert not list((tmp_path / "damaged" / "shards").glob("*.tar"))
+
+
 def test_a_change_to_shardgen_s_own_code_is_a_change_of_what_made_the_samples(tmp_path, monkeypatch):
     import shutil
 
@@ -231,8 +289,8 @@ def test_a_dry_run_says_whether_the_launch_calibrates_or_takes_the_earlier_verdi
         args = (f"run_dir={run_dir}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH, *extra, "dry_run=true")
         return [line for line in describe(dry_run(compose_cfg(*args))).splitlines() if line.startswith("  quality")]
 
-    make = ("4 samples made losslessly and with {'fp8': True} before the run, per replica; bounds PSNR >= 40 dB; "
-            "below one: stop")
+    make = ("4 samples made losslessly and with {'fp8': True} before the run (the replicas of one job split them); "
+            "bounds PSNR >= 40 dB; below one: stop")
     assert quality(tmp_path / "new") == [f"  quality   {make}"]
     worst = json.loads((cut_gated_run / "calibration.json").read_text())["psnr_db"]["worst"]
     assert quality(cut_gated_run) == [f"  quality   the earlier launch's calibration passed (PSNR worst {worst:.2f} dB "

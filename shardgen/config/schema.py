@@ -447,9 +447,10 @@ class QualityConfig:
     calibrate_samples: int = 0
     """With a lossy setting on: the run's first N prompts are also made losslessly before the run starts, and
     the lossy samples compared with them (PSNR, SSIM); the figures go into every sample's provenance and
-    RUN_DIR/calibration.json. 0 = no calibration. Costs 2N samples per replica on the run's first launch, N on the
-    one-GPU replica that takes the first shard (it commits the lossy ones); a later launch (a requeue, a resume) on
-    the same GPU model and package versions takes the passed verdict from calibration.json instead."""
+    RUN_DIR/calibration.json. 0 = no calibration. Costs 2N samples on the run's first launch, split among the
+    job's replicas (each of k makes every k-th row both ways; a one-GPU job's replica then commits its lossy ones
+    instead of making them again); a later launch (a requeue, a resume) on the same GPU model and package versions
+    takes the passed verdict from calibration.json instead."""
     calibrate_min_psnr: float = 0.0
     """The worst calibration sample's PSNR (dB) must reach this; 0 = no bound."""
     calibrate_min_ssim: float = 0.0

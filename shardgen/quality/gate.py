@@ -7,8 +7,10 @@ The lossless samples come first, while the weights are still the lossless ones: 
 place, so the lossy pass needs no second copy of the model. Every rank of a replica runs the same rows in the same
 order (model-parallel ranks compute together) and reaches the same verdict from the same pixels. The lossless
 samples are not committed; the lossy ones are the run's own when it goes on with their settings, and a one-rank
-replica whose first batches are those rows commits them instead of making them again (2N samples of extra work per
-replica, N on the replica that takes them). A later launch of the run (a requeue, a resume) for which the passed
+replica whose first batches are those rows commits them instead of making them again (2N samples of extra work,
+N on the replica that takes them). The replicas of one job (one torch.distributed world) split the rows, each
+making every k-th row both ways, and judge the figures of all of them alike: a job's first launch costs each of its
+k replicas 2N/k samples, not 2N. A later launch of the run (a requeue, a resume) for which the passed
 verdict still holds (``made_for``: the same settings, rows, strategy, bounds, GPU model and code) takes it from
 calibration.json instead of calibrating again.
 """
@@ -21,7 +23,7 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardgen.errors import UserError
 from shardgen.pick import pick
@@ -267,8 +269,8 @@ def preview(cfg: Any, run: Any, settings: Any) -> str | None:
               f"SSIM >= {bounds.calibrate_min_ssim:g}" if bounds.calibrate_min_ssim else "",
               f"LPIPS <= {bounds.calibrate_max_lpips:g}" if bounds.calibrate_max_lpips else ""]
     limits = ", ".join(filter(None, limits)) or "none (the figures are recorded)"
-    make = (f"{bounds.calibrate_samples} samples made losslessly and with {lossy} before the run, per replica; "
-            f"bounds {limits}; below one: {bounds.calibrate_fallback}")
+    make = (f"{bounds.calibrate_samples} samples made losslessly and with {lossy} before the run (the replicas of "
+            f"one job split them); bounds {limits}; below one: {bounds.calibrate_fallback}")
     record, _, _ = _passed_record(run, lossy)
     if record is None:
         return make
@@ -283,7 +285,8 @@ def calibrates(cfg: Any, settings: Any) -> bool:
 
 
 def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, first_batch: Any = None,
-              earlier: dict | None = None, now: dict | None = None) -> tuple[Any, dict | None, Any]:
+              earlier: dict | None = None, now: dict | None = None, share: tuple[int, int] = (0, 1),
+              gather: Callable[[Callable[[], Any]], list] | None = None) -> tuple[Any, dict | None, Any]:
     """(the settings the run goes on with, the calibration record or None when none was asked or nothing is
     lossy, the lossy samples as ``MadeAhead`` when the run goes on with them, else None). CalibrationFailed when a
     bound is missed and the fallback is ``stop``. ``first_batch``: the settings the
@@ -292,7 +295,10 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, fir
     compiling the lossless blocks (about a minute for FLUX.1-dev on an H100) costs more than a few samples win
     back. ``earlier``: an earlier launch's passed record that holds for this one (``earlier_verdict``), which the
     run goes on with, nothing made. ``now``: this launch's ``made_for``, which a new record keeps (None: worked out
-    here)."""
+    here). ``share``: (this replica's index, the replicas) among those that split the rows, each making every
+    that-many-th row both ways, and ``gather`` the collective that runs a function on every rank and hands each
+    the list of the results (``parallel.world.on_every_rank_then_gather``): every replica then judges all the
+    rows' figures alike."""
     from shardgen.run.shardrun import MadeAhead
     from shardgen.speed import accel as A
 
@@ -306,43 +312,53 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, fir
                  _db(earlier["psnr_db"]["worst"]), _num(earlier["ssim"]["worst"]), earlier["made_for"]["device"])
         return settings, earlier, None
     rows = first_rows(plan, bounds.calibrate_samples)
+    mine = rows[share[0]::share[1]]
     exact = dataclasses.replace(settings, accel=lossless(settings.accel))
     transformer = getattr(pipe, "transformer", None)
     if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
         A.make_reversible(transformer)  # to switch back if the gate says so
-    log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
-    # neither pass resumes from, nor leaves, mid-sample latent checkpoints: they are named by rows alone, so one of
-    # a pass stopped half-way would feed the other pass's samples
-    reference = _pixels(_batches(pipe, dataclasses.replace(_eager(exact), latents=None), rows, ranks))
+    if share[1] > 1:
+        log.info("calibration: %d of its %d samples here (the rest on the other %d replicas), lossless, then with %s",
+                 len(mine), len(rows), share[1] - 1, lossy)
+    else:
+        log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
     lossy_settings = dataclasses.replace(settings if first_batch is None else first_batch, latents=None)
-    lossy_batches = _batches(pipe, lossy_settings, rows, ranks)
-    made = _pixels(lossy_batches)
-    common = sorted(set(reference) & set(made))
-    per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])} for i in common}
+    made_here: list = []
+
+    def measure() -> dict:
+        figures, batches = _measure(pipe, exact, lossy_settings, mine, ranks, load_gate_lpips(bounds))
+        made_here.extend(batches)
+        return figures
+
+    shares = gather(measure) if gather is not None else [measure()]
+    per_sample = {k: v for one in shares for k, v in one["per_sample"].items()}
+    failed = sorted({i for one in shares for i in one["failed"]})
+    made_losslessly = len({i for one in shares for i in one["lossless"]})  # a model-parallel replica's ranks: alike
     figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),
                "ssim": summarize([s["ssim"] for s in per_sample.values()])}
-    if (model := load_gate_lpips(bounds)) is not None:
-        for i in common:
-            per_sample[str(i)]["lpips"] = model(made[i], reference[i])
+    if any("lpips" in s for s in per_sample.values()):
         figures["lpips"] = summarize([s["lpips"] for s in per_sample.values()], worst=max)
     missed = verdict(figures, bounds)
     # a sample the lossless pass made and the lossy one failed (non-finite pixels) is the worst miss there is
-    if failed := sorted(set(reference) - set(made)):
-        missed.insert(0, f"{len(failed)} of the {len(reference)} samples made losslessly failed with {lossy}")
+    if failed:
+        missed.insert(0, f"{len(failed)} of the {made_losslessly} samples made losslessly failed with {lossy}")
     record = dict(figures, lossy=lossy, samples=len(rows), per_sample=per_sample,
                   made_for=now if now is not None else made_for(plan, pipe, settings, ranks, bounds),
                   **({"failed_lossy": [str(i) for i in failed]} if failed else {}),
                   bounds={"min_psnr": bounds.calibrate_min_psnr, "min_ssim": bounds.calibrate_min_ssim,
                           **({"max_lpips": bounds.calibrate_max_lpips} if bounds.lpips else {})},
                   passed=not missed, action="continue" if not missed else bounds.calibrate_fallback)
-    line = (f"calibration of {lossy} over {len(common)} samples against lossless: PSNR median "
+    line = (f"calibration of {lossy} over {len(per_sample)} samples against lossless: PSNR median "
             f"{_db(figures['psnr_db']['median'])} dB, worst {_db(figures['psnr_db']['worst'])} dB; SSIM median "
             f"{_num(figures['ssim']['median'])}, worst {_num(figures['ssim']['worst'])}")
     if "lpips" in figures:
         line += f"; LPIPS median {figures['lpips']['median']:.3g}, worst {figures['lpips']['worst']:.3g}"
     if not missed:
         log.info("%s: passed", line)
-        return settings, record, MadeAhead(lossy_settings, {key: (smps, secs) for key, smps, secs in lossy_batches})
+        # a replica's share of the rows is not a batch the run makes (every share-th row): made again there
+        if share[1] > 1:
+            return settings, record, None
+        return settings, record, MadeAhead(lossy_settings, {key: (smps, secs) for key, smps, secs in made_here})
     if bounds.calibrate_fallback == "stop":
         err = CalibrationFailed(f"{line}: {'; '.join(missed)}. Nothing was made. Turn the lossy setting off "
                                 f"({', '.join(CONFIG_KEYS.get(k, k) for k in lossy)}), lower the bound, or set "
@@ -352,6 +368,25 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, fir
     log.warning("%s: %s; the run goes on lossless", line, "; ".join(missed))
     A.prepare(pipe, exact.accel)  # fp8 switched back to the bf16 layers kept on the CPU
     return exact, record, None
+
+
+def _measure(pipe: Any, exact: Any, lossy_settings: Any, rows: list, ranks: int,
+             lpips: Any) -> tuple[dict, list]:
+    """``rows`` made losslessly (eager), then with ``lossy_settings``, and compared: ({"per_sample": row -> its
+    figures, "failed": the rows made losslessly whose lossy sample failed, "lossless": the rows made losslessly},
+    the lossy batches as ``_batches`` gives them)."""
+    # neither pass resumes from, nor leaves, mid-sample latent checkpoints: they are named by rows alone, so one of
+    # a pass stopped half-way would feed the other pass's samples
+    reference = _pixels(_batches(pipe, dataclasses.replace(_eager(exact), latents=None), rows, ranks))
+    lossy_batches = _batches(pipe, lossy_settings, rows, ranks)
+    made = _pixels(lossy_batches)
+    per_sample = {str(i): {"psnr": psnr(made[i], reference[i]), "ssim": ssim(made[i], reference[i])}
+                  for i in sorted(set(reference) & set(made))}
+    if lpips is not None:
+        for i, figures in per_sample.items():
+            figures["lpips"] = lpips(made[int(i)], reference[int(i)])
+    return ({"per_sample": per_sample, "failed": sorted(set(reference) - set(made)), "lossless": sorted(reference)},
+            lossy_batches)
 
 
 def _db(x: float | None) -> str:

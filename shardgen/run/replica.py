@@ -40,6 +40,8 @@ class ReplicaContext:
     leader_rank: int = 0      # global rank of the leader
     group: Any = None         # the replica's process group (None: a one-rank replica)
     ranks: int = 1            # ranks in this replica (tp/cp degree)
+    peer: int = 0             # this replica's index among its world's (they share collectives: split work)
+    peers: int = 1            # replicas in this process's world (launcher=ray starts several worlds side by side)
 
 
 def expected_here(plan: Plan, shards_left: int, replicas: int) -> int:

@@ -357,7 +357,7 @@ def _replica_context(world: W.World, dims: ParallelDims) -> ReplicaContext:
     slot, slots = replica_slot()
     return ReplicaContext(index=slot * dims.dp + dims.replica_of(rank), count=slots * dims.dp,
                           leader=dims.is_leader(rank), leader_rank=dims.leader_of(rank), group=dims.replica_group(),
-                          ranks=dims.replica_size)
+                          ranks=dims.replica_size, peer=dims.replica_of(rank), peers=dims.dp)
 
 
 def _without_auto_compile_where_nothing_compiles(settings: GenSettings, pipe) -> GenSettings:
@@ -425,7 +425,7 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
     with ``first``, the first batch's settings: the settings the run goes on with, the figures, which replica 0's
     leader writes to RUN_DIR/calibration.json (also when the gate stops the job), and the lossy samples the run may
     take as its own (a one-rank replica's: the ranks of a model-parallel one would all have to take the same batch
-    the same way)."""
+    the same way). The replicas of one world split the calibration's rows."""
     if not calibrates(cfg, settings):
         return settings, None, None
     path = plan.run.calibration_path
@@ -434,15 +434,19 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
         raise RunDirError(f"{path} is a directory, and the quality gate (calibrate_samples) writes its record there: "
                           "move it away, then launch again")
 
-    def on_leader() -> tuple[dict, dict | None]:  # this launch's made_for, and the earlier verdict it finds
+    def read_earlier() -> tuple[dict, dict | None]:  # this launch's made_for, and the earlier verdict it finds
         now = made_for(plan, pipe, settings, ctx.ranks, pick(Bounds, cfg))
         return now, earlier_verdict(plan, settings, now)
 
-    # the leader reads the run's files for all its ranks: two reads around another job's write would part them
-    now, earlier = W.on_leader_then_share(on_leader, ctx.leader_rank, ctx.group)
+    # one rank reads the run's files for the others: two reads around another job's write would part them. The
+    # replica's leader for its ranks; rank 0 for the whole world where several replicas split the rows (each makes
+    # every peers-th row both ways), so that all of them calibrate or none does
+    now, earlier = (W.on_rank0_then_share(read_earlier) if ctx.peers > 1
+                    else W.on_leader_then_share(read_earlier, ctx.leader_rank, ctx.group))
+    split = dict(share=(ctx.peer, ctx.peers), gather=W.on_every_rank_then_gather) if ctx.peers > 1 else {}
     try:
         settings, record, made_ahead = calibrate(cfg, plan, pipe, settings, ctx.ranks, first_batch=first,
-                                                 earlier=earlier, now=now)
+                                                 earlier=earlier, now=now, **split)
     except CalibrationFailed as e:
         failed = e.record
         _on_leader(ctx, lambda: _write_calibration(plan, ctx, failed))
