@@ -262,6 +262,46 @@ def test_the_replicas_of_a_job_split_the_calibration_and_judge_all_of_its_rows_a
     assert not list((tmp_path / "damaged" / "shards").glob("*.tar"))
 
 
+def _failing_share_rank(rank: int, cfg_yaml: str, port: int, out: str) -> None:
+    """A rank of a two-replica dp job whose calibration share fails on rank 1 alone; writes what the rank raised."""
+    from omegaconf import OmegaConf
+
+    from parallel.world import echo_of_rank0
+    from shardgen.quality import gate
+    from shardgen.run.runner import run_rank
+    from tests.conftest import rank_environment
+
+    def lost(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rank_environment(rank, port)
+    if rank == 1:
+        pytest.MonkeyPatch().setattr(gate, "_measure", lost)
+    try:
+        run_rank(OmegaConf.create(cfg_yaml))
+        said = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - what the rank stops with is the finding
+        said = {"raised": type(e).__name__, "message": str(e), "echo": echo_of_rank0(e)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(said))
+
+
+def test_a_calibration_share_failing_on_one_replica_stops_every_replica_with_its_error(runs, tmp_path):
+    """The other replica does not go on alone with half the figures, nor wait for them: it stops with the same
+    error (printed once: the failing rank says it), and nothing is made."""
+    from omegaconf import OmegaConf
+
+    from shardgen.launch.local import free_port
+    from tests.conftest import start_ranks
+
+    cfg = compose_cfg(f"run_dir={tmp_path / 'r'}", f"prompts.path={runs / 'p.txt'}", *ARGS, *RELAUNCH)
+    start_ranks(_failing_share_rank, (OmegaConf.to_yaml(cfg), free_port(), str(tmp_path)), nprocs=2)
+    other, failing = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert failing == {"raised": "RuntimeError", "message": "CUDA error: an illegal memory access was encountered",
+                       "echo": False}
+    assert other == dict(failing, echo=True)
+    assert not (tmp_path / "r" / "calibration.json").exists() and not list((tmp_path / "r" / "shards").glob("*.tar"))
+
+
 def test_a_change_to_shardgen_s_own_code_is_a_change_of_what_made_the_samples(tmp_path, monkeypatch):
     import shutil
 
