@@ -18,7 +18,7 @@ EXPECTED = {
     "ModelLoadError": "user", "LocalRankError": "user", "SlurmConfigError": "user", "SlurmSubmitError": "user", "BrokenSetupError": "user",
     "RemoteError": "user", "AccelError": "user", "LpipsWeightsError": "user", "CompatError": "user", "ReplicaBatchError": "job",
     "PinnedKernelUnavailable": "user",
-    "AttentionChoiceChanged": "user",
+    "AttentionChoiceChanged": "user", "MissingPin": "user",
     "CfgParallelError": "user", "PlanError": "user", "SignalConfigError": "user", "VideoConfigError": "user",
     "RunDirError": "user", "NotRegularFileError": "user", "DiskFullError": "user", "StorageError": "user", "ForeignPrefixError": "user", "PromptFileChanging": "user", "MemoryCheckError": "user", "BadSetting": "user",
     "LoraError": "user", "BadRow": "user",

@@ -39,6 +39,10 @@ class AttentionChoiceChanged(UserError, RuntimeError):
     """Another launch chose the run's attention again while this one loaded its model."""
 
 
+class MissingPin(RunDirError):
+    """The run holds samples and no attention.json: which attention made them is not known."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What ``auto_8bit`` runs for a run: ``sdpa_backend`` (an 8-bit kernel's name, or ``auto``), why, and the GPU
@@ -92,21 +96,33 @@ def read_pin(run: RunDir) -> Choice | None:
     return Choice(state["sdpa_backend"], *(str(state.get(k, "")) for k in ("why", "gpu", "host")))
 
 
-def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None = None,
-        allow_change: bool = False) -> Choice:
-    """The run's choice: the pinned one, or this rank's, pinned now (exclusively: of two launches pinning at once,
-    both take the first's). While the run holds no sample, this rank's choice replaces a different pinned one.
-    A run holding samples without a pin is refused (which attention made them is not known), unless
-    ``allow_change`` (``allow_fingerprint_change``: the user lets this launch's settings take the run over)."""
+def decision(run: RunDir, pipeline: str, device: Any, attention_backend: str | None = None,
+             allow_change: bool = False) -> tuple[Choice | None, Choice]:
+    """(the run's pinned choice or None, the choice this launch takes) as the run's files say now, reading only:
+    the pinned one once the run holds a sample, else this rank's (``choose``). MissingPin for a run holding samples
+    without a pin, unless ``allow_change`` (``allow_fingerprint_change``: the user lets this launch's settings take
+    the run over). ``pin`` writes what it decides; ``dry_run=true`` says it."""
     from shardgen.dataio.resume import holds_no_samples
 
     pinned = read_pin(run)
     if pinned is not None and not holds_no_samples(run):
+        return pinned, pinned
+    if pinned is None and not allow_change and not holds_no_samples(run):
+        raise missing_pin(run)
+    return pinned, choose(pipeline, device, attention_backend)
+
+
+def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None = None,
+        allow_change: bool = False) -> Choice:
+    """The run's choice (``decision``), pinned now where it is this rank's (exclusively: of two launches pinning at
+    once, both take the first's). While the run holds no sample, this rank's choice replaces a different pinned
+    one."""
+    from shardgen.dataio.resume import holds_no_samples
+
+    pinned, mine = decision(run, pipeline, device, attention_backend, allow_change)
+    if mine is pinned:
         return pinned
-    mine = choose(pipeline, device, attention_backend)
     if pinned is None:
-        if not allow_change and not holds_no_samples(run):
-            raise missing_pin(run)
         if run.files.create(run.attention_path, mine.record()):
             return mine
         return read_pin(run) or mine
@@ -122,9 +138,9 @@ def pin(run: RunDir, pipeline: str, device: Any, attention_backend: str | None =
     return pinned
 
 
-def missing_pin(run: RunDir) -> RunDirError:
+def missing_pin(run: RunDir) -> MissingPin:
     """The error of a run that holds samples and no pin."""
-    return RunDirError(
+    return MissingPin(
         f"{run.files.where(run.attention_path)} is missing, and {run.name} holds samples: which attention made them "
         "is not known (each sample's json names it under lossy.sdpa). Restore the file, launch with "
         "allow_fingerprint_change=true to pin this launch's choice for the samples still to make, or start a new "

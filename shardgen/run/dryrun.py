@@ -91,17 +91,17 @@ def attention_resolved(cfg: GenerateConfig, run: RunDir, device: Any, attention_
 
     if cfg.sdpa_backend != auto_8bit.AUTO_8BIT:
         return cfg, None
-    pinned, empty = auto_8bit.read_pin(run), holds_no_samples(run)
-    if pinned is None or empty:  # the launch chooses again while the run holds no sample
-        choice = auto_8bit.choose(cfg.model.pipeline, device, attention_backend)
-        missing = pinned is None and not cfg.allow_fingerprint_change and not empty
-        return auto_8bit.with_choice(cfg, choice), str(auto_8bit.missing_pin(run)) if missing else None
     try:
-        if judge_device:
+        pinned, choice = auto_8bit.decision(run, cfg.model.pipeline, device, attention_backend,
+                                            cfg.allow_fingerprint_change)
+    except auto_8bit.MissingPin as e:  # refused, and this device's choice is what it would have taken
+        return auto_8bit.with_choice(cfg, auto_8bit.choose(cfg.model.pipeline, device, attention_backend)), str(e)
+    try:
+        if judge_device and choice is pinned:
             auto_8bit.check_runs_here(run, pinned, device)
     except auto_8bit.PinnedKernelUnavailable as e:
-        return auto_8bit.with_choice(cfg, pinned), str(e)
-    return auto_8bit.with_choice(cfg, pinned), None
+        return auto_8bit.with_choice(cfg, choice), str(e)
+    return auto_8bit.with_choice(cfg, choice), None
 
 
 def dry_run(cfg: GenerateConfig) -> DryRun:
