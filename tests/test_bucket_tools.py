@@ -110,6 +110,30 @@ def test_compare_and_calibration_of_bucket_runs_name_them_by_url_and_any_machine
     assert not (tmp_path / "s3:").exists()
 
 
+def test_a_verdict_taken_from_this_machine_s_copy_is_put_back_in_the_bucket(url, s3, monkeypatch):
+    """The bucket's calibration.json lost (its upload cut short): a relaunch on the machine that keeps its own copy
+    takes the verdict from it, calibrates nothing, and puts it back in the bucket for any machine's report."""
+    from shardgen.run import generation
+    from shardgen.run.runner import run_rank
+
+    def stop(event, worker):
+        if event == "start":
+            raise KeyboardInterrupt
+
+    gated = (f"run_dir={url}", *FAST, "prompts.limit=6", "fp8=true", "calibrate_samples=2")
+    with pytest.raises(KeyboardInterrupt):  # stopped as its second shard starts: the calibration passed
+        run_rank(compose_cfg(*gated), on_batch=stop)
+    fs, local = s3.fs(), RunDir.at(url).calibration_path
+    record = fs.cat_file(_key(url, "calibration.json"))
+    fs.rm(_key(url, "calibration.json"))
+    assert local.read_bytes() == record
+    calibrated, real = [], generation.generate_batch
+    monkeypatch.setattr(generation, "generate_batch", lambda pipe, s, rows, *a: calibrated.extend(rows)
+                        or real(pipe, s, rows, *a))
+    assert run(compose_cfg(*gated)).complete
+    assert calibrated == [] and fs.cat_file(_key(url, "calibration.json")) == record
+
+
 def _earlier_verdict(url: str) -> dict | None:
     """The calibration a relaunch of the bucket run ``url`` (fp8, calibrate_samples=2) on this machine would take."""
     from types import SimpleNamespace

@@ -453,6 +453,8 @@ def _calibrated(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, sett
         raise
     if earlier is None:
         _on_leader(ctx, lambda: _write_calibration(plan, ctx, record))
+    else:
+        _on_leader(ctx, lambda: _put_back_in_the_bucket(plan, ctx, earlier))
     return settings, record, made_ahead if ctx.ranks == 1 else None
 
 
@@ -464,6 +466,14 @@ def _write_calibration(plan: Plan, ctx: ReplicaContext, record: dict | None) -> 
         atomic_write_bytes(plan.run.calibration_path, data)
         if plan.run.store:
             plan.run.files.replace(plan.run.calibration_path, data)
+
+
+def _put_back_in_the_bucket(plan: Plan, ctx: ReplicaContext, record: dict) -> None:
+    """A bucket run's earlier verdict, which this machine may have read from its own copy of calibration.json (the
+    bucket's lost, or its upload cut short), created in the bucket where it is missing: jobs.report on any machine
+    reads it there. A create: the bucket's copy, where there is one, is left as it is."""
+    if plan.run.store and ctx.leader and ctx.index == 0:
+        plan.run.files.create(plan.run.calibration_path, record_bytes(record))
 
 
 def _leader_parts(cfg: GenerateConfig, plan: Plan, pipe, ctx: ReplicaContext, settings: GenSettings,
