@@ -170,12 +170,12 @@ def start_process(fn, args: tuple):
     return p
 
 
-def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hooks: list[str],
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, err: str, hooks: list[str],
                 new_session: bool) -> None:
     """In a process start_module started: ``python -m MODULE ARGS`` as a new interpreter would run it, with ``env``
-    as its whole environment, its stdout and stderr appended to ``log``, each folder of ``hooks`` put first on its
-    path and its ``sitecustomize.py`` run first (as ``site`` runs it in a new interpreter), and the atexit
-    handlers run at the end (multiprocessing leaves through os._exit, which skips them)."""
+    as its whole environment, its stdout appended to ``log`` and its stderr to ``err``, each folder of ``hooks``
+    put first on its path and its ``sitecustomize.py`` run first (as ``site`` runs it in a new interpreter), and
+    the atexit handlers run at the end (multiprocessing leaves through os._exit, which skips them)."""
     import atexit
     import runpy
     import sys
@@ -185,9 +185,8 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, hoo
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    for fd, path in ((1, log), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     for hook in reversed(hooks):
         sys.path.insert(0, hook)
         runpy.run_path(str(Path(hook) / "sitecustomize.py"), run_name="sitecustomize")
@@ -203,8 +202,8 @@ class Forked:
     ``send_signal``, ``returncode`` (minus the signal's number when a signal ended it), and ``output``, what it
     printed."""
 
-    def __init__(self, process, log: Path, args: list[str]):
-        self.process, self.log, self.args = process, log, args
+    def __init__(self, process, log: Path, err: Path, args: list[str]):
+        self.process, self.log, self.err, self.args = process, log, err, args
 
     @property
     def pid(self) -> int:
@@ -233,12 +232,19 @@ class Forked:
 
     @property
     def output(self) -> str:
+        """What it printed (stdout and stderr, where they go to one log; else stdout)."""
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    @property
+    def errors(self) -> str:
+        """What it printed on stderr."""
+        return self.err.read_text(errors="replace") if self.err.exists() else ""
 
 
 def start_module(module: str, args: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT,
-                 hooks: list[Path] = (), new_session: bool = False) -> Forked:
-    """``python -m MODULE ARGS`` (stdout and stderr into ``log``) forked from start_ranks' forkserver instead of a
+                 hooks: list[Path] = (), new_session: bool = False, stderr: Path | None = None) -> Forked:
+    """``python -m MODULE ARGS`` (stdout and stderr into ``log``; ``stderr``: stderr there) forked from start_ranks'
+    forkserver instead of a
     new interpreter: the same command line, environment (``env``, by default this process's) and exit status, less
     the new interpreter's imports (about 10 s of CPU on a CI core). ``new_session``: as Popen's
     ``start_new_session``, a process group of its own that ``os.killpg(pid, ...)`` ends whole. For the tests that
@@ -248,11 +254,13 @@ def start_module(module: str, args: list[str], log: Path, env: dict | None = Non
 
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     env = dict(os.environ if env is None else env)
-    Path(log).touch()  # there at once, as a log the caller opened for Popen: a test reads it while the job starts
-    p = multiprocessing.get_context("forkserver").Process(
-        target=_run_module, args=(module, list(args), env, str(cwd), str(log), [str(h) for h in hooks], new_session))
+    err = Path(stderr or log)
+    for path in {Path(log), err}:
+        path.touch()  # there at once, as a log the caller opened for Popen: a test reads it while the job starts
+    p = multiprocessing.get_context("forkserver").Process(target=_run_module, args=(
+        module, list(args), env, str(cwd), str(log), str(err), [str(h) for h in hooks], new_session))
     p.start()
-    return Forked(p, Path(log), [module, *args])
+    return Forked(p, Path(log), err, [module, *args])
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

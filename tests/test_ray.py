@@ -21,7 +21,7 @@ from shardgen.dataio.prompts.plan import load_plan
 from shardgen.dataio.resume.ledger import read_ledger
 from shardgen.dataio.rundir.layout import RunDir
 from shardgen.tools.verify import verify_run
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, start_module
 from tests.test_generate import shard_images
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (the test extra installs it)")
@@ -102,14 +102,18 @@ def one_process(tmp_path_factory) -> dict[str, bytes]:
 
 
 def _job(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    """``python -m jobs.generate`` as a user types it; a job still running after ``timeout`` fails the test with
-    the end of what it printed (where it waited)."""
-    try:
-        return subprocess.run([sys.executable, "-m", "jobs.generate", *overrides], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=_env())
-    except subprocess.TimeoutExpired as e:
-        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"the job still ran after {timeout:g} s; the end of its stderr:\n{said[-4000:]}")
+    """``python -m jobs.generate`` as a user types it (forked from the worker's forkserver: start_module); a job
+    still running after ``timeout`` fails the test with the end of what it printed (where it waited)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as logs:
+        p = start_module("jobs.generate", list(overrides), Path(logs) / "out", env=_env(), stderr=Path(logs) / "err")
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"the job still ran after {timeout:g} s; the end of its stderr:\n{p.errors[-4000:]}")
+        return subprocess.CompletedProcess(["jobs.generate", *overrides], rc, p.output, p.errors)
 
 
 # Ray's defaults expect an idle machine: a GCS answering in 5 s, a worker process registering in 60 s. The suite's
@@ -176,9 +180,7 @@ def test_a_lost_actor_and_a_killed_driver_resume_to_every_prompt_once(tmp_path, 
     heavier = (f"prompts.limit={n}", "height=64", "width=64", "steps=4")
     args = (*_args(d, *heavier), "launcher=ray", f"launcher.address={cluster}", "launcher.replicas=2", "lease_s=30",
             "heartbeat_s=1")
-    with open(log, "w") as out:
-        driver = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], stdout=out, stderr=subprocess.STDOUT,
-                                  cwd=ROOT, env=_env())
+    driver = start_module("jobs.generate", list(args), log, env=_env())
     try:
         _wait_for(lambda: _durable(d) >= 2 and "replica 0: 1 rank(s)" in log.read_text(), 300, driver)
         leader = int(re.search(r"replica 0: 1 rank\(s\) on node \S+ \(pids (\d+)\)", log.read_text()).group(1))
@@ -207,9 +209,7 @@ def test_sigterm_to_the_driver_ends_its_actors_and_says_how_to_continue(tmp_path
     d, log = tmp_path / "run", tmp_path / "driver.log"
     args = (*_args(d, "prompts.limit=40", "height=64", "width=64", "steps=4"), "launcher=ray",
             f"launcher.address={cluster}")
-    with open(log, "w") as out:
-        driver = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], stdout=out, stderr=subprocess.STDOUT,
-                                  cwd=ROOT, env=_env())
+    driver = start_module("jobs.generate", list(args), log, env=_env())
     try:
         _wait_for(lambda: "replica 0: 1 rank(s)" in log.read_text(), 300, driver)
         driver.send_signal(signal.SIGTERM)
