@@ -709,23 +709,22 @@ def test_disk_full_names_the_path_and_the_free_space(tmp_path):
 @pytest.mark.parametrize("launch", [(), ("launcher=local", "launcher.nprocs=2")], ids=["one-process", "local-ranks"])
 def test_sigterm_mid_run_says_it_is_resumable_and_leaves_no_rank_writing(tmp_path, launch):
     import signal
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import start_module
 
     prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(2000)])
     r = tmp_path / "r"
     args = [f"run_dir={r}", f"prompts.path={prompts}", "height=16", "width=16", "steps=1", "progress=false",
             "samples_per_shard=20", "batch_size=2", *launch]
-    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    p = start_module("jobs.generate", args, tmp_path / "out.log", stderr=tmp_path / "err.log")
     t0 = time.time()
     while not list((r / "shards").glob("*.tar")) if (r / "shards").is_dir() else True:  # stopped while it works
         assert time.time() - t0 < 120 and p.poll() is None
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
-    err = p.communicate(timeout=120)[1]
-    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    rc = p.wait(timeout=120)
+    err = p.errors
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
     assert f"stopped by SIGTERM. {r} is resumable: re-run the same command" in err and f"-m jobs.generate {args[0]}" in err
     assert "Traceback" not in err
     # every rank stopped and gave up its claims (a re-run takes the unfinished shards at once); nothing writes on
@@ -753,22 +752,23 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it_and_they_give_up_the
     """`kill -9` of a typed `strategy=tp tp_degree=2` launch (its ranks spawned here): the launcher cannot pass a
     signal on, so each rank notices it is gone, drops its batch and gives up its claims; nothing writes on."""
     import signal
-    import subprocess
-    import sys
     import uuid
 
-    from tests.conftest import ROOT
+    from tests.conftest import start_module
 
+    # the ranks' forkserver and the ranks are new processes of the launch's environment: the tag finds them
     tag = f"SHARDGEN_TEST_TAG_{uuid.uuid4().hex}"
     prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(2000)])
     r = tmp_path / "r"
-    p = subprocess.Popen([sys.executable, "-m", "jobs.generate", f"run_dir={r}", f"prompts.path={prompts}", "height=16",
-                          "width=16", "steps=1", "progress=false", "samples_per_shard=20", "batch_size=2", "strategy=tp",
-                          "tp_degree=2"], cwd=ROOT, env={**os.environ, tag: "1"}, stderr=subprocess.PIPE, text=True)
+    p = start_module("jobs.generate", [f"run_dir={r}", f"prompts.path={prompts}", "height=16", "width=16", "steps=1",
+                                       "progress=false", "samples_per_shard=20", "batch_size=2", "strategy=tp",
+                                       "tp_degree=2"], tmp_path / "out.log", env={**os.environ, tag: "1"},
+                     stderr=tmp_path / "err.log")
     t0 = time.time()
     while not list((r / "shards").glob("*.tar")) if (r / "shards").is_dir() else True:  # killed while it works
         assert time.time() - t0 < 120 and p.poll() is None
         time.sleep(0.05)
+    assert len(_processes_with(tag)) >= 2, "the ranks were not found by their tag"
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     t1 = time.time()
@@ -778,7 +778,7 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it_and_they_give_up_the
     for pid in left:  # not to leave them running past a failure
         os.kill(pid, signal.SIGKILL)
     assert not left  # every rank (and the forkserver) ended, within seconds
-    err = p.stderr.read()  # whole once every process holding the pipe has ended
+    err = p.errors
     assert "the launching process" in err and "is gone: this rank stops" in err
     assert not [c for c in (r / "claims").rglob("*") if c.is_file()]  # a re-run takes the unfinished shards at once
     made = sorted(os.listdir(r / "shards"))
