@@ -338,19 +338,17 @@ def test_the_memory_check_runs_before_the_model_is_built(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_log_lines_are_not_glued_to_the_progress_bar_and_a_first_build_draws_no_bars(tmp_path):
     import os
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import start_module
 
     env = dict(os.environ, SHARDGEN_CACHE=str(tmp_path / "fresh-cache"))  # the tiny model is built by this run
-    p = subprocess.run([sys.executable, "-m", "jobs.generate", f"run_dir={tmp_path / 'r'}", "progress=true",
-                        "samples_per_shard=4", *FAST[:-1]], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "Writing model shards" not in p.stderr and "Loading pipeline components" not in p.stderr
-    assert not p.stdout.startswith("\n")  # the tokenizer trainer's progress lines
-    segments = [seg for line in p.stderr.split("\n") for seg in line.split("\r")]
+    p = start_module("jobs.generate", [f"run_dir={tmp_path / 'r'}", "progress=true", "samples_per_shard=4", *FAST[:-1]],
+                     tmp_path / "out.log", env=env, stderr=tmp_path / "err.log")
+    assert p.wait(timeout=300) == 0, p.errors
+    out, err = p.output, p.errors
+    assert "Writing model shards" not in err and "Loading pipeline components" not in err
+    assert not out.startswith("\n")  # the tokenizer trainer's progress lines
+    segments = [seg for line in err.split("\n") for seg in line.split("\r")]
     assert any("generate:" in s for s in segments) and any("shard 000001 committed" in s for s in segments)
     glued = [s for s in segments if "generate:" in s and "[shardgen" in s]
     assert not glued, glued
