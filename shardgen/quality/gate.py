@@ -318,8 +318,8 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, fir
     if bounds.calibrate_fallback == "lossless" and settings.accel.fp8 and transformer is not None:
         A.make_reversible(transformer)  # to switch back if the gate says so
     if share[1] > 1:
-        log.info("calibration: %d of its %d samples here (the rest on the other %d replicas), lossless, then with %s",
-                 len(mine), len(rows), share[1] - 1, lossy)
+        log.info("calibration: %d of its %d samples on this replica (the job's %d replicas split them), lossless, "
+                 "then with %s", len(mine), len(rows), share[1], lossy)
     else:
         log.info("calibration: %d samples lossless, then with %s", len(rows), lossy)
     lossy_settings = dataclasses.replace(settings if first_batch is None else first_batch, latents=None)
@@ -336,7 +336,7 @@ def calibrate(cfg: Any, plan: Any, pipe: Any, settings: Any, ranks: int = 1, fir
     made_losslessly = len({i for one in shares for i in one["lossless"]})  # a model-parallel replica's ranks: alike
     figures = {"psnr_db": summarize([s["psnr"] for s in per_sample.values()]),
                "ssim": summarize([s["ssim"] for s in per_sample.values()])}
-    if any("lpips" in s for s in per_sample.values()):
+    if bounds.lpips:
         figures["lpips"] = summarize([s["lpips"] for s in per_sample.values()], worst=max)
     missed = verdict(figures, bounds)
     # a sample the lossless pass made and the lossy one failed (non-finite pixels) is the worst miss there is
