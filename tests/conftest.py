@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -202,8 +203,8 @@ class Forked:
     ``send_signal``, ``returncode`` (minus the signal's number when a signal ended it), and ``output``, what it
     printed."""
 
-    def __init__(self, process, log: Path, err: Path, args: list[str]):
-        self.process, self.log, self.err, self.args = process, log, err, args
+    def __init__(self, process, log: Path, err: Path, args: list[str], new_session: bool = False):
+        self.process, self.log, self.err, self.args, self.new_session = process, log, err, args, new_session
 
     @property
     def pid(self) -> int:
@@ -260,7 +261,29 @@ def start_module(module: str, args: list[str], log: Path, env: dict | None = Non
     p = multiprocessing.get_context("forkserver").Process(target=_run_module, args=(
         module, list(args), env, str(cwd), str(log), str(err), [str(h) for h in hooks], new_session))
     p.start()
-    return Forked(p, Path(log), err, [module, *args])
+    _FORKED.append(Forked(p, Path(log), err, [module, *args], new_session))
+    return _FORKED[-1]
+
+
+_FORKED: list[Forked] = []  # started by this test: ended after it
+
+
+@pytest.fixture(autouse=True)
+def _forked_commands_end_with_their_test():
+    """Every command start_module started and a test left running (it failed, or let it be) is killed (its process
+    group, where it has one) after the test: multiprocessing waits for its children when the worker exits, so one
+    left running would hang the worker, where a subprocess would only be orphaned."""
+    import signal
+
+    yield
+    while _FORKED:
+        p = _FORKED.pop()
+        if p.poll() is None:
+            if p.new_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.kill()
+        p.process.join(30)
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
