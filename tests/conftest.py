@@ -200,8 +200,8 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log: str, err
 
 class Forked:
     """A command start_module started, as ``subprocess.Popen`` shows one: ``pid``, ``poll``, ``wait``, ``kill``,
-    ``send_signal``, ``returncode`` (minus the signal's number when a signal ended it), and ``output``, what it
-    printed."""
+    ``send_signal``, ``returncode`` (minus the signal's number when a signal ended it), and ``output`` and
+    ``errors``, what it printed."""
 
     def __init__(self, process, log: Path, err: Path, args: list[str], new_session: bool = False):
         self.process, self.log, self.err, self.args, self.new_session = process, log, err, args, new_session
@@ -245,9 +245,9 @@ class Forked:
 def start_module(module: str, args: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT,
                  hooks: list[Path] = (), new_session: bool = False, stderr: Path | None = None) -> Forked:
     """``python -m MODULE ARGS`` (stdout and stderr into ``log``; ``stderr``: stderr there) forked from start_ranks'
-    forkserver instead of a
-    new interpreter: the same command line, environment (``env``, by default this process's) and exit status, less
-    the new interpreter's imports (about 10 s of CPU on a CI core). ``new_session``: as Popen's
+    forkserver instead of a new interpreter: the same command line, environment (``env``, by default this
+    process's) and exit status, less the new interpreter's imports (about 10 s of CPU on a CI core). ``hooks``:
+    folders whose ``sitecustomize.py`` runs first, as on a new interpreter's PYTHONPATH. ``new_session``: as Popen's
     ``start_new_session``, a process group of its own that ``os.killpg(pid, ...)`` ends whole. For the tests that
     start a job again and again, or kill it: what only a new interpreter shows (the import graph, the wheel,
     torchrun) keeps subprocess."""
