@@ -96,3 +96,30 @@ def test_a_run_dir_no_file_system_takes_is_one_line(tmp_path, run_dir):
     rc, err = _generate(tmp_path, f"run_dir={run_dir}")
     assert rc == 2 and err.count("\n") == 1 and "no file system takes it; choose a shorter run_dir" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_url_short_of_its_slashes_is_refused_in_one_line_and_no_local_folder_is_made(tmp_path):
+    rc, err = _generate(tmp_path, "run_dir=s3:/bucket/run")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert ("run_dir=s3:/bucket/run is no URL (a URL has '//' after 's3:') but a local folder named 's3:'. Write "
+            "run_dir=s3://bucket/run; for a local folder of that name, run_dir=./s3:/bucket/run") in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("run_dir,advice", [
+    ("gs:/bucket/r", "Write run_dir=gs://bucket/r;"), ("S3:", "Write run_dir=S3://BUCKET/RUN_NAME;"),
+    ("file:/data/runs/a", "Write run_dir=/data/runs/a;"), ("file:///data/runs/a", "write run_dir=/data/runs/a"),
+])
+def test_a_near_url_run_dir_names_what_to_write(run_dir, advice):
+    from shardgen.dataio.rundir import check_run_dir_text
+    from shardgen.dataio.rundir.storage import RunDirError
+
+    with pytest.raises(RunDirError, match=advice):
+        check_run_dir_text(run_dir)
+
+
+@pytest.mark.parametrize("run_dir", ["./s3:/bucket/r", "runs/gs:", "mys3:/x", "s3x:/y"])
+def test_a_local_path_with_a_colon_in_it_stays_a_run_dir(run_dir):
+    from shardgen.dataio.rundir import check_run_dir_text
+
+    check_run_dir_text(run_dir)

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
 from shardgen.dataio.rundir.liveness import gone_from_this_host
-from shardgen.dataio.rundir.remote import ambiguous_folder, plain_folder
+from shardgen.dataio.rundir.remote import SCHEME_PACKAGES, ambiguous_folder, plain_folder
 from shardgen.dataio.rundir.storage import RunDirError
 
 if TYPE_CHECKING:
@@ -502,18 +502,31 @@ def scratch_root(url: str) -> Path:
 
 
 BUCKET_SCHEMES = ("s3", "s3a")  # the stores whose conditional writes shardgen knows (bucket.py)
+# "s3:/bucket/run", "gs:bucket": a store's URL short of its "//", which as a path is a local folder named "s3:"
+_NEAR_URL = re.compile(r"(?P<scheme>" + "|".join(sorted({*SCHEME_PACKAGES, "file"}, key=len, reverse=True))
+                       + r"):(?:/(?!/)(?P<rest>.*))?", re.IGNORECASE | re.DOTALL)
 
 
 def check_run_dir_text(text: str) -> None:
     """RunDirError for a run_dir value that can only be a mistake, before anything reads or writes it: empty (it
     would mean the current directory), a URL of a store that cannot hold a run (only s3:// can: it has conditional
-    writes), a NUL byte, or a path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
+    writes), a store's URL short of its "//" (``s3:/bucket/run``, a local folder named "s3:" as a path), a NUL byte,
+    or a path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
     text = str(text)
     if not text.strip():
         raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
                           "(or an existing run)")
+    if near := _NEAR_URL.fullmatch(text.strip()):
+        scheme, rest = near["scheme"], (near["rest"] or "")[:200]
+        meant = (f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}")
+        raise RunDirError(f"run_dir={text.strip()[:200]} is no URL (a URL has '//' after '{scheme}:') but a local "
+                          f"folder named '{scheme}:'. Write run_dir={meant}; for a local folder of that name, "
+                          f"run_dir=./{text.strip()[:200]}")
     if _SCHEME.match(text.strip()):
         scheme, _, rest = text.strip().partition("://")
+        if scheme.lower() == "file":
+            raise RunDirError(f"run_dir={text.strip()[:200]}: a local folder is given as its path; write "
+                              f"run_dir=/{rest.lstrip('/')[:200]}")
         if scheme.lower() not in BUCKET_SCHEMES:
             raise RunDirError(f"run_dir={text.strip()[:200]}: a run kept in a bucket needs an S3-compatible store "
                               "(run_dir=s3://BUCKET/PREFIX); for another store keep run_dir local (or on a shared "
