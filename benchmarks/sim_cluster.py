@@ -65,7 +65,7 @@ from shardgen.dataio.prompts import PromptSource, build_plan, load_plan
 from shardgen.dataio.resume import record_plan_digests, repair_run_dir
 from shardgen.dataio.rundir import HEARTBEAT_S, LEASE_S, Claimer, RunDir, owner_record
 from shardgen.dataio.rundir.claimstore import bucket_claims, probe_conditional_writes
-from shardgen.dataio.rundir.layout import check_run_dir_text
+from shardgen.dataio.rundir.checks import check_run_dir_text
 from shardgen.dataio.rundir.runfiles import bucket_files
 from shardgen.dataio.shards import Sample, ShardSink
 from shardgen.dataio.shards import index as shard_index

@@ -1,7 +1,7 @@
 """The run directory, the floor of dataio: where every file of a run lives and how it is written.
 
-layout.py (``RunDir``: every path of the run directory, its creation and clean-up; run_dir checks),
-fileio.py (atomic and exclusive writes, reads of regular files only), storage.py (``RunDirError``, ``DiskFullError``:
+layout.py (``RunDir``: every path of the run directory, its creation and clean-up, a directory refused),
+checks.py (a run_dir value refused before anything is written), fileio.py (atomic and exclusive writes, reads of regular files only), storage.py (``RunDirError``, ``DiskFullError``:
 what the storage refused, said so the user can fix it), liveness.py (host name, whether a recorded process runs),
 claims.py (a replica's lease on a shard), claimstore.py (where claims live: claims/ or a bucket, through conditional
 writes), runfiles.py (where the run's fingerprint, plan record, config, summary and done markers live: the directory
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from .runfiles import BucketFiles, DirFiles, RunFiles
     from .remote import StorageError, bytes_read, is_url, public_url, redact_urls
     from .fileio import atomic_write_bytes, atomic_write_json, create_exclusive
-    from .layout import RunDir, check_run_dir_text, check_run_root, first_missing_dir, run_dir_arg
+    from .checks import check_run_dir_text
+    from .layout import RunDir, check_run_root, first_missing_dir, run_dir_arg
     from .metrics import RankMetrics, exposition, read_rank_metrics
     from .runlog import (attach_rank_log, detach_rank_log, escape_log_lines, log_to_file_only, read_jsonl,
                          read_run_jsonl, record_commit, record_launch)

@@ -27,8 +27,8 @@ Layout (all names zero-padded shard ids)::
       stray/                    files found in shards/ named like a shard the plan does not have, moved out by
                                 repair (shardgen/dataio/resume/repair.py): loaders of shards/* never read them
 
-This module builds every path of the run directory (``RunDir``), creates and cleans it up, and checks a run_dir
-before anything is written. How its files are written and read (whole, atomically, never through a symlink) is
+This module builds every path of the run directory (``RunDir``), creates and cleans it up, and refuses a directory
+shardgen may not write into (``check_run_root``); checks.py refuses a run_dir value that can only be a mistake. How its files are written and read (whole, atomically, never through a symlink) is
 fileio.py's; the errors the storage raises are storage.py's; whether a recorded process still runs is liveness.py's.
 The owner record, fingerprint, plan, config, summary, logs of launches and fingerprint changes, the prompt file's
 hash, output_uri.json and done markers are read and written through ``RunDir.files`` (runfiles.py), the claims
@@ -56,9 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from shardgen.dataio.rundir.checks import URL_SCHEME, check_run_dir_text
 from shardgen.dataio.rundir.fileio import TEMP_FILE_NAME, create_exclusive, json_bytes, temp_owner
 from shardgen.dataio.rundir.liveness import gone_from_this_host
-from shardgen.dataio.rundir.remote import SCHEME_PACKAGES, ambiguous_folder, plain_folder
 from shardgen.dataio.rundir.storage import RunDirError
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class RunDir:
         alone), relative paths taken from the current directory. A bucket URL (``s3://bucket/prefix``) is a run kept
         in the bucket (``store``), with this machine's scratch folder (``scratch_root``) as its local root."""
         text = os.fspath(run_dir)
-        if _SCHEME.match(str(text).strip()):
+        if URL_SCHEME.match(str(text).strip()):
             check_run_dir_text(str(text))  # a URL no run can be kept at: its one line, wherever it is given
             url = str(text).strip().rstrip("/")
             return cls(scratch_root(url), container, store=url)
@@ -485,11 +485,6 @@ def is_run_dir(root: Path) -> bool:
             or ((root / "shards").is_dir() and (root / "claims").is_dir()))
 
 
-NAME_MAX = 255    # bytes of one path component (Linux, macOS and the usual file systems)
-PATH_MAX = 4096   # bytes of a whole path, its terminating NUL included (Linux)
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def scratch_root(url: str) -> Path:
     """This machine's folder for a run kept in the bucket ``url``: the shard being written, its checkpoints and the
     launch's logs (``$SHARDGEN_CACHE/runs/<16 hex digits of the URL's sha256>``), shared by the launches of one
@@ -499,56 +494,6 @@ def scratch_root(url: str) -> Path:
     from shardgen.cache import default_cache_dir
 
     return default_cache_dir() / "runs" / hashlib.sha256(url.encode()).hexdigest()[:16]
-
-
-BUCKET_SCHEMES = ("s3", "s3a")  # the stores whose conditional writes shardgen knows (bucket.py)
-# "s3:/bucket/run", "gs:bucket": a store's URL short of its "//", which as a path is a local folder named "s3:"
-_NEAR_URL = re.compile(r"(?P<scheme>" + "|".join(sorted({*SCHEME_PACKAGES, "file"}, key=len, reverse=True))
-                       + r"):(?:/(?!/)(?P<rest>.*))?", re.IGNORECASE | re.DOTALL)
-
-
-def check_run_dir_text(text: str) -> None:
-    """RunDirError for a run_dir value that can only be a mistake, before anything reads or writes it: empty (it
-    would mean the current directory), a URL of a store that cannot hold a run (only s3:// can: it has conditional
-    writes), a store's URL short of its "//" (``s3:/bucket/run``, a local folder named "s3:" as a path), a NUL byte,
-    or a path no file system takes (a name over NAME_MAX bytes, the whole over PATH_MAX)."""
-    text = str(text)
-    if not text.strip():
-        raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
-                          "(or an existing run)")
-    if near := _NEAR_URL.fullmatch(text.strip()):
-        scheme, rest = near["scheme"], (near["rest"] or "")[:200]
-        meant = (f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}")
-        raise RunDirError(f"run_dir={text.strip()[:200]} is no URL (a URL has '//' after '{scheme}:') but a local "
-                          f"folder named '{scheme}:'. Write run_dir={meant}; for a local folder of that name, "
-                          f"run_dir=./{text.strip()[:200]}")
-    if _SCHEME.match(text.strip()):
-        scheme, _, rest = text.strip().partition("://")
-        if scheme.lower() == "file":
-            raise RunDirError(f"run_dir={text.strip()[:200]}: a local folder is given as its path; write "
-                              f"run_dir=/{rest.lstrip('/')[:200]}")
-        if scheme.lower() not in BUCKET_SCHEMES:
-            raise RunDirError(f"run_dir={text.strip()[:200]}: a run kept in a bucket needs an S3-compatible store "
-                              "(run_dir=s3://BUCKET/PREFIX); for another store keep run_dir local (or on a shared "
-                              "file system) and set output_uri=" + text.strip()[:200].rstrip("/") + "/ to send every "
-                              "committed shard there")
-        if not rest.strip("/").partition("/")[2].strip("/"):
-            raise RunDirError(f"run_dir={text.strip()[:200]}: name a folder in the bucket for the run "
-                              f"(run_dir={scheme}://{rest.strip('/') or 'BUCKET'}/RUN_NAME): the run's files are kept "
-                              "under it")
-        if ambiguous_folder(text.strip()):
-            raise RunDirError(f"run_dir={text.strip()[:200]}: an empty, '.' or '..' folder name (as in //) is a key "
-                              "object stores keep and fsspec normalises away, so the run's files would be written "
-                              f"and read back under different keys; write run_dir={plain_folder(text.strip())[:-1]}")
-        return
-    if "\0" in text:
-        raise RunDirError("run_dir holds a NUL byte, which no path may; set run_dir=PATH without it")
-    full = os.fsencode(os.path.abspath(os.path.expanduser(text)))
-    long = next((n for n in full.split(b"/") if len(n) > NAME_MAX), None)
-    if long is not None or len(full) >= PATH_MAX:
-        what = (f"a folder name of {len(long)} bytes (at most {NAME_MAX})" if long is not None
-                else f"{len(full)} bytes as an absolute path (at most {PATH_MAX - 1})")
-        raise RunDirError(f"run_dir {text[:60]}... is {what}: no file system takes it; choose a shorter run_dir")
 
 
 def _same_dir(a: Path, b: str) -> bool:
@@ -592,5 +537,3 @@ def check_run_root(root: Path) -> bool:
     raise RunDirError(f"run_dir {root} holds files ({shown}) and is not a shardgen run (no {RUN_MARKER}); shardgen "
                       "writes only into a new or empty directory or an existing run, so nothing of yours is touched. "
                       f"Choose another run_dir (e.g. run_dir={root / 'run'})")
-
-
