@@ -123,3 +123,14 @@ def test_a_local_path_with_a_colon_in_it_stays_a_run_dir(run_dir):
     from shardgen.dataio.rundir import check_run_dir_text
 
     check_run_dir_text(run_dir)
+
+
+@pytest.mark.parametrize("tool", ["status", "verify", "report"])
+def test_the_tools_name_the_url_a_run_dir_short_of_its_slashes_meant(tmp_path, monkeypatch, capsys, tool):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    assert importlib.import_module(f"jobs.{tool}").main(["s3:/bucket/run"]) == 2
+    err = capsys.readouterr().err
+    assert "Write run_dir=s3://bucket/run;" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []

@@ -31,6 +31,7 @@ from shardgen.dataio.prompts.plan import (Plan, PlanError, PlannedRow, discard_p
                                          file_sha256, load_plan, sample_key)
 from shardgen.errors import UserError
 from shardgen.dataio.resume.fingerprint import read_fingerprint
+from shardgen.dataio.rundir.checks import near_url_advice
 from shardgen.dataio.rundir.claims import claim_state, owner_record, read_claim, scan_claims
 from shardgen.dataio.rundir.fileio import atomic_write_bytes, json_bytes, map_io, open_regular
 from shardgen.dataio.rundir.layout import RunDir, own_file_name, shard_name
@@ -477,5 +478,7 @@ def plan_for_tool(run_dir: str, what: str = "not a shardgen run directory (no pl
     except RunDirError as e:
         raise RunDirError(f"{run_dir}: {e}") from None
     if plan is None:
+        if not os.path.lexists(run_dir) and (advice := near_url_advice(run_dir)):
+            raise RunDirError(advice)  # s3:/bucket/run: a typo for the URL, no run of a folder named "s3:"
         raise RunDirError(f"{run_dir}: {what}")
     return plan

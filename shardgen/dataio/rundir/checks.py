@@ -29,12 +29,8 @@ def check_run_dir_text(text: str) -> None:
     if not text.strip():
         raise RunDirError("run_dir is empty: it would be the current directory. Set run_dir=PATH to a new directory "
                           "(or an existing run)")
-    if near := _NEAR_URL.fullmatch(text.strip()):
-        scheme, rest = near["scheme"], (near["rest"] or "")[:200]
-        meant = (f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}")
-        raise RunDirError(f"run_dir={text.strip()[:200]} is no URL (a URL has '//' after '{scheme}:') but a local "
-                          f"folder named '{scheme}:'. Write run_dir={meant}; for a local folder of that name, "
-                          f"run_dir=./{text.strip()[:200]}")
+    if advice := near_url_advice(text):
+        raise RunDirError(advice)
     if URL_SCHEME.match(text.strip()):
         scheme, _, rest = text.strip().partition("://")
         if scheme.lower() == "file":
@@ -62,3 +58,15 @@ def check_run_dir_text(text: str) -> None:
         what = (f"a folder name of {len(long)} bytes (at most {NAME_MAX})" if long is not None
                 else f"{len(full)} bytes as an absolute path (at most {PATH_MAX - 1})")
         raise RunDirError(f"run_dir {text[:60]}... is {what}: no file system takes it; choose a shorter run_dir")
+
+
+def near_url_advice(text: str) -> str | None:
+    """What to write instead of a run_dir that is a store's URL short of its "//" (``s3:/bucket/run``: as a path, a
+    local folder named "s3:"); None for any other value."""
+    near = _NEAR_URL.fullmatch(str(text).strip())
+    if near is None:
+        return None
+    scheme, rest, shown = near["scheme"], (near["rest"] or "")[:200], str(text).strip()[:200]
+    meant = f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}"
+    return (f"run_dir={shown} is no URL (a URL has '//' after '{scheme}:') but a local folder named '{scheme}:'. "
+            f"Write run_dir={meant}; for a local folder of that name, run_dir=./{shown}")
