@@ -101,8 +101,8 @@ def test_a_run_dir_no_file_system_takes_is_one_line(tmp_path, run_dir):
 def test_a_store_url_short_of_its_slashes_is_refused_in_one_line_and_no_local_folder_is_made(tmp_path):
     rc, err = _generate(tmp_path, "run_dir=s3:/bucket/run")
     assert rc == 2 and err.count("\n") == 1, err
-    assert ("run_dir=s3:/bucket/run is no URL (a URL has '//' after 's3:') but a local folder named 's3:'. Write "
-            "run_dir=s3://bucket/run; for a local folder of that name, run_dir=./s3:/bucket/run") in err
+    assert ("run_dir=s3:/bucket/run is no URL (a URL has '//' after 's3:') but a local path in a folder named 's3:'. "
+            "Write run_dir=s3://bucket/run; for a local path of that name, run_dir=./s3:/bucket/run") in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -133,4 +133,12 @@ def test_the_tools_name_the_url_a_run_dir_short_of_its_slashes_meant(tmp_path, m
     assert importlib.import_module(f"jobs.{tool}").main(["s3:/bucket/run"]) == 2
     err = capsys.readouterr().err
     assert "Write run_dir=s3://bucket/run;" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prompt_file_url_short_of_its_slashes_is_refused_naming_the_url(tmp_path):
+    rc, err = _generate(tmp_path, f"run_dir={tmp_path / 'run'}", "prompts.path=s3:/bucket/captions.txt")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "prompts.path=s3:/bucket/captions.txt is no URL" in err
+    assert "Write prompts.path=s3://bucket/captions.txt;" in err
     assert list(tmp_path.iterdir()) == []

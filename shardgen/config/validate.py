@@ -4,13 +4,14 @@ they run first, everywhere."""
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from shardgen.config.launchers import LAUNCHERS
 from shardgen.config.sizes import parse_bytes
 from shardgen.dataio.prompts import MAX_SEED, MAX_SIDE, ROW_SETTINGS, prompt_formats, unknown_names
-from shardgen.dataio.rundir import check_run_dir_text, is_url
+from shardgen.dataio.rundir import check_run_dir_text, is_url, near_url_advice
 from shardgen.dataio.rundir.remote import ambiguous_folder, plain_folder
 from shardgen.dataio.shards import IMAGE_EXTS, Signals, container_names, validate_video_config
 from shardgen.models.loader import DTYPES
@@ -131,6 +132,9 @@ def validate_config(cfg: GenerateConfig) -> None:
           f"output_uri={cfg.output_uri}: an empty, '.' or '..' folder name (as in //) is a key object stores keep "
           "and fsspec normalises away, so the shards would be written and read back under different keys; write "
           f"output_uri={plain_folder(str(cfg.output_uri))}")
+    prompts_at = str(cfg.prompts.path or "")
+    if (advice := near_url_advice(prompts_at, "prompts.path")) and not os.path.lexists(os.path.expanduser(prompts_at)):
+        raise ConfigError(advice)  # prompts.path=s3:/bucket/p.txt: a typo for the URL, not a file missing locally
     for key, url in (("output_uri", cfg.output_uri), ("prompts.path", cfg.prompts.path)):
         _need(not (url and is_url(url) and urlsplit(str(url)).password is not None),
               f"{key}: a URL with a password in it would be written into the run directory and its logs; give "

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .runfiles import BucketFiles, DirFiles, RunFiles
     from .remote import StorageError, bytes_read, is_url, public_url, redact_urls
     from .fileio import atomic_write_bytes, atomic_write_json, create_exclusive
-    from .checks import check_run_dir_text
+    from .checks import check_run_dir_text, near_url_advice
     from .layout import RunDir, check_run_root, first_missing_dir, run_dir_arg
     from .metrics import RankMetrics, exposition, read_rank_metrics
     from .runlog import (attach_rank_log, detach_rank_log, escape_log_lines, log_to_file_only, read_jsonl,
@@ -30,7 +30,8 @@ __all__ = ["BucketClaims", "BucketFiles", "ClaimStore", "Claimer", "DirClaims", 
            "RankMetrics", "RunDir", "StorageError", "atomic_write_bytes", "atomic_write_json", "attach_rank_log",
            "bytes_read", "check_run_dir_text", "check_run_root", "create_exclusive", "detach_rank_log",
            "escape_log_lines", "exposition",
-           "first_missing_dir", "is_url", "log_to_file_only", "owner_record", "public_url", "redact_urls",
+           "first_missing_dir", "is_url", "near_url_advice", "log_to_file_only", "owner_record", "public_url",
+           "redact_urls",
            "read_jsonl", "read_rank_metrics", "read_run_jsonl", "record_commit", "record_launch", "probe_conditional_writes", "RunFiles",
            "run_dir_arg", "scan_claims"]
 __getattr__ = lazy_names(__name__, __all__)  # each name imported from its module on first use

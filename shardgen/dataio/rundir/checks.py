@@ -60,13 +60,13 @@ def check_run_dir_text(text: str) -> None:
         raise RunDirError(f"run_dir {text[:60]}... is {what}: no file system takes it; choose a shorter run_dir")
 
 
-def near_url_advice(text: str) -> str | None:
-    """What to write instead of a run_dir that is a store's URL short of its "//" (``s3:/bucket/run``: as a path, a
-    local folder named "s3:"); None for any other value."""
+def near_url_advice(text: str, key: str = "run_dir") -> str | None:
+    """What to write instead of a ``key`` value that is a store's URL short of its "//" (``s3:/bucket/run``: as a
+    path, one in a local folder named "s3:"); None for any other value."""
     near = _NEAR_URL.fullmatch(str(text).strip())
     if near is None:
         return None
     scheme, rest, shown = near["scheme"], (near["rest"] or "")[:200], str(text).strip()[:200]
     meant = f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}"
-    return (f"run_dir={shown} is no URL (a URL has '//' after '{scheme}:') but a local folder named '{scheme}:'. "
-            f"Write run_dir={meant}; for a local folder of that name, run_dir=./{shown}")
+    return (f"{key}={shown} is no URL (a URL has '//' after '{scheme}:') but a local path in a folder named "
+            f"'{scheme}:'. Write {key}={meant}; for a local path of that name, {key}=./{shown}")
