@@ -136,9 +136,15 @@ def test_the_tools_name_the_url_a_run_dir_short_of_its_slashes_meant(tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_prompt_file_url_short_of_its_slashes_is_refused_naming_the_url(tmp_path):
-    rc, err = _generate(tmp_path, f"run_dir={tmp_path / 'run'}", "prompts.path=s3:/bucket/captions.txt")
-    assert rc == 2 and err.count("\n") == 1, err
-    assert "prompts.path=s3:/bucket/captions.txt is no URL" in err
-    assert "Write prompts.path=s3://bucket/captions.txt;" in err
+def test_a_prompt_file_url_short_of_its_slashes_is_refused_naming_the_url(tmp_path, monkeypatch):
+    from jobs.generate import run
+    from shardgen.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        run(compose_cfg(f"run_dir={tmp_path / 'run'}", "prompts.path=s3:/bucket/captions.txt"))
+    assert str(refused.value) == ("prompts.path=s3:/bucket/captions.txt is no URL (a URL has '//' after 's3:') but a "
+                                  "local path in a folder named 's3:'. Write prompts.path=s3://bucket/captions.txt; "
+                                  "for a local path of that name, prompts.path=./s3:/bucket/captions.txt")
     assert list(tmp_path.iterdir()) == []
