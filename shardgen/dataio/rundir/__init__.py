@@ -1,13 +1,14 @@
 """The run directory, the floor of dataio: where every file of a run lives and how it is written.
 
-layout.py (``RunDir``: every path of the run directory, its creation and clean-up, a directory refused),
-checks.py (a run_dir value refused before anything is written), fileio.py (atomic and exclusive writes, reads of regular files only), storage.py (``RunDirError``, ``DiskFullError``:
-what the storage refused, said so the user can fix it), liveness.py (host name, whether a recorded process runs),
-claims.py (a replica's lease on a shard), claimstore.py (where claims live: claims/ or a bucket, through conditional
-writes), runfiles.py (where the run's fingerprint, plan record, config, summary and done markers live: the directory
-or a bucket), bucket.py (small objects of a bucket: conditional writes, retries), runlog.py (the run's event and rank logs), metrics.py (Prometheus files),
-slurm_jobs.py (asking SLURM whether a job has ended), remote.py (files at fsspec URLs: ranged reads, retries,
-``StorageError``). Imports nothing else of dataio.
+layout.py (``RunDir``: every path of the run directory, its creation and clean-up, a directory refused), checks.py (a
+run_dir value refused before anything is written), fileio.py (atomic and exclusive writes, reads of regular files
+only), storage.py (``RunDirError``, ``DiskFullError``: what the storage refused, said so the user can fix it),
+liveness.py (host name, whether a recorded process runs), claims.py (a replica's lease on a shard), claimstore.py
+(where claims live: claims/ or a bucket, through conditional writes), runfiles.py (where the run's fingerprint, plan
+record, config, summary and done markers live: the directory or a bucket), bucket.py (small objects of a bucket:
+conditional writes, retries), runlog.py (the run's event and rank logs), metrics.py (Prometheus files), slurm_jobs.py
+(asking SLURM whether a job has ended), remote.py (files at fsspec URLs: ranged reads, retries, ``StorageError``).
+Imports nothing else of dataio.
 """
 
 from typing import TYPE_CHECKING

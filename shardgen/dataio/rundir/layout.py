@@ -28,15 +28,15 @@ Layout (all names zero-padded shard ids)::
                                 repair (shardgen/dataio/resume/repair.py): loaders of shards/* never read them
 
 This module builds every path of the run directory (``RunDir``), creates and cleans it up, and refuses a directory
-shardgen may not write into (``check_run_root``); checks.py refuses a run_dir value that can only be a mistake. How its files are written and read (whole, atomically, never through a symlink) is
-fileio.py's; the errors the storage raises are storage.py's; whether a recorded process still runs is liveness.py's.
-The owner record, fingerprint, plan, config, summary, logs of launches and fingerprint changes, the prompt file's
-hash, output_uri.json and done markers are read and written through ``RunDir.files`` (runfiles.py), the claims
-through ``RunDir.claims`` (claimstore.py): the directory itself, or, for a run kept in a bucket
-(``run_dir=s3://bucket/prefix``: ``store`` names it), the bucket. Such a run's shards are committed by uploading
-them into the bucket (shardgen/dataio/shards/upload.py), and its upload records are its only done markers; its
-``root`` is this machine's scratch folder (``scratch_root``), holding the shard being written, its checkpoints and
-the launch's logs and metrics.
+shardgen may not write into (``check_run_root``); checks.py refuses a run_dir value that can only be a mistake. How
+its files are written and read (whole, atomically, never through a symlink) is fileio.py's; the errors the storage
+raises are storage.py's; whether a recorded process still runs is liveness.py's. The owner record, fingerprint, plan,
+config, summary, logs of launches and fingerprint changes, the prompt file's hash, output_uri.json and done markers
+are read and written through ``RunDir.files`` (runfiles.py), the claims through ``RunDir.claims`` (claimstore.py): the
+directory itself, or, for a run kept in a bucket (``run_dir=s3://bucket/prefix``: ``store`` names it), the bucket.
+Such a run's shards are committed by uploading them into the bucket (shardgen/dataio/shards/upload.py), and its upload
+records are its only done markers; its ``root`` is this machine's scratch folder (``scratch_root``), holding the shard
+being written, its checkpoints and the launch's logs and metrics.
 
 Only a shardgen run is ever written into or cleaned up: a run_dir that exists, holds files and is
 neither marked by ``.shardgen-run`` nor laid out like a run of an older version (``fingerprint.json``,
