@@ -109,6 +109,7 @@ def test_a_store_url_short_of_its_slashes_is_refused_in_one_line_and_no_local_fo
 @pytest.mark.parametrize("run_dir,advice", [
     ("gs:/bucket/r", "Write run_dir=gs://bucket/r;"), ("S3:", "Write run_dir=S3://BUCKET/RUN_NAME;"),
     ("file:/data/runs/a", "Write run_dir=/data/runs/a;"), ("file:///data/runs/a", "write run_dir=/data/runs/a"),
+    ("file:", "Write run_dir=/PATH;"), ("file:///", "write run_dir=/PATH"),
 ])
 def test_a_near_url_run_dir_names_what_to_write(run_dir, advice):
     from shardgen.dataio.rundir import check_run_dir_text

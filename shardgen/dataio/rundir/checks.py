@@ -35,7 +35,7 @@ def check_run_dir_text(text: str) -> None:
         scheme, _, rest = text.strip().partition("://")
         if scheme.lower() == "file":
             raise RunDirError(f"run_dir={text.strip()[:200]}: a local folder is given as its path; write "
-                              f"run_dir=/{rest.lstrip('/')[:200]}")
+                              f"run_dir=/{rest.lstrip('/')[:200] or 'PATH'}")
         if scheme.lower() not in BUCKET_SCHEMES:
             raise RunDirError(f"run_dir={text.strip()[:200]}: a run kept in a bucket needs an S3-compatible store "
                               "(run_dir=s3://BUCKET/PREFIX); for another store keep run_dir local (or on a shared "
@@ -67,6 +67,6 @@ def near_url_advice(text: str, key: str = "run_dir") -> str | None:
     if near is None:
         return None
     scheme, rest, shown = near["scheme"], (near["rest"] or "")[:200], str(text).strip()[:200]
-    meant = f"/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}"
+    meant = f"/{rest or 'PATH'}" if scheme.lower() == "file" else f"{scheme}://{rest or 'BUCKET/RUN_NAME'}"
     return (f"{key}={shown} is no URL (a URL has '//' after '{scheme}:') but a local path in a folder named "
             f"'{scheme}:'. Write {key}={meant}; for a local path of that name, {key}=./{shown}")
